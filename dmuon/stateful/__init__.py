@@ -1,0 +1,1 @@
+"""The stateful layer: storage on the model, hooks, executors, the optimizer object."""
