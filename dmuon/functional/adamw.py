@@ -1,0 +1,188 @@
+"""AdamW as an explicit-state transformation over pytrees (optax style).
+
+``init(params) -> AdamWState`` and ``update(grads, state, params, hparams) -> (new_params, new_state)``.
+The arithmetic follows ``torch.optim.AdamW(foreach=False)`` op for op, so results are bitwise equal to
+torch's single-tensor path in fp32.
+
+References:
+    I. Loshchilov, F. Hutter. "Decoupled Weight Decay Regularization". ICLR 2019. arXiv:1711.05101.
+    D. P. Kingma, J. Ba. "Adam: A Method for Stochastic Optimization". ICLR 2015. arXiv:1412.6980.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten_like, leaf_paths,
+                                  zeros_like_tree)
+
+__all__ = ["AdamWHParams", "AdamWState", "init", "update", "validate_hparams"]
+
+
+class AdamWHParams(NamedTuple):
+    """Hyper-parameters of AdamW (defaults as ``torch.optim.AdamW``).
+
+    Attributes:
+        lr: learning rate ``γ``.
+        betas: ``(β1, β2)``, decay rates of the first and second moment estimates.
+        eps: ``ε`` added to the bias-corrected root second moment.
+        weight_decay: decoupled weight decay ``λ`` (the param is multiplied by ``1 − γ·λ``).
+    """
+
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+
+
+class AdamWState(NamedTuple):
+    """State of AdamW: a plain pytree any tree tool can save.
+
+    Attributes:
+        step: number of ``update`` calls so far (one global int; bias correction uses it).
+        mu: first moment estimates, same structure / shapes / dtypes as params.
+        nu: second moment estimates, same structure / shapes / dtypes as params.
+    """
+
+    step: int
+    mu: PyTree
+    nu: PyTree
+
+
+def validate_hparams(hparams: AdamWHParams) -> None:
+    """Raise ``ValueError`` when an AdamW hyper-parameter is out of range.
+
+    Args:
+        hparams: the hyper-parameters to check.
+    """
+    if not isinstance(hparams, AdamWHParams):
+        raise TypeError(f"hparams must be an AdamWHParams, got {type(hparams).__name__}")
+    lr, betas, eps, wd = hparams
+    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"AdamW lr must be a finite float >= 0, got {lr!r}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"AdamW betas must be two floats in [0, 1), got {betas!r}")
+    if not (eps >= 0):
+        raise ValueError(f"AdamW eps must be >= 0, got {eps!r}")
+    if not (math.isfinite(wd) and wd >= 0):
+        raise ValueError(f"AdamW weight_decay must be a finite float >= 0, got {wd!r}")
+
+
+def init(params: PyTree) -> AdamWState:
+    """Create the AdamW state for ``params``: ``step = 0`` and zero moments.
+
+    Args:
+        params: any optree pytree of tensors (e.g. a flat ``{name: tensor}`` dict).
+
+    Returns:
+        ``AdamWState(step=0, mu=zeros_like(params), nu=zeros_like(params))``.
+
+    References:
+        Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
+    """
+    leaves, treedef = flatten(params)
+    check_tensor_leaves(leaves, leaf_paths(params), "params")
+    return AdamWState(step=0, mu=zeros_like_tree(leaves, treedef), nu=zeros_like_tree(leaves, treedef))
+
+
+@torch.no_grad()
+def update(
+    grads: PyTree,
+    state: AdamWState,
+    params: PyTree,
+    hparams: AdamWHParams = AdamWHParams(),
+    *,
+    donate: bool = False,
+) -> tuple[PyTree, AdamWState]:
+    """One AdamW step with decoupled weight decay, exactly as ``torch.optim.AdamW(foreach=False)``.
+
+    With ``t = state.step + 1`` and, for every leaf whose gradient ``g`` is not ``None``::
+
+        W ← W · (1 − γ·λ)                       (skipped when λ = 0)
+        m ← lerp(m, g, 1 − β1)                  (= β1·m + (1 − β1)·g)
+        v ← β2·v + (1 − β2)·g²
+        W ← W − (γ / (1 − β1^t)) · m / (sqrt(v) / sqrt(1 − β2^t) + ε)
+
+    Leaves whose gradient is ``None`` keep their param and moments unchanged (the global step still
+    advances; ``torch.optim.AdamW`` keeps one step per param instead, which differs only when a param
+    sometimes gets no gradient). Gradients of a lower precision than the param (e.g. bf16 grads for
+    fp32 masters) are upcast: the math runs in the param's dtype. Runs under ``torch.no_grad()``
+    (params may be ``nn.Parameter`` s, also with ``donate=True``).
+
+    Args:
+        grads: pytree with the params' structure; a leaf may be ``None``.
+        state: the ``AdamWState`` from ``init`` or a previous ``update``.
+        params: pytree of tensors.
+        hparams: ``AdamWHParams``.
+        donate: when ``True``, params and moment buffers are updated in place and the returned leaves
+            are the very same tensor objects; when ``False`` (default) no input is modified.
+
+    Returns:
+        ``(new_params, new_state)``. Without donation, leaves with a ``None`` gradient are returned as
+        the input objects themselves (they are not copied).
+
+    References:
+        Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019 (arXiv:1711.05101);
+        Kingma & Ba, "Adam", ICLR 2015; PyTorch ``torch.optim.AdamW``.
+    """
+    validate_hparams(hparams)
+    if not isinstance(state, AdamWState):
+        raise TypeError(f"state must be an AdamWState (from adamw.init), got {type(state).__name__}")
+    p_leaves, treedef = flatten(params)
+    names = leaf_paths(params)
+    check_tensor_leaves(p_leaves, names, "params")
+    g_leaves = flatten_like(treedef, grads, "grads")
+    m_leaves = flatten_like(treedef, state.mu, "state.mu")
+    v_leaves = flatten_like(treedef, state.nu, "state.nu")
+
+    lr = float(hparams.lr)
+    beta1, beta2 = (float(b) for b in hparams.betas)
+    eps = float(hparams.eps)
+    wd = float(hparams.weight_decay)
+    step = int(state.step) + 1
+    # Same scalar arithmetic as torch's _single_tensor_adam (step as a Python number).
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+
+    new_p, new_m, new_v = [], [], []
+    for name, p, g, m, v in zip(names, p_leaves, g_leaves, m_leaves, v_leaves):
+        if g is None:
+            new_p.append(p)
+            new_m.append(m)
+            new_v.append(v)
+            continue
+        if not isinstance(g, Tensor) or g.shape != p.shape:
+            got = tuple(g.shape) if isinstance(g, Tensor) else type(g).__name__
+            raise ValueError(f"grad of {name!r} must be a tensor of shape {tuple(p.shape)}, got {got}")
+        if m.shape != p.shape or v.shape != p.shape:
+            raise ValueError(
+                f"AdamW moments of {name!r} have shapes {tuple(m.shape)}, {tuple(v.shape)}; expected "
+                f"{tuple(p.shape)} (was the state made by adamw.init for these params?)"
+            )
+        g = g.to(dtype=p.dtype)
+        if donate:
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            p.addcdiv_(m, denom, value=-step_size)
+        else:
+            # Out-of-place versions of the same ops (in-place only on tensors made here).
+            if wd != 0:
+                p = p.mul(1 - lr * wd)
+            m = m.lerp(g, 1 - beta1)
+            v = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
+            p = p.addcdiv(m, denom, value=-step_size)
+        new_p.append(p)
+        new_m.append(m)
+        new_v.append(v)
+
+    new_state = AdamWState(step=step, mu=treedef.unflatten(new_m), nu=treedef.unflatten(new_v))
+    return treedef.unflatten(new_p), new_state

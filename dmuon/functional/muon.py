@@ -1,0 +1,349 @@
+"""Muon as an explicit-state transformation over pytrees (optax style).
+
+``init(params) -> MuonState`` and ``update(grads, state, params, hparams) -> (new_params, new_state)``.
+Every param routed here is a matrix, or a batch of matrices (see ``batch_dims``); vectors and scalars
+belong to AdamW (:mod:`dmuon.functional.adamw`).
+
+For each param ``W`` with gradient ``g`` (viewed as ``B`` matrices of shape ``(m, n)``)::
+
+    b ← μ·b + g                       (b starts at zero, so the first step gives b = g)
+    x ← g + μ·b  if nesterov else  b
+    U ← NS(x)                         (Newton–Schulz orthogonalization of each (m, n) matrix)
+    W ← W·(1 − lr·wd)                 (decoupled weight decay)
+    W ← W − lr·s(m, n)·U
+
+with the shape scale ``s`` chosen by ``lr_scale``: ``"moonlight"`` ``0.2·sqrt(max(m, n))`` (matches
+AdamW's update RMS, Liu et al. 2025), ``"jordan"`` ``sqrt(max(1, m/n))`` (Jordan 2024), ``"none"`` ``1``.
+
+References:
+    K. Jordan et al. "Muon: An optimizer for hidden layers in neural networks", 2024.
+        https://kellerjordan.github.io/posts/muon/
+    J. Liu et al. "Muon is Scalable for LLM Training" (Moonlight), 2025. arXiv:2502.16982.
+    I. Loshchilov, F. Hutter. "Decoupled Weight Decay Regularization", ICLR 2019 (weight decay form).
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, NamedTuple, Sequence
+
+import torch
+from torch import Tensor
+
+from dmuon.functional.coefficients import CoefficientSpec
+from dmuon.functional.matrix_shape import as_matrix_shape
+from dmuon.functional.newton_schulz import newton_schulz
+from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten_like, leaf_paths,
+                                  per_leaf_option, zeros_like_tree)
+
+__all__ = [
+    "LR_SCALE_RULES",
+    "MuonHParams",
+    "MuonState",
+    "init",
+    "lr_scale_factor",
+    "orthogonalize_batched",
+    "update",
+    "validate_hparams",
+]
+
+LR_SCALE_RULES = ("moonlight", "jordan", "none")
+
+
+class MuonHParams(NamedTuple):
+    """Hyper-parameters of Muon.
+
+    Attributes:
+        lr: learning rate.
+        momentum: momentum coefficient ``μ`` in ``[0, 1)``.
+        nesterov: feed ``g + μ·b`` (True) or ``b`` (False) to Newton–Schulz.
+        weight_decay: decoupled weight decay ``wd`` (``W ← W·(1 − lr·wd)``).
+        ns_steps: Newton–Schulz iterations.
+        ns_coefficients: a named schedule (``"polar_express"``, ``"jordan"``, ``"you"``) or a table of
+            ``(a, b, c)`` triples (see :mod:`dmuon.functional.coefficients`).
+        ns_eps: ``ε`` in the Frobenius normalization ``x / (‖x‖_F + ε)``.
+        ns_dtype: compute dtype of Newton–Schulz (``None``: the NS default for the device).
+        lr_scale: shape scale rule, one of ``LR_SCALE_RULES`` (see :func:`lr_scale_factor`).
+    """
+
+    lr: float = 0.02
+    momentum: float = 0.95
+    nesterov: bool = True
+    weight_decay: float = 0.0
+    ns_steps: int = 5
+    ns_coefficients: CoefficientSpec = "polar_express"
+    ns_eps: float = 1e-7
+    ns_dtype: torch.dtype | None = None
+    lr_scale: str = "moonlight"
+
+
+class MuonState(NamedTuple):
+    """State of Muon: a plain pytree any tree tool can save.
+
+    Attributes:
+        step: number of ``update`` calls so far (informational; the math does not use it).
+        momentum: momentum buffers ``b`` (sum form ``b ← μ·b + g``), same structure / shapes / dtypes
+            as params.
+    """
+
+    step: int
+    momentum: PyTree
+
+
+def validate_hparams(hparams: MuonHParams) -> None:
+    """Raise ``ValueError`` (``TypeError`` for wrong types) when a Muon hyper-parameter is invalid.
+
+    Args:
+        hparams: the hyper-parameters to check.
+    """
+    if not isinstance(hparams, MuonHParams):
+        raise TypeError(f"hparams must be a MuonHParams, got {type(hparams).__name__}")
+    h = hparams
+    if not (isinstance(h.lr, (int, float)) and math.isfinite(h.lr) and h.lr >= 0):
+        raise ValueError(f"Muon lr must be a finite float >= 0, got {h.lr!r}")
+    if not (isinstance(h.momentum, (int, float)) and 0.0 <= h.momentum < 1.0):
+        raise ValueError(f"Muon momentum must be in [0, 1), got {h.momentum!r}")
+    if not (isinstance(h.weight_decay, (int, float)) and math.isfinite(h.weight_decay)
+            and h.weight_decay >= 0):
+        raise ValueError(f"Muon weight_decay must be a finite float >= 0, got {h.weight_decay!r}")
+    if isinstance(h.ns_steps, bool) or not isinstance(h.ns_steps, int) or h.ns_steps < 1:
+        raise ValueError(f"Muon ns_steps must be an int >= 1, got {h.ns_steps!r}")
+    if not (isinstance(h.ns_eps, (int, float)) and h.ns_eps >= 0):
+        raise ValueError(f"Muon ns_eps must be a float >= 0, got {h.ns_eps!r}")
+    if h.ns_dtype is not None and not (isinstance(h.ns_dtype, torch.dtype)
+                                       and h.ns_dtype.is_floating_point):
+        raise ValueError(f"Muon ns_dtype must be None or a floating torch.dtype, got {h.ns_dtype!r}")
+    if h.lr_scale not in LR_SCALE_RULES:
+        raise ValueError(f"Muon lr_scale must be one of {LR_SCALE_RULES}, got {h.lr_scale!r}")
+
+
+def lr_scale_factor(shape: Sequence[int], rule: str = "moonlight", batch_dims: int = 0) -> float:
+    """The shape scale ``s`` that multiplies ``lr`` for a param of ``shape``.
+
+    With ``(B, m, n) = as_matrix_shape(shape, batch_dims)`` (``m = shape[batch_dims]``,
+    ``n`` = product of the remaining dims):
+
+    * ``"moonlight"``: ``s = 0.2·sqrt(max(m, n))`` — gives the update the RMS of a typical AdamW update
+      (Liu et al., "Muon is Scalable for LLM Training", 2025; ``torch.optim.Muon``'s
+      ``adjust_lr_fn="match_rms_adamw"``).
+    * ``"jordan"``: ``s = sqrt(max(1, m/n))`` (K. Jordan, Muon blog 2024; torch's ``"original"``).
+    * ``"none"``: ``s = 1``.
+
+    Args:
+        shape: the param's shape.
+        rule: one of ``LR_SCALE_RULES``.
+        batch_dims: leading dims that index independent matrices (each gets the same ``s``).
+
+    Returns:
+        ``s`` as a Python float.
+
+    Raises:
+        ValueError: unknown ``rule`` (the message lists the choices) or a shape that is not a matrix.
+    """
+    if rule not in LR_SCALE_RULES:
+        raise ValueError(f"lr_scale rule must be one of {LR_SCALE_RULES}, got {rule!r}")
+    _, m, n = as_matrix_shape(shape, batch_dims)
+    if rule == "moonlight":
+        return 0.2 * math.sqrt(max(m, n))
+    if rule == "jordan":
+        return math.sqrt(max(1.0, m / n)) if n > 0 else 1.0
+    return 1.0
+
+
+def orthogonalize_batched(
+    matrices: Sequence[Tensor],
+    *,
+    steps: int = 5,
+    coefficients: CoefficientSpec = "polar_express",
+    eps: float = 1e-7,
+    dtype: torch.dtype | None = None,
+) -> list[Tensor]:
+    """Newton–Schulz on many ``(B_i, m_i, n_i)`` tensors, one batched call per (m, n, dtype, device).
+
+    Tensors whose matrices have the same shape, dtype and device are concatenated along the batch dim,
+    orthogonalized by a single :func:`~dmuon.functional.newton_schulz.newton_schulz` call, and split
+    back. Each matrix is treated independently, so the result equals orthogonalizing one at a time.
+
+    Args:
+        matrices: 3-D tensors ``(B_i, m_i, n_i)``; never modified.
+        steps, coefficients, eps, dtype: forwarded to ``newton_schulz``.
+
+    Returns:
+        A list aligned with ``matrices``; entry ``i`` has the shape and dtype of ``matrices[i]``.
+
+    References:
+        K. Jordan, "Muon: An optimizer for hidden layers in neural networks", 2024.
+    """
+    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for i, x in enumerate(matrices):
+        if x.ndim != 3:
+            raise ValueError(f"orthogonalize_batched expects (B, m, n) tensors, got shape {tuple(x.shape)}")
+        groups[(x.shape[1], x.shape[2], x.dtype, x.device)].append(i)
+    out: list[Tensor | None] = [None] * len(matrices)
+    for (m, n, _, _), idx in groups.items():
+        if m * n == 0:
+            for i in idx:
+                out[i] = torch.zeros_like(matrices[i])
+            continue
+        stacked = matrices[idx[0]] if len(idx) == 1 else torch.cat([matrices[i] for i in idx], dim=0)
+        if stacked.shape[0] == 0:
+            for i in idx:
+                out[i] = torch.zeros_like(matrices[i])
+            continue
+        u = newton_schulz(stacked, steps=steps, coefficients=coefficients, eps=eps, dtype=dtype)
+        for i, piece in zip(idx, torch.split(u, [matrices[i].shape[0] for i in idx], dim=0)):
+            out[i] = piece
+    return out  # type: ignore[return-value]
+
+
+def _batch_dims_per_leaf(batch_dims: Any, params: PyTree, treedef: Any) -> list[int]:
+    return per_leaf_option(
+        batch_dims, params, treedef, default=0, what="batch_dims",
+        is_value=lambda v: isinstance(v, int) and not isinstance(v, bool),
+    )
+
+
+def _non_matrix_error(name: str, shape: tuple[int, ...], batch_dims: int) -> ValueError:
+    return ValueError(
+        f"param {name!r} of shape {shape} (batch_dims={batch_dims}) is not a matrix: Muon only "
+        "orthogonalizes params with at least 2 dims after the batch dims. Route vectors and scalars "
+        "(biases, norms, gains) to AdamW (dmuon.functional.adamw), or lower batch_dims."
+    )
+
+
+def init(params: PyTree) -> MuonState:
+    """Create the Muon state for ``params``: ``step = 0`` and zero momentum buffers.
+
+    Args:
+        params: any optree pytree of tensors, each with ``ndim >= 2`` (flat ``{name: tensor}`` dicts
+            are the common case).
+
+    Returns:
+        ``MuonState(step=0, momentum=zeros_like(params))`` (buffers in each param's dtype).
+
+    Raises:
+        ValueError: a leaf has fewer than 2 dims (route it to AdamW).
+
+    References:
+        K. Jordan, "Muon: An optimizer for hidden layers in neural networks", 2024.
+    """
+    leaves, treedef = flatten(params)
+    names = leaf_paths(params)
+    check_tensor_leaves(leaves, names, "params")
+    for name, p in zip(names, leaves):
+        if p.ndim < 2:
+            raise _non_matrix_error(name, tuple(p.shape), 0)
+    return MuonState(step=0, momentum=zeros_like_tree(leaves, treedef))
+
+
+@torch.no_grad()
+def update(
+    grads: PyTree,
+    state: MuonState,
+    params: PyTree,
+    hparams: MuonHParams = MuonHParams(),
+    *,
+    batch_dims: Any = None,
+    donate: bool = False,
+) -> tuple[PyTree, MuonState]:
+    """One Muon step on every matrix in ``params``.
+
+    Per param (viewed as ``B`` matrices ``(m, n)``, see ``batch_dims``), with ``μ = momentum``::
+
+        b ← μ·b + g;   x ← g + μ·b (nesterov) or b;   U ← NS(x)
+        W ← W·(1 − lr·wd);   W ← W − lr·s(m, n)·U
+
+    All matrices of equal ``(m, n)``, dtype and device (across params and expert batches) are
+    orthogonalized in one batched Newton–Schulz call. Gradients of lower precision than the param
+    (bf16 grads for fp32/fp64 masters) are upcast first: momentum and the update run in the param's
+    dtype; NS runs in ``hparams.ns_dtype``. A ``None`` gradient leaves that param and its momentum
+    unchanged (like ``torch.optim.Muon``, which skips params without ``.grad``). Runs under
+    ``torch.no_grad()`` (params may be ``nn.Parameter`` s, also with ``donate=True``).
+
+    Args:
+        grads: pytree with the params' structure; a leaf may be ``None``.
+        state: the ``MuonState`` from ``init`` or a previous ``update``.
+        params: pytree of tensors with ``ndim >= 2``.
+        hparams: ``MuonHParams``; validated (unknown ``lr_scale`` raises ``ValueError`` with the choices).
+        batch_dims: how many leading dims of a param index independent matrices (default 0: a param
+            of shape ``(m, d1, d2, ...)`` is one ``(m, d1·d2·...)`` matrix). An int for all params, a
+            pytree with the params' structure, or a mapping from dotted leaf path (the key, for a flat
+            dict) to int, e.g. ``{"experts.w_in": 1}`` for an ``(E, m, n)`` expert stack: ``E``
+            matrices, each scaled by its own ``(m, n)``.
+        donate: when ``True``, params and momentum buffers are updated in place and the returned
+            leaves are the very same tensor objects (no copies); when ``False`` (default) no input is
+            modified.
+
+    Returns:
+        ``(new_params, new_state)`` with ``new_state.step = state.step + 1``. Without donation, leaves
+        with a ``None`` gradient are returned as the input objects themselves.
+
+    Raises:
+        ValueError: a param is not a matrix (route it to AdamW), grads / state do not match params,
+            or an invalid hyper-parameter.
+
+    References:
+        K. Jordan, "Muon: An optimizer for hidden layers in neural networks", 2024
+        (https://kellerjordan.github.io/posts/muon/); J. Liu et al., "Muon is Scalable for LLM
+        Training", 2025, arXiv:2502.16982 (the 0.2·sqrt(max(m, n)) scale and weight decay).
+    """
+    validate_hparams(hparams)
+    if not isinstance(state, MuonState):
+        raise TypeError(f"state must be a MuonState (from muon.init), got {type(state).__name__}")
+    p_leaves, treedef = flatten(params)
+    names = leaf_paths(params)
+    check_tensor_leaves(p_leaves, names, "params")
+    g_leaves = flatten_like(treedef, grads, "grads")
+    b_leaves = flatten_like(treedef, state.momentum, "state.momentum")
+    bdims = _batch_dims_per_leaf(batch_dims, params, treedef)
+
+    mu = float(hparams.momentum)
+    lr = float(hparams.lr)
+    wd = float(hparams.weight_decay)
+
+    new_b: list[Tensor] = list(b_leaves)
+    inputs: list[Tensor] = []
+    active: list[tuple[int, tuple[int, int, int]]] = []
+    for i, (name, p, g, b, nb) in enumerate(zip(names, p_leaves, g_leaves, b_leaves, bdims)):
+        shape = tuple(p.shape)
+        try:
+            bmn = as_matrix_shape(shape, nb)
+        except ValueError as err:
+            raise _non_matrix_error(name, shape, nb) from err
+        if g is None:
+            continue
+        if not isinstance(g, Tensor) or tuple(g.shape) != shape:
+            got = tuple(g.shape) if isinstance(g, Tensor) else type(g).__name__
+            raise ValueError(f"grad of {name!r} must be a tensor of shape {shape}, got {got}")
+        if not isinstance(b, Tensor) or tuple(b.shape) != shape:
+            raise ValueError(
+                f"momentum buffer of {name!r} must have shape {shape} (was the state made by "
+                "muon.init for these params?)"
+            )
+        g = g.to(dtype=p.dtype)
+        b = b.mul_(mu).add_(g) if donate else b.mul(mu).add_(g)
+        new_b[i] = b
+        x = g.add(b, alpha=mu) if hparams.nesterov else b
+        inputs.append(x.reshape(bmn))
+        active.append((i, bmn))
+
+    updates = orthogonalize_batched(
+        inputs, steps=hparams.ns_steps, coefficients=hparams.ns_coefficients,
+        eps=float(hparams.ns_eps), dtype=hparams.ns_dtype,
+    )
+
+    new_p: list[Tensor] = list(p_leaves)
+    for (i, _), u in zip(active, updates):
+        p = p_leaves[i]
+        alpha = -lr * lr_scale_factor(p.shape, hparams.lr_scale, bdims[i])
+        u = u.reshape(p.shape)
+        if donate:
+            if wd != 0:
+                p.mul_(1 - lr * wd)
+            p.add_(u, alpha=alpha)
+        else:
+            p = p.mul(1 - lr * wd).add_(u, alpha=alpha) if wd != 0 else p.add(u, alpha=alpha)
+        new_p[i] = p
+
+    return treedef.unflatten(new_p), MuonState(step=int(state.step) + 1,
+                                               momentum=treedef.unflatten(new_b))
