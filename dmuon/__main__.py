@@ -1,0 +1,79 @@
+"""Command line: ``python -m dmuon <subcommand> ...`` (console script ``dmuon``).
+
+Subcommands:
+  plan   print the owner plan of a preset model or a Hugging Face config.json on a G x R mesh.
+
+New subcommands register a parser in :func:`build_parser` and a handler taking the parsed args and
+returning an exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Optional, Sequence
+
+__all__ = ["main", "build_parser"]
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from dmuon.functional.plan import plan_owners
+    from dmuon.functional.presets import get_preset, preset_from_hf_config, preset_specs
+
+    preset = get_preset(args.model) if args.model else preset_from_hf_config(args.config)
+    specs = preset_specs(preset, dtype=args.dtype)
+    t0 = time.perf_counter()
+    plan = plan_owners(specs, args.shard, args.replicate, ns_steps=args.ns_steps)
+    seconds = time.perf_counter() - t0
+    if args.json:
+        summ = plan.summary(planning_seconds=seconds)
+        summ["model"] = preset.name
+        print(json.dumps(summ, indent=2))
+    else:
+        print(f"model {preset.name}: hidden {preset.hidden}, intermediate {preset.intermediate}, "
+              f"layers {preset.layers}, heads {preset.heads}/{preset.kv_heads} kv, vocab {preset.vocab}, "
+              f"dtype {args.dtype}")
+        print(plan.table(planning_seconds=seconds, max_rows=args.max_rows))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``dmuon`` argument parser with one sub-parser per subcommand."""
+    from dmuon.functional.presets import PRESETS
+
+    parser = argparse.ArgumentParser(prog="dmuon", description="dmuon: distributed Muon tools")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    p = sub.add_parser("plan", help="print the owner plan of a model on a shard x replicate mesh",
+                       description="Plan which rank owns each Muon matrix and print per-rank loads.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", choices=sorted(PRESETS), help="built-in model shape preset")
+    src.add_argument("--config", metavar="PATH", help="Hugging Face config.json of a Llama/Qwen decoder")
+    p.add_argument("--shard", "-G", type=int, required=True, help="shard group size G")
+    p.add_argument("--replicate", "-R", type=int, default=1, help="HSDP replicas R (default 1)")
+    p.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
+    p.add_argument("--dtype", default="torch.bfloat16", help="param dtype (default torch.bfloat16)")
+    p.add_argument("--max-rows", type=int, default=64,
+                   help="show at most this many ranks in the table (default 64; 0 = all)")
+    p.add_argument("--json", action="store_true", help="print the summary dict as JSON")
+    p.set_defaults(func=_cmd_plan)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point; returns the exit code (2 with a message on bad input)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "max_rows", None) == 0:
+        args.max_rows = None
+    try:
+        return args.func(args)
+    except (ValueError, KeyError, OSError) as e:
+        parser.exit(2, f"dmuon {args.command}: error: {e}\n")
+    return 2  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())

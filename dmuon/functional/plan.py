@@ -1,0 +1,481 @@
+"""Owner planning: which rank orthogonalizes (and holds the master of) each dedicated matrix.
+
+Every ``route == "muon"`` :class:`~dmuon.functional.specs.ParamSpec` gets one owner coordinate
+``(s, r)`` on the ``(replicate R) x (shard G)`` mesh; its *slot* (= global rank) is ``r * G + s``.
+
+Cost model (integers, so sums are exact and order-free)::
+
+    cost(param) = ns_cost(m, n, ns_steps, variant=ns_variant, batch=B).flops + flops_per_byte * nbytes
+
+with ``(B, m, n) = as_matrix_shape(shape, batch_dims)`` and ``nbytes = numel * itemsize(dtype)``.
+The first term is the Newton–Schulz work of the variant that will actually run (the same
+:func:`~dmuon.functional.ns_cost.ns_cost` the NS code uses to choose direct vs Gram). The second term
+charges the owner's per-step element-wise and memory work (momentum, Nesterov input, casts, decay,
+update of the fp32 master: about 6 bytes of HBM traffic per parameter byte) at the H200's ratio of
+~780 TFLOP/s bf16 matmul to ~4.8 TB/s HBM (~160 flops per HBM byte): ``DEFAULT_FLOPS_PER_BYTE = 1024``.
+
+Allocation units: a param whose cost is below ``small_unit_threshold`` times the largest param cost
+is *small*; the small params of one layer are packed (in name order) into units of total cost at most
+that bound, which then move together. Other params are units of their own.
+
+Algorithm (deterministic: no RNG, no dependence on input order, rank, process or hash seed):
+
+1. Units are sorted canonically by ``(-cost, name)``.
+2. Longest-processing-time greedy over the ``G*R`` slots. Candidate = least-loaded slot of the
+   least-loaded shard column (column balance first in HSDP; with ``R == 1`` simply the least-loaded
+   slot); ties by index. Soft layer spread: if that slot already holds a unit of the same layer, the
+   best slot among those holding the fewest units of that layer is taken instead, unless its load
+   (or, in HSDP, its column's load) exceeds the candidate's by more than ``layer_spread_tolerance``
+   times the mean slot (column) load.
+3. Bounded local search: while the most-loaded slot has a move of one of its units to another slot,
+   or a swap with a cheaper unit elsewhere, that lowers the larger of the two loads below the
+   current maximum without raising the number of same-layer collisions or (HSDP) the maximum column
+   load, apply the best such change (at most ``local_search_steps`` changes).
+4. Round-robin (units in natural name order, unit ``i`` on slot ``i % (G*R)``) is computed too; the
+   plan with the smaller maximum slot cost is returned (ties: the greedy), ``strategy`` says which.
+
+Metrics: ``imbalance = max / mean`` slot cost and ``balance = max / max(mean, largest unit cost)``
+(1.0 is optimal: no plan can beat either denominator).
+
+References: R. Graham, "Bounds on multiprocessing timing anomalies", SIAM J. Appl. Math. 17 (1969)
+(LPT); K. Jordan et al., "Muon" (2024); the dedicated-ownership design in SPEC.md.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import types
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+from dmuon.functional.matrix_shape import as_matrix_shape
+from dmuon.functional.ns_cost import ns_cost
+from dmuon.functional.specs import ParamSpec
+
+__all__ = [
+    "Coord",
+    "AllocationUnit",
+    "OwnerPlan",
+    "plan_owners",
+    "build_units",
+    "param_cost",
+    "natural_key",
+    "DEFAULT_FLOPS_PER_BYTE",
+    "DEFAULT_SMALL_UNIT_THRESHOLD",
+    "DEFAULT_LAYER_SPREAD_TOLERANCE",
+    "DEFAULT_LOCAL_SEARCH_STEPS",
+    "PLAN_FORMAT_VERSION",
+]
+
+Coord = tuple[int, int]
+
+#: Flops-equivalent charged per byte a slot owns (see the module docstring for the derivation).
+DEFAULT_FLOPS_PER_BYTE = 1024
+#: A param cheaper than this fraction of the most expensive param is packed with its layer's others.
+DEFAULT_SMALL_UNIT_THRESHOLD = 1 / 16
+#: Soft layer-spread tolerance, as a fraction of the mean slot (column) load.
+DEFAULT_LAYER_SPREAD_TOLERANCE = 0.02
+#: Upper bound on local-search changes after the greedy.
+DEFAULT_LOCAL_SEARCH_STEPS = 2000
+#: Bumped whenever the algorithm changes what it returns for the same inputs (part of the fingerprint).
+PLAN_FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class AllocationUnit:
+    """Params that move together in the plan (one matrix, or a layer's packed small matrices).
+
+    Attributes:
+      name: the param's name, or ``"<layer_key>:small<i>"`` for a packed unit.
+      params: names of the params in the unit (sorted).
+      layer_key: their common layer key (``None`` outside blocks).
+      flops: Newton–Schulz flops (all matrices of all params).
+      nbytes: bytes of the params in their dtypes.
+      cost: ``flops + flops_per_byte * nbytes``.
+      matrices: number of matrices (``sum of B``).
+    """
+
+    name: str
+    params: tuple[str, ...]
+    layer_key: Optional[str]
+    flops: int
+    nbytes: int
+    cost: int
+    matrices: int
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key that orders embedded integers numerically (``layers.2`` before ``layers.10``)."""
+    return tuple((0, int(t), "") if t.isdigit() else (1, 0, t) for t in re.split(r"(\d+)", name) if t)
+
+
+def param_cost(spec: ParamSpec, *, ns_steps: int = 5, ns_variant: str = "auto",
+               flops_per_byte: int = DEFAULT_FLOPS_PER_BYTE) -> tuple[int, int, int, int]:
+    """``(cost, flops, nbytes, matrices)`` of one Muon param under the plan's cost model."""
+    b, m, n = as_matrix_shape(spec.shape, spec.batch_dims)
+    flops = ns_cost(m, n, ns_steps, variant=ns_variant, batch=b).flops
+    nbytes = spec.nbytes
+    return flops + flops_per_byte * nbytes, flops, nbytes, b
+
+
+def build_units(specs: Sequence[ParamSpec], *, ns_steps: int = 5, ns_variant: str = "auto",
+                flops_per_byte: int = DEFAULT_FLOPS_PER_BYTE,
+                small_unit_threshold: float = DEFAULT_SMALL_UNIT_THRESHOLD) -> tuple[AllocationUnit, ...]:
+    """Allocation units of the ``route == "muon"`` specs, sorted canonically by ``(-cost, name)``.
+
+    A param with ``cost < small_unit_threshold * max_cost`` and a layer key is small; the small params
+    of a layer are packed in natural name order into units whose cost stays ``<= threshold * max_cost``.
+    """
+    muon = sorted((s for s in specs if s.route == "muon"), key=lambda s: s.name)
+    costs = {s.name: param_cost(s, ns_steps=ns_steps, ns_variant=ns_variant, flops_per_byte=flops_per_byte)
+             for s in muon}
+    if not muon:
+        return ()
+    bound = small_unit_threshold * max(c[0] for c in costs.values())
+    units: list[AllocationUnit] = []
+    small_by_layer: dict[str, list[ParamSpec]] = {}
+    for s in muon:
+        c, f, nb, b = costs[s.name]
+        if s.layer_key is not None and c < bound:
+            small_by_layer.setdefault(s.layer_key, []).append(s)
+        else:
+            units.append(AllocationUnit(s.name, (s.name,), s.layer_key, f, nb, c, b))
+    for key in sorted(small_by_layer):
+        groups: list[list[ParamSpec]] = [[]]
+        total = 0
+        for s in sorted(small_by_layer[key], key=lambda s: natural_key(s.name)):
+            c = costs[s.name][0]
+            if groups[-1] and total + c > bound:
+                groups.append([])
+                total = 0
+            groups[-1].append(s)
+            total += c
+        for i, g in enumerate(groups):
+            names = tuple(sorted(s.name for s in g))
+            name = names[0] if len(g) == 1 else f"{key}:small{i}"
+            units.append(AllocationUnit(
+                name, names, key, sum(costs[n][1] for n in names), sum(costs[n][2] for n in names),
+                sum(costs[n][0] for n in names), sum(costs[n][3] for n in names)))
+    names = [u.name for u in units]
+    if len(set(names)) != len(names):
+        raise ValueError("allocation unit names collide; parameter names must not contain ':small'")
+    return tuple(sorted(units, key=lambda u: (-u.cost, u.name)))
+
+
+@dataclass(frozen=True, eq=False)
+class OwnerPlan:
+    """Immutable owner assignment of the dedicated params (see the module docstring).
+
+    Attributes:
+      shard_size: ``G``; replicate_size: ``R``; slot (global rank) of ``(s, r)`` is ``r * G + s``.
+      owners: read-only ``{param name: (s, r)}``.
+      units: allocation units in canonical order; ``unit_slots[i]`` is the slot of ``units[i]``.
+      slot_costs, slot_bytes, slot_matrices: per-slot totals (index = slot).
+      imbalance: ``max / mean`` slot cost; balance: ``max / max(mean, largest unit cost)``.
+      strategy: ``"lpt"`` (greedy + local search) or ``"round_robin"``, whichever had the smaller max.
+      lpt_max_cost, round_robin_max_cost: max slot cost of each candidate.
+      layer_collisions: ``sum over slots and layers of (units of the layer on the slot - 1)+``.
+      params: the cost-model settings used (ns_steps, ns_variant, flops_per_byte, thresholds, ...).
+      fingerprint: sha256 hex over a canonical text of all specs, settings and owners.
+    """
+
+    shard_size: int
+    replicate_size: int
+    owners: Mapping[str, Coord]
+    units: tuple[AllocationUnit, ...]
+    unit_slots: tuple[int, ...]
+    slot_costs: tuple[int, ...]
+    slot_bytes: tuple[int, ...]
+    slot_matrices: tuple[int, ...]
+    imbalance: float
+    balance: float
+    strategy: str
+    lpt_max_cost: int
+    round_robin_max_cost: int
+    layer_collisions: int
+    params: Mapping[str, Any]
+    fingerprint: str = field(default="")
+
+    @property
+    def num_slots(self) -> int:
+        return self.shard_size * self.replicate_size
+
+    def slot_of(self, coord: Coord) -> int:
+        """Global rank ``r * G + s`` of coordinate ``(s, r)``."""
+        s, r = coord
+        return r * self.shard_size + s
+
+    def coord_of(self, slot: int) -> Coord:
+        """Coordinate ``(s, r)`` of slot (global rank) ``slot``."""
+        return slot % self.shard_size, slot // self.shard_size
+
+    def owner(self, name: str) -> Coord:
+        """Owner ``(s, r)`` of dedicated param ``name``; raises ``KeyError`` saying what is planned."""
+        try:
+            return self.owners[name]
+        except KeyError:
+            raise KeyError(f"{name!r} is not a dedicated (route 'muon') param of this plan "
+                           f"({len(self.owners)} planned); check the predicate and the name") from None
+
+    def owned_by(self, coord: Coord) -> tuple[str, ...]:
+        """Names of the params owned by ``(s, r)``, sorted."""
+        c = tuple(coord)
+        return tuple(sorted(n for n, o in self.owners.items() if o == c))
+
+    @property
+    def column_costs(self) -> tuple[int, ...]:
+        """Total cost per shard column ``s`` (summed over replicas)."""
+        g = self.shard_size
+        return tuple(sum(self.slot_costs[r * g + s] for r in range(self.replicate_size)) for s in range(g))
+
+    def summary(self, **kwargs: Any) -> dict:
+        """Plain-dict summary (see :func:`dmuon.functional.plan_report.plan_summary`)."""
+        from dmuon.functional.plan_report import plan_summary
+        return plan_summary(self, **kwargs)
+
+    def table(self, **kwargs: Any) -> str:
+        """Readable per-slot table (see :func:`dmuon.functional.plan_report.plan_table`)."""
+        from dmuon.functional.plan_report import plan_table
+        return plan_table(self, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, OwnerPlan) and self.fingerprint == other.fingerprint
+
+    def __hash__(self) -> int:
+        return hash(self.fingerprint)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Greedy + local search
+
+
+class _State:
+    """Mutable working state of one planning run (private; never escapes ``plan_owners``)."""
+
+    def __init__(self, g: int, r: int, units: Sequence[AllocationUnit]):
+        self.g, self.r, self.n = g, r, g * r
+        self.units = units
+        self.load = [0] * self.n
+        self.col = [0] * g
+        self.where = [-1] * len(units)
+        self.members: list[list[int]] = [[] for _ in range(self.n)]
+        self.layer_count: list[dict[str, int]] = [{} for _ in range(self.n)]
+
+    def place(self, i: int, slot: int) -> None:
+        u = self.units[i]
+        self.where[i] = slot
+        self.load[slot] += u.cost
+        self.col[slot % self.g] += u.cost
+        self.members[slot].append(i)
+        if u.layer_key is not None:
+            d = self.layer_count[slot]
+            d[u.layer_key] = d.get(u.layer_key, 0) + 1
+
+    def remove(self, i: int) -> None:
+        u, slot = self.units[i], self.where[i]
+        self.load[slot] -= u.cost
+        self.col[slot % self.g] -= u.cost
+        self.members[slot].remove(i)
+        if u.layer_key is not None:
+            d = self.layer_count[slot]
+            d[u.layer_key] -= 1
+            if not d[u.layer_key]:
+                del d[u.layer_key]
+        self.where[i] = -1
+
+    def lc(self, slot: int, key: Optional[str]) -> int:
+        return 0 if key is None else self.layer_count[slot].get(key, 0)
+
+    def best_slot(self, allowed=None) -> int:
+        """Least-loaded slot of the least-loaded column having an allowed slot (ties: index)."""
+        g = self.g
+        for s in sorted(range(g), key=lambda s: (self.col[s], s)):
+            cands = [r * g + s for r in range(self.r) if allowed is None or allowed(r * g + s)]
+            if cands:
+                return min(cands, key=lambda k: (self.load[k], k))
+        raise AssertionError("no slot allowed")  # pragma: no cover
+
+
+def _greedy(st: _State, tol: float) -> None:
+    total = sum(u.cost for u in st.units)
+    slot_tol = tol * total / st.n
+    col_tol = tol * total / st.g
+    layer_slots: dict[str, dict[int, int]] = {}
+    for i, u in enumerate(st.units):
+        best = st.best_slot()
+        key = u.layer_key
+        if key is not None:
+            held = layer_slots.setdefault(key, {})
+            c0 = 0 if len(held) < st.n else min(held.values())
+            if held.get(best, 0) > c0:
+                alt = st.best_slot(lambda k: held.get(k, 0) == c0)
+                if (st.load[alt] <= st.load[best] + slot_tol
+                        and st.col[alt % st.g] <= st.col[best % st.g] + col_tol):
+                    best = alt
+            held[best] = held.get(best, 0) + 1
+        st.place(i, best)
+
+
+def _local_search(st: _State, max_steps: int) -> int:
+    """Move/swap units off the most-loaded slot while that strictly lowers the pair's max load."""
+    units, g, hsdp = st.units, st.g, st.r > 1
+    steps = 0
+    while steps < max_steps:
+        a = max(range(st.n), key=lambda k: (st.load[k], -k))
+        la = st.load[a]
+        colmax = max(st.col)
+        best = None  # (new pair max, b, i, j)  j == -1: move
+        for i in sorted(st.members[a]):
+            ui = units[i]
+            for b in range(st.n):
+                if b == a:
+                    continue
+                lb = st.load[b]
+                cross = hsdp and (a % g) != (b % g)
+                # moves and swaps with every unit j on b (cheaper than i)
+                for j in [-1] + st.members[b]:
+                    cj = 0 if j < 0 else units[j].cost
+                    d = ui.cost - cj
+                    if d <= 0:
+                        continue
+                    na, nb = la - d, lb + d
+                    m = max(na, nb)
+                    if m >= la or (best is not None and (m, b, i, j) >= best):
+                        continue
+                    if cross and max(st.col[a % g] - d, st.col[b % g] + d) > colmax:
+                        continue
+                    kj = None if j < 0 else units[j].layer_key
+                    if ui.layer_key != kj:
+                        # never create a same-layer collision (a swap within one layer changes none)
+                        if ui.layer_key is not None and st.lc(b, ui.layer_key) > 0:
+                            continue
+                        if kj is not None and st.lc(a, kj) > 0:
+                            continue
+                    best = (m, b, i, j)
+        if best is None:
+            break
+        _, b, i, j = best
+        st.remove(i)
+        if j >= 0:
+            st.remove(j)
+            st.place(j, a)
+        st.place(i, b)
+        steps += 1
+    return steps
+
+
+def _collisions(st: _State) -> int:
+    return sum(c - 1 for d in st.layer_count for c in d.values() if c > 1)
+
+
+def _round_robin(units: Sequence[AllocationUnit], n: int) -> list[int]:
+    order = sorted(range(len(units)), key=lambda i: natural_key(units[i].name))
+    slots = [0] * len(units)
+    for k, i in enumerate(order):
+        slots[i] = k % n
+    return slots
+
+
+def _check_int(name: str, v: Any, minimum: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {v!r}")
+    return v
+
+
+def plan_owners(
+    specs: Sequence[ParamSpec],
+    shard_size: int,
+    replicate_size: int = 1,
+    *,
+    ns_steps: int = 5,
+    ns_variant: str = "auto",
+    flops_per_byte: int = DEFAULT_FLOPS_PER_BYTE,
+    small_unit_threshold: float = DEFAULT_SMALL_UNIT_THRESHOLD,
+    layer_spread_tolerance: float = DEFAULT_LAYER_SPREAD_TOLERANCE,
+    local_search_steps: int = DEFAULT_LOCAL_SEARCH_STEPS,
+) -> OwnerPlan:
+    """Assign an owner ``(s, r)`` to every ``route == "muon"`` spec (see the module docstring).
+
+    Args:
+      specs: all param specs (AdamW ones are ignored by the assignment but enter the fingerprint).
+      shard_size: ``G``, the shard group size; replicate_size: ``R`` (HSDP replicas, 1 for FSDP).
+      ns_steps, ns_variant: Newton–Schulz iterations and variant, as the optimizer will run them.
+      flops_per_byte: int flops-equivalent charged per owned byte.
+      small_unit_threshold: fraction of the largest param cost under which a layer's params are packed.
+      layer_spread_tolerance: soft layer-spread tolerance (fraction of mean slot / column load).
+      local_search_steps: bound on local-search changes (0 disables it).
+
+    Returns:
+      the :class:`OwnerPlan`; identical (same fingerprint) for the same specs in any order.
+
+    Raises:
+      ValueError: on bad sizes or settings, or duplicate param names.
+    """
+    g = _check_int("shard_size", shard_size, 1)
+    r = _check_int("replicate_size", replicate_size, 1)
+    _check_int("ns_steps", ns_steps, 1)
+    _check_int("flops_per_byte", flops_per_byte, 0)
+    _check_int("local_search_steps", local_search_steps, 0)
+    if not 0.0 <= float(small_unit_threshold) <= 1.0:
+        raise ValueError(f"small_unit_threshold must be in [0, 1], got {small_unit_threshold!r}")
+    if not float(layer_spread_tolerance) >= 0.0:
+        raise ValueError(f"layer_spread_tolerance must be >= 0, got {layer_spread_tolerance!r}")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})[:5]
+        raise ValueError(f"duplicate param names in specs: {dup}")
+    units = build_units(specs, ns_steps=ns_steps, ns_variant=ns_variant, flops_per_byte=flops_per_byte,
+                        small_unit_threshold=small_unit_threshold)
+    n = g * r
+
+    st = _State(g, r, units)
+    _greedy(st, float(layer_spread_tolerance))
+    _local_search(st, local_search_steps)
+    lpt_max = max(st.load) if units else 0
+    rr_slots = _round_robin(units, n)
+    rr_st = _State(g, r, units)
+    for i, k in enumerate(rr_slots):
+        rr_st.place(i, k)
+    rr_max = max(rr_st.load) if units else 0
+    if rr_max < lpt_max:
+        strategy, chosen = "round_robin", rr_st
+    else:
+        strategy, chosen = "lpt", st
+
+    slot_costs = tuple(chosen.load)
+    slot_bytes = [0] * n
+    slot_mats = [0] * n
+    owners: dict[str, Coord] = {}
+    for i, u in enumerate(units):
+        k = chosen.where[i]
+        slot_bytes[k] += u.nbytes
+        slot_mats[k] += u.matrices
+        for p in u.params:
+            owners[p] = (k % g, k // g)
+    total = sum(slot_costs)
+    mean = total / n
+    mx = max(slot_costs)
+    largest = units[0].cost if units else 0
+    imbalance = mx / mean if total else 1.0
+    denom = max(mean, largest)
+    balance = mx / denom if denom else 1.0
+    settings = {
+        "ns_steps": ns_steps, "ns_variant": ns_variant, "flops_per_byte": flops_per_byte,
+        "small_unit_threshold": float(small_unit_threshold),
+        "layer_spread_tolerance": float(layer_spread_tolerance),
+        "local_search_steps": local_search_steps, "format_version": PLAN_FORMAT_VERSION,
+    }
+    owners_sorted = dict(sorted(owners.items()))
+    canon = {
+        "G": g, "R": r, "settings": settings, "strategy": strategy,
+        "specs": sorted([s.name, list(s.shape), s.dtype, s.layer_key, s.route, s.batch_dims] for s in specs),
+        "owners": [[k, v[0], v[1]] for k, v in owners_sorted.items()],
+    }
+    fp = hashlib.sha256(json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return OwnerPlan(
+        shard_size=g, replicate_size=r, owners=types.MappingProxyType(owners_sorted), units=units,
+        unit_slots=tuple(chosen.where), slot_costs=slot_costs, slot_bytes=tuple(slot_bytes),
+        slot_matrices=tuple(slot_mats), imbalance=imbalance, balance=balance, strategy=strategy,
+        lpt_max_cost=lpt_max, round_robin_max_cost=rr_max, layer_collisions=_collisions(chosen),
+        params=types.MappingProxyType(settings), fingerprint=fp)

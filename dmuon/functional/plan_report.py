@@ -1,0 +1,154 @@
+"""Human- and machine-readable reports of an :class:`~dmuon.functional.plan.OwnerPlan`.
+
+:func:`plan_summary` returns a JSON-serializable dict; :func:`plan_table` renders per-slot rows
+(coordinate, NS cost, owned bytes, matrices) followed by the balance numbers.
+
+Per-rank communication bytes per step (Z2 / Z3) come from the schedule accounting, not from the plan:
+callers pass them in as ``comm_bytes_per_rank`` (``{"z2": [bytes per slot], "z3": [...]}``) and the
+report shows them; without it the summary carries ``None`` and the table omits those columns.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    from dmuon.functional.plan import OwnerPlan
+
+__all__ = ["plan_summary", "plan_table", "format_bytes", "format_flops"]
+
+
+def format_bytes(n: float) -> str:
+    """``1536 -> '1.5 KiB'`` (binary units)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"  # pragma: no cover
+
+
+def format_flops(n: float) -> str:
+    """``2.5e12 -> '2.50 TF'`` (decimal units)."""
+    for unit, scale in (("PF", 1e15), ("TF", 1e12), ("GF", 1e9), ("MF", 1e6)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} F"
+
+
+def _check_comm(plan: "OwnerPlan", comm: Optional[Mapping[str, Sequence[int]]]) -> Optional[dict]:
+    if comm is None:
+        return None
+    out = {}
+    for mode, per_rank in comm.items():
+        per_rank = [int(x) for x in per_rank]
+        if len(per_rank) != plan.num_slots:
+            raise ValueError(f"comm_bytes_per_rank[{mode!r}] has {len(per_rank)} entries; the plan has "
+                             f"{plan.num_slots} ranks (G*R)")
+        out[str(mode)] = per_rank
+    return out
+
+
+def plan_summary(plan: "OwnerPlan", *,
+                 comm_bytes_per_rank: Optional[Mapping[str, Sequence[int]]] = None,
+                 planning_seconds: Optional[float] = None) -> dict[str, Any]:
+    """A plain dict describing ``plan``.
+
+    Args:
+      plan: the plan.
+      comm_bytes_per_rank: optional ``{mode: [bytes per rank]}`` from the schedule accounting
+        (e.g. ``{"z2": [...], "z3": [...]}``); stored under ``"comm_bytes_per_rank"`` (``None`` if absent).
+      planning_seconds: optional wall time of ``plan_owners`` measured by the caller (plans themselves
+        hold nothing time-dependent, so equal inputs give equal plans).
+
+    Returns:
+      dict with sizes, strategy, balance numbers, cost-model settings, fingerprint and per-slot rows.
+    """
+    n = plan.num_slots
+    costs = plan.slot_costs
+    total = sum(costs)
+    cols = plan.column_costs
+    col_mean = total / plan.shard_size if plan.shard_size else 0.0
+    slots = []
+    for k in range(n):
+        s, r = plan.coord_of(k)
+        slots.append({"slot": k, "shard": s, "replicate": r, "cost": costs[k],
+                      "bytes": plan.slot_bytes[k], "matrices": plan.slot_matrices[k]})
+    return {
+        "shard_size": plan.shard_size,
+        "replicate_size": plan.replicate_size,
+        "slots": n,
+        "strategy": plan.strategy,
+        "num_params": len(plan.owners),
+        "num_units": len(plan.units),
+        "num_matrices": sum(plan.slot_matrices),
+        "total_cost": total,
+        "total_bytes": sum(plan.slot_bytes),
+        "max_cost": max(costs) if costs else 0,
+        "mean_cost": total / n if n else 0.0,
+        "min_cost": min(costs) if costs else 0,
+        "largest_unit_cost": plan.units[0].cost if plan.units else 0,
+        "imbalance": plan.imbalance,
+        "balance": plan.balance,
+        "column_imbalance": (max(cols) / col_mean) if col_mean else 1.0,
+        "lpt_max_cost": plan.lpt_max_cost,
+        "round_robin_max_cost": plan.round_robin_max_cost,
+        "layer_collisions": plan.layer_collisions,
+        "settings": dict(plan.params),
+        "fingerprint": plan.fingerprint,
+        "planning_seconds": planning_seconds,
+        # Filled by the schedule accounting (Z2 / Z3 bytes per rank per step); None until provided.
+        "comm_bytes_per_rank": _check_comm(plan, comm_bytes_per_rank),
+        "per_slot": slots,
+    }
+
+
+def plan_table(plan: "OwnerPlan", *,
+               comm_bytes_per_rank: Optional[Mapping[str, Sequence[int]]] = None,
+               planning_seconds: Optional[float] = None, max_rows: Optional[int] = None) -> str:
+    """Per-slot table plus balance lines, as text.
+
+    Args:
+      plan: the plan.
+      comm_bytes_per_rank: as in :func:`plan_summary`; adds one column per mode.
+      planning_seconds: printed when given.
+      max_rows: show at most this many slot rows (the most loaded first half, the least loaded last
+        half) when the mesh is large; ``None`` shows all.
+    """
+    summ = plan_summary(plan, comm_bytes_per_rank=comm_bytes_per_rank, planning_seconds=planning_seconds)
+    comm = summ["comm_bytes_per_rank"] or {}
+    mean = summ["mean_cost"] or 1.0
+    head = f"{'rank':>5} {'(s,r)':>9} {'NS+mem cost':>12} {'vs mean':>8} {'bytes':>11} {'#mat':>5}"
+    for mode in comm:
+        head += f" {mode + ' comm':>12}"
+    rows = summ["per_slot"]
+    shown = rows
+    skipped = 0
+    if max_rows is not None and len(rows) > max_rows:
+        order = sorted(rows, key=lambda x: (-x["cost"], x["slot"]))
+        keep = order[: (max_rows + 1) // 2] + order[len(order) - max_rows // 2:]
+        shown = sorted(keep, key=lambda x: x["slot"])
+        skipped = len(rows) - len(shown)
+    lines = [f"OwnerPlan G={plan.shard_size} x R={plan.replicate_size} ({summ['slots']} ranks), "
+             f"{summ['num_params']} dedicated params in {summ['num_units']} units, strategy={plan.strategy}",
+             head, "-" * len(head)]
+    for x in shown:
+        line = (f"{x['slot']:>5} {'(%d,%d)' % (x['shard'], x['replicate']):>9} {format_flops(x['cost']):>12} "
+                f"{x['cost'] / mean:>8.3f} {format_bytes(x['bytes']):>11} {x['matrices']:>5}")
+        for mode, per in comm.items():
+            line += f" {format_bytes(per[x['slot']]):>12}"
+        lines.append(line)
+    if skipped:
+        lines.append(f"  ... {skipped} ranks not shown (max_rows={max_rows})")
+    lines.append("-" * len(head))
+    lines.append(f"total {format_flops(summ['total_cost'])}, {format_bytes(summ['total_bytes'])}, "
+                 f"{summ['num_matrices']} matrices; largest unit {format_flops(summ['largest_unit_cost'])}")
+    lines.append(f"max/mean (imbalance) {summ['imbalance']:.4f}; balance max/max(mean, largest unit) "
+                 f"{summ['balance']:.4f}; column max/mean {summ['column_imbalance']:.4f}")
+    lines.append(f"greedy max {format_flops(summ['lpt_max_cost'])} vs round-robin max "
+                 f"{format_flops(summ['round_robin_max_cost'])}; same-layer collisions "
+                 f"{summ['layer_collisions']}")
+    if not comm:
+        lines.append("comm bytes per rank (Z2/Z3): not computed here (schedule accounting)")
+    if planning_seconds is not None:
+        lines.append(f"planning time {planning_seconds * 1e3:.1f} ms")
+    lines.append(f"fingerprint {plan.fingerprint}")
+    return "\n".join(lines)
