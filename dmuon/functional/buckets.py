@@ -1,0 +1,348 @@
+"""Hook groups and the flat bucket layout of dedicated parameters (pure data, built once at setup).
+
+Mesh model: ``G`` = shard size, ``R`` = replicate size, rank coordinates ``(s, r)`` and global rank
+``r * G + s`` (a DeviceMesh of shape ``(R, G)`` with dims ``("replicate", "shard")``; 1-D means R = 1).
+Every dedicated matrix has an owner ``(s_o, r_o)``. In HSDP its master copy lives on all ranks
+``(s_o, *)`` of its shard column; only ``(s_o, r_o)`` runs Newton–Schulz.
+
+Hook group
+    A string key; the hooks of one module boundary (by default the ``layers.N`` / ``blocks.N``
+    ancestor) move all dedicated params of its group together. Groups have an order (forward order).
+
+Bucket
+    Per ``(group, shard column s, dtype)`` one flat 1-D buffer holding every param of the group whose
+    owner is ``(s, r)`` for any ``r``. Entries ``(name, offset, numel, shape, owner)`` are sorted by
+    ``(r, name)`` so each ``r``'s entries form one contiguous range (``Bucket.ranges``), which lets the
+    second (replicate-axis) stage of the HSDP gradient reduce and the post-step publish address one
+    sub-range per owner ``r``.
+
+Design decision on dtypes: a group may mix dtypes; buckets are keyed by dtype as well
+(``BucketKey(group, column, dtype)``), so one bucket always has one dtype and no casts happen.
+
+Alignment: with ``align = k`` every entry offset and every per-``r`` range start is a multiple of
+``k`` elements (gaps are padding, never read); the default ``align = 1`` packs densely, so the bucket
+numel equals the params' numel and the byte accounting of a schedule equals the params' bytes.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, NamedTuple, Sequence, Union
+
+import torch
+
+Coord = tuple[int, int]
+"""``(s, r)``: shard index, replicate index."""
+
+GroupKeySpec = Union[Callable[[str], "str | None"], Mapping[str, str], None]
+
+__all__ = [
+    "Coord", "HookGroups", "hook_groups", "default_group_key", "BucketKey", "BucketEntry", "Bucket",
+    "BucketLayout", "bucket_layout", "dtype_str", "to_torch_dtype", "dtype_itemsize",
+]
+
+_LAYER_RE = re.compile(r"^(.*?\b(?:layers|blocks|layer|h)\.\d+)(?:\.|$)")
+
+
+def default_group_key(name: str) -> str:
+    """Default hook-group key of a parameter name: its layer key, else its parent module path.
+
+    Uses ``dmuon.functional.specs.layer_key_from_name`` when that module exists (so groups agree with
+    the owner plan's layer keys), else a local rule: the prefix ending in the first ``layers.N`` /
+    ``blocks.N`` / ``layer.N`` / ``h.N`` segment. A name with no layer key gets its parent module path
+    (``""`` for a top-level param).
+    """
+    try:  # the plan helper's rule, when available
+        from dmuon.functional.specs import layer_key_from_name  # type: ignore
+        key = layer_key_from_name(name)
+    except ImportError:
+        m = _LAYER_RE.match(name)
+        key = m.group(1) if m else None
+    if key is None:
+        key = name.rsplit(".", 1)[0] if "." in name else ""
+    return key
+
+
+@dataclass(frozen=True)
+class HookGroups:
+    """An ordered partition of dedicated param names into hook groups.
+
+    Attributes:
+      order: group keys in forward order.
+      members: ``(group, names)`` pairs in ``order``; names sorted.
+    """
+
+    order: tuple[str, ...]
+    members: tuple[tuple[str, tuple[str, ...]], ...]
+    _of: Mapping[str, str] = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        of = {n: g for g, names in self.members for n in names}
+        object.__setattr__(self, "_of", of)
+
+    def group_of(self, name: str) -> str:
+        """The group key of ``name``; ``KeyError`` naming the param if it is not grouped."""
+        try:
+            return self._of[name]
+        except KeyError:
+            raise KeyError(f"param {name!r} is in no hook group; pass it to hook_groups()") from None
+
+    def names(self, group: str) -> tuple[str, ...]:
+        """The sorted param names of ``group``."""
+        for g, names in self.members:
+            if g == group:
+                return names
+        raise KeyError(f"unknown hook group {group!r}; known: {list(self.order)}")
+
+    def as_mapping(self) -> dict[str, str]:
+        """``{name: group}``."""
+        return dict(self._of)
+
+
+def hook_groups(names: Sequence[str], key: GroupKeySpec = None, *,
+                order: Sequence[str] | None = None) -> HookGroups:
+    """Group dedicated param names by hook group.
+
+    Args:
+      names: dedicated param names (fully-qualified).
+      key: ``name -> group key`` as a callable or a mapping (e.g. from walking the module tree with the
+        hook-boundary predicate); ``None`` uses :func:`default_group_key`. A callable returning ``None``
+        falls back to :func:`default_group_key`.
+      order: forward order of group keys; every group must appear in it (extra keys are ignored).
+        ``None``: order of first appearance in ``names``.
+
+    Returns:
+      A :class:`HookGroups`.
+
+    Raises:
+      ValueError: duplicate names, a name missing from a mapping, or a group missing from ``order``.
+    """
+    names = list(names)
+    if len(set(names)) != len(names):
+        raise ValueError("hook_groups: duplicate param names")
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        if key is None:
+            g = default_group_key(n)
+        elif isinstance(key, Mapping):
+            if n not in key:
+                raise ValueError(f"hook_groups: param {n!r} missing from the group mapping")
+            g = key[n]
+        else:
+            g = key(n)
+            if g is None:
+                g = default_group_key(n)
+        groups.setdefault(str(g), []).append(n)
+    if order is None:
+        ordered = list(groups)
+    else:
+        pos = {g: i for i, g in enumerate(order)}
+        missing = [g for g in groups if g not in pos]
+        if missing:
+            raise ValueError(f"hook_groups: groups {missing} are not in the given order list")
+        ordered = sorted(groups, key=pos.__getitem__)
+    return HookGroups(order=tuple(ordered),
+                      members=tuple((g, tuple(sorted(groups[g]))) for g in ordered))
+
+
+# ---------------------------------------------------------------------------------------------
+# dtypes as strings (plans and layouts are plain data, hashable and printable)
+
+def dtype_str(dtype: "torch.dtype | str") -> str:
+    """``torch.float32`` or ``"float32"`` or ``"torch.float32"`` -> ``"torch.float32"``."""
+    return str(to_torch_dtype(dtype))
+
+
+def to_torch_dtype(dtype: "torch.dtype | str") -> torch.dtype:
+    """Parse a dtype given as ``torch.dtype`` or its string; ValueError if unknown."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    s = str(dtype)
+    s = s[len("torch."):] if s.startswith("torch.") else s
+    d = getattr(torch, s, None)
+    if not isinstance(d, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}; use e.g. torch.float32 or 'torch.bfloat16'")
+    return d
+
+
+def dtype_itemsize(dtype: "torch.dtype | str") -> int:
+    """Bytes per element."""
+    d = to_torch_dtype(dtype)
+    return d.itemsize
+
+
+# ---------------------------------------------------------------------------------------------
+# bucket layout
+
+class BucketKey(NamedTuple):
+    """Identifies one flat bucket: hook group, shard column ``s`` of the owners, dtype string."""
+
+    group: str
+    column: int
+    dtype: str
+
+    def __str__(self) -> str:
+        return f"{self.group or '<root>'}|s{self.column}|{self.dtype.replace('torch.', '')}"
+
+
+@dataclass(frozen=True)
+class BucketEntry:
+    """One param inside a bucket: elements ``[offset, offset + numel)`` viewed as ``shape``."""
+
+    name: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+    owner: Coord
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """A flat buffer of one ``(group, column, dtype)``.
+
+    Attributes:
+      key: the :class:`BucketKey`.
+      entries: sorted by ``(owner r, name)``.
+      numel: total elements (including alignment padding).
+      ranges: ``(r, offset, numel)`` for every replicate index ``r`` that owns entries here, in ``r``
+        order; the range covers exactly that ``r``'s entries (plus padding between them).
+    """
+
+    key: BucketKey
+    entries: tuple[BucketEntry, ...]
+    numel: int
+    ranges: tuple[tuple[int, int, int], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtype_itemsize(self.key.dtype)
+
+    def range_of(self, r: int) -> tuple[int, int]:
+        """``(offset, numel)`` of owner replica ``r``'s entries; ``(0, 0)`` if it owns none here."""
+        for rr, off, n in self.ranges:
+            if rr == r:
+                return off, n
+        return 0, 0
+
+    def entry(self, name: str) -> BucketEntry:
+        for e in self.entries:
+            if e.name == name:
+                return e
+        raise KeyError(f"param {name!r} not in bucket {self.key}")
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """All buckets of the dedicated params, for mesh ``(R, G)``.
+
+    Attributes:
+      shard_size: G.  replicate_size: R.
+      groups: hook-group keys in forward order (only groups that hold at least one param).
+      buckets: every bucket, ordered by (group order, column, dtype).
+    """
+
+    shard_size: int
+    replicate_size: int
+    groups: tuple[str, ...]
+    buckets: tuple[Bucket, ...]
+
+    @property
+    def world_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
+    def bucket(self, key: BucketKey) -> Bucket:
+        for b in self.buckets:
+            if b.key == key:
+                return b
+        raise KeyError(f"no bucket {key}")
+
+    def buckets_of(self, group: str) -> tuple[Bucket, ...]:
+        """Buckets of one hook group (columns ascending, then dtype)."""
+        if group not in self.groups:
+            raise KeyError(f"unknown hook group {group!r}; known: {list(self.groups)}")
+        return tuple(b for b in self.buckets if b.key.group == group)
+
+    def locate(self, name: str) -> tuple[BucketKey, BucketEntry]:
+        """Which bucket holds ``name`` and where."""
+        for b in self.buckets:
+            for e in b.entries:
+                if e.name == name:
+                    return b.key, e
+        raise KeyError(f"param {name!r} is in no bucket")
+
+    def nbytes(self, group: str | None = None) -> int:
+        """Bytes of all buckets (or of one group's), padding included."""
+        bs = self.buckets if group is None else self.buckets_of(group)
+        return sum(b.nbytes for b in bs)
+
+    def table(self) -> str:
+        """Readable listing of the layout."""
+        lines = [f"BucketLayout G={self.shard_size} R={self.replicate_size} "
+                 f"groups={len(self.groups)} buckets={len(self.buckets)} bytes={self.nbytes()}"]
+        for b in self.buckets:
+            lines.append(f"  bucket {b.key}: numel={b.numel} ranges={list(b.ranges)}")
+            for e in b.entries:
+                lines.append(f"    [{e.offset:>10}, +{e.numel:>9}) {e.name} {tuple(e.shape)} "
+                             f"owner={e.owner}")
+        return "\n".join(lines)
+
+
+def _round_up(x: int, k: int) -> int:
+    return -(-x // k) * k
+
+
+def bucket_layout(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]],
+                  dtypes: "Mapping[str, torch.dtype | str]", groups: "HookGroups | Mapping[str, str]",
+                  shard_size: int, replicate_size: int = 1, *, align: int = 1) -> BucketLayout:
+    """Lay out every dedicated param in flat buckets, one per (hook group, owner column, dtype).
+
+    Args:
+      owners: ``name -> (s, r)`` owner coordinate (e.g. ``OwnerPlan.owners``); its keys are the
+        dedicated params.
+      shapes: ``name -> shape`` for every owned name.
+      dtypes: ``name -> dtype`` (``torch.dtype`` or its string) of the communicated tensor.
+      groups: a :class:`HookGroups` or a plain ``name -> group`` mapping (then ordered by first
+        appearance in ``owners``).
+      shard_size: G >= 1.  replicate_size: R >= 1.
+      align: every entry offset and every per-``r`` range start is a multiple of ``align`` elements.
+
+    Returns:
+      A :class:`BucketLayout`; deterministic for equal inputs.
+
+    Raises:
+      ValueError: an owner outside the mesh, a missing shape/dtype/group, ``align < 1``.
+    """
+    if shard_size < 1 or replicate_size < 1:
+        raise ValueError(f"mesh sizes must be >= 1, got G={shard_size}, R={replicate_size}")
+    if align < 1:
+        raise ValueError(f"align must be >= 1, got {align}")
+    if not isinstance(groups, HookGroups):
+        groups = hook_groups(list(owners), dict(groups))
+    per: dict[BucketKey, list[tuple[int, str]]] = {}
+    for name, coord in owners.items():
+        s, r = int(coord[0]), int(coord[1])
+        if not (0 <= s < shard_size and 0 <= r < replicate_size):
+            raise ValueError(f"owner {coord} of {name!r} is outside the mesh G={shard_size}, "
+                             f"R={replicate_size}")
+        if name not in shapes or name not in dtypes:
+            raise ValueError(f"param {name!r} needs a shape and a dtype")
+        key = BucketKey(groups.group_of(name), s, dtype_str(dtypes[name]))
+        per.setdefault(key, []).append((r, name))
+    gpos = {g: i for i, g in enumerate(groups.order)}
+    keys = sorted(per, key=lambda k: (gpos[k.group], k.column, k.dtype))
+    buckets = []
+    for key in keys:
+        entries, ranges, off = [], [], 0
+        for r, name in sorted(per[key]):
+            shape = tuple(int(d) for d in shapes[name])
+            n = math.prod(shape)
+            off = _round_up(off, align)
+            if not ranges or ranges[-1][0] != r:
+                ranges.append([r, off, 0])
+            entries.append(BucketEntry(name, off, n, shape, (key.column, r)))
+            off += n
+            ranges[-1][2] = off - ranges[-1][1]
+        buckets.append(Bucket(key, tuple(entries), off, tuple(tuple(x) for x in ranges)))
+    used = [g for g in groups.order if any(k.group == g for k in keys)]
+    return BucketLayout(shard_size, replicate_size, tuple(used), tuple(buckets))

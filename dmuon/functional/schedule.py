@@ -1,0 +1,431 @@
+"""Explicit communication schedules of dedicated params: ops as data, builders, byte accounting.
+
+A schedule is an ordered tuple of collective ops over a mesh ``(R, G)`` (see :mod:`buckets`):
+
+``Broadcast``
+    over one axis from index ``src`` along it. ``axis="shard"``: runs in every replica ``r``
+    (``at=None``), i.e. in each of the R shard groups ``{(s', r) : s'}``; ``axis="replicate"``: runs
+    in the replicate group of column ``at`` only, ``{(at, r') : r'}``.
+``Reduce``
+    same addressing, destination ``dst``, reduction ``op`` (``"avg"`` or ``"sum"``). Only the
+    destination's buffer holds a defined result afterwards (a gloo reduce overwrites the others).
+
+Every op reads/writes the 1-D sub-range ``[offset, offset + numel)`` of bucket ``bucket`` on each
+participating rank, runs on a ``lane`` (``"unshard"``, ``"reduce"``: shard axis; ``"replicate"``:
+replicate axis; each lane has its own process groups and, on CUDA, its own stream) and starts after
+the ops listed in ``waits`` (ids of earlier ops of the same schedule) have completed.
+
+Builders (all pure, built once at setup):
+
+* :func:`unshard_schedule` — forward (and Z3 backward re-) unshard of one hook group: one shard-axis
+  Broadcast per bucket from its owner column ``s``, in every replica.
+* :func:`reduce_schedule` — backward gradient reduce of one hook group. Stage 1: shard-axis Reduce
+  (average) of the whole bucket to column ``s`` in every replica. Stage 2 (R > 1): for each owner
+  replica ``r``'s contiguous range, a replicate-axis Reduce (average) inside column ``s`` to ``r``,
+  waiting on stage 1. Net: ``mean over all G*R ranks`` at the global owner ``(s, r)``, because the
+  mean over R of means over G equals the mean over G*R.
+* :func:`publish_schedule` — post-step HSDP publish: for each range, a replicate-axis Broadcast
+  inside column ``s`` from owner ``r``.
+
+Byte-counting convention (logical payload, star model of a collective): for one op with payload
+``P = numel * itemsize`` executed in a group of ``n`` ranks,
+
+* Broadcast: the source **sends** ``(n-1)*P``, each of the other ``n-1`` ranks **receives** ``P``;
+* Reduce: each of the ``n-1`` non-destination ranks **sends** ``P``, the destination **receives**
+  ``(n-1)*P``.
+
+So for every op the totals over ranks are ``sent == received == (n-1)*P``. For dedicated params of
+``P`` bytes on a shard group of ``N`` ranks, one forward unshard + one backward reduce give a
+per-rank average of ``2(N-1)/N * P`` sent (and the same received): the spec's Z2 figure; Z3 adds a
+backward re-unshard: ``3(N-1)/N * P``. In HSDP the shard-axis ops run in every replica (same
+per-rank averages with ``N = G``), stage 2 adds ``(R-1)*P`` in total over all ranks and the
+publish another ``(R-1)*P``. Groups of one rank move nothing (executors issue nothing for them).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence, Union
+
+from dmuon.functional.buckets import BucketKey, BucketLayout, dtype_itemsize
+
+Axis = Literal["shard", "replicate"]
+Lane = Literal["unshard", "reduce", "replicate"]
+LANES: tuple[str, ...] = ("unshard", "reduce", "replicate")
+LANE_AXIS: Mapping[str, str] = {"unshard": "shard", "reduce": "shard", "replicate": "replicate"}
+
+__all__ = [
+    "Axis", "Lane", "LANES", "LANE_AXIS", "Broadcast", "Reduce", "Op", "Schedule", "Traffic",
+    "StepSchedules", "unshard_schedule", "reduce_schedule", "publish_schedule",
+    "build_step_schedules", "schedule_traffic", "step_traffic", "op_members", "op_root_coord",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Collective:
+    id: str
+    axis: str
+    at: int | None
+    bucket: BucketKey
+    offset: int
+    numel: int
+    dtype: str
+    lane: str
+    waits: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.axis not in ("shard", "replicate"):
+            raise ValueError(f"op {self.id}: axis must be 'shard' or 'replicate', got {self.axis!r}")
+        if LANE_AXIS.get(self.lane) != self.axis:
+            raise ValueError(f"op {self.id}: lane {self.lane!r} does not run on axis {self.axis!r}; "
+                             f"lanes and axes: {dict(LANE_AXIS)}")
+        if (self.axis == "shard") != (self.at is None):
+            raise ValueError(f"op {self.id}: shard-axis ops run in every replica (at=None); "
+                             f"replicate-axis ops need the column index `at`")
+        if self.offset < 0 or self.numel < 0:
+            raise ValueError(f"op {self.id}: negative offset/numel")
+        if self.dtype != self.bucket.dtype:
+            raise ValueError(f"op {self.id}: dtype {self.dtype} differs from its bucket's "
+                             f"{self.bucket.dtype}")
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the op (``numel * itemsize``)."""
+        return self.numel * dtype_itemsize(self.dtype)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Broadcast(_Collective):
+    """Broadcast ``bucket[offset:offset+numel]`` from index ``src`` along ``axis`` (see module doc)."""
+
+    src: int
+
+    @property
+    def root(self) -> int:
+        return self.src
+
+
+@dataclass(frozen=True, kw_only=True)
+class Reduce(_Collective):
+    """Reduce ``bucket[offset:offset+numel]`` to index ``dst`` along ``axis`` with ``op``.
+
+    ``op="avg"``: the destination gets the mean over the group's ranks. Non-destination buffers are
+    undefined afterwards (the simulator fills them with NaN).
+    """
+
+    dst: int
+    op: str = "avg"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.op not in ("avg", "sum"):
+            raise ValueError(f"op {self.id}: reduce op must be 'avg' or 'sum', got {self.op!r}")
+
+    @property
+    def root(self) -> int:
+        return self.dst
+
+
+Op = Union[Broadcast, Reduce]
+
+
+def op_members(op: Op, shard_size: int, replicate_size: int) -> list[list[tuple[int, int]]]:
+    """The groups that execute ``op``: a list of groups, each a list of ``(s, r)`` in axis order.
+
+    Shard axis: R groups ``[(0, r), ..., (G-1, r)]``; replicate axis: one group
+    ``[(at, 0), ..., (at, R-1)]``.
+    """
+    if op.axis == "shard":
+        return [[(s, r) for s in range(shard_size)] for r in range(replicate_size)]
+    return [[(op.at, r) for r in range(replicate_size)]]
+
+
+def op_root_coord(op: Op, group: Sequence[tuple[int, int]]) -> tuple[int, int]:
+    """The root ``(s, r)`` of ``op`` inside one of its groups (index ``op.root`` along the axis)."""
+    return group[op.root]
+
+
+# ---------------------------------------------------------------------------------------------
+# byte accounting
+
+@dataclass(frozen=True)
+class Traffic:
+    """Logical payload bytes and collective counts per lane and global rank (``r * G + s``).
+
+    Attributes:
+      world_size: G * R.
+      sent, received: ``lane -> tuple of bytes per rank``.
+      collectives: ``lane -> tuple of the number of collectives each rank takes part in``.
+    """
+
+    world_size: int
+    sent: Mapping[str, tuple[int, ...]]
+    received: Mapping[str, tuple[int, ...]]
+    collectives: Mapping[str, tuple[int, ...]]
+
+    @staticmethod
+    def zero(world_size: int) -> "Traffic":
+        z = {lane: (0,) * world_size for lane in LANES}
+        return Traffic(world_size, dict(z), dict(z), dict(z))
+
+    def __add__(self, other: "Traffic") -> "Traffic":
+        if other.world_size != self.world_size:
+            raise ValueError("cannot add Traffic of different world sizes")
+
+        def add(a, b):
+            return {k: tuple(x + y for x, y in zip(a[k], b[k])) for k in LANES}
+        return Traffic(self.world_size, add(self.sent, other.sent),
+                       add(self.received, other.received),
+                       add(self.collectives, other.collectives))
+
+    def scaled(self, k: int) -> "Traffic":
+        def mul(a):
+            return {lane: tuple(k * x for x in a[lane]) for lane in LANES}
+        return Traffic(self.world_size, mul(self.sent), mul(self.received), mul(self.collectives))
+
+    def rank_sent(self, rank: int, lanes: Iterable[str] = LANES) -> int:
+        return sum(self.sent[lane][rank] for lane in lanes)
+
+    def rank_received(self, rank: int, lanes: Iterable[str] = LANES) -> int:
+        return sum(self.received[lane][rank] for lane in lanes)
+
+    def total_sent(self, lanes: Iterable[str] = LANES) -> int:
+        return sum(sum(self.sent[lane]) for lane in lanes)
+
+    def total_received(self, lanes: Iterable[str] = LANES) -> int:
+        return sum(sum(self.received[lane]) for lane in lanes)
+
+    def mean_sent(self, lanes: Iterable[str] = LANES) -> float:
+        return self.total_sent(lanes) / self.world_size
+
+    def mean_received(self, lanes: Iterable[str] = LANES) -> float:
+        return self.total_received(lanes) / self.world_size
+
+    def for_rank(self, rank: int) -> dict[str, dict[str, int]]:
+        """``{lane: {"collectives", "sent_bytes", "received_bytes"}}`` of one rank: the same shape
+        as the torch executor's ``counters()``."""
+        return {lane: {"collectives": self.collectives[lane][rank],
+                       "sent_bytes": self.sent[lane][rank],
+                       "received_bytes": self.received[lane][rank]} for lane in LANES}
+
+
+def schedule_traffic(schedule: "Schedule") -> Traffic:
+    """Bytes sent/received per lane and rank for one execution of ``schedule`` (module-doc rule)."""
+    G, R = schedule.shard_size, schedule.replicate_size
+    W = G * R
+    sent = {lane: [0] * W for lane in LANES}
+    recv = {lane: [0] * W for lane in LANES}
+    coll = {lane: [0] * W for lane in LANES}
+    for op in schedule.ops:
+        P = op.nbytes
+        for group in op_members(op, G, R):
+            n = len(group)
+            if n == 1:
+                continue
+            root = op_root_coord(op, group)
+            for (s, r) in group:
+                g = r * G + s
+                coll[op.lane][g] += 1
+                is_root = (s, r) == root
+                if isinstance(op, Broadcast):
+                    if is_root:
+                        sent[op.lane][g] += (n - 1) * P
+                    else:
+                        recv[op.lane][g] += P
+                else:
+                    if is_root:
+                        recv[op.lane][g] += (n - 1) * P
+                    else:
+                        sent[op.lane][g] += P
+    t = lambda d: {k: tuple(v) for k, v in d.items()}  # noqa: E731
+    return Traffic(W, t(sent), t(recv), t(coll))
+
+
+# ---------------------------------------------------------------------------------------------
+# the schedule container
+
+@dataclass(frozen=True)
+class Schedule:
+    """An ordered tuple of ops on mesh ``(R, G)``; ``waits`` point to earlier ops of the tuple.
+
+    Iterable and sized; ``a + b`` concatenates (ids must stay unique).
+    """
+
+    ops: tuple[Op, ...]
+    shard_size: int
+    replicate_size: int
+    _index: Mapping[str, int] = field(default=None, repr=False, compare=False)  # type: ignore
+
+    def __post_init__(self) -> None:
+        index: dict[str, int] = {}
+        for i, op in enumerate(self.ops):
+            if op.id in index:
+                raise ValueError(f"duplicate op id {op.id!r} in schedule")
+            for w in op.waits:
+                if w not in index:
+                    raise ValueError(f"op {op.id!r} waits on {w!r}, which is not an earlier op of "
+                                     f"this schedule")
+            if op.axis == "shard" and not 0 <= op.root < self.shard_size:
+                raise ValueError(f"op {op.id!r}: root {op.root} outside shard size {self.shard_size}")
+            if op.axis == "replicate" and not (0 <= op.root < self.replicate_size
+                                               and 0 <= op.at < self.shard_size):
+                raise ValueError(f"op {op.id!r}: root/column outside the mesh")
+            index[op.id] = i
+        object.__setattr__(self, "_index", index)
+
+    def __iter__(self) -> Iterator[Op]:
+        return iter(self.ops)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    def __add__(self, other: "Schedule") -> "Schedule":
+        if (other.shard_size, other.replicate_size) != (self.shard_size, self.replicate_size):
+            raise ValueError("cannot concatenate schedules of different meshes")
+        return Schedule(self.ops + other.ops, self.shard_size, self.replicate_size)
+
+    @property
+    def world_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
+    def op(self, op_id: str) -> Op:
+        return self.ops[self._index[op_id]]
+
+    def by_lane(self, lane: str) -> tuple[Op, ...]:
+        return tuple(op for op in self.ops if op.lane == lane)
+
+    def bucket_keys(self) -> tuple[BucketKey, ...]:
+        """Distinct buckets touched, in first-use order."""
+        return tuple(dict.fromkeys(op.bucket for op in self.ops))
+
+    def traffic(self) -> Traffic:
+        return schedule_traffic(self)
+
+    def dump(self) -> str:
+        """One readable line per op, then per-lane byte totals."""
+        G, R = self.shard_size, self.replicate_size
+        lines = [f"Schedule G={G} R={R} ops={len(self.ops)}"]
+        for i, op in enumerate(self.ops):
+            kind = "broadcast" if isinstance(op, Broadcast) else f"reduce[{op.op}]"
+            where = "every replica" if op.axis == "shard" else f"column s={op.at}"
+            role = f"src={op.src}" if isinstance(op, Broadcast) else f"dst={op.dst}"
+            waits = f" waits={list(op.waits)}" if op.waits else ""
+            lines.append(f"  {i:>3} {op.lane:<9} {kind:<12} axis={op.axis:<9} {where:<14} {role:<6} "
+                         f"{op.bucket}[{op.offset}:{op.offset + op.numel}] "
+                         f"({op.nbytes} B) id={op.id}{waits}")
+        tr = self.traffic()
+        for lane in LANES:
+            if any(tr.collectives[lane]):
+                lines.append(f"  lane {lane}: sent total {tr.total_sent([lane])} B, received total "
+                             f"{tr.total_received([lane])} B, mean/rank "
+                             f"{tr.mean_sent([lane]):.1f} B")
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# builders
+
+def _mk(layout: BucketLayout, ops: list[Op]) -> Schedule:
+    return Schedule(tuple(ops), layout.shard_size, layout.replicate_size)
+
+
+def unshard_schedule(layout: BucketLayout, group: str, *, lane: str = "unshard") -> Schedule:
+    """Forward unshard of one hook group: per bucket ``(group, s, dtype)`` one shard-axis Broadcast of
+    the whole bucket from ``s``, in every replica (HSDP masters live on all of column ``s``).
+
+    Args:
+      layout: the bucket layout.  group: hook-group key.
+      lane: ``"unshard"`` (default). Must be a shard-axis lane.
+    """
+    ops: list[Op] = []
+    for b in layout.buckets_of(group):
+        k = b.key
+        ops.append(Broadcast(id=f"unshard/{k}", axis="shard", at=None, bucket=k, offset=0,
+                             numel=b.numel, dtype=k.dtype, lane=lane, src=k.column))
+    return _mk(layout, ops)
+
+
+def reduce_schedule(layout: BucketLayout, group: str, *, op: str = "avg") -> Schedule:
+    """Backward gradient reduce of one hook group (two stages in HSDP, see module doc).
+
+    Stage 1 (lane ``"reduce"``): per bucket, shard-axis Reduce of the whole bucket to column ``s`` in
+    every replica. Stage 2 (lane ``"replicate"``, only when R > 1): per owner replica ``r`` with
+    entries in the bucket, a replicate-axis Reduce of ``r``'s range inside column ``s`` to ``r``,
+    waiting on that bucket's stage 1. With ``op="avg"`` the owner ends with the mean over G*R ranks;
+    with ``"sum"`` the sum.
+    """
+    ops: list[Op] = []
+    R = layout.replicate_size
+    for b in layout.buckets_of(group):
+        k = b.key
+        s1 = Reduce(id=f"reduce/{k}", axis="shard", at=None, bucket=k, offset=0, numel=b.numel,
+                    dtype=k.dtype, lane="reduce", dst=k.column, op=op)
+        ops.append(s1)
+        if R > 1:
+            for r, off, n in b.ranges:
+                ops.append(Reduce(id=f"reduce2/{k}/r{r}", axis="replicate", at=k.column, bucket=k,
+                                  offset=off, numel=n, dtype=k.dtype, lane="replicate", dst=r,
+                                  op=op, waits=(s1.id,)))
+    return _mk(layout, ops)
+
+
+def publish_schedule(layout: BucketLayout, group: str | Sequence[str] | None = None) -> Schedule:
+    """Post-step HSDP publish: per bucket and owner replica ``r``, a replicate-axis Broadcast of ``r``'s
+    range inside column ``s`` from ``r`` (lane ``"replicate"``). ``group``: one key, several, or
+    ``None`` for all groups in forward order. Empty when R == 1.
+    """
+    if group is None:
+        groups: Sequence[str] = layout.groups
+    elif isinstance(group, str):
+        groups = [group]
+    else:
+        groups = list(group)
+    ops: list[Op] = []
+    if layout.replicate_size > 1:
+        for g in groups:
+            for b in layout.buckets_of(g):
+                k = b.key
+                for r, off, n in b.ranges:
+                    ops.append(Broadcast(id=f"publish/{k}/r{r}", axis="replicate", at=k.column,
+                                         bucket=k, offset=off, numel=n, dtype=k.dtype,
+                                         lane="replicate", src=r))
+    return _mk(layout, ops)
+
+
+class StepSchedules(NamedTuple):
+    """Every prebuilt schedule of one training step.
+
+    unshard, reduce: ``group -> Schedule``; publish: all groups in one schedule (empty if R == 1).
+    """
+
+    unshard: Mapping[str, Schedule]
+    reduce: Mapping[str, Schedule]
+    publish: Schedule
+
+
+def build_step_schedules(layout: BucketLayout, *, reduce_op: str = "avg") -> StepSchedules:
+    """Build (once, at setup) the unshard and reduce schedules of every group and the publish."""
+    return StepSchedules(
+        unshard={g: unshard_schedule(layout, g) for g in layout.groups},
+        reduce={g: reduce_schedule(layout, g, op=reduce_op) for g in layout.groups},
+        publish=publish_schedule(layout),
+    )
+
+
+def step_traffic(layout: BucketLayout, mode: str = "z2", *, publish: bool = True) -> Traffic:
+    """Bytes per lane and rank for one training step of all dedicated params.
+
+    ``mode="z2"``: forward unshard + backward reduce; ``"z3"``: forward unshard + backward
+    re-unshard + reduce. ``publish``: add the post-step HSDP publish (nothing when R == 1).
+    Mean sent (or received) per rank over shard-axis lanes: ``2(G-1)/G * P`` (Z2), ``3(G-1)/G * P``
+    (Z3), P = layout bytes.
+    """
+    if mode not in ("z2", "z3"):
+        raise ValueError(f"mode must be 'z2' or 'z3', got {mode!r}")
+    steps = build_step_schedules(layout)
+    total = Traffic.zero(layout.world_size)
+    k = 1 if mode == "z2" else 2
+    for g in layout.groups:
+        total = total + steps.unshard[g].traffic().scaled(k) + steps.reduce[g].traffic()
+    if publish:
+        total = total + steps.publish.traffic()
+    return total

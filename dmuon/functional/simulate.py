@@ -1,0 +1,112 @@
+"""A pure in-process simulator of N = G*R ranks executing a :class:`~dmuon.functional.schedule.Schedule`.
+
+Ranks are indexed globally by ``r * G + s``. Each rank holds a dict ``BucketKey -> 1-D tensor``.
+Ops run in schedule order (every ``waits`` entry points to an earlier op, so schedule order is a valid
+topological order). Exact semantics, per group of the op (see :func:`schedule.op_members`):
+
+* ``Broadcast``: every member's range ``[offset, offset+numel)`` becomes a copy of the source's.
+* ``Reduce`` (``avg``): the destination's range becomes ``sum_i x_i / n`` where the sum runs over the
+  members in axis order, accumulated in the buffer dtype (``sum``: no division). The members'
+  ranges other than the destination's become **undefined**, as a real gloo reduce leaves them; the
+  simulator fills them with NaN (``poison=True``; integer buffers are left as they were) so code that
+  reads them fails in tests.
+
+Groups of one rank are no-ops. Only ranks that take part in an op need its bucket; a missing bucket
+on a participating rank raises ``KeyError`` saying which.
+
+Purity: inputs are not mutated unless ``donate=True`` (then the given tensors are updated in place and
+returned in the result dicts).
+"""
+from __future__ import annotations
+
+import math
+from typing import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from dmuon.functional.buckets import BucketKey
+from dmuon.functional.schedule import Broadcast, Reduce, Schedule, op_members, op_root_coord
+
+__all__ = ["simulate"]
+
+
+def simulate(schedule: Schedule, buffers: Sequence[Mapping[BucketKey, Tensor]], *,
+             donate: bool = False, poison: bool = True) -> list[dict[BucketKey, Tensor]]:
+    """Run ``schedule`` over ``len(buffers)`` simulated ranks.
+
+    Args:
+      schedule: the ops to run.
+      buffers: per global rank (``r * G + s``), ``BucketKey -> 1-D tensor``; length must be G*R.
+      donate: update the given tensors in place (no copies); otherwise they are left untouched.
+      poison: fill undefined ranges (non-destination ranks of a Reduce) with NaN.
+
+    Returns:
+      Per rank, a new dict of the (new or donated) bucket tensors, same keys as the input.
+
+    Raises:
+      ValueError: wrong number of ranks, a buffer that is not 1-D or is too short for an op,
+        dtype mismatch between an op and its bucket tensor.
+      KeyError: a participating rank lacks a bucket.
+    """
+    G, R = schedule.shard_size, schedule.replicate_size
+    if len(buffers) != G * R:
+        raise ValueError(f"simulate: schedule is for G*R = {G * R} ranks, got {len(buffers)} "
+                         f"buffer dicts")
+    out: list[dict[BucketKey, Tensor]] = [
+        {k: (v if donate else v.clone()) for k, v in rank_bufs.items()} for rank_bufs in buffers]
+
+    def view(coord: tuple[int, int], op) -> Tensor:
+        s, r = coord
+        rank = r * G + s
+        try:
+            t = out[rank][op.bucket]
+        except KeyError:
+            raise KeyError(f"simulate: rank {rank} (s={s}, r={r}) takes part in op {op.id!r} but "
+                           f"holds no bucket {op.bucket}") from None
+        if t.dim() != 1 or t.numel() < op.offset + op.numel:
+            raise ValueError(f"simulate: bucket {op.bucket} on rank {rank} must be 1-D with at "
+                             f"least {op.offset + op.numel} elements, got shape {tuple(t.shape)}")
+        if str(t.dtype) != op.dtype:
+            raise ValueError(f"simulate: op {op.id!r} expects {op.dtype}, rank {rank} holds "
+                             f"{t.dtype}")
+        return t.narrow(0, op.offset, op.numel)
+
+    for op in schedule.ops:
+        for group in op_members(op, G, R):
+            if len(group) == 1:
+                continue
+            root = op_root_coord(op, group)
+            views = [view(c, op) for c in group]
+            root_view = views[group.index(root)]
+            if isinstance(op, Broadcast):
+                src = root_view.clone()
+                for c, v in zip(group, views):
+                    if c != root:
+                        v.copy_(src)
+            elif isinstance(op, Reduce):
+                acc = views[0].clone()
+                for v in views[1:]:
+                    acc += v
+                if op.op == "avg":
+                    if acc.is_floating_point() or acc.is_complex():
+                        acc /= len(group)
+                    else:
+                        acc //= len(group)
+                root_view.copy_(acc)
+                if poison:
+                    for c, v in zip(group, views):
+                        if c != root and (v.is_floating_point() or v.is_complex()):
+                            v.fill_(math.nan)
+            else:  # pragma: no cover - the Op union is closed
+                raise TypeError(f"simulate: unknown op type {type(op).__name__}")
+    return out
+
+
+def zeros_like_layout(layout, world_size: int | None = None, *, device: "torch.device | str" = "cpu"
+                      ) -> list[dict[BucketKey, Tensor]]:
+    """Zero buckets for every rank (every rank holds every bucket): a convenience for tests."""
+    from dmuon.functional.buckets import to_torch_dtype
+    W = layout.world_size if world_size is None else world_size
+    return [{b.key: torch.zeros(b.numel, dtype=to_torch_dtype(b.key.dtype), device=device)
+             for b in layout.buckets} for _ in range(W)]

@@ -1,0 +1,198 @@
+"""Per-axis, per-lane process groups for dedicated-param schedules, created once at setup.
+
+Mesh model: G = shard size, R = replicate size, coordinates ``(s, r)``. ``grid[r][s]`` is the global
+rank of ``(s, r)``; for a standard ``init_device_mesh(..., (R, G), mesh_dim_names=("replicate",
+"shard"))`` that is ``r * G + s``, but a DeviceMesh's own rank arrangement is honoured.
+
+Lanes and their groups (see :mod:`dmuon.functional.schedule`):
+
+* ``"unshard"`` and ``"reduce"``: the shard axis; R groups each (one per replica ``r``:
+  ``grid[r][0..G-1]``). Two lanes = two sets of groups, so that on NCCL (one internal stream per
+  process group, collectives of one group run in order) a backward reduce can overlap the next
+  unshard. On NCCL these groups are created high priority
+  (``ProcessGroupNCCL.Options().is_high_priority_stream = True``).
+* ``"replicate"``: the replicate axis; G groups (one per column ``s``: ``grid[0..R-1][s]``).
+
+``torch.distributed.new_group`` is collective over the whole world: every rank calls it for every
+group, in the same order (lane order ``unshard, reduce, replicate``, then ``r`` or ``s`` ascending),
+which :func:`make_process_groups` guarantees. Groups of one rank are created too (cheap; lets an
+executor run its lanes even at world size 1).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch.distributed as dist
+
+from dmuon.functional.schedule import LANE_AXIS, LANES
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MeshGroups", "make_process_groups", "grid_from_mesh"]
+
+
+@dataclass(frozen=True)
+class MeshGroups:
+    """This rank's view of the lane process groups.
+
+    Attributes:
+      shard_size: G.  replicate_size: R.
+      grid: ``grid[r][s]`` = global rank of ``(s, r)``.
+      rank: this process's global rank.  coord: its ``(s, r)``.
+      groups: ``lane -> the process group of that lane containing this rank``.
+      backend: backend name of the groups (``"gloo"``, ``"nccl"``, ...).
+    """
+
+    shard_size: int
+    replicate_size: int
+    grid: tuple[tuple[int, ...], ...]
+    rank: int
+    coord: tuple[int, int]
+    groups: Mapping[str, Any]
+    backend: str
+
+    def global_rank(self, s: int, r: int) -> int:
+        return self.grid[r][s]
+
+    def group(self, lane: str):
+        """The process group of ``lane`` that contains this rank."""
+        try:
+            return self.groups[lane]
+        except KeyError:
+            raise KeyError(f"no process group for lane {lane!r}; lanes: {list(self.groups)}") from None
+
+    def axis_ranks(self, axis: str) -> list[int]:
+        """Global ranks of this rank's group along ``axis``, in axis order."""
+        s, r = self.coord
+        if axis == "shard":
+            return list(self.grid[r])
+        return [self.grid[rr][s] for rr in range(self.replicate_size)]
+
+
+def grid_from_mesh(mesh, replicate_mesh=None, *, shard_dim: str = "shard",
+                   replicate_dim: str = "replicate") -> tuple[tuple[int, ...], ...]:
+    """The ``grid[r][s]`` of global ranks from a DeviceMesh.
+
+    Args:
+      mesh: a 2-D DeviceMesh with dims named ``replicate_dim`` and ``shard_dim`` (any order), or a
+        1-D shard mesh.
+      replicate_mesh: optional 1-D replicate mesh (only with a 1-D ``mesh``). The full grid is then
+        assembled with one ``all_gather_object`` over the world (every rank must call this).
+
+    Raises:
+      ValueError: meshes of the wrong dimensionality or names, inconsistent shapes.
+    """
+    t = mesh.mesh
+    if t.dim() == 2:
+        if replicate_mesh is not None:
+            raise ValueError("pass either a 2-D (replicate, shard) mesh or a 1-D shard mesh plus a "
+                             "1-D replicate_mesh, not both")
+        names = tuple(mesh.mesh_dim_names or ())
+        if set(names) != {shard_dim, replicate_dim}:
+            raise ValueError(f"2-D mesh needs dims named {(replicate_dim, shard_dim)}, got {names}")
+        if names.index(shard_dim) == 0:
+            t = t.t()
+        return tuple(tuple(int(x) for x in row) for row in t.tolist())
+    if t.dim() != 1:
+        raise ValueError(f"mesh must be 1-D or 2-D, got {t.dim()}-D")
+    shard_ranks = tuple(int(x) for x in t.tolist())
+    if replicate_mesh is None:
+        return (shard_ranks,)
+    rt = replicate_mesh.mesh
+    if rt.dim() != 1:
+        raise ValueError("replicate_mesh must be 1-D")
+    rep_ranks = [int(x) for x in rt.tolist()]
+    me = dist.get_rank()
+    if me not in rep_ranks or me not in shard_ranks:
+        raise ValueError("this rank must belong to both its shard mesh and its replicate mesh")
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (rep_ranks.index(me), shard_ranks))
+    rows: dict[int, tuple[int, ...]] = {}
+    for r, row in gathered:
+        if rows.setdefault(r, row) != row:
+            raise ValueError(f"ranks of replicate index {r} disagree on their shard mesh")
+    R, G = len(rep_ranks), len(shard_ranks)
+    if sorted(rows) != list(range(R)) or any(len(row) != G for row in rows.values()):
+        raise ValueError(f"meshes do not form a {R}x{G} grid over the world")
+    return tuple(rows[r] for r in range(R))
+
+
+def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | None = None,
+                        replicate_size: int | None = None,
+                        grid: Sequence[Sequence[int]] | None = None, backend: str | None = None,
+                        timeout: datetime.timedelta | None = None, high_priority: bool = True,
+                        lanes: Sequence[str] = LANES) -> MeshGroups:
+    """Create every lane's process groups once (collective: every rank calls this, same args).
+
+    Give exactly one of: ``mesh`` (DeviceMesh, 2-D or 1-D shard mesh, plus optional 1-D
+    ``replicate_mesh``), ``grid`` (``grid[r][s]`` global ranks), or ``shard_size`` (and optional
+    ``replicate_size``, default 1) for the standard ``r * G + s`` layout over the world.
+
+    Args:
+      backend: backend of the new groups (default: the default group's).
+      timeout: collective timeout of the new groups (default: the default group's).
+      high_priority: on NCCL, make the shard-axis lanes' groups high-priority streams.
+      lanes: which lanes to create (default all three).
+
+    Returns:
+      :class:`MeshGroups` for this rank.
+
+    Raises:
+      RuntimeError: torch.distributed is not initialized.
+      ValueError: inconsistent sizes, a grid that is not a permutation of the world.
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("make_process_groups: call torch.distributed.init_process_group first")
+    given = sum(x is not None for x in (mesh, grid, shard_size))
+    if given != 1:
+        raise ValueError("make_process_groups: give exactly one of mesh, grid, shard_size")
+    if mesh is not None:
+        g = grid_from_mesh(mesh, replicate_mesh)
+    elif grid is not None:
+        g = tuple(tuple(int(x) for x in row) for row in grid)
+    else:
+        G, R = int(shard_size), int(replicate_size or 1)
+        g = tuple(tuple(r * G + s for s in range(G)) for r in range(R))
+    R, G = len(g), len(g[0])
+    world = dist.get_world_size()
+    flat = sorted(x for row in g for x in row)
+    if any(len(row) != G for row in g) or flat != list(range(world)):
+        raise ValueError(f"grid {g} must be an R x G arrangement of all {world} world ranks "
+                         f"(G*R = world size)")
+    me = dist.get_rank()
+    coord = next((s, r) for r in range(R) for s in range(G) if g[r][s] == me)
+    be = backend or str(dist.get_backend())
+    for lane in lanes:
+        if lane not in LANE_AXIS:
+            raise ValueError(f"unknown lane {lane!r}; lanes: {list(LANES)}")
+
+    def options(axis: str):
+        if not (high_priority and axis == "shard" and "nccl" in be):
+            return None
+        opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+        return opts
+
+    groups: dict[str, Any] = {}
+    for lane in LANES:  # fixed global order, whatever `lanes` order was given
+        if lane not in lanes:
+            continue
+        axis = LANE_AXIS[lane]
+        members = ([list(g[r]) for r in range(R)] if axis == "shard"
+                   else [[g[r][s] for r in range(R)] for s in range(G)])
+        for ranks in members:
+            kw: dict[str, Any] = {"backend": backend}
+            if timeout is not None:
+                kw["timeout"] = timeout
+            opts = options(axis)
+            if opts is not None:
+                kw["pg_options"] = opts
+            pg = dist.new_group(ranks, **kw)
+            if me in ranks:
+                groups[lane] = pg
+    log.debug("dmuon process groups: G=%d R=%d rank=%d coord=%s lanes=%s", G, R, me, coord,
+              list(groups))
+    return MeshGroups(G, R, g, me, coord, groups, be)
