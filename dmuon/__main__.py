@@ -20,21 +20,25 @@ __all__ = ["main", "build_parser"]
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dmuon.functional.plan import plan_owners
     from dmuon.functional.presets import get_preset, preset_from_hf_config, preset_specs
+    from dmuon.functional.schedule import step_bytes_per_rank
 
     preset = get_preset(args.model) if args.model else preset_from_hf_config(args.config)
     specs = preset_specs(preset, dtype=args.dtype)
     t0 = time.perf_counter()
     plan = plan_owners(specs, args.shard, args.replicate, ns_steps=args.ns_steps)
     seconds = time.perf_counter() - t0
+    muon = {sp.name: sp for sp in specs if sp.route == "muon"}
+    comm = step_bytes_per_rank(plan.owners, {n: sp.shape for n, sp in muon.items()},
+                               {n: sp.dtype for n, sp in muon.items()}, args.shard, args.replicate)
     if args.json:
-        summ = plan.summary(planning_seconds=seconds)
+        summ = plan.summary(comm_bytes_per_rank=comm, planning_seconds=seconds)
         summ["model"] = preset.name
         print(json.dumps(summ, indent=2))
     else:
         print(f"model {preset.name}: hidden {preset.hidden}, intermediate {preset.intermediate}, "
               f"layers {preset.layers}, heads {preset.heads}/{preset.kv_heads} kv, vocab {preset.vocab}, "
               f"dtype {args.dtype}")
-        print(plan.table(planning_seconds=seconds, max_rows=args.max_rows))
+        print(plan.table(comm_bytes_per_rank=comm, planning_seconds=seconds, max_rows=args.max_rows))
     return 0
 
 
