@@ -200,18 +200,24 @@ def test_auto_obeys_choose_ns_variant():
     assert choose_ns_variant(20, 64) == "gram" and choose_ns_variant(30, 30) == "direct"
 
 
-def test_xxt_hook_is_used_for_symmetric_products():
+def test_sym_hook_is_used_for_symmetric_products():
     calls = []
 
-    def xxt(t):
-        calls.append(tuple(t.shape))
-        return t @ t.mT
+    def sym(a, b=None, *, alpha=1.0, beta=0.0, c=None, gamma=0.0):
+        calls.append((tuple(a.shape), b is None))
+        full = alpha * (a @ (a if b is None else b).mT)
+        if c is not None:
+            full = full + beta * c
+        return full + gamma * torch.eye(a.shape[-2], dtype=a.dtype)
 
     g = torch.randn(2, 12, 50, dtype=F64, generator=torch.Generator().manual_seed(8))
-    for variant, expected in [("direct", 10), ("gram", 5 + 3)]:  # gram: 5 A^2 + A_0 + 2 restarts
+    # direct: X X^T + polynomial per step; gram (restart 2, 5 steps -> segments 2, 2, 1):
+    # 3 X X^T, 5 polynomials, 2 Q updates, 2 x 2 A updates
+    for variant, n_xxt, n_total in [("direct", 5, 10), ("gram", 3, 3 + 5 + 2 + 4)]:
         calls.clear()
-        out = newton_schulz(g, variant=variant, dtype=F64, xxt=xxt)
-        assert len(calls) == expected, (variant, calls)
+        out = newton_schulz(g, variant=variant, dtype=F64, sym=sym)
+        assert sum(1 for _, is_xxt in calls if is_xxt) == n_xxt, (variant, calls)
+        assert len(calls) == n_total, (variant, calls)
         torch.testing.assert_close(out, newton_schulz(g, variant=variant, dtype=F64),
                                    rtol=0, atol=1e-13)
 

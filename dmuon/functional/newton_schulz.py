@@ -32,6 +32,14 @@ iteration ``i > 0`` with ``i % gram_restart == 0``) the Gram variant re-material
 ``X_0 <- Q X_0``, recomputes ``A = X_0 X_0^T`` from it and resets ``Q = I``. Default period:
 :data:`~dmuon.functional.ns_cost.DEFAULT_GRAM_RESTART` (2); ``None`` disables restarts.
 
+**Symmetric products.** ``A``, ``Z``, ``Q``, ``R`` are all polynomials of one symmetric Gram
+matrix, so every ``m x m`` product above (and ``X X^T``) has a symmetric result. Each goes through
+one op, ``sym(a, b, alpha, beta, c, gamma) = alpha a b^T + beta c + gamma I`` (the ``sym=`` hook,
+default :func:`sym_product` on ``torch.baddbmm``), so a GPU kernel that computes one triangle and
+fuses the polynomial into its epilogue replaces all of them at once. ``P = a I + Z`` is not
+formed as an operand (the products take ``Z`` and add ``a`` times the other factor in the
+epilogue), which rounds better in bf16 than rounding ``a + z_ii``.
+
 References: K. Jordan, "Muon" (2024), https://kellerjordan.github.io/posts/muon/ ; N. Amsel et al.,
 "The Polar Express" (2025), arXiv:2505.16932.
 """
@@ -45,9 +53,10 @@ from torch import Tensor
 from dmuon.functional.coefficients import CoefficientSpec, ns_coefficient_table
 from dmuon.functional.ns_cost import DEFAULT_GRAM_RESTART, choose_ns_variant
 
-__all__ = ["default_ns_dtype", "newton_schulz"]
+__all__ = ["SymOp", "default_ns_dtype", "frobenius_normalize", "newton_schulz", "sym_product"]
 
-XXT = Callable[[Tensor], Tensor]
+#: ``sym(a, b=None, *, alpha=1.0, beta=0.0, c=None, gamma=0.0) -> Tensor``; see :func:`sym_product`.
+SymOp = Callable[..., Tensor]
 
 
 def default_ns_dtype(device: torch.device | str) -> torch.dtype:
@@ -55,54 +64,97 @@ def default_ns_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def _default_xxt(x: Tensor) -> Tensor:
-    return torch.bmm(x, x.mT)
+def frobenius_normalize(x: Tensor, eps: float, dtype: torch.dtype, *,
+                        out: Tensor | None = None) -> Tensor:
+    """``X_0 = X / (||X||_F + eps)`` per matrix (last two dims), computed in at least fp32, cast.
+
+    Args:
+      x: ``(..., m, n)``; not mutated.
+      eps: added to each Frobenius norm.
+      dtype: dtype of the result (the NS compute dtype). The norm and the division run in
+        ``promote(x.dtype, dtype, float32)``.
+      out: optional ``(..., m, n)`` tensor of ``dtype`` (any strides, e.g. a transposed view of a
+        batch) that receives the result; the caller donates it.
+
+    Returns:
+      ``out`` if given, else a new tensor.
+    """
+    acc = torch.promote_types(torch.promote_types(x.dtype, dtype), torch.float32)
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=acc).add_(eps)
+    if out is None:
+        return torch.div(x, norm).to(dtype)
+    return torch.div(x, norm, out=out)
 
 
-def _poly_z(a_mat: Tensor, b: float, c: float, xxt: XXT | None) -> Tensor:
-    """``b A + c A^2`` for a batch of symmetric ``A`` (``A^2 = A A^T`` may use the ``xxt`` hook)."""
-    if xxt is None:
-        return torch.baddbmm(a_mat, a_mat, a_mat, beta=b, alpha=c)
-    return torch.add(xxt(a_mat) * c, a_mat, alpha=b)
+def sym_product(a: Tensor, b: Tensor | None = None, *, alpha: float = 1.0, beta: float = 0.0,
+                c: Tensor | None = None, gamma: float = 0.0) -> Tensor:
+    """The reference symmetric-product op: ``alpha a b^T + beta c + gamma I``, batched.
+
+    This is the contract of the ``sym=`` hook of :func:`newton_schulz`, and its default. The
+    caller guarantees that the result is symmetric: either ``b`` is ``None`` (``b = a``, so
+    ``a a^T``: SYRK), or ``b`` is a symmetric ``(B, m, m)`` matrix commuting with ``a`` (in NS
+    every such pair is two polynomials of one Gram matrix), so ``a b^T = a b``. A replacement may
+    exploit the symmetry (compute one triangle and mirror it); this reference computes the full
+    product ``a @ b`` (not ``a @ b.mT``: on a low-precision ``b`` that is symmetric only up to
+    rounding the two differ, and ``a @ b`` is what the iteration was validated with).
+
+    Args:
+      a: ``(B, m, k)``.
+      b: ``None`` or a symmetric ``(B, m, m)`` (then ``k = m``).
+      alpha, beta, gamma: scalars; ``c`` (``(B, m, m)``, symmetric) is read only when not None
+        and ``beta != 0``.
+
+    Returns:
+      A new ``(B, m, m)`` tensor in ``a``'s dtype (``torch.baddbmm`` / ``torch.bmm``).
+    """
+    bt = a.mT if b is None else b
+    if c is not None and beta != 0.0:
+        out = torch.baddbmm(c, a, bt, beta=beta, alpha=alpha)
+    else:
+        out = torch.bmm(a, bt)
+        if alpha != 1.0:
+            out.mul_(alpha)
+    if gamma != 0.0:
+        out.diagonal(dim1=-2, dim2=-1).add_(gamma)
+    return out
 
 
-def _direct(x: Tensor, table, xxt: XXT | None) -> Tensor:
-    gram_fn = xxt or _default_xxt
+def _direct(x: Tensor, table, sym: SymOp) -> Tensor:
     for a, b, c in table:
-        a_mat = gram_fn(x)
-        z = _poly_z(a_mat, b, c, xxt)
-        x = torch.baddbmm(x, z, x, beta=a)
+        a_mat = sym(x)                                          # A = X X^T
+        z = sym(a_mat, a_mat, alpha=c, beta=b, c=a_mat)         # Z = b A + c A^2
+        x = torch.baddbmm(x, z, x, beta=a)                      # X = a X + Z X (general)
     return x
 
 
-def _gram(x0: Tensor, table, xxt: XXT | None, restart: int | None) -> Tensor:
-    gram_fn = xxt or _default_xxt
+def _gram(x0: Tensor, table, sym: SymOp, restart: int | None) -> Tensor:
     steps = len(table)
-    a_mat = gram_fn(x0)
-    q = None
+    a_mat = sym(x0)                                             # A_0 = X_0 X_0^T
+    q: Tensor | None = None
     for i, (a, b, c) in enumerate(table):
-        if restart and i > 0 and i % restart == 0:
+        if restart and i > 0 and i % restart == 0:              # restart: X_0 <- Q X_0
             x0 = torch.bmm(q, x0)
-            a_mat = gram_fn(x0)
+            a_mat = sym(x0)
             q = None
-        z = _poly_z(a_mat, b, c, xxt)
-        if q is None:
+        z = sym(a_mat, a_mat, alpha=c, beta=b, c=a_mat)         # Z = b A + c A^2
+        if q is None:                                           # Q = P = Z + a I (no product)
             q = z.clone()
             q.diagonal(dim1=-2, dim2=-1).add_(a)
         else:
-            q = torch.baddbmm(q, z, q, beta=a)
-        last_in_segment = i == steps - 1 or (restart and (i + 1) % restart == 0)
+            q = sym(z, q, beta=a, c=q)                          # Q = Z Q + a Q
+        last_in_segment = i == steps - 1 or bool(restart and (i + 1) % restart == 0)
         if not last_in_segment:
-            r = torch.baddbmm(a_mat, a_mat, z, beta=a)
-            a_mat = torch.baddbmm(r, z, r, beta=a)
+            r = sym(a_mat, z, beta=a, c=a_mat)                  # R = A Z + a A
+            a_mat = sym(z, r, beta=a, c=r)                      # A = Z R + a R = P A P
     return torch.bmm(q, x0)
 
 
 def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = "polar_express",
                   eps: float = 1e-7, dtype: torch.dtype | None = None,
                   variant: Literal["auto", "direct", "gram"] = "auto", safety: float = 1.01,
-                  xxt: Callable[[Tensor], Tensor] | None = None,
-                  gram_restart: int | None = DEFAULT_GRAM_RESTART) -> Tensor:
+                  sym: SymOp | None = None,
+                  gram_restart: int | None = DEFAULT_GRAM_RESTART,
+                  normalize: bool = True) -> Tensor:
     """Approximately orthogonalize every matrix of ``x`` (its polar factor ``U V^T``).
 
     Args:
@@ -116,10 +168,18 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = 
       variant: ``"direct"``, ``"gram"`` or ``"auto"`` (the cheaper by
         :func:`~dmuon.functional.ns_cost.choose_ns_variant`, ties -> direct).
       safety: Polar Express safety factor (ignored by the other schedules).
-      xxt: optional batched ``t -> t @ t.mT`` for ``(B, p, q)`` tensors in the compute dtype; used
-        for every symmetric product (``X X^T`` and ``A A``). GPU SYRK-style kernels plug in here.
+      sym: the symmetric-product op, ``sym(a, b=None, *, alpha=1, beta=0, c=None, gamma=0)
+        = alpha a b^T + beta c + gamma I`` on ``(B, m, k)`` batches in the compute dtype (contract:
+        :func:`sym_product`, the default). It computes EVERY product whose result is symmetric:
+        ``X X^T``, ``b A + c A^2`` and, in Gram, ``Z Q + a Q``, ``A Z + a A``, ``Z R + a R``;
+        only ``Z X`` (direct) and ``Q X_0`` (Gram) are general products (``torch.bmm``). GPU
+        triangle kernels plug in here (:func:`dmuon.kernels.syrk.make_sym_op`).
       gram_restart: Gram restart period (re-materialize ``X`` every this many iterations);
         ``None`` or 0 disables restarts. Ignored by direct.
+      normalize: ``True`` (default): ``X_0 = frobenius_normalize(x, eps, dtype)``. ``False``:
+        ``x`` already is ``X_0`` (scaled so that its singular values are at most 1, e.g. by
+        :func:`frobenius_normalize` fused into a caller's gather) and is only cast to the
+        compute dtype; ``eps`` is then unused.
 
     Returns:
       A new contiguous tensor with ``x``'s shape and dtype.
@@ -142,6 +202,9 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = 
     if gram_restart is not None and (isinstance(gram_restart, bool) or
                                      not isinstance(gram_restart, int) or gram_restart < 0):
         raise ValueError(f"gram_restart must be None or an int >= 0, got {gram_restart!r}")
+    if sym is not None and not callable(sym):
+        raise TypeError(f"sym must be a callable (see sym_product) or None, got {type(sym).__name__}")
+    sym_op = sym_product if sym is None else sym
     table = ns_coefficient_table(coefficients, steps, safety=safety)
     cdtype = default_ns_dtype(x.device) if dtype is None else dtype
     if not cdtype.is_floating_point:
@@ -157,19 +220,15 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = 
     xb = x.reshape(-1, m, n)
     if tall:
         xb = xb.mT
-    # Normalize in at least fp32 (and at least the compute precision), then cast.
-    acc = torch.promote_types(torch.promote_types(x.dtype, cdtype), torch.float32)
-    xa = xb.to(acc)
-    norm = torch.linalg.vector_norm(xa, dim=(-2, -1), keepdim=True)
-    x0 = (xa / (norm + eps)).to(cdtype)
+    x0 = frobenius_normalize(xb, eps, cdtype) if normalize else xb.to(cdtype)
 
     short, long_ = min(m, n), max(m, n)
     if variant == "auto":
         variant = choose_ns_variant(short, long_, steps, gram_restart=gram_restart)
     if variant == "direct":
-        out = _direct(x0, table, xxt)
+        out = _direct(x0, table, sym_op)
     else:
-        out = _gram(x0, table, xxt, gram_restart or None)
+        out = _gram(x0, table, sym_op, gram_restart or None)
     if tall:
         out = out.mT
     return out.to(x.dtype).contiguous().reshape(shape)

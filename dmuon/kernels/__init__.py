@@ -1,0 +1,1 @@
+"""GPU kernels (Triton) for the symmetric products of Newton–Schulz; CPU-safe to import."""

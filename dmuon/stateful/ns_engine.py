@@ -1,0 +1,334 @@
+"""Batched Newton–Schulz for all matrices a rank owns, grouped by shape, replayed as a CUDA graph.
+
+What it computes: for every input ``G_i`` (viewed as ``B_i`` matrices ``m_i x n_i`` through
+:func:`~dmuon.functional.matrix_shape.as_matrix_shape`) exactly what
+:func:`dmuon.functional.newton_schulz.newton_schulz` computes, ``U_i ~ polar(G_i)``, returned in
+``G_i``'s shape and dtype:
+
+* matrices are grouped by ``(min(m, n), max(m, n))`` -- a tall matrix is stored transposed in its
+  group's batch, so ``8192 x 2048`` and ``2048 x 8192`` run together -- and each group is split
+  into chunks of at most ``max_chunk_bytes`` of compute-dtype iterate;
+* per chunk: Frobenius normalization in at least fp32 straight from the sources into the batch
+  (:func:`~dmuon.functional.newton_schulz.frobenius_normalize`, ``X_0 = G / (||G||_F + eps)``
+  cast to the compute dtype, bf16 on CUDA), then one call of the functional core,
+  ``newton_schulz(X_0, normalize=False, variant=..., sym=make_sym_op(sym_backend))``, direct or
+  Gram as :func:`~dmuon.functional.ns_cost.choose_ns_variant` says for that shape, with the Gram
+  restarts of ``gram_restart``; every symmetric product runs on the Triton triangle kernel or
+  cuBLAS (:mod:`dmuon.kernels.syrk`). The engine holds no NS math of its own;
+* on CUDA the whole program (gather + normalize, every chunk's iteration, scatter + cast) is
+  captured once per input signature into one CUDA graph and replayed, so the host cost of a step
+  is one replay whatever the number of matrices. Where capture is impossible (CPU tensors,
+  ``cuda_graphs=False``, the caller is itself capturing, or capture raised) it runs eagerly; the
+  reason is logged once.
+
+Two ways to call it:
+
+* ``engine.orthogonalize(tensors, batch_dims=...) -> list`` -- any tensors; the inputs are copied
+  into engine-owned static buffers (one ``_foreach_copy_``), the graph replays, results are
+  returned as new tensors (or copied into ``out=``).
+* ``step = engine.bind(inputs, outputs, batch_dims=...)`` then ``step()`` each optimizer step --
+  ``inputs``/``outputs`` are persistent tensors (e.g. the Nesterov buffers and the update
+  buffers) whose storage does not move; the graph reads and writes them directly (no copies).
+  ``outputs[i]`` must be contiguous with ``inputs[i]``'s shape; it may be ``inputs[i]`` itself.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from dmuon.functional.coefficients import CoefficientSpec, ns_coefficient_table
+from dmuon.functional.matrix_shape import as_matrix_shape
+from dmuon.functional.newton_schulz import default_ns_dtype, frobenius_normalize, newton_schulz
+from dmuon.functional.ns_cost import DEFAULT_GRAM_RESTART, choose_ns_variant
+from dmuon.kernels.syrk import make_sym_op
+
+__all__ = ["NSEngine", "BoundNS", "NSEntry", "NSChunk", "plan_ns_chunks"]
+
+log = logging.getLogger(__name__)
+_LOGGED: set = set()
+
+
+def _log_once(key: str, msg: str, *args) -> None:
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        log.warning(msg, *args)
+
+
+@dataclass(frozen=True)
+class NSEntry:
+    """One input: its position, ``B`` matrices of ``m x n``, and where they sit in the chunk."""
+    index: int
+    batch: int
+    m: int
+    n: int
+    offset: int
+
+    @property
+    def tall(self) -> bool:
+        return self.m > self.n
+
+
+@dataclass(frozen=True)
+class NSChunk:
+    """One batched NS call: ``batch`` wide matrices ``short x long`` run with ``variant``."""
+    short: int
+    long: int
+    variant: str
+    batch: int
+    entries: tuple[NSEntry, ...]
+
+
+def plan_ns_chunks(shapes: Sequence[Sequence[int]], batch_dims: Sequence[int], *, steps: int,
+                   gram_restart: Optional[int], itemsize: int,
+                   max_chunk_bytes: Optional[int]) -> tuple[tuple[NSChunk, ...], tuple[int, ...]]:
+    """Group inputs by wide shape and split groups into chunks (pure; deterministic order).
+
+    Args:
+      shapes, batch_dims: per input, its shape and number of leading batch dims.
+      steps, gram_restart: passed to ``choose_ns_variant`` for each group's variant.
+      itemsize: bytes per element of the compute dtype.
+      max_chunk_bytes: cap on a chunk's iterate (``batch * short * long * itemsize``); an input
+        larger than the cap forms a chunk of its own. ``None``: one chunk per group.
+
+    Returns:
+      ``(chunks, empty)``: the chunks in order of first appearance of their shape, and the
+      indices of inputs with no elements (their result is all zeros).
+    """
+    groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    empty = []
+    for i, (shape, bd) in enumerate(zip(shapes, batch_dims)):
+        b, m, n = as_matrix_shape(shape, bd)
+        if b * m * n == 0:
+            empty.append(i)
+            continue
+        groups.setdefault((min(m, n), max(m, n)), []).append((i, b, m, n))
+    chunks = []
+    for (s, l), items in groups.items():
+        variant = choose_ns_variant(s, l, steps, gram_restart=gram_restart)
+        per = s * l * itemsize
+        cur: list[NSEntry] = []
+        size = 0
+        for i, b, m, n in items:
+            if cur and max_chunk_bytes is not None and (size + b) * per > max_chunk_bytes:
+                chunks.append(NSChunk(s, l, variant, size, tuple(cur)))
+                cur, size = [], 0
+            cur.append(NSEntry(i, b, m, n, size))
+            size += b
+        chunks.append(NSChunk(s, l, variant, size, tuple(cur)))
+    return tuple(chunks), tuple(empty)
+
+
+class _Program:
+    """Runs (and on CUDA captures) one signature's gather -> NS -> scatter over fixed tensors."""
+
+    def __init__(self, engine: "NSEngine", srcs: Sequence[Tensor], dsts: Sequence[Tensor],
+                 batch_dims: Sequence[int]):
+        self.engine = engine
+        self.srcs = list(srcs)
+        self.dsts = list(dsts)
+        self.device = self.srcs[0].device if self.srcs else torch.device("cpu")
+        self.cdtype = engine.dtype or default_ns_dtype(self.device)
+        self.chunks, self.empty = plan_ns_chunks(
+            [t.shape for t in self.srcs], batch_dims, steps=engine.steps,
+            gram_restart=engine.gram_restart, itemsize=torch.empty((), dtype=self.cdtype).itemsize,
+            max_chunk_bytes=engine.max_chunk_bytes)
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.mode = "eager"
+        self._sym = make_sym_op(engine.sym_backend)
+        self._maybe_capture()
+
+    # -- the program --------------------------------------------------------------------------
+    def _run_chunk(self, ch: NSChunk) -> None:
+        x0 = torch.empty((ch.batch, ch.short, ch.long), dtype=self.cdtype, device=self.device)
+        for e in ch.entries:
+            src = self.srcs[e.index].reshape(e.batch, e.m, e.n)
+            view = x0[e.offset:e.offset + e.batch]
+            frobenius_normalize(src, self.engine.eps, self.cdtype, out=view.mT if e.tall else view)
+        eng = self.engine
+        y = newton_schulz(x0, steps=eng.steps, coefficients=eng.table, dtype=self.cdtype,
+                          variant=ch.variant, gram_restart=eng.gram_restart, sym=self._sym,
+                          normalize=False)
+        for e in ch.entries:
+            part = y[e.offset:e.offset + e.batch]
+            self.dsts[e.index].view(e.batch, e.m, e.n).copy_(part.mT if e.tall else part)
+
+    def run_eager(self) -> None:
+        for i in self.empty:
+            self.dsts[i].zero_()
+        for ch in self.chunks:
+            self._run_chunk(ch)
+
+    def _maybe_capture(self) -> None:
+        eng = self.engine
+        if self.device.type != "cuda":
+            return
+        if not eng.cuda_graphs:
+            _log_once("disabled", "NSEngine: CUDA graphs disabled (cuda_graphs=False); "
+                      "running NS eagerly")
+            return
+        try:
+            side = torch.cuda.Stream(device=self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS handles/workspaces
+                self.run_eager()
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=eng._pool(self.device)):
+                self.run_eager()
+            self.graph, self.mode = g, "graph"
+        except Exception as exc:  # capture impossible: fall back, say why once
+            self.graph, self.mode = None, "eager"
+            _log_once(f"capture:{type(exc).__name__}",
+                      "NSEngine: CUDA graph capture failed (%s: %s); running NS eagerly",
+                      type(exc).__name__, exc)
+            torch.cuda.synchronize(self.device)
+
+    def __call__(self) -> None:
+        if self.graph is not None and not torch.cuda.is_current_stream_capturing():
+            self.graph.replay()
+        else:
+            self.run_eager()
+
+
+class BoundNS:
+    """A captured NS program over fixed input/output tensors; call it once per step."""
+
+    def __init__(self, program: _Program):
+        self._program = program
+
+    @property
+    def mode(self) -> str:
+        """``"graph"`` (one CUDA graph replay per call) or ``"eager"``."""
+        return self._program.mode
+
+    @property
+    def chunks(self) -> tuple[NSChunk, ...]:
+        """The batched calls this program makes (shape groups, split by ``max_chunk_bytes``)."""
+        return self._program.chunks
+
+    def __call__(self) -> None:
+        self._program()
+
+
+class NSEngine:
+    """Batched, graph-replayed Newton–Schulz for a set of matrices (see the module docstring).
+
+    Args:
+      steps, coefficients, eps, dtype, safety, gram_restart: as in
+        :func:`dmuon.functional.newton_schulz.newton_schulz` (``dtype=None``: bf16 on CUDA, fp32
+        on CPU).
+      cuda_graphs: capture and replay on CUDA (default True).
+      sym_backend: symmetric products on ``"triton"``, ``"torch"`` (cuBLAS) or ``"auto"``
+        (Triton on CUDA when importable).
+      max_chunk_bytes: cap on one batched call's compute-dtype iterate (default 4 GiB), which
+        bounds the workspace (about 3-4 iterates plus the ``m x m`` matrices of a chunk).
+    """
+
+    def __init__(self, *, steps: int = 5, coefficients: CoefficientSpec = "polar_express",
+                 eps: float = 1e-7, dtype: Optional[torch.dtype] = None, safety: float = 1.01,
+                 gram_restart: Optional[int] = DEFAULT_GRAM_RESTART, cuda_graphs: bool = True,
+                 sym_backend: str = "auto", max_chunk_bytes: Optional[int] = 4 << 30):
+        if not (eps >= 0.0):
+            raise ValueError(f"eps must be >= 0, got {eps!r}")
+        if sym_backend not in ("auto", "triton", "torch"):
+            raise ValueError(f"sym_backend must be 'auto', 'triton' or 'torch', got {sym_backend!r}")
+        if max_chunk_bytes is not None and max_chunk_bytes <= 0:
+            raise ValueError(f"max_chunk_bytes must be positive or None, got {max_chunk_bytes!r}")
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        self.steps = steps
+        self.table = ns_coefficient_table(coefficients, steps, safety=safety)
+        self.eps = float(eps)
+        self.dtype = dtype
+        self.gram_restart = gram_restart or None
+        self.cuda_graphs = cuda_graphs
+        self.sym_backend = sym_backend
+        self.max_chunk_bytes = max_chunk_bytes
+        self._pools: dict = {}
+        self._programs: dict = {}
+
+    def _pool(self, device: torch.device):
+        """One graph memory pool per device, shared by this engine's programs (run in order)."""
+        if device not in self._pools:
+            self._pools[device] = torch.cuda.graph_pool_handle()
+        return self._pools[device]
+
+    @staticmethod
+    def _batch_dims(n: int, batch_dims: Union[int, Sequence[int]]) -> list[int]:
+        if isinstance(batch_dims, int):
+            return [batch_dims] * n
+        bd = list(batch_dims)
+        if len(bd) != n:
+            raise ValueError(f"batch_dims has {len(bd)} entries for {n} tensors; give one int or "
+                             "one per tensor")
+        return bd
+
+    @staticmethod
+    def _check(inputs: Sequence[Tensor]) -> None:
+        devs = {t.device for t in inputs}
+        if len(devs) > 1:
+            raise ValueError(f"all tensors must be on one device, got {sorted(map(str, devs))}")
+        for t in inputs:
+            if not t.is_floating_point():
+                raise ValueError(f"NS inputs must be floating point, got {t.dtype}")
+
+    def bind(self, inputs: Sequence[Tensor], outputs: Sequence[Tensor], *,
+             batch_dims: Union[int, Sequence[int]] = 0) -> BoundNS:
+        """Capture the program that writes ``NS(inputs[i])`` into ``outputs[i]``; returns a callable.
+
+        The tensors' storage must stay where it is for as long as the result is used (the graph
+        holds their addresses); their values may change freely between calls.
+        """
+        inputs, outputs = list(inputs), list(outputs)
+        if len(inputs) != len(outputs):
+            raise ValueError(f"{len(inputs)} inputs but {len(outputs)} outputs")
+        self._check(inputs + outputs)
+        for i, (x, y) in enumerate(zip(inputs, outputs)):
+            if x.shape != y.shape or not y.is_contiguous():
+                raise ValueError(f"outputs[{i}] must be contiguous with shape {tuple(x.shape)}, "
+                                 f"got shape {tuple(y.shape)}, contiguous={y.is_contiguous()}")
+        return BoundNS(_Program(self, inputs, outputs, self._batch_dims(len(inputs), batch_dims)))
+
+    def orthogonalize(self, inputs: Sequence[Tensor], *, batch_dims: Union[int, Sequence[int]] = 0,
+                      out: Optional[Sequence[Tensor]] = None) -> list[Tensor]:
+        """``[newton_schulz(x) for x in inputs]`` in batched form; inputs are not mutated.
+
+        Args:
+          inputs: tensors (one device), each ``B`` matrices by ``batch_dims``.
+          batch_dims: one int for all, or one per input.
+          out: optional tensors to receive the results (else new tensors are returned).
+
+        Returns:
+          The results, in order, each with its input's shape and dtype.
+        """
+        inputs = list(inputs)
+        if not inputs:
+            return []
+        bd = self._batch_dims(len(inputs), batch_dims)
+        key = tuple((tuple(t.shape), d, t.dtype, t.device) for t, d in zip(inputs, bd))
+        prog = self._programs.get(key)
+        if prog is None:
+            self._check(inputs)
+            srcs = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in inputs]
+            torch._foreach_copy_(srcs, inputs)
+            dsts = [torch.empty_like(t) for t in srcs]
+            prog = self._programs[key] = _Program(self, srcs, dsts, bd)
+        else:
+            torch._foreach_copy_(prog.srcs, inputs)
+        prog()
+        if out is not None:
+            out = list(out)
+            torch._foreach_copy_(out, prog.dsts)
+            return out
+        return [t.clone() for t in prog.dsts]
+
+    def mode(self, inputs: Sequence[Tensor], batch_dims: Union[int, Sequence[int]] = 0) -> str:
+        """``"graph"`` or ``"eager"`` for the program of this signature (``"none"`` if not built)."""
+        bd = self._batch_dims(len(inputs), batch_dims)
+        key = tuple((tuple(t.shape), d, t.dtype, t.device) for t, d in zip(inputs, bd))
+        prog = self._programs.get(key)
+        return "none" if prog is None else prog.mode

@@ -1,0 +1,115 @@
+"""GPU checks of the Triton symmetric-product kernel and the graph-replayed NS engine.
+
+Measure: relative Frobenius error ``||out - ref|| / ||ref||`` against fp64 on the same inputs
+(fp64 NS via the functional core for the engine; an fp64 product for the kernel). bf16 kernel
+products land near 3e-3; bf16 NS (direct) near 1e-2. Every check draws fresh random inputs.
+"""
+import pytest
+import torch
+
+from dmuon.functional.newton_schulz import newton_schulz
+from dmuon.kernels.syrk import sym_abt_torch, sym_abt_triton, triton_available
+from dmuon.stateful.ns_engine import NSEngine
+
+pytestmark = pytest.mark.gpu
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="Triton not importable")
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm()).item()
+
+
+@needs_triton
+@pytest.mark.parametrize("B,m,k", [(3, 256, 512), (2, 200, 136), (1, 1024, 4096), (5, 96, 64),
+                                   (64, 128, 128)])
+def test_sym_abt_triton_matches_fp64(B, m, k):
+    g = torch.Generator(device="cuda").manual_seed(B * m + k)
+    a = torch.randn(B, m, k, device="cuda", generator=g).bfloat16()
+    s = torch.randn(B, m, m, device="cuda", generator=g)
+    s = (s + s.mT).bfloat16()
+    a64, s64 = a.double(), s.double()
+    eye = torch.eye(m, device="cuda", dtype=torch.float64)
+    for alpha, beta, c, gamma in [(1.0, 0.0, None, 0.0), (2.0315, -4.775, s, 0.0),
+                                  (0.5, 1.5, s, 3.4445)]:
+        out = torch.full((B, m, m), float("nan"), device="cuda", dtype=torch.bfloat16)
+        sym_abt_triton(a, alpha=alpha, beta=beta, c=c, gamma=gamma, out=out)
+        ref = alpha * a64 @ a64.mT + gamma * eye
+        if c is not None:
+            ref = ref + beta * s64
+        assert not torch.isnan(out).any(), "some output element was never written"
+        assert torch.equal(out, out.mT), "mirror must make the result exactly symmetric"
+        assert _rel(out, ref) < 1e-2
+    # two operands with a symmetric product: commuting polynomials of one Gram matrix
+    gm = (a64 @ a64.mT) / k
+    p, q = (gm @ gm + gm), (2 * gm - gm @ gm)
+    out = sym_abt_triton(p.bfloat16(), q.bfloat16())
+    assert _rel(out, p @ q) < 1e-2
+
+
+SHAPES = [(512, 512), (256, 1024), (1024, 256), (512, 2048), (384, 640)]
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_engine_graph_matches_fp64(backend):
+    if backend == "triton" and not triton_available():
+        pytest.skip("Triton not importable")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    xs = [torch.randn(s, device="cuda", generator=g) for s in SHAPES] + \
+         [torch.randn(3, 512, 2048, device="cuda", generator=g)]
+    bds = [0] * len(SHAPES) + [1]
+    eng = NSEngine(sym_backend=backend)
+    got = eng.orthogonalize(xs, batch_dims=bds)
+    assert eng.mode(xs, bds) == "graph"
+    # Forcing Triton below TRITON_MIN_M (never done by "auto"): bf16 Gram on the exactly
+    # symmetric (mirrored) triangle products lands at about 2x the cuBLAS iteration's error at
+    # small m on H200 (m=256: 2.36e-2 vs 1.28e-2; m=384 x 640: 3.50e-2 vs 1.72e-2, NOTES_ns.md,
+    # not explained yet). A wrong kernel gives O(1) errors; the kernel itself is checked against
+    # fp64 to 1e-2 above. Allow 2.5x there.
+    slack = (2.5e-2, 2.5) if backend == "triton" else (2e-2, 1.25)
+    for x, y in zip(xs, got):
+        assert y.shape == x.shape and y.dtype == x.dtype
+        _check_close(x, y, *slack)
+    # new values through the same captured graph
+    ys = [torch.randn_like(x) for x in xs]
+    got2 = eng.orthogonalize(ys, batch_dims=bds)
+    for y, o in zip(ys, got2):
+        _check_close(y, o, *slack)
+
+
+def _check_close(x, y, floor=2e-2, factor=1.25):
+    """Fast-path error vs fp64 NS: under ``floor`` (2e-2), or (bf16 Gram at small m, where the
+    functional core's own bf16 iteration lands at 2-5e-2) no worse than ``factor`` times the
+    functional bf16 error on the same input."""
+    ref = newton_schulz(x.double(), dtype=torch.float64, variant="direct")
+    err = _rel(y, ref)
+    base = _rel(newton_schulz(x, dtype=torch.bfloat16), ref)
+    assert err < max(floor, factor * base), (tuple(x.shape), err, base)
+
+
+def test_bound_graph_reads_live_inputs_and_matches_eager():
+    g = torch.Generator(device="cuda").manual_seed(11)
+    xs = [torch.randn(s, device="cuda", generator=g) for s in SHAPES]
+    outs = [torch.full_like(x, float("nan")) for x in xs]
+    step = NSEngine().bind(xs, outs)
+    assert step.mode == "graph"
+    eager = NSEngine(cuda_graphs=False).orthogonalize(xs)
+    step()
+    for o, e in zip(outs, eager):
+        assert not torch.isnan(o).any()
+        assert _rel(o, e) < 1e-6  # same kernels, same order
+    for x in xs:
+        x.copy_(torch.randn(x.shape, device="cuda", generator=g))
+    step()
+    for x, o in zip(xs, outs):
+        _check_close(x, o)
+
+
+def test_engine_large_llama_like_shapes():
+    g = torch.Generator(device="cuda").manual_seed(5)
+    xs = [torch.randn(s, device="cuda", generator=g) for s in
+          [(2048, 2048), (512, 2048), (8192, 2048), (2048, 8192)]]
+    got = NSEngine().orthogonalize(xs)
+    for x, y in zip(xs, got):
+        _check_close(x, y)
