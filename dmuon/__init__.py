@@ -1,10 +1,31 @@
 """dmuon: distributed Muon for PyTorch FSDP2/HSDP by dedicated ownership.
 
-``dmuon.functional`` is the pure core (orthogonalization, Muon/AdamW with explicit state,
-owner planning, communication schedules); the stateful wrapper (``dedicate_params``, ``Muon``,
-state-dict API) lives in ``dmuon.stateful`` and its public names are re-exported here.
+``import dmuon`` makes every later ``fully_shard`` call skip the params that
+:func:`dedicate_params` marked (they carry ``_dedicated_owner_rank``), whatever the order in which
+user code imported ``fully_shard``.
+
+Public API (the stateful wrapper, see SPEC §2):
+  ``dedicate_params``, ``Muon``, ``no_sync``, ``wait_all_replicate_broadcasts``,
+  ``get_model_state_dict`` / ``set_model_state_dict``, ``get_optimizer_state_dict`` /
+  ``set_optimizer_state_dict``, ``clip_grad_norm_``.
+The pure core is ``dmuon.functional``.
 """
 
 __version__ = "0.1.0"
 
 from dmuon import functional  # noqa: E402,F401
+from dmuon.stateful.dedicate import dedicate_params  # noqa: E402
+from dmuon.stateful.fsdp_patch import install_fully_shard_patch as _install_fully_shard_patch  # noqa: E402
+from dmuon.stateful.grad_clip import clip_grad_norm_  # noqa: E402
+from dmuon.stateful.no_sync import no_sync, wait_all_replicate_broadcasts  # noqa: E402
+from dmuon.stateful.optimizer import Muon  # noqa: E402
+from dmuon.stateful.optimizer_state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # noqa: E402
+from dmuon.stateful.state_dict import get_model_state_dict, set_model_state_dict  # noqa: E402
+
+_install_fully_shard_patch()
+
+__all__ = [
+    "functional", "dedicate_params", "Muon", "no_sync", "wait_all_replicate_broadcasts",
+    "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
+    "set_optimizer_state_dict", "clip_grad_norm_",
+]

@@ -1,0 +1,194 @@
+"""``dedicate_params``: take Muon's matrices away from FSDP2 and give each, whole, to one owner rank.
+
+Call order (SPEC §2)::
+
+    import dmuon
+    dmuon.dedicate_params(model, mesh, predicate)   # before fully_shard
+    for layer in model.layers: fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(model, ...)
+
+What it does, in order: validates the model and the predicate; builds the param specs and the
+owner plan (pure, :mod:`dmuon.functional.plan`); compares the plan's fingerprint across all ranks;
+creates the lane process groups and the executor; groups the dedicated params by hook boundary;
+moves each dedicated matrix into its owner's master storage (zero-size placeholder elsewhere);
+marks each with ``_dedicated_owner_rank`` (so every later ``fully_shard`` skips it); registers the
+forward/backward hooks; attaches the runtime as ``model._dmuon_runtime``.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dmuon.functional.buckets import hook_groups
+from dmuon.functional.plan import plan_owners
+from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
+from dmuon.stateful.executor import Executor
+from dmuon.stateful.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
+from dmuon.stateful.hooks import register_hooks
+from dmuon.stateful.mixed_precision import has_fsdp_state
+from dmuon.stateful.process_groups import make_process_groups
+from dmuon.stateful.runtime import ROOT_GROUP, DedicatedRuntime
+
+logger = logging.getLogger(__name__)
+
+Predicate = Callable[[str, torch.Tensor], bool]
+
+
+def _is_dtensor(p: Any) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(p, DTensor)
+
+
+def _check_fingerprint(fingerprint: str, rank: int) -> None:
+    world = dist.get_world_size()
+    got: list = [None] * world
+    dist.all_gather_object(got, fingerprint)
+    if len(set(got)) > 1:
+        by_fp: dict[str, list[int]] = {}
+        for r, fp in enumerate(got):
+            by_fp.setdefault(fp, []).append(r)
+        detail = "; ".join(f"ranks {rs}: {fp[:12]}" for fp, rs in by_fp.items())
+        raise RuntimeError(
+            "dedicate_params: the owner plan differs across ranks (" + detail + "). Every rank must "
+            "build the same model (same names, shapes, dtypes) and pass the same predicate, mesh and "
+            "settings.")
+
+
+def _boundary_of(model: nn.Module, name: str,
+                 hook_boundary_predicate: Optional[Callable[[nn.Module], bool]]) -> str:
+    """Module path of the hook boundary that moves param ``name`` (``""``: the model itself)."""
+    parts = name.split(".")[:-1]
+    if hook_boundary_predicate is None:
+        key = layer_key_from_name(name)
+        return key if key is not None else ROOT_GROUP
+    for i in range(len(parts), 0, -1):  # lowest (deepest) accepted ancestor first
+        path = ".".join(parts[:i])
+        if hook_boundary_predicate(model.get_submodule(path)):
+            return path
+    return ROOT_GROUP
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh: Any,
+    predicate: Predicate,
+    *,
+    replicate_mesh: Any = None,
+    hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
+    reshard_after_forward: bool = True,
+    mp_policy: Any = None,
+    batch_dims: Optional[Callable[[str, tuple[int, ...]], int]] = None,
+    ns_steps: int = 5,
+    timeout: Optional[datetime.timedelta] = None,
+) -> dict[nn.Parameter, int]:
+    """Dedicate every matrix ``predicate`` selects to one owner rank (collective; before fully_shard).
+
+    Args:
+      model: the model, not yet ``fully_shard``-ed, the same on every rank.
+      mesh: the 1-D shard ``DeviceMesh`` (the one passed to ``fully_shard``), or a 2-D mesh with
+        dims ``("replicate", "shard")``.
+      predicate: ``predicate(name, param) -> bool`` picks the Muon matrices (``ndim >= 2``); every
+        other trainable param stays with FSDP2 and AdamW.
+      replicate_mesh: optional 1-D replicate mesh: HSDP (owners spread over shard x replicate).
+      hook_boundary_predicate: ``module -> bool``; a param is moved by the hooks of its lowest
+        accepted ancestor. Default: the ``layers.N`` / ``blocks.N`` ancestor. Params outside any
+        boundary go to a root group moved by the model's own hooks.
+      reshard_after_forward: True (Z3): free gathered copies after forward, re-gather in backward;
+        False (Z2): keep them from forward to the end of backward.
+      mp_policy: a ``MixedPrecisionPolicy`` for the dedicated params (``param_dtype`` = dtype of the
+        gathered copies, ``reduce_dtype`` = dtype of the gradient reduce). Default: the policy
+        ``fully_shard`` got for the enclosing module (found at the first forward); none: the
+        param's dtype.
+      batch_dims: ``(name, shape) -> int`` leading batch dims of a matrix (e.g. MoE expert stacks).
+      ns_steps: Newton–Schulz steps the plan's cost model assumes (use the optimizer's).
+      timeout: timeout of the lane process groups (default: the default group's).
+
+    Returns:
+      ``{param: owner global rank}`` for every dedicated param (tied params appear once).
+
+    Raises:
+      RuntimeError: torch.distributed is not initialized; the model already has FSDP2 state or was
+        already dedicated; the owner plan differs across ranks.
+      ValueError: the predicate matches nothing, or matches a non-matrix.
+      NotImplementedError: a dedicated param is a DTensor (tensor parallelism).
+    """
+    install_fully_shard_patch()
+    if not dist.is_initialized():
+        raise RuntimeError("dedicate_params needs torch.distributed: call "
+                           "torch.distributed.init_process_group(...) first")
+    if getattr(model, "_dmuon_runtime", None) is not None:
+        raise RuntimeError("dedicate_params was already called on this model")
+    fsdp_mods = has_fsdp_state(model)
+    if fsdp_mods:
+        raise RuntimeError(
+            "dedicate_params must run before fully_shard, but these modules already have FSDP2 "
+            f"state: {fsdp_mods[:5]}{' ...' if len(fsdp_mods) > 5 else ''}. Call "
+            "dmuon.dedicate_params(model, mesh, predicate) first, then fully_shard.")
+    if not callable(predicate):
+        raise TypeError("predicate must be a callable (name, param) -> bool")
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # dedups tied params
+    chosen: dict[str, nn.Parameter] = {}
+    for n, p in named:
+        if not predicate(n, p):
+            continue
+        if _is_dtensor(p):
+            raise NotImplementedError(
+                f"dedicate_params: param {n!r} is a DTensor (tensor/sequence parallel); dedicating "
+                "DTensor params is not supported yet. Apply dedicate_params before parallelizing, "
+                "or exclude TP-sharded params in the predicate.")
+        if p.ndim < 2:
+            raise ValueError(
+                f"dedicate_params: the predicate selected {n!r} of shape {tuple(p.shape)}, which is "
+                "not a matrix; Muon needs ndim >= 2. Add `p.ndim >= 2` (or `p.ndim == 2`) to the "
+                "predicate so vectors stay with AdamW.")
+        chosen[n] = p
+    if not chosen:
+        raise ValueError(
+            f"dedicate_params: the predicate matched no trainable parameter of {type(model).__name__} "
+            f"({len(named)} candidates, e.g. {[n for n, _ in named[:4]]}). Check the names it tests, "
+            "e.g. predicate=lambda n, p: p.ndim == 2 and 'proj' in n.")
+
+    bd_fn = (lambda n, shape: int(batch_dims(n, shape))) if batch_dims is not None else None
+    specs = specs_from_named_shapes(named, lambda n, p: n in chosen, batch_dims_fn=bd_fn)
+    mesh_groups = make_process_groups(mesh, replicate_mesh=replicate_mesh, timeout=timeout)
+    plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size, ns_steps=ns_steps)
+    _check_fingerprint(plan.fingerprint, mesh_groups.rank)
+
+    # a param shared by several modules (tied weights) is moved by the boundary of all its uses:
+    # if its names fall under different boundaries, the root group (gathered for the whole forward)
+    aliases: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    keys = {}
+    for n, p in chosen.items():
+        bounds = {_boundary_of(model, a, hook_boundary_predicate) for a in aliases[id(p)]}
+        keys[n] = bounds.pop() if len(bounds) == 1 else ROOT_GROUP
+    module_order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    order = sorted(set(keys.values()), key=lambda k: module_order.get(k, -1))
+    groups = hook_groups(list(chosen), keys, order=order)
+    group_modules = {k: (model if k == ROOT_GROUP else model.get_submodule(k)) for k in order}
+
+    executor = Executor(mesh_groups)
+    spec_by_name = {s.name: s for s in specs}
+    rt = DedicatedRuntime(
+        model=model, params=chosen, specs={n: spec_by_name[n] for n in chosen}, plan=plan,
+        mesh_groups=mesh_groups, executor=executor, groups=groups, group_modules=group_modules,
+        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+        batch_dims={n: spec_by_name[n].batch_dims for n in chosen}, all_specs=specs)
+    for n, p in chosen.items():
+        setattr(p, DEDICATED_ATTR, rt.owner_rank[n])
+    register_hooks(model, rt)
+    model._dmuon_runtime = rt
+    logger.info("dmuon: dedicated %d params over G=%d R=%d (plan %s)", len(chosen),
+                rt.G, rt.R, plan.fingerprint[:12])
+    return {chosen[n]: rt.owner_rank[n] for n in chosen}

@@ -1,0 +1,79 @@
+"""Global gradient-norm clipping over FSDP2 gradients and the owners' reduced matrix gradients."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dmuon.stateful.runtime import get_runtime
+
+
+def _replication(t: torch.Tensor) -> int:
+    """How many ranks hold the same local piece of ``t`` (so that it is counted once)."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return dist.get_world_size()
+    mesh = t.device_mesh
+    k = 1
+    for i, pl in enumerate(placements):
+        if pl.is_replicate():
+            k *= mesh.size(i)
+    # ranks outside the DTensor's mesh hold nothing of it; the mesh covers the world here
+    return k * (dist.get_world_size() // mesh.size())
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Clip the global gradient norm of ``model`` in place; collective.
+
+    The norm covers every trainable param's gradient once: FSDP2's sharded gradients (each shard
+    counted once, replicas not double-counted) and the dedicated matrices' reduced gradients held by
+    their owners (call after ``backward``, before ``step``). All gradients are multiplied by
+    ``min(1, max_norm / (total_norm + 1e-6))`` as ``torch.nn.utils.clip_grad_norm_`` does.
+
+    Args:
+      model: a model prepared by ``dedicate_params``.
+      max_norm: the maximum norm.  norm_type: 2.0 (or any p >= 1) or ``inf``.
+      error_if_nonfinite: raise ``RuntimeError`` when the total norm is NaN or Inf.
+
+    Returns:
+      the total norm (a 0-d tensor, the same on every rank), before clipping.
+    """
+    rt = get_runtime(model, "dmuon.clip_grad_norm_(model, ...)")
+    rt.wait_reduces()
+    p = float(norm_type)
+    dedicated = set(rt.params.values())
+    pieces: list[tuple[torch.Tensor, int]] = []
+    for n in rt.owned_names:
+        g = rt.reduced_grads.get(n)
+        if g is not None:
+            pieces.append((g, 1))
+    for prm in model.parameters():
+        if prm in dedicated or prm.grad is None:
+            continue
+        g = prm.grad
+        local = g.to_local() if hasattr(g, "to_local") else g
+        pieces.append((local, _replication(g)))
+    acc = torch.zeros((), dtype=torch.float64, device=rt.device)
+    for g, k in pieces:
+        if g.numel() == 0:
+            continue
+        if math.isinf(p):
+            acc = torch.maximum(acc, g.detach().abs().max().to(torch.float64))
+        else:
+            acc = acc + torch.linalg.vector_norm(g.detach(), p).to(torch.float64) ** p / k
+    if math.isinf(p):
+        dist.all_reduce(acc, op=dist.ReduceOp.MAX)
+        total = acc
+    else:
+        dist.all_reduce(acc)
+        total = acc ** (1.0 / p)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(f"the total gradient norm of order {norm_type} is non-finite ({total}); "
+                           "check the loss and inputs, or pass error_if_nonfinite=False")
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g, _ in pieces:
+        g.mul_(coef.to(g.dtype))
+    return total

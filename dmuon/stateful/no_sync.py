@@ -1,0 +1,57 @@
+"""Gradient accumulation without communication, and draining async HSDP publishes."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch.nn as nn
+
+from dmuon.stateful.runtime import get_runtime
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Context manager: backward passes inside issue no collectives.
+
+    Dedicated matrices accumulate their local gradients on every rank; FSDP2 modules get
+    ``set_requires_gradient_sync(False)``. The next backward outside the context reduces the
+    accumulated sum (dedicated: averaged over ranks to the owner; FSDP2: its own reduce-scatter).
+
+    Example::
+
+        for i, batch in enumerate(loader):
+            ctx = dmuon.no_sync(model) if (i + 1) % accum != 0 else contextlib.nullcontext()
+            with ctx:
+                (model(batch).loss / accum).backward()
+            if (i + 1) % accum == 0:
+                optimizer.step(); optimizer.zero_grad()
+    """
+    rt = get_runtime(model, "dmuon.no_sync(model)")
+    fsdp = _fsdp_modules(model)
+    prev = rt.require_grad_sync
+    rt.require_grad_sync = False
+    for m in fsdp:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        rt.require_grad_sync = prev
+        for m in fsdp:
+            m.set_requires_gradient_sync(prev, recurse=False)
+
+
+def wait_all_replicate_broadcasts(model: nn.Module) -> None:
+    """Wait for the asynchronous post-step HSDP publishes of ``model`` (no-op without HSDP).
+
+    Call before reading weights outside dmuon (e.g. a foreign checkpointer);
+    ``get_model_state_dict`` calls it itself.
+    """
+    get_runtime(model, "dmuon.wait_all_replicate_broadcasts(model)").wait_publish()

@@ -1,0 +1,253 @@
+"""``dmuon.Muon``: a ``torch.optim.Optimizer`` over a model prepared by ``dedicate_params``.
+
+Two param groups, both read at every ``step`` (so ``torch.optim.lr_scheduler`` and HF ``Trainer``
+work): ``param_groups[0]`` (``name="muon"``) holds the dedicated matrices and Muon's hparams;
+``param_groups[1]`` (``name="adamw"``) holds every other trainable param (FSDP2's sharded params)
+with AdamW's hparams (``lr = adamw_lr``, ``weight_decay = adamw_weight_decay``).
+
+``step()``:
+
+1. waits for the pending gradient reduces (the owner now holds each matrix's averaged gradient);
+2. runs :func:`dmuon.functional.muon.update` (``donate=True``) on the masters this rank owns;
+3. consumes the reduced gradients and marks gathered copies stale (the next forward broadcasts the
+   new masters; HSDP: publishes them to the replicas asynchronously);
+4. runs :func:`dmuon.functional.adamw.update` (``donate=True``) on FSDP2's local shards
+   (``DTensor.to_local()``, updated in place).
+
+The functional states (``MuonState``, ``AdamWState``) are the truth; ``self.state[param]`` exposes
+them torch-style (``momentum_buffer``; ``step``, ``exp_avg``, ``exp_avg_sq``) for ``state_dict()``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from dmuon.functional import adamw as fadamw
+from dmuon.functional import muon as fmuon
+from dmuon.stateful.runtime import DedicatedRuntime, get_runtime
+
+logger = logging.getLogger(__name__)
+
+_MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "ns_eps",
+              "ns_dtype", "lr_scale")
+
+
+def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    if t is None:
+        return None
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+class Muon(torch.optim.Optimizer):
+    """Distributed Muon for dedicated matrices + AdamW for everything else.
+
+    Args:
+      model: a model on which ``dmuon.dedicate_params`` ran (then ``fully_shard``).
+      lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, ns_eps, ns_dtype, lr_scale:
+        Muon hyper-parameters (see :class:`dmuon.functional.muon.MuonHParams`).
+      adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters for every
+        trainable param the predicate rejected.
+      check_finite: before updating anything, check every gradient (one small all-reduce per
+        step); NaN/Inf raises ``FloatingPointError`` on every rank and leaves params, state and
+        gradients untouched (``zero_grad()`` then skips the batch).
+
+    Raises:
+      RuntimeError: ``dedicate_params`` was not called on ``model``.
+      ValueError: an invalid hyper-parameter.
+    """
+
+    def __init__(self, model: nn.Module, lr: float = 0.02, momentum: float = 0.95,
+                 nesterov: bool = True, weight_decay: float = 0.0, ns_steps: int = 5,
+                 ns_coefficients: Any = "polar_express", ns_eps: float = 1e-7,
+                 ns_dtype: Optional[torch.dtype] = None, lr_scale: str = "moonlight",
+                 adamw_lr: float = 1e-3, adamw_betas: tuple[float, float] = (0.9, 0.999),
+                 adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.01,
+                 check_finite: bool = True):
+        if not isinstance(model, nn.Module):
+            raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
+                            f"fully_shard), not {type(model).__name__}")
+        rt = get_runtime(model, "dmuon.Muon(model)")
+        muon_hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                       ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_eps=ns_eps,
+                       ns_dtype=ns_dtype, lr_scale=lr_scale)
+        fmuon.validate_hparams(fmuon.MuonHParams(**muon_hp))
+        adamw_hp = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                        weight_decay=adamw_weight_decay)
+        fadamw.validate_hparams(fadamw.AdamWHParams(**adamw_hp))
+        dedicated = set(rt.params.values())
+        self._adamw_named = [(n, p) for n, p in model.named_parameters()
+                             if p.requires_grad and p not in dedicated]
+        groups = [
+            dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_hp),
+            dict(params=[p for _, p in self._adamw_named], name="adamw", **adamw_hp),
+        ]
+        super().__init__(groups, defaults={})
+        self._rt: DedicatedRuntime = rt
+        self._model_ref = model
+        self.check_finite = bool(check_finite)
+        self.num_steps = 0  # completed step() calls (the same on every rank)
+        self.muon_state: Optional[fmuon.MuonState] = None
+        self.adamw_state: Optional[fadamw.AdamWState] = None
+
+    # ------------------------------------------------------------------ hparams
+    def _muon_hparams(self) -> fmuon.MuonHParams:
+        g = self.param_groups[0]
+        return fmuon.MuonHParams(**{k: g[k] for k in _MUON_KEYS})
+
+    def _adamw_hparams(self) -> fadamw.AdamWHParams:
+        g = self.param_groups[1]
+        return fadamw.AdamWHParams(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
+                                   weight_decay=g["weight_decay"])
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One optimizer step (see the module docstring). Returns ``closure()``'s value if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        rt = self._rt
+        rt.wait_reduces()
+        if self.check_finite:
+            self._check_finite(rt)
+        self._muon_step(rt)
+        rt.clear_grads()
+        rt.after_step()
+        self._adamw_step()
+        self.num_steps += 1
+        return loss
+
+    def _check_finite(self, rt: DedicatedRuntime) -> None:
+        import torch.distributed as dist
+
+        named = [(n, rt.reduced_grads[n]) for n in rt.owned_names if n in rt.reduced_grads]
+        named += [(n, _local(p.grad)) for n, p in self._adamw_named if p.grad is not None]
+        named = [(n, g) for n, g in named if g.numel() > 0]
+        world, me = dist.get_world_size(), dist.get_rank()
+        flags = torch.zeros(world, dtype=torch.float32, device=rt.device)
+        if named:
+            norms = torch._foreach_norm([g for _, g in named])
+            flags[me] = (~torch.isfinite(torch.stack(norms).float())).any().float()
+        dist.all_reduce(flags)
+        if bool(flags.any()):
+            bad_ranks = [r for r in range(world) if flags[r] > 0]
+            local = [n for n, g in named if not torch.isfinite(g).all()]
+            raise FloatingPointError(
+                f"dmuon.Muon.step: non-finite (NaN/Inf) gradients on ranks {bad_ranks}"
+                + (f" (here: {local[:8]})" if local else "")
+                + ". Nothing was updated; call optimizer.zero_grad() to skip this batch, lower the "
+                "learning rate or check the loss and inputs (or pass check_finite=False).")
+
+    def _muon_step(self, rt: DedicatedRuntime) -> None:
+        owned = rt.owned_names
+        if not owned:
+            return
+        params = {n: rt.masters[n] for n in owned}
+        if self.muon_state is None:
+            self.muon_state = fmuon.init(params)
+        grads = {n: rt.reduced_grads.get(n) for n in owned}
+        if all(g is None for g in grads.values()):
+            return
+        bd = {n: rt.batch_dims.get(n, 0) for n in owned}
+        _, self.muon_state = fmuon.update(
+            grads, self.muon_state, params, self._muon_hparams(),
+            batch_dims=bd if any(bd.values()) else None, donate=True)
+        self.refresh_state_views()
+
+    def _adamw_tensors(self) -> tuple[dict, dict]:
+        params = {n: _local(p) for n, p in self._adamw_named}
+        grads = {n: _local(p.grad) for n, p in self._adamw_named}
+        return params, grads
+
+    def _adamw_step(self) -> None:
+        if not self._adamw_named:
+            return
+        params, grads = self._adamw_tensors()
+        if self.adamw_state is None:
+            self.adamw_state = fadamw.init(params)
+        if all(g is None for g in grads.values()):
+            return
+        _, self.adamw_state = fadamw.update(grads, self.adamw_state, params, self._adamw_hparams(),
+                                            donate=True)
+        self.refresh_state_views()
+
+    # ------------------------------------------------------------------ grads
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero FSDP2 grads (torch semantics) and drop the dedicated matrices' pending grads."""
+        super().zero_grad(set_to_none=set_to_none)
+        self._rt.clear_grads()
+
+    # ------------------------------------------------------------------ state dict
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load this rank's state (as written by ``state_dict()`` on the same rank and topology)."""
+        groups = state_dict.get("param_groups")
+        st = state_dict.get("state")
+        if groups is None or st is None or len(groups) != len(self.param_groups):
+            raise ValueError("Muon.load_state_dict: expected {'state', 'param_groups'} with "
+                             f"{len(self.param_groups)} groups (muon, adamw) from Muon.state_dict()")
+        for mine, theirs in zip(self.param_groups, groups):
+            if len(mine["params"]) != len(theirs["params"]):
+                raise ValueError(
+                    f"Muon.load_state_dict: group {mine.get('name')!r} has {len(mine['params'])} "
+                    f"params but the state dict has {len(theirs['params'])}; was it saved from the "
+                    "same model and topology?")
+        index: dict[int, torch.Tensor] = {}
+        for mine, theirs in zip(self.param_groups, groups):
+            for p, i in zip(mine["params"], theirs["params"]):
+                index[i] = p
+            for k, v in theirs.items():
+                if k != "params":
+                    mine[k] = v
+        rt = self._rt
+        name_of = {p: n for n, p in rt.params.items()}
+        name_of.update({p: n for n, p in self._adamw_named})
+        owned = set(rt.owned_names)
+        mom, step_m = {}, 0
+        mu, nu, step_a = {}, {}, 0
+        for i, s in st.items():
+            p = index.get(int(i))
+            if p is None:
+                raise ValueError(f"Muon.load_state_dict: state for unknown param index {i}")
+            n = name_of[p]
+            if n in rt.params:
+                if n not in owned:
+                    raise ValueError(f"Muon.load_state_dict: momentum for {n!r}, which this rank does "
+                                     "not own (saved on another rank or topology?)")
+                mom[n] = s["momentum_buffer"]
+                step_m = int(float(s.get("step", 0)))
+            else:
+                mu[n], nu[n] = s["exp_avg"], s["exp_avg_sq"]
+                step_a = int(float(s["step"]))
+        if rt.owned_names:
+            params = {n: rt.masters[n] for n in rt.owned_names}
+            self.muon_state = fmuon.init(params)
+            for n, b in mom.items():
+                self.muon_state.momentum[n].copy_(b)
+            self.muon_state = self.muon_state._replace(step=step_m)
+        if self._adamw_named:
+            params, _ = self._adamw_tensors()
+            self.adamw_state = fadamw.init(params)
+            for n in mu:
+                self.adamw_state.mu[n].copy_(_local(mu[n]))
+                self.adamw_state.nu[n].copy_(_local(nu[n]))
+            self.adamw_state = self.adamw_state._replace(step=step_a)
+        self.refresh_state_views()
+
+    def refresh_state_views(self) -> None:
+        """Rebuild ``self.state[param]`` (torch-style views) from the functional states."""
+        rt = self._rt
+        self.state.clear()
+        if self.muon_state is not None:
+            for n in rt.owned_names:
+                self.state[rt.params[n]] = {"momentum_buffer": self.muon_state.momentum[n],
+                                            "step": torch.tensor(float(self.muon_state.step))}
+        if self.adamw_state is not None and self.adamw_state.step > 0:
+            step = torch.tensor(float(self.adamw_state.step))
+            for n, p in self._adamw_named:
+                self.state[p] = {"step": step, "exp_avg": self.adamw_state.mu[n],
+                                 "exp_avg_sq": self.adamw_state.nu[n]}

@@ -1,0 +1,411 @@
+"""The per-model runtime of dedicated parameters: storage, groups, plan, buckets, executor.
+
+One :class:`DedicatedRuntime` is attached to a model by :func:`dmuon.dedicate_params`
+(``model._dmuon_runtime``). It owns every mutable thing the dedicated matrices need and runs the
+prebuilt schedules of :mod:`dmuon.functional.schedule` through the torch executor; it never does
+math or planning itself.
+
+Storage (per rank ``(s, r)`` of the ``(R, G)`` mesh):
+
+* **masters** — for every dedicated matrix whose owner column is ``s`` (all of them when ``G == 1``):
+  the authoritative copy, in the wider of the param's dtype and fp32, as a view into a flat
+  *master bucket* (one per ``(group, column, master dtype)``) so that the HSDP publish broadcasts
+  whole ranges. Only the owner ``(s, r_o)`` runs Muon on it; the other ranks of column ``s`` receive
+  the publish.
+* **gathered copies** — per hook group and owner column a flat *unshard bucket* in the group's
+  compute dtype. It is allocated once; between uses its storage is resized to 0 bytes (as FSDP2
+  does), so views saved by autograd stay valid and see the re-gathered data in backward. While a
+  group is gathered, each param's ``.data`` is a view into its bucket; otherwise ``.data`` is a
+  zero-size placeholder (``model.state_dict()`` on a rank shows empty tensors: use
+  :func:`dmuon.get_model_state_dict`).
+* **gradients** — the post-accumulate-grad hook moves each local gradient into ``local_grads`` and
+  clears ``param.grad``; the group's reduce copies them into fresh flat *reduce buckets* (reduce
+  dtype), averages them to the owner column, and the owner keeps the views of its own column's
+  bucket as ``reduced_grads`` (accumulated across synced backwards until ``step``/``zero_grad``).
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from dmuon.functional.buckets import (
+    BucketKey, BucketLayout, HookGroups, bucket_layout, to_torch_dtype,
+)
+from dmuon.functional.schedule import (
+    Schedule, publish_schedule, reduce_schedule, unshard_schedule,
+)
+
+logger = logging.getLogger(__name__)
+
+ROOT_GROUP = ""
+
+
+def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The master dtype of a param: the wider of its dtype and fp32 (fp64 stays fp64)."""
+    if dtype.is_floating_point and torch.finfo(dtype).bits > 32:
+        return dtype
+    return torch.float32
+
+
+def _free_storage(t: torch.Tensor) -> None:
+    st = t.untyped_storage()
+    if st.size() != 0:
+        st.resize_(0)
+
+
+def _alloc_storage(t: torch.Tensor) -> None:
+    st = t.untyped_storage()
+    want = t.numel() * t.element_size()
+    if st.size() != want:
+        st.resize_(want)
+
+
+@dataclass
+class GroupRuntime:
+    """Mutable per-hook-group state."""
+
+    key: str
+    module: nn.Module
+    names: tuple[str, ...]
+    compute_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    gathered: bool = False            # params' .data point into the unshard buckets, data valid
+    gathered_version: int = -1        # runtime.version at the time of the gather
+    pending_unshard: Any = None       # executor handle of an in-flight (prefetched) gather
+    accumulated: set = field(default_factory=set)   # names whose grad arrived this backward
+    reduced_this_backward: bool = False
+    reshard_after_forward: bool = True
+
+
+class DedicatedRuntime:
+    """State of the dedicated params of one model (see the module docstring).
+
+    Built by ``dedicate_params``; used by the hooks, ``Muon``, ``no_sync``, the state-dict and the
+    grad-clip functions.
+    """
+
+    def __init__(self, *, model: nn.Module, params: Mapping[str, nn.Parameter],
+                 specs: Mapping[str, Any], plan: Any, mesh_groups: Any, executor: Any,
+                 groups: HookGroups, group_modules: Mapping[str, nn.Module],
+                 reshard_after_forward: bool, mp_policy: Any, batch_dims: Mapping[str, int],
+                 all_specs: tuple):
+        import weakref
+        self.model_ref = weakref.ref(model)
+        self.params: dict[str, nn.Parameter] = dict(params)
+        self.names: tuple[str, ...] = tuple(params)
+        self.specs = dict(specs)
+        self.all_specs = all_specs
+        self.plan = plan
+        self.mesh_groups = mesh_groups
+        self.executor = executor
+        self.hook_groups = groups
+        self.G, self.R = mesh_groups.shard_size, mesh_groups.replicate_size
+        self.coord: tuple[int, int] = tuple(mesh_groups.coord)
+        self.rank: int = mesh_groups.rank
+        self.owners: dict[str, tuple[int, int]] = {n: tuple(plan.owner(n)) for n in self.names}
+        self.owner_rank: dict[str, int] = {
+            n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
+        self.orig_dtype: dict[str, torch.dtype] = {n: p.dtype for n, p in self.params.items()}
+        self.shape: dict[str, tuple[int, ...]] = {n: tuple(p.shape) for n, p in self.params.items()}
+        self.master_dtype = {n: master_dtype_for(d) for n, d in self.orig_dtype.items()}
+        self.device = next(iter(self.params.values())).device
+        self.batch_dims = dict(batch_dims)
+        self.mp_policy = mp_policy
+        self.reshard_after_forward = reshard_after_forward
+        self.groups: dict[str, GroupRuntime] = {}
+        for key in groups.order:
+            self.groups[key] = GroupRuntime(
+                key=key, module=group_modules[key], names=groups.names(key),
+                reshard_after_forward=reshard_after_forward and key != ROOT_GROUP)
+        self.group_of = groups.as_mapping()
+        self.order: list[str] = list(groups.order)  # forward order; refined at the first forward
+        self._seen_order: list[str] = []
+        self._order_final = False
+        # weights change at every step: a gather made before the step is stale afterwards
+        self.version = 0
+        self.require_grad_sync = True
+        self.local_grads: dict[str, torch.Tensor] = {}
+        self.reduced_grads: dict[str, torch.Tensor] = {}
+        self._pending_reduces: list[tuple[Any, dict[BucketKey, torch.Tensor]]] = []
+        self._pending_publish: Any = None
+        self.in_backward_pass = False
+        self._callback_queued = False
+        self.ready = False
+        self.unshard_layout: Optional[BucketLayout] = None
+        self.reduce_layout: Optional[BucketLayout] = None
+        self.unshard_buffers: dict[BucketKey, torch.Tensor] = {}
+        self.unshard_schedules: dict[str, Schedule] = {}
+        self.reduce_schedules: dict[str, Schedule] = {}
+        self._placeholders: dict[str, torch.Tensor] = {}
+        self._build_masters()
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def owned_names(self) -> tuple[str, ...]:
+        """Names this rank runs Muon on (owner == this rank's coordinate)."""
+        return tuple(n for n in self.names if self.owners[n] == self.coord)
+
+    @property
+    def column_names(self) -> tuple[str, ...]:
+        """Names whose master this rank holds (owner column == this rank's shard index)."""
+        return tuple(n for n in self.names if self.owners[n][0] == self.coord[0])
+
+    def _build_masters(self) -> None:
+        """Copy each dedicated param into its master bucket (own column only), free the rest."""
+        self.master_layout = bucket_layout(
+            self.owners, self.shape, {n: self.master_dtype[n] for n in self.names},
+            self.hook_groups, self.G, self.R)
+        self.master_buffers: dict[BucketKey, torch.Tensor] = {}
+        self.masters: dict[str, torch.Tensor] = {}
+        s = self.coord[0]
+        for b in self.master_layout.buckets:
+            if b.key.column != s:
+                continue
+            buf = torch.empty(b.numel, dtype=self.master_dtype[b.entries[0].name], device=self.device)
+            self.master_buffers[b.key] = buf
+            for e in b.entries:
+                view = buf[e.offset:e.offset + e.numel].view(e.shape)
+                with torch.no_grad():
+                    view.copy_(self.params[e.name].detach())
+                self.masters[e.name] = view
+        for n, p in self.params.items():
+            ph = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._placeholders[n] = ph
+            p.data = ph
+
+    def resolve_dtypes(self) -> None:
+        """Compute / reduce dtypes of every group: the explicit ``mp_policy`` or the FSDP2 one."""
+        from dmuon.stateful.mixed_precision import find_mp_policy
+        model = self.model_ref()
+        for g in self.groups.values():
+            pol = self.mp_policy if self.mp_policy is not None else find_mp_policy(model, g.module)
+            orig = {self.orig_dtype[n] for n in g.names}
+            param_dtype = getattr(pol, "param_dtype", None) if pol is not None else None
+            reduce_dtype = getattr(pol, "reduce_dtype", None) if pol is not None else None
+            if param_dtype is None and len(orig) > 1:
+                raise ValueError(
+                    f"hook group {g.key or '<root>'!r} mixes param dtypes {sorted(map(str, orig))} "
+                    "with no MixedPrecisionPolicy.param_dtype; give the params one dtype or pass "
+                    "mp_policy=MixedPrecisionPolicy(param_dtype=...) to dedicate_params")
+            g.compute_dtype = param_dtype or next(iter(orig))
+            g.reduce_dtype = reduce_dtype or g.compute_dtype
+
+    def ensure_ready(self) -> None:
+        """Build the unshard / reduce layouts, schedules and buffers (first forward, once)."""
+        if self.ready:
+            return
+        self.resolve_dtypes()
+        cdt = {n: self.groups[self.group_of[n]].compute_dtype for n in self.names}
+        rdt = {n: self.groups[self.group_of[n]].reduce_dtype for n in self.names}
+        self.unshard_layout = bucket_layout(self.owners, self.shape, cdt, self.hook_groups,
+                                            self.G, self.R)
+        self.reduce_layout = bucket_layout(self.owners, self.shape, rdt, self.hook_groups,
+                                           self.G, self.R)
+        for g in self.unshard_layout.groups:
+            self.unshard_schedules[g] = unshard_schedule(self.unshard_layout, g)
+            self.reduce_schedules[g] = reduce_schedule(self.reduce_layout, g)
+        self.publish_sched = publish_schedule(self.master_layout)
+        for b in self.unshard_layout.buckets:
+            buf = torch.empty(b.numel, dtype=cdt[b.entries[0].name], device=self.device)
+            _free_storage(buf)
+            self.unshard_buffers[b.key] = buf
+        for n in self.names:
+            self._placeholders[n] = torch.empty(0, dtype=cdt[n], device=self.device)
+            self.params[n].data = self._placeholders[n]
+        self.ready = True
+
+    # ------------------------------------------------------------------ forward order
+    def note_forward(self, key: str) -> None:
+        """Record the order in which groups run forward (used for prefetching)."""
+        if self._order_final or key in self._seen_order:
+            return
+        self._seen_order.append(key)
+
+    def finalize_order(self) -> None:
+        if not self._order_final and self._seen_order:
+            rest = [k for k in self.order if k not in self._seen_order]
+            self.order = self._seen_order + rest
+            self._order_final = True
+
+    def next_group(self, key: str, backward: bool = False) -> Optional[str]:
+        if not self._order_final or key not in self.order:
+            return None
+        i = self.order.index(key)
+        j = i - 1 if backward else i + 1
+        if 0 <= j < len(self.order):
+            return self.order[j]
+        return None
+
+    # ------------------------------------------------------------------ unshard
+    def _fill_sources(self, key: str) -> None:
+        """Copy this rank's masters into the group's unshard buckets (it is the broadcast source)."""
+        s = self.coord[0]
+        for b in self.unshard_layout.buckets_of(key):
+            if b.key.column != s:
+                continue
+            buf = self.unshard_buffers[b.key]
+            for e in b.entries:
+                buf[e.offset:e.offset + e.numel].view(e.shape).copy_(self.masters[e.name])
+
+    def launch_unshard(self, key: str) -> None:
+        """Start gathering group ``key`` (no-op if gathered and current, or already in flight)."""
+        g = self.groups[key]
+        if g.pending_unshard is not None:
+            return
+        if g.gathered and g.gathered_version == self.version:
+            return
+        self.wait_publish()
+        for b in self.unshard_layout.buckets_of(key):
+            _alloc_storage(self.unshard_buffers[b.key])
+        with torch.no_grad():
+            self._fill_sources(key)
+        g.pending_unshard = self.executor.launch(self.unshard_schedules[key], self.unshard_buffers)
+
+    def unshard(self, key: str) -> None:
+        """Make group ``key``'s params valid full tensors in the compute dtype (waits)."""
+        g = self.groups[key]
+        self.launch_unshard(key)
+        if g.pending_unshard is not None:
+            g.pending_unshard.wait()
+            g.pending_unshard = None
+            g.gathered = True
+            g.gathered_version = self.version
+        self._point_params(key)
+
+    def _point_params(self, key: str) -> None:
+        for b in self.unshard_layout.buckets_of(key):
+            buf = self.unshard_buffers[b.key]
+            for e in b.entries:
+                p = self.params[e.name]
+                p.data = buf[e.offset:e.offset + e.numel].view(e.shape)
+
+    def reshard(self, key: str) -> None:
+        """Free group ``key``'s gathered copy (storage to 0 bytes; params to placeholders)."""
+        g = self.groups[key]
+        if g.pending_unshard is not None:  # never free under an in-flight collective
+            g.pending_unshard.wait()
+            g.pending_unshard = None
+        for n in g.names:
+            self.params[n].data = self._placeholders[n]
+        for b in self.unshard_layout.buckets_of(key):
+            _free_storage(self.unshard_buffers[b.key])
+        g.gathered = False
+
+    def reshard_all(self) -> None:
+        if not self.ready:
+            return
+        for key in self.groups:
+            self.reshard(key)
+
+    # ------------------------------------------------------------------ gradients
+    def on_grad(self, name: str, param: nn.Parameter) -> None:
+        """Post-accumulate-grad: move the local grad aside; reduce the group once complete."""
+        grad = param.grad
+        if grad is None:
+            return
+        param.grad = None
+        prev = self.local_grads.get(name)
+        self.local_grads[name] = grad if prev is None else prev.add_(grad)
+        if not self.require_grad_sync:
+            return
+        key = self.group_of[name]
+        g = self.groups[key]
+        g.accumulated.add(name)
+        if len(g.accumulated) == len(g.names) and not g.reduced_this_backward:
+            self.reduce_group(key)
+            self.reshard(key)
+
+    def reduce_group(self, key: str) -> None:
+        """Average the group's local grads (zeros where none) to the owners, asynchronously."""
+        g = self.groups[key]
+        g.reduced_this_backward = True
+        buffers: dict[BucketKey, torch.Tensor] = {}
+        with torch.no_grad():
+            for b in self.reduce_layout.buckets_of(key):
+                buf = torch.empty(b.numel, dtype=to_torch_dtype(b.key.dtype), device=self.device)
+                for e in b.entries:
+                    view = buf[e.offset:e.offset + e.numel]
+                    lg = self.local_grads.pop(e.name, None)
+                    if lg is None:
+                        view.zero_()
+                    else:
+                        view.view(e.shape).copy_(lg)
+                buffers[b.key] = buf
+        handle = self.executor.launch(self.reduce_schedules[key], buffers)
+        self._pending_reduces.append((handle, buffers))
+
+    def wait_reduces(self) -> None:
+        """Wait for every in-flight reduce; the owner keeps (accumulates) its reduced grads."""
+        pending, self._pending_reduces = self._pending_reduces, []
+        s, r = self.coord
+        for handle, buffers in pending:
+            handle.wait()
+            for key, buf in buffers.items():
+                if key.column != s:
+                    continue
+                b = self.reduce_layout.bucket(key)
+                for e in b.entries:
+                    if e.owner != (s, r):
+                        continue
+                    view = buf[e.offset:e.offset + e.numel].view(e.shape)
+                    prev = self.reduced_grads.get(e.name)
+                    self.reduced_grads[e.name] = view if prev is None else prev.add_(view)
+
+    def on_backward_start(self) -> None:
+        """Called by the first pre-backward hook of a backward pass."""
+        if self._callback_queued:
+            return
+        self._callback_queued = True
+        self.in_backward_pass = True
+        torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end)
+
+    def on_backward_end(self) -> None:
+        """End-of-backward: reduce every group whose hooks did not complete (same order on all
+        ranks, zeros for missing grads), free gathered copies, reset per-backward state."""
+        self._callback_queued = False
+        self.in_backward_pass = False
+        for key in self.order:
+            g = self.groups[key]
+            if self.require_grad_sync and not g.reduced_this_backward:
+                self.reduce_group(key)
+            # weights change only at step(): Z2 keeps its gathered copy across no_sync micro-batches
+            keep = not self.require_grad_sync and not g.reshard_after_forward
+            if (g.gathered or g.pending_unshard is not None) and not keep:
+                self.reshard(key)
+            g.accumulated.clear()
+            g.reduced_this_backward = False
+
+    def clear_grads(self) -> None:
+        """Drop local and reduced grads (``Muon.zero_grad``, ``step``)."""
+        self.wait_reduces()
+        self.local_grads.clear()
+        self.reduced_grads.clear()
+
+    # ------------------------------------------------------------------ after the step
+    def after_step(self) -> None:
+        """Masters changed: invalidate gathered copies, publish in HSDP (async)."""
+        self.version += 1
+        self.reshard_all()
+        if self.R > 1 and len(self.publish_sched) > 0:
+            self.wait_publish()
+            self._pending_publish = self.executor.launch(self.publish_sched, self.master_buffers)
+
+    def wait_publish(self) -> None:
+        """Drain the async HSDP publish (``wait_all_replicate_broadcasts``)."""
+        if self._pending_publish is not None:
+            self._pending_publish.wait()
+            self._pending_publish = None
+
+
+def get_runtime(model: nn.Module, what: str = "this call") -> DedicatedRuntime:
+    """The runtime ``dedicate_params`` attached to ``model``; clear error when there is none."""
+    rt = getattr(model, "_dmuon_runtime", None)
+    if rt is None:
+        raise RuntimeError(
+            f"{what} needs a model prepared by dmuon.dedicate_params(model, mesh, predicate) "
+            "(call it before fully_shard), but this model has no dedicated parameters.")
+    return rt

@@ -1,0 +1,154 @@
+"""Tiny Llama-shaped transformers for the stateful-layer tests (fp64 by default).
+
+Naming follows HF Llama without the ``model.`` prefix: ``embed_tokens``, ``layers.N.self_attn.
+{q,k,v,o}_proj``, ``layers.N.mlp.{gate,up,down}_proj``, ``layers.N.{input,post_attention}_layernorm``,
+``norm``, ``lm_head``. ``MHAModel`` swaps attention for a ``MultiheadAttention``-style module that
+reads ``out_proj.weight`` with ``F.linear`` instead of calling ``out_proj`` (the reason dmuon hooks
+sit on layer boundaries, not on leaf modules).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def _causal_attention(q, k, v):
+    t = q.shape[-2]
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    mask = torch.ones(t, t, dtype=torch.bool, device=q.device).triu(1)
+    scores = scores.masked_fill(mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.q_proj = nn.Linear(dim, dim, bias=False)
+        self.k_proj = nn.Linear(dim, dim, bias=False)
+        self.v_proj = nn.Linear(dim, dim, bias=False)
+        self.o_proj = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+
+        def split(y):
+            return y.view(b, t, h, d // h).transpose(1, 2)
+
+        out = _causal_attention(split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, d))
+
+
+class MHAStyleAttention(nn.Module):
+    """Packed in-projection plus an ``out_proj`` whose weight is read, never called."""
+
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.in_proj_weight = nn.Parameter(torch.randn(3 * dim, dim) / math.sqrt(dim))
+        self.out_proj = nn.Linear(dim, dim, bias=True)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        h = self.heads
+        q, k, v = F.linear(x, self.in_proj_weight).chunk(3, dim=-1)
+
+        def split(y):
+            return y.reshape(b, t, h, d // h).transpose(1, 2)
+
+        out = _causal_attention(split(q), split(k), split(v)).transpose(1, 2).reshape(b, t, d)
+        return F.linear(out, self.out_proj.weight, self.out_proj.bias)
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int, mha_style: bool = False):
+        super().__init__()
+        self.input_layernorm = RMSNorm(dim)
+        self.self_attn = MHAStyleAttention(dim, heads) if mha_style else Attention(dim, heads)
+        self.post_attention_layernorm = RMSNorm(dim)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TinyLlama(nn.Module):
+    """Llama-shaped causal LM; ``forward(ids)`` returns the mean next-token cross-entropy."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, hidden: int = 24,
+                 n_layers: int = 2, mha_style: bool = False, tie: bool = False,
+                 checkpointing: bool = False, root_proj: bool = False, tie_proj: bool = False):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        # a matrix outside every layers.N block (moved by the model's own hooks, the root group)
+        self.in_proj = nn.Linear(dim, dim, bias=False) if root_proj else None
+        self.layers = nn.ModuleList(Block(dim, heads, hidden, mha_style) for _ in range(n_layers))
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        if tie:
+            self.lm_head.weight = self.embed_tokens.weight
+        if tie_proj:  # a dedicated matrix shared by two blocks
+            self.layers[-1].mlp.up_proj.weight = self.layers[0].mlp.up_proj.weight
+        self.checkpointing = checkpointing
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids[:, :-1])
+        if self.in_proj is not None:
+            x = x + self.in_proj(x)
+        for layer in self.layers:
+            if self.checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(
+                    layer, x, use_reentrant=self.checkpointing == "reentrant")
+            else:
+                x = layer(x)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def make_model(seed: int = 0, dtype: torch.dtype = torch.float64, **kwargs) -> TinyLlama:
+    """A deterministic ``TinyLlama`` (same weights for the same seed on every process)."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = TinyLlama(**kwargs).to(torch.float64)
+    with torch.no_grad():  # non-trivial norms so their gradients matter
+        for name, p in model.named_parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    torch.random.set_rng_state(gen_state)
+    return model.to(dtype)  # same values (rounded) whatever the dtype
+
+
+def make_batches(steps: int, batch: int, seq: int = 9, vocab: int = 32, seed: int = 1) -> list[torch.Tensor]:
+    """``steps`` global batches of token ids, shape (batch, seq)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (batch, seq), generator=g) for _ in range(steps)]
+
+
+def muon_predicate(name: str, p: torch.Tensor) -> bool:
+    return p.ndim == 2 and "proj" in name

@@ -1,0 +1,111 @@
+"""Bad input to the stateful layer raises a clear exception on every rank (never a hang)."""
+from __future__ import annotations
+
+from dist_utils import run_ranks
+
+
+def _catch(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test inspects type and message
+        return type(e).__name__, str(e)
+    return None, None
+
+
+def _worker(rank, world):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from dmuon.stateful.dedicate import dedicate_params
+    from dmuon.stateful.fsdp_patch import install_fully_shard_patch
+    from dmuon.stateful.optimizer import Muon
+    from dmuon.stateful.state_dict import get_model_state_dict, set_model_state_dict
+    from models import make_model, muon_predicate
+
+    install_fully_shard_patch()
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+
+    m = make_model()
+    fully_shard(m, mesh=mesh)
+    out["fsdp_first"] = _catch(lambda: dedicate_params(m, mesh, muon_predicate))
+
+    out["no_match"] = _catch(lambda: dedicate_params(make_model(), mesh, lambda n, p: "nope" in n))
+    out["non_matrix"] = _catch(lambda: dedicate_params(make_model(), mesh, lambda n, p: "norm" in n))
+    out["muon_without"] = _catch(lambda: Muon(make_model()))
+    out["muon_not_model"] = _catch(lambda: Muon(list(make_model().parameters())))
+
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    m = make_model()
+    w = m.layers[0].mlp.up_proj.weight
+    m.layers[0].mlp.up_proj.weight = torch.nn.Parameter(distribute_tensor(w.detach(), mesh, [Replicate()]))
+    out["dtensor"] = _catch(lambda: dedicate_params(m, mesh, muon_predicate))
+
+    # plans that differ across ranks (rank 1 builds a different model)
+    odd = make_model(hidden=24 if rank == 0 else 32)
+    out["plan_mismatch"] = _catch(lambda: dedicate_params(odd, mesh, muon_predicate))
+
+    m = make_model()
+    dedicate_params(m, mesh, muon_predicate)
+    out["twice"] = _catch(lambda: dedicate_params(m, mesh, muon_predicate))
+    for layer in m.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    good = get_model_state_dict(m)
+    bad = dict(good)
+    if rank == 1:   # only one rank's dict is wrong: every rank must still raise
+        del bad["layers.0.mlp.up_proj.weight"]
+        bad["extra.weight"] = torch.zeros(2)
+        bad["norm.weight"] = torch.zeros(3)
+    out["bad_sd"] = _catch(lambda: set_model_state_dict(m, bad))
+    # still usable afterwards (no collective was left half-done)
+    set_model_state_dict(m, good)
+    out["after_ok"] = all(torch.equal(good[k], v) for k, v in get_model_state_dict(m).items())
+
+    # NaN in one rank's gradient: step raises on every rank, nothing is updated
+    from models import make_batches
+    opt = Muon(m, ns_dtype=torch.float64)
+    ids = make_batches(1, 4)[0].chunk(world)[rank]
+    m(ids).backward()
+    if rank == 0:
+        g = m.norm.weight.grad
+        (g.to_local() if hasattr(g, "to_local") else g).fill_(float("nan"))
+    out["nan"] = _catch(opt.step)
+    out["nan_untouched"] = all(torch.equal(good[k], v) for k, v in get_model_state_dict(m).items())
+    opt.zero_grad()
+    m(ids).backward()
+    opt.step()
+    out["after_nan_trains"] = any(not torch.equal(good[k], v)
+                                  for k, v in get_model_state_dict(m).items())
+    return out
+
+
+def test_errors():
+    results = run_ranks(_worker, 2)
+    for rank, out in enumerate(results):
+        kind, msg = out["fsdp_first"]
+        assert kind == "RuntimeError" and "before fully_shard" in msg
+        kind, msg = out["no_match"]
+        assert kind == "ValueError" and "matched no" in msg
+        kind, msg = out["non_matrix"]
+        assert kind == "ValueError" and "not a matrix" in msg and "norm" in msg
+        kind, msg = out["muon_without"]
+        assert kind == "RuntimeError" and "dedicate_params" in msg
+        kind, msg = out["muon_not_model"]
+        assert kind == "TypeError"
+        kind, msg = out["dtensor"]
+        assert kind == "NotImplementedError" and "not supported yet" in msg
+        kind, msg = out["plan_mismatch"]
+        assert kind == "RuntimeError" and "ranks [0]" in msg and "ranks [1]" in msg
+        kind, msg = out["twice"]
+        assert kind == "RuntimeError" and "already" in msg
+        kind, msg = out["bad_sd"]
+        assert kind == "ValueError", out["bad_sd"]
+        if rank == 1:
+            assert "layers.0.mlp.up_proj.weight" in msg and "extra.weight" in msg
+            assert "norm.weight" in msg
+        assert out["after_ok"]
+        kind, msg = out["nan"]
+        assert kind == "FloatingPointError" and "ranks [0]" in msg, out["nan"]
+        assert out["nan_untouched"] and out["after_nan_trains"]
