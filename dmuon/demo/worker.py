@@ -210,8 +210,12 @@ def _train_one(kind: str, cfg: RunConfig, src: Any, mesh: Any, device: torch.dev
         out["counters"] = counters
         out["owned"] = list(rt.owned_names)
         if rank == 0:
-            out["plan_table"] = rt.plan.table()
-            out["plan_summary"] = rt.plan.summary()
+            from dmuon.functional.schedule import step_bytes_per_rank
+
+            comm = step_bytes_per_rank(rt.owners, rt.shape, {n: str(d) for n, d in rt.orig_dtype.items()},
+                                       rt.G, rt.R)
+            out["plan_table"] = rt.plan.table(comm_bytes_per_rank=comm)
+            out["plan_summary"] = rt.plan.summary(comm_bytes_per_rank=comm)
             out["dedicated_bytes"] = sum(
                 math.prod(rt.shape[n]) * torch.empty((), dtype=rt.orig_dtype[n]).element_size()
                 for n in rt.names)

@@ -118,7 +118,7 @@ def plan_table(plan: "OwnerPlan", *,
     mean = summ["mean_cost"] or 1.0
     head = f"{'rank':>5} {'(s,r)':>9} {'NS+mem cost':>12} {'vs mean':>8} {'bytes':>11} {'#mat':>5}"
     for mode in comm:
-        head += f" {mode + ' comm':>12}"
+        head += f" {mode.upper() + ' recv/step':>12}"
     rows = summ["per_slot"]
     shown = rows
     skipped = 0
