@@ -317,7 +317,7 @@ def test_summary_and_table():
         plan.summary(comm_bytes_per_rank={"z3": [1, 2]})
     text = plan.table(planning_seconds=0.01)
     assert "balance" in text and "(3,1)" in text and plan.fingerprint in text
-    assert "z2 comm" in plan.table(comm_bytes_per_rank={"z2": [0] * 8})
+    assert "Z2 recv/step" in plan.table(comm_bytes_per_rank={"z2": [0] * 8})
     assert "not shown" in plan.table(max_rows=4)
     assert isinstance(plan, OwnerPlan) and hash(plan) == hash(plan_owners(preset_specs("llama-3.2-1b"), 4, 2))
 
