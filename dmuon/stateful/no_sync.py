@@ -49,9 +49,24 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:
-    """Wait for the asynchronous post-step HSDP publishes of ``model`` (no-op without HSDP).
+    """Wait for every pending asynchronous post-step HSDP publish of ``model`` (no-op without HSDP).
 
-    Call before reading weights outside dmuon (e.g. a foreign checkpointer);
-    ``get_model_state_dict`` calls it itself.
+    With ``dmuon.Muon(..., replicate_async=True)`` (the default), ``step()`` leaves one publish per
+    hook group in flight: the owner ``(s, r_o)`` of each matrix broadcasts its new master to the
+    other ranks ``(s, r)`` of its shard column. The next forward waits each group's publish in that
+    group's pre-hook, and the end of the next backward waits the groups forward did not use; this
+    call waits all of them now. Afterwards every rank of a column holds bit-identical masters.
+
+    Call it before reading weights outside dmuon (e.g. a foreign checkpointer such as torchtitan's
+    DCP save), or before a second ``step()`` with no forward/backward in between (which otherwise
+    raises). ``get_model_state_dict`` / ``get_optimizer_state_dict`` (and the setters) call it
+    themselves. Local: it waits on collectives every rank already issued, so ranks may call it at
+    different times; idempotent.
+
+    Args:
+      model: a model prepared by ``dmuon.dedicate_params``.
+
+    Raises:
+      RuntimeError: ``model`` has no dedicated params.
     """
     get_runtime(model, "dmuon.wait_all_replicate_broadcasts(model)").wait_publish()
