@@ -1,16 +1,20 @@
 """Full, topology-free optimizer state dicts (collective), in the seeds' checkpoint format::
 
     {"fsdp2":     {fqn: {"exp_avg": full, "exp_avg_sq": full}},      # AdamW moments
-     "dedicated": {fqn: {"momentum_buffer": full}},                   # Muon momentum (from owners)
+     "dedicated": {fqn: {"momentum_buffer": full,                     # Muon momentum (from owners)
+                         "master": full}},                            # only when the master is
+                                                                      # wider than the param
      "adamw_step": int, "muon_step": int, "num_steps": int,           # counters (bias correction)
-     "param_groups": [{hparams of the muon group}, {hparams of the adamw group}]}
+     "param_groups": [{"name": "muon", hparams...}, {"name": "adamw", hparams...}]}
 
-Every tensor is a plain full tensor, the same on every rank, so rank 0 can ``torch.save`` it and
-every rank can load it back (same topology here; the format itself names no rank or shard).
+Every tensor is a plain full tensor keyed by parameter name; nothing names a rank, shard or mesh,
+so a dict saved at one ``(shard, replicate)`` shape loads at any other, or in one process
+(:func:`dmuon.functional.state_dict_check.functional_states_from_full`). ``"master"`` keeps the
+fp32 master of a bf16/fp16 dedicated matrix so a resume is exact (load it after the model dict).
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,15 +22,38 @@ import torch.nn as nn
 
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
+from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.optimizer import Muon
 from dmuon.stateful.runtime import get_runtime
+from dmuon.stateful.state_dict import agree
+
+__all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
-def _check_opt(model: nn.Module, optimizer: Any, what: str):
+def check_optimizer(model: nn.Module, optimizer: Any, what: str):
+    """The model's runtime; ``TypeError`` unless ``optimizer`` is ``model``'s ``dmuon.Muon``."""
     rt = get_runtime(model, what)
     if not isinstance(optimizer, Muon) or optimizer._rt is not rt:
         raise TypeError(f"{what}: optimizer must be the dmuon.Muon built for this model")
     return rt
+
+
+def current_states(optimizer: Muon) -> tuple[Optional[fmuon.MuonState], fadamw.AdamWState | None]:
+    """The optimizer's functional states, zero-initialized where no step ran yet (local pieces)."""
+    rt = optimizer._rt
+    ms = optimizer.muon_state
+    if ms is None and rt.owned_names:
+        ms = fmuon.init({n: rt.masters[n] for n in rt.owned_names})
+    st = optimizer.adamw_state
+    if st is None and optimizer._adamw_named:
+        st = fadamw.init(optimizer._adamw_tensors()[0])
+    return ms, st
+
+
+def hparam_groups(optimizer: Muon) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
 def _full(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -37,107 +64,200 @@ def _full(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return local.detach().clone()
 
 
-def get_optimizer_state_dict(model: nn.Module, optimizer: Muon,
-                             cpu_offload: bool = False) -> dict[str, Any]:
-    """Collective: the full optimizer state (see the module docstring), the same on every rank."""
-    rt = _check_opt(model, optimizer, "dmuon.get_optimizer_state_dict")
-    rt.wait_publish()
-    rt.wait_reduces()
-    mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
-    fsdp2: dict[str, dict[str, torch.Tensor]] = {}
-    st = optimizer.adamw_state
-    if st is not None and st.step > 0:
-        for n, p in optimizer._adamw_named:
-            fsdp2[n] = {"exp_avg": mv(_full(st.mu[n], p)), "exp_avg_sq": mv(_full(st.nu[n], p))}
-    dedicated: dict[str, dict[str, torch.Tensor]] = {}
-    if optimizer.num_steps > 0:
-        ms = optimizer.muon_state
-        for n in rt.names:
-            src = rt.owner_rank[n]
-            if rt.rank == src and ms is not None:
-                buf = ms.momentum[n].detach().clone()
-            else:
-                buf = torch.zeros(rt.shape[n], dtype=rt.master_dtype[n], device=rt.device)
-            dist.broadcast(buf, src=src)
-            dedicated[n] = {"momentum_buffer": mv(buf)}
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"fsdp2": fsdp2, "dedicated": dedicated,
-            "adamw_step": int(st.step) if st is not None else 0,
-            "muon_step": int(optimizer.num_steps), "num_steps": int(optimizer.num_steps),
-            "param_groups": groups}
-
-
-def _validate(sd: Mapping[str, Any], optimizer: Muon, rt) -> list[str]:
-    problems: list[str] = []
-    for key in ("fsdp2", "dedicated"):
-        if not isinstance(sd.get(key), Mapping):
-            problems.append(f"missing section {key!r}")
-    if problems:
-        return problems
-    shapes = {n: tuple(p.shape) for n, p in optimizer._adamw_named}
-    if sd["fsdp2"]:
-        miss = [n for n in shapes if n not in sd["fsdp2"]]
-        extra = [n for n in sd["fsdp2"] if n not in shapes]
-        if miss or extra:
-            problems.append(f"fsdp2: missing {miss}, unexpected {extra}")
-        for n, s in sd["fsdp2"].items():
-            for k in ("exp_avg", "exp_avg_sq"):
-                t = s.get(k) if isinstance(s, Mapping) else None
-                if n in shapes and (t is None or tuple(t.shape) != shapes[n]):
-                    problems.append(f"fsdp2[{n!r}][{k!r}]: expected shape {shapes[n]}")
-    if sd["dedicated"]:
-        miss = [n for n in rt.names if n not in sd["dedicated"]]
-        extra = [n for n in sd["dedicated"] if n not in rt.shape]
-        if miss or extra:
-            problems.append(f"dedicated: missing {miss}, unexpected {extra}")
-        for n, s in sd["dedicated"].items():
-            t = s.get("momentum_buffer") if isinstance(s, Mapping) else None
-            if n in rt.shape and (t is None or tuple(t.shape) != rt.shape[n]):
-                problems.append(f"dedicated[{n!r}]['momentum_buffer']: expected shape {rt.shape[n]}")
-    return problems
+def _from_owner(t: Optional[torch.Tensor], shape, dtype, src: int, rt, rank0_only: bool):
+    """Full tensor held by rank ``src`` -> every rank (broadcast) or rank 0 (point to point)."""
+    me = rt.rank
+    if not rank0_only:
+        buf = t.detach().clone() if me == src else torch.empty(shape, dtype=dtype, device=rt.device)
+        dist.broadcast(buf, src=src)
+        return buf
+    if me == src:
+        if me == 0:
+            return t.detach().clone()
+        dist.send(t.detach().contiguous(), dst=0)
+    elif me == 0:
+        buf = torch.empty(shape, dtype=dtype, device=rt.device)
+        dist.recv(buf, src=src)
+        return buf
+    return None
 
 
 @torch.no_grad()
-def set_optimizer_state_dict(model: nn.Module, optimizer: Muon, state_dict: Mapping[str, Any]) -> None:
-    """Collective: load a dict written by :func:`get_optimizer_state_dict` (every rank passes it).
+def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, cpu_offload: bool = False, *,
+                             rank0_only: bool = False) -> dict[str, Any]:
+    """Collective: the full optimizer state (see the module docstring). Every rank must call it.
+
+    Args:
+      model, optimizer: the model and its ``dmuon.Muon``.
+      cpu_offload: return CPU tensors.
+      rank0_only: only rank 0 keeps the tensors (other ranks get the same dict with empty
+        sections); momentum travels owner -> rank 0 only.
+
+    Returns:
+      the dict; before the first step the moments and momentum are zeros.
+    """
+    rt = check_optimizer(model, optimizer, "dmuon.get_optimizer_state_dict")
+    rt.wait_publish()
+    rt.wait_reduces()
+    keep = not rank0_only or rt.rank == 0
+    mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
+    ms, st = current_states(optimizer)
+    fsdp2: dict[str, dict[str, torch.Tensor]] = {}
+    for n, p in optimizer._adamw_named:
+        entry = {k: _full(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
+        if keep:
+            fsdp2[n] = {k: mv(v) for k, v in entry.items()}
+    dedicated: dict[str, dict[str, torch.Tensor]] = {}
+    for n in rt.names:
+        src = rt.owner_rank[n]
+        mine = rt.rank == src
+        entry = {"momentum_buffer": _from_owner(ms.momentum[n] if mine else None, rt.shape[n],
+                                                rt.master_dtype[n], src, rt, rank0_only)}
+        if rt.master_dtype[n] != rt.orig_dtype[n]:
+            entry["master"] = _from_owner(rt.masters[n] if mine else None, rt.shape[n],
+                                          rt.master_dtype[n], src, rt, rank0_only)
+        if keep:
+            dedicated[n] = {k: mv(v) for k, v in entry.items()}
+    return {"fsdp2": fsdp2, "dedicated": dedicated,
+            "adamw_step": int(st.step) if st is not None else 0,
+            "muon_step": int(optimizer.num_steps), "num_steps": int(optimizer.num_steps),
+            "param_groups": hparam_groups(optimizer)}
+
+
+def _shapes(section: Mapping[str, Any], key: str) -> dict[str, Any]:
+    out = {}
+    for n, s in section.items():
+        t = s.get(key) if isinstance(s, Mapping) else None
+        out[n] = tuple(t.shape) if isinstance(t, torch.Tensor) else None
+    return out
+
+
+def validate_optimizer_state_dict(sd: Any, optimizer: Muon) -> list[str]:
+    """Problems of a full optimizer state dict against ``optimizer`` (empty list: loadable).
+
+    A section may be empty (a checkpoint taken before the first step: zeros are used); a non-empty
+    section must name every param of this model with full shapes."""
+    if not isinstance(sd, Mapping):
+        return [f"expected a mapping from dmuon.get_optimizer_state_dict, got {type(sd).__name__}"]
+    problems = [f"missing section {k!r}" for k in ("fsdp2", "dedicated")
+                if not isinstance(sd.get(k), Mapping)]
+    if problems:
+        return problems
+    rt = optimizer._rt
+    adamw_shapes = {n: tuple(p.shape) for n, p in optimizer._adamw_named}
+    checks = [("fsdp2", k, adamw_shapes) for k in _MOMENTS]
+    checks.append(("dedicated", "momentum_buffer", dict(rt.shape)))
+    for sec, key, shapes in checks:
+        if not sd[sec]:
+            continue
+        c = check_state_dict(_shapes(sd[sec], key), shapes)
+        for p in c.problems(strict=True):
+            problems.append(f"{sec}[*][{key!r}]: {p}")
+    masters = {n: s["master"] for n, s in sd["dedicated"].items()
+               if isinstance(s, Mapping) and "master" in s}
+    for n, t in masters.items():
+        if n in rt.shape and (not isinstance(t, torch.Tensor) or tuple(t.shape) != rt.shape[n]):
+            problems.append(f"dedicated[{n!r}]['master']: expected a tensor of shape {rt.shape[n]}")
+    groups = sd.get("param_groups") or []
+    names = [g.get("name") for g in groups if isinstance(g, Mapping)]
+    if groups and sorted(names) != sorted(g["name"] for g in optimizer.param_groups):
+        problems.append(f"param_groups named {names}, expected "
+                        f"{[g['name'] for g in optimizer.param_groups]}")
+    return problems
+
+
+def load_hparams(optimizer: Muon, groups: Any) -> None:
+    """Copy saved hyper-parameters into the param groups, matched by group name."""
+    by_name = {g.get("name"): g for g in (groups or []) if isinstance(g, Mapping)}
+    for mine in optimizer.param_groups:
+        theirs = by_name.get(mine.get("name"))
+        if theirs is not None:
+            mine.update({k: v for k, v in theirs.items() if k not in ("params", "name")})
+
+
+@torch.no_grad()
+def set_optimizer_state_dict(model: nn.Module, optimizer: Muon,
+                             state_dict: Optional[Mapping[str, Any]], *,
+                             rank0_only: bool = False) -> None:
+    """Collective: load a dict written by :func:`get_optimizer_state_dict` at any topology.
+
+    Call it after ``set_model_state_dict`` (a ``"master"`` entry overwrites the model's masters).
+
+    Args:
+      model, optimizer: the model and its ``dmuon.Muon``.
+      state_dict: the full dict (every rank, or only rank 0 with ``rank0_only``).
+      rank0_only: only rank 0's dict is read; tensors go from rank 0 to where they live.
 
     Raises:
-      ValueError: on every rank when any rank's dict does not match the model (lists the problems).
+      ValueError: on every rank, before any tensor moves, when a rank's dict does not match the
+        model (the message lists the problems).
     """
-    rt = _check_opt(model, optimizer, "dmuon.set_optimizer_state_dict")
-    problems = _validate(state_dict, optimizer, rt)
-    flag = torch.tensor([1 if problems else 0], dtype=torch.int64, device=rt.device)
-    dist.all_reduce(flag)
-    if int(flag.item()) > 0:
-        raise ValueError("set_optimizer_state_dict: the optimizer state dict does not match on "
-                         f"{int(flag.item())} rank(s): " + ("; ".join(problems) or "this rank's is fine"))
-    groups = state_dict.get("param_groups")
-    if groups and len(groups) == len(optimizer.param_groups):
-        for mine, theirs in zip(optimizer.param_groups, groups):
-            mine.update({k: v for k, v in theirs.items() if k != "params"})
+    what = "dmuon.set_optimizer_state_dict"
+    rt = check_optimizer(model, optimizer, what)
+    rt.wait_publish()
+    rt.wait_reduces()
+    has_dict = not rank0_only or rt.rank == 0
+    problems = validate_optimizer_state_dict(state_dict, optimizer) if has_dict else []
+    meta = None
+    if has_dict and not problems:
+        meta = {"fsdp2": bool(state_dict["fsdp2"]), "dedicated": bool(state_dict["dedicated"]),
+                "masters": sorted(n for n, s in state_dict["dedicated"].items() if "master" in s),
+                **{k: state_dict.get(k, 0) for k in ("adamw_step", "muon_step", "num_steps")},
+                "param_groups": state_dict.get("param_groups")}
+    got = agree(problems, what, meta if rank0_only else None)
+    if rank0_only:
+        meta = got[0][1]
+
+    def fetch(section: str, n: str, key: str, shape, dtype, dst: Optional[int]):
+        """The full tensor on this rank (``dst=None``: every rank needs it), else ``None``."""
+        if not rank0_only:
+            return state_dict[section][n][key]
+        me = rt.rank
+        if dst is None:
+            buf = (state_dict[section][n][key].to(device=rt.device, dtype=dtype).contiguous()
+                   if me == 0 else torch.empty(shape, dtype=dtype, device=rt.device))
+            dist.broadcast(buf, src=0)
+            return buf
+        if me == 0:
+            t = state_dict[section][n][key].to(device=rt.device, dtype=dtype).contiguous()
+            if dst == 0:
+                return t
+            dist.send(t, dst=dst)
+        elif me == dst:
+            buf = torch.empty(shape, dtype=dtype, device=rt.device)
+            dist.recv(buf, src=0)
+            return buf
+        return None
+
+    load_hparams(optimizer, meta["param_groups"])
     if optimizer._adamw_named:
-        params, _ = optimizer._adamw_tensors()
-        st = fadamw.init(params)
-        for n, p in optimizer._adamw_named:
-            s = state_dict["fsdp2"].get(n)
-            if s is None:
-                continue
-            for k, dst in (("exp_avg", st.mu[n]), ("exp_avg_sq", st.nu[n])):
-                full = s[k].to(device=dst.device, dtype=dst.dtype)
-                if hasattr(p, "device_mesh"):
-                    from torch.distributed.tensor import distribute_tensor
-                    full = distribute_tensor(full, p.device_mesh, p.placements,
-                                             src_data_rank=None).to_local()
-                dst.copy_(full)
-        optimizer.adamw_state = st._replace(step=int(state_dict.get("adamw_step", 0)))
-    owned = rt.owned_names
-    if owned:
-        ms = fmuon.init({n: rt.masters[n] for n in owned})
-        for n in owned:
-            s = state_dict["dedicated"].get(n)
-            if s is not None:
-                ms.momentum[n].copy_(s["momentum_buffer"].to(device=rt.device,
-                                                             dtype=ms.momentum[n].dtype))
-        optimizer.muon_state = ms._replace(step=int(state_dict.get("muon_step", 0)))
-    optimizer.num_steps = int(state_dict.get("num_steps", 0))
+        st = fadamw.init(optimizer._adamw_tensors()[0])
+        if meta["fsdp2"]:
+            for n, p in optimizer._adamw_named:
+                for k, dst in zip(_MOMENTS, (st.mu[n], st.nu[n])):
+                    full = fetch("fsdp2", n, k, tuple(p.shape), dst.dtype, None)
+                    full = full.to(device=dst.device, dtype=dst.dtype)
+                    if hasattr(p, "device_mesh"):
+                        from torch.distributed.tensor import distribute_tensor
+                        full = distribute_tensor(full, p.device_mesh, p.placements,
+                                                 src_data_rank=None).to_local()
+                    dst.copy_(full)
+        optimizer.adamw_state = st._replace(step=int(meta["adamw_step"]))
+    owned = set(rt.owned_names)
+    ms = fmuon.init({n: rt.masters[n] for n in rt.owned_names}) if owned else None
+    for n in rt.names:
+        if meta["dedicated"]:
+            t = fetch("dedicated", n, "momentum_buffer", rt.shape[n], rt.master_dtype[n],
+                      rt.owner_rank[n])
+            if n in owned:
+                ms.momentum[n].copy_(t.to(device=rt.device, dtype=ms.momentum[n].dtype))
+        if n in meta["masters"]:
+            t = fetch("dedicated", n, "master", rt.shape[n], rt.master_dtype[n], None)
+            if n in rt.masters:
+                rt.masters[n].copy_(t.to(device=rt.device, dtype=rt.masters[n].dtype))
+    optimizer.muon_state = ms._replace(step=int(meta["muon_step"])) if ms is not None else None
+    optimizer.num_steps = int(meta["num_steps"])
+    if meta["masters"]:
+        rt.version += 1
+        rt.reshard_all()
     optimizer.refresh_state_views()

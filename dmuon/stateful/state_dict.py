@@ -1,21 +1,47 @@
-"""Full (single-device style) model state dicts for a dedicated + FSDP2 model, same topology.
+"""Full (single-device style) model state dicts for a dedicated + FSDP2 model, at any topology.
 
 ``get_model_state_dict`` returns exactly the keys, shapes and dtypes of a single-device
-``model.state_dict()`` as plain tensors on every rank: FSDP2 params via ``full_tensor()``,
-dedicated matrices broadcast from their owners' masters (cast back to the param's dtype).
-``set_model_state_dict`` validates the dict on every rank, agrees on the verdict with one small
-collective (so a bad dict raises everywhere instead of hanging), then writes each rank's part:
-masters on the ranks of the owner column, local shards of FSDP2 params, buffers.
+``model.state_dict()`` as plain tensors: FSDP2 params via ``full_tensor()``, dedicated matrices
+from their owners' masters (cast back to the param's dtype). The dict names no rank, shard or
+mesh, so it loads into a plain model, into a dmuon model of any ``(shard, replicate)`` shape, or
+into one process.
+
+``set_model_state_dict`` checks the dict on every rank *before any collective*
+(:func:`dmuon.functional.state_dict_check.check_state_dict`: missing, unexpected, wrong-shape
+entries; a tied parameter is satisfied by any one of its names, as in HuggingFace
+``save_pretrained`` output without ``lm_head.weight``), agrees on the verdict with one small object
+all-gather (so a bad dict raises on every rank instead of hanging), then writes each rank's part:
+the masters of its owner column, the local shards of FSDP2 params (re-sharded for this mesh),
+buffers.
+
+``rank0_only=True`` keeps the full dict on rank 0 only (get: other ranks return ``{}``; set: only
+rank 0 needs a dict, tensors are broadcast one at a time), for memory.
+
+:func:`read_state_dict` reads ``torch.save`` files and HuggingFace ``save_pretrained`` folders
+(safetensors or bin, sharded or not) into the flat dict ``set_model_state_dict`` takes.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+import json
+import os
+from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.runtime import DedicatedRuntime, get_runtime
+
+__all__ = ["get_model_state_dict", "set_model_state_dict", "read_state_dict", "LoadResult"]
+
+
+class LoadResult(NamedTuple):
+    """What ``set_model_state_dict(..., strict=False)`` did not load (like torch's
+    ``load_state_dict`` return value). Tied names satisfied by an alias are not missing."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
 
 
 def _name_map(model: nn.Module, rt: DedicatedRuntime) -> dict[str, str]:
@@ -28,7 +54,9 @@ def _name_map(model: nn.Module, rt: DedicatedRuntime) -> dict[str, str]:
     return out
 
 
-def _expected(model: nn.Module, rt: DedicatedRuntime) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _expected(model: nn.Module,
+              rt: DedicatedRuntime) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{key: (full shape, dtype)}`` in ``model.state_dict()`` order (the same on every rank)."""
     ded = _name_map(model, rt)
     exp = {}
     for k, v in model.state_dict().items():
@@ -40,99 +68,217 @@ def _expected(model: nn.Module, rt: DedicatedRuntime) -> dict[str, tuple[tuple[i
     return exp
 
 
-def get_model_state_dict(model: nn.Module, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
-    """Collective: ``{fully-qualified name: full tensor}`` like single-device ``model.state_dict()``.
+def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of state-dict names that share one tensor (tied params / buffers)."""
+    by_id: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    for n, b in model.named_buffers(remove_duplicate=False):
+        by_id.setdefault(id(b), []).append(n)
+    return [tuple(g) for g in by_id.values() if len(g) > 1]
+
+
+def _dedicated_full(rt: DedicatedRuntime, n: str, rank0_only: bool) -> Optional[torch.Tensor]:
+    """The full matrix ``n`` from its owner (every rank, or rank 0 only: point to point)."""
+    src, me = rt.owner_rank[n], rt.rank
+    if not rank0_only:
+        if n in rt.masters:
+            buf = rt.masters[n].detach().to(rt.orig_dtype[n]).clone()
+        else:
+            buf = torch.empty(rt.shape[n], dtype=rt.orig_dtype[n], device=rt.device)
+        dist.broadcast(buf, src=src)
+        return buf
+    if me == src:
+        buf = rt.masters[n].detach().to(rt.orig_dtype[n]).clone()
+        if me != 0:
+            dist.send(buf, dst=0)
+            return None
+        return buf
+    if me == 0:
+        buf = torch.empty(rt.shape[n], dtype=rt.orig_dtype[n], device=rt.device)
+        dist.recv(buf, src=src)
+        return buf
+    return None
+
+
+@torch.no_grad()
+def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
+                         rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Collective: ``{fully-qualified name: full tensor}`` like a single-device ``state_dict()``.
+
+    Drains pending HSDP publishes first. Every rank must call it.
 
     Args:
-      model: a model prepared by ``dedicate_params`` (and ``fully_shard``); every rank must call.
+      model: a model prepared by ``dedicate_params`` (and ``fully_shard``).
       cpu_offload: return CPU tensors.
+      rank0_only: only rank 0 keeps the dict (others return ``{}``); dedicated matrices travel
+        owner -> rank 0 only.
 
     Returns:
-      the same dict on every rank (plain tensors, never DTensors).
+      plain tensors (never DTensors), the same keys / shapes / dtypes as ``model.state_dict()`` of
+      the model on one device (tied params under each of their names).
     """
     rt = get_runtime(model, "dmuon.get_model_state_dict(model)")
     rt.wait_publish()
+    keep = not rank0_only or rt.rank == 0
     ded = _name_map(model, rt)
     out: dict[str, torch.Tensor] = {}
-    cache: dict[str, torch.Tensor] = {}
+    cache: dict[str, Optional[torch.Tensor]] = {}
     for k, v in model.state_dict().items():
         if k in ded:
             n = ded[k]
             if n not in cache:
-                if n in rt.masters:
-                    buf = rt.masters[n].detach().to(rt.orig_dtype[n]).clone()
-                else:
-                    buf = torch.empty(rt.shape[n], dtype=rt.orig_dtype[n], device=rt.device)
-                dist.broadcast(buf, src=rt.owner_rank[n])
-                cache[n] = buf
+                cache[n] = _dedicated_full(rt, n, rank0_only)
             t = cache[n]
         elif hasattr(v, "full_tensor"):
             t = v.full_tensor()
         else:
             t = v.detach().clone()
-        out[k] = t.cpu() if cpu_offload else t
+        if keep:
+            out[k] = t.cpu() if cpu_offload else t
     return out
 
 
-def _validate(sd: Mapping[str, Any], exp: Mapping[str, tuple]) -> list[str]:
-    problems = []
-    missing = [k for k in exp if k not in sd]
-    unexpected = [k for k in sd if k not in exp]
-    if missing:
-        problems.append(f"missing keys {missing}")
-    if unexpected:
-        problems.append(f"unexpected keys {unexpected}")
-    wrong = []
-    for k, (shape, _dtype) in exp.items():
-        v = sd.get(k)
-        if v is None:
-            continue
-        if not isinstance(v, torch.Tensor):
-            wrong.append(f"{k}: not a tensor ({type(v).__name__})")
-        elif tuple(v.shape) != tuple(shape):
-            wrong.append(f"{k}: shape {tuple(v.shape)}, expected {tuple(shape)}")
-    if wrong:
-        problems.append("wrong shapes " + "; ".join(wrong))
-    return problems
+def _shape_of(v: Any):
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+
+
+def agree(problems: list[str], what: str, payload: Any = None) -> list[tuple[list[str], Any]]:
+    """All-gather ``(problems, payload)``; raise ``ValueError`` on every rank if any rank has a
+    problem (the message names the ranks and lists the problems). Returns the gathered list."""
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (problems, payload))
+    by_msg: dict[str, list[int]] = {}
+    for r, (p, _) in enumerate(got):
+        if p:
+            by_msg.setdefault("; ".join(p), []).append(r)
+    if by_msg:
+        detail = " | ".join(f"rank(s) {rs}: {m}" for m, rs in by_msg.items())
+        raise ValueError(f"{what}: the state dict does not match the model ({detail}). Load a dict "
+                         "saved from the same architecture (names and full shapes as in the "
+                         "single-device model.state_dict()), or pass strict=False to allow "
+                         "missing / unexpected keys.")
+    return got
 
 
 @torch.no_grad()
-def set_model_state_dict(model: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
-    """Collective: load a full ``{name: tensor}`` dict (single-device or HF style) into the model.
+def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]], *,
+                         strict: bool = True, rank0_only: bool = False) -> LoadResult:
+    """Collective: load a full ``{name: tensor}`` dict (single-device, HF or dmuon) into the model.
+
+    Works at any topology: the dict's tensors are full; each rank keeps what it owns.
+
+    Args:
+      model: a model prepared by ``dedicate_params`` (and ``fully_shard``).
+      state_dict: ``{fully-qualified name: full tensor}``; values are cast to each param's dtype.
+        With ``rank0_only``, only rank 0's dict is read (others may pass ``None``).
+      strict: missing or unexpected keys are errors (default). ``False`` skips them (wrong shapes
+        still raise) and reports them in the return value.
+      rank0_only: rank 0 holds the dict; each tensor is broadcast from it, one at a time.
+
+    Returns:
+      :class:`LoadResult` ``(missing_keys, unexpected_keys)``.
 
     Raises:
-      ValueError: on every rank, when any rank's dict has missing / unexpected keys or wrong shapes
-        (the message lists them).
+      ValueError: on every rank, before any tensor moves, when a rank's dict has missing /
+        unexpected keys (``strict``) or wrong shapes / non-tensor values; the message lists them.
     """
-    rt = get_runtime(model, "dmuon.set_model_state_dict(model, sd)")
+    what = "dmuon.set_model_state_dict"
+    rt = get_runtime(model, f"{what}(model, sd)")
     rt.wait_publish()
     exp = _expected(model, rt)
-    problems = _validate(state_dict, exp)
-    flag = torch.tensor([1 if problems else 0], dtype=torch.int64, device=rt.device)
-    dist.all_reduce(flag)
-    if problems or int(flag.item()) > 0:
-        detail = "; ".join(problems) if problems else "this rank's dict is fine"
-        raise ValueError(f"set_model_state_dict: the state dict does not match the model on "
-                         f"{int(flag.item())} rank(s): {detail}")
+    has_dict = not rank0_only or rt.rank == 0
+    check = None
+    if has_dict:
+        if not isinstance(state_dict, Mapping):
+            problems = [f"expected a mapping {{name: tensor}}, got {type(state_dict).__name__}"]
+        else:
+            check = check_state_dict({k: _shape_of(v) for k, v in state_dict.items()},
+                                     {k: s for k, (s, _) in exp.items()}, tied_groups(model))
+            problems = check.problems(strict)
+    else:
+        problems = []
+    payload = None
+    if rank0_only and check is not None:
+        payload = (dict(check.source), list(check.missing), list(check.unexpected))
+    got = agree(problems, what, payload)
+    if rank0_only:
+        source, missing, unexpected = got[0][1]
+    else:
+        source, missing, unexpected = check.source, list(check.missing), list(check.unexpected)
+
     ded = _name_map(model, rt)
     live = dict(model.named_parameters(remove_duplicate=False))
     live.update(dict(model.named_buffers(remove_duplicate=False)))
-    for k in exp:
-        v = state_dict[k]
-        if k in ded:
-            n = ded[k]
+    done: set[int] = set()
+    for k, (shape, dtype) in exp.items():
+        src = source.get(k)
+        if src is None:
+            continue
+        n = ded.get(k)
+        target = rt.params[n] if n is not None else live.get(k)
+        if target is None or id(target) in done:  # unreachable buffer, or a tied alias done
+            continue
+        done.add(id(target))
+        if rank0_only:
+            if rt.rank == 0:
+                v = state_dict[src].to(device=rt.device, dtype=dtype).contiguous()
+            else:
+                v = torch.empty(shape, dtype=dtype, device=rt.device)
+            dist.broadcast(v, src=0)
+        else:
+            v = state_dict[src]
+        if n is not None:
             if n in rt.masters:
                 rt.masters[n].copy_(v.to(device=rt.device, dtype=rt.masters[n].dtype))
-            continue
-        target = live.get(k)
-        if target is None:  # a persistent buffer not reachable by name (rare): skip silently
-            continue
-        if hasattr(target, "device_mesh"):
+        elif hasattr(target, "device_mesh"):
             from torch.distributed.tensor import distribute_tensor
             full = v.to(device=target.to_local().device, dtype=target.dtype)
-            shard = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+            shard = distribute_tensor(full, target.device_mesh, target.placements,
+                                      src_data_rank=None)
             target.to_local().copy_(shard.to_local())
         else:
             target.copy_(v.to(device=target.device, dtype=target.dtype))
     rt.version += 1
     rt.reshard_all()
+    return LoadResult(list(missing), list(unexpected))
+
+
+_HF_FILES = ("model.safetensors.index.json", "model.safetensors",
+             "pytorch_model.bin.index.json", "pytorch_model.bin")
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read a full state dict from disk onto the CPU (no process group needed).
+
+    Args:
+      path: a ``torch.save(model.state_dict())`` file (``.pt``/``.pth``/``.bin``), a
+        ``.safetensors`` file, a sharded-checkpoint index (``*.index.json``), or a HuggingFace
+        ``save_pretrained`` folder (``model.safetensors[.index.json]`` or
+        ``pytorch_model.bin[.index.json]``).
+
+    Returns:
+      ``{name: tensor}`` ready for :func:`set_model_state_dict` (tied names HF dropped stay absent;
+      ``set_model_state_dict`` fills them from their alias).
+
+    Raises:
+      FileNotFoundError: the folder holds none of the files above.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        for name in _HF_FILES:
+            if os.path.exists(os.path.join(path, name)):
+                return read_state_dict(os.path.join(path, name))
+        raise FileNotFoundError(f"read_state_dict: {path!r} has none of {list(_HF_FILES)} "
+                                "(is it a save_pretrained folder?)")
+    if path.endswith(".index.json"):
+        with open(path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for name in files:
+            out.update(read_state_dict(os.path.join(os.path.dirname(path), name)))
+        return out
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        return load_file(path, device="cpu")
+    return torch.load(path, map_location="cpu", weights_only=True)
