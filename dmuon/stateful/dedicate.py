@@ -122,6 +122,8 @@ def dedicate_params(
       NotImplementedError: a dedicated param is a DTensor (tensor parallelism).
     """
     install_fully_shard_patch()
+    from dmuon.integrations import install as _install_integrations
+    _install_integrations()  # Accelerate / HF Trainer learn about dmuon models (idempotent)
     if not dist.is_initialized():
         raise RuntimeError("dedicate_params needs torch.distributed: call "
                            "torch.distributed.init_process_group(...) first")

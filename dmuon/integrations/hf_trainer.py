@@ -1,0 +1,238 @@
+"""Make HF Accelerate and ``transformers.Trainer`` handle dmuon models correctly, with no user code.
+
+A dmuon model (``dedicate_params`` + ``fully_shard``) already owns its data parallelism. What
+Accelerate / Trainer would do to it, and what dmuon changes, **only for dmuon models** (a model
+carrying ``_dmuon_runtime``; everything else takes the original code path untouched):
+
+* ``Accelerator.prepare_model`` wraps multi-process models in ``DistributedDataParallel``
+  (``MULTI_CPU`` / ``MULTI_GPU``), which fails on FSDP2's DTensor params ("Cannot flatten
+  unevenly sharded tensor", "mixed torch.Tensor and DTensor", or "incompatible with DDP",
+  depending on the version). dmuon prepares such a model as Accelerate prepares an already
+  distributed one: ``device_placement=False, evaluation_mode=True`` (autocast and ``torch.compile``
+  still apply; no DDP/FSDP wrapping). It also gives the model a ``no_sync`` context (Accelerate's
+  ``no_sync`` / ``accumulate`` use ``model.no_sync`` when present), so Trainer's gradient
+  accumulation runs :func:`dmuon.no_sync` (no collectives on the non-final micro-batches).
+  Accelerate's own FSDP or DeepSpeed on a dmuon model, or fp16 loss scaling (its ``GradScaler``
+  never sees the dedicated gradients), raise ``ValueError`` saying what to change.
+* ``Accelerator.clip_grad_norm_(model.parameters(), max_norm)`` (Trainer's clipping, default
+  ``max_grad_norm=1.0``) would compute ``torch.nn.utils.clip_grad_norm_`` over ``.grad`` only, which
+  misses the dedicated matrices (their reduced gradients live on the owners, in the runtime): the
+  norm would be silently wrong. For a dmuon model it is :func:`dmuon.clip_grad_norm_` (global norm
+  over FSDP2 shards and owners' reduced gradients, then all of them scaled).
+* ``Accelerator.get_state_dict(model)`` returns :func:`dmuon.get_model_state_dict` (full tensors,
+  single-device names; collective, as the Accelerate docs require for sharded models).
+* ``Trainer.save_model`` (called on every rank, also by Trainer's checkpointing) first gathers
+  :func:`dmuon.get_model_state_dict` on every rank (drains HSDP publishes), then runs the original
+  method with ``model.state_dict()`` answering that full dict, so rank 0's ``save_pretrained``
+  writes a normal, loadable HF checkpoint.
+
+All of these are public methods, wrapped at class level, idempotently (a marker attribute), and
+only when the target exists with the expected parameters; a target that changed is reported by
+:func:`status` and logged, and the dmuon path raises ``RuntimeError`` naming the version instead of
+doing something silently wrong.
+
+Known limit: Trainer's ``optimizer.pt`` is rank 0's local ``Muon.state_dict()`` (each rank's
+``Muon`` state is its own shard); resuming from it raises on the other ranks. Resume with
+:func:`dmuon.get_optimizer_state_dict` / :func:`dmuon.set_optimizer_state_dict`, or pass
+``save_only_model=True``.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+from types import ModuleType
+from typing import Any, Iterator, Optional
+
+import torch.nn as nn
+
+logger = logging.getLogger(__name__)
+
+_MARK = "_dmuon_wrapped"
+_status: dict[str, str] = {}
+
+
+def dmuon_root(model: Any) -> Optional[nn.Module]:
+    """The dmuon-prepared module inside ``model`` (through ``torch.compile`` / DDP-style wrappers)."""
+    seen = 0
+    while isinstance(model, nn.Module) and seen < 8:
+        if getattr(model, "_dmuon_runtime", None) is not None:
+            return model
+        model = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        seen += 1
+    return None
+
+
+def status() -> dict[str, str]:
+    """``{"Accelerator.prepare_model": "installed" | "<why not>", ...}`` for every target seen."""
+    return dict(_status)
+
+
+def _wrap(cls: type, name: str, make, required_params: tuple[str, ...]) -> None:
+    key = f"{cls.__name__}.{name}"
+    fn = cls.__dict__.get(name)
+    if fn is None:
+        _status[key] = f"missing ({cls.__module__} has no {key})"
+        logger.warning("dmuon: %s not found; dmuon models are not supported on this path", key)
+        return
+    if getattr(fn, _MARK, False):
+        _status[key] = "installed"
+        return
+    params = inspect.signature(fn).parameters
+    lacking = [p for p in required_params if p not in params]
+    if lacking:
+        _status[key] = f"unsupported signature (no {lacking})"
+        logger.warning("dmuon: %s has no parameter(s) %s; dmuon models raise on this path", key,
+                       lacking)
+        wrapper = _unsupported(fn, key, lacking)
+    else:
+        wrapper = make(fn)
+        _status[key] = "installed"
+    functools.update_wrapper(wrapper, fn)
+    setattr(wrapper, _MARK, True)
+    setattr(cls, name, wrapper)
+
+
+def _unsupported(fn, key: str, lacking: list[str]):
+    def wrapper(self, *args, **kwargs):
+        if any(dmuon_root(a) is not None for a in list(args) + list(kwargs.values())) or \
+                dmuon_root(getattr(self, "model", None)) is not None:
+            raise RuntimeError(
+                f"dmuon: {key} in this version has no parameter(s) {lacking}, which dmuon's "
+                "Accelerate/Trainer integration needs (tested: accelerate 1.15, transformers 5.24). "
+                "Upgrade, or drive the model with a custom loop (examples/custom_loop.py).")
+        return fn(self, *args, **kwargs)
+    return wrapper
+
+
+# ---------------------------------------------------------------------------------- accelerate
+def _distributed_type_name(acc: Any) -> str:
+    dt = getattr(acc, "distributed_type", None)
+    return str(getattr(dt, "value", dt))
+
+
+def _check_accelerator(acc: Any) -> None:
+    dt = _distributed_type_name(acc).upper()
+    if dt in ("FSDP", "DEEPSPEED", "MEGATRON_LM"):
+        raise ValueError(
+            f"dmuon: this Accelerator is configured for {dt}, but the model was prepared by "
+            "dmuon.dedicate_params + fully_shard, which already shard it. Turn the framework's own "
+            "sharding off (HF Trainer: TrainingArguments(fsdp=\"\"), no deepspeed=...; accelerate: "
+            "no FSDP/DeepSpeed plugin) and keep dmuon + fully_shard.")
+    if getattr(acc, "scaler", None) is not None:
+        raise ValueError(
+            "dmuon: fp16 loss scaling (GradScaler) is not supported for dmuon models: the scaler "
+            "never sees the dedicated matrices' gradients (they live on their owners), so it would "
+            "neither unscale them nor detect their overflows. Use bf16 (TrainingArguments(bf16=True)"
+            " or mixed_precision='bf16') or fp32.")
+
+
+def _make_prepare_model(orig):
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        root = dmuon_root(model)
+        if root is None or evaluation_mode:
+            return orig(self, model, device_placement=device_placement,
+                        evaluation_mode=evaluation_mode)
+        _check_accelerator(self)
+        # already distributed by dmuon + FSDP2: no DDP / FSDP wrapping, no device move
+        out = orig(self, model, device_placement=False, evaluation_mode=True)
+        if getattr(root, "no_sync", None) is None:
+            from dmuon.stateful.no_sync import no_sync
+            root.no_sync = functools.partial(no_sync, root)  # used by Accelerator.no_sync
+        return out
+    return prepare_model
+
+
+def _dmuon_model_for(acc: Any, parameters: list) -> Optional[nn.Module]:
+    """The dmuon model whose dedicated params are in ``parameters`` (all of its params, or raise)."""
+    from dmuon.stateful.fsdp_patch import is_dedicated
+    if not any(is_dedicated(p) for p in parameters):
+        return None
+    given = {id(p) for p in parameters}
+    for m in list(getattr(acc, "_models", [])):
+        root = dmuon_root(m)
+        if root is None:
+            continue
+        ded = {id(p) for p in root._dmuon_runtime.params.values()}
+        if ded & given:
+            if {id(p) for p in root.parameters()} != given:
+                raise ValueError(
+                    "dmuon: Accelerator.clip_grad_norm_ got a subset of a dmuon model's parameters "
+                    "that includes dedicated matrices; clip all of model.parameters() (their norm is "
+                    "global), or call dmuon.clip_grad_norm_(model, max_norm) yourself.")
+            return root
+    raise RuntimeError(
+        "dmuon: Accelerator.clip_grad_norm_ got dedicated parameters of a model that this "
+        "Accelerator did not prepare; call dmuon.clip_grad_norm_(model, max_norm) instead.")
+
+
+def _make_clip_grad_norm(orig):
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        parameters = list(parameters)
+        root = _dmuon_model_for(self, parameters)
+        if root is None:
+            return orig(self, parameters, max_norm, norm_type=norm_type)
+        from dmuon.stateful.grad_clip import clip_grad_norm_ as dmuon_clip
+        return dmuon_clip(root, float(max_norm), float(norm_type))
+    return clip_grad_norm_
+
+
+def _make_get_state_dict(orig):
+    def get_state_dict(self, model, unwrap=True):
+        root = dmuon_root(model)
+        if root is None:
+            return orig(self, model, unwrap=unwrap)
+        from dmuon.stateful.state_dict import get_model_state_dict
+        return get_model_state_dict(root, cpu_offload=True)
+    return get_state_dict
+
+
+def patch_accelerate(module: ModuleType) -> None:
+    """Wrap ``Accelerator.prepare_model`` / ``clip_grad_norm_`` / ``get_state_dict`` (idempotent)."""
+    cls = getattr(module, "Accelerator", None)
+    if cls is None:
+        _status["Accelerator"] = f"missing ({module.__name__} has no Accelerator)"
+        return
+    _wrap(cls, "prepare_model", _make_prepare_model, ("device_placement", "evaluation_mode"))
+    _wrap(cls, "clip_grad_norm_", _make_clip_grad_norm, ("parameters", "max_norm", "norm_type"))
+    _wrap(cls, "get_state_dict", _make_get_state_dict, ("model", "unwrap"))
+
+
+# ---------------------------------------------------------------------------------- Trainer
+@contextlib.contextmanager
+def _answering_state_dict(model: nn.Module, sd: dict) -> Iterator[None]:
+    """While inside, ``model.state_dict()`` returns ``sd`` (an instance attribute, then removed)."""
+    had = "state_dict" in model.__dict__
+    prev = model.__dict__.get("state_dict")
+    model.__dict__["state_dict"] = lambda *a, **k: sd
+    try:
+        yield
+    finally:
+        if had:
+            model.__dict__["state_dict"] = prev
+        else:
+            model.__dict__.pop("state_dict", None)
+
+
+def _make_save_model(orig):
+    def save_model(self, output_dir=None, _internal_call=False, *args, **kwargs):
+        root = dmuon_root(getattr(self, "model", None))
+        if root is None:
+            return orig(self, output_dir, _internal_call, *args, **kwargs)
+        if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
+            _check_accelerator(self.accelerator)
+        from dmuon.stateful.state_dict import get_model_state_dict
+        sd = get_model_state_dict(root, cpu_offload=True)  # collective: every rank is here
+        with _answering_state_dict(root, sd):
+            return orig(self, output_dir, _internal_call, *args, **kwargs)
+    return save_model
+
+
+def patch_trainer(module: ModuleType) -> None:
+    """Wrap ``Trainer.save_model`` (idempotent)."""
+    cls = getattr(module, "Trainer", None)
+    if cls is None:
+        _status["Trainer"] = f"missing ({module.__name__} has no Trainer)"
+        return
+    _wrap(cls, "save_model", _make_save_model, ("output_dir",))

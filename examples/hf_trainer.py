@@ -1,0 +1,153 @@
+"""The seeds' HF ``Trainer`` recipe, runnable on CPU with gloo (tiny Llama, no downloads).
+
+    torchrun --nproc_per_node 2 examples/hf_trainer.py --output-dir /tmp/dmuon_trainer
+    python examples/hf_trainer.py --output-dir /tmp/dmuon_trainer    # spawns 2 local ranks itself
+
+``dedicate_params`` -> ``fully_shard`` per decoder layer and root -> ``dmuon.Muon`` ->
+``Trainer(optimizers=(optimizer, None))`` with ``fsdp=""``. Nothing else: ``import dmuon`` teaches
+Accelerate / Trainer about dmuon models (see ``dmuon/integrations/hf_trainer.py``): no DDP wrapping
+of the already-sharded model, Trainer's gradient clipping (``max_grad_norm``, default 1.0) covers
+the dedicated matrices, gradient accumulation skips collectives, and Trainer's checkpoints are full
+``save_pretrained`` checkpoints (reload them with ``LlamaForCausalLM.from_pretrained``).
+
+On GPU: ``dist.init_process_group("nccl")``, ``init_device_mesh("cuda", ...)`` and a real
+``AutoModelForCausalLM.from_pretrained(...).cuda()``; the rest is unchanged.
+
+``--probe-out FILE`` (used by the tests) also writes, on rank 0, the Trainer's log history and the
+trained model's logits on a fixed probe batch.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+import dmuon
+
+VOCAB, SEQ = 64, 16
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    """A 2-layer Llama small enough for CPU tests (same weights on every rank: fixed seed)."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+class CountingDataset(torch.utils.data.Dataset):
+    """Learnable synthetic sequences: each counts up by one from its start, modulo VOCAB."""
+
+    def __init__(self, n: int):
+        g = torch.Generator().manual_seed(1234)
+        self.starts = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def __getitem__(self, i: int) -> dict:
+        ids = (torch.arange(SEQ) + self.starts[i]) % VOCAB
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def probe_batch() -> torch.Tensor:
+    g = torch.Generator().manual_seed(99)
+    return torch.randint(0, VOCAB, (2, SEQ), generator=g)
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--output-dir", default="./output_dmuon_trainer")
+    ap.add_argument("--samples", type=int, default=4, help="dataset size")
+    ap.add_argument("--epochs", type=int, default=5)
+    ap.add_argument("--grad-accum", type=int, default=1)
+    ap.add_argument("--probe-out", default=None)
+    a = ap.parse_args(argv)
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = tiny_llama()
+
+    # the seeds' three steps: dedicate, fully_shard (layers, root), dmuon.Muon
+    dmuon.dedicate_params(model, mesh,
+                          predicate=lambda n, p: p.ndim == 2 and any(k in n for k in PROJ))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=3e-3)
+
+    training_args = TrainingArguments(
+        output_dir=a.output_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=a.grad_accum,
+        num_train_epochs=a.epochs,
+        fsdp="",                       # Trainer's own FSDP wrapping stays off
+        logging_steps=1,
+        save_strategy="epoch" if a.probe_out else "no",
+        save_total_limit=1,
+        report_to=[],
+        use_cpu=True,
+        dataloader_num_workers=0,
+    )
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=CountingDataset(a.samples),
+        optimizers=(optimizer, None),  # (optimizer, lr_scheduler): Trainer adds its linear schedule
+    )
+    trainer.train()
+
+    if a.probe_out:
+        model.eval()
+        with torch.no_grad():
+            logits = model(input_ids=probe_batch()).logits
+        rt = model._dmuon_runtime
+        if dist.get_rank() == 0:
+            torch.save({"logits": logits, "log_history": trainer.state.log_history,
+                        "checkpoint": _last_checkpoint(a.output_dir),
+                        "reduce_collectives": rt.executor.counters()["reduce"]["collectives"],
+                        "reduce_ops_per_sync": sum(len(s) for s in rt.reduce_schedules.values())},
+                       a.probe_out)
+        dist.barrier()
+
+
+def _last_checkpoint(output_dir: str) -> str | None:
+    from transformers.trainer_utils import get_last_checkpoint
+    return get_last_checkpoint(output_dir)
+
+
+def _spawned(rank: int, world: int, port: int, argv: list[str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
+    _run(argv)
+
+
+def _run(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    try:
+        main(argv)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if "RANK" in os.environ:  # launched by torchrun
+        _run(sys.argv[1:])
+    else:
+        import socket
+
+        import torch.multiprocessing as mp
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            free_port = s.getsockname()[1]
+        mp.spawn(_spawned, args=(2, free_port, sys.argv[1:]), nprocs=2)
