@@ -12,6 +12,13 @@ are all dedicated is treated exactly as with ``fully_shard(..., ignored_params=.
 
 Installation is idempotent; a missing hook point raises ``RuntimeError`` naming the torch
 version, never a silent no-op.
+
+Hook point by version: torch 2.13.0 and 2.14.1 (tested) call both collectors from
+``_fsdp_init._get_modules_and_states`` (``_get_managed_states(modules, ignored_params=None)``,
+``_get_managed_modules(root_modules, ignored_params=None, is_composable_fn=None,
+get_state_fn=None)``); that helper came with pytorch PR #173580 (merged 2026-01-28, before the
+2.11 branch cut). Earlier layouts imported both by name into ``_fully_shard`` and called them from
+``fully_shard`` with the same two leading arguments; both layouts are patched.
 """
 from __future__ import annotations
 

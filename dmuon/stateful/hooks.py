@@ -14,8 +14,15 @@ Per hook-boundary module (a ``layers.N`` block by default — never a leaf, sinc
 Activation checkpointing (non-reentrant) re-runs a block's forward *inside* backward: the hooks see
 ``torch._C._current_graph_task_id() != -1`` and then only make sure the group is gathered (no
 prefetch, no free, no new backward hook), so recomputation neither re-reduces nor double-counts.
-The model itself gets hooks too: pre-forward readies the runtime (dtypes, layouts; drains a pending
-HSDP publish), post-forward fixes the prefetch order after the first forward.
+The model itself gets hooks too: pre-forward readies the runtime (dtypes, layouts), post-forward
+fixes the prefetch order after the first forward. HSDP: a group's gather (pre-forward or prefetch)
+first waits that group's pending post-step publish; the end-of-backward callback waits the rest.
+
+``torch.compile``: every hook is wrapped in ``torch.compiler.disable`` (as FSDP2 does with its
+own), so when a user compiles a block (``layer.compile()``, whose compiled ``_call_impl`` runs the
+hooks, ``torch.compile(layer)``) or the model, the hooks run eagerly as graph breaks: collectives,
+``.data`` swaps and storage resizes never enter a graph, and runtime state (versions, flags) never
+becomes a guard.
 """
 from __future__ import annotations
 
@@ -26,6 +33,11 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from dmuon.stateful.runtime import ROOT_GROUP, DedicatedRuntime
+
+
+def _eager(fn: Any) -> Any:
+    """``fn`` kept out of any ``torch.compile`` graph (runs eagerly; a graph break if reached)."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 def _in_backward() -> bool:
@@ -57,7 +69,7 @@ def _register_pre_backward(rt: DedicatedRuntime, key: str | None, output: Any) -
             if prev is not None and rt.groups[prev].reshard_after_forward:
                 rt.launch_unshard(prev)
 
-    torch.autograd.graph.register_multi_grad_hook(tensors, pre_backward, mode="any")
+    torch.autograd.graph.register_multi_grad_hook(tensors, _eager(pre_backward), mode="any")
 
 
 def register_hooks(model: nn.Module, rt: DedicatedRuntime) -> list[Any]:
@@ -71,7 +83,7 @@ def register_hooks(model: nn.Module, rt: DedicatedRuntime) -> list[Any]:
             if has_root:
                 rt.unshard(ROOT_GROUP)
             return
-        rt.wait_publish()
+        # HSDP: no global drain here; each group's gather waits its own publish (overlap)
         if has_root:
             rt.note_forward(ROOT_GROUP)
             rt.unshard(ROOT_GROUP)
@@ -83,8 +95,8 @@ def register_hooks(model: nn.Module, rt: DedicatedRuntime) -> list[Any]:
         _register_pre_backward(rt, ROOT_GROUP if has_root else None, output)
         return None
 
-    handles.append(model.register_forward_pre_hook(root_pre))
-    handles.append(model.register_forward_hook(root_post))
+    handles.append(model.register_forward_pre_hook(_eager(root_pre)))
+    handles.append(model.register_forward_hook(_eager(root_post)))
 
     for key, g in rt.groups.items():
         if key == ROOT_GROUP:
@@ -109,11 +121,11 @@ def register_hooks(model: nn.Module, rt: DedicatedRuntime) -> list[Any]:
                 rt.reshard(key)
             return None
 
-        handles.append(g.module.register_forward_pre_hook(pre))
-        handles.append(g.module.register_forward_hook(post))
+        handles.append(g.module.register_forward_pre_hook(_eager(pre)))
+        handles.append(g.module.register_forward_hook(_eager(post)))
 
     for name, p in rt.params.items():
         handles.append(p.register_post_accumulate_grad_hook(
-            lambda param, name=name: rt.on_grad(name, param)))
+            _eager(lambda param, name=name: rt.on_grad(name, param))))
     rt.hook_handles = handles
     return handles
