@@ -7,7 +7,8 @@ user code imported ``fully_shard``.
 Public API (the stateful wrapper, see SPEC §2):
   ``dedicate_params``, ``Muon``, ``no_sync``, ``wait_all_replicate_broadcasts``,
   ``get_model_state_dict`` / ``set_model_state_dict``, ``get_optimizer_state_dict`` /
-  ``set_optimizer_state_dict``, ``clip_grad_norm_``.
+  ``set_optimizer_state_dict``, ``read_state_dict``, ``save_sharded`` / ``load_sharded``
+  (torch.distributed.checkpoint, never gathered, any topology), ``clip_grad_norm_``.
 The pure core is ``dmuon.functional``.
 """
 
@@ -20,12 +21,19 @@ from dmuon.stateful.grad_clip import clip_grad_norm_  # noqa: E402
 from dmuon.stateful.no_sync import no_sync, wait_all_replicate_broadcasts  # noqa: E402
 from dmuon.stateful.optimizer import Muon  # noqa: E402
 from dmuon.stateful.optimizer_state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # noqa: E402
-from dmuon.stateful.state_dict import get_model_state_dict, set_model_state_dict  # noqa: E402
+from dmuon.stateful.checkpoint_sharded import load_sharded, save_sharded  # noqa: E402
+from dmuon.stateful.state_dict import (LoadResult, get_model_state_dict, read_state_dict,  # noqa: E402
+                                       set_model_state_dict)
 
 _install_fully_shard_patch()
+
+from dmuon.integrations import install as _install_integrations  # noqa: E402
+
+_install_integrations()  # teaches accelerate / HF Trainer about dmuon-prepared models (lazy, on their import)
 
 __all__ = [
     "functional", "dedicate_params", "Muon", "no_sync", "wait_all_replicate_broadcasts",
     "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
-    "set_optimizer_state_dict", "clip_grad_norm_",
+    "set_optimizer_state_dict", "clip_grad_norm_", "save_sharded", "load_sharded", "read_state_dict",
+    "LoadResult",
 ]

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from typing import Any, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
@@ -40,6 +40,11 @@ __all__ = [
     "LR_SCALE_RULES",
     "MuonHParams",
     "MuonState",
+    "FOREACH_ELEMENTWISE",
+    "MuonElementwise",
+    "Orthogonalize",
+    "foreach_apply_",
+    "foreach_momentum_",
     "init",
     "lr_scale_factor",
     "orthogonalize_batched",
@@ -48,6 +53,76 @@ __all__ = [
 ]
 
 LR_SCALE_RULES = ("moonlight", "jordan", "none")
+
+#: The ``orthogonalize=`` hook of :func:`update`: ``(B_i, m_i, n_i)`` inputs -> their NS results.
+Orthogonalize = Callable[[list[Tensor]], Sequence[Tensor]]
+
+
+def foreach_momentum_(bs: list[Tensor], gs: list[Tensor], xs: list[Tensor] | None,
+                      mu: float) -> None:
+    """Reference momentum stage, in place: ``b ← μ·b + g``; then ``x ← g + μ·b`` if ``xs`` is given.
+
+    Args:
+        bs: momentum buffers (updated in place).
+        gs: gradients, each with its ``b``'s shape and dtype.
+        xs: Nesterov outputs (``None``: no Nesterov input). ``xs[k]`` is either ``gs[k]`` itself
+            (formed in the gradient's storage) or a tensor of ``gs[k]``'s shape that receives it.
+        mu: momentum coefficient ``μ``.
+    """
+    if not bs:
+        return
+    torch._foreach_mul_(bs, mu)
+    torch._foreach_add_(bs, gs)
+    if xs is None:
+        return
+    same = [k for k in range(len(bs)) if xs[k] is gs[k]]
+    if same:
+        torch._foreach_add_([gs[k] for k in same], [bs[k] for k in same], alpha=mu)
+    for k in range(len(bs)):
+        if xs[k] is not gs[k]:
+            torch.add(gs[k], bs[k], alpha=mu, out=xs[k])
+
+
+def foreach_apply_(ps: list[Tensor], us: list[Tensor], decay: float,
+                   alphas: Sequence[float]) -> None:
+    """Reference update stage, in place: ``p ← p·decay`` (skipped when ``decay == 1``), then
+    ``p ← p + alpha_k·u_k`` (one foreach call per distinct ``alpha``).
+
+    Args:
+        ps: params (updated in place).
+        us: Newton–Schulz results, each of its param's shape (any float dtype).
+        decay: ``1 − lr·wd``.
+        alphas: per param, ``−lr·s``.
+    """
+    if not ps:
+        return
+    if decay != 1.0:
+        torch._foreach_mul_(ps, decay)
+    by_alpha: dict[float, list[int]] = defaultdict(list)
+    for k, a in enumerate(alphas):
+        by_alpha[a].append(k)
+    for alpha, ks in by_alpha.items():
+        torch._foreach_add_([ps[k] for k in ks], [us[k] for k in ks], alpha=alpha)
+
+
+class MuonElementwise(NamedTuple):
+    """The ``elementwise=`` hook of :func:`update`: its two elementwise stages (like NS's ``sym``).
+
+    The math is fixed by the reference functions; a replacement (e.g. the fused Triton kernels of
+    :mod:`dmuon.kernels.muon_elementwise`, one pass each) computes the same formulas, in place,
+    rounding at most differently (one rounding instead of one per op).
+
+    Attributes:
+        momentum: ``momentum(bs, gs, xs, mu)`` with the contract of :func:`foreach_momentum_`.
+        apply: ``apply(ps, us, decay, alphas)`` with the contract of :func:`foreach_apply_`.
+    """
+
+    momentum: Callable[[list[Tensor], list[Tensor], "list[Tensor] | None", float], None]
+    apply: Callable[[list[Tensor], list[Tensor], float, Sequence[float]], None]
+
+
+#: The default elementwise stages: ``torch._foreach_*`` ops (bitwise the historical code).
+FOREACH_ELEMENTWISE = MuonElementwise(momentum=foreach_momentum_, apply=foreach_apply_)
 
 
 class MuonHParams(NamedTuple):
@@ -245,6 +320,9 @@ def update(
     *,
     batch_dims: Any = None,
     donate: bool = False,
+    donate_grads: bool = False,
+    orthogonalize: Orthogonalize | None = None,
+    elementwise: MuonElementwise | None = None,
 ) -> tuple[PyTree, MuonState]:
     """One Muon step on every matrix in ``params``.
 
@@ -273,6 +351,24 @@ def update(
         donate: when ``True``, params and momentum buffers are updated in place and the returned
             leaves are the very same tensor objects (no copies); when ``False`` (default) no input is
             modified.
+        donate_grads: when ``True``, gradients whose dtype is the param's are used as scratch: the
+            Newton–Schulz input ``x`` is formed in the gradient's storage (and, with a custom
+            ``orthogonalize``, may be overwritten by its result). The gradients' values are
+            undefined afterwards. Saves one param-sized temporary per matrix; results are bitwise
+            the same.
+        orthogonalize: the Newton–Schulz step. ``None`` (default): :func:`orthogonalize_batched`
+            with ``hparams.ns_steps``, ``ns_coefficients``, ``ns_eps`` and ``ns_dtype`` (one
+            batched :func:`~dmuon.functional.newton_schulz.newton_schulz` call per matrix shape).
+            Otherwise a callable ``orthogonalize(xs) -> us`` called once per step with every
+            active input as a ``(B, m, n)`` tensor (list order: params' leaf order), returning
+            ``NS(xs[i])`` of the same shapes, in any float dtype. It owns its NS settings (e.g. a
+            :class:`dmuon.stateful.ns_engine.NSEngine` built from the same hparams), must treat
+            each matrix independently, and may overwrite ``xs`` in place and return them: the
+            ``xs`` are always this function's scratch (fresh tensors, or donated gradients),
+            never params or momentum buffers.
+        elementwise: the momentum and update stages (:class:`MuonElementwise`); ``None``
+            (default): :data:`FOREACH_ELEMENTWISE`. Without donation the params and momentum
+            buffers are copied first and the stages run on the copies.
 
     Returns:
         ``(new_params, new_state)`` with ``new_state.step = state.step + 1``. Without donation, leaves
@@ -302,8 +398,10 @@ def update(
     wd = float(hparams.weight_decay)
 
     new_b: list[Tensor] = list(b_leaves)
-    inputs: list[Tensor] = []
-    active: list[tuple[int, tuple[int, int, int]]] = []
+    act: list[int] = []          # active leaves (gradient given)
+    gs: list[Tensor] = []        # their gradients in the param's dtype
+    own_g: list[bool] = []       # may the gradient's storage be used as scratch?
+    bmns: list[tuple[int, int, int]] = []
     for i, (name, p, g, b, nb) in enumerate(zip(names, p_leaves, g_leaves, b_leaves, bdims)):
         shape = tuple(p.shape)
         try:
@@ -320,30 +418,57 @@ def update(
                 f"momentum buffer of {name!r} must have shape {shape} (was the state made by "
                 "muon.init for these params?)"
             )
-        g = g.to(dtype=p.dtype)
-        b = b.mul_(mu).add_(g) if donate else b.mul(mu).add_(g)
-        new_b[i] = b
-        x = g.add(b, alpha=mu) if hparams.nesterov else b
-        inputs.append(x.reshape(bmn))
-        active.append((i, bmn))
+        g2 = g.to(dtype=p.dtype)
+        act.append(i)
+        gs.append(g2)
+        own_g.append(g2 is not g or (donate_grads and g.is_contiguous()))
+        bmns.append(bmn)
 
-    updates = orthogonalize_batched(
-        inputs, steps=hparams.ns_steps, coefficients=hparams.ns_coefficients,
-        eps=float(hparams.ns_eps), dtype=hparams.ns_dtype,
-    )
+    ew = FOREACH_ELEMENTWISE if elementwise is None else elementwise
+    # Momentum b ← μ·b + g and the Nesterov input x ← g + μ·b (in the gradient's storage where it
+    # may be scratch), in one call of the elementwise hook.
+    bs = [b_leaves[i] for i in act]
+    if not donate:
+        bs = [b.clone() for b in bs]
+    xs: list[Tensor] = [None] * len(act)  # type: ignore[list-item]
+    if hparams.nesterov:
+        xs = [gs[k] if own_g[k] else torch.empty_like(gs[k]) for k in range(len(act))]
+    ew.momentum(bs, gs, xs if hparams.nesterov else None, mu)
+    for k, i in enumerate(act):
+        new_b[i] = bs[k]
+    if not hparams.nesterov:
+        for k in range(len(act)):
+            if orthogonalize is None:
+                xs[k] = bs[k]
+            elif own_g[k]:
+                xs[k] = gs[k].copy_(bs[k])
+            else:
+                xs[k] = bs[k].clone()
+    inputs = [x.reshape(bmn) for x, bmn in zip(xs, bmns)]
 
+    if orthogonalize is None:
+        updates = orthogonalize_batched(
+            inputs, steps=hparams.ns_steps, coefficients=hparams.ns_coefficients,
+            eps=float(hparams.ns_eps), dtype=hparams.ns_dtype,
+        )
+    else:
+        updates = list(orthogonalize(inputs)) if inputs else []
+        if len(updates) != len(inputs) or any(
+                not isinstance(u, Tensor) or tuple(u.shape) != tuple(x.shape)
+                for u, x in zip(updates, inputs)):
+            raise ValueError("orthogonalize(xs) must return one tensor per input with the input's "
+                             f"shape; got {len(updates)} results for {len(inputs)} inputs")
+
+    # W ← W·(1 − lr·wd);  W ← W − lr·s·U  (the elementwise hook's update stage).
+    ps = [p_leaves[i] for i in act]
+    us = [u.reshape(p.shape) for u, p in zip(updates, ps)]
+    if not donate:
+        ps = [p.clone() for p in ps]
+    alphas = [-lr * lr_scale_factor(p_leaves[i].shape, hparams.lr_scale, bdims[i]) for i in act]
+    ew.apply(ps, us, (1 - lr * wd) if wd != 0 else 1.0, alphas)
     new_p: list[Tensor] = list(p_leaves)
-    for (i, _), u in zip(active, updates):
-        p = p_leaves[i]
-        alpha = -lr * lr_scale_factor(p.shape, hparams.lr_scale, bdims[i])
-        u = u.reshape(p.shape)
-        if donate:
-            if wd != 0:
-                p.mul_(1 - lr * wd)
-            p.add_(u, alpha=alpha)
-        else:
-            p = p.mul(1 - lr * wd).add_(u, alpha=alpha) if wd != 0 else p.add(u, alpha=alpha)
-        new_p[i] = p
+    for k, i in enumerate(act):
+        new_p[i] = ps[k]
 
     return treedef.unflatten(new_p), MuonState(step=int(state.step) + 1,
                                                momentum=treedef.unflatten(new_b))

@@ -21,7 +21,7 @@ What it computes: for every input ``G_i`` (viewed as ``B_i`` matrices ``m_i x n_
   ``cuda_graphs=False``, the caller is itself capturing, or capture raised) it runs eagerly; the
   reason is logged once.
 
-Two ways to call it:
+Three ways to call it:
 
 * ``engine.orthogonalize(tensors, batch_dims=...) -> list`` -- any tensors; the inputs are copied
   into engine-owned static buffers (one ``_foreach_copy_``), the graph replays, results are
@@ -29,7 +29,11 @@ Two ways to call it:
 * ``step = engine.bind(inputs, outputs, batch_dims=...)`` then ``step()`` each optimizer step --
   ``inputs``/``outputs`` are persistent tensors (e.g. the Nesterov buffers and the update
   buffers) whose storage does not move; the graph reads and writes them directly (no copies).
-  ``outputs[i]`` must be contiguous with ``inputs[i]``'s shape; it may be ``inputs[i]`` itself.
+  ``outputs[i]`` must be contiguous with ``inputs[i]``'s shape; it may be ``inputs[i]`` itself
+  (then ``bind`` itself overwrites the inputs' current values with its warm-up run).
+* ``engine.orthogonalize_(tensors, batch_dims=...)`` -- in place, keyed by the tensors' storage:
+  eager the first time, captured the second time a key is seen, replayed after that (no copies,
+  no static buffers; what ``dmuon.Muon`` uses on CUDA with its persistent gradient buckets).
 """
 from __future__ import annotations
 
@@ -126,7 +130,7 @@ class _Program:
     """Runs (and on CUDA captures) one signature's gather -> NS -> scatter over fixed tensors."""
 
     def __init__(self, engine: "NSEngine", srcs: Sequence[Tensor], dsts: Sequence[Tensor],
-                 batch_dims: Sequence[int]):
+                 batch_dims: Sequence[int], capture: bool = True):
         self.engine = engine
         self.srcs = list(srcs)
         self.dsts = list(dsts)
@@ -139,7 +143,8 @@ class _Program:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.mode = "eager"
         self._sym = make_sym_op(engine.sym_backend)
-        self._maybe_capture()
+        if capture:
+            self._maybe_capture()
 
     # -- the program --------------------------------------------------------------------------
     def _run_chunk(self, ch: NSChunk) -> None:
@@ -162,7 +167,10 @@ class _Program:
         for ch in self.chunks:
             self._run_chunk(ch)
 
-    def _maybe_capture(self) -> None:
+    def _maybe_capture(self, warmup: bool = True) -> None:
+        """Capture the program (CUDA). ``warmup=False``: the caller ran it eagerly on this device
+        already (kernels compiled, handles made), so it is captured straight away and never run
+        here -- required when outputs alias inputs, which a warm-up run would overwrite."""
         eng = self.engine
         if self.device.type != "cuda":
             return
@@ -171,13 +179,15 @@ class _Program:
                       "running NS eagerly")
             return
         try:
-            side = torch.cuda.Stream(device=self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS handles/workspaces
-                self.run_eager()
-            torch.cuda.current_stream(self.device).wait_stream(side)
+            if warmup:
+                side = torch.cuda.Stream(device=self.device)
+                side.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS handles/workspaces
+                    self.run_eager()
+                torch.cuda.current_stream(self.device).wait_stream(side)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=eng._pool(self.device)):
+            # thread_local: other threads (e.g. NCCL's watchdog) may query events meanwhile
+            with torch.cuda.graph(g, pool=eng._pool(self.device), capture_error_mode="thread_local"):
                 self.run_eager()
             self.graph, self.mode = g, "graph"
         except Exception as exc:  # capture impossible: fall back, say why once
@@ -250,6 +260,10 @@ class NSEngine:
         self.max_chunk_bytes = max_chunk_bytes
         self._pools: dict = {}
         self._programs: dict = {}
+        self._inplace: dict = {}          # orthogonalize_ programs by storage key, LRU order
+        self.max_programs = 4
+        self.last_mode = "none"           # "graph" / "eager" of the last orthogonalize_ call
+        self.last_chunks: tuple = ()
 
     def _pool(self, device: torch.device):
         """One graph memory pool per device, shared by this engine's programs (run in order)."""
@@ -325,6 +339,57 @@ class NSEngine:
             torch._foreach_copy_(out, prog.dsts)
             return out
         return [t.clone() for t in prog.dsts]
+
+    def orthogonalize_(self, tensors: Sequence[Tensor], *,
+                       batch_dims: Union[int, Sequence[int]] = 0) -> list[Tensor]:
+        """In place: overwrite every tensor with its Newton–Schulz result; returns ``tensors``.
+
+        For callers whose buffers stay put across steps (the optimizer's donated gradient buckets)
+        this costs no copies and no extra memory beyond the NS workspace. Programs are keyed by the
+        tensors' storage (address, shape, strides, dtype): the first call with a key runs eagerly;
+        the second call with the same key captures a CUDA graph (once, without a warm-up run,
+        which would overwrite the inputs) and every later call replays it. A key whose addresses
+        change at each call therefore never captures and stays eager. At most ``max_programs``
+        keys are kept (least recently used dropped).
+
+        Args:
+          tensors: contiguous floating tensors on one device, each ``B`` matrices by
+            ``batch_dims``; their values are replaced.
+          batch_dims: one int for all, or one per tensor.
+
+        Returns:
+          ``list(tensors)`` (the same objects, now holding the results).
+        """
+        tensors = list(tensors)
+        if not tensors:
+            return []
+        bd = self._batch_dims(len(tensors), batch_dims)
+        for t in tensors:
+            if not t.is_contiguous():
+                raise ValueError(f"orthogonalize_ needs contiguous tensors, got shape "
+                                 f"{tuple(t.shape)} with strides {t.stride()}")
+        key = ("inplace",) + tuple((t.data_ptr(), tuple(t.shape), d, t.dtype, t.device)
+                                   for t, d in zip(tensors, bd))
+        entry = self._inplace.pop(key, None)
+        if entry is None:
+            self._check(tensors)
+            prog = _Program(self, tensors, tensors, bd, capture=False)
+            prog.run_eager()
+            entry = [prog, 1]
+        else:
+            prog = entry[0]
+            prog.srcs = prog.dsts = list(tensors)   # same storage; keep the live tensor objects
+            if (prog.graph is None and entry[1] == 1 and prog.device.type == "cuda"
+                    and self.cuda_graphs and not torch.cuda.is_current_stream_capturing()):
+                prog._maybe_capture(warmup=False)
+            entry[1] += 1
+            prog()
+        self._inplace[key] = entry
+        while len(self._inplace) > self.max_programs:
+            self._inplace.pop(next(iter(self._inplace)))
+        self.last_mode = prog.mode
+        self.last_chunks = prog.chunks
+        return tensors
 
     def mode(self, inputs: Sequence[Tensor], batch_dims: Union[int, Sequence[int]] = 0) -> str:
         """``"graph"`` or ``"eager"`` for the program of this signature (``"none"`` if not built)."""

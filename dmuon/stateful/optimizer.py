@@ -27,7 +27,9 @@ import torch.nn as nn
 
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
+from dmuon.stateful.ns_engine import NSEngine
 from dmuon.stateful.runtime import DedicatedRuntime, get_runtime
+from dmuon.stateful.telemetry import StepStats, StepTelemetry
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +55,27 @@ class Muon(torch.optim.Optimizer):
         trainable param the predicate rejected.
       check_finite: before updating anything, check every gradient (one small all-reduce per
         step); NaN/Inf raises ``FloatingPointError`` on every rank and leaves params, state and
-        gradients untouched (``zero_grad()`` then skips the batch).
+        gradients untouched (``zero_grad()`` then skips the batch). Raising needs the flag on the
+        host, so on CUDA the check costs one host synchronization per step (the CPU waits for
+        the backward to finish before it can queue the step): ``None`` (default) means on for CPU
+        params, off on CUDA, where it is opt-in (``True``; ``last_step_stats().host_syncs``
+        shows it). Without it a NaN gradient propagates into the weights.
+      adamw_impl: the ``impl`` of :func:`dmuon.functional.adamw.update` for FSDP2's local shards;
+        ``"auto"`` (default): ``"fused"`` (``torch._fused_adamw_``) on CUDA, ``"reference"``
+        (bitwise ``torch.optim.AdamW(foreach=False)``) elsewhere.
+      ns_engine: the owner's Newton–Schulz. ``None`` (default): on CUDA a
+        :class:`dmuon.stateful.ns_engine.NSEngine` built from the NS hparams (batched per shape,
+        CUDA-graph replay on the persistent gradient buckets, rebuilt if those hparams change),
+        elsewhere the functional core's batched NS (bitwise the functional Muon). ``True``: that
+        engine on any device; ``False``: always the functional core; an ``NSEngine``: that one
+        (its own NS settings; ``ns_steps`` etc. are then ignored).
+      replicate_async: HSDP only. True (default): the publish of the new masters to the replicas
+        of each owner's shard column is dispatched at the end of ``step()`` and waited by the next
+        forward's pre-hook of each hook group (groups forward did not use: at the end of the next
+        backward). False: the publish runs and is waited inside ``step()``. Both give bitwise the
+        same weights. A ``step()`` while the previous step's publish is still pending (no
+        forward/backward since) raises ``RuntimeError``; ``dmuon.wait_all_replicate_broadcasts``
+        drains it.
 
     Raises:
       RuntimeError: ``dedicate_params`` was not called on ``model``.
@@ -66,7 +88,8 @@ class Muon(torch.optim.Optimizer):
                  ns_dtype: Optional[torch.dtype] = None, lr_scale: str = "moonlight",
                  adamw_lr: float = 1e-3, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.01,
-                 check_finite: bool = True):
+                 check_finite: Optional[bool] = None, replicate_async: bool = True,
+                 adamw_impl: str = "auto", ns_engine: Any = None):
         if not isinstance(model, nn.Module):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
@@ -88,7 +111,21 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults={})
         self._rt: DedicatedRuntime = rt
         self._model_ref = model
-        self.check_finite = bool(check_finite)
+        self.check_finite = (rt.device.type != "cuda") if check_finite is None \
+            else bool(check_finite)
+        if adamw_impl not in ("auto",) + fadamw.IMPLS:
+            raise ValueError(f"adamw_impl must be 'auto' or one of {fadamw.IMPLS}, got "
+                             f"{adamw_impl!r}")
+        self.adamw_impl = adamw_impl
+        if not (ns_engine is None or isinstance(ns_engine, (bool, NSEngine))):
+            raise TypeError("ns_engine must be None, True, False or a "
+                            f"dmuon.stateful.ns_engine.NSEngine, got {type(ns_engine).__name__}")
+        self._ns_choice = ns_engine
+        self._ns_engine: Optional[NSEngine] = ns_engine if isinstance(ns_engine, NSEngine) else None
+        self._ns_key: Any = None
+        self._host_syncs = 0
+        self.telemetry = StepTelemetry(getattr(rt, "executor", None), rt.device)
+        self.replicate_async = bool(replicate_async)
         self.num_steps = 0  # completed step() calls (the same on every rank)
         self.muon_state: Optional[fmuon.MuonState] = None
         self.adamw_state: Optional[fadamw.AdamWState] = None
@@ -112,12 +149,13 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rt = self._rt
+        rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         rt.wait_reduces()
         if self.check_finite:
             self._check_finite(rt)
         self._muon_step(rt)
         rt.clear_grads()
-        rt.after_step()
+        rt.after_step(replicate_async=self.replicate_async)
         self._adamw_step()
         self.num_steps += 1
         return loss
@@ -134,6 +172,8 @@ class Muon(torch.optim.Optimizer):
             norms = torch._foreach_norm([g for _, g in named])
             flags[me] = (~torch.isfinite(torch.stack(norms).float())).any().float()
         dist.all_reduce(flags)
+        if flags.is_cuda:
+            self._host_syncs += 1  # bool() below waits for the device
         if bool(flags.any()):
             bad_ranks = [r for r in range(world) if flags[r] > 0]
             local = [n for n, g in named if not torch.isfinite(g).all()]
@@ -142,6 +182,21 @@ class Muon(torch.optim.Optimizer):
                 + (f" (here: {local[:8]})" if local else "")
                 + ". Nothing was updated; call optimizer.zero_grad() to skip this batch, lower the "
                 "learning rate or check the loss and inputs (or pass check_finite=False).")
+
+    #: Muon's elementwise stages (momentum + Nesterov input; weight decay + update): ``None``
+    #: (default) fused Triton passes (:mod:`dmuon.kernels.muon_elementwise`, 28 instead of 52
+    #: bytes per fp32 element) on CUDA when Triton imports, else the functional core's foreach
+    #: stages (bitwise); ``False``: always foreach; ``True``: fused where it can run. Settable on
+    #: an instance (``opt.fused_elementwise = False``).
+    fused_elementwise: Optional[bool] = None
+
+    def _elementwise(self, rt: DedicatedRuntime) -> Optional[fmuon.MuonElementwise]:
+        """The ``elementwise=`` hook for this step (see :attr:`fused_elementwise`)."""
+        choice = self.fused_elementwise
+        if choice is False or (choice is None and rt.device.type != "cuda"):
+            return None
+        from dmuon.kernels.muon_elementwise import fused_elementwise
+        return fused_elementwise()
 
     def _muon_step(self, rt: DedicatedRuntime) -> None:
         owned = rt.owned_names
@@ -154,17 +209,71 @@ class Muon(torch.optim.Optimizer):
         if all(g is None for g in grads.values()):
             return
         bd = {n: rt.batch_dims.get(n, 0) for n in owned}
+        hp = self._muon_hparams()
+        # reduced grads are consumed by this step: donate them (NS input formed in place, in the
+        # persistent buckets, so the engine's graph replays on the same storage every step)
         _, self.muon_state = fmuon.update(
-            grads, self.muon_state, params, self._muon_hparams(),
-            batch_dims=bd if any(bd.values()) else None, donate=True)
+            grads, self.muon_state, params, hp, batch_dims=bd if any(bd.values()) else None,
+            donate=True, donate_grads=True, orthogonalize=self._orthogonalizer(rt, hp),
+            elementwise=self._elementwise(rt))
         self.refresh_state_views()
+
+    def _orthogonalizer(self, rt: DedicatedRuntime, hp: fmuon.MuonHParams) -> fmuon.Orthogonalize:
+        """The NS hook for this step, timed by the telemetry (see ``ns_engine`` in the class doc)."""
+        tel = self.telemetry
+        use_engine = self._ns_choice is not False and (
+            self._ns_choice is not None or rt.device.type == "cuda")
+        if not use_engine:
+            def functional(xs: list) -> list:
+                tel.ns_begin()
+                out = fmuon.orthogonalize_batched(xs, steps=hp.ns_steps,
+                                                  coefficients=hp.ns_coefficients,
+                                                  eps=float(hp.ns_eps), dtype=hp.ns_dtype)
+                tel.ns_end()
+                self._ns_mode = "functional"
+                return out
+            return functional
+        if not isinstance(self._ns_choice, NSEngine):
+            key = (hp.ns_steps, repr(hp.ns_coefficients), float(hp.ns_eps), hp.ns_dtype)
+            if self._ns_engine is None or key != self._ns_key:
+                self._ns_engine = NSEngine(steps=hp.ns_steps, coefficients=hp.ns_coefficients,
+                                           eps=float(hp.ns_eps), dtype=hp.ns_dtype)
+                self._ns_key = key
+        engine = self._ns_engine
+
+        def with_engine(xs: list) -> list:
+            tel.ns_begin()
+            out = engine.orthogonalize_(xs, batch_dims=1)
+            tel.ns_end()
+            self._ns_mode = engine.last_mode
+            return out
+        return with_engine
 
     def _adamw_tensors(self) -> tuple[dict, dict]:
         params = {n: _local(p) for n, p in self._adamw_named}
         grads = {n: _local(p.grad) for n, p in self._adamw_named}
         return params, grads
 
+    def _adamw_impl(self) -> str:
+        if self.adamw_impl != "auto":
+            return self.adamw_impl
+        dev = self._adamw_named[0][1].device if self._adamw_named else self._rt.device
+        return "fused" if dev.type == "cuda" else "reference"
+
     def _adamw_step(self) -> None:
+        """AdamW on FSDP2's local shards, then close this step's telemetry (last part of step)."""
+        self._adamw_update()
+        rt = self._rt
+        owned = rt.owned_names
+        self.telemetry.finish_step(
+            step=self.num_steps + 1, owned_matrices=len(owned),
+            owned_elements=sum(rt.masters[n].numel() for n in owned),
+            dedicated_matrices=len(rt.names), adamw_params=len(self._adamw_named),
+            ns_mode=getattr(self, "_ns_mode", "none") if owned else "none",
+            host_syncs=self._host_syncs, adamw_impl=self._adamw_impl())
+        self._host_syncs = 0
+
+    def _adamw_update(self) -> None:
         if not self._adamw_named:
             return
         params, grads = self._adamw_tensors()
@@ -173,8 +282,15 @@ class Muon(torch.optim.Optimizer):
         if all(g is None for g in grads.values()):
             return
         _, self.adamw_state = fadamw.update(grads, self.adamw_state, params, self._adamw_hparams(),
-                                            donate=True)
+                                            donate=True, impl=self._adamw_impl())
         self.refresh_state_views()
+
+    def last_step_stats(self) -> Optional[StepStats]:
+        """What the last ``step()`` did on this rank (None before the first): collectives and
+        payload bytes per lane since the previous step, the owner's NS time (CUDA events; reading
+        it waits for that step's NS), NS mode, owned matrices and elements, host syncs.
+        See :mod:`dmuon.stateful.telemetry`."""
+        return self.telemetry.last()
 
     # ------------------------------------------------------------------ grads
     def zero_grad(self, set_to_none: bool = True) -> None:

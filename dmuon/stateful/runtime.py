@@ -19,9 +19,12 @@ Storage (per rank ``(s, r)`` of the ``(R, G)`` mesh):
   zero-size placeholder (``model.state_dict()`` on a rank shows empty tensors: use
   :func:`dmuon.get_model_state_dict`).
 * **gradients** — the post-accumulate-grad hook moves each local gradient into ``local_grads`` and
-  clears ``param.grad``; the group's reduce copies them into fresh flat *reduce buckets* (reduce
+  clears ``param.grad``; the group's reduce copies them into flat *reduce buckets* (reduce
   dtype), averages them to the owner column, and the owner keeps the views of its own column's
   bucket as ``reduced_grads`` (accumulated across synced backwards until ``step``/``zero_grad``).
+  The own column's buckets are allocated once and reused every step (``grad_buffers``: stable
+  addresses for the optimizer's graph-replayed NS, which uses them as donated scratch); other
+  columns' buckets (send-only) and a second synced backward's buckets are transient.
 """
 from __future__ import annotations
 
@@ -131,13 +134,25 @@ class DedicatedRuntime:
         self.local_grads: dict[str, torch.Tensor] = {}
         self.reduced_grads: dict[str, torch.Tensor] = {}
         self._pending_reduces: list[tuple[Any, dict[BucketKey, torch.Tensor]]] = []
-        self._pending_publish: Any = None
+        # HSDP publish of the last step not yet waited, per hook group (see ``publish``)
+        self.pending_publish: dict[str, Any] = {}
+        self._publish_scheds: Optional[dict[str, Schedule]] = None
         self.in_backward_pass = False
         self._callback_queued = False
         self.ready = False
         self.unshard_layout: Optional[BucketLayout] = None
         self.reduce_layout: Optional[BucketLayout] = None
         self.unshard_buffers: dict[BucketKey, torch.Tensor] = {}
+        # own-column reduce buckets: allocated at first use, reused every step (stable addresses,
+        # so the optimizer's NS graph replays on them); busy while they hold unconsumed grads
+        self.grad_buffers: dict[BucketKey, torch.Tensor] = {}
+        self._grad_busy: set[BucketKey] = set()
+        # True (default): give the grad buffers' memory back after each step (storage resized to
+        # 0, as the gathered copies): forward runs without them (H200, 1B Llama: peak -3.6 GiB,
+        # below FSDP2+AdamW), but their addresses may change between steps, so the NS engine's
+        # graph rarely replays (eager NS measured as fast, benchmarks/NOTES_step.md). False:
+        # persistent buffers, NS graph replay, peak = FSDP2+AdamW's.
+        self.release_grad_buffers = True
         self.unshard_schedules: dict[str, Schedule] = {}
         self.reduce_schedules: dict[str, Schedule] = {}
         self._placeholders: dict[str, torch.Tensor] = {}
@@ -208,7 +223,6 @@ class DedicatedRuntime:
         for g in self.unshard_layout.groups:
             self.unshard_schedules[g] = unshard_schedule(self.unshard_layout, g)
             self.reduce_schedules[g] = reduce_schedule(self.reduce_layout, g)
-        self.publish_sched = publish_schedule(self.master_layout)
         for b in self.unshard_layout.buckets:
             buf = torch.empty(b.numel, dtype=cdt[b.entries[0].name], device=self.device)
             _free_storage(buf)
@@ -258,7 +272,7 @@ class DedicatedRuntime:
             return
         if g.gathered and g.gathered_version == self.version:
             return
-        self.wait_publish()
+        self.wait_publish(key)  # this rank may be a source: its master must be the published one
         for b in self.unshard_layout.buckets_of(key):
             _alloc_storage(self.unshard_buffers[b.key])
         with torch.no_grad():
@@ -324,9 +338,20 @@ class DedicatedRuntime:
         g = self.groups[key]
         g.reduced_this_backward = True
         buffers: dict[BucketKey, torch.Tensor] = {}
+        s = self.coord[0]
         with torch.no_grad():
             for b in self.reduce_layout.buckets_of(key):
-                buf = torch.empty(b.numel, dtype=to_torch_dtype(b.key.dtype), device=self.device)
+                dt = to_torch_dtype(b.key.dtype)
+                buf = None
+                if b.key.column == s and b.key not in self._grad_busy:
+                    buf = self.grad_buffers.get(b.key)
+                    if buf is None:
+                        buf = torch.empty(b.numel, dtype=dt, device=self.device)
+                        self.grad_buffers[b.key] = buf
+                    _alloc_storage(buf)
+                    self._grad_busy.add(b.key)
+                if buf is None:  # another column's (send only), or a second synced backward
+                    buf = torch.empty(b.numel, dtype=dt, device=self.device)
                 for e in b.entries:
                     view = buf[e.offset:e.offset + e.numel]
                     lg = self.local_grads.pop(e.name, None)
@@ -368,6 +393,7 @@ class DedicatedRuntime:
         ranks, zeros for missing grads), free gathered copies, reset per-backward state."""
         self._callback_queued = False
         self.in_backward_pass = False
+        self.wait_publish()  # publishes of groups this forward did not use (see ``publish``)
         for key in self.order:
             g = self.groups[key]
             if self.require_grad_sync and not g.reduced_this_backward:
@@ -384,21 +410,76 @@ class DedicatedRuntime:
         self.wait_reduces()
         self.local_grads.clear()
         self.reduced_grads.clear()
+        self._grad_busy.clear()
+        if self.release_grad_buffers:
+            for buf in self.grad_buffers.values():
+                _free_storage(buf)
 
     # ------------------------------------------------------------------ after the step
-    def after_step(self) -> None:
-        """Masters changed: invalidate gathered copies, publish in HSDP (async)."""
+    def after_step(self, *, replicate_async: bool = True) -> None:
+        """Masters changed: invalidate gathered copies, then :meth:`publish` (HSDP)."""
         self.version += 1
         self.reshard_all()
-        if self.R > 1 and len(self.publish_sched) > 0:
-            self.wait_publish()
-            self._pending_publish = self.executor.launch(self.publish_sched, self.master_buffers)
+        self.publish(replicate_async=replicate_async)
 
-    def wait_publish(self) -> None:
-        """Drain the async HSDP publish (``wait_all_replicate_broadcasts``)."""
-        if self._pending_publish is not None:
-            self._pending_publish.wait()
-            self._pending_publish = None
+    # ------------------------------------------------------------------ HSDP publish
+    def publish_schedules(self) -> dict[str, Schedule]:
+        """``group -> publish schedule`` (built once; in the static group order, the same on every
+        rank, so the replicate groups see their collectives in one order everywhere)."""
+        if self._publish_scheds is None:
+            self._publish_scheds = {
+                key: publish_schedule(self.master_layout, key)
+                for key in self.hook_groups.order if key in self.master_layout.groups}
+        return self._publish_scheds
+
+    def publish(self, *, replicate_async: bool = True) -> None:
+        """HSDP: broadcast each new master from its global owner ``(s, r_o)`` to the other ranks of
+        column ``s`` (the forward broadcast sources of the other replicas). No-op when R == 1.
+
+        ``replicate_async=True``: one launch per hook group, left pending; the group's next
+        gather (its forward pre-hook, or a prefetch) waits it first. Publishes of groups that no
+        forward used are waited at the end of the next backward, so a training loop never leaves
+        one behind; :meth:`wait_publish` (``dmuon.wait_all_replicate_broadcasts``) waits them all.
+        ``replicate_async=False``: launch and wait here.
+
+        Raises:
+          RuntimeError: a publish of an earlier step is still pending (see
+            :meth:`check_publish_consumed`).
+        """
+        if self.R == 1:
+            return
+        self.check_publish_consumed()
+        scheds = {k: sc for k, sc in self.publish_schedules().items() if len(sc) > 0}
+        for key, sched in scheds.items():
+            self.pending_publish[key] = self.executor.launch(sched, self.master_buffers)
+        if not replicate_async:
+            self.wait_publish()
+
+    def check_publish_consumed(self, what: str = "optimizer.step()") -> None:
+        """Raise if a publish is still pending: the owners would overwrite masters that are still
+        being broadcast, and the replicas would miss a step. Deterministic (the same decision on
+        every rank): "pending" means not yet waited, never "not yet finished"."""
+        if not self.pending_publish:
+            return
+        groups = [k or "<root>" for k in self.pending_publish]
+        raise RuntimeError(
+            f"dmuon: {what} would publish new HSDP weights while the previous step's publish is "
+            f"still pending for hook groups {groups[:6]}{' ...' if len(groups) > 6 else ''} (no "
+            "forward/backward ran since that step). Nothing was updated. Run a forward and "
+            "backward before the next step, or call dmuon.wait_all_replicate_broadcasts(model) "
+            "first (or build the optimizer with dmuon.Muon(..., replicate_async=False)).")
+
+    def wait_publish(self, key: Optional[str] = None) -> None:
+        """Wait for the pending HSDP publish of group ``key`` (``None``: of every group; this is
+        ``dmuon.wait_all_replicate_broadcasts``). Idempotent, local (no new collective)."""
+        if key is not None:
+            pending = self.pending_publish.pop(key, None)
+            if pending is not None:
+                pending.wait()
+            return
+        pending, self.pending_publish = self.pending_publish, {}
+        for handle in pending.values():
+            handle.wait()
 
 
 def get_runtime(model: nn.Module, what: str = "this call") -> DedicatedRuntime:

@@ -1,0 +1,375 @@
+"""End-to-end training step at world size 1: FSDP2 + fused AdamW vs FSDP2 + dmuon, same process.
+
+A Llama-shaped model (vocab 32k, 16 layers, hidden 2048, intermediate 8192, 32 heads, 8 kv heads;
+untied embeddings), batch 4 x 2048 tokens, fp32 params with ``MixedPrecisionPolicy(param_dtype=bf16,
+reduce_dtype=fp32)``. Per configuration: step time (CUDA events around zero_grad + forward +
+backward + step, steps queued back to back, median), forward+backward and optimizer parts, peak
+memory (allocated and reserved, over the timed steps), and for dmuon its own NS time inside the
+step (``optimizer.last_step_stats().ns_ms``, CUDA events; read only in extra, untimed steps so the
+timed ones have no host sync).
+
+    python benchmarks/step_world1.py --out benchmarks/results/step_world1_h200.json
+    python benchmarks/step_world1.py --tiny --out /tmp/s.json      # CPU smoke test (gloo)
+
+Target (issue 9): dmuon step - AdamW step - dmuon NS <= 3 % of the AdamW step; peak memory <=
+AdamW's.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class Cfg:
+    vocab: int = 32000
+    layers: int = 16
+    hidden: int = 2048
+    inter: int = 8192
+    heads: int = 32
+    kv_heads: int = 8
+    batch: int = 4
+    seq: int = 2048
+
+
+TINY = Cfg(vocab=128, layers=2, hidden=64, inter=128, heads=4, kv_heads=2, batch=2, seq=16)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Cfg):
+        super().__init__()
+        self.h, self.kv, self.d = c.heads, c.kv_heads, c.hidden // c.heads
+        self.q_proj = nn.Linear(c.hidden, c.hidden, bias=False)
+        self.k_proj = nn.Linear(c.hidden, self.kv * self.d, bias=False)
+        self.v_proj = nn.Linear(c.hidden, self.kv * self.d, bias=False)
+        self.o_proj = nn.Linear(c.hidden, c.hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.h, self.d).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv, self.d).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv, self.d).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        rep = self.h // self.kv
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class Block(nn.Module):
+    def __init__(self, c: Cfg):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(c.hidden, eps=1e-5)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = nn.RMSNorm(c.hidden, eps=1e-5)
+        self.gate_proj = nn.Linear(c.hidden, c.inter, bias=False)
+        self.up_proj = nn.Linear(c.hidden, c.inter, bias=False)
+        self.down_proj = nn.Linear(c.inter, c.hidden, bias=False)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, c: Cfg):
+        super().__init__()
+        self.c = c
+        self.embed_tokens = nn.Embedding(c.vocab, c.hidden)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.layers))
+        self.norm = nn.RMSNorm(c.hidden, eps=1e-5)
+        self.lm_head = nn.Linear(c.hidden, c.vocab, bias=False)
+        for p in self.parameters():
+            if p.ndim == 2:
+                nn.init.normal_(p, std=0.02)
+
+    def forward(self, ids):
+        d = self.c.hidden // self.c.heads
+        t = ids.shape[1]
+        inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, device=ids.device, dtype=torch.float32) / d))
+        ang = torch.outer(torch.arange(t, device=ids.device, dtype=torch.float32), inv)
+        ang = torch.cat((ang, ang), dim=-1)
+        x = self.embed_tokens(ids)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def muon_predicate(name: str, p: torch.Tensor) -> bool:
+    """Every matrix inside the blocks (embeddings and the head stay on AdamW)."""
+    return p.ndim == 2 and ".layers." in f".{name}"
+
+
+def build(cfg: Cfg, kind: str, device: torch.device, mesh):
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Llama(cfg)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if kind.startswith("dmuon"):
+        from dmuon.stateful.dedicate import dedicate_params
+        dedicate_params(model, mesh, muon_predicate)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+    if kind.startswith("adamw"):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
+                                fused=device.type == "cuda")
+    else:
+        from dmuon.stateful.ns_engine import NSEngine
+        from dmuon.stateful.optimizer import Muon
+        engine = None
+        if kind == "dmuon_chunk1g":
+            engine = NSEngine(max_chunk_bytes=1 << 30)
+        opt = Muon(model, lr=0.02, weight_decay=0.01, adamw_lr=1e-4, adamw_weight_decay=0.01,
+                   check_finite=(kind == "dmuon_check"), ns_engine=engine)
+        if kind == "dmuon_release":  # grad buckets freed after each step (see runtime.py)
+            model._dmuon_runtime.release_grad_buffers = True
+        if kind == "dmuon_persistent":  # persistent grad buckets (NS graph replay)
+            model._dmuon_runtime.release_grad_buffers = False
+        if kind == "dmuon_foreach":  # Muon's elementwise stages as foreach ops (the reference)
+            opt.fused_elementwise = False
+    return model, opt
+
+
+def run_config(cfg: Cfg, kind: str, device: torch.device, mesh, warmup: int, steps: int,
+               stat_steps: int) -> dict:
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t_build = time.perf_counter()
+    model, opt = build(cfg, kind, device, mesh)
+    build_s = time.perf_counter() - t_build
+    g = torch.Generator(device="cpu").manual_seed(1)
+    batches = [torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g).to(device)
+               for _ in range(4)]
+
+    def step(i, evs=None):
+        ids = batches[i % len(batches)]
+        if evs:
+            evs[0].record()
+        opt.zero_grad(set_to_none=True)
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.float().view(-1, cfg.vocab), ids[:, 1:].reshape(-1))
+        loss.backward()
+        if evs:
+            evs[1].record()
+        opt.step()
+        if evs:
+            evs[2].record()
+        return loss
+
+    t0 = time.perf_counter()
+    for i in range(warmup):
+        loss = step(i)
+    first_loss = float(loss.detach())
+    warm_s = time.perf_counter() - t0
+    peak_warm = torch.cuda.max_memory_allocated() if cuda else 0
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    evs = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(steps)] \
+        if cuda else None
+    times = []
+    t0 = time.perf_counter()
+    for i in range(steps):
+        if cuda:
+            step(i, evs[i])
+        else:
+            s = time.perf_counter()
+            step(i)
+            times.append((time.perf_counter() - s) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3 / steps
+    out = {"kind": kind, "build_s": build_s, "warmup_s": warm_s, "first_loss": first_loss}
+    if cuda:
+        step_ms = [e[0].elapsed_time(e[2]) for e in evs]
+        fb_ms = [e[0].elapsed_time(e[1]) for e in evs]
+        opt_ms = [e[1].elapsed_time(e[2]) for e in evs]
+        out.update(step_ms=statistics.median(step_ms), step_times=step_ms,
+                   fwd_bwd_ms=statistics.median(fb_ms), opt_ms=statistics.median(opt_ms),
+                   peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
+                   peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
+                   peak_allocated_warmup_gib=peak_warm / 2**30)
+    else:
+        out.update(step_ms=statistics.median(times), step_times=times)
+    out["wall_ms_per_step"] = wall_ms
+    out["last_loss"] = float(loss.detach())
+    ns = []
+    if kind.startswith("dmuon"):
+        ns.append(opt.last_step_stats().ns_ms)  # the last timed step (reading waits for its NS)
+    fb_peak, opt_peak = [], []
+    for i in range(stat_steps):  # untimed steps: stats and per-phase peak memory
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        opt.zero_grad(set_to_none=True)
+        ids = batches[i % len(batches)]
+        logits = model(ids[:, :-1])
+        loss = F.cross_entropy(logits.float().view(-1, cfg.vocab), ids[:, 1:].reshape(-1))
+        del logits
+        loss.backward()
+        if cuda:
+            torch.cuda.synchronize()
+            fb_peak.append(torch.cuda.max_memory_allocated() / 2**30)
+            torch.cuda.reset_peak_memory_stats()
+            before_opt = torch.cuda.memory_allocated() / 2**30
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+            opt_peak.append(torch.cuda.max_memory_allocated() / 2**30)
+        if kind.startswith("dmuon"):
+            ns.append(opt.last_step_stats().ns_ms)
+    if cuda and fb_peak:
+        out.update(fwd_bwd_peak_gib=max(fb_peak), opt_peak_gib=max(opt_peak),
+                   allocated_before_opt_gib=before_opt,
+                   allocated_after_step_gib=torch.cuda.memory_allocated() / 2**30)
+    if kind.startswith("dmuon"):
+        st = opt.last_step_stats()
+        out.update(ns_ms=statistics.median(ns), ns_times=ns, stats=st.as_dict(),
+                   elementwise="foreach" if opt._elementwise(opt._rt) is None else "fused")
+    loss = step(0)
+    out["final_loss"] = float(loss.detach())
+    del model, opt, batches
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/step_world1_h200.json")
+    ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke test)")
+    ap.add_argument("--configs", default="adamw,dmuon,dmuon_foreach,adamw_again",
+                    help="also: dmuon_persistent, dmuon_release, dmuon_check, dmuon_chunk1g")
+    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--stat-steps", type=int, default=4)
+    ap.add_argument("--child", action="store_true",
+                    help="run the configs in this process (default: one subprocess per config, "
+                    "so that each starts from an empty GPU and peak memory is its own)")
+    a = ap.parse_args()
+    if not a.child:
+        return spawn_children(a)
+    cfg = TINY if a.tiny else Cfg()
+    device = torch.device("cuda", 0) if (torch.cuda.is_available() and not a.tiny) \
+        else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    from torch.distributed.device_mesh import init_device_mesh
+    rdzv = tempfile.mkdtemp()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"file://{rdzv}/rdzv", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    mesh = init_device_mesh(device.type, (1,))
+    n_params = sum(p.numel() for p in Llama(Cfg(**{**asdict(cfg), "layers": 0})).parameters()) \
+        if a.tiny else None
+    results = []
+    for kind in a.configs.split(","):
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+            left = torch.cuda.memory_allocated()
+        r = run_config(cfg, kind, device, mesh, a.warmup, a.steps, a.stat_steps)
+        if device.type == "cuda":
+            r["allocated_at_start_gib"] = left / 2**30
+        results.append(r)
+        print(f"{kind:14s} step {r['step_ms']:8.2f} ms  fwd+bwd {r.get('fwd_bwd_ms', 0):8.2f}  "
+              f"opt {r.get('opt_ms', 0):7.2f}  NS {r.get('ns_ms') or 0:7.2f}  "
+              f"peak alloc {r.get('peak_allocated_gib', 0):6.2f} GiB  "
+              f"reserved {r.get('peak_reserved_gib', 0):6.2f} GiB  fb/opt peaks "
+              f"{r.get('fwd_bwd_peak_gib', 0):6.2f}/{r.get('opt_peak_gib', 0):6.2f}  "
+              f"left {r.get('allocated_at_start_gib', 0):5.2f}", flush=True)
+    finish(a, cfg, device, n_params, results)
+    dist.destroy_process_group()
+
+
+def spawn_children(a) -> None:
+    """One subprocess per config; merge their JSON into ``a.out``."""
+    import subprocess
+    import sys
+    results, meta = [], None
+    for kind in a.configs.split(","):
+        tmp = tempfile.mktemp(suffix=".json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--configs", kind, "--out", tmp,
+               "--warmup", str(a.warmup), "--steps", str(a.steps), "--stat-steps",
+               str(a.stat_steps)] + (["--tiny"] if a.tiny else [])
+        subprocess.run(cmd, check=True)
+        with open(tmp) as f:
+            doc = json.load(f)
+        meta = doc
+        results += doc["results"]
+        # written after every config, so a run cut short keeps what it measured
+        cfg = Cfg(**meta["config"])
+        device = torch.device("cpu" if meta["gpu"] == "cpu" else "cuda")
+        finish(a, cfg, device, meta["tiny_params"], results, gpu=meta["gpu"])
+
+
+def finish(a, cfg: Cfg, device: torch.device, n_params, results, gpu=None) -> None:
+    by = {r["kind"]: r for r in results}
+    summary = {}
+    base = [by[k]["step_ms"] for k in ("adamw", "adamw_again") if k in by]
+    if base and "dmuon" in by:
+        a_ms = statistics.mean(base)
+        d = by["dmuon"]
+        over = d["step_ms"] - a_ms - d["ns_ms"]
+        summary = {
+            "adamw_step_ms": a_ms, "adamw_step_ms_runs": base,
+            "dmuon_step_ms": d["step_ms"], "dmuon_ns_ms": d["ns_ms"],
+            "overhead_ms": over, "overhead_pct_of_adamw": 100 * over / a_ms,
+            "target_overhead_pct": 3.0, "overhead_met": 100 * over / a_ms <= 3.0,
+        }
+        if device.type == "cuda":
+            summary.update(
+                adamw_peak_allocated_gib=by["adamw"]["peak_allocated_gib"],
+                dmuon_peak_allocated_gib=d["peak_allocated_gib"],
+                adamw_peak_reserved_gib=by["adamw"]["peak_reserved_gib"],
+                dmuon_peak_reserved_gib=d["peak_reserved_gib"],
+                memory_met_allocated=d["peak_allocated_gib"] <= by["adamw"]["peak_allocated_gib"],
+                memory_met_reserved=d["peak_reserved_gib"] <= by["adamw"]["peak_reserved_gib"])
+        ref = by.get("dmuon_foreach")
+        if ref is not None:
+            over_ref = ref["step_ms"] - a_ms - ref["ns_ms"]
+            summary.update(dmuon_foreach_step_ms=ref["step_ms"], dmuon_foreach_ns_ms=ref["ns_ms"],
+                           dmuon_foreach_opt_ms=ref["opt_ms"] if "opt_ms" in ref else None,
+                           dmuon_opt_ms=d.get("opt_ms"),
+                           foreach_overhead_ms=over_ref,
+                           foreach_overhead_pct_of_adamw=100 * over_ref / a_ms)
+        print(json.dumps(summary, indent=1))
+    doc = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "gpu": gpu or (torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"),
+        "torch": torch.__version__, "config": asdict(cfg), "tiny_params": n_params,
+        "warmup": a.warmup, "steps": a.steps, "subprocess_per_config": not a.child,
+        "results": results, "summary": summary,
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
