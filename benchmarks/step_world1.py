@@ -209,6 +209,7 @@ def run_config(cfg: Cfg, kind: str, device: torch.device, mesh, warmup: int, ste
         fb_ms = [e[0].elapsed_time(e[1]) for e in evs]
         opt_ms = [e[1].elapsed_time(e[2]) for e in evs]
         out.update(step_ms=statistics.median(step_ms), step_times=step_ms,
+                   fwd_bwd_times=fb_ms, opt_times=opt_ms,
                    fwd_bwd_ms=statistics.median(fb_ms), opt_ms=statistics.median(opt_ms),
                    peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
                    peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,

@@ -262,6 +262,10 @@ class NSEngine:
         self._programs: dict = {}
         self._inplace: dict = {}          # orthogonalize_ programs by storage key, LRU order
         self.max_programs = 4
+        # Capturing costs about one NS run; callers whose buffers move (the optimizer frees its
+        # gradient buffers between steps) would otherwise re-capture whenever an address recurs.
+        self.max_inplace_captures = 4
+        self._inplace_captures = 0
         self.last_mode = "none"           # "graph" / "eager" of the last orthogonalize_ call
         self.last_chunks: tuple = ()
 
@@ -350,7 +354,9 @@ class NSEngine:
         the second call with the same key captures a CUDA graph (once, without a warm-up run,
         which would overwrite the inputs) and every later call replays it. A key whose addresses
         change at each call therefore never captures and stays eager. At most ``max_programs``
-        keys are kept (least recently used dropped).
+        keys are kept (least recently used dropped), and at most ``max_inplace_captures`` graphs are
+        ever captured here: buffers whose addresses cycle (freed and re-allocated between steps)
+        then run eagerly instead of paying a capture again and again (logged once).
 
         Args:
           tensors: contiguous floating tensors on one device, each ``B`` matrices by
@@ -381,7 +387,14 @@ class NSEngine:
             prog.srcs = prog.dsts = list(tensors)   # same storage; keep the live tensor objects
             if (prog.graph is None and entry[1] == 1 and prog.device.type == "cuda"
                     and self.cuda_graphs and not torch.cuda.is_current_stream_capturing()):
-                prog._maybe_capture(warmup=False)
+                if self._inplace_captures < self.max_inplace_captures:
+                    self._inplace_captures += 1
+                    prog._maybe_capture(warmup=False)
+                elif self._inplace_captures == self.max_inplace_captures:
+                    self._inplace_captures += 1
+                    log.info("NSEngine.orthogonalize_: buffer addresses keep changing; %d graphs "
+                                "captured already, running eagerly from now on for new addresses",
+                                self.max_inplace_captures)
             entry[1] += 1
             prog()
         self._inplace[key] = entry
