@@ -16,9 +16,7 @@ Two formats, both independent of the topology (resume at another (shard, replica
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -28,6 +26,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
+from dmuon.launch import run
 from dmuon.stateful.checkpoint_sharded import load_sharded, save_sharded
 
 VOCAB, DIM, SEQ = 64, 32, 16
@@ -136,33 +135,6 @@ def _parse():
     return p.parse_args()
 
 
-def _spawned(rank: int, world: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        main(args)
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
     cli = _parse()
-    if "RANK" in os.environ:  # launched by torchrun
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-        try:
-            main(cli)
-        finally:
-            dist.destroy_process_group()
-    else:
-        import socket
-
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            free_port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(cli.world, free_port, cli), nprocs=cli.world)
-        sys.exit(0)
+    run(main, cli, world_size=cli.world, backend="gloo")

@@ -9,8 +9,6 @@ gradient accumulation through ``dmuon.no_sync``. Rank 0 prints the loss as it fa
 from __future__ import annotations
 
 import contextlib
-import datetime
-import os
 import sys
 
 import torch
@@ -21,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
+from dmuon.launch import run
 
 VOCAB, DIM, SEQ = 64, 64, 32
 
@@ -96,32 +95,5 @@ def main() -> None:
         print(f"done: {len(sd)} tensors in the full state dict", flush=True)
 
 
-def _spawned(rank: int, world: int, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        main()
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # launched by torchrun
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-        try:
-            main()
-        finally:
-            dist.destroy_process_group()
-    else:
-        import socket
-
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            free_port = s.getsockname()[1]
-        world_size = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-        mp.spawn(_spawned, args=(world_size, free_port), nprocs=world_size)
+    run(main, world_size=int(sys.argv[1]) if len(sys.argv) > 1 else 2, backend="gloo")

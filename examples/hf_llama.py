@@ -7,15 +7,13 @@
 the root -> ``dmuon.Muon``; the loop is the usual ``zero_grad / model(**batch).loss.backward() /
 step``. A tiny ``LlamaForCausalLM`` built from a ``LlamaConfig`` stands in for
 ``AutoModelForCausalLM.from_pretrained("meta-llama/Llama-3.2-3B", torch_dtype=torch.bfloat16)``
-(no download); on GPU use ``init_process_group("nccl")``, ``init_device_mesh("cuda", ...)`` and
-``.cuda()``, nothing else changes. Rank 0 prints the loss; at the end every rank takes part in
+(no download); on GPU drop ``backend="gloo"`` from the ``run`` call (nccl, one GPU per rank), use
+``init_device_mesh("cuda", ...)`` and ``.cuda()``, nothing else changes. Rank 0 prints the loss; at the end every rank takes part in
 ``dmuon.get_model_state_dict`` and rank 0 writes a ``save_pretrained`` checkpoint if asked.
 """
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 
 import torch
@@ -25,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import dmuon
+from dmuon.launch import run
 
 VOCAB, SEQ = 64, 32
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -76,30 +75,5 @@ def main(argv: list[str]) -> None:
     dist.barrier()
 
 
-def _spawned(rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    _run(argv)
-
-
-def _run(argv: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    try:
-        main(argv)
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # launched by torchrun
-        _run(sys.argv[1:])
-    else:
-        import socket
-
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            free_port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(2, free_port, sys.argv[1:]), nprocs=2)
+    run(main, sys.argv[1:], world_size=2, backend="gloo")

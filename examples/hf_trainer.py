@@ -10,7 +10,7 @@ of the already-sharded model, Trainer's gradient clipping (``max_grad_norm``, de
 the dedicated matrices, gradient accumulation skips collectives, and Trainer's checkpoints are full
 ``save_pretrained`` checkpoints (reload them with ``LlamaForCausalLM.from_pretrained``).
 
-On GPU: ``dist.init_process_group("nccl")``, ``init_device_mesh("cuda", ...)`` and a real
+On GPU: no ``backend="gloo"`` in the ``run`` call (nccl), ``init_device_mesh("cuda", ...)`` and a real
 ``AutoModelForCausalLM.from_pretrained(...).cuda()``; the rest is unchanged.
 
 ``--probe-out FILE`` (used by the tests) also writes, on rank 0, the Trainer's log history and the
@@ -19,8 +19,6 @@ trained model's logits on a fixed probe batch.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 
 import torch
@@ -30,6 +28,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
 import dmuon
+from dmuon.launch import run
 
 VOCAB, SEQ = 64, 16
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -124,30 +123,5 @@ def _last_checkpoint(output_dir: str) -> str | None:
     return get_last_checkpoint(output_dir)
 
 
-def _spawned(rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    _run(argv)
-
-
-def _run(argv: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    try:
-        main(argv)
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # launched by torchrun
-        _run(sys.argv[1:])
-    else:
-        import socket
-
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            free_port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(2, free_port, sys.argv[1:]), nprocs=2)
+    run(main, sys.argv[1:], world_size=2, backend="gloo")

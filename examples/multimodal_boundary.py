@@ -20,8 +20,6 @@ then ``fully_shard`` each vision block and decoder layer, and the root, as usual
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 
 import torch
@@ -32,6 +30,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import dmuon
+from dmuon.launch import run
 
 VOCAB, SEQ, PATCHES, PATCH_DIM = 64, 16, 4, 12
 D_VIS, D_LM = 32, 48
@@ -206,30 +205,5 @@ def main(argv: list[str]) -> None:
             print(f"step {step + 1:3d}  loss {loss.item():.4f}", flush=True)
 
 
-def _spawned(rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    _run(argv)
-
-
-def _run(argv: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    try:
-        main(argv)
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # launched by torchrun
-        _run(sys.argv[1:])
-    else:
-        import socket
-
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            free_port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(2, free_port, sys.argv[1:]), nprocs=2)
+    run(main, sys.argv[1:], world_size=2, backend="gloo")

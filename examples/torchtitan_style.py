@@ -17,8 +17,6 @@ also pass ``replicate_mesh=parallel_dims.get_mesh("dp_replicate")``. In HSDP's a
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import sys
 from dataclasses import dataclass
 
@@ -31,6 +29,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as _fully_shard  # imported before dmuon: still patched
 
 import dmuon
+from dmuon.launch import run
 
 
 @dataclass
@@ -144,30 +143,5 @@ def main(argv: list[str]) -> None:
     dmuon.wait_all_replicate_broadcasts(model)  # before a foreign (DCP) checkpointer
 
 
-def _spawned(rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    _run(argv)
-
-
-def _run(argv: list[str]) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    try:
-        main(argv)
-    finally:
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    if "RANK" in os.environ:  # launched by torchrun
-        _run(sys.argv[1:])
-    else:
-        import socket
-
-        import torch.multiprocessing as mp
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            free_port = s.getsockname()[1]
-        mp.spawn(_spawned, args=(2, free_port, sys.argv[1:]), nprocs=2)
+    run(main, sys.argv[1:], world_size=2, backend="gloo")
