@@ -24,18 +24,27 @@ makes :func:`run` raise in the parent with a worker's traceback in the message (
 are terminated, none is left hanging in a collective), so an uncaught failure in a script's
 ``__main__`` block exits non-zero and prints it. Under ``torchrun`` the
 exception propagates in the failing rank and ``torchrun`` reports it.
+
+:func:`run_local_ranks` is the variant for callers that want each rank's *return value* (the demo's
+launcher, the tests' ``run_ranks``): ``fn(rank, world_size, *args, **kwargs)`` on spawned local
+ranks, results sent back with ``torch.save``, and every rank's traceback (or why it stopped) handed
+to the caller, which decides how to report it.
 """
 from __future__ import annotations
 
 import datetime
+import io
 import logging
 import os
-from typing import Any, Callable
+import queue as _queue
+import time
+import traceback
+from typing import Any, Callable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["run"]
+__all__ = ["run", "run_local_ranks", "RankOutcome"]
 
 log = logging.getLogger(__name__)
 
@@ -124,3 +133,125 @@ def run(main: Callable[..., Any], *args: Any, world_size: int = 2, backend: str 
                  nprocs=world_size, join=True)
     finally:
         del store
+
+
+# --------------------------------------------------------------------- ranks that return values
+class RankOutcome(NamedTuple):
+    """What :func:`run_local_ranks` got back: ``results[rank]`` for the ranks that returned,
+    ``errors[rank]`` (a traceback, or why the rank stopped) for the others."""
+
+    results: dict[int, Any]
+    errors: dict[int, str]
+
+
+def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, backend: str, port: int,
+                timeout_s: float, args: tuple, kwargs: dict, env: dict, q: Any) -> None:
+    """A spawned rank of :func:`run_local_ranks`: report ``("ok", rank, torch.save bytes)`` or
+    ``("error", rank, traceback)`` *before* the teardown, so a failing rank is heard before its
+    peers fail in a collective because it went away."""
+    try:
+        os.environ.update(env)
+        torch.set_num_threads(1)
+        to = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=to)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=to)
+        result = fn(rank, world_size, *args, **kwargs)
+        buf = io.BytesIO()
+        torch.save(result, buf)
+        msg = ("ok", rank, buf.getvalue())
+    except BaseException:  # noqa: BLE001 - report everything, including KeyboardInterrupt
+        msg = ("error", rank, traceback.format_exc())
+    q.put(msg)
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - teardown must not hide the real result
+        pass
+
+
+def run_local_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
+                    kwargs: Optional[Mapping[str, Any]] = None, *, backend: str = "gloo",
+                    timeout_s: float = 60.0, env: Optional[Mapping[str, str]] = None,
+                    grace_s: float = 5.0, deadline_s: Optional[float] = None) -> RankOutcome:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned local ranks.
+
+    Each rank (``spawn``, ``torch.set_num_threads(1)``) joins a default process group through a
+    ``TCPStore`` the parent holds on a port the OS picks (no collisions), runs ``fn``, and sends
+    back its return value (``torch.save``: tensors are copied out of the worker) or its traceback.
+    Never hangs: a rank that dies without reporting is an error; once one rank failed the others
+    get ``grace_s`` seconds to report, then are killed.
+
+    Args:
+      fn: a module-level (picklable) function.
+      world_size: number of ranks (processes).
+      args, kwargs: passed to ``fn`` (picklable).
+      backend: process-group backend (``"gloo"``; ``"nccl"`` needs one GPU per rank).
+      timeout_s: process-group (collective) and rendezvous timeout, in seconds.
+      env: extra environment variables for the workers.
+      grace_s: after the first failure, how long the other ranks get to report.
+      deadline_s: optional limit on the whole run; ranks still running then are killed.
+
+    Returns:
+      :class:`RankOutcome` ``(results, errors)``, both keyed by rank; the caller raises on errors.
+    """
+    import multiprocessing as _mp
+
+    ctx = _mp.get_context("spawn")
+    q = ctx.Queue()
+    store = dist.TCPStore(_HOST, 0, world_size + 1, is_master=True,
+                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    procs = [ctx.Process(target=_rank_entry, daemon=True,
+                         args=(fn, rank, world_size, backend, store.port, timeout_s, tuple(args),
+                               dict(kwargs or {}), dict(env or {}), q))
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+
+    def take(kind: str, rank: int, payload: Any) -> None:
+        if kind == "ok":
+            results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
+        else:
+            errors[rank] = payload
+
+    deadline = None if deadline_s is None else time.monotonic() + deadline_s
+    first_error: Optional[float] = None
+    try:
+        while len(results) + len(errors) < world_size:
+            try:
+                take(*q.get(timeout=0.2))
+            except _queue.Empty:
+                dead = [i for i, p in enumerate(procs)
+                        if not p.is_alive() and i not in results and i not in errors]
+                if dead:
+                    time.sleep(0.5)  # its last message may still be in the pipe
+                    while True:
+                        try:
+                            take(*q.get_nowait())
+                        except _queue.Empty:
+                            break
+                    for i in dead:
+                        if i not in results and i not in errors:
+                            errors[i] = (f"process exited with code {procs[i].exitcode} "
+                                         "without reporting")
+            now = time.monotonic()
+            if errors and first_error is None:
+                first_error = now
+            if (deadline is not None and now > deadline) or (
+                    first_error is not None and now > first_error + grace_s):
+                for i in range(world_size):
+                    if i not in results and i not in errors:
+                        errors[i] = (f"timed out after {deadline_s:.0f} s" if first_error is None
+                                     else "did not finish (stopped after another rank failed)")
+                break
+    finally:
+        for p in procs:
+            p.join(timeout=0.5 if errors else 10.0)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+        q.close()
+        del store
+    return RankOutcome(results, errors)

@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
+from dmuon.functional.plan_report import format_bytes
+
 __all__ = ["main", "build_parser", "FAST"]
 
 # the tiny configuration of --fast (tests, smoke runs)
@@ -104,11 +106,6 @@ def _config(args: argparse.Namespace) -> Any:
                      device=device, optimizers=opts, progress=not args.no_progress, **kw)
 
 
-def _fmt_bytes(n: float) -> str:
-    from dmuon.functional.plan_report import format_bytes
-    return format_bytes(n)
-
-
 def _summarize(kind: str, per_rank: list[dict], cfg: Any, floor: float) -> dict:
     r0 = per_rank[0]
     losses = r0["losses"]
@@ -157,15 +154,15 @@ def _print_report(cfg: Any, res: dict, floor: float, uniform: float) -> None:
         print("\nOwner plan (which rank runs Muon on which matrix):")
         print(d["plan_table"])
         print(f"\nBytes each rank moved per step for the {d['num_dedicated']} dedicated matrices "
-              f"({_fmt_bytes(d['dedicated_bytes'])}), from the executor's payload counters:")
+              f"({format_bytes(d['dedicated_bytes'])}), from the executor's payload counters:")
         for b in d["bytes_per_rank_per_step"]:
-            lanes = ", ".join(f"{lane} {_fmt_bytes(v['sent'])}/{_fmt_bytes(v['received'])}"
+            lanes = ", ".join(f"{lane} {format_bytes(v['sent'])}/{format_bytes(v['received'])}"
                               for lane, v in b["by_lane"].items() if v["collectives"])
             lanes = f"sent/received by lane: {lanes}" if lanes else "one rank: no collectives"
-            print(f"  rank {b['rank']}: sent {_fmt_bytes(b['sent'])}, received "
-                  f"{_fmt_bytes(b['received'])}  ({lanes}; owns {len(b['owned'])} matrices)")
+            print(f"  rank {b['rank']}: sent {format_bytes(b['sent'])}, received "
+                  f"{format_bytes(b['received'])}  ({lanes}; owns {len(b['owned'])} matrices)")
         print(f"  expected mean sent per rank (Z3: broadcast in forward and backward, reduce to "
-              f"owner) = 3(N-1)/N * P = {_fmt_bytes(d['expected_mean_sent_per_rank_z3'])}")
+              f"owner) = 3(N-1)/N * P = {format_bytes(d['expected_mean_sent_per_rank_z3'])}")
     print(f"\nResults after {cfg.steps} steps (loss in nats/token; floor = entropy rate "
           f"{floor:.4f}, uniform guess {uniform:.4f}):")
     print(f"  {'optimizer':<22} {'initial':>8} {'final train':>12} {'final eval':>11} "

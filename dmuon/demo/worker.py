@@ -1,8 +1,8 @@
 """Per-rank training loop of the demo and the launcher that spawns the ranks.
 
-:func:`launch` starts ``world`` processes (``spawn``), rendezvous through a ``TCPStore`` the parent
-creates on port 0 (no port collisions), runs :func:`train_rank` on each and returns the per-rank
-result dicts. A failing rank makes :func:`launch` raise :class:`DemoWorkerError` with that rank's
+:func:`launch` starts ``world`` processes through :func:`dmuon.launch.run_local_ranks` (``spawn``,
+rendezvous through a ``TCPStore`` the parent creates on port 0: no port collisions), runs
+:func:`train_rank` on each and returns the per-rank result dicts. A failing rank makes :func:`launch` raise :class:`DemoWorkerError` with that rank's
 traceback; the other ranks are stopped (they would otherwise wait in a collective until the
 process-group timeout).
 
@@ -20,16 +20,11 @@ trains on its slice; the logged loss is the global mean (one extra ``all_reduce`
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import io
 import math
-import multiprocessing as _mp
-import queue as _queue
 import sys
 import time
-import traceback
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
@@ -252,29 +247,6 @@ class DemoWorkerError(RuntimeError):
     """A demo rank failed; the message carries its traceback."""
 
 
-def _worker_entry(fn: Callable, rank: int, world: int, backend: str, port: int,
-                  timeout_s: float, args: tuple, q: Any) -> None:
-    import torch.distributed as dist
-
-    try:
-        torch.set_num_threads(1)
-        to = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=to)
-        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=to)
-        result = fn(rank, world, *args)
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        msg = ("ok", rank, buf.getvalue())
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        msg = ("error", rank, traceback.format_exc())
-    q.put(msg)  # before the teardown: a failing rank reports before its peers see it vanish
-    try:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - teardown must not hide the real result
-        pass
-
-
 # error texts of ranks that failed only because another rank went away
 _SECONDARY = ("Connection closed by peer", "Connection reset by peer", "stopped after another rank",
               "communicator was aborted")
@@ -294,50 +266,10 @@ def launch(fn: Callable, world: int, *args: Any, backend: str = "gloo",
     Raises:
       DemoWorkerError: a rank raised or died; the message names the rank(s) and has the traceback.
     """
-    import torch.distributed as dist
+    from dmuon.launch import run_local_ranks
 
-    ctx = _mp.get_context("spawn")
-    q = ctx.Queue()
-    store = dist.TCPStore("127.0.0.1", 0, world + 1, is_master=True,
-                          timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
-    procs = [ctx.Process(target=_worker_entry, daemon=True,
-                         args=(fn, r, world, backend, store.port, timeout_s, args, q))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    failed_at: Optional[float] = None
-    try:
-        while len(results) + len(errors) < world:
-            try:
-                kind, r, payload = q.get(timeout=0.2)
-                if kind == "ok":
-                    results[r] = torch.load(io.BytesIO(payload), weights_only=False)
-                else:
-                    errors[r] = payload
-            except _queue.Empty:
-                for r, p in enumerate(procs):
-                    if not p.is_alive() and r not in results and r not in errors:
-                        time.sleep(0.5)       # its last message may still be in the pipe
-                        if q.empty():
-                            errors[r] = f"process exited with code {p.exitcode} without reporting"
-                        break
-            if errors and failed_at is None:
-                failed_at = time.monotonic()
-            if failed_at is not None and time.monotonic() > failed_at + grace_s:
-                for r in range(world):
-                    if r not in results and r not in errors:
-                        errors[r] = "stopped after another rank failed"
-                break
-    finally:
-        for p in procs:
-            p.join(timeout=0.5 if errors else 10.0)
-            if p.is_alive():
-                p.kill()
-                p.join(timeout=5.0)
-        q.close()
-        del store
+    results, errors = run_local_ranks(fn, world, args, backend=backend, timeout_s=timeout_s,
+                                      grace_s=grace_s)
     if errors:
         # the rank whose error arrived first is the cause; the others usually fail in a collective
         # because it went away

@@ -26,11 +26,12 @@ numel equals the params' numel and the byte accounting of a schedule equals the 
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, NamedTuple, Sequence, Union
 
 import torch
+
+from dmuon.functional.specs import dtype_from_str, layer_key_from_name
 
 Coord = tuple[int, int]
 """``(s, r)``: shard index, replicate index."""
@@ -42,23 +43,15 @@ __all__ = [
     "BucketLayout", "bucket_layout", "dtype_str", "to_torch_dtype", "dtype_itemsize",
 ]
 
-_LAYER_RE = re.compile(r"^(.*?\b(?:layers|blocks|layer|h)\.\d+)(?:\.|$)")
-
 
 def default_group_key(name: str) -> str:
     """Default hook-group key of a parameter name: its layer key, else its parent module path.
 
-    Uses ``dmuon.functional.specs.layer_key_from_name`` when that module exists (so groups agree with
-    the owner plan's layer keys), else a local rule: the prefix ending in the first ``layers.N`` /
-    ``blocks.N`` / ``layer.N`` / ``h.N`` segment. A name with no layer key gets its parent module path
-    (``""`` for a top-level param).
+    The layer key is :func:`dmuon.functional.specs.layer_key_from_name` (so groups agree with the
+    owner plan's layer keys); a name with no layer key gets its parent module path (``""`` for a
+    top-level param).
     """
-    try:  # the plan helper's rule, when available
-        from dmuon.functional.specs import layer_key_from_name  # type: ignore
-        key = layer_key_from_name(name)
-    except ImportError:
-        m = _LAYER_RE.match(name)
-        key = m.group(1) if m else None
+    key = layer_key_from_name(name)
     if key is None:
         key = name.rsplit(".", 1)[0] if "." in name else ""
     return key
@@ -154,22 +147,14 @@ def dtype_str(dtype: "torch.dtype | str") -> str:
     return str(to_torch_dtype(dtype))
 
 
-def to_torch_dtype(dtype: "torch.dtype | str") -> torch.dtype:
-    """Parse a dtype given as ``torch.dtype`` or its string; ValueError if unknown."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    s = str(dtype)
-    s = s[len("torch."):] if s.startswith("torch.") else s
-    d = getattr(torch, s, None)
-    if not isinstance(d, torch.dtype):
-        raise ValueError(f"unknown dtype {dtype!r}; use e.g. torch.float32 or 'torch.bfloat16'")
-    return d
+#: Parse a dtype given as ``torch.dtype`` or its string; ``ValueError`` if unknown (the one parser:
+#: :func:`dmuon.functional.specs.dtype_from_str`).
+to_torch_dtype = dtype_from_str
 
 
 def dtype_itemsize(dtype: "torch.dtype | str") -> int:
     """Bytes per element."""
-    d = to_torch_dtype(dtype)
-    return d.itemsize
+    return to_torch_dtype(dtype).itemsize
 
 
 # ---------------------------------------------------------------------------------------------

@@ -107,7 +107,8 @@ def dtype_from_str(dtype: str | torch.dtype) -> torch.dtype:
     attr = str(dtype).removeprefix("torch.")
     d = getattr(torch, attr, None)
     if not isinstance(d, torch.dtype):
-        raise ValueError(f"{dtype!r} is not a torch dtype; write it as str(torch.float32) == 'torch.float32'")
+        raise ValueError(f"unknown dtype {dtype!r}: not a torch dtype; write it as str(torch.float32) "
+                         "== 'torch.float32' (or 'float32', or the torch.dtype itself)")
     return d
 
 

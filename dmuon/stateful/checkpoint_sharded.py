@@ -33,10 +33,12 @@ from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.optimizer_state_dict import (
-    check_optimizer, current_states, hparam_groups, load_hparams,
+    check_optimizer, current_states, dtensor_like, hparam_groups, load_hparams,
 )
 from dmuon.stateful.runtime import get_runtime
-from dmuon.stateful.state_dict import _name_map, agree, tied_groups
+from dmuon.stateful.state_dict import (
+    agree, dedicated_names_by_key, expected_entries, tied_groups,
+)
 
 __all__ = ["save_sharded", "load_sharded", "ShardedSaveResult", "ShardedLoadResult"]
 
@@ -59,14 +61,6 @@ class ShardedLoadResult(NamedTuple):
     extra: dict
     bytes_requested: int
     bytes_read: int
-
-
-def _dtensor_like(local: torch.Tensor, like: Any) -> Any:
-    if not hasattr(like, "device_mesh"):
-        return local
-    from torch.distributed.tensor import DTensor
-    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                              shape=like.shape, stride=like.stride())
 
 
 def _local_bytes(tree: Any) -> int:
@@ -121,7 +115,7 @@ def _planners():
 def _model_entries(model: nn.Module, rt, for_load: bool, skip: frozenset = frozenset()):
     """``({key: tensor}, post)``: this rank's model pieces; ``post`` = ``[(master, tmp)]`` copies
     to run after a load (a master wider than the param's dtype is loaded through a buffer)."""
-    ded = _name_map(model, rt)
+    ded = dedicated_names_by_key(model, rt)
     out: dict[str, Any] = {}
     post = []
     seen: dict[str, torch.Tensor] = {}
@@ -153,7 +147,7 @@ def _model_entries(model: nn.Module, rt, for_load: bool, skip: frozenset = froze
 
 def _optim_entries(optimizer, rt, states, for_load: bool, masters_in_ckpt=frozenset()):
     ms, st = states
-    fsdp2 = {n: {"exp_avg": _dtensor_like(st.mu[n], p), "exp_avg_sq": _dtensor_like(st.nu[n], p)}
+    fsdp2 = {n: {"exp_avg": dtensor_like(st.mu[n], p), "exp_avg_sq": dtensor_like(st.nu[n], p)}
              for n, p in optimizer._adamw_named}
     dedicated: dict[str, dict[str, torch.Tensor]] = {}
     for n in rt.names:
@@ -221,10 +215,7 @@ def _read_metadata(checkpoint_id, storage_reader):
 
 def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, strict: bool):
     """Problems of the checkpoint's metadata against the model (and optimizer); no collective."""
-    exp = {}
-    ded = _name_map(model, rt)
-    for k, v in model.state_dict().items():
-        exp[k] = rt.shape[ded[k]] if k in ded else tuple(v.shape)
+    exp = {k: shape for k, (shape, _) in expected_entries(model, rt).items()}
     given = {k[len("model."):]: tuple(getattr(m, "size", ()) or ()) for k, m in md.items()
              if k.startswith("model.")}
     check = check_state_dict(given, exp, tied_groups(model))
@@ -280,7 +271,7 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     absent = frozenset(k for k in model.state_dict() if k not in present)
     masters = frozenset(n for n in rt.names if f"optim.dedicated.{n}.master" in md) \
         if optimizer is not None else frozenset()
-    skip = absent | frozenset(k for k, n in _name_map(model, rt).items() if n in masters)
+    skip = absent | frozenset(k for k, n in dedicated_names_by_key(model, rt).items() if n in masters)
     model_sd, post = _model_entries(model, rt, for_load=True, skip=skip)
     sd: dict[str, Any] = {"model": {check.source[k]: v for k, v in model_sd.items()}}
     states = None
@@ -305,6 +296,5 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
         optimizer.muon_state = ms._replace(step=int(o["muon_step"])) if ms is not None else None
         optimizer.num_steps = int(o["num_steps"])
         optimizer.refresh_state_views()
-    rt.version += 1
-    rt.reshard_all()
+    rt.masters_changed()
     return ShardedLoadResult(dict(sd.get("extra", {})), planner.bytes_requested, planner.bytes_read)

@@ -25,7 +25,7 @@ from dmuon.functional import muon as fmuon
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.optimizer import Muon
 from dmuon.stateful.runtime import get_runtime
-from dmuon.stateful.state_dict import agree
+from dmuon.stateful.state_dict import agree, from_owner
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict"]
 
@@ -56,30 +56,21 @@ def hparam_groups(optimizer: Muon) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
 
 
+def dtensor_like(local: torch.Tensor, like: Any) -> Any:
+    """``local`` (this rank's piece) as a DTensor laid out like the FSDP2 param ``like`` (no
+    communication); ``local`` itself when ``like`` is a plain tensor."""
+    if not hasattr(like, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
 def _full(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Collective for DTensor ``like``: the full tensor of the piece ``local`` (a copy)."""
     if hasattr(like, "device_mesh"):
-        from torch.distributed.tensor import DTensor
-        return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
-                                  shape=like.shape, stride=like.stride()).full_tensor()
+        return dtensor_like(local, like).full_tensor()
     return local.detach().clone()
-
-
-def _from_owner(t: Optional[torch.Tensor], shape, dtype, src: int, rt, rank0_only: bool):
-    """Full tensor held by rank ``src`` -> every rank (broadcast) or rank 0 (point to point)."""
-    me = rt.rank
-    if not rank0_only:
-        buf = t.detach().clone() if me == src else torch.empty(shape, dtype=dtype, device=rt.device)
-        dist.broadcast(buf, src=src)
-        return buf
-    if me == src:
-        if me == 0:
-            return t.detach().clone()
-        dist.send(t.detach().contiguous(), dst=0)
-    elif me == 0:
-        buf = torch.empty(shape, dtype=dtype, device=rt.device)
-        dist.recv(buf, src=src)
-        return buf
-    return None
 
 
 @torch.no_grad()
@@ -111,11 +102,11 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, cpu_offload: boo
     for n in rt.names:
         src = rt.owner_rank[n]
         mine = rt.rank == src
-        entry = {"momentum_buffer": _from_owner(ms.momentum[n] if mine else None, rt.shape[n],
-                                                rt.master_dtype[n], src, rt, rank0_only)}
+        entry = {"momentum_buffer": from_owner(ms.momentum[n] if mine else None, rt.shape[n],
+                                               rt.master_dtype[n], src, rt, rank0_only)}
         if rt.master_dtype[n] != rt.orig_dtype[n]:
-            entry["master"] = _from_owner(rt.masters[n] if mine else None, rt.shape[n],
-                                          rt.master_dtype[n], src, rt, rank0_only)
+            entry["master"] = from_owner(rt.masters[n] if mine else None, rt.shape[n],
+                                         rt.master_dtype[n], src, rt, rank0_only)
         if keep:
             dedicated[n] = {k: mv(v) for k, v in entry.items()}
     return {"fsdp2": fsdp2, "dedicated": dedicated,
@@ -258,6 +249,5 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon,
     optimizer.muon_state = ms._replace(step=int(meta["muon_step"])) if ms is not None else None
     optimizer.num_steps = int(meta["num_steps"])
     if meta["masters"]:
-        rt.version += 1
-        rt.reshard_all()
+        rt.masters_changed()
     optimizer.refresh_state_views()

@@ -44,8 +44,9 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-def _name_map(model: nn.Module, rt: DedicatedRuntime) -> dict[str, str]:
-    """``state_dict key -> dedicated canonical name`` for every key that is a dedicated param."""
+def dedicated_names_by_key(model: nn.Module, rt: DedicatedRuntime) -> dict[str, str]:
+    """``{state_dict key: dedicated canonical name}`` for every key that is a dedicated param (a
+    tied matrix appears under each of its keys)."""
     canon = {p: n for n, p in rt.params.items()}
     out = {}
     for n, p in model.named_parameters(remove_duplicate=False):
@@ -54,10 +55,11 @@ def _name_map(model: nn.Module, rt: DedicatedRuntime) -> dict[str, str]:
     return out
 
 
-def _expected(model: nn.Module,
-              rt: DedicatedRuntime) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-    """``{key: (full shape, dtype)}`` in ``model.state_dict()`` order (the same on every rank)."""
-    ded = _name_map(model, rt)
+def expected_entries(model: nn.Module,
+                     rt: DedicatedRuntime) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{key: (full shape, dtype)}`` of the single-device ``model.state_dict()``, in its order
+    (the same on every rank): dedicated matrices by their full shape and the param's dtype."""
+    ded = dedicated_names_by_key(model, rt)
     exp = {}
     for k, v in model.state_dict().items():
         if k in ded:
@@ -78,27 +80,32 @@ def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
     return [tuple(g) for g in by_id.values() if len(g) > 1]
 
 
-def _dedicated_full(rt: DedicatedRuntime, n: str, rank0_only: bool) -> Optional[torch.Tensor]:
-    """The full matrix ``n`` from its owner (every rank, or rank 0 only: point to point)."""
-    src, me = rt.owner_rank[n], rt.rank
+def from_owner(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, src: int,
+               rt: DedicatedRuntime, rank0_only: bool) -> Optional[torch.Tensor]:
+    """Collective: the full tensor ``t`` held by global rank ``src`` (``None`` elsewhere) as a copy
+    on every rank (broadcast), or with ``rank0_only`` on rank 0 only (point to point; other ranks
+    get ``None``). ``shape`` / ``dtype``: those of ``t``, for the receiving buffers."""
+    me = rt.rank
     if not rank0_only:
-        if n in rt.masters:
-            buf = rt.masters[n].detach().to(rt.orig_dtype[n]).clone()
-        else:
-            buf = torch.empty(rt.shape[n], dtype=rt.orig_dtype[n], device=rt.device)
+        buf = t.detach().clone() if me == src else torch.empty(shape, dtype=dtype, device=rt.device)
         dist.broadcast(buf, src=src)
         return buf
     if me == src:
-        buf = rt.masters[n].detach().to(rt.orig_dtype[n]).clone()
-        if me != 0:
-            dist.send(buf, dst=0)
-            return None
-        return buf
-    if me == 0:
-        buf = torch.empty(rt.shape[n], dtype=rt.orig_dtype[n], device=rt.device)
+        if me == 0:
+            return t.detach().clone()
+        dist.send(t.detach().contiguous(), dst=0)
+    elif me == 0:
+        buf = torch.empty(shape, dtype=dtype, device=rt.device)
         dist.recv(buf, src=src)
         return buf
     return None
+
+
+def _dedicated_full(rt: DedicatedRuntime, n: str, rank0_only: bool) -> Optional[torch.Tensor]:
+    """The full matrix ``n`` in the param's dtype, from its owner (:func:`from_owner`)."""
+    src = rt.owner_rank[n]
+    mine = rt.masters[n].to(rt.orig_dtype[n]) if rt.rank == src else None
+    return from_owner(mine, rt.shape[n], rt.orig_dtype[n], src, rt, rank0_only)
 
 
 @torch.no_grad()
@@ -121,7 +128,7 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
     rt = get_runtime(model, "dmuon.get_model_state_dict(model)")
     rt.wait_publish()
     keep = not rank0_only or rt.rank == 0
-    ded = _name_map(model, rt)
+    ded = dedicated_names_by_key(model, rt)
     out: dict[str, torch.Tensor] = {}
     cache: dict[str, Optional[torch.Tensor]] = {}
     for k, v in model.state_dict().items():
@@ -186,7 +193,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     what = "dmuon.set_model_state_dict"
     rt = get_runtime(model, f"{what}(model, sd)")
     rt.wait_publish()
-    exp = _expected(model, rt)
+    exp = expected_entries(model, rt)
     has_dict = not rank0_only or rt.rank == 0
     check = None
     if has_dict:
@@ -207,7 +214,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     else:
         source, missing, unexpected = check.source, list(check.missing), list(check.unexpected)
 
-    ded = _name_map(model, rt)
+    ded = dedicated_names_by_key(model, rt)
     live = dict(model.named_parameters(remove_duplicate=False))
     live.update(dict(model.named_buffers(remove_duplicate=False)))
     done: set[int] = set()
@@ -239,8 +246,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
             target.to_local().copy_(shard.to_local())
         else:
             target.copy_(v.to(device=target.device, dtype=target.dtype))
-    rt.version += 1
-    rt.reshard_all()
+    rt.masters_changed()
     return LoadResult(list(missing), list(unexpected))
 
 
