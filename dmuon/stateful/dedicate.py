@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from dmuon.functional.buckets import hook_groups
 from dmuon.functional.plan import plan_owners
+from dmuon.functional.setup_check import RankSetup, check_setups
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
 from dmuon.stateful.executor import Executor
 from dmuon.stateful.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
@@ -46,6 +47,103 @@ def _is_dtensor(p: Any) -> bool:
     except ImportError:  # pragma: no cover
         return False
     return isinstance(p, DTensor)
+
+
+def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.Parameter]]:
+    """This rank's local checks and the dedicated params ``{name: param}`` (raises on bad input)."""
+    if getattr(model, "_dmuon_runtime", None) is not None:
+        raise RuntimeError("dedicate_params was already called on this model")
+    fsdp_mods = has_fsdp_state(model)
+    if fsdp_mods:
+        raise RuntimeError(
+            "dedicate_params must run before fully_shard, but these modules already have FSDP2 "
+            f"state: {fsdp_mods[:5]}{' ...' if len(fsdp_mods) > 5 else ''}. Call "
+            "dmuon.dedicate_params(model, mesh, predicate) first, then fully_shard.")
+    if not callable(predicate):
+        raise TypeError("predicate must be a callable (name, param) -> bool")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # dedups tied params
+    chosen: dict[str, nn.Parameter] = {}
+    for n, p in named:
+        try:
+            picked = bool(predicate(n, p))
+        except Exception as e:
+            raise RuntimeError(
+                f"dedicate_params: the predicate raised {type(e).__name__}: {e} for param {n!r} "
+                f"(shape {tuple(p.shape)}, {p.dtype}). It is called as predicate(name, param) for "
+                "every trainable parameter and must return a bool for each; fix it.") from e
+        if not picked:
+            continue
+        if _is_dtensor(p):
+            raise NotImplementedError(
+                f"dedicate_params: param {n!r} is a DTensor (tensor/sequence parallel); dedicating "
+                "DTensor params is not supported yet. Apply dedicate_params before parallelizing, "
+                "or exclude TP-sharded params in the predicate.")
+        if p.ndim < 2:
+            raise ValueError(
+                f"dedicate_params: the predicate selected {n!r} of shape {tuple(p.shape)}, which is "
+                "not a matrix; Muon needs ndim >= 2. Add `p.ndim >= 2` (or `p.ndim == 2`) to the "
+                "predicate so vectors stay with AdamW.")
+        if p.is_meta:
+            raise ValueError(
+                f"dedicate_params: param {n!r} is on the meta device (meta-device init); dmuon "
+                "copies each dedicated matrix to its owner now, so it needs real values. "
+                "Materialize the model first (model.to_empty(device=...) and initialize the "
+                "weights), then dedicate_params, then fully_shard.")
+        chosen[n] = p
+    if not chosen:
+        raise ValueError(
+            f"dedicate_params: the predicate matched no trainable parameter of {type(model).__name__} "
+            f"({len(named)} candidates, e.g. {[n for n, _ in named[:4]]}). Check the names it tests, "
+            "e.g. predicate=lambda n, p: p.ndim == 2 and 'proj' in n.")
+    return named, chosen
+
+
+def _nested_tuple(x: Any) -> Any:
+    return tuple(_nested_tuple(v) for v in x) if isinstance(x, list) else int(x)
+
+
+def _agree_setup(mesh: Any, replicate_mesh: Any, chosen: dict[str, nn.Parameter],
+                 local_err: Optional[Exception]) -> tuple[tuple[int, ...], ...]:
+    """All-gather every rank's setup and check it (:func:`check_setups`); raise on every rank if
+    any rank has a problem (this rank's own exception where it has one). Returns the grid."""
+    err = None if local_err is None else (type(local_err).__name__, str(local_err))
+    try:
+        su = RankSetup(
+            rank=dist.get_rank(), mesh=_nested_tuple(mesh.mesh.tolist()),
+            mesh_dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+            mesh_device_type=str(mesh.device_type),
+            replicate=(None if replicate_mesh is None
+                       else _nested_tuple(replicate_mesh.mesh.flatten().tolist())),
+            replicate_device_type=(None if replicate_mesh is None
+                                   else str(replicate_mesh.device_type)),
+            param_device_types=tuple(sorted({p.device.type for p in chosen.values()})),
+            error=err)
+    except AttributeError:
+        su = RankSetup(rank=dist.get_rank(), error=err or (
+            "TypeError", f"mesh / replicate_mesh must be DeviceMesh objects (init_device_mesh), got "
+            f"{type(mesh).__name__} / {type(replicate_mesh).__name__}"))
+    setups: list = [None] * dist.get_world_size()
+    dist.all_gather_object(setups, su)
+    verdict = check_setups(setups, dist.get_world_size())
+    if not verdict.problems:
+        return verdict.grid
+    if local_err is not None:
+        raise local_err
+    kinds = {s.error[0] for s in setups if s.error is not None}
+    exc = {"RuntimeError": RuntimeError, "TypeError": TypeError,
+           "NotImplementedError": NotImplementedError}.get(kinds.pop() if len(kinds) == 1 else "",
+                                                           ValueError)
+    raise exc("dedicate_params failed (nothing was changed on any rank): "
+              + " | ".join(verdict.problems))
+
+
+def _default_timeout(mesh: Any) -> Optional[datetime.timedelta]:
+    """The default process group's collective timeout (``None`` if it cannot be read)."""
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        return pg._get_backend(torch.device(mesh.device_type)).options._timeout
+    except Exception:  # noqa: BLE001 - private API; fall back to torch's default for new groups
+        return None
 
 
 def _check_fingerprint(fingerprint: str, rank: int) -> None:
@@ -110,15 +208,24 @@ def dedicate_params(
         param's dtype.
       batch_dims: ``(name, shape) -> int`` leading batch dims of a matrix (e.g. MoE expert stacks).
       ns_steps: Newton–Schulz steps the plan's cost model assumes (use the optimizer's).
-      timeout: timeout of the lane process groups (default: the default group's).
+      timeout: collective timeout of the process groups that move the dedicated params (default:
+        the default group's). A rank that never reaches one of their collectives (it skipped a
+        forward, backward or step) makes the waiting ranks raise ``RuntimeError`` naming the dmuon
+        operation, hook group and ranks after at most this long (gloo; NCCL: its watchdog).
+        Setup's own all-gathers use the default group and its timeout.
 
     Returns:
       ``{param: owner global rank}`` for every dedicated param (tied params appear once).
 
     Raises:
       RuntimeError: torch.distributed is not initialized; the model already has FSDP2 state or was
-        already dedicated; the owner plan differs across ranks.
-      ValueError: the predicate matches nothing, or matches a non-matrix.
+        already dedicated; the predicate raised (the message names the param); the owner plan
+        differs across ranks.
+      ValueError: the predicate matches nothing, or matches a non-matrix or a meta-device param;
+        the meshes do not match the world (ranks, R x G, device type; see
+        :func:`dmuon.functional.setup_check.check_setups`).
+      Every check runs on every rank before any process group is made: a problem on one rank
+      raises on all (that rank's own exception there, its message elsewhere), never a hang.
       NotImplementedError: a dedicated param is a DTensor (tensor parallelism).
     """
     install_fully_shard_patch()
@@ -127,42 +234,19 @@ def dedicate_params(
     if not dist.is_initialized():
         raise RuntimeError("dedicate_params needs torch.distributed: call "
                            "torch.distributed.init_process_group(...) first")
-    if getattr(model, "_dmuon_runtime", None) is not None:
-        raise RuntimeError("dedicate_params was already called on this model")
-    fsdp_mods = has_fsdp_state(model)
-    if fsdp_mods:
-        raise RuntimeError(
-            "dedicate_params must run before fully_shard, but these modules already have FSDP2 "
-            f"state: {fsdp_mods[:5]}{' ...' if len(fsdp_mods) > 5 else ''}. Call "
-            "dmuon.dedicate_params(model, mesh, predicate) first, then fully_shard.")
-    if not callable(predicate):
-        raise TypeError("predicate must be a callable (name, param) -> bool")
-
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # dedups tied params
+    # local checks may fail on some ranks only: agree first (one all-gather), so every rank
+    # raises and none is left waiting in a collective the others never reach
+    named: list = []
     chosen: dict[str, nn.Parameter] = {}
-    for n, p in named:
-        if not predicate(n, p):
-            continue
-        if _is_dtensor(p):
-            raise NotImplementedError(
-                f"dedicate_params: param {n!r} is a DTensor (tensor/sequence parallel); dedicating "
-                "DTensor params is not supported yet. Apply dedicate_params before parallelizing, "
-                "or exclude TP-sharded params in the predicate.")
-        if p.ndim < 2:
-            raise ValueError(
-                f"dedicate_params: the predicate selected {n!r} of shape {tuple(p.shape)}, which is "
-                "not a matrix; Muon needs ndim >= 2. Add `p.ndim >= 2` (or `p.ndim == 2`) to the "
-                "predicate so vectors stay with AdamW.")
-        chosen[n] = p
-    if not chosen:
-        raise ValueError(
-            f"dedicate_params: the predicate matched no trainable parameter of {type(model).__name__} "
-            f"({len(named)} candidates, e.g. {[n for n, _ in named[:4]]}). Check the names it tests, "
-            "e.g. predicate=lambda n, p: p.ndim == 2 and 'proj' in n.")
-
-    bd_fn = (lambda n, shape: int(batch_dims(n, shape))) if batch_dims is not None else None
-    specs = specs_from_named_shapes(named, lambda n, p: n in chosen, batch_dims_fn=bd_fn)
-    mesh_groups = make_process_groups(mesh, replicate_mesh=replicate_mesh, timeout=timeout)
+    local_err: Optional[Exception] = None
+    try:
+        named, chosen = _select(model, predicate)
+        bd_fn = (lambda n, shape: int(batch_dims(n, shape))) if batch_dims is not None else None
+        specs = specs_from_named_shapes(named, lambda n, p: n in chosen, batch_dims_fn=bd_fn)
+    except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+        local_err = e
+    grid = _agree_setup(mesh, replicate_mesh, chosen, local_err)
+    mesh_groups = make_process_groups(grid=grid, timeout=timeout or _default_timeout(mesh))
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size, ns_steps=ns_steps)
     _check_fingerprint(plan.fingerprint, mesh_groups.rank)
 
@@ -180,7 +264,7 @@ def dedicate_params(
     groups = hook_groups(list(chosen), keys, order=order)
     group_modules = {k: (model if k == ROOT_GROUP else model.get_submodule(k)) for k in order}
 
-    executor = Executor(mesh_groups)
+    executor = Executor(mesh_groups, timeout=timeout or _default_timeout(mesh))
     spec_by_name = {s.name: s for s in specs}
     rt = DedicatedRuntime(
         model=model, params=chosen, specs={n: spec_by_name[n] for n in chosen}, plan=plan,

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon.functional.buckets import BucketKey
-from dmuon.functional.schedule import LANES, Broadcast, Op, Reduce, Schedule
+from dmuon.functional.schedule import LANES, Broadcast, Op, Schedule
 from dmuon.stateful.process_groups import MeshGroups
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,8 @@ class _Rec:
     issued: bool = False
     handle: Any = None              # gloo work handle
     event: Any = None               # CUDA end event
+    executor: Any = None            # for the context of a failed wait
+
 
     def complete(self) -> bool:
         """Finished on this rank. An op this rank skips (not a participant, or a group of one)
@@ -79,7 +81,10 @@ class _Rec:
     def wait_host(self) -> None:
         """CPU: block until complete (through skipped ops to their dependencies)."""
         if self.handle is not None:
-            self.handle.wait()
+            try:
+                self.handle.wait()
+            except RuntimeError as e:  # gloo: timeout, or a peer's pair closed
+                raise self.executor.collective_error(self, e) from e
         elif self.event is None:
             for d in self.deps:
                 d.wait_host()
@@ -89,6 +94,15 @@ class _Rec:
         if self.event is not None:
             return [self.event]
         return [e for d in self.deps for e in d.events()]
+
+
+def _collective(rec: _Rec) -> Any:
+    """Issue ``rec``'s broadcast or reduce on its view (async); returns the work handle."""
+    op = rec.op
+    if isinstance(op, Broadcast):
+        return dist.broadcast(rec.view, src=rec.root, group=rec.group, async_op=True)
+    return dist.reduce(rec.view, dst=rec.root, op=_REDUCE_OPS[op.op], group=rec.group,
+                       async_op=True)
 
 
 class Pending:
@@ -138,9 +152,11 @@ class Executor:
         lanes at world size 1).
     """
 
-    def __init__(self, groups: MeshGroups, *, issue_trivial: bool = False):
+    def __init__(self, groups: MeshGroups, *, issue_trivial: bool = False,
+                 timeout: Any = None):
         self.groups = groups
         self.issue_trivial = issue_trivial
+        self.timeout = timeout  # the lane groups' collective timeout (for error messages)
         self._queue: deque[_Rec] = deque()      # CPU: launched, not yet issued, in global order
         self._seq = 0
         self._streams: dict[tuple[int, str], Any] = {}
@@ -171,6 +187,30 @@ class Executor:
             else:
                 c["sent_bytes"] += P
 
+    _LANE_WHAT = {"unshard": "weight gather (forward / backward pre-hook)",
+                  "reduce": "gradient reduce (backward)",
+                  "replicate": "HSDP replicate-axis collective (stage-2 gradient reduce or "
+                               "post-step publish)"}
+
+    def collective_error(self, rec: "_Rec", err: BaseException) -> RuntimeError:
+        """The error raised when waiting on ``rec``'s collective fails: which dmuon operation,
+        hook group, ranks and timeout, and what usually causes it."""
+        op, mg = rec.op, self.groups
+        if op.axis == "shard":
+            ranks = mg.axis_ranks("shard")
+        else:
+            ranks = [mg.global_rank(op.at, r) for r in range(mg.replicate_size)]
+        bound = f" (timeout {self.timeout})" if self.timeout is not None else ""
+        return RuntimeError(
+            f"dmuon: the {self._LANE_WHAT.get(op.lane, op.lane)} collective {op.id!r} "
+            f"({type(op).__name__}, lane {op.lane!r}, hook group {op.bucket.group or '<root>'!r}, "
+            f"process group of ranks {ranks}, root rank {rec.root}) failed on rank {mg.rank}"
+            f"{bound}: {err}. A timeout means a rank of {ranks} never reached this collective: "
+            "every rank must run the same forward / backward / optimizer.step() sequence on a "
+            "dedicated model (none may skip a forward or take another code path), or a rank "
+            "crashed (see its log). dmuon's process groups are unusable now; restart the job. "
+            "The bound is dedicate_params(..., timeout=...).")
+
     # ----------------------------------------------------------------------------- streams
     def lane_stream(self, lane: str, device: torch.device):
         """The CUDA stream of ``lane`` on ``device`` (created once; shard-axis lanes high priority)."""
@@ -199,7 +239,7 @@ class Executor:
                                  f"launch; pass the earlier launch's Pending as `after`")
             deps.append(by_id[w])
         rec = _Rec(op=op, seq=self._seq, view=None, root=root, group_size=n,
-                   deps=deps + after)
+                   deps=deps + after, executor=self)
         self._seq += 1
         if takes_part and (n > 1 or self.issue_trivial):
             try:
@@ -246,12 +286,7 @@ class Executor:
     # ----------------------------------------------------------------------------- CPU path
     def _issue_cpu(self, rec: _Rec) -> None:
         if rec.view is not None:
-            op = rec.op
-            if isinstance(op, Broadcast):
-                rec.handle = dist.broadcast(rec.view, src=rec.root, group=rec.group, async_op=True)
-            else:
-                rec.handle = dist.reduce(rec.view, dst=rec.root, op=_REDUCE_OPS[op.op],
-                                         group=rec.group, async_op=True)
+            rec.handle = _collective(rec)
             self._count(rec)
         rec.issued = True
 
@@ -292,11 +327,7 @@ class Executor:
             for ev in {id(e): e for d in rec.deps for e in d.events()}.values():
                 st.wait_event(ev)
             with torch.cuda.stream(st):
-                if isinstance(op, Broadcast):
-                    work = dist.broadcast(rec.view, src=rec.root, group=rec.group, async_op=True)
-                else:
-                    work = dist.reduce(rec.view, dst=rec.root, op=_REDUCE_OPS[op.op],
-                                       group=rec.group, async_op=True)
+                work = _collective(rec)
                 work.wait()          # lane stream waits on the collective: no host sync
                 rec.view.record_stream(st)
                 ev = torch.cuda.Event()

@@ -44,6 +44,24 @@ def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     return to_local() if to_local is not None else t
 
 
+def _check_fsdp_mesh(model: nn.Module, rt: DedicatedRuntime) -> None:
+    """Raise ``ValueError`` if ``fully_shard`` used a mesh over other ranks or another device
+    type than ``dedicate_params`` (the gradients would be averaged over different ranks)."""
+    from dmuon.functional.setup_check import check_fsdp_meshes
+    from dmuon.stateful.mixed_precision import _fsdp_state
+
+    meshes = []
+    for name, m in model.named_modules():
+        pg = getattr(_fsdp_state(m), "_fsdp_param_group", None)
+        mesh = getattr(getattr(pg, "mesh_info", None), "mesh", None)
+        if mesh is not None:
+            meshes.append((name, tuple(int(x) for x in mesh.mesh.flatten().tolist()),
+                           str(mesh.device_type)))
+    problems = check_fsdp_meshes(rt.mesh_groups.grid, rt.device.type, meshes)
+    if problems:
+        raise ValueError("dmuon.Muon: " + " | ".join(problems))
+
+
 class Muon(torch.optim.Optimizer):
     """Distributed Muon for dedicated matrices + AdamW for everything else.
 
@@ -78,8 +96,10 @@ class Muon(torch.optim.Optimizer):
         drains it.
 
     Raises:
-      RuntimeError: ``dedicate_params`` was not called on ``model``.
-      ValueError: an invalid hyper-parameter.
+      RuntimeError: ``dedicate_params`` was not called on ``model``; ``step()`` of an optimizer
+        superseded by a newer ``Muon(model)`` on the same model.
+      ValueError: an invalid hyper-parameter; ``fully_shard`` used a mesh over other ranks (or
+        another device type) than ``dedicate_params``.
     """
 
     def __init__(self, model: nn.Module, lr: float = 0.02, momentum: float = 0.95,
@@ -94,6 +114,7 @@ class Muon(torch.optim.Optimizer):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
         rt = get_runtime(model, "dmuon.Muon(model)")
+        _check_fsdp_mesh(model, rt)
         muon_hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                        ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_eps=ns_eps,
                        ns_dtype=ns_dtype, lr_scale=lr_scale)
@@ -127,6 +148,9 @@ class Muon(torch.optim.Optimizer):
         self.telemetry = StepTelemetry(getattr(rt, "executor", None), rt.device)
         self.replicate_async = bool(replicate_async)
         self.num_steps = 0  # completed step() calls (the same on every rank)
+        # a newer Muon(model) supersedes this one: stepping both would update twice per step
+        rt.optimizer_generation = getattr(rt, "optimizer_generation", 0) + 1
+        self._generation = rt.optimizer_generation
         self.muon_state: Optional[fmuon.MuonState] = None
         self.adamw_state: Optional[fadamw.AdamWState] = None
 
@@ -149,6 +173,11 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rt = self._rt
+        if self._generation != getattr(rt, "optimizer_generation", self._generation):
+            raise RuntimeError(
+                "dmuon.Muon.step: a newer dmuon.Muon was built on this model, which supersedes "
+                "this one (two optimizers would both update every matrix each step). Nothing was "
+                "updated. Step only the newest optimizer (build one dmuon.Muon per model).")
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         rt.wait_reduces()
         if self.check_finite:
@@ -216,7 +245,7 @@ class Muon(torch.optim.Optimizer):
             grads, self.muon_state, params, hp, batch_dims=bd if any(bd.values()) else None,
             donate=True, donate_grads=True, orthogonalize=self._orthogonalizer(rt, hp),
             elementwise=self._elementwise(rt))
-        self.refresh_state_views()
+        self._state_views_stale = True  # rebuilt when self.state is next read
 
     def _orthogonalizer(self, rt: DedicatedRuntime, hp: fmuon.MuonHParams) -> fmuon.Orthogonalize:
         """The NS hook for this step, timed by the telemetry (see ``ns_engine`` in the class doc)."""
@@ -283,7 +312,7 @@ class Muon(torch.optim.Optimizer):
             return
         _, self.adamw_state = fadamw.update(grads, self.adamw_state, params, self._adamw_hparams(),
                                             donate=True, impl=self._adamw_impl())
-        self.refresh_state_views()
+        self._state_views_stale = True  # rebuilt when self.state is next read
 
     def last_step_stats(self) -> Optional[StepStats]:
         """What the last ``step()`` did on this rank (None before the first): collectives and
@@ -354,10 +383,27 @@ class Muon(torch.optim.Optimizer):
             self.adamw_state = self.adamw_state._replace(step=step_a)
         self.refresh_state_views()
 
+    #: ``step()`` changed the functional states since ``self.state`` was last built.
+    _state_views_stale = False
+
+    @property
+    def state(self) -> Any:
+        """torch-style ``{param: {"momentum_buffer", "step"} | {"step", "exp_avg", "exp_avg_sq"}}``
+        views of the functional states (read by ``state_dict()``), rebuilt lazily: ``step()`` only
+        marks them stale, so the hot path never rebuilds them."""
+        if self._state_views_stale:
+            self.refresh_state_views()
+        return self._state_views
+
+    @state.setter
+    def state(self, value: Any) -> None:  # torch.optim.Optimizer.__init__ assigns it
+        self._state_views = value
+
     def refresh_state_views(self) -> None:
         """Rebuild ``self.state[param]`` (torch-style views) from the functional states."""
         rt = self._rt
-        self.state.clear()
+        self._state_views_stale = False
+        self._state_views.clear()
         if self.muon_state is not None:
             for n in rt.owned_names:
                 self.state[rt.params[n]] = {"momentum_buffer": self.muon_state.momentum[n],

@@ -29,6 +29,7 @@ Storage (per rank ``(s, r)`` of the ``(R, G)`` mesh):
 from __future__ import annotations
 
 import logging
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -96,7 +97,6 @@ class DedicatedRuntime:
                  groups: HookGroups, group_modules: Mapping[str, nn.Module],
                  reshard_after_forward: bool, mp_policy: Any, batch_dims: Mapping[str, int],
                  all_specs: tuple):
-        import weakref
         self.model_ref = weakref.ref(model)
         self.params: dict[str, nn.Parameter] = dict(params)
         self.names: tuple[str, ...] = tuple(params)
@@ -112,6 +112,9 @@ class DedicatedRuntime:
         self.owners: dict[str, tuple[int, int]] = {n: tuple(plan.owner(n)) for n in self.names}
         self.owner_rank: dict[str, int] = {
             n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
+        # names this rank runs Muon on (owner == this rank's coordinate); fixed at setup
+        self.owned_names: tuple[str, ...] = tuple(
+            n for n in self.names if self.owners[n] == self.coord)
         self.orig_dtype: dict[str, torch.dtype] = {n: p.dtype for n, p in self.params.items()}
         self.shape: dict[str, tuple[int, ...]] = {n: tuple(p.shape) for n, p in self.params.items()}
         self.master_dtype = {n: master_dtype_for(d) for n, d in self.orig_dtype.items()}
@@ -159,16 +162,6 @@ class DedicatedRuntime:
         self._build_masters()
 
     # ------------------------------------------------------------------ setup
-    @property
-    def owned_names(self) -> tuple[str, ...]:
-        """Names this rank runs Muon on (owner == this rank's coordinate)."""
-        return tuple(n for n in self.names if self.owners[n] == self.coord)
-
-    @property
-    def column_names(self) -> tuple[str, ...]:
-        """Names whose master this rank holds (owner column == this rank's shard index)."""
-        return tuple(n for n in self.names if self.owners[n][0] == self.coord[0])
-
     def _build_masters(self) -> None:
         """Copy each dedicated param into its master bucket (own column only), free the rest."""
         self.master_layout = bucket_layout(
@@ -416,10 +409,15 @@ class DedicatedRuntime:
                 _free_storage(buf)
 
     # ------------------------------------------------------------------ after the step
-    def after_step(self, *, replicate_async: bool = True) -> None:
-        """Masters changed: invalidate gathered copies, then :meth:`publish` (HSDP)."""
+    def masters_changed(self) -> None:
+        """The masters were written (a step, a state-dict load): gathered copies are stale, so
+        bump :attr:`version` and free them (the next forward gathers the new values)."""
         self.version += 1
         self.reshard_all()
+
+    def after_step(self, *, replicate_async: bool = True) -> None:
+        """Masters changed: invalidate gathered copies, then :meth:`publish` (HSDP)."""
+        self.masters_changed()
         self.publish(replicate_async=replicate_async)
 
     # ------------------------------------------------------------------ HSDP publish

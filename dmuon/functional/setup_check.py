@@ -1,0 +1,221 @@
+"""Pure checks of what every rank passed to ``dedicate_params``, before any group is created.
+
+``dedicate_params`` all-gathers one :class:`RankSetup` per rank (what that rank's mesh, replicate
+mesh and dedicated params look like, and the error its local checks raised, if any) and calls
+:func:`check_setups` on the list. Every rank holds the same list, so every rank reaches the same
+verdict: a problem on one rank raises on all of them instead of leaving the others waiting in a
+collective the failing rank never reaches.
+
+The grid convention is :mod:`dmuon.stateful.process_groups`'s: ``grid[r][s]`` is the global rank
+of shard index ``s`` in replica ``r``; it must be an ``R x G`` arrangement of all world ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+__all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "check_setups"]
+
+Grid = tuple[tuple[int, ...], ...]
+
+_HSDP_HINT = ("For HSDP pass the 1-D shard mesh plus replicate_mesh=mesh2d['replicate'], or the "
+              "2-D mesh with dims ('replicate', 'shard').")
+
+
+@dataclass(frozen=True)
+class RankSetup:
+    """One rank's view of its ``dedicate_params`` arguments (picklable; all-gathered).
+
+    Attributes:
+      rank: global rank.
+      mesh: the rank layout of ``mesh`` (``DeviceMesh.mesh.tolist()``: a list, or a list of lists).
+      mesh_dim_names: ``mesh.mesh_dim_names`` (``None`` if unnamed).
+      mesh_device_type: ``mesh.device_type``.
+      replicate: the ranks of ``replicate_mesh`` (1-D) or ``None``.
+      replicate_device_type: ``replicate_mesh.device_type`` or ``None``.
+      param_device_types: sorted device types of the dedicated params.
+      error: ``(exception type name, message)`` of this rank's local checks, or ``None``.
+    """
+
+    rank: int
+    mesh: tuple = ()
+    mesh_dim_names: Optional[tuple[str, ...]] = None
+    mesh_device_type: str = "cpu"
+    replicate: Optional[tuple[int, ...]] = None
+    replicate_device_type: Optional[str] = None
+    param_device_types: tuple[str, ...] = ()
+    error: Optional[tuple[str, str]] = None
+
+
+@dataclass(frozen=True)
+class SetupCheck:
+    """Verdict of :func:`check_setups`: ``grid`` when ``problems`` is empty, else ``None``."""
+
+    problems: tuple[str, ...]
+    grid: Optional[Grid]
+
+
+def _depth(x) -> int:
+    """Nesting depth of a (nested) list / tuple of ints: 1 for a 1-D mesh, 2 for a 2-D one."""
+    d = 0
+    while isinstance(x, (list, tuple)):
+        d += 1
+        if not x:
+            break
+        x = x[0]
+    return d
+
+
+def _local_grid(su: RankSetup, shard_dim: str = "shard",
+                replicate_dim: str = "replicate") -> tuple[Optional[Grid], Optional[str]]:
+    """The grid this rank's arguments describe (1-D mesh + replicate: only this rank's row)."""
+    d = _depth(su.mesh)
+    if d == 2:
+        if su.replicate is not None:
+            return None, ("pass either a 2-D ('replicate', 'shard') mesh or a 1-D shard mesh plus "
+                          "a 1-D replicate_mesh, not both")
+        names = tuple(su.mesh_dim_names or ())
+        if set(names) != {shard_dim, replicate_dim}:
+            return None, (f"a 2-D mesh needs dims named ('replicate', 'shard'), got {names}; "
+                          "name them with init_device_mesh(..., mesh_dim_names=('replicate', "
+                          "'shard')) or pass the 1-D shard mesh (plus replicate_mesh)")
+        rows = [tuple(int(x) for x in row) for row in su.mesh]
+        if names.index(shard_dim) == 0:
+            rows = [tuple(col) for col in zip(*rows)]
+        return tuple(rows), None
+    if d != 1:
+        return None, f"mesh must be a 1-D or 2-D DeviceMesh, got a {d}-D one"
+    shard = tuple(int(x) for x in su.mesh)
+    if su.replicate is None:
+        return (shard,), None
+    if su.rank not in shard or su.rank not in su.replicate:
+        return None, (f"rank {su.rank} is not in its own mesh {list(shard)} and replicate_mesh "
+                      f"{list(su.replicate)}; each rank must pass the meshes that contain it "
+                      "(mesh2d['shard'] and mesh2d['replicate'] of its 2-D mesh)")
+    return None, None  # assembled from every rank's row in check_setups
+
+
+def check_setups(setups: Sequence[RankSetup], world_size: int) -> SetupCheck:
+    """Check the ranks' ``dedicate_params`` arguments against each other and the world.
+
+    Args:
+      setups: one :class:`RankSetup` per rank, indexed by rank.
+      world_size: size of the default process group.
+
+    Returns:
+      :class:`SetupCheck`: every problem found (each says what is wrong and how to fix it), and
+      the ``grid[r][s]`` of global ranks when there is none.
+
+    Problems found: a local error on any rank (reported with the ranks that raised it); meshes of
+    the wrong dimensionality or names; ranks that disagree on the mesh (e.g. each replica passed
+    its own 1-D shard mesh without ``replicate_mesh``); a mesh that does not cover exactly the
+    world's ranks; ``replicate size x shard size != world size``; a mesh on another device type
+    than the dedicated params.
+    """
+    errs: dict[tuple[str, str], list[int]] = {}
+    for su in setups:
+        if su.error is not None:
+            errs.setdefault(tuple(su.error), []).append(su.rank)
+    if errs:
+        return SetupCheck(
+            tuple(f"on ranks {rs}: {kind}: {msg}" for (kind, msg), rs in errs.items()), None)
+    problems: list[str] = []
+    world = list(range(world_size))
+    grids: dict[Grid, list[int]] = {}
+    local_problems: dict[str, list[int]] = {}
+    rows: dict[int, dict[tuple[int, ...], list[int]]] = {}
+    for su in setups:
+        g, p = _local_grid(su)
+        if p is not None:
+            local_problems.setdefault(p, []).append(su.rank)
+        elif g is not None:
+            grids.setdefault(g, []).append(su.rank)
+        else:  # 1-D + replicate: this rank's replica index and shard row
+            rows.setdefault(su.replicate.index(su.rank), {}).setdefault(
+                tuple(int(x) for x in su.mesh), []).append(su.rank)
+    problems += [f"on ranks {rs}: {p}" for p, rs in local_problems.items()]
+    if grids and rows:
+        problems.append("some ranks passed replicate_mesh and others did not; pass the same kind "
+                        "of meshes on every rank")
+    grid: Optional[Grid] = None
+    if not problems and grids:
+        if len(grids) > 1:
+            detail = "; ".join(f"ranks {rs}: {[list(r) for r in g]}" for g, rs in grids.items())
+            problems.append(f"the ranks disagree on the mesh ({detail}). dedicate_params needs one "
+                            f"mesh over all {world_size} ranks, the same on every rank. "
+                            + _HSDP_HINT)
+        else:
+            grid = next(iter(grids))
+    elif not problems and rows:
+        sizes = sorted({(len(su.replicate), len(su.mesh)) for su in setups})
+        bad_rows = {r: list(v) for r, v in rows.items() if len(v) > 1}
+        if len(sizes) > 1 or sizes[0][0] * sizes[0][1] != world_size \
+                or sorted(rows) != list(range(sizes[0][0])):
+            problems.append(
+                f"replicate_mesh size x mesh size must equal the world size {world_size}, got "
+                + ", ".join(f"{r} x {g} = {r * g}" for r, g in sizes)
+                + ". Pass the two 1-D slices of one 2-D mesh: mesh2d['shard'] and "
+                "mesh2d['replicate'] of init_device_mesh(dev, (R, G), mesh_dim_names="
+                "('replicate', 'shard')).")
+        elif bad_rows:
+            problems.append(f"ranks of one replica disagree on their shard mesh: {bad_rows}. "
+                            + _HSDP_HINT)
+        else:
+            grid = tuple(next(iter(rows[r])) for r in range(len(rows)))
+    if grid is not None:
+        flat = sorted(x for row in grid for x in row)
+        if any(len(row) != len(grid[0]) for row in grid) or flat != world:
+            problems.append(
+                f"the mesh covers ranks {flat} but the default process group has ranks "
+                f"{world[:8]}{' ...' if world_size > 8 else ''}: dedicate_params needs the mesh "
+                "that fully_shard uses, over every rank of the world (a sub-mesh, e.g. one "
+                "pipeline stage, is not supported). " + _HSDP_HINT)
+            grid = None
+    dev: dict[str, list[int]] = {}
+    for su in setups:
+        types = set(su.param_device_types) | {su.mesh_device_type}
+        if su.replicate_device_type is not None:
+            types.add(su.replicate_device_type)
+        if len(types) > 1:
+            dev.setdefault(f"mesh on {su.mesh_device_type!r}"
+                           + (f", replicate_mesh on {su.replicate_device_type!r}"
+                              if su.replicate_device_type is not None else "")
+                           + f", dedicated params on {list(su.param_device_types)}", []).append(
+                su.rank)
+    for what, rs in dev.items():
+        problems.append(
+            f"on ranks {rs}: {what}. The dedicated params must live on the mesh's device type: "
+            "move the model there first (model.to(device); fully_shard would move the other params "
+            "but not the dedicated ones), or build the meshes with that device type.")
+    return SetupCheck(tuple(problems), grid if not problems else None)
+
+
+def check_fsdp_meshes(grid: Grid, device_type: str,
+                      fsdp_meshes: Sequence[tuple[str, tuple[int, ...], str]]) -> tuple[str, ...]:
+    """Check that ``fully_shard`` used a mesh over the same ranks and device type as dmuon.
+
+    dmuon averages the dedicated matrices' gradients over every rank of its ``grid``; FSDP2
+    averages the other gradients over its own mesh. If the two rank sets differ, the two halves of
+    the model would be trained on different batches (a silent wrong update).
+
+    Args:
+      grid: dmuon's ``grid[r][s]`` of global ranks.
+      device_type: the dedicated params' device type.
+      fsdp_meshes: ``(module name, sorted ranks of its fully_shard mesh, mesh device type)`` for
+        every module with FSDP2 state.
+
+    Returns:
+      One problem per distinct FSDP2 mesh that does not match (empty when all match).
+    """
+    ranks = tuple(sorted(x for row in grid for x in row))
+    bad: dict[tuple[tuple[int, ...], str], list[str]] = {}
+    for name, mranks, dev in fsdp_meshes:
+        if tuple(sorted(mranks)) != ranks or dev != device_type:
+            bad.setdefault((tuple(sorted(mranks)), dev), []).append(name or "<root>")
+    return tuple(
+        f"modules {names[:4]}{' ...' if len(names) > 4 else ''} were fully_shard-ed on a "
+        f"{dev!r} mesh over ranks {list(mr)}, but dedicate_params got a {device_type!r} mesh over "
+        f"ranks {list(ranks)}: the dedicated and the FSDP2 gradients would be averaged over "
+        "different ranks. Pass fully_shard the same mesh (for HSDP the 2-D mesh) as "
+        "dedicate_params (its 1-D shard mesh plus replicate_mesh, or the same 2-D mesh)."
+        for (mr, dev), names in bad.items())
