@@ -144,9 +144,9 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh):
         opt = Muon(model, lr=0.02, weight_decay=0.01, adamw_lr=1e-4, adamw_weight_decay=0.01,
                    check_finite=(kind == "dmuon_check"), ns_engine=engine)
         if kind == "dmuon_release":  # grad buckets freed after each step (see runtime.py)
-            model._dmuon_runtime.release_grad_buffers = True
+            opt.runtime.release_grad_buffers = True
         if kind == "dmuon_persistent":  # persistent grad buckets (NS graph replay)
-            model._dmuon_runtime.release_grad_buffers = False
+            opt.runtime.release_grad_buffers = False
         if kind == "dmuon_foreach":  # Muon's elementwise stages as foreach ops (the reference)
             opt.fused_elementwise = False
     return model, opt
@@ -250,7 +250,7 @@ def run_config(cfg: Cfg, kind: str, device: torch.device, mesh, warmup: int, ste
     if kind.startswith("dmuon"):
         st = opt.last_step_stats()
         out.update(ns_ms=statistics.median(ns), ns_times=ns, stats=st.as_dict(),
-                   elementwise="foreach" if opt._elementwise(opt._rt) is None else "fused")
+                   elementwise="foreach" if opt._elementwise(opt.runtime) is None else "fused")
     loss = step(0)
     out["final_loss"] = float(loss.detach())
     del model, opt, batches

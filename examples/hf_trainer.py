@@ -108,7 +108,7 @@ def main(argv: list[str]) -> None:
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=probe_batch()).logits
-        rt = model._dmuon_runtime
+        rt = optimizer.runtime
         if dist.get_rank() == 0:
             torch.save({"logits": logits, "log_history": trainer.state.log_history,
                         "checkpoint": _last_checkpoint(a.output_dir),

@@ -67,6 +67,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     from dmuon.stateful.grad_clip import clip_grad_norm_
     from dmuon.stateful.no_sync import no_sync
     from dmuon.stateful.optimizer import Muon
+    from dmuon.stateful.runtime import get_runtime
     from dmuon.stateful.state_dict import get_model_state_dict
 
     steps, batch = cfg.get("steps", 10), cfg.get("batch", 4)
@@ -107,7 +108,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
               "fsdp_plain": [n for n, p in model.named_parameters()
                              if p not in ded and not isinstance(p, DTensor)],
               "dedicated_bytes": sum(rt_p.numel() * rt_p.element_size()
-                                     for rt_p in model._dmuon_runtime.masters.values()),
+                                     for rt_p in get_runtime(model).masters.values()),
               "placeholder_numel": [p.numel() for p in ded]}
     opt = Muon(model, lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
                weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"], ns_dtype=torch.float64,
@@ -118,7 +119,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     accum = cfg.get("accum", 1)
     norms, losses, lrs = [], [], []
-    rt = model._dmuon_runtime
+    rt = opt.runtime
     for step, ids in enumerate(make_batches(steps, batch)):
         if not cfg.get("hf_zero"):
             opt.zero_grad()

@@ -86,8 +86,8 @@ class _NoGather:
 
 def _own_bytes(model, opt):
     """Bytes this rank stores of params + optimizer state (counted independently of dmuon's IO)."""
-    rt = model._dmuon_runtime
-    b = sum(3 * p.to_local().numel() * p.element_size() for _, p in opt._adamw_named)
+    rt = opt.runtime
+    b = sum(3 * p.to_local().numel() * p.element_size() for _, p in opt.adamw_named_params)
     b += sum(rt.masters[n].numel() * rt.orig_dtype[n].itemsize for n in rt.masters)
     b += sum(rt.masters[n].numel() * rt.master_dtype[n].itemsize for n in rt.owned_names)
     return b
@@ -96,8 +96,8 @@ def _own_bytes(model, opt):
 def _total_bytes(model, opt):
     import math
 
-    rt = model._dmuon_runtime
-    return (sum(3 * p.numel() * p.element_size() for _, p in opt._adamw_named)
+    rt = opt.runtime
+    return (sum(3 * p.numel() * p.element_size() for _, p in opt.adamw_named_params)
             + sum(math.prod(rt.shape[n]) * (rt.orig_dtype[n].itemsize + rt.master_dtype[n].itemsize)
                   for n in rt.names))
 

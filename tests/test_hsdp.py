@@ -95,7 +95,7 @@ def _train(rank, world, kind, replicate_async=True, z3=True, accum=1):
     import dmuon
 
     model, opt = _setup(rank, world, kind, replicate_async=replicate_async, z3=z3)
-    rt = model._dmuon_runtime
+    rt = opt.runtime
     phases = {"backward": [], "step": []}
     pending_after_step, pending_after_forward = [], []
     for ids in make_batches(STEPS, BATCH):
@@ -131,7 +131,7 @@ def _lifecycle(rank, world):
     torch.manual_seed(0)
     model = SkipLlama(n_layers=3).to(torch.float64)
     model, opt = _setup(rank, world, "hsdp", model=model)
-    rt = model._dmuon_runtime
+    rt = opt.runtime
     batches = make_batches(6, BATCH, seed=3)
     out = {}
 

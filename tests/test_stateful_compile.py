@@ -100,7 +100,7 @@ def _run(rank, world, how, when, z3, backend):
         model(ids.chunk(world)[rank]).backward()
         opt.step()
     sd = get_model_state_dict(model, cpu_offload=True)
-    rt = model._dmuon_runtime
+    rt = opt.runtime
     return {"sd": {k.replace("._orig_mod", ""): v for k, v in sd.items()},
             "frames": counter.frame_count, "ops": counter.op_count, "graphs": graphs,
             "counters": rt.executor.counters(),

@@ -22,7 +22,7 @@ def _train(rank, world, ns_engine, steps=3):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = Muon(model, lr=0.02, weight_decay=0.01, ns_dtype=torch.float64, ns_engine=ns_engine)
-    rt = model._dmuon_runtime
+    rt = opt.runtime
     out = {"before": opt.last_step_stats(), "stats": [], "counters": []}
     for ids in make_batches(steps, 4):
         opt.zero_grad()

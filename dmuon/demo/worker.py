@@ -143,7 +143,7 @@ def _build(kind: str, cfg: RunConfig, mesh: Any, device: torch.device) -> tuple[
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = dmuon.Muon(model, lr=cfg.lr, adamw_lr=cfg.adamw_lr)
-        runtime = model._dmuon_runtime
+        runtime = opt.runtime
     elif kind == "adamw":
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)

@@ -31,10 +31,8 @@ from typing import Callable, Mapping, NamedTuple, Sequence, Union
 
 import torch
 
+from dmuon.functional.plan import Coord
 from dmuon.functional.specs import dtype_from_str, layer_key_from_name
-
-Coord = tuple[int, int]
-"""``(s, r)``: shard index, replicate index."""
 
 GroupKeySpec = Union[Callable[[str], "str | None"], Mapping[str, str], None]
 

@@ -69,6 +69,7 @@ __all__ = [
 ]
 
 Coord = tuple[int, int]
+"""``(s, r)``: shard index, replicate index (slot / global rank ``r * G + s``)."""
 
 #: Flops-equivalent charged per byte a slot owns (see the module docstring for the derivation).
 DEFAULT_FLOPS_PER_BYTE = 1024

@@ -2,7 +2,8 @@
 
 A dmuon model (``dedicate_params`` + ``fully_shard``) already owns its data parallelism. What
 Accelerate / Trainer would do to it, and what dmuon changes, **only for dmuon models** (a model
-carrying ``_dmuon_runtime``; everything else takes the original code path untouched):
+with a runtime, :func:`dmuon.stateful.runtime.find_runtime`; everything else takes the original
+code path untouched):
 
 * ``Accelerator.prepare_model`` wraps multi-process models in ``DistributedDataParallel``
   (``MULTI_CPU`` / ``MULTI_GPU``), which fails on FSDP2's DTensor params ("Cannot flatten
@@ -47,6 +48,8 @@ from typing import Any, Iterator, Optional
 
 import torch.nn as nn
 
+from dmuon.stateful.runtime import find_runtime, get_runtime
+
 logger = logging.getLogger(__name__)
 
 _MARK = "_dmuon_wrapped"
@@ -57,7 +60,7 @@ def dmuon_root(model: Any) -> Optional[nn.Module]:
     """The dmuon-prepared module inside ``model`` (through ``torch.compile`` / DDP-style wrappers)."""
     seen = 0
     while isinstance(model, nn.Module) and seen < 8:
-        if getattr(model, "_dmuon_runtime", None) is not None:
+        if find_runtime(model) is not None:
             return model
         model = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
         seen += 1
@@ -154,7 +157,7 @@ def _dmuon_model_for(acc: Any, parameters: list) -> Optional[nn.Module]:
         root = dmuon_root(m)
         if root is None:
             continue
-        ded = {id(p) for p in root._dmuon_runtime.params.values()}
+        ded = {id(p) for p in get_runtime(root).params.values()}
         if ded & given:
             if {id(p) for p in root.parameters()} != given:
                 raise ValueError(

@@ -148,7 +148,7 @@ def _model_entries(model: nn.Module, rt, for_load: bool, skip: frozenset = froze
 def _optim_entries(optimizer, rt, states, for_load: bool, masters_in_ckpt=frozenset()):
     ms, st = states
     fsdp2 = {n: {"exp_avg": dtensor_like(st.mu[n], p), "exp_avg_sq": dtensor_like(st.nu[n], p)}
-             for n, p in optimizer._adamw_named}
+             for n, p in optimizer.adamw_named_params}
     dedicated: dict[str, dict[str, torch.Tensor]] = {}
     for n in rt.names:
         entry = {}
@@ -225,7 +225,7 @@ def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, stri
             problems.append("the checkpoint has no optimizer state (saved without optimizer?); "
                             "pass optimizer=None to load the model only")
         else:
-            want = {f"optim.fsdp2.{n}.{m}": tuple(p.shape) for n, p in optimizer._adamw_named
+            want = {f"optim.fsdp2.{n}.{m}": tuple(p.shape) for n, p in optimizer.adamw_named_params
                     for m in ("exp_avg", "exp_avg_sq")}
             want.update({f"optim.dedicated.{n}.momentum_buffer": rt.shape[n] for n in rt.names})
             for key, shape in want.items():
@@ -277,7 +277,8 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     states = None
     if optimizer is not None:
         ms = fmuon.init({n: rt.masters[n] for n in rt.owned_names}) if rt.owned_names else None
-        st = fadamw.init(optimizer._adamw_tensors()[0]) if optimizer._adamw_named else None
+        st = (fadamw.init(optimizer.adamw_local_tensors()[0])
+              if optimizer.adamw_named_params else None)
         states = (ms, st)
         sd["optim"] = _optim_entries(optimizer, rt, states, for_load=True, masters_in_ckpt=masters)
     extra_keys = [k[len("extra."):] for k in md if k.startswith("extra.")]

@@ -27,14 +27,13 @@ import torch.nn as nn
 
 from dmuon.functional.buckets import hook_groups
 from dmuon.functional.plan import plan_owners
-from dmuon.functional.setup_check import RankSetup, check_setups
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
 from dmuon.stateful.executor import Executor
 from dmuon.stateful.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
 from dmuon.stateful.hooks import register_hooks
 from dmuon.stateful.mixed_precision import has_fsdp_state
-from dmuon.stateful.process_groups import make_process_groups
-from dmuon.stateful.runtime import ROOT_GROUP, DedicatedRuntime
+from dmuon.stateful.process_groups import agree_grid, make_process_groups
+from dmuon.stateful.runtime import ROOT_GROUP, RUNTIME_ATTR, DedicatedRuntime, find_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ def _is_dtensor(p: Any) -> bool:
 
 def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.Parameter]]:
     """This rank's local checks and the dedicated params ``{name: param}`` (raises on bad input)."""
-    if getattr(model, "_dmuon_runtime", None) is not None:
+    if find_runtime(model) is not None:
         raise RuntimeError("dedicate_params was already called on this model")
     fsdp_mods = has_fsdp_state(model)
     if fsdp_mods:
@@ -96,45 +95,6 @@ def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.
             f"({len(named)} candidates, e.g. {[n for n, _ in named[:4]]}). Check the names it tests, "
             "e.g. predicate=lambda n, p: p.ndim == 2 and 'proj' in n.")
     return named, chosen
-
-
-def _nested_tuple(x: Any) -> Any:
-    return tuple(_nested_tuple(v) for v in x) if isinstance(x, list) else int(x)
-
-
-def _agree_setup(mesh: Any, replicate_mesh: Any, chosen: dict[str, nn.Parameter],
-                 local_err: Optional[Exception]) -> tuple[tuple[int, ...], ...]:
-    """All-gather every rank's setup and check it (:func:`check_setups`); raise on every rank if
-    any rank has a problem (this rank's own exception where it has one). Returns the grid."""
-    err = None if local_err is None else (type(local_err).__name__, str(local_err))
-    try:
-        su = RankSetup(
-            rank=dist.get_rank(), mesh=_nested_tuple(mesh.mesh.tolist()),
-            mesh_dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-            mesh_device_type=str(mesh.device_type),
-            replicate=(None if replicate_mesh is None
-                       else _nested_tuple(replicate_mesh.mesh.flatten().tolist())),
-            replicate_device_type=(None if replicate_mesh is None
-                                   else str(replicate_mesh.device_type)),
-            param_device_types=tuple(sorted({p.device.type for p in chosen.values()})),
-            error=err)
-    except AttributeError:
-        su = RankSetup(rank=dist.get_rank(), error=err or (
-            "TypeError", f"mesh / replicate_mesh must be DeviceMesh objects (init_device_mesh), got "
-            f"{type(mesh).__name__} / {type(replicate_mesh).__name__}"))
-    setups: list = [None] * dist.get_world_size()
-    dist.all_gather_object(setups, su)
-    verdict = check_setups(setups, dist.get_world_size())
-    if not verdict.problems:
-        return verdict.grid
-    if local_err is not None:
-        raise local_err
-    kinds = {s.error[0] for s in setups if s.error is not None}
-    exc = {"RuntimeError": RuntimeError, "TypeError": TypeError,
-           "NotImplementedError": NotImplementedError}.get(kinds.pop() if len(kinds) == 1 else "",
-                                                           ValueError)
-    raise exc("dedicate_params failed (nothing was changed on any rank): "
-              + " | ".join(verdict.problems))
 
 
 def _default_timeout(mesh: Any) -> Optional[datetime.timedelta]:
@@ -245,7 +205,8 @@ def dedicate_params(
         specs = specs_from_named_shapes(named, lambda n, p: n in chosen, batch_dims_fn=bd_fn)
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
         local_err = e
-    grid = _agree_setup(mesh, replicate_mesh, chosen, local_err)
+    grid = agree_grid(mesh, replicate_mesh, local_err=local_err,
+                      param_device_types=[p.device.type for p in chosen.values()])
     mesh_groups = make_process_groups(grid=grid, timeout=timeout or _default_timeout(mesh))
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size, ns_steps=ns_steps)
     _check_fingerprint(plan.fingerprint, mesh_groups.rank)
@@ -274,7 +235,7 @@ def dedicate_params(
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, rt.owner_rank[n])
     register_hooks(model, rt)
-    model._dmuon_runtime = rt
+    setattr(model, RUNTIME_ATTR, rt)
     logger.info("dmuon: dedicated %d params over G=%d R=%d (plan %s)", len(chosen),
                 rt.G, rt.R, plan.fingerprint[:12])
     return {chosen[n]: rt.owner_rank[n] for n in chosen}

@@ -123,8 +123,8 @@ class Muon(torch.optim.Optimizer):
                         weight_decay=adamw_weight_decay)
         fadamw.validate_hparams(fadamw.AdamWHParams(**adamw_hp))
         dedicated = set(rt.params.values())
-        self._adamw_named = [(n, p) for n, p in model.named_parameters()
-                             if p.requires_grad and p not in dedicated]
+        self._adamw_named = tuple((n, p) for n, p in model.named_parameters()
+                                  if p.requires_grad and p not in dedicated)
         groups = [
             dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_hp),
             dict(params=[p for _, p in self._adamw_named], name="adamw", **adamw_hp),
@@ -153,6 +153,22 @@ class Muon(torch.optim.Optimizer):
         self._generation = rt.optimizer_generation
         self.muon_state: Optional[fmuon.MuonState] = None
         self.adamw_state: Optional[fadamw.AdamWState] = None
+        # batch dims of the owned matrices (both fixed by dedicate_params); None: all plain
+        bd = {n: rt.batch_dims.get(n, 0) for n in rt.owned_names}
+        self._batch_dims: Optional[dict[str, int]] = bd if any(bd.values()) else None
+
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def runtime(self) -> DedicatedRuntime:
+        """The :class:`~dmuon.stateful.runtime.DedicatedRuntime` of the model this optimizer steps
+        (the one ``dedicate_params`` attached; see :func:`dmuon.stateful.runtime.get_runtime`)."""
+        return self._rt
+
+    @property
+    def adamw_named_params(self) -> tuple[tuple[str, nn.Parameter], ...]:
+        """``(name, param)`` of every param AdamW updates (``param_groups[1]``: the trainable
+        params the predicate rejected, FSDP2's DTensors), in ``model.named_parameters()`` order."""
+        return self._adamw_named
 
     # ------------------------------------------------------------------ hparams
     def _muon_hparams(self) -> fmuon.MuonHParams:
@@ -237,12 +253,11 @@ class Muon(torch.optim.Optimizer):
         grads = {n: rt.reduced_grads.get(n) for n in owned}
         if all(g is None for g in grads.values()):
             return
-        bd = {n: rt.batch_dims.get(n, 0) for n in owned}
         hp = self._muon_hparams()
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
         _, self.muon_state = fmuon.update(
-            grads, self.muon_state, params, hp, batch_dims=bd if any(bd.values()) else None,
+            grads, self.muon_state, params, hp, batch_dims=self._batch_dims,
             donate=True, donate_grads=True, orthogonalize=self._orthogonalizer(rt, hp),
             elementwise=self._elementwise(rt))
         self._state_views_stale = True  # rebuilt when self.state is next read
@@ -278,7 +293,15 @@ class Muon(torch.optim.Optimizer):
             return out
         return with_engine
 
-    def _adamw_tensors(self) -> tuple[dict, dict]:
+    def adamw_local_tensors(self) -> tuple[dict[str, torch.Tensor],
+                                           dict[str, Optional[torch.Tensor]]]:
+        """The trees :func:`dmuon.functional.adamw.update` steps, keyed as
+        :attr:`adamw_named_params`.
+
+        Returns:
+          ``(params, grads)``: ``{name: local shard}`` (``DTensor.to_local()``, a view: writing it
+          writes the param) and ``{name: local gradient shard, or None}``.
+        """
         params = {n: _local(p) for n, p in self._adamw_named}
         grads = {n: _local(p.grad) for n, p in self._adamw_named}
         return params, grads
@@ -305,7 +328,7 @@ class Muon(torch.optim.Optimizer):
     def _adamw_update(self) -> None:
         if not self._adamw_named:
             return
-        params, grads = self._adamw_tensors()
+        params, grads = self.adamw_local_tensors()
         if self.adamw_state is None:
             self.adamw_state = fadamw.init(params)
         if all(g is None for g in grads.values()):
@@ -375,7 +398,7 @@ class Muon(torch.optim.Optimizer):
                 self.muon_state.momentum[n].copy_(b)
             self.muon_state = self.muon_state._replace(step=step_m)
         if self._adamw_named:
-            params, _ = self._adamw_tensors()
+            params, _ = self.adamw_local_tensors()
             self.adamw_state = fadamw.init(params)
             for n in mu:
                 self.adamw_state.mu[n].copy_(_local(mu[n]))

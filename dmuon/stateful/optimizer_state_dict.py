@@ -35,20 +35,20 @@ _MOMENTS = ("exp_avg", "exp_avg_sq")
 def check_optimizer(model: nn.Module, optimizer: Any, what: str):
     """The model's runtime; ``TypeError`` unless ``optimizer`` is ``model``'s ``dmuon.Muon``."""
     rt = get_runtime(model, what)
-    if not isinstance(optimizer, Muon) or optimizer._rt is not rt:
+    if not isinstance(optimizer, Muon) or optimizer.runtime is not rt:
         raise TypeError(f"{what}: optimizer must be the dmuon.Muon built for this model")
     return rt
 
 
 def current_states(optimizer: Muon) -> tuple[Optional[fmuon.MuonState], fadamw.AdamWState | None]:
     """The optimizer's functional states, zero-initialized where no step ran yet (local pieces)."""
-    rt = optimizer._rt
+    rt = optimizer.runtime
     ms = optimizer.muon_state
     if ms is None and rt.owned_names:
         ms = fmuon.init({n: rt.masters[n] for n in rt.owned_names})
     st = optimizer.adamw_state
-    if st is None and optimizer._adamw_named:
-        st = fadamw.init(optimizer._adamw_tensors()[0])
+    if st is None and optimizer.adamw_named_params:
+        st = fadamw.init(optimizer.adamw_local_tensors()[0])
     return ms, st
 
 
@@ -94,7 +94,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, cpu_offload: boo
     mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
     ms, st = current_states(optimizer)
     fsdp2: dict[str, dict[str, torch.Tensor]] = {}
-    for n, p in optimizer._adamw_named:
+    for n, p in optimizer.adamw_named_params:
         entry = {k: _full(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
         if keep:
             fsdp2[n] = {k: mv(v) for k, v in entry.items()}
@@ -134,8 +134,8 @@ def validate_optimizer_state_dict(sd: Any, optimizer: Muon) -> list[str]:
                 if not isinstance(sd.get(k), Mapping)]
     if problems:
         return problems
-    rt = optimizer._rt
-    adamw_shapes = {n: tuple(p.shape) for n, p in optimizer._adamw_named}
+    rt = optimizer.runtime
+    adamw_shapes = {n: tuple(p.shape) for n, p in optimizer.adamw_named_params}
     checks = [("fsdp2", k, adamw_shapes) for k in _MOMENTS]
     checks.append(("dedicated", "momentum_buffer", dict(rt.shape)))
     for sec, key, shapes in checks:
@@ -221,10 +221,10 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon,
         return None
 
     load_hparams(optimizer, meta["param_groups"])
-    if optimizer._adamw_named:
-        st = fadamw.init(optimizer._adamw_tensors()[0])
+    if optimizer.adamw_named_params:
+        st = fadamw.init(optimizer.adamw_local_tensors()[0])
         if meta["fsdp2"]:
-            for n, p in optimizer._adamw_named:
+            for n, p in optimizer.adamw_named_params:
                 for k, dst in zip(_MOMENTS, (st.mu[n], st.nu[n])):
                     full = fetch("fsdp2", n, k, tuple(p.shape), dst.dtype, None)
                     full = full.to(device=dst.device, dtype=dst.dtype)

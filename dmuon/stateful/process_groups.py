@@ -23,15 +23,16 @@ from __future__ import annotations
 import datetime
 import logging
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
 from dmuon.functional.schedule import LANE_AXIS, LANES
+from dmuon.functional.setup_check import Grid, RankSetup, check_setups
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MeshGroups", "make_process_groups", "grid_from_mesh"]
+__all__ = ["MeshGroups", "make_process_groups", "agree_grid"]
 
 
 @dataclass(frozen=True)
@@ -72,52 +73,61 @@ class MeshGroups:
         return [self.grid[rr][s] for rr in range(self.replicate_size)]
 
 
-def grid_from_mesh(mesh, replicate_mesh=None, *, shard_dim: str = "shard",
-                   replicate_dim: str = "replicate") -> tuple[tuple[int, ...], ...]:
-    """The ``grid[r][s]`` of global ranks from a DeviceMesh.
+def _nested_tuple(x: Any) -> Any:
+    return tuple(_nested_tuple(v) for v in x) if isinstance(x, list) else int(x)
+
+
+def agree_grid(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Sequence[str] = (),
+               local_err: Optional[Exception] = None,
+               what: str = "dedicate_params") -> Grid:
+    """The ``grid[r][s]`` of global ranks the meshes describe, agreed by every rank (collective).
+
+    Every rank all-gathers a :class:`~dmuon.functional.setup_check.RankSetup` of its arguments and
+    runs :func:`~dmuon.functional.setup_check.check_setups` on the same list, so a problem on one
+    rank raises on every rank instead of leaving the others waiting in a later collective.
 
     Args:
-      mesh: a 2-D DeviceMesh with dims named ``replicate_dim`` and ``shard_dim`` (any order), or a
-        1-D shard mesh.
-      replicate_mesh: optional 1-D replicate mesh (only with a 1-D ``mesh``). The full grid is then
-        assembled with one ``all_gather_object`` over the world (every rank must call this).
+      mesh: a 2-D DeviceMesh with dims ``("replicate", "shard")`` (any order), or a 1-D shard mesh.
+      replicate_mesh: optional 1-D replicate mesh (only with a 1-D ``mesh``): HSDP.
+      param_device_types: device types of the params the groups will move (checked against the
+        meshes' device type).
+      local_err: an exception this rank's own earlier checks raised (re-raised here, after every
+        rank knows).  what: the caller's name, for the messages.
+
+    Returns:
+      ``grid[r][s]``, the same on every rank.
 
     Raises:
-      ValueError: meshes of the wrong dimensionality or names, inconsistent shapes.
+      ``local_err`` where given; elsewhere, when any rank has a problem, the type of that rank's
+      error (``ValueError`` for problems of the meshes) naming every problem.
     """
-    t = mesh.mesh
-    if t.dim() == 2:
-        if replicate_mesh is not None:
-            raise ValueError("pass either a 2-D (replicate, shard) mesh or a 1-D shard mesh plus a "
-                             "1-D replicate_mesh, not both")
-        names = tuple(mesh.mesh_dim_names or ())
-        if set(names) != {shard_dim, replicate_dim}:
-            raise ValueError(f"2-D mesh needs dims named {(replicate_dim, shard_dim)}, got {names}")
-        if names.index(shard_dim) == 0:
-            t = t.t()
-        return tuple(tuple(int(x) for x in row) for row in t.tolist())
-    if t.dim() != 1:
-        raise ValueError(f"mesh must be 1-D or 2-D, got {t.dim()}-D")
-    shard_ranks = tuple(int(x) for x in t.tolist())
-    if replicate_mesh is None:
-        return (shard_ranks,)
-    rt = replicate_mesh.mesh
-    if rt.dim() != 1:
-        raise ValueError("replicate_mesh must be 1-D")
-    rep_ranks = [int(x) for x in rt.tolist()]
-    me = dist.get_rank()
-    if me not in rep_ranks or me not in shard_ranks:
-        raise ValueError("this rank must belong to both its shard mesh and its replicate mesh")
-    gathered: list = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (rep_ranks.index(me), shard_ranks))
-    rows: dict[int, tuple[int, ...]] = {}
-    for r, row in gathered:
-        if rows.setdefault(r, row) != row:
-            raise ValueError(f"ranks of replicate index {r} disagree on their shard mesh")
-    R, G = len(rep_ranks), len(shard_ranks)
-    if sorted(rows) != list(range(R)) or any(len(row) != G for row in rows.values()):
-        raise ValueError(f"meshes do not form a {R}x{G} grid over the world")
-    return tuple(rows[r] for r in range(R))
+    err = None if local_err is None else (type(local_err).__name__, str(local_err))
+    try:
+        su = RankSetup(
+            rank=dist.get_rank(), mesh=_nested_tuple(mesh.mesh.tolist()),
+            mesh_dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+            mesh_device_type=str(mesh.device_type),
+            replicate=(None if replicate_mesh is None
+                       else _nested_tuple(replicate_mesh.mesh.flatten().tolist())),
+            replicate_device_type=(None if replicate_mesh is None
+                                   else str(replicate_mesh.device_type)),
+            param_device_types=tuple(sorted(set(param_device_types))), error=err)
+    except AttributeError:
+        su = RankSetup(rank=dist.get_rank(), error=err or (
+            "TypeError", f"mesh / replicate_mesh must be DeviceMesh objects (init_device_mesh), got "
+            f"{type(mesh).__name__} / {type(replicate_mesh).__name__}"))
+    setups: list = [None] * dist.get_world_size()
+    dist.all_gather_object(setups, su)
+    verdict = check_setups(setups, dist.get_world_size())
+    if not verdict.problems:
+        return verdict.grid
+    if local_err is not None:
+        raise local_err
+    kinds = {s.error[0] for s in setups if s.error is not None}
+    exc = {"RuntimeError": RuntimeError, "TypeError": TypeError,
+           "NotImplementedError": NotImplementedError}.get(kinds.pop() if len(kinds) == 1 else "",
+                                                           ValueError)
+    raise exc(f"{what} failed (nothing was changed on any rank): " + " | ".join(verdict.problems))
 
 
 def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | None = None,
@@ -128,8 +138,9 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
     """Create every lane's process groups once (collective: every rank calls this, same args).
 
     Give exactly one of: ``mesh`` (DeviceMesh, 2-D or 1-D shard mesh, plus optional 1-D
-    ``replicate_mesh``), ``grid`` (``grid[r][s]`` global ranks), or ``shard_size`` (and optional
-    ``replicate_size``, default 1) for the standard ``r * G + s`` layout over the world.
+    ``replicate_mesh``; checked on every rank by :func:`agree_grid`), ``grid`` (``grid[r][s]``
+    global ranks), or ``shard_size`` (and optional ``replicate_size``, default 1) for the standard
+    ``r * G + s`` layout over the world.
 
     Args:
       backend: backend of the new groups (default: the default group's).
@@ -150,7 +161,7 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
     if given != 1:
         raise ValueError("make_process_groups: give exactly one of mesh, grid, shard_size")
     if mesh is not None:
-        g = grid_from_mesh(mesh, replicate_mesh)
+        g = agree_grid(mesh, replicate_mesh, what="make_process_groups")
     elif grid is not None:
         g = tuple(tuple(int(x) for x in row) for row in grid)
     else:

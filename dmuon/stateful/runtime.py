@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 
 from dmuon.functional.buckets import (
-    BucketKey, BucketLayout, HookGroups, bucket_layout, to_torch_dtype,
+    BucketEntry, BucketKey, BucketLayout, HookGroups, bucket_layout, to_torch_dtype,
 )
 from dmuon.functional.schedule import (
     Schedule, publish_schedule, reduce_schedule, unshard_schedule,
@@ -46,6 +46,8 @@ from dmuon.functional.schedule import (
 logger = logging.getLogger(__name__)
 
 ROOT_GROUP = ""
+#: the model attribute ``dedicate_params`` stores the runtime in (read it with :func:`get_runtime`)
+RUNTIME_ATTR = "_dmuon_runtime"
 
 
 def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
@@ -145,6 +147,7 @@ class DedicatedRuntime:
         self.ready = False
         self.unshard_layout: Optional[BucketLayout] = None
         self.reduce_layout: Optional[BucketLayout] = None
+        self._owned_entries: dict[BucketKey, tuple[BucketEntry, ...]] = {}  # see ensure_ready
         self.unshard_buffers: dict[BucketKey, torch.Tensor] = {}
         # own-column reduce buckets: allocated at first use, reused every step (stable addresses,
         # so the optimizer's NS graph replays on them); busy while they hold unconsumed grads
@@ -213,6 +216,10 @@ class DedicatedRuntime:
                                             self.G, self.R)
         self.reduce_layout = bucket_layout(self.owners, self.shape, rdt, self.hook_groups,
                                            self.G, self.R)
+        # own-column reduce buckets -> the entries this rank owns (what wait_reduces keeps)
+        self._owned_entries = {
+            b.key: tuple(e for e in b.entries if e.owner == self.coord)
+            for b in self.reduce_layout.buckets if b.key.column == self.coord[0]}
         for g in self.unshard_layout.groups:
             self.unshard_schedules[g] = unshard_schedule(self.unshard_layout, g)
             self.reduce_schedules[g] = reduce_schedule(self.reduce_layout, g)
@@ -359,16 +366,10 @@ class DedicatedRuntime:
     def wait_reduces(self) -> None:
         """Wait for every in-flight reduce; the owner keeps (accumulates) its reduced grads."""
         pending, self._pending_reduces = self._pending_reduces, []
-        s, r = self.coord
         for handle, buffers in pending:
             handle.wait()
             for key, buf in buffers.items():
-                if key.column != s:
-                    continue
-                b = self.reduce_layout.bucket(key)
-                for e in b.entries:
-                    if e.owner != (s, r):
-                        continue
+                for e in self._owned_entries.get(key, ()):
                     view = buf[e.offset:e.offset + e.numel].view(e.shape)
                     prev = self.reduced_grads.get(e.name)
                     self.reduced_grads[e.name] = view if prev is None else prev.add_(view)
@@ -480,9 +481,14 @@ class DedicatedRuntime:
             handle.wait()
 
 
+def find_runtime(model: Any) -> Optional[DedicatedRuntime]:
+    """The runtime ``dedicate_params`` attached to ``model`` (``None`` if it has none)."""
+    return getattr(model, RUNTIME_ATTR, None)
+
+
 def get_runtime(model: nn.Module, what: str = "this call") -> DedicatedRuntime:
     """The runtime ``dedicate_params`` attached to ``model``; clear error when there is none."""
-    rt = getattr(model, "_dmuon_runtime", None)
+    rt = find_runtime(model)
     if rt is None:
         raise RuntimeError(
             f"{what} needs a model prepared by dmuon.dedicate_params(model, mesh, predicate) "
