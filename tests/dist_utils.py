@@ -72,3 +72,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
         msg = "\n".join(f"--- rank {i} ---\n{errors[i]}" for i in sorted(errors))
         raise AssertionError(f"run_ranks({getattr(fn, '__name__', fn)}, {world_size}) failed:\n{msg}")
     return [results[i] for i in range(world_size)]
+
+
+def catch(fn) -> tuple:
+    """Run ``fn()``; return ``(exception type name, message)``, or ``(None, None)`` if it did not raise.
+
+    For error tests that inspect, in the parent, what every rank raised."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the caller inspects type and message
+        return type(e).__name__, str(e)
+    return None, None

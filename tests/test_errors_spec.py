@@ -21,17 +21,10 @@ from __future__ import annotations
 
 import pytest
 
-from dist_utils import run_ranks
+from dist_utils import catch, run_ranks
 
 TIMEOUT_S = 2.0
 
-
-def _catch(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects type and message
-        return type(e).__name__, str(e)
-    return None, None
 
 
 def _worker(rank, world):
@@ -55,7 +48,7 @@ def _worker(rank, world):
     out = {}
 
     def ded(model=None, m=mesh, pred=muon_predicate, **kw):
-        return _catch(lambda: dedicate_params(model if model is not None else make_model(), m,
+        return catch(lambda: dedicate_params(model if model is not None else make_model(), m,
                                               pred, **kw))
 
     # one rank's mistake raises everywhere
@@ -90,7 +83,7 @@ def _worker(rank, world):
     for layer in m.layers:
         fully_shard(layer, mesh=mesh2d["shard"])
     fully_shard(m, mesh=mesh2d["shard"])
-    out["fsdp_other_mesh"] = _catch(lambda: Muon(m))
+    out["fsdp_other_mesh"] = catch(lambda: Muon(m))
 
     # Muon(model) twice: the superseded one cannot step; the newest trains
     m = make_model()
@@ -102,7 +95,7 @@ def _worker(rank, world):
     old, new = Muon(m), Muon(m)
     ids = make_batches(1, 4)[0].chunk(world)[rank]
     m(ids).backward()
-    out["old_step"] = _catch(old.step)
+    out["old_step"] = catch(old.step)
     after = get_model_state_dict(m)
     out["old_untouched"] = all(torch.equal(before[k], v) for k, v in after.items())
     new.step()
@@ -114,7 +107,7 @@ def _worker(rank, world):
     dedicate_params(m, mesh, muon_predicate, timeout=datetime.timedelta(seconds=TIMEOUT_S))
     t0 = time.monotonic()
     if rank != world - 1:
-        out["timeout"] = _catch(lambda: m(ids).backward())
+        out["timeout"] = catch(lambda: m(ids).backward())
     out["timeout_s"] = time.monotonic() - t0
     dist.barrier()  # the default group (60 s) still works; the skipping rank waits here
     return out

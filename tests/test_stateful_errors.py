@@ -1,15 +1,8 @@
 """Bad input to the stateful layer raises a clear exception on every rank (never a hang)."""
 from __future__ import annotations
 
-from dist_utils import run_ranks
+from dist_utils import catch, run_ranks
 
-
-def _catch(fn):
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the test inspects type and message
-        return type(e).__name__, str(e)
-    return None, None
 
 
 def _worker(rank, world):
@@ -29,26 +22,26 @@ def _worker(rank, world):
 
     m = make_model()
     fully_shard(m, mesh=mesh)
-    out["fsdp_first"] = _catch(lambda: dedicate_params(m, mesh, muon_predicate))
+    out["fsdp_first"] = catch(lambda: dedicate_params(m, mesh, muon_predicate))
 
-    out["no_match"] = _catch(lambda: dedicate_params(make_model(), mesh, lambda n, p: "nope" in n))
-    out["non_matrix"] = _catch(lambda: dedicate_params(make_model(), mesh, lambda n, p: "norm" in n))
-    out["muon_without"] = _catch(lambda: Muon(make_model()))
-    out["muon_not_model"] = _catch(lambda: Muon(list(make_model().parameters())))
+    out["no_match"] = catch(lambda: dedicate_params(make_model(), mesh, lambda n, p: "nope" in n))
+    out["non_matrix"] = catch(lambda: dedicate_params(make_model(), mesh, lambda n, p: "norm" in n))
+    out["muon_without"] = catch(lambda: Muon(make_model()))
+    out["muon_not_model"] = catch(lambda: Muon(list(make_model().parameters())))
 
     from torch.distributed.tensor import Replicate, distribute_tensor
     m = make_model()
     w = m.layers[0].mlp.up_proj.weight
     m.layers[0].mlp.up_proj.weight = torch.nn.Parameter(distribute_tensor(w.detach(), mesh, [Replicate()]))
-    out["dtensor"] = _catch(lambda: dedicate_params(m, mesh, muon_predicate))
+    out["dtensor"] = catch(lambda: dedicate_params(m, mesh, muon_predicate))
 
     # plans that differ across ranks (rank 1 builds a different model)
     odd = make_model(hidden=24 if rank == 0 else 32)
-    out["plan_mismatch"] = _catch(lambda: dedicate_params(odd, mesh, muon_predicate))
+    out["plan_mismatch"] = catch(lambda: dedicate_params(odd, mesh, muon_predicate))
 
     m = make_model()
     dedicate_params(m, mesh, muon_predicate)
-    out["twice"] = _catch(lambda: dedicate_params(m, mesh, muon_predicate))
+    out["twice"] = catch(lambda: dedicate_params(m, mesh, muon_predicate))
     for layer in m.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(m, mesh=mesh)
@@ -58,7 +51,7 @@ def _worker(rank, world):
         del bad["layers.0.mlp.up_proj.weight"]
         bad["extra.weight"] = torch.zeros(2)
         bad["norm.weight"] = torch.zeros(3)
-    out["bad_sd"] = _catch(lambda: set_model_state_dict(m, bad))
+    out["bad_sd"] = catch(lambda: set_model_state_dict(m, bad))
     # still usable afterwards (no collective was left half-done)
     set_model_state_dict(m, good)
     out["after_ok"] = all(torch.equal(good[k], v) for k, v in get_model_state_dict(m).items())
@@ -71,7 +64,7 @@ def _worker(rank, world):
     if rank == 0:
         g = m.norm.weight.grad
         (g.to_local() if hasattr(g, "to_local") else g).fill_(float("nan"))
-    out["nan"] = _catch(opt.step)
+    out["nan"] = catch(opt.step)
     out["nan_untouched"] = all(torch.equal(good[k], v) for k, v in get_model_state_dict(m).items())
     opt.zero_grad()
     m(ids).backward()
