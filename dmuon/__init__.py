@@ -8,7 +8,8 @@ Public API (the stateful wrapper, see SPEC §2):
   ``dedicate_params``, ``Muon``, ``no_sync``, ``wait_all_replicate_broadcasts``,
   ``get_model_state_dict`` / ``set_model_state_dict``, ``get_optimizer_state_dict`` /
   ``set_optimizer_state_dict``, ``read_state_dict``, ``save_sharded`` / ``load_sharded``
-  (torch.distributed.checkpoint, never gathered, any topology), ``clip_grad_norm_``.
+  (torch.distributed.checkpoint, never gathered, any topology), ``clip_grad_norm_``,
+  ``verify_step`` (checks one step against single-device Muon/AdamW on the real mesh).
 The pure core is ``dmuon.functional``.
 """
 
@@ -22,6 +23,7 @@ from dmuon.stateful.no_sync import no_sync, wait_all_replicate_broadcasts  # noq
 from dmuon.stateful.optimizer import Muon  # noqa: E402
 from dmuon.stateful.optimizer_state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # noqa: E402
 from dmuon.stateful.checkpoint_sharded import load_sharded, save_sharded  # noqa: E402
+from dmuon.stateful.verify import VerificationError, VerifyReport, verify_step  # noqa: E402
 from dmuon.stateful.state_dict import (LoadResult, get_model_state_dict, read_state_dict,  # noqa: E402
                                        set_model_state_dict)
 
@@ -35,5 +37,5 @@ __all__ = [
     "functional", "dedicate_params", "Muon", "no_sync", "wait_all_replicate_broadcasts",
     "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
     "set_optimizer_state_dict", "clip_grad_norm_", "save_sharded", "load_sharded", "read_state_dict",
-    "LoadResult",
+    "LoadResult", "verify_step", "VerificationError", "VerifyReport",
 ]
