@@ -250,7 +250,7 @@ def run_config(cfg: Cfg, kind: str, device: torch.device, mesh, warmup: int, ste
     if kind.startswith("dmuon"):
         st = opt.last_step_stats()
         out.update(ns_ms=statistics.median(ns), ns_times=ns, stats=st.as_dict(),
-                   elementwise="foreach" if opt._elementwise(opt.runtime) is None else "fused")
+                   elementwise=opt.elementwise_mode)
     loss = step(0)
     out["final_loss"] = float(loss.detach())
     del model, opt, batches

@@ -276,7 +276,7 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     sd: dict[str, Any] = {"model": {check.source[k]: v for k, v in model_sd.items()}}
     states = None
     if optimizer is not None:
-        ms = fmuon.init({n: rt.masters[n] for n in rt.owned_names}) if rt.owned_names else None
+        ms = fmuon.init(rt.owned_masters) if rt.owned_names else None
         st = (fadamw.init(optimizer.adamw_local_tensors()[0])
               if optimizer.adamw_named_params else None)
         states = (ms, st)

@@ -171,11 +171,13 @@ class Muon(torch.optim.Optimizer):
         return self._adamw_named
 
     # ------------------------------------------------------------------ hparams
-    def _muon_hparams(self) -> fmuon.MuonHParams:
+    def muon_hparams(self) -> fmuon.MuonHParams:
+        """The Muon hyper-parameters the next ``step()`` uses (read from ``param_groups[0]``)."""
         g = self.param_groups[0]
         return fmuon.MuonHParams(**{k: g[k] for k in _MUON_KEYS})
 
-    def _adamw_hparams(self) -> fadamw.AdamWHParams:
+    def adamw_hparams(self) -> fadamw.AdamWHParams:
+        """The AdamW hyper-parameters the next ``step()`` uses (read from ``param_groups[1]``)."""
         g = self.param_groups[1]
         return fadamw.AdamWHParams(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
                                    weight_decay=g["weight_decay"])
@@ -235,6 +237,11 @@ class Muon(torch.optim.Optimizer):
     #: an instance (``opt.fused_elementwise = False``).
     fused_elementwise: Optional[bool] = None
 
+    @property
+    def elementwise_mode(self) -> str:
+        """``"fused"`` (Triton kernels) or ``"foreach"``: how the owner's elementwise Muon stages run."""
+        return "foreach" if self._elementwise(self._rt) is None else "fused"
+
     def _elementwise(self, rt: DedicatedRuntime) -> Optional[fmuon.MuonElementwise]:
         """The ``elementwise=`` hook for this step (see :attr:`fused_elementwise`)."""
         choice = self.fused_elementwise
@@ -247,13 +254,13 @@ class Muon(torch.optim.Optimizer):
         owned = rt.owned_names
         if not owned:
             return
-        params = {n: rt.masters[n] for n in owned}
+        params = rt.owned_masters
         if self.muon_state is None:
             self.muon_state = fmuon.init(params)
         grads = {n: rt.reduced_grads.get(n) for n in owned}
         if all(g is None for g in grads.values()):
             return
-        hp = self._muon_hparams()
+        hp = self.muon_hparams()
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
         _, self.muon_state = fmuon.update(
@@ -333,7 +340,7 @@ class Muon(torch.optim.Optimizer):
             self.adamw_state = fadamw.init(params)
         if all(g is None for g in grads.values()):
             return
-        _, self.adamw_state = fadamw.update(grads, self.adamw_state, params, self._adamw_hparams(),
+        _, self.adamw_state = fadamw.update(grads, self.adamw_state, params, self.adamw_hparams(),
                                             donate=True, impl=self._adamw_impl())
         self._state_views_stale = True  # rebuilt when self.state is next read
 
@@ -392,7 +399,7 @@ class Muon(torch.optim.Optimizer):
                 mu[n], nu[n] = s["exp_avg"], s["exp_avg_sq"]
                 step_a = int(float(s["step"]))
         if rt.owned_names:
-            params = {n: rt.masters[n] for n in rt.owned_names}
+            params = rt.owned_masters
             self.muon_state = fmuon.init(params)
             for n, b in mom.items():
                 self.muon_state.momentum[n].copy_(b)

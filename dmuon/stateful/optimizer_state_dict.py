@@ -45,7 +45,7 @@ def current_states(optimizer: Muon) -> tuple[Optional[fmuon.MuonState], fadamw.A
     rt = optimizer.runtime
     ms = optimizer.muon_state
     if ms is None and rt.owned_names:
-        ms = fmuon.init({n: rt.masters[n] for n in rt.owned_names})
+        ms = fmuon.init(rt.owned_masters)
     st = optimizer.adamw_state
     if st is None and optimizer.adamw_named_params:
         st = fadamw.init(optimizer.adamw_local_tensors()[0])
@@ -235,7 +235,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon,
                     dst.copy_(full)
         optimizer.adamw_state = st._replace(step=int(meta["adamw_step"]))
     owned = set(rt.owned_names)
-    ms = fmuon.init({n: rt.masters[n] for n in rt.owned_names}) if owned else None
+    ms = fmuon.init(rt.owned_masters) if owned else None
     for n in rt.names:
         if meta["dedicated"]:
             t = fetch("dedicated", n, "momentum_buffer", rt.shape[n], rt.master_dtype[n],

@@ -183,6 +183,8 @@ class DedicatedRuntime:
                 with torch.no_grad():
                     view.copy_(self.params[e.name].detach())
                 self.masters[e.name] = view
+        # the owner's Muon update reads these every step: built once (masters never move)
+        self.owned_masters: dict[str, torch.Tensor] = {n: self.masters[n] for n in self.owned_names}
         for n, p in self.params.items():
             ph = torch.empty(0, dtype=p.dtype, device=p.device)
             self._placeholders[n] = ph

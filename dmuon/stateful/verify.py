@@ -179,7 +179,7 @@ def _reference(optimizer: Muon, params, grads, osd, ns_dtype_override=None):
     """Single-device step on the gathered tensors: ``(new params, momentum, mu, nu)``."""
     rt = optimizer.runtime
     ded = list(rt.names)
-    hp = optimizer._muon_hparams()
+    hp = optimizer.muon_hparams()
     if ns_dtype_override is not None:
         hp = hp._replace(ns_dtype=ns_dtype_override)
     out_p: dict[str, torch.Tensor] = {}
@@ -204,7 +204,7 @@ def _reference(optimizer: Muon, params, grads, osd, ns_dtype_override=None):
                                nu={n: osd["fsdp2"][n]["exp_avg_sq"] for n in names})
         ag = {n: grads[n] for n in names}
         if any(g is not None for g in ag.values()):
-            ap, st = fadamw.update(ag, st, ap, optimizer._adamw_hparams(), impl="reference")
+            ap, st = fadamw.update(ag, st, ap, optimizer.adamw_hparams(), impl="reference")
         out_p.update(ap)
         mu, nu = dict(st.mu), dict(st.nu)
     return out_p, mom, mu, nu
@@ -256,7 +256,7 @@ def verify_step(model: nn.Module, optimizer: Muon, closure: Optional[Callable[[]
     after, osd_after = _gather(model, optimizer, keys)
     ref_p, ref_m, ref_mu, ref_nu = _reference(optimizer, before, grads, osd)
 
-    hp = optimizer._muon_hparams()
+    hp = optimizer.muon_hparams()
     ns_dtype = hp.ns_dtype or default_ns_dtype(rt.device)
     errors, state_errors, tols = {}, {}, {}
     for n in rt.names:
