@@ -159,6 +159,12 @@ def run_model(name, cfg, rate, repeats):
         res[f"dmuon_{backend}_chunks"] = [(c.short, c.long, c.variant, c.batch) for c in step.chunks]
         del step, eng
         torch.cuda.empty_cache()
+    # the opt-in single restart (gram_restart=3: segments of 3 and 2 iterations)
+    eng = NSEngine(gram_restart=3)
+    step = eng.bind(ins, outs)
+    res["dmuon_auto_restart3_ms"], _ = time_ms(step, warmup=2, repeats=max(repeats, 5))
+    del step, eng
+    torch.cuda.empty_cache()
     # per shape group (auto backend): where the time goes
     groups = {}
     for s in sorted({(min(a, b), max(a, b)) for a, b in shapes}):
@@ -184,9 +190,10 @@ def run_model(name, cfg, rate, repeats):
     errs = {}
     for s in sorted(set(shapes)):
         x = ins[shapes.index(s)]
-        y = NSEngine().orthogonalize([x])[0]
         ref = newton_schulz(x.double(), dtype=torch.float64, variant="direct")
-        errs[f"{s[0]}x{s[1]}"] = ((y.double() - ref).norm() / ref.norm()).item()
+        for key, restart in (("", 2), ("restart3:", 3)):
+            y = NSEngine(gram_restart=restart).orthogonalize([x])[0]
+            errs[f"{key}{s[0]}x{s[1]}"] = ((y.double() - ref).norm() / ref.norm()).item()
     res["rel_err_vs_fp64"] = errs
     del ins, outs
     torch.cuda.empty_cache()
@@ -198,6 +205,8 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--models", default="1b,8b")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--skip-probes", action="store_true",
+                    help="skip the tile sweep, the gather-layout and the fp32-Gram probes")
     args = ap.parse_args()
     torch.manual_seed(0)
     rate = matmul_rate()
@@ -208,10 +217,12 @@ def main():
     out["sym_microbench"] = sym_microbench([
         (48, 2048, 8192), (32, 2048, 2048), (48, 2048, 2048), (32, 512, 2048), (32, 512, 512),
         (36, 4096, 14336), (64, 4096, 4096), (36, 4096, 4096), (64, 1024, 4096), (64, 1024, 1024)],
-        sweep_shapes={(48, 2048, 8192), (48, 2048, 2048), (36, 4096, 14336), (36, 4096, 4096)})
-    out["layout_gather_32x8192x2048"] = layout_microbench()
-    torch.cuda.empty_cache()
-    out["gram_fp32_probe"] = gram_fp32_probe()
+        sweep_shapes=set() if args.skip_probes else
+        {(48, 2048, 8192), (48, 2048, 2048), (36, 4096, 14336), (36, 4096, 4096)})
+    if not args.skip_probes:
+        out["layout_gather_32x8192x2048"] = layout_microbench()
+        torch.cuda.empty_cache()
+        out["gram_fp32_probe"] = gram_fp32_probe()
     want = args.models.split(",")
     for key, (name, cfg) in zip(("1b", "8b"), MODELS.items()):
         if key in want:
@@ -229,9 +240,10 @@ def main():
         if "config_sweep_ms" in r:
             print("     sweep:", {k: (round(v, 3) if isinstance(v, float) else "err")
                                   for k, v in r["config_sweep_ms"].items()})
-    print("gather 32x8192x2048 fp32->bf16:", {k: round(v, 3) for k, v in
-                                               out["layout_gather_32x8192x2048"].items()})
-    print("fp32-Gram probe:", json.dumps(out["gram_fp32_probe"]))
+    if not args.skip_probes:
+        print("gather 32x8192x2048 fp32->bf16:", {k: round(v, 3) for k, v in
+                                                   out["layout_gather_32x8192x2048"].items()})
+        print("fp32-Gram probe:", json.dumps(out["gram_fp32_probe"]))
     nan = float("nan")
     print(f"{'model':<14} {'torch.Muon':>10} {'dm/auto':>8} {'dm/triton':>9} {'dm/cuBLAS':>9} "
           f"{'ratio':>6} {'floor dir':>9} {'floor min':>9}")

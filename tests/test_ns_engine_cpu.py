@@ -80,21 +80,24 @@ def test_plan_groups_tall_with_wide_and_splits():
     chunks, empty = plan_ns_chunks(shapes, bds, steps=5, gram_restart=2, itemsize=8,
                                    max_chunk_bytes=None)
     assert empty == (7,)
-    by_shape = {(c.short, c.long): c for c in chunks}
-    # 16x64, 64x16, 3x16x64 all in one (16, 64) group of 1 + 1 + 3 matrices
+    by_shape = {(c.short, c.long): c for c in chunks if not c.tall}
+    tall_by_shape = {(c.short, c.long): c for c in chunks if c.tall}
+    # 16x64 and 3x16x64 in one wide (16, 64) chunk of 1 + 3 matrices; 64x16 in a tall one
     c = by_shape[(16, 64)]
-    assert c.batch == 5 and [e.index for e in c.entries] == [1, 2, 3]
-    assert [e.offset for e in c.entries] == [0, 1, 2]
+    assert c.batch == 4 and [e.index for e in c.entries] == [1, 3]
+    assert [e.offset for e in c.entries] == [0, 1]
     assert c.variant == choose_ns_variant(16, 64, 5) == "gram"
+    t = tall_by_shape[(16, 64)]
+    assert t.batch == 1 and [e.index for e in t.entries] == [2] and t.variant == c.variant
     assert by_shape[(32, 32)].batch == 2 and by_shape[(32, 32)].variant == "direct"
     assert by_shape[(24, 30)].variant == "direct"
     assert by_shape[(8, 16)].batch == 1          # (8, 4, 2, 2) is one 8 x 16 matrix
-    assert [e.index for e in by_shape[(12, 48)].entries] == [8]
+    assert [e.index for e in tall_by_shape[(12, 48)].entries] == [8]
     # splitting: cap of two 16x64 matrices -> chunks of [1, 2] -> 2, 3 (whole inputs only)
     chunks, _ = plan_ns_chunks(shapes, bds, steps=5, gram_restart=2, itemsize=8,
                                max_chunk_bytes=2 * 16 * 64 * 8)
-    sizes = [c.batch for c in chunks if (c.short, c.long) == (16, 64)]
-    assert sizes == [2, 3]
+    sizes = [c.batch for c in chunks if (c.short, c.long) == (16, 64) and not c.tall]
+    assert sizes == [1, 3]
     assert sum(c.batch for c in chunks) == sum(c.batch for c in plan_ns_chunks(
         shapes, bds, steps=5, gram_restart=2, itemsize=8, max_chunk_bytes=None)[0])
 

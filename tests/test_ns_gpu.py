@@ -113,3 +113,18 @@ def test_engine_large_llama_like_shapes():
     got = NSEngine().orthogonalize(xs)
     for x, y in zip(xs, got):
         _check_close(x, y)
+
+
+def test_scale_cast_matches_torch_bitwise():
+    from dmuon.functional.newton_schulz import frobenius_denominator
+    from dmuon.kernels.scale_cast import scale_cast_
+    g = torch.Generator(device="cuda").manual_seed(3)
+    src = torch.randn(3, 1000, 37, device="cuda", generator=g) * 5
+    den = frobenius_denominator(src, 1e-7, torch.bfloat16)
+    got = scale_cast_(torch.empty(src.shape, device="cuda", dtype=torch.bfloat16), src, den)
+    ref = torch.div(src, den).to(torch.bfloat16)
+    assert torch.equal(got, ref)
+    back = scale_cast_(torch.empty(src.shape, device="cuda"), got)
+    assert torch.equal(back, got.float())
+    with pytest.raises(ValueError, match="denom has"):
+        scale_cast_(torch.empty_like(src), src, den[:2])

@@ -45,7 +45,7 @@ References: K. Jordan, "Muon" (2024), https://kellerjordan.github.io/posts/muon/
 """
 from __future__ import annotations
 
-from typing import Callable, Literal
+from typing import Callable, Literal, Optional
 
 import torch
 from torch import Tensor
@@ -53,15 +53,30 @@ from torch import Tensor
 from dmuon.functional.coefficients import CoefficientSpec, ns_coefficient_table
 from dmuon.functional.ns_cost import DEFAULT_GRAM_RESTART, choose_ns_variant
 
-__all__ = ["SymOp", "default_ns_dtype", "frobenius_normalize", "newton_schulz", "sym_product"]
+__all__ = ["FinalProduct", "SymOp", "default_ns_dtype", "frobenius_denominator",
+           "frobenius_normalize", "left_product", "newton_schulz", "ns_iterate", "sym_product"]
 
 #: ``sym(a, b=None, *, alpha=1.0, beta=0.0, c=None, gamma=0.0) -> Tensor``; see :func:`sym_product`.
 SymOp = Callable[..., Tensor]
+#: ``final(p, x, *, beta=0.0, c=None) -> Tensor | None``; see :func:`left_product` and
+#: :func:`ns_iterate`.
+FinalProduct = Callable[..., Optional[Tensor]]
 
 
 def default_ns_dtype(device: torch.device | str) -> torch.dtype:
     """The compute dtype used when ``dtype=None``: bfloat16 on CUDA, float32 elsewhere."""
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def frobenius_denominator(x: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
+    """``||X||_F + eps`` per matrix (last two dims), shape ``(..., 1, 1)``, in at least fp32.
+
+    The divisor of :func:`frobenius_normalize`, computed in ``promote(x.dtype, dtype, float32)``;
+    exposed so that a fused gather (the GPU engine's scale-and-cast kernel) divides by exactly
+    the same numbers.
+    """
+    acc = torch.promote_types(torch.promote_types(x.dtype, dtype), torch.float32)
+    return torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=acc).add_(eps)
 
 
 def frobenius_normalize(x: Tensor, eps: float, dtype: torch.dtype, *,
@@ -79,8 +94,7 @@ def frobenius_normalize(x: Tensor, eps: float, dtype: torch.dtype, *,
     Returns:
       ``out`` if given, else a new tensor.
     """
-    acc = torch.promote_types(torch.promote_types(x.dtype, dtype), torch.float32)
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=acc).add_(eps)
+    norm = frobenius_denominator(x, eps, dtype)
     if out is None:
         return torch.div(x, norm).to(dtype)
     return torch.div(x, norm, out=out)
@@ -119,21 +133,56 @@ def sym_product(a: Tensor, b: Tensor | None = None, *, alpha: float = 1.0, beta:
     return out
 
 
-def _direct(x: Tensor, table, sym: SymOp) -> Tensor:
-    for a, b, c in table:
+def _transposed_layout(x: Tensor) -> bool:
+    """True for a transposed view of a contiguous batch (a tall matrix kept in its own layout)."""
+    return x.ndim == 3 and not x.is_contiguous() and x.mT.is_contiguous()
+
+
+def left_product(p: Tensor, x: Tensor, *, beta: float = 0.0, c: Tensor | None = None) -> Tensor:
+    """``p @ x + beta * c`` for ``p: (B, m, m)``, ``x, c: (B, m, n)``, in ``x``'s memory layout.
+
+    The general (non-symmetric) products of NS: ``Z X`` (direct) and ``Q X_0`` (Gram). When ``x``
+    is a transposed view of a contiguous ``(B, n, m)`` batch (how a tall matrix is iterated without
+    a transposed copy), the product is computed as ``(x^T p^T)^T``: the same sums of the same
+    products (only the accumulation order may differ), written contiguously in ``x``'s own layout,
+    so the iteration never copies a tall matrix into wide layout and back. ``p^T`` is read, not
+    ``p``, so the result is exactly ``p @ x`` also where ``p`` is symmetric only up to rounding.
+
+    Args:
+      p: ``(B, m, m)``.
+      x: ``(B, m, n)``, contiguous or a transposed view of a contiguous ``(B, n, m)`` tensor.
+      beta, c: optional ``beta * c`` term (``c`` laid out like ``x``), fused into the product.
+
+    Returns:
+      A new ``(B, m, n)`` tensor laid out like ``x`` (contiguous, or transposed-contiguous).
+    """
+    if _transposed_layout(x):
+        xt, pt = x.mT, p.mT
+        if c is not None:
+            return torch.baddbmm(c.mT, xt, pt, beta=beta).mT
+        return torch.bmm(xt, pt).mT
+    if c is not None:
+        return torch.baddbmm(c, p, x, beta=beta)
+    return torch.bmm(p, x)
+
+
+def _direct(x: Tensor, table, sym: SymOp, final: FinalProduct) -> Tensor | None:
+    for i, (a, b, c) in enumerate(table):
         a_mat = sym(x)                                          # A = X X^T
         z = sym(a_mat, a_mat, alpha=c, beta=b, c=a_mat)         # Z = b A + c A^2
-        x = torch.baddbmm(x, z, x, beta=a)                      # X = a X + Z X (general)
+        mul = final if i == len(table) - 1 else left_product
+        x = mul(z, x, beta=a, c=x)                              # X = a X + Z X (general)
     return x
 
 
-def _gram(x0: Tensor, table, sym: SymOp, restart: int | None) -> Tensor:
+def _gram(x0: Tensor, table, sym: SymOp, restart: int | None,
+          final: FinalProduct) -> Tensor | None:
     steps = len(table)
     a_mat = sym(x0)                                             # A_0 = X_0 X_0^T
     q: Tensor | None = None
     for i, (a, b, c) in enumerate(table):
         if restart and i > 0 and i % restart == 0:              # restart: X_0 <- Q X_0
-            x0 = torch.bmm(q, x0)
+            x0 = left_product(q, x0)
             a_mat = sym(x0)
             q = None
         z = sym(a_mat, a_mat, alpha=c, beta=b, c=a_mat)         # Z = b A + c A^2
@@ -146,7 +195,40 @@ def _gram(x0: Tensor, table, sym: SymOp, restart: int | None) -> Tensor:
         if not last_in_segment:
             r = sym(a_mat, z, beta=a, c=a_mat)                  # R = A Z + a A
             a_mat = sym(z, r, beta=a, c=r)                      # A = Z R + a R = P A P
-    return torch.bmm(q, x0)
+    return final(q, x0)
+
+
+def ns_iterate(x0: Tensor, table, *, variant: Literal["direct", "gram"], sym: SymOp | None = None,
+               gram_restart: int | None = DEFAULT_GRAM_RESTART,
+               final: FinalProduct | None = None) -> Tensor | None:
+    """Run the NS iterations on an already normalized wide batch, keeping its memory layout.
+
+    The iteration of :func:`newton_schulz` without its normalization, orientation and dtype
+    handling: ``X_{k+1} = p_k(X_k)`` for every ``(a_k, b_k, c_k)`` of ``table``, direct or Gram
+    (module docstring), in ``x0``'s dtype.
+
+    Args:
+      x0: ``(B, m, n)`` with ``m <= n`` and singular values at most 1; contiguous, or a transposed
+        view of a contiguous ``(B, n, m)`` batch (a tall matrix iterated in place of its
+        transpose: no transposed copy is made, see :func:`left_product`).
+      table: ``(a, b, c)`` triples (:func:`~dmuon.functional.coefficients.ns_coefficient_table`).
+      variant: ``"direct"`` or ``"gram"``.
+      sym, gram_restart: as in :func:`newton_schulz`.
+      final: the op of the LAST general product, ``final(p, x, *, beta=0.0, c=None)`` with the
+        contract of :func:`left_product` (its default): ``Q X_0`` in Gram, ``a X + Z X`` of the
+        last direct step. A caller may write the result straight into its destinations (e.g. in
+        another dtype) and return ``None``; ``ns_iterate`` then returns ``None``.
+
+    Returns:
+      A new ``(B, m, n)`` tensor laid out like ``x0`` (or what ``final`` returned).
+    """
+    if variant not in ("direct", "gram"):
+        raise ValueError(f"variant must be 'direct' or 'gram', got {variant!r}")
+    sym_op = sym_product if sym is None else sym
+    fin = left_product if final is None else final
+    if variant == "direct":
+        return _direct(x0, table, sym_op, fin)
+    return _gram(x0, table, sym_op, gram_restart or None, fin)
 
 
 def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = "polar_express",
@@ -225,10 +307,7 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = 
     short, long_ = min(m, n), max(m, n)
     if variant == "auto":
         variant = choose_ns_variant(short, long_, steps, gram_restart=gram_restart)
-    if variant == "direct":
-        out = _direct(x0, table, sym_op)
-    else:
-        out = _gram(x0, table, sym_op, gram_restart or None)
+    out = ns_iterate(x0, table, variant=variant, sym=sym_op, gram_restart=gram_restart)
     if tall:
         out = out.mT
     return out.to(x.dtype).contiguous().reshape(shape)

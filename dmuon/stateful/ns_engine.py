@@ -5,16 +5,18 @@ What it computes: for every input ``G_i`` (viewed as ``B_i`` matrices ``m_i x n_
 :func:`dmuon.functional.newton_schulz.newton_schulz` computes, ``U_i ~ polar(G_i)``, returned in
 ``G_i``'s shape and dtype:
 
-* matrices are grouped by ``(min(m, n), max(m, n))`` -- a tall matrix is stored transposed in its
-  group's batch, so ``8192 x 2048`` and ``2048 x 8192`` run together -- and each group is split
-  into chunks of at most ``max_chunk_bytes`` of compute-dtype iterate;
-* per chunk: Frobenius normalization in at least fp32 straight from the sources into the batch
-  (:func:`~dmuon.functional.newton_schulz.frobenius_normalize`, ``X_0 = G / (||G||_F + eps)``
-  cast to the compute dtype, bf16 on CUDA), then one call of the functional core,
-  ``newton_schulz(X_0, normalize=False, variant=..., sym=make_sym_op(sym_backend))``, direct or
-  Gram as :func:`~dmuon.functional.ns_cost.choose_ns_variant` says for that shape, with the Gram
-  restarts of ``gram_restart``; every symmetric product runs on the Triton triangle kernel or
-  cuBLAS (:mod:`dmuon.kernels.syrk`). The engine holds no NS math of its own;
+* matrices are grouped by ``(min(m, n), max(m, n))`` and orientation -- a tall matrix stays in
+  its own layout and is iterated as the transposed view of it (``X^T``, the wide orientation;
+  :func:`~dmuon.functional.newton_schulz.left_product`), so no transposed copy is ever made --
+  and each group is split into chunks of at most ``max_chunk_bytes`` of compute-dtype iterate;
+* per chunk: Frobenius normalization straight from the sources into the batch (divisor
+  :func:`~dmuon.functional.newton_schulz.frobenius_denominator`, ``X_0 = G / (||G||_F + eps)``
+  cast to the compute dtype, bf16 on CUDA, by :func:`dmuon.kernels.scale_cast.scale_cast_`), then
+  one call of the functional core, ``ns_iterate(X_0, variant=..., sym=make_sym_op(sym_backend))``,
+  direct or Gram as :func:`~dmuon.functional.ns_cost.choose_ns_variant` says for that shape, with
+  the Gram restarts of ``gram_restart``; every symmetric product runs on the Triton triangle
+  kernel or cuBLAS (:mod:`dmuon.kernels.syrk`); the results are cast back into the destinations
+  (``scale_cast_`` again). The engine holds no NS math of its own;
 * on CUDA the whole program (gather + normalize, every chunk's iteration, scatter + cast) is
   captured once per input signature into one CUDA graph and replayed, so the host cost of a step
   is one replay whatever the number of matrices. Where capture is impossible (CPU tensors,
@@ -46,8 +48,10 @@ from torch import Tensor
 
 from dmuon.functional.coefficients import CoefficientSpec, ns_coefficient_table
 from dmuon.functional.matrix_shape import as_matrix_shape
-from dmuon.functional.newton_schulz import default_ns_dtype, frobenius_normalize, newton_schulz
+from dmuon.functional.newton_schulz import (default_ns_dtype, frobenius_denominator, left_product,
+                                            ns_iterate)
 from dmuon.functional.ns_cost import DEFAULT_GRAM_RESTART, choose_ns_variant
+from dmuon.kernels.scale_cast import scale_cast_
 from dmuon.kernels.syrk import make_sym_op
 
 __all__ = ["NSEngine", "BoundNS", "NSEntry", "NSChunk", "plan_ns_chunks"]
@@ -78,18 +82,25 @@ class NSEntry:
 
 @dataclass(frozen=True)
 class NSChunk:
-    """One batched NS call: ``batch`` wide matrices ``short x long`` run with ``variant``."""
+    """One batched NS call: ``batch`` matrices ``short x long`` run with ``variant``.
+
+    ``tall``: every entry is tall (``m > n``); the chunk's batch is then laid out
+    ``(batch, long, short)`` like its sources and iterated as its transposed view, so neither the
+    gather nor the scatter transposes anything (wide and tall inputs of one shape form separate
+    chunks).
+    """
     short: int
     long: int
     variant: str
     batch: int
     entries: tuple[NSEntry, ...]
+    tall: bool = False
 
 
 def plan_ns_chunks(shapes: Sequence[Sequence[int]], batch_dims: Sequence[int], *, steps: int,
                    gram_restart: Optional[int], itemsize: int,
                    max_chunk_bytes: Optional[int]) -> tuple[tuple[NSChunk, ...], tuple[int, ...]]:
-    """Group inputs by wide shape and split groups into chunks (pure; deterministic order).
+    """Group inputs by shape and orientation, split groups into chunks (pure; deterministic order).
 
     Args:
       shapes, batch_dims: per input, its shape and number of leading batch dims.
@@ -99,31 +110,52 @@ def plan_ns_chunks(shapes: Sequence[Sequence[int]], batch_dims: Sequence[int], *
         larger than the cap forms a chunk of its own. ``None``: one chunk per group.
 
     Returns:
-      ``(chunks, empty)``: the chunks in order of first appearance of their shape, and the
-      indices of inputs with no elements (their result is all zeros).
+      ``(chunks, empty)``: the chunks in order of first appearance of their (wide shape,
+      orientation), and the indices of inputs with no elements (their result is all zeros).
     """
-    groups: dict[tuple[int, int], list[tuple[int, int, int, int]]] = {}
+    groups: dict[tuple[int, int, bool], list[tuple[int, int, int, int]]] = {}
     empty = []
     for i, (shape, bd) in enumerate(zip(shapes, batch_dims)):
         b, m, n = as_matrix_shape(shape, bd)
         if b * m * n == 0:
             empty.append(i)
             continue
-        groups.setdefault((min(m, n), max(m, n)), []).append((i, b, m, n))
+        groups.setdefault((min(m, n), max(m, n), m > n), []).append((i, b, m, n))
     chunks = []
-    for (s, l), items in groups.items():
+    for (s, l, tall), items in groups.items():
         variant = choose_ns_variant(s, l, steps, gram_restart=gram_restart)
         per = s * l * itemsize
         cur: list[NSEntry] = []
         size = 0
         for i, b, m, n in items:
             if cur and max_chunk_bytes is not None and (size + b) * per > max_chunk_bytes:
-                chunks.append(NSChunk(s, l, variant, size, tuple(cur)))
+                chunks.append(NSChunk(s, l, variant, size, tuple(cur), tall))
                 cur, size = [], 0
             cur.append(NSEntry(i, b, m, n, size))
             size += b
-        chunks.append(NSChunk(s, l, variant, size, tuple(cur)))
+        chunks.append(NSChunk(s, l, variant, size, tuple(cur), tall))
     return tuple(chunks), tuple(empty)
+
+
+_FP32_OUT: dict = {}
+
+
+def _bmm_fp32_out_supported(device: torch.device) -> bool:
+    """Whether ``torch.bmm(bf16, bf16, out_dtype=float32, out=...)`` runs here (probed once)."""
+    key = str(device)
+    if torch.cuda.is_current_stream_capturing():
+        return _FP32_OUT.get(key, False)   # never probe inside someone's graph capture
+    if key not in _FP32_OUT:
+        try:
+            a = torch.ones(1, 16, 16, device=device, dtype=torch.bfloat16)
+            out = torch.empty(1, 16, 16, device=device, dtype=torch.float32)
+            torch.bmm(a, a.mT, out_dtype=torch.float32, out=out)
+            _FP32_OUT[key] = bool((out == 16).all())
+        except Exception as exc:  # older torch / backend without the dtype overload
+            _log_once("fp32out", "NSEngine: bmm with out_dtype unavailable (%s); casting results "
+                      "in a separate pass", exc)
+            _FP32_OUT[key] = False
+    return _FP32_OUT[key]
 
 
 class _Program:
@@ -143,23 +175,53 @@ class _Program:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.mode = "eager"
         self._sym = make_sym_op(engine.sym_backend)
+        self._fp32_out_ok = self.device.type == "cuda" and _bmm_fp32_out_supported(self.device)
         if capture:
             self._maybe_capture()
 
     # -- the program --------------------------------------------------------------------------
     def _run_chunk(self, ch: NSChunk) -> None:
-        x0 = torch.empty((ch.batch, ch.short, ch.long), dtype=self.cdtype, device=self.device)
-        for e in ch.entries:
-            src = self.srcs[e.index].reshape(e.batch, e.m, e.n)
-            view = x0[e.offset:e.offset + e.batch]
-            frobenius_normalize(src, self.engine.eps, self.cdtype, out=view.mT if e.tall else view)
         eng = self.engine
-        y = newton_schulz(x0, steps=eng.steps, coefficients=eng.table, dtype=self.cdtype,
-                          variant=ch.variant, gram_restart=eng.gram_restart, sym=self._sym,
-                          normalize=False)
-        for e in ch.entries:
-            part = y[e.offset:e.offset + e.batch]
-            self.dsts[e.index].view(e.batch, e.m, e.n).copy_(part.mT if e.tall else part)
+        shape = (ch.batch, ch.long, ch.short) if ch.tall else (ch.batch, ch.short, ch.long)
+        buf = torch.empty(shape, dtype=self.cdtype, device=self.device)
+        for e in ch.entries:                   # gather: X_0 = G / (||G||_F + eps), cast
+            src = self.srcs[e.index].reshape(e.batch, e.m, e.n).contiguous()
+            denom = frobenius_denominator(src, eng.eps, self.cdtype)
+            scale_cast_(buf[e.offset:e.offset + e.batch], src, denom)
+        x0 = buf.mT if ch.tall else buf        # wide view; tall chunks iterate in their layout
+        y = ns_iterate(x0, eng.table, variant=ch.variant, sym=self._sym,
+                       gram_restart=eng.gram_restart, final=self._final_product(ch))
+        if y is None:                          # the last product wrote the destinations
+            return
+        yb = y.mT if ch.tall else y            # contiguous, laid out like the entries
+        for e in ch.entries:                   # scatter: cast back to the destination dtype
+            scale_cast_(self.dsts[e.index].view(e.batch, e.m, e.n),
+                        yb[e.offset:e.offset + e.batch])
+
+    def _final_product(self, ch: NSChunk):
+        """The last general product, written by cuBLAS straight into fp32 destinations.
+
+        On CUDA with a 16-bit compute dtype and fp32 destinations, Gram's ``Q X_0`` is done per
+        entry with ``torch.bmm(..., out_dtype=float32, out=dst)``: the fp32 accumulator is stored
+        without the bf16 rounding and the separate cast pass over the result. Otherwise (and for
+        the direct variant's ``a X + Z X``) ``None``: the default product and a scatter.
+        """
+        if (not self._fp32_out_ok or self.cdtype not in (torch.bfloat16, torch.float16)
+                or any(self.dsts[e.index].dtype != torch.float32 for e in ch.entries)):
+            return None
+
+        def final(p: Tensor, x: Tensor, *, beta: float = 0.0, c: Optional[Tensor] = None):
+            if c is not None:
+                return left_product(p, x, beta=beta, c=c)
+            for e in ch.entries:
+                pe, xe = p[e.offset:e.offset + e.batch], x[e.offset:e.offset + e.batch]
+                dst = self.dsts[e.index].view(e.batch, e.m, e.n)
+                if ch.tall:                    # dst = (P X)^T = X^T P^T, in the tall layout
+                    torch.bmm(xe.mT, pe.mT, out_dtype=torch.float32, out=dst)
+                else:
+                    torch.bmm(pe, xe, out_dtype=torch.float32, out=dst)
+            return None
+        return final
 
     def run_eager(self) -> None:
         for i in self.empty:
