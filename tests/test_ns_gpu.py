@@ -45,6 +45,7 @@ def test_sym_abt_triton_matches_fp64(B, m, k):
     gm = (a64 @ a64.mT) / k
     p, q = (gm @ gm + gm), (2 * gm - gm @ gm)
     out = sym_abt_triton(p.bfloat16(), q.bfloat16())
+    assert torch.equal(out, out.mT), "diagonal tiles must be mirror-exact with b given too"
     assert _rel(out, p @ q) < 1e-2
 
 
@@ -126,5 +127,31 @@ def test_scale_cast_matches_torch_bitwise():
     assert torch.equal(got, ref)
     back = scale_cast_(torch.empty(src.shape, device="cuda"), got)
     assert torch.equal(back, got.float())
+    x64 = torch.randn(2, 300, device="cuda", dtype=torch.float64, generator=g)
+    assert torch.equal(scale_cast_(torch.empty_like(x64), x64), x64)      # fp64 stays exact
     with pytest.raises(ValueError, match="denom has"):
         scale_cast_(torch.empty_like(src), src, den[:2])
+
+
+@needs_triton
+@pytest.mark.parametrize("B,m,k,layout", [(3, 256, 512, "contig"), (2, 1024, 2048, "trans"),
+                                          (4, 512, 256, "contig"), (2, 768, 384, "trans")])
+def test_sym_abt_tma_matches_fp64_and_is_mirror_exact(B, m, k, layout):
+    from dmuon.kernels.syrk_tma import sym_abt_tma
+    g = torch.Generator(device="cuda").manual_seed(m + k)
+    if layout == "trans":
+        a = torch.randn(B, k, m, device="cuda", generator=g).bfloat16().mT
+    else:
+        a = torch.randn(B, m, k, device="cuda", generator=g).bfloat16()
+    s = torch.randn(B, m, m, device="cuda", generator=g)
+    s = (s + s.mT).bfloat16()
+    a64 = a.double()
+    eye = torch.eye(m, device="cuda", dtype=torch.float64)
+    out = sym_abt_tma(a, alpha=0.5, beta=1.5, c=s, gamma=3.0)
+    assert torch.equal(out, out.mT)
+    assert _rel(out, 0.5 * a64 @ a64.mT + 1.5 * s.double() + 3.0 * eye) < 1e-2
+    gm = (a64 @ a64.mT) / k
+    p, q = (gm @ gm + gm), (2 * gm - gm @ gm)
+    out = sym_abt_tma(p.bfloat16(), q.bfloat16())
+    assert torch.equal(out, out.mT)
+    assert _rel(out, p @ q) < 1e-2

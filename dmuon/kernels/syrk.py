@@ -98,6 +98,7 @@ if triton is not None:
                         s_ab, s_am, s_ak, s_bb, s_bm, s_bk, s_cb, s_cm, s_cn, s_ob, s_om, s_on,
                         alpha, beta, gamma,
                         HAS_C: tl.constexpr, HAS_GAMMA: tl.constexpr, EVEN: tl.constexpr,
+                        SYMMETRIZE: tl.constexpr,
                         BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         bid = tl.program_id(1).to(tl.int64)
@@ -131,6 +132,14 @@ if triton is not None:
         if HAS_GAMMA:
             acc += tl.where(rm[:, None] == rn[None, :], gamma, 0.0)
         res = acc.to(o_ptr.dtype.element_ty)
+        # Every output element comes from ONE computed value: an off-diagonal tile is stored at
+        # (ti, tj) and, transposed, at (tj, ti); a diagonal tile keeps its upper triangle
+        # (diagonal included) and takes its lower one from the transposed upper one, in
+        # registers. (With b != a, a tile's own lower half a_r . b_c differs from a_c . b_r by
+        # rounding: measured 2x the NS error before this symmetrization.)
+        if SYMMETRIZE:  # b is not a (a a^T tiles are symmetric as computed: same products)
+            if ti == tj:
+                res = tl.where(rm[:, None] <= rn[None, :], res, tl.trans(res))
         o_ptrs = o_ptr + bid * s_ob + rm[:, None] * s_om + rn[None, :] * s_on
         if EVEN:
             tl.store(o_ptrs, res)
@@ -179,6 +188,11 @@ def sym_abt_triton(a: Tensor, b: Optional[Tensor] = None, *, alpha: float = 1.0,
     if triton is None:
         raise RuntimeError(f"Triton is not importable here ({_TRITON_IMPORT_ERROR!r}); "
                            "use sym_abt_torch")
+    # a a^T: every element (r, c) and (c, r) sums the same products in the same order, so the
+    # diagonal tiles come out symmetric; a distinct b needs them symmetrized.
+    symmetrize = b is not None and not (b is a or (b.data_ptr() == a.data_ptr()
+                                                   and b.stride() == a.stride()
+                                                   and b.shape == a.shape))
     b = a if b is None else b
     _check(a, b, c)
     bsz, m, k = a.shape
@@ -200,10 +214,16 @@ def sym_abt_triton(a: Tensor, b: Optional[Tensor] = None, *, alpha: float = 1.0,
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         cc.stride(0), cc.stride(1), cc.stride(2), out.stride(0), out.stride(1), out.stride(2),
         float(alpha), float(beta), float(gamma),
-        HAS_C=has_c, HAS_GAMMA=gamma != 0.0, EVEN=even, BLOCK=block, BLOCK_K=block_k,
+        HAS_C=has_c, HAS_GAMMA=gamma != 0.0, EVEN=even, SYMMETRIZE=symmetrize,
+        BLOCK=block, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)
     return out
 
+
+#: The persistent TMA kernel beat the pointer kernel on H200 for inner dimensions of 4096 and up
+#: (``X X^T`` of long matrices: 1.1-1.25x; all 4096 x 4096 products: 1.15-1.2x) and lost or tied
+#: at k = 1024-2048 (2048 x 2048 products with an epilogue: 0.87-0.96x), ``syrk_bench_h200.json``.
+TMA_MIN_K = 4096
 
 #: Below this many rows the triangle kernel lost to cuBLAS on H200 (512: 0.66-0.69x; 1024 and up:
 #: 1.10-1.54x, benchmarks/NOTES_ns.md), so "auto" sends smaller products to cuBLAS.
@@ -218,7 +238,10 @@ def sym_abt(a: Tensor, b: Optional[Tensor] = None, *, alpha: float = 1.0, beta: 
       a, b: ``(B, m, k)`` (``b=None``: ``b = a``, i.e. SYRK).
       alpha, beta, c, gamma: epilogue (``c`` symmetric ``(B, m, m)`` or None).
       backend: ``"triton"``, ``"torch"`` (cuBLAS / CPU) or ``"auto"`` (Triton on CUDA when it is
-        importable and ``m >= TRITON_MIN_M``, cuBLAS otherwise).
+        importable and ``m >= TRITON_MIN_M``, cuBLAS otherwise). Triton means the persistent
+        TMA kernel (:mod:`dmuon.kernels.syrk_tma`) where its shape and layout rules hold (Hopper,
+        16-bit, ``m % 128 == 0``, ``k % 64 == 0``), the pointer kernel :func:`sym_abt_triton`
+        elsewhere.
 
     Returns:
       ``(B, m, m)`` in ``a``'s dtype, exactly symmetric on the Triton path.
@@ -229,8 +252,33 @@ def sym_abt(a: Tensor, b: Optional[Tensor] = None, *, alpha: float = 1.0, beta: 
         use = a.is_cuda and triton is not None and a.shape[-2] >= TRITON_MIN_M
         backend = "triton" if use else "torch"
     if backend == "triton":
+        if _tma_applicable(a, b, c):
+            from dmuon.kernels.syrk_tma import sym_abt_tma
+            plain = b is None and (c is None or beta == 0.0) and a.shape[-2] % 256 == 0
+            return sym_abt_tma(a, b, alpha=alpha, beta=beta, c=c, gamma=gamma,
+                               config="p128x256_flat" if plain else None)
         return sym_abt_triton(a, b, alpha=alpha, beta=beta, c=c, gamma=gamma)
     return sym_abt_torch(a, b, alpha=alpha, beta=beta, c=c, gamma=gamma)
+
+
+def _contig_or_transposed(x: Tensor) -> bool:
+    return x.is_contiguous() or x.mT.is_contiguous()
+
+
+def _tma_applicable(a: Tensor, b: Optional[Tensor], c: Optional[Tensor]) -> bool:
+    """Whether :func:`dmuon.kernels.syrk_tma.sym_abt_tma` takes these operands (Hopper or newer,
+    16-bit, 128-multiple sizes, contiguous or transposed-contiguous layouts); else the pointer
+    kernel :func:`sym_abt_triton` runs."""
+    if not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.ndim == 3):
+        return False
+    if torch.cuda.get_device_capability(a.device)[0] < 9:
+        return False
+    m, k = a.shape[-2], a.shape[-1]
+    if k < TMA_MIN_K or m % 128 or k % 64 or not _contig_or_transposed(a):
+        return False
+    if b is not None and (not _contig_or_transposed(b) or b.dtype != a.dtype):
+        return False
+    return c is None or c.is_contiguous()
 
 
 def make_sym_op(backend: str = "auto") -> SymOp:
