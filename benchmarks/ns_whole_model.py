@@ -149,6 +149,7 @@ def run_model(name, cfg, rate, repeats):
     t_ref, ts_ref = time_ms(torch_muon, warmup=1, repeats=repeats)
     res.update(torch_muon_ms=t_ref, torch_muon_times=ts_ref)
     outs = [torch.empty_like(x) for x in ins]
+    torch.cuda.empty_cache()       # the reference's cached temporaries, before any capture
     for backend in (["auto", "triton"] if triton_available() else []) + ["torch"]:
         eng = NSEngine(sym_backend=backend)
         step = eng.bind(ins, outs)

@@ -35,6 +35,9 @@ except Exception:  # pragma: no cover - depends on the install
     tl = None
 
 _BLOCK = 4096
+#: The kernel computes in fp32, so it only takes dtypes that fp32 holds exactly (fp64 goes to
+#: torch, which keeps fp64 exact).
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 if triton is not None:
 
@@ -74,6 +77,7 @@ def scale_cast_(dst: Tensor, src: Tensor, denom: Optional[Tensor] = None) -> Ten
     if dst.numel() == 0:
         return dst
     use_triton = (triton is not None and triton_available() and dst.is_cuda and src.is_cuda
+                  and src.dtype in _KERNEL_DTYPES and dst.dtype in _KERNEL_DTYPES
                   and (denom is None or (denom.is_cuda and denom.dtype == torch.float32))
                   and bsz <= 65535)
     if not use_triton:

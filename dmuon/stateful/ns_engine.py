@@ -247,6 +247,11 @@ class _Program:
                 with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS handles/workspaces
                     self.run_eager()
                 torch.cuda.current_stream(self.device).wait_stream(side)
+                # The warm-up's temporaries sit cached on the side stream, where the graph's
+                # private pool cannot use them; on a nearly full device the capture would then
+                # need cudaFree, which is illegal while capturing. Hand them back first.
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
             g = torch.cuda.CUDAGraph()
             # thread_local: other threads (e.g. NCCL's watchdog) may query events meanwhile
             with torch.cuda.graph(g, pool=eng._pool(self.device), capture_error_mode="thread_local"):
