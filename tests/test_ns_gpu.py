@@ -63,12 +63,11 @@ def test_engine_graph_matches_fp64(backend):
     eng = NSEngine(sym_backend=backend)
     got = eng.orthogonalize(xs, batch_dims=bds)
     assert eng.mode(xs, bds) == "graph"
-    # Forcing Triton below TRITON_MIN_M (never done by "auto"): bf16 Gram on the exactly
-    # symmetric (mirrored) triangle products lands at about 2x the cuBLAS iteration's error at
-    # small m on H200 (m=256: 2.36e-2 vs 1.28e-2; m=384 x 640: 3.50e-2 vs 1.72e-2, NOTES_ns.md,
-    # not explained yet). A wrong kernel gives O(1) errors; the kernel itself is checked against
-    # fp64 to 1e-2 above. Allow 2.5x there.
-    slack = (2.5e-2, 2.5) if backend == "triton" else (2e-2, 1.25)
+    # Forcing Triton below TRITON_MIN_M (never done by "auto") once gave 2x the cuBLAS
+    # iteration's error: the pointer kernel's diagonal tiles were not mirror-exact when b != a.
+    # Since they are, the error ratio to the functional core measured 0.98-1.08 on these shapes
+    # (NOTES_ns.md, session 2); 1.5x leaves room for other draws.
+    slack = (2e-2, 1.5) if backend == "triton" else (2e-2, 1.25)
     for x, y in zip(xs, got):
         assert y.shape == x.shape and y.dtype == x.dtype
         _check_close(x, y, *slack)
