@@ -56,6 +56,13 @@ def matmul_rate():
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
+#: Opt-in engine settings timed and error-checked beside the default (bf16, gram_restart=2).
+VARIANTS = {
+    "restart3": dict(gram_restart=3),
+    "fp16": dict(dtype=torch.float16),
+    "fp16_restart3": dict(dtype=torch.float16, gram_restart=3),
+}
+
 SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4),
          (128, 32, 8, 5)]
 
@@ -160,12 +167,15 @@ def run_model(name, cfg, rate, repeats):
         res[f"dmuon_{backend}_chunks"] = [(c.short, c.long, c.variant, c.batch) for c in step.chunks]
         del step, eng
         torch.cuda.empty_cache()
-    # the opt-in single restart (gram_restart=3: segments of 3 and 2 iterations)
-    eng = NSEngine(gram_restart=3)
-    step = eng.bind(ins, outs)
-    res["dmuon_auto_restart3_ms"], _ = time_ms(step, warmup=2, repeats=max(repeats, 5))
-    del step, eng
-    torch.cuda.empty_cache()
+    # opt-in variants: one restart (gram_restart=3: segments of 3 and 2 iterations) and fp16
+    # compute (same tensor-core rate, 3 more mantissa bits; NOTES_ns.md)
+    for name, kw in VARIANTS.items():
+        eng = NSEngine(**kw)
+        step = eng.bind(ins, outs)
+        res[f"dmuon_auto_{name}_ms"], _ = time_ms(step, warmup=2, repeats=max(repeats, 5))
+        res[f"dmuon_auto_{name}_mode"] = step.mode
+        del step, eng
+        torch.cuda.empty_cache()
     # per shape group (auto backend): where the time goes
     groups = {}
     for s in sorted({(min(a, b), max(a, b)) for a, b in shapes}):
@@ -192,8 +202,8 @@ def run_model(name, cfg, rate, repeats):
     for s in sorted(set(shapes)):
         x = ins[shapes.index(s)]
         ref = newton_schulz(x.double(), dtype=torch.float64, variant="direct")
-        for key, restart in (("", 2), ("restart3:", 3)):
-            y = NSEngine(gram_restart=restart).orthogonalize([x])[0]
+        for key, kw in [("", {})] + [(f"{n}:", kw) for n, kw in VARIANTS.items()]:
+            y = NSEngine(**kw).orthogonalize([x])[0]
             errs[f"{key}{s[0]}x{s[1]}"] = ((y.double() - ref).norm() / ref.norm()).item()
     res["rel_err_vs_fp64"] = errs
     del ins, outs
@@ -256,6 +266,7 @@ def main():
         for g, v in r["groups_auto"].items():
             print(f"   group {g:>10} x{v['n']:<3} {v['variant']:<6} {v['ms']:8.2f} ms  "
                   f"{v['full_count_tflops']:6.0f} TFLOP/s (full-count flops)")
+        print("   variants:", {n: round(r[f"dmuon_auto_{n}_ms"], 2) for n in VARIANTS})
         print("   rel err vs fp64:", {k: round(v, 4) for k, v in r["rel_err_vs_fp64"].items()})
 
 

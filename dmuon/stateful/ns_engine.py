@@ -140,14 +140,17 @@ def plan_ns_chunks(shapes: Sequence[Sequence[int]], batch_dims: Sequence[int], *
 _FP32_OUT: dict = {}
 
 
-def _bmm_fp32_out_supported(device: torch.device) -> bool:
-    """Whether ``torch.bmm(bf16, bf16, out_dtype=float32, out=...)`` runs here (probed once)."""
-    key = str(device)
+def _bmm_fp32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether ``torch.bmm(x, y, out_dtype=float32, out=...)`` runs here for 16-bit ``dtype``
+    operands (probed once per device and dtype)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return False
+    key = f"{device}/{dtype}"
     if torch.cuda.is_current_stream_capturing():
         return _FP32_OUT.get(key, False)   # never probe inside someone's graph capture
     if key not in _FP32_OUT:
         try:
-            a = torch.ones(1, 16, 16, device=device, dtype=torch.bfloat16)
+            a = torch.ones(1, 16, 16, device=device, dtype=dtype)
             out = torch.empty(1, 16, 16, device=device, dtype=torch.float32)
             torch.bmm(a, a.mT, out_dtype=torch.float32, out=out)
             _FP32_OUT[key] = bool((out == 16).all())
@@ -175,7 +178,8 @@ class _Program:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.mode = "eager"
         self._sym = make_sym_op(engine.sym_backend)
-        self._fp32_out_ok = self.device.type == "cuda" and _bmm_fp32_out_supported(self.device)
+        self._fp32_out_ok = (self.device.type == "cuda"
+                             and _bmm_fp32_out_supported(self.device, self.cdtype))
         if capture:
             self._maybe_capture()
 
@@ -206,7 +210,7 @@ class _Program:
         without the bf16 rounding and the separate cast pass over the result. Otherwise (and for
         the direct variant's ``a X + Z X``) ``None``: the default product and a scatter.
         """
-        if (not self._fp32_out_ok or self.cdtype not in (torch.bfloat16, torch.float16)
+        if (not self._fp32_out_ok
                 or any(self.dsts[e.index].dtype != torch.float32 for e in ch.entries)):
             return None
 
