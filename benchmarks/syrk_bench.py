@@ -37,38 +37,6 @@ TIME_T_SHAPES = [(32, 2048, 8192), (36, 4096, 14336)]
 TOL = 1e-2
 
 
-def _interpreter_shims() -> None:
-    """Make Triton 3.6's interpreter usable here (CPU check only; no effect on compiled kernels).
-
-    1. With numpy >= 2.4, ``int()`` of a 1-element array raises; the interpreter keeps scalars as
-       1-element arrays, so ``range()`` over a program id fails. Index via the element instead.
-    2. The interpreter feeds bf16 (stored as uint16) straight to ``np.matmul``: integer products.
-       Widen bf16 dot operands to fp32 first (exact).
-    """
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
-    orig_patch = interp._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, scope):
-        orig_patch(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interp._patch_lang_tensor = patch_lang_tensor
-    orig_dot = interp.InterpreterBuilder.create_dot
-
-    def widen(h):
-        if h.dtype == tl.bfloat16:
-            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
-
-    def create_dot(self, a, b, d, *args):
-        return orig_dot(self, widen(a), widen(b), d, *args)
-
-    interp.InterpreterBuilder.create_dot = create_dot
-
-
 def _err(e: BaseException) -> str:
     msg = str(e).strip().splitlines()
     tail = [ln for ln in msg if "error" in ln.lower()][:2] or msg[:2]
@@ -263,7 +231,8 @@ def main() -> int:
     import torch
     import triton
     if args.interpret_check:
-        _interpreter_shims()
+        from dmuon.kernels.interpreter import install_interpreter_shims
+        install_interpreter_shims()
     from dmuon.kernels.syrk_tma import CONFIGS
 
     configs = args.configs.split(",") if args.configs else list(CONFIGS)
