@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 from collections import defaultdict
 
 import torch
@@ -21,32 +20,7 @@ import torch
 from dmuon.functional.ns_cost import ns_cost
 from dmuon.stateful.ns_engine import NSEngine
 
-MODELS = {
-    "llama-3.2-1b": dict(layers=16, hidden=2048, inter=8192, kv=512),
-    "llama-3.1-8b": dict(layers=32, hidden=4096, inter=14336, kv=1024),
-}
-
-
-def model_shapes(layers, hidden, inter, kv):
-    per = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
-           (inter, hidden), (inter, hidden), (hidden, inter)]
-    return per * layers
-
-
-def time_ms(fn, warmup=2, repeats=5):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
-
+from bench_util import MODELS, model_shapes, time_ms
 
 def kind_of(name: str) -> str:
     n = name.lower()
@@ -97,7 +71,7 @@ def run(models, restarts, out_path):
                 eng = NSEngine(gram_restart=r)
                 st = eng.bind(ins, outs)
                 key = f"restart_{r}"
-                row[key] = dict(replay_ms=time_ms(st), variant=st.chunks[0].variant,
+                row[key] = dict(replay_ms=time_ms(st, repeats=5)[0], variant=st.chunks[0].variant,
                                 chunks=[c.batch for c in st.chunks],
                                 flops=sum(ns_cost(*shapes[i], 5, gram_restart=r).flops
                                           for i in idx))

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 
 import torch
 
@@ -21,32 +20,7 @@ from dmuon.functional.ns_cost import direct_flops, gram_flops, ns_cost
 from dmuon.kernels.syrk import sym_abt_torch, sym_abt_triton, triton_available
 from dmuon.stateful.ns_engine import NSEngine
 
-MODELS = {
-    "llama-3.2-1b": dict(layers=16, hidden=2048, inter=8192, kv=512),
-    "llama-3.1-8b": dict(layers=32, hidden=4096, inter=14336, kv=1024),
-}
-
-
-def model_shapes(layers, hidden, inter, kv):
-    per = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
-           (inter, hidden), (inter, hidden), (hidden, inter)]
-    return per * layers
-
-
-def time_ms(fn, warmup=2, repeats=10):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(repeats):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts), ts
-
+from bench_util import MODELS, model_shapes, time_ms
 
 def matmul_rate():
     n = 8192

@@ -20,7 +20,6 @@ import argparse
 import datetime
 import gc
 import json
-import math
 import os
 import statistics
 import tempfile

@@ -24,7 +24,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from typing import Any, Callable
@@ -144,22 +143,8 @@ def contract_checks(torch, device: str) -> list[dict]:
     return rows
 
 
-def time_ms(torch, fn: Callable, warmup: int = 3, reps: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e))
-    return statistics.median(ts)
-
-
 def timing(torch, configs: list[str]) -> list[dict]:
+    from bench_util import time_ms
     from dmuon.kernels.syrk import sym_abt_triton
     from dmuon.kernels.syrk_tma import sym_abt_tma
 
@@ -192,7 +177,7 @@ def timing(torch, configs: list[str]) -> list[dict]:
         for impl, f in impls:
             row: dict[str, Any] = dict(shape=[bsz, m, k], trans=trans, form=form, impl=impl)
             try:
-                ms = time_ms(torch, f)
+                ms = time_ms(f, warmup=3, repeats=10)[0]
                 row.update(ms=ms, tflops_full=flops / ms / 1e9)
                 if impl == "cublas":
                     ref, base = out.float().clone(), ms

@@ -30,16 +30,10 @@ import torch
 from torch import Tensor
 
 from dmuon.functional.muon import MuonElementwise, foreach_apply_, foreach_momentum_
-from dmuon.kernels.syrk import triton_available
+from dmuon.kernels.triton_support import tl, triton, triton_available
 
 __all__ = ["fused_elementwise", "momentum_", "apply_", "fused_supported"]
 
-try:  # optional, as in dmuon.kernels.syrk
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _BLOCK = 4096

@@ -23,16 +23,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from dmuon.kernels.syrk import triton_available
+from dmuon.kernels.triton_support import tl, triton, triton_available
 
 __all__ = ["scale_cast_"]
 
-try:  # optional, like dmuon.kernels.syrk
-    import triton
-    import triton.language as tl
-except Exception:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
 
 _BLOCK = 4096
 #: The kernel computes in fp32, so it only takes dtypes that fp32 holds exactly (fp64 goes to

@@ -35,25 +35,11 @@ import torch
 from torch import Tensor
 
 from dmuon.functional.newton_schulz import SymOp, sym_product
+from dmuon.kernels.triton_support import TRITON_IMPORT_ERROR, tl, triton, triton_available
 
 __all__ = ["triton_available", "sym_abt", "sym_abt_torch", "sym_abt_triton", "make_sym_op"]
 
 log = logging.getLogger(__name__)
-
-try:  # Triton is optional: CPU machines and some installs lack it.
-    import triton
-    import triton.language as tl
-    _TRITON_IMPORT_ERROR: Optional[BaseException] = None
-except Exception as e:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-    _TRITON_IMPORT_ERROR = e
-
-
-def triton_available() -> bool:
-    """True when Triton imports and a CUDA device is present (the Triton path can run)."""
-    return triton is not None and torch.cuda.is_available()
-
 
 def _check(a: Tensor, b: Tensor, c: Optional[Tensor]) -> None:
     if a.ndim != 3 or b.ndim != 3:
@@ -186,7 +172,7 @@ def sym_abt_triton(a: Tensor, b: Optional[Tensor] = None, *, alpha: float = 1.0,
     ``(BLOCK, BLOCK_K, num_warps, num_stages)``.
     """
     if triton is None:
-        raise RuntimeError(f"Triton is not importable here ({_TRITON_IMPORT_ERROR!r}); "
+        raise RuntimeError(f"Triton is not importable here ({TRITON_IMPORT_ERROR!r}); "
                            "use sym_abt_torch")
     # a a^T: every element (r, c) and (c, r) sums the same products in the same order, so the
     # diagonal tiles come out symmetric; a distinct b needs them symmetrized.

@@ -48,21 +48,14 @@ import torch
 from torch import Tensor
 
 from dmuon.kernels.syrk import _check, sym_abt_torch
+from dmuon.kernels.triton_support import TRITON_IMPORT_ERROR, tl, triton
 
 __all__ = ["CONFIGS", "DEFAULT_CONFIG", "sym_abt_tma", "resolve_config"]
 
 log = logging.getLogger(__name__)
 
-try:  # Triton is optional: CPU machines and some installs lack it.
-    import triton
-    import triton.language as tl
+if triton is not None:
     from triton.tools.tensor_descriptor import TensorDescriptor
-    _TRITON_IMPORT_ERROR: Optional[BaseException] = None
-except Exception as e:  # pragma: no cover - depends on the install
-    triton = None
-    tl = None
-    TensorDescriptor = None
-    _TRITON_IMPORT_ERROR = e
 
 #: Keys of a config: tile (block_m, block_n = block_m or 2 block_m, block_k), launch (num_warps,
 #: num_stages), grid (persistent, programs_per_sm, num_programs = explicit override), data path
@@ -290,7 +283,7 @@ def sym_abt_tma(a: Tensor, b: Optional[Tensor] = None, *, alpha: float = 1.0, be
         should fall back to ``sym_abt_triton`` / ``sym_abt_torch``).
     """
     if triton is None:
-        raise RuntimeError(f"Triton is not importable here ({_TRITON_IMPORT_ERROR!r})")
+        raise RuntimeError(f"Triton is not importable here ({TRITON_IMPORT_ERROR!r})")
     b_given = b is not None
     b = a if b is None else b
     _check(a, b, c)

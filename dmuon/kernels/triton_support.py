@@ -1,0 +1,28 @@
+"""Triton as an optional dependency: one import for every kernel module.
+
+``triton`` / ``tl`` are the modules, or ``None`` where Triton does not import (CPU-only installs,
+some platforms); ``TRITON_IMPORT_ERROR`` says why. Kernel modules define their ``@triton.jit``
+functions under ``if triton is not None`` and fall back to torch when :func:`triton_available`
+is false.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["triton", "tl", "TRITON_IMPORT_ERROR", "triton_available"]
+
+try:  # Triton is optional: CPU machines and some installs lack it.
+    import triton
+    import triton.language as tl
+    TRITON_IMPORT_ERROR: Optional[BaseException] = None
+except Exception as e:  # pragma: no cover - depends on the install
+    triton = None
+    tl = None
+    TRITON_IMPORT_ERROR = e
+
+
+def triton_available() -> bool:
+    """True when Triton imports and a CUDA device is present (the Triton path can run)."""
+    return triton is not None and torch.cuda.is_available()
