@@ -286,7 +286,6 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = 
         raise ValueError(f"gram_restart must be None or an int >= 0, got {gram_restart!r}")
     if sym is not None and not callable(sym):
         raise TypeError(f"sym must be a callable (see sym_product) or None, got {type(sym).__name__}")
-    sym_op = sym_product if sym is None else sym
     table = ns_coefficient_table(coefficients, steps, safety=safety)
     cdtype = default_ns_dtype(x.device) if dtype is None else dtype
     if not cdtype.is_floating_point:
@@ -307,7 +306,7 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = 
     short, long_ = min(m, n), max(m, n)
     if variant == "auto":
         variant = choose_ns_variant(short, long_, steps, gram_restart=gram_restart)
-    out = ns_iterate(x0, table, variant=variant, sym=sym_op, gram_restart=gram_restart)
+    out = ns_iterate(x0, table, variant=variant, sym=sym, gram_restart=gram_restart)
     if tall:
         out = out.mT
     return out.to(x.dtype).contiguous().reshape(shape)

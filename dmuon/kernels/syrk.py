@@ -247,24 +247,13 @@ def sym_abt(a: Tensor, b: Optional[Tensor] = None, *, alpha: float = 1.0, beta: 
     return sym_abt_torch(a, b, alpha=alpha, beta=beta, c=c, gamma=gamma)
 
 
-def _contig_or_transposed(x: Tensor) -> bool:
-    return x.is_contiguous() or x.mT.is_contiguous()
-
-
 def _tma_applicable(a: Tensor, b: Optional[Tensor], c: Optional[Tensor]) -> bool:
-    """Whether :func:`dmuon.kernels.syrk_tma.sym_abt_tma` takes these operands (Hopper or newer,
-    16-bit, 128-multiple sizes, contiguous or transposed-contiguous layouts); else the pointer
-    kernel :func:`sym_abt_triton` runs."""
-    if not (a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and a.ndim == 3):
-        return False
-    if torch.cuda.get_device_capability(a.device)[0] < 9:
-        return False
-    m, k = a.shape[-2], a.shape[-1]
-    if k < TMA_MIN_K or m % 128 or k % 64 or not _contig_or_transposed(a):
-        return False
-    if b is not None and (not _contig_or_transposed(b) or b.dtype != a.dtype):
-        return False
-    return c is None or c.is_contiguous()
+    """Whether the TMA kernel runs this product: it takes the operands
+    (:func:`dmuon.kernels.syrk_tma.tma_supported`), the device is Hopper or newer, and the inner
+    dimension is at least :data:`TMA_MIN_K` (where it beat the pointer kernel)."""
+    from dmuon.kernels.syrk_tma import tma_supported
+    return (a.shape[-1] >= TMA_MIN_K and tma_supported(a, b, c)
+            and torch.cuda.get_device_capability(a.device)[0] >= 9)
 
 
 def make_sym_op(backend: str = "auto") -> SymOp:

@@ -50,7 +50,7 @@ from torch import Tensor
 from dmuon.kernels.syrk import _check, sym_abt_torch
 from dmuon.kernels.triton_support import TRITON_IMPORT_ERROR, tl, triton
 
-__all__ = ["CONFIGS", "DEFAULT_CONFIG", "sym_abt_tma", "resolve_config"]
+__all__ = ["CONFIGS", "DEFAULT_CONFIG", "sym_abt_tma", "resolve_config", "tma_supported"]
 
 log = logging.getLogger(__name__)
 
@@ -247,6 +247,24 @@ def _layout(x: Tensor, name: str) -> bool:
         return True
     raise ValueError(f"sym_abt_tma: {name} must be contiguous or a transposed view of a contiguous "
                      f"tensor; got strides {tuple(x.stride())} for shape {tuple(x.shape)}")
+
+
+def tma_supported(a: Tensor, b: Optional[Tensor] = None, c: Optional[Tensor] = None, *,
+                  block_m: int = 128, block_k: int = 64) -> bool:
+    """Whether :func:`sym_abt_tma` takes these operands (with the 128-row presets): CUDA, 16-bit,
+    ``m % block_m == 0``, ``k % block_k == 0``, ``a`` and ``b`` contiguous or transposed views of
+    contiguous tensors, ``c`` contiguous. The caller decides whether it also pays (shapes)."""
+    if not (a.is_cuda and a.ndim == 3 and a.dtype in (torch.bfloat16, torch.float16)):
+        return False
+    m, k = a.shape[-2], a.shape[-1]
+    if m % block_m or k % block_k:
+        return False
+    for x in (a, b):
+        if x is not None and not (x.is_contiguous() or x.mT.is_contiguous()):
+            return False
+    if b is not None and b.dtype != a.dtype:
+        return False
+    return c is None or c.is_contiguous()
 
 
 @functools.lru_cache(maxsize=8)

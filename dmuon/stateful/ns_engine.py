@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -178,13 +178,16 @@ class _Program:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.mode = "eager"
         self._sym = make_sym_op(engine.sym_backend)
-        self._fp32_out_ok = (self.device.type == "cuda"
-                             and _bmm_fp32_out_supported(self.device, self.cdtype))
+        fp32_out = self.device.type == "cuda" and _bmm_fp32_out_supported(self.device, self.cdtype)
+        # per chunk, once: may Gram's last product write the (fp32) destinations directly?
+        self._fused_final = tuple(
+            fp32_out and all(self.dsts[e.index].dtype == torch.float32 for e in ch.entries)
+            for ch in self.chunks)
         if capture:
             self._maybe_capture()
 
     # -- the program --------------------------------------------------------------------------
-    def _run_chunk(self, ch: NSChunk) -> None:
+    def _run_chunk(self, ch: NSChunk, fused: bool) -> None:
         eng = self.engine
         shape = (ch.batch, ch.long, ch.short) if ch.tall else (ch.batch, ch.short, ch.long)
         buf = torch.empty(shape, dtype=self.cdtype, device=self.device)
@@ -194,7 +197,7 @@ class _Program:
             scale_cast_(buf[e.offset:e.offset + e.batch], src, denom)
         x0 = buf.mT if ch.tall else buf        # wide view; tall chunks iterate in their layout
         y = ns_iterate(x0, eng.table, variant=ch.variant, sym=self._sym,
-                       gram_restart=eng.gram_restart, final=self._final_product(ch))
+                       gram_restart=eng.gram_restart, final=self._final_product(ch, fused))
         if y is None:                          # the last product wrote the destinations
             return
         yb = y.mT if ch.tall else y            # contiguous, laid out like the entries
@@ -202,16 +205,16 @@ class _Program:
             scale_cast_(self.dsts[e.index].view(e.batch, e.m, e.n),
                         yb[e.offset:e.offset + e.batch])
 
-    def _final_product(self, ch: NSChunk):
+    def _final_product(self, ch: NSChunk, fused: bool):
         """The last general product, written by cuBLAS straight into fp32 destinations.
 
         On CUDA with a 16-bit compute dtype and fp32 destinations, Gram's ``Q X_0`` is done per
         entry with ``torch.bmm(..., out_dtype=float32, out=dst)``: the fp32 accumulator is stored
         without the bf16 rounding and the separate cast pass over the result. Otherwise (and for
         the direct variant's ``a X + Z X``) ``None``: the default product and a scatter.
+        ``fused`` is that condition for ``ch``, decided once when the program is built.
         """
-        if (not self._fp32_out_ok
-                or any(self.dsts[e.index].dtype != torch.float32 for e in ch.entries)):
+        if not fused:
             return None
 
         def final(p: Tensor, x: Tensor, *, beta: float = 0.0, c: Optional[Tensor] = None):
@@ -230,8 +233,8 @@ class _Program:
     def run_eager(self) -> None:
         for i in self.empty:
             self.dsts[i].zero_()
-        for ch in self.chunks:
-            self._run_chunk(ch)
+        for ch, fused in zip(self.chunks, self._fused_final):
+            self._run_chunk(ch, fused)
 
     def _maybe_capture(self, warmup: bool = True) -> None:
         """Capture the program (CUDA). ``warmup=False``: the caller ran it eagerly on this device
