@@ -1,6 +1,7 @@
 """Where the NS engine's time goes, per shape group: GPU kernel time by kind, from the profiler.
 
-Usage: ``python benchmarks/ns_breakdown.py --out breakdown.json [--models 1b,8b]``.
+Usage: ``python benchmarks/ns_breakdown.py --out breakdown.json [--models 1b,8b] [--restarts 2,3]
+[--dtype fp16]``.
 For every shape group of the Llama-3.2-1B / Llama-3.1-8B matrix sets (fp32 random inputs, as in
 ``ns_whole_model.py``) it times the captured engine (CUDA events, median) and runs the same
 program eagerly under ``torch.profiler``, summing device time per kernel and per kind:
@@ -24,7 +25,7 @@ from bench_util import MODELS, model_shapes, time_ms
 
 def kind_of(name: str) -> str:
     n = name.lower()
-    if "sym_abt" in n:
+    if "_sym_" in n:               # _sym_abt_kernel (pointer), _sym_tma_kernel (TMA)
         return "sym"
     if any(t in n for t in ("gemm", "xmma", "cutlass", "cublas", "matmul", "nvjet")):
         return "gemm"
@@ -55,9 +56,10 @@ def kernel_profile(fn) -> dict:
                 top=[dict(name=k[:160], ms=v[0], calls=v[1]) for k, v in top])
 
 
-def run(models, restarts, out_path):
+def run(models, restarts, out_path, dtype=None):
     res = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
-               gpu=torch.cuda.get_device_name(), torch=torch.__version__, models=[])
+               gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+               compute_dtype=str(dtype or "default"), models=[])
     for name in models:
         shapes = model_shapes(**MODELS[name])
         groups = sorted({(min(s), max(s)) for s in shapes})
@@ -68,7 +70,7 @@ def run(models, restarts, out_path):
             outs = [torch.empty_like(x) for x in ins]
             row = dict(n=len(idx))
             for r in restarts:
-                eng = NSEngine(gram_restart=r)
+                eng = NSEngine(gram_restart=r, dtype=dtype)
                 st = eng.bind(ins, outs)
                 key = f"restart_{r}"
                 row[key] = dict(replay_ms=time_ms(st, repeats=5)[0], variant=st.chunks[0].variant,
@@ -103,11 +105,14 @@ def main():
     ap.add_argument("--models", default="1b,8b")
     ap.add_argument("--restarts", default="2",
                     help="comma-separated gram_restart values to time (first one is profiled)")
+    ap.add_argument("--dtype", choices=("default", "bf16", "fp16"), default="default",
+                    help="NS compute dtype (default: the engine's default for CUDA)")
     args = ap.parse_args()
+    dtype = dict(default=None, bf16=torch.bfloat16, fp16=torch.float16)[args.dtype]
     torch.manual_seed(0)
     names = [n for k, n in zip(("1b", "8b"), MODELS) if k in args.models.split(",")]
     restarts = [None if r in ("none", "0") else int(r) for r in args.restarts.split(",")]
-    run(names, restarts, args.out)
+    run(names, restarts, args.out, dtype)
 
 
 if __name__ == "__main__":

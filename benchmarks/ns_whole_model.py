@@ -1,6 +1,7 @@
 """Whole-model Newton–Schulz time on one GPU: dmuon's graph-replayed batched engine vs
 ``torch.optim.Muon``'s own NS (one matrix at a time, its defaults), over every 2-D matrix of
-Llama-3.2-1B and Llama-3.1-8B shapes, beside the measured bf16 matmul rate and two flop floors.
+Llama-3.2-1B and Llama-3.1-8B shapes, beside the measured bf16 (and fp16) matmul rate and two flop
+floors (direct, and min(direct, Gram) with the default compute dtype's restart period).
 
 Usage: ``python benchmarks/ns_whole_model.py --out results.json [--models 1b,8b]``.
 Timing: CUDA events around the whole model's NS, warm-up first, median of repeats, random inputs
@@ -15,42 +16,46 @@ import json
 
 import torch
 
-from dmuon.functional.newton_schulz import newton_schulz
+from dmuon.functional.newton_schulz import default_gram_restart, default_ns_dtype, newton_schulz
 from dmuon.functional.ns_cost import direct_flops, gram_flops, ns_cost
 from dmuon.kernels.syrk import sym_abt_torch, sym_abt_triton, triton_available
 from dmuon.stateful.ns_engine import NSEngine
 
 from bench_util import MODELS, model_shapes, time_ms
 
-def matmul_rate():
+def matmul_rate(dtype=torch.bfloat16):
     n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(n, n, device="cuda", dtype=dtype)
+    b = torch.randn(n, n, device="cuda", dtype=dtype)
     ms, _ = time_ms(lambda: a @ b, warmup=3, repeats=20)
     return 2 * n ** 3 / (ms * 1e-3) / 1e12
 
 
-#: Opt-in engine settings timed and error-checked beside the default (bf16, gram_restart=2).
+#: Engine settings timed and error-checked beside the default (fp16 with one restart,
+#: ``gram_restart="auto"`` = 3): bf16 with its default two restarts (the default before fp16),
+#: bf16 with one restart, fp16 with two restarts.
 VARIANTS = {
-    "restart3": dict(gram_restart=3),
-    "fp16": dict(dtype=torch.float16),
-    "fp16_restart3": dict(dtype=torch.float16, gram_restart=3),
+    "bf16": dict(dtype=torch.bfloat16),
+    "bf16_restart3": dict(dtype=torch.bfloat16, gram_restart=3),
+    "fp16_restart2": dict(dtype=torch.float16, gram_restart=2),
 }
+#: The default's restart period on CUDA (for the flop counts and floors).
+RESTART = default_gram_restart(default_ns_dtype("cuda"))
 
 SWEEP = [(128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 4),
          (128, 32, 8, 5)]
 
 
-def sym_microbench(shapes, sweep_shapes=()):
+def sym_microbench(shapes, sweep_shapes=(), dtype=torch.float16):
     rows = []
     for (bsz, m, k) in shapes:
-        a = torch.randn(bsz, m, k, device="cuda", dtype=torch.bfloat16)
+        a = torch.randn(bsz, m, k, device="cuda", dtype=dtype)
         full = 2 * bsz * m * m * k
         t_cublas, _ = time_ms(lambda: sym_abt_torch(a), warmup=2, repeats=10)
-        row = dict(batch=bsz, m=m, k=k, cublas_ms=t_cublas,
+        row = dict(batch=bsz, m=m, k=k, dtype=str(dtype), cublas_ms=t_cublas,
                    cublas_tflops=full / t_cublas / 1e9)
         if triton_available():
-            out = torch.empty(bsz, m, m, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(bsz, m, m, device="cuda", dtype=dtype)
             t_tri, _ = time_ms(lambda: sym_abt_triton(a, out=out), warmup=2, repeats=10)
             row.update(triton_ms=t_tri, triton_effective_tflops=full / t_tri / 1e9,
                        speedup=t_cublas / t_tri)
@@ -105,7 +110,7 @@ def gram_fp32_probe():
         torch.backends.cuda.matmul.allow_tf32 = prev
         xb = [x[i] for i in range(x.shape[0])]
         outs = [torch.empty_like(t) for t in xb]
-        st = NSEngine().bind(xb, outs)
+        st = NSEngine(dtype=torch.bfloat16).bind(xb, outs)
         tb, _ = time_ms(st, repeats=5)
         res["gram_48x2048x8192"] = dict(fp32_tf32_no_restart_ms=t32, engine_bf16_restart2_ms=tb)
         del x, x0, xb, outs, st
@@ -141,8 +146,7 @@ def run_model(name, cfg, rate, repeats):
         res[f"dmuon_{backend}_chunks"] = [(c.short, c.long, c.variant, c.batch) for c in step.chunks]
         del step, eng
         torch.cuda.empty_cache()
-    # opt-in variants: one restart (gram_restart=3: segments of 3 and 2 iterations) and fp16
-    # compute (same tensor-core rate, 3 more mantissa bits; NOTES_ns.md)
+    # the other dtype / restart settings (NOTES_ns.md)
     for name, kw in VARIANTS.items():
         eng = NSEngine(**kw)
         step = eng.bind(ins, outs)
@@ -156,7 +160,7 @@ def run_model(name, cfg, rate, repeats):
         idx = [i for i, sh in enumerate(shapes) if (min(sh), max(sh)) == s]
         st = NSEngine().bind([ins[i] for i in idx], [outs[i] for i in idx])
         t, _ = time_ms(st, warmup=2, repeats=5)
-        fl = sum(ns_cost(*shapes[i], 5).flops for i in idx)
+        fl = sum(ns_cost(*shapes[i], 5, gram_restart=RESTART).flops for i in idx)
         groups[f"{s[0]}x{s[1]}"] = dict(n=len(idx), ms=t, variant=st.chunks[0].variant,
                                         full_count_tflops=fl / t / 1e9)
         del st
@@ -166,9 +170,9 @@ def run_model(name, cfg, rate, repeats):
     res["dmuon_best_ms"] = best
     res["ratio_best_to_torch_muon"] = best / t_ref
     fl_direct = sum(direct_flops(a, b, 5) for a, b in shapes)
-    fl_min = sum(min(direct_flops(a, b, 5), gram_flops(a, b, 5)) for a, b in shapes)
-    fl_auto = sum(ns_cost(a, b, 5).flops for a, b in shapes)
-    res.update(flops_direct=fl_direct, flops_min=fl_min, flops_auto=fl_auto,
+    fl_min = sum(min(direct_flops(a, b, 5), gram_flops(a, b, 5, RESTART)) for a, b in shapes)
+    fl_auto = sum(ns_cost(a, b, 5, gram_restart=RESTART).flops for a, b in shapes)
+    res.update(gram_restart=RESTART, flops_direct=fl_direct, flops_min=fl_min, flops_auto=fl_auto,
                floor_direct_ms=fl_direct / (rate * 1e12) * 1e3,
                floor_min_ms=fl_min / (rate * 1e12) * 1e3)
     # accuracy of the fast path on one matrix per distinct shape, vs fp64 NS of the same input
@@ -195,10 +199,11 @@ def main():
     args = ap.parse_args()
     torch.manual_seed(0)
     rate = matmul_rate()
+    rate16 = matmul_rate(torch.float16)
     out = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=__import__("triton").__version__ if triton_available() else None,
-               bf16_matmul_tflops=rate, models=[])
+               bf16_matmul_tflops=rate, fp16_matmul_tflops=rate16, models=[])
     out["sym_microbench"] = sym_microbench([
         (48, 2048, 8192), (32, 2048, 2048), (48, 2048, 2048), (32, 512, 2048), (32, 512, 512),
         (36, 4096, 14336), (64, 4096, 4096), (36, 4096, 4096), (64, 1024, 4096), (64, 1024, 1024)],
@@ -217,7 +222,7 @@ def main():
     with open(args.out, "w") as f:
         json.dump(out, f, indent=1)
     print(f"GPU {out['gpu']}  torch {out['torch']}  triton {out['triton']}  "
-          f"bf16 matmul {rate:.0f} TFLOP/s")
+          f"bf16 matmul {rate:.0f} TFLOP/s, fp16 {rate16:.0f}")
     print(f"{'B':>3} {'m':>5} {'k':>6} {'cuBLAS ms':>10} {'Triton ms':>10} {'speedup':>8}")
     for r in out["sym_microbench"]:
         print(f"{r['batch']:>3} {r['m']:>5} {r['k']:>6} {r['cublas_ms']:>10.3f} "

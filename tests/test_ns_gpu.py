@@ -2,7 +2,8 @@
 
 Measure: relative Frobenius error ``||out - ref|| / ||ref||`` against fp64 on the same inputs
 (fp64 NS via the functional core for the engine; an fp64 product for the kernel). bf16 kernel
-products land near 3e-3; bf16 NS (direct) near 1e-2. Every check draws fresh random inputs.
+products land near 3e-3; bf16 NS (direct) near 1e-2, fp16 NS (the CUDA default) near 1-3e-3.
+Every check draws fresh random inputs.
 """
 import pytest
 import torch
@@ -67,7 +68,7 @@ def test_engine_graph_matches_fp64(backend):
     # iteration's error: the pointer kernel's diagonal tiles were not mirror-exact when b != a.
     # Since they are, the error ratio to the functional core measured 0.98-1.08 on these shapes
     # (NOTES_ns.md, session 2); 1.5x leaves room for other draws.
-    slack = (2e-2, 1.5) if backend == "triton" else (2e-2, 1.25)
+    slack = (5e-3, 1.5) if backend == "triton" else (5e-3, 1.25)
     for x, y in zip(xs, got):
         assert y.shape == x.shape and y.dtype == x.dtype
         _check_close(x, y, *slack)
@@ -78,13 +79,13 @@ def test_engine_graph_matches_fp64(backend):
         _check_close(y, o, *slack)
 
 
-def _check_close(x, y, floor=2e-2, factor=1.25):
-    """Fast-path error vs fp64 NS: under ``floor`` (2e-2), or (bf16 Gram at small m, where the
-    functional core's own bf16 iteration lands at 2-5e-2) no worse than ``factor`` times the
-    functional bf16 error on the same input."""
+def _check_close(x, y, floor=5e-3, factor=1.25, dtype=None):
+    """Fast-path error vs fp64 NS: under ``floor``, or no worse than ``factor`` times the
+    functional core's own error on the same input with the same defaults (compute ``dtype``,
+    default: fp16 on CUDA, and its restart period)."""
     ref = newton_schulz(x.double(), dtype=torch.float64, variant="direct")
     err = _rel(y, ref)
-    base = _rel(newton_schulz(x, dtype=torch.bfloat16), ref)
+    base = _rel(newton_schulz(x, dtype=dtype), ref)
     assert err < max(floor, factor * base), (tuple(x.shape), err, base)
 
 
@@ -156,16 +157,21 @@ def test_sym_abt_tma_matches_fp64_and_is_mirror_exact(B, m, k, layout):
     assert _rel(out, p @ q) < 1e-2
 
 
-def test_engine_fp16_compute_is_closer_than_bf16():
-    """fp16 through every GPU path (TMA kernel at k >= 4096, pointer kernel, cuBLAS, fp32-out
-    products, scale-and-cast): finite, captured, and closer to fp64 than bf16 (CPU: 7-9x)."""
+def test_engine_default_fp16_is_closer_than_bf16():
+    """The default (fp16, one restart) through every GPU path (TMA kernel at k >= 4096, pointer
+    kernel, cuBLAS, fp32-out products, scale-and-cast): finite, captured, the same as asking for
+    fp16 with ``gram_restart=3``, and closer to fp64 than bf16 with two restarts (H200: 2.0-10x,
+    ``benchmarks/ns_accuracy.py``)."""
     g = torch.Generator(device="cuda").manual_seed(9)
     xs = [torch.randn(s, device="cuda", generator=g)
           for s in [(1024, 4096), (4096, 1024), (1024, 1024), (512, 2048)]]
-    e16, ebf = NSEngine(dtype=torch.float16), NSEngine()
+    e16, ebf = NSEngine(), NSEngine(dtype=torch.bfloat16)
     y16, ybf = e16.orthogonalize(xs), ebf.orthogonalize(xs)
     assert e16.mode(xs) == "graph"
-    for x, a, b in zip(xs, y16, ybf):
+    explicit = NSEngine(dtype=torch.float16, gram_restart=3).orthogonalize(xs)
+    for x, a, b, c in zip(xs, y16, ybf, explicit):
         ref = newton_schulz(x.double(), dtype=torch.float64)
         assert torch.isfinite(a).all() and a.dtype == x.dtype
-        assert _rel(a, ref) * 3 < _rel(b, ref), (tuple(x.shape), _rel(a, ref), _rel(b, ref))
+        assert torch.equal(a, c)
+        assert _rel(a, ref) * 2 < _rel(b, ref), (tuple(x.shape), _rel(a, ref), _rel(b, ref))
+        _check_close(x, b, floor=2e-2, dtype=torch.bfloat16)   # bf16 still as the core's bf16

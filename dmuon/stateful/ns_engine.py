@@ -11,12 +11,12 @@ What it computes: for every input ``G_i`` (viewed as ``B_i`` matrices ``m_i x n_
   and each group is split into chunks of at most ``max_chunk_bytes`` of compute-dtype iterate;
 * per chunk: Frobenius normalization straight from the sources into the batch (divisor
   :func:`~dmuon.functional.newton_schulz.frobenius_denominator`, ``X_0 = G / (||G||_F + eps)``
-  cast to the compute dtype, bf16 on CUDA, by :func:`dmuon.kernels.scale_cast.scale_cast_`), then
+  cast to the compute dtype, fp16 on CUDA, by :func:`dmuon.kernels.scale_cast.scale_cast_`), then
   one call of the functional core, ``ns_iterate(X_0, variant=..., sym=make_sym_op(sym_backend))``,
   direct or Gram as :func:`~dmuon.functional.ns_cost.choose_ns_variant` says for that shape, with
-  the Gram restarts of ``gram_restart``; every symmetric product runs on the Triton triangle
-  kernel or cuBLAS (:mod:`dmuon.kernels.syrk`); the results are cast back into the destinations
-  (``scale_cast_`` again). The engine holds no NS math of its own;
+  the Gram restarts of ``gram_restart`` (by default 3 for fp16, else 2); every symmetric product
+  runs on the Triton triangle kernel or cuBLAS (:mod:`dmuon.kernels.syrk`); the results are cast
+  back into the destinations (``scale_cast_`` again). The engine holds no NS math of its own;
 * on CUDA the whole program (gather + normalize, every chunk's iteration, scatter + cast) is
   captured once per input signature into one CUDA graph and replayed, so the host cost of a step
   is one replay whatever the number of matrices. Where capture is impossible (CPU tensors,
@@ -48,9 +48,10 @@ from torch import Tensor
 
 from dmuon.functional.coefficients import CoefficientSpec, ns_coefficient_table
 from dmuon.functional.matrix_shape import as_matrix_shape
-from dmuon.functional.newton_schulz import (default_ns_dtype, frobenius_denominator, left_product,
+from dmuon.functional.newton_schulz import (GramRestart, default_ns_dtype, frobenius_denominator,
+                                            left_product, resolve_gram_restart,
                                             ns_iterate)
-from dmuon.functional.ns_cost import DEFAULT_GRAM_RESTART, choose_ns_variant
+from dmuon.functional.ns_cost import choose_ns_variant
 from dmuon.kernels.scale_cast import scale_cast_
 from dmuon.kernels.syrk import make_sym_op
 
@@ -171,9 +172,10 @@ class _Program:
         self.dsts = list(dsts)
         self.device = self.srcs[0].device if self.srcs else torch.device("cpu")
         self.cdtype = engine.dtype or default_ns_dtype(self.device)
+        self.gram_restart = resolve_gram_restart(engine.gram_restart, self.cdtype)
         self.chunks, self.empty = plan_ns_chunks(
             [t.shape for t in self.srcs], batch_dims, steps=engine.steps,
-            gram_restart=engine.gram_restart, itemsize=torch.empty((), dtype=self.cdtype).itemsize,
+            gram_restart=self.gram_restart, itemsize=torch.empty((), dtype=self.cdtype).itemsize,
             max_chunk_bytes=engine.max_chunk_bytes)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.mode = "eager"
@@ -197,7 +199,7 @@ class _Program:
             scale_cast_(buf[e.offset:e.offset + e.batch], src, denom)
         x0 = buf.mT if ch.tall else buf        # wide view; tall chunks iterate in their layout
         y = ns_iterate(x0, eng.table, variant=ch.variant, sym=self._sym,
-                       gram_restart=eng.gram_restart, final=self._final_product(ch, fused))
+                       gram_restart=self.gram_restart, final=self._final_product(ch, fused))
         if y is None:                          # the last product wrote the destinations
             return
         yb = y.mT if ch.tall else y            # contiguous, laid out like the entries
@@ -303,8 +305,8 @@ class NSEngine:
 
     Args:
       steps, coefficients, eps, dtype, safety, gram_restart: as in
-        :func:`dmuon.functional.newton_schulz.newton_schulz` (``dtype=None``: bf16 on CUDA, fp32
-        on CPU).
+        :func:`dmuon.functional.newton_schulz.newton_schulz` (``dtype=None``: fp16 on CUDA, fp32
+        on CPU; ``gram_restart="auto"``: 3 for fp16, else 2).
       cuda_graphs: capture and replay on CUDA (default True).
       sym_backend: symmetric products on ``"triton"``, ``"torch"`` (cuBLAS) or ``"auto"``
         (Triton on CUDA when importable).
@@ -314,7 +316,7 @@ class NSEngine:
 
     def __init__(self, *, steps: int = 5, coefficients: CoefficientSpec = "polar_express",
                  eps: float = 1e-7, dtype: Optional[torch.dtype] = None, safety: float = 1.01,
-                 gram_restart: Optional[int] = DEFAULT_GRAM_RESTART, cuda_graphs: bool = True,
+                 gram_restart: GramRestart = "auto", cuda_graphs: bool = True,
                  sym_backend: str = "auto", max_chunk_bytes: Optional[int] = 4 << 30):
         if not (eps >= 0.0):
             raise ValueError(f"eps must be >= 0, got {eps!r}")
@@ -328,7 +330,8 @@ class NSEngine:
         self.table = ns_coefficient_table(coefficients, steps, safety=safety)
         self.eps = float(eps)
         self.dtype = dtype
-        self.gram_restart = gram_restart or None
+        resolve_gram_restart(gram_restart, torch.float32)  # validate now; resolved per program
+        self.gram_restart = gram_restart
         self.cuda_graphs = cuda_graphs
         self.sym_backend = sym_backend
         self.max_chunk_bytes = max_chunk_bytes
