@@ -19,9 +19,10 @@ single-device update (SPEC §4). A composition of existing pieces; no new math.
 
 Tolerance (``rtol=None``), per tensor, by the lowest precision involved (the master / param dtype
 and, for Muon, the Newton–Schulz dtype): fp64 ``1e-10``, fp32 ``1e-5``, fp16 ``1e-3``, bf16
-``1e-2``. The bf16 bound is loose on purpose: on CUDA the optimizer's Newton–Schulz engine (batched,
-Gram / symmetric kernels, graph replay) and the functional NS both round in bf16, in a different
-order; the difference, scaled by ``lr``, is of that order relative to the weights. A bug (a wrong
+``1e-2``. The 16-bit bounds are loose on purpose: on CUDA the optimizer's Newton–Schulz engine
+(batched, Gram / symmetric kernels, graph replay) and the functional NS both round in the NS dtype
+(fp16 by default there), in a different order; the difference, scaled by ``lr``, is of that order
+relative to the weights. A bug (a wrong
 owner, a stale master, a rank-dependent hyper-parameter, a lost step) is O(lr) or more and shows.
 
 What it does not check: the gradients themselves. They are the step's *inputs*, gathered after the
