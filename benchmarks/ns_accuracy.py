@@ -14,9 +14,10 @@ Kinds: ``gauss`` (i.i.d. normal), ``decay`` (singular values ``logspace(0, -4)``
 entries, rows scaled by ``logspace(0, -4)``).
 
 Variants: the GPU engine (``NSEngine``, the production path) in bf16 / fp16 with restart periods
-2 and 3, plus two functional fp16 loops on cuBLAS: ``fp16_r3_plain`` (the library's
-``ns_iterate``) and ``fp16_r3_scaled`` (the same iteration on ``s X`` and ``t A`` with powers of
-two ``s, t`` that lift the entries into fp16's normal range; a candidate fix for underflow).
+2 and 3 (fp16 with the library's range lift ``s = 2^7``), plus three functional fp16 loops on
+cuBLAS: ``fp16_r3_plain`` (the library's ``ns_iterate`` without the lift), ``fp16_r3_lift`` (with
+it, as the engine) and ``fp16_r3_scaled`` (the iteration on ``s X`` and ``t A`` with separate,
+shape-dependent powers of two ``s, t`` kept to the end: the experiment the lift came from).
 """
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ import math
 import torch
 
 from dmuon.functional.coefficients import ns_coefficient_table
-from dmuon.functional.newton_schulz import (frobenius_normalize, left_product, newton_schulz,
-                                            ns_iterate)
+from dmuon.functional.newton_schulz import (default_range_lift, frobenius_normalize, left_product,
+                                            newton_schulz, ns_iterate)
 from dmuon.functional.ns_cost import choose_ns_variant
 from dmuon.stateful.ns_engine import NSEngine
 
@@ -135,6 +136,10 @@ def run(shapes, out_path: str) -> dict:
             x0 = frobenius_normalize(x[None], 1e-7, torch.float32)
             row["fp16_r3_plain"] = errors(ns_iterate(
                 x0.half(), table, variant=row["variant"], gram_restart=3).float()[0], ref, u)
+            s = default_range_lift(torch.float16)
+            row["fp16_r3_lift"] = errors(ns_iterate(
+                (x0 * s).half(), table, variant=row["variant"], gram_restart=3,
+                lift=s).float()[0], ref, u)
             row["fp16_r3_scaled"] = errors(
                 ns_scaled(x0, table, row["variant"], 3, torch.float16)[0], ref, u)
             res["rows"].append(row)

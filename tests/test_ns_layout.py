@@ -48,16 +48,25 @@ def test_left_product_layouts_and_final_hook():
     torch.testing.assert_close(left_product(p, x.contiguous()), p @ x, rtol=0, atol=1e-13)
     seen = []
 
-    def final(q, xx, *, beta=0.0, c=None):
-        seen.append((q.shape, beta, c is None))
+    def final(q, xx, *, alpha=1.0, beta=0.0, c=None):
+        seen.append((q.shape, alpha, beta, c is None))
         return None
     x0 = frobenius_normalize(torch.randn(2, 6, 20, generator=g, dtype=torch.float64), 0.0,
                              torch.float64)
     assert ns_iterate(x0, TABLE, variant="gram", final=final) is None
-    assert seen == [((2, 6, 6), 0.0, True)]                               # Q X_0, once
+    assert seen == [((2, 6, 6), 1.0, 0.0, True)]                          # Q X_0, once
     seen.clear()
     assert ns_iterate(x0, TABLE, variant="direct", final=final) is None
-    assert len(seen) == 1 and seen[0][1] == TABLE[-1][0] and not seen[0][2]  # a X + Z X
+    assert len(seen) == 1 and seen[0][1:3] == (1.0, TABLE[-1][0]) and not seen[0][3]  # a X + Z X
+    # with a range lift s the last product drops it (alpha = 1/s), unless a restart did already
+    seen.clear()
+    ns_iterate(x0 * 8, TABLE, variant="direct", final=final, lift=8.0)
+    ns_iterate(x0 * 8, TABLE, variant="gram", final=final, lift=8.0, gram_restart=None)
+    ns_iterate(x0 * 8, TABLE, variant="gram", final=final, lift=8.0, gram_restart=3)
+    assert [t[1:3] for t in seen] == [(1 / 8, TABLE[-1][0] / 8), (1 / 8, 0.0), (1.0, 0.0)]
+    torch.testing.assert_close(left_product(p, x, alpha=0.25, beta=0.5, c=c),
+                               0.25 * (p @ x) + 0.5 * c, rtol=0, atol=1e-13)
+    torch.testing.assert_close(left_product(p, x, alpha=0.25), 0.25 * (p @ x), rtol=0, atol=1e-13)
     with pytest.raises(ValueError, match="variant"):
         ns_iterate(x0, TABLE, variant="auto")
 

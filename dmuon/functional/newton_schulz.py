@@ -45,6 +45,16 @@ weaker half of the singular directions. The small entries of a large ``X_0`` (ty
 powers of two was measured 1.3-3x closer on Gaussian and row-scaled inputs of 2048x8192 and up),
 yet fp16 stays at least 2x closer than bf16 on every input measured.
 
+**Range lift (fp16).** So the first iterations run on the lifted ``X~ = s X_0`` with ``s = 2^7``
+(:func:`default_range_lift`; 1 for other dtypes): entries of order ``s / sqrt(m n)`` instead of
+``1 / sqrt(m n)``, and ``A~ = X~ X~^T = s^2 A`` (eigenvalues at most ``s^2 = 2^14``, inside fp16's
+range). Every update is linear in ``X`` and ``A`` except ``Z = b A + c A^2``, computed as
+``(b / s^2) A~ + (c / s^4) A~^2`` (scalars applied to the fp32 accumulator); ``Q`` and ``Z`` keep
+their natural scale. The lift ends at the first Gram restart, whose product ``X_0 <- Q X~_0 / s``
+re-materializes ``X`` at its natural scale (by then its singular values are of order 1), or at the
+last general product (``alpha = 1/s``). Powers of two commute with rounding, so apart from the
+subnormals it removes the lifted iteration rounds exactly like the plain one.
+
 **Symmetric products.** ``A``, ``Z``, ``Q``, ``R`` are all polynomials of one symmetric Gram
 matrix, so every ``m x m`` product above (and ``X X^T``) has a symmetric result. Each goes through
 one op, ``sym(a, b, alpha, beta, c, gamma) = alpha a b^T + beta c + gamma I`` (the ``sym=`` hook,
@@ -58,6 +68,7 @@ References: K. Jordan, "Muon" (2024), https://kellerjordan.github.io/posts/muon/
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Literal, Optional, Union
 
 import torch
@@ -67,12 +78,12 @@ from dmuon.functional.coefficients import CoefficientSpec, ns_coefficient_table
 from dmuon.functional.ns_cost import DEFAULT_GRAM_RESTART, choose_ns_variant
 
 __all__ = ["FinalProduct", "GramRestart", "SymOp", "default_gram_restart", "default_ns_dtype",
-           "resolve_gram_restart", "frobenius_denominator",
+           "default_range_lift", "resolve_gram_restart", "frobenius_denominator",
            "frobenius_normalize", "left_product", "newton_schulz", "ns_iterate", "sym_product"]
 
 #: ``sym(a, b=None, *, alpha=1.0, beta=0.0, c=None, gamma=0.0) -> Tensor``; see :func:`sym_product`.
 SymOp = Callable[..., Tensor]
-#: ``final(p, x, *, beta=0.0, c=None) -> Tensor | None``; see :func:`left_product` and
+#: ``final(p, x, *, alpha=1.0, beta=0.0, c=None) -> Tensor | None``; see :func:`left_product` and
 #: :func:`ns_iterate`.
 FinalProduct = Callable[..., Optional[Tensor]]
 #: A Gram restart period: an int ``k >= 1`` (restart before every iteration ``i > 0`` with
@@ -84,6 +95,12 @@ GramRestart = Union[int, None, Literal["auto"]]
 #: than bf16, so its Gram recurrence drifts less and one restart in 5 steps keeps it 2-10x closer to
 #: fp64 than bf16 with two restarts (module docstring), with one ``4 m^2 n``-flop restart fewer.
 GRAM_RESTART_BY_DTYPE = {torch.float16: 3}
+
+#: Range lift ``s`` per compute dtype (module docstring): fp16's normal range starts at 6.1e-5,
+#: above the typical entry of a normalized 4096x14336 matrix (1.3e-4 is near it, 8192x28672's
+#: 6.9e-5 at it); ``2^7`` lifts entries 128x while ``s^2 = 2^14`` keeps ``A~`` far below 65504.
+#: bf16, fp32 and fp64 share fp32's exponent range and need none (1).
+RANGE_LIFT_BY_DTYPE = {torch.float16: 2.0 ** 7}
 
 
 def default_ns_dtype(device: torch.device | str) -> torch.dtype:
@@ -102,6 +119,12 @@ def default_gram_restart(dtype: torch.dtype) -> int:
     :data:`~dmuon.functional.ns_cost.DEFAULT_GRAM_RESTART` (2).
     """
     return GRAM_RESTART_BY_DTYPE.get(dtype, DEFAULT_GRAM_RESTART)
+
+
+def default_range_lift(dtype: torch.dtype) -> float:
+    """The range lift ``s`` (a power of two) the iteration uses in compute ``dtype``: ``2^7`` for
+    float16 (:data:`RANGE_LIFT_BY_DTYPE`), 1 otherwise (module docstring)."""
+    return RANGE_LIFT_BY_DTYPE.get(dtype, 1.0)
 
 
 def resolve_gram_restart(gram_restart: GramRestart, dtype: torch.dtype) -> int | None:
@@ -131,8 +154,8 @@ def frobenius_denominator(x: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
 
 
 def frobenius_normalize(x: Tensor, eps: float, dtype: torch.dtype, *,
-                        out: Tensor | None = None) -> Tensor:
-    """``X_0 = X / (||X||_F + eps)`` per matrix (last two dims), computed in at least fp32, cast.
+                        out: Tensor | None = None, lift: float = 1.0) -> Tensor:
+    """``X_0 = lift * X / (||X||_F + eps)`` per matrix (last two dims), in at least fp32, cast.
 
     Args:
       x: ``(..., m, n)``; not mutated.
@@ -141,11 +164,15 @@ def frobenius_normalize(x: Tensor, eps: float, dtype: torch.dtype, *,
         ``promote(x.dtype, dtype, float32)``.
       out: optional ``(..., m, n)`` tensor of ``dtype`` (any strides, e.g. a transposed view of a
         batch) that receives the result; the caller donates it.
+      lift: a power of two (the range lift, :func:`default_range_lift`), folded into the divisor
+        (``(||X||_F + eps) / lift``, exact), so the result equals ``lift`` times the plain one.
 
     Returns:
       ``out`` if given, else a new tensor.
     """
     norm = frobenius_denominator(x, eps, dtype)
+    if lift != 1.0:
+        norm = norm.div_(lift)
     if out is None:
         return torch.div(x, norm).to(dtype)
     return torch.div(x, norm, out=out)
@@ -189,8 +216,9 @@ def _transposed_layout(x: Tensor) -> bool:
     return x.ndim == 3 and not x.is_contiguous() and x.mT.is_contiguous()
 
 
-def left_product(p: Tensor, x: Tensor, *, beta: float = 0.0, c: Tensor | None = None) -> Tensor:
-    """``p @ x + beta * c`` for ``p: (B, m, m)``, ``x, c: (B, m, n)``, in ``x``'s memory layout.
+def left_product(p: Tensor, x: Tensor, *, alpha: float = 1.0, beta: float = 0.0,
+                 c: Tensor | None = None) -> Tensor:
+    """``alpha p @ x + beta c`` for ``p: (B, m, m)``, ``x, c: (B, m, n)``, in ``x``'s memory layout.
 
     The general (non-symmetric) products of NS: ``Z X`` (direct) and ``Q X_0`` (Gram). When ``x``
     is a transposed view of a contiguous ``(B, n, m)`` batch (how a tall matrix is iterated without
@@ -202,41 +230,50 @@ def left_product(p: Tensor, x: Tensor, *, beta: float = 0.0, c: Tensor | None = 
     Args:
       p: ``(B, m, m)``.
       x: ``(B, m, n)``, contiguous or a transposed view of a contiguous ``(B, n, m)`` tensor.
+      alpha: scalar on the product, applied to the accumulator before the cast (``torch.baddbmm``).
       beta, c: optional ``beta * c`` term (``c`` laid out like ``x``), fused into the product.
 
     Returns:
       A new ``(B, m, n)`` tensor laid out like ``x`` (contiguous, or transposed-contiguous).
     """
-    if _transposed_layout(x):
-        xt, pt = x.mT, p.mT
-        if c is not None:
-            return torch.baddbmm(c.mT, xt, pt, beta=beta).mT
-        return torch.bmm(xt, pt).mT
+    if _transposed_layout(x):               # (x^T p^T)^T, written in x's layout
+        return _product(x.mT, p.mT, alpha, beta, None if c is None else c.mT).mT
+    return _product(p, x, alpha, beta, c)
+
+
+def _product(a: Tensor, b: Tensor, alpha: float, beta: float, c: Tensor | None) -> Tensor:
+    """``alpha a @ b + beta c`` by one cuBLAS call (plain ``bmm`` when ``alpha = 1`` and no ``c``)."""
     if c is not None:
-        return torch.baddbmm(c, p, x, beta=beta)
-    return torch.bmm(p, x)
+        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+    if alpha == 1.0:
+        return torch.bmm(a, b)
+    # beta = 0: the input is not read (nor its NaNs propagated), only its shape and dtype matter
+    shell = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
+    return torch.baddbmm(shell, a, b, beta=0.0, alpha=alpha)
 
 
-def _direct(x: Tensor, table, sym: SymOp, final: FinalProduct) -> Tensor | None:
-    for i, (a, b, c) in enumerate(table):
+def _direct(x: Tensor, table, sym: SymOp, final: FinalProduct, s: float) -> Tensor | None:
+    for i, (a, b, c) in enumerate(table):                       # x = s X, a_mat = s^2 A
         a_mat = sym(x)                                          # A = X X^T
-        z = sym(a_mat, a_mat, alpha=c, beta=b, c=a_mat)         # Z = b A + c A^2
-        mul = final if i == len(table) - 1 else left_product
-        x = mul(z, x, beta=a, c=x)                              # X = a X + Z X (general)
+        z = sym(a_mat, a_mat, alpha=c / s**4, beta=b / s**2, c=a_mat)  # Z = b A + c A^2
+        if i < len(table) - 1:
+            x = left_product(z, x, beta=a, c=x)                 # X = a X + Z X (general)
+        else:                                                   # the last one drops the lift
+            x = final(z, x, alpha=1.0 / s, beta=a / s, c=x)
     return x
 
 
 def _gram(x0: Tensor, table, sym: SymOp, restart: int | None,
-          final: FinalProduct) -> Tensor | None:
+          final: FinalProduct, s: float) -> Tensor | None:
     steps = len(table)
-    a_mat = sym(x0)                                             # A_0 = X_0 X_0^T
+    a_mat = sym(x0)                                             # A_0 = X_0 X_0^T (lifted: s^2 A_0)
     q: Tensor | None = None
     for i, (a, b, c) in enumerate(table):
         if restart and i > 0 and i % restart == 0:              # restart: X_0 <- Q X_0
-            x0 = left_product(q, x0)
+            x0 = left_product(q, x0, alpha=1.0 / s)             # (natural scale from here on)
             a_mat = sym(x0)
-            q = None
-        z = sym(a_mat, a_mat, alpha=c, beta=b, c=a_mat)         # Z = b A + c A^2
+            q, s = None, 1.0
+        z = sym(a_mat, a_mat, alpha=c / s**4, beta=b / s**2, c=a_mat)  # Z = b A + c A^2
         if q is None:                                           # Q = P = Z + a I (no product)
             q = z.clone()
             q.diagonal(dim1=-2, dim2=-1).add_(a)
@@ -246,12 +283,12 @@ def _gram(x0: Tensor, table, sym: SymOp, restart: int | None,
         if not last_in_segment:
             r = sym(a_mat, z, beta=a, c=a_mat)                  # R = A Z + a A
             a_mat = sym(z, r, beta=a, c=r)                      # A = Z R + a R = P A P
-    return final(q, x0)
+    return final(q, x0, alpha=1.0 / s)
 
 
 def ns_iterate(x0: Tensor, table, *, variant: Literal["direct", "gram"], sym: SymOp | None = None,
                gram_restart: GramRestart = "auto",
-               final: FinalProduct | None = None) -> Tensor | None:
+               final: FinalProduct | None = None, lift: float = 1.0) -> Tensor | None:
     """Run the NS iterations on an already normalized wide batch, keeping its memory layout.
 
     The iteration of :func:`newton_schulz` without its normalization, orientation and dtype
@@ -259,27 +296,34 @@ def ns_iterate(x0: Tensor, table, *, variant: Literal["direct", "gram"], sym: Sy
     (module docstring), in ``x0``'s dtype.
 
     Args:
-      x0: ``(B, m, n)`` with ``m <= n`` and singular values at most 1; contiguous, or a transposed
-        view of a contiguous ``(B, n, m)`` batch (a tall matrix iterated in place of its
-        transpose: no transposed copy is made, see :func:`left_product`).
+      x0: ``(B, m, n)`` with ``m <= n``, ``lift`` times a batch with singular values at most 1;
+        contiguous, or a transposed view of a contiguous ``(B, n, m)`` batch (a tall matrix
+        iterated in place of its transpose: no transposed copy is made, see :func:`left_product`).
       table: ``(a, b, c)`` triples (:func:`~dmuon.functional.coefficients.ns_coefficient_table`).
       variant: ``"direct"`` or ``"gram"``.
       sym, gram_restart: as in :func:`newton_schulz` (``"auto"`` resolves by ``x0.dtype``).
-      final: the op of the LAST general product, ``final(p, x, *, beta=0.0, c=None)`` with the
-        contract of :func:`left_product` (its default): ``Q X_0`` in Gram, ``a X + Z X`` of the
-        last direct step. A caller may write the result straight into its destinations (e.g. in
-        another dtype) and return ``None``; ``ns_iterate`` then returns ``None``.
+      final: the op of the LAST general product, ``final(p, x, *, alpha=1.0, beta=0.0, c=None)``
+        with the contract of :func:`left_product` (its default): ``Q X_0`` in Gram, ``a X + Z X``
+        of the last direct step (``alpha = 1/lift`` there while the lift lasts). A caller may
+        write the result straight into its destinations (e.g. in another dtype) and return
+        ``None``; ``ns_iterate`` then returns ``None``.
+      lift: the range lift ``s`` of ``x0`` (a power of two; module docstring); the result is at
+        natural scale whatever ``lift`` is.
 
     Returns:
       A new ``(B, m, n)`` tensor laid out like ``x0`` (or what ``final`` returned).
     """
     if variant not in ("direct", "gram"):
         raise ValueError(f"variant must be 'direct' or 'gram', got {variant!r}")
+    if not (isinstance(lift, (int, float)) and lift > 0 and math.frexp(lift)[0] == 0.5):
+        raise ValueError(f"lift must be a positive power of two (e.g. default_range_lift(dtype)), "
+                         f"got {lift!r}")
     sym_op = sym_product if sym is None else sym
     fin = left_product if final is None else final
     if variant == "direct":
-        return _direct(x0, table, sym_op, fin)
-    return _gram(x0, table, sym_op, resolve_gram_restart(gram_restart, x0.dtype), fin)
+        return _direct(x0, table, sym_op, fin, float(lift))
+    return _gram(x0, table, sym_op, resolve_gram_restart(gram_restart, x0.dtype), fin,
+                 float(lift))
 
 
 def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = "polar_express",
@@ -313,7 +357,7 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = 
       normalize: ``True`` (default): ``X_0 = frobenius_normalize(x, eps, dtype)``. ``False``:
         ``x`` already is ``X_0`` (scaled so that its singular values are at most 1, e.g. by
         :func:`frobenius_normalize` fused into a caller's gather) and is only cast to the
-        compute dtype; ``eps`` is then unused.
+        compute dtype (and range-lifted in fp16); ``eps`` is then unused.
 
     Returns:
       A new contiguous tensor with ``x``'s shape and dtype.
@@ -351,12 +395,18 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = 
     xb = x.reshape(-1, m, n)
     if tall:
         xb = xb.mT
-    x0 = frobenius_normalize(xb, eps, cdtype) if normalize else xb.to(cdtype)
+    lift = default_range_lift(cdtype)
+    if normalize:
+        x0 = frobenius_normalize(xb, eps, cdtype, lift=lift)
+    elif lift != 1.0:
+        x0 = (xb.to(torch.promote_types(xb.dtype, torch.float32)) * lift).to(cdtype)
+    else:
+        x0 = xb.to(cdtype)
 
     short, long_ = min(m, n), max(m, n)
     if variant == "auto":
         variant = choose_ns_variant(short, long_, steps, gram_restart=gram_restart)
-    out = ns_iterate(x0, table, variant=variant, sym=sym, gram_restart=gram_restart)
+    out = ns_iterate(x0, table, variant=variant, sym=sym, gram_restart=gram_restart, lift=lift)
     if tall:
         out = out.mT
     return out.to(x.dtype).contiguous().reshape(shape)

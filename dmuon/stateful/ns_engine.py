@@ -48,8 +48,9 @@ from torch import Tensor
 
 from dmuon.functional.coefficients import CoefficientSpec, ns_coefficient_table
 from dmuon.functional.matrix_shape import as_matrix_shape
-from dmuon.functional.newton_schulz import (GramRestart, default_ns_dtype, frobenius_denominator,
-                                            left_product, resolve_gram_restart,
+from dmuon.functional.newton_schulz import (GramRestart, default_ns_dtype, default_range_lift,
+                                            frobenius_denominator, left_product,
+                                            resolve_gram_restart,
                                             ns_iterate)
 from dmuon.functional.ns_cost import choose_ns_variant
 from dmuon.kernels.scale_cast import scale_cast_
@@ -173,6 +174,7 @@ class _Program:
         self.device = self.srcs[0].device if self.srcs else torch.device("cpu")
         self.cdtype = engine.dtype or default_ns_dtype(self.device)
         self.gram_restart = resolve_gram_restart(engine.gram_restart, self.cdtype)
+        self.lift = default_range_lift(self.cdtype)
         self.chunks, self.empty = plan_ns_chunks(
             [t.shape for t in self.srcs], batch_dims, steps=engine.steps,
             gram_restart=self.gram_restart, itemsize=torch.empty((), dtype=self.cdtype).itemsize,
@@ -193,13 +195,16 @@ class _Program:
         eng = self.engine
         shape = (ch.batch, ch.long, ch.short) if ch.tall else (ch.batch, ch.short, ch.long)
         buf = torch.empty(shape, dtype=self.cdtype, device=self.device)
-        for e in ch.entries:                   # gather: X_0 = G / (||G||_F + eps), cast
+        for e in ch.entries:                   # gather: X_0 = s G / (||G||_F + eps), cast
             src = self.srcs[e.index].reshape(e.batch, e.m, e.n).contiguous()
             denom = frobenius_denominator(src, eng.eps, self.cdtype)
+            if self.lift != 1.0:               # the range lift s (fp16), exact in the divisor
+                denom.div_(self.lift)
             scale_cast_(buf[e.offset:e.offset + e.batch], src, denom)
         x0 = buf.mT if ch.tall else buf        # wide view; tall chunks iterate in their layout
         y = ns_iterate(x0, eng.table, variant=ch.variant, sym=self._sym,
-                       gram_restart=self.gram_restart, final=self._final_product(ch, fused))
+                       gram_restart=self.gram_restart, final=self._final_product(ch, fused),
+                       lift=self.lift)
         if y is None:                          # the last product wrote the destinations
             return
         yb = y.mT if ch.tall else y            # contiguous, laid out like the entries
@@ -214,14 +219,17 @@ class _Program:
         entry with ``torch.bmm(..., out_dtype=float32, out=dst)``: the fp32 accumulator is stored
         without the bf16 rounding and the separate cast pass over the result. Otherwise (and for
         the direct variant's ``a X + Z X``) ``None``: the default product and a scatter.
-        ``fused`` is that condition for ``ch``, decided once when the program is built.
+        ``fused`` is that condition for ``ch``, decided once when the program is built. A product
+        that still carries the fp16 range lift (``alpha != 1``: a Gram run without restarts) takes
+        the default path too.
         """
         if not fused:
             return None
 
-        def final(p: Tensor, x: Tensor, *, beta: float = 0.0, c: Optional[Tensor] = None):
-            if c is not None:
-                return left_product(p, x, beta=beta, c=c)
+        def final(p: Tensor, x: Tensor, *, alpha: float = 1.0, beta: float = 0.0,
+                  c: Optional[Tensor] = None):
+            if c is not None or alpha != 1.0:
+                return left_product(p, x, alpha=alpha, beta=beta, c=c)
             for e in ch.entries:
                 pe, xe = p[e.offset:e.offset + e.batch], x[e.offset:e.offset + e.batch]
                 dst = self.dsts[e.index].view(e.batch, e.m, e.n)
