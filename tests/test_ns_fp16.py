@@ -3,7 +3,8 @@
 Measured on CPU (``benchmarks/NOTES_ns.md``, session 2): fp16 NS is 5-10x closer to the fp64
 iteration than bf16, and Gram NS in fp16 with ONE restart (``gram_restart=3``) is still several
 times closer than bf16 with two. On the H200 (session 3, ``benchmarks/ns_accuracy.py``) the same
-held from 512x2048 to 8192x28672 (2.0-10x), so fp16 with one restart became the CUDA default.
+held from 512x2048 to 8192x28672 (2.0-10x; 4.8-10x with the range lift), so fp16 with one
+restart became the CUDA default.
 These checks keep that property: a stray bf16 cast in the fp16 path, or a restart schedule that
 lets the Gram recursion drift, fails them.
 """

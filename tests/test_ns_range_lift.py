@@ -1,8 +1,8 @@
 """The fp16 range lift: NS on ``s X_0`` (``s = 2^7``) until the first restart or the last product.
 
 In fp64 the lift changes nothing (powers of two commute with rounding); in fp16 it keeps the small
-entries of a normalized large matrix out of the subnormals. On the H200 the same idea was 1.3-3x
-closer to fp64 on Gaussian and row-scaled inputs from 2048x8192 up (``benchmarks/NOTES_ns.md``,
+entries of a normalized large matrix out of the subnormals. On the H200 it brought fp16 1.0-3.0x
+closer to fp64, most on Gaussian and row-scaled inputs from 2048x8192 up (``benchmarks/NOTES_ns.md``,
 session 3); on CPU at 1024x4096 row-scaled it measured 1.3x (Gram and direct).
 """
 from __future__ import annotations

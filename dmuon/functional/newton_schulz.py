@@ -37,15 +37,11 @@ iteration ``i > 0`` with ``i % gram_restart == 0``) the Gram variant re-material
 Every NS iterate is bounded (``X_0`` has Frobenius norm 1; with the Polar Express schedule the
 eigenvalues of ``A`` stay below 2 and those of ``Z`` below 9, and ``Q`` below ``prod_k a_k``, about
 1e3), so fp16 never overflows, and its 11-bit mantissa makes the iteration about 8x closer to fp64
-than bf16's 8 bits at the same tensor-core rate. Measured on the H200 (``benchmarks/ns_accuracy.py``;
-Gaussian, decaying, low-rank, power-law and row-scaled inputs from 512x2048 to 8192x28672): fp16
-with one restart is 2.0-10x closer to the fp64 iteration than bf16 with two restarts, also on the
-weaker half of the singular directions. The small entries of a large ``X_0`` (typical size
-``1/sqrt(m n)``) reach fp16's subnormal range; that costs accuracy (lifting ``X`` and ``A`` by
-powers of two was measured 1.3-3x closer on Gaussian and row-scaled inputs of 2048x8192 and up),
-yet fp16 stays at least 2x closer than bf16 on every input measured.
+than bf16's 8 bits at the same tensor-core rate. Its narrow exponent range is the catch: the
+typical entry of a normalized ``m x n`` matrix is ``1/sqrt(m n)`` (1.3e-4 at 4096x14336), near
+fp16's subnormals (below 6.1e-5), hence the range lift below.
 
-**Range lift (fp16).** So the first iterations run on the lifted ``X~ = s X_0`` with ``s = 2^7``
+**Range lift (fp16).** The first iterations run on the lifted ``X~ = s X_0`` with ``s = 2^7``
 (:func:`default_range_lift`; 1 for other dtypes): entries of order ``s / sqrt(m n)`` instead of
 ``1 / sqrt(m n)``, and ``A~ = X~ X~^T = s^2 A`` (eigenvalues at most ``s^2 = 2^14``, inside fp16's
 range). Every update is linear in ``X`` and ``A`` except ``Z = b A + c A^2``, computed as
@@ -54,6 +50,12 @@ their natural scale. The lift ends at the first Gram restart, whose product ``X_
 re-materializes ``X`` at its natural scale (by then its singular values are of order 1), or at the
 last general product (``alpha = 1/s``). Powers of two commute with rounding, so apart from the
 subnormals it removes the lifted iteration rounds exactly like the plain one.
+
+Measured on the H200 (``benchmarks/ns_accuracy.py``; Gaussian, decaying, low-rank, power-law and
+row-scaled inputs from 512x2048 to 8192x28672): the lift brings fp16 1.0-3.0x closer to the fp64
+iteration (most on Gaussian and row-scaled inputs of 2048x8192 and up), and fp16 with one restart
+and the lift is 4.8-10x closer than bf16 with two restarts, 5.9-10x on the weaker half of the
+singular directions.
 
 **Symmetric products.** ``A``, ``Z``, ``Q``, ``R`` are all polynomials of one symmetric Gram
 matrix, so every ``m x m`` product above (and ``X X^T``) has a symmetric result. Each goes through
