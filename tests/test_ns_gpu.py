@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dmuon.functional.newton_schulz import newton_schulz
-from dmuon.kernels.syrk import sym_abt_torch, sym_abt_triton, triton_available
+from dmuon.kernels.syrk import sym_abt_triton, triton_available
 from dmuon.stateful.ns_engine import NSEngine
 
 pytestmark = pytest.mark.gpu
