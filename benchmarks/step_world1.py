@@ -140,7 +140,11 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh):
         engine = None
         if kind == "dmuon_chunk1g":
             engine = NSEngine(max_chunk_bytes=1 << 30)
-        opt = Muon(model, lr=0.02, weight_decay=0.01, adamw_lr=1e-4, adamw_weight_decay=0.01,
+        # dmuon_lr0: Muon's matrices keep their initial values (lr 0; AdamW's part as usual), so
+        # forward + backward multiply the same kind of numbers as the AdamW run (whose lr 1e-4
+        # barely moves them): separates dmuon's machinery from data-dependent kernel speed
+        opt = Muon(model, lr=0.0 if kind == "dmuon_lr0" else 0.02, weight_decay=0.01,
+                   adamw_lr=1e-4, adamw_weight_decay=0.01,
                    check_finite=(kind == "dmuon_check"), ns_engine=engine)
         if kind == "dmuon_release":  # grad buckets freed after each step (see runtime.py)
             opt.runtime.release_grad_buffers = True
@@ -265,7 +269,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/step_world1_h200.json")
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke test)")
     ap.add_argument("--configs", default="adamw,dmuon,dmuon_foreach,adamw_again",
-                    help="also: dmuon_persistent, dmuon_release, dmuon_check, dmuon_chunk1g")
+                    help="also: dmuon_persistent, dmuon_release, dmuon_check, dmuon_chunk1g, "
+                    "dmuon_lr0")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--stat-steps", type=int, default=4)

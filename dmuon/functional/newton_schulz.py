@@ -249,9 +249,9 @@ def _product(a: Tensor, b: Tensor, alpha: float, beta: float, c: Tensor | None) 
         return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
     if alpha == 1.0:
         return torch.bmm(a, b)
-    # beta = 0: the input is not read (nor its NaNs propagated), only its shape and dtype matter
-    shell = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
-    return torch.baddbmm(shell, a, b, beta=0.0, alpha=alpha)
+    # in place into a fresh buffer (one allocation, as bmm); beta = 0: its contents are not read
+    out = torch.empty(a.shape[0], a.shape[1], b.shape[2], dtype=a.dtype, device=a.device)
+    return out.baddbmm_(a, b, beta=0.0, alpha=alpha)
 
 
 def _direct(x: Tensor, table, sym: SymOp, final: FinalProduct, s: float) -> Tensor | None:
