@@ -144,15 +144,18 @@ def resolve_gram_restart(gram_restart: GramRestart, dtype: torch.dtype) -> int |
     return gram_restart or None
 
 
-def frobenius_denominator(x: Tensor, eps: float, dtype: torch.dtype) -> Tensor:
-    """``||X||_F + eps`` per matrix (last two dims), shape ``(..., 1, 1)``, in at least fp32.
+def frobenius_denominator(x: Tensor, eps: float, dtype: torch.dtype, *,
+                          lift: float = 1.0) -> Tensor:
+    """``(||X||_F + eps) / lift`` per matrix (last two dims), shape ``(..., 1, 1)``, in at least fp32.
 
     The divisor of :func:`frobenius_normalize`, computed in ``promote(x.dtype, dtype, float32)``;
     exposed so that a fused gather (the GPU engine's scale-and-cast kernel) divides by exactly
-    the same numbers.
+    the same numbers. ``lift`` is the range lift (a power of two, :func:`default_range_lift`), so
+    dividing by it is exact and the quotient is ``lift`` times the plain one.
     """
     acc = torch.promote_types(torch.promote_types(x.dtype, dtype), torch.float32)
-    return torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=acc).add_(eps)
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=acc).add_(eps)
+    return norm if lift == 1.0 else norm.div_(lift)
 
 
 def frobenius_normalize(x: Tensor, eps: float, dtype: torch.dtype, *,
@@ -166,15 +169,13 @@ def frobenius_normalize(x: Tensor, eps: float, dtype: torch.dtype, *,
         ``promote(x.dtype, dtype, float32)``.
       out: optional ``(..., m, n)`` tensor of ``dtype`` (any strides, e.g. a transposed view of a
         batch) that receives the result; the caller donates it.
-      lift: a power of two (the range lift, :func:`default_range_lift`), folded into the divisor
-        (``(||X||_F + eps) / lift``, exact), so the result equals ``lift`` times the plain one.
+      lift: the range lift (:func:`frobenius_denominator`); the result is ``lift`` times the plain
+        one, exactly.
 
     Returns:
       ``out`` if given, else a new tensor.
     """
-    norm = frobenius_denominator(x, eps, dtype)
-    if lift != 1.0:
-        norm = norm.div_(lift)
+    norm = frobenius_denominator(x, eps, dtype, lift=lift)
     if out is None:
         return torch.div(x, norm).to(dtype)
     return torch.div(x, norm, out=out)

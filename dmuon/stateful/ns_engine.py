@@ -197,9 +197,7 @@ class _Program:
         buf = torch.empty(shape, dtype=self.cdtype, device=self.device)
         for e in ch.entries:                   # gather: X_0 = s G / (||G||_F + eps), cast
             src = self.srcs[e.index].reshape(e.batch, e.m, e.n).contiguous()
-            denom = frobenius_denominator(src, eng.eps, self.cdtype)
-            if self.lift != 1.0:               # the range lift s (fp16), exact in the divisor
-                denom.div_(self.lift)
+            denom = frobenius_denominator(src, eng.eps, self.cdtype, lift=self.lift)
             scale_cast_(buf[e.offset:e.offset + e.batch], src, denom)
         x0 = buf.mT if ch.tall else buf        # wide view; tall chunks iterate in their layout
         y = ns_iterate(x0, eng.table, variant=ch.variant, sym=self._sym,
