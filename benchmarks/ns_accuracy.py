@@ -92,8 +92,8 @@ def run(shapes, out_path: str) -> dict:
                 x0.half(), table, variant=row["variant"], gram_restart=3).float()[0], ref, u)
             s = default_range_lift(torch.float16)
             row["fp16_r3_lift"] = errors(ns_iterate(
-                (x0 * s).half(), table, variant=row["variant"], gram_restart=3,
-                lift=s).float()[0], ref, u)
+                frobenius_normalize(x[None], 1e-7, torch.float16, lift=s), table,
+                variant=row["variant"], gram_restart=3, lift=s).float()[0], ref, u)
             res["rows"].append(row)
             print(f"{m}x{n} {kind:8s} {row['variant']:6s} " + " ".join(
                 f"{k}={v['rel']:.2e}" + (f"/{v['weak_half']:.2e}" if "weak_half" in v else "")

@@ -16,8 +16,8 @@ of a general product's flops are done. This covers every symmetric product of Ne
 * ``P Q`` for commuting symmetric ``P, Q`` (polynomials of the same Gram matrix), where
   ``P Q^T = P Q`` is symmetric.
 
-Operands are read in their own dtype (fp16 or bf16 on the fast path), accumulated in fp32, and the epilogue
-runs in fp32 before one cast to the output dtype. ``sym_abt_torch`` is the same function on cuBLAS
+Operands are read in their own dtype (fp16 or bf16 on the fast path), accumulated in fp32, and the
+epilogue runs in fp32 before one cast to the output dtype. ``sym_abt_torch`` is the same function on cuBLAS
 (``torch.baddbmm``), used where Triton is missing, on CPU, or where it is faster (see
 ``benchmarks/NOTES_ns.md`` for the measured shapes).
 

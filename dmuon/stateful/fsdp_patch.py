@@ -62,22 +62,19 @@ def _with_dedicated(ignored: set | None, modules: Iterable[nn.Module], recurse: 
     return set(ignored or ()) | extra
 
 
-def _wrap_get_managed_states(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def wrapper(modules, ignored_params=None, *args, **kwargs):
-        return fn(modules, _with_dedicated(ignored_params, modules, False), *args, **kwargs)
+def _skipping_dedicated(recurse: bool) -> Callable[[Callable], Callable]:
+    """Wrapper factory for FSDP2's ``_get_managed_states(modules, ignored_params, ...)``
+    (``recurse=False``: the modules' own params) and ``_get_managed_modules(root_modules,
+    ignored_params, ...)`` (``recurse=True``: everything below the roots): both get the dedicated
+    params added to ``ignored_params``."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def wrapper(modules, ignored_params=None, *args, **kwargs):
+            return fn(modules, _with_dedicated(ignored_params, modules, recurse), *args, **kwargs)
 
-    setattr(wrapper, _WRAPPED_FLAG, True)
-    return wrapper
-
-
-def _wrap_get_managed_modules(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def wrapper(root_modules, ignored_params=None, *args, **kwargs):
-        return fn(root_modules, _with_dedicated(ignored_params, root_modules, True), *args, **kwargs)
-
-    setattr(wrapper, _WRAPPED_FLAG, True)
-    return wrapper
+        setattr(wrapper, _WRAPPED_FLAG, True)
+        return wrapper
+    return wrap
 
 
 def _patch_name(name: str, wrap: Callable[[Callable], Callable], required: bool) -> int:
@@ -116,8 +113,8 @@ def install_fully_shard_patch() -> None:
             f"dmuon needs FSDP2 (torch>=2.11); importing {_INIT_MODULE} failed on torch "
             f"{torch.__version__}: {exc}"
         ) from exc
-    _patch_name("_get_managed_states", _wrap_get_managed_states, required=True)
-    _patch_name("_get_managed_modules", _wrap_get_managed_modules, required=False)
+    _patch_name("_get_managed_states", _skipping_dedicated(recurse=False), required=True)
+    _patch_name("_get_managed_modules", _skipping_dedicated(recurse=True), required=False)
 
 
 def is_installed() -> bool:

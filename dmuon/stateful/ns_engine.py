@@ -11,9 +11,10 @@ What it computes: for every input ``G_i`` (viewed as ``B_i`` matrices ``m_i x n_
   and each group is split into chunks of at most ``max_chunk_bytes`` of compute-dtype iterate;
 * per chunk: Frobenius normalization straight from the sources into the batch (divisor
   :func:`~dmuon.functional.newton_schulz.frobenius_denominator`, ``X_0 = G / (||G||_F + eps)``
-  cast to the compute dtype, fp16 on CUDA, by :func:`dmuon.kernels.scale_cast.scale_cast_`), then
-  one call of the functional core, ``ns_iterate(X_0, variant=..., sym=make_sym_op(sym_backend))``,
-  direct or Gram as :func:`~dmuon.functional.ns_cost.choose_ns_variant` says for that shape, with
+  times the compute dtype's range lift, cast to the compute dtype, fp16 on CUDA, by
+  :func:`dmuon.kernels.scale_cast.scale_cast_`), then one call of the functional core,
+  ``ns_iterate(X_0, variant=..., sym=make_sym_op(sym_backend), lift=...)``, direct or Gram as
+  :func:`~dmuon.functional.ns_cost.choose_ns_variant` says for that shape, with
   the Gram restarts of ``gram_restart`` (by default 3 for fp16, else 2); every symmetric product
   runs on the Triton triangle kernel or cuBLAS (:mod:`dmuon.kernels.syrk`); the results are cast
   back into the destinations (``scale_cast_`` again). The engine holds no NS math of its own;
@@ -49,9 +50,8 @@ from torch import Tensor
 from dmuon.functional.coefficients import CoefficientSpec, ns_coefficient_table
 from dmuon.functional.matrix_shape import as_matrix_shape
 from dmuon.functional.newton_schulz import (GramRestart, default_ns_dtype, default_range_lift,
-                                            frobenius_denominator, left_product,
-                                            resolve_gram_restart,
-                                            ns_iterate)
+                                            frobenius_denominator, left_product, ns_iterate,
+                                            resolve_gram_restart)
 from dmuon.functional.ns_cost import choose_ns_variant
 from dmuon.kernels.scale_cast import scale_cast_
 from dmuon.kernels.syrk import make_sym_op
