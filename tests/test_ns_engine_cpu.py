@@ -9,7 +9,8 @@ from dmuon.functional.matrix_shape import as_matrix_shape
 from dmuon.functional.newton_schulz import newton_schulz
 from dmuon.functional.ns_cost import choose_ns_variant
 from dmuon.kernels.syrk import make_sym_op, sym_abt, sym_abt_torch
-from dmuon.stateful.ns_engine import NSEngine, plan_ns_chunks
+from dmuon.functional.ns_chunks import plan_ns_chunks
+from dmuon.stateful.ns_engine import NSEngine
 
 # (shape, batch_dims): square (direct), wide/tall 4x (gram), 3-D batched, 4-D conv-like, 1.25x
 # (direct), a tall twin of a wide shape (same group), an empty one.

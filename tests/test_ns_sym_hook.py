@@ -87,7 +87,7 @@ def test_only_symmetric_products_reach_the_hook(variant):
     assert seen and max(seen) < 1e-12, seen
 
 
-def test_normalize_false_is_the_engine_entry():
+def test_normalize_false_takes_a_normalized_input():
     x = torch.randn(4, 20, 52, generator=torch.Generator().manual_seed(3))
     for dt in (torch.float32, torch.bfloat16):
         x0 = frobenius_normalize(x, 1e-7, dt)

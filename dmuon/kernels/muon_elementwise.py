@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from dmuon.functional.muon import MuonElementwise, foreach_apply_, foreach_momentum_
-from dmuon.kernels.triton_support import tl, triton, triton_available
+from dmuon.kernels.triton_support import interpreting, tl, triton, triton_available
 
 __all__ = ["fused_elementwise", "momentum_", "apply_", "fused_supported"]
 
@@ -73,12 +73,7 @@ def fused_supported(*tensors: Optional[Tensor]) -> bool:
     n = ts[0].numel()
     return all(t.device == dev and t.is_contiguous() and t.is_floating_point()
                and t.dtype != torch.float64 and t.numel() == n for t in ts) \
-        and (dev.type == "cuda" or _interpreting())
-
-
-def _interpreting() -> bool:
-    import os
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+        and (dev.type == "cuda" or interpreting())
 
 
 def _grid(n: int) -> tuple[int]:
@@ -130,6 +125,6 @@ def _on_device(ts: list[Tensor]):
 def fused_elementwise() -> Optional[MuonElementwise]:
     """The fused stages as a :class:`~dmuon.functional.muon.MuonElementwise` hook, or ``None``
     where they cannot run (no Triton or no CUDA device; then use the default foreach stages)."""
-    if not (triton_available() or (triton is not None and _interpreting())):
+    if not (triton_available() or (triton is not None and interpreting())):
         return None
     return MuonElementwise(momentum=momentum_, apply=apply_)

@@ -70,7 +70,7 @@ def scale_cast_(dst: Tensor, src: Tensor, denom: Optional[Tensor] = None) -> Ten
         raise ValueError(f"denom has {denom.numel()} values for {bsz} matrices")
     if dst.numel() == 0:
         return dst
-    use_triton = (triton is not None and triton_available() and dst.is_cuda and src.is_cuda
+    use_triton = (triton_available() and dst.is_cuda and src.is_cuda
                   and src.dtype in _KERNEL_DTYPES and dst.dtype in _KERNEL_DTYPES
                   and (denom is None or (denom.is_cuda and denom.dtype == torch.float32))
                   and bsz <= 65535)

@@ -28,7 +28,6 @@ product in NS has a symmetric result.
 from __future__ import annotations
 
 import functools
-import logging
 from typing import Optional
 
 import torch
@@ -39,7 +38,6 @@ from dmuon.kernels.triton_support import TRITON_IMPORT_ERROR, tl, triton, triton
 
 __all__ = ["triton_available", "sym_abt", "sym_abt_torch", "sym_abt_triton", "make_sym_op"]
 
-log = logging.getLogger(__name__)
 
 def _check(a: Tensor, b: Tensor, c: Optional[Tensor]) -> None:
     if a.ndim != 3 or b.ndim != 3:
@@ -240,9 +238,7 @@ def sym_abt(a: Tensor, b: Optional[Tensor] = None, *, alpha: float = 1.0, beta: 
     if backend == "triton":
         if _tma_applicable(a, b, c):
             from dmuon.kernels.syrk_tma import sym_abt_tma
-            plain = b is None and (c is None or beta == 0.0) and a.shape[-2] % 256 == 0
-            return sym_abt_tma(a, b, alpha=alpha, beta=beta, c=c, gamma=gamma,
-                               config="p128x256_flat" if plain else None)
+            return sym_abt_tma(a, b, alpha=alpha, beta=beta, c=c, gamma=gamma)
         return sym_abt_triton(a, b, alpha=alpha, beta=beta, c=c, gamma=gamma)
     return sym_abt_torch(a, b, alpha=alpha, beta=beta, c=c, gamma=gamma)
 

@@ -41,14 +41,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
 
 from dmuon.kernels.syrk import _check, sym_abt_torch
-from dmuon.kernels.triton_support import TRITON_IMPORT_ERROR, tl, triton
+from dmuon.kernels.triton_support import TRITON_IMPORT_ERROR, interpreting, tl, triton
 
 __all__ = ["CONFIGS", "DEFAULT_CONFIG", "sym_abt_tma", "resolve_config", "tma_supported"]
 
@@ -82,10 +81,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "p64x128": dict(block_m=64, block_n=128, num_warps=4, num_stages=4),
     "p128x128_ptr": dict(block_n=128, num_stages=3, tma_load=False, tma_store=False),
 }
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 if triton is not None:
@@ -217,13 +212,20 @@ if triton is not None:
 
 
 def resolve_config(config: Union[None, str, dict], m: int = 0, bsz: int = 0,
-                   n_sms: int = 132) -> dict[str, Any]:
-    """Full config dict from ``None`` (heuristic), a preset name of :data:`CONFIGS`, or a dict."""
+                   n_sms: int = 132, plain: bool = False) -> dict[str, Any]:
+    """Full config dict from ``None`` (heuristic), a preset name of :data:`CONFIGS`, or a dict.
+
+    The heuristic: a plain ``a a^T`` (``plain``: no distinct ``b``, no ``c`` term) with
+    ``m % 256 == 0`` takes ``p128x256_flat`` (fastest there on H200, ``syrk_bench_h200.json``);
+    otherwise 128x256 stripes when they fill every SM twice, else 128x128.
+    """
     if config is None:
         n2 = m // 256
         items_256 = bsz * n2 * (n2 + 1)  # 128x256 stripes
-        name = "p128x256" if m % 256 == 0 and items_256 >= 2 * n_sms else "p128x128"
-        config = name
+        if plain and m % 256 == 0:
+            config = "p128x256_flat"
+        else:
+            config = "p128x256" if m % 256 == 0 and items_256 >= 2 * n_sms else "p128x128"
     if isinstance(config, str):
         if config not in CONFIGS:
             raise ValueError(f"unknown sym_abt_tma config {config!r}; presets: {sorted(CONFIGS)}")
@@ -305,15 +307,16 @@ def sym_abt_tma(a: Tensor, b: Optional[Tensor] = None, *, alpha: float = 1.0, be
     b_given = b is not None
     b = a if b is None else b
     _check(a, b, c)
-    if not (a.is_cuda or _interpreting()):
+    if not (a.is_cuda or interpreting()):
         raise ValueError("sym_abt_tma needs CUDA tensors (or TRITON_INTERPRET=1)")
     if a.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"sym_abt_tma needs bf16/fp16 operands, got {a.dtype}")
     bsz, m, k = a.shape
-    interp = _interpreting()
+    interp = interpreting()
     n_sms = 4 if interp else _num_sms(a.device.index if a.device.index is not None else
                                       torch.cuda.current_device())
-    cfg = resolve_config(config, m, bsz, n_sms)
+    cfg = resolve_config(config, m, bsz, n_sms,
+                         plain=not b_given and (c is None or beta == 0.0))
     bm, bn, bk = cfg["block_m"], cfg["block_n"], cfg["block_k"]
     if m % bn or m % bm or k % bk:
         raise ValueError(f"sym_abt_tma with block_m={bm}, block_n={bn}, block_k={bk} needs "

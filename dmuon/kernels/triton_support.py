@@ -7,11 +7,12 @@ is false.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
-__all__ = ["triton", "tl", "TRITON_IMPORT_ERROR", "triton_available"]
+__all__ = ["triton", "tl", "TRITON_IMPORT_ERROR", "triton_available", "interpreting"]
 
 try:  # Triton is optional: CPU machines and some installs lack it.
     import triton
@@ -26,3 +27,8 @@ except Exception as e:  # pragma: no cover - depends on the install
 def triton_available() -> bool:
     """True when Triton imports and a CUDA device is present (the Triton path can run)."""
     return triton is not None and torch.cuda.is_available()
+
+
+def interpreting() -> bool:
+    """True under Triton's CPU interpreter (``TRITON_INTERPRET=1``; CI runs the kernels so)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"

@@ -114,10 +114,6 @@ class Pending:
         self._device_type = device_type
         self._waited = False
 
-    @property
-    def op_ids(self) -> tuple[str, ...]:
-        return tuple(r.op.id for r in self._recs)
-
     def is_completed(self) -> bool:
         """Non-blocking: all ops issued and finished (on CUDA: their end events have fired)."""
         if self._device_type != "cuda":
@@ -217,7 +213,7 @@ class Executor:
         key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
         st = self._streams.get(key)
         if st is None:
-            lo, hi = torch.cuda.Stream.priority_range()  # (low, high); high is the smaller number
+            _, hi = torch.cuda.Stream.priority_range()  # (low, high); high is the smaller number
             prio = hi if lane in ("unshard", "reduce") else 0
             st = torch.cuda.Stream(device=key[0], priority=prio)
             self._streams[key] = st
@@ -303,11 +299,6 @@ class Executor:
             for d in q[0].deps:
                 d.wait_host()
             self._issue_cpu(q.popleft())
-
-    def synchronize(self) -> None:
-        """CPU: issue everything queued and wait for it (blocking). CUDA: nothing queued."""
-        if self._queue:
-            self._drain(self._queue[-1].seq)
 
     # ----------------------------------------------------------------------------- CUDA path
     def _launch_cuda(self, recs: list[_Rec]) -> None:

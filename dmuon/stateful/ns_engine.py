@@ -8,7 +8,8 @@ What it computes: for every input ``G_i`` (viewed as ``B_i`` matrices ``m_i x n_
 * matrices are grouped by ``(min(m, n), max(m, n))`` and orientation -- a tall matrix stays in
   its own layout and is iterated as the transposed view of it (``X^T``, the wide orientation;
   :func:`~dmuon.functional.newton_schulz.left_product`), so no transposed copy is ever made --
-  and each group is split into chunks of at most ``max_chunk_bytes`` of compute-dtype iterate;
+  and each group is split into chunks of at most ``max_chunk_bytes`` of compute-dtype iterate
+  (:func:`~dmuon.functional.ns_chunks.plan_ns_chunks`);
 * per chunk: Frobenius normalization straight from the sources into the batch (divisor
   :func:`~dmuon.functional.newton_schulz.frobenius_denominator`, ``X_0 = G / (||G||_F + eps)``
   times the compute dtype's range lift, cast to the compute dtype, fp16 on CUDA, by
@@ -41,22 +42,20 @@ Three ways to call it:
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from dmuon.functional.coefficients import CoefficientSpec, ns_coefficient_table
-from dmuon.functional.matrix_shape import as_matrix_shape
 from dmuon.functional.newton_schulz import (GramRestart, default_ns_dtype, default_range_lift,
                                             frobenius_denominator, left_product, ns_iterate,
                                             resolve_gram_restart)
-from dmuon.functional.ns_cost import choose_ns_variant
+from dmuon.functional.ns_chunks import NSChunk, plan_ns_chunks
 from dmuon.kernels.scale_cast import scale_cast_
 from dmuon.kernels.syrk import make_sym_op
 
-__all__ = ["NSEngine", "BoundNS", "NSEntry", "NSChunk", "plan_ns_chunks"]
+__all__ = ["NSEngine", "BoundNS"]
 
 log = logging.getLogger(__name__)
 _LOGGED: set = set()
@@ -66,77 +65,6 @@ def _log_once(key: str, msg: str, *args) -> None:
     if key not in _LOGGED:
         _LOGGED.add(key)
         log.warning(msg, *args)
-
-
-@dataclass(frozen=True)
-class NSEntry:
-    """One input: its position, ``B`` matrices of ``m x n``, and where they sit in the chunk."""
-    index: int
-    batch: int
-    m: int
-    n: int
-    offset: int
-
-    @property
-    def tall(self) -> bool:
-        return self.m > self.n
-
-
-@dataclass(frozen=True)
-class NSChunk:
-    """One batched NS call: ``batch`` matrices ``short x long`` run with ``variant``.
-
-    ``tall``: every entry is tall (``m > n``); the chunk's batch is then laid out
-    ``(batch, long, short)`` like its sources and iterated as its transposed view, so neither the
-    gather nor the scatter transposes anything (wide and tall inputs of one shape form separate
-    chunks).
-    """
-    short: int
-    long: int
-    variant: str
-    batch: int
-    entries: tuple[NSEntry, ...]
-    tall: bool = False
-
-
-def plan_ns_chunks(shapes: Sequence[Sequence[int]], batch_dims: Sequence[int], *, steps: int,
-                   gram_restart: Optional[int], itemsize: int,
-                   max_chunk_bytes: Optional[int]) -> tuple[tuple[NSChunk, ...], tuple[int, ...]]:
-    """Group inputs by shape and orientation, split groups into chunks (pure; deterministic order).
-
-    Args:
-      shapes, batch_dims: per input, its shape and number of leading batch dims.
-      steps, gram_restart: passed to ``choose_ns_variant`` for each group's variant.
-      itemsize: bytes per element of the compute dtype.
-      max_chunk_bytes: cap on a chunk's iterate (``batch * short * long * itemsize``); an input
-        larger than the cap forms a chunk of its own. ``None``: one chunk per group.
-
-    Returns:
-      ``(chunks, empty)``: the chunks in order of first appearance of their (wide shape,
-      orientation), and the indices of inputs with no elements (their result is all zeros).
-    """
-    groups: dict[tuple[int, int, bool], list[tuple[int, int, int, int]]] = {}
-    empty = []
-    for i, (shape, bd) in enumerate(zip(shapes, batch_dims)):
-        b, m, n = as_matrix_shape(shape, bd)
-        if b * m * n == 0:
-            empty.append(i)
-            continue
-        groups.setdefault((min(m, n), max(m, n), m > n), []).append((i, b, m, n))
-    chunks = []
-    for (s, l, tall), items in groups.items():
-        variant = choose_ns_variant(s, l, steps, gram_restart=gram_restart)
-        per = s * l * itemsize
-        cur: list[NSEntry] = []
-        size = 0
-        for i, b, m, n in items:
-            if cur and max_chunk_bytes is not None and (size + b) * per > max_chunk_bytes:
-                chunks.append(NSChunk(s, l, variant, size, tuple(cur), tall))
-                cur, size = [], 0
-            cur.append(NSEntry(i, b, m, n, size))
-            size += b
-        chunks.append(NSChunk(s, l, variant, size, tuple(cur), tall))
-    return tuple(chunks), tuple(empty)
 
 
 _FP32_OUT: dict = {}
@@ -350,7 +278,6 @@ class NSEngine:
         self.max_inplace_captures = 4
         self._inplace_captures = 0
         self.last_mode = "none"           # "graph" / "eager" of the last orthogonalize_ call
-        self.last_chunks: tuple = ()
 
     def _pool(self, device: torch.device):
         """One graph memory pool per device, shared by this engine's programs (run in order)."""
@@ -367,6 +294,11 @@ class NSEngine:
             raise ValueError(f"batch_dims has {len(bd)} entries for {n} tensors; give one int or "
                              "one per tensor")
         return bd
+
+    @staticmethod
+    def _signature(inputs: Sequence[Tensor], bd: Sequence[int]) -> tuple:
+        """The key of ``orthogonalize``'s programs: shapes, batch dims, dtypes, devices."""
+        return tuple((tuple(t.shape), d, t.dtype, t.device) for t, d in zip(inputs, bd))
 
     @staticmethod
     def _check(inputs: Sequence[Tensor]) -> None:
@@ -410,7 +342,7 @@ class NSEngine:
         if not inputs:
             return []
         bd = self._batch_dims(len(inputs), batch_dims)
-        key = tuple((tuple(t.shape), d, t.dtype, t.device) for t, d in zip(inputs, bd))
+        key = self._signature(inputs, bd)
         prog = self._programs.get(key)
         if prog is None:
             self._check(inputs)
@@ -484,12 +416,9 @@ class NSEngine:
         while len(self._inplace) > self.max_programs:
             self._inplace.pop(next(iter(self._inplace)))
         self.last_mode = prog.mode
-        self.last_chunks = prog.chunks
         return tensors
 
     def mode(self, inputs: Sequence[Tensor], batch_dims: Union[int, Sequence[int]] = 0) -> str:
         """``"graph"`` or ``"eager"`` for the program of this signature (``"none"`` if not built)."""
-        bd = self._batch_dims(len(inputs), batch_dims)
-        key = tuple((tuple(t.shape), d, t.dtype, t.device) for t, d in zip(inputs, bd))
-        prog = self._programs.get(key)
+        prog = self._programs.get(self._signature(inputs, self._batch_dims(len(inputs), batch_dims)))
         return "none" if prog is None else prog.mode
