@@ -229,6 +229,17 @@ class BucketLayout:
     replicate_size: int
     groups: tuple[str, ...]
     buckets: tuple[Bucket, ...]
+    # ``{group: its buckets}``, built once (the runtime looks groups up every hook); derived data,
+    # so it takes no part in ``__init__``, equality, hashing or ``repr``
+    _by_group: Mapping[str, tuple[Bucket, ...]] = field(
+        default=None, init=False, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        by_group: dict[str, list[Bucket]] = {g: [] for g in self.groups}
+        for b in self.buckets:
+            if b.key.group in by_group:
+                by_group[b.key.group].append(b)
+        object.__setattr__(self, "_by_group", {g: tuple(bs) for g, bs in by_group.items()})
 
     @property
     def world_size(self) -> int:
@@ -242,9 +253,10 @@ class BucketLayout:
 
     def buckets_of(self, group: str) -> tuple[Bucket, ...]:
         """Buckets of one hook group (columns ascending, then dtype)."""
-        if group not in self.groups:
-            raise KeyError(f"unknown hook group {group!r}; known: {list(self.groups)}")
-        return tuple(b for b in self.buckets if b.key.group == group)
+        try:
+            return self._by_group[group]
+        except KeyError:
+            raise KeyError(f"unknown hook group {group!r}; known: {list(self.groups)}") from None
 
     def locate(self, name: str) -> tuple[BucketKey, BucketEntry]:
         """Which bucket holds ``name`` and where."""

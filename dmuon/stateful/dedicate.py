@@ -106,7 +106,8 @@ def _default_timeout(mesh: Any) -> Optional[datetime.timedelta]:
         return None
 
 
-def _check_fingerprint(fingerprint: str, rank: int) -> None:
+def _check_fingerprint(fingerprint: str) -> None:
+    """All-gather the owner plan's fingerprint; raise on every rank if any rank's differs."""
     world = dist.get_world_size()
     got: list = [None] * world
     dist.all_gather_object(got, fingerprint)
@@ -207,9 +208,10 @@ def dedicate_params(
         local_err = e
     grid = agree_grid(mesh, replicate_mesh, local_err=local_err,
                       param_device_types=[p.device.type for p in chosen.values()])
-    mesh_groups = make_process_groups(grid=grid, timeout=timeout or _default_timeout(mesh))
+    timeout = timeout or _default_timeout(mesh)
+    mesh_groups = make_process_groups(grid=grid, timeout=timeout)
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size, ns_steps=ns_steps)
-    _check_fingerprint(plan.fingerprint, mesh_groups.rank)
+    _check_fingerprint(plan.fingerprint)
 
     # a param shared by several modules (tied weights) is moved by the boundary of all its uses:
     # if its names fall under different boundaries, the root group (gathered for the whole forward)
@@ -225,13 +227,12 @@ def dedicate_params(
     groups = hook_groups(list(chosen), keys, order=order)
     group_modules = {k: (model if k == ROOT_GROUP else model.get_submodule(k)) for k in order}
 
-    executor = Executor(mesh_groups, timeout=timeout or _default_timeout(mesh))
+    executor = Executor(mesh_groups, timeout=timeout)
     spec_by_name = {s.name: s for s in specs}
     rt = DedicatedRuntime(
-        model=model, params=chosen, specs={n: spec_by_name[n] for n in chosen}, plan=plan,
-        mesh_groups=mesh_groups, executor=executor, groups=groups, group_modules=group_modules,
-        reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-        batch_dims={n: spec_by_name[n].batch_dims for n in chosen}, all_specs=specs)
+        model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
+        groups=groups, group_modules=group_modules, reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen})
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, rt.owner_rank[n])
     register_hooks(model, rt)

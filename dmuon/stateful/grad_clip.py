@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.stateful.runtime import get_runtime
+from dmuon.stateful.runtime import get_runtime, local_tensor
 
 
 def _replication(t: torch.Tensor) -> int:
@@ -54,8 +54,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         if prm in dedicated or prm.grad is None:
             continue
         g = prm.grad
-        local = g.to_local() if hasattr(g, "to_local") else g
-        pieces.append((local, _replication(g)))
+        pieces.append((local_tensor(g), _replication(g)))
     acc = torch.zeros((), dtype=torch.float64, device=rt.device)
     for g, k in pieces:
         if g.numel() == 0:

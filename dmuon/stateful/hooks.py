@@ -127,5 +127,4 @@ def register_hooks(model: nn.Module, rt: DedicatedRuntime) -> list[Any]:
     for name, p in rt.params.items():
         handles.append(p.register_post_accumulate_grad_hook(
             _eager(lambda param, name=name: rt.on_grad(name, param))))
-    rt.hook_handles = handles
     return handles

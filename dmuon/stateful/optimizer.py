@@ -28,20 +28,10 @@ import torch.nn as nn
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.stateful.ns_engine import NSEngine
-from dmuon.stateful.runtime import DedicatedRuntime, get_runtime
+from dmuon.stateful.runtime import DedicatedRuntime, get_runtime, local_tensor
 from dmuon.stateful.telemetry import StepStats, StepTelemetry
 
 logger = logging.getLogger(__name__)
-
-_MUON_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "ns_eps",
-              "ns_dtype", "lr_scale")
-
-
-def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    if t is None:
-        return None
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 def _check_fsdp_mesh(model: nn.Module, rt: DedicatedRuntime) -> None:
@@ -131,7 +121,6 @@ class Muon(torch.optim.Optimizer):
         ]
         super().__init__(groups, defaults={})
         self._rt: DedicatedRuntime = rt
-        self._model_ref = model
         self.check_finite = (rt.device.type != "cuda") if check_finite is None \
             else bool(check_finite)
         if adamw_impl not in ("auto",) + fadamw.IMPLS:
@@ -145,17 +134,19 @@ class Muon(torch.optim.Optimizer):
         self._ns_engine: Optional[NSEngine] = ns_engine if isinstance(ns_engine, NSEngine) else None
         self._ns_key: Any = None
         self._host_syncs = 0
-        self.telemetry = StepTelemetry(getattr(rt, "executor", None), rt.device)
+        self.telemetry = StepTelemetry(rt.executor, rt.device)
         self.replicate_async = bool(replicate_async)
         self.num_steps = 0  # completed step() calls (the same on every rank)
         # a newer Muon(model) supersedes this one: stepping both would update twice per step
-        rt.optimizer_generation = getattr(rt, "optimizer_generation", 0) + 1
+        rt.optimizer_generation += 1
         self._generation = rt.optimizer_generation
         self.muon_state: Optional[fmuon.MuonState] = None
         self.adamw_state: Optional[fadamw.AdamWState] = None
         # batch dims of the owned matrices (both fixed by dedicate_params); None: all plain
         bd = {n: rt.batch_dims.get(n, 0) for n in rt.owned_names}
         self._batch_dims: Optional[dict[str, int]] = bd if any(bd.values()) else None
+        # elements of the owned masters (fixed at setup), reported by every step's telemetry
+        self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -174,7 +165,7 @@ class Muon(torch.optim.Optimizer):
     def muon_hparams(self) -> fmuon.MuonHParams:
         """The Muon hyper-parameters the next ``step()`` uses (read from ``param_groups[0]``)."""
         g = self.param_groups[0]
-        return fmuon.MuonHParams(**{k: g[k] for k in _MUON_KEYS})
+        return fmuon.MuonHParams(**{k: g[k] for k in fmuon.MuonHParams._fields})
 
     def adamw_hparams(self) -> fadamw.AdamWHParams:
         """The AdamW hyper-parameters the next ``step()`` uses (read from ``param_groups[1]``)."""
@@ -191,7 +182,7 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rt = self._rt
-        if self._generation != getattr(rt, "optimizer_generation", self._generation):
+        if self._generation != rt.optimizer_generation:
             raise RuntimeError(
                 "dmuon.Muon.step: a newer dmuon.Muon was built on this model, which supersedes "
                 "this one (two optimizers would both update every matrix each step). Nothing was "
@@ -211,7 +202,7 @@ class Muon(torch.optim.Optimizer):
         import torch.distributed as dist
 
         named = [(n, rt.reduced_grads[n]) for n in rt.owned_names if n in rt.reduced_grads]
-        named += [(n, _local(p.grad)) for n, p in self._adamw_named if p.grad is not None]
+        named += [(n, local_tensor(p.grad)) for n, p in self._adamw_named if p.grad is not None]
         named = [(n, g) for n, g in named if g.numel() > 0]
         world, me = dist.get_world_size(), dist.get_rank()
         flags = torch.zeros(world, dtype=torch.float32, device=rt.device)
@@ -309,8 +300,8 @@ class Muon(torch.optim.Optimizer):
           ``(params, grads)``: ``{name: local shard}`` (``DTensor.to_local()``, a view: writing it
           writes the param) and ``{name: local gradient shard, or None}``.
         """
-        params = {n: _local(p) for n, p in self._adamw_named}
-        grads = {n: _local(p.grad) for n, p in self._adamw_named}
+        params = {n: local_tensor(p) for n, p in self._adamw_named}
+        grads = {n: local_tensor(p.grad) for n, p in self._adamw_named}
         return params, grads
 
     def _adamw_impl(self) -> str:
@@ -326,7 +317,7 @@ class Muon(torch.optim.Optimizer):
         owned = rt.owned_names
         self.telemetry.finish_step(
             step=self.num_steps + 1, owned_matrices=len(owned),
-            owned_elements=sum(rt.masters[n].numel() for n in owned),
+            owned_elements=self._owned_elements,
             dedicated_matrices=len(rt.names), adamw_params=len(self._adamw_named),
             ns_mode=getattr(self, "_ns_mode", "none") if owned else "none",
             host_syncs=self._host_syncs, adamw_impl=self._adamw_impl())
@@ -408,8 +399,8 @@ class Muon(torch.optim.Optimizer):
             params, _ = self.adamw_local_tensors()
             self.adamw_state = fadamw.init(params)
             for n in mu:
-                self.adamw_state.mu[n].copy_(_local(mu[n]))
-                self.adamw_state.nu[n].copy_(_local(nu[n]))
+                self.adamw_state.mu[n].copy_(local_tensor(mu[n]))
+                self.adamw_state.nu[n].copy_(local_tensor(nu[n]))
             self.adamw_state = self.adamw_state._replace(step=step_a)
         self.refresh_state_views()
 

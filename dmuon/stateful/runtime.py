@@ -94,16 +94,13 @@ class DedicatedRuntime:
     grad-clip functions.
     """
 
-    def __init__(self, *, model: nn.Module, params: Mapping[str, nn.Parameter],
-                 specs: Mapping[str, Any], plan: Any, mesh_groups: Any, executor: Any,
-                 groups: HookGroups, group_modules: Mapping[str, nn.Module],
-                 reshard_after_forward: bool, mp_policy: Any, batch_dims: Mapping[str, int],
-                 all_specs: tuple):
+    def __init__(self, *, model: nn.Module, params: Mapping[str, nn.Parameter], plan: Any,
+                 mesh_groups: Any, executor: Any, groups: HookGroups,
+                 group_modules: Mapping[str, nn.Module], reshard_after_forward: bool,
+                 mp_policy: Any, batch_dims: Mapping[str, int]):
         self.model_ref = weakref.ref(model)
         self.params: dict[str, nn.Parameter] = dict(params)
         self.names: tuple[str, ...] = tuple(params)
-        self.specs = dict(specs)
-        self.all_specs = all_specs
         self.plan = plan
         self.mesh_groups = mesh_groups
         self.executor = executor
@@ -142,7 +139,6 @@ class DedicatedRuntime:
         # HSDP publish of the last step not yet waited, per hook group (see ``publish``)
         self.pending_publish: dict[str, Any] = {}
         self._publish_scheds: Optional[dict[str, Schedule]] = None
-        self.in_backward_pass = False
         self._callback_queued = False
         self.ready = False
         self.unshard_layout: Optional[BucketLayout] = None
@@ -159,6 +155,7 @@ class DedicatedRuntime:
         # graph rarely replays (eager NS measured as fast, benchmarks/NOTES_step.md). False:
         # persistent buffers, NS graph replay, peak = FSDP2+AdamW's.
         self.release_grad_buffers = True
+        self.optimizer_generation = 0  # bumped by each dmuon.Muon(model); only the newest steps
         self.unshard_schedules: dict[str, Schedule] = {}
         self.reduce_schedules: dict[str, Schedule] = {}
         self._placeholders: dict[str, torch.Tensor] = {}
@@ -285,12 +282,19 @@ class DedicatedRuntime:
         """Make group ``key``'s params valid full tensors in the compute dtype (waits)."""
         g = self.groups[key]
         self.launch_unshard(key)
-        if g.pending_unshard is not None:
-            g.pending_unshard.wait()
-            g.pending_unshard = None
+        if self._wait_unshard(g):
             g.gathered = True
             g.gathered_version = self.version
         self._point_params(key)
+
+    @staticmethod
+    def _wait_unshard(g: GroupRuntime) -> bool:
+        """Wait for ``g``'s in-flight gather, if any; True if there was one."""
+        if g.pending_unshard is None:
+            return False
+        g.pending_unshard.wait()
+        g.pending_unshard = None
+        return True
 
     def _point_params(self, key: str) -> None:
         for b in self.unshard_layout.buckets_of(key):
@@ -302,9 +306,7 @@ class DedicatedRuntime:
     def reshard(self, key: str) -> None:
         """Free group ``key``'s gathered copy (storage to 0 bytes; params to placeholders)."""
         g = self.groups[key]
-        if g.pending_unshard is not None:  # never free under an in-flight collective
-            g.pending_unshard.wait()
-            g.pending_unshard = None
+        self._wait_unshard(g)  # never free under an in-flight collective
         for n in g.names:
             self.params[n].data = self._placeholders[n]
         for b in self.unshard_layout.buckets_of(key):
@@ -341,9 +343,9 @@ class DedicatedRuntime:
         g.reduced_this_backward = True
         buffers: dict[BucketKey, torch.Tensor] = {}
         s = self.coord[0]
+        dt = to_torch_dtype(g.reduce_dtype)  # every bucket's dtype: ensure_ready's layout used it
         with torch.no_grad():
             for b in self.reduce_layout.buckets_of(key):
-                dt = to_torch_dtype(b.key.dtype)
                 buf = None
                 if b.key.column == s and b.key not in self._grad_busy:
                     buf = self.grad_buffers.get(b.key)
@@ -381,14 +383,12 @@ class DedicatedRuntime:
         if self._callback_queued:
             return
         self._callback_queued = True
-        self.in_backward_pass = True
         torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end)
 
     def on_backward_end(self) -> None:
         """End-of-backward: reduce every group whose hooks did not complete (same order on all
         ranks, zeros for missing grads), free gathered copies, reset per-backward state."""
         self._callback_queued = False
-        self.in_backward_pass = False
         self.wait_publish()  # publishes of groups this forward did not use (see ``publish``)
         for key in self.order:
             g = self.groups[key]
@@ -481,6 +481,12 @@ class DedicatedRuntime:
         pending, self.pending_publish = self.pending_publish, {}
         for handle in pending.values():
             handle.wait()
+
+
+def local_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """``t.to_local()`` for a DTensor (this rank's shard, a view); else ``t`` itself (or None)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def find_runtime(model: Any) -> Optional[DedicatedRuntime]:

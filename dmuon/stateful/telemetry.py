@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from dmuon.stateful.executor import Executor
 
 __all__ = ["StepStats", "StepTelemetry"]
 
@@ -76,11 +79,11 @@ class StepTelemetry:
     """Collects :class:`StepStats`; owned by ``dmuon.Muon`` (``optimizer.telemetry``).
 
     Args:
-      executor: the runtime's executor (its ``counters()`` are cumulative per lane), or None.
+      executor: the runtime's executor (its ``counters()`` are cumulative per lane).
       device: where the optimizer's math runs (CUDA: NS timed with events).
     """
 
-    def __init__(self, executor: Any, device: torch.device):
+    def __init__(self, executor: "Executor", device: torch.device):
         self.executor = executor
         self.device = torch.device(device)
         self._prev = self._snapshot()
@@ -91,8 +94,6 @@ class StepTelemetry:
         self._last: Optional[_Record] = None
 
     def _snapshot(self) -> dict[str, dict[str, int]]:
-        if self.executor is None or not hasattr(self.executor, "counters"):
-            return {}
         return self.executor.counters()
 
     # -- around the NS call (may be called several times per step) ----------------------------
