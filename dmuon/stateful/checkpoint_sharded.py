@@ -29,20 +29,17 @@ from typing import Any, Mapping, NamedTuple, Optional
 import torch
 import torch.nn as nn
 
-from dmuon.functional import adamw as fadamw
-from dmuon.functional import muon as fmuon
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.optimizer_state_dict import (
-    check_optimizer, current_states, dtensor_like, hparam_groups, load_hparams,
+    _COUNTERS, _MOMENTS, check_optimizer, current_states, dtensor_like, fresh_states,
+    install_states, load_hparams, saved_counters,
 )
-from dmuon.stateful.runtime import get_runtime
+from dmuon.stateful.runtime import get_runtime, local_tensor
 from dmuon.stateful.state_dict import (
     agree, dedicated_names_by_key, expected_entries, tied_groups,
 )
 
 __all__ = ["save_sharded", "load_sharded", "ShardedSaveResult", "ShardedLoadResult"]
-
-_SCALARS = ("adamw_step", "muon_step", "num_steps")
 
 
 class ShardedSaveResult(NamedTuple):
@@ -67,7 +64,7 @@ def _local_bytes(tree: Any) -> int:
     if isinstance(tree, Mapping):
         return sum(_local_bytes(v) for v in tree.values())
     if isinstance(tree, torch.Tensor):
-        t = tree.to_local() if hasattr(tree, "to_local") else tree
+        t = local_tensor(tree)
         return t.numel() * t.element_size()
     return 0
 
@@ -147,7 +144,7 @@ def _model_entries(model: nn.Module, rt, for_load: bool, skip: frozenset = froze
 
 def _optim_entries(optimizer, rt, states, for_load: bool, masters_in_ckpt=frozenset()):
     ms, st = states
-    fsdp2 = {n: {"exp_avg": dtensor_like(st.mu[n], p), "exp_avg_sq": dtensor_like(st.nu[n], p)}
+    fsdp2 = {n: {k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
              for n, p in optimizer.adamw_named_params}
     dedicated: dict[str, dict[str, torch.Tensor]] = {}
     for n in rt.names:
@@ -163,13 +160,12 @@ def _optim_entries(optimizer, rt, states, for_load: bool, masters_in_ckpt=frozen
             dedicated[n] = entry
     out: dict[str, Any] = {"fsdp2": fsdp2, "dedicated": dedicated}
     if for_load:
-        out.update({k: 0 for k in _SCALARS})
+        out.update({k: 0 for k in _COUNTERS})
         out["param_groups"] = ()
     else:
-        out.update({"adamw_step": int(st.step) if st is not None else 0,
-                    "muon_step": int(optimizer.num_steps), "num_steps": int(optimizer.num_steps),
-                    # a tuple is one DCP object (a list of dicts would be split into leaves)
-                    "param_groups": tuple(hparam_groups(optimizer))})
+        out.update(saved_counters(optimizer, st))
+        # a tuple is one DCP object (a list of dicts would be split into leaves)
+        out["param_groups"] = tuple(out["param_groups"])
     return out
 
 
@@ -226,7 +222,7 @@ def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, stri
                             "pass optimizer=None to load the model only")
         else:
             want = {f"optim.fsdp2.{n}.{m}": tuple(p.shape) for n, p in optimizer.adamw_named_params
-                    for m in ("exp_avg", "exp_avg_sq")}
+                    for m in _MOMENTS}
             want.update({f"optim.dedicated.{n}.momentum_buffer": rt.shape[n] for n in rt.names})
             for key, shape in want.items():
                 if key not in md:
@@ -276,10 +272,7 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     sd: dict[str, Any] = {"model": {check.source[k]: v for k, v in model_sd.items()}}
     states = None
     if optimizer is not None:
-        ms = fmuon.init(rt.owned_masters) if rt.owned_names else None
-        st = (fadamw.init(optimizer.adamw_local_tensors()[0])
-              if optimizer.adamw_named_params else None)
-        states = (ms, st)
+        states = fresh_states(optimizer)
         sd["optim"] = _optim_entries(optimizer, rt, states, for_load=True, masters_in_ckpt=masters)
     extra_keys = [k[len("extra."):] for k in md if k.startswith("extra.")]
     if extra_keys:
@@ -290,12 +283,7 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     for master, tmp in post:
         master.copy_(tmp)
     if optimizer is not None:
-        o = sd["optim"]
-        load_hparams(optimizer, o["param_groups"])
-        ms, st = states
-        optimizer.adamw_state = st._replace(step=int(o["adamw_step"])) if st is not None else None
-        optimizer.muon_state = ms._replace(step=int(o["muon_step"])) if ms is not None else None
-        optimizer.num_steps = int(o["num_steps"])
-        optimizer.refresh_state_views()
+        load_hparams(optimizer, sd["optim"]["param_groups"])
+        install_states(optimizer, states, sd["optim"])
     rt.masters_changed()
     return ShardedLoadResult(dict(sd.get("extra", {})), planner.bytes_requested, planner.bytes_read)

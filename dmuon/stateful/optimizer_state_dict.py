@@ -25,11 +25,12 @@ from dmuon.functional import muon as fmuon
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.optimizer import Muon
 from dmuon.stateful.runtime import get_runtime
-from dmuon.stateful.state_dict import agree, from_owner
+from dmuon.stateful.state_dict import agree, from_owner, from_rank0, full_copy, local_shard
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict"]
 
 _MOMENTS = ("exp_avg", "exp_avg_sq")
+_COUNTERS = ("adamw_step", "muon_step", "num_steps")
 
 
 def check_optimizer(model: nn.Module, optimizer: Any, what: str):
@@ -40,20 +41,59 @@ def check_optimizer(model: nn.Module, optimizer: Any, what: str):
     return rt
 
 
-def current_states(optimizer: Muon) -> tuple[Optional[fmuon.MuonState], fadamw.AdamWState | None]:
-    """The optimizer's functional states, zero-initialized where no step ran yet (local pieces)."""
+States = tuple[Optional[fmuon.MuonState], Optional[fadamw.AdamWState]]
+
+
+def _fresh_muon(optimizer: Muon) -> Optional[fmuon.MuonState]:
     rt = optimizer.runtime
+    return fmuon.init(rt.owned_masters) if rt.owned_names else None
+
+
+def _fresh_adamw(optimizer: Muon) -> Optional[fadamw.AdamWState]:
+    if not optimizer.adamw_named_params:
+        return None
+    return fadamw.init(optimizer.adamw_local_tensors()[0])
+
+
+def fresh_states(optimizer: Muon) -> States:
+    """New zero functional states ``(muon, adamw)`` for this rank's pieces (``None`` where this rank
+    has no owned matrix / no AdamW param), to fill and :func:`install_states`."""
+    return _fresh_muon(optimizer), _fresh_adamw(optimizer)
+
+
+def current_states(optimizer: Muon) -> States:
+    """The optimizer's functional states, zero-initialized where no step ran yet (local pieces)."""
     ms = optimizer.muon_state
-    if ms is None and rt.owned_names:
-        ms = fmuon.init(rt.owned_masters)
+    if ms is None:
+        ms = _fresh_muon(optimizer)
     st = optimizer.adamw_state
-    if st is None and optimizer.adamw_named_params:
-        st = fadamw.init(optimizer.adamw_local_tensors()[0])
+    if st is None:
+        st = _fresh_adamw(optimizer)
     return ms, st
+
+
+def install_states(optimizer: Muon, states: States, counters: Mapping[str, Any]) -> None:
+    """Make ``states`` (from :func:`fresh_states`, filled) the optimizer's, with the step counters
+    ``counters["adamw_step" / "muon_step" / "num_steps"]`` of a saved dict, and rebuild its
+    torch-style ``state`` views."""
+    ms, st = states
+    step_a, step_m = int(counters["adamw_step"]), int(counters["muon_step"])
+    optimizer.adamw_state = st._replace(step=step_a) if st is not None else None
+    optimizer.muon_state = ms._replace(step=step_m) if ms is not None else None
+    optimizer.num_steps = int(counters["num_steps"])
+    optimizer.refresh_state_views()
 
 
 def hparam_groups(optimizer: Muon) -> list[dict[str, Any]]:
     return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+
+
+def saved_counters(optimizer: Muon, adamw_state: Optional[fadamw.AdamWState]) -> dict[str, Any]:
+    """The saved dict's counters and hyper-parameters: ``adamw_step``, ``muon_step``,
+    ``num_steps`` and ``param_groups`` (a list, see :func:`hparam_groups`)."""
+    return {"adamw_step": int(adamw_state.step) if adamw_state is not None else 0,
+            "muon_step": int(optimizer.num_steps), "num_steps": int(optimizer.num_steps),
+            "param_groups": hparam_groups(optimizer)}
 
 
 def dtensor_like(local: torch.Tensor, like: Any) -> Any:
@@ -64,13 +104,6 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
     from torch.distributed.tensor import DTensor
     return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
                               shape=like.shape, stride=like.stride())
-
-
-def _full(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Collective for DTensor ``like``: the full tensor of the piece ``local`` (a copy)."""
-    if hasattr(like, "device_mesh"):
-        return dtensor_like(local, like).full_tensor()
-    return local.detach().clone()
 
 
 @torch.no_grad()
@@ -95,7 +128,8 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, cpu_offload: boo
     ms, st = current_states(optimizer)
     fsdp2: dict[str, dict[str, torch.Tensor]] = {}
     for n, p in optimizer.adamw_named_params:
-        entry = {k: _full(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
+        # collective for a DTensor p: the full tensor of this rank's piece (a copy)
+        entry = {k: full_copy(dtensor_like(src[n], p)) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
         if keep:
             fsdp2[n] = {k: mv(v) for k, v in entry.items()}
     dedicated: dict[str, dict[str, torch.Tensor]] = {}
@@ -109,10 +143,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, cpu_offload: boo
                                          rt.master_dtype[n], src, rt, rank0_only)
         if keep:
             dedicated[n] = {k: mv(v) for k, v in entry.items()}
-    return {"fsdp2": fsdp2, "dedicated": dedicated,
-            "adamw_step": int(st.step) if st is not None else 0,
-            "muon_step": int(optimizer.num_steps), "num_steps": int(optimizer.num_steps),
-            "param_groups": hparam_groups(optimizer)}
+    return {"fsdp2": fsdp2, "dedicated": dedicated, **saved_counters(optimizer, st)}
 
 
 def _shapes(section: Mapping[str, Any], key: str) -> dict[str, Any]:
@@ -193,7 +224,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon,
     if has_dict and not problems:
         meta = {"fsdp2": bool(state_dict["fsdp2"]), "dedicated": bool(state_dict["dedicated"]),
                 "masters": sorted(n for n, s in state_dict["dedicated"].items() if "master" in s),
-                **{k: state_dict.get(k, 0) for k in ("adamw_step", "muon_step", "num_steps")},
+                **{k: state_dict.get(k, 0) for k in _COUNTERS},
                 "param_groups": state_dict.get("param_groups")}
     got = agree(problems, what, meta if rank0_only else None)
     if rank0_only:
@@ -205,10 +236,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon,
             return state_dict[section][n][key]
         me = rt.rank
         if dst is None:
-            buf = (state_dict[section][n][key].to(device=rt.device, dtype=dtype).contiguous()
-                   if me == 0 else torch.empty(shape, dtype=dtype, device=rt.device))
-            dist.broadcast(buf, src=0)
-            return buf
+            return from_rank0(state_dict[section][n][key] if me == 0 else None, shape, dtype, rt)
         if me == 0:
             t = state_dict[section][n][key].to(device=rt.device, dtype=dtype).contiguous()
             if dst == 0:
@@ -221,21 +249,13 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon,
         return None
 
     load_hparams(optimizer, meta["param_groups"])
-    if optimizer.adamw_named_params:
-        st = fadamw.init(optimizer.adamw_local_tensors()[0])
-        if meta["fsdp2"]:
-            for n, p in optimizer.adamw_named_params:
-                for k, dst in zip(_MOMENTS, (st.mu[n], st.nu[n])):
-                    full = fetch("fsdp2", n, k, tuple(p.shape), dst.dtype, None)
-                    full = full.to(device=dst.device, dtype=dst.dtype)
-                    if hasattr(p, "device_mesh"):
-                        from torch.distributed.tensor import distribute_tensor
-                        full = distribute_tensor(full, p.device_mesh, p.placements,
-                                                 src_data_rank=None).to_local()
-                    dst.copy_(full)
-        optimizer.adamw_state = st._replace(step=int(meta["adamw_step"]))
+    ms, st = fresh_states(optimizer)
+    if st is not None and meta["fsdp2"]:
+        for n, p in optimizer.adamw_named_params:
+            for k, dst in zip(_MOMENTS, (st.mu[n], st.nu[n])):
+                full = fetch("fsdp2", n, k, tuple(p.shape), dst.dtype, None)
+                dst.copy_(local_shard(full.to(device=dst.device, dtype=dst.dtype), p))
     owned = set(rt.owned_names)
-    ms = fmuon.init(rt.owned_masters) if owned else None
     for n in rt.names:
         if meta["dedicated"]:
             t = fetch("dedicated", n, "momentum_buffer", rt.shape[n], rt.master_dtype[n],
@@ -246,8 +266,6 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon,
             t = fetch("dedicated", n, "master", rt.shape[n], rt.master_dtype[n], None)
             if n in rt.masters:
                 rt.masters[n].copy_(t.to(device=rt.device, dtype=rt.masters[n].dtype))
-    optimizer.muon_state = ms._replace(step=int(meta["muon_step"])) if ms is not None else None
-    optimizer.num_steps = int(meta["num_steps"])
+    install_states(optimizer, (ms, st), meta)
     if meta["masters"]:
         rt.masters_changed()
-    optimizer.refresh_state_views()

@@ -55,11 +55,14 @@ def dedicated_names_by_key(model: nn.Module, rt: DedicatedRuntime) -> dict[str, 
     return out
 
 
-def expected_entries(model: nn.Module,
-                     rt: DedicatedRuntime) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def expected_entries(model: nn.Module, rt: DedicatedRuntime,
+                     ded: Optional[Mapping[str, str]] = None,
+                     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{key: (full shape, dtype)}`` of the single-device ``model.state_dict()``, in its order
-    (the same on every rank): dedicated matrices by their full shape and the param's dtype."""
-    ded = dedicated_names_by_key(model, rt)
+    (the same on every rank): dedicated matrices by their full shape and the param's dtype.
+    ``ded``: :func:`dedicated_names_by_key` when the caller has it already (else computed)."""
+    if ded is None:
+        ded = dedicated_names_by_key(model, rt)
     exp = {}
     for k, v in model.state_dict().items():
         if k in ded:
@@ -101,6 +104,35 @@ def from_owner(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
     return None
 
 
+def from_rank0(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
+               rt: DedicatedRuntime) -> torch.Tensor:
+    """Collective: rank 0's full tensor ``t`` (ignored elsewhere, may be ``None``) on every rank,
+    on ``rt.device`` in ``dtype`` (broadcast). ``shape``: that of ``t``, for the receiving
+    buffers."""
+    buf = (t.to(device=rt.device, dtype=dtype).contiguous() if rt.rank == 0
+           else torch.empty(shape, dtype=dtype, device=rt.device))
+    dist.broadcast(buf, src=0)
+    return buf
+
+
+def full_copy(t: torch.Tensor) -> torch.Tensor:
+    """Collective for a DTensor ``t`` (every rank of its mesh calls it): its full tensor
+    (``full_tensor()``); a plain tensor: a detached copy."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def local_shard(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """This rank's piece of ``full`` (the full tensor, held by every rank) laid out like the param
+    ``like``: an FSDP2 DTensor's local shard, cut from this rank's own copy
+    (``distribute_tensor(..., src_data_rank=None)``); ``full`` itself when ``like`` is a plain
+    tensor."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full, like.device_mesh, like.placements,
+                             src_data_rank=None).to_local()
+
+
 def _dedicated_full(rt: DedicatedRuntime, n: str, rank0_only: bool) -> Optional[torch.Tensor]:
     """The full matrix ``n`` in the param's dtype, from its owner (:func:`from_owner`)."""
     src = rt.owner_rank[n]
@@ -137,10 +169,8 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
             if n not in cache:
                 cache[n] = _dedicated_full(rt, n, rank0_only)
             t = cache[n]
-        elif hasattr(v, "full_tensor"):
-            t = v.full_tensor()
         else:
-            t = v.detach().clone()
+            t = full_copy(v)
         if keep:
             out[k] = t.cpu() if cpu_offload else t
     return out
@@ -193,7 +223,8 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     what = "dmuon.set_model_state_dict"
     rt = get_runtime(model, f"{what}(model, sd)")
     rt.wait_publish()
-    exp = expected_entries(model, rt)
+    ded = dedicated_names_by_key(model, rt)
+    exp = expected_entries(model, rt, ded)
     has_dict = not rank0_only or rt.rank == 0
     check = None
     if has_dict:
@@ -214,7 +245,6 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     else:
         source, missing, unexpected = check.source, list(check.missing), list(check.unexpected)
 
-    ded = dedicated_names_by_key(model, rt)
     live = dict(model.named_parameters(remove_duplicate=False))
     live.update(dict(model.named_buffers(remove_duplicate=False)))
     done: set[int] = set()
@@ -228,22 +258,15 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
             continue
         done.add(id(target))
         if rank0_only:
-            if rt.rank == 0:
-                v = state_dict[src].to(device=rt.device, dtype=dtype).contiguous()
-            else:
-                v = torch.empty(shape, dtype=dtype, device=rt.device)
-            dist.broadcast(v, src=0)
+            v = from_rank0(state_dict[src] if rt.rank == 0 else None, shape, dtype, rt)
         else:
             v = state_dict[src]
         if n is not None:
             if n in rt.masters:
                 rt.masters[n].copy_(v.to(device=rt.device, dtype=rt.masters[n].dtype))
         elif hasattr(target, "device_mesh"):
-            from torch.distributed.tensor import distribute_tensor
-            full = v.to(device=target.to_local().device, dtype=target.dtype)
-            shard = distribute_tensor(full, target.device_mesh, target.placements,
-                                      src_data_rank=None)
-            target.to_local().copy_(shard.to_local())
+            local = target.to_local()
+            local.copy_(local_shard(v.to(device=local.device, dtype=target.dtype), target))
         else:
             target.copy_(v.to(device=target.device, dtype=target.dtype))
     rt.masters_changed()

@@ -51,7 +51,8 @@ from dmuon.functional.newton_schulz import default_ns_dtype
 from dmuon.stateful.optimizer import Muon
 from dmuon.stateful.optimizer_state_dict import (check_optimizer, get_optimizer_state_dict,
                                                  hparam_groups)
-from dmuon.stateful.state_dict import dedicated_names_by_key, from_owner, get_model_state_dict
+from dmuon.stateful.state_dict import (dedicated_names_by_key, from_owner, full_copy,
+                                       get_model_state_dict)
 
 __all__ = ["verify_step", "VerifyReport", "VerificationError", "default_rtol"]
 
@@ -156,8 +157,7 @@ def _gather_grads(optimizer: Muon) -> dict[str, Optional[torch.Tensor]]:
         grads[n] = from_owner(g, rt.shape[n], getattr(torch, meta[n]), src, rt, False)
     for n, p in optimizer.adamw_named_params:
         g = p.grad
-        grads[n] = None if g is None else (g.full_tensor() if hasattr(g, "full_tensor")
-                                           else g.detach().clone())
+        grads[n] = None if g is None else full_copy(g)
     return grads
 
 
