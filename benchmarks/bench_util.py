@@ -1,4 +1,5 @@
-"""Shared pieces of the GPU benchmark scripts: the Llama matrix sets and CUDA-event timing.
+"""Shared pieces of the GPU benchmark scripts: the Llama matrix sets, CUDA-event timing and
+profiler kernel sums.
 
 Imported by the scripts in this folder (run as ``python benchmarks/<script>.py``, so this folder is
 on ``sys.path``).
@@ -6,22 +7,21 @@ on ``sys.path``).
 from __future__ import annotations
 
 import statistics
+from collections import defaultdict
 from typing import Callable
 
 import torch
 
-#: Layer counts and widths of the two reference models (issue 8).
-MODELS = {
-    "llama-3.2-1b": dict(layers=16, hidden=2048, inter=8192, kv=512),
-    "llama-3.1-8b": dict(layers=32, hidden=4096, inter=14336, kv=1024),
-}
+from dmuon.functional.presets import preset_specs
+
+#: The two reference models (issue 8): names of :data:`dmuon.functional.presets.PRESETS`.
+MODELS = ("llama-3.2-1b", "llama-3.1-8b")
 
 
-def model_shapes(layers: int, hidden: int, inter: int, kv: int) -> list[tuple[int, int]]:
-    """Every 2-D matrix of a Llama decoder stack (q, k, v, o, gate, up, down per layer)."""
-    per = [(hidden, hidden), (kv, hidden), (kv, hidden), (hidden, hidden),
-           (inter, hidden), (inter, hidden), (hidden, inter)]
-    return per * layers
+def model_shapes(name: str) -> list[tuple[int, int]]:
+    """Every 2-D matrix of a preset's decoder stack (q, k, v, o, gate, up, down per layer, in layer
+    order): the shapes of its Muon-routed parameters."""
+    return [sp.shape for sp in preset_specs(name) if sp.route == "muon"]
 
 
 def time_ms(fn: Callable[[], object], warmup: int = 2, repeats: int = 10) -> tuple[float, list]:
@@ -38,3 +38,15 @@ def time_ms(fn: Callable[[], object], warmup: int = 2, repeats: int = 10) -> tup
         e.synchronize()
         ts.append(s.elapsed_time(e))
     return statistics.median(ts), ts
+
+
+def kernel_times(prof) -> dict[str, list]:
+    """Device time (ms) and call count per kernel name, ``{name: [ms, calls]}``, summed over the
+    CUDA-device events of a finished ``torch.profiler.profile`` ``prof``."""
+    per: dict = defaultdict(lambda: [0.0, 0])
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            t = ev.device_time_total / 1e3 if hasattr(ev, "device_time_total") else ev.cuda_time / 1e3
+            per[ev.name][0] += t
+            per[ev.name][1] += 1
+    return dict(per)

@@ -21,7 +21,7 @@ import torch
 from dmuon.functional.ns_cost import ns_cost
 from dmuon.stateful.ns_engine import NSEngine
 
-from bench_util import MODELS, model_shapes, time_ms
+from bench_util import MODELS, kernel_times, model_shapes, time_ms
 
 def kind_of(name: str) -> str:
     n = name.lower()
@@ -42,12 +42,7 @@ def kernel_profile(fn) -> dict:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    per_kernel: dict = defaultdict(lambda: [0.0, 0])
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA:
-            t = ev.device_time_total / 1e3 if hasattr(ev, "device_time_total") else ev.cuda_time / 1e3
-            per_kernel[ev.name][0] += t
-            per_kernel[ev.name][1] += 1
+    per_kernel = kernel_times(prof)
     kinds: dict = defaultdict(float)
     for name, (t, _) in per_kernel.items():
         kinds[kind_of(name)] += t
@@ -61,7 +56,7 @@ def run(models, restarts, out_path, dtype=None):
                gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                compute_dtype=str(dtype or "default"), models=[])
     for name in models:
-        shapes = model_shapes(**MODELS[name])
+        shapes = model_shapes(name)
         groups = sorted({(min(s), max(s)) for s in shapes})
         mrow = dict(model=name, groups={})
         for g in groups:

@@ -120,8 +120,8 @@ def gram_fp32_probe():
     return res
 
 
-def run_model(name, cfg, rate, repeats):
-    shapes = model_shapes(**cfg)
+def run_model(name, rate, repeats):
+    shapes = model_shapes(name)
     ins = [torch.randn(s, device="cuda") for s in shapes]
     from torch.optim._muon import (DEFAULT_A, DEFAULT_B, DEFAULT_C, DEFAULT_NS_STEPS, EPS,
                                    _zeropower_via_newtonschulz)
@@ -214,9 +214,9 @@ def main():
         torch.cuda.empty_cache()
         out["gram_fp32_probe"] = gram_fp32_probe()
     want = args.models.split(",")
-    for key, (name, cfg) in zip(("1b", "8b"), MODELS.items()):
+    for key, name in zip(("1b", "8b"), MODELS):
         if key in want:
-            out["models"].append(run_model(name, cfg, rate, args.repeats))
+            out["models"].append(run_model(name, rate, args.repeats))
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
     with open(args.out, "w") as f:

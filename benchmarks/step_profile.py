@@ -21,31 +21,24 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import step_world1 as sw
+from bench_util import kernel_times
 
 
 def profile_config(kind: str, tiny: bool, warmup: int, steps: int) -> dict:
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.profiler import ProfilerActivity, profile
     cfg = sw.TINY if tiny else sw.Cfg()
     cuda = torch.cuda.is_available() and not tiny
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    rdzv = tempfile.mkdtemp()
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{rdzv}/rdzv",
-                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
-    mesh = init_device_mesh(device.type, (1,))
+    mesh = sw.init_world1(device)
     model, opt = sw.build(cfg, kind, device, mesh)
-    g = torch.Generator(device="cpu").manual_seed(1)
-    ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g).to(device)
+    ids = sw.make_batches(cfg, device, 1)[0]   # the first batch of step_world1.py's
 
     def fwd_bwd():
         opt.zero_grad(set_to_none=True)
-        logits = model(ids[:, :-1])
-        F.cross_entropy(logits.float().view(-1, cfg.vocab), ids[:, 1:].reshape(-1)).backward()
+        loss, logits = sw.lm_loss(model, ids, cfg.vocab)  # logits live through backward
+        loss.backward()
 
     for _ in range(warmup):
         fwd_bwd()
@@ -67,10 +60,9 @@ def profile_config(kind: str, tiny: bool, warmup: int, steps: int) -> dict:
             e.record()
             e.synchronize()
             event_ms.append(s.elapsed_time(e))
-        for ev in prof.events():
-            if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
-                per[ev.name][0] += ev.device_time_total / 1e3 / steps
-                per[ev.name][1] += 1
+            for name, (ms, calls) in kernel_times(prof).items():
+                per[name][0] += ms / steps
+                per[name][1] += calls
         opt.step()
     dist.destroy_process_group()
     top = sorted(per.items(), key=lambda kv: -kv[1][0])

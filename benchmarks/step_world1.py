@@ -119,6 +119,32 @@ def muon_predicate(name: str, p: torch.Tensor) -> bool:
     return p.ndim == 2 and ".layers." in f".{name}"
 
 
+def init_world1(device: torch.device):
+    """Single-rank process group (NCCL on CUDA, gloo on CPU; file rendezvous) and its 1-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rdzv = tempfile.mkdtemp()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                            init_method=f"file://{rdzv}/rdzv", rank=0, world_size=1,
+                            timeout=datetime.timedelta(seconds=120))
+    return init_device_mesh(device.type, (1,))
+
+
+def make_batches(cfg: Cfg, device: torch.device, n: int = 4) -> list[torch.Tensor]:
+    """``n`` batches of token ids, ``(batch, seq + 1)`` each (fixed seed: the same in every run)."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    return [torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g).to(device)
+            for _ in range(n)]
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Next-token cross-entropy of ``model`` on ``ids`` (no host sync); returns ``(loss, logits)``
+    so that the caller decides how long the logits live."""
+    logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.float().view(-1, vocab), ids[:, 1:].reshape(-1)), logits
+
+
 def build(cfg: Cfg, kind: str, device: torch.device, mesh):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
@@ -164,17 +190,14 @@ def run_config(cfg: Cfg, kind: str, device: torch.device, mesh, warmup: int, ste
     t_build = time.perf_counter()
     model, opt = build(cfg, kind, device, mesh)
     build_s = time.perf_counter() - t_build
-    g = torch.Generator(device="cpu").manual_seed(1)
-    batches = [torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g).to(device)
-               for _ in range(4)]
+    batches = make_batches(cfg, device)
 
     def step(i, evs=None):
         ids = batches[i % len(batches)]
         if evs:
             evs[0].record()
         opt.zero_grad(set_to_none=True)
-        logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.float().view(-1, cfg.vocab), ids[:, 1:].reshape(-1))
+        loss, logits = lm_loss(model, ids, cfg.vocab)  # logits live until the step returns
         loss.backward()
         if evs:
             evs[1].record()
@@ -230,9 +253,7 @@ def run_config(cfg: Cfg, kind: str, device: torch.device, mesh, warmup: int, ste
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         opt.zero_grad(set_to_none=True)
-        ids = batches[i % len(batches)]
-        logits = model(ids[:, :-1])
-        loss = F.cross_entropy(logits.float().view(-1, cfg.vocab), ids[:, 1:].reshape(-1))
+        loss, logits = lm_loss(model, batches[i % len(batches)], cfg.vocab)
         del logits
         loss.backward()
         if cuda:
@@ -283,14 +304,7 @@ def main() -> None:
     cfg = TINY if a.tiny else Cfg()
     device = torch.device("cuda", 0) if (torch.cuda.is_available() and not a.tiny) \
         else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    from torch.distributed.device_mesh import init_device_mesh
-    rdzv = tempfile.mkdtemp()
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            init_method=f"file://{rdzv}/rdzv", rank=0, world_size=1,
-                            timeout=datetime.timedelta(seconds=120))
-    mesh = init_device_mesh(device.type, (1,))
+    mesh = init_world1(device)
     n_params = sum(p.numel() for p in Llama(Cfg(**{**asdict(cfg), "layers": 0})).parameters()) \
         if a.tiny else None
     results = []

@@ -83,3 +83,13 @@ def catch(fn) -> tuple:
     except Exception as e:  # noqa: BLE001 - the caller inspects type and message
         return type(e).__name__, str(e)
     return None, None
+
+
+def assert_all_ranks(results, key, kind, *needles):
+    """Assert that every rank's ``catch`` result ``results[rank][key]`` is ``(kind, msg)`` with each
+    of ``needles`` in ``msg`` (``kind=None``, no needles: no rank raised)."""
+    for rank, out in enumerate(results):
+        got_kind, msg = out[key]
+        assert got_kind == kind, (rank, key, out[key])
+        for s in needles:
+            assert s in msg, (rank, key, s, msg)

@@ -2,9 +2,9 @@
 
 Naming follows HF Llama without the ``model.`` prefix: ``embed_tokens``, ``layers.N.self_attn.
 {q,k,v,o}_proj``, ``layers.N.mlp.{gate,up,down}_proj``, ``layers.N.{input,post_attention}_layernorm``,
-``norm``, ``lm_head``. ``MHAModel`` swaps attention for a ``MultiheadAttention``-style module that
-reads ``out_proj.weight`` with ``F.linear`` instead of calling ``out_proj`` (the reason dmuon hooks
-sit on layer boundaries, not on leaf modules).
+``norm``, ``lm_head``. ``TinyLlama(mha_style=True)`` swaps attention for a ``MultiheadAttention``-style
+module that reads ``out_proj.weight`` with ``F.linear`` instead of calling ``out_proj`` (the reason
+dmuon hooks sit on layer boundaries, not on leaf modules).
 """
 from __future__ import annotations
 

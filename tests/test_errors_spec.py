@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import pytest
 
-from dist_utils import catch, run_ranks
+from dist_utils import assert_all_ranks, catch, run_ranks
 
 TIMEOUT_S = 2.0
 
@@ -118,43 +118,35 @@ def results():
     return run_ranks(_worker, 4)
 
 
-def _all(results, key, kind, *needles):
-    for rank, out in enumerate(results):
-        got_kind, msg = out[key]
-        assert got_kind == kind, (rank, key, out[key])
-        for s in needles:
-            assert s in msg, (rank, key, s, msg)
-
-
 def test_one_rank_mistakes_raise_on_every_rank(results):
-    _all(results, "fsdp_first_rank0", "RuntimeError", "before fully_shard")
-    _all(results, "pred_raises", "RuntimeError", "predicate raised KeyError",
+    assert_all_ranks(results, "fsdp_first_rank0", "RuntimeError", "before fully_shard")
+    assert_all_ranks(results, "pred_raises", "RuntimeError", "predicate raised KeyError",
          "layers.1.mlp.up_proj.weight")
     assert "on ranks [1]" in results[0]["pred_raises"][1]
-    _all(results, "no_match_rank2", "ValueError", "matched no")
+    assert_all_ranks(results, "no_match_rank2", "ValueError", "matched no")
     assert "on ranks [2]" in results[0]["no_match_rank2"][1]
-    _all(results, "vector_rank3", "ValueError", "not a matrix", "norm")
+    assert_all_ranks(results, "vector_rank3", "ValueError", "not a matrix", "norm")
 
 
 def test_meta_params(results):
-    _all(results, "meta", "ValueError", "meta device", "to_empty")
+    assert_all_ranks(results, "meta", "ValueError", "meta device", "to_empty")
 
 
 def test_meshes_that_do_not_match_the_process_group(results):
-    _all(results, "sub_mesh", "ValueError", "covers ranks [0, 1]", "ranks [0, 1, 2, 3]")
-    _all(results, "per_replica_1d", "ValueError", "disagree on the mesh", "replicate_mesh")
-    _all(results, "rep_size", "ValueError", "4 x 2 = 8", "world size 4")
-    _all(results, "both_2d_and_rep", "ValueError", "not both")
-    _all(results, "device_type", "ValueError", "'cuda'", "['cpu']", "model.to")
-    _all(results, "not_a_mesh", "TypeError", "DeviceMesh")
-    _all(results, "hsdp_ok", None)
-    _all(results, "fsdp_other_mesh", "ValueError", "fully_shard-ed", "ranks [0, 1, 2, 3]")
+    assert_all_ranks(results, "sub_mesh", "ValueError", "covers ranks [0, 1]", "ranks [0, 1, 2, 3]")
+    assert_all_ranks(results, "per_replica_1d", "ValueError", "disagree on the mesh", "replicate_mesh")
+    assert_all_ranks(results, "rep_size", "ValueError", "4 x 2 = 8", "world size 4")
+    assert_all_ranks(results, "both_2d_and_rep", "ValueError", "not both")
+    assert_all_ranks(results, "device_type", "ValueError", "'cuda'", "['cpu']", "model.to")
+    assert_all_ranks(results, "not_a_mesh", "TypeError", "DeviceMesh")
+    assert_all_ranks(results, "hsdp_ok", None)
+    assert_all_ranks(results, "fsdp_other_mesh", "ValueError", "fully_shard-ed", "ranks [0, 1, 2, 3]")
     assert "ranks [0, 1]" in results[0]["fsdp_other_mesh"][1]
     assert "ranks [2, 3]" in results[3]["fsdp_other_mesh"][1]
 
 
 def test_muon_twice(results):
-    _all(results, "old_step", "RuntimeError", "newer dmuon.Muon", "Nothing was updated")
+    assert_all_ranks(results, "old_step", "RuntimeError", "newer dmuon.Muon", "Nothing was updated")
     for out in results:
         assert out["old_untouched"] and out["new_trains"]
 

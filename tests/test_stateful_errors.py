@@ -1,7 +1,7 @@
 """Bad input to the stateful layer raises a clear exception on every rank (never a hang)."""
 from __future__ import annotations
 
-from dist_utils import catch, run_ranks
+from dist_utils import assert_all_ranks, catch, run_ranks
 
 
 
@@ -14,7 +14,7 @@ def _worker(rank, world):
     from dmuon.stateful.fsdp_patch import install_fully_shard_patch
     from dmuon.stateful.optimizer import Muon
     from dmuon.stateful.state_dict import get_model_state_dict, set_model_state_dict
-    from models import make_model, muon_predicate
+    from models import make_batches, make_model, muon_predicate
 
     install_fully_shard_patch()
     mesh = init_device_mesh("cpu", (world,))
@@ -57,7 +57,6 @@ def _worker(rank, world):
     out["after_ok"] = all(torch.equal(good[k], v) for k, v in get_model_state_dict(m).items())
 
     # NaN in one rank's gradient: step raises on every rank, nothing is updated
-    from models import make_batches
     opt = Muon(m, ns_dtype=torch.float64)
     ids = make_batches(1, 4)[0].chunk(world)[rank]
     m(ids).backward()
@@ -76,29 +75,19 @@ def _worker(rank, world):
 
 def test_errors():
     results = run_ranks(_worker, 2)
-    for rank, out in enumerate(results):
-        kind, msg = out["fsdp_first"]
-        assert kind == "RuntimeError" and "before fully_shard" in msg
-        kind, msg = out["no_match"]
-        assert kind == "ValueError" and "matched no" in msg
-        kind, msg = out["non_matrix"]
-        assert kind == "ValueError" and "not a matrix" in msg and "norm" in msg
-        kind, msg = out["muon_without"]
-        assert kind == "RuntimeError" and "dedicate_params" in msg
-        kind, msg = out["muon_not_model"]
-        assert kind == "TypeError"
-        kind, msg = out["dtensor"]
-        assert kind == "NotImplementedError" and "not supported yet" in msg
-        kind, msg = out["plan_mismatch"]
-        assert kind == "RuntimeError" and "ranks [0]" in msg and "ranks [1]" in msg
-        kind, msg = out["twice"]
-        assert kind == "RuntimeError" and "already" in msg
-        kind, msg = out["bad_sd"]
-        assert kind == "ValueError", out["bad_sd"]
-        if rank == 1:
-            assert "layers.0.mlp.up_proj.weight" in msg and "extra.weight" in msg
-            assert "norm.weight" in msg
+    assert_all_ranks(results, "fsdp_first", "RuntimeError", "before fully_shard")
+    assert_all_ranks(results, "no_match", "ValueError", "matched no")
+    assert_all_ranks(results, "non_matrix", "ValueError", "not a matrix", "norm")
+    assert_all_ranks(results, "muon_without", "RuntimeError", "dedicate_params")
+    assert_all_ranks(results, "muon_not_model", "TypeError")
+    assert_all_ranks(results, "dtensor", "NotImplementedError", "not supported yet")
+    assert_all_ranks(results, "plan_mismatch", "RuntimeError", "ranks [0]", "ranks [1]")
+    assert_all_ranks(results, "twice", "RuntimeError", "already")
+    assert_all_ranks(results, "bad_sd", "ValueError")
+    msg = results[1]["bad_sd"][1]   # rank 1's own dict was the wrong one: its message names why
+    assert "layers.0.mlp.up_proj.weight" in msg and "extra.weight" in msg
+    assert "norm.weight" in msg
+    assert_all_ranks(results, "nan", "FloatingPointError", "ranks [0]")
+    for out in results:
         assert out["after_ok"]
-        kind, msg = out["nan"]
-        assert kind == "FloatingPointError" and "ranks [0]" in msg, out["nan"]
         assert out["nan_untouched"] and out["after_nan_trains"]

@@ -178,7 +178,7 @@ def run(args: argparse.Namespace) -> int:
 
     import dmuon
     from dmuon.demo.markov import entropy_rate, make_source, uniform_loss
-    from dmuon.demo.model import DemoConfig, DemoLM
+    from dmuon.demo.model import DemoLM, is_muon_param
     from dmuon.demo.plot import write_loss_plot
     from dmuon.demo.worker import launch, train_rank
 
@@ -186,12 +186,11 @@ def run(args: argparse.Namespace) -> int:
     t_start = time.perf_counter()
     src = make_source(cfg.vocab, cfg.order, branching=cfg.branching, seed=cfg.seed)
     floor, uniform = entropy_rate(src), uniform_loss(cfg.vocab)
-    mcfg = DemoConfig(vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
-                      max_seq_len=cfg.seq_len)
+    mcfg = cfg.model_config()
     with torch.device("meta"):
         shapes = DemoLM(mcfg)
     n_params = sum(p.numel() for p in shapes.parameters())
-    n_muon = sum(p.numel() for n, p in shapes.named_parameters() if p.ndim == 2 and "proj" in n)
+    n_muon = sum(p.numel() for n, p in shapes.named_parameters() if is_muon_param(n, p))
     print(f"dmuon demo: order-{cfg.order} Markov source over {cfg.vocab} tokens, entropy floor "
           f"{floor:.4f} nats/token (uniform guess {uniform:.4f})")
     print(f"model: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads, ffn {mcfg.ffn}; "

@@ -10,7 +10,8 @@ embeddings (Su et al. 2021, "RoFormer"), SwiGLU (Shazeer 2020), tied or untied L
 Parameter names: ``embed_tokens.weight``, ``layers.{i}.input_layernorm.weight``,
 ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.post_attention_layernorm.weight``,
 ``layers.{i}.mlp.{gate,up,down}_proj.weight``, ``norm.weight``, ``lm_head.weight`` (untied only).
-Every matrix with ``"proj"`` in its name is a Muon target; embeddings, norms and the head are not.
+Every matrix with ``"proj"`` in its name is a Muon target (:func:`is_muon_param`); embeddings, norms
+and the head are not.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["DemoConfig", "DemoLM", "Block"]
+__all__ = ["DemoConfig", "DemoLM", "Block", "is_muon_param"]
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,12 @@ class DemoConfig:
         d = asdict(self)
         d["intermediate"] = self.ffn
         return d
+
+
+def is_muon_param(name: str, p: Tensor) -> bool:
+    """The demo's Muon predicate: every matrix with ``"proj"`` in its name (the attention and MLP
+    projections); embeddings, norms and the head go to AdamW."""
+    return p.ndim == 2 and "proj" in name
 
 
 class Attention(nn.Module):

@@ -59,6 +59,13 @@ class RunConfig:
     def backend(self) -> str:
         return "nccl" if self.device == "cuda" else "gloo"
 
+    def model_config(self) -> Any:
+        """The :class:`~dmuon.demo.model.DemoConfig` of the model every optimizer trains."""
+        from dmuon.demo.model import DemoConfig
+
+        return DemoConfig(vocab=self.vocab, hidden=self.hidden, layers=self.layers,
+                          heads=self.heads, max_seq_len=self.seq_len)
+
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         d["optimizers"] = list(self.optimizers)
@@ -127,18 +134,16 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor, order: int) -> torch.Ten
 def _build(kind: str, cfg: RunConfig, mesh: Any, device: torch.device) -> tuple[Any, Any, Any]:
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.demo.model import DemoConfig, DemoLM
+    from dmuon.demo.model import DemoLM, is_muon_param
 
     torch.manual_seed(cfg.seed)
-    mcfg = DemoConfig(vocab=cfg.vocab, hidden=cfg.hidden, layers=cfg.layers, heads=cfg.heads,
-                      max_seq_len=cfg.seq_len)
-    model = DemoLM(mcfg).to(device)
+    model = DemoLM(cfg.model_config()).to(device)
     runtime = None
     if kind == "dmuon":
         import dmuon
 
         # The three lines a user adds to an FSDP2 script:
-        dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.ndim == 2 and "proj" in n)
+        dmuon.dedicate_params(model, mesh, predicate=is_muon_param)  # 2-D "*proj*" matrices
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -212,7 +217,7 @@ def _train_one(kind: str, cfg: RunConfig, src: Any, mesh: Any, device: torch.dev
             out["plan_table"] = rt.plan.table(comm_bytes_per_rank=comm)
             out["plan_summary"] = rt.plan.summary(comm_bytes_per_rank=comm)
             out["dedicated_bytes"] = sum(
-                math.prod(rt.shape[n]) * torch.empty((), dtype=rt.orig_dtype[n]).element_size()
+                math.prod(rt.shape[n]) * rt.orig_dtype[n].itemsize
                 for n in rt.names)
             out["num_dedicated"] = len(rt.names)
     dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
