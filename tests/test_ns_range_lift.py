@@ -47,21 +47,27 @@ def test_lift_is_the_identity_in_fp64(variant, restart, tall):
 
 
 def test_lift_brings_fp16_closer_on_small_entries():
-    """Rows scaled by ``logspace(0, -4)``: the weak rows' entries (1e-4 / sqrt(m n) ~ 5e-8 at
-    1024x4096) sit in fp16's subnormals. Measured: Gram 2.18e-3 -> 1.62e-3, direct 1.51e-3 ->
-    1.16e-3 (about 1.3x)."""
+    """Rows scaled by ``logspace(0, -4)`` at 128x512: the weak rows' entries (down to
+    1e-4 / sqrt(m n) ~ 4e-7) sit in fp16's subnormals (below 6.1e-5). The lift is for them: on the
+    weakest quarter of the rows it measured 4.6-5.2x closer to fp64 (Gram 3.7e-3 -> 7.5e-4,
+    direct 2.4e-3 -> 5.4e-4; seeds 4-6), and the whole matrix 2-5 % closer. (The H200 numbers
+    and the 1024x4096 CPU measurement, 1.3x on the whole matrix, are in the module docstring; that
+    size takes ~9 min of CPU fp16 matmuls, too long for the default test tier.)"""
     g = torch.Generator().manual_seed(4)
-    x = torch.randn(1, 1024, 4096, generator=g, dtype=F64)
-    x *= torch.logspace(0, -4, 1024, dtype=F64)[:, None]
+    x = torch.randn(1, 128, 512, generator=g, dtype=F64)
+    x *= torch.logspace(0, -4, 128, dtype=F64)[:, None]
     ref = newton_schulz(x, dtype=F64, variant="direct")
+    weak = slice(96, 128)
     for variant in ("gram", "direct"):
         plain = ns_iterate(frobenius_normalize(x, 1e-7, torch.float16), TABLE, variant=variant,
                            gram_restart=3)
         lifted = ns_iterate(frobenius_normalize(x, 1e-7, torch.float16, lift=128.0), TABLE,
                             variant=variant, gram_restart=3, lift=128.0)
         assert torch.isfinite(lifted).all()
-        assert _rel(lifted, ref) < 0.85 * _rel(plain, ref), (variant, _rel(lifted, ref),
-                                                              _rel(plain, ref))
+        e_weak = (_rel(lifted[:, weak], ref[:, weak]), _rel(plain[:, weak], ref[:, weak]))
+        assert e_weak[0] < 0.4 * e_weak[1], (variant, e_weak)
+        assert _rel(lifted, ref) <= _rel(plain, ref), (variant, _rel(lifted, ref),
+                                                       _rel(plain, ref))
         # the default fp16 path is the lifted one, through the functional core and the engine
         default = newton_schulz(x.float(), dtype=torch.float16, variant=variant)
         same = ns_iterate(frobenius_normalize(x.float(), 1e-7, torch.float16, lift=128.0), TABLE,
@@ -83,3 +89,21 @@ def test_bad_lift_raises():
     for bad in (3.0, 0.0, -2.0, "2"):
         with pytest.raises(ValueError, match="lift must be a positive power of two"):
             ns_iterate(x0, TABLE, variant="direct", lift=bad)
+
+
+@pytest.mark.slow
+def test_lift_brings_fp16_closer_at_1024x4096():
+    """The CPU measurement the module docstring cites (slow tier: ~9 min of CPU fp16 matmuls):
+    rows scaled by ``logspace(0, -4)`` at 1024x4096, whole matrix, Gram 2.18e-3 -> 1.62e-3 and
+    direct 1.51e-3 -> 1.16e-3 (about 1.3x)."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(1, 1024, 4096, generator=g, dtype=F64)
+    x *= torch.logspace(0, -4, 1024, dtype=F64)[:, None]
+    ref = newton_schulz(x, dtype=F64, variant="direct")
+    for variant in ("gram", "direct"):
+        plain = ns_iterate(frobenius_normalize(x, 1e-7, torch.float16), TABLE, variant=variant,
+                           gram_restart=3)
+        lifted = ns_iterate(frobenius_normalize(x, 1e-7, torch.float16, lift=128.0), TABLE,
+                            variant=variant, gram_restart=3, lift=128.0)
+        assert _rel(lifted, ref) < 0.85 * _rel(plain, ref), (variant, _rel(lifted, ref),
+                                                              _rel(plain, ref))

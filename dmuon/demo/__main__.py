@@ -55,7 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0, help="seed of the source, the init and the data (default 0)")
     a("--optimizers", default="dmuon,adamw",
       help="comma list of optimizers to run: dmuon, adamw (default both)")
-    a("--out-dir", default="./dmuon-demo-out", help="output folder (default ./dmuon-demo-out)")
+    a("--out-dir", default=None,
+      help="output folder (default ./dmuon-demo-out, with --fast ./dmuon-demo-out-fast, so a "
+           "smoke run never overwrites a full run's outputs)")
     a("--plot-backend", choices=("auto", "matplotlib", "builtin"), default="auto",
       help="PNG writer: matplotlib if importable, else built-in (default auto)")
     a("--no-progress", action="store_true", help="no progress bar")
@@ -203,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
     res = {k: _summarize(k, [r[k] for r in per_rank], cfg, floor) for k in cfg.optimizers}
     _print_report(cfg, res, floor, uniform)
 
+    if args.out_dir is None:
+        args.out_dir = "./dmuon-demo-out-fast" if args.fast else "./dmuon-demo-out"
     os.makedirs(args.out_dir, exist_ok=True)
     png = os.path.join(args.out_dir, "loss.png")
     backend = write_loss_plot(png, {r["label"]: r["losses"] for r in res.values()}, floor,

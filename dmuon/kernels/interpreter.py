@@ -17,7 +17,17 @@ def install_interpreter_shims() -> None:
     1. With numpy >= 2.4, ``int()`` of a 1-element array raises; the interpreter keeps scalars as
        1-element arrays, so ``range()`` over a program id fails. Index via the element instead.
     2. The interpreter feeds bf16 (stored as uint16) straight to ``np.matmul``: integer products.
-       Widen bf16 dot operands to fp32 first (exact).
+       Widen bf16 dot operands first (exact).
+    3. ``tl.dot`` of 16-bit operands is computed in fp64 and rounded once to the accumulator's
+       dtype. The interpreter's own ``np.matmul`` in fp32 goes through NumPy's BLAS, whose
+       summation order for element ``(r, c)`` need not match the one for ``(c, r)``: with
+       ``OPENBLAS_CORETYPE=Haswell`` (set on the CI machines) 2 of 131 072 entries of a diagonal
+       tile ``a_i a_i^T`` differed by one fp32 ulp, so the triangle kernels' exact-symmetry check
+       failed there although the kernel is right. A GPU's MMA forms both entries from the same
+       exact products; in fp64 the products of 16-bit values are exact too and a tile's sums (K
+       <= 256 terms of 16-bit-mantissa products) are exact for the operands these checks use, so
+       the result no longer depends on the BLAS's order: symmetric inputs give symmetric tiles
+       on every BLAS kernel, as on the GPU.
     """
     import numpy as np
     import triton.language as tl
@@ -33,11 +43,18 @@ def install_interpreter_shims() -> None:
     orig_dot = interp.InterpreterBuilder.create_dot
 
     def widen(h):
+        """A 16-bit float operand as fp64 (exact); anything else unchanged."""
         if h.dtype == tl.bfloat16:
-            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-        return h
+            return (h.data.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        if h.dtype == tl.float16:
+            return h.data.astype(np.float64)
+        return None
 
     def create_dot(self, a, b, d, *args):
-        return orig_dot(self, widen(a), widen(b), d, *args)
+        wa, wb = widen(a), widen(b)
+        if wa is None or wb is None:
+            return orig_dot(self, a, b, d, *args)
+        prod = np.matmul(wa, wb).astype(d.data.dtype)  # one rounding, BLAS-order independent
+        return interp.TensorHandle(prod + d.data, d.dtype.scalar)
 
     interp.InterpreterBuilder.create_dot = create_dot

@@ -1,0 +1,47 @@
+"""Slow tier: the benchmark scripts that run on CPU still run and write their JSON.
+
+The GPU benchmarks (``ns_whole_model``, ``ns_accuracy``, ``ns_breakdown``, ``syrk_bench``) need a
+CUDA device and run on the H200; here the CPU-capable ones run end to end in small configurations:
+``step_world1 --tiny`` and ``step_profile --tiny`` (gloo, world size 1) and ``plan_balance``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+pytestmark = pytest.mark.slow
+
+
+def _run(script: str, *args: str, timeout: float = 300.0) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], env=env,
+                          capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_step_world1_tiny_writes_results(tmp_path):
+    out = tmp_path / "s.json"
+    _run("step_world1.py", "--tiny", "--out", str(out))
+    d = json.loads(out.read_text())
+    for key in ("date", "torch", "results", "summary"):
+        assert key in d, key
+    assert d["results"], d
+
+
+def test_step_profile_tiny_writes_results(tmp_path):
+    out = tmp_path / "p.json"
+    _run("step_profile.py", "--tiny", "--out", str(out))
+    assert json.loads(out.read_text())
+
+
+def test_plan_balance_writes_results(tmp_path):
+    out = tmp_path / "pb.json"
+    _run("plan_balance.py", "--out", str(out), "--repeat", "1")
+    d = json.loads(out.read_text())
+    assert d
