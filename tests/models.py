@@ -152,3 +152,148 @@ def make_batches(steps: int, batch: int, seq: int = 9, vocab: int = 32, seed: in
 
 def muon_predicate(name: str, p: torch.Tensor) -> bool:
     return p.ndim == 2 and "proj" in name
+
+
+# ---------------------------------------------------------------------------------------------
+# Mixture of experts with per-expert 2-D Linear experts (an expert that gets no token on a rank
+# has no gradient there), and models with other forward outputs and module names.
+
+def expert_routes(ids: torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor:
+    """Token-id routing, ``(..., top_k)``: expert ``id % E`` first, ``(7 id + 3) % E`` second. The
+    router still weighs each choice (so it trains); the choice itself is fixed by the data, so
+    tests control which expert gets which token on which rank."""
+    choice = [ids % n_experts, (7 * ids + 3) % n_experts][:top_k]
+    return torch.stack(choice, dim=-1)
+
+
+class MoE(nn.Module):
+    """``experts.E.{gate,up,down}_proj`` (dedicated) behind a ``router`` (AdamW)."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int):
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(dim, n_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(dim, hidden) for _ in range(n_experts))
+
+    def forward(self, x, ids):
+        gates = self.router(x).softmax(-1)
+        routes = expert_routes(ids, len(self.experts), self.top_k)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            sel = (routes == e).any(-1)
+            if not bool(sel.any()):  # no token here: this expert's weights get no gradient
+                continue
+            w = (gates[..., e] * (routes == e).sum(-1))[sel]
+            out = out.index_put((sel,), out[sel] + w[:, None] * expert(x[sel]))
+        return out
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, hidden: int, n_experts: int, top_k: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(dim)
+        self.self_attn = Attention(dim, heads)
+        self.post_attention_layernorm = RMSNorm(dim)
+        self.moe = MoE(dim, hidden, n_experts, top_k)
+
+    def forward(self, x, ids):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.moe(self.post_attention_layernorm(x), ids)
+
+
+class TinyMoE(nn.Module):
+    """A dense first block, then MoE blocks; ``forward(ids)`` returns the mean next-token loss."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, hidden: int = 12,
+                 n_layers: int = 3, n_experts: int = 4, top_k: int = 1):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            [Block(dim, heads, hidden)]
+            + [MoEBlock(dim, heads, hidden, n_experts, top_k) for _ in range(n_layers - 1)])
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        inp = ids[:, :-1]
+        x = self.embed_tokens(inp)
+        for layer in self.layers:
+            x = layer(x, inp) if isinstance(layer, MoEBlock) else layer(x)
+        logits = self.lm_head(self.norm(x))
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+class LossObject:
+    """A plain object carrying the loss (no pytree node, no dataclass)."""
+
+    def __init__(self, loss, logits):
+        self.loss = loss
+        self.logits = logits
+
+
+class StackLM(nn.Module):
+    """Blocks under ``stack.N`` (no ``layers.N`` / ``blocks.N``: dmuon's default boundary puts every
+    matrix in the root group); ``forward(ids)`` returns the loss inside ``output`` form: ``"tensor"``,
+    ``"tuple"``, ``"dict"``, ``"dataclass"``, ``"model_output"`` (HF ``ModelOutput``), ``"object"``."""
+
+    def __init__(self, output: str = "tensor", vocab: int = 32, dim: int = 16, heads: int = 2,
+                 hidden: int = 24, n_layers: int = 2):
+        super().__init__()
+        self.output = output
+        self.embed_tokens = nn.Embedding(vocab, dim)
+        self.stack = nn.ModuleList(Block(dim, heads, hidden) for _ in range(n_layers))
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids[:, :-1])
+        for block in self.stack:
+            x = block(x)
+        logits = self.lm_head(self.norm(x))
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        return wrap_loss(self.output, loss, logits)
+
+
+def wrap_loss(output: str, loss, logits):
+    """``loss`` (and ``logits``) in one of the output forms of :class:`StackLM`."""
+    import dataclasses
+    if output == "tensor":
+        return loss
+    if output == "tuple":
+        return (loss, logits)
+    if output == "dict":
+        return {"loss": loss, "logits": logits}
+    if output == "dataclass":
+        cls = dataclasses.make_dataclass("LMOut", [("loss", object), ("logits", object)])
+        return cls(loss, logits)
+    if output == "model_output":
+        from transformers.modeling_outputs import CausalLMOutput
+        return CausalLMOutput(loss=loss, logits=logits)
+    if output == "object":
+        return LossObject(loss, logits)
+    raise ValueError(output)
+
+
+def loss_of(out):
+    """The loss inside any :func:`wrap_loss` form (what a user's loop does: ``out.loss``, ...)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, (tuple, list)):
+        return out[0]
+    if isinstance(out, dict):
+        return out["loss"]
+    return out.loss
+
+
+def make_seeded(cls, seed: int = 0, **kwargs) -> nn.Module:
+    """``cls(**kwargs)`` in fp64 with the same weights on every process (norms perturbed, as
+    :func:`make_model`)."""
+    gen_state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    model = cls(**kwargs).to(torch.float64)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    torch.random.set_rng_state(gen_state)
+    return model

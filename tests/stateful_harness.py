@@ -27,20 +27,27 @@ def model_kwargs(cfg: dict) -> dict:
 
 def reference_run(cfg: dict) -> dict[str, Any]:
     """Single-process reference; returns final state dict, per-step grad norms and losses."""
+    steps, batch = cfg.get("steps", 10), cfg.get("batch", 4)
+    return reference_train(make_model(**model_kwargs(cfg)), make_batches(steps, batch), cfg)
+
+
+def reference_train(model: torch.nn.Module, batches: list, cfg: dict,
+                    loss_of: Any = lambda out: out) -> dict[str, Any]:
+    """Train ``model`` in one process on the full ``batches`` with functional Muon (fp64 NS) for
+    the ``muon_predicate`` matrices and ``torch.optim.AdamW`` for the rest, ``HP``'s settings
+    (``cfg``: ``sched``, ``clip``). ``loss_of(model(ids))`` is the loss."""
     from dmuon.functional import muon as fmuon
 
-    steps, batch = cfg.get("steps", 10), cfg.get("batch", 4)
-    model = make_model(**model_kwargs(cfg))
     mats = {n: p for n, p in model.named_parameters() if muon_predicate(n, p)}
     rest = [p for n, p in model.named_parameters() if n not in mats]
     adam = torch.optim.AdamW(rest, lr=HP["adamw_lr"], betas=HP["adamw_betas"], eps=HP["adamw_eps"],
                              weight_decay=HP["adamw_weight_decay"], foreach=False)
     state = fmuon.init({n: p.detach() for n, p in mats.items()})
     norms, losses = [], []
-    for step, ids in enumerate(make_batches(steps, batch)):
+    for step, ids in enumerate(batches):
         f = lr_factor(step) if cfg.get("sched") else 1.0
         model.zero_grad(set_to_none=True)
-        loss = model(ids)
+        loss = loss_of(model(ids))
         loss.backward()
         losses.append(float(loss.detach()))
         if cfg.get("clip"):
@@ -67,7 +74,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     from dmuon.stateful.grad_clip import clip_grad_norm_
     from dmuon.stateful.no_sync import no_sync
     from dmuon.stateful.optimizer import Muon
-    from dmuon.stateful.runtime import get_runtime
+    from dmuon.stateful.runtime import get_runtime as get_state
     from dmuon.stateful.state_dict import get_model_state_dict
 
     steps, batch = cfg.get("steps", 10), cfg.get("batch", 4)
@@ -108,7 +115,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
               "fsdp_plain": [n for n, p in model.named_parameters()
                              if p not in ded and not isinstance(p, DTensor)],
               "dedicated_bytes": sum(rt_p.numel() * rt_p.element_size()
-                                     for rt_p in get_runtime(model).masters.values()),
+                                     for rt_p in get_state(model).masters.values()),
               "placeholder_numel": [p.numel() for p in ded]}
     opt = Muon(model, lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
                weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"], ns_dtype=torch.float64,
