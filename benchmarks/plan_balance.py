@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from dmuon.functional.plan import plan_owners
+from dmuon.functional.plan_report import plan_summary
 from dmuon.functional.presets import preset_specs
 
 # (model, G, R, balance target or None)
@@ -43,7 +44,7 @@ def run_case(model: str, g: int, r: int, target: Optional[float], repeat: int) -
         t0 = time.perf_counter()
         plan = plan_owners(specs, g, r)
         best = min(best, time.perf_counter() - t0)
-    s = plan.summary(planning_seconds=best)
+    s = plan_summary(plan, planning_seconds=best)
     return {"model": model, "G": g, "R": r, "slots": g * r, "balance": s["balance"],
             "max_over_mean": s["imbalance"], "column_max_over_mean": s["column_imbalance"],
             "strategy": s["strategy"], "units": s["num_units"], "matrices": s["num_matrices"],

@@ -172,10 +172,10 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh):
         opt = Muon(model, lr=0.0 if kind == "dmuon_lr0" else 0.02, weight_decay=0.01,
                    adamw_lr=1e-4, adamw_weight_decay=0.01,
                    check_finite=(kind == "dmuon_check"), ns_engine=engine)
-        if kind == "dmuon_release":  # grad buckets freed after each step (see runtime.py)
-            opt.runtime.release_grad_buffers = True
+        if kind == "dmuon_release":  # grad buckets freed after each step (dmuon/stateful/storage.py)
+            opt.dedicated_state.pool.persistent = False
         if kind == "dmuon_persistent":  # persistent grad buckets (NS graph replay)
-            opt.runtime.release_grad_buffers = False
+            opt.dedicated_state.pool.persistent = True
         if kind == "dmuon_foreach":  # Muon's elementwise stages as foreach ops (the reference)
             opt.fused_elementwise = False
     return model, opt

@@ -2,7 +2,11 @@
 
 ``import dmuon`` makes every later ``fully_shard`` call skip the params that
 :func:`dedicate_params` marked (they carry ``_dedicated_owner_rank``), whatever the order in which
-user code imported ``fully_shard``.
+user code imported ``fully_shard`` (:mod:`dmuon.stateful.fsdp_patch`: how, and how to remove it).
+It also teaches accelerate / HF ``Trainer``, when they are imported, about dmuon-prepared models
+(:mod:`dmuon.integrations`). Nothing else changes torch. On a torch outside the supported range
+(:data:`dmuon.stateful.compat.SUPPORTED_TORCH`) the import warns and installs nothing;
+``dedicate_params`` then raises, and the pure core ``dmuon.functional`` works as anywhere.
 
 Public API (the stateful wrapper, see SPEC §2):
   ``dedicate_params``, ``Muon``, ``no_sync``, ``wait_all_replicate_broadcasts``,
@@ -27,11 +31,18 @@ from dmuon.stateful.verify import VerificationError, VerifyReport, verify_step  
 from dmuon.stateful.state_dict import (LoadResult, get_model_state_dict, read_state_dict,  # noqa: E402
                                        set_model_state_dict)
 
-_install_fully_shard_patch()
+from dmuon.stateful.compat import torch_supported as _torch_supported  # noqa: E402
+from dmuon.stateful.compat import unsupported_torch_message as _unsupported  # noqa: E402
 
-from dmuon.integrations import install as _install_integrations  # noqa: E402
+if _torch_supported():
+    _install_fully_shard_patch()
+    from dmuon.integrations import install as _install_integrations  # noqa: E402
 
-_install_integrations()  # teaches accelerate / HF Trainer about dmuon-prepared models (lazy, on their import)
+    _install_integrations()  # accelerate / HF Trainer learn about dmuon models (on their import)
+else:
+    import warnings as _warnings
+
+    _warnings.warn(_unsupported("import dmuon"), RuntimeWarning, stacklevel=2)
 
 __all__ = [
     "functional", "dedicate_params", "Muon", "no_sync", "wait_all_replicate_broadcasts",

@@ -19,6 +19,7 @@ __all__ = ["main", "build_parser"]
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dmuon.functional.plan import plan_owners
+    from dmuon.functional.plan_report import plan_summary, plan_table
     from dmuon.functional.presets import get_preset, preset_from_hf_config, preset_specs
     from dmuon.functional.schedule import step_bytes_per_rank
 
@@ -31,14 +32,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     comm = step_bytes_per_rank(plan.owners, {n: sp.shape for n, sp in muon.items()},
                                {n: sp.dtype for n, sp in muon.items()}, args.shard, args.replicate)
     if args.json:
-        summ = plan.summary(comm_bytes_per_rank=comm, planning_seconds=seconds)
+        summ = plan_summary(plan, comm_bytes_per_rank=comm, planning_seconds=seconds)
         summ["model"] = preset.name
         print(json.dumps(summ, indent=2))
     else:
         print(f"model {preset.name}: hidden {preset.hidden}, intermediate {preset.intermediate}, "
               f"layers {preset.layers}, heads {preset.heads}/{preset.kv_heads} kv, vocab {preset.vocab}, "
               f"dtype {args.dtype}")
-        print(plan.table(comm_bytes_per_rank=comm, planning_seconds=seconds, max_rows=args.max_rows))
+        print(plan_table(plan, comm_bytes_per_rank=comm, planning_seconds=seconds, max_rows=args.max_rows))
     return 0
 
 

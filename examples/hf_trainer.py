@@ -108,12 +108,12 @@ def main(argv: list[str]) -> None:
         model.eval()
         with torch.no_grad():
             logits = model(input_ids=probe_batch()).logits
-        rt = optimizer.runtime
+        rt = optimizer.dedicated_state
         if dist.get_rank() == 0:
             torch.save({"logits": logits, "log_history": trainer.state.log_history,
                         "checkpoint": _last_checkpoint(a.output_dir),
                         "reduce_collectives": rt.executor.counters()["reduce"]["collectives"],
-                        "reduce_ops_per_sync": sum(len(s) for s in rt.reduce_schedules.values())},
+                        "reduce_ops_per_sync": sum(len(g.reduce_schedule) for g in rt.groups.values())},
                        a.probe_out)
         dist.barrier()
 

@@ -104,7 +104,7 @@ def main(steps: int = 60, verbose: bool = True) -> dict:
 
     dmuon.wait_all_replicate_broadcasts(model)  # e.g. before a foreign checkpointer reads weights
     sd = dmuon.get_model_state_dict(model)      # (drains by itself too)
-    lanes = optimizer.runtime.executor.counters()
+    lanes = optimizer.dedicated_state.executor.counters()
     if verbose and rank == 0:
         sent = ", ".join(f"{k} {v['sent_bytes'] / steps / 1e3:.1f} kB" for k, v in lanes.items())
         print(f"rank 0 sent per step: {sent}", flush=True)

@@ -195,7 +195,7 @@ def main(argv: list[str]) -> None:
     shard(model, mesh)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=3e-3)
     if rank == 0:
-        print("hook groups:", ", ".join(optimizer.runtime.groups), flush=True)
+        print("hook groups:", ", ".join(optimizer.dedicated_state.groups), flush=True)
     for step, (patches, ids) in enumerate(batches(rank, a.steps, per_rank=4)):
         optimizer.zero_grad()
         loss = model(patches, ids)

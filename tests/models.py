@@ -75,11 +75,11 @@ class MHAStyleAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
+    def __init__(self, dim: int, hidden: int, bias: bool = False):
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden, bias=False)
         self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -169,11 +169,11 @@ def expert_routes(ids: torch.Tensor, n_experts: int, top_k: int) -> torch.Tensor
 class MoE(nn.Module):
     """``experts.E.{gate,up,down}_proj`` (dedicated) behind a ``router`` (AdamW)."""
 
-    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int):
+    def __init__(self, dim: int, hidden: int, n_experts: int, top_k: int, bias: bool = False):
         super().__init__()
         self.top_k = top_k
         self.router = nn.Linear(dim, n_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(dim, hidden) for _ in range(n_experts))
+        self.experts = nn.ModuleList(MLP(dim, hidden, bias) for _ in range(n_experts))
 
     def forward(self, x, ids):
         gates = self.router(x).softmax(-1)
@@ -189,12 +189,13 @@ class MoE(nn.Module):
 
 
 class MoEBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, hidden: int, n_experts: int, top_k: int):
+    def __init__(self, dim: int, heads: int, hidden: int, n_experts: int, top_k: int,
+                 bias: bool = False):
         super().__init__()
         self.input_layernorm = RMSNorm(dim)
         self.self_attn = Attention(dim, heads)
         self.post_attention_layernorm = RMSNorm(dim)
-        self.moe = MoE(dim, hidden, n_experts, top_k)
+        self.moe = MoE(dim, hidden, n_experts, top_k, bias)
 
     def forward(self, x, ids):
         x = x + self.self_attn(self.input_layernorm(x))
@@ -202,15 +203,18 @@ class MoEBlock(nn.Module):
 
 
 class TinyMoE(nn.Module):
-    """A dense first block, then MoE blocks; ``forward(ids)`` returns the mean next-token loss."""
+    """A dense first block, then MoE blocks; ``forward(ids)`` returns the mean next-token loss.
+    ``expert_bias``: the experts' ``down_proj`` get biases (AdamW params that FSDP2 manages, with a
+    gradient only on ranks that routed a token to the expert)."""
 
     def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, hidden: int = 12,
-                 n_layers: int = 3, n_experts: int = 4, top_k: int = 1):
+                 n_layers: int = 3, n_experts: int = 4, top_k: int = 1, expert_bias: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
         self.layers = nn.ModuleList(
             [Block(dim, heads, hidden)]
-            + [MoEBlock(dim, heads, hidden, n_experts, top_k) for _ in range(n_layers - 1)])
+            + [MoEBlock(dim, heads, hidden, n_experts, top_k, expert_bias)
+               for _ in range(n_layers - 1)])
         self.norm = RMSNorm(dim)
         self.lm_head = nn.Linear(dim, vocab, bias=False)
 

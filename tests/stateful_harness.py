@@ -74,7 +74,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     from dmuon.stateful.grad_clip import clip_grad_norm_
     from dmuon.stateful.no_sync import no_sync
     from dmuon.stateful.optimizer import Muon
-    from dmuon.stateful.runtime import get_runtime as get_state
+    from dmuon.stateful.state import get_state
     from dmuon.stateful.state_dict import get_model_state_dict
 
     steps, batch = cfg.get("steps", 10), cfg.get("batch", 4)
@@ -126,7 +126,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     accum = cfg.get("accum", 1)
     norms, losses, lrs = [], [], []
-    rt = opt.runtime
+    rt = opt.dedicated_state
     for step, ids in enumerate(make_batches(steps, batch)):
         if not cfg.get("hf_zero"):
             opt.zero_grad()
@@ -154,7 +154,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
             sched.step()
     sd = get_model_state_dict(model, cpu_offload=True)
     layout["gathered_bytes_after_step"] = sum(b.untyped_storage().size()
-                                              for b in rt.unshard_buffers.values())
+                                              for g in rt.groups.values() for b in g.unshard_buffers.values())
     layout["master_columns_ok"] = all(rt.owners[n][0] == rt.coord[0] for n in rt.masters)
     groups = sorted(rt.groups)
     return {"sd": sd, "groups": groups, "norms": norms, "losses": losses, "lrs": lrs,
@@ -164,7 +164,10 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
             "master_dtypes": sorted({str(m.dtype) for m in rt.masters.values()}),
             "reduce_dtypes": sorted({str(g.reduce_dtype) for g in rt.groups.values()}),
             "total_dedicated_bytes": sum(math.prod(rt.shape[n]) * rt.orig_dtype[n].itemsize
-                                         for n in rt.names)}
+                                         for n in rt.names),
+            # the reduces' presence elements: one per matrix, in its group's reduce dtype
+            "presence_bytes": sum(rt.groups[rt.group_of[n]].reduce_dtype.itemsize
+                                  for n in rt.names)}
 
 
 def max_rel_err(a: dict, b: dict) -> tuple[float, str]:

@@ -86,7 +86,7 @@ class _NoGather:
 
 def _own_bytes(model, opt):
     """Bytes this rank stores of params + optimizer state (counted independently of dmuon's IO)."""
-    rt = opt.runtime
+    rt = opt.dedicated_state
     b = sum(3 * p.to_local().numel() * p.element_size() for _, p in opt.adamw_named_params)
     b += sum(rt.masters[n].numel() * rt.orig_dtype[n].itemsize for n in rt.masters)
     b += sum(rt.masters[n].numel() * rt.master_dtype[n].itemsize for n in rt.owned_names)
@@ -96,7 +96,7 @@ def _own_bytes(model, opt):
 def _total_bytes(model, opt):
     import math
 
-    rt = opt.runtime
+    rt = opt.dedicated_state
     return (sum(3 * p.numel() * p.element_size() for _, p in opt.adamw_named_params)
             + sum(math.prod(rt.shape[n]) * (rt.orig_dtype[n].itemsize + rt.master_dtype[n].itemsize)
                   for n in rt.names))

@@ -95,7 +95,7 @@ def _train(rank, world, kind, replicate_async=True, z3=True, accum=1):
     import dmuon
 
     model, opt = _setup(rank, world, kind, replicate_async=replicate_async, z3=z3)
-    rt = opt.runtime
+    rt = opt.dedicated_state
     phases = {"backward": [], "step": []}
     pending_after_step, pending_after_forward = [], []
     for ids in make_batches(STEPS, BATCH):
@@ -107,7 +107,7 @@ def _train(rank, world, kind, replicate_async=True, z3=True, accum=1):
                 if i == 0:
                     pending_after_forward.append(sorted(rt.pending_publish))
                 loss.backward()
-        rt.wait_reduces()  # (step() would do it) so that stage 2 is counted in this phase
+        rt.reduced_grads()  # (step() would do it) so that stage 2 is counted in this phase
         c1 = _lane_sent(rt)
         opt.step()
         pending_after_step.append(sorted(rt.pending_publish))
@@ -121,7 +121,9 @@ def _train(rank, world, kind, replicate_async=True, z3=True, accum=1):
             "owned": list(rt.owned_names), "groups": sorted(rt.groups),
             "pending_after_step": pending_after_step, "pending_after_forward": pending_after_forward,
             "n_names": len(rt.names),
-            "P": sum(math.prod(rt.shape[n]) * rt.orig_dtype[n].itemsize for n in rt.names)}
+            "P": sum(math.prod(rt.shape[n]) * rt.orig_dtype[n].itemsize for n in rt.names),
+            # the reduces' presence elements: one per matrix, in its group's reduce dtype
+            "F": sum(rt.groups[rt.group_of[n]].reduce_dtype.itemsize for n in rt.names)}
 
 
 def _lifecycle(rank, world):
@@ -131,7 +133,7 @@ def _lifecycle(rank, world):
     torch.manual_seed(0)
     model = SkipLlama(n_layers=3).to(torch.float64)
     model, opt = _setup(rank, world, "hsdp", model=model)
-    rt = opt.runtime
+    rt = opt.dedicated_state
     batches = make_batches(6, BATCH, seed=3)
     out = {}
 
@@ -283,12 +285,13 @@ def test_hsdp_accounting(results):
                         tot[ph][lane][0] += sent
                         tot[ph][lane][1] += recv
         W = G * R
+        F = results[0][key]["F"]  # the reduces also carry one presence element per matrix
         # stage-2 reduce (backward, replicate lane) and publish (step, replicate lane): (R-1) P
-        assert tot["backward"]["replicate"] == [STEPS * (R - 1) * P] * 2, tot
+        assert tot["backward"]["replicate"] == [STEPS * (R - 1) * (P + F)] * 2, tot
         assert tot["step"]["replicate"] == [STEPS * (R - 1) * P] * 2, tot
-        assert tot["backward"]["replicate"][0] / W / STEPS == (R - 1) / W * P
+        assert tot["backward"]["replicate"][0] / W / STEPS == (R - 1) / W * (P + F)
         # stage 1 in every replica: (G-1)/G P per rank; Z3 unshards twice: 2 (G-1)/G P per rank
-        assert tot["backward"]["reduce"] == [STEPS * R * (G - 1) * P] * 2, tot
+        assert tot["backward"]["reduce"] == [STEPS * R * (G - 1) * (P + F)] * 2, tot
         assert tot["backward"]["unshard"][0] == STEPS * 2 * R * (G - 1) * P, tot
         assert tot["step"]["unshard"] == [0, 0] and tot["step"]["reduce"] == [0, 0], tot
     print(f"P = {P} B; per step totals over ranks: stage-2 {(R - 1) * P} B, publish "

@@ -44,14 +44,14 @@ def _train(rank, world, use_predicate):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from dmuon.stateful.runtime import get_runtime
+    from dmuon.stateful.state import get_state
     ex = _ex()
     mesh = init_device_mesh("cpu", (world,))
     model = ex.build(dtype=torch.float64)
     dmuon.dedicate_params(model, mesh, predicate=ex.muon_predicate,
                           hook_boundary_predicate=ex.boundary if use_predicate else None)
     ex.shard(model, mesh)
-    rt = get_runtime(model)
+    rt = get_state(model)
     opt = dmuon.Muon(model, lr=0.02, adamw_lr=3e-3, ns_dtype=torch.float64)
     peak, handles = _peak_gathered(model, rt)
     losses = []

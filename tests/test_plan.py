@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from dmuon.__main__ import main as cli_main
 from dmuon.functional.matrix_shape import as_matrix_shape
 from dmuon.functional.ns_cost import ns_cost
+from dmuon.functional.plan_report import plan_summary, plan_table
 from dmuon.functional.plan import (DEFAULT_FLOPS_PER_BYTE, DEFAULT_LAYER_SPREAD_TOLERANCE, OwnerPlan,
                                    build_units, natural_key, param_cost, plan_owners)
 from dmuon.functional.presets import (PRESETS, get_preset, preset_from_hf_config, preset_named_shapes,
@@ -226,7 +227,7 @@ def test_hsdp_column_balance_property(specs, g, r):
 
 def test_hsdp_columns_balanced_on_presets():
     for name, g, r in (("llama-3.1-8b", 8, 8), ("llama-3.2-1b", 4, 2), ("llama-3.1-70b", 64, 8)):
-        s = plan_owners(preset_specs(name), g, r).summary()
+        s = plan_summary(plan_owners(preset_specs(name), g, r))
         assert s["column_imbalance"] <= 1.02, (name, g, r, s["column_imbalance"])
 
 
@@ -263,7 +264,7 @@ def test_plan_is_immutable_and_errors():
     ("llama-3.2-1b", 8, 1, 1.02), ("llama-3.1-8b", 8, 1, 1.02), ("llama-3.1-8b", 64, 1, 1.06)])
 def test_balance_targets(name, g, r, target):
     plan = plan_owners(preset_specs(name), g, r)
-    assert plan.balance <= target, plan.table()
+    assert plan.balance <= target, plan_table(plan)
 
 
 def test_70b_on_512_slots_is_fast():
@@ -306,19 +307,19 @@ def test_hf_config_roundtrip(tmp_path):
 
 def test_summary_and_table():
     plan = plan_owners(preset_specs("llama-3.2-1b"), 4, 2)
-    s = plan.summary(planning_seconds=0.01)
+    s = plan_summary(plan, planning_seconds=0.01)
     json.dumps(s)
     assert s["slots"] == 8 and len(s["per_slot"]) == 8 and s["comm_bytes_per_rank"] is None
     assert sum(x["matrices"] for x in s["per_slot"]) == 16 * 7
     assert s["max_cost"] == max(plan.slot_costs) and s["fingerprint"] == plan.fingerprint
-    s2 = plan.summary(comm_bytes_per_rank={"z2": list(range(8))})
+    s2 = plan_summary(plan, comm_bytes_per_rank={"z2": list(range(8))})
     assert s2["comm_bytes_per_rank"] == {"z2": list(range(8))}
     with pytest.raises(ValueError, match="8 ranks"):
-        plan.summary(comm_bytes_per_rank={"z3": [1, 2]})
-    text = plan.table(planning_seconds=0.01)
+        plan_summary(plan, comm_bytes_per_rank={"z3": [1, 2]})
+    text = plan_table(plan, planning_seconds=0.01)
     assert "balance" in text and "(3,1)" in text and plan.fingerprint in text
-    assert "Z2 recv/step" in plan.table(comm_bytes_per_rank={"z2": [0] * 8})
-    assert "not shown" in plan.table(max_rows=4)
+    assert "Z2 recv/step" in plan_table(plan, comm_bytes_per_rank={"z2": [0] * 8})
+    assert "not shown" in plan_table(plan, max_rows=4)
     assert isinstance(plan, OwnerPlan) and hash(plan) == hash(plan_owners(preset_specs("llama-3.2-1b"), 4, 2))
 
 

@@ -100,7 +100,7 @@ def _run(rank, world, how, when, z3, backend):
         model(ids.chunk(world)[rank]).backward()
         opt.step()
     sd = get_model_state_dict(model, cpu_offload=True)
-    rt = opt.runtime
+    rt = opt.dedicated_state
     return {"sd": {k.replace("._orig_mod", ""): v for k, v in sd.items()},
             "frames": counter.frame_count, "ops": counter.op_count, "graphs": graphs,
             "counters": rt.executor.counters(),
@@ -116,16 +116,18 @@ def _worker(rank, world, orders, backend="aot_eager"):
     return out
 
 
-def _dedicated_bytes() -> int:
+def _dedicated_bytes() -> tuple[int, int]:
+    """``(P, F)``: the dedicated matrices' bytes, and the bytes of the reduces' presence elements
+    (one per matrix, in the reduce dtype: here the params' own)."""
     from models import make_model, muon_predicate
 
-    return sum(p.numel() * p.element_size() for n, p in make_model().named_parameters()
-               if muon_predicate(n, p))
+    mats = [p for n, p in make_model().named_parameters() if muon_predicate(n, p)]
+    return sum(p.numel() * p.element_size() for p in mats), sum(p.element_size() for p in mats)
 
 
 def _check(results, orders, world):
     ref = reference_run(dict(steps=STEPS))
-    P, G = _dedicated_bytes(), world
+    (P, F), G = _dedicated_bytes(), world
     for oid, _, _, z3 in orders:
         for rank in range(world):
             res = results[rank][oid]
@@ -138,10 +140,11 @@ def _check(results, orders, world):
                 hit = [m for m in HOOK_MARKERS if m in code]
                 assert not hit, f"{oid}: dmuon hook traced into a compiled graph ({hit}):\n{code}"
             assert res["groups"] == ["layers.0", "layers.1"], (oid, res["groups"])
-        # the hooks ran eagerly every step: Z3 moves 3 (N-1)/N P per step, Z2 2 (N-1)/N P
+        # the hooks ran eagerly every step: Z3 moves (N-1)/N (3P + F) per step, Z2 (N-1)/N (2P + F)
         sent = sum(results[r][oid]["counters"][lane]["sent_bytes"]
                    for r in range(world) for lane in ("unshard", "reduce")) / world / STEPS
-        assert sent == pytest.approx((3 if z3 else 2) * (G - 1) / G * P, rel=1e-12), (oid, sent, P)
+        want = (G - 1) / G * ((3 if z3 else 2) * P + F)
+        assert sent == pytest.approx(want, rel=1e-12), (oid, sent, P, F)
 
 
 def test_compiled_layers_equal_reference():

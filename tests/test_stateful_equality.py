@@ -90,15 +90,17 @@ def _check(results, cfgs, world):
         if world > 1 and not cfg.get("tie_proj"):  # (the root group is never resharded)
             # communication: mean over ranks of bytes sent on shard lanes per step
             P = results[0][cfg["id"]]["total_dedicated_bytes"]
+            F = results[0][cfg["id"]]["presence_bytes"]
             G = world // results[0][cfg["id"]]["R"]
             sent = sum(results[r][cfg["id"]]["counters"]["unshard"]["sent_bytes"]
                        + results[r][cfg["id"]]["counters"]["reduce"]["sent_bytes"]
                        for r in range(world)) / world / steps
             # Z3: two unshards per micro-batch; Z2: one per step (kept across no_sync micro-batches);
-            # one reduce per synced backward
-            k = (cfg.get("accum", 1) * 2 if cfg.get("z3", True) else 1) + (
-                cfg.get("accum", 1) if cfg.get("accum_sync") else 1)
-            assert sent == pytest.approx(k * (G - 1) / G * P, rel=1e-12), (sent, P)
+            # one reduce per synced backward, which also carries one presence element per matrix
+            k_unshard = cfg.get("accum", 1) * 2 if cfg.get("z3", True) else 1
+            k_reduce = cfg.get("accum", 1) if cfg.get("accum_sync") else 1
+            want = (G - 1) / G * (k_unshard * P + k_reduce * (P + F))
+            assert sent == pytest.approx(want, rel=1e-12), (sent, P, F)
 
 
 def test_equality_world2():

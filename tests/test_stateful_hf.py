@@ -60,7 +60,7 @@ def _worker(rank, world, ckpt):
         out.loss.backward()
         opt.step()
     return {"sd": get_model_state_dict(model),
-            "groups": sorted(opt.runtime.groups)}
+            "groups": sorted(opt.dedicated_state.groups)}
 
 
 def _reference():

@@ -22,7 +22,7 @@ def _train(rank, world, ns_engine, steps=3):
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     opt = Muon(model, lr=0.02, weight_decay=0.01, ns_dtype=torch.float64, ns_engine=ns_engine)
-    rt = opt.runtime
+    rt = opt.dedicated_state
     out = {"before": opt.last_step_stats(), "stats": [], "counters": []}
     for ids in make_batches(steps, 4):
         opt.zero_grad()
@@ -34,7 +34,7 @@ def _train(rank, world, ns_engine, steps=3):
     out["owned"] = list(rt.owned_names)
     out["owned_numel"] = sum(rt.masters[n].numel() for n in rt.owned_names)
     out["n_dedicated"] = len(rt.names)
-    out["grad_buffers"] = len(rt.grad_buffers)
+    out["grad_buffers"] = len(rt.pool.buffers)
     sd = get_model_state_dict(model)
     out["sd"] = {k: v.detach().clone() for k, v in sd.items()}
     return out

@@ -57,12 +57,12 @@ def _worker(rank, world):
     out["closure_loss"] = rep.loss
 
     # break 1: rank 1 perturbs one master it owns right after its Muon update
-    rt = opt.runtime
+    rt = opt.dedicated_state
     target = rt.owned_names[0] if rank == 1 else None
     orig_muon = opt._muon_step
 
-    def broken_muon(rt_):
-        orig_muon(rt_)
+    def broken_muon(rt_, grads):
+        orig_muon(rt_, grads)
         if target is not None:
             rt_.masters[target].add_(1e-3)
     opt._muon_step = broken_muon

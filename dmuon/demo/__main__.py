@@ -144,7 +144,9 @@ def _summarize(kind: str, per_rank: list[dict], cfg: Any, floor: float) -> dict:
         out["bytes_per_rank_per_step"] = by_rank
         out["dedicated_bytes"] = P
         out["num_dedicated"] = r0["num_dedicated"]
-        out["expected_mean_sent_per_rank_z3"] = 3 * (n - 1) / n * P
+        F = r0["presence_bytes"]
+        out["presence_bytes"] = F
+        out["expected_mean_sent_per_rank_z3"] = (n - 1) / n * (3 * P + F)
         out["plan"] = r0["plan_summary"]
         out["plan_table"] = r0["plan_table"]
     return out
@@ -164,7 +166,8 @@ def _print_report(cfg: Any, res: dict, floor: float, uniform: float) -> None:
             print(f"  rank {b['rank']}: sent {format_bytes(b['sent'])}, received "
                   f"{format_bytes(b['received'])}  ({lanes}; owns {len(b['owned'])} matrices)")
         print(f"  expected mean sent per rank (Z3: broadcast in forward and backward, reduce to "
-              f"owner) = 3(N-1)/N * P = {format_bytes(d['expected_mean_sent_per_rank_z3'])}")
+              f"owner) = (N-1)/N * (3P + F) = {format_bytes(d['expected_mean_sent_per_rank_z3'])}"
+              f" (F = {d['presence_bytes']} B: the reduces' presence element per matrix)")
     print(f"\nResults after {cfg.steps} steps (loss in nats/token; floor = entropy rate "
           f"{floor:.4f}, uniform guess {uniform:.4f}):")
     print(f"  {'optimizer':<22} {'initial':>8} {'final train':>12} {'final eval':>11} "

@@ -148,7 +148,7 @@ def _build(kind: str, cfg: RunConfig, mesh: Any, device: torch.device) -> tuple[
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         opt = dmuon.Muon(model, lr=cfg.lr, adamw_lr=cfg.adamw_lr)
-        runtime = opt.runtime
+        runtime = opt.dedicated_state
     elif kind == "adamw":
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
@@ -210,16 +210,20 @@ def _train_one(kind: str, cfg: RunConfig, src: Any, mesh: Any, device: torch.dev
         out["counters"] = counters
         out["owned"] = list(rt.owned_names)
         if rank == 0:
+            from dmuon.functional.plan_report import plan_summary, plan_table
             from dmuon.functional.schedule import step_bytes_per_rank
 
             comm = step_bytes_per_rank(rt.owners, rt.shape, {n: str(d) for n, d in rt.orig_dtype.items()},
                                        rt.G, rt.R)
-            out["plan_table"] = rt.plan.table(comm_bytes_per_rank=comm)
-            out["plan_summary"] = rt.plan.summary(comm_bytes_per_rank=comm)
+            out["plan_table"] = plan_table(rt.plan, comm_bytes_per_rank=comm)
+            out["plan_summary"] = plan_summary(rt.plan, comm_bytes_per_rank=comm)
             out["dedicated_bytes"] = sum(
                 math.prod(rt.shape[n]) * rt.orig_dtype[n].itemsize
                 for n in rt.names)
             out["num_dedicated"] = len(rt.names)
+            # each gradient reduce also carries one presence element per matrix (reduce dtype)
+            out["presence_bytes"] = sum(rt.groups[rt.group_of[n]].reduce_dtype.itemsize
+                                        for n in rt.names)
     dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
     del opt, model
     return out

@@ -22,6 +22,14 @@ Design decision on dtypes: a group may mix dtypes; buckets are keyed by dtype as
 Alignment: with ``align = k`` every entry offset and every per-``r`` range start is a multiple of
 ``k`` elements (gaps are padding, never read); the default ``align = 1`` packs densely, so the bucket
 numel equals the params' numel and the byte accounting of a schedule equals the params' bytes.
+
+Presence elements (gradient reduces, ``presence=True``): each per-``r`` range ends with one element
+per entry of that ``r``, which the sender sets to 1 when it holds a gradient for the param and 0
+when it does not (a param used on some ranks only, e.g. an MoE expert that got no token there). The
+reduce averages them with the gradients, in the same collective, so the owner learns whether *any*
+rank had a gradient (then the zeros of the others count in the average, as DDP's
+``find_unused_parameters``) or none did (then the update skips the param, as a single-device
+optimizer skips ``grad is None``). They add one element per matrix to the bucket.
 """
 from __future__ import annotations
 
@@ -171,13 +179,18 @@ class BucketKey(NamedTuple):
 
 @dataclass(frozen=True)
 class BucketEntry:
-    """One param inside a bucket: elements ``[offset, offset + numel)`` viewed as ``shape``."""
+    """One param inside a bucket: elements ``[offset, offset + numel)`` viewed as ``shape``.
+
+    ``flag``: the offset of its presence element in a layout built with ``presence=True`` (1 where a
+    rank holds a gradient for the param, 0 where it does not; averaged by the reduce, so the owner
+    sees > 0 iff any rank had one), ``-1`` otherwise."""
 
     name: str
     offset: int
     numel: int
     shape: tuple[int, ...]
     owner: Coord
+    flag: int = -1
 
 
 @dataclass(frozen=True)
@@ -289,7 +302,8 @@ def _round_up(x: int, k: int) -> int:
 
 def bucket_layout(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]],
                   dtypes: "Mapping[str, torch.dtype | str]", groups: "HookGroups | Mapping[str, str]",
-                  shard_size: int, replicate_size: int = 1, *, align: int = 1) -> BucketLayout:
+                  shard_size: int, replicate_size: int = 1, *, align: int = 1,
+                  presence: bool = False) -> BucketLayout:
     """Lay out every dedicated param in flat buckets, one per (hook group, owner column, dtype).
 
     Args:
@@ -301,6 +315,8 @@ def bucket_layout(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int
         appearance in ``owners``).
       shard_size: G >= 1.  replicate_size: R >= 1.
       align: every entry offset and every per-``r`` range start is a multiple of ``align`` elements.
+      presence: append one presence element per entry at the end of its ``r``'s range (see the
+        module docstring); the entries' ``flag`` give their offsets.
 
     Returns:
       A :class:`BucketLayout`; deterministic for equal inputs.
@@ -329,15 +345,24 @@ def bucket_layout(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int
     buckets = []
     for key in keys:
         entries, ranges, off = [], [], 0
+        by_r: dict[int, list[str]] = {}
         for r, name in sorted(per[key]):
-            shape = tuple(int(d) for d in shapes[name])
-            n = math.prod(shape)
+            by_r.setdefault(r, []).append(name)
+        for r, names in by_r.items():
             off = _round_up(off, align)
-            if not ranges or ranges[-1][0] != r:
-                ranges.append([r, off, 0])
-            entries.append(BucketEntry(name, off, n, shape, (key.column, r)))
-            off += n
-            ranges[-1][2] = off - ranges[-1][1]
-        buckets.append(Bucket(key, tuple(entries), off, tuple(tuple(x) for x in ranges)))
+            start, mine = off, []
+            for name in names:
+                shape = tuple(int(d) for d in shapes[name])
+                n = math.prod(shape)
+                off = _round_up(off, align)
+                mine.append([name, off, n, shape])
+                off += n
+            for item in mine:
+                flag = off if presence else -1
+                off += 1 if presence else 0
+                entries.append(BucketEntry(item[0], item[1], item[2], item[3], (key.column, r),
+                                           flag))
+            ranges.append((r, start, off - start))
+        buckets.append(Bucket(key, tuple(entries), off, tuple(ranges)))
     used = [g for g in groups.order if any(k.group == g for k in keys)]
     return BucketLayout(shard_size, replicate_size, tuple(used), tuple(buckets))

@@ -230,16 +230,6 @@ class OwnerPlan:
         g = self.shard_size
         return tuple(sum(self.slot_costs[r * g + s] for r in range(self.replicate_size)) for s in range(g))
 
-    def summary(self, **kwargs: Any) -> dict:
-        """Plain-dict summary (see :func:`dmuon.functional.plan_report.plan_summary`)."""
-        from dmuon.functional.plan_report import plan_summary
-        return plan_summary(self, **kwargs)
-
-    def table(self, **kwargs: Any) -> str:
-        """Readable per-slot table (see :func:`dmuon.functional.plan_report.plan_table`)."""
-        from dmuon.functional.plan_report import plan_table
-        return plan_table(self, **kwargs)
-
     def __eq__(self, other: object) -> bool:
         return isinstance(other, OwnerPlan) and self.fingerprint == other.fingerprint
 

@@ -2,7 +2,7 @@
 
 A dmuon model (``dedicate_params`` + ``fully_shard``) already owns its data parallelism. What
 Accelerate / Trainer would do to it, and what dmuon changes, **only for dmuon models** (a model
-with a runtime, :func:`dmuon.stateful.runtime.find_runtime`; everything else takes the original
+with a runtime, :func:`dmuon.stateful.state.find_state`; everything else takes the original
 code path untouched):
 
 * ``Accelerator.prepare_model`` wraps multi-process models in ``DistributedDataParallel``
@@ -48,7 +48,7 @@ from typing import Any, Iterator, Optional
 
 import torch.nn as nn
 
-from dmuon.stateful.runtime import find_runtime, get_runtime
+from dmuon.stateful.state import find_state, get_state
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def dmuon_root(model: Any) -> Optional[nn.Module]:
     """The dmuon-prepared module inside ``model`` (through ``torch.compile`` / DDP-style wrappers)."""
     seen = 0
     while isinstance(model, nn.Module) and seen < 8:
-        if find_runtime(model) is not None:
+        if find_state(model) is not None:
             return model
         model = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
         seen += 1
@@ -157,7 +157,7 @@ def _dmuon_model_for(acc: Any, parameters: list) -> Optional[nn.Module]:
         root = dmuon_root(m)
         if root is None:
             continue
-        ded = {id(p) for p in get_runtime(root).params.values()}
+        ded = {id(p) for p in get_state(root).params.values()}
         if ded & given:
             if {id(p) for p in root.parameters()} != given:
                 raise ValueError(

@@ -34,7 +34,7 @@ from dmuon.stateful.optimizer_state_dict import (
     _COUNTERS, _MOMENTS, check_optimizer, current_states, dtensor_like, fresh_states,
     install_states, load_hparams, saved_counters,
 )
-from dmuon.stateful.runtime import get_runtime, local_tensor
+from dmuon.stateful.state import get_state, local_tensor
 from dmuon.stateful.state_dict import (
     agree, dedicated_names_by_key, expected_entries, tied_groups,
 )
@@ -187,11 +187,10 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     """
     import torch.distributed.checkpoint as dcp
 
-    rt = get_runtime(model, "dmuon.save_sharded(path, model, optimizer)")
+    rt = get_state(model, "dmuon.save_sharded(path, model, optimizer)")
     if optimizer is not None:
         check_optimizer(model, optimizer, "dmuon.save_sharded")
-    rt.wait_publish()
-    rt.wait_reduces()
+    rt.drain()
     sd: dict[str, Any] = {"model": _model_entries(model, rt, for_load=False)[0]}
     if optimizer is not None:
         sd["optim"] = _optim_entries(optimizer, rt, current_states(optimizer), for_load=False)
@@ -255,11 +254,10 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     import torch.distributed.checkpoint as dcp
 
     what = "dmuon.load_sharded"
-    rt = get_runtime(model, f"{what}(path, model, optimizer)")
+    rt = get_state(model, f"{what}(path, model, optimizer)")
     if optimizer is not None:
         check_optimizer(model, optimizer, what)
-    rt.wait_publish()
-    rt.wait_reduces()
+    rt.drain()
     reader, md = _read_metadata(checkpoint_id, storage_reader)
     problems, check = _check_metadata(md, model, rt, optimizer, strict)
     agree(problems, what)

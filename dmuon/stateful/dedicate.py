@@ -13,7 +13,8 @@ owner plan (pure, :mod:`dmuon.functional.plan`); compares the plan's fingerprint
 creates the lane process groups and the executor; groups the dedicated params by hook boundary;
 moves each dedicated matrix into its owner's master storage (zero-size placeholder elsewhere);
 marks each with ``_dedicated_owner_rank`` (so every later ``fully_shard`` skips it); registers the
-forward/backward hooks; attaches the runtime as ``model._dmuon_runtime``.
+forward/backward hooks; attaches the root state as ``model._dmuon_state``
+(:class:`dmuon.stateful.state.DedicatedState`).
 """
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ import torch.nn as nn
 from dmuon.functional.buckets import hook_groups
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
+from dmuon.stateful.compat import default_group_timeout, torch_supported, unsupported_torch_message
 from dmuon.stateful.executor import Executor
 from dmuon.stateful.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
 from dmuon.stateful.hooks import register_hooks
-from dmuon.stateful.mixed_precision import has_fsdp_state
+from dmuon.stateful.fsdp_info import has_fsdp_state
 from dmuon.stateful.process_groups import agree_grid, make_process_groups
-from dmuon.stateful.runtime import ROOT_GROUP, RUNTIME_ATTR, DedicatedRuntime, find_runtime
+from dmuon.stateful.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ def _is_dtensor(p: Any) -> bool:
 
 def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.Parameter]]:
     """This rank's local checks and the dedicated params ``{name: param}`` (raises on bad input)."""
-    if find_runtime(model) is not None:
+    if find_state(model) is not None:
         raise RuntimeError("dedicate_params was already called on this model")
     fsdp_mods = has_fsdp_state(model)
     if fsdp_mods:
@@ -95,15 +97,6 @@ def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.
             f"({len(named)} candidates, e.g. {[n for n, _ in named[:4]]}). Check the names it tests, "
             "e.g. predicate=lambda n, p: p.ndim == 2 and 'proj' in n.")
     return named, chosen
-
-
-def _default_timeout(mesh: Any) -> Optional[datetime.timedelta]:
-    """The default process group's collective timeout (``None`` if it cannot be read)."""
-    try:
-        pg = dist.distributed_c10d._get_default_group()
-        return pg._get_backend(torch.device(mesh.device_type)).options._timeout
-    except Exception:  # noqa: BLE001 - private API; fall back to torch's default for new groups
-        return None
 
 
 def _check_fingerprint(fingerprint: str) -> None:
@@ -189,9 +182,9 @@ def dedicate_params(
       raises on all (that rank's own exception there, its message elsewhere), never a hang.
       NotImplementedError: a dedicated param is a DTensor (tensor parallelism).
     """
-    install_fully_shard_patch()
-    from dmuon.integrations import install as _install_integrations
-    _install_integrations()  # Accelerate / HF Trainer learn about dmuon models (idempotent)
+    if not torch_supported():
+        raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
+    install_fully_shard_patch()  # idempotent; back in place if it was removed
     if not dist.is_initialized():
         raise RuntimeError("dedicate_params needs torch.distributed: call "
                            "torch.distributed.init_process_group(...) first")
@@ -208,7 +201,7 @@ def dedicate_params(
         local_err = e
     grid = agree_grid(mesh, replicate_mesh, local_err=local_err,
                       param_device_types=[p.device.type for p in chosen.values()])
-    timeout = timeout or _default_timeout(mesh)
+    timeout = timeout or default_group_timeout(str(mesh.device_type))
     mesh_groups = make_process_groups(grid=grid, timeout=timeout)
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size, ns_steps=ns_steps)
     _check_fingerprint(plan.fingerprint)
@@ -227,16 +220,23 @@ def dedicate_params(
     groups = hook_groups(list(chosen), keys, order=order)
     group_modules = {k: (model if k == ROOT_GROUP else model.get_submodule(k)) for k in order}
 
+    if hook_boundary_predicate is None and all(
+            layer_key_from_name(a) is None for n in chosen for a in aliases[id(chosen[n])]):
+        logger.info(
+            "dmuon: no dedicated param lies under a layers.N / blocks.N module, so all %d are in "
+            "one root hook group, gathered for the whole forward (groups: %s). Pass "
+            "hook_boundary_predicate=lambda m: ... to dedicate_params to move them per block.",
+            len(chosen), [k or "<root>" for k in order])
     executor = Executor(mesh_groups, timeout=timeout)
     spec_by_name = {s.name: s for s in specs}
-    rt = DedicatedRuntime(
+    st = DedicatedState(
         model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
         groups=groups, group_modules=group_modules, reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen})
     for n, p in chosen.items():
-        setattr(p, DEDICATED_ATTR, rt.owner_rank[n])
-    register_hooks(model, rt)
-    setattr(model, RUNTIME_ATTR, rt)
-    logger.info("dmuon: dedicated %d params over G=%d R=%d (plan %s)", len(chosen),
-                rt.G, rt.R, plan.fingerprint[:12])
-    return {chosen[n]: rt.owner_rank[n] for n in chosen}
+        setattr(p, DEDICATED_ATTR, st.owner_rank[n])
+    register_hooks(model, st)
+    setattr(model, STATE_ATTR, st)
+    logger.info("dmuon: dedicated %d params in %d hook groups over G=%d R=%d (plan %s)",
+                len(chosen), len(order), st.G, st.R, plan.fingerprint[:12])
+    return {chosen[n]: st.owner_rank[n] for n in chosen}

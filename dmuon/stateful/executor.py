@@ -4,11 +4,14 @@ The same op objects the simulator runs. ``Executor.launch(ops, buffers)`` is non
 returns a :class:`Pending`; ``Pending.wait()`` makes the results usable:
 
 CPU (gloo and any backend with async work handles)
-    Ops are issued with ``async_op=True`` in one **global FIFO**, in launch order. An op whose
-    ``waits`` (or ``after``) are not complete yet stays queued — and so do all ops launched after it —
-    until a later ``launch``, ``poll()`` or ``wait()`` finds them complete (``wait`` blocks on the
-    dependencies' work handles). Issuing in one total order identical on every rank means each
-    process group sees its collectives in the same order everywhere and no rank can deadlock.
+    Ops are issued with ``async_op=True`` in **one FIFO per lane**, in launch order. An op whose
+    ``waits`` (or ``after``) are not complete yet stays queued — and so do the ops of its lane
+    launched after it — until a later ``launch``, ``poll()`` or ``wait()`` finds them complete
+    (``wait`` issues only its own ops' lanes, blocking on their dependencies' work handles). Each
+    lane has its own process groups, so every group sees its collectives in its lane's launch
+    order, which callers keep identical on every rank; lanes never wait on each other's queues, so
+    ranks that interleave lanes differently (one rank's gradient reduce launched before a backward
+    re-gather, another's after it) cannot deadlock.
 CUDA
     One stream per lane (``"unshard"`` and ``"reduce"`` high priority, ``"replicate"`` default). At
     launch an event is recorded on the current (producer / compute) stream; each op is issued on its
@@ -79,7 +82,10 @@ class _Rec:
         return all(d.complete() for d in self.deps)
 
     def wait_host(self) -> None:
-        """CPU: block until complete (through skipped ops to their dependencies)."""
+        """CPU: block until complete (through skipped ops to their dependencies); an op still
+        queued is issued first, with the ops before it in its lane."""
+        if not self.issued:
+            self.executor._drain([self])
         if self.handle is not None:
             try:
                 self.handle.wait()
@@ -130,7 +136,7 @@ class Pending:
                 cur.wait_event(ev)
         else:
             if self._recs:
-                self._ex._drain(max(r.seq for r in self._recs))
+                self._ex._drain(self._recs)
             for r in self._recs:
                 r.wait_host()
         self._waited = True
@@ -153,7 +159,8 @@ class Executor:
         self.groups = groups
         self.issue_trivial = issue_trivial
         self.timeout = timeout  # the lane groups' collective timeout (for error messages)
-        self._queue: deque[_Rec] = deque()      # CPU: launched, not yet issued, in global order
+        # CPU: per lane, launched and not yet issued, in launch order
+        self._queues: dict[str, deque[_Rec]] = {lane: deque() for lane in LANES}
         self._seq = 0
         self._streams: dict[tuple[int, str], Any] = {}
         self.reset_counters()
@@ -275,7 +282,8 @@ class Executor:
         if dev_type == "cuda":
             self._launch_cuda(recs)
         else:
-            self._queue.extend(recs)
+            for rec in recs:
+                self._queues[rec.op.lane].append(rec)
             self.poll()
         return Pending(self, recs, dev_type)
 
@@ -287,18 +295,24 @@ class Executor:
         rec.issued = True
 
     def poll(self) -> None:
-        """CPU: issue queued ops, in order, while their dependencies are complete (non-blocking)."""
-        q = self._queue
-        while q and all(d.complete() for d in q[0].deps):
-            self._issue_cpu(q.popleft())
+        """CPU: issue queued ops, in order per lane, while their dependencies are complete
+        (non-blocking)."""
+        for q in self._queues.values():
+            while q and all(d.complete() for d in q[0].deps):
+                self._issue_cpu(q.popleft())
 
-    def _drain(self, upto_seq: int) -> None:
-        """CPU: issue every queued op with ``seq <= upto_seq``, blocking on dependencies."""
-        q = self._queue
-        while q and q[0].seq <= upto_seq:
-            for d in q[0].deps:
-                d.wait_host()
-            self._issue_cpu(q.popleft())
+    def _drain(self, recs: Sequence[_Rec]) -> None:
+        """CPU: issue ``recs`` and the ops queued before them in their lanes, blocking on
+        dependencies (other lanes are left alone)."""
+        upto: dict[str, int] = {}
+        for r in recs:
+            upto[r.op.lane] = max(upto.get(r.op.lane, -1), r.seq)
+        for lane, seq in upto.items():
+            q = self._queues[lane]
+            while q and q[0].seq <= seq:
+                for d in q[0].deps:
+                    d.wait_host()
+                self._issue_cpu(q.popleft())
 
     # ----------------------------------------------------------------------------- CUDA path
     def _launch_cuda(self, recs: list[_Rec]) -> None:

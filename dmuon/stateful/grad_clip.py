@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.stateful.runtime import get_runtime, local_tensor
+from dmuon.stateful.state import get_state, local_tensor
 
 
 def _replication(t: torch.Tensor) -> int:
@@ -41,13 +41,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     Returns:
       the total norm (a 0-d tensor, the same on every rank), before clipping.
     """
-    rt = get_runtime(model, "dmuon.clip_grad_norm_(model, ...)")
-    rt.wait_reduces()
+    rt = get_state(model, "dmuon.clip_grad_norm_(model, ...)")
+    reduced = rt.reduced_grads()
     p = float(norm_type)
     dedicated = set(rt.params.values())
     pieces: list[tuple[torch.Tensor, int]] = []
-    for n in rt.owned_names:
-        g = rt.reduced_grads.get(n)
+    for g in reduced.values():
         if g is not None:
             pieces.append((g, 1))
     for prm in model.parameters():

@@ -6,7 +6,7 @@ from typing import Iterator
 
 import torch.nn as nn
 
-from dmuon.stateful.runtime import get_runtime
+from dmuon.stateful.state import get_state
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -34,7 +34,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             if (i + 1) % accum == 0:
                 optimizer.step(); optimizer.zero_grad()
     """
-    rt = get_runtime(model, "dmuon.no_sync(model)")
+    rt = get_state(model, "dmuon.no_sync(model)")
     fsdp = _fsdp_modules(model)
     prev = rt.require_grad_sync
     rt.require_grad_sync = False
@@ -69,4 +69,4 @@ def wait_all_replicate_broadcasts(model: nn.Module) -> None:
     Raises:
       RuntimeError: ``model`` has no dedicated params.
     """
-    get_runtime(model, "dmuon.wait_all_replicate_broadcasts(model)").wait_publish()
+    get_state(model, "dmuon.wait_all_replicate_broadcasts(model)").wait_publish()

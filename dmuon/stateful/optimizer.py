@@ -7,12 +7,19 @@ with AdamW's hparams (``lr = adamw_lr``, ``weight_decay = adamw_weight_decay``).
 
 ``step()``:
 
-1. waits for the pending gradient reduces (the owner now holds each matrix's averaged gradient);
-2. runs :func:`dmuon.functional.muon.update` (``donate=True``) on the masters this rank owns;
-3. consumes the reduced gradients and marks gathered copies stale (the next forward broadcasts the
-   new masters; HSDP: publishes them to the replicas asynchronously);
+1. takes the averaged gradients of the matrices this rank owns from the model's
+   :class:`~dmuon.stateful.state.DedicatedState` (``reduced_grads()``: waits for the pending
+   reduces; ``None`` for a matrix no rank had a gradient for);
+2. runs :func:`dmuon.functional.muon.update` (``donate=True``) on the masters this rank owns
+   (``owned_masters()``);
+3. hands the gradients back (``clear_grads()``) and tells the state the masters changed
+   (``after_step()``: gathered copies are stale, the next forward broadcasts the new masters; HSDP:
+   publishes them to the replicas asynchronously);
 4. runs :func:`dmuon.functional.adamw.update` (``donate=True``) on FSDP2's local shards
    (``DTensor.to_local()``, updated in place).
+
+Those calls (and ``attach_optimizer`` / ``is_current``, ``check_publish_consumed``) are the whole
+interface between the optimizer and the stateful layer.
 
 The functional states (``MuonState``, ``AdamWState``) are the truth; ``self.state[param]`` exposes
 them torch-style (``momentum_buffer``; ``step``, ``exp_avg``, ``exp_avg_sq``) for ``state_dict()``.
@@ -27,27 +34,21 @@ import torch.nn as nn
 
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
+from dmuon.stateful.fsdp_patch import check_not_taken_over
 from dmuon.stateful.ns_engine import NSEngine
-from dmuon.stateful.runtime import DedicatedRuntime, get_runtime, local_tensor
+from dmuon.stateful.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.telemetry import StepStats, StepTelemetry
 
 logger = logging.getLogger(__name__)
 
 
-def _check_fsdp_mesh(model: nn.Module, rt: DedicatedRuntime) -> None:
+def _check_fsdp_mesh(model: nn.Module, rt: DedicatedState) -> None:
     """Raise ``ValueError`` if ``fully_shard`` used a mesh over other ranks or another device
     type than ``dedicate_params`` (the gradients would be averaged over different ranks)."""
     from dmuon.functional.setup_check import check_fsdp_meshes
-    from dmuon.stateful.mixed_precision import _fsdp_state
+    from dmuon.stateful.fsdp_info import fsdp_meshes
 
-    meshes = []
-    for name, m in model.named_modules():
-        pg = getattr(_fsdp_state(m), "_fsdp_param_group", None)
-        mesh = getattr(getattr(pg, "mesh_info", None), "mesh", None)
-        if mesh is not None:
-            meshes.append((name, tuple(int(x) for x in mesh.mesh.flatten().tolist()),
-                           str(mesh.device_type)))
-    problems = check_fsdp_meshes(rt.mesh_groups.grid, rt.device.type, meshes)
+    problems = check_fsdp_meshes(rt.mesh_groups.grid, rt.device.type, fsdp_meshes(model))
     if problems:
         raise ValueError("dmuon.Muon: " + " | ".join(problems))
 
@@ -103,7 +104,8 @@ class Muon(torch.optim.Optimizer):
         if not isinstance(model, nn.Module):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
-        rt = get_runtime(model, "dmuon.Muon(model)")
+        rt = get_state(model, "dmuon.Muon(model)")
+        check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
         _check_fsdp_mesh(model, rt)
         muon_hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                        ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_eps=ns_eps,
@@ -120,7 +122,7 @@ class Muon(torch.optim.Optimizer):
             dict(params=[p for _, p in self._adamw_named], name="adamw", **adamw_hp),
         ]
         super().__init__(groups, defaults={})
-        self._rt: DedicatedRuntime = rt
+        self._rt: DedicatedState = rt
         self.check_finite = (rt.device.type != "cuda") if check_finite is None \
             else bool(check_finite)
         if adamw_impl not in ("auto",) + fadamw.IMPLS:
@@ -137,9 +139,12 @@ class Muon(torch.optim.Optimizer):
         self.telemetry = StepTelemetry(rt.executor, rt.device)
         self.replicate_async = bool(replicate_async)
         self.num_steps = 0  # completed step() calls (the same on every rank)
+        # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;
+        # else every step checks that each FSDP2 param has a gradient on all ranks or on none
+        from dmuon.stateful.fsdp_info import reduce_unused_fsdp_params
+        self._check_fsdp_usage = bool(self._adamw_named) and not reduce_unused_fsdp_params(model)
         # a newer Muon(model) supersedes this one: stepping both would update twice per step
-        rt.optimizer_generation += 1
-        self._generation = rt.optimizer_generation
+        self._generation = rt.attach_optimizer()
         self.muon_state: Optional[fmuon.MuonState] = None
         self.adamw_state: Optional[fadamw.AdamWState] = None
         # batch dims of the owned matrices (both fixed by dedicate_params); None: all plain
@@ -150,9 +155,9 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ read-only views
     @property
-    def runtime(self) -> DedicatedRuntime:
-        """The :class:`~dmuon.stateful.runtime.DedicatedRuntime` of the model this optimizer steps
-        (the one ``dedicate_params`` attached; see :func:`dmuon.stateful.runtime.get_runtime`)."""
+    def dedicated_state(self) -> DedicatedState:
+        """The :class:`~dmuon.stateful.state.DedicatedState` of the model this optimizer steps
+        (the one ``dedicate_params`` attached; see :func:`dmuon.stateful.state.get_state`)."""
         return self._rt
 
     @property
@@ -182,26 +187,48 @@ class Muon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rt = self._rt
-        if self._generation != rt.optimizer_generation:
+        if not rt.is_current(self._generation):
             raise RuntimeError(
                 "dmuon.Muon.step: a newer dmuon.Muon was built on this model, which supersedes "
                 "this one (two optimizers would both update every matrix each step). Nothing was "
                 "updated. Step only the newest optimizer (build one dmuon.Muon per model).")
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
-        rt.wait_reduces()
+        grads = rt.reduced_grads()
+        if self._check_fsdp_usage:
+            self._check_same_fsdp_grads(rt)
         if self.check_finite:
-            self._check_finite(rt)
-        self._muon_step(rt)
+            self._check_finite(rt, grads)
+        self._muon_step(rt, grads)
         rt.clear_grads()
         rt.after_step(replicate_async=self.replicate_async)
         self._adamw_step()
         self.num_steps += 1
         return loss
 
-    def _check_finite(self, rt: DedicatedRuntime) -> None:
+    def _check_same_fsdp_grads(self, rt: DedicatedState) -> None:
+        """Torch without FSDP2's ``set_reduce_scatter_unused_params``: raise on every rank if an
+        FSDP2 param has a gradient on some ranks only (one all-reduce of a has-grad count)."""
         import torch.distributed as dist
 
-        named = [(n, rt.reduced_grads[n]) for n in rt.owned_names if n in rt.reduced_grads]
+        have = torch.tensor([p.grad is not None for _, p in self._adamw_named],
+                            dtype=torch.int32, device=rt.device)
+        dist.all_reduce(have)
+        world = dist.get_world_size()
+        bad = [n for (n, _), c in zip(self._adamw_named, have.tolist()) if 0 < c < world]
+        if bad:
+            raise RuntimeError(
+                f"dmuon.Muon.step: FSDP2 params {bad[:6]}{' ...' if len(bad) > 6 else ''} have a "
+                "gradient on some ranks only (e.g. parts of MoE experts that got no token on some "
+                "ranks), so FSDP2's reduce-scatter mixed different params' gradients across ranks. "
+                f"Nothing was updated. torch {torch.__version__}'s FSDP2 has no "
+                "set_reduce_scatter_unused_params (torch 2.13's has it, and dmuon.Muon turns it "
+                "on); upgrade torch, make every rank use every FSDP2 param each step, or move "
+                "those params to dmuon (dedicate them), which handles it.")
+
+    def _check_finite(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]]) -> None:
+        import torch.distributed as dist
+
+        named = [(n, g) for n, g in grads.items() if g is not None]
         named += [(n, local_tensor(p.grad)) for n, p in self._adamw_named if p.grad is not None]
         named = [(n, g) for n, g in named if g.numel() > 0]
         world, me = dist.get_world_size(), dist.get_rank()
@@ -233,7 +260,7 @@ class Muon(torch.optim.Optimizer):
         """``"fused"`` (Triton kernels) or ``"foreach"``: how the owner's elementwise Muon stages run."""
         return "foreach" if self._elementwise(self._rt) is None else "fused"
 
-    def _elementwise(self, rt: DedicatedRuntime) -> Optional[fmuon.MuonElementwise]:
+    def _elementwise(self, rt: DedicatedState) -> Optional[fmuon.MuonElementwise]:
         """The ``elementwise=`` hook for this step (see :attr:`fused_elementwise`)."""
         choice = self.fused_elementwise
         if choice is False or (choice is None and rt.device.type != "cuda"):
@@ -241,14 +268,12 @@ class Muon(torch.optim.Optimizer):
         from dmuon.kernels.muon_elementwise import fused_elementwise
         return fused_elementwise()
 
-    def _muon_step(self, rt: DedicatedRuntime) -> None:
-        owned = rt.owned_names
-        if not owned:
+    def _muon_step(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]]) -> None:
+        if not rt.owned_names:
             return
-        params = rt.owned_masters
+        params = rt.owned_masters()
         if self.muon_state is None:
             self.muon_state = fmuon.init(params)
-        grads = {n: rt.reduced_grads.get(n) for n in owned}
         if all(g is None for g in grads.values()):
             return
         hp = self.muon_hparams()
@@ -260,7 +285,7 @@ class Muon(torch.optim.Optimizer):
             elementwise=self._elementwise(rt))
         self._state_views_stale = True  # rebuilt when self.state is next read
 
-    def _orthogonalizer(self, rt: DedicatedRuntime, hp: fmuon.MuonHParams) -> fmuon.Orthogonalize:
+    def _orthogonalizer(self, rt: DedicatedState, hp: fmuon.MuonHParams) -> fmuon.Orthogonalize:
         """The NS hook for this step, timed by the telemetry (see ``ns_engine`` in the class doc)."""
         tel = self.telemetry
         use_engine = self._ns_choice is not False and (
@@ -390,7 +415,7 @@ class Muon(torch.optim.Optimizer):
                 mu[n], nu[n] = s["exp_avg"], s["exp_avg_sq"]
                 step_a = int(float(s["step"]))
         if rt.owned_names:
-            params = rt.owned_masters
+            params = rt.owned_masters()
             self.muon_state = fmuon.init(params)
             for n, b in mom.items():
                 self.muon_state.momentum[n].copy_(b)

@@ -24,7 +24,7 @@ from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.optimizer import Muon
-from dmuon.stateful.runtime import get_runtime
+from dmuon.stateful.state import get_state
 from dmuon.stateful.state_dict import agree, from_owner, from_rank0, full_copy, local_shard
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict"]
@@ -35,8 +35,8 @@ _COUNTERS = ("adamw_step", "muon_step", "num_steps")
 
 def check_optimizer(model: nn.Module, optimizer: Any, what: str):
     """The model's runtime; ``TypeError`` unless ``optimizer`` is ``model``'s ``dmuon.Muon``."""
-    rt = get_runtime(model, what)
-    if not isinstance(optimizer, Muon) or optimizer.runtime is not rt:
+    rt = get_state(model, what)
+    if not isinstance(optimizer, Muon) or optimizer.dedicated_state is not rt:
         raise TypeError(f"{what}: optimizer must be the dmuon.Muon built for this model")
     return rt
 
@@ -45,8 +45,8 @@ States = tuple[Optional[fmuon.MuonState], Optional[fadamw.AdamWState]]
 
 
 def _fresh_muon(optimizer: Muon) -> Optional[fmuon.MuonState]:
-    rt = optimizer.runtime
-    return fmuon.init(rt.owned_masters) if rt.owned_names else None
+    rt = optimizer.dedicated_state
+    return fmuon.init(rt.owned_masters()) if rt.owned_names else None
 
 
 def _fresh_adamw(optimizer: Muon) -> Optional[fadamw.AdamWState]:
@@ -121,8 +121,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Muon, cpu_offload: boo
       the dict; before the first step the moments and momentum are zeros.
     """
     rt = check_optimizer(model, optimizer, "dmuon.get_optimizer_state_dict")
-    rt.wait_publish()
-    rt.wait_reduces()
+    rt.drain()
     keep = not rank0_only or rt.rank == 0
     mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
     ms, st = current_states(optimizer)
@@ -165,7 +164,7 @@ def validate_optimizer_state_dict(sd: Any, optimizer: Muon) -> list[str]:
                 if not isinstance(sd.get(k), Mapping)]
     if problems:
         return problems
-    rt = optimizer.runtime
+    rt = optimizer.dedicated_state
     adamw_shapes = {n: tuple(p.shape) for n, p in optimizer.adamw_named_params}
     checks = [("fsdp2", k, adamw_shapes) for k in _MOMENTS]
     checks.append(("dedicated", "momentum_buffer", dict(rt.shape)))
@@ -216,8 +215,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon,
     """
     what = "dmuon.set_optimizer_state_dict"
     rt = check_optimizer(model, optimizer, what)
-    rt.wait_publish()
-    rt.wait_reduces()
+    rt.drain()
     has_dict = not rank0_only or rt.rank == 0
     problems = validate_optimizer_state_dict(state_dict, optimizer) if has_dict else []
     meta = None

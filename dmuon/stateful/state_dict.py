@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.functional.state_dict_check import check_state_dict
-from dmuon.stateful.runtime import DedicatedRuntime, get_runtime
+from dmuon.stateful.state import DedicatedState, get_state
 
 __all__ = ["get_model_state_dict", "set_model_state_dict", "read_state_dict", "LoadResult"]
 
@@ -44,7 +44,7 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-def dedicated_names_by_key(model: nn.Module, rt: DedicatedRuntime) -> dict[str, str]:
+def dedicated_names_by_key(model: nn.Module, rt: DedicatedState) -> dict[str, str]:
     """``{state_dict key: dedicated canonical name}`` for every key that is a dedicated param (a
     tied matrix appears under each of its keys)."""
     canon = {p: n for n, p in rt.params.items()}
@@ -55,7 +55,7 @@ def dedicated_names_by_key(model: nn.Module, rt: DedicatedRuntime) -> dict[str, 
     return out
 
 
-def expected_entries(model: nn.Module, rt: DedicatedRuntime,
+def expected_entries(model: nn.Module, rt: DedicatedState,
                      ded: Optional[Mapping[str, str]] = None,
                      ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{key: (full shape, dtype)}`` of the single-device ``model.state_dict()``, in its order
@@ -84,7 +84,7 @@ def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
 
 
 def from_owner(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, src: int,
-               rt: DedicatedRuntime, rank0_only: bool) -> Optional[torch.Tensor]:
+               rt: DedicatedState, rank0_only: bool) -> Optional[torch.Tensor]:
     """Collective: the full tensor ``t`` held by global rank ``src`` (``None`` elsewhere) as a copy
     on every rank (broadcast), or with ``rank0_only`` on rank 0 only (point to point; other ranks
     get ``None``). ``shape`` / ``dtype``: those of ``t``, for the receiving buffers."""
@@ -105,7 +105,7 @@ def from_owner(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
 
 
 def from_rank0(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
-               rt: DedicatedRuntime) -> torch.Tensor:
+               rt: DedicatedState) -> torch.Tensor:
     """Collective: rank 0's full tensor ``t`` (ignored elsewhere, may be ``None``) on every rank,
     on ``rt.device`` in ``dtype`` (broadcast). ``shape``: that of ``t``, for the receiving
     buffers."""
@@ -133,7 +133,7 @@ def local_shard(full: torch.Tensor, like: Any) -> torch.Tensor:
                              src_data_rank=None).to_local()
 
 
-def _dedicated_full(rt: DedicatedRuntime, n: str, rank0_only: bool) -> Optional[torch.Tensor]:
+def _dedicated_full(rt: DedicatedState, n: str, rank0_only: bool) -> Optional[torch.Tensor]:
     """The full matrix ``n`` in the param's dtype, from its owner (:func:`from_owner`)."""
     src = rt.owner_rank[n]
     mine = rt.masters[n].to(rt.orig_dtype[n]) if rt.rank == src else None
@@ -157,7 +157,7 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
       plain tensors (never DTensors), the same keys / shapes / dtypes as ``model.state_dict()`` of
       the model on one device (tied params under each of their names).
     """
-    rt = get_runtime(model, "dmuon.get_model_state_dict(model)")
+    rt = get_state(model, "dmuon.get_model_state_dict(model)")
     rt.wait_publish()
     keep = not rank0_only or rt.rank == 0
     ded = dedicated_names_by_key(model, rt)
@@ -221,7 +221,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
         unexpected keys (``strict``) or wrong shapes / non-tensor values; the message lists them.
     """
     what = "dmuon.set_model_state_dict"
-    rt = get_runtime(model, f"{what}(model, sd)")
+    rt = get_state(model, f"{what}(model, sd)")
     rt.wait_publish()
     ded = dedicated_names_by_key(model, rt)
     exp = expected_entries(model, rt, ded)

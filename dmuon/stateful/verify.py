@@ -125,7 +125,7 @@ def _key_of(model: nn.Module, rt) -> dict[str, str]:
 
 def _gather(model: nn.Module, optimizer: Muon, keys: Mapping[str, str]):
     """Collective: (full params in master dtype, full optimizer state dict)."""
-    rt = optimizer.runtime
+    rt = optimizer.dedicated_state
     sd = get_model_state_dict(model)
     osd = get_optimizer_state_dict(model, optimizer)
     params = {}
@@ -140,10 +140,9 @@ def _gather(model: nn.Module, optimizer: Muon, keys: Mapping[str, str]):
 def _gather_grads(optimizer: Muon) -> dict[str, Optional[torch.Tensor]]:
     """Collective: every trainable param's full gradient (``None`` where it has none). Dedicated
     matrices: the owner's reduced gradient (in the reduce dtype), broadcast from the owner."""
-    rt = optimizer.runtime
-    rt.wait_reduces()
-    mine = {n: str(rt.reduced_grads[n].dtype).split(".")[-1]
-            for n in rt.owned_names if rt.reduced_grads.get(n) is not None}
+    rt = optimizer.dedicated_state
+    reduced = rt.reduced_grads()
+    mine = {n: str(g.dtype).split(".")[-1] for n, g in reduced.items() if g is not None}
     metas: list = [None] * dist.get_world_size()
     dist.all_gather_object(metas, mine)
     meta = {n: d for m in metas for n, d in m.items()}
@@ -153,7 +152,7 @@ def _gather_grads(optimizer: Muon) -> dict[str, Optional[torch.Tensor]]:
             grads[n] = None
             continue
         src = rt.owner_rank[n]
-        g = rt.reduced_grads[n] if rt.rank == src else None
+        g = reduced[n] if rt.rank == src else None
         grads[n] = from_owner(g, rt.shape[n], getattr(torch, meta[n]), src, rt, False)
     for n, p in optimizer.adamw_named_params:
         g = p.grad
@@ -178,7 +177,7 @@ def _check_hparams(optimizer: Muon) -> None:
 @torch.no_grad()
 def _reference(optimizer: Muon, params, grads, osd, ns_dtype_override=None):
     """Single-device step on the gathered tensors: ``(new params, momentum, mu, nu)``."""
-    rt = optimizer.runtime
+    rt = optimizer.dedicated_state
     ded = list(rt.names)
     hp = optimizer.muon_hparams()
     if ns_dtype_override is not None:

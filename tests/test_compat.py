@@ -1,0 +1,56 @@
+"""Every private torch API dmuon uses resolves on the installed torch (:mod:`dmuon.stateful.compat`).
+
+CI runs this on torch 2.13; the GPU machine on 2.11. A torch release that moves one of them fails
+here, by name, instead of inside a training step.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmuon.stateful import compat
+
+
+def test_installed_torch_is_supported():
+    assert compat.torch_supported(), torch.__version__
+
+
+def test_every_private_api_resolves():
+    report = compat.private_api_report()
+    missing = [k for k, ok in report.items() if not ok]
+    assert not missing, f"torch {torch.__version__}: {missing}"
+    assert len(report) >= 7
+
+
+@pytest.mark.parametrize("version,ok", [("2.10.1", False), ("2.11.0", True), ("2.13.0+cpu", True),
+                                        ("2.14.1", True), ("2.15.0", False), ("3.0.0", False)])
+def test_supported_range(version, ok):
+    assert compat.torch_supported(version) is ok
+
+
+def test_in_backward_and_callback():
+    seen = []
+    x = torch.ones(2, requires_grad=True)
+
+    def hook(grad):
+        seen.append(("hook", compat.in_backward()))
+        compat.queue_backward_callback(lambda: seen.append(("end", compat.in_backward())))
+        return grad
+
+    y = (x * 2).sum()
+    x.register_hook(hook)
+    assert not compat.in_backward()
+    y.backward()
+    assert seen[0] == ("hook", True) and seen[-1][0] == "end"
+
+
+def test_fsdp_param_groups_reads_both_layouts():
+    class New:
+        _fsdp_param_groups = ["a", "b"]
+
+    class Old:
+        _fsdp_param_group = "a"
+
+    assert compat.fsdp_param_groups(New()) == ["a", "b"]
+    assert compat.fsdp_param_groups(Old()) == ["a"]
+    assert compat.fsdp_param_groups(None) == []
