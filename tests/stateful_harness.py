@@ -52,6 +52,8 @@ def reference_train(model: torch.nn.Module, batches: list, cfg: dict,
         losses.append(float(loss.detach()))
         if cfg.get("clip"):
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])))
+        if cfg.get("clip_value"):
+            torch.nn.utils.clip_grad_value_(model.parameters(), cfg["clip_value"])
         hp = fmuon.MuonHParams(lr=HP["lr"] * f, momentum=HP["momentum"], nesterov=HP["nesterov"],
                                weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"],
                                ns_dtype=torch.float64)
@@ -63,6 +65,39 @@ def reference_train(model: torch.nn.Module, batches: list, cfg: dict,
         adam.step()
     return {"sd": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "norms": norms, "losses": losses}
+
+
+def build_dmuon(rank: int, world: int, model: torch.nn.Module, blocks, cfg: dict,
+                **dedicate_kw: Any):
+    """``dedicate_params`` + ``fully_shard`` (each of ``blocks``, then the model with FSDP2's
+    default root setting) + ``dmuon.Muon`` with ``HP`` and fp64 NS, on a 1-D mesh of ``world``
+    ranks or (``cfg["hsdp"]``) a 2 x (world / 2) HSDP mesh; ``cfg["z3"]`` (default True).
+    Returns ``(model, optimizer)``."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    z3, R = cfg.get("z3", True), 2 if cfg.get("hsdp") else 1
+    if R > 1:
+        mesh = init_device_mesh("cpu", (R, world // R), mesh_dim_names=("replicate", "shard"))
+        shard_mesh, rep_mesh = mesh["shard"], mesh["replicate"]
+    else:
+        mesh = shard_mesh = init_device_mesh("cpu", (world,))
+        rep_mesh = None
+    dmuon.dedicate_params(model, shard_mesh, muon_predicate, replicate_mesh=rep_mesh,
+                          reshard_after_forward=z3, **dedicate_kw)
+    for block in blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=z3)
+    # the root with FSDP2's default (not resharded after forward): FSDP2's own pre-backward hook
+    # cannot see into a plain object output, so a resharded root would fail in FSDP2 there
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
+                     weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"],
+                     ns_dtype=torch.float64, adamw_lr=HP["adamw_lr"], adamw_betas=HP["adamw_betas"],
+                     adamw_eps=HP["adamw_eps"], adamw_weight_decay=HP["adamw_weight_decay"],
+                     **cfg.get("muon_kw", {}))
+    return model, opt
 
 
 def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:

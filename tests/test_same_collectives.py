@@ -24,7 +24,7 @@ import pytest
 import torch
 from dist_utils import catch, run_ranks
 from models import StackLM, TinyMoE, loss_of, make_seeded, muon_predicate
-from stateful_harness import HP, max_rel_err, reference_train
+from stateful_harness import build_dmuon, max_rel_err, reference_train
 
 TOL = 1e-10
 E, VOCAB, BATCH, SEQ = 4, 32, 8, 7
@@ -67,33 +67,13 @@ def _blocks(model):
 
 
 def _train(rank, world, cfg):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     import dmuon
 
-    z3, R = cfg.get("z3", True), 2 if cfg.get("hsdp") else 1
-    if R > 1:
-        mesh = init_device_mesh("cpu", (R, world // R), mesh_dim_names=("replicate", "shard"))
-        shard_mesh, rep_mesh = mesh["shard"], mesh["replicate"]
-    else:
-        mesh = shard_mesh = init_device_mesh("cpu", (world,))
-        rep_mesh = None
-    model = _model(cfg)
-    dmuon.dedicate_params(model, shard_mesh, muon_predicate, replicate_mesh=rep_mesh,
-                          reshard_after_forward=z3)
-    for block in _blocks(model):
-        fully_shard(block, mesh=mesh, reshard_after_forward=z3)
-    # the root with FSDP2's default (not resharded after forward): FSDP2's own pre-backward hook
-    # cannot see into a plain object output either, so a resharded root would fail in FSDP2
-    fully_shard(model, mesh=mesh)
     if cfg.get("old_torch"):  # as on a torch whose FSDP2 has no set_reduce_scatter_unused_params
         import dmuon.stateful.fsdp_info as fsdp_info
         fsdp_info.reduce_unused_fsdp_params = lambda m: False
-    opt = dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
-                     weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"],
-                     ns_dtype=torch.float64, adamw_lr=HP["adamw_lr"], adamw_betas=HP["adamw_betas"],
-                     adamw_eps=HP["adamw_eps"], adamw_weight_decay=HP["adamw_weight_decay"])
+    model = _model(cfg)
+    model, opt = build_dmuon(rank, world, model, _blocks(model), cfg)
     accum = cfg.get("accum", 1)
     for ids in _batches(cfg):
         opt.zero_grad()
