@@ -22,7 +22,7 @@ __version__ = "0.1.0"
 from dmuon import functional  # noqa: E402,F401
 from dmuon.stateful.dedicate import dedicate_params  # noqa: E402
 from dmuon.stateful.fsdp_patch import install_fully_shard_patch as _install_fully_shard_patch  # noqa: E402
-from dmuon.stateful.grad_clip import clip_grad_norm_  # noqa: E402
+from dmuon.stateful.grad_clip import clip_grad_norm_, clip_grad_value_  # noqa: E402
 from dmuon.stateful.no_sync import no_sync, wait_all_replicate_broadcasts  # noqa: E402
 from dmuon.stateful.optimizer import Muon  # noqa: E402
 from dmuon.stateful.optimizer_state_dict import get_optimizer_state_dict, set_optimizer_state_dict  # noqa: E402
@@ -47,6 +47,6 @@ else:
 __all__ = [
     "functional", "dedicate_params", "Muon", "no_sync", "wait_all_replicate_broadcasts",
     "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
-    "set_optimizer_state_dict", "clip_grad_norm_", "save_sharded", "load_sharded", "read_state_dict",
+    "set_optimizer_state_dict", "clip_grad_norm_", "clip_grad_value_", "save_sharded", "load_sharded", "read_state_dict",
     "LoadResult", "verify_step", "VerificationError", "VerifyReport",
 ]

@@ -87,15 +87,20 @@ def _taken_over(rank, world, mesh):
     model = make_model(n_layers=1)
     dmuon.dedicate_params(model, mesh, muon_predicate)
     fsdp_patch.remove_fully_shard_patch()  # as if a torch update had moved the hook points
-    try:
-        for layer in model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+    try:  # FSDP2 reads the placeholder to shard it: the placeholder guard refuses
+        out["fully_shard"] = catch(lambda: fully_shard(model.layers[0], mesh=mesh))
     finally:
         fsdp_patch.install_fully_shard_patch()
+    # a dedicated param replaced behind dmuon's back (here by hand): the first forward and
+    # dmuon.Muon refuse the model
+    model2 = make_model(n_layers=1)
+    dmuon.dedicate_params(model2, mesh, muon_predicate)
+    q = model2.layers[0].self_attn.q_proj
+    q.weight = torch.nn.Parameter(torch.zeros(16, 16, dtype=torch.float64))
+    fully_shard(model2, mesh=mesh)
     ids = torch.randint(0, 32, (2, 8))
-    out["forward"] = catch(lambda: model(ids))
-    out["muon"] = catch(lambda: dmuon.Muon(model))
+    out["forward"] = catch(lambda: model2(ids))
+    out["muon"] = catch(lambda: dmuon.Muon(model2))
     return out
 
 
@@ -181,10 +186,13 @@ def test_remove_restores_torch_functions(results):
 def test_taken_over_params_raise_naming_the_patch(results):
     import torch
     for out in results:
+        kind, msg = out["taken_over"]["fully_shard"]
+        assert kind == "DedicatedParamError", (kind, msg)
+        assert "patch is NOT installed" in msg and torch.__version__ in msg, msg
         for key in ("forward", "muon"):
             kind, msg = out["taken_over"][key]
             assert kind == "RuntimeError", (key, kind, msg)
-            assert "FSDP2 took over" in msg and "patch" in msg and torch.__version__ in msg
+            assert "q_proj.weight" in msg and "patch" in msg and torch.__version__ in msg
 
 
 def test_several_fsdp_param_groups_per_module(results):

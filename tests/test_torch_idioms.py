@@ -143,7 +143,6 @@ def res2():
     return run_ranks(_worker2, 2, timeout=120)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: not fixed yet")
 def test_foreign_tools_raise_naming_the_dmuon_call(res2):
     for rank, r in enumerate(res2):
         f = r["foreign"]
@@ -161,7 +160,6 @@ def test_foreign_tools_raise_naming_the_dmuon_call(res2):
     assert kind == "RuntimeError" and "already called" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: not fixed yet")
 @pytest.mark.parametrize("cid", ["zero_none", "zero_false", "clip_value", "extra_step"])
 def test_zero_grad_clip_value_and_extra_step_equal_the_reference(res2, cid):
     cfg = next(c for c in CFGS if c["id"] == cid)
@@ -177,7 +175,6 @@ def test_zero_grad_clip_value_and_extra_step_equal_the_reference(res2, cid):
             assert kind == "RuntimeError" and "no backward pass reached" in msg, msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: not fixed yet")
 def test_nan_names_the_rank_that_computed_it(res2):
     for r in res2:
         kind, msg = r["nan"]
@@ -185,7 +182,6 @@ def test_nan_names_the_rank_that_computed_it(res2):
         assert "computed by the backward of ranks [1]" in msg, msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: not fixed yet")
 def test_step_twice_raises_the_same_error_on_1d_and_hsdp(res2):
     res4 = run_ranks(_worker4, 4, timeout=120)
     msgs = set()
@@ -223,7 +219,6 @@ def _hung_rank(rank, world, hsdp, sleep_s):
             "hung": rank == world - 1, "dmuon": dmuon.__name__}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: not fixed yet")
 @pytest.mark.slow
 def test_hung_rank_hsdp_raises_within_the_bound():
     """HSDP: FSDP2 runs on init_device_mesh's sub-groups (torch's 30-minute default); dmuon lowers
@@ -237,7 +232,6 @@ def test_hung_rank_hsdp_raises_within_the_bound():
         assert r["seconds"] < 15.0, (r["seconds"], msg)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 18: not fixed yet")
 @pytest.mark.slow
 def test_hung_rank_1d_warns_about_the_default_group():
     """1-D: FSDP2 runs on the default group, which is the user's (60 s here): dedicate_params

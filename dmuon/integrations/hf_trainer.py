@@ -232,10 +232,25 @@ def _make_save_model(orig):
     return save_model
 
 
+def _make_has_mixed_mesh_grads(orig):
+    def _has_mixed_mesh_grads(self, model):
+        # a dmuon model's dedicated params show zero-size `.grad` markers (plain tensors) beside
+        # FSDP2's DTensor grads; its norm is Accelerator.clip_grad_norm_'s (dmuon's), never the
+        # per-mesh norm of the markers
+        if dmuon_root(model) is not None:
+            return False
+        return orig(self, model)
+    return _has_mixed_mesh_grads
+
+
 def patch_trainer(module: ModuleType) -> None:
-    """Wrap ``Trainer.save_model`` (idempotent)."""
+    """Wrap ``Trainer.save_model`` and, where this transformers has it, the private
+    ``Trainer._has_mixed_mesh_grads`` (transformers >= 5.2x picks a per-mesh norm for mixed
+    DTensor / plain gradients instead of ``Accelerator.clip_grad_norm_``) (idempotent)."""
     cls = getattr(module, "Trainer", None)
     if cls is None:
         _status["Trainer"] = f"missing ({module.__name__} has no Trainer)"
         return
     _wrap(cls, "save_model", _make_save_model, ("output_dir",))
+    if "_has_mixed_mesh_grads" in cls.__dict__:
+        _wrap(cls, "_has_mixed_mesh_grads", _make_has_mixed_mesh_grads, ("model",))

@@ -36,7 +36,7 @@ from dmuon.stateful.optimizer_state_dict import (
 )
 from dmuon.stateful.state import get_state, local_tensor
 from dmuon.stateful.state_dict import (
-    agree, dedicated_names_by_key, expected_entries, tied_groups,
+    agree, dedicated_names_by_key, expected_entries, module_entries, tied_groups,
 )
 
 __all__ = ["save_sharded", "load_sharded", "ShardedSaveResult", "ShardedLoadResult"]
@@ -116,7 +116,7 @@ def _model_entries(model: nn.Module, rt, for_load: bool, skip: frozenset = froze
     out: dict[str, Any] = {}
     post = []
     seen: dict[str, torch.Tensor] = {}
-    for k, v in model.state_dict().items():
+    for k, v in module_entries(model).items():
         if k in skip:
             continue
         n = ded.get(k)
@@ -260,9 +260,9 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     rt.drain()
     reader, md = _read_metadata(checkpoint_id, storage_reader)
     problems, check = _check_metadata(md, model, rt, optimizer, strict)
-    agree(problems, what)
+    agree(rt, problems, what)
     present = {k for k in check.source.values()}
-    absent = frozenset(k for k in model.state_dict() if k not in present)
+    absent = frozenset(k for k in module_entries(model) if k not in present)
     masters = frozenset(n for n in rt.names if f"optim.dedicated.{n}.master" in md) \
         if optimizer is not None else frozenset()
     skip = absent | frozenset(k for k, n in dedicated_names_by_key(model, rt).items() if n in masters)

@@ -19,8 +19,9 @@ Private APIs and what they are for:
   checkpointing re-runs forward there).
 * ``torch.autograd.Variable._execution_engine.queue_callback`` — run a function when the current
   backward pass ends (FSDP2 uses it for the same purpose).
-* ``ProcessGroup._get_backend(device).options._timeout`` — the default group's timeout, the default
-  bound of dmuon's own groups.
+* ``ProcessGroup._get_backend(device).options._timeout`` and
+  ``distributed_c10d._set_pg_timeout`` — read a group's timeout (the default group's is the default
+  bound of dmuon's own groups) and bound the mesh groups dmuon is given.
 """
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ __all__ = [
     "SUPPORTED_TORCH", "FSDP_INIT_MODULES", "torch_version", "torch_supported",
     "unsupported_torch_message", "fsdp_state", "fsdp_param_groups", "fsdp_managed_params",
     "fsdp_mesh", "fsdp_mp_policy", "in_backward", "queue_backward_callback",
-    "default_group_timeout", "private_api_report",
+    "default_group_timeout", "group_timeout", "set_group_timeout", "private_api_report",
 ]
 
 
@@ -142,6 +143,28 @@ def default_group_timeout(device_type: str) -> Optional[datetime.timedelta]:
         return None
 
 
+def group_timeout(pg: Any, device_type: str) -> Optional[datetime.timedelta]:
+    """The collective timeout of process group ``pg`` for ``device_type`` (``None`` if unknown)."""
+    try:
+        return pg._get_backend(torch.device(device_type)).options._timeout
+    except Exception:  # noqa: BLE001 - private API
+        return None
+
+
+def set_group_timeout(pg: Any, timeout: datetime.timedelta) -> bool:
+    """Set ``pg``'s collective timeout (gloo: a collective raises after it; NCCL: the watchdog
+    aborts); False when this torch cannot."""
+    import torch.distributed as dist
+    fn = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if fn is None:
+        return False
+    try:
+        fn(timeout, pg)
+    except Exception:  # noqa: BLE001 - private API
+        return False
+    return True
+
+
 def private_api_report() -> dict[str, bool]:
     """``{private API: resolvable on this torch}`` for every API listed in the module docstring
     (``tests/test_compat.py`` requires all True on supported torches)."""
@@ -164,4 +187,6 @@ def private_api_report() -> dict[str, bool]:
     import torch.distributed as dist
     out["distributed_c10d._get_default_group"] = callable(
         getattr(dist.distributed_c10d, "_get_default_group", None))
+    out["distributed_c10d._set_pg_timeout"] = callable(
+        getattr(dist.distributed_c10d, "_set_pg_timeout", None))
     return out

@@ -29,11 +29,13 @@ import torch.nn as nn
 from dmuon.functional.buckets import hook_groups
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
-from dmuon.stateful.compat import default_group_timeout, torch_supported, unsupported_torch_message
+from dmuon.stateful.compat import (default_group_timeout, group_timeout, set_group_timeout,
+                                   torch_supported, unsupported_torch_message)
 from dmuon.stateful.executor import Executor
 from dmuon.stateful.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
 from dmuon.stateful.hooks import register_hooks
 from dmuon.stateful.fsdp_info import has_fsdp_state
+from dmuon.stateful.guards import guard_module_apply
 from dmuon.stateful.process_groups import agree_grid, make_process_groups
 from dmuon.stateful.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
 
@@ -52,8 +54,6 @@ def _is_dtensor(p: Any) -> bool:
 
 def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.Parameter]]:
     """This rank's local checks and the dedicated params ``{name: param}`` (raises on bad input)."""
-    if find_state(model) is not None:
-        raise RuntimeError("dedicate_params was already called on this model")
     fsdp_mods = has_fsdp_state(model)
     if fsdp_mods:
         raise RuntimeError(
@@ -99,11 +99,12 @@ def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.
     return named, chosen
 
 
-def _check_fingerprint(fingerprint: str) -> None:
+def _check_fingerprint(fingerprint: str, mesh_groups: Any) -> None:
     """All-gather the owner plan's fingerprint; raise on every rank if any rank's differs."""
     world = dist.get_world_size()
     got: list = [None] * world
-    dist.all_gather_object(got, fingerprint)
+    mesh_groups.control_collective("owner-plan fingerprint all-gather",
+                                   lambda g: dist.all_gather_object(got, fingerprint, group=g))
     if len(set(got)) > 1:
         by_fp: dict[str, list[int]] = {}
         for r, fp in enumerate(got):
@@ -113,6 +114,35 @@ def _check_fingerprint(fingerprint: str) -> None:
             "dedicate_params: the owner plan differs across ranks (" + detail + "). Every rank must "
             "build the same model (same names, shapes, dtypes) and pass the same predicate, mesh and "
             "settings.")
+
+
+def _bound_mesh_groups(meshes: tuple, timeout: Optional[datetime.timedelta]) -> None:
+    """FSDP2 runs its collectives on the groups of the mesh it is given; ``init_device_mesh``'s
+    sub-groups get torch's default timeout (30 minutes), not ``init_process_group(timeout=)``.
+    Lower every such group's timeout to dmuon's, so a hung rank surfaces within the same bound on
+    every collective of the step. The default group itself (a 1-D mesh over the whole world uses
+    it) is the user's: if it waits longer than dmuon's bound, warn with the fix."""
+    if timeout is None:
+        return
+    world = dist.group.WORLD
+    for mesh in meshes:
+        if mesh is None:
+            continue
+        for pg in mesh.get_all_groups():
+            cur = group_timeout(pg, str(mesh.device_type))
+            if cur is None or cur <= timeout:
+                continue
+            if pg is world:
+                logger.warning(
+                    "dmuon: FSDP2's collectives on this mesh run on the default process group, "
+                    "whose timeout (%s) is longer than dedicate_params(timeout=%s): a hung rank "
+                    "would surface only after %s there. For one bound, pass "
+                    "init_process_group(..., timeout=datetime.timedelta(seconds=%d)).",
+                    cur, timeout, cur, int(timeout.total_seconds()))
+            elif not set_group_timeout(pg, timeout):
+                logger.warning("dmuon: could not lower the timeout (%s) of a mesh group to "
+                               "dedicate_params(timeout=%s) on torch %s", cur, timeout,
+                               torch.__version__)
 
 
 def _boundary_of(model: nn.Module, name: str,
@@ -184,6 +214,10 @@ def dedicate_params(
     """
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
+    if find_state(model) is not None:  # before any collective: a second call on one rank only
+        raise RuntimeError(
+            "dedicate_params was already called on this model (on this rank); call it once per "
+            "model, on every rank, before fully_shard. Nothing was changed.")
     install_fully_shard_patch()  # idempotent; back in place if it was removed
     if not dist.is_initialized():
         raise RuntimeError("dedicate_params needs torch.distributed: call "
@@ -204,7 +238,8 @@ def dedicate_params(
     timeout = timeout or default_group_timeout(str(mesh.device_type))
     mesh_groups = make_process_groups(grid=grid, timeout=timeout)
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size, ns_steps=ns_steps)
-    _check_fingerprint(plan.fingerprint)
+    _check_fingerprint(plan.fingerprint, mesh_groups)
+    _bound_mesh_groups((mesh, replicate_mesh), timeout)
 
     # a param shared by several modules (tied weights) is moved by the boundary of all its uses:
     # if its names fall under different boundaries, the root group (gathered for the whole forward)
@@ -235,7 +270,9 @@ def dedicate_params(
         mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen})
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
+        p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.guards)
     register_hooks(model, st)
+    guard_module_apply(model, list(chosen.values()))
     setattr(model, STATE_ATTR, st)
     logger.info("dmuon: dedicated %d params in %d hook groups over G=%d R=%d (plan %s)",
                 len(chosen), len(order), st.G, st.R, plan.fingerprint[:12])

@@ -155,8 +155,9 @@ def check_not_taken_over(model: nn.Module, params: Mapping[str, nn.Parameter], w
         return
     state = "installed" if is_installed() else "NOT installed"
     raise RuntimeError(
-        f"{what}: FSDP2 took over {len(bad)} dedicated params ({bad[:4]}{' ...' if len(bad) > 4 else ''}):"
-        f" fully_shard sharded them instead of skipping them. dmuon's fully_shard patch is {state} "
+        f"{what}: {len(bad)} dedicated params ({bad[:4]}{' ...' if len(bad) > 4 else ''}) are no "
+        "longer the params dedicate_params prepared: FSDP2 took them over (fully_shard sharded "
+        f"them instead of skipping them), or they were replaced. dmuon's fully_shard patch is {state} "
         f"on torch {torch.__version__}. Call fully_shard only after `import dmuon` and "
         "dmuon.dedicate_params (and never after dmuon.stateful.fsdp_patch.remove_fully_shard_patch"
         "()), or pass ignored_params={p for p in model.parameters() if getattr(p, "

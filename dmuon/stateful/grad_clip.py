@@ -62,12 +62,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
             acc = torch.maximum(acc, g.detach().abs().max().to(torch.float64))
         else:
             acc = acc + torch.linalg.vector_norm(g.detach(), p).to(torch.float64) ** p / k
-    if math.isinf(p):
-        dist.all_reduce(acc, op=dist.ReduceOp.MAX)
-        total = acc
-    else:
-        dist.all_reduce(acc)
-        total = acc ** (1.0 / p)
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    rt.mesh_groups.control_collective("clip_grad_norm_ all-reduce",
+                                      lambda g: dist.all_reduce(acc, op=op, group=g))
+    total = acc if math.isinf(p) else acc ** (1.0 / p)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total gradient norm of order {norm_type} is non-finite ({total}); "
                            "check the loss and inputs, or pass error_if_nonfinite=False")
@@ -75,3 +73,26 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     for g, _ in pieces:
         g.mul_(coef.to(g.dtype))
     return total
+
+
+def clip_grad_value_(model: nn.Module, clip_value: float) -> None:
+    """Clamp every gradient of ``model`` to ``[-clip_value, clip_value]`` in place (as
+    ``torch.nn.utils.clip_grad_value_``): FSDP2's gradient shards and the owners' reduced matrix
+    gradients. Elementwise, so it equals the single-device clamp of the full (averaged) gradient.
+    Local: no collective. Call after ``backward``, before ``step``.
+
+    Args:
+      model: a model prepared by ``dedicate_params``.  clip_value: the bound (> 0).
+    """
+    rt = get_state(model, "dmuon.clip_grad_value_(model, ...)")
+    v = float(clip_value)
+    if not v > 0:
+        raise ValueError(f"dmuon.clip_grad_value_: clip_value must be > 0, got {clip_value!r}")
+    dedicated = set(rt.params.values())
+    with torch.no_grad():
+        for g in rt.reduced_grads().values():
+            if g is not None:
+                g.clamp_(-v, v)
+        for prm in model.parameters():
+            if prm not in dedicated and prm.grad is not None:
+                local_tensor(prm.grad).clamp_(-v, v)

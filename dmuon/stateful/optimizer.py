@@ -125,6 +125,7 @@ class Muon(torch.optim.Optimizer):
         self._rt: DedicatedState = rt
         self.check_finite = (rt.device.type != "cuda") if check_finite is None \
             else bool(check_finite)
+        rt.track_local_finite = self.check_finite
         if adamw_impl not in ("auto",) + fadamw.IMPLS:
             raise ValueError(f"adamw_impl must be 'auto' or one of {fadamw.IMPLS}, got "
                              f"{adamw_impl!r}")
@@ -192,6 +193,14 @@ class Muon(torch.optim.Optimizer):
                 "dmuon.Muon.step: a newer dmuon.Muon was built on this model, which supersedes "
                 "this one (two optimizers would both update every matrix each step). Nothing was "
                 "updated. Step only the newest optimizer (build one dmuon.Muon per model).")
+        if not rt.fresh_grads:
+            raise RuntimeError(
+                "dmuon.Muon.step: no backward pass reached the dedicated matrices since the last "
+                "step() (or zero_grad()), so there is no fresh gradient to apply; nothing was "
+                "updated. Run forward and loss.backward() (the last micro-batch outside "
+                "dmuon.no_sync) before every step(). A step() on one rank only, or twice in a row, "
+                "would update that rank's FSDP2 shards again and leave its dedicated matrices "
+                "behind the other ranks'.")
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         grads = rt.reduced_grads()
         if self._check_fsdp_usage:
@@ -212,7 +221,8 @@ class Muon(torch.optim.Optimizer):
 
         have = torch.tensor([p.grad is not None for _, p in self._adamw_named],
                             dtype=torch.int32, device=rt.device)
-        dist.all_reduce(have)
+        rt.mesh_groups.control_collective(
+            "FSDP2 gradient-usage all-reduce", lambda g: dist.all_reduce(have, group=g))
         world = dist.get_world_size()
         bad = [n for (n, _), c in zip(self._adamw_named, have.tolist()) if 0 < c < world]
         if bad:
@@ -226,24 +236,36 @@ class Muon(torch.optim.Optimizer):
                 "those params to dmuon (dedicate them), which handles it.")
 
     def _check_finite(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]]) -> None:
+        """Raise on every rank, before anything changes, if any gradient is non-finite, naming the
+        ranks whose own backward produced it (the dedicated matrices' local gradients, checked as
+        they were sent) and the ranks holding non-finite reduced values (FSDP2's shards, which
+        FSDP2 reduced already, and the owners' averages: a finite input can overflow there)."""
         import torch.distributed as dist
 
         named = [(n, g) for n, g in grads.items() if g is not None]
         named += [(n, local_tensor(p.grad)) for n, p in self._adamw_named if p.grad is not None]
         named = [(n, g) for n, g in named if g.numel() > 0]
         world, me = dist.get_world_size(), dist.get_rank()
-        flags = torch.zeros(world, dtype=torch.float32, device=rt.device)
+        flags = torch.zeros(2, world, dtype=torch.float32, device=rt.device)
+        if rt.local_nonfinite is not None:
+            flags[0, me] = rt.local_nonfinite.float()
         if named:
             norms = torch._foreach_norm([g for _, g in named])
-            flags[me] = (~torch.isfinite(torch.stack(norms).float())).any().float()
-        dist.all_reduce(flags)
+            flags[1, me] = (~torch.isfinite(torch.stack(norms).float())).any().float()
+        rt.mesh_groups.control_collective(
+            "check_finite all-reduce", lambda g: dist.all_reduce(flags, group=g))
         if flags.is_cuda:
             self._host_syncs += 1  # bool() below waits for the device
         if bool(flags.any()):
-            bad_ranks = [r for r in range(world) if flags[r] > 0]
+            computed = [r for r in range(world) if flags[0, r] > 0]
+            reduced = [r for r in range(world) if flags[1, r] > 0]
             local = [n for n, g in named if not torch.isfinite(g).all()]
             raise FloatingPointError(
-                f"dmuon.Muon.step: non-finite (NaN/Inf) gradients on ranks {bad_ranks}"
+                "dmuon.Muon.step: non-finite (NaN/Inf) gradients"
+                + (f"; computed by the backward of ranks {computed} (dedicated matrices' local "
+                   "gradients)" if computed else "")
+                + (f"; in the reduced gradients held by ranks {reduced} (FSDP2 shards or owners' "
+                   "averages)" if reduced else "")
                 + (f" (here: {local[:8]})" if local else "")
                 + ". Nothing was updated; call optimizer.zero_grad() to skip this batch, lower the "
                 "learning rate or check the loss and inputs (or pass check_finite=False).")
@@ -369,9 +391,10 @@ class Muon(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ grads
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero FSDP2 grads (torch semantics) and drop the dedicated matrices' pending grads."""
-        super().zero_grad(set_to_none=set_to_none)
+        """Drop the dedicated matrices' pending grads (and their ``.grad`` markers) and zero
+        FSDP2's grads (torch semantics)."""
         self._rt.clear_grads()
+        super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ state dict
     def load_state_dict(self, state_dict: dict) -> None:

@@ -224,7 +224,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon,
                 "masters": sorted(n for n, s in state_dict["dedicated"].items() if "master" in s),
                 **{k: state_dict.get(k, 0) for k in _COUNTERS},
                 "param_groups": state_dict.get("param_groups")}
-    got = agree(problems, what, meta if rank0_only else None)
+    got = agree(rt, problems, what, meta if rank0_only else None)
     if rank0_only:
         meta = got[0][1]
 
@@ -239,10 +239,12 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Muon,
             t = state_dict[section][n][key].to(device=rt.device, dtype=dtype).contiguous()
             if dst == 0:
                 return t
-            dist.send(t, dst=dst)
+            rt.mesh_groups.control_collective(
+                "optimizer-state send", lambda g: dist.send(t, dst=dst, group=g))
         elif me == dst:
             buf = torch.empty(shape, dtype=dtype, device=rt.device)
-            dist.recv(buf, src=0)
+            rt.mesh_groups.control_collective(
+                "optimizer-state receive", lambda g: dist.recv(buf, src=0, group=g))
             return buf
         return None
 

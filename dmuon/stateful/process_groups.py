@@ -45,6 +45,10 @@ class MeshGroups:
       rank: this process's global rank.  coord: its ``(s, r)``.
       groups: ``lane -> the process group of that lane containing this rank``.
       backend: backend name of the groups (``"gloo"``, ``"nccl"``, ...).
+      control: a group of the whole world with dmuon's timeout, for dmuon's own small collectives
+        outside the schedules (finiteness and usage checks, the forward-order agreement, clipping,
+        state dicts), so that none of them waits on the default group's bound.
+      timeout: the groups' collective timeout (``None``: the default group's).
     """
 
     shard_size: int
@@ -54,6 +58,23 @@ class MeshGroups:
     coord: tuple[int, int]
     groups: Mapping[str, Any]
     backend: str
+    control: Any = None
+    timeout: Optional[datetime.timedelta] = None
+
+    def control_collective(self, what: str, fn: Any) -> Any:
+        """Run ``fn(group)`` on the control group; a failure (a timeout: a rank never came)
+        raises ``RuntimeError`` naming ``what``, the ranks and the bound."""
+        try:
+            return fn(self.control)
+        except RuntimeError as e:
+            world = len(self.grid) * len(self.grid[0])
+            bound = f" (timeout {self.timeout})" if self.timeout is not None else ""
+            raise RuntimeError(
+                f"dmuon: the {what} collective over ranks {list(range(world))} failed on rank "
+                f"{self.rank}{bound}: {e}. A timeout means a rank never reached it: every rank "
+                "must make the same dmuon calls (forward, backward, optimizer.step(), state-dict "
+                "and clip calls) in the same order, or a rank crashed (see its log). The bound is "
+                "dedicate_params(..., timeout=...).") from e
 
     def global_rank(self, s: int, r: int) -> int:
         return self.grid[r][s]
@@ -204,6 +225,10 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
             pg = dist.new_group(ranks, **kw)
             if me in ranks:
                 groups[lane] = pg
+    ctl_kw: dict[str, Any] = {"backend": backend}
+    if timeout is not None:
+        ctl_kw["timeout"] = timeout
+    control = dist.new_group(list(range(world)), **ctl_kw)
     log.debug("dmuon process groups: G=%d R=%d rank=%d coord=%s lanes=%s", G, R, me, coord,
               list(groups))
-    return MeshGroups(G, R, g, me, coord, groups, be)
+    return MeshGroups(G, R, g, me, coord, groups, be, control=control, timeout=timeout)

@@ -41,6 +41,7 @@ from dmuon.functional.buckets import HookGroups, bucket_layout
 from dmuon.stateful.compat import queue_backward_callback
 from dmuon.stateful.executor import Executor
 from dmuon.stateful.fsdp_patch import check_not_taken_over
+from dmuon.stateful.guards import DedicatedGradMarker, make_marker
 from dmuon.stateful.param_group import DedicatedParamGroup, GradState, ReducedGrad
 from dmuon.stateful.process_groups import MeshGroups
 from dmuon.stateful.storage import DedicatedStorage, GradBufferPool
@@ -97,6 +98,7 @@ class DedicatedState:
         self.version = 0               # weights change at every step: older gathers are stale
         self.require_grad_sync = True  # False inside dmuon.no_sync
         self.local_grads: dict[str, torch.Tensor] = {}
+        self._sent: set[str] = set()          # names whose local grad went into a reduce
         self._reduced: dict[str, torch.Tensor] = {}
         self._present_here: set[str] = set()
         self._flags: dict[str, list[torch.Tensor]] = {}
@@ -104,6 +106,14 @@ class DedicatedState:
         self._callback_queued = False
         self.ready = False
         self._optimizer_generation = 0
+        # a synced backward ran since the last step (step() refuses to run without one)
+        self.fresh_grads = False
+        # ``.grad`` markers of placeholders whose gradient dmuon holds (see dmuon.stateful.guards)
+        self._markers: dict[str, DedicatedGradMarker] = {}
+        self._marked: set[str] = set()
+        # Muon(check_finite=True): whether a gradient this rank sent was non-finite (0-d, device)
+        self.track_local_finite = False
+        self.local_nonfinite: Optional[torch.Tensor] = None
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -179,7 +189,9 @@ class DedicatedState:
         rest = [k for k in self.order if k not in self._seen_order]
         mine = tuple(self._seen_order + rest)
         orders: list = [None] * dist.get_world_size()
-        dist.all_gather_object(orders, mine)
+        self.mesh_groups.control_collective(
+            "forward-order agreement (first forward)",
+            lambda g: dist.all_gather_object(orders, mine, group=g))
         if len(set(orders)) == 1:
             self.order = list(mine)
         else:
@@ -195,10 +207,52 @@ class DedicatedState:
 
     # ------------------------------------------------------------------ gather / free
     def unshard(self, key: str) -> None:
+        self._take_markers(self.groups[key].names)
         self.groups[key].unshard(self.version)
 
     def launch_unshard(self, key: str) -> None:
+        self._take_markers(self.groups[key].names)
         self.groups[key].launch_unshard(self.version)
+
+    # ------------------------------------------------------------------ .grad markers
+    def _attach_markers(self, names) -> None:
+        """After a backward: every freed param whose gradient dmuon holds shows a marker as
+        ``.grad`` (torch's tools then raise instead of seeing nothing; zeroing it or dropping it
+        drops dmuon's gradient, see :mod:`dmuon.stateful.guards`)."""
+        for n in names:
+            p = self.params[n]
+            if not self.storage.is_placeholder(n) or n in self._marked:
+                continue
+            if n not in self.local_grads and n not in self._sent:
+                continue
+            m = self._markers.get(n)
+            if m is None or m.dtype != p.dtype:
+                m = make_marker(p, n, lambda n=n: self.drop_grad(n))
+                self._markers[n] = m
+            p.grad = m
+            self._marked.add(n)
+
+    def _take_markers(self, names, *, remove: bool = True) -> None:
+        """Before a param is gathered (or its gradient sent or used): a marker the user dropped
+        (``model.zero_grad()``, ``p.grad = None``) drops dmuon's gradient; ``remove``: take the
+        others off too (a gathered param must not carry a zero-size ``.grad``)."""
+        for n in [n for n in names if n in self._marked]:
+            p = self.params[n]
+            if p.grad is not self._markers[n]:
+                self._marked.discard(n)
+                self.drop_grad(n)
+            elif remove:
+                self._marked.discard(n)
+                p.grad = None
+
+    def drop_grad(self, name: str) -> None:
+        """Forget every gradient dmuon holds for ``name`` on this rank (as torch's zero_grad)."""
+        self.local_grads.pop(name, None)
+        self._collect()  # a reduce still in flight counts as held
+        self._reduced.pop(name, None)
+        self._present_here.discard(name)
+        self._flags.pop(name, None)
+        self._resolved = None
 
     def reshard_all(self) -> None:
         if self.ready:
@@ -229,9 +283,21 @@ class DedicatedState:
 
     def _launch_reduce(self, key: str) -> None:
         g = self.groups[key]
+        self._take_markers(g.names)  # markers of an earlier no_sync backward: still attached?
+        self._sent.update(n for n in g.names if n in self.local_grads)
+        if self.track_local_finite:
+            self._note_local_finite(g.names)
         g.launch_reduce(self.local_grads, self.pool)
         self._resolved = None
         g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
+
+    def _note_local_finite(self, names) -> None:
+        """Accumulate, on the device, whether a local gradient this rank sends is non-finite."""
+        grads = [self.local_grads[n] for n in names if n in self.local_grads]
+        if not grads:
+            return
+        bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).float())).any()
+        self.local_nonfinite = bad if self.local_nonfinite is None else self.local_nonfinite | bad
 
     def _launch_due_reduces(self) -> None:
         """Launch, in the fixed reduce order, every reduce whose group's gradients are complete
@@ -253,12 +319,15 @@ class DedicatedState:
             for key in self._reduce_order[self._reduce_next:]:
                 self._launch_reduce(key)
         self._reduce_next = 0
+        if self.require_grad_sync:
+            self.fresh_grads = True
         for g in self.groups.values():
             # weights change only at step(): Z2 keeps its gathered copy across no_sync micro-batches
             keep = not self.require_grad_sync and not g.reshard_after_forward
             if g.holds_gathered and not keep:
                 g.reshard()
             g.reset_backward()
+            self._attach_markers(g.names)
 
     # ------------------------------------------------------------------ step protocol
     def _collect(self) -> None:
@@ -283,6 +352,7 @@ class DedicatedState:
         Whether any rank had one is known without a host sync when the owner had a local gradient
         itself (every param of a dense model); otherwise the reduces' presence elements are read
         in one batch (one host sync on CUDA, in steps where that happens)."""
+        self._take_markers(list(self._marked), remove=False)
         self._collect()
         if self._resolved is not None:
             return self._resolved
@@ -307,6 +377,13 @@ class DedicatedState:
     def clear_grads(self) -> None:
         """Drop local and reduced grads (``Muon.zero_grad``, ``step``); buffers back to the pool."""
         self._collect()
+        for n in list(self._marked):
+            if self.params[n].grad is self._markers[n]:
+                self.params[n].grad = None
+        self._marked.clear()
+        self._sent.clear()
+        self.fresh_grads = False
+        self.local_nonfinite = None
         self.local_grads.clear()
         self._reduced.clear()
         self._present_here.clear()

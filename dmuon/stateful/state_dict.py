@@ -55,6 +55,15 @@ def dedicated_names_by_key(model: nn.Module, rt: DedicatedState) -> dict[str, st
     return out
 
 
+def module_entries(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without reading a dedicated param's values (its placeholder is kept
+    as the entry; torch's own ``state_dict`` would ``detach()`` it, which dmuon's placeholder
+    guard refuses). Other entries are detached as torch does."""
+    from dmuon.stateful.fsdp_patch import is_dedicated
+    return {k: (v if is_dedicated(v) else v.detach())
+            for k, v in model.state_dict(keep_vars=True).items()}
+
+
 def expected_entries(model: nn.Module, rt: DedicatedState,
                      ded: Optional[Mapping[str, str]] = None,
                      ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
@@ -64,7 +73,7 @@ def expected_entries(model: nn.Module, rt: DedicatedState,
     if ded is None:
         ded = dedicated_names_by_key(model, rt)
     exp = {}
-    for k, v in model.state_dict().items():
+    for k, v in module_entries(model).items():
         if k in ded:
             n = ded[k]
             exp[k] = (rt.shape[n], rt.orig_dtype[n])
@@ -91,15 +100,18 @@ def from_owner(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
     me = rt.rank
     if not rank0_only:
         buf = t.detach().clone() if me == src else torch.empty(shape, dtype=dtype, device=rt.device)
-        dist.broadcast(buf, src=src)
+        rt.mesh_groups.control_collective(
+            "state-dict broadcast", lambda g: dist.broadcast(buf, src=src, group=g))
         return buf
     if me == src:
         if me == 0:
             return t.detach().clone()
-        dist.send(t.detach().contiguous(), dst=0)
+        rt.mesh_groups.control_collective(
+            "state-dict send", lambda g: dist.send(t.detach().contiguous(), dst=0, group=g))
     elif me == 0:
         buf = torch.empty(shape, dtype=dtype, device=rt.device)
-        dist.recv(buf, src=src)
+        rt.mesh_groups.control_collective(
+            "state-dict receive", lambda g: dist.recv(buf, src=src, group=g))
         return buf
     return None
 
@@ -111,7 +123,8 @@ def from_rank0(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
     buffers."""
     buf = (t.to(device=rt.device, dtype=dtype).contiguous() if rt.rank == 0
            else torch.empty(shape, dtype=dtype, device=rt.device))
-    dist.broadcast(buf, src=0)
+    rt.mesh_groups.control_collective(
+        "state-dict broadcast", lambda g: dist.broadcast(buf, src=0, group=g))
     return buf
 
 
@@ -163,7 +176,7 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
     ded = dedicated_names_by_key(model, rt)
     out: dict[str, torch.Tensor] = {}
     cache: dict[str, Optional[torch.Tensor]] = {}
-    for k, v in model.state_dict().items():
+    for k, v in module_entries(model).items():
         if k in ded:
             n = ded[k]
             if n not in cache:
@@ -180,11 +193,13 @@ def _shape_of(v: Any):
     return tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
 
 
-def agree(problems: list[str], what: str, payload: Any = None) -> list[tuple[list[str], Any]]:
+def agree(rt: DedicatedState, problems: list[str], what: str,
+          payload: Any = None) -> list[tuple[list[str], Any]]:
     """All-gather ``(problems, payload)``; raise ``ValueError`` on every rank if any rank has a
     problem (the message names the ranks and lists the problems). Returns the gathered list."""
     got: list = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (problems, payload))
+    rt.mesh_groups.control_collective(
+        f"{what} agreement", lambda g: dist.all_gather_object(got, (problems, payload), group=g))
     by_msg: dict[str, list[int]] = {}
     for r, (p, _) in enumerate(got):
         if p:
@@ -239,7 +254,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     payload = None
     if rank0_only and check is not None:
         payload = (dict(check.source), list(check.missing), list(check.unexpected))
-    got = agree(problems, what, payload)
+    got = agree(rt, problems, what, payload)
     if rank0_only:
         source, missing, unexpected = got[0][1]
     else:

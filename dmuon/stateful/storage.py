@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from dmuon.functional.buckets import BucketKey, BucketLayout, HookGroups, bucket_layout
+from dmuon.stateful.guards import to_placeholder, to_plain
 
 __all__ = ["master_dtype_for", "free_storage", "alloc_storage", "DedicatedStorage",
            "GradBufferPool"]
@@ -98,14 +99,23 @@ class DedicatedStorage:
             ph = torch.empty(0, dtype=dtypes[n], device=self.device)
             self._placeholders[n] = ph
             p.data = ph
+            to_placeholder(p)
 
     def point(self, name: str, view: torch.Tensor) -> None:
-        """Make param ``name`` show ``view`` (a view into a gathered bucket)."""
-        self.params[name].data = view
+        """Make param ``name`` show ``view`` (a view into a gathered bucket): a plain parameter."""
+        p = self.params[name]
+        p.data = view
+        to_plain(p)
 
     def release(self, name: str) -> None:
-        """Make param ``name`` its placeholder again."""
-        self.params[name].data = self._placeholders[name]
+        """Make param ``name`` its placeholder again (ops on its values raise, see
+        :mod:`dmuon.stateful.guards`)."""
+        p = self.params[name]
+        p.data = self._placeholders[name]
+        to_placeholder(p)
+
+    def is_placeholder(self, name: str) -> bool:
+        return self.params[name].numel() == 0
 
 
 class GradBufferPool:

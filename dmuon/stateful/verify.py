@@ -144,7 +144,8 @@ def _gather_grads(optimizer: Muon) -> dict[str, Optional[torch.Tensor]]:
     reduced = rt.reduced_grads()
     mine = {n: str(g.dtype).split(".")[-1] for n, g in reduced.items() if g is not None}
     metas: list = [None] * dist.get_world_size()
-    dist.all_gather_object(metas, mine)
+    rt.mesh_groups.control_collective(
+        "verify gradient metadata", lambda g: dist.all_gather_object(metas, mine, group=g))
     meta = {n: d for m in metas for n, d in m.items()}
     grads: dict[str, Optional[torch.Tensor]] = {}
     for n in rt.names:
@@ -164,7 +165,8 @@ def _check_hparams(optimizer: Muon) -> None:
     """Raise :class:`VerificationError` on every rank if the param groups differ across ranks."""
     mine = repr(hparam_groups(optimizer))
     got: list = [None] * dist.get_world_size()
-    dist.all_gather_object(got, mine)
+    optimizer.dedicated_state.mesh_groups.control_collective(
+        "verify hyper-parameters", lambda g: dist.all_gather_object(got, mine, group=g))
     if len(set(got)) > 1:
         groups = {r: g for r, g in enumerate(got)}
         raise VerificationError(
@@ -210,9 +212,10 @@ def _reference(optimizer: Muon, params, grads, osd, ns_dtype_override=None):
     return out_p, mom, mu, nu
 
 
-def _max_over_ranks(d: dict[str, float]) -> dict[str, float]:
+def _max_over_ranks(rt: Any, d: dict[str, float]) -> dict[str, float]:
     got: list = [None] * dist.get_world_size()
-    dist.all_gather_object(got, d)
+    rt.mesh_groups.control_collective(
+        "verify error maxima", lambda g: dist.all_gather_object(got, d, group=g))
     return {k: max(g[k] for g in got) for k in d}
 
 
@@ -281,7 +284,7 @@ def verify_step(model: nn.Module, optimizer: Muon, closure: Optional[Callable[[]
             ref64, _, _, _ = _reference(optimizer, before, grads, osd, torch.float64)
             fp64_errors = {n: rel_err(after[n], ref64[n]) for n in rt.names}
 
-    merged = _max_over_ranks({**{f"p:{k}": v for k, v in errors.items()},
+    merged = _max_over_ranks(optimizer.dedicated_state, {**{f"p:{k}": v for k, v in errors.items()},
                               **{f"s:{k}": v for k, v in state_errors.items()},
                               **{f"f:{k}": v for k, v in fp64_errors.items()}})
     errors = {k: merged[f"p:{k}"] for k in errors}
