@@ -104,8 +104,12 @@ def main(args) -> None:
     dcp_dir = os.path.join(args.dir, "sharded")
 
     start_step = 0                                             # resume if a checkpoint exists
-    if args.sharded and os.path.exists(os.path.join(dcp_dir, ".metadata")):
-        start_step = load_sharded(dcp_dir, model, optimizer).extra["step"]
+    if args.sharded and os.path.exists(dcp_dir):
+        try:  # a torn or corrupt checkpoint raises CheckpointError (an Exception): start fresh
+            start_step = load_sharded(dcp_dir, model, optimizer).extra["step"]
+        except Exception as e:  # noqa: BLE001
+            if rank == 0:
+                print(f"not resuming: {e}", flush=True)
     elif not args.sharded and os.path.exists(full_path):
         start_step = load_checkpoint(model, optimizer, full_path)
     if rank == 0 and start_step:
@@ -118,7 +122,8 @@ def main(args) -> None:
         optimizer.step()
         if (step + 1) % args.save_every == 0:
             if args.sharded:
-                save_sharded(dcp_dir, model, optimizer, extra={"step": step + 1})
+                # atomic: a save killed midway leaves the previous checkpoint; keep two
+                save_sharded(dcp_dir, model, optimizer, extra={"step": step + 1}, keep_last=2)
             else:
                 save_checkpoint(model, optimizer, step + 1, full_path)
             if rank == 0:

@@ -94,7 +94,6 @@ def _load_after(rank, world, path):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19: not fixed yet")
 @pytest.mark.slow
 @pytest.mark.parametrize("where", ["writing", "publish"])
 def test_killed_save_never_loads_a_torn_checkpoint(tmp_path, where):
@@ -182,7 +181,6 @@ def _corruptions(rank, world, tmp):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19: not fixed yet")
 def test_corrupt_torn_and_wrong_checkpoints_raise_and_change_nothing(tmp_path):
     res = run_ranks(_corruptions, 2, str(tmp_path), timeout=120)
     for rank, r in enumerate(res):

@@ -94,7 +94,6 @@ def _native(rank, world, cfg, tmp):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19: not fixed yet")
 @pytest.mark.parametrize("world,cfg", [(2, {}), (4, {"hsdp": True})])
 def test_torch_native_model_state_dicts(tmp_path, world, cfg):
     res = run_ranks(_native, world, cfg, str(tmp_path), timeout=120)
@@ -202,7 +201,6 @@ def _load_side(rank, world, cfg, tmp):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 19: not fixed yet")
 def test_optimizer_state_dicts_resume_on_another_topology(tmp_path):
     """4 ranks HSDP 2x2 save, 2 ranks 1-D load; each resume equals the uninterrupted run."""
     want = run_ranks(_save_side, 4, {"hsdp": True}, str(tmp_path), timeout=150)[0]

@@ -344,14 +344,16 @@ def unshard_schedule(layout: BucketLayout, group: str, *, lane: str = "unshard")
     return _mk(layout, ops)
 
 
-def reduce_schedule(layout: BucketLayout, group: str, *, op: str = "avg") -> Schedule:
+def reduce_schedule(layout: BucketLayout, group: str, *, op: str = "avg",
+                    replicate: bool = True) -> Schedule:
     """Backward gradient reduce of one hook group (two stages in HSDP, see module doc).
 
     Stage 1 (lane ``"reduce"``): per bucket, shard-axis Reduce of the whole bucket to column ``s`` in
-    every replica. Stage 2 (lane ``"replicate"``, only when R > 1): per owner replica ``r`` with
-    entries in the bucket, a replicate-axis Reduce of ``r``'s range inside column ``s`` to ``r``,
-    waiting on that bucket's stage 1. With ``op="avg"`` the owner ends with the mean over G*R ranks;
-    with ``"sum"`` the sum.
+    every replica. Stage 2 (lane ``"replicate"``, only when R > 1 and ``replicate``): per owner
+    replica ``r`` with entries in the bucket, a replicate-axis Reduce of ``r``'s range inside column
+    ``s`` to ``r``, waiting on that bucket's stage 1. With ``op="avg"`` the owner ends with the mean
+    over G*R ranks; with ``"sum"`` the sum. ``replicate=False``: stage 1 only (every replica's
+    column ``s`` ends with its own replica's reduction; a checkpoint load uses it).
     """
     ops: list[Op] = []
     R = layout.replicate_size
@@ -360,7 +362,7 @@ def reduce_schedule(layout: BucketLayout, group: str, *, op: str = "avg") -> Sch
         s1 = Reduce(id=f"reduce/{k}", axis="shard", at=None, bucket=k, offset=0, numel=b.numel,
                     dtype=k.dtype, lane="reduce", dst=k.column, op=op)
         ops.append(s1)
-        if R > 1:
+        if R > 1 and replicate:
             for r, off, n in b.ranges:
                 ops.append(Reduce(id=f"reduce2/{k}/r{r}", axis="replicate", at=k.column, bucket=k,
                                   offset=off, numel=n, dtype=k.dtype, lane="replicate", dst=r,

@@ -32,10 +32,11 @@ only when the target exists with the expected parameters; a target that changed 
 :func:`status` and logged, and the dmuon path raises ``RuntimeError`` naming the version instead of
 doing something silently wrong.
 
-Known limit: Trainer's ``optimizer.pt`` is rank 0's local ``Muon.state_dict()`` (each rank's
-``Muon`` state is its own shard); resuming from it raises on the other ranks. Resume with
-:func:`dmuon.get_optimizer_state_dict` / :func:`dmuon.set_optimizer_state_dict`, or pass
-``save_only_model=True``.
+* ``Trainer._save_optimizer_and_scheduler`` (private; wrapped where it exists) asks rank 0 alone
+  for ``optimizer.state_dict()``, which is collective on a dmuon model: every rank gathers
+  :func:`dmuon.get_optimizer_state_dict` (full, topology-free) and rank 0 saves that as
+  ``optimizer.pt``; Trainer's resume calls ``optimizer.load_state_dict(torch.load(...))`` on every
+  rank, which ``dmuon.Muon`` accepts in this format at any topology.
 """
 from __future__ import annotations
 
@@ -232,6 +233,32 @@ def _make_save_model(orig):
     return save_model
 
 
+@contextlib.contextmanager
+def _answering_optimizer_state_dict(optimizer: Any, sd: dict) -> Iterator[None]:
+    """While inside, ``optimizer.state_dict()`` returns ``sd`` (an instance attribute)."""
+    optimizer.__dict__["state_dict"] = lambda *a, **k: sd
+    try:
+        yield
+    finally:
+        optimizer.__dict__.pop("state_dict", None)
+
+
+def _make_save_optimizer(orig):
+    def _save_optimizer_and_scheduler(self, output_dir):
+        root = dmuon_root(getattr(self, "model", None))
+        if root is None or getattr(self, "optimizer", None) is None:
+            return orig(self, output_dir)
+        # Trainer asks rank 0 alone for optimizer.state_dict(), which is collective on a dmuon
+        # model: every rank gathers dmuon's full, topology-free dict here, rank 0 saves it, and
+        # Muon.load_state_dict (which Trainer's resume calls on every rank) reads it back
+        from dmuon.stateful.optimizer_state_dict import get_optimizer_state_dict
+        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        full = get_optimizer_state_dict(root, opt, cpu_offload=True, rank0_only=True)
+        with _answering_optimizer_state_dict(self.optimizer, full):
+            return orig(self, output_dir)
+    return _save_optimizer_and_scheduler
+
+
 def _make_has_mixed_mesh_grads(orig):
     def _has_mixed_mesh_grads(self, model):
         # a dmuon model's dedicated params show zero-size `.grad` markers (plain tensors) beside
@@ -252,5 +279,6 @@ def patch_trainer(module: ModuleType) -> None:
         _status["Trainer"] = f"missing ({module.__name__} has no Trainer)"
         return
     _wrap(cls, "save_model", _make_save_model, ("output_dir",))
+    _wrap(cls, "_save_optimizer_and_scheduler", _make_save_optimizer, ("output_dir",))
     if "_has_mixed_mesh_grads" in cls.__dict__:
         _wrap(cls, "_has_mixed_mesh_grads", _make_has_mixed_mesh_grads, ("model",))

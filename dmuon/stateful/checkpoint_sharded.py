@@ -1,4 +1,5 @@
-"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): no rank ever holds the model.
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): no rank ever holds the model;
+saves are atomic, loads validated and transactional.
 
 Each rank hands DCP only what it already stores:
 
@@ -19,27 +20,59 @@ Loading at any ``(shard, replicate)`` shape: every rank asks DCP for exactly the
 store — the overlap of its new FSDP2 shards with the saved ones (DCP re-shards), the whole matrices
 of its new owner column (masters) and the momentum of the matrices it now owns. The checkpoint's
 metadata is checked against the model on every rank before any collective.
+
+**Atomic saves** (publish by rename): ``save_sharded(path, ...)`` writes into a fresh sibling
+directory ``<path>.partial-<save id>``; once every rank's DCP write returned, rank 0 reads back and
+checksums (CRC-32) every file, writes ``dmuon-complete.json`` (the save id, each file's size and
+CRC, dmuon's version) into it, then publishes it: the old ``path`` becomes ``<path>.1`` (older ones
+shift up to ``<path>.<keep_last - 1>``, the rest are deleted; ``keep_last=1`` deletes it) and the new
+directory becomes ``path``. A rank killed while writing leaves ``path`` as it was (the partial
+directory is never read); a crash between the two renames leaves no ``path``, and
+:func:`load_sharded` names ``<path>.1``. A directory without the marker, or whose files do not
+match it (truncated, flipped bytes, a file from another save), is refused on load.
+
+**Validated, transactional loads**: every rank checks the checkpoint's metadata against the model
+(names, full shapes, floating dtypes for floating params), the ranks split the files among them
+and verify each one's size and CRC, DCP reads into *staged* tensors (new buffers shaped like this
+rank's pieces: one extra copy of its local state at most), the staged values are checked for
+NaN/Inf (``check_finite``), and the verdicts are agreed across ranks; only then are the model's
+pieces and the optimizer's state replaced. Any failure raises :class:`CheckpointError` (an
+``Exception``; DCP's own ``CheckpointException`` is a ``BaseException``) on every rank, naming
+the files / keys and ranks, with model and optimizer exactly as before.
 """
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
+import uuid
+import zlib
 from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
 
+import torch.distributed as dist
+
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.optimizer_state_dict import (
-    _COUNTERS, _MOMENTS, check_optimizer, current_states, dtensor_like, fresh_states,
-    install_states, load_hparams, saved_counters,
+    _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state,
 )
 from dmuon.stateful.state import get_state, local_tensor
 from dmuon.stateful.state_dict import (
-    agree, dedicated_names_by_key, expected_entries, module_entries, tied_groups,
+    dedicated_names_by_key, expected_entries, module_entries, tied_groups,
 )
 
-__all__ = ["save_sharded", "load_sharded", "ShardedSaveResult", "ShardedLoadResult"]
+__all__ = ["save_sharded", "load_sharded", "ShardedSaveResult", "ShardedLoadResult",
+           "CheckpointError"]
+
+MARKER = "dmuon-complete.json"
+
+
+class CheckpointError(Exception):
+    """A sharded checkpoint cannot be loaded (torn, corrupt, not matching the model), or a save
+    failed; raised on every rank, with nothing changed."""
 
 
 class ShardedSaveResult(NamedTuple):
@@ -109,78 +142,117 @@ def _planners():
     return CountingSavePlanner, CountingLoadPlanner
 
 
-def _model_entries(model: nn.Module, rt, for_load: bool, skip: frozenset = frozenset()):
-    """``({key: tensor}, post)``: this rank's model pieces; ``post`` = ``[(master, tmp)]`` copies
-    to run after a load (a master wider than the param's dtype is loaded through a buffer)."""
+def _save_entries(model: nn.Module, rt, optimizer) -> dict[str, Any]:
+    """What this rank hands DCP: FSDP2's DTensors, the dedicated matrices (param dtype) and
+    momentum it owns, a wider master where there is one, counters and hparams."""
     ded = dedicated_names_by_key(model, rt)
-    out: dict[str, Any] = {}
-    post = []
+    model_sd: dict[str, Any] = {}
     seen: dict[str, torch.Tensor] = {}
     for k, v in module_entries(model).items():
-        if k in skip:
-            continue
         n = ded.get(k)
         if n is None:
-            out[k] = v
-            continue
-        if for_load:
-            if n not in rt.masters:
-                continue
-            if n in seen:  # a tied dedicated matrix: load one name only
-                continue
-            m = rt.masters[n]
-            if m.dtype == rt.orig_dtype[n]:
-                out[k] = m
-            else:
-                out[k] = torch.empty(rt.shape[n], dtype=rt.orig_dtype[n], device=rt.device)
-                post.append((m, out[k]))
-            seen[n] = out[k]
+            model_sd[k] = v
         elif rt.rank == rt.owner_rank[n]:
             if n not in seen:
                 seen[n] = rt.masters[n].detach().to(rt.orig_dtype[n])
-            out[k] = seen[n]
-    return out, post
-
-
-def _optim_entries(optimizer, rt, states, for_load: bool, masters_in_ckpt=frozenset()):
-    ms, st = states
+            model_sd[k] = seen[n]
+    out: dict[str, Any] = {"model": model_sd}
+    if optimizer is None:
+        return out
+    st, ms = optimizer.adamw_state, optimizer.muon_state
     fsdp2 = {n: {k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
              for n, p in optimizer.adamw_named_params}
     dedicated: dict[str, dict[str, torch.Tensor]] = {}
-    for n in rt.names:
-        entry = {}
-        if n in rt.owned_names:
-            entry["momentum_buffer"] = ms.momentum[n]
-        wide = rt.master_dtype[n] != rt.orig_dtype[n]
-        if for_load and n in masters_in_ckpt and n in rt.masters:
-            entry["master"] = rt.masters[n]
-        elif not for_load and wide and n in rt.owned_names:
-            entry["master"] = rt.masters[n]
-        if entry:
-            dedicated[n] = entry
-    out: dict[str, Any] = {"fsdp2": fsdp2, "dedicated": dedicated}
-    if for_load:
-        out.update({k: 0 for k in _COUNTERS})
-        out["param_groups"] = ()
-    else:
-        out.update(saved_counters(optimizer, st))
-        # a tuple is one DCP object (a list of dicts would be split into leaves)
-        out["param_groups"] = tuple(out["param_groups"])
+    for n in rt.owned_names:
+        dedicated[n] = {"momentum_buffer": ms.momentum[n]}
+        if rt.master_dtype[n] != rt.orig_dtype[n]:
+            dedicated[n]["master"] = rt.masters[n]
+    out["optim"] = {"fsdp2": fsdp2, "dedicated": dedicated,
+                    "adamw_step": int(st.step) if st is not None else 0,
+                    "muon_step": int(ms.step) if ms is not None else int(optimizer.num_steps),
+                    "num_steps": int(optimizer.num_steps),
+                    # a tuple is one DCP object (a list of dicts would be split into leaves)
+                    "param_groups": tuple(hparam_groups(optimizer))}
     return out
+
+
+def _crc(path: str) -> tuple[int, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 24)
+            if not chunk:
+                return size, crc
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+
+
+def _files(d: str) -> list[str]:
+    return sorted(f for f in os.listdir(d) if f != MARKER and os.path.isfile(os.path.join(d, f)))
+
+
+def _bcast(rt, obj: Any, what: str) -> Any:
+    box = [obj]
+    rt.mesh_groups.control_collective(what, lambda g: dist.broadcast_object_list(box, src=0,
+                                                                                 group=g))
+    return box[0]
+
+
+def _dcp_errors(fn: Any, what: str) -> list[str]:
+    """Run a DCP call; its failure as a message (DCP's ``CheckpointException`` is a
+    ``BaseException``: caught here so that it reaches every rank as a :class:`CheckpointError`)."""
+    try:
+        fn()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001
+        return [f"{what} failed: {type(e).__name__}: {str(e)[:400]}"]
+    return []
+
+
+def _agree_errors(rt, errors: list[str], what: str) -> None:
+    got: list = [None] * dist.get_world_size()
+    rt.mesh_groups.control_collective(
+        f"{what} agreement", lambda g: dist.all_gather_object(got, errors, group=g))
+    bad = [(r, e) for r, es in enumerate(got) for e in es]
+    if bad:
+        detail = " | ".join(f"rank {r}: {e}" for r, e in bad[:10])
+        raise CheckpointError(f"{what}: {detail}. Nothing was changed on any rank.")
+
+
+def _publish(path: str, tmp: str, keep_last: int) -> None:
+    """Rank 0: the new checkpoint ``tmp`` becomes ``path``; older ones rotate to ``path.1`` .. ."""
+    keep_last = max(1, int(keep_last))
+    oldest = f"{path}.{keep_last - 1}" if keep_last > 1 else None
+    if oldest and os.path.exists(oldest):
+        shutil.rmtree(oldest)
+    for i in range(keep_last - 2, 0, -1):
+        if os.path.exists(f"{path}.{i}"):
+            os.rename(f"{path}.{i}", f"{path}.{i + 1}")
+    retired = f"{path}.1" if keep_last > 1 else f"{path}.retired-{os.path.basename(tmp)}"
+    if os.path.exists(path):
+        os.rename(path, retired)
+    os.rename(tmp, path)
+    if keep_last == 1 and os.path.exists(retired):
+        shutil.rmtree(retired)
 
 
 @torch.no_grad()
 def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: Any = None, *,
-                 extra: Optional[Mapping[str, Any]] = None,
+                 extra: Optional[Mapping[str, Any]] = None, keep_last: int = 1,
                  storage_writer: Any = None) -> ShardedSaveResult:
-    """Collective: write a sharded checkpoint with DCP; each rank writes only what it owns.
+    """Collective: write a sharded checkpoint with DCP, atomically (see the module docstring);
+    each rank writes only what it owns. When it returns on every rank, ``checkpoint_id`` holds the
+    complete checkpoint.
 
     Args:
-      checkpoint_id: a directory (DCP's ``FileSystemWriter``), or any id ``storage_writer`` takes.
+      checkpoint_id: the checkpoint directory (on a file system every rank sees).
       model: a model prepared by ``dedicate_params`` (and ``fully_shard``).
       optimizer: its ``dmuon.Muon`` (optional: model only).
       extra: small picklable values to store too (e.g. ``{"step": 100}``), same on every rank.
-      storage_writer: a DCP ``StorageWriter`` (default: the file system).
+      keep_last: keep this many checkpoints: the previous ones as ``<path>.1`` ... (default 1).
+      storage_writer: a DCP ``StorageWriter`` for the partial directory (default: the file
+        system; it must write to the path it is given).
 
     Returns:
       :class:`ShardedSaveResult` (bytes this rank wrote / offered).
@@ -191,15 +263,77 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     if optimizer is not None:
         check_optimizer(model, optimizer, "dmuon.save_sharded")
     rt.drain()
-    sd: dict[str, Any] = {"model": _model_entries(model, rt, for_load=False)[0]}
-    if optimizer is not None:
-        sd["optim"] = _optim_entries(optimizer, rt, current_states(optimizer), for_load=False)
+    path = os.path.abspath(os.fspath(checkpoint_id))
+    save_id = _bcast(rt, uuid.uuid4().hex[:12] if rt.rank == 0 else None, "save id")
+    tmp = f"{path}.partial-{save_id}"
+    sd = _save_entries(model, rt, optimizer)
     if extra:
         sd["extra"] = dict(extra)
+    sd["dmuon"] = {"save_id": save_id}
     save_planner, _ = _planners()
     planner = save_planner()
-    dcp.save(sd, checkpoint_id=checkpoint_id, storage_writer=storage_writer, planner=planner)
+    errors = _dcp_errors(lambda: dcp.save(sd, checkpoint_id=tmp, storage_writer=storage_writer,
+                                          planner=planner), f"DCP save into {tmp}")
+    _agree_errors(rt, errors, "dmuon.save_sharded")
+    if rt.rank == 0:
+        files = {f: _crc(os.path.join(tmp, f)) for f in _files(tmp)}
+        marker = {"save_id": save_id, "format": 1,
+                  "files": {f: {"size": sz, "crc32": c} for f, (sz, c) in files.items()}}
+        with open(os.path.join(tmp, MARKER + ".tmp"), "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.rename(os.path.join(tmp, MARKER + ".tmp"), os.path.join(tmp, MARKER))
+        _publish(path, tmp, keep_last)
+    rt.mesh_groups.control_collective("dmuon.save_sharded publish",
+                                      lambda g: dist.barrier(group=g))
     return ShardedSaveResult(planner.bytes_written, _local_bytes(sd))
+
+
+def _complete_or_raise(path: str) -> dict:
+    """The marker of a complete checkpoint at ``path`` (raises naming the last complete one)."""
+    marker = os.path.join(path, MARKER)
+    if os.path.isfile(marker):
+        try:
+            with open(marker) as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{marker}: unreadable ({e})") from None
+    parent, base = os.path.split(path)
+    candidates = sorted(
+        (c for c in os.listdir(parent or ".")
+         if c.startswith(base + ".") and os.path.isfile(os.path.join(parent, c, MARKER))),
+        key=lambda c: os.path.getmtime(os.path.join(parent, c, MARKER)), reverse=True)
+    hint = (f" The last complete checkpoint is {os.path.join(parent, candidates[0])!r} (an "
+            "interrupted publish or rotation: rename it to the path to load it)."
+            if candidates else " No complete checkpoint was found beside it.")
+    what = "does not exist" if not os.path.exists(path) else \
+        f"has no {MARKER} (a save that did not finish, or not written by dmuon.save_sharded)"
+    raise CheckpointError(f"dmuon.load_sharded: {path!r} {what}.{hint}")
+
+
+def _verify_files(rt, path: str, marker: dict) -> list[str]:
+    """This rank's share of the files (every world-size-th): size and CRC against the marker."""
+    errors = []
+    names = sorted(marker["files"])
+    have = set(_files(path))
+    for f in sorted(have - set(names)):
+        errors.append(f"{os.path.join(path, f)}: not part of save {marker['save_id']}")
+    for i, f in enumerate(names):
+        if i % dist.get_world_size() != rt.rank:
+            continue
+        full = os.path.join(path, f)
+        if f not in have:
+            errors.append(f"{full}: missing")
+            continue
+        size, crc = _crc(full)
+        want = marker["files"][f]
+        if size != want["size"]:
+            errors.append(f"{full}: {size} bytes, the save wrote {want['size']} (truncated?)")
+        elif crc != want["crc32"]:
+            errors.append(f"{full}: CRC-32 {crc:08x}, the save wrote {want['crc32']:08x} "
+                          "(corrupt)")
+    return errors
 
 
 def _read_metadata(checkpoint_id, storage_reader):
@@ -210,11 +344,16 @@ def _read_metadata(checkpoint_id, storage_reader):
 
 def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, strict: bool):
     """Problems of the checkpoint's metadata against the model (and optimizer); no collective."""
-    exp = {k: shape for k, (shape, _) in expected_entries(model, rt).items()}
+    exp = expected_entries(model, rt)
     given = {k[len("model."):]: tuple(getattr(m, "size", ()) or ()) for k, m in md.items()
              if k.startswith("model.")}
-    check = check_state_dict(given, exp, tied_groups(model))
+    check = check_state_dict(given, {k: shape for k, (shape, _) in exp.items()},
+                             tied_groups(model))
     problems = [f"model: {p}" for p in check.problems(strict)]
+    for k, src in check.source.items():
+        saved = getattr(getattr(md.get("model." + src), "properties", None), "dtype", None)
+        if saved is not None and exp[k][1].is_floating_point and not saved.is_floating_point:
+            problems.append(f"model.{src}: saved as {saved}, cannot load into a {exp[k][1]} param")
     if optimizer is not None:
         if not any(k.startswith("optim.") for k in md):
             problems.append("the checkpoint has no optimizer state (saved without optimizer?); "
@@ -231,25 +370,47 @@ def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, stri
     return problems, check
 
 
+def _staged_like(t: Any) -> Any:
+    """A new tensor laid out like ``t`` (a DTensor: a new local piece, same spec)."""
+    if hasattr(t, "to_local"):
+        return dtensor_like(torch.empty_like(t.to_local()), t)
+    return torch.empty_like(t)
+
+
+def _nonfinite(tree: Any, prefix: str = "") -> list[str]:
+    out = []
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            out += _nonfinite(v, f"{prefix}{k}.")
+    elif isinstance(tree, torch.Tensor):
+        t = local_tensor(tree)
+        if t.dtype.is_floating_point and t.numel() and not bool(torch.isfinite(t).all()):
+            out.append(f"{prefix[:-1]}: non-finite values (NaN/Inf)")
+    return out
+
+
 @torch.no_grad()
 def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: Any = None, *,
-                 strict: bool = True, storage_reader: Any = None) -> ShardedLoadResult:
-    """Collective: load a :func:`save_sharded` checkpoint at any topology (each rank reads only the
-    pieces it stores).
+                 strict: bool = True, check_finite: bool = True,
+                 storage_reader: Any = None) -> ShardedLoadResult:
+    """Collective: load a :func:`save_sharded` checkpoint at any topology, validated and
+    transactional (see the module docstring); each rank reads only the pieces it stores.
 
     Args:
-      checkpoint_id: the checkpoint directory (or what ``storage_reader`` takes).
+      checkpoint_id: the checkpoint directory.
       model: a model prepared by ``dedicate_params`` (and ``fully_shard``), any mesh shape.
       optimizer: its ``dmuon.Muon`` to restore too (optional).
       strict: model keys missing from the checkpoint are errors (``False``: keep their values).
+      check_finite: refuse NaN / Inf values (default).
       storage_reader: a DCP ``StorageReader`` (default: the file system).
 
     Returns:
       :class:`ShardedLoadResult` (the ``extra`` values saved, bytes requested / read here).
 
     Raises:
-      ValueError: on every rank, before any tensor moves, when the checkpoint does not match the
-        model (missing / wrong-shape entries are listed).
+      CheckpointError: on every rank, with model and optimizer unchanged: no complete checkpoint
+        at the path (the message names the last complete one), a file missing, truncated or
+        corrupt, the metadata not matching the model, non-finite values, a DCP read error.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -258,30 +419,84 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     if optimizer is not None:
         check_optimizer(model, optimizer, what)
     rt.drain()
-    reader, md = _read_metadata(checkpoint_id, storage_reader)
+    path = os.path.abspath(os.fspath(checkpoint_id))
+    errors: list[str] = []
+    marker: dict = {}
+    try:
+        marker = _complete_or_raise(path)
+    except CheckpointError as e:
+        errors.append(str(e))
+    _agree_errors(rt, errors, what)
+    _agree_errors(rt, _verify_files(rt, path, marker), what)
+    reader, md = _read_metadata(path, storage_reader)
     problems, check = _check_metadata(md, model, rt, optimizer, strict)
-    agree(rt, problems, what)
-    present = {k for k in check.source.values()}
-    absent = frozenset(k for k in module_entries(model) if k not in present)
-    masters = frozenset(n for n in rt.names if f"optim.dedicated.{n}.master" in md) \
-        if optimizer is not None else frozenset()
-    skip = absent | frozenset(k for k, n in dedicated_names_by_key(model, rt).items() if n in masters)
-    model_sd, post = _model_entries(model, rt, for_load=True, skip=skip)
-    sd: dict[str, Any] = {"model": {check.source[k]: v for k, v in model_sd.items()}}
-    states = None
+    _agree_errors(rt, problems, what)
+    # stage: DCP reads into new buffers shaped like this rank's pieces
+    ded = dedicated_names_by_key(model, rt)
+    wide = {n for n in rt.names if f"optim.dedicated.{n}.master" in md} \
+        if optimizer is not None else set()
+    live: dict[str, Any] = {}     # key -> the live tensor it replaces
+    staged: dict[str, Any] = {}   # saved key -> the new buffer DCP reads into
+    done: set[str] = set()
+    for k, v in module_entries(model).items():
+        if k not in check.source:
+            continue
+        n = ded.get(k)
+        if n is None:
+            live[k] = v
+            staged[check.source[k]] = _staged_like(v)
+        elif n in rt.masters and n not in done and n not in wide:  # (a wide master: below)
+            done.add(n)
+            live[k] = rt.masters[n]
+            staged[check.source[k]] = torch.empty(rt.shape[n], dtype=rt.orig_dtype[n],
+                                                  device=rt.device)
+    sd: dict[str, Any] = {"model": staged}
     if optimizer is not None:
-        states = fresh_states(optimizer)
-        sd["optim"] = _optim_entries(optimizer, rt, states, for_load=True, masters_in_ckpt=masters)
+        adamw = optimizer.adamw_named_params
+        sd["optim"] = {
+            "fsdp2": {n: {m: _staged_like(dtensor_like(local_tensor(p), p)) for m in _MOMENTS}
+                      for n, p in adamw},
+            "dedicated": {n: {"momentum_buffer": torch.empty(rt.shape[n], dtype=rt.master_dtype[n],
+                                                             device=rt.device)}
+                          for n in rt.owned_names},
+            "adamw_step": 0, "muon_step": 0, "num_steps": 0, "param_groups": ()}
+        for n in wide:
+            if n in rt.masters:
+                sd["optim"]["dedicated"].setdefault(n, {})["master"] = torch.empty(
+                    rt.shape[n], dtype=rt.master_dtype[n], device=rt.device)
     extra_keys = [k[len("extra."):] for k in md if k.startswith("extra.")]
     if extra_keys:
         sd["extra"] = {k: None for k in extra_keys}
     _, load_planner = _planners()
     planner = load_planner()
-    dcp.load(sd, checkpoint_id=checkpoint_id, storage_reader=reader, planner=planner)
-    for master, tmp in post:
-        master.copy_(tmp)
+    errors = _dcp_errors(lambda: dcp.load(sd, checkpoint_id=path, storage_reader=reader,
+                                          planner=planner), f"DCP read of {path}")
+    if not errors and check_finite:
+        errors = _nonfinite(sd["model"], "model.") + (
+            _nonfinite(sd["optim"], "optim.") if optimizer is not None else [])
+    _agree_errors(rt, errors, what)
+    # install (the first writes to live state)
     if optimizer is not None:
-        load_hparams(optimizer, sd["optim"]["param_groups"])
-        install_states(optimizer, states, sd["optim"])
+        o = sd["optim"]
+        # AdamW pieces and counters through the one load path (re-checked there); the momentum
+        # of every matrix was read by its new owner, which installs it after
+        load_optimizer_state(optimizer, {
+            "fsdp2": o["fsdp2"], "dedicated": {}, "param_groups": list(o["param_groups"]),
+            **{k: int(o[k]) for k in ("adamw_step", "muon_step", "num_steps")}},
+            what=what, check_finite=False)
+        if optimizer.muon_state is not None:
+            for n in rt.owned_names:
+                optimizer.muon_state.momentum[n].copy_(o["dedicated"][n]["momentum_buffer"])
+        optimizer.refresh_state_views()
+    for k, t in live.items():
+        src = staged[check.source[k]]
+        if hasattr(t, "to_local"):
+            t.to_local().copy_(src.to_local())
+        else:
+            t.copy_(src.to(t.dtype))
+    masters_wide = sd.get("optim", {}).get("dedicated", {}) if optimizer is not None else {}
+    for n, e in masters_wide.items():
+        if "master" in e and n in rt.masters:
+            rt.masters[n].copy_(e["master"])
     rt.masters_changed()
     return ShardedLoadResult(dict(sd.get("extra", {})), planner.bytes_requested, planner.bytes_read)

@@ -38,6 +38,7 @@ from dmuon.stateful.fsdp_info import has_fsdp_state
 from dmuon.stateful.guards import guard_module_apply
 from dmuon.stateful.process_groups import agree_grid, make_process_groups
 from dmuon.stateful.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
+from dmuon.stateful.torch_state_dict import register_state_dict_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -271,7 +272,9 @@ def dedicate_params(
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.guards)
+    st.shard_mesh = mesh["shard"] if mesh.ndim == 2 else mesh
     register_hooks(model, st)
+    register_state_dict_hooks(model, st)
     guard_module_apply(model, list(chosen.values()))
     setattr(model, STATE_ATTR, st)
     logger.info("dmuon: dedicated %d params in %d hook groups over G=%d R=%d (plan %s)",

@@ -30,10 +30,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
+import threading
+
 import torch
 import torch.nn as nn
 
-__all__ = ["DedicatedParamError", "DedicatedPlaceholder", "DedicatedGradMarker", "to_placeholder",
+__all__ = ["DedicatedParamError", "saving_state_dict", "DedicatedPlaceholder", "DedicatedGradMarker", "to_placeholder",
            "to_plain", "make_marker", "guard_module_apply"]
 
 #: functions that only read metadata or attributes, or register hooks: fine on a placeholder
@@ -67,6 +69,18 @@ _DEFAULT_HINT = ("dmuon.Muon(model, ...) to update the model, dmuon.clip_grad_no
                  "dmuon.clip_grad_value_ to clip, dmuon.get_model_state_dict(model) to read weights"
                  " (a tool that goes param by param may have changed FSDP2's params before this "
                  "one: call optimizer.zero_grad() and redo the step)")
+
+
+_SAVING = threading.local()
+
+
+def saving_state_dict(delta: int = 0) -> bool:
+    """Enter (``+1``) / leave (``-1``) dmuon's own ``model.state_dict()`` pass, during which a
+    placeholder may be ``detach``-ed into the dict (dmuon's post-hook replaces it); returns whether
+    such a pass is running on this thread."""
+    depth = max(0, getattr(_SAVING, "depth", 0) + delta)
+    _SAVING.depth = depth
+    return depth > 0
 
 
 class DedicatedParamError(RuntimeError):
@@ -118,8 +132,10 @@ class DedicatedPlaceholder(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _name(func)
-        if name in _ALLOWED:
+        if name in _ALLOWED or (name == "detach" and saving_state_dict()):
             return _call_plain(func, args, kwargs)
+        if name == "copy_" and len(args) >= 2 and args[0] is args[1]:
+            return args[0]  # load_state_dict copying the placeholder dmuon left in the dict
         same, out = _no_op_conversion(name, func, args, kwargs)
         if same:
             return out
@@ -143,6 +159,7 @@ class DedicatedGradMarker(torch.Tensor):
 
     _dmuon_name: str = "?"
     _dmuon_drop: Optional[Callable[[], None]] = None
+    _dmuon_what: str = "gradient"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -159,10 +176,13 @@ class DedicatedGradMarker(torch.Tensor):
         same, out = _no_op_conversion(name, func, args, kwargs)
         if same:
             return out
+        what = getattr(m, "_dmuon_what", "gradient")
         raise DedicatedParamError(
-            f"dmuon: torch's {name!r} was applied to the gradient of the dedicated param "
-            f"{getattr(m, '_dmuon_name', '?')!r}, which dmuon holds reduced on its owner rank (its "
-            f"`.grad` is only a marker). Use {_HINTS.get(name, _DEFAULT_HINT)}.")
+            f"dmuon: torch's {name!r} was applied to the {what} of the dedicated param "
+            f"{getattr(m, '_dmuon_name', '?')!r}, which dmuon holds on its owner rank (here it "
+            "is only a marker). Use "
+            + ("optimizer.state_dict() (or dmuon.get_optimizer_state_dict) to read it"
+               if what != "gradient" else _HINTS.get(name, _DEFAULT_HINT)) + ".")
 
 
 def to_placeholder(p: nn.Parameter) -> None:
@@ -177,13 +197,16 @@ def to_plain(p: nn.Parameter) -> None:
         p.__class__ = nn.Parameter
 
 
-def make_marker(p: nn.Parameter, name: str, drop: Callable[[], None]) -> DedicatedGradMarker:
-    """A zero-size gradient marker for placeholder ``p``; ``drop()`` runs when it is zeroed."""
+def make_marker(p: nn.Parameter, name: str, drop: Optional[Callable[[], None]],
+                what: str = "gradient") -> DedicatedGradMarker:
+    """A zero-size marker of placeholder ``p``'s ``what`` (its gradient: ``drop()`` runs when it is
+    zeroed; ``"momentum"``: the optimizer state a non-owner rank lists but does not hold)."""
     with torch._C.DisableTorchFunctionSubclass():
         base = torch.empty(0, dtype=p.dtype, device=p.device)
     m = torch.Tensor._make_subclass(DedicatedGradMarker, base)
     m._dmuon_name = name
     m._dmuon_drop = drop
+    m._dmuon_what = what
     return m
 
 

@@ -35,6 +35,7 @@ import torch.nn as nn
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.stateful.fsdp_patch import check_not_taken_over
+from dmuon.stateful.guards import make_marker
 from dmuon.stateful.ns_engine import NSEngine
 from dmuon.stateful.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.telemetry import StepStats, StepTelemetry
@@ -146,8 +147,16 @@ class Muon(torch.optim.Optimizer):
         self._check_fsdp_usage = bool(self._adamw_named) and not reduce_unused_fsdp_params(model)
         # a newer Muon(model) supersedes this one: stepping both would update twice per step
         self._generation = rt.attach_optimizer()
-        self.muon_state: Optional[fmuon.MuonState] = None
-        self.adamw_state: Optional[fadamw.AdamWState] = None
+        # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
+        # runs its zero-gradient "materializing" step on this optimizer
+        self.muon_state: Optional[fmuon.MuonState] = (
+            fmuon.init(rt.owned_masters()) if rt.owned_names else None)
+        self.adamw_state: Optional[fadamw.AdamWState] = (
+            fadamw.init(self.adamw_local_tensors()[0]) if self._adamw_named else None)
+        self._momentum_markers: dict[str, Any] = {}
+        self._name_of = {p: n for n, p in rt.params.items()}
+        self._name_of.update({p: n for n, p in self._adamw_named})
+        self.refresh_state_views()
         # batch dims of the owned matrices (both fixed by dedicate_params); None: all plain
         bd = {n: rt.batch_dims.get(n, 0) for n in rt.owned_names}
         self._batch_dims: Optional[dict[str, int]] = bd if any(bd.values()) else None
@@ -397,60 +406,23 @@ class Muon(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ state dict
+    def param_name(self, p: Any) -> str:
+        """The fully-qualified name of one of this optimizer's params."""
+        return self._name_of[p]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: torch's optimizer state-dict protocol, topology-free (param groups carry
+        ``param_names``; dedicated momentum as ``Shard(0)`` DTensor rows, AdamW moments as
+        FSDP2-like DTensors), see :mod:`dmuon.stateful.optimizer_state_dict`."""
+        from dmuon.stateful.optimizer_state_dict import torch_optimizer_state_dict
+        return torch_optimizer_state_dict(self)
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load this rank's state (as written by ``state_dict()`` on the same rank and topology)."""
-        groups = state_dict.get("param_groups")
-        st = state_dict.get("state")
-        if groups is None or st is None or len(groups) != len(self.param_groups):
-            raise ValueError("Muon.load_state_dict: expected {'state', 'param_groups'} with "
-                             f"{len(self.param_groups)} groups (muon, adamw) from Muon.state_dict()")
-        for mine, theirs in zip(self.param_groups, groups):
-            if len(mine["params"]) != len(theirs["params"]):
-                raise ValueError(
-                    f"Muon.load_state_dict: group {mine.get('name')!r} has {len(mine['params'])} "
-                    f"params but the state dict has {len(theirs['params'])}; was it saved from the "
-                    "same model and topology?")
-        index: dict[int, torch.Tensor] = {}
-        for mine, theirs in zip(self.param_groups, groups):
-            for p, i in zip(mine["params"], theirs["params"]):
-                index[i] = p
-            for k, v in theirs.items():
-                if k != "params":
-                    mine[k] = v
-        rt = self._rt
-        name_of = {p: n for n, p in rt.params.items()}
-        name_of.update({p: n for n, p in self._adamw_named})
-        owned = set(rt.owned_names)
-        mom, step_m = {}, 0
-        mu, nu, step_a = {}, {}, 0
-        for i, s in st.items():
-            p = index.get(int(i))
-            if p is None:
-                raise ValueError(f"Muon.load_state_dict: state for unknown param index {i}")
-            n = name_of[p]
-            if n in rt.params:
-                if n not in owned:
-                    raise ValueError(f"Muon.load_state_dict: momentum for {n!r}, which this rank does "
-                                     "not own (saved on another rank or topology?)")
-                mom[n] = s["momentum_buffer"]
-                step_m = int(float(s.get("step", 0)))
-            else:
-                mu[n], nu[n] = s["exp_avg"], s["exp_avg_sq"]
-                step_a = int(float(s["step"]))
-        if rt.owned_names:
-            params = rt.owned_masters()
-            self.muon_state = fmuon.init(params)
-            for n, b in mom.items():
-                self.muon_state.momentum[n].copy_(b)
-            self.muon_state = self.muon_state._replace(step=step_m)
-        if self._adamw_named:
-            params, _ = self.adamw_local_tensors()
-            self.adamw_state = fadamw.init(params)
-            for n in mu:
-                self.adamw_state.mu[n].copy_(local_tensor(mu[n]))
-                self.adamw_state.nu[n].copy_(local_tensor(nu[n]))
-            self.adamw_state = self.adamw_state._replace(step=step_a)
-        self.refresh_state_views()
+        """Collective: load :meth:`state_dict`'s dict (or torch's ``get_optimizer_state_dict``'s,
+        or dmuon's full format) saved at any topology; validated on every rank before anything
+        changes (:func:`dmuon.stateful.optimizer_state_dict.load_optimizer_state`)."""
+        from dmuon.stateful.optimizer_state_dict import torch_load_optimizer_state_dict
+        torch_load_optimizer_state_dict(self, state_dict)
 
     #: ``step()`` changed the functional states since ``self.state`` was last built.
     _state_views_stale = False
@@ -473,11 +445,18 @@ class Muon(torch.optim.Optimizer):
         rt = self._rt
         self._state_views_stale = False
         self._state_views.clear()
-        if self.muon_state is not None:
-            for n in rt.owned_names:
-                self.state[rt.params[n]] = {"momentum_buffer": self.muon_state.momentum[n],
-                                            "step": torch.tensor(float(self.muon_state.step))}
-        if self.adamw_state is not None and self.adamw_state.step > 0:
+        step_m = torch.tensor(float(self.muon_state.step if self.muon_state is not None
+                                    else self.num_steps))
+        for n in rt.names:
+            if self.muon_state is not None and n in self.muon_state.momentum:
+                buf = self.muon_state.momentum[n]
+            else:  # held by its owner: a marker that refuses math (torch's tools read the keys)
+                buf = self._momentum_markers.get(n)
+                if buf is None:
+                    buf = make_marker(rt.params[n], n, None, what="momentum")
+                    self._momentum_markers[n] = buf
+            self.state[rt.params[n]] = {"momentum_buffer": buf, "step": step_m}
+        if self.adamw_state is not None:
             step = torch.tensor(float(self.adamw_state.step))
             for n, p in self._adamw_named:
                 self.state[p] = {"step": step, "exp_avg": self.adamw_state.mu[n],

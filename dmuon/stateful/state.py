@@ -114,6 +114,11 @@ class DedicatedState:
         # Muon(check_finite=True): whether a gradient this rank sent was non-finite (0-d, device)
         self.track_local_finite = False
         self.local_nonfinite: Optional[torch.Tensor] = None
+        # the 1-D shard mesh (DTensor rows of model.state_dict(), see torch_state_dict.py), set by
+        # dedicate_params; raw_state_dict: model.state_dict() keeps placeholders (dmuon's reads)
+        self.shard_mesh: Any = None
+        self.raw_state_dict = False
+        self._transfer: Any = None
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -136,6 +141,15 @@ class DedicatedState:
     @property
     def master_dtype(self) -> dict[str, torch.dtype]:
         return self.storage.master_dtype
+
+    @property
+    def checkpoint_transfer(self) -> Any:
+        """The :class:`~dmuon.stateful.checkpoint_transfer.CheckpointTransfer` of this model
+        (bucketed state-dict and checkpoint transfers; built at first use)."""
+        if self._transfer is None:
+            from dmuon.stateful.checkpoint_transfer import CheckpointTransfer
+            self._transfer = CheckpointTransfer(self)
+        return self._transfer
 
     def owned_masters(self) -> dict[str, torch.Tensor]:
         """``{name: master}`` of the matrices this rank runs Muon on (fixed at setup)."""

@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.state import DedicatedState, get_state
+from dmuon.stateful.torch_state_dict import StateDictError, check_entry
 
 __all__ = ["get_model_state_dict", "set_model_state_dict", "read_state_dict", "LoadResult"]
 
@@ -60,8 +61,13 @@ def module_entries(model: nn.Module) -> dict[str, torch.Tensor]:
     as the entry; torch's own ``state_dict`` would ``detach()`` it, which dmuon's placeholder
     guard refuses). Other entries are detached as torch does."""
     from dmuon.stateful.fsdp_patch import is_dedicated
-    return {k: (v if is_dedicated(v) else v.detach())
-            for k, v in model.state_dict(keep_vars=True).items()}
+    st = get_state(model)
+    prev, st.raw_state_dict = st.raw_state_dict, True
+    try:
+        sd = model.state_dict(keep_vars=True)
+    finally:
+        st.raw_state_dict = prev
+    return {k: (v if is_dedicated(v) else v.detach()) for k, v in sd.items()}
 
 
 def expected_entries(model: nn.Module, rt: DedicatedState,
@@ -146,46 +152,40 @@ def local_shard(full: torch.Tensor, like: Any) -> torch.Tensor:
                              src_data_rank=None).to_local()
 
 
-def _dedicated_full(rt: DedicatedState, n: str, rank0_only: bool) -> Optional[torch.Tensor]:
-    """The full matrix ``n`` in the param's dtype, from its owner (:func:`from_owner`)."""
-    src = rt.owner_rank[n]
-    mine = rt.masters[n].to(rt.orig_dtype[n]) if rt.rank == src else None
-    return from_owner(mine, rt.shape[n], rt.orig_dtype[n], src, rt, rank0_only)
-
-
 @torch.no_grad()
 def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
                          rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Collective: ``{fully-qualified name: full tensor}`` like a single-device ``state_dict()``.
 
-    Drains pending HSDP publishes first. Every rank must call it.
+    Drains dmuon's pending collectives first. Every rank must call it. The dedicated matrices
+    travel one hook group at a time, bucketed: each owner column broadcasts its masters over its
+    shard group (:mod:`dmuon.stateful.checkpoint_transfer`).
 
     Args:
       model: a model prepared by ``dedicate_params`` (and ``fully_shard``).
       cpu_offload: return CPU tensors.
-      rank0_only: only rank 0 keeps the dict (others return ``{}``); dedicated matrices travel
-        owner -> rank 0 only.
+      rank0_only: only rank 0 keeps the dict (others return ``{}``).
 
     Returns:
       plain tensors (never DTensors), the same keys / shapes / dtypes as ``model.state_dict()`` of
       the model on one device (tied params under each of their names).
     """
     rt = get_state(model, "dmuon.get_model_state_dict(model)")
-    rt.wait_publish()
+    rt.drain()
     keep = not rank0_only or rt.rank == 0
+    mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
+    full: dict[str, torch.Tensor] = {}
+    tr = rt.checkpoint_transfer
+    for group in tr.each_group():
+        for n, t in tr.to_every_rank(group, rt.masters).items():
+            if keep:
+                full[n] = mv(t.to(rt.orig_dtype[n]).clone())
     ded = dedicated_names_by_key(model, rt)
     out: dict[str, torch.Tensor] = {}
-    cache: dict[str, Optional[torch.Tensor]] = {}
     for k, v in module_entries(model).items():
-        if k in ded:
-            n = ded[k]
-            if n not in cache:
-                cache[n] = _dedicated_full(rt, n, rank0_only)
-            t = cache[n]
-        else:
-            t = full_copy(v)
+        t = full.get(ded[k]) if k in ded else full_copy(v)
         if keep:
-            out[k] = t.cpu() if cpu_offload else t
+            out[k] = t if k in ded else mv(t)
     return out
 
 
@@ -195,7 +195,7 @@ def _shape_of(v: Any):
 
 def agree(rt: DedicatedState, problems: list[str], what: str,
           payload: Any = None) -> list[tuple[list[str], Any]]:
-    """All-gather ``(problems, payload)``; raise ``ValueError`` on every rank if any rank has a
+    """All-gather ``(problems, payload)``; raise :class:`StateDictError` (a ``ValueError``) on every rank if any rank has a
     problem (the message names the ranks and lists the problems). Returns the gathered list."""
     got: list = [None] * dist.get_world_size()
     rt.mesh_groups.control_collective(
@@ -206,16 +206,18 @@ def agree(rt: DedicatedState, problems: list[str], what: str,
             by_msg.setdefault("; ".join(p), []).append(r)
     if by_msg:
         detail = " | ".join(f"rank(s) {rs}: {m}" for m, rs in by_msg.items())
-        raise ValueError(f"{what}: the state dict does not match the model ({detail}). Load a dict "
-                         "saved from the same architecture (names and full shapes as in the "
-                         "single-device model.state_dict()), or pass strict=False to allow "
-                         "missing / unexpected keys.")
+        raise StateDictError(
+            f"{what}: the state dict does not match the model ({detail}). Nothing was changed on "
+            "any rank. Load a dict saved from the same architecture (names and full shapes as in "
+            "the single-device model.state_dict(), floating values, finite unless "
+            "check_finite=False), or pass strict=False to allow missing / unexpected keys.")
     return got
 
 
 @torch.no_grad()
 def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]], *,
-                         strict: bool = True, rank0_only: bool = False) -> LoadResult:
+                         strict: bool = True, rank0_only: bool = False,
+                         check_finite: bool = True) -> LoadResult:
     """Collective: load a full ``{name: tensor}`` dict (single-device, HF or dmuon) into the model.
 
     Works at any topology: the dict's tensors are full; each rank keeps what it owns.
@@ -227,13 +229,17 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
       strict: missing or unexpected keys are errors (default). ``False`` skips them (wrong shapes
         still raise) and reports them in the return value.
       rank0_only: rank 0 holds the dict; each tensor is broadcast from it, one at a time.
+      check_finite: refuse NaN / Inf values (default); ``False`` loads them.
 
     Returns:
       :class:`LoadResult` ``(missing_keys, unexpected_keys)``.
 
     Raises:
-      ValueError: on every rank, before any tensor moves, when a rank's dict has missing /
-        unexpected keys (``strict``) or wrong shapes / non-tensor values; the message lists them.
+      ValueError: on every rank, before anything changes, when a rank's dict has missing /
+        unexpected keys (``strict``), wrong shapes, non-tensor values, integer or bool values for
+        floating params, or non-finite values (``check_finite``); the message lists them. A
+        floating value of another precision loads (cast to the param's dtype; narrowing is
+        logged).
     """
     what = "dmuon.set_model_state_dict"
     rt = get_state(model, f"{what}(model, sd)")
@@ -249,6 +255,11 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
             check = check_state_dict({k: _shape_of(v) for k, v in state_dict.items()},
                                      {k: s for k, (s, _) in exp.items()}, tied_groups(model))
             problems = check.problems(strict)
+            if not problems:  # values: dtype kinds, finiteness (before anything changes)
+                for k, src in check.source.items():
+                    shape, dtype = exp[k]
+                    problems += check_entry(f"{src!r}", state_dict[src], shape, dtype,
+                                            finite=check_finite)
     else:
         problems = []
     payload = None

@@ -1,0 +1,223 @@
+"""torch's own ``model.state_dict()`` / ``model.load_state_dict()`` on a dmuon model: true.
+
+**Representation.** In ``model.state_dict()`` every dedicated matrix is a ``DTensor`` on the
+shard mesh given to ``dedicate_params``, placement ``Shard(0)`` — exactly how FSDP2 presents its
+own params. So every tool built on torch's state dicts handles it as it handles FSDP2's:
+``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (sharded, or full through
+``full_tensor()``), ``dcp.save`` / ``dcp.load`` (each rank writes and reads its rows; HSDP replicas
+hold identical chunks, which DCP's planner writes once; loading into another topology re-shards
+as for FSDP2), torchtitan's and Lightning's checkpointers. Why not the owner's whole matrix as the
+only chunk (no traffic at save)? DTensor has no such placement, and torch's ShardedTensor, which
+could express it, is deprecated; every rank must describe the same global tensor.
+
+**Cost.** ``model.state_dict()`` is therefore collective on a dmuon model (every rank calls it, as
+DCP requires anyway): per hook group, each owner column broadcasts its masters over its shard group
+(bucketed, :mod:`dmuon.stateful.checkpoint_transfer`), each rank keeps its rows, cast to the
+param's dtype. Bytes moved per save: ``(G-1) P`` per replica, ``P`` = the dedicated matrices'
+bytes in the master dtype. ``model.state_dict(keep_vars=True)`` works the same.
+
+**Loading** (``model.load_state_dict(sd)``, and everything built on it: torch's
+``set_model_state_dict``, ``dcp.load`` then ``load_state_dict``): a dedicated entry may be that
+DTensor (the rows of this rank) or a plain full tensor (every rank holds the whole dict, e.g. a
+single-device ``torch.save`` file); an FSDP2 param may be a DTensor or a plain full tensor too
+(dmuon slices this rank's shard out of it, as ``distribute_tensor`` would). Before anything is
+written, every entry is checked on every rank (full shape, a floating dtype for floating params,
+finite values) and the verdict agreed across ranks, so a bad dict raises
+:class:`StateDictError` on every rank and leaves the model exactly as it was. Then the other
+entries load as torch loads them, and the dedicated ones reach their owner column (plain: a local
+copy; DTensor rows: one bucketed reduce per group). Loading is collective too.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dmuon.stateful.checkpoint_transfer import row_chunks
+from dmuon.stateful.fsdp_patch import is_dedicated
+from dmuon.stateful.guards import saving_state_dict
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StateDictError", "register_state_dict_hooks", "dtensor_rows", "shard_mesh_rank",
+           "check_entry"]
+
+
+
+class StateDictError(ValueError):
+    """A state dict does not fit the model (names, shapes, dtypes, values); raised on every rank
+    before anything changed."""
+
+
+def shard_mesh_rank(st) -> int:
+    return st.coord[0]
+
+
+def dtensor_rows(full: torch.Tensor, mesh: Any) -> Any:
+    """``full`` (the same on every rank of ``mesh``) as a ``Shard(0)`` DTensor on ``mesh``: this
+    rank keeps its rows; no communication."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+    return distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+
+
+def _rows_of(value: Any, st, shape: tuple[int, ...]) -> tuple[int, torch.Tensor]:
+    """``(first row, local rows)`` of a dedicated entry: a DTensor of dmuon's spec, or a full
+    plain tensor (this rank's rows of it)."""
+    to_local = getattr(value, "to_local", None)
+    start, n = row_chunks(shape[0], st.G)[shard_mesh_rank(st)]
+    if to_local is not None:
+        return start, to_local()
+    return start, value[start:start + n]
+
+
+def check_entry(key: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype, st=None,
+                *, finite: bool = True) -> list[str]:
+    """Problems of one state-dict value for a tensor of ``shape`` / ``dtype`` (no collective):
+    wrong shape, a non-floating value for a floating tensor, non-finite values (``finite``), a
+    DTensor of another spec than dmuon's (``st`` given: the dedicated ``Shard(0)`` rows)."""
+    if not isinstance(value, torch.Tensor):
+        return [f"{key}: a {type(value).__name__}, not a tensor"]
+    problems = []
+    if tuple(value.shape) != tuple(shape):
+        problems.append(f"{key}: shape {tuple(value.shape)}, expected {tuple(shape)}")
+        return problems
+    if dtype.is_floating_point and not (value.dtype.is_floating_point or value.is_complex()):
+        problems.append(f"{key}: dtype {value.dtype} cannot load into a {dtype} param (an integer "
+                        "or bool tensor is not a weight)")
+        return problems
+    local = value.to_local() if hasattr(value, "to_local") else value
+    if st is not None and hasattr(value, "to_local"):
+        from torch.distributed.tensor import Shard
+        if tuple(value.placements) != (Shard(0),) or value.device_mesh.size() != st.G:
+            problems.append(f"{key}: a DTensor with placements {tuple(value.placements)} on a "
+                            f"mesh of {value.device_mesh.size()} ranks; dmuon expects the rows "
+                            f"of its own state_dict() (Shard(0) over {st.G} ranks) or a plain "
+                            "full tensor")
+            return problems
+    if finite and local.dtype.is_floating_point and local.numel() and \
+            not bool(torch.isfinite(local).all()):
+        problems.append(f"{key}: non-finite values (NaN/Inf)")
+    if dtype.is_floating_point and local.dtype.is_floating_point and \
+            torch.finfo(local.dtype).bits > torch.finfo(dtype).bits:
+        logger.info("dmuon: %s narrows from %s to %s on load", key, local.dtype, dtype)
+    return problems
+
+
+class _Hooks:
+    """The state-dict hooks of one dedicated model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, st):
+        self.st = st
+        self.transfer = st.checkpoint_transfer
+        self.keys = {}  # state-dict key -> dedicated name (every alias of a tied matrix)
+        canon = {id(p): n for n, p in st.params.items()}
+        for k, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in canon:
+                self.keys[k] = canon[id(p)]
+        self.staged: Optional[dict[str, Any]] = None
+
+    # ------------------------------------------------------------------ save
+    def pre_save(self, module, prefix, keep_vars) -> None:
+        saving_state_dict(+1)
+
+    def post_save(self, module, state_dict, prefix, local_metadata) -> None:
+        saving_state_dict(-1)
+        if self.st.raw_state_dict:
+            return
+        st = self.st
+        st.drain()
+        mesh = st.shard_mesh
+        rows: dict[str, Any] = {}
+        for group in self.transfer.each_group():
+            full = self.transfer.to_every_rank(group, st.masters)
+            for n, t in full.items():
+                rows[n] = dtensor_rows(t.to(st.orig_dtype[n]).clone(), mesh)
+        for k, n in self.keys.items():
+            if prefix + k in state_dict:
+                state_dict[prefix + k] = rows[n]
+
+    # ------------------------------------------------------------------ load
+    def pre_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                 unexpected_keys, error_msgs) -> None:
+        st = self.st
+        problems: list[str] = []
+        staged: dict[str, Any] = {}
+        for k, n in self.keys.items():
+            key = prefix + k
+            if key not in state_dict:
+                continue
+            v = state_dict[key]
+            problems += check_entry(key, v, st.shape[n], st.orig_dtype[n], st)
+            staged.setdefault(n, v)
+            state_dict[key] = st.params[n]  # the placeholder: torch's own copy_ is a no-op
+        for name, p in module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if is_dedicated(p) or key not in state_dict:
+                continue
+            v = state_dict[key]
+            mine = check_entry(key, v, tuple(p.shape), p.dtype)
+            problems += mine
+            if not mine and hasattr(p, "to_local") and not hasattr(v, "to_local"):
+                state_dict[key] = _slice_for(p, v)
+        for name, b in module.named_buffers(remove_duplicate=False):
+            key = prefix + name
+            if key in state_dict and isinstance(state_dict[key], torch.Tensor) and \
+                    tuple(state_dict[key].shape) != tuple(b.shape):
+                problems.append(f"{key}: shape {tuple(state_dict[key].shape)}, expected "
+                                f"{tuple(b.shape)}")
+        _agree(st, problems)
+        self.staged = staged
+
+    def post_load(self, module, incompatible_keys) -> None:
+        staged, self.staged = self.staged, None
+        if not staged:
+            return
+        st = self.st
+        for group in self.transfer.each_group():
+            names = set(st.hook_groups.names(group))
+            if not any(n in staged for n in names):
+                continue
+            full = self.transfer.to_columns(
+                group, lambda n: _rows_of(staged[n], st, st.shape[n]) if n in staged else None)
+            with torch.no_grad():
+                for n, t in full.items():
+                    if n in staged:
+                        st.masters[n].copy_(t)
+        st.masters_changed()
+
+
+def _slice_for(param: Any, full: torch.Tensor) -> Any:
+    """A plain full tensor for FSDP2's DTensor ``param``: this rank's shard of it (no
+    communication: every rank has the full tensor), as ``distribute_tensor`` slices it."""
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full.to(device=param.device, dtype=param.dtype), param.device_mesh,
+                             param.placements, src_data_rank=None)
+
+
+def _agree(st, problems: list[str]) -> None:
+    got: list = [None] * dist.get_world_size()
+    st.mesh_groups.control_collective(
+        "load_state_dict check agreement", lambda g: dist.all_gather_object(got, problems, group=g))
+    by_msg: dict[str, list[int]] = {}
+    for r, p in enumerate(got):
+        for m in p:
+            by_msg.setdefault(m, []).append(r)
+    if by_msg:
+        detail = "; ".join(f"{m} (rank(s) {rs})" for m, rs in list(by_msg.items())[:12])
+        raise StateDictError(
+            f"model.load_state_dict on a dmuon model: the state dict does not fit the model: "
+            f"{detail}. Nothing was loaded on any rank.")
+
+
+def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:
+    """Install the save and load hooks on ``model`` (the root; see the module docstring)."""
+    h = _Hooks(model, st)
+    # torch marks public hooks with an attribute: plain functions, not bound methods
+    model.register_state_dict_pre_hook(lambda *a: h.pre_save(*a))
+    model.register_state_dict_post_hook(lambda *a: h.post_save(*a))
+    model.register_load_state_dict_pre_hook(lambda *a: h.pre_load(*a))
+    model.register_load_state_dict_post_hook(lambda *a: h.post_load(*a))
+    return h
