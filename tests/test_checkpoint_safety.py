@@ -71,10 +71,10 @@ def _kill_during_save(rank, world, path, where):
             os._exit(3)
         FileSystemWriter.write_data = write_then_die
     if where == "publish" and rank == 0:  # rank 0 dies between the publish's two renames
-        def dying_publish(path, tmp, keep_last):
+        def dying_publish(path, tmp, keep_last):  # noqa: ARG001
             os.rename(path, f"{path}.retired-{os.path.basename(tmp)}")
             os._exit(3)
-        cs._publish = dying_publish
+        cs.publish = dying_publish
     dmuon.save_sharded(path, model, opt, extra={"step": 2})
     return "saved"
 

@@ -42,12 +42,9 @@ the files / keys and ranks, with model and optimizer exactly as before.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-import shutil
 import uuid
-import zlib
 from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
@@ -56,6 +53,8 @@ import torch.nn as nn
 import torch.distributed as dist
 
 from dmuon.functional.state_dict_check import check_state_dict
+from dmuon.stateful.checkpoint_files import (CheckpointError, agree_errors, complete_or_raise,
+                                             dcp_errors, publish, verify_files, write_marker)
 from dmuon.stateful.optimizer_state_dict import (
     _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state,
 )
@@ -67,12 +66,8 @@ from dmuon.stateful.state_dict import (
 __all__ = ["save_sharded", "load_sharded", "ShardedSaveResult", "ShardedLoadResult",
            "CheckpointError"]
 
-MARKER = "dmuon-complete.json"
 
 
-class CheckpointError(Exception):
-    """A sharded checkpoint cannot be loaded (torn, corrupt, not matching the model), or a save
-    failed; raised on every rank, with nothing changed."""
 
 
 class ShardedSaveResult(NamedTuple):
@@ -176,19 +171,8 @@ def _save_entries(model: nn.Module, rt, optimizer) -> dict[str, Any]:
     return out
 
 
-def _crc(path: str) -> tuple[int, int]:
-    crc, size = 0, 0
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(1 << 24)
-            if not chunk:
-                return size, crc
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
 
 
-def _files(d: str) -> list[str]:
-    return sorted(f for f in os.listdir(d) if f != MARKER and os.path.isfile(os.path.join(d, f)))
 
 
 def _bcast(rt, obj: Any, what: str) -> Any:
@@ -198,43 +182,10 @@ def _bcast(rt, obj: Any, what: str) -> Any:
     return box[0]
 
 
-def _dcp_errors(fn: Any, what: str) -> list[str]:
-    """Run a DCP call; its failure as a message (DCP's ``CheckpointException`` is a
-    ``BaseException``: caught here so that it reaches every rank as a :class:`CheckpointError`)."""
-    try:
-        fn()
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as e:  # noqa: BLE001
-        return [f"{what} failed: {type(e).__name__}: {str(e)[:400]}"]
-    return []
 
 
-def _agree_errors(rt, errors: list[str], what: str) -> None:
-    got: list = [None] * dist.get_world_size()
-    rt.mesh_groups.control_collective(
-        f"{what} agreement", lambda g: dist.all_gather_object(got, errors, group=g))
-    bad = [(r, e) for r, es in enumerate(got) for e in es]
-    if bad:
-        detail = " | ".join(f"rank {r}: {e}" for r, e in bad[:10])
-        raise CheckpointError(f"{what}: {detail}. Nothing was changed on any rank.")
 
 
-def _publish(path: str, tmp: str, keep_last: int) -> None:
-    """Rank 0: the new checkpoint ``tmp`` becomes ``path``; older ones rotate to ``path.1`` .. ."""
-    keep_last = max(1, int(keep_last))
-    oldest = f"{path}.{keep_last - 1}" if keep_last > 1 else None
-    if oldest and os.path.exists(oldest):
-        shutil.rmtree(oldest)
-    for i in range(keep_last - 2, 0, -1):
-        if os.path.exists(f"{path}.{i}"):
-            os.rename(f"{path}.{i}", f"{path}.{i + 1}")
-    retired = f"{path}.1" if keep_last > 1 else f"{path}.retired-{os.path.basename(tmp)}"
-    if os.path.exists(path):
-        os.rename(path, retired)
-    os.rename(tmp, path)
-    if keep_last == 1 and os.path.exists(retired):
-        shutil.rmtree(retired)
 
 
 @torch.no_grad()
@@ -272,68 +223,19 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     sd["dmuon"] = {"save_id": save_id}
     save_planner, _ = _planners()
     planner = save_planner()
-    errors = _dcp_errors(lambda: dcp.save(sd, checkpoint_id=tmp, storage_writer=storage_writer,
+    errors = dcp_errors(lambda: dcp.save(sd, checkpoint_id=tmp, storage_writer=storage_writer,
                                           planner=planner), f"DCP save into {tmp}")
-    _agree_errors(rt, errors, "dmuon.save_sharded")
+    agree_errors(rt, errors, "dmuon.save_sharded")
     if rt.rank == 0:
-        files = {f: _crc(os.path.join(tmp, f)) for f in _files(tmp)}
-        marker = {"save_id": save_id, "format": 1,
-                  "files": {f: {"size": sz, "crc32": c} for f, (sz, c) in files.items()}}
-        with open(os.path.join(tmp, MARKER + ".tmp"), "w") as f:
-            json.dump(marker, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.rename(os.path.join(tmp, MARKER + ".tmp"), os.path.join(tmp, MARKER))
-        _publish(path, tmp, keep_last)
+        write_marker(tmp, save_id)
+        publish(path, tmp, keep_last)
     rt.mesh_groups.control_collective("dmuon.save_sharded publish",
                                       lambda g: dist.barrier(group=g))
     return ShardedSaveResult(planner.bytes_written, _local_bytes(sd))
 
 
-def _complete_or_raise(path: str) -> dict:
-    """The marker of a complete checkpoint at ``path`` (raises naming the last complete one)."""
-    marker = os.path.join(path, MARKER)
-    if os.path.isfile(marker):
-        try:
-            with open(marker) as f:
-                return json.load(f)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{marker}: unreadable ({e})") from None
-    parent, base = os.path.split(path)
-    candidates = sorted(
-        (c for c in os.listdir(parent or ".")
-         if c.startswith(base + ".") and os.path.isfile(os.path.join(parent, c, MARKER))),
-        key=lambda c: os.path.getmtime(os.path.join(parent, c, MARKER)), reverse=True)
-    hint = (f" The last complete checkpoint is {os.path.join(parent, candidates[0])!r} (an "
-            "interrupted publish or rotation: rename it to the path to load it)."
-            if candidates else " No complete checkpoint was found beside it.")
-    what = "does not exist" if not os.path.exists(path) else \
-        f"has no {MARKER} (a save that did not finish, or not written by dmuon.save_sharded)"
-    raise CheckpointError(f"dmuon.load_sharded: {path!r} {what}.{hint}")
 
 
-def _verify_files(rt, path: str, marker: dict) -> list[str]:
-    """This rank's share of the files (every world-size-th): size and CRC against the marker."""
-    errors = []
-    names = sorted(marker["files"])
-    have = set(_files(path))
-    for f in sorted(have - set(names)):
-        errors.append(f"{os.path.join(path, f)}: not part of save {marker['save_id']}")
-    for i, f in enumerate(names):
-        if i % dist.get_world_size() != rt.rank:
-            continue
-        full = os.path.join(path, f)
-        if f not in have:
-            errors.append(f"{full}: missing")
-            continue
-        size, crc = _crc(full)
-        want = marker["files"][f]
-        if size != want["size"]:
-            errors.append(f"{full}: {size} bytes, the save wrote {want['size']} (truncated?)")
-        elif crc != want["crc32"]:
-            errors.append(f"{full}: CRC-32 {crc:08x}, the save wrote {want['crc32']:08x} "
-                          "(corrupt)")
-    return errors
 
 
 def _read_metadata(checkpoint_id, storage_reader):
@@ -423,14 +325,14 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     errors: list[str] = []
     marker: dict = {}
     try:
-        marker = _complete_or_raise(path)
+        marker = complete_or_raise(path)
     except CheckpointError as e:
         errors.append(str(e))
-    _agree_errors(rt, errors, what)
-    _agree_errors(rt, _verify_files(rt, path, marker), what)
+    agree_errors(rt, errors, what)
+    agree_errors(rt, verify_files(rt, path, marker), what)
     reader, md = _read_metadata(path, storage_reader)
     problems, check = _check_metadata(md, model, rt, optimizer, strict)
-    _agree_errors(rt, problems, what)
+    agree_errors(rt, problems, what)
     # stage: DCP reads into new buffers shaped like this rank's pieces
     ded = dedicated_names_by_key(model, rt)
     wide = {n for n in rt.names if f"optim.dedicated.{n}.master" in md} \
@@ -469,12 +371,12 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
         sd["extra"] = {k: None for k in extra_keys}
     _, load_planner = _planners()
     planner = load_planner()
-    errors = _dcp_errors(lambda: dcp.load(sd, checkpoint_id=path, storage_reader=reader,
+    errors = dcp_errors(lambda: dcp.load(sd, checkpoint_id=path, storage_reader=reader,
                                           planner=planner), f"DCP read of {path}")
     if not errors and check_finite:
         errors = _nonfinite(sd["model"], "model.") + (
             _nonfinite(sd["optim"], "optim.") if optimizer is not None else [])
-    _agree_errors(rt, errors, what)
+    agree_errors(rt, errors, what)
     # install (the first writes to live state)
     if optimizer is not None:
         o = sd["optim"]

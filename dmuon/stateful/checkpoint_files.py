@@ -1,0 +1,140 @@
+"""The files of a :func:`dmuon.save_sharded` checkpoint: completion marker, CRCs, publish by rename.
+
+A checkpoint directory is complete when it holds ``dmuon-complete.json``: the save id and, for every
+other file, its size and CRC-32, written by rank 0 after every rank's DCP write returned and before
+the directory is published (renamed into place). :func:`verify_files` checks a share of the files
+on each rank; :func:`complete_or_raise` refuses a directory without a marker and names the newest
+complete sibling (``<path>.1``, a partial or retired directory left by an interrupted publish).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import zlib
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["MARKER", "CheckpointError", "write_marker", "publish", "complete_or_raise",
+           "verify_files", "dcp_errors", "agree_errors"]
+
+MARKER = "dmuon-complete.json"
+
+
+class CheckpointError(Exception):
+    """A sharded checkpoint cannot be loaded (torn, corrupt, not matching the model), or a save
+    failed; raised on every rank, with nothing changed."""
+
+
+def _crc(path: str) -> tuple[int, int]:
+    crc, size = 0, 0
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(1 << 24)
+            if not chunk:
+                return size, crc
+            crc = zlib.crc32(chunk, crc)
+            size += len(chunk)
+
+
+def _files(d: str) -> list[str]:
+    return sorted(f for f in os.listdir(d) if f != MARKER and os.path.isfile(os.path.join(d, f)))
+
+
+def dcp_errors(fn: Any, what: str) -> list[str]:
+    """Run a DCP call; its failure as a message (DCP's ``CheckpointException`` is a
+    ``BaseException``: caught here so that it reaches every rank as a :class:`CheckpointError`)."""
+    try:
+        fn()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001
+        return [f"{what} failed: {type(e).__name__}: {str(e)[:400]}"]
+    return []
+
+
+def agree_errors(rt, errors: list[str], what: str) -> None:
+    got: list = [None] * dist.get_world_size()
+    rt.mesh_groups.control_collective(
+        f"{what} agreement", lambda g: dist.all_gather_object(got, errors, group=g))
+    bad = [(r, e) for r, es in enumerate(got) for e in es]
+    if bad:
+        detail = " | ".join(f"rank {r}: {e}" for r, e in bad[:10])
+        raise CheckpointError(f"{what}: {detail}. Nothing was changed on any rank.")
+
+
+def publish(path: str, tmp: str, keep_last: int) -> None:
+    """Rank 0: the new checkpoint ``tmp`` becomes ``path``; older ones rotate to ``path.1`` .. ."""
+    keep_last = max(1, int(keep_last))
+    oldest = f"{path}.{keep_last - 1}" if keep_last > 1 else None
+    if oldest and os.path.exists(oldest):
+        shutil.rmtree(oldest)
+    for i in range(keep_last - 2, 0, -1):
+        if os.path.exists(f"{path}.{i}"):
+            os.rename(f"{path}.{i}", f"{path}.{i + 1}")
+    retired = f"{path}.1" if keep_last > 1 else f"{path}.retired-{os.path.basename(tmp)}"
+    if os.path.exists(path):
+        os.rename(path, retired)
+    os.rename(tmp, path)
+    if keep_last == 1 and os.path.exists(retired):
+        shutil.rmtree(retired)
+
+
+def complete_or_raise(path: str) -> dict:
+    """The marker of a complete checkpoint at ``path`` (raises naming the last complete one)."""
+    marker = os.path.join(path, MARKER)
+    if os.path.isfile(marker):
+        try:
+            with open(marker) as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"{marker}: unreadable ({e})") from None
+    parent, base = os.path.split(path)
+    candidates = sorted(
+        (c for c in os.listdir(parent or ".")
+         if c.startswith(base + ".") and os.path.isfile(os.path.join(parent, c, MARKER))),
+        key=lambda c: os.path.getmtime(os.path.join(parent, c, MARKER)), reverse=True)
+    hint = (f" The last complete checkpoint is {os.path.join(parent, candidates[0])!r} (an "
+            "interrupted publish or rotation: rename it to the path to load it)."
+            if candidates else " No complete checkpoint was found beside it.")
+    what = "does not exist" if not os.path.exists(path) else \
+        f"has no {MARKER} (a save that did not finish, or not written by dmuon.save_sharded)"
+    raise CheckpointError(f"dmuon.load_sharded: {path!r} {what}.{hint}")
+
+
+def verify_files(rt, path: str, marker: dict) -> list[str]:
+    """This rank's share of the files (every world-size-th): size and CRC against the marker."""
+    errors = []
+    names = sorted(marker["files"])
+    have = set(_files(path))
+    for f in sorted(have - set(names)):
+        errors.append(f"{os.path.join(path, f)}: not part of save {marker['save_id']}")
+    for i, f in enumerate(names):
+        if i % dist.get_world_size() != rt.rank:
+            continue
+        full = os.path.join(path, f)
+        if f not in have:
+            errors.append(f"{full}: missing")
+            continue
+        size, crc = _crc(full)
+        want = marker["files"][f]
+        if size != want["size"]:
+            errors.append(f"{full}: {size} bytes, the save wrote {want['size']} (truncated?)")
+        elif crc != want["crc32"]:
+            errors.append(f"{full}: CRC-32 {crc:08x}, the save wrote {want['crc32']:08x} "
+                          "(corrupt)")
+    return errors
+
+
+def write_marker(directory: str, save_id: str) -> None:
+    """Rank 0: CRC every file of ``directory`` into its marker (written, synced, then renamed)."""
+    files = {f: _crc(os.path.join(directory, f)) for f in _files(directory)}
+    marker = {"save_id": save_id, "format": 1,
+              "files": {f: {"size": sz, "crc32": c} for f, (sz, c) in files.items()}}
+    tmp = os.path.join(directory, MARKER + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(marker, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, os.path.join(directory, MARKER))
