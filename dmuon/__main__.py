@@ -22,15 +22,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dmuon.functional.plan_report import plan_summary, plan_table
     from dmuon.functional.presets import get_preset, preset_from_hf_config, preset_specs
     from dmuon.functional.schedule import step_bytes_per_rank
+    from dmuon.functional.split_plan import owner_entries
 
     preset = get_preset(args.model) if args.model else preset_from_hf_config(args.config)
     specs = preset_specs(preset, dtype=args.dtype)
     t0 = time.perf_counter()
-    plan = plan_owners(specs, args.shard, args.replicate, ns_steps=args.ns_steps)
+    plan = plan_owners(specs, args.shard, args.replicate, ns_steps=args.ns_steps,
+                       max_split=args.max_split, node_size=args.node_size)
     seconds = time.perf_counter() - t0
-    muon = {sp.name: sp for sp in specs if sp.route == "muon"}
-    comm = step_bytes_per_rank(plan.owners, {n: sp.shape for n, sp in muon.items()},
-                               {n: sp.dtype for n, sp in muon.items()}, args.shard, args.replicate)
+    entries = owner_entries(plan, specs)
+    comm = step_bytes_per_rank(plan.owners, {n: e[0] for n, e in entries.items()},
+                               {n: e[1] for n, e in entries.items()}, args.shard, args.replicate)
     if args.json:
         summ = plan_summary(plan, comm_bytes_per_rank=comm, planning_seconds=seconds)
         summ["model"] = preset.name
@@ -62,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="torch.bfloat16", help="param dtype (default torch.bfloat16)")
     p.add_argument("--max-rows", type=int, default=64,
                    help="show at most this many ranks in the table (default 64; 0 = all)")
+    p.add_argument("--max-split", type=int, default=1,
+                   help="split a matrix's Newton-Schulz over up to this many ranks of one node where "
+                        "that lowers the largest rank cost (default 1: never; planned, not yet "
+                        "executed by the optimizer)")
+    p.add_argument("--node-size", type=int, default=8, help="ranks per node (default 8)")
     p.add_argument("--json", action="store_true", help="print the summary dict as JSON")
     p.set_defaults(func=_cmd_plan)
     return parser
