@@ -62,10 +62,14 @@ class Machine:
     """Every constant of the step model (see the module docstring and :attr:`sources`).
 
     Attributes:
-      name; peak_flops: dense bf16 matmul FLOP/s; mfu_fwd, mfu_bwd: model-FLOPs utilization of the
-      forward / backward (achieved model flops over ``peak_flops``); adamw_s_per_param: seconds
-      per parameter of the baseline's AdamW step (its own implementation); muon_s_per_param: seconds
-      per owned parameter of dmuon's element-wise Muon stages (fused, 28 B/param); nvlink, ib:
+      name; peak_flops: dense bf16 matmul FLOP/s; mfu_fwd, mfu_bwd: model-FLOPs utilization
+      (achieved model flops over ``peak_flops``) of the forward / backward of a wide model, scaled
+      by ``h / (h + mfu_half_hidden)`` at model width ``h`` (narrow models run smaller, less
+      efficient kernels; 0: the same MFU at every width); adamw_step_s, adamw_s_per_param: the
+      baseline's AdamW step takes ``adamw_step_s + adamw_s_per_param * params on the rank`` (its own
+      implementation); fused_s_per_param: seconds
+      per parameter of a fused 28 B/param pass (dmuon's element-wise Muon stages on owned params,
+      and the fused AdamW dmuon runs on the rest); nvlink, ib:
       :class:`Link` (``ib.busbw`` per GPU NIC); gpus_per_node; hbm_bytes: memory per GPU;
       ns_groups: measured NS shape groups (``H200_NS_GROUPS`` format); ns_rate_scale: factor on
       the measured NS rates; ns_restart: Gram restart period of the NS engine;
@@ -78,8 +82,10 @@ class Machine:
     peak_flops: float
     mfu_fwd: float
     mfu_bwd: float
+    mfu_half_hidden: float
+    adamw_step_s: float
     adamw_s_per_param: float
-    muon_s_per_param: float
+    fused_s_per_param: float
     nvlink: Link
     ib: Link
     gpus_per_node: int = 8
@@ -89,6 +95,11 @@ class Machine:
     ns_restart: int = 3
     ref_ns_slowdown: tuple[tuple[int, float], ...] = ((2048, 92.7 / 47.2), (4096, 954.0 / 605.8))
     sources: Mapping[str, str] = field(default_factory=dict)
+
+    def mfu(self, phase: str, hidden: int) -> float:
+        """MFU of ``phase`` (``"fwd"`` / ``"bwd"``) for a model of width ``hidden``."""
+        top = self.mfu_fwd if phase == "fwd" else self.mfu_bwd
+        return top * hidden / (hidden + self.mfu_half_hidden)
 
     def with_values(self, **values: float) -> "Machine":
         """A copy with fields replaced (``nvlink_busbw=...`` etc. set one field of a link)."""
@@ -117,20 +128,22 @@ _COMMON_SOURCES = {
 
 #: NVIDIA H200 SXM (our measurement machine).
 H200 = Machine(
-    name="H200", peak_flops=H200_MEASURED_MATMUL, mfu_fwd=0.4785, mfu_bwd=0.4785,
-    adamw_s_per_param=8.262e-12, muon_s_per_param=8.262e-12,
+    name="H200", peak_flops=H200_MEASURED_MATMUL, mfu_fwd=0.8365, mfu_bwd=0.8365,
+    mfu_half_hidden=1030.0, adamw_step_s=0.0, adamw_s_per_param=8.247e-12, fused_s_per_param=8.247e-12,
     nvlink=Link(busbw=360e9, alpha=15e-6, alpha_hop=1e-6),
     ib=Link(busbw=40e9, alpha=20e-6, alpha_hop=3e-6),
     hbm_bytes=141e9,
     sources={**_COMMON_SOURCES,
              "peak_flops": "measured: bf16 matmul 787.3 TFLOP/s, ns_whole_model_h200.json",
-             "mfu_fwd": "fitted on the AdamW row of step_world1_h200.json (fwd+bwd 124.0 ms; one "
-                        "MFU for both)",
+             "mfu_fwd": "fitted on the AdamW row of step_world1_h200.json (fwd+bwd 124.0 ms at "
+                        "hidden 2048; one MFU for both): 0.557 there, x h/(h+1030) elsewhere",
              "mfu_bwd": "= mfu_fwd (the W=1 run times forward+backward together)",
+             "mfu_half_hidden": "fitted on the four 8xA800 AdamW rows (an assumption for H200)",
+             "adamw_step_s": "0: a single W=1 row cannot separate a fixed part",
              "adamw_s_per_param": "fitted on the AdamW row of step_world1_h200.json (fused AdamW "
                                   "9.11 ms over 1.10 B params)",
-             "muon_s_per_param": "= adamw_s_per_param: fused Muon stages move 28 B/param like "
-                                 "fused AdamW (NOTES_step.md run 3)",
+             "fused_s_per_param": "= adamw_s_per_param: the baseline is fused AdamW, and fused "
+                                  "Muon stages move 28 B/param like it (NOTES_step.md run 3)",
              "nvlink": "spec: NVLink 900 GB/s total = 450 GB/s per direction (NVIDIA H200 sheet); "
                        "busbw 80 % of it and latencies are assumptions",
              "ib": "spec: 400 Gb/s ConnectX-7 per GPU (DGX H200) = 50 GB/s; busbw 80 % and "
@@ -139,8 +152,8 @@ H200 = Machine(
 
 #: NVIDIA A800 SXM4 80GB (the reference implementation's published runs).
 A800 = Machine(
-    name="A800", peak_flops=312e12, mfu_fwd=0.5086, mfu_bwd=0.5532,
-    adamw_s_per_param=4.476e-11, muon_s_per_param=1.941e-11,
+    name="A800", peak_flops=312e12, mfu_fwd=0.6946, mfu_bwd=0.7037,
+    mfu_half_hidden=1030.0, adamw_step_s=7.815e-3, adamw_s_per_param=4.607e-11, fused_s_per_param=1.941e-11,
     nvlink=Link(busbw=160e9, alpha=15e-6, alpha_hop=1e-6),
     ib=Link(busbw=20e9, alpha=20e-6, alpha_hop=3e-6),
     hbm_bytes=80e9, ns_rate_scale=312e12 / H200_MEASURED_MATMUL,
@@ -148,9 +161,11 @@ A800 = Machine(
              "peak_flops": "spec: 312 TFLOP/s bf16 dense (NVIDIA A100/A800 sheet; issue 25)",
              "mfu_fwd": "fitted on the 4 FSDP2+AdamW forward rows of the reference's 8xA800 run",
              "mfu_bwd": "fitted on the 4 FSDP2+AdamW backward rows of the reference's 8xA800 run",
+             "mfu_half_hidden": "fitted on the same 8 forward and backward rows",
+             "adamw_step_s": "fitted on the 4 FSDP2+AdamW optimizer rows (t = c0 + s * params)",
              "adamw_s_per_param": "fitted on the 4 FSDP2+AdamW optimizer rows of the reference's "
                                   "8xA800 run (torch.optim.AdamW default, not fused)",
-             "muon_s_per_param": "H200's fused rate scaled by HBM bandwidth 4.8/2.039 TB/s (spec "
+             "fused_s_per_param": "H200's fused rate scaled by HBM bandwidth 4.8/2.039 TB/s (spec "
                                  "sheets): an assumption",
              "nvlink": "spec: NVLink 400 GB/s total = 200 GB/s per direction (A800; issue 25); "
                        "busbw 80 % of it and latencies are assumptions",

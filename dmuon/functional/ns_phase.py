@@ -10,7 +10,7 @@ stays in one node). While a piece waits for a collective its rank computes other
 (list scheduling, deterministic priorities: split segments first in unit-name order, then whole
 units by cost), so split communication overlaps other NS work where there is some.
 
-Plus the owner's element-wise Muon work, ``muon_s_per_param`` per owned element (the momentum
+Plus the owner's element-wise Muon work, ``fused_s_per_param`` per owned element (the momentum
 stage before NS and the update after it, one task).
 
 Returns per-rank finish times; the phase lasts their maximum (every rank's next forward waits for
@@ -18,6 +18,7 @@ the slowest owner's update through the forward broadcasts).
 """
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 from typing import Mapping, Sequence
@@ -40,12 +41,14 @@ class NSPhase:
       compute: seconds each rank computes (its busy time).
       split_comm: seconds of split collectives each rank takes part in.
       split_units: number of split units.
+      elementwise: seconds of each rank's element-wise Muon work (part of ``compute``).
     """
 
     finish: tuple[float, ...]
     compute: tuple[float, ...]
     split_comm: tuple[float, ...]
     split_units: int
+    elementwise: tuple[float, ...] = ()
 
     @property
     def seconds(self) -> float:
@@ -75,11 +78,11 @@ def ns_phase(plan: OwnerPlan, specs: Sequence[ParamSpec], machine: Machine, *, s
       slowdown: factor on every NS compute time (1: dmuon's engine; the reference: see
         :func:`reference_slowdown`).
       elementwise_s_per_param: seconds per owned element of element-wise work (default
-        ``machine.muon_s_per_param``).
+        ``machine.fused_s_per_param``).
     """
     by_name: Mapping[str, ParamSpec] = {s.name: s for s in specs}
     n = plan.num_slots
-    ew = machine.muon_s_per_param if elementwise_s_per_param is None else elementwise_s_per_param
+    ew = machine.fused_s_per_param if elementwise_s_per_param is None else elementwise_s_per_param
     split_of = {b.name: sp for sp in plan.splits for b in sp.blocks}
     tasks: list[list[tuple]] = [[] for _ in range(n)]      # per rank: (priority, chain id)
     chains: dict[str, list[float]] = {}                    # compute segment durations
@@ -122,7 +125,8 @@ def ns_phase(plan: OwnerPlan, specs: Sequence[ParamSpec], machine: Machine, *, s
         if owned[r]:
             chains[f"e:{r}"] = [owned[r] * ew]
             tasks[r].append(((2, 0.0, ""), f"e:{r}"))
-    return _simulate(n, tasks, chains, collectives, len(plan.splits))
+    res = _simulate(n, tasks, chains, collectives, len(plan.splits))
+    return dataclasses.replace(res, elementwise=tuple(o * ew for o in owned))
 
 
 def _simulate(n: int, tasks, chains, collectives, n_split: int) -> NSPhase:
