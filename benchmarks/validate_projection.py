@@ -279,11 +279,12 @@ def a800() -> dict:
         pa, pr, pd = (project_step(s, machine, d) for d in ("adamw", "reference", "dmuon"))
         # diagnosis, not calibration: the IB per-hop latency that would make the projected
         # overhead (reference - AdamW) equal the measured one
-        def gap(a, s=s):
-            m = machine.with_values(ib_alpha_hop=a)
+        def gap(key, value, s=s):
+            m = machine.with_values(**{key: value})
             over = project_step(s, m, "reference").step - project_step(s, m, "adamw").step
             return (over * 1e3 - (ref_ms - adamw_ms)) ** 2
-        hop = _golden(gap, 0.0, 2e-4)
+        hop = _golden(lambda a: gap("ib_alpha_hop", a), 0.0, 5e-4)
+        bw = _golden(lambda b: gap("ib_busbw", b), 1e8, machine.ib.busbw)
         big.append({"model": n, "micro_batch_inferred": b, "global_batch_tokens": s.global_batch_tokens,
                     "adamw": {"measured_ms": adamw_ms, "projected_ms": pa.step * 1e3,
                               "error": _err(pa.step * 1e3, adamw_ms), "role": "calibration (batch)"},
@@ -292,7 +293,7 @@ def a800() -> dict:
                                   "exposed_ms": {k: v * 1e3 for k, v in pr.exposed.items() if v}},
                     "overhead_measured_ms": ref_ms - adamw_ms,
                     "overhead_projected_ms": (pr.step - pa.step) * 1e3,
-                    "implied_ib_alpha_hop_s": hop,
+                    "implied_ib_alpha_hop_s": hop, "implied_ib_busbw": bw,
                     "dmuon_projected_ms": pd.step * 1e3,
                     "dmuon_exposed_ms": {k: v * 1e3 for k, v in pd.exposed.items() if v}})
     return {"calibrated": {"mfu_fwd": mfu_f, "mfu_bwd": mfu_b, "mfu_half_hidden": h0,

@@ -26,14 +26,15 @@ def test_collective_times():
     assert collective_time(m, "all_reduce", 1e9, 1, members_per_node=1, nodes=1) == 0.0
     ar = collective_time(m, "all_reduce", 1e9, 8, members_per_node=8, nodes=1)
     ag = collective_time(m, "all_gather", 1e9, 8, members_per_node=8, nodes=1)
-    lat = m.nvlink.alpha + 7 * m.nvlink.alpha_hop
+    lat = m.nvlink.alpha + 8 * m.nvlink.alpha_hop
     assert math.isclose(ar - lat, 2 * 7 / 8 * 1e9 / m.nvlink.busbw)
     assert math.isclose(ag - lat, 7 / 8 * 1e9 / m.nvlink.busbw)
     # one rank per node: the NIC; a whole node per group member set: min(NVLink, 8 NICs)
     rep = collective_time(m, "broadcast", 1e9, 4, members_per_node=1, nodes=4)
-    assert math.isclose(rep - m.ib.alpha - 3 * m.ib.alpha_hop, 1e9 / m.ib.busbw)
+    assert math.isclose(rep - m.ib.alpha - 4 * m.ib.alpha_hop, 1e9 / m.ib.busbw)
     big = collective_time(m, "broadcast", 1e9, 64, members_per_node=8, nodes=8)
-    assert math.isclose(big - m.ib.alpha - 63 * m.ib.alpha_hop, 1e9 / min(m.nvlink.busbw, 8 * m.ib.busbw))
+    lat = m.ib.alpha + 8 * m.ib.alpha_hop + 56 * m.nvlink.alpha_hop
+    assert math.isclose(big - lat, 1e9 / min(m.nvlink.busbw, 8 * m.ib.busbw))
     changed = m.with_values(nvlink_busbw=2 * m.nvlink.busbw, mfu_fwd=0.5)
     assert changed.nvlink.busbw == 2 * m.nvlink.busbw and changed.mfu_fwd == 0.5
     assert changed.sources["mfu_fwd"] == "set by the caller"

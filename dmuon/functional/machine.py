@@ -7,13 +7,14 @@ assumption. All are overridable (``dataclasses.replace``; ``python -m dmuon proj
 
 Collective time over a group of ``n`` ranks (NCCL's bus-bandwidth convention; ring algorithms)::
 
-    t = latency(n) + f * P / busbw,   latency(n) = alpha + alpha_hop * (n - 1)
+    t = latency + f * P / busbw,   latency = alpha + hops_ib * alpha_hop_ib + hops_nvlink * alpha_hop_nvlink
     f = 2 (n-1)/n  all-reduce;  (n-1)/n  all-gather / reduce-scatter (P = the whole buffer);
     f = 1          broadcast / reduce (pipelined chain)
 
 with the group's bus bandwidth: NVLink's if the group lies in one node; otherwise the NICs'
 ``ib_busbw * members per node`` (rings through every member's NIC, rail-optimized fabric), capped
-by NVLink's. Latency constants are those of the slowest link the group uses.
+by NVLink's. A ring over ``n`` ranks in ``nodes`` nodes makes ``nodes`` network hops and
+``n - nodes`` NVLink hops (one node: ``n`` NVLink hops); ``alpha`` is the slowest link's.
 
 Newton–Schulz time of one matrix: measured per-matrix time for a measured shape (H200 engine,
 ``benchmarks/results/ns_whole_model_h200.json``), else its flop count (the engine's restart period)
@@ -30,13 +31,14 @@ from typing import Mapping, Optional
 from dmuon.functional.ns_cost import ns_cost
 
 __all__ = ["Link", "Machine", "H200", "A800", "MACHINES", "H200_NS_GROUPS", "collective_time",
+           "collective_latency",
            "group_busbw", "ns_matrix_seconds", "ns_rate"]
 
 
 @dataclass(frozen=True)
 class Link:
-    """One link class: bus bandwidth per GPU (bytes/s, one direction, as NCCL reports busbw) and
-    latency ``alpha + alpha_hop * (n - 1)`` seconds for a group of ``n``."""
+    """One link class: bus bandwidth per GPU (bytes/s, one direction, as NCCL reports busbw),
+    start-up latency ``alpha`` and per-hop latency ``alpha_hop`` (seconds)."""
 
     busbw: float
     alpha: float
@@ -190,11 +192,21 @@ def collective_time(machine: Machine, kind: str, nbytes: float, n: int, *, membe
     one rank take no time."""
     if n <= 1:
         return 0.0
-    link = machine.nvlink if nodes <= 1 else machine.ib
     factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
               "reduce_scatter": (n - 1) / n, "broadcast": 1.0, "reduce": 1.0}[kind]
     bw = group_busbw(machine, members_per_node, nodes)
-    return link.alpha + link.alpha_hop * (n - 1) + factor * nbytes / bw
+    return collective_latency(machine, n, nodes) + factor * nbytes / bw
+
+
+def collective_latency(machine: Machine, n: int, nodes: int) -> float:
+    """Latency of a ring over ``n`` ranks in ``nodes`` nodes: the start-up ``alpha`` of the slowest
+    link, then one hop per rank: ``nodes`` of them over the network (none in one node), the rest
+    over NVLink."""
+    if n <= 1:
+        return 0.0
+    inter = nodes if nodes > 1 else 0
+    alpha = machine.ib.alpha if nodes > 1 else machine.nvlink.alpha
+    return alpha + inter * machine.ib.alpha_hop + (n - inter) * machine.nvlink.alpha_hop
 
 
 def _interp_log2(points: list[tuple[float, float]], x: float) -> float:

@@ -33,9 +33,9 @@ collective; in the owners' phase, the slowest rank's finish minus its compute (`
 
 ``design``: ``"adamw"``; ``"dmuon"`` (this implementation: its NS engine, fused element-wise
 stages, split units when ``max_split > 1`` and they shorten the projected step: a split lowers the
-owners' phase but adds buckets, hence broadcasts and reduces, to its layer); ``"reference"`` (dedicated ownership as in
-X-Square-Robot/dmuon 0.2.0: same schedules, its NS time = dmuon's x ``reference_slowdown``, element-
-wise work and AdamW at the baseline's AdamW rate, no splits).
+owners' phase but adds buckets, hence broadcasts and reduces, to its layer); ``"reference"``
+(dedicated ownership as in X-Square-Robot/dmuon 0.2.0: same schedules, its NS time = dmuon's x
+``reference_slowdown``, element-wise work and AdamW at the baseline's AdamW rate, no splits).
 
 Not modeled: activation memory and recomputation, CPU launch overhead, contention between the
 shard and replicate links and between concurrent collectives of one link class beyond the
