@@ -366,8 +366,9 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
 
 def _memory(setup: StepSetup, specs, plan: Optional[OwnerPlan], fsdp_layer, fsdp_root) -> float:
     """Model-state bytes on the fullest rank: FSDP2 shards at 16 B/param (fp32 param, grad, two
-    moments), two gathered bf16 layers; owned dedicated params at 12 B (fp32 master, momentum,
-    gradient); the gathered dedicated params of two layers (bf16)."""
+    moments), two gathered bf16 layers; dedicated params: the fp32 masters of the rank's shard
+    column (HSDP keeps them on every rank of the column) and, for the params it owns, fp32
+    momentum and gradient (8 B)."""
     G = setup.shard
     fsdp = 16 * (sum(fsdp_layer) + fsdp_root) / G
     per_layer = [0] * setup.preset.layers
@@ -375,14 +376,15 @@ def _memory(setup: StepSetup, specs, plan: Optional[OwnerPlan], fsdp_layer, fsdp
         if s.layer_key is not None:
             per_layer[int(s.layer_key.rsplit(".", 1)[1])] += s.numel
     gathered = 2 * 2 * max(per_layer)
-    owned = 0
+    dedicated = 0.0
     if plan is not None:
         by = {s.name: s for s in specs}
-        owned_per_slot = [0] * plan.num_slots
+        owned = [0] * plan.num_slots
         for u, slot in zip(plan.units, plan.unit_slots):
-            owned_per_slot[slot] += sum(by[n].numel if n in by else 0 for n in u.params)
+            owned[slot] += sum(by[n].numel for n in u.params if n in by)
         for sp in plan.splits:
             for b in sp.blocks:
-                owned_per_slot[b.slot] += math.prod(b.shape)
-        owned = 12 * max(owned_per_slot)
-    return fsdp + gathered + owned
+                owned[b.slot] += math.prod(b.shape)
+        column = [sum(owned[r * G + c] for r in range(setup.replicate)) for c in range(G)]
+        dedicated = max(4 * column[k % G] + 8 * owned[k] for k in range(plan.num_slots))
+    return fsdp + gathered + dedicated
