@@ -31,7 +31,7 @@ from typing import Mapping, Optional
 from dmuon.functional.ns_cost import ns_cost
 
 __all__ = ["Link", "Machine", "H200", "A800", "MACHINES", "H200_NS_GROUPS", "collective_time",
-           "collective_latency",
+           "collective_latency", "interp_log2",
            "group_busbw", "ns_matrix_seconds", "ns_rate"]
 
 
@@ -209,7 +209,8 @@ def collective_latency(machine: Machine, n: int, nodes: int) -> float:
     return alpha + inter * machine.ib.alpha_hop + (n - inter) * machine.nvlink.alpha_hop
 
 
-def _interp_log2(points: list[tuple[float, float]], x: float) -> float:
+def interp_log2(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear interpolation of ``(x, y)`` points in ``log2(x)``, clamped at the ends."""
     pts = sorted(points)
     if x <= pts[0][0]:
         return pts[0][1]
@@ -235,7 +236,7 @@ def ns_rate(machine: Machine, m: int, variant: str, *, steps: int = 5,
             pts.append((min(gm, gn), f / (ms * 1e-3)))
     if not pts:
         raise ValueError(f"no measured NS group of variant {variant!r} on {machine.name}")
-    return _interp_log2(pts, min(m, max(m, 1))) * machine.ns_rate_scale
+    return interp_log2(pts, m) * machine.ns_rate_scale
 
 
 def ns_matrix_seconds(machine: Machine, m: int, n: int, *, steps: int = 5, flops: Optional[int] = None,

@@ -23,7 +23,7 @@ import heapq
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from dmuon.functional.machine import Machine, collective_time, ns_matrix_seconds
+from dmuon.functional.machine import Machine, collective_time, interp_log2, ns_matrix_seconds
 from dmuon.functional.matrix_shape import as_matrix_shape
 from dmuon.functional.plan import OwnerPlan
 from dmuon.functional.specs import ParamSpec
@@ -64,8 +64,7 @@ class NSPhase:
 def reference_slowdown(machine: Machine, hidden: int) -> float:
     """The reference implementation's NS time over dmuon's at model width ``hidden``
     (``machine.ref_ns_slowdown`` interpolated in ``log2(hidden)``, clamped)."""
-    from dmuon.functional.machine import _interp_log2
-    return _interp_log2([(float(h), f) for h, f in machine.ref_ns_slowdown], float(hidden))
+    return interp_log2([(float(h), f) for h, f in machine.ref_ns_slowdown], float(hidden))
 
 
 def ns_phase(plan: OwnerPlan, specs: Sequence[ParamSpec], machine: Machine, *, steps: int = 5,

@@ -26,9 +26,9 @@ single-matrix units split ``k`` ways. For each such candidate the items are plac
 ``(-largest piece cost, name)``: a whole unit on the least-loaded slot, a split unit's pieces on
 the ``k`` least-loaded slots of the node where the largest resulting load is smallest (the largest
 piece on the least-loaded slot); then a local search moves or swaps whole units off the most
-loaded slot while that lowers the pair's larger load. The candidate with the smallest maximum
-slot cost wins (ties: fewer split units, then the order above); the whole-matrix plan is kept unless
-a candidate beats its maximum.
+loaded slot while that lowers the pair's larger load. The candidate with the lowest score wins
+(default: its maximum slot cost; ``plan_owners(split_score=...)``, e.g. the projected step time);
+ties keep the earlier candidate, the whole-matrix plan first, so it is kept unless beaten.
 
 Split units are planned, scheduled, simulated and projected; the optimizer (``dmuon.stateful``)
 does not execute them yet.
@@ -51,9 +51,11 @@ from dmuon.functional.split_ns import (SplitLayout, ring_bytes_per_rank, split_l
 __all__ = ["SplitBlock", "SplitUnit", "plan_splits", "block_name", "split_unit_cost", "owner_entries",
            "SPLIT_COMM_FLOPS_PER_BYTE", "SPLIT_COLLECTIVE_FLOPS", "TARGET_FACTORS", "SPLIT_NOTE"]
 
-#: Flops-equivalent of one byte a split piece moves: the H200's measured 787 TFLOP/s bf16 matmul
-#: (benchmarks/results/ns_whole_model_h200.json) over ~384 GB/s of NVLink bus bandwidth (an
-#: assumption: 85 % of the 450 GB/s per direction of NVIDIA's H200 NVLink spec) ~ 2048.
+#: Flops-equivalent charged per byte a split piece moves: a quarter of the H200's 787 TFLOP/s
+#: (measured, benchmarks/results/ns_whole_model_h200.json) over ~384 GB/s of NVLink bus bandwidth
+#: (an assumption: 85 % of the 450 GB/s per direction of NVIDIA's H200 spec), i.e. 2048 / 4: the
+#: share of split traffic assumed exposed, since a rank that holds several pieces computes one
+#: while another's collectives run (benchmarks/NOTES_scale.md).
 SPLIT_COMM_FLOPS_PER_BYTE = 512
 #: Flops-equivalent of one collective's latency: ~25 us (assumed) at 787 TFLOP/s.
 SPLIT_COLLECTIVE_FLOPS = 2 * 10**10
