@@ -1,7 +1,8 @@
 """Command line: ``python -m dmuon <subcommand> ...`` (console script ``dmuon``).
 
 Subcommands:
-  plan   print the owner plan of a preset model or a Hugging Face config.json on a G x R mesh.
+  plan     print the owner plan of a preset model or a Hugging Face config.json on a G x R mesh.
+  project  project the step time of FSDP2 + AdamW against FSDP2 + dmuon on a machine model.
 
 New subcommands register a parser in :func:`build_parser` and a handler taking the parsed args and
 returning an exit code.
@@ -22,15 +23,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dmuon.functional.plan_report import plan_summary, plan_table
     from dmuon.functional.presets import get_preset, preset_from_hf_config, preset_specs
     from dmuon.functional.schedule import step_bytes_per_rank
+    from dmuon.functional.split_plan import owner_entries
 
     preset = get_preset(args.model) if args.model else preset_from_hf_config(args.config)
     specs = preset_specs(preset, dtype=args.dtype)
     t0 = time.perf_counter()
-    plan = plan_owners(specs, args.shard, args.replicate, ns_steps=args.ns_steps)
+    plan = plan_owners(specs, args.shard, args.replicate, ns_steps=args.ns_steps,
+                       max_split=args.max_split, node_size=args.node_size)
     seconds = time.perf_counter() - t0
-    muon = {sp.name: sp for sp in specs if sp.route == "muon"}
-    comm = step_bytes_per_rank(plan.owners, {n: sp.shape for n, sp in muon.items()},
-                               {n: sp.dtype for n, sp in muon.items()}, args.shard, args.replicate)
+    entries = owner_entries(plan, specs)
+    comm = step_bytes_per_rank(plan.owners, {n: e[0] for n, e in entries.items()},
+                               {n: e[1] for n, e in entries.items()}, args.shard, args.replicate)
     if args.json:
         summ = plan_summary(plan, comm_bytes_per_rank=comm, planning_seconds=seconds)
         summ["model"] = preset.name
@@ -40,6 +43,45 @@ def _cmd_plan(args: argparse.Namespace) -> int:
               f"layers {preset.layers}, heads {preset.heads}/{preset.kv_heads} kv, vocab {preset.vocab}, "
               f"dtype {args.dtype}")
         print(plan_table(plan, comm_bytes_per_rank=comm, planning_seconds=seconds, max_rows=args.max_rows))
+    return 0
+
+
+def _cmd_project(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from dmuon.functional.machine import MACHINES
+    from dmuon.functional.presets import get_preset, preset_from_hf_config
+    from dmuon.functional.projection import StepSetup, project_step
+    from dmuon.functional.projection_report import (machine_summary, projection_summary,
+                                                    projection_table)
+
+    preset = get_preset(args.model) if args.model else preset_from_hf_config(args.config)
+    machine = MACHINES[args.machine]
+    values = {}
+    for item in args.set or ():
+        key, _, value = item.partition("=")
+        if not value:
+            raise ValueError(f"--set wants NAME=VALUE, got {item!r}")
+        values[key.strip()] = float(value)
+    if values:
+        machine = machine.with_values(**values)
+    if args.gpus_per_node:
+        machine = dataclasses.replace(machine, gpus_per_node=args.gpus_per_node)
+    setup = StepSetup(preset, args.shard, args.replicate, micro_batch=args.micro_batch, seq=args.seq,
+                      fsdp_reshard=args.fsdp_mode == "z3", dmuon_mode=args.mode,
+                      reduce_bytes=args.reduce_bytes, max_split=args.max_split, ns_steps=args.ns_steps)
+    projections = [project_step(setup, machine, d) for d in args.designs.split(",")]
+    summ = projection_summary(setup, machine, projections)
+    if args.png:
+        from dmuon.projection_plot import write_timeline_png
+        write_timeline_png(args.png, projections, title=f"{preset.name} {setup.world} {machine.name}")
+    if args.json:
+        summ["machine_constants"] = machine_summary(machine)
+        print(json.dumps(summ, indent=2))
+    else:
+        print(projection_table(summ))
+        if args.png:
+            print(f"wrote {args.png}")
     return 0
 
 
@@ -62,8 +104,45 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="torch.bfloat16", help="param dtype (default torch.bfloat16)")
     p.add_argument("--max-rows", type=int, default=64,
                    help="show at most this many ranks in the table (default 64; 0 = all)")
+    p.add_argument("--max-split", type=int, default=1,
+                   help="split a matrix's Newton-Schulz over up to this many ranks of one node where "
+                        "that lowers the largest rank cost (default 1: never; planned, not yet "
+                        "executed by the optimizer)")
+    p.add_argument("--node-size", type=int, default=8, help="ranks per node (default 8)")
     p.add_argument("--json", action="store_true", help="print the summary dict as JSON")
     p.set_defaults(func=_cmd_plan)
+
+    from dmuon.functional.machine import MACHINES
+    p = sub.add_parser("project", help="project step time at scale: FSDP2 + AdamW vs FSDP2 + dmuon",
+                       description="Build the owner plan and the schedules, then time one step on a "
+                                   "machine model (dmuon.functional.projection).")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", choices=sorted(PRESETS), help="built-in model shape preset")
+    src.add_argument("--config", metavar="PATH", help="Hugging Face config.json (dense or MoE)")
+    p.add_argument("--shard", "-G", type=int, required=True, help="shard group size G")
+    p.add_argument("--replicate", "-R", type=int, default=1, help="HSDP replicas R (default 1)")
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU (default 1)")
+    p.add_argument("--seq", type=int, default=4096, help="tokens per sequence (default 4096)")
+    p.add_argument("--machine", choices=sorted(MACHINES), default="h200",
+                   help="machine model (default h200)")
+    p.add_argument("--set", action="append", metavar="NAME=VALUE",
+                   help="override a machine constant, e.g. nvlink_busbw=4e11, ib_alpha_hop=1e-5, "
+                        "mfu_fwd=0.6 (repeatable)")
+    p.add_argument("--gpus-per-node", type=int, default=0, help="override the machine's 8 per node")
+    p.add_argument("--mode", choices=("z2", "z3"), default="z3", help="dmuon's reshard mode (default z3)")
+    p.add_argument("--fsdp-mode", choices=("z2", "z3"), default="z3",
+                   help="FSDP2 reshard_after_forward for its params (default z3)")
+    p.add_argument("--reduce-bytes", type=int, choices=(2, 4), default=4,
+                   help="bytes per gradient element reduced (4: fp32 reduce_dtype, default; 2: bf16)")
+    p.add_argument("--max-split", type=int, default=8,
+                   help="split a matrix's NS over up to this many ranks of a node when it shortens "
+                        "the projected step (default 8; 1: never)")
+    p.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
+    p.add_argument("--designs", default="adamw,dmuon",
+                   help="comma-separated: adamw, dmuon, reference (default adamw,dmuon)")
+    p.add_argument("--png", metavar="PATH", help="write the timeline PNG here")
+    p.add_argument("--json", action="store_true", help="print the summary (and the machine) as JSON")
+    p.set_defaults(func=_cmd_project)
     return parser
 
 

@@ -2,7 +2,8 @@
 
 The GPU benchmarks (``ns_whole_model``, ``ns_accuracy``, ``ns_breakdown``, ``syrk_bench``) need a
 CUDA device and run on the H200; here the CPU-capable ones run end to end in small configurations:
-``step_world1 --tiny`` and ``step_profile --tiny`` (gloo, world size 1) and ``plan_balance``.
+``step_world1 --tiny`` and ``step_profile --tiny`` (gloo, world size 1), ``plan_balance`` and
+``validate_projection --skip-gloo`` (the projector's prediction errors).
 """
 from __future__ import annotations
 
@@ -45,3 +46,14 @@ def test_plan_balance_writes_results(tmp_path):
     _run("plan_balance.py", "--out", str(out), "--repeat", "1")
     d = json.loads(out.read_text())
     assert d
+
+
+def test_validate_projection_meets_the_step_total_goal(tmp_path):
+    """Issue 25: calibrated on AdamW rows only, every predicted dmuon step total within 15 %."""
+    out = tmp_path / "v.json"
+    _run("validate_projection.py", "--skip-gloo", "--out", str(out))
+    d = json.loads(out.read_text())
+    totals = [r["total"]["error"] for r in d["a800"]["rows"] if r["role"] == "prediction"]
+    totals += [r["step"]["error"] for r in d["h200_world1"]["rows"] if r["role"] == "prediction"]
+    totals += [r["reference"]["error"] for r in d["a800"]["a800_128"]]
+    assert len(totals) == 4 + 8 + 2 and max(abs(e) for e in totals) <= 0.15, totals

@@ -13,7 +13,7 @@ import struct
 import zlib
 from typing import Mapping, Sequence
 
-__all__ = ["write_loss_plot", "smooth", "encode_png", "PNG_SIGNATURE"]
+__all__ = ["write_loss_plot", "smooth", "encode_png", "PNG_SIGNATURE", "Canvas"]
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 _COLORS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189)]
@@ -156,6 +156,11 @@ class _Canvas:
 
     def png(self) -> bytes:
         return encode_png(self.w, self.h, bytes(self.px))
+
+
+#: The built-in raster canvas (lines, rectangles, 3x5 text, ``.png()``), also used by
+#: :mod:`dmuon.projection_plot`.
+Canvas = _Canvas
 
 
 def encode_png(width: int, height: int, rgb: bytes) -> bytes:

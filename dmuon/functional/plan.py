@@ -47,7 +47,7 @@ import json
 import re
 import types
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from dmuon.functional.matrix_shape import as_matrix_shape
 from dmuon.functional.ns_cost import ns_cost
@@ -179,6 +179,9 @@ class OwnerPlan:
       layer_collisions: ``sum over slots and layers of (units of the layer on the slot - 1)+``.
       params: the cost-model settings used (ns_steps, ns_variant, flops_per_byte, thresholds, ...).
       fingerprint: sha256 hex over a canonical text of all specs, settings and owners.
+      splits: :class:`~dmuon.functional.split_plan.SplitUnit` s, one per matrix whose NS is split
+        over several ranks (``max_split > 1``); its blocks are the ``owners`` entries
+        ``"<name>@split<i>of<k>"`` (the param's own name is then not in ``owners``). Empty by default.
     """
 
     shard_size: int
@@ -197,6 +200,7 @@ class OwnerPlan:
     layer_collisions: int
     params: Mapping[str, Any]
     fingerprint: str = field(default="")
+    splits: tuple = ()
 
     @property
     def num_slots(self) -> int:
@@ -385,6 +389,9 @@ def plan_owners(
     small_unit_threshold: float = DEFAULT_SMALL_UNIT_THRESHOLD,
     layer_spread_tolerance: float = DEFAULT_LAYER_SPREAD_TOLERANCE,
     local_search_steps: int = DEFAULT_LOCAL_SEARCH_STEPS,
+    max_split: int = 1,
+    node_size: int = 8,
+    split_score: Optional[Callable[["OwnerPlan"], float]] = None,
 ) -> OwnerPlan:
     """Assign an owner ``(s, r)`` to every ``route == "muon"`` spec (see the module docstring).
 
@@ -396,6 +403,12 @@ def plan_owners(
       small_unit_threshold: fraction of the largest param cost under which a layer's params are packed.
       layer_spread_tolerance: soft layer-spread tolerance (fraction of mean slot / column load).
       local_search_steps: bound on local-search changes (0 disables it).
+      max_split: split the Newton–Schulz of a matrix over up to this many ranks of one node where
+        that lowers the maximum slot cost (:mod:`dmuon.functional.split_plan`); 1 (default): never.
+        Split units are planned, simulated and projected; the optimizer does not execute them yet.
+      node_size: ranks per node (consecutive global ranks); a split stays inside one node.
+      split_score: ranks candidate split plans (lower is better; default: the maximum slot cost),
+        e.g. a projected NS-phase time.
 
     Returns:
       the :class:`OwnerPlan`; identical (same fingerprint) for the same specs in any order.
@@ -433,13 +446,36 @@ def plan_owners(
         strategy, chosen = "round_robin", rr_st
     else:
         strategy, chosen = "lpt", st
+    settings = {
+        "ns_steps": ns_steps, "ns_variant": ns_variant, "flops_per_byte": flops_per_byte,
+        "small_unit_threshold": float(small_unit_threshold),
+        "layer_spread_tolerance": float(layer_spread_tolerance),
+        "local_search_steps": local_search_steps, "format_version": PLAN_FORMAT_VERSION,
+    }
+    plan = assemble_plan(specs, g, r, units, tuple(chosen.where), strategy=strategy,
+                         lpt_max=lpt_max, rr_max=rr_max, layer_collisions=_collisions(chosen),
+                         settings=settings)
+    if _check_int("max_split", max_split, 1) > 1:
+        from dmuon.functional.split_plan import plan_splits
+        plan = plan_splits(specs, plan, max_split=max_split,
+                           node_size=_check_int("node_size", node_size, 1),
+                           local_search_steps=local_search_steps, score=split_score)
+    return plan
 
-    slot_costs = tuple(chosen.load)
+
+def assemble_plan(specs: Sequence[ParamSpec], g: int, r: int, units: Sequence[AllocationUnit],
+                  unit_slots: Sequence[int], *, strategy: str, lpt_max: int, rr_max: int,
+                  layer_collisions: int, settings: Mapping[str, Any],
+                  splits: tuple = ()) -> OwnerPlan:
+    """The :class:`OwnerPlan` of a finished assignment ``units[i] -> unit_slots[i]``: per-slot totals,
+    owners, balance metrics and the fingerprint (over the specs, settings, owners and splits)."""
+    n = g * r
+    slot_costs = [0] * n
     slot_bytes = [0] * n
     slot_mats = [0] * n
     owners: dict[str, Coord] = {}
-    for i, u in enumerate(units):
-        k = chosen.where[i]
+    for u, k in zip(units, unit_slots):
+        slot_costs[k] += u.cost
         slot_bytes[k] += u.nbytes
         slot_mats[k] += u.matrices
         for p in u.params:
@@ -447,26 +483,22 @@ def plan_owners(
     total = sum(slot_costs)
     mean = total / n
     mx = max(slot_costs)
-    largest = units[0].cost if units else 0
+    largest = max((u.cost for u in units), default=0)
     imbalance = mx / mean if total else 1.0
     denom = max(mean, largest)
     balance = mx / denom if denom else 1.0
-    settings = {
-        "ns_steps": ns_steps, "ns_variant": ns_variant, "flops_per_byte": flops_per_byte,
-        "small_unit_threshold": float(small_unit_threshold),
-        "layer_spread_tolerance": float(layer_spread_tolerance),
-        "local_search_steps": local_search_steps, "format_version": PLAN_FORMAT_VERSION,
-    }
     owners_sorted = dict(sorted(owners.items()))
     canon = {
-        "G": g, "R": r, "settings": settings, "strategy": strategy,
+        "G": g, "R": r, "settings": dict(settings), "strategy": strategy,
         "specs": sorted([s.name, list(s.shape), s.dtype, s.layer_key, s.route, s.batch_dims] for s in specs),
         "owners": [[k, v[0], v[1]] for k, v in owners_sorted.items()],
     }
+    if splits:
+        canon["splits"] = [sp.canonical() for sp in splits]
     fp = hashlib.sha256(json.dumps(canon, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     return OwnerPlan(
-        shard_size=g, replicate_size=r, owners=types.MappingProxyType(owners_sorted), units=units,
-        unit_slots=tuple(chosen.where), slot_costs=slot_costs, slot_bytes=tuple(slot_bytes),
+        shard_size=g, replicate_size=r, owners=types.MappingProxyType(owners_sorted), units=tuple(units),
+        unit_slots=tuple(unit_slots), slot_costs=tuple(slot_costs), slot_bytes=tuple(slot_bytes),
         slot_matrices=tuple(slot_mats), imbalance=imbalance, balance=balance, strategy=strategy,
-        lpt_max_cost=lpt_max, round_robin_max_cost=rr_max, layer_collisions=_collisions(chosen),
-        params=types.MappingProxyType(settings), fingerprint=fp)
+        lpt_max_cost=lpt_max, round_robin_max_cost=rr_max, layer_collisions=layer_collisions,
+        params=types.MappingProxyType(dict(settings)), fingerprint=fp, splits=tuple(splits))

@@ -47,6 +47,11 @@ def _check_comm(plan: "OwnerPlan", comm: Optional[Mapping[str, Sequence[int]]]) 
     return out
 
 
+def _split_note() -> str:
+    from dmuon.functional.split_plan import SPLIT_NOTE
+    return SPLIT_NOTE
+
+
 def plan_summary(plan: "OwnerPlan", *,
                  comm_bytes_per_rank: Optional[Mapping[str, Sequence[int]]] = None,
                  planning_seconds: Optional[float] = None) -> dict[str, Any]:
@@ -97,6 +102,9 @@ def plan_summary(plan: "OwnerPlan", *,
         "planning_seconds": planning_seconds,
         # Filled by the schedule accounting (Z2 / Z3 bytes per rank per step); None until provided.
         "comm_bytes_per_rank": _check_comm(plan, comm_bytes_per_rank),
+        "splits": [{"param": sp.param, "k": sp.k, "members": list(sp.members), "dim": sp.dim,
+                    "variant": sp.variant} for sp in plan.splits],
+        "split_note": _split_note() if plan.splits else None,
         "per_slot": slots,
     }
 
@@ -146,6 +154,13 @@ def plan_table(plan: "OwnerPlan", *,
     lines.append(f"greedy max {format_flops(summ['lpt_max_cost'])} vs round-robin max "
                  f"{format_flops(summ['round_robin_max_cost'])}; same-layer collisions "
                  f"{summ['layer_collisions']}")
+    if plan.splits:
+        ks: dict[int, int] = {}
+        for sp in plan.splits:
+            ks[sp.k] = ks.get(sp.k, 0) + 1
+        lines.append(f"split Newton-Schulz: {len(plan.splits)} matrices over k ranks of one node ("
+                     + ", ".join(f"{c} x k={k}" for k, c in sorted(ks.items())) + "); "
+                     + _split_note())
     if not comm:
         lines.append("comm bytes per rank (Z2/Z3): not computed here (schedule accounting)")
     if planning_seconds is not None:

@@ -5,6 +5,10 @@ parameters with Hugging Face names and shapes; :func:`preset_specs` routes the p
 ``q/k/v/o_proj`` and ``gate/up/down_proj`` weights to Muon and everything else (embeddings, ``lm_head``,
 norms, biases) to AdamW. :func:`preset_from_hf_config` reads the same numbers from a ``config.json``.
 
+Mixture-of-experts decoders (Mixtral, Qwen2-MoE / Qwen3-MoE) list one matrix per expert
+(``mlp.experts.<e>.{gate,up,down}_proj.weight``, the per-expert matrix view of SPEC.md section 3), a
+router ``mlp.gate.weight`` (AdamW) and, for Qwen2-MoE, a shared expert.
+
 Numbers of the built-in presets are those of the published Hugging Face configs.
 """
 from __future__ import annotations
@@ -29,6 +33,9 @@ class ModelPreset:
       heads / kv_heads: attention and key-value heads; vocab: vocabulary size;
       head_dim: per-head width (default ``hidden // heads``); tie_embeddings: ``lm_head`` shares the
       embedding; qkv_bias: q/k/v projections have biases (Qwen2); o_bias / mlp_bias: other biases.
+      experts: routed experts per layer (0: dense MLP of width ``intermediate``); experts_per_token:
+      experts each token uses; moe_intermediate: expert MLP width (default ``intermediate``);
+      shared_intermediate: width of a shared expert (Qwen2-MoE; 0: none).
     """
 
     name: str
@@ -43,8 +50,16 @@ class ModelPreset:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: Optional[int] = None
+    shared_intermediate: int = 0
 
     def __post_init__(self) -> None:
+        if self.experts and not 1 <= self.experts_per_token <= self.experts:
+            raise ValueError(f"ModelPreset {self.name!r}: experts_per_token must be in [1, experts]")
+        if self.experts and self.moe_intermediate is None:
+            object.__setattr__(self, "moe_intermediate", self.intermediate)
         for f in ("hidden", "intermediate", "layers", "heads", "kv_heads", "vocab"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -67,6 +82,12 @@ PRESETS: dict[str, ModelPreset] = {p.name: p for p in (
                 vocab=128256, head_dim=128),
     ModelPreset("qwen2.5-7b", hidden=3584, intermediate=18944, layers=28, heads=28, kv_heads=4,
                 vocab=152064, head_dim=128, qkv_bias=True),
+    ModelPreset("qwen2.5-1.5b", hidden=1536, intermediate=8960, layers=28, heads=12, kv_heads=2,
+                vocab=151936, head_dim=128, tie_embeddings=True, qkv_bias=True),
+    ModelPreset("llama-3.1-405b", hidden=16384, intermediate=53248, layers=126, heads=128,
+                kv_heads=8, vocab=128256, head_dim=128),
+    ModelPreset("mixtral-8x7b", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
+                vocab=32000, head_dim=128, experts=8, experts_per_token=2),
 )}
 
 
@@ -94,9 +115,11 @@ def preset_named_shapes(p: ModelPreset, dtype: str = "torch.bfloat16") -> list[t
                     (f"{att}.v_proj.bias", (kv,), dtype)]
         if p.o_bias:
             out.append((f"{att}.o_proj.bias", (h,), dtype))
-        out += [(f"{mlp}.gate_proj.weight", (i, h), dtype), (f"{mlp}.up_proj.weight", (i, h), dtype),
-                (f"{mlp}.down_proj.weight", (h, i), dtype)]
-        if p.mlp_bias:
+        if p.experts:
+            out += _moe_shapes(p, mlp, dtype)
+        else:
+            out += _mlp_shapes(mlp, h, i, dtype)
+        if p.mlp_bias and not p.experts:
             out += [(f"{mlp}.gate_proj.bias", (i,), dtype), (f"{mlp}.up_proj.bias", (i,), dtype),
                     (f"{mlp}.down_proj.bias", (h,), dtype)]
         out += [(f"{pre}.input_layernorm.weight", (h,), dtype),
@@ -104,6 +127,21 @@ def preset_named_shapes(p: ModelPreset, dtype: str = "torch.bfloat16") -> list[t
     out.append(("model.norm.weight", (h,), dtype))
     if not p.tie_embeddings:
         out.append(("lm_head.weight", (p.vocab, h), dtype))
+    return out
+
+
+def _mlp_shapes(prefix: str, h: int, i: int, dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(f"{prefix}.gate_proj.weight", (i, h), dtype), (f"{prefix}.up_proj.weight", (i, h), dtype),
+            (f"{prefix}.down_proj.weight", (h, i), dtype)]
+
+
+def _moe_shapes(p: ModelPreset, mlp: str, dtype: str) -> list[tuple[str, tuple[int, ...], str]]:
+    out = [(f"{mlp}.gate.weight", (p.experts, p.hidden), dtype)]
+    for e in range(p.experts):
+        out += _mlp_shapes(f"{mlp}.experts.{e}", p.hidden, p.moe_intermediate, dtype)
+    if p.shared_intermediate:
+        out += _mlp_shapes(f"{mlp}.shared_expert", p.hidden, p.shared_intermediate, dtype)
+        out.append((f"{mlp}.shared_expert_gate.weight", (1, p.hidden), dtype))
     return out
 
 
@@ -126,9 +164,13 @@ def preset_from_hf_config(config: Union[str, os.PathLike, Mapping[str, Any]],
     ``num_key_value_heads`` (default: heads), ``vocab_size``, ``head_dim`` (default hidden/heads),
     ``tie_word_embeddings`` (default False), ``attention_bias`` / ``mlp_bias``; Qwen2 (``model_type``
     ``"qwen2"``) has q/k/v biases. A multimodal config's ``text_config`` is used when present.
+    MoE: ``num_local_experts`` (Mixtral; experts of width ``intermediate_size``) or ``num_experts``
+    with ``moe_intermediate_size`` and ``shared_expert_intermediate_size`` (Qwen2/3-MoE), and
+    ``num_experts_per_tok``.
 
     Raises:
-      ValueError: naming the missing key when the config is not a decoder config.
+      ValueError: naming the missing key when the config is not a decoder config, or for MoE
+        layouts this reader does not model (dense layers between sparse ones, DeepSeek's MLA).
     """
     if isinstance(config, (str, os.PathLike)):
         with open(config, encoding="utf-8") as f:
@@ -145,6 +187,18 @@ def preset_from_hf_config(config: Union[str, os.PathLike, Mapping[str, Any]],
         raise ValueError(f"config lacks {missing}; expected a Llama/Qwen-style decoder config.json")
     model_type = str(cfg.get("model_type", ""))
     attention_bias = bool(cfg.get("attention_bias", False))
+    if any(k in cfg for k in ("kv_lora_rank", "n_routed_experts", "first_k_dense_replace")):
+        raise ValueError("config has DeepSeek-style MLA / routed experts, which this reader does not "
+                         "model; describe the model with ModelPreset or specs directly")
+    experts = int(cfg.get("num_local_experts") or cfg.get("num_experts") or 0)
+    if experts and (int(cfg.get("decoder_sparse_step", 1) or 1) != 1 or cfg.get("mlp_only_layers")):
+        raise ValueError("MoE config mixes dense and sparse layers (decoder_sparse_step / "
+                         "mlp_only_layers), which this reader does not model")
+    moe = dict(experts=experts, experts_per_token=int(cfg.get("num_experts_per_tok") or 0),
+               moe_intermediate=(int(cfg["moe_intermediate_size"]) if experts and
+                                 cfg.get("moe_intermediate_size") else None),
+               shared_intermediate=int(cfg.get("shared_expert_intermediate_size") or 0)
+               if experts else 0)
     return ModelPreset(
         name=name or model_type or "config",
         hidden=int(cfg["hidden_size"]), intermediate=int(cfg["intermediate_size"]),
@@ -153,4 +207,4 @@ def preset_from_hf_config(config: Union[str, os.PathLike, Mapping[str, Any]],
         vocab=int(cfg["vocab_size"]), head_dim=(int(cfg["head_dim"]) if cfg.get("head_dim") else None),
         tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         qkv_bias=attention_bias or model_type.startswith("qwen2"),
-        o_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)))
+        o_bias=attention_bias, mlp_bias=bool(cfg.get("mlp_bias", False)), **moe)

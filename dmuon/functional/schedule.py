@@ -10,10 +10,20 @@ A schedule is an ordered tuple of collective ops over a mesh ``(R, G)`` (see :mo
     same addressing, destination ``dst``, reduction ``op`` (``"avg"`` or ``"sum"``). Only the
     destination's buffer holds a defined result afterwards (a gloo reduce overwrites the others).
 
+``AllReduce`` / ``AllGather`` (split Newton–Schulz, :mod:`dmuon.functional.split_ns`)
+    over an explicit group (``axis="group"``, ``at=None``, ``members``: global ranks in block
+    order) on lane ``"split"``. ``AllReduce``: every member's range becomes the sum (``"sum"``) or
+    mean (``"avg"``) of all members' ranges. ``AllGather``: member ``j`` contributes
+    ``parts[j] = (offset, numel)`` (disjoint sub-ranges of ``[offset, offset + numel)``); afterwards
+    every member holds every part. Shard/replicate ops may also run on an explicit group (``axis=
+    "group"``, lane ``"split"``): a ``Broadcast`` / ``Reduce`` whose ``src`` / ``dst`` indexes
+    ``members``.
+
 Every op reads/writes the 1-D sub-range ``[offset, offset + numel)`` of bucket ``bucket`` on each
 participating rank, runs on a ``lane`` (``"unshard"``, ``"reduce"``: shard axis; ``"replicate"``:
-replicate axis; each lane has its own process groups and, on CUDA, its own stream) and starts after
-the ops listed in ``waits`` (ids of earlier ops of the same schedule) have completed.
+replicate axis; each lane has its own process groups and, on CUDA, its own stream; ``"split"``:
+explicit groups, not run by the stateful executor) and starts after the ops listed in ``waits``
+(ids of earlier ops of the same schedule) have completed.
 
 Builders (all pure, built once at setup):
 
@@ -34,7 +44,13 @@ Byte-counting convention (logical payload, star model of a collective): for one 
 * Reduce: each of the ``n-1`` non-destination ranks **sends** ``P``, the destination **receives**
   ``(n-1)*P``.
 
-So for every op the totals over ranks are ``sent == received == (n-1)*P``. For dedicated params of
+* AllReduce (star: reduce to ``members[0]``, then broadcast from it): ``members[0]`` sends and
+  receives ``(n-1)*P``, every other member sends and receives ``P``;
+* AllGather: member ``j`` sends its part ``P_j`` to each of the others (``(n-1)*P_j``) and receives
+  every other part (``P - P_j``, with ``P`` the sum of the parts).
+
+So for every Broadcast, Reduce and AllGather the totals over ranks are ``sent == received ==
+(n-1)*P`` and for an AllReduce ``2(n-1)*P``. For dedicated params of
 ``P`` bytes on a shard group of ``N`` ranks, one forward unshard + one backward reduce give a
 per-rank average of ``2(N-1)/N * P`` sent (and the same received): the spec's Z2 figure; Z3 adds a
 backward re-unshard: ``3(N-1)/N * P``. In HSDP the shard-axis ops run in every replica (same
@@ -44,17 +60,21 @@ publish another ``(R-1)*P``. Groups of one rank move nothing (executors issue no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence, Union
+from typing import Iterator, Literal, Mapping, NamedTuple, Sequence, Union
 
 from dmuon.functional.buckets import BucketKey, BucketLayout, dtype_itemsize
+from dmuon.functional.traffic import LANES, Traffic
 
-Axis = Literal["shard", "replicate"]
-Lane = Literal["unshard", "reduce", "replicate"]
-LANES: tuple[str, ...] = ("unshard", "reduce", "replicate")
+Axis = Literal["shard", "replicate", "group"]
+Lane = Literal["unshard", "reduce", "replicate", "split"]
 LANE_AXIS: Mapping[str, str] = {"unshard": "shard", "reduce": "shard", "replicate": "replicate"}
+#: Lanes of explicit-group ops (split Newton–Schulz); planned and simulated, not run by the executor.
+GROUP_LANES: Mapping[str, str] = {"split": "group"}
+_ALL_LANE_AXIS: Mapping[str, str] = {**LANE_AXIS, **GROUP_LANES}
 
 __all__ = [
-    "Axis", "Lane", "LANES", "LANE_AXIS", "Broadcast", "Reduce", "Op", "Schedule", "Traffic",
+    "Axis", "Lane", "LANES", "LANE_AXIS", "GROUP_LANES", "Broadcast", "Reduce", "AllReduce",
+    "AllGather", "Op", "Schedule", "Traffic",
     "StepSchedules", "unshard_schedule", "reduce_schedule", "publish_schedule",
     "build_step_schedules", "schedule_traffic", "step_traffic", "op_members", "op_root_coord",
 ]
@@ -71,14 +91,24 @@ class _Collective:
     dtype: str
     lane: str
     waits: tuple[str, ...] = ()
+    members: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.axis not in ("shard", "replicate"):
-            raise ValueError(f"op {self.id}: axis must be 'shard' or 'replicate', got {self.axis!r}")
-        if LANE_AXIS.get(self.lane) != self.axis:
+        if self.axis not in ("shard", "replicate", "group"):
+            raise ValueError(f"op {self.id}: axis must be 'shard', 'replicate' or 'group', "
+                             f"got {self.axis!r}")
+        if _ALL_LANE_AXIS.get(self.lane) != self.axis:
             raise ValueError(f"op {self.id}: lane {self.lane!r} does not run on axis {self.axis!r}; "
-                             f"lanes and axes: {dict(LANE_AXIS)}")
-        if (self.axis == "shard") != (self.at is None):
+                             f"lanes and axes: {dict(_ALL_LANE_AXIS)}")
+        if self.axis == "group":
+            m = self.members
+            if (self.at is not None or m is None or not m or len(set(m)) != len(m)
+                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in m)):
+                raise ValueError(f"op {self.id}: a group op needs at=None and members = distinct "
+                                 f"global ranks (>= 0), got at={self.at!r}, members={m!r}")
+        elif self.members is not None:
+            raise ValueError(f"op {self.id}: members are for axis 'group' only")
+        elif (self.axis == "shard") != (self.at is None):
             raise ValueError(f"op {self.id}: shard-axis ops run in every replica (at=None); "
                              f"replicate-axis ops need the column index `at`")
         if self.offset < 0 or self.numel < 0:
@@ -125,17 +155,70 @@ class Reduce(_Collective):
         return self.dst
 
 
-Op = Union[Broadcast, Reduce]
+@dataclass(frozen=True, kw_only=True)
+class AllReduce(_Collective):
+    """Every member's ``bucket[offset:offset+numel]`` becomes the sum (``op="sum"``) or mean
+    (``"avg"``) over the members (explicit group: ``axis="group"``, lane ``"split"``).
+
+    Bytes are counted as a reduce to ``members[0]`` followed by a broadcast from it (module doc).
+    """
+
+    op: str = "sum"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.axis != "group":
+            raise ValueError(f"op {self.id}: AllReduce runs on an explicit group (axis='group')")
+        if self.op not in ("avg", "sum"):
+            raise ValueError(f"op {self.id}: reduce op must be 'avg' or 'sum', got {self.op!r}")
+
+    @property
+    def root(self) -> int:
+        return 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllGather(_Collective):
+    """Member ``j`` contributes ``parts[j] = (offset, numel)`` of the bucket; afterwards every member
+    holds all parts. The parts are disjoint and lie inside ``[offset, offset + numel)``."""
+
+    parts: tuple[tuple[int, int], ...]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.axis != "group":
+            raise ValueError(f"op {self.id}: AllGather runs on an explicit group (axis='group')")
+        parts = tuple((int(o), int(n)) for o, n in self.parts)
+        object.__setattr__(self, "parts", parts)
+        if len(parts) != len(self.members):
+            raise ValueError(f"op {self.id}: {len(parts)} parts for {len(self.members)} members")
+        spans = sorted(p for p in parts if p[1] > 0)
+        for (o1, n1), (o2, _) in zip(spans, spans[1:]):
+            if o1 + n1 > o2:
+                raise ValueError(f"op {self.id}: parts overlap: {parts}")
+        if any(o < self.offset or n < 0 or o + n > self.offset + self.numel for o, n in parts):
+            raise ValueError(f"op {self.id}: parts {parts} leave [{self.offset}, "
+                             f"{self.offset + self.numel})")
+
+    @property
+    def root(self) -> int:
+        return 0
+
+
+Op = Union[Broadcast, Reduce, AllReduce, AllGather]
 
 
 def op_members(op: Op, shard_size: int, replicate_size: int) -> list[list[tuple[int, int]]]:
     """The groups that execute ``op``: a list of groups, each a list of ``(s, r)`` in axis order.
 
     Shard axis: R groups ``[(0, r), ..., (G-1, r)]``; replicate axis: one group
-    ``[(at, 0), ..., (at, R-1)]``.
+    ``[(at, 0), ..., (at, R-1)]``; explicit group: one group, the members' coordinates
+    ``(g % G, g // G)`` in ``members`` order.
     """
     if op.axis == "shard":
         return [[(s, r) for s in range(shard_size)] for r in range(replicate_size)]
+    if op.axis == "group":
+        return [[(g % shard_size, g // shard_size) for g in op.members]]
     return [[(op.at, r) for r in range(replicate_size)]]
 
 
@@ -147,86 +230,36 @@ def op_root_coord(op: Op, group: Sequence[tuple[int, int]]) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------
 # byte accounting
 
-@dataclass(frozen=True)
-class Traffic:
-    """Logical payload bytes and collective counts per lane and global rank (``r * G + s``).
-
-    Attributes:
-      world_size: G * R.
-      sent, received: ``lane -> tuple of bytes per rank``.
-      collectives: ``lane -> tuple of the number of collectives each rank takes part in``.
-    """
-
-    world_size: int
-    sent: Mapping[str, tuple[int, ...]]
-    received: Mapping[str, tuple[int, ...]]
-    collectives: Mapping[str, tuple[int, ...]]
-
-    @staticmethod
-    def zero(world_size: int) -> "Traffic":
-        z = {lane: (0,) * world_size for lane in LANES}
-        return Traffic(world_size, dict(z), dict(z), dict(z))
-
-    def __add__(self, other: "Traffic") -> "Traffic":
-        if other.world_size != self.world_size:
-            raise ValueError("cannot add Traffic of different world sizes")
-
-        def add(a, b):
-            return {k: tuple(x + y for x, y in zip(a[k], b[k])) for k in LANES}
-        return Traffic(self.world_size, add(self.sent, other.sent),
-                       add(self.received, other.received),
-                       add(self.collectives, other.collectives))
-
-    def scaled(self, k: int) -> "Traffic":
-        def mul(a):
-            return {lane: tuple(k * x for x in a[lane]) for lane in LANES}
-        return Traffic(self.world_size, mul(self.sent), mul(self.received), mul(self.collectives))
-
-    def rank_sent(self, rank: int, lanes: Iterable[str] = LANES) -> int:
-        return sum(self.sent[lane][rank] for lane in lanes)
-
-    def rank_received(self, rank: int, lanes: Iterable[str] = LANES) -> int:
-        return sum(self.received[lane][rank] for lane in lanes)
-
-    def total_sent(self, lanes: Iterable[str] = LANES) -> int:
-        return sum(sum(self.sent[lane]) for lane in lanes)
-
-    def total_received(self, lanes: Iterable[str] = LANES) -> int:
-        return sum(sum(self.received[lane]) for lane in lanes)
-
-    def mean_sent(self, lanes: Iterable[str] = LANES) -> float:
-        return self.total_sent(lanes) / self.world_size
-
-    def mean_received(self, lanes: Iterable[str] = LANES) -> float:
-        return self.total_received(lanes) / self.world_size
-
-    def for_rank(self, rank: int) -> dict[str, dict[str, int]]:
-        """``{lane: {"collectives", "sent_bytes", "received_bytes"}}`` of one rank: the same shape
-        as the torch executor's ``counters()``."""
-        return {lane: {"collectives": self.collectives[lane][rank],
-                       "sent_bytes": self.sent[lane][rank],
-                       "received_bytes": self.received[lane][rank]} for lane in LANES}
-
-
 def schedule_traffic(schedule: "Schedule") -> Traffic:
     """Bytes sent/received per lane and rank for one execution of ``schedule`` (module-doc rule)."""
     G, R = schedule.shard_size, schedule.replicate_size
     W = G * R
-    sent = {lane: [0] * W for lane in LANES}
-    recv = {lane: [0] * W for lane in LANES}
-    coll = {lane: [0] * W for lane in LANES}
+    lanes = tuple(dict.fromkeys(LANES + tuple(op.lane for op in schedule.ops)))
+    sent = {lane: [0] * W for lane in lanes}
+    recv = {lane: [0] * W for lane in lanes}
+    coll = {lane: [0] * W for lane in lanes}
     for op in schedule.ops:
         P = op.nbytes
+        isz = dtype_itemsize(op.dtype)
         for group in op_members(op, G, R):
             n = len(group)
             if n == 1:
                 continue
             root = op_root_coord(op, group)
-            for (s, r) in group:
+            for j, (s, r) in enumerate(group):
                 g = r * G + s
                 coll[op.lane][g] += 1
                 is_root = (s, r) == root
-                if isinstance(op, Broadcast):
+                if isinstance(op, AllGather):
+                    mine = op.parts[j][1] * isz
+                    total = sum(p[1] for p in op.parts) * isz
+                    sent[op.lane][g] += (n - 1) * mine
+                    recv[op.lane][g] += total - mine
+                elif isinstance(op, AllReduce):
+                    k = (n - 1) * P if is_root else P
+                    sent[op.lane][g] += k
+                    recv[op.lane][g] += k
+                elif isinstance(op, Broadcast):
                     if is_root:
                         sent[op.lane][g] += (n - 1) * P
                     else:
@@ -266,6 +299,10 @@ class Schedule:
                                      f"this schedule")
             if op.axis == "shard" and not 0 <= op.root < self.shard_size:
                 raise ValueError(f"op {op.id!r}: root {op.root} outside shard size {self.shard_size}")
+            if op.axis == "group" and not (all(m < self.world_size for m in op.members)
+                                           and 0 <= op.root < len(op.members)):
+                raise ValueError(f"op {op.id!r}: members {op.members} / root {op.root} outside the "
+                                 f"mesh of {self.world_size} ranks")
             if op.axis == "replicate" and not (0 <= op.root < self.replicate_size
                                                and 0 <= op.at < self.shard_size):
                 raise ValueError(f"op {op.id!r}: root/column outside the mesh")
@@ -305,15 +342,19 @@ class Schedule:
         G, R = self.shard_size, self.replicate_size
         lines = [f"Schedule G={G} R={R} ops={len(self.ops)}"]
         for i, op in enumerate(self.ops):
-            kind = "broadcast" if isinstance(op, Broadcast) else f"reduce[{op.op}]"
-            where = "every replica" if op.axis == "shard" else f"column s={op.at}"
-            role = f"src={op.src}" if isinstance(op, Broadcast) else f"dst={op.dst}"
+            kind = ("broadcast" if isinstance(op, Broadcast) else "all_gather"
+                    if isinstance(op, AllGather) else f"all_reduce[{op.op}]"
+                    if isinstance(op, AllReduce) else f"reduce[{op.op}]")
+            where = ("every replica" if op.axis == "shard" else f"column s={op.at}"
+                     if op.axis == "replicate" else f"ranks {list(op.members)}")
+            role = (f"src={op.src}" if isinstance(op, Broadcast) else f"dst={op.dst}"
+                    if isinstance(op, Reduce) else "")
             waits = f" waits={list(op.waits)}" if op.waits else ""
             lines.append(f"  {i:>3} {op.lane:<9} {kind:<12} axis={op.axis:<9} {where:<14} {role:<6} "
                          f"{op.bucket}[{op.offset}:{op.offset + op.numel}] "
                          f"({op.nbytes} B) id={op.id}{waits}")
         tr = self.traffic()
-        for lane in LANES:
+        for lane in tr.lanes:
             if any(tr.collectives[lane]):
                 lines.append(f"  lane {lane}: sent total {tr.total_sent([lane])} B, received total "
                              f"{tr.total_received([lane])} B, mean/rank "

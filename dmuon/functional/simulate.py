@@ -11,6 +11,10 @@ topological order). Exact semantics, per group of the op (see :func:`schedule.op
   simulator fills them with NaN (``poison=True``; integer buffers are left as they were) so code that
   reads them fails in tests.
 
+* ``AllReduce``: every member's range becomes the sum over the members in ``members`` order
+  (``avg``: divided by their number), accumulated in the buffer dtype.
+* ``AllGather``: every member's copy of each part ``parts[j]`` becomes member ``j``'s.
+
 Groups of one rank are no-ops. Only ranks that take part in an op need its bucket; a missing bucket
 on a participating rank raises ``KeyError`` saying which.
 
@@ -26,9 +30,23 @@ import torch
 from torch import Tensor
 
 from dmuon.functional.buckets import BucketKey
-from dmuon.functional.schedule import Broadcast, Reduce, Schedule, op_members, op_root_coord
+from dmuon.functional.schedule import (AllGather, AllReduce, Broadcast, Reduce, Schedule, op_members,
+                                       op_root_coord)
 
 __all__ = ["simulate"]
+
+
+def _combine(views: Sequence[Tensor], how: str) -> Tensor:
+    """Sum of ``views`` in order (``how="avg"``: divided by their number; floor for integers)."""
+    acc = views[0].clone()
+    for v in views[1:]:
+        acc += v
+    if how == "avg":
+        if acc.is_floating_point() or acc.is_complex():
+            acc /= len(views)
+        else:
+            acc //= len(views)
+    return acc
 
 
 def simulate(schedule: Schedule, buffers: Sequence[Mapping[BucketKey, Tensor]], *,
@@ -79,21 +97,23 @@ def simulate(schedule: Schedule, buffers: Sequence[Mapping[BucketKey, Tensor]], 
             root = op_root_coord(op, group)
             views = [view(c, op) for c in group]
             root_view = views[group.index(root)]
-            if isinstance(op, Broadcast):
+            if isinstance(op, AllGather):
+                parts = [views[j].narrow(0, o - op.offset, n).clone()
+                         for j, (o, n) in enumerate(op.parts)]
+                for v in views:
+                    for (o, n), part in zip(op.parts, parts):
+                        v.narrow(0, o - op.offset, n).copy_(part)
+            elif isinstance(op, AllReduce):
+                acc = _combine(views, op.op)
+                for v in views:
+                    v.copy_(acc)
+            elif isinstance(op, Broadcast):
                 src = root_view.clone()
                 for c, v in zip(group, views):
                     if c != root:
                         v.copy_(src)
             elif isinstance(op, Reduce):
-                acc = views[0].clone()
-                for v in views[1:]:
-                    acc += v
-                if op.op == "avg":
-                    if acc.is_floating_point() or acc.is_complex():
-                        acc /= len(group)
-                    else:
-                        acc //= len(group)
-                root_view.copy_(acc)
+                root_view.copy_(_combine(views, op.op))
                 if poison:
                     for c, v in zip(group, views):
                         if c != root and (v.is_floating_point() or v.is_complex()):

@@ -1,0 +1,191 @@
+"""Step projector: machine model, flop counts, NS times, the step timeline built from the real plan
+and schedules, byte accounting of the runtime's layouts, reports, CLI and the MoE config reader."""
+import json
+import math
+import os
+
+import pytest
+
+from dmuon.__main__ import main
+from dmuon.functional.machine import A800, H200, H200_NS_GROUPS, collective_time, ns_matrix_seconds, ns_rate
+from dmuon.functional.model_flops import active_params, forward_flops, layer_forward_flops
+from dmuon.functional.ns_cost import ns_cost
+from dmuon.functional.ns_phase import ns_phase
+from dmuon.functional.plan import plan_owners
+from dmuon.functional.presets import ModelPreset, get_preset, preset_from_hf_config, preset_specs
+from dmuon.functional.projection import StepSetup, project_step
+from dmuon.functional.projection_report import projection_summary, projection_table
+from dmuon.functional.step_bytes import runtime_step_traffic
+
+RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
+TINY = ModelPreset("tiny", hidden=1024, intermediate=2816, layers=4, heads=8, kv_heads=2, vocab=8192)
+
+
+def test_collective_times():
+    m = H200
+    assert collective_time(m, "all_reduce", 1e9, 1, members_per_node=1, nodes=1) == 0.0
+    ar = collective_time(m, "all_reduce", 1e9, 8, members_per_node=8, nodes=1)
+    ag = collective_time(m, "all_gather", 1e9, 8, members_per_node=8, nodes=1)
+    lat = m.nvlink.alpha + 8 * m.nvlink.alpha_hop
+    assert math.isclose(ar - lat, 2 * 7 / 8 * 1e9 / m.nvlink.busbw)
+    assert math.isclose(ag - lat, 7 / 8 * 1e9 / m.nvlink.busbw)
+    # one rank per node: the NIC; a whole node per group member set: min(NVLink, 8 NICs)
+    rep = collective_time(m, "broadcast", 1e9, 4, members_per_node=1, nodes=4)
+    assert math.isclose(rep - m.ib.alpha - 4 * m.ib.alpha_hop, 1e9 / m.ib.busbw)
+    big = collective_time(m, "broadcast", 1e9, 64, members_per_node=8, nodes=8)
+    lat = m.ib.alpha + 8 * m.ib.alpha_hop + 56 * m.nvlink.alpha_hop
+    assert math.isclose(big - lat, 1e9 / min(m.nvlink.busbw, 8 * m.ib.busbw))
+    changed = m.with_values(nvlink_busbw=2 * m.nvlink.busbw, mfu_fwd=0.5)
+    assert changed.nvlink.busbw == 2 * m.nvlink.busbw and changed.mfu_fwd == 0.5
+    assert changed.sources["mfu_fwd"] == "set by the caller"
+    with pytest.raises(KeyError):
+        m.with_values(nonsense=1.0)
+
+
+def test_ns_times_from_measured_groups():
+    for gm, gn, variant, count, ms in H200_NS_GROUPS:           # measured shapes: measured times
+        assert math.isclose(ns_matrix_seconds(H200, gm, gn) * count * 1e3, ms)
+        assert math.isclose(ns_matrix_seconds(H200, gn, gm) * count * 1e3, ms)
+    # between measured sizes the rate is interpolated, beyond them clamped
+    r1, r2 = ns_rate(H200, 1024, "gram"), ns_rate(H200, 2048, "gram")
+    assert r1 < ns_rate(H200, 1500, "gram") < r2
+    assert ns_rate(H200, 8192, "gram") == ns_rate(H200, 4096, "gram")
+    t = ns_matrix_seconds(H200, 8192, 28672)
+    assert math.isclose(t, ns_cost(8192, 28672, 5, gram_restart=3).flops / ns_rate(H200, 8192, "gram"))
+    assert math.isclose(ns_matrix_seconds(A800, 8192, 28672) * A800.ns_rate_scale, t)
+
+
+def test_flops():
+    p = get_preset("llama-3.1-8b")
+    per_token = forward_flops(p, 4096, 1)
+    n_nonembed = sum(s.numel for s in preset_specs(p) if "embed_tokens" not in s.name)
+    assert abs(active_params(p) - n_nonembed) / n_nonembed < 1e-3    # matmul params = all but embed
+    assert per_token == 2 * active_params(p) + p.layers * 2 * 4096 * p.heads * p.head_dim
+    moe = get_preset("mixtral-8x7b")
+    dense_twin = ModelPreset("d", hidden=4096, intermediate=2 * 14336, layers=32, heads=32,
+                             kv_heads=8, vocab=32000)
+    assert layer_forward_flops(moe, 4096, 1) == layer_forward_flops(dense_twin, 4096, 1) + 2 * 4096 * 8
+
+
+def test_world1_step_is_compute_plus_owners_phase():
+    setup = StepSetup(TINY, 1, 1, micro_batch=2, seq=1024)
+    a, d = project_step(setup, H200, "adamw"), project_step(setup, H200, "dmuon")
+    tokens = 2 * 1024
+    fwd = forward_flops(TINY, 1024, tokens) / (H200.peak_flops * H200.mfu("fwd", TINY.hidden))
+    assert math.isclose(a.forward, fwd) and math.isclose(d.forward, fwd)
+    assert math.isclose(a.backward, 2 * fwd * H200.mfu_fwd / H200.mfu_bwd)
+    assert all(v == 0 for v in a.exposed.values()) and all(v == 0 for v in d.exposed.values())
+    specs = preset_specs(TINY)
+    ns = sum(ns_matrix_seconds(H200, *s.shape) for s in specs if s.route == "muon")
+    ew = sum(s.numel for s in specs if s.route == "muon") * H200.fused_s_per_param
+    rest = sum(s.numel for s in specs if s.route != "muon") * H200.fused_s_per_param
+    assert math.isclose(d.optimizer, ns + ew + rest)
+    assert math.isclose(a.optimizer, sum(s.numel for s in specs) * H200.adamw_s_per_param)
+
+
+def test_timeline_carries_the_schedules():
+    setup = StepSetup(TINY, 8, 2, micro_batch=1, seq=512, dmuon_mode="z3")
+    d = project_step(setup, H200, "dmuon")
+    ops = d.timeline
+    for layer in range(TINY.layers):                 # Z3: one broadcast per bucket, twice
+        fwd = [o for o in ops if o.name == f"broadcast L{layer}"]
+        bwd = [o for o in ops if o.name == f"broadcast' L{layer}"]
+        red = [o for o in ops if o.name == f"reduce L{layer}"]
+        cols = {c for n, c in d.plan.owners.items() if f"layers.{layer}." in n}
+        assert len(fwd) == len(bwd) == len(red) == len({s for s, _ in cols})
+    assert any(o.name.startswith("publish") for o in ops)          # HSDP publish in the forward
+    assert all(o.end >= o.start >= 0 for o in ops)
+    z2 = project_step(StepSetup(TINY, 8, 2, micro_batch=1, seq=512, dmuon_mode="z2"), H200, "dmuon")
+    assert not any(o.name.startswith("broadcast'") for o in z2.timeline)
+    summ = projection_summary(setup, H200, [project_step(setup, H200, "adamw"), d])
+    assert summ["global_batch_tokens"] == 16 * 512
+    assert "overhead_vs_adamw" in summ["designs"]["dmuon"]
+    assert "global batch 16 sequences = 8,192 tokens" in projection_table(summ)
+
+
+def test_split_units_shorten_the_owners_phase_of_70b_on_64x8():
+    specs = preset_specs("llama-3.1-70b")
+    whole = ns_phase(plan_owners(specs, 64, 8), specs, H200)
+    split = ns_phase(plan_owners(specs, 64, 8, max_split=8), specs, H200)
+    assert split.seconds < 0.95 * whole.seconds and split.imbalance < whole.imbalance
+    assert max(split.split_comm) > 0
+
+
+@pytest.mark.slow
+def test_projected_70b_on_64x8_with_splits():
+    setup = StepSetup(get_preset("llama-3.1-70b"), 64, 8, max_split=8)
+    d = project_step(setup, H200, "dmuon")
+    whole = project_step(setup.__class__(**{**setup.__dict__, "max_split": 1}), H200, "dmuon")
+    assert d.plan.splits and d.ns.imbalance <= 1.2 and d.step < whole.step
+
+
+def test_runtime_step_traffic_z3_hsdp_and_splits(monkeypatch):
+    import dmuon.functional.split_plan as sp_mod
+    from dmuon.functional.split_ns import split_ns_schedule
+    specs = preset_specs(TINY)
+    P = sum(s.numel for s in specs if s.route == "muon") * 4
+    F = 4 * sum(1 for s in specs if s.route == "muon")
+    G, R = 4, 2
+    plan = plan_owners(specs, G, R)
+    tr = runtime_step_traffic(plan, specs, mode="z3", compute_dtype="torch.float32")
+    shard = tr.total_sent(["unshard", "reduce"])
+    assert shard == R * (G - 1) * (3 * P + F)        # mean per rank 3(G-1)/G P + presence
+    assert tr.total_sent(["replicate"]) == (R - 1) * (2 * P + F)   # stage 2 (+ presence), publish
+    monkeypatch.setattr(sp_mod, "SPLIT_COLLECTIVE_FLOPS", 0)    # make splits pay at this size
+    monkeypatch.setattr(sp_mod, "SPLIT_COMM_FLOPS_PER_BYTE", 0)
+    one = ModelPreset("one", hidden=256, intermediate=1024, layers=1, heads=4, kv_heads=2, vocab=512)
+    specs = preset_specs(one)                          # 7 matrices on 8 slots: the MLPs split
+    P = sum(s.numel for s in specs if s.route == "muon") * 4
+    split = plan_owners(specs, G, R, max_split=4, node_size=4)
+    assert split.splits
+    tr = runtime_step_traffic(split, specs, mode="z3", compute_dtype="torch.float32")
+    entries = len(split.owners)
+    assert tr.total_sent(["unshard", "reduce"]) == R * (G - 1) * (3 * P + 4 * entries)
+    want = sum(split_ns_schedule(sp.param, sp.layout, sp.members, G, R, variant=sp.variant,
+                                 gram_restart=sp.gram_restart, dtype="torch.bfloat16").traffic()
+               .total_sent(["split"]) for sp in split.splits)
+    assert tr.total_sent(["split"]) == want > 0
+
+
+def test_moe_and_bad_hf_configs(tmp_path):
+    mixtral = {"model_type": "mixtral", "hidden_size": 64, "intermediate_size": 96,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "vocab_size": 100, "num_local_experts": 4, "num_experts_per_tok": 2}
+    p = preset_from_hf_config(mixtral, name="mx")
+    assert (p.experts, p.experts_per_token, p.moe_intermediate) == (4, 2, 96)
+    names = [s.name for s in preset_specs(p) if s.route == "muon"]
+    assert len(names) == 2 * (4 + 4 * 3) and "model.layers.1.mlp.experts.3.down_proj.weight" in names
+    qwen = {**mixtral, "model_type": "qwen2_moe", "num_local_experts": None, "num_experts": 8,
+            "moe_intermediate_size": 32, "shared_expert_intermediate_size": 128}
+    q = preset_from_hf_config(qwen, name="qm")
+    assert (q.experts, q.moe_intermediate, q.shared_intermediate, q.qkv_bias) == (8, 32, 128, True)
+    assert any("shared_expert.down_proj" in s.name for s in preset_specs(q))
+    with pytest.raises(ValueError, match="DeepSeek"):
+        preset_from_hf_config({**mixtral, "kv_lora_rank": 512})
+    with pytest.raises(ValueError, match="dense and sparse"):
+        preset_from_hf_config({**qwen, "decoder_sparse_step": 2})
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(mixtral))
+    assert main(["project", "--config", str(path), "-G", "2", "--seq", "64", "--max-split", "1"]) == 0
+
+
+def test_cli_project(capsys, tmp_path):
+    png = tmp_path / "t.png"
+    assert main(["project", "--model", "llama-3.2-1b", "-G", "8", "--max-split", "1",
+                 "--designs", "adamw,dmuon,reference", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert "global batch 8 sequences = 32,768 tokens" in out and "reference" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["project", "--model", "llama-3.2-1b", "-G", "8", "--max-split", "1", "--json",
+                 "--machine", "a800", "--set", "ib_alpha_hop=1e-5"]) == 0
+    summ = json.loads(capsys.readouterr().out)
+    assert summ["machine"] == "A800" and summ["machine_constants"]["ib"]["alpha_hop"] == 1e-5
+
+
+def test_machine_defaults_are_the_validation_fit():
+    with open(os.path.join(RESULTS, "projection_validation.json")) as f:
+        fit = json.load(f)
+    for machine, key in ((A800, "a800"), (H200, "h200_world1")):
+        cal = fit[key]["calibrated"]
+        for name in ("mfu_fwd", "mfu_bwd", "mfu_half_hidden", "adamw_step_s", "adamw_s_per_param"):
+            assert math.isclose(getattr(machine, name), cal[name], rel_tol=1e-3, abs_tol=1e-12), name
