@@ -28,17 +28,18 @@ import json
 
 import torch
 
-from dmuon.functional.coefficients import ns_coefficient_table
-from dmuon.functional.newton_schulz import (default_range_lift, frobenius_normalize,
+from dmuon.newton_schulz.coefficients import ns_coefficient_table
+from dmuon.newton_schulz.iteration import (default_range_lift, frobenius_normalize,
                                             newton_schulz, ns_iterate)
-from dmuon.functional.ns_cost import choose_ns_variant
-from dmuon.stateful.ns_engine import NSEngine
+from dmuon.newton_schulz.cost import choose_ns_variant
+from dmuon.newton_schulz.config import NSConfig
+from dmuon.newton_schulz.engine import NSEngine
 
 ENGINE_VARIANTS = {
-    "bf16_r2": dict(dtype=torch.bfloat16, gram_restart=2),
-    "bf16_r3": dict(dtype=torch.bfloat16, gram_restart=3),
-    "fp16_r2": dict(dtype=torch.float16, gram_restart=2),
-    "fp16_r3": dict(dtype=torch.float16, gram_restart=3),
+    "bf16_r2": NSConfig(ns_dtype=torch.bfloat16, ns_gram_restart=2),
+    "bf16_r3": NSConfig(ns_dtype=torch.bfloat16, ns_gram_restart=3),
+    "fp16_r2": NSConfig(ns_dtype=torch.float16, ns_gram_restart=2),
+    "fp16_r3": NSConfig(ns_dtype=torch.float16, ns_gram_restart=3),
 }
 KINDS = ("gauss", "decay", "lowrank", "powerlaw", "rowscale")
 
@@ -86,7 +87,7 @@ def run(shapes, out_path: str) -> dict:
             row = dict(m=m, n=n, kind=kind, variant=choose_ns_variant(m, n, 5, gram_restart=3))
             x = g.float()
             for name, kw in ENGINE_VARIANTS.items():
-                row[name] = errors(NSEngine(**kw).orthogonalize([x])[0], ref, u)
+                row[name] = errors(NSEngine(kw).orthogonalize([x])[0], ref, u)
             x0 = frobenius_normalize(x[None], 1e-7, torch.float32)
             row["fp16_r3_plain"] = errors(ns_iterate(
                 x0.half(), table, variant=row["variant"], gram_restart=3).float()[0], ref, u)

@@ -18,8 +18,9 @@ from collections import defaultdict
 
 import torch
 
-from dmuon.functional.ns_cost import ns_cost
-from dmuon.stateful.ns_engine import NSEngine
+from dmuon.newton_schulz.cost import ns_cost
+from dmuon.newton_schulz.engine import NSEngine
+from dmuon.newton_schulz.config import NSConfig
 
 from bench_util import MODELS, kernel_times, model_shapes, time_ms
 
@@ -65,7 +66,7 @@ def run(models, restarts, out_path, dtype=None):
             outs = [torch.empty_like(x) for x in ins]
             row = dict(n=len(idx))
             for r in restarts:
-                eng = NSEngine(gram_restart=r, dtype=dtype)
+                eng = NSEngine(NSConfig(ns_gram_restart=r, ns_dtype=dtype))
                 st = eng.bind(ins, outs)
                 key = f"restart_{r}"
                 row[key] = dict(replay_ms=time_ms(st, repeats=5)[0], variant=st.chunks[0].variant,

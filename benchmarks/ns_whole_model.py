@@ -16,10 +16,11 @@ import json
 
 import torch
 
-from dmuon.functional.newton_schulz import default_gram_restart, default_ns_dtype, newton_schulz
-from dmuon.functional.ns_cost import direct_flops, gram_flops, ns_cost
+from dmuon.newton_schulz.iteration import default_gram_restart, default_ns_dtype, newton_schulz
+from dmuon.newton_schulz.cost import direct_flops, gram_flops, ns_cost
 from dmuon.kernels.syrk import sym_abt_torch, sym_abt_triton, triton_available
-from dmuon.stateful.ns_engine import NSEngine
+from dmuon.newton_schulz.engine import NSEngine
+from dmuon.newton_schulz.config import NSConfig
 
 from bench_util import MODELS, model_shapes, time_ms
 
@@ -35,9 +36,9 @@ def matmul_rate(dtype=torch.bfloat16):
 #: ``gram_restart="auto"`` = 3): bf16 with its default two restarts (the default before fp16),
 #: bf16 with one restart, fp16 with two restarts.
 VARIANTS = {
-    "bf16": dict(dtype=torch.bfloat16),
-    "bf16_restart3": dict(dtype=torch.bfloat16, gram_restart=3),
-    "fp16_restart2": dict(dtype=torch.float16, gram_restart=2),
+    "bf16": NSConfig(ns_dtype=torch.bfloat16),
+    "bf16_restart3": NSConfig(ns_dtype=torch.bfloat16, ns_gram_restart=3),
+    "fp16_restart2": NSConfig(ns_dtype=torch.float16, ns_gram_restart=2),
 }
 #: The default's restart period on CUDA (for the flop counts and floors).
 RESTART = default_gram_restart(default_ns_dtype("cuda"))
@@ -110,7 +111,7 @@ def gram_fp32_probe():
         torch.backends.cuda.matmul.allow_tf32 = prev
         xb = [x[i] for i in range(x.shape[0])]
         outs = [torch.empty_like(t) for t in xb]
-        st = NSEngine(dtype=torch.bfloat16).bind(xb, outs)
+        st = NSEngine(NSConfig(ns_dtype=torch.bfloat16)).bind(xb, outs)
         tb, _ = time_ms(st, repeats=5)
         res["gram_48x2048x8192"] = dict(fp32_tf32_no_restart_ms=t32, engine_bf16_restart2_ms=tb)
         del x, x0, xb, outs, st
@@ -148,7 +149,7 @@ def run_model(name, rate, repeats):
         torch.cuda.empty_cache()
     # the other dtype / restart settings (NOTES_ns.md)
     for name, kw in VARIANTS.items():
-        eng = NSEngine(**kw)
+        eng = NSEngine(kw)
         step = eng.bind(ins, outs)
         res[f"dmuon_auto_{name}_ms"], _ = time_ms(step, warmup=2, repeats=max(repeats, 5))
         res[f"dmuon_auto_{name}_mode"] = step.mode
@@ -180,8 +181,8 @@ def run_model(name, rate, repeats):
     for s in sorted(set(shapes)):
         x = ins[shapes.index(s)]
         ref = newton_schulz(x.double(), dtype=torch.float64, variant="direct")
-        for key, kw in [("", {})] + [(f"{n}:", kw) for n, kw in VARIANTS.items()]:
-            y = NSEngine(**kw).orthogonalize([x])[0]
+        for key, kw in [("", NSConfig())] + [(f"{n}:", kw) for n, kw in VARIANTS.items()]:
+            y = NSEngine(kw).orthogonalize([x])[0]
             errs[f"{key}{s[0]}x{s[1]}"] = ((y.double() - ref).norm() / ref.norm()).item()
     res["rel_err_vs_fp64"] = errs
     del ins, outs

@@ -161,23 +161,22 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
                                 fused=device.type == "cuda")
     else:
-        from dmuon.stateful.ns_engine import NSEngine
+        from dmuon.newton_schulz.config import NSConfig
+        from dmuon.newton_schulz.engine import NSEngine
         from dmuon.stateful.optimizer import Muon
-        engine = None
+        engine = "auto"
         if kind == "dmuon_chunk1g":
-            engine = NSEngine(max_chunk_bytes=1 << 30)
+            engine = NSEngine(NSConfig(ns_dtype=None), max_chunk_bytes=1 << 30)
         # dmuon_lr0: Muon's matrices keep their initial values (lr 0; AdamW's part as usual), so
         # forward + backward multiply the same kind of numbers as the AdamW run (whose lr 1e-4
         # barely moves them): separates dmuon's machinery from data-dependent kernel speed
         opt = Muon(model, lr=0.0 if kind == "dmuon_lr0" else 0.02, weight_decay=0.01,
                    adamw_lr=1e-4, adamw_weight_decay=0.01,
-                   check_finite=(kind == "dmuon_check"), ns_engine=engine)
-        if kind == "dmuon_release":  # grad buckets freed after each step (dmuon/stateful/storage.py)
-            opt.dedicated_state.pool.persistent = False
-        if kind == "dmuon_persistent":  # persistent grad buckets (NS graph replay)
-            opt.dedicated_state.pool.persistent = True
-        if kind == "dmuon_foreach":  # Muon's elementwise stages as foreach ops (the reference)
-            opt.fused_elementwise = False
+                   check_finite=(kind == "dmuon_check"), ns_engine=engine,
+                   # persistent grad buckets: NS graph replay (default: freed after each step)
+                   persistent_grad_buffers=(kind == "dmuon_persistent"),
+                   # Muon's elementwise stages as foreach ops (the reference)
+                   elementwise="foreach" if kind == "dmuon_foreach" else "auto")
     return model, opt
 
 

@@ -43,7 +43,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from dmuon.functional.machine import A800, H200, ns_matrix_seconds  # noqa: E402
-from dmuon.functional.ns_cost import ns_cost  # noqa: E402
+from dmuon.newton_schulz.cost import ns_cost  # noqa: E402
 from dmuon.functional.plan import plan_owners  # noqa: E402
 from dmuon.functional.presets import ModelPreset, get_preset, preset_specs  # noqa: E402
 from dmuon.functional.projection import StepSetup, project_step  # noqa: E402
@@ -177,7 +177,7 @@ def gloo_counters() -> dict:
     specs = specs_from_named_shapes(model.named_parameters(), is_muon_param)
     ranks = summ["config"]["ranks"]
     plan = plan_owners(specs, ranks)
-    tr = runtime_step_traffic(plan, specs, mode="z3", compute_dtype="torch.float32")
+    tr = runtime_step_traffic(plan, specs, reshard_after_forward=True, compute_dtype="torch.float32")
     for b in summ["results"]["dmuon"]["bytes_per_rank_per_step"]:
         owned = sorted(n for n, c in plan.owners.items() if c == (b["rank"], 0))
         for lane, v in b["by_lane"].items():
@@ -194,7 +194,7 @@ def gloo_counters() -> dict:
     torch.manual_seed(0)
     specs = specs_from_named_shapes(Model().named_parameters(), lambda n, p: p.ndim == 2 and "proj" in n)
     plan = plan_owners(specs, 2, 2)
-    tr = runtime_step_traffic(plan, specs, mode="z3", compute_dtype="torch.float32")
+    tr = runtime_step_traffic(plan, specs, reshard_after_forward=True, compute_dtype="torch.float32")
     for rank in range(4):
         for lane, c in lanes[rank].items():
             for key in ("sent", "received"):
@@ -212,7 +212,7 @@ def _a800_setup(name: str, world: int, batch: int, seq: int, z2_fsdp: bool) -> S
     if name == "llama-3.2-3b":          # the reference's benchmark builds it with an untied head
         preset = dataclasses.replace(preset, tie_embeddings=False)
     return StepSetup(preset, world, 1, micro_batch=batch, seq=seq, fsdp_reshard=not z2_fsdp,
-                     dmuon_mode="z2", reduce_bytes=2)
+                     dmuon_reshard=False, reduce_bytes=2)
 
 
 def a800() -> dict:

@@ -68,7 +68,7 @@ def _cmd_project(args: argparse.Namespace) -> int:
     if args.gpus_per_node:
         machine = dataclasses.replace(machine, gpus_per_node=args.gpus_per_node)
     setup = StepSetup(preset, args.shard, args.replicate, micro_batch=args.micro_batch, seq=args.seq,
-                      fsdp_reshard=args.fsdp_mode == "z3", dmuon_mode=args.mode,
+                      fsdp_reshard=args.fsdp_mode == "z3", dmuon_reshard=args.mode == "z3",
                       reduce_bytes=args.reduce_bytes, max_split=args.max_split, ns_steps=args.ns_steps)
     projections = [project_step(setup, machine, d) for d in args.designs.split(",")]
     summ = projection_summary(setup, machine, projections)

@@ -116,7 +116,7 @@ def test_gloo_executor_matches_simulator(G, R, seed):
     # counters == schedule accounting, per rank and lane; averages are the spec's figures
     P = layout.nbytes()
     for mode in ("z2", "z3"):
-        tr = step_traffic(layout, mode)
+        tr = step_traffic(layout, reshard_after_forward=(mode == "z3"))
         for rank in range(W):
             assert results[rank][mode] == tr.for_rank(rank)
         k = 2 if mode == "z2" else 3

@@ -224,7 +224,8 @@ from dmuon.stateful import fsdp_patch
 print("WARNED", any("supports torch 2.11 through 2.14" in str(x.message) for x in w))
 print("PATCHED", fsdp_patch.is_installed())
 x = torch.randn(8, 4, dtype=torch.float64)
-u = dmuon.functional.newton_schulz(x, dtype=torch.float64)
+from dmuon.newton_schulz import newton_schulz
+u = newton_schulz(x, dtype=torch.float64)
 print("CORE", tuple(u.shape))
 try:
     dmuon.dedicate_params(torch.nn.Linear(4, 4), None, lambda n, p: True)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from dmuon.functional import muon
-from dmuon.functional.newton_schulz import newton_schulz
-from dmuon.stateful.ns_engine import NSEngine
+from dmuon.newton_schulz.iteration import newton_schulz
+from dmuon.newton_schulz.engine import NSEngine
+from dmuon.newton_schulz.config import NSConfig
 
 SHAPES = {"a": (8, 12), "b": (12, 8), "c": (8, 12), "e": (3, 6, 10), "s": (5, 5)}
 BD = {"a": 0, "b": 0, "c": 0, "e": 1, "s": 0}
@@ -32,8 +33,7 @@ def _old_loop(grads, mom, params, hp):
         x = g.add(b, alpha=mu) if hp.nesterov else b
         xs.append(x.reshape(muon.as_matrix_shape(p.shape, BD[n])))
         names.append(n)
-    us = muon.orthogonalize_batched(xs, steps=hp.ns_steps, coefficients=hp.ns_coefficients,
-                                    eps=hp.ns_eps, dtype=hp.ns_dtype)
+    us = muon.orthogonalize_batched(xs, NSConfig.from_hparams(hp))
     for n, u in zip(names, us):
         p = params[n]
         if wd:
@@ -67,11 +67,10 @@ def test_hook_functional_and_inplace_are_bitwise_default(nesterov):
 
     def functional(xs):
         calls.append([tuple(x.shape) for x in xs])
-        return muon.orthogonalize_batched(xs, steps=hp.ns_steps, coefficients=hp.ns_coefficients,
-                                          eps=hp.ns_eps, dtype=hp.ns_dtype)
+        return muon.orthogonalize_batched(xs, NSConfig.from_hparams(hp))
 
     def inplace(xs):  # overwrites its inputs, as the stateful layer's engine does
-        us = muon.orthogonalize_batched(xs, steps=hp.ns_steps)
+        us = muon.orthogonalize_batched(xs, NSConfig(ns_steps=hp.ns_steps))
         for x, u in zip(xs, us):
             x.copy_(u)
         return xs
@@ -127,7 +126,7 @@ def test_bad_hook_results_raise():
 
 
 def test_engine_inplace_matches_functional_ns():
-    eng = NSEngine(steps=5, dtype=torch.float64)
+    eng = NSEngine(NSConfig(ns_steps=5, ns_dtype=torch.float64))
     g = torch.Generator().manual_seed(7)
     xs = [torch.randn(2, 16, 24, generator=g, dtype=torch.float64),
           torch.randn(1, 24, 16, generator=g, dtype=torch.float64),

@@ -21,10 +21,10 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
-from dmuon.functional.coefficients import ns_coefficient_table
+from dmuon.newton_schulz.coefficients import ns_coefficient_table
 from dmuon.functional.matrix_shape import as_matrix_shape
-from dmuon.functional.newton_schulz import default_ns_dtype, newton_schulz
-from dmuon.functional.ns_cost import choose_ns_variant
+from dmuon.newton_schulz.iteration import default_ns_dtype, newton_schulz
+from dmuon.newton_schulz.cost import choose_ns_variant
 
 F64 = torch.float64
 SCHEDULES = ("jordan", "you", "polar_express")

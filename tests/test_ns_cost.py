@@ -11,8 +11,8 @@ import torch
 from hypothesis import given, settings, strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from dmuon.functional.newton_schulz import newton_schulz
-from dmuon.functional.ns_cost import (DEFAULT_GRAM_RESTART, NSCost, choose_ns_variant,
+from dmuon.newton_schulz.iteration import newton_schulz
+from dmuon.newton_schulz.cost import (DEFAULT_GRAM_RESTART, NSCost, choose_ns_variant,
                                       direct_flops, gram_flops, gram_segments, ns_cost)
 
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.functional.newton_schulz import (default_gram_restart, default_ns_dtype, newton_schulz,
+from dmuon.newton_schulz.iteration import (default_gram_restart, default_ns_dtype, newton_schulz,
                                             resolve_gram_restart)
-from dmuon.stateful.ns_engine import NSEngine
+from dmuon.newton_schulz.engine import NSEngine
+from dmuon.newton_schulz.config import NSConfig
 
 
 def _spectrum(kind: str, b: int, m: int, n: int, seed: int) -> torch.Tensor:
@@ -69,7 +70,7 @@ def test_auto_restart_period_and_default_dtype():
         with pytest.raises(ValueError, match="gram_restart"):
             newton_schulz(torch.randn(4, 16), gram_restart=bad)
         with pytest.raises(ValueError, match="gram_restart"):
-            NSEngine(gram_restart=bad)
+            NSEngine(NSConfig(ns_gram_restart=bad))
 
 
 def test_engine_auto_restart_follows_its_compute_dtype():
@@ -78,7 +79,7 @@ def test_engine_auto_restart_follows_its_compute_dtype():
     on CPU), and the fp32 engine the one with two."""
     x = _spectrum("gauss", 1, 64, 256, seed=5)[0].float()
     for dt, period in ((torch.float16, 3), (torch.float32, 2)):
-        got = NSEngine(dtype=dt).orthogonalize([x])[0]
+        got = NSEngine(NSConfig(ns_dtype=dt)).orthogonalize([x])[0]
         want = newton_schulz(x, dtype=dt, variant="gram", gram_restart=period)
         other = newton_schulz(x, dtype=dt, variant="gram", gram_restart=5 - period)
         torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -8,9 +8,10 @@ Every check draws fresh random inputs.
 import pytest
 import torch
 
-from dmuon.functional.newton_schulz import newton_schulz
+from dmuon.newton_schulz.iteration import newton_schulz
 from dmuon.kernels.syrk import sym_abt_triton, triton_available
-from dmuon.stateful.ns_engine import NSEngine
+from dmuon.newton_schulz.engine import NSEngine
+from dmuon.newton_schulz.config import NSConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -117,7 +118,7 @@ def test_engine_large_llama_like_shapes():
 
 
 def test_scale_cast_matches_torch_bitwise():
-    from dmuon.functional.newton_schulz import frobenius_denominator
+    from dmuon.newton_schulz.iteration import frobenius_denominator
     from dmuon.kernels.scale_cast import scale_cast_
     g = torch.Generator(device="cuda").manual_seed(3)
     src = torch.randn(3, 1000, 37, device="cuda", generator=g) * 5
@@ -165,10 +166,10 @@ def test_engine_default_fp16_is_closer_than_bf16():
     g = torch.Generator(device="cuda").manual_seed(9)
     xs = [torch.randn(s, device="cuda", generator=g)
           for s in [(1024, 4096), (4096, 1024), (1024, 1024), (512, 2048)]]
-    e16, ebf = NSEngine(), NSEngine(dtype=torch.bfloat16)
+    e16, ebf = NSEngine(), NSEngine(NSConfig(ns_dtype=torch.bfloat16))
     y16, ybf = e16.orthogonalize(xs), ebf.orthogonalize(xs)
     assert e16.mode(xs) == "graph"
-    explicit = NSEngine(dtype=torch.float16, gram_restart=3).orthogonalize(xs)
+    explicit = NSEngine(NSConfig(ns_dtype=torch.float16, ns_gram_restart=3)).orthogonalize(xs)
     for x, a, b, c in zip(xs, y16, ybf, explicit):
         ref = newton_schulz(x.double(), dtype=torch.float64)
         assert torch.isfinite(a).all() and a.dtype == x.dtype
@@ -180,8 +181,8 @@ def test_engine_default_fp16_is_closer_than_bf16():
 def test_engine_fp16_range_lift_on_large_rowscaled():
     """The range lift in the engine on the input where it matters (H200, ``ns_accuracy.py``:
     2048x8192 with rows scaled by ``logspace(0, -4)``, 1.54e-3 lifted against 2.64e-3 without)."""
-    from dmuon.functional.coefficients import ns_coefficient_table
-    from dmuon.functional.newton_schulz import frobenius_normalize, ns_iterate
+    from dmuon.newton_schulz.coefficients import ns_coefficient_table
+    from dmuon.newton_schulz.iteration import frobenius_normalize, ns_iterate
     g = torch.Generator(device="cuda").manual_seed(12)
     x = torch.randn(2048, 8192, device="cuda", generator=g)
     x *= torch.logspace(0, -4, 2048, device="cuda")[:, None]

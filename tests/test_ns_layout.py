@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.functional.coefficients import ns_coefficient_table
-from dmuon.functional.newton_schulz import (frobenius_denominator, frobenius_normalize,
+from dmuon.newton_schulz.coefficients import ns_coefficient_table
+from dmuon.newton_schulz.iteration import (frobenius_denominator, frobenius_normalize,
                                             left_product, newton_schulz, ns_iterate)
 from dmuon.kernels.scale_cast import scale_cast_
 

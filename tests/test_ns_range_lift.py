@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.functional.coefficients import ns_coefficient_table
-from dmuon.functional.newton_schulz import (default_range_lift, frobenius_normalize,
+from dmuon.newton_schulz.coefficients import ns_coefficient_table
+from dmuon.newton_schulz.cost import choose_ns_variant
+from dmuon.newton_schulz.iteration import (default_range_lift, frobenius_normalize,
                                             newton_schulz, ns_iterate)
-from dmuon.stateful.ns_engine import NSEngine
+from dmuon.newton_schulz.engine import NSEngine
+from dmuon.newton_schulz.config import NSConfig
 
 TABLE = ns_coefficient_table("polar_express", 5, safety=1.01)
 F64 = torch.float64
@@ -79,9 +81,17 @@ def test_engine_uses_the_lift_in_fp16():
     g = torch.Generator().manual_seed(6)
     x = torch.randn(256, 1024, generator=g) * torch.logspace(0, -4, 256)[:, None]
     xt = x.T.contiguous()                       # tall: both iterate it in its own layout
-    got = NSEngine(dtype=torch.float16).orthogonalize([x, xt])
+    got = NSEngine(NSConfig(ns_dtype=torch.float16)).orthogonalize([x, xt])
     torch.testing.assert_close(got[0], newton_schulz(x, dtype=torch.float16), rtol=0, atol=0)
     torch.testing.assert_close(got[1], newton_schulz(xt, dtype=torch.float16), rtol=0, atol=0)
+    # ... and that is the lifted iteration, spelled out here, not the plain one (so removing the
+    # lift from the default path fails this test even where the two calls above agree)
+    f16, variant = torch.float16, choose_ns_variant(256, 1024, 5, gram_restart=3)
+    lifted = ns_iterate(frobenius_normalize(x[None], 1e-7, f16, lift=128.0), TABLE,
+                        variant=variant, gram_restart=3, lift=128.0)[0]
+    plain = ns_iterate(frobenius_normalize(x[None], 1e-7, f16), TABLE, variant=variant,
+                       gram_restart=3)[0]
+    assert torch.equal(got[0], lifted.float()) and not torch.equal(got[0], plain.float())
 
 
 def test_bad_lift_raises():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.functional.newton_schulz import frobenius_normalize, newton_schulz, sym_product
+from dmuon.newton_schulz.iteration import frobenius_normalize, newton_schulz, sym_product
 
 F64 = torch.float64
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from dmuon.__main__ import main as cli_main
 from dmuon.functional.matrix_shape import as_matrix_shape
-from dmuon.functional.ns_cost import ns_cost
+from dmuon.newton_schulz.cost import ns_cost
 from dmuon.functional.plan_report import plan_summary, plan_table
 from dmuon.functional.plan import (DEFAULT_FLOPS_PER_BYTE, DEFAULT_LAYER_SPREAD_TOLERANCE, OwnerPlan,
                                    build_units, natural_key, param_cost, plan_owners)

@@ -9,7 +9,7 @@ import pytest
 from dmuon.__main__ import main
 from dmuon.functional.machine import A800, H200, H200_NS_GROUPS, collective_time, ns_matrix_seconds, ns_rate
 from dmuon.functional.model_flops import active_params, forward_flops, layer_forward_flops
-from dmuon.functional.ns_cost import ns_cost
+from dmuon.newton_schulz.cost import ns_cost
 from dmuon.functional.ns_phase import ns_phase
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.presets import ModelPreset, get_preset, preset_from_hf_config, preset_specs
@@ -84,7 +84,7 @@ def test_world1_step_is_compute_plus_owners_phase():
 
 
 def test_timeline_carries_the_schedules():
-    setup = StepSetup(TINY, 8, 2, micro_batch=1, seq=512, dmuon_mode="z3")
+    setup = StepSetup(TINY, 8, 2, micro_batch=1, seq=512, dmuon_reshard=True)
     d = project_step(setup, H200, "dmuon")
     ops = d.timeline
     for layer in range(TINY.layers):                 # Z3: one broadcast per bucket, twice
@@ -95,7 +95,7 @@ def test_timeline_carries_the_schedules():
         assert len(fwd) == len(bwd) == len(red) == len({s for s, _ in cols})
     assert any(o.name.startswith("publish") for o in ops)          # HSDP publish in the forward
     assert all(o.end >= o.start >= 0 for o in ops)
-    z2 = project_step(StepSetup(TINY, 8, 2, micro_batch=1, seq=512, dmuon_mode="z2"), H200, "dmuon")
+    z2 = project_step(StepSetup(TINY, 8, 2, micro_batch=1, seq=512, dmuon_reshard=False), H200, "dmuon")
     assert not any(o.name.startswith("broadcast'") for o in z2.timeline)
     summ = projection_summary(setup, H200, [project_step(setup, H200, "adamw"), d])
     assert summ["global_batch_tokens"] == 16 * 512
@@ -121,13 +121,13 @@ def test_projected_70b_on_64x8_with_splits():
 
 def test_runtime_step_traffic_z3_hsdp_and_splits(monkeypatch):
     import dmuon.functional.split_plan as sp_mod
-    from dmuon.functional.split_ns import split_ns_schedule
+    from dmuon.newton_schulz.split import split_ns_schedule
     specs = preset_specs(TINY)
     P = sum(s.numel for s in specs if s.route == "muon") * 4
     F = 4 * sum(1 for s in specs if s.route == "muon")
     G, R = 4, 2
     plan = plan_owners(specs, G, R)
-    tr = runtime_step_traffic(plan, specs, mode="z3", compute_dtype="torch.float32")
+    tr = runtime_step_traffic(plan, specs, reshard_after_forward=True, compute_dtype="torch.float32")
     shard = tr.total_sent(["unshard", "reduce"])
     assert shard == R * (G - 1) * (3 * P + F)        # mean per rank 3(G-1)/G P + presence
     assert tr.total_sent(["replicate"]) == (R - 1) * (2 * P + F)   # stage 2 (+ presence), publish
@@ -138,7 +138,7 @@ def test_runtime_step_traffic_z3_hsdp_and_splits(monkeypatch):
     P = sum(s.numel for s in specs if s.route == "muon") * 4
     split = plan_owners(specs, G, R, max_split=4, node_size=4)
     assert split.splits
-    tr = runtime_step_traffic(split, specs, mode="z3", compute_dtype="torch.float32")
+    tr = runtime_step_traffic(split, specs, reshard_after_forward=True, compute_dtype="torch.float32")
     entries = len(split.owners)
     assert tr.total_sent(["unshard", "reduce"]) == R * (G - 1) * (3 * P + 4 * entries)
     want = sum(split_ns_schedule(sp.param, sp.layout, sp.members, G, R, variant=sp.variant,

@@ -90,8 +90,8 @@ def test_accounting_z2_z3_hsdp(seed):
     G, R = layout.shard_size, layout.replicate_size
     W, P = G * R, layout.nbytes()
     shard_lanes = ("unshard", "reduce")
-    z2 = step_traffic(layout, "z2")
-    z3 = step_traffic(layout, "z3")
+    z2 = step_traffic(layout, reshard_after_forward=False)
+    z3 = step_traffic(layout, reshard_after_forward=True)
     # totals over all G*R ranks: R shard groups, each moving (G-1) P per op kind (exact integers)
     assert z2.total_sent(shard_lanes) == 2 * (G - 1) * P * R
     assert z2.total_received(shard_lanes) == 2 * (G - 1) * P * R
@@ -106,7 +106,7 @@ def test_accounting_z2_z3_hsdp(seed):
     pub = publish_schedule(layout).traffic()
     assert pub.total_sent() == pub.total_received() == (R - 1) * P
     assert z2.total_sent(["replicate"]) == 2 * (R - 1) * P
-    assert step_traffic(layout, "z2", publish=False).total_sent(["replicate"]) == (R - 1) * P
+    assert step_traffic(layout, reshard_after_forward=False, publish=False).total_sent(["replicate"]) == (R - 1) * P
     # sent == received for every lane
     for lane in LANES:
         assert z3.total_sent([lane]) == z3.total_received([lane])
@@ -117,16 +117,16 @@ def test_accounting_per_rank_roles():
     from dmuon.functional.buckets import bucket_layout, hook_groups
     lay = bucket_layout({"layers.0.w": (1, 0)}, {"layers.0.w": (2, 3)},
                         {"layers.0.w": "torch.float32"}, hook_groups(["layers.0.w"]), 2)
-    t = step_traffic(lay, "z2")
+    t = step_traffic(lay, reshard_after_forward=False)
     assert t.sent["unshard"] == (0, 24) and t.received["unshard"] == (24, 0)
     assert t.sent["reduce"] == (24, 0) and t.received["reduce"] == (0, 24)
     assert t.collectives["unshard"] == (1, 1)
     assert t.for_rank(1)["unshard"] == {"collectives": 1, "sent_bytes": 24, "received_bytes": 0}
     one = bucket_layout({"layers.0.w": (0, 0)}, {"layers.0.w": (2, 3)},
                         {"layers.0.w": "torch.float32"}, hook_groups(["layers.0.w"]), 1)
-    assert step_traffic(one, "z3").total_sent() == 0       # groups of one move nothing
-    with pytest.raises(ValueError, match="mode"):
-        step_traffic(lay, "z1")
+    assert step_traffic(one, reshard_after_forward=True).total_sent() == 0  # groups of one: nothing
+    with pytest.raises(TypeError, match="reshard_after_forward"):
+        step_traffic(lay, "z3")  # the old string spelling is refused, not read as True
 
 
 def test_dump_and_concat():

@@ -6,15 +6,15 @@ import torch
 
 from dmuon.__main__ import main
 from dmuon.functional.buckets import bucket_layout, hook_groups
-from dmuon.functional.coefficients import ns_coefficient_table
-from dmuon.functional.newton_schulz import newton_schulz
+from dmuon.newton_schulz.coefficients import ns_coefficient_table
+from dmuon.newton_schulz.iteration import newton_schulz
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.plan_report import plan_summary, plan_table
 from dmuon.functional.presets import preset_specs
 from dmuon.functional.schedule import build_step_schedules
 from dmuon.functional.simulate import simulate
 from dmuon.functional.specs import specs_from_named_shapes
-from dmuon.functional.split_ns import simulate_split_ns, split_ns_schedule
+from dmuon.newton_schulz.split import simulate_split_ns, split_ns_schedule
 from dmuon.functional.split_plan import SPLIT_NOTE, owner_entries
 
 

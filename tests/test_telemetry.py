@@ -42,7 +42,7 @@ def _train(rank, world, ns_engine, steps=3):
 
 def _worker(rank, world):
     import torch.distributed as dist
-    res = {"functional": _train(rank, world, None), "engine": _train(rank, world, True)}
+    res = {"functional": _train(rank, world, "auto"), "engine": _train(rank, world, "engine")}
     dist.barrier()
     return res
 

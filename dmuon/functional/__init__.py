@@ -1,17 +1,24 @@
 """The pure functional core of dmuon: no ``torch.distributed``, no globals, explicit state.
 
-Modules:
-  ``newton_schulz`` / ``coefficients`` / ``ns_cost`` / ``matrix_shape`` — the orthogonalization family;
-  ``muon`` / ``adamw`` — optax-style ``init`` / ``update`` transformations with NamedTuple states.
+What this package exports is what the README's "The functional core" section shows:
+
+* optimizers as explicit-state transformations: :mod:`muon`, :mod:`adamw` (``init`` / ``update``
+  with NamedTuple states) and the composable transforms they are built from (:mod:`transforms`:
+  ``chain``, ``partition`` and the stages);
+* :func:`newton_schulz` (the iteration itself lives in :mod:`dmuon.newton_schulz`);
+* the owner plan and the communication as data: :func:`plan_owners`, :func:`bucket_layout`,
+  :func:`unshard_schedule`, :func:`reduce_schedule`, :func:`publish_schedule`,
+  :func:`step_traffic`, :func:`simulate`;
+* :mod:`projection`, the step-time projector.
 """
-from dmuon.functional import adamw, muon
-from dmuon.functional.coefficients import NAMED_SCHEDULES, CoefficientSpec, ns_coefficient_table
-from dmuon.functional.matrix_shape import as_matrix_shape
-from dmuon.functional.newton_schulz import (SymOp, default_ns_dtype, frobenius_normalize, newton_schulz,
-                                            sym_product)
-from dmuon.functional.ns_cost import NSCost, choose_ns_variant, ns_cost
+from dmuon.functional import adamw, muon, projection, transforms
+from dmuon.functional.buckets import bucket_layout
+from dmuon.functional.plan import plan_owners
+from dmuon.functional.schedule import publish_schedule, reduce_schedule, step_traffic, unshard_schedule
+from dmuon.functional.simulate import simulate
+from dmuon.newton_schulz.iteration import newton_schulz
 
 __all__ = [
-    "adamw", "muon", "NAMED_SCHEDULES", "CoefficientSpec", "ns_coefficient_table", "as_matrix_shape",
-    "default_ns_dtype", "newton_schulz", "SymOp", "sym_product", "frobenius_normalize", "NSCost", "choose_ns_variant", "ns_cost",
+    "adamw", "muon", "transforms", "projection", "newton_schulz", "plan_owners", "bucket_layout",
+    "unshard_schedule", "reduce_schedule", "publish_schedule", "step_traffic", "simulate",
 ]

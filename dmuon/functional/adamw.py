@@ -16,10 +16,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from dmuon.functional import transforms as T
 from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten_like, leaf_paths,
                                   zeros_like_tree)
 
-__all__ = ["IMPLS", "AdamWHParams", "AdamWState", "init", "update", "validate_hparams"]
+__all__ = ["IMPLS", "AdamWHParams", "AdamWState", "init", "transform", "update", "validate_hparams"]
 
 #: The ``impl`` choices of :func:`update`.
 IMPLS = ("reference", "foreach", "fused")
@@ -256,3 +257,21 @@ def _update_batched(p_leaves, g_leaves, m_leaves, v_leaves, *, impl: str, donate
         for k, i in enumerate(idx):
             new_p[i], new_m[i], new_v[i] = ps[k], ms[k], vs[k]
     return new_p, new_m, new_v
+
+
+def transform(hparams: AdamWHParams = AdamWHParams()):
+    """AdamW as a chain of :mod:`dmuon.functional.transforms` stages (the same math as
+    :func:`update`, up to rounding)::
+
+        chain(scale_by_adam(betas, eps), add_decayed_weights(wd), scale_by_learning_rate(lr))
+
+    Args:
+        hparams: :class:`AdamWHParams` (validated).
+
+    Returns:
+        A :class:`~dmuon.functional.transforms.Transform`.
+    """
+    validate_hparams(hparams)
+    return T.chain(T.scale_by_adam(hparams.betas, hparams.eps),
+                   T.add_decayed_weights(hparams.weight_decay),
+                   T.scale_by_learning_rate(hparams.lr))

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping, Optional
 
-from dmuon.functional.ns_cost import ns_cost
+from dmuon.newton_schulz.cost import ns_cost
 
 __all__ = ["Link", "Machine", "H200", "A800", "MACHINES", "H200_NS_GROUPS", "collective_time",
            "collective_latency", "interp_log2",

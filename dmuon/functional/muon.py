@@ -30,9 +30,12 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from dmuon.functional.coefficients import CoefficientSpec
+from dmuon.newton_schulz.coefficients import CoefficientSpec
 from dmuon.functional.matrix_shape import as_matrix_shape
-from dmuon.functional.newton_schulz import newton_schulz
+from dmuon.newton_schulz.batched import orthogonalize_batched
+from dmuon.functional.lr_scale import LR_SCALE_RULES, lr_scale_factor
+from dmuon.functional import transforms as T
+from dmuon.newton_schulz.config import NSConfig
 from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten_like, leaf_paths,
                                   per_leaf_option, zeros_like_tree)
 
@@ -48,11 +51,10 @@ __all__ = [
     "init",
     "lr_scale_factor",
     "orthogonalize_batched",
+    "transform",
     "update",
     "validate_hparams",
 ]
-
-LR_SCALE_RULES = ("moonlight", "jordan", "none")
 
 #: The ``orthogonalize=`` hook of :func:`update`: ``(B_i, m_i, n_i)`` inputs -> their NS results.
 Orthogonalize = Callable[[list[Tensor]], Sequence[Tensor]]
@@ -135,7 +137,7 @@ class MuonHParams(NamedTuple):
         weight_decay: decoupled weight decay ``wd`` (``W ← W·(1 − lr·wd)``).
         ns_steps: Newton–Schulz iterations.
         ns_coefficients: a named schedule (``"polar_express"``, ``"jordan"``, ``"you"``) or a table of
-            ``(a, b, c)`` triples (see :mod:`dmuon.functional.coefficients`).
+            ``(a, b, c)`` triples (see :mod:`dmuon.newton_schulz.coefficients`).
         ns_eps: ``ε`` in the Frobenius normalization ``x / (‖x‖_F + ε)``.
         ns_dtype: compute dtype of Newton–Schulz (``None``: the NS default for the device).
         lr_scale: shape scale rule, one of ``LR_SCALE_RULES`` (see :func:`lr_scale_factor`).
@@ -190,85 +192,6 @@ def validate_hparams(hparams: MuonHParams) -> None:
         raise ValueError(f"Muon ns_dtype must be None or a floating torch.dtype, got {h.ns_dtype!r}")
     if h.lr_scale not in LR_SCALE_RULES:
         raise ValueError(f"Muon lr_scale must be one of {LR_SCALE_RULES}, got {h.lr_scale!r}")
-
-
-def lr_scale_factor(shape: Sequence[int], rule: str = "moonlight", batch_dims: int = 0) -> float:
-    """The shape scale ``s`` that multiplies ``lr`` for a param of ``shape``.
-
-    With ``(B, m, n) = as_matrix_shape(shape, batch_dims)`` (``m = shape[batch_dims]``,
-    ``n`` = product of the remaining dims):
-
-    * ``"moonlight"``: ``s = 0.2·sqrt(max(m, n))`` — gives the update the RMS of a typical AdamW update
-      (Liu et al., "Muon is Scalable for LLM Training", 2025; ``torch.optim.Muon``'s
-      ``adjust_lr_fn="match_rms_adamw"``).
-    * ``"jordan"``: ``s = sqrt(max(1, m/n))`` (K. Jordan, Muon blog 2024; torch's ``"original"``).
-    * ``"none"``: ``s = 1``.
-
-    Args:
-        shape: the param's shape.
-        rule: one of ``LR_SCALE_RULES``.
-        batch_dims: leading dims that index independent matrices (each gets the same ``s``).
-
-    Returns:
-        ``s`` as a Python float.
-
-    Raises:
-        ValueError: unknown ``rule`` (the message lists the choices) or a shape that is not a matrix.
-    """
-    if rule not in LR_SCALE_RULES:
-        raise ValueError(f"lr_scale rule must be one of {LR_SCALE_RULES}, got {rule!r}")
-    _, m, n = as_matrix_shape(shape, batch_dims)
-    if rule == "moonlight":
-        return 0.2 * math.sqrt(max(m, n))
-    if rule == "jordan":
-        return math.sqrt(max(1.0, m / n)) if n > 0 else 1.0
-    return 1.0
-
-
-def orthogonalize_batched(
-    matrices: Sequence[Tensor],
-    *,
-    steps: int = 5,
-    coefficients: CoefficientSpec = "polar_express",
-    eps: float = 1e-7,
-    dtype: torch.dtype | None = None,
-) -> list[Tensor]:
-    """Newton–Schulz on many ``(B_i, m_i, n_i)`` tensors, one batched call per (m, n, dtype, device).
-
-    Tensors whose matrices have the same shape, dtype and device are concatenated along the batch dim,
-    orthogonalized by a single :func:`~dmuon.functional.newton_schulz.newton_schulz` call, and split
-    back. Each matrix is treated independently, so the result equals orthogonalizing one at a time.
-
-    Args:
-        matrices: 3-D tensors ``(B_i, m_i, n_i)``; never modified.
-        steps, coefficients, eps, dtype: forwarded to ``newton_schulz``.
-
-    Returns:
-        A list aligned with ``matrices``; entry ``i`` has the shape and dtype of ``matrices[i]``.
-
-    References:
-        K. Jordan, "Muon: An optimizer for hidden layers in neural networks", 2024.
-    """
-    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
-    for i, x in enumerate(matrices):
-        if x.ndim != 3:
-            raise ValueError(f"orthogonalize_batched expects (B, m, n) tensors, got shape {tuple(x.shape)}")
-        groups[(x.shape[1], x.shape[2], x.dtype, x.device)].append(i)
-    out: list[Tensor | None] = [None] * len(matrices)
-    for (m, n, _, _), idx in groups.items():
-        if m * n == 0:
-            for i in idx:
-                out[i] = torch.zeros_like(matrices[i])
-            continue
-        stacked = matrices[idx[0]] if len(idx) == 1 else torch.cat([matrices[i] for i in idx], dim=0)
-        if stacked.shape[0] == 0:
-            for i in idx:
-                out[i] = torch.zeros_like(matrices[i])
-            continue
-        u = newton_schulz(stacked, steps=steps, coefficients=coefficients, eps=eps, dtype=dtype)
-        for i, piece in zip(idx, torch.split(u, [matrices[i].shape[0] for i in idx], dim=0)):
-            out[i] = piece
-    return out  # type: ignore[return-value]
 
 
 def _batch_dims_per_leaf(batch_dims: Any, params: PyTree, treedef: Any) -> list[int]:
@@ -358,11 +281,11 @@ def update(
             the same.
         orthogonalize: the Newton–Schulz step. ``None`` (default): :func:`orthogonalize_batched`
             with ``hparams.ns_steps``, ``ns_coefficients``, ``ns_eps`` and ``ns_dtype`` (one
-            batched :func:`~dmuon.functional.newton_schulz.newton_schulz` call per matrix shape).
+            batched :func:`~dmuon.newton_schulz.iteration.newton_schulz` call per matrix shape).
             Otherwise a callable ``orthogonalize(xs) -> us`` called once per step with every
             active input as a ``(B, m, n)`` tensor (list order: params' leaf order), returning
             ``NS(xs[i])`` of the same shapes, in any float dtype. It owns its NS settings (e.g. a
-            :class:`dmuon.stateful.ns_engine.NSEngine` built from the same hparams), must treat
+            :class:`dmuon.newton_schulz.engine.NSEngine` built from the same hparams), must treat
             each matrix independently, and may overwrite ``xs`` in place and return them: the
             ``xs`` are always this function's scratch (fresh tensors, or donated gradients),
             never params or momentum buffers.
@@ -447,10 +370,7 @@ def update(
     inputs = [x.reshape(bmn) for x, bmn in zip(xs, bmns)]
 
     if orthogonalize is None:
-        updates = orthogonalize_batched(
-            inputs, steps=hparams.ns_steps, coefficients=hparams.ns_coefficients,
-            eps=float(hparams.ns_eps), dtype=hparams.ns_dtype,
-        )
+        updates = orthogonalize_batched(inputs, NSConfig.from_hparams(hparams))
     else:
         updates = list(orthogonalize(inputs)) if inputs else []
         if len(updates) != len(inputs) or any(
@@ -472,3 +392,33 @@ def update(
 
     return treedef.unflatten(new_p), MuonState(step=int(state.step) + 1,
                                                momentum=treedef.unflatten(new_b))
+
+
+def transform(hparams: MuonHParams = MuonHParams(), *, batch_dims: Any = None,
+              orthogonalizer: Any = None):
+    """Muon as a chain of :mod:`dmuon.functional.transforms` stages (the same math as
+    :func:`update`, up to rounding)::
+
+        chain(trace_momentum(μ, nesterov), orthogonalize(NS), scale_by_shape(lr_scale),
+              add_decayed_weights(wd), scale_by_learning_rate(lr))
+
+    Args:
+        hparams: :class:`MuonHParams` (validated); its ``ns_*`` fields are the NS settings
+            (:class:`~dmuon.newton_schulz.NSConfig`) unless ``orthogonalizer`` replaces them.
+        batch_dims: the matrix views, as in :func:`update`.
+        orthogonalizer: ``None`` (Newton–Schulz per ``hparams``) or any
+            :data:`~dmuon.functional.transforms.Orthogonalizer` ``xs -> us``.
+
+    Returns:
+        A :class:`~dmuon.functional.transforms.Transform`; apply its updates with
+        :func:`~dmuon.functional.transforms.apply_updates`.
+    """
+    validate_hparams(hparams)
+    ortho = NSConfig.from_hparams(hparams) if orthogonalizer is None else orthogonalizer
+    return T.chain(
+        T.trace_momentum(hparams.momentum, hparams.nesterov),
+        T.orthogonalize(ortho, batch_dims=batch_dims),
+        T.scale_by_shape(hparams.lr_scale, batch_dims=batch_dims),
+        T.add_decayed_weights(hparams.weight_decay),
+        T.scale_by_learning_rate(hparams.lr),
+    )

@@ -3,7 +3,7 @@
 Each rank computes, on one compute resource, its whole units (one task each: the NS of its
 matrices, :func:`~dmuon.functional.machine.ns_matrix_seconds`) and the pieces of its split units.
 A piece is a chain: compute segment, collective, compute segment, ... (exact flops per segment from
-:func:`~dmuon.functional.split_ns.split_piece_segments`, timed at the whole matrix's rate); a
+:func:`~dmuon.newton_schulz.split.split_piece_segments`, timed at the whole matrix's rate); a
 collective starts when every member of its group has finished the segment before it and every
 member's link is free, and lasts :func:`~dmuon.functional.machine.collective_time` (NVLink: a split
 stays in one node). While a piece waits for a collective its rank computes other ready work
@@ -27,7 +27,7 @@ from dmuon.functional.machine import Machine, collective_time, interp_log2, ns_m
 from dmuon.functional.matrix_shape import as_matrix_shape
 from dmuon.functional.plan import OwnerPlan
 from dmuon.functional.specs import ParamSpec
-from dmuon.functional.split_ns import split_ns_program, split_piece_segments
+from dmuon.newton_schulz.split import split_ns_program, split_piece_segments
 
 __all__ = ["NSPhase", "ns_phase", "reference_slowdown"]
 

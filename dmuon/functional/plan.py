@@ -9,7 +9,7 @@ Cost model (integers, so sums are exact and order-free)::
 
 with ``(B, m, n) = as_matrix_shape(shape, batch_dims)`` and ``nbytes = numel * itemsize(dtype)``.
 The first term is the Newton–Schulz work of the variant that will actually run (the same
-:func:`~dmuon.functional.ns_cost.ns_cost` the NS code uses to choose direct vs Gram). The second term
+:func:`~dmuon.newton_schulz.cost.ns_cost` the NS code uses to choose direct vs Gram). The second term
 charges the owner's per-step element-wise and memory work (momentum, Nesterov input, casts, decay,
 update of the fp32 master: about 6 bytes of HBM traffic per parameter byte) at the H200's ratio of
 ~780 TFLOP/s bf16 matmul to ~4.8 TB/s HBM (~160 flops per HBM byte): ``DEFAULT_FLOPS_PER_BYTE = 1024``.
@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from dmuon.functional.matrix_shape import as_matrix_shape
-from dmuon.functional.ns_cost import ns_cost
+from dmuon.newton_schulz.cost import ns_cost
 from dmuon.functional.specs import ParamSpec
 
 __all__ = [

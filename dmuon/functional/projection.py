@@ -3,7 +3,7 @@
 For a model preset, a mesh ``(R, G)``, a micro-batch and a sequence length, :func:`project_step`
 builds the real owner plan (:func:`~dmuon.functional.plan.plan_owners`, split units included) and
 the real schedules (:func:`~dmuon.functional.schedule.build_step_schedules`, split NS:
-:func:`~dmuon.functional.split_ns.split_ns_schedule`), then times one steady-state step on a
+:func:`~dmuon.newton_schulz.split.split_ns_schedule`), then times one steady-state step on a
 :class:`~dmuon.functional.machine.Machine` with three serial resources per rank (every rank runs
 the same program, so one rank's timeline stands for all, except in the owners' phase):
 
@@ -70,7 +70,7 @@ class StepSetup:
     Attributes:
       preset: the model; shard: ``G``; replicate: ``R``; micro_batch: sequences per rank;
       seq: tokens per sequence; fsdp_reshard: FSDP2's ``reshard_after_forward`` for its layers
-      (True: Z3, re-gather in backward); dmuon_mode: ``"z2"`` / ``"z3"`` for the dedicated params;
+      (True: Z3, re-gather in backward); dmuon_reshard: ``reshard_after_forward`` of the dedicated params (True: Z3);
       reduce_bytes: bytes per gradient element in reductions (4: fp32 ``reduce_dtype``, 2: bf16);
       max_split: split NS over up to this many ranks (dmuon design; 1: never); ns_steps.
     """
@@ -81,7 +81,7 @@ class StepSetup:
     micro_batch: int = 1
     seq: int = 4096
     fsdp_reshard: bool = True
-    dmuon_mode: str = "z3"
+    dmuon_reshard: bool = True
     reduce_bytes: int = 4
     max_split: int = 1
     ns_steps: int = 5
@@ -182,8 +182,8 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
     """
     if design not in DESIGNS:
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
-    if setup.dmuon_mode not in ("z2", "z3"):
-        raise ValueError(f"dmuon_mode must be 'z2' or 'z3', got {setup.dmuon_mode!r}")
+    if not isinstance(setup.dmuon_reshard, bool):
+        raise TypeError(f"dmuon_reshard must be a bool, got {setup.dmuon_reshard!r}")
     p = setup.preset
     specs = preset_specs(p)
     dedicated = design != "adamw"
@@ -240,7 +240,7 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
     f_head = head_forward_flops(p, tokens) / fwd_rate
     b_head = 2 * head_forward_flops(p, tokens) / bwd_rate
     tl = _Timeline()
-    z3_dmuon = setup.dmuon_mode == "z3"
+    z3_dmuon = setup.dmuon_reshard
 
     # -- forward. HSDP: the previous step's publish runs first, column by column on the
     # replicate links; a bucket's broadcast waits for its column's publish of that group. This

@@ -56,7 +56,7 @@ def projection_summary(setup: StepSetup, machine: Machine,
         "gpus": setup.world, "micro_batch": setup.micro_batch, "seq": setup.seq,
         "global_batch_tokens": setup.global_batch_tokens,
         "global_batch_sequences": setup.micro_batch * setup.world,
-        "fsdp_reshard": setup.fsdp_reshard, "dmuon_mode": setup.dmuon_mode,
+        "fsdp_reshard": setup.fsdp_reshard, "dmuon_reshard": setup.dmuon_reshard,
         "reduce_bytes": setup.reduce_bytes, "max_split": setup.max_split,
         "machine": machine.name, "designs": designs,
     }
@@ -68,7 +68,7 @@ def projection_table(summary: Mapping[str, Any]) -> str:
     lines = [f"{s['model']} on {s['gpus']} {s['machine']} GPUs (G={s['shard']} x R={s['replicate']}), "
              f"micro-batch {s['micro_batch']} x seq {s['seq']}: global batch {s['global_batch_sequences']} "
              f"sequences = {s['global_batch_tokens']:,} tokens; FSDP2 "
-             f"{'Z3' if s['fsdp_reshard'] else 'Z2'}, dmuon {s['dmuon_mode'].upper()}",
+             f"{'Z3' if s['fsdp_reshard'] else 'Z2'}, dmuon {'Z3' if s['dmuon_reshard'] else 'Z2'}",
              f"{'design':<10} {'forward':>9} {'backward':>9} {'optimizer':>9} {'step':>9} "
              f"{'overhead':>9} {'state GB':>9}"]
     for name, d in s["designs"].items():

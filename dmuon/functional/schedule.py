@@ -10,7 +10,7 @@ A schedule is an ordered tuple of collective ops over a mesh ``(R, G)`` (see :mo
     same addressing, destination ``dst``, reduction ``op`` (``"avg"`` or ``"sum"``). Only the
     destination's buffer holds a defined result afterwards (a gloo reduce overwrites the others).
 
-``AllReduce`` / ``AllGather`` (split Newton–Schulz, :mod:`dmuon.functional.split_ns`)
+``AllReduce`` / ``AllGather`` (split Newton–Schulz, :mod:`dmuon.newton_schulz.split`)
     over an explicit group (``axis="group"``, ``at=None``, ``members``: global ranks in block
     order) on lane ``"split"``. ``AllReduce``: every member's range becomes the sum (``"sum"``) or
     mean (``"avg"``) of all members' ranges. ``AllGather``: member ``j`` contributes
@@ -454,19 +454,21 @@ def build_step_schedules(layout: BucketLayout, *, reduce_op: str = "avg") -> Ste
     )
 
 
-def step_traffic(layout: BucketLayout, mode: str = "z2", *, publish: bool = True) -> Traffic:
+def step_traffic(layout: BucketLayout, reshard_after_forward: bool = False, *,
+                 publish: bool = True) -> Traffic:
     """Bytes per lane and rank for one training step of all dedicated params.
 
-    ``mode="z2"``: forward unshard + backward reduce; ``"z3"``: forward unshard + backward
-    re-unshard + reduce. ``publish``: add the post-step HSDP publish (nothing when R == 1).
-    Mean sent (or received) per rank over shard-axis lanes: ``2(G-1)/G * P`` (Z2), ``3(G-1)/G * P``
-    (Z3), P = layout bytes.
+    ``reshard_after_forward`` as ``dedicate_params`` spells it: ``False`` (Z2): forward unshard +
+    backward reduce; ``True`` (Z3): forward unshard + backward re-unshard + reduce. ``publish``:
+    add the post-step HSDP publish (nothing when R == 1). Mean sent (or received) per rank over
+    shard-axis lanes: ``2(G-1)/G * P`` (Z2), ``3(G-1)/G * P`` (Z3), P = layout bytes.
     """
-    if mode not in ("z2", "z3"):
-        raise ValueError(f"mode must be 'z2' or 'z3', got {mode!r}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError("reshard_after_forward must be a bool (True: Z3, False: Z2), got "
+                        f"{reshard_after_forward!r}")
     steps = build_step_schedules(layout)
     total = Traffic.zero(layout.world_size)
-    k = 1 if mode == "z2" else 2
+    k = 2 if reshard_after_forward else 1
     for g in layout.groups:
         total = total + steps.unshard[g].traffic().scaled(k) + steps.reduce[g].traffic()
     if publish:
@@ -492,6 +494,8 @@ def step_bytes_per_rank(owners: Mapping[str, tuple[int, int]], shapes: Mapping[s
     layout = bucket_layout(owners, shapes, dtypes, hook_groups(names), shard_size, replicate_size)
     out: dict[str, list[int]] = {}
     for mode in modes:
-        traffic = step_traffic(layout, mode)
+        if mode not in ("z2", "z3"):
+            raise ValueError(f"modes are 'z2' and 'z3' (report labels), got {mode!r}")
+        traffic = step_traffic(layout, reshard_after_forward=(mode == "z3"))
         out[mode] = [traffic.rank_received(rank) for rank in range(layout.world_size)]
     return out

@@ -5,7 +5,7 @@ unshard layout in each group's compute dtype, and the reduce layout in its reduc
 presence element per matrix (:mod:`dmuon.functional.buckets`). One step moves: the forward
 unshard (Z3: and the backward re-unshard), the gradient reduce (both HSDP stages) and, with
 ``R > 1``, the post-step publish; split NS units add their ``"split"`` schedules
-(:func:`~dmuon.functional.split_ns.split_ns_schedule`). This is what the executor's counters
+(:func:`~dmuon.newton_schulz.split.split_ns_schedule`). This is what the executor's counters
 (``optimizer.last_step_stats()``, the demo's ``summary.json``) report, per rank and lane.
 """
 from __future__ import annotations
@@ -13,17 +13,17 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from dmuon.functional.buckets import HookGroups, bucket_layout, hook_groups
-from dmuon.functional.ns_cost import DEFAULT_GRAM_RESTART
+from dmuon.newton_schulz.cost import DEFAULT_GRAM_RESTART
 from dmuon.functional.plan import OwnerPlan
 from dmuon.functional.schedule import Traffic, build_step_schedules
 from dmuon.functional.specs import ParamSpec
-from dmuon.functional.split_ns import split_ns_schedule
+from dmuon.newton_schulz.split import split_ns_schedule
 from dmuon.functional.split_plan import owner_entries
 
 __all__ = ["runtime_step_traffic"]
 
 
-def runtime_step_traffic(plan: OwnerPlan, specs: Sequence[ParamSpec], *, mode: str = "z3",
+def runtime_step_traffic(plan: OwnerPlan, specs: Sequence[ParamSpec], *, reshard_after_forward: bool = True,
                          compute_dtype: str = "torch.float32", reduce_dtype: Optional[str] = None,
                          groups: Optional[HookGroups] = None, ns_steps: int = 5,
                          split_dtype: str = "torch.bfloat16") -> Traffic:
@@ -31,14 +31,14 @@ def runtime_step_traffic(plan: OwnerPlan, specs: Sequence[ParamSpec], *, mode: s
 
     Args:
       plan, specs: the owner plan and its specs.
-      mode: ``"z2"`` or ``"z3"`` (``reshard_after_forward``).
+      reshard_after_forward: the dedicated params' mode (True: Z3, re-gathered in backward).
       compute_dtype / reduce_dtype: dtypes of the unshard / reduce buckets (reduce: default the
         compute dtype), as ``str(torch dtype)``.
       groups: hook groups (default: by layer key, :func:`~dmuon.functional.buckets.hook_groups`).
       ns_steps, split_dtype: for split units' schedules (compute dtype of their gathers).
     """
-    if mode not in ("z2", "z3"):
-        raise ValueError(f"mode must be 'z2' or 'z3', got {mode!r}")
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
     entries = owner_entries(plan, specs)
     shapes = {n: e[0] for n, e in entries.items()}
     hg = groups if groups is not None else hook_groups(sorted(plan.owners))
@@ -49,7 +49,7 @@ def runtime_step_traffic(plan: OwnerPlan, specs: Sequence[ParamSpec], *, mode: s
     red = build_step_schedules(bucket_layout(plan.owners, shapes, {n: rd for n in shapes}, hg, G, R,
                                              presence=True))
     total = Traffic.zero(G * R)
-    k = 1 if mode == "z2" else 2
+    k = 2 if reshard_after_forward else 1
     for g in un.unshard:
         total = total + un.unshard[g].traffic().scaled(k) + red.reduce[g].traffic()
     total = total + un.publish.traffic()

@@ -8,7 +8,7 @@ and an optional per-matrix ``denom`` (``B`` fp32 values)::
 computed in fp32 with an IEEE-rounded division and one round-to-nearest-even cast to ``dst``'s
 dtype: bitwise what ``torch.div(src, denom, out=dst)`` / ``dst.copy_(src)`` give. The gather of
 the NS engine is ``denom = ||G||_F + eps`` (the Frobenius normalization of
-:func:`dmuon.functional.newton_schulz.frobenius_normalize`); the scatter is the plain cast back
+:func:`dmuon.newton_schulz.iteration.frobenius_normalize`); the scatter is the plain cast back
 to the parameter dtype.
 
 Why a kernel: PyTorch runs a broadcast division with a dtype change, and a bf16 -> fp32 copy,

@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from dmuon.functional.newton_schulz import SymOp, sym_product
+from dmuon.newton_schulz.iteration import SymOp, sym_product
 from dmuon.kernels.triton_support import TRITON_IMPORT_ERROR, tl, triton, triton_available
 
 __all__ = ["triton_available", "sym_abt", "sym_abt_torch", "sym_abt_triton", "make_sym_op"]
@@ -58,7 +58,7 @@ def sym_abt_torch(a: Tensor, b: Optional[Tensor] = None, *, alpha: float = 1.0, 
                   c: Optional[Tensor] = None, gamma: float = 0.0) -> Tensor:
     """``alpha a b^T + beta c + gamma I`` with cuBLAS / CPU BLAS (full product).
 
-    The functional core's reference op (:func:`dmuon.functional.newton_schulz.sym_product`) after
+    The functional core's reference op (:func:`dmuon.newton_schulz.iteration.sym_product`) after
     the shape checks of this module, so the torch backend rounds exactly like ``newton_schulz``
     with its default hook. With ``b`` given it is symmetric and ``a @ b`` is computed (equal to
     ``a @ b^T``; on a bf16 ``b`` symmetric only up to rounding, ``a @ b.mT`` without
@@ -253,7 +253,7 @@ def _tma_applicable(a: Tensor, b: Optional[Tensor], c: Optional[Tensor]) -> bool
 
 
 def make_sym_op(backend: str = "auto") -> SymOp:
-    """The ``sym=`` hook of :func:`dmuon.functional.newton_schulz.newton_schulz` on a backend.
+    """The ``sym=`` hook of :func:`dmuon.newton_schulz.iteration.newton_schulz` on a backend.
 
     Args:
       backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see :func:`sym_abt`).

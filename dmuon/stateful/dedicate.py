@@ -170,7 +170,6 @@ def dedicate_params(
     reshard_after_forward: bool = True,
     mp_policy: Any = None,
     batch_dims: Optional[Callable[[str, tuple[int, ...]], int]] = None,
-    ns_steps: int = 5,
     timeout: Optional[datetime.timedelta] = None,
 ) -> dict[nn.Parameter, int]:
     """Dedicate every matrix ``predicate`` selects to one owner rank (collective; before fully_shard).
@@ -192,7 +191,6 @@ def dedicate_params(
         ``fully_shard`` got for the enclosing module (found at the first forward); none: the
         param's dtype.
       batch_dims: ``(name, shape) -> int`` leading batch dims of a matrix (e.g. MoE expert stacks).
-      ns_steps: Newton–Schulz steps the plan's cost model assumes (use the optimizer's).
       timeout: collective timeout of the process groups that move the dedicated params (default:
         the default group's). A rank that never reaches one of their collectives (it skipped a
         forward, backward or step) makes the waiting ranks raise ``RuntimeError`` naming the dmuon
@@ -238,7 +236,7 @@ def dedicate_params(
                       param_device_types=[p.device.type for p in chosen.values()])
     timeout = timeout or default_group_timeout(str(mesh.device_type))
     mesh_groups = make_process_groups(grid=grid, timeout=timeout)
-    plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size, ns_steps=ns_steps)
+    plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size)
     _check_fingerprint(plan.fingerprint, mesh_groups)
     _bound_mesh_groups((mesh, replicate_mesh), timeout)
 

@@ -36,7 +36,9 @@ from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.stateful.fsdp_patch import check_not_taken_over
 from dmuon.stateful.guards import make_marker
-from dmuon.stateful.ns_engine import NSEngine
+from dmuon.newton_schulz.config import NSConfig
+from dmuon.newton_schulz.engine import NSEngine
+from dmuon.newton_schulz.config import NSConfig
 from dmuon.stateful.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.telemetry import StepStats, StepTelemetry
 
@@ -67,18 +69,28 @@ class Muon(torch.optim.Optimizer):
         step); NaN/Inf raises ``FloatingPointError`` on every rank and leaves params, state and
         gradients untouched (``zero_grad()`` then skips the batch). Raising needs the flag on the
         host, so on CUDA the check costs one host synchronization per step (the CPU waits for
-        the backward to finish before it can queue the step): ``None`` (default) means on for CPU
-        params, off on CUDA, where it is opt-in (``True``; ``last_step_stats().host_syncs``
+        the backward to finish before it can queue the step): ``"auto"`` (default) means on for
+        CPU params, off on CUDA, where it is opt-in (``True``; ``last_step_stats().host_syncs``
         shows it). Without it a NaN gradient propagates into the weights.
       adamw_impl: the ``impl`` of :func:`dmuon.functional.adamw.update` for FSDP2's local shards;
         ``"auto"`` (default): ``"fused"`` (``torch._fused_adamw_``) on CUDA, ``"reference"``
         (bitwise ``torch.optim.AdamW(foreach=False)``) elsewhere.
-      ns_engine: the owner's Newton–Schulz. ``None`` (default): on CUDA a
-        :class:`dmuon.stateful.ns_engine.NSEngine` built from the NS hparams (batched per shape,
-        CUDA-graph replay on the persistent gradient buckets, rebuilt if those hparams change),
-        elsewhere the functional core's batched NS (bitwise the functional Muon). ``True``: that
-        engine on any device; ``False``: always the functional core; an ``NSEngine``: that one
-        (its own NS settings; ``ns_steps`` etc. are then ignored).
+      ns_engine: who runs the owner's Newton–Schulz. ``"auto"`` (default): on CUDA a
+        :class:`dmuon.newton_schulz.engine.NSEngine` (batched per shape, CUDA-graph replay on the
+        gradient buckets), elsewhere the functional core's batched NS (bitwise the functional
+        Muon); ``"engine"``: that engine on any device; ``"functional"``: always the functional
+        core; an ``NSEngine``: that one (its execution settings; what it computes must be this
+        optimizer's ``ns_*`` hyper-parameters, checked at every step). The NS settings have one
+        source: ``param_groups[0]``'s ``ns_*`` values, as :class:`dmuon.newton_schulz.NSConfig`.
+      elementwise: Muon's elementwise stages (momentum + Nesterov input; weight decay + update).
+        ``"auto"`` (default): fused Triton passes (:mod:`dmuon.kernels.muon_elementwise`, 28
+        instead of 52 bytes per fp32 element) on CUDA when Triton imports, else the functional
+        core's foreach stages (bitwise); ``"foreach"``: always foreach; ``"fused"``: fused
+        where it can run.
+      persistent_grad_buffers: keep the owners' gradient buckets allocated between steps
+        (stable addresses: the engine's graph replays every step; peak memory = FSDP2 + AdamW's)
+        instead of giving their memory back after each step (default ``False``: forward runs
+        without them, 3.6 GiB less peak on the 1B H200 benchmark).
       replicate_async: HSDP only. True (default): the publish of the new masters to the replicas
         of each owner's shard column is dispatched at the end of ``step()`` and waited by the next
         forward's pre-hook of each hook group (groups forward did not use: at the end of the next
@@ -94,14 +106,15 @@ class Muon(torch.optim.Optimizer):
         another device type) than ``dedicate_params``.
     """
 
-    def __init__(self, model: nn.Module, lr: float = 0.02, momentum: float = 0.95,
+    def __init__(self, model: nn.Module, *, lr: float = 0.02, momentum: float = 0.95,
                  nesterov: bool = True, weight_decay: float = 0.0, ns_steps: int = 5,
                  ns_coefficients: Any = "polar_express", ns_eps: float = 1e-7,
                  ns_dtype: Optional[torch.dtype] = None, lr_scale: str = "moonlight",
                  adamw_lr: float = 1e-3, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.01,
-                 check_finite: Optional[bool] = None, replicate_async: bool = True,
-                 adamw_impl: str = "auto", ns_engine: Any = None):
+                 check_finite: Any = "auto", replicate_async: bool = True,
+                 adamw_impl: str = "auto", ns_engine: Any = "auto", elementwise: str = "auto",
+                 persistent_grad_buffers: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
@@ -124,19 +137,24 @@ class Muon(torch.optim.Optimizer):
         ]
         super().__init__(groups, defaults={})
         self._rt: DedicatedState = rt
-        self.check_finite = (rt.device.type != "cuda") if check_finite is None \
-            else bool(check_finite)
+        if not (check_finite == "auto" or isinstance(check_finite, bool)):
+            raise ValueError(f"check_finite must be 'auto', True or False, got {check_finite!r}")
+        self.check_finite = (rt.device.type != "cuda") if check_finite == "auto" \
+            else check_finite
         rt.track_local_finite = self.check_finite
         if adamw_impl not in ("auto",) + fadamw.IMPLS:
             raise ValueError(f"adamw_impl must be 'auto' or one of {fadamw.IMPLS}, got "
                              f"{adamw_impl!r}")
         self.adamw_impl = adamw_impl
-        if not (ns_engine is None or isinstance(ns_engine, (bool, NSEngine))):
-            raise TypeError("ns_engine must be None, True, False or a "
-                            f"dmuon.stateful.ns_engine.NSEngine, got {type(ns_engine).__name__}")
+        if not (ns_engine in ("auto", "engine", "functional") or isinstance(ns_engine, NSEngine)):
+            raise ValueError("ns_engine must be 'auto', 'engine', 'functional' or a "
+                             f"dmuon.newton_schulz.engine.NSEngine, got {ns_engine!r}")
+        if elementwise not in ("auto", "fused", "foreach"):
+            raise ValueError(f"elementwise must be 'auto', 'fused' or 'foreach', got {elementwise!r}")
+        self.elementwise = elementwise
+        rt.pool.persistent = bool(persistent_grad_buffers)
         self._ns_choice = ns_engine
         self._ns_engine: Optional[NSEngine] = ns_engine if isinstance(ns_engine, NSEngine) else None
-        self._ns_key: Any = None
         self._host_syncs = 0
         self.telemetry = StepTelemetry(rt.executor, rt.device)
         self.replicate_async = bool(replicate_async)
@@ -279,22 +297,15 @@ class Muon(torch.optim.Optimizer):
                 + ". Nothing was updated; call optimizer.zero_grad() to skip this batch, lower the "
                 "learning rate or check the loss and inputs (or pass check_finite=False).")
 
-    #: Muon's elementwise stages (momentum + Nesterov input; weight decay + update): ``None``
-    #: (default) fused Triton passes (:mod:`dmuon.kernels.muon_elementwise`, 28 instead of 52
-    #: bytes per fp32 element) on CUDA when Triton imports, else the functional core's foreach
-    #: stages (bitwise); ``False``: always foreach; ``True``: fused where it can run. Settable on
-    #: an instance (``opt.fused_elementwise = False``).
-    fused_elementwise: Optional[bool] = None
-
     @property
     def elementwise_mode(self) -> str:
         """``"fused"`` (Triton kernels) or ``"foreach"``: how the owner's elementwise Muon stages run."""
         return "foreach" if self._elementwise(self._rt) is None else "fused"
 
     def _elementwise(self, rt: DedicatedState) -> Optional[fmuon.MuonElementwise]:
-        """The ``elementwise=`` hook for this step (see :attr:`fused_elementwise`)."""
-        choice = self.fused_elementwise
-        if choice is False or (choice is None and rt.device.type != "cuda"):
+        """The ``elementwise=`` hook for this step (see the ``elementwise`` argument)."""
+        if self.elementwise == "foreach" or (self.elementwise == "auto"
+                                             and rt.device.type != "cuda"):
             return None
         from dmuon.kernels.muon_elementwise import fused_elementwise
         return fused_elementwise()
@@ -319,24 +330,25 @@ class Muon(torch.optim.Optimizer):
     def _orthogonalizer(self, rt: DedicatedState, hp: fmuon.MuonHParams) -> fmuon.Orthogonalize:
         """The NS hook for this step, timed by the telemetry (see ``ns_engine`` in the class doc)."""
         tel = self.telemetry
-        use_engine = self._ns_choice is not False and (
-            self._ns_choice is not None or rt.device.type == "cuda")
-        if not use_engine:
+        config = NSConfig.from_hparams(hp)
+        choice = self._ns_choice
+        if choice == "functional" or (choice == "auto" and rt.device.type != "cuda"):
             def functional(xs: list) -> list:
                 tel.ns_begin()
-                out = fmuon.orthogonalize_batched(xs, steps=hp.ns_steps,
-                                                  coefficients=hp.ns_coefficients,
-                                                  eps=float(hp.ns_eps), dtype=hp.ns_dtype)
+                out = fmuon.orthogonalize_batched(xs, config)
                 tel.ns_end()
                 self._ns_mode = "functional"
                 return out
             return functional
-        if not isinstance(self._ns_choice, NSEngine):
-            key = (hp.ns_steps, repr(hp.ns_coefficients), float(hp.ns_eps), hp.ns_dtype)
-            if self._ns_engine is None or key != self._ns_key:
-                self._ns_engine = NSEngine(steps=hp.ns_steps, coefficients=hp.ns_coefficients,
-                                           eps=float(hp.ns_eps), dtype=hp.ns_dtype)
-                self._ns_key = key
+        if isinstance(choice, NSEngine):
+            if tuple(choice.config[:4]) != tuple(config[:4]):  # the fields MuonHParams sets
+                raise ValueError(
+                    f"dmuon.Muon.step: the NSEngine given as ns_engine computes {choice.config} but "
+                    f"this optimizer's NS hyper-parameters are {config}; build the engine with "
+                    "NSEngine(dmuon.newton_schulz.NSConfig.from_hparams(opt.muon_hparams()), ...) "
+                    "or leave ns_engine='auto'")
+        elif self._ns_engine is None or self._ns_engine.config != config:
+            self._ns_engine = NSEngine(config)
         engine = self._ns_engine
 
         def with_engine(xs: list) -> list:

@@ -47,7 +47,7 @@ import torch.nn as nn
 
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
-from dmuon.functional.newton_schulz import default_ns_dtype
+from dmuon.newton_schulz.iteration import default_ns_dtype
 from dmuon.stateful.optimizer import Muon
 from dmuon.stateful.optimizer_state_dict import (check_optimizer, get_optimizer_state_dict,
                                                  hparam_groups)

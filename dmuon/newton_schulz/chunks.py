@@ -1,9 +1,9 @@
 """How a set of matrices is cut into batched Newton–Schulz calls: shape groups and chunks (pure).
 
-The GPU engine (:mod:`dmuon.stateful.ns_engine`) runs one batched NS call per chunk. This module
+The GPU engine (:mod:`dmuon.newton_schulz.engine`) runs one batched NS call per chunk. This module
 only plans: it groups inputs by ``(min(m, n), max(m, n))`` and orientation (a tall matrix is
 iterated in its own layout, so tall and wide inputs of one shape form separate chunks), picks each
-group's variant by :func:`~dmuon.functional.ns_cost.choose_ns_variant`, and splits groups so that no
+group's variant by :func:`~dmuon.newton_schulz.cost.choose_ns_variant`, and splits groups so that no
 chunk's compute-dtype iterate exceeds a byte cap.
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from dmuon.functional.matrix_shape import as_matrix_shape
-from dmuon.functional.ns_cost import choose_ns_variant
+from dmuon.newton_schulz.cost import choose_ns_variant
 
 __all__ = ["NSEntry", "NSChunk", "plan_ns_chunks"]
 

@@ -2,20 +2,20 @@
 
 What it computes: for every input ``G_i`` (viewed as ``B_i`` matrices ``m_i x n_i`` through
 :func:`~dmuon.functional.matrix_shape.as_matrix_shape`) exactly what
-:func:`dmuon.functional.newton_schulz.newton_schulz` computes, ``U_i ~ polar(G_i)``, returned in
+:func:`dmuon.newton_schulz.iteration.newton_schulz` computes, ``U_i ~ polar(G_i)``, returned in
 ``G_i``'s shape and dtype:
 
 * matrices are grouped by ``(min(m, n), max(m, n))`` and orientation -- a tall matrix stays in
   its own layout and is iterated as the transposed view of it (``X^T``, the wide orientation;
-  :func:`~dmuon.functional.newton_schulz.left_product`), so no transposed copy is ever made --
+  :func:`~dmuon.newton_schulz.iteration.left_product`), so no transposed copy is ever made --
   and each group is split into chunks of at most ``max_chunk_bytes`` of compute-dtype iterate
-  (:func:`~dmuon.functional.ns_chunks.plan_ns_chunks`);
+  (:func:`~dmuon.newton_schulz.chunks.plan_ns_chunks`);
 * per chunk: Frobenius normalization straight from the sources into the batch (divisor
-  :func:`~dmuon.functional.newton_schulz.frobenius_denominator`, ``X_0 = G / (||G||_F + eps)``
+  :func:`~dmuon.newton_schulz.iteration.frobenius_denominator`, ``X_0 = G / (||G||_F + eps)``
   times the compute dtype's range lift, cast to the compute dtype, fp16 on CUDA, by
   :func:`dmuon.kernels.scale_cast.scale_cast_`), then one call of the functional core,
   ``ns_iterate(X_0, variant=..., sym=make_sym_op(sym_backend), lift=...)``, direct or Gram as
-  :func:`~dmuon.functional.ns_cost.choose_ns_variant` says for that shape, with
+  :func:`~dmuon.newton_schulz.cost.choose_ns_variant` says for that shape, with
   the Gram restarts of ``gram_restart`` (by default 3 for fp16, else 2); every symmetric product
   runs on the Triton triangle kernel or cuBLAS (:mod:`dmuon.kernels.syrk`); the results are cast
   back into the destinations (``scale_cast_`` again). The engine holds no NS math of its own;
@@ -47,11 +47,12 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from dmuon.functional.coefficients import CoefficientSpec, ns_coefficient_table
-from dmuon.functional.newton_schulz import (GramRestart, default_ns_dtype, default_range_lift,
+from dmuon.newton_schulz.coefficients import ns_coefficient_table
+from dmuon.newton_schulz.config import NSConfig
+from dmuon.newton_schulz.iteration import (default_ns_dtype, default_range_lift,
                                             frobenius_denominator, left_product, ns_iterate,
                                             resolve_gram_restart)
-from dmuon.functional.ns_chunks import NSChunk, plan_ns_chunks
+from dmuon.newton_schulz.chunks import NSChunk, plan_ns_chunks
 from dmuon.kernels.scale_cast import scale_cast_
 from dmuon.kernels.syrk import make_sym_op
 
@@ -238,9 +239,10 @@ class NSEngine:
     """Batched, graph-replayed Newton–Schulz for a set of matrices (see the module docstring).
 
     Args:
-      steps, coefficients, eps, dtype, safety, gram_restart: as in
-        :func:`dmuon.functional.newton_schulz.newton_schulz` (``dtype=None``: fp16 on CUDA, fp32
-        on CPU; ``gram_restart="auto"``: 3 for fp16, else 2).
+      config: what it computes (:class:`~dmuon.newton_schulz.config.NSConfig`: the settings of
+        :func:`dmuon.newton_schulz.iteration.newton_schulz` under ``MuonHParams``' names;
+        ``ns_dtype=None``: fp16 on CUDA, fp32 on CPU; ``ns_gram_restart="auto"``: 3 for fp16,
+        else 2).
       cuda_graphs: capture and replay on CUDA (default True).
       sym_backend: symmetric products on ``"triton"``, ``"torch"`` (cuBLAS) or ``"auto"``
         (Triton on CUDA when importable).
@@ -248,18 +250,20 @@ class NSEngine:
         bounds the workspace (about 3-4 iterates plus the ``m x m`` matrices of a chunk).
     """
 
-    def __init__(self, *, steps: int = 5, coefficients: CoefficientSpec = "polar_express",
-                 eps: float = 1e-7, dtype: Optional[torch.dtype] = None, safety: float = 1.01,
-                 gram_restart: GramRestart = "auto", cuda_graphs: bool = True,
+    def __init__(self, config: NSConfig = NSConfig(), *, cuda_graphs: bool = True,
                  sym_backend: str = "auto", max_chunk_bytes: Optional[int] = 4 << 30):
+        if not isinstance(config, NSConfig):
+            raise TypeError(f"NSEngine(config): an NSConfig, got {type(config).__name__}")
+        steps, coefficients, eps, dtype, gram_restart, safety = config
         if not (eps >= 0.0):
-            raise ValueError(f"eps must be >= 0, got {eps!r}")
+            raise ValueError(f"ns_eps must be >= 0, got {eps!r}")
         if sym_backend not in ("auto", "triton", "torch"):
             raise ValueError(f"sym_backend must be 'auto', 'triton' or 'torch', got {sym_backend!r}")
         if max_chunk_bytes is not None and max_chunk_bytes <= 0:
             raise ValueError(f"max_chunk_bytes must be positive or None, got {max_chunk_bytes!r}")
         if dtype is not None and not dtype.is_floating_point:
             raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        self.config = config
         self.steps = steps
         self.table = ns_coefficient_table(coefficients, steps, safety=safety)
         self.eps = float(eps)

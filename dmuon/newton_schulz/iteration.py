@@ -1,6 +1,6 @@
 """Newton–Schulz orthogonalization: the approximate polar factor ``U V^T`` of ``G = U S V^T``.
 
-Both variants compute, for a schedule ``(a_k, b_k, c_k)`` (see :mod:`dmuon.functional.coefficients`),
+Both variants compute, for a schedule ``(a_k, b_k, c_k)`` (see :mod:`dmuon.newton_schulz.coefficients`),
 
     X_0 = G / (||G||_F + eps),    X_{k+1} = p_k(X_k) = a_k X_k + (b_k A_k + c_k A_k^2) X_k,
     A_k = X_k X_k^T,
@@ -22,7 +22,7 @@ Each step maps every singular value ``s`` to ``a s + b s^3 + c s^5`` and keeps s
 using that ``P_k`` is a polynomial in the symmetric ``A_k`` (hence symmetric and commuting with
 ``A_k``). Only ``m x m`` products appear; ``X = Q X_0`` is formed at the end. In exact arithmetic
 this is the same function as direct NS; for ``n > 1.5 m`` it costs fewer flops
-(:mod:`dmuon.functional.ns_cost`).
+(:mod:`dmuon.newton_schulz.cost`).
 
 **Restarts.** In low precision the recurrence for ``A`` drifts from ``Q X_0 (Q X_0)^T`` (rounding
 errors are amplified by the large early coefficients; spurious negative eigenvalues and eigenvector
@@ -76,8 +76,8 @@ from typing import Callable, Literal, Optional, Union
 import torch
 from torch import Tensor
 
-from dmuon.functional.coefficients import CoefficientSpec, ns_coefficient_table
-from dmuon.functional.ns_cost import DEFAULT_GRAM_RESTART, choose_ns_variant
+from dmuon.newton_schulz.coefficients import CoefficientSpec, ns_coefficient_table
+from dmuon.newton_schulz.cost import DEFAULT_GRAM_RESTART, choose_ns_variant
 
 __all__ = ["FinalProduct", "GramRestart", "SymOp", "default_gram_restart", "default_ns_dtype",
            "default_range_lift", "resolve_gram_restart", "frobenius_denominator",
@@ -93,7 +93,7 @@ FinalProduct = Callable[..., Optional[Tensor]]
 GramRestart = Union[int, None, Literal["auto"]]
 
 #: Gram restart period per compute dtype under ``gram_restart="auto"``; dtypes not listed use
-#: :data:`~dmuon.functional.ns_cost.DEFAULT_GRAM_RESTART` (2). fp16 carries 3 more mantissa bits
+#: :data:`~dmuon.newton_schulz.cost.DEFAULT_GRAM_RESTART` (2). fp16 carries 3 more mantissa bits
 #: than bf16, so its Gram recurrence drifts less and one restart in 5 steps keeps it 2-10x closer to
 #: fp64 than bf16 with two restarts (module docstring), with one ``4 m^2 n``-flop restart fewer.
 GRAM_RESTART_BY_DTYPE = {torch.float16: 3}
@@ -118,7 +118,7 @@ def default_gram_restart(dtype: torch.dtype) -> int:
     """The Gram restart period ``gram_restart="auto"`` means for compute ``dtype``.
 
     3 for float16 (:data:`GRAM_RESTART_BY_DTYPE`), else
-    :data:`~dmuon.functional.ns_cost.DEFAULT_GRAM_RESTART` (2).
+    :data:`~dmuon.newton_schulz.cost.DEFAULT_GRAM_RESTART` (2).
     """
     return GRAM_RESTART_BY_DTYPE.get(dtype, DEFAULT_GRAM_RESTART)
 
@@ -302,7 +302,7 @@ def ns_iterate(x0: Tensor, table, *, variant: Literal["direct", "gram"], sym: Sy
       x0: ``(B, m, n)`` with ``m <= n``, ``lift`` times a batch with singular values at most 1;
         contiguous, or a transposed view of a contiguous ``(B, n, m)`` batch (a tall matrix
         iterated in place of its transpose: no transposed copy is made, see :func:`left_product`).
-      table: ``(a, b, c)`` triples (:func:`~dmuon.functional.coefficients.ns_coefficient_table`).
+      table: ``(a, b, c)`` triples (:func:`~dmuon.newton_schulz.coefficients.ns_coefficient_table`).
       variant: ``"direct"`` or ``"gram"``.
       sym, gram_restart: as in :func:`newton_schulz` (``"auto"`` resolves by ``x0.dtype``).
       final: the op of the LAST general product, ``final(p, x, *, alpha=1.0, beta=0.0, c=None)``
@@ -341,12 +341,12 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = 
       x: ``(..., m, n)`` with ``ndim >= 2``; leading dims index independent matrices. Not mutated.
       steps: number of iterations (exactly this many are run).
       coefficients: schedule name (``"polar_express"``, ``"you"``, ``"jordan"``) or a table of
-        ``(a, b, c)`` triples; see :func:`~dmuon.functional.coefficients.ns_coefficient_table`.
+        ``(a, b, c)`` triples; see :func:`~dmuon.newton_schulz.coefficients.ns_coefficient_table`.
       eps: added to the Frobenius norm before dividing (``X / (||X||_F + eps)``, per matrix).
       dtype: compute dtype of the iteration; ``None`` -> :func:`default_ns_dtype` of ``x.device``
         (fp16 on CUDA, fp32 on CPU). bf16 and fp64 work. Normalization is done in at least fp32.
       variant: ``"direct"``, ``"gram"`` or ``"auto"`` (the cheaper by
-        :func:`~dmuon.functional.ns_cost.choose_ns_variant`, ties -> direct).
+        :func:`~dmuon.newton_schulz.cost.choose_ns_variant`, ties -> direct).
       safety: Polar Express safety factor (ignored by the other schedules).
       sym: the symmetric-product op, ``sym(a, b=None, *, alpha=1, beta=0, c=None, gamma=0)
         = alpha a b^T + beta c + gamma I`` on ``(B, m, k)`` batches in the compute dtype (contract:

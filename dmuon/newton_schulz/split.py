@@ -11,11 +11,11 @@ holds a **column block** ``X_i`` (``m x n_i``, ``X = [X_1 ... X_k]``) and owns a
   that it gets whole by an all-gather of the row blocks.
 
 So each rank does ``1/k`` of every product (flops below sum exactly to the single-device count of
-:mod:`dmuon.functional.ns_cost`), the small ``m x m`` iteration is not repeated on every rank, and
+:mod:`dmuon.newton_schulz.cost`), the small ``m x m`` iteration is not repeated on every rank, and
 the only traffic is ``m x m``-sized. This is the row/column block decomposition of a matrix product
 (e.g. G. Golub, C. Van Loan, "Matrix Computations", 4th ed., 2013, sections 1.3 and 1.6 on
 block and distributed matrix multiplication) applied to the products of the NS recurrences of
-:mod:`dmuon.functional.newton_schulz`, which are replayed here product by product.
+:mod:`dmuon.newton_schulz.iteration`, which are replayed here product by product.
 
 Program (the same sequence of collectives on every rank, :func:`split_ns_program`), after
 ``||X||_F^2 = sum_i ||X_i||_F^2`` (all-reduce of one scalar, then ``X_0,i = X_i / (||X||_F + eps)``).
@@ -49,8 +49,8 @@ import torch
 from torch import Tensor
 
 from dmuon.functional.buckets import BucketKey, dtype_str
-from dmuon.functional.newton_schulz import left_product, sym_product
-from dmuon.functional.ns_cost import gram_segments
+from dmuon.newton_schulz.iteration import left_product, sym_product
+from dmuon.newton_schulz.cost import gram_segments
 from dmuon.functional.schedule import AllGather, AllReduce, Op, Schedule
 
 __all__ = ["SplitLayout", "SplitCollective", "split_layout", "split_piece_flops", "split_ns_program",
@@ -140,7 +140,7 @@ def split_ns_program(m: int, steps: int, variant: str,
     Args:
       m: the short side (``m x m`` matrices).
       steps: NS iterations; variant: ``"direct"`` or ``"gram"``; gram_restart: restart period
-        (``None``/0: never), as :func:`~dmuon.functional.ns_cost.gram_segments` counts it.
+        (``None``/0: never), as :func:`~dmuon.newton_schulz.cost.gram_segments` counts it.
     """
     _check_variant(variant)
     gram = SplitCollective("all_reduce", "gram", m * (m + 1) // 2, 0, True)
@@ -282,8 +282,8 @@ def split_ns_rank(x: Tensor, layout: SplitLayout, index: int, table: Sequence[tu
     Args:
       x: this rank's column block ``X_i`` (``m x n_i``, ``layout.col_ranges[index]``), not mutated.
       layout: from :func:`split_layout`; index: the block number ``0 .. k-1``.
-      table: ``(a, b, c)`` per step (:func:`~dmuon.functional.coefficients.ns_coefficient_table`).
-      variant, gram_restart: as for :func:`~dmuon.functional.newton_schulz.newton_schulz` (a
+      table: ``(a, b, c)`` per step (:func:`~dmuon.newton_schulz.coefficients.ns_coefficient_table`).
+      variant, gram_restart: as for :func:`~dmuon.newton_schulz.iteration.newton_schulz` (a
         resolved period: an int, or ``None``/0 for never).
       eps: added to the Frobenius norm; dtype: compute dtype (default ``x.dtype``).
 

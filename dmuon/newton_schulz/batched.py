@@ -1,0 +1,52 @@
+"""Newton–Schulz over many matrix stacks, batched per shape (pure)."""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Sequence
+
+import torch
+from torch import Tensor
+
+from dmuon.newton_schulz.config import NSConfig
+from dmuon.newton_schulz.iteration import newton_schulz
+
+__all__ = ["orthogonalize_batched"]
+
+
+def orthogonalize_batched(matrices: Sequence[Tensor], config: NSConfig = NSConfig()) -> list[Tensor]:
+    """Newton–Schulz on many ``(B_i, m_i, n_i)`` tensors, one batched call per (m, n, dtype, device).
+
+    Tensors whose matrices have the same shape, dtype and device are concatenated along the batch dim,
+    orthogonalized by a single :func:`~dmuon.newton_schulz.iteration.newton_schulz` call, and split
+    back. Each matrix is treated independently, so the result equals orthogonalizing one at a time.
+
+    Args:
+        matrices: 3-D tensors ``(B_i, m_i, n_i)``; never modified.
+        config: what Newton–Schulz computes (:class:`dmuon.newton_schulz.NSConfig`).
+
+    Returns:
+        A list aligned with ``matrices``; entry ``i`` has the shape and dtype of ``matrices[i]``.
+
+    References:
+        K. Jordan, "Muon: An optimizer for hidden layers in neural networks", 2024.
+    """
+    groups: dict[tuple[Any, ...], list[int]] = defaultdict(list)
+    for i, x in enumerate(matrices):
+        if x.ndim != 3:
+            raise ValueError(f"orthogonalize_batched expects (B, m, n) tensors, got shape {tuple(x.shape)}")
+        groups[(x.shape[1], x.shape[2], x.dtype, x.device)].append(i)
+    out: list[Tensor | None] = [None] * len(matrices)
+    for (m, n, _, _), idx in groups.items():
+        if m * n == 0:
+            for i in idx:
+                out[i] = torch.zeros_like(matrices[i])
+            continue
+        stacked = matrices[idx[0]] if len(idx) == 1 else torch.cat([matrices[i] for i in idx], dim=0)
+        if stacked.shape[0] == 0:
+            for i in idx:
+                out[i] = torch.zeros_like(matrices[i])
+            continue
+        u = newton_schulz(stacked, **config.iteration_kwargs())
+        for i, piece in zip(idx, torch.split(u, [matrices[i].shape[0] for i in idx], dim=0)):
+            out[i] = piece
+    return out  # type: ignore[return-value]
