@@ -36,8 +36,9 @@ Three ways to call it:
   ``outputs[i]`` must be contiguous with ``inputs[i]``'s shape; it may be ``inputs[i]`` itself
   (then ``bind`` itself overwrites the inputs' current values with its warm-up run).
 * ``engine.orthogonalize_(tensors, batch_dims=...)`` -- in place, keyed by the tensors' storage:
-  eager the first time, captured the second time a key is seen, replayed after that (no copies,
-  no static buffers; what ``dmuon.Muon`` uses on CUDA with its persistent gradient buckets).
+  eager the first time, captured when a key comes on two calls in a row, replayed after that (no
+  copies, no static buffers; what ``dmuon.Muon`` uses on CUDA: graph replay on persistent
+  gradient buckets, or on freed ones whose addresses stay put; eager where they cycle).
 """
 from __future__ import annotations
 
