@@ -479,8 +479,10 @@ def local_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def find_state(model: Any) -> Optional[DedicatedState]:
-    """The state ``dedicate_params`` attached to ``model`` (``None`` if it has none)."""
-    return getattr(model, STATE_ATTR, None)
+    """The state ``dedicate_params`` attached to ``model`` (``None`` if it has none); through a
+    ``DistributedDataParallel`` wrapper (DDP mode), the wrapped module's."""
+    from dmuon.stateful.ddp import unwrap_model
+    return getattr(unwrap_model(model), STATE_ATTR, None)
 
 
 def get_state(model: nn.Module, what: str = "this call") -> DedicatedState:

@@ -134,7 +134,9 @@ class _Hooks:
         for group in self.transfer.each_group():
             full = self.transfer.to_every_rank(group, st.masters)
             for n, t in full.items():
-                rows[n] = dtensor_rows(t.to(st.orig_dtype[n]).clone(), mesh)
+                t = t.to(st.orig_dtype[n]).clone()
+                # DDP mode (no shard mesh): every rank holds the full matrix, as DDP's params
+                rows[n] = t if mesh is None else dtensor_rows(t, mesh)
         for k, n in self.keys.items():
             if prefix + k in state_dict:
                 state_dict[prefix + k] = rows[n]
