@@ -1,0 +1,359 @@
+"""DDP mode: ``dedicate_params(..., data_parallel="ddp")`` then ``DistributedDataParallel(model)``.
+
+gloo, fp64, 10 steps. One spawned group per world size runs every check (spawning costs seconds):
+
+* training equals the single-process reference (functional Muon with fp64 NS + ``torch.optim.AdamW``
+  on the full batch) to <= 1e-10, plain, with DDP's ``no_sync`` and with ``dmuon.no_sync``
+  accumulation (2 micro-batches), with ``dmuon.clip_grad_norm_`` (norms equal too);
+* DDP skips the dedicated matrices: its ignore list names them, its reducer holds none of them and
+  its all-reduce buckets (a counting comm hook) carry exactly the other params' elements;
+* replicas are bit-identical (every rank's masters and DDP params, after a drain);
+* Newton–Schulz ran only on owners (``last_step_stats()``): every matrix owned by exactly one rank,
+  each rank's NS elements are its own matrices';
+* zero-copy: in forward each dedicated param is a view of its master (no gathered copy);
+* the dedicated reduces + publishes move, per step, the bytes the functional schedules predict;
+  a ``no_sync`` micro-batch moves none;
+* mismatches raise naming the fix: FSDP-mode dedication then DDP, DDP-mode dedication then
+  ``fully_shard``, composable ``replicate``, an unknown ``data_parallel``; torch's own
+  ``clip_grad_norm_`` refuses the dedicated params (instead of silently missing their gradients);
+* checkpoints move between backends: full dicts (``get_model_state_dict`` /
+  ``get_optimizer_state_dict``) saved at step 5 under DDP resume under FSDP2 and the reverse, and
+  both equal the uninterrupted run at step 10.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import pytest
+import torch
+
+from dist_utils import catch, run_ranks
+from models import make_batches, make_model, muon_predicate
+from stateful_harness import HP, max_rel_err, reference_run
+
+TOL = 1e-10
+STEPS, BATCH, CLIP = 10, 8, 0.5
+
+
+def _muon(model, **kw):
+    import dmuon
+    return dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
+                      weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"],
+                      ns_dtype=torch.float64, adamw_lr=HP["adamw_lr"],
+                      adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
+                      adamw_weight_decay=HP["adamw_weight_decay"], **kw)
+
+
+def _build_ddp(world, *, seed=0, counter=None):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import dmuon
+
+    model = make_model(seed=seed)
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), muon_predicate,
+                          data_parallel="ddp")
+    ddp = DDP(model)
+    if counter is not None:
+        def count(state, bucket):
+            counter.append(bucket.buffer().numel())
+            return torch.distributed.algorithms.ddp_comm_hooks.default_hooks.allreduce_hook(
+                None, bucket)
+        import torch.distributed.algorithms.ddp_comm_hooks.default_hooks  # noqa: F401
+        ddp.register_comm_hook(None, count)
+    return ddp, _muon(ddp)
+
+
+def _build_fsdp(world, *, seed=0):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+
+    model = make_model(seed=seed)
+    mesh = init_device_mesh("cpu", (world,))
+    dmuon.dedicate_params(model, mesh, muon_predicate)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, _muon(model)
+
+
+def _lanes(rt):
+    return {k: c["sent_bytes"] + c["received_bytes"] for k, c in rt.executor.counters().items()}
+
+
+def _train(model, opt, rank, world, start, stop, *, accum=1, sync="none", clip=None, probe=None):
+    """Steps ``start..stop-1``; ``sync``: "ddp" / "dmuon" no_sync for all but the last
+    micro-batch. Returns per-step clip norms and the dedicated bytes of no_sync backwards."""
+    import dmuon
+
+    rt = opt.dedicated_state
+    norms, quiet = [], []
+    for ids in make_batches(STEPS, BATCH)[start:stop]:
+        opt.zero_grad()
+        for i, mb in enumerate(ids.chunk(world)[rank].chunk(accum)):
+            last = i == accum - 1
+            ctx = contextlib.nullcontext()
+            if not last and sync == "ddp":
+                ctx = model.no_sync()
+            elif not last and sync == "dmuon":
+                ctx = dmuon.no_sync(model)
+            before = _lanes(rt)
+            with ctx:
+                (model(mb) / accum).backward()
+            if not last:
+                quiet.append(sum(_lanes(rt).values()) - sum(before.values()))
+        if probe is not None:
+            probe(rt)
+        if clip is not None:
+            norms.append(float(dmuon.clip_grad_norm_(model, clip)))
+        opt.step()
+    return norms, quiet
+
+
+def _replicas(ddp, rt):
+    import dmuon
+    dmuon.wait_all_replicate_broadcasts(ddp)
+    out = {n: m.detach().clone() for n, m in rt.masters.items()}
+    out.update({n: p.detach().clone() for n, p in ddp.module.named_parameters()
+                if n not in rt.params})
+    return out
+
+
+def _main_run(rank, world):
+    """The plain 10-step run with every probe."""
+    import dmuon
+
+    counter: list = []
+    ddp, opt = _build_ddp(world, counter=counter)
+    rt = opt.dedicated_state
+    views = []
+
+    def in_forward(module, args):
+        for n in rt.group_of:
+            if rt.group_of[n] == "layers.0":
+                p = rt.params[n]
+                views.append(p.numel() == rt.masters[n].numel()
+                             and p.data_ptr() == rt.masters[n].data_ptr())
+    hook = ddp.module.layers[0].register_forward_pre_hook(in_forward, prepend=False)
+    stats, per_step = [], []
+    for step in range(STEPS):
+        c0, n0 = _lanes(rt), len(counter)
+        _train(ddp, opt, rank, world, step, step + 1)
+        c1 = _lanes(rt)
+        per_step.append(sum(c1.values()) - sum(c0.values()))
+        stats.append(opt.last_step_stats())
+        assert len(counter) > n0
+    hook.remove()
+    ddp_elems_per_step = sum(counter) / STEPS
+    # torch's own clip must refuse the dedicated params (their gradients live in dmuon)
+    ddp(make_batches(1, BATCH)[0].chunk(world)[rank]).backward()
+    torch_clip = catch(lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0))
+    opt.zero_grad()
+    st = stats[-1]
+    return {
+        "sd": dmuon.get_model_state_dict(ddp, cpu_offload=True),
+        "replicas": _replicas(ddp, rt),
+        "owned": list(rt.owned_names), "names": list(rt.names),
+        "owned_elements": [s.owned_elements for s in stats],
+        "owned_matrices": [s.owned_matrices for s in stats],
+        "own_numel": sum(rt.masters[n].numel() for n in rt.owned_names),
+        "ns_calls": [s.ns_calls for s in stats],
+        "ignored": sorted(ddp.parameters_to_ignore),
+        "reducer_has_dedicated": any(p in set(rt.params.values()) for p in ddp._module_parameters),
+        "ddp_elems_per_step": ddp_elems_per_step,
+        "other_numel": sum(p.numel() for n, p in ddp.module.named_parameters()
+                           if n not in rt.params),
+        "zero_copy": views, "unshard_buffers": sum(len(g.unshard_buffers)
+                                                   for g in rt.groups.values()),
+        "bytes_per_step": per_step[1:], "lanes_last": st.lanes,
+        "torch_clip": torch_clip,
+        "P": sum(math.prod(rt.shape[n]) * rt.orig_dtype[n].itemsize for n in rt.names),
+    }
+
+
+def _variants(rank, world):
+    import dmuon
+    out = {}
+    for sync in ("ddp", "dmuon"):
+        ddp, opt = _build_ddp(world)
+        _, quiet = _train(ddp, opt, rank, world, 0, STEPS, accum=2, sync=sync)
+        out[f"accum_{sync}"] = {"sd": dmuon.get_model_state_dict(ddp, cpu_offload=True),
+                                "quiet": quiet}
+    ddp, opt = _build_ddp(world)
+    norms, _ = _train(ddp, opt, rank, world, 0, STEPS, clip=CLIP)
+    out["clip"] = {"sd": dmuon.get_model_state_dict(ddp, cpu_offload=True), "norms": norms}
+    return out
+
+
+def _errors(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import dmuon
+
+    mesh = init_device_mesh("cpu", (world,))
+    out = {}
+    m = make_model()
+    dmuon.dedicate_params(m, mesh, muon_predicate)
+    out["fsdp_then_ddp"] = catch(lambda: DDP(m))
+    m = make_model()
+    dmuon.dedicate_params(m, mesh, muon_predicate, data_parallel="ddp")
+    for layer in m.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    out["ddp_then_fully_shard"] = catch(lambda: _muon(m))
+    out["ddp_then_fully_shard_forward"] = catch(
+        lambda: m(make_batches(1, BATCH)[0].chunk(world)[rank]))
+    out["bad_mode"] = catch(lambda: dmuon.dedicate_params(make_model(), mesh, muon_predicate,
+                                                          data_parallel="DDP"))
+    try:
+        from torch.distributed._composable.replicate import replicate
+    except ImportError:  # pragma: no cover
+        replicate = None
+    if replicate is not None:
+        m = make_model()
+        dmuon.dedicate_params(m, mesh, muon_predicate, data_parallel="ddp")
+        replicate(m)
+        out["replicate"] = catch(lambda: _muon(m))
+    return out
+
+
+def _checkpoints(rank, world):
+    """Full dicts saved at step 5 under one backend resume under the other."""
+    import dmuon
+
+    half = STEPS // 2
+    saved, final = {}, {}
+    for kind, build in (("ddp", _build_ddp), ("fsdp", _build_fsdp)):
+        model, opt = build(world)
+        _train(model, opt, rank, world, 0, half)
+        saved[kind] = (dmuon.get_model_state_dict(model, cpu_offload=True),
+                       dmuon.get_optimizer_state_dict(model, opt, cpu_offload=True))
+        _train(model, opt, rank, world, half, STEPS)
+        final[kind] = dmuon.get_model_state_dict(model, cpu_offload=True)
+    resumed = {}
+    for src, kind, build in (("fsdp", "ddp", _build_ddp), ("ddp", "fsdp", _build_fsdp)):
+        model, opt = build(world, seed=7)  # other initial values: the load must replace them
+        sd, osd = saved[src]
+        dmuon.set_model_state_dict(model, sd)
+        dmuon.set_optimizer_state_dict(model, opt, osd)
+        _train(model, opt, rank, world, half, STEPS)
+        resumed[f"{src}->{kind}"] = dmuon.get_model_state_dict(model, cpu_offload=True)
+    return {"final": final, "resumed": resumed}
+
+
+def _worker(rank, world, parts):
+    fns = {"main": _main_run, "variants": _variants, "errors": _errors,
+           "checkpoints": _checkpoints}
+    out, secs = {}, {}
+    for name in parts:
+        t = time.perf_counter()
+        out[name] = fns[name](rank, world)
+        secs[name] = time.perf_counter() - t
+    out["seconds"] = secs
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run({"steps": STEPS, "batch": BATCH})
+
+
+@pytest.fixture(scope="module")
+def two():
+    return run_ranks(_worker, 2, ("main", "variants", "errors", "checkpoints"), timeout=180)
+
+
+@pytest.fixture(scope="module")
+def four():
+    return run_ranks(_worker, 4, ("main",), timeout=180)
+
+
+def _check_main(results, reference):
+    world = len(results)
+    names = results[0]["main"]["names"]
+    for rank, res in enumerate(results):
+        r = res["main"]
+        err, where = max_rel_err(r["sd"], reference["sd"])
+        assert err <= TOL, (rank, err, where)
+        # replicas bit-identical (masters of every matrix, DDP's params)
+        assert all(torch.equal(r["replicas"][k], results[0]["main"]["replicas"][k])
+                   for k in r["replicas"]), rank
+        # DDP ignores the dedicated matrices
+        assert set(names) <= set(r["ignored"])
+        assert not r["reducer_has_dedicated"]
+        assert r["ddp_elems_per_step"] == r["other_numel"], (r["ddp_elems_per_step"],
+                                                             r["other_numel"])
+        # NS only on owners: this rank's NS covers its own matrices, every step
+        assert r["owned_elements"] == [r["own_numel"]] * STEPS
+        assert r["owned_matrices"] == [len(r["owned"])] * STEPS
+        assert 0 < len(r["owned"]) < len(names)
+        # zero-copy: in every forward the params of layers.0 are their masters
+        assert r["zero_copy"] and all(r["zero_copy"]), r["zero_copy"]
+        assert r["unshard_buffers"] == 0
+        # torch's own clip_grad_norm_ refuses instead of skipping dmuon's gradients
+        assert r["torch_clip"][0] is not None, r["torch_clip"]
+    owned = [n for res in results for n in res["main"]["owned"]]
+    assert sorted(owned) == sorted(names)  # each matrix stepped by exactly one rank
+    # bytes: reduce (the other ranks send their part) + publish (the owner sends its part):
+    # summed over ranks, each matrix of P bytes moves 2 (world - 1) P sent+received per step in
+    # each direction; presence flags add a few bytes
+    P = results[0]["main"]["P"]
+    total = [sum(res["main"]["bytes_per_step"][i] for res in results)
+             for i in range(STEPS - 1)]
+    assert all(t == total[0] for t in total)
+    assert 4 * (world - 1) * P <= total[0] <= 4 * (world - 1) * P * 1.01, (total[0], P)
+
+
+def test_ddp_two_ranks_equals_reference(two, reference):
+    _check_main(two, reference)
+    print("seconds per part (rank 0):", two[0]["seconds"])
+
+
+@pytest.mark.slow
+def test_ddp_four_ranks_equals_reference(four, reference):
+    _check_main(four, reference)
+
+
+def test_no_sync_accumulation_and_clip(two, reference):
+    clipped = reference_run({"steps": STEPS, "batch": BATCH, "clip": CLIP})
+    for rank, res in enumerate(two):
+        for sync in ("ddp", "dmuon"):
+            v = res["variants"][f"accum_{sync}"]
+            err, where = max_rel_err(v["sd"], reference["sd"])
+            assert err <= TOL, (sync, rank, err, where)
+            assert v["quiet"] == [0] * STEPS, (sync, v["quiet"])  # no dedicated traffic
+        c = res["variants"]["clip"]
+        err, where = max_rel_err(c["sd"], clipped["sd"])
+        assert err <= TOL, (rank, err, where)
+        assert all(abs(a - b) <= TOL * b for a, b in zip(c["norms"], clipped["norms"]))
+        assert len(c["norms"]) == STEPS
+
+
+def test_mismatches_raise_naming_the_fix(two):
+    for rank, res in enumerate(two):
+        e = res["errors"]
+        assert e["fsdp_then_ddp"][0] == "RuntimeError" and 'data_parallel="ddp"' in \
+            e["fsdp_then_ddp"][1], e["fsdp_then_ddp"]
+        for key in ("ddp_then_fully_shard", "ddp_then_fully_shard_forward"):
+            assert e[key][0] == "RuntimeError" and 'data_parallel="fsdp"' in e[key][1], e[key]
+        assert e["bad_mode"][0] == "ValueError" and "data_parallel" in e["bad_mode"][1]
+        if "replicate" in e:
+            assert e["replicate"][0] == "RuntimeError" and "DistributedDataParallel" in \
+                e["replicate"][1], e["replicate"]
+
+
+def test_checkpoints_across_backends(two, reference):
+    for rank, res in enumerate(two):
+        c = res["checkpoints"]
+        for kind in ("ddp", "fsdp"):
+            err, where = max_rel_err(c["final"][kind], reference["sd"])
+            assert err <= TOL, (kind, err, where)
+        for key, src in (("fsdp->ddp", "fsdp"), ("ddp->fsdp", "ddp")):
+            err, where = max_rel_err(c["resumed"][key], c["final"][src])
+            assert err <= TOL, (key, rank, err, where)
