@@ -154,7 +154,13 @@ def _main_run(rank, world):
     torch_clip = catch(lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0))
     opt.zero_grad()
     st = stats[-1]
+    from dmuon.functional.ddp_traffic import ddp_step_traffic
+    from dmuon.functional.specs import specs_from_named_shapes
+    specs = specs_from_named_shapes(list(make_model().named_parameters()), muon_predicate)
+    predicted = ddp_step_traffic(specs, world, dtype="torch.float64")
     return {
+        "predicted": predicted.sent[rank] + predicted.received[rank],
+        "predicted_mean_sent": predicted.mean_sent, "ring": predicted.ring,
         "sd": dmuon.get_model_state_dict(ddp, cpu_offload=True),
         "replicas": _replicas(ddp, rt),
         "owned": list(rt.owned_names), "names": list(rt.names),
@@ -298,6 +304,12 @@ def _check_main(results, reference):
         assert r["unshard_buffers"] == 0
         # torch's own clip_grad_norm_ refuses instead of skipping dmuon's gradients
         assert r["torch_clip"][0] is not None, r["torch_clip"]
+        # the bytes the functional schedules predict (dmuon.functional.ddp_traffic), every step
+        assert r["bytes_per_step"] == [r["predicted"]] * (STEPS - 1), (r["bytes_per_step"],
+                                                                      r["predicted"])
+    # mean sent per rank = DDP's ring all-reduce of the same matrices (+ presence flags)
+    r0 = results[0]["main"]
+    assert r0["ring"] <= r0["predicted_mean_sent"] <= r0["ring"] * 1.01
     owned = [n for res in results for n in res["main"]["owned"]]
     assert sorted(owned) == sorted(names)  # each matrix stepped by exactly one rank
     # bytes: reduce (the other ranks send their part) + publish (the owner sends its part):
@@ -357,3 +369,19 @@ def test_checkpoints_across_backends(two, reference):
         for key, src in (("fsdp->ddp", "fsdp"), ("ddp->fsdp", "ddp")):
             err, where = max_rel_err(c["resumed"][key], c["final"][src])
             assert err <= TOL, (key, rank, err, where)
+
+
+def test_ddp_traffic_equals_ring_allreduce_on_presets():
+    """Functional: for real model shapes, dmuon's DDP-mode bytes per rank equal (mean) DDP's ring
+    all-reduce of the dedicated matrices, the maximum within a few percent."""
+    from dmuon.functional.ddp_traffic import ddp_step_traffic, ring_allreduce_bytes
+    from dmuon.functional.presets import preset_specs
+
+    specs = preset_specs("llama-3.2-1b", dtype="torch.float32")
+    for world in (2, 4, 8):
+        t = ddp_step_traffic(specs, world)
+        assert t.ring == ring_allreduce_bytes(t.matrix_bytes, world)
+        flags = 16 * 7 * 4  # one fp32 presence element per matrix (16 layers x 7 projections)
+        assert abs(t.mean_sent - t.ring) <= flags, (world, t.mean_sent, t.ring)
+        assert abs(sum(t.received) / world - t.ring) <= flags
+        assert t.max_sent <= 1.02 * t.ring and sum(t.owned_bytes) == t.matrix_bytes
