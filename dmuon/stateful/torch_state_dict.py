@@ -58,7 +58,10 @@ def shard_mesh_rank(st) -> int:
 
 def dtensor_rows(full: torch.Tensor, mesh: Any) -> Any:
     """``full`` (the same on every rank of ``mesh``) as a ``Shard(0)`` DTensor on ``mesh``: this
-    rank keeps its rows; no communication."""
+    rank keeps its rows; no communication. ``mesh=None`` (DDP mode: every rank holds every
+    matrix whole, as DDP's params): ``full`` itself."""
+    if mesh is None:
+        return full
     from torch.distributed.tensor import Shard, distribute_tensor
     return distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
 
@@ -134,9 +137,7 @@ class _Hooks:
         for group in self.transfer.each_group():
             full = self.transfer.to_every_rank(group, st.masters)
             for n, t in full.items():
-                t = t.to(st.orig_dtype[n]).clone()
-                # DDP mode (no shard mesh): every rank holds the full matrix, as DDP's params
-                rows[n] = t if mesh is None else dtensor_rows(t, mesh)
+                rows[n] = dtensor_rows(t.to(st.orig_dtype[n]).clone(), mesh)
         for k, n in self.keys.items():
             if prefix + k in state_dict:
                 state_dict[prefix + k] = rows[n]
