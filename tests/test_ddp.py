@@ -17,8 +17,11 @@ gloo, fp64, 10 steps. One spawned group per world size runs every check (spawnin
   ``fully_shard``, composable ``replicate``, an unknown ``data_parallel``; torch's own
   ``clip_grad_norm_`` refuses the dedicated params (instead of silently missing their gradients);
 * checkpoints move between backends: full dicts (``get_model_state_dict`` /
-  ``get_optimizer_state_dict``) saved at step 5 under DDP resume under FSDP2 and the reverse, and
-  both equal the uninterrupted run at step 10.
+  ``get_optimizer_state_dict``) and sharded ones (``save_sharded`` / ``load_sharded``) saved at
+  step 5 under DDP resume under FSDP2 and the reverse, equal to the uninterrupted run at step 10;
+  torch's own ``state_dict()`` of the DDP wrapper (plain full tensors) and of ``dmuon.Muon``
+  resume a DDP run the same way;
+* ``dmuon.verify_step`` passes on a DDP step.
 """
 from __future__ import annotations
 
@@ -190,6 +193,10 @@ def _variants(rank, world):
         out[f"accum_{sync}"] = {"sd": dmuon.get_model_state_dict(ddp, cpu_offload=True),
                                 "quiet": quiet}
     ddp, opt = _build_ddp(world)
+    ddp(make_batches(1, BATCH)[0].chunk(world)[rank]).backward()
+    report = dmuon.verify_step(ddp, opt)  # one verified step against single-device math
+    out["verify"] = (report.max_error, report.worst, len(report.errors))
+    ddp, opt = _build_ddp(world)
     norms, _ = _train(ddp, opt, rank, world, 0, STEPS, clip=CLIP)
     out["clip"] = {"sd": dmuon.get_model_state_dict(ddp, cpu_offload=True), "norms": norms}
     return out
@@ -229,33 +236,54 @@ def _errors(rank, world):
     return out
 
 
-def _checkpoints(rank, world):
-    """Full dicts saved at step 5 under one backend resume under the other."""
+def _checkpoints(rank, world, root):
+    """Step-5 checkpoints of one backend resume under the other: full dicts
+    (``get_model_state_dict`` / ``get_optimizer_state_dict``) and sharded (``save_sharded`` /
+    ``load_sharded``); torch's own ``state_dict()`` / ``load_state_dict()`` of the DDP wrapper
+    and of ``dmuon.Muon`` resume a DDP run."""
+    import copy
+    import os
+
     import dmuon
 
     half = STEPS // 2
-    saved, final = {}, {}
+    saved, final, native = {}, {}, {}
     for kind, build in (("ddp", _build_ddp), ("fsdp", _build_fsdp)):
         model, opt = build(world)
         _train(model, opt, rank, world, 0, half)
         saved[kind] = (dmuon.get_model_state_dict(model, cpu_offload=True),
                        dmuon.get_optimizer_state_dict(model, opt, cpu_offload=True))
+        dmuon.save_sharded(os.path.join(root, kind), model, opt)
+        if kind == "ddp":
+            native = {"model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+                      "optim": copy.deepcopy(opt.state_dict())}
         _train(model, opt, rank, world, half, STEPS)
         final[kind] = dmuon.get_model_state_dict(model, cpu_offload=True)
     resumed = {}
     for src, kind, build in (("fsdp", "ddp", _build_ddp), ("ddp", "fsdp", _build_fsdp)):
-        model, opt = build(world, seed=7)  # other initial values: the load must replace them
-        sd, osd = saved[src]
-        dmuon.set_model_state_dict(model, sd)
-        dmuon.set_optimizer_state_dict(model, opt, osd)
-        _train(model, opt, rank, world, half, STEPS)
-        resumed[f"{src}->{kind}"] = dmuon.get_model_state_dict(model, cpu_offload=True)
-    return {"final": final, "resumed": resumed}
+        for how in ("full", "sharded"):
+            model, opt = build(world, seed=7)  # other initial values: the load must replace them
+            if how == "full":
+                sd, osd = saved[src]
+                dmuon.set_model_state_dict(model, sd)
+                dmuon.set_optimizer_state_dict(model, opt, osd)
+            else:
+                dmuon.load_sharded(os.path.join(root, src), model, opt)
+            _train(model, opt, rank, world, half, STEPS)
+            resumed[f"{src}->{kind}:{how}"] = dmuon.get_model_state_dict(model, cpu_offload=True)
+    model, opt = _build_ddp(world, seed=7)
+    plain = all(not hasattr(v, "to_local") and v.numel() > 0 for v in native["model"].values())
+    model.load_state_dict(native["model"])
+    opt.load_state_dict(native["optim"])
+    _train(model, opt, rank, world, half, STEPS)
+    resumed["ddp->ddp:torch"] = dmuon.get_model_state_dict(model, cpu_offload=True)
+    return {"final": final, "resumed": resumed, "native_plain": plain,
+            "native_keys": sorted(native["model"])}
 
 
-def _worker(rank, world, parts):
+def _worker(rank, world, parts, root=None):
     fns = {"main": _main_run, "variants": _variants, "errors": _errors,
-           "checkpoints": _checkpoints}
+           "checkpoints": lambda rank, world: _checkpoints(rank, world, root)}
     out, secs = {}, {}
     for name in parts:
         t = time.perf_counter()
@@ -271,8 +299,9 @@ def reference():
 
 
 @pytest.fixture(scope="module")
-def two():
-    return run_ranks(_worker, 2, ("main", "variants", "errors", "checkpoints"), timeout=180)
+def two(tmp_path_factory):
+    return run_ranks(_worker, 2, ("main", "variants", "errors", "checkpoints"),
+                     str(tmp_path_factory.mktemp("ddp_ckpt")), timeout=180)
 
 
 @pytest.fixture(scope="module")
@@ -340,6 +369,8 @@ def test_no_sync_accumulation_and_clip(two, reference):
             err, where = max_rel_err(v["sd"], reference["sd"])
             assert err <= TOL, (sync, rank, err, where)
             assert v["quiet"] == [0] * STEPS, (sync, v["quiet"])  # no dedicated traffic
+        max_error, worst, n = res["variants"]["verify"]
+        assert n == len(reference["sd"]) and max_error <= 1e-10, (max_error, worst, n)
         c = res["variants"]["clip"]
         err, where = max_rel_err(c["sd"], clipped["sd"])
         assert err <= TOL, (rank, err, where)
@@ -366,9 +397,13 @@ def test_checkpoints_across_backends(two, reference):
         for kind in ("ddp", "fsdp"):
             err, where = max_rel_err(c["final"][kind], reference["sd"])
             assert err <= TOL, (kind, err, where)
-        for key, src in (("fsdp->ddp", "fsdp"), ("ddp->fsdp", "ddp")):
-            err, where = max_rel_err(c["resumed"][key], c["final"][src])
+        assert len(c["resumed"]) == 5
+        for key, got in c["resumed"].items():
+            err, where = max_rel_err(got, c["final"][key.split("->")[0]])
             assert err <= TOL, (key, rank, err, where)
+        # torch's own model.state_dict() of the DDP wrapper: plain full tensors, DDP's keys
+        assert c["native_plain"] and all(k.startswith("module.") for k in c["native_keys"])
+        assert len(c["native_keys"]) == len(c["final"]["ddp"])
 
 
 def test_ddp_traffic_equals_ring_allreduce_on_presets():
