@@ -224,6 +224,14 @@ def _errors(rank, world):
         lambda: m(make_batches(1, BATCH)[0].chunk(world)[rank]))
     out["bad_mode"] = catch(lambda: dmuon.dedicate_params(make_model(), mesh, muon_predicate,
                                                           data_parallel="DDP"))
+    # DDP-mode dedication but the model never wrapped in DDP: its other params would never be
+    # all-reduced (replicas drift apart silently); a training forward must raise instead
+    m = make_model()
+    dmuon.dedicate_params(m, mesh, muon_predicate, data_parallel="ddp")
+    opt = _muon(m)
+    out["not_wrapped"] = catch(lambda: _train(m, opt, rank, world, 0, 2))
+    with torch.no_grad():  # evaluation of the inner module stays allowed
+        out["not_wrapped_eval"] = catch(lambda: m(make_batches(1, BATCH)[0]))
     try:
         from torch.distributed._composable.replicate import replicate
     except ImportError:  # pragma: no cover
@@ -376,6 +384,16 @@ def test_no_sync_accumulation_and_clip(two, reference):
         assert err <= TOL, (rank, err, where)
         assert all(abs(a - b) <= TOL * b for a, b in zip(c["norms"], clipped["norms"]))
         assert len(c["norms"]) == STEPS
+
+
+@pytest.mark.xfail(strict=True, reason="silent-wrong: a DDP-mode model trained without the DDP "
+                   "wrapper never all-reduces its AdamW params")
+def test_not_wrapped_in_ddp_raises(two):
+    for res in two:
+        e = res["errors"]
+        assert e["not_wrapped"][0] == "RuntimeError" and "DistributedDataParallel" in \
+            e["not_wrapped"][1], e["not_wrapped"]
+        assert e["not_wrapped_eval"] == (None, None), e["not_wrapped_eval"]
 
 
 def test_mismatches_raise_naming_the_fix(two):
