@@ -386,8 +386,6 @@ def test_no_sync_accumulation_and_clip(two, reference):
         assert len(c["norms"]) == STEPS
 
 
-@pytest.mark.xfail(strict=True, reason="silent-wrong: a DDP-mode model trained without the DDP "
-                   "wrapper never all-reduces its AdamW params")
 def test_not_wrapped_in_ddp_raises(two):
     for res in two:
         e = res["errors"]

@@ -34,13 +34,16 @@ wrapping DDP has ``require_backward_grad_sync=False`` makes its backward accumul
 ``dmuon.no_sync`` does. Mismatches raise with the fix: FSDP-mode dedication then
 ``DistributedDataParallel(model)`` (at DDP's construction), DDP-mode dedication then ``fully_shard``
 (at ``dmuon.Muon`` and at the first forward); torch's composable (DDP-based) ``replicate`` raises
-(use ``DistributedDataParallel``).
+(use ``DistributedDataParallel``); a training forward (grad enabled) outside the DDP wrapper
+raises (the other params would never be all-reduced); evaluation under ``torch.no_grad()`` may
+call the inner module.
 """
 from __future__ import annotations
 
 import logging
 from typing import Any, Iterator, Optional
 
+import torch
 import torch.nn as nn
 
 from dmuon.stateful.param_group import DedicatedParamGroup, GroupState
@@ -209,6 +212,7 @@ def install_ddp_mode(model: nn.Module, st: Any) -> None:
     into DDP mode: DDP groups (:class:`DDPParamGroup`, no reshard after forward), DDP's ignore
     list, and a root pre-forward hook that follows the wrapping DDP's ``no_sync``."""
     st.data_parallel = "ddp"
+    st.reshard_after_forward = False  # nothing is gathered: the groups keep their params
     for key, g in list(st.groups.items()):
         st.groups[key] = DDPParamGroup(key=key, module=g.module, names=g.names,
                                        storage=g.storage, executor=g.executor,
@@ -228,6 +232,14 @@ def install_ddp_mode(model: nn.Module, st: Any) -> None:
             check_backend(model, st, "dmuon (first forward)")
             paused["checked"] = True
         ddp = _active_ddp(model)
+        if ddp is None and torch.is_grad_enabled() and st.R > 1:
+            raise RuntimeError(
+                "dmuon: a training forward (grad enabled) of a model dedicated with "
+                "data_parallel=\"ddp\" ran outside DistributedDataParallel: its other params "
+                "would never be all-reduced and the replicas would drift apart. Wrap it, model = "
+                "DistributedDataParallel(model), and call that wrapper (evaluation under "
+                "torch.no_grad() may call the inner module). DDP's python reducer (compiled "
+                "autograd) is not supported.")
         want = True if ddp is None else bool(ddp.require_backward_grad_sync)
         if not want and st.require_grad_sync:
             st.require_grad_sync = False
@@ -236,7 +248,6 @@ def install_ddp_mode(model: nn.Module, st: Any) -> None:
             st.require_grad_sync = True
             paused["by_ddp"] = False
 
-    import torch
     st.ddp_hook = model.register_forward_pre_hook(
         torch.compiler.disable(follow_ddp_no_sync, recursive=True))
 
