@@ -119,6 +119,8 @@ class DedicatedState:
         self.shard_mesh: Any = None
         self.raw_state_dict = False
         self._transfer: Any = None
+        # "fsdp" or "ddp" (dedicate_params(data_parallel=...); DDP mode: dmuon.stateful.ddp)
+        self.data_parallel = "fsdp"
 
     # ------------------------------------------------------------------ read-only views
     @property
