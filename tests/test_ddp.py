@@ -222,6 +222,9 @@ def _errors(rank, world):
     out["ddp_then_fully_shard"] = catch(lambda: _muon(m))
     out["ddp_then_fully_shard_forward"] = catch(
         lambda: m(make_batches(1, BATCH)[0].chunk(world)[rank]))
+    mesh2d = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
+    out["ddp_2d_mesh"] = catch(lambda: dmuon.dedicate_params(make_model(), mesh2d, muon_predicate,
+                                                             data_parallel="ddp"))
     out["bad_mode"] = catch(lambda: dmuon.dedicate_params(make_model(), mesh, muon_predicate,
                                                           data_parallel="DDP"))
     # DDP-mode dedication but the model never wrapped in DDP: its other params would never be
@@ -402,6 +405,8 @@ def test_mismatches_raise_naming_the_fix(two):
         for key in ("ddp_then_fully_shard", "ddp_then_fully_shard_forward"):
             assert e[key][0] == "RuntimeError" and 'data_parallel="fsdp"' in e[key][1], e[key]
         assert e["bad_mode"][0] == "ValueError" and "data_parallel" in e["bad_mode"][1]
+        assert e["ddp_2d_mesh"][0] == "ValueError" and "1-D mesh" in e["ddp_2d_mesh"][1], \
+            e["ddp_2d_mesh"]
         if "replicate" in e:
             assert e["replicate"][0] == "RuntimeError" and "DistributedDataParallel" in \
                 e["replicate"][1], e["replicate"]

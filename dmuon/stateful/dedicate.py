@@ -227,6 +227,8 @@ def dedicate_params(
       Every check runs on every rank before any process group is made: a problem on one rank
       raises on all (that rank's own exception there, its message elsewhere), never a hang.
       NotImplementedError: a dedicated param is a DTensor (tensor parallelism).
+      ValueError: ``data_parallel`` is not ``"fsdp"`` / ``"ddp"``, or ``"ddp"`` with a 2-D / HSDP
+        mesh; RuntimeError: ranks passed different ``data_parallel``.
     """
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
