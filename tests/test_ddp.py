@@ -21,7 +21,9 @@ gloo, fp64, 10 steps. One spawned group per world size runs every check (spawnin
   step 5 under DDP resume under FSDP2 and the reverse, equal to the uninterrupted run at step 10;
   torch's own ``state_dict()`` of the DDP wrapper (plain full tensors) and of ``dmuon.Muon``
   resume a DDP run the same way;
-* ``dmuon.verify_step`` passes on a DDP step.
+* ``dmuon.verify_step`` passes on a DDP step;
+* ``examples/ddp.py`` trains (loss falls); bf16 params (fp32 masters, cast-copy path) keep
+  bit-identical replicas.
 """
 from __future__ import annotations
 
@@ -292,8 +294,39 @@ def _checkpoints(rank, world, root):
             "native_keys": sorted(native["model"])}
 
 
+def _extras(rank, world):
+    """``examples/ddp.py``; bf16 params (fp32 masters: the cast-copy path instead of zero-copy)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import dmuon
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "ddp.py"
+    spec = importlib.util.spec_from_file_location("dmuon_example_ddp", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    example = mod.main(steps=12, verbose=False)
+    model = make_model(dtype=torch.bfloat16)
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), muon_predicate,
+                          data_parallel="ddp")
+    ddp = DDP(model)
+    opt = dmuon.Muon(ddp, lr=0.02, adamw_lr=3e-3)
+    rt = opt.dedicated_state
+    first = {n: m.clone() for n, m in rt.masters.items()}
+    _train(ddp, opt, rank, world, 0, 3)
+    return {"example": example, "bf16": {
+        "replicas": _replicas(ddp, rt), "zero_copy": [g.zero_copy for g in rt.groups.values()],
+        "master_dtypes": sorted({str(m.dtype) for m in rt.masters.values()}),
+        "moved": all(not torch.equal(first[n], rt.masters[n]) for n in first)}}
+
+
 def _worker(rank, world, parts, root=None):
-    fns = {"main": _main_run, "variants": _variants, "errors": _errors,
+    fns = {"main": _main_run, "variants": _variants, "errors": _errors, "extras": _extras,
            "checkpoints": lambda rank, world: _checkpoints(rank, world, root)}
     out, secs = {}, {}
     for name in parts:
@@ -311,7 +344,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    return run_ranks(_worker, 2, ("main", "variants", "errors", "checkpoints"),
+    return run_ranks(_worker, 2, ("main", "variants", "errors", "checkpoints", "extras"),
                      str(tmp_path_factory.mktemp("ddp_ckpt")), timeout=180)
 
 
@@ -441,3 +474,14 @@ def test_ddp_traffic_equals_ring_allreduce_on_presets():
         assert abs(t.mean_sent - t.ring) <= flags, (world, t.mean_sent, t.ring)
         assert abs(sum(t.received) / world - t.ring) <= flags
         assert t.max_sent <= 1.02 * t.ring and sum(t.owned_bytes) == t.matrix_bytes
+
+
+def test_example_and_bf16_params(two):
+    for res in two:
+        ex = res["extras"]["example"]
+        assert ex["losses"][-1] < ex["losses"][0] - 0.2, ex["losses"]
+        b = res["extras"]["bf16"]
+        assert b["zero_copy"] and not any(b["zero_copy"]) and b["master_dtypes"] == ["torch.float32"]
+        assert b["moved"]
+        assert all(torch.equal(v, two[0]["extras"]["bf16"]["replicas"][k])
+                   for k, v in b["replicas"].items())
