@@ -15,6 +15,8 @@ code path untouched):
   accumulation runs :func:`dmuon.no_sync` (no collectives on the non-final micro-batches).
   Accelerate's own FSDP or DeepSpeed on a dmuon model, or fp16 loss scaling (its ``GradScaler``
   never sees the dedicated gradients), raise ``ValueError`` saying what to change.
+  A model dedicated with ``data_parallel="ddp"`` is the exception: Accelerate wraps it in DDP as
+  usual (DDP skips the dedicated matrices; DDP's ``no_sync`` is followed by dmuon).
 * ``Accelerator.clip_grad_norm_(model.parameters(), max_norm)`` (Trainer's clipping, default
   ``max_grad_norm=1.0``) would compute ``torch.nn.utils.clip_grad_norm_`` over ``.grad`` only, which
   misses the dedicated matrices (their reduced gradients live on the owners, in the runtime): the
@@ -139,6 +141,11 @@ def _make_prepare_model(orig):
             return orig(self, model, device_placement=device_placement,
                         evaluation_mode=evaluation_mode)
         _check_accelerator(self)
+        if getattr(find_state(root), "data_parallel", "fsdp") == "ddp":
+            # DDP mode: Accelerate's own DDP wrapping (it skips the dedicated matrices, and its
+            # no_sync is followed by dmuon); skipping it would leave the other params unsynced
+            return orig(self, model, device_placement=device_placement,
+                        evaluation_mode=evaluation_mode)
         # already distributed by dmuon + FSDP2: no DDP / FSDP wrapping, no device move
         out = orig(self, model, device_placement=False, evaluation_mode=True)
         if getattr(root, "no_sync", None) is None:
