@@ -217,7 +217,6 @@ def _seeds_args_worker(rank, world, out_dir):
                                              ex.tiny_llama().double().lm_head.weight.detach())}
 
 
-@pytest.mark.xfail(strict=True, reason="silently not data-parallel until the integration checks")
 def test_seeds_arguments_on_cpu_ranks_raise(tmp_path):
     """Before: each rank trained alone on all 4 samples (2 steps each, identical batches), both
     writing checkpoints as process 0. Now: ValueError naming use_cpu=True, on every rank, before

@@ -165,6 +165,7 @@ def _make_prepare_model(orig):
             return orig(self, model, device_placement=device_placement,
                         evaluation_mode=evaluation_mode)
         _check_accelerator(self)
+        _check_data_parallel(self)
         # already distributed by dmuon + FSDP2: no DDP / FSDP wrapping, no device move
         out = orig(self, model, device_placement=False, evaluation_mode=True)
         if getattr(root, "no_sync", None) is None:
@@ -307,6 +308,7 @@ def _telemetry_callback(trainer: Any) -> Any:
 def _make_train(orig):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
         if dmuon_root(getattr(self, "model", None)) is not None:
+            _check_data_parallel(self.accelerator)
             if _telemetry_callback(self) is None:
                 from dmuon.integrations.hf_telemetry import DmuonTelemetryCallback
                 self.add_callback(DmuonTelemetryCallback())
