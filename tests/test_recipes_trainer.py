@@ -17,7 +17,8 @@ with the functional Muon + ``torch.optim.AdamW`` and the same schedule), fp64:
   reference (≤ 1e-10 relative, measured ~1e-16); slow tier: resume 2 -> 2 in a new process group is
   bitwise equal to the uninterrupted 2-rank run.
 Also: the seeds' ``TrainingArguments`` (no ``use_cpu``) under 2 CPU ranks raise on every rank
-instead of training every rank alone on the same batches; the hooks leave plain models alone.
+instead of training every rank alone on the same batches (so does a plain ``Accelerator()``'s
+``prepare_model``); the hooks leave plain models alone.
 """
 from __future__ import annotations
 
@@ -212,7 +213,9 @@ def _seeds_args_worker(rank, world, out_dir):
                                       num_train_epochs=1, fsdp="", report_to=[])
     trainer = Trainer(model=model, args=training_args, train_dataset=ex.CountingDataset(4),
                       optimizers=(optimizer, None))
+    from accelerate import Accelerator
     return {"train": catch(trainer.train), "steps": int(trainer.state.global_step),
+            "accelerate": catch(lambda: Accelerator().prepare_model(model)),
             "weights_unchanged": torch.equal(dmuon.get_model_state_dict(model)["lm_head.weight"],
                                              ex.tiny_llama().double().lm_head.weight.detach())}
 
@@ -223,6 +226,7 @@ def test_seeds_arguments_on_cpu_ranks_raise(tmp_path):
     any step."""
     res = run_ranks(_seeds_args_worker, 2, str(tmp_path / "o"), timeout=120)
     assert_all_ranks(res, "train", "ValueError", "use_cpu=True", "2 ranks", "same batches")
+    assert_all_ranks(res, "accelerate", "ValueError", "Accelerator(cpu=True)", "1 process")
     assert all(r["steps"] == 0 and r["weights_unchanged"] for r in res), res
 
 
