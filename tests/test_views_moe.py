@@ -22,8 +22,6 @@ def _worker(rank, world):
     return {k: dmuon_run(rank, world, k, user_predicate) for k in MOE}
 
 
-@pytest.mark.xfail(strict=True, reason="3-D expert stacks are orthogonalized as one E x (2I*H) "
-                   "matrix without batch_dims (issue 22)")
 def test_moe_experts_per_expert_without_batch_dims():
     results = run_ranks(_worker, 2, timeout=180)
     for kind in MOE:
@@ -36,8 +34,6 @@ def test_moe_experts_per_expert_without_batch_dims():
             assert not bad, (kind, bad)
 
 
-@pytest.mark.xfail(strict=True, reason="default_muon_predicate routes routers to Muon and 3-D "
-                   "experts to AdamW (issue 22)")
 def test_default_predicate_routes_moe():
     from dmuon.functional.specs import default_muon_predicate
     for kind in MOE:

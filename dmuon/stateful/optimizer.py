@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
+from dmuon.functional.matrix_view import Batch
 from dmuon.stateful.fsdp_patch import check_not_taken_over
 from dmuon.stateful.guards import make_marker
 from dmuon.newton_schulz.config import NSConfig
@@ -175,9 +176,10 @@ class Muon(torch.optim.Optimizer):
         self._name_of = {p: n for n, p in rt.params.items()}
         self._name_of.update({p: n for n, p in self._adamw_named})
         self.refresh_state_views()
-        # batch dims of the owned matrices (both fixed by dedicate_params); None: all plain
-        bd = {n: rt.batch_dims.get(n, 0) for n in rt.owned_names}
-        self._batch_dims: Optional[dict[str, int]] = bd if any(bd.values()) else None
+        # matrix views of the owned matrices (fixed by dedicate_params); None: all plain matrices
+        views = {n: rt.views[n] for n in rt.owned_names}
+        self._views: Optional[dict[str, Any]] = (
+            views if any(v != Batch(0) for v in views.values()) else None)
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 
@@ -322,7 +324,7 @@ class Muon(torch.optim.Optimizer):
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
         _, self.muon_state = fmuon.update(
-            grads, self.muon_state, params, hp, batch_dims=self._batch_dims,
+            grads, self.muon_state, params, hp, view=self._views,
             donate=True, donate_grads=True, orthogonalize=self._orthogonalizer(rt, hp),
             elementwise=self._elementwise(rt))
         self._state_views_stale = True  # rebuilt when self.state is next read

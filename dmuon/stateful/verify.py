@@ -193,7 +193,7 @@ def _reference(optimizer: Muon, params, grads, osd, ns_dtype_override=None):
         mg = {n: grads[n] for n in ded}
         if any(g is not None for g in mg.values()):
             mp, ms = fmuon.update(mg, ms, mp, hp,
-                                  batch_dims={n: rt.batch_dims.get(n, 0) for n in ded})
+                                  view={n: rt.views[n] for n in ded})
         out_p.update(mp)
         mom = dict(ms.momentum)
     names = [n for n, _ in optimizer.adamw_named_params]
