@@ -195,9 +195,10 @@ def validate_hparams(hparams: MuonHParams) -> None:
         raise ValueError(f"Muon lr_scale must be one of {LR_SCALE_RULES}, got {h.lr_scale!r}")
 
 
-def _non_matrix_error(name: str, shape: tuple[int, ...], view: Any) -> ValueError:
+def _non_matrix_error(name: str, shape: tuple[int, ...], view: Any, why: str = "") -> ValueError:
     return ValueError(
-        f"param {name!r} of shape {shape} (view {view}) is not a batch of matrices: Muon only "
+        f"param {name!r} of shape {shape} (view {view}) is not a batch of matrices"
+        + (f" ({why})" if why else "") + ": Muon only "
         "orthogonalizes params with at least 2 dims after the batch dims, seen through a view that "
         "fits the shape. Route vectors and scalars (biases, norms, gains) to AdamW "
         "(dmuon.functional.adamw), or choose a view that fits (dmuon.functional.matrix_view)."
@@ -331,7 +332,7 @@ def update(
         try:
             vw.blocks(shape)
         except ValueError as err:
-            raise _non_matrix_error(name, shape, vw) from err
+            raise _non_matrix_error(name, shape, vw, str(err)) from err
         if g is None:
             continue
         if not isinstance(g, Tensor) or tuple(g.shape) != shape:
