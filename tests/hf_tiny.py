@@ -35,6 +35,7 @@ def make_hf(kind: str, seed: int = 0) -> torch.nn.Module:
         cfg = tf.LlamaConfig(**common)
     elif kind == "gpt2":
         cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=4, n_positions=32,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             bos_token_id=1, eos_token_id=2)
     else:
         raise ValueError(kind)
@@ -90,9 +91,10 @@ def reference(kind: str, muon_names: Callable[[str, torch.Tensor], bool], *, vie
 
 
 def dmuon_run(rank: int, world: int, kind: str, predicate: Any, muon_kw: Optional[dict] = None,
-              **dedicate_kw: Any) -> dict:
-    """dedicate_params + fully_shard per decoder layer + dmuon.Muon (fp64 NS), 5 steps; returns
-    the full state dict and the per-param views dmuon chose."""
+              hsdp: bool = False, **dedicate_kw: Any) -> dict:
+    """dedicate_params + fully_shard per decoder layer + dmuon.Muon (fp64 NS), 5 steps, on a 1-D
+    mesh or (``hsdp``) a 2 x (world / 2) HSDP mesh; returns the full state dict and the
+    per-param views dmuon chose."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -100,9 +102,14 @@ def dmuon_run(rank: int, world: int, kind: str, predicate: Any, muon_kw: Optiona
     from dmuon.stateful.optimizer import Muon
     from dmuon.stateful.state_dict import get_model_state_dict
 
-    mesh = init_device_mesh("cpu", (world,))
+    if hsdp:
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        dedicate_kw["replicate_mesh"] = mesh["replicate"]
+        shard_mesh = mesh["shard"]
+    else:
+        mesh = shard_mesh = init_device_mesh("cpu", (world,))
     model = make_hf(kind)
-    dedicate_params(model, mesh, predicate, **dedicate_kw)
+    dedicate_params(model, shard_mesh, predicate, **dedicate_kw)
     layers = model.transformer.h if kind == "gpt2" else model.model.layers
     for layer in layers:
         fully_shard(layer, mesh=mesh)

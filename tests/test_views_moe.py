@@ -1,6 +1,9 @@
-"""MoE expert stacks on 2 gloo ranks (fp64, 5 steps): with no user batch_dims, dmuon sees each fused
-3-D expert stack of a Hugging Face model (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3-style) as one
-matrix per expert and equals the single-process functional reference that runs NS per expert."""
+"""MoE expert stacks on gloo ranks (fp64, 5 steps): with no user batch_dims, dmuon sees each fused
+3-D expert stack of a Hugging Face model (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3-style with shared
+experts and a dense first layer) as one matrix per expert and equals the single-process
+functional reference that runs NS per expert. Default tier: Qwen3-MoE and DeepSeek-V3 on 2 ranks;
+slow tier: Mixtral and OLMoE (the same fused experts class layout) on 2 ranks, all four on
+4 ranks and on HSDP 2 x 2."""
 from __future__ import annotations
 
 import pytest
@@ -18,20 +21,38 @@ def user_predicate(n, p):
     return p.ndim >= 2 and "embed" not in n and "lm_head" not in n and not n.endswith("mlp.gate.weight")
 
 
-def _worker(rank, world):
-    return {k: dmuon_run(rank, world, k, user_predicate) for k in MOE}
+def _worker(rank, world, kinds, hsdp=False):
+    from dmuon.functional.specs import default_muon_predicate
+    out = {k: dmuon_run(rank, world, k, user_predicate, hsdp=hsdp) for k in kinds}
+    # the default predicate routes the same params (routers to AdamW, experts to Muon)
+    out["default"] = dmuon_run(rank, world, kinds[0], default_muon_predicate, hsdp=hsdp)
+    return out
+
+
+def _check(results, kinds):
+    for kind in kinds:
+        experts = {n: 1 for n, p in make_hf(kind).named_parameters()
+                   if user_predicate(n, p) and p.ndim == 3}
+        assert experts
+        ref = reference(kind, user_predicate, batch_dims=experts)
+        for res in results:
+            assert {n: res[kind]["views"][n] for n in experts} == {n: "batch(1)" for n in experts}
+            for r in (res[kind], res["default"]) if kind == kinds[0] else (res[kind],):
+                errs = max_rel_err(r["sd"], ref)
+                bad = {k: e for k, e in errs.items() if e > 1e-10}
+                assert not bad, (kind, bad)
 
 
 def test_moe_experts_per_expert_without_batch_dims():
-    results = run_ranks(_worker, 2, timeout=180)
-    for kind in MOE:
-        ref = reference(kind, user_predicate,
-                        batch_dims={n: 1 for n, p in make_hf(kind).named_parameters()
-                                    if user_predicate(n, p) and p.ndim == 3})
-        for res in results:
-            errs = max_rel_err(res[kind]["sd"], ref)
-            bad = {k: e for k, e in errs.items() if e > 1e-10}
-            assert not bad, (kind, bad)
+    kinds = ("qwen3_moe", "deepseek_v3")
+    _check(run_ranks(_worker, 2, kinds, timeout=180), kinds)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,hsdp,kinds", [(2, False, ("mixtral", "olmoe")), (4, False, MOE),
+                                              (4, True, MOE)])
+def test_moe_experts_more_models_and_meshes(world, hsdp, kinds):
+    _check(run_ranks(_worker, world, kinds, hsdp=hsdp, timeout=300), kinds)
 
 
 def test_default_predicate_routes_moe():
@@ -40,3 +61,29 @@ def test_default_predicate_routes_moe():
         for n, p in make_hf(kind).named_parameters():
             want = p.ndim >= 2 and "embed" not in n and "lm_head" not in n and ".gate." not in n
             assert default_muon_predicate(n, p) == want, (kind, n, tuple(p.shape))
+
+
+def test_other_3d_params_raise_naming_the_rules():
+    """A 3-D param outside an experts module, routed to Muon, raises on every rank."""
+    results = run_ranks(_raise_worker, 2, timeout=60)
+    for msg in results:
+        assert "no default matrix view" in msg and "batch, heads, split, transposed" in msg
+
+
+def _raise_worker(rank, world):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from dmuon.stateful.dedicate import dedicate_params
+
+    class Odd(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.stack = torch.nn.Parameter(torch.randn(3, 4, 5))
+            self.w = torch.nn.Parameter(torch.randn(4, 4))
+
+    try:
+        dedicate_params(Odd(), init_device_mesh("cpu", (world,)), lambda n, p: p.ndim >= 2)
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return "no error"
