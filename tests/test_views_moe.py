@@ -34,7 +34,7 @@ def _check(results, kinds):
         experts = {n: 1 for n, p in make_hf(kind).named_parameters()
                    if user_predicate(n, p) and p.ndim == 3}
         assert experts
-        ref = reference(kind, user_predicate, batch_dims=experts)
+        ref = reference(kind, user_predicate, batch_dims=experts, world=len(results))
         for res in results:
             assert {n: res[kind]["views"][n] for n in experts} == {n: "batch(1)" for n in experts}
             for r in (res[kind], res["default"]) if kind == kinds[0] else (res[kind],):
