@@ -61,31 +61,42 @@ LR, ADAMW_LR = 0.02, 1e-3
 
 def reference(kind: str, muon_names: Callable[[str, torch.Tensor], bool], *, views: Any = None,
               batch_dims: Any = None, world: int = 2, lr_scale: str = "moonlight",
-              hp_of: Optional[Callable[[str], tuple[float, float]]] = None) -> dict:
+              hp_of: Optional[Callable[[str], tuple[float, float]]] = None,
+              muon_wd: float = 0.0) -> dict:
     """Single-process training: functional Muon (fp64 NS, ``views`` / ``batch_dims`` as
     ``muon.update``'s ``view`` / ``batch_dims``)
     on ``muon_names`` and ``torch.optim.AdamW`` (dmuon.Muon's AdamW defaults) on the rest; the
-    loss is the mean of the ``world`` per-rank mean losses (equal token counts)."""
+    loss is the mean of the ``world`` per-rank mean losses (equal token counts). ``hp_of(name)``
+    gives a param's ``(lr_mult, wd_mult)`` (Muon weight decay ``muon_wd``)."""
     from dmuon.functional import muon as fmuon
     model = make_hf(kind)
     mats = {n: p for n, p in model.named_parameters() if muon_names(n, p)}
     rest = [p for n, p in model.named_parameters() if n not in mats]
     adam = torch.optim.AdamW(rest, lr=ADAMW_LR, weight_decay=0.01, foreach=False)
-    st = fmuon.init({n: p.detach() for n, p in mats.items()})
     kw = {} if views is None else {"view": views}
     if batch_dims is not None:
         kw["batch_dims"] = batch_dims
+    groups: dict = {}  # (lr_mult, wd_mult) -> names; each group its own functional state
+    for n in mats:
+        groups.setdefault(hp_of(n) if hp_of else (1.0, 1.0), []).append(n)
+    states = {g: fmuon.init({n: mats[n].detach() for n in ns}) for g, ns in groups.items()}
     model.train()
     for ids in batches():
         model.zero_grad()
         loss = sum(model(input_ids=c, labels=c).loss for c in ids.chunk(world)) / world
         loss.backward()
         with torch.no_grad():
-            _, st = fmuon.update({n: p.grad for n, p in mats.items()}, st,
-                                 {n: p.data for n, p in mats.items()},
-                                 fmuon.MuonHParams(lr=LR, ns_dtype=torch.float64,
-                                                   lr_scale=lr_scale),
-                                 donate=True, **kw)
+            for (lm, wm), ns in groups.items():
+                gkw = dict(kw)
+                if "view" in gkw and isinstance(gkw["view"], dict):
+                    gkw["view"] = {n: v for n, v in gkw["view"].items() if n in ns}
+                if "batch_dims" in gkw and isinstance(gkw["batch_dims"], dict):
+                    gkw["batch_dims"] = {n: v for n, v in gkw["batch_dims"].items() if n in ns}
+                _, states[(lm, wm)] = fmuon.update(
+                    {n: mats[n].grad for n in ns}, states[(lm, wm)], {n: mats[n].data for n in ns},
+                    fmuon.MuonHParams(lr=LR * lm, weight_decay=muon_wd * wm,
+                                      ns_dtype=torch.float64, lr_scale=lr_scale),
+                    donate=True, **gkw)
         adam.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 

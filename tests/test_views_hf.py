@@ -25,7 +25,20 @@ def _worker(rank, world):
     return {"llama": dmuon_run(rank, world, "llama", default_muon_predicate, policy=_policy("llama")),
             "phi3": dmuon_run(rank, world, "phi3", default_muon_predicate, policy=_policy("phi3")),
             "gpt2": dmuon_run(rank, world, "gpt2", default_muon_predicate,
-                              muon_kw={"lr_scale": "jordan"})}
+                              muon_kw={"lr_scale": "jordan"}),
+            "mults": dmuon_run(rank, world, "llama", default_muon_predicate, policy=_mult_policy(),
+                               muon_kw={"weight_decay": 0.1})}
+
+
+def _mult_policy():
+    from dmuon.functional.matrix_view import Heads
+    from dmuon.functional.policy import ParamPolicy, Rule
+    return ParamPolicy(rules=(Rule("*.mlp.down_proj.weight", lr_mult=0.5, wd_mult=3.0),
+                              Rule("*.self_attn.o_proj.weight", view=Heads(4, "cols"), lr_mult=2.0)))
+
+
+def _mults(n):
+    return (0.5, 3.0) if "down_proj" in n else (2.0, 1.0) if "o_proj" in n else (1.0, 1.0)
 
 
 def _ref_views(kind):
@@ -61,6 +74,16 @@ def test_heads_split_transposed_equal_reference():
             errs = max_rel_err(r["sd"], ref)
             bad = {k: e for k, e in errs.items() if e > 1e-10}
             assert not bad, (kind, bad)
+    # policy lr / weight-decay multipliers (and a view in the same rule)
+    from dmuon.functional.matrix_view import Heads
+    o_views = {n: Heads(4, "cols") for n, _ in make_hf("llama").named_parameters() if "o_proj" in n}
+    ref = reference("llama", default_muon_predicate, views=o_views, hp_of=_mults, muon_wd=0.1)
+    plain = reference("llama", default_muon_predicate, views=o_views, muon_wd=0.1)
+    for res in results:
+        errs = max_rel_err(res["mults"]["sd"], ref)
+        assert max(errs.values()) <= 1e-10, {k: e for k, e in errs.items() if e > 1e-10}
+    errs = max_rel_err(results[0]["mults"]["sd"], plain)
+    assert max(e for k, e in errs.items() if "down_proj" in k or "o_proj" in k) > 1e-3
     # the views matter: the plain-matrix reference is far away (GPT-2 through the jordan scale)
     for kind in ("llama", "phi3", "gpt2"):
         plain = reference(kind, default_muon_predicate,

@@ -6,6 +6,7 @@ what it sets; what it leaves ``None`` falls through to the defaults below:
 
 * **route** — the rule's ``route`` (``"muon"`` / ``"adamw"``), else the ``predicate`` given to
   ``dedicate_params`` (the seeds' routing argument).
+* **lr_mult / wd_mult** — the rule's multipliers of Muon's ``lr`` / ``weight_decay`` (else 1).
 * **view** — the rule's ``view`` (:mod:`dmuon.functional.matrix_view`), else ``batch_dims(name,
   shape) = k > 0`` given to ``dedicate_params`` (``Batch(k)``), else :func:`default_view`.
 
@@ -28,6 +29,7 @@ Defaults for Hugging Face decoders (``default_muon_predicate`` + no rules): the 
 from __future__ import annotations
 
 import fnmatch
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
@@ -50,15 +52,28 @@ class Rule:
       route: ``"muon"``, ``"adamw"`` or ``None`` (the predicate decides).
       view: a :class:`~dmuon.functional.matrix_view.MatrixView` (or an int ``k``: ``Batch(k)``) or
         ``None`` (the defaults).
+      lr_mult, wd_mult: multipliers of Muon's ``lr`` and ``weight_decay`` for the matched Muon
+        params (``W ← W·(1 − lr·m_lr·wd·m_wd) − lr·m_lr·s·U``); ``None``: 1. Not supported on
+        AdamW-routed params yet (``dedicate_params`` raises).
     """
 
     pattern: str
     route: Optional[str] = None
     view: Optional[Any] = None
+    lr_mult: Optional[float] = None
+    wd_mult: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str) or not self.pattern:
             raise ValueError(f"Rule.pattern must be a non-empty glob str, got {self.pattern!r}")
+        for f in ("lr_mult", "wd_mult"):
+            v = getattr(self, f)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      and math.isfinite(v) and v >= 0):
+                raise ValueError(f"Rule({self.pattern!r}).{f} must be a finite float >= 0 or None, "
+                                 f"got {v!r}")
+            if v is not None:
+                object.__setattr__(self, f, float(v))
         if self.route is not None and self.route not in _ROUTES:
             raise ValueError(f"Rule({self.pattern!r}).route must be one of {_ROUTES} or None, "
                              f"got {self.route!r}")
@@ -72,17 +87,21 @@ class Rule:
         return fnmatch.fnmatchcase(name, self.pattern)
 
     def canonical(self) -> list:
-        return [self.pattern, self.route, None if self.view is None else str(self.view)]
+        return [self.pattern, self.route, None if self.view is None else str(self.view),
+                self.lr_mult, self.wd_mult]
 
 
 @dataclass(frozen=True)
 class Decision:
-    """What the policy decided for one param: ``route``, ``view`` (``None`` for AdamW) and
-    ``source`` (which rule: ``"rule 0: <pattern>"``, ``"batch_dims"``, ``"default"``)."""
+    """What the policy decided for one param: ``route``, ``view`` (``None`` for AdamW),
+    ``source`` (which rule: ``"rule 0: <pattern>"``, ``"batch_dims"``, ``"default"``) and the
+    matching rule's ``lr_mult`` / ``wd_mult`` (1 when unset)."""
 
     route: str
     view: Optional[MatrixView]
     source: str
+    lr_mult: float = 1.0
+    wd_mult: float = 1.0
 
 
 def module_kind(module: Any) -> str:
@@ -163,6 +182,11 @@ class ParamPolicy:
         k, r = self.rule_for(name)
         route = self.route(name, predicate_says_muon)
         if route == "adamw":
+            if r is not None and (r.lr_mult is not None or r.wd_mult is not None):
+                raise ValueError(
+                    f"param {name!r} goes to AdamW, but rule {k} ({r.pattern!r}) sets lr_mult / "
+                    "wd_mult, which apply to Muon params only for now; narrow the rule's pattern "
+                    "or use a torch param group for AdamW")
             return Decision("adamw", None, f"rule {k}: {r.pattern}" if r is not None and
                             r.route is not None else "predicate")
         if r is not None and r.view is not None:
@@ -178,7 +202,9 @@ class ParamPolicy:
         except ValueError as e:
             raise ValueError(f"param {name!r} of shape {shape}: its matrix view {view} (from "
                              f"{source}) does not fit: {e}") from None
-        return Decision("muon", view, source)
+        lm = 1.0 if r is None or r.lr_mult is None else r.lr_mult
+        wm = 1.0 if r is None or r.wd_mult is None else r.wd_mult
+        return Decision("muon", view, source, lm, wm)
 
     def canonical(self) -> list:
         """Plain data for the plan fingerprint."""
@@ -189,5 +215,7 @@ class ParamPolicy:
             return "policy: no rules (predicate routes; default views)"
         lines = ["policy rules (first match wins):"]
         for k, r in enumerate(self.rules):
-            lines.append(f"  {k}: {r.pattern}  route={r.route or '-'}  view={r.view or '-'}")
+            lines.append(f"  {k}: {r.pattern}  route={r.route or '-'}  view={r.view or '-'}"
+                         + (f"  lr_mult={r.lr_mult}" if r.lr_mult is not None else "")
+                         + (f"  wd_mult={r.wd_mult}" if r.wd_mult is not None else ""))
         return "\n".join(lines)

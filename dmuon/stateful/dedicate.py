@@ -280,6 +280,7 @@ def dedicate_params(
         mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen})
     st.views = {n: spec_by_name[n].matrix_view for n in chosen}  # what NS / the lr scale see
     st.view_sources = {n: d.source for n, d in decisions.items()}
+    st.hp_mults = {n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()}  # policy multipliers
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.guards)

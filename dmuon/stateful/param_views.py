@@ -44,6 +44,9 @@ def routing_predicate(policy: ParamPolicy, predicate: Any) -> Any:
 def decide_params(model: nn.Module, chosen: dict[str, nn.Parameter], policy: ParamPolicy,
                   batch_dims: Optional[Callable[[str, tuple[int, ...]], int]]) -> dict[str, Decision]:
     """The policy's :class:`Decision` (route ``"muon"``, view, source) for every chosen param."""
+    for n, p in model.named_parameters():  # AdamW params: rules may not set multipliers
+        if p.requires_grad and n not in chosen:
+            policy.decide(n, tuple(p.shape), predicate_says_muon=False)
     out = {}
     for n, p in chosen.items():
         owner = model.get_submodule(n.rsplit(".", 1)[0]) if "." in n else model
