@@ -32,9 +32,16 @@ def views_summary(specs: Sequence[ParamSpec]) -> dict[str, dict[str, int]]:
 def hf_config_specs(config: str, *, dtype: str, per_head: bool = False, split_fused: bool = False
                     ) -> Optional[tuple[tuple[ParamSpec, ...], Any, str]]:
     """``(specs, policy, title)`` of the causal LM ``config`` describes (a ``config.json`` or a
-    model folder), built on the meta device; ``None`` when ``transformers`` is not installed.
+    model folder), built on the meta device; ``None`` when ``transformers`` is not installed or
+    the config names no ``model_type`` (the Llama-style reader of :mod:`presets` plans those).
     Routes: :func:`~dmuon.functional.specs.default_muon_predicate`; views: the default policy
     plus :func:`~dmuon.functional.hf_policy.hf_rules` when ``per_head`` / ``split_fused``."""
+    import json
+
+    path = os.path.join(config, "config.json") if os.path.isdir(config) else config
+    with open(path, encoding="utf-8") as f:
+        if not json.load(f).get("model_type"):
+            return None  # a bare Llama-style config: the preset reader plans it
     try:
         import transformers  # noqa: F401
     except ImportError:
