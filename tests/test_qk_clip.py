@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 
-from dist_utils import run_ranks
 from dmuon.functional.qk_clip import QKClipConfig, apply_qk_clip, clip_factors, max_logits
 
 F64 = torch.float64
@@ -55,7 +54,7 @@ def test_clip_caps_each_head_at_tau(hq, hkv):
         clip_factors(s, hkv, QKClipConfig(tau=0.0))
 
 
-def _worker(rank, world):
+def qk_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -81,9 +80,10 @@ def _worker(rank, world):
     return {"sd": get_model_state_dict(model), "max": glob, "loss": loss}
 
 
-def test_qk_clip_two_ranks_equals_single_process():
+def check_qk(res):
+    """2 ranks (qk_worker's results) == the functional clip applied in one process. Run in the
+    shared spawned group of tests/test_views_hf.py::test_views_on_two_ranks."""
     from models import make_model
-    res = run_ranks(_worker, 2, timeout=60)
     ref = make_model()
     glob = {"layers.0": torch.tensor([160.0, 300.0], dtype=F64),
             "layers.1": torch.tensor([50.0, 21.0], dtype=F64)}

@@ -1,8 +1,8 @@
 """MoE expert stacks on gloo ranks (fp64, 5 steps): with no user batch_dims, dmuon sees each fused
 3-D expert stack of a Hugging Face model (Qwen3-MoE, Mixtral, OLMoE, DeepSeek-V3-style with shared
 experts and a dense first layer) as one matrix per expert and equals the single-process
-functional reference that runs NS per expert. Default tier: Qwen3-MoE and DeepSeek-V3 on 2 ranks;
-slow tier: Mixtral and OLMoE (the same fused experts class layout) on 2 ranks, all four on
+functional reference that runs NS per expert. Default tier: Qwen3-MoE and DeepSeek-V3 on 2 ranks
+(run from tests/test_views_hf.py, one spawned group for all view tests); slow tier: Mixtral and OLMoE (the same fused experts class layout) on 2 ranks, all four on
 4 ranks and on HSDP 2 x 2."""
 from __future__ import annotations
 
@@ -21,15 +21,16 @@ def user_predicate(n, p):
     return p.ndim >= 2 and "embed" not in n and "lm_head" not in n and not n.endswith("mlp.gate.weight")
 
 
-def _worker(rank, world, kinds, hsdp=False):
+def moe_worker(rank, world, kinds, hsdp=False):
+    """Each of ``kinds`` with the user's predicate; the first also with ``default_muon_predicate``
+    (which must route the same params: routers to AdamW, experts to Muon)."""
     from dmuon.functional.specs import default_muon_predicate
     out = {k: dmuon_run(rank, world, k, user_predicate, hsdp=hsdp) for k in kinds}
-    # the default predicate routes the same params (routers to AdamW, experts to Muon)
     out["default"] = dmuon_run(rank, world, kinds[0], default_muon_predicate, hsdp=hsdp)
     return out
 
 
-def _check(results, kinds):
+def check_moe(results, kinds):
     for kind in kinds:
         experts = {n: 1 for n, p in make_hf(kind).named_parameters()
                    if user_predicate(n, p) and p.ndim == 3}
@@ -43,16 +44,15 @@ def _check(results, kinds):
                 assert not bad, (kind, bad)
 
 
-def test_moe_experts_per_expert_without_batch_dims():
-    kinds = ("qwen3_moe", "deepseek_v3")
-    _check(run_ranks(_worker, 2, kinds, timeout=180), kinds)
+# The default-tier run (Qwen3-MoE and DeepSeek-V3 on 2 ranks) shares one spawned group with the
+# other view tests: tests/test_views_hf.py::test_views_on_two_ranks.
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world,hsdp,kinds", [(2, False, ("mixtral", "olmoe")), (4, False, MOE),
                                               (4, True, MOE)])
 def test_moe_experts_more_models_and_meshes(world, hsdp, kinds):
-    _check(run_ranks(_worker, world, kinds, hsdp=hsdp, timeout=300), kinds)
+    check_moe(run_ranks(moe_worker, world, kinds, hsdp=hsdp, timeout=300), kinds)
 
 
 def test_default_predicate_routes_moe():
@@ -63,14 +63,8 @@ def test_default_predicate_routes_moe():
             assert default_muon_predicate(n, p) == want, (kind, n, tuple(p.shape))
 
 
-def test_other_3d_params_raise_naming_the_rules():
-    """A 3-D param outside an experts module, routed to Muon, raises on every rank."""
-    results = run_ranks(_raise_worker, 2, timeout=60)
-    for msg in results:
-        assert "no default matrix view" in msg and "batch, heads, split, transposed" in msg
-
-
-def _raise_worker(rank, world):
+def raise_worker(rank, world):
+    """A 3-D param outside an experts module, routed to Muon: the error text on this rank."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
