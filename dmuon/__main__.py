@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import os
 import time
 from typing import Optional, Sequence
 
@@ -25,8 +26,30 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dmuon.functional.schedule import step_bytes_per_rank
     from dmuon.functional.split_plan import owner_entries
 
-    preset = get_preset(args.model) if args.model else preset_from_hf_config(args.config)
-    specs = preset_specs(preset, dtype=args.dtype)
+    from dmuon.functional.plan_views import hf_config_specs, views_summary
+
+    policy = None
+    if args.model:
+        preset = get_preset(args.model)
+        specs = preset_specs(preset, dtype=args.dtype)
+        title = (f"model {preset.name}: hidden {preset.hidden}, intermediate {preset.intermediate}, "
+                 f"layers {preset.layers}, heads {preset.heads}/{preset.kv_heads} kv, vocab "
+                 f"{preset.vocab}, dtype {args.dtype}")
+    else:
+        got = hf_config_specs(args.config, dtype=args.dtype, per_head=args.per_head,
+                              split_fused=args.split_fused)
+        if got is None:  # no transformers: the Llama / Qwen-style reader
+            if args.per_head or args.split_fused:
+                raise SystemExit("dmuon plan: --per-head / --split-fused need transformers installed")
+            cfg_path = args.config
+            if os.path.isdir(cfg_path):
+                cfg_path = os.path.join(cfg_path, "config.json")
+            preset = preset_from_hf_config(cfg_path)
+            specs = preset_specs(preset, dtype=args.dtype)
+            title = (f"model {preset.name} (config reader): hidden {preset.hidden}, layers "
+                     f"{preset.layers}, dtype {args.dtype}")
+        else:
+            specs, policy, title = got
     t0 = time.perf_counter()
     plan = plan_owners(specs, args.shard, args.replicate, ns_steps=args.ns_steps,
                        max_split=args.max_split, node_size=args.node_size)
@@ -36,12 +59,17 @@ def _cmd_plan(args: argparse.Namespace) -> int:
                                {n: e[1] for n, e in entries.items()}, args.shard, args.replicate)
     if args.json:
         summ = plan_summary(plan, comm_bytes_per_rank=comm, planning_seconds=seconds)
-        summ["model"] = preset.name
+        summ["model"] = title.split(":")[0].removeprefix("model ").split(" (")[0]
+        summ["views"] = views_summary(specs)
+        summ["policy"] = None if policy is None else policy.canonical()
         print(json.dumps(summ, indent=2))
     else:
-        print(f"model {preset.name}: hidden {preset.hidden}, intermediate {preset.intermediate}, "
-              f"layers {preset.layers}, heads {preset.heads}/{preset.kv_heads} kv, vocab {preset.vocab}, "
-              f"dtype {args.dtype}")
+        print(title)
+        if policy is not None:
+            print(policy.describe())
+        print("matrix views (Muon params): " + "; ".join(
+            f"{k}: {v['params']} params, {v['matrices']} matrices"
+            for k, v in views_summary(specs).items()))
         print(plan_table(plan, comm_bytes_per_rank=comm, planning_seconds=seconds, max_rows=args.max_rows))
     return 0
 
@@ -97,7 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Plan which rank owns each Muon matrix and print per-rank loads.")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", choices=sorted(PRESETS), help="built-in model shape preset")
-    src.add_argument("--config", metavar="PATH", help="Hugging Face config.json of a Llama/Qwen decoder")
+    src.add_argument("--config", metavar="PATH",
+                     help="Hugging Face config.json or model folder (any causal LM transformers "
+                          "builds: dense, MoE, MLA; without transformers: Llama/Qwen-style)")
+    p.add_argument("--per-head", action="store_true",
+                   help="per-head views of q/k/v/o (dmuon.functional.hf_policy.hf_rules)")
+    p.add_argument("--split-fused", action="store_true",
+                   help="split fused qkv_proj / gate_up_proj / GPT-2 c_attn into their parts")
     p.add_argument("--shard", "-G", type=int, required=True, help="shard group size G")
     p.add_argument("--replicate", "-R", type=int, default=1, help="HSDP replicas R (default 1)")
     p.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")

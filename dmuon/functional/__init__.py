@@ -9,9 +9,15 @@ What this package exports is what the README's "The functional core" section sho
 * the owner plan and the communication as data: :func:`plan_owners`, :func:`bucket_layout`,
   :func:`unshard_schedule`, :func:`reduce_schedule`, :func:`publish_schedule`,
   :func:`step_traffic`, :func:`simulate`;
-* :mod:`projection`, the step-time projector.
+* :mod:`projection`, the step-time projector;
+* matrix views and the per-param policy: :class:`Batch`, :class:`Heads`, :class:`Split`,
+  :class:`Transposed` (:mod:`matrix_view`), :class:`ParamPolicy`, :class:`Rule` (:mod:`policy`),
+  :func:`hf_rules`; QK-clip: :mod:`qk_clip`.
 """
-from dmuon.functional import adamw, muon, projection, transforms
+from dmuon.functional import adamw, muon, projection, qk_clip, transforms
+from dmuon.functional.hf_policy import hf_rules
+from dmuon.functional.matrix_view import Batch, Heads, Split, Transposed
+from dmuon.functional.policy import ParamPolicy, Rule
 from dmuon.functional.buckets import bucket_layout
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.schedule import publish_schedule, reduce_schedule, step_traffic, unshard_schedule
@@ -21,4 +27,5 @@ from dmuon.newton_schulz.iteration import newton_schulz
 __all__ = [
     "adamw", "muon", "transforms", "projection", "newton_schulz", "plan_owners", "bucket_layout",
     "unshard_schedule", "reduce_schedule", "publish_schedule", "step_traffic", "simulate",
+    "Batch", "Heads", "Split", "Transposed", "ParamPolicy", "Rule", "hf_rules", "qk_clip",
 ]

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from dmuon.functional.matrix_shape import as_matrix_shape
 
-__all__ = ["LR_SCALE_RULES", "lr_scale_factor"]
+if TYPE_CHECKING:
+    from dmuon.functional.matrix_view import MatrixView
+
+__all__ = ["LR_SCALE_RULES", "lr_scale_factor", "lr_scale_factors"]
 
 LR_SCALE_RULES = ("moonlight", "jordan", "none")
 
@@ -37,8 +40,25 @@ def lr_scale_factor(shape: Sequence[int], rule: str = "moonlight", batch_dims: i
     if rule not in LR_SCALE_RULES:
         raise ValueError(f"lr_scale rule must be one of {LR_SCALE_RULES}, got {rule!r}")
     _, m, n = as_matrix_shape(shape, batch_dims)
+    return _factor(rule, m, n)
+
+
+def _factor(rule: str, m: int, n: int) -> float:
     if rule == "moonlight":
         return 0.2 * math.sqrt(max(m, n))
     if rule == "jordan":
         return math.sqrt(max(1.0, m / n)) if n > 0 else 1.0
     return 1.0
+
+
+def lr_scale_factors(shape: Sequence[int], rule: str, view: "MatrixView") -> tuple[float, ...]:
+    """The shape scale of each block of ``view`` (a :mod:`dmuon.functional.matrix_view` rule) of a
+    param of ``shape``: ``s(m_i, n_i)`` by ``rule`` for block ``i`` of ``(B_i, m_i, n_i)``
+    (``lr_scale_factor(shape, rule, k)`` is ``lr_scale_factors(shape, rule, Batch(k))[0]``).
+
+    Raises:
+        ValueError: unknown ``rule`` or a view that does not fit ``shape``.
+    """
+    if rule not in LR_SCALE_RULES:
+        raise ValueError(f"lr_scale rule must be one of {LR_SCALE_RULES}, got {rule!r}")
+    return tuple(_factor(rule, m, n) for _, m, n in view.blocks(shape))

@@ -31,13 +31,14 @@ import torch
 from torch import Tensor
 
 from dmuon.newton_schulz.coefficients import CoefficientSpec
-from dmuon.functional.matrix_shape import as_matrix_shape
 from dmuon.newton_schulz.batched import orthogonalize_batched
-from dmuon.functional.lr_scale import LR_SCALE_RULES, lr_scale_factor
+from dmuon.functional.lr_scale import LR_SCALE_RULES, lr_scale_factor, lr_scale_factors
+from dmuon.functional.matrix_shape import as_matrix_shape  # noqa: F401 (re-exported)
+from dmuon.functional.matrix_view import Batch, views_per_leaf
 from dmuon.functional import transforms as T
 from dmuon.newton_schulz.config import NSConfig
 from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten_like, leaf_paths,
-                                  per_leaf_option, zeros_like_tree)
+                                  zeros_like_tree)
 
 __all__ = [
     "LR_SCALE_RULES",
@@ -194,18 +195,13 @@ def validate_hparams(hparams: MuonHParams) -> None:
         raise ValueError(f"Muon lr_scale must be one of {LR_SCALE_RULES}, got {h.lr_scale!r}")
 
 
-def _batch_dims_per_leaf(batch_dims: Any, params: PyTree, treedef: Any) -> list[int]:
-    return per_leaf_option(
-        batch_dims, params, treedef, default=0, what="batch_dims",
-        is_value=lambda v: isinstance(v, int) and not isinstance(v, bool),
-    )
-
-
-def _non_matrix_error(name: str, shape: tuple[int, ...], batch_dims: int) -> ValueError:
+def _non_matrix_error(name: str, shape: tuple[int, ...], view: Any, why: str = "") -> ValueError:
     return ValueError(
-        f"param {name!r} of shape {shape} (batch_dims={batch_dims}) is not a matrix: Muon only "
-        "orthogonalizes params with at least 2 dims after the batch dims. Route vectors and scalars "
-        "(biases, norms, gains) to AdamW (dmuon.functional.adamw), or lower batch_dims."
+        f"param {name!r} of shape {shape} (view {view}) is not a batch of matrices"
+        + (f" ({why})" if why else "") + ": Muon only "
+        "orthogonalizes params with at least 2 dims after the batch dims, seen through a view that "
+        "fits the shape. Route vectors and scalars (biases, norms, gains) to AdamW "
+        "(dmuon.functional.adamw), or choose a view that fits (dmuon.functional.matrix_view)."
     )
 
 
@@ -230,7 +226,7 @@ def init(params: PyTree) -> MuonState:
     check_tensor_leaves(leaves, names, "params")
     for name, p in zip(names, leaves):
         if p.ndim < 2:
-            raise _non_matrix_error(name, tuple(p.shape), 0)
+            raise _non_matrix_error(name, tuple(p.shape), Batch(0))
     return MuonState(step=0, momentum=zeros_like_tree(leaves, treedef))
 
 
@@ -242,6 +238,7 @@ def update(
     hparams: MuonHParams = MuonHParams(),
     *,
     batch_dims: Any = None,
+    view: Any = None,
     donate: bool = False,
     donate_grads: bool = False,
     orthogonalize: Orthogonalize | None = None,
@@ -270,7 +267,13 @@ def update(
             of shape ``(m, d1, d2, ...)`` is one ``(m, d1·d2·...)`` matrix). An int for all params, a
             pytree with the params' structure, or a mapping from dotted leaf path (the key, for a flat
             dict) to int, e.g. ``{"experts.w_in": 1}`` for an ``(E, m, n)`` expert stack: ``E``
-            matrices, each scaled by its own ``(m, n)``.
+            matrices, each scaled by its own ``(m, n)``. ``batch_dims=k`` is ``view=Batch(k)``.
+        view: the matrix view of each param (:mod:`dmuon.functional.matrix_view`: ``Batch``,
+            ``Heads``, ``Split``, ``Transposed``), in the same forms as ``batch_dims`` (one view, a
+            pytree, or ``{path: view}``; missing: ``Batch(0)``). NS runs on every matrix of every
+            block of the view and the shape scale ``s(m, n)`` is taken per block; the update is
+            written back through the view's exact inverse. Give ``view=`` or ``batch_dims=``, not
+            both (``ValueError``).
         donate: when ``True``, params and momentum buffers are updated in place and the returned
             leaves are the very same tensor objects (no copies); when ``False`` (default) no input is
             modified.
@@ -314,7 +317,7 @@ def update(
     check_tensor_leaves(p_leaves, names, "params")
     g_leaves = flatten_like(treedef, grads, "grads")
     b_leaves = flatten_like(treedef, state.momentum, "state.momentum")
-    bdims = _batch_dims_per_leaf(batch_dims, params, treedef)
+    views = views_per_leaf(view, batch_dims, params, treedef)
 
     mu = float(hparams.momentum)
     lr = float(hparams.lr)
@@ -324,13 +327,12 @@ def update(
     act: list[int] = []          # active leaves (gradient given)
     gs: list[Tensor] = []        # their gradients in the param's dtype
     own_g: list[bool] = []       # may the gradient's storage be used as scratch?
-    bmns: list[tuple[int, int, int]] = []
-    for i, (name, p, g, b, nb) in enumerate(zip(names, p_leaves, g_leaves, b_leaves, bdims)):
+    for i, (name, p, g, b, vw) in enumerate(zip(names, p_leaves, g_leaves, b_leaves, views)):
         shape = tuple(p.shape)
         try:
-            bmn = as_matrix_shape(shape, nb)
+            vw.blocks(shape)
         except ValueError as err:
-            raise _non_matrix_error(name, shape, nb) from err
+            raise _non_matrix_error(name, shape, vw, str(err)) from err
         if g is None:
             continue
         if not isinstance(g, Tensor) or tuple(g.shape) != shape:
@@ -345,7 +347,6 @@ def update(
         act.append(i)
         gs.append(g2)
         own_g.append(g2 is not g or (donate_grads and g.is_contiguous()))
-        bmns.append(bmn)
 
     ew = FOREACH_ELEMENTWISE if elementwise is None else elementwise
     # Momentum b ← μ·b + g and the Nesterov input x ← g + μ·b (in the gradient's storage where it
@@ -367,7 +368,13 @@ def update(
                 xs[k] = gs[k].copy_(bs[k])
             else:
                 xs[k] = bs[k].clone()
-    inputs = [x.reshape(bmn) for x, bmn in zip(xs, bmns)]
+    # each active param's blocks (B, m, n) through its view; nblk[k] of them for param k
+    inputs: list[Tensor] = []
+    nblk: list[int] = []
+    for k, i in enumerate(act):
+        blocks = views[i].to_blocks(xs[k])
+        inputs.extend(blocks)
+        nblk.append(len(blocks))
 
     if orthogonalize is None:
         updates = orthogonalize_batched(inputs, NSConfig.from_hparams(hparams))
@@ -380,11 +387,25 @@ def update(
                              f"shape; got {len(updates)} results for {len(inputs)} inputs")
 
     # W ← W·(1 − lr·wd);  W ← W − lr·s·U  (the elementwise hook's update stage).
+    # A view whose blocks share one shape scale s: alpha = −lr·s; else each block's U is scaled
+    # by its own s first and alpha = −lr.
     ps = [p_leaves[i] for i in act]
-    us = [u.reshape(p.shape) for u, p in zip(updates, ps)]
+    us: list[Tensor] = []
+    alphas: list[float] = []
+    at = 0
+    for k, i in enumerate(act):
+        shape = tuple(p_leaves[i].shape)
+        blk = updates[at:at + nblk[k]]
+        at += nblk[k]
+        scales = lr_scale_factors(shape, hparams.lr_scale, views[i])
+        if len(set(scales)) == 1:
+            alphas.append(-lr * scales[0])
+        else:
+            blk = [u * s for u, s in zip(blk, scales)]
+            alphas.append(-lr)
+        us.append(views[i].from_blocks(blk, shape))
     if not donate:
         ps = [p.clone() for p in ps]
-    alphas = [-lr * lr_scale_factor(p_leaves[i].shape, hparams.lr_scale, bdims[i]) for i in act]
     ew.apply(ps, us, (1 - lr * wd) if wd != 0 else 1.0, alphas)
     new_p: list[Tensor] = list(p_leaves)
     for k, i in enumerate(act):
@@ -395,7 +416,7 @@ def update(
 
 
 def transform(hparams: MuonHParams = MuonHParams(), *, batch_dims: Any = None,
-              orthogonalizer: Any = None):
+              view: Any = None, orthogonalizer: Any = None):
     """Muon as a chain of :mod:`dmuon.functional.transforms` stages (the same math as
     :func:`update`, up to rounding)::
 
@@ -405,7 +426,7 @@ def transform(hparams: MuonHParams = MuonHParams(), *, batch_dims: Any = None,
     Args:
         hparams: :class:`MuonHParams` (validated); its ``ns_*`` fields are the NS settings
             (:class:`~dmuon.newton_schulz.NSConfig`) unless ``orthogonalizer`` replaces them.
-        batch_dims: the matrix views, as in :func:`update`.
+        batch_dims, view: the matrix views, as in :func:`update` (one of the two).
         orthogonalizer: ``None`` (Newton–Schulz per ``hparams``) or any
             :data:`~dmuon.functional.transforms.Orthogonalizer` ``xs -> us``.
 
@@ -417,8 +438,8 @@ def transform(hparams: MuonHParams = MuonHParams(), *, batch_dims: Any = None,
     ortho = NSConfig.from_hparams(hparams) if orthogonalizer is None else orthogonalizer
     return T.chain(
         T.trace_momentum(hparams.momentum, hparams.nesterov),
-        T.orthogonalize(ortho, batch_dims=batch_dims),
-        T.scale_by_shape(hparams.lr_scale, batch_dims=batch_dims),
+        T.orthogonalize(ortho, batch_dims=batch_dims, view=view),
+        T.scale_by_shape(hparams.lr_scale, batch_dims=batch_dims, view=view),
         T.add_decayed_weights(hparams.weight_decay),
         T.scale_by_learning_rate(hparams.lr),
     )

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from dmuon.functional.machine import Machine, collective_time, interp_log2, ns_matrix_seconds
-from dmuon.functional.matrix_shape import as_matrix_shape
 from dmuon.functional.plan import OwnerPlan
 from dmuon.functional.specs import ParamSpec
 from dmuon.newton_schulz.split import split_ns_program, split_piece_segments
@@ -92,10 +91,8 @@ def ns_phase(plan: OwnerPlan, specs: Sequence[ParamSpec], machine: Machine, *, s
                 owned[slot] += by_name[p].numel
         whole = [p for p in unit.params if p not in split_of]
         if whole:
-            sec = sum(as_matrix_shape(by_name[p].shape, by_name[p].batch_dims)[0]
-                      * ns_matrix_seconds(machine, *as_matrix_shape(by_name[p].shape,
-                                                                    by_name[p].batch_dims)[1:],
-                                          steps=steps) for p in whole)
+            sec = sum(b * ns_matrix_seconds(machine, m, n, steps=steps)
+                      for p in whole for b, m, n in by_name[p].matrix_view.blocks(by_name[p].shape))
             cid = f"w:{unit.name}"
             chains[cid] = [sec * slowdown]
             tasks[slot].append(((1, -sec, unit.name), cid))

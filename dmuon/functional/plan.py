@@ -5,9 +5,11 @@ Every ``route == "muon"`` :class:`~dmuon.functional.specs.ParamSpec` gets one ow
 
 Cost model (integers, so sums are exact and order-free)::
 
-    cost(param) = ns_cost(m, n, ns_steps, variant=ns_variant, batch=B).flops + flops_per_byte * nbytes
+    cost(param) = sum_i ns_cost(m_i, n_i, ns_steps, variant=ns_variant, batch=B_i).flops
+                  + flops_per_byte * nbytes
 
-with ``(B, m, n) = as_matrix_shape(shape, batch_dims)`` and ``nbytes = numel * itemsize(dtype)``.
+with ``(B_i, m_i, n_i)`` the blocks of the param's matrix view (:mod:`dmuon.functional.matrix_view`;
+``Batch(batch_dims)`` by default: one block) and ``nbytes = numel * itemsize(dtype)``.
 The first term is the Newton–Schulz work of the variant that will actually run (the same
 :func:`~dmuon.newton_schulz.cost.ns_cost` the NS code uses to choose direct vs Gram). The second term
 charges the owner's per-step element-wise and memory work (momentum, Nesterov input, casts, decay,
@@ -49,7 +51,6 @@ import types
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
-from dmuon.functional.matrix_shape import as_matrix_shape
 from dmuon.newton_schulz.cost import ns_cost
 from dmuon.functional.specs import ParamSpec
 
@@ -114,10 +115,10 @@ def natural_key(name: str) -> tuple:
 def param_cost(spec: ParamSpec, *, ns_steps: int = 5, ns_variant: str = "auto",
                flops_per_byte: int = DEFAULT_FLOPS_PER_BYTE) -> tuple[int, int, int, int]:
     """``(cost, flops, nbytes, matrices)`` of one Muon param under the plan's cost model."""
-    b, m, n = as_matrix_shape(spec.shape, spec.batch_dims)
-    flops = ns_cost(m, n, ns_steps, variant=ns_variant, batch=b).flops
+    blocks = spec.matrix_view.blocks(spec.shape)
+    flops = sum(ns_cost(m, n, ns_steps, variant=ns_variant, batch=b).flops for b, m, n in blocks)
     nbytes = spec.nbytes
-    return flops + flops_per_byte * nbytes, flops, nbytes, b
+    return flops + flops_per_byte * nbytes, flops, nbytes, sum(b for b, _, _ in blocks)
 
 
 def build_units(specs: Sequence[ParamSpec], *, ns_steps: int = 5, ns_variant: str = "auto",
@@ -490,7 +491,8 @@ def assemble_plan(specs: Sequence[ParamSpec], g: int, r: int, units: Sequence[Al
     owners_sorted = dict(sorted(owners.items()))
     canon = {
         "G": g, "R": r, "settings": dict(settings), "strategy": strategy,
-        "specs": sorted([s.name, list(s.shape), s.dtype, s.layer_key, s.route, s.batch_dims] for s in specs),
+        "specs": sorted([s.name, list(s.shape), s.dtype, s.layer_key, s.route, s.batch_dims]
+                        + ([] if s.view is None else [str(s.view)]) for s in specs),
         "owners": [[k, v[0], v[1]] for k, v in owners_sorted.items()],
     }
     if splits:

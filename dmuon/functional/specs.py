@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
-from dmuon.functional.matrix_shape import as_matrix_shape
+from dmuon.functional.matrix_view import Batch, MatrixView, as_view
 
 __all__ = [
     "ROUTES",
@@ -48,6 +48,8 @@ class ParamSpec:
         ``None`` for parameters outside any block (embeddings, final norm, head).
       route: ``"muon"`` (dedicated: planned, orthogonalized by its owner) or ``"adamw"``.
       batch_dims: leading dimensions that index independent matrices (see ``as_matrix_shape``).
+      view: any other matrix view (:mod:`dmuon.functional.matrix_view`); ``None``: ``Batch(batch_dims)``.
+        A ``Batch(k)`` view is stored as ``batch_dims=k`` (one spelling; equal fingerprints).
 
     Raises:
       ValueError: on an unknown route, a negative size, or a ``"muon"`` spec that is not a matrix
@@ -60,9 +62,19 @@ class ParamSpec:
     layer_key: Optional[str]
     route: str
     batch_dims: int = 0
+    view: Optional[MatrixView] = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shape", tuple(int(d) for d in self.shape))
+        if self.view is not None:  # one canonical spelling: Batch(k) is batch_dims=k
+            if not isinstance(self.view, MatrixView):
+                raise ValueError(f"ParamSpec {self.name!r}: view must be a MatrixView, got {self.view!r}")
+            if self.batch_dims:
+                raise ValueError(f"ParamSpec {self.name!r}: give view= or batch_dims=, not both "
+                                 "(batch_dims=k is view=Batch(k))")
+            if isinstance(self.view, Batch):
+                object.__setattr__(self, "batch_dims", self.view.dims)
+                object.__setattr__(self, "view", None)
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"ParamSpec.name must be a non-empty str, got {self.name!r}")
         if self.route not in ROUTES:
@@ -71,13 +83,19 @@ class ParamSpec:
             raise ValueError(f"ParamSpec {self.name!r}: shape {self.shape} has a negative size")
         if self.route == "muon":
             try:
-                as_matrix_shape(self.shape, self.batch_dims)
+                self.matrix_view.blocks(self.shape)
             except ValueError as e:
                 raise ValueError(
                     f"ParamSpec {self.name!r} is routed to Muon but is not a matrix: {e}. Fix the "
-                    "predicate so it rejects this parameter (it then goes to AdamW), or set batch_dims."
+                    "predicate so it rejects this parameter (it then goes to AdamW), or choose its "
+                    "matrix view (batch_dims / dmuon.functional.matrix_view)."
                 ) from None
         dtype_from_str(self.dtype)  # validates
+
+    @property
+    def matrix_view(self) -> MatrixView:
+        """The view NS, the shape scale and the cost model use: ``view``, else ``Batch(batch_dims)``."""
+        return self.view if self.view is not None else Batch(self.batch_dims)
 
     @property
     def numel(self) -> int:
@@ -133,12 +151,24 @@ def layer_key_from_name(name: str) -> Optional[str]:
     return name[: m.end()].lstrip(".")
 
 
+# MoE routers: a module named ``gate`` / ``router`` (or ``*_gate`` / ``*_router``, e.g. Qwen2-MoE's
+# ``shared_expert_gate``) owning the weight; ``gate_proj`` / ``gate_up_proj`` are not routers.
+_ROUTER_RE = re.compile(r"(?:^|\.)\w*(?:gate|router)\.weight$")
+
+
 def default_muon_predicate(name: str, p: Any) -> bool:
-    """Default routing: 2-D weights except embeddings and output heads go to Muon."""
+    """Default routing (names only): Muon for the 2-D weights and the 3-D MoE expert stacks (a
+    name containing ``experts``), except embeddings (``embed``, ``wte``, ``wpe``), output heads
+    (``lm_head``) and MoE routers (a ``gate`` / ``router`` module's weight, e.g.
+    ``mlp.gate.weight`` of shape ``(E, H)``); everything else (norms, biases, routers, ...) goes
+    to AdamW."""
     lowered = name.lower()
     if any(tag in lowered for tag in ("embed", "lm_head", "wte", "wpe")):
         return False
-    return len(tuple(p.shape)) == 2
+    if _ROUTER_RE.search(lowered):
+        return False
+    nd = len(tuple(p.shape))
+    return nd == 2 or (nd == 3 and "experts" in lowered)
 
 
 def _meta_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
@@ -151,6 +181,7 @@ def specs_from_named_shapes(
     *,
     layer_key_fn: Optional[Callable[[str], Optional[str]]] = None,
     batch_dims_fn: Optional[Callable[[str, tuple[int, ...]], int]] = None,
+    view_fn: Optional[Callable[[str, tuple[int, ...]], Any]] = None,
     skip_frozen: bool = True,
 ) -> tuple[ParamSpec, ...]:
     """Build :class:`ParamSpec` s from named shapes or named tensors.
@@ -163,6 +194,8 @@ def specs_from_named_shapes(
         ``p.numel()`` work either way. Default :func:`default_muon_predicate`.
       layer_key_fn: ``name -> layer key or None``; default :func:`layer_key_from_name`.
       batch_dims_fn: ``(name, shape) -> int`` leading batch dims of a Muon param; default 0.
+      view_fn: ``(name, shape) -> MatrixView | int | None`` the matrix view of a Muon param (an
+        int ``k``: ``Batch(k)``; ``None``: ``batch_dims_fn``'s); give one of the two functions.
       skip_frozen: drop tensors with ``requires_grad == False`` (pairs only): they are not optimized.
 
     Returns:
@@ -171,6 +204,8 @@ def specs_from_named_shapes(
     Raises:
       ValueError: on a duplicate name, a malformed entry, or a non-matrix param chosen by the predicate.
     """
+    if batch_dims_fn is not None and view_fn is not None:
+        raise ValueError("give view_fn or batch_dims_fn, not both (batch_dims=k is view Batch(k))")
     predicate = default_muon_predicate if predicate is None else predicate
     layer_key_fn = layer_key_from_name if layer_key_fn is None else layer_key_fn
     out: list[ParamSpec] = []
@@ -193,6 +228,8 @@ def specs_from_named_shapes(
         seen.add(name)
         route = "muon" if predicate(name, p) else "adamw"
         bd = int(batch_dims_fn(name, shape)) if (batch_dims_fn is not None and route == "muon") else 0
+        vw = view_fn(name, shape) if (view_fn is not None and route == "muon") else None
         out.append(ParamSpec(name=name, shape=shape, dtype=str(dtype), layer_key=layer_key_fn(name),
-                             route=route, batch_dims=bd))
+                             route=route, batch_dims=bd,
+                             view=None if vw is None else as_view(vw)))
     return tuple(out)

@@ -249,7 +249,9 @@ def plan_splits(specs: Sequence[ParamSpec], base: OwnerPlan, *, max_split: int, 
     by_name = {s.name: s for s in specs}
     fpb, steps, var = base.params["flops_per_byte"], base.params["ns_steps"], base.params["ns_variant"]
     mean0 = sum(base.slot_costs) / n
-    candidates = [u for u in base.units if len(u.params) == 1 and u.matrices == 1]
+    # whole single matrices only (a Heads / Split / Transposed view is never split across ranks)
+    candidates = [u for u in base.units if len(u.params) == 1 and u.matrices == 1
+                  and by_name[u.name].view is None]
     options: dict[tuple[str, int], tuple] = {}
 
     def option(u: AllocationUnit, k: int):

@@ -13,7 +13,8 @@ passes through every stage as ``None`` and keeps its state, as in :func:`dmuon.f
 Stages (the conventions of :mod:`dmuon.functional.muon` and :mod:`dmuon.functional.adamw`, named):
 
 * :func:`trace_momentum` — ``b ← μ·b + g`` (sum form); output ``g + μ·b`` (Nesterov) or ``b``.
-* :func:`orthogonalize` — ``U = NS(x)`` of every matrix view (``batch_dims``), batched per shape;
+* :func:`orthogonalize` — ``U = NS(x)`` of every matrix of each param's view (``view`` /
+  ``batch_dims``), batched per shape;
   the orthogonalizer is swappable.
 * :func:`scale_by_shape` — ``u·s(m, n)`` by the ``lr_scale`` rule.
 * :func:`scale_by_adam` — Adam's bias-corrected ``m̂ / (sqrt(v̂) + ε)`` (torch's arithmetic).
@@ -37,11 +38,11 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from dmuon.functional.lr_scale import lr_scale_factor
-from dmuon.functional.matrix_shape import as_matrix_shape
+from dmuon.functional.lr_scale import lr_scale_factor, lr_scale_factors
+from dmuon.functional.matrix_view import views_per_leaf
 from dmuon.newton_schulz.batched import orthogonalize_batched
 from dmuon.newton_schulz.config import NSConfig
-from dmuon.functional.tree import PyTree, flatten, flatten_like, leaf_paths, per_leaf_option
+from dmuon.functional.tree import PyTree, flatten, flatten_like, leaf_paths
 
 __all__ = [
     "Transform", "EmptyState", "MomentumState", "AdamState", "ChainState", "PartitionState",
@@ -221,20 +222,16 @@ def _stateless(fn: Callable[[list[Any], list[Tensor], Any, PyTree], list[Any]]) 
     return _transform(lambda params: EmptyState(), update)
 
 
-def _bdims(batch_dims: Any, params: PyTree, treedef: Any) -> list[int]:
-    return per_leaf_option(batch_dims, params, treedef, default=0, what="batch_dims",
-                           is_value=lambda v: isinstance(v, int) and not isinstance(v, bool))
-
-
-def orthogonalize(orthogonalizer: Any = None, *, batch_dims: Any = None) -> Transform:
-    """``U = NS(x)`` of every matrix of every update, viewed as ``(B, m, n)`` by ``batch_dims``.
+def orthogonalize(orthogonalizer: Any = None, *, batch_dims: Any = None,
+                  view: Any = None) -> Transform:
+    """``U = NS(x)`` of every matrix of every update, seen through its matrix view (``view=``, or
+    ``batch_dims=k`` for ``Batch(k)``; :mod:`dmuon.functional.matrix_view`).
 
     Args:
         orthogonalizer: an :class:`~dmuon.newton_schulz.NSConfig` (default ``NSConfig()``: what
             :func:`dmuon.newton_schulz.batched.orthogonalize_batched` computes), or any
             :data:`Orthogonalizer` ``xs -> us`` (one call per step with every active input).
-        batch_dims: as :func:`dmuon.functional.muon.update`'s (int, params-shaped pytree or
-            ``{path: int}``).
+        batch_dims, view: as :func:`dmuon.functional.muon.update`'s (one of the two).
     """
     if orthogonalizer is None or isinstance(orthogonalizer, NSConfig):
         config = orthogonalizer or NSConfig()
@@ -247,27 +244,39 @@ def orthogonalize(orthogonalizer: Any = None, *, batch_dims: Any = None) -> Tran
         raise TypeError(f"orthogonalizer must be an NSConfig or a callable, got {orthogonalizer!r}")
 
     def fn(u_leaves, p_leaves, treedef, params):
-        bd = _bdims(batch_dims, params, treedef)
+        vs = views_per_leaf(view, batch_dims, params, treedef)
         act = [i for i, u in enumerate(u_leaves) if u is not None]
-        xs = [u_leaves[i].reshape(as_matrix_shape(tuple(p_leaves[i].shape), bd[i])) for i in act]
+        blocks = [vs[i].to_blocks(u_leaves[i]) for i in act]
+        xs = [x for blk in blocks for x in blk]
         us = list(run(xs)) if xs else []
         if len(us) != len(xs) or any(tuple(u.shape) != tuple(x.shape) for u, x in zip(us, xs)):
             raise ValueError("the orthogonalizer must return one tensor per input, of its shape")
         out = list(u_leaves)
-        for i, u in zip(act, us):
-            out[i] = u.reshape(p_leaves[i].shape).to(dtype=p_leaves[i].dtype)
+        at = 0
+        for i, blk in zip(act, blocks):
+            shape = tuple(p_leaves[i].shape)
+            out[i] = vs[i].from_blocks(us[at:at + len(blk)], shape).to(dtype=p_leaves[i].dtype)
+            at += len(blk)
         return out
 
     return _stateless(fn)
 
 
-def scale_by_shape(rule: str = "moonlight", *, batch_dims: Any = None) -> Transform:
-    """``u·s(m, n)`` with :func:`dmuon.functional.lr_scale.lr_scale_factor`'s rule per matrix view."""
+def scale_by_shape(rule: str = "moonlight", *, batch_dims: Any = None,
+                   view: Any = None) -> Transform:
+    """``u·s(m, n)`` with :func:`dmuon.functional.lr_scale.lr_scale_factor`'s rule per block of
+    each param's matrix view (``view=`` or ``batch_dims=``, as :func:`orthogonalize`)."""
     lr_scale_factor((1, 1), rule)  # validates the rule
 
+    def scaled(u: Tensor, shape: tuple[int, ...], vw: Any) -> Tensor:
+        scales = lr_scale_factors(shape, rule, vw)
+        if len(set(scales)) == 1:
+            return u * scales[0]
+        return vw.from_blocks([b * s for b, s in zip(vw.to_blocks(u), scales)], shape)
+
     def fn(u_leaves, p_leaves, treedef, params):
-        bd = _bdims(batch_dims, params, treedef)
-        return [None if u is None else u * lr_scale_factor(tuple(p.shape), rule, bd[i])
+        vs = views_per_leaf(view, batch_dims, params, treedef)
+        return [None if u is None else scaled(u, tuple(p.shape), vs[i])
                 for i, (u, p) in enumerate(zip(u_leaves, p_leaves))]
 
     return _stateless(fn)

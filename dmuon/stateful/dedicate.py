@@ -37,6 +37,8 @@ from dmuon.stateful.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
 from dmuon.stateful.hooks import register_hooks
 from dmuon.stateful.fsdp_info import has_fsdp_state
 from dmuon.stateful.guards import guard_module_apply
+from dmuon.functional.policy import ParamPolicy
+from dmuon.stateful.param_views import as_policy, decide_params, policy_fingerprint, routing_predicate
 from dmuon.stateful.process_groups import agree_grid, make_process_groups
 from dmuon.stateful.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
 from dmuon.stateful.torch_state_dict import register_state_dict_hooks
@@ -180,6 +182,7 @@ def dedicate_params(
     reshard_after_forward: bool = True,
     mp_policy: Any = None,
     batch_dims: Optional[Callable[[str, tuple[int, ...]], int]] = None,
+    policy: Optional[ParamPolicy] = None,
     timeout: Optional[datetime.timedelta] = None,
     data_parallel: str = "fsdp",
 ) -> dict[nn.Parameter, int]:
@@ -201,7 +204,13 @@ def dedicate_params(
         gathered copies, ``reduce_dtype`` = dtype of the gradient reduce). Default: the policy
         ``fully_shard`` got for the enclosing module (found at the first forward); none: the
         param's dtype.
-      batch_dims: ``(name, shape) -> int`` leading batch dims of a matrix (e.g. MoE expert stacks).
+      batch_dims: ``(name, shape) -> int`` leading batch dims of a matrix: ``k > 0`` is the view
+        ``Batch(k)`` (a ``0`` keeps the default view of a 2-D param, flattens a >=3-D one).
+      policy: a :class:`dmuon.functional.policy.ParamPolicy`: per-name rules (first match wins)
+        that override the predicate's route and the matrix view; what no rule sets keeps the
+        defaults (``batch_dims``, then :func:`dmuon.functional.policy.default_view`: MoE expert
+        stacks per expert, GPT-2 ``Conv1D`` transposed, conv kernels flattened, other >=3-D
+        Muon params an error). Its rules join the plan fingerprint (the same on every rank).
       timeout: collective timeout of the process groups that move the dedicated params (default:
         the default group's). A rank that never reaches one of their collectives (it skipped a
         forward, backward or step) makes the waiting ranks raise ``RuntimeError`` naming the dmuon
@@ -247,9 +256,11 @@ def dedicate_params(
     local_err: Optional[Exception] = None
     try:
         check_mode(data_parallel)
-        named, chosen = _select(model, predicate)
-        bd_fn = (lambda n, shape: int(batch_dims(n, shape))) if batch_dims is not None else None
-        specs = specs_from_named_shapes(named, lambda n, p: n in chosen, batch_dims_fn=bd_fn)
+        pol = as_policy(policy)
+        named, chosen = _select(model, routing_predicate(pol, predicate))
+        decisions = decide_params(model, chosen, pol, batch_dims)
+        specs = specs_from_named_shapes(named, lambda n, p: n in chosen,
+                                        view_fn=lambda n, shape: decisions[n].view)
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
         local_err = e
     grid = agree_grid(mesh, replicate_mesh, local_err=local_err,
@@ -260,7 +271,7 @@ def dedicate_params(
     timeout = timeout or default_group_timeout(str(mesh.device_type))
     mesh_groups = make_process_groups(grid=grid, timeout=timeout)
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size)
-    _check_fingerprint(plan.fingerprint, mesh_groups)
+    _check_fingerprint(policy_fingerprint(plan.fingerprint, pol), mesh_groups)
     _bound_mesh_groups((mesh, replicate_mesh), timeout)
 
     # a param shared by several modules (tied weights) is moved by the boundary of all its uses:
@@ -290,6 +301,9 @@ def dedicate_params(
         model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
         groups=groups, group_modules=group_modules, reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen})
+    st.views = {n: spec_by_name[n].matrix_view for n in chosen}  # what NS / the lr scale see
+    st.view_sources = {n: d.source for n, d in decisions.items()}
+    st.hp_mults = {n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()}  # policy multipliers
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.guards)

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
+from dmuon.functional.matrix_view import Batch
 from dmuon.stateful.fsdp_patch import check_not_taken_over
 from dmuon.stateful.guards import make_marker
 from dmuon.newton_schulz.config import NSConfig
@@ -178,9 +179,16 @@ class Muon(torch.optim.Optimizer):
         self._name_of = {p: n for n, p in rt.params.items()}
         self._name_of.update({p: n for n, p in self._adamw_named})
         self.refresh_state_views()
-        # batch dims of the owned matrices (both fixed by dedicate_params); None: all plain
-        bd = {n: rt.batch_dims.get(n, 0) for n in rt.owned_names}
-        self._batch_dims: Optional[dict[str, int]] = bd if any(bd.values()) else None
+        # matrix views of the owned matrices (fixed by dedicate_params); None: all plain matrices
+        views = {n: rt.views[n] for n in rt.owned_names}
+        self._views: Optional[dict[str, Any]] = (
+            views if any(v != Batch(0) for v in views.values()) else None)
+        # the policy's (lr_mult, wd_mult) groups of the owned matrices; None: all (1, 1)
+        mults = getattr(rt, "hp_mults", {})
+        groups: dict[tuple[float, float], list[str]] = {}
+        for n in rt.owned_names:
+            groups.setdefault(mults.get(n, (1.0, 1.0)), []).append(n)
+        self._hp_groups = None if set(groups) <= {(1.0, 1.0)} else groups
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 
@@ -324,10 +332,22 @@ class Muon(torch.optim.Optimizer):
         hp = self.muon_hparams()
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
-        _, self.muon_state = fmuon.update(
-            grads, self.muon_state, params, hp, batch_dims=self._batch_dims,
-            donate=True, donate_grads=True, orthogonalize=self._orthogonalizer(rt, hp),
-            elementwise=self._elementwise(rt))
+        ortho, ew = self._orthogonalizer(rt, hp), self._elementwise(rt)
+        if self._hp_groups is None:
+            _, self.muon_state = fmuon.update(
+                grads, self.muon_state, params, hp, view=self._views,
+                donate=True, donate_grads=True, orthogonalize=ortho, elementwise=ew)
+        else:  # policy multipliers: one functional update per (lr_mult, wd_mult) group
+            momentum = dict(self.muon_state.momentum)
+            for (lm, wm), names in self._hp_groups.items():
+                sub = fmuon.MuonState(self.muon_state.step, {n: momentum[n] for n in names})
+                _, sub = fmuon.update(
+                    {n: grads[n] for n in names}, sub, {n: params[n] for n in names},
+                    hp._replace(lr=hp.lr * lm, weight_decay=hp.weight_decay * wm),
+                    view=None if self._views is None else {n: self._views[n] for n in names},
+                    donate=True, donate_grads=True, orthogonalize=ortho, elementwise=ew)
+                momentum.update(sub.momentum)
+            self.muon_state = fmuon.MuonState(self.muon_state.step + 1, momentum)
         self._state_views_stale = True  # rebuilt when self.state is next read
 
     def _orthogonalizer(self, rt: DedicatedState, hp: fmuon.MuonHParams) -> fmuon.Orthogonalize:

@@ -193,8 +193,20 @@ def _reference(optimizer: Muon, params, grads, osd, ns_dtype_override=None):
                              momentum={n: osd["dedicated"][n]["momentum_buffer"] for n in ded})
         mg = {n: grads[n] for n in ded}
         if any(g is not None for g in mg.values()):
-            mp, ms = fmuon.update(mg, ms, mp, hp,
-                                  batch_dims={n: rt.batch_dims.get(n, 0) for n in ded})
+            groups: dict[tuple[float, float], list[str]] = {}  # the policy's multipliers
+            for n in ded:
+                groups.setdefault(getattr(rt, "hp_mults", {}).get(n, (1.0, 1.0)), []).append(n)
+            new_p, new_m = {}, {}
+            for (lm, wm), names in groups.items():
+                sp, ss = fmuon.update(
+                    {n: mg[n] for n in names},
+                    fmuon.MuonState(ms.step, {n: ms.momentum[n] for n in names}),
+                    {n: mp[n] for n in names},
+                    hp._replace(lr=hp.lr * lm, weight_decay=hp.weight_decay * wm),
+                    view={n: rt.views[n] for n in names})
+                new_p.update(sp)
+                new_m.update(ss.momentum)
+            mp, ms = new_p, fmuon.MuonState(ms.step + 1, new_m)
         out_p.update(mp)
         mom = dict(ms.momentum)
     names = [n for n, _ in optimizer.adamw_named_params]

@@ -1,0 +1,221 @@
+"""The per-parameter policy: route (Muon / AdamW) and matrix view of every parameter (pure).
+
+:class:`ParamPolicy` is one ordered tuple of :class:`Rule` s, each matching parameter names by an
+``fnmatch`` glob. For each trainable parameter, the **first** rule whose pattern matches decides
+what it sets; what it leaves ``None`` falls through to the defaults below:
+
+* **route** — the rule's ``route`` (``"muon"`` / ``"adamw"``), else the ``predicate`` given to
+  ``dedicate_params`` (the seeds' routing argument).
+* **lr_mult / wd_mult** — the rule's multipliers of Muon's ``lr`` / ``weight_decay`` (else 1).
+* **view** — the rule's ``view`` (:mod:`dmuon.functional.matrix_view`), else ``batch_dims(name,
+  shape) = k > 0`` given to ``dedicate_params`` (``Batch(k)``), else :func:`default_view`.
+
+:func:`default_view` (module-aware, shown per param by ``dmuon plan`` and ``describe``):
+
+* 2-D weight of a GPT-2-style ``Conv1D`` (stores ``(in, out)``) → ``Transposed(Batch(0))``;
+* any other 2-D weight → ``Batch(0)`` (the matrix itself);
+* 3-D param of an MoE experts module (a class named ``*Experts``, as Hugging Face's fused
+  ``Qwen3MoeExperts`` / ``MixtralExperts`` / ``OlmoeExperts`` / ``DeepseekV3Experts``, or a
+  module path containing ``experts``) → ``Batch(1)``: one matrix per expert;
+* ≥4-D param of a convolution module → ``Batch(0)``: the kernel flattened to ``out x (in·k...)``;
+* any other ≥3-D param routed to Muon → ``ValueError`` naming the rules to choose from.
+
+The policy's :meth:`ParamPolicy.canonical` enters the owner plan's fingerprint (so every rank must
+pass the same policy) and ``describe`` prints it.
+
+Defaults for Hugging Face decoders (``default_muon_predicate`` + no rules): the decoder's matrices
+→ Muon (experts per expert); embeddings, ``lm_head``, norms, biases and routers → AdamW.
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from dmuon.functional.matrix_view import Batch, MatrixView, Transposed, VIEW_RULES, as_view
+
+__all__ = ["Rule", "ParamPolicy", "Decision", "default_view", "module_kind", "MODULE_KINDS"]
+
+#: What :func:`module_kind` reports about the module owning a param.
+MODULE_KINDS = ("experts", "conv", "conv1d", "other")
+
+_ROUTES = ("muon", "adamw")
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One per-name rule of a :class:`ParamPolicy`.
+
+    Attributes:
+      pattern: ``fnmatch`` glob on the full param name, e.g. ``"*.self_attn.q_proj.weight"``.
+      route: ``"muon"``, ``"adamw"`` or ``None`` (the predicate decides).
+      view: a :class:`~dmuon.functional.matrix_view.MatrixView` (or an int ``k``: ``Batch(k)``) or
+        ``None`` (the defaults).
+      lr_mult, wd_mult: multipliers of Muon's ``lr`` and ``weight_decay`` for the matched Muon
+        params (``W ← W·(1 − lr·m_lr·wd·m_wd) − lr·m_lr·s·U``); ``None``: 1. Not supported on
+        AdamW-routed params yet (``dedicate_params`` raises).
+    """
+
+    pattern: str
+    route: Optional[str] = None
+    view: Optional[Any] = None
+    lr_mult: Optional[float] = None
+    wd_mult: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.pattern, str) or not self.pattern:
+            raise ValueError(f"Rule.pattern must be a non-empty glob str, got {self.pattern!r}")
+        for f in ("lr_mult", "wd_mult"):
+            v = getattr(self, f)
+            if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
+                                      and math.isfinite(v) and v >= 0):
+                raise ValueError(f"Rule({self.pattern!r}).{f} must be a finite float >= 0 or None, "
+                                 f"got {v!r}")
+            if v is not None:
+                object.__setattr__(self, f, float(v))
+        if self.route is not None and self.route not in _ROUTES:
+            raise ValueError(f"Rule({self.pattern!r}).route must be one of {_ROUTES} or None, "
+                             f"got {self.route!r}")
+        if self.view is not None:
+            object.__setattr__(self, "view", as_view(self.view))
+        if self.route == "adamw" and self.view is not None:
+            raise ValueError(f"Rule({self.pattern!r}) routes to AdamW but sets a matrix view; views "
+                             "apply to Muon params only")
+
+    def matches(self, name: str) -> bool:
+        return fnmatch.fnmatchcase(name, self.pattern)
+
+    def canonical(self) -> list:
+        return [self.pattern, self.route, None if self.view is None else str(self.view),
+                self.lr_mult, self.wd_mult]
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the policy decided for one param: ``route``, ``view`` (``None`` for AdamW),
+    ``source`` (which rule: ``"rule 0: <pattern>"``, ``"batch_dims"``, ``"default"``) and the
+    matching rule's ``lr_mult`` / ``wd_mult`` (1 when unset)."""
+
+    route: str
+    view: Optional[MatrixView]
+    source: str
+    lr_mult: float = 1.0
+    wd_mult: float = 1.0
+
+
+def module_kind(module: Any) -> str:
+    """``"experts"`` / ``"conv"`` / ``"conv1d"`` (GPT-2's ``(in, out)`` layout) / ``"other"`` for
+    the module that owns a param (inspects its class only)."""
+    import torch.nn as nn
+
+    cls = type(module).__name__
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return "conv"
+    if cls == "Conv1D":  # transformers.pytorch_utils.Conv1D: weight (in, out), y = x @ W + b
+        return "conv1d"
+    if cls.endswith("Experts"):
+        return "experts"
+    return "other"
+
+
+def default_view(name: str, shape: Sequence[int], kind: str) -> MatrixView:
+    """The default matrix view of a Muon param (module docstring); ``kind`` from
+    :func:`module_kind` of its owning module.
+
+    Raises:
+      ValueError: a ≥3-D param that is neither an expert stack nor a convolution kernel.
+    """
+    nd = len(tuple(shape))
+    if nd == 2:
+        return Transposed(Batch(0)) if kind == "conv1d" else Batch(0)
+    if nd == 3 and (kind == "experts" or any("experts" in seg for seg in name.split(".")[:-1])):
+        return Batch(1)
+    if nd >= 4 and kind == "conv":
+        return Batch(0)
+    raise ValueError(
+        f"param {name!r} of shape {tuple(shape)} is routed to Muon, but dmuon has no default matrix "
+        "view for a >=3-D param outside an MoE experts module (3-D: one matrix per expert) or a "
+        "convolution (>=4-D: flattened). Choose its view with a rule, e.g. "
+        f"dmuon.functional.policy.ParamPolicy(rules=(Rule({name!r}, view=Batch(1)),)) passed as "
+        f"dedicate_params(..., policy=...), or batch_dims=; the rules are {', '.join(VIEW_RULES)} "
+        "(dmuon.functional.matrix_view). Or route it to AdamW in the predicate.")
+
+
+@dataclass(frozen=True)
+class ParamPolicy:
+    """Ordered per-name :class:`Rule` s (module docstring); the first matching rule decides."""
+
+    rules: tuple[Rule, ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        rules = tuple(self.rules)
+        for k, r in enumerate(rules):
+            if not isinstance(r, Rule):
+                raise TypeError(f"ParamPolicy.rules[{k}] must be a dmuon.functional.policy.Rule, "
+                                f"got {r!r}")
+        object.__setattr__(self, "rules", rules)
+
+    def rule_for(self, name: str) -> tuple[int, Optional[Rule]]:
+        for k, r in enumerate(self.rules):
+            if r.matches(name):
+                return k, r
+        return -1, None
+
+    def route(self, name: str, predicate_says_muon: bool) -> str:
+        """The route of ``name``: the first matching rule's, else the predicate's."""
+        _, r = self.rule_for(name)
+        if r is not None and r.route is not None:
+            return r.route
+        return "muon" if predicate_says_muon else "adamw"
+
+    def decide(self, name: str, shape: Sequence[int], *, predicate_says_muon: bool,
+               kind: str = "other",
+               batch_dims: Optional[Callable[[str, tuple[int, ...]], int]] = None) -> Decision:
+        """The :class:`Decision` for one param (precedence in the module docstring).
+
+        Raises:
+          ValueError: the chosen view does not fit the shape, or no default view exists (the
+            message names the param and the rules).
+        """
+        shape = tuple(int(d) for d in shape)
+        k, r = self.rule_for(name)
+        route = self.route(name, predicate_says_muon)
+        if route == "adamw":
+            if r is not None and (r.lr_mult is not None or r.wd_mult is not None):
+                raise ValueError(
+                    f"param {name!r} goes to AdamW, but rule {k} ({r.pattern!r}) sets lr_mult / "
+                    "wd_mult, which apply to Muon params only for now; narrow the rule's pattern "
+                    "or use a torch param group for AdamW")
+            return Decision("adamw", None, f"rule {k}: {r.pattern}" if r is not None and
+                            r.route is not None else "predicate")
+        if r is not None and r.view is not None:
+            view, source = r.view, f"rule {k}: {r.pattern}"
+        elif batch_dims is not None and int(batch_dims(name, shape)) > 0:
+            view, source = Batch(int(batch_dims(name, shape))), "batch_dims"
+        elif batch_dims is not None and len(shape) > 2:
+            view, source = Batch(0), "batch_dims"  # an explicit 0 on a >=3-D param: flatten
+        else:
+            view, source = default_view(name, shape, kind), "default"
+        try:
+            view.blocks(shape)
+        except ValueError as e:
+            raise ValueError(f"param {name!r} of shape {shape}: its matrix view {view} (from "
+                             f"{source}) does not fit: {e}") from None
+        lm = 1.0 if r is None or r.lr_mult is None else r.lr_mult
+        wm = 1.0 if r is None or r.wd_mult is None else r.wd_mult
+        return Decision("muon", view, source, lm, wm)
+
+    def canonical(self) -> list:
+        """Plain data for the plan fingerprint."""
+        return [r.canonical() for r in self.rules]
+
+    def describe(self) -> str:
+        if not self.rules:
+            return "policy: no rules (predicate routes; default views)"
+        lines = ["policy rules (first match wins):"]
+        for k, r in enumerate(self.rules):
+            lines.append(f"  {k}: {r.pattern}  route={r.route or '-'}  view={r.view or '-'}"
+                         + (f"  lr_mult={r.lr_mult}" if r.lr_mult is not None else "")
+                         + (f"  wd_mult={r.wd_mult}" if r.wd_mult is not None else ""))
+        return "\n".join(lines)
