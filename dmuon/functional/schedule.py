@@ -474,28 +474,3 @@ def step_traffic(layout: BucketLayout, reshard_after_forward: bool = False, *,
     if publish:
         total = total + steps.publish.traffic()
     return total
-
-
-def step_bytes_per_rank(owners: Mapping[str, tuple[int, int]], shapes: Mapping[str, Sequence[int]],
-                        dtypes: Mapping[str, str], shard_size: int, replicate_size: int = 1,
-                        modes: Sequence[str] = ("z2", "z3")) -> dict[str, list[int]]:
-    """Payload bytes each rank receives in one training step, per mode, from the schedule accounting.
-
-    Builds the bucket layout of ``owners`` (one hook group per layer key) and sums
-    :func:`step_traffic` over all lanes (the HSDP publish included). The mean over ranks of the
-    shard-axis part is ``2(G-1)/G * P`` (Z2) and ``3(G-1)/G * P`` (Z3).
-
-    Returns:
-      ``{mode: [bytes received by global rank r*G + s]}``.
-    """
-    from dmuon.functional.buckets import bucket_layout, hook_groups
-
-    names = sorted(owners)
-    layout = bucket_layout(owners, shapes, dtypes, hook_groups(names), shard_size, replicate_size)
-    out: dict[str, list[int]] = {}
-    for mode in modes:
-        if mode not in ("z2", "z3"):
-            raise ValueError(f"modes are 'z2' and 'z3' (report labels), got {mode!r}")
-        traffic = step_traffic(layout, reshard_after_forward=(mode == "z3"))
-        out[mode] = [traffic.rank_received(rank) for rank in range(layout.world_size)]
-    return out

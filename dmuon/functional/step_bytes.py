@@ -10,17 +10,17 @@ unshard (Z3: and the backward re-unshard), the gradient reduce (both HSDP stages
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 from dmuon.functional.buckets import HookGroups, bucket_layout, hook_groups
 from dmuon.newton_schulz.cost import DEFAULT_GRAM_RESTART
 from dmuon.functional.plan import OwnerPlan
-from dmuon.functional.schedule import Traffic, build_step_schedules
+from dmuon.functional.schedule import Traffic, build_step_schedules, step_traffic
 from dmuon.functional.specs import ParamSpec
 from dmuon.newton_schulz.split import split_ns_schedule
 from dmuon.functional.split_plan import owner_entries
 
-__all__ = ["runtime_step_traffic"]
+__all__ = ["runtime_step_traffic", "step_bytes_per_rank"]
 
 
 def runtime_step_traffic(plan: OwnerPlan, specs: Sequence[ParamSpec], *, reshard_after_forward: bool = True,
@@ -59,3 +59,26 @@ def runtime_step_traffic(plan: OwnerPlan, specs: Sequence[ParamSpec], *, reshard
             gram_restart=DEFAULT_GRAM_RESTART if sp.variant == "gram" else None,
             dtype=split_dtype).traffic()
     return total
+
+
+def step_bytes_per_rank(owners: Mapping[str, tuple[int, int]], shapes: Mapping[str, Sequence[int]],
+                        dtypes: Mapping[str, str], shard_size: int, replicate_size: int = 1,
+                        modes: Sequence[str] = ("z2", "z3")) -> dict[str, list[int]]:
+    """Payload bytes each rank receives in one training step, per mode, from the schedule accounting.
+
+    Builds the bucket layout of ``owners`` (one hook group per layer key) and sums
+    :func:`step_traffic` over all lanes (the HSDP publish included). The mean over ranks of the
+    shard-axis part is ``2(G-1)/G * P`` (Z2) and ``3(G-1)/G * P`` (Z3).
+
+    Returns:
+      ``{mode: [bytes received by global rank r*G + s]}``.
+    """
+    names = sorted(owners)
+    layout = bucket_layout(owners, shapes, dtypes, hook_groups(names), shard_size, replicate_size)
+    out: dict[str, list[int]] = {}
+    for mode in modes:
+        if mode not in ("z2", "z3"):
+            raise ValueError(f"modes are 'z2' and 'z3' (report labels), got {mode!r}")
+        traffic = step_traffic(layout, reshard_after_forward=(mode == "z3"))
+        out[mode] = [traffic.rank_received(rank) for rank in range(layout.world_size)]
+    return out
