@@ -8,6 +8,10 @@ Call order (SPEC §2)::
     fully_shard(model, mesh=mesh)
     optimizer = dmuon.Muon(model, ...)
 
+A model built under ``torch.device("meta")`` works too (torchtitan's order: dedicate_params,
+fully_shard, ``model.to_empty(device=...)``, the model's init, ``dmuon.Muon``): only the owners'
+masters are allocated, and the init writes them (:mod:`dmuon.stateful.meta_init`).
+
 What it does, in order: validates the model and the predicate; builds the param specs and the
 owner plan (pure, :mod:`dmuon.functional.plan`); compares the plan's fingerprint across all ranks;
 creates the lane process groups and the executor; groups the dedicated params by hook boundary;
@@ -36,6 +40,8 @@ from dmuon.stateful.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
 from dmuon.stateful.hooks import register_hooks
 from dmuon.stateful.fsdp_info import has_fsdp_state
 from dmuon.stateful.guards import guard_module_apply
+from dmuon.stateful.meta_init import device_of_mesh, replace_meta_params
+from dmuon.stateful.meta_init import check_meta_selection
 from dmuon.stateful.process_groups import agree_grid, make_process_groups
 from dmuon.stateful.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
 from dmuon.stateful.torch_state_dict import register_state_dict_hooks
@@ -85,18 +91,13 @@ def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.
                 f"dedicate_params: the predicate selected {n!r} of shape {tuple(p.shape)}, which is "
                 "not a matrix; Muon needs ndim >= 2. Add `p.ndim >= 2` (or `p.ndim == 2`) to the "
                 "predicate so vectors stay with AdamW.")
-        if p.is_meta:
-            raise ValueError(
-                f"dedicate_params: param {n!r} is on the meta device (meta-device init); dmuon "
-                "copies each dedicated matrix to its owner now, so it needs real values. "
-                "Materialize the model first (model.to_empty(device=...) and initialize the "
-                "weights), then dedicate_params, then fully_shard.")
         chosen[n] = p
     if not chosen:
         raise ValueError(
             f"dedicate_params: the predicate matched no trainable parameter of {type(model).__name__} "
             f"({len(named)} candidates, e.g. {[n for n, _ in named[:4]]}). Check the names it tests, "
             "e.g. predicate=lambda n, p: p.ndim == 2 and 'proj' in n.")
+    check_meta_selection(chosen)  # all on meta (meta-device init) or none
     return named, chosen
 
 
@@ -175,7 +176,10 @@ def dedicate_params(
     """Dedicate every matrix ``predicate`` selects to one owner rank (collective; before fully_shard).
 
     Args:
-      model: the model, not yet ``fully_shard``-ed, the same on every rank.
+      model: the model, not yet ``fully_shard``-ed, the same on every rank; materialized, or
+        built whole on the meta device (then ``to_empty`` + init after ``fully_shard``; the
+        dedicated params become new ``nn.Parameter`` objects, see
+        :mod:`dmuon.stateful.meta_init`).
       mesh: the 1-D shard ``DeviceMesh`` (the one passed to ``fully_shard``), or a 2-D mesh with
         dims ``("replicate", "shard")``.
       predicate: ``predicate(name, param) -> bool`` picks the Muon matrices (``ndim >= 2``); every
@@ -204,7 +208,8 @@ def dedicate_params(
       RuntimeError: torch.distributed is not initialized; the model already has FSDP2 state or was
         already dedicated; the predicate raised (the message names the param); the owner plan
         differs across ranks.
-      ValueError: the predicate matches nothing, or matches a non-matrix or a meta-device param;
+      ValueError: the predicate matches nothing, or matches a non-matrix; some selected params
+        are on the meta device and others not;
         the meshes do not match the world (ranks, R x G, device type; see
         :func:`dmuon.functional.setup_check.check_setups`).
       Every check runs on every rank before any process group is made: a problem on one rank
@@ -232,13 +237,20 @@ def dedicate_params(
         specs = specs_from_named_shapes(named, lambda n, p: n in chosen, batch_dims_fn=bd_fn)
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
         local_err = e
+    on_meta = bool(chosen) and all(p.is_meta for p in chosen.values())
     grid = agree_grid(mesh, replicate_mesh, local_err=local_err,
-                      param_device_types=[p.device.type for p in chosen.values()])
+                      param_device_types=[str(mesh.device_type) if p.is_meta else p.device.type
+                                          for p in chosen.values()])
     timeout = timeout or default_group_timeout(str(mesh.device_type))
     mesh_groups = make_process_groups(grid=grid, timeout=timeout)
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size)
     _check_fingerprint(plan.fingerprint, mesh_groups)
     _bound_mesh_groups((mesh, replicate_mesh), timeout)
+    meta_shapes = meta_device = None
+    if on_meta:  # meta-device init: new real-device param objects, no values (meta_init.py)
+        meta_device = device_of_mesh(mesh)
+        meta_shapes = {n: tuple(p.shape) for n, p in chosen.items()}
+        chosen = replace_meta_params(model, chosen, meta_device)
 
     # a param shared by several modules (tied weights) is moved by the boundary of all its uses:
     # if its names fall under different boundaries, the root group (gathered for the whole forward)
@@ -266,7 +278,8 @@ def dedicate_params(
     st = DedicatedState(
         model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
         groups=groups, group_modules=group_modules, reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen})
+        mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen},
+        meta_shapes=meta_shapes, meta_device=meta_device)
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.guards)

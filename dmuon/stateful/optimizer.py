@@ -119,6 +119,7 @@ class Muon(torch.optim.Optimizer):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
         rt = get_state(model, "dmuon.Muon(model)")
+        rt.finish_meta_init("dmuon.Muon(model)")  # meta-built model: close its init window
         check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
         _check_fsdp_mesh(model, rt)
         muon_hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
