@@ -174,6 +174,18 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
         losses.append(float(loss.detach()))
     out["sd"] = dmuon.get_model_state_dict(model)
     out["losses"] = losses
+    if cfg.get("bf16"):  # fp32 masters of bf16 params: the init goes through a bf16 temporary
+        torch.set_default_dtype(torch.float32)
+        with torch.device("meta"):
+            m16 = MetaLM().to(torch.bfloat16)
+        dmuon.dedicate_params(m16, shard_mesh, muon_predicate, replicate_mesh=rep_mesh)
+        fully_shard(m16, mesh=mesh)
+        m16.to_empty(device="cpu")
+        m16.init_weights()
+        sd16 = dmuon.get_model_state_dict(m16)
+        st16 = get_state(m16)
+        out["bf16"] = {n: (str(m.dtype), float((m - sd16[n].float()).abs().max()),
+                           float(sd16[n].float().std())) for n, m in st16.masters.items()}
     return out
 
 
@@ -219,11 +231,14 @@ def _check(results: list, init: str, hsdp: bool = False) -> None:
         # each rank's loss is on its slice of the batch; their mean is the full batch's
     mean_losses = [sum(o["losses"][i] for o in results) / world for i in range(STEPS)]
     assert max(abs(a - b) for a, b in zip(mean_losses, ref["losses"])) < 1e-10
+    for out in results:
+        for n, (dt, diff, std) in out.get("bf16", {}).items():
+            assert dt == "torch.float32" and diff == 0.0 and abs(std - 0.02) < 0.008, (n, dt, diff, std)
 
 
 def test_meta_init_two_ranks_reset_parameters():
     """2 ranks, each module's reset_parameters (nn.Linear with a bias among the matrices)."""
-    _check(run_ranks(_worker, 2, {"init": "reset"}), "reset")
+    _check(run_ranks(_worker, 2, {"init": "reset", "bf16": True}), "reset")
 
 
 @pytest.mark.slow
