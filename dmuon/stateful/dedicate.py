@@ -82,10 +82,10 @@ def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.
         if not picked:
             continue
         if _is_dtensor(p):
-            raise NotImplementedError(
-                f"dedicate_params: param {n!r} is a DTensor (tensor/sequence parallel); dedicating "
-                "DTensor params is not supported yet. Apply dedicate_params before parallelizing, "
-                "or exclude TP-sharded params in the predicate.")
+            from dmuon.stateful.tensor_parallel import TP_FIX, TensorParallelUnsupported
+            raise TensorParallelUnsupported(
+                f"dedicate_params: param {n!r} is a DTensor (placements {tuple(p.placements)}: "
+                f"tensor / sequence parallel applied before dedicate_params). {TP_FIX}.")
         if p.ndim < 2:
             raise ValueError(
                 f"dedicate_params: the predicate selected {n!r} of shape {tuple(p.shape)}, which is "
@@ -214,7 +214,8 @@ def dedicate_params(
         :func:`dmuon.functional.setup_check.check_setups`).
       Every check runs on every rank before any process group is made: a problem on one rank
       raises on all (that rank's own exception there, its message elsewhere), never a hang.
-      NotImplementedError: a dedicated param is a DTensor (tensor parallelism).
+      NotImplementedError: a dedicated param is a DTensor (tensor parallelism;
+        :mod:`dmuon.stateful.tensor_parallel`).
     """
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))

@@ -155,6 +155,9 @@ class DedicatedPlaceholder(nn.Parameter):
         p = _first(DedicatedPlaceholder, args, kwargs)
         pname = getattr(p, "_dmuon_name", "?")
         owner = getattr(p, "_dedicated_owner_rank", "?")
+        from dmuon.stateful.tensor_parallel import from_dtensor_api, tp_error
+        if from_dtensor_api():
+            raise tp_error(pname, owner)
         from dmuon.stateful.fsdp_patch import is_installed
         patch = "" if is_installed() else (
             f" dmuon's fully_shard patch is NOT installed on torch {torch.__version__}: if this "

@@ -109,6 +109,10 @@ class DedicatedUninit(nn.Parameter):
         info: Optional[_Info] = getattr(me, "_dmuon_uninit", None)
         if info is None:  # pragma: no cover - a stray subclass instance
             return _plain(func, args, kwargs)
+        if name not in _PASS:
+            from dmuon.stateful.tensor_parallel import from_dtensor_api, tp_error
+            if from_dtensor_api():  # TP after dedicate_params: raise on holders and others alike
+                raise tp_error(info.name, info.owner)
         if name == "empty_like" and args and args[0] is me:  # Module.to_empty
             if not _same_device(kwargs.get("device"), info.device) or \
                     kwargs.get("dtype", me.dtype) != me.dtype:
