@@ -262,3 +262,51 @@ def test_meta_selection_mixed_raises():
     assert check_meta_selection({"b": b}) is False
     with pytest.raises(ValueError, match="meta device"):
         check_meta_selection({"a": a, "b": b})
+
+
+def _uninit(shape, holds: bool):
+    from dmuon.stateful.meta_init import DedicatedUninit, _Info
+    p = nn.Parameter(torch.empty(shape if holds else (0,)))
+    p._dmuon_uninit = _Info("w", tuple(shape), holds, torch.device("cpu"), owner=1)
+    p.__class__ = DedicatedUninit
+    return p
+
+
+def test_uninit_param_on_a_rank_without_the_matrix():
+    """No storage, full-shape metadata, init and in-place writes are no-ops, reads raise,
+    to_empty keeps it (and refuses another device)."""
+    from dmuon.stateful.guards import DedicatedParamError
+    lin = nn.Linear(3, 4, bias=True)
+    lin.weight = _uninit((4, 3), holds=False)
+    w = lin.weight
+    assert w.shape == (4, 3) and w.dim() == 2 and w.size(1) == 3 and w.numel() == 12 and w.is_meta
+    bias_before = lin.bias.detach().clone()
+    torch.manual_seed(0)
+    lin.reset_parameters()  # kaiming_uniform_ on the weight, the bias bound from its fan-in
+    assert not torch.equal(lin.bias.detach(), bias_before)
+    assert float(lin.bias.detach().abs().max()) <= 1 / math.sqrt(3)
+    nn.init.trunc_normal_(w, std=0.02)
+    with torch.no_grad():
+        w.normal_()
+        w.data.zero_()
+        w.copy_(torch.ones(4, 3))
+    assert w.untyped_storage().size() == 0
+    with pytest.raises(DedicatedParamError, match="does not hold it"):
+        w.sum()
+    with pytest.raises(DedicatedParamError, match="to_empty"):
+        torch.empty_like(w, device="meta")
+    lin.to_empty(device="cpu")
+    assert lin.weight is w and w.untyped_storage().size() == 0 and w._dmuon_uninit.materialized
+
+
+def test_uninit_param_on_the_holder_is_the_master():
+    master = torch.zeros(4, 3)
+    w = _uninit((4, 3), holds=True)
+    w.data = master
+    lin = nn.Linear(3, 4, bias=False)
+    lin.weight = w
+    lin.to_empty(device="cpu")  # keeps the master: no new storage
+    assert w.data_ptr() == master.data_ptr()
+    torch.manual_seed(0)
+    lin.reset_parameters()
+    assert float(master.abs().max()) > 0 and float(master.abs().max()) <= 1 / math.sqrt(3)
