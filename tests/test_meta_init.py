@@ -293,8 +293,9 @@ def test_uninit_param_on_a_rank_without_the_matrix():
     assert w.untyped_storage().size() == 0
     with pytest.raises(DedicatedParamError, match="does not hold it"):
         w.sum()
+    assert w.new_empty(2, 3).is_meta and torch.zeros_like(w).is_meta  # scratch: no storage
     with pytest.raises(DedicatedParamError, match="to_empty"):
-        torch.empty_like(w, device="meta")
+        lin.to_empty(device="meta")  # another device than the master's
     lin.to_empty(device="cpu")
     assert lin.weight is w and w.untyped_storage().size() == 0 and w._dmuon_uninit.materialized
 

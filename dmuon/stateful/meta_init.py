@@ -21,8 +21,10 @@ meta one in every module that held it, so tied weights stay tied):
 * on every other rank it has no storage at all. It reports the full shape and ``is_meta=True``,
   so the init code runs unchanged: ``torch.nn.init`` functions (``kaiming_uniform_``,
   ``trunc_normal_``, ``normal_``, ...) and in-place writes (``w.normal_()``, ``w.data.zero_()``,
-  ``copy_``) are no-ops there, and fan-in computations such as ``nn.Linear.reset_parameters``'
-  bias bound read the full shape. An op that would *read* its values raises
+  ``copy_``) are no-ops there, tensors made from it (``w.new_empty(...)``, ``zeros_like(w)``)
+  are meta tensors (torchtitan's fused-QKV init builds q/k/v that way, then ``copy_``-s them in),
+  and fan-in computations such as ``nn.Linear.reset_parameters``' bias bound read the full
+  shape. An op that would *read* its values raises
   :class:`~dmuon.stateful.guards.DedicatedParamError` (the values do not exist on this rank).
 
 **The close** (:func:`finish_meta_init`; the first of ``dmuon.Muon(model)``, the first forward, or
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
@@ -69,6 +72,26 @@ _PASS = frozenset({
     "_is_view", "has_names", "__dir__", "_backward_hooks", "is_shared", "is_pinned",
     "untyped_storage", "_typed_storage", "data_ptr", "storage_offset",
 })
+
+
+#: tensors made from one (shape / dtype only): on meta on a rank without the matrix, so that init
+#: code building a scratch (torchtitan's fused-QKV init: new_empty, init, cat, copy_) stays free
+_FACTORIES = frozenset({"new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided",
+                        "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+                        "randn_like"})
+
+
+def _from_to_empty() -> bool:
+    """Whether the ``empty_like`` being handled is ``Module.to_empty``'s (its lambda in
+    ``torch.nn.modules.module``), not init code asking for a scratch tensor."""
+    f = sys._getframe(2)
+    for _ in range(3):
+        if f is None:
+            return False
+        if f.f_globals.get("__name__") == "torch.nn.modules.module":
+            return True
+        f = f.f_back
+    return False
 
 
 @dataclass(eq=False)
@@ -113,7 +136,7 @@ class DedicatedUninit(nn.Parameter):
             from dmuon.stateful.tensor_parallel import from_dtensor_api, tp_error
             if from_dtensor_api():  # TP after dedicate_params: raise on holders and others alike
                 raise tp_error(info.name, info.owner)
-        if name == "empty_like" and args and args[0] is me:  # Module.to_empty
+        if name == "empty_like" and args and args[0] is me and _from_to_empty():
             if not _same_device(kwargs.get("device"), info.device) or \
                     kwargs.get("dtype", me.dtype) != me.dtype:
                 raise DedicatedParamError(
@@ -143,6 +166,8 @@ class DedicatedUninit(nn.Parameter):
             return torch.Size(info.shape) if dim is None else info.shape[dim]
         if name in _PASS:
             return _plain(func, args, kwargs)
+        if name in _FACTORIES and args and args[0] is me:  # scratch "like" it: on meta here
+            return _plain(func, args, {**kwargs, "device": "meta"})
         if getattr(func, "__module__", "") == "torch.nn.init" or (
                 name.endswith("_") and not name.startswith("_") and args and args[0] is me):
             return me  # an init function or an in-place write: nothing lives here to write
