@@ -15,6 +15,17 @@ a clear error on every rank, before any collective that only some ranks would re
   ``distribute_tensor`` reads the dedicated param, and the placeholder (or, in a meta-device
   model's init window, :class:`~dmuon.stateful.meta_init.DedicatedUninit`) raises
   :class:`TensorParallelUnsupported` on every rank at that first read, before TP's scatter.
+
+**Which route support should take, by bytes** (matrix of ``P`` bytes, TP degree ``T``, shard
+group ``G``; not built yet). (1) *TP-local dedication*: each TP rank ``t`` dedicates its ``P/T``
+shard inside its own dp group (forward broadcast and gradient reduce as today, ``P/T`` each), and
+at the step the owner's TP peers gather the momentum-updated ``P/T`` slices to one rank (or
+all-gather them: ``(T-1)/T P`` received per rank, NS then run ``T`` times), which scatters the
+update back (``(T-1)/T P``). (2) *Owner holds the full matrix* and hands each of the ``G T - 1``
+other ranks its ``P/T`` slice in the forward broadcast: the owner's link sends ``~G P`` per forward
+and receives ``~G P`` of gradient slices, ``G`` times the ``~P`` of (1)'s ring / tree collectives,
+and every slice is a separate point-to-point transfer. Route (1) moves less over the busiest link
+and keeps dmuon's broadcast / reduce schedules per dp group; it is the one to build.
 """
 from __future__ import annotations
 
