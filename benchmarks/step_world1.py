@@ -145,11 +145,42 @@ def lm_loss(model: nn.Module, ids: torch.Tensor, vocab: int) -> tuple[torch.Tens
     return F.cross_entropy(logits.float().view(-1, vocab), ids[:, 1:].reshape(-1)), logits
 
 
-def build(cfg: Cfg, kind: str, device: torch.device, mesh):
+class HFLlama(nn.Module):
+    """HF ``LlamaForCausalLM`` with the same shapes as :class:`Llama` (SDPA attention), returning
+    logits like :class:`Llama` does (issue 24's "HF-model variant")."""
+
+    def __init__(self, c: Cfg):
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+        conf = LlamaConfig(vocab_size=c.vocab, hidden_size=c.hidden, intermediate_size=c.inter,
+                           num_hidden_layers=c.layers, num_attention_heads=c.heads,
+                           num_key_value_heads=c.kv_heads, max_position_embeddings=c.seq,
+                           tie_word_embeddings=False, attn_implementation="sdpa")
+        self.inner = LlamaForCausalLM(conf)
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The decoder blocks (each gets its own ``fully_shard``)."""
+        return self.inner.model.layers
+
+    def forward(self, ids):
+        return self.inner(input_ids=ids, use_cache=False).logits
+
+
+def device_alloc_counts() -> tuple[int, int]:
+    """``(cudaMalloc, cudaFree)`` calls the caching allocator made so far (``memory_stats``)."""
+    st = torch.cuda.memory_stats()
+    return st.get("num_device_alloc", 0), st.get("num_device_free", 0)
+
+
+MODEL = {"llama": Llama, "hf": HFLlama}
+
+
+def build(cfg: Cfg, kind: str, device: torch.device, mesh, model_kind: str = "llama"):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     with torch.device(device):
-        model = Llama(cfg)
+        model = MODEL[model_kind](cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if kind.startswith("dmuon"):
         from dmuon.stateful.dedicate import dedicate_params
@@ -181,24 +212,28 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh):
 
 
 def run_config(cfg: Cfg, kind: str, device: torch.device, mesh, warmup: int, steps: int,
-               stat_steps: int) -> dict:
+               stat_steps: int, model_kind: str = "llama") -> dict:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t_build = time.perf_counter()
-    model, opt = build(cfg, kind, device, mesh)
+    model, opt = build(cfg, kind, device, mesh, model_kind)
     build_s = time.perf_counter() - t_build
     batches = make_batches(cfg, device)
+
+    host_fb = []   # host time of zero_grad + forward + backward (no sync): host-bound if ~ fwd+bwd
 
     def step(i, evs=None):
         ids = batches[i % len(batches)]
         if evs:
             evs[0].record()
+        h0 = time.perf_counter()
         opt.zero_grad(set_to_none=True)
         loss, logits = lm_loss(model, ids, cfg.vocab)  # logits live until the step returns
         loss.backward()
         if evs:
+            host_fb.append((time.perf_counter() - h0) * 1e3)
             evs[1].record()
         opt.step()
         if evs:
@@ -217,16 +252,20 @@ def run_config(cfg: Cfg, kind: str, device: torch.device, mesh, warmup: int, ste
     evs = [[torch.cuda.Event(enable_timing=True) for _ in range(3)] for _ in range(steps)] \
         if cuda else None
     times = []
+    counts, reserved = [], []   # per timed step: (cudaMalloc, cudaFree) so far; reserved bytes
     t0 = time.perf_counter()
     for i in range(steps):
         if cuda:
+            counts.append(device_alloc_counts())   # host-side counters: no device sync
             step(i, evs[i])
+            reserved.append(torch.cuda.memory_reserved() / 2**30)
         else:
             s = time.perf_counter()
             step(i)
             times.append((time.perf_counter() - s) * 1e3)
     if cuda:
         torch.cuda.synchronize()
+        counts.append(device_alloc_counts())
     wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     out = {"kind": kind, "build_s": build_s, "warmup_s": warm_s, "first_loss": first_loss}
     if cuda:
@@ -234,11 +273,16 @@ def run_config(cfg: Cfg, kind: str, device: torch.device, mesh, warmup: int, ste
         fb_ms = [e[0].elapsed_time(e[1]) for e in evs]
         opt_ms = [e[1].elapsed_time(e[2]) for e in evs]
         out.update(step_ms=statistics.median(step_ms), step_times=step_ms,
-                   fwd_bwd_times=fb_ms, opt_times=opt_ms,
+                   fwd_bwd_times=fb_ms, opt_times=opt_ms, fwd_bwd_host_times=host_fb,
                    fwd_bwd_ms=statistics.median(fb_ms), opt_ms=statistics.median(opt_ms),
                    peak_allocated_gib=torch.cuda.max_memory_allocated() / 2**30,
                    peak_reserved_gib=torch.cuda.max_memory_reserved() / 2**30,
-                   peak_allocated_warmup_gib=peak_warm / 2**30)
+                   peak_allocated_warmup_gib=peak_warm / 2**30,
+                   device_mallocs_per_step=(counts[-1][0] - counts[0][0]) / steps,
+                   device_frees_per_step=(counts[-1][1] - counts[0][1]) / steps,
+                   device_mallocs_each_step=[b[0] - a[0] for a, b in zip(counts, counts[1:])],
+                   device_frees_each_step=[b[1] - a[1] for a, b in zip(counts, counts[1:])],
+                   reserved_after_each_step_gib=reserved)
     else:
         out.update(step_ms=statistics.median(times), step_times=times)
     out["wall_ms_per_step"] = wall_ms
@@ -291,6 +335,8 @@ def main() -> None:
     ap.add_argument("--configs", default="adamw,dmuon,dmuon_foreach,adamw_again",
                     help="also: dmuon_persistent, dmuon_release, dmuon_check, dmuon_chunk1g, "
                     "dmuon_lr0")
+    ap.add_argument("--model", choices=sorted(MODEL), default="llama",
+                    help="llama: this file's model; hf: transformers' LlamaForCausalLM, same shapes")
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--stat-steps", type=int, default=4)
@@ -311,7 +357,7 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             left = torch.cuda.memory_allocated()
-        r = run_config(cfg, kind, device, mesh, a.warmup, a.steps, a.stat_steps)
+        r = run_config(cfg, kind, device, mesh, a.warmup, a.steps, a.stat_steps, a.model)
         if device.type == "cuda":
             r["allocated_at_start_gib"] = left / 2**30
         results.append(r)
@@ -320,7 +366,9 @@ def main() -> None:
               f"peak alloc {r.get('peak_allocated_gib', 0):6.2f} GiB  "
               f"reserved {r.get('peak_reserved_gib', 0):6.2f} GiB  fb/opt peaks "
               f"{r.get('fwd_bwd_peak_gib', 0):6.2f}/{r.get('opt_peak_gib', 0):6.2f}  "
-              f"left {r.get('allocated_at_start_gib', 0):5.2f}", flush=True)
+              f"left {r.get('allocated_at_start_gib', 0):5.2f}  mallocs/frees per step "
+              f"{r.get('device_mallocs_per_step', 0):.1f}/{r.get('device_frees_per_step', 0):.1f}",
+              flush=True)
     finish(a, cfg, device, n_params, results)
     dist.destroy_process_group()
 
@@ -334,7 +382,7 @@ def spawn_children(a) -> None:
         tmp = tempfile.mktemp(suffix=".json")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--configs", kind, "--out", tmp,
                "--warmup", str(a.warmup), "--steps", str(a.steps), "--stat-steps",
-               str(a.stat_steps)] + (["--tiny"] if a.tiny else [])
+               str(a.stat_steps), "--model", a.model] + (["--tiny"] if a.tiny else [])
         subprocess.run(cmd, check=True)
         with open(tmp) as f:
             doc = json.load(f)
@@ -382,6 +430,7 @@ def finish(a, cfg: Cfg, device: torch.device, n_params, results, gpu=None) -> No
         "gpu": gpu or (torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"),
         "torch": torch.__version__, "config": asdict(cfg), "tiny_params": n_params,
         "warmup": a.warmup, "steps": a.steps, "subprocess_per_config": not a.child,
+        "model": a.model,
         "results": results, "summary": summary,
     }
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 def _run(script: str, *args: str, timeout: float = 300.0) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], env=env,
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -154,12 +154,16 @@ def test_builtin_plot_draws_curves_and_floor(tmp_path):
     ys_a = [2 + math.exp(-i / 10) for i in range(100)]
     ys_b = [2 + 2 * math.exp(-i / 30) for i in range(100)]
     path = str(tmp_path / "p.png")
-    used = write_loss_plot(path, {"a": ys_a, "b": ys_b}, 1.9, title="t", backend="builtin")
+    used = write_loss_plot(path, {"a": ys_a, "b": ys_b}, 1.9, title="t", backend="builtin",
+                           held_out={"a": [(50, 2.1), (100, 2.0)]}, eval_sequences=8)
     assert used == "builtin"
     w, h, px = _decode_png(open(path, "rb").read())
     colors = {px[i:i + 3] for i in range(0, len(px), 3)}
     assert bytes((31, 119, 180)) in colors and bytes((214, 39, 40)) in colors
-    assert bytes((90, 90, 90)) in colors
+    assert bytes((90, 90, 90)) in colors and bytes((80, 80, 80)) in colors  # floor label, note
+    from dmuon.demo.plot import _note
+    assert _note({"a": ys_a}, {"a": [(1, 2.0)]}, 8) == \
+        "train: trailing mean over 2 steps, held-out: dots (8 sequences)"
     assert smooth([1, 2, 3, 4], 2) == [1, 1.5, 2.5, 3.5]
 
 
@@ -228,6 +232,13 @@ def test_demo_fast_end_to_end(tmp_path, capsys):
     sent = [b["sent"] for b in s["bytes_per_rank_per_step"]]
     assert len(sent) == 2 and min(sent) > 0
     assert sum(sent) / 2 == pytest.approx(d["expected_mean_sent_per_rank_z3"], rel=1e-9)
+    # the held-out curve: evenly spaced [step, loss] points ending with the final evaluation (its
+    # forward traffic is kept out of the byte counts checked just above)
+    for kind in ("dmuon", "adamw"):
+        ho = s["results"][kind]["held_out"]
+        steps = [p[0] for p in ho]
+        assert len(ho) >= 5 and steps == sorted(set(steps)) and steps[-1] == s["config"]["steps"]
+        assert ho[-1][1] == s["results"][kind]["final_eval_loss"]
 
 
 def test_demo_rejects_bad_options(capsys):

@@ -235,7 +235,7 @@ except RuntimeError as e:
 
 
 def test_unsupported_torch_warns_and_dedicate_raises():
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", _UNSUPPORTED], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]

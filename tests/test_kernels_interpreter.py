@@ -21,7 +21,7 @@ triton = pytest.importorskip("triton")
                     reason=f"interpreter shims target Triton 3.6, found {triton.__version__}")
 def test_kernels_in_triton_interpreter():
     script = Path(__file__).with_name("interp_kernels_check.py")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(Path(__file__).parents[1]))
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

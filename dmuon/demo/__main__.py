@@ -124,6 +124,7 @@ def _summarize(kind: str, per_rank: list[dict], cfg: Any, floor: float) -> dict:
         "time_per_step_mean_s": sum(steady) / len(steady),
         "train_time_s": sum(times),
         "losses": losses,
+        "held_out": [list(p) for p in r0["held_out"]],  # [step, loss] on the held-out set
     }
     if kind == "dmuon":
         steps = len(losses)
@@ -213,6 +214,8 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out_dir, exist_ok=True)
     png = os.path.join(args.out_dir, "loss.png")
     backend = write_loss_plot(png, {r["label"]: r["losses"] for r in res.values()}, floor,
+                              held_out={r["label"]: r["held_out"] for r in res.values()},
+                              eval_sequences=cfg.eval_batch,
                               title=f"dmuon demo: order-{cfg.order} Markov, V={cfg.vocab}, "
                                     f"{cfg.ranks} ranks", backend=args.plot_backend)
     summary = {

@@ -49,7 +49,8 @@ class RunConfig:
     adamw_lr: float = 3e-3          # AdamW lr (dmuon's AdamW group and the baseline)
     warmup: float = 0.05            # fraction of steps with linear warm-up
     seed: int = 0
-    eval_batch: int = 64            # sequences of the final held-out evaluation
+    eval_batch: int = 64            # sequences of the held-out evaluations
+    eval_points: int = 10           # held-out evaluations during training (plus the final one)
     device: str = "cpu"             # "cpu" (gloo) or "cuda" (nccl, one rank per GPU)
     optimizers: tuple[str, ...] = ("dmuon", "adamw")
     timeout_s: float = 60.0
@@ -167,6 +168,30 @@ def _all_mean(x: float, device: torch.device) -> float:
     return float(t.item()) / dist.get_world_size()
 
 
+def _held_out_loss(model: Any, src: Any, cfg: RunConfig, device: torch.device, rank: int,
+                   world: int) -> float:
+    """Mean loss (nats/token) on the fixed held-out set (stream 1), split over ranks."""
+    model.eval()
+    with torch.no_grad():
+        per_eval = cfg.eval_batch // world
+        ev = _global_batch(src, cfg, 0, cfg.eval_batch, 1)[rank * per_eval:(rank + 1) * per_eval]
+        loss = _all_mean(float(_loss(model, ev.to(device), cfg.order)), device)
+    model.train()
+    return loss
+
+
+def _add_delta(acc: dict, after: dict, before: dict) -> None:
+    for lane, c in after.items():
+        a = acc.setdefault(lane, {})
+        for k, v in c.items():
+            a[k] = a.get(k, 0) + v - before.get(lane, {}).get(k, 0)
+
+
+def _minus(counters: dict, sub: dict) -> dict:
+    return {lane: {k: v - sub.get(lane, {}).get(k, 0) for k, v in c.items()}
+            for lane, c in counters.items()}
+
+
 def _train_one(kind: str, cfg: RunConfig, src: Any, mesh: Any, device: torch.device,
                rank: int, world: int) -> dict:
     import torch.distributed as dist
@@ -182,6 +207,9 @@ def _train_one(kind: str, cfg: RunConfig, src: Any, mesh: Any, device: torch.dev
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     if rt is not None:
         rt.executor.reset_counters()
+    every = max(1, cfg.steps // max(1, cfg.eval_points))
+    held_out: list[tuple[int, float]] = []
+    eval_traffic: dict[str, dict[str, int]] = {}  # the evaluations' forward gathers, not counted
     for step in range(cfg.steps):
         tokens = _global_batch(src, cfg, step, cfg.batch, 0)[lo:hi].to(device)
         sync()
@@ -198,14 +226,15 @@ def _train_one(kind: str, cfg: RunConfig, src: Any, mesh: Any, device: torch.dev
             raise FloatingPointError(f"{kind}: loss became {losses[-1]} at step {step}")
         if bar is not None:
             bar.update(step + 1, f"loss {losses[-1]:.3f}")
-    counters = rt.executor.counters() if rt is not None else None
-    # held-out evaluation on a fixed set (stream 1), split over ranks
-    model.eval()
-    with torch.no_grad():
-        per_eval = cfg.eval_batch // world
-        ev = _global_batch(src, cfg, 0, cfg.eval_batch, 1)[rank * per_eval:(rank + 1) * per_eval]
-        eval_loss = _all_mean(float(_loss(model, ev.to(device), cfg.order)), device)
-    out: dict[str, Any] = {"losses": losses, "step_times": times, "eval_loss": eval_loss}
+        if (step + 1) % every == 0 or step + 1 == cfg.steps:
+            before = rt.executor.counters() if rt is not None else None
+            held_out.append((step + 1, _held_out_loss(model, src, cfg, device, rank, world)))
+            if rt is not None:
+                _add_delta(eval_traffic, rt.executor.counters(), before)
+    counters = _minus(rt.executor.counters(), eval_traffic) if rt is not None else None
+    eval_loss = held_out[-1][1]  # the final held-out loss
+    out: dict[str, Any] = {"losses": losses, "step_times": times, "eval_loss": eval_loss,
+                           "held_out": held_out}
     if rt is not None:
         out["counters"] = counters
         out["owned"] = list(rt.owned_names)

@@ -15,6 +15,8 @@ code path untouched):
   accumulation runs :func:`dmuon.no_sync` (no collectives on the non-final micro-batches).
   Accelerate's own FSDP or DeepSpeed on a dmuon model, or fp16 loss scaling (its ``GradScaler``
   never sees the dedicated gradients), raise ``ValueError`` saying what to change.
+  A model dedicated with ``data_parallel="ddp"`` is the exception: Accelerate wraps it in DDP as
+  usual (DDP skips the dedicated matrices; DDP's ``no_sync`` is followed by dmuon).
 * ``Accelerator.clip_grad_norm_(model.parameters(), max_norm)`` (Trainer's clipping, default
   ``max_grad_norm=1.0``) would compute ``torch.nn.utils.clip_grad_norm_`` over ``.grad`` only, which
   misses the dedicated matrices (their reduced gradients live on the owners, in the runtime): the
@@ -36,7 +38,16 @@ doing something silently wrong.
   for ``optimizer.state_dict()``, which is collective on a dmuon model: every rank gathers
   :func:`dmuon.get_optimizer_state_dict` (full, topology-free) and rank 0 saves that as
   ``optimizer.pt``; Trainer's resume calls ``optimizer.load_state_dict(torch.load(...))`` on every
-  rank, which ``dmuon.Muon`` accepts in this format at any topology.
+  rank, which ``dmuon.Muon`` accepts in this format at any topology. With Trainer's scheduler,
+  per-rank RNG and trainer state beside it, ``trainer.train(resume_from_checkpoint=...)`` resumes
+  exactly, on the same or another number of ranks.
+* ``Trainer.train`` first checks that Trainer's processes are the process group's ranks: on a
+  machine without CUDA, transformers runs a ``torchrun`` launch as ``NOT_PARALLEL`` unless
+  ``TrainingArguments(use_cpu=True)`` (every rank would get the same batches and write the same
+  checkpoint files), so that raises ``ValueError`` naming the fix, on every rank, before training;
+  ``Accelerator.prepare_model`` checks the same. It also adds
+  :class:`dmuon.integrations.hf_telemetry.DmuonTelemetryCallback` once, and the wrapped
+  ``Trainer.log`` adds its ``dmuon_*`` entries (NS ms, bytes, imbalance) to the training logs.
 """
 from __future__ import annotations
 
@@ -132,6 +143,23 @@ def _check_accelerator(acc: Any) -> None:
             " or mixed_precision='bf16') or fp32.")
 
 
+def _check_data_parallel(acc: Any) -> None:
+    """Raise unless the Accelerator's processes are the default process group's ranks."""
+    import torch.distributed as dist
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    world = dist.get_world_size()
+    procs = int(getattr(acc, "num_processes", 1) or 1)
+    if world > 1 and procs != world:
+        raise ValueError(
+            f"dmuon: torch.distributed has {world} ranks, but this Trainer / Accelerator runs as "
+            f"{procs} process(es) (distributed_type={_distributed_type_name(acc)}): every rank "
+            "would train on the same batches, run the whole schedule alone and write the same "
+            "checkpoint files. On a machine without CUDA, transformers does this to a torchrun "
+            "launch unless told to use the CPU: pass TrainingArguments(use_cpu=True) (plain "
+            "accelerate: Accelerator(cpu=True)).")
+
+
 def _make_prepare_model(orig):
     def prepare_model(self, model, device_placement=None, evaluation_mode=False):
         root = dmuon_root(model)
@@ -139,6 +167,12 @@ def _make_prepare_model(orig):
             return orig(self, model, device_placement=device_placement,
                         evaluation_mode=evaluation_mode)
         _check_accelerator(self)
+        _check_data_parallel(self)
+        if getattr(find_state(root), "data_parallel", "fsdp") == "ddp":
+            # DDP mode: Accelerate's own DDP wrapping (it skips the dedicated matrices, and its
+            # no_sync is followed by dmuon); skipping it would leave the other params unsynced
+            return orig(self, model, device_placement=device_placement,
+                        evaluation_mode=evaluation_mode)
         # already distributed by dmuon + FSDP2: no DDP / FSDP wrapping, no device move
         out = orig(self, model, device_placement=False, evaluation_mode=True)
         if getattr(root, "no_sync", None) is None:
@@ -270,6 +304,34 @@ def _make_has_mixed_mesh_grads(orig):
     return _has_mixed_mesh_grads
 
 
+def _telemetry_callback(trainer: Any) -> Any:
+    handler = getattr(trainer, "callback_handler", None)
+    for cb in getattr(handler, "callbacks", []):
+        if type(cb).__name__ == "DmuonTelemetryCallback":
+            return cb
+    return None
+
+
+def _make_train(orig):
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        if dmuon_root(getattr(self, "model", None)) is not None:
+            _check_data_parallel(self.accelerator)
+            if _telemetry_callback(self) is None:
+                from dmuon.integrations.hf_telemetry import DmuonTelemetryCallback
+                self.add_callback(DmuonTelemetryCallback())
+        return orig(self, resume_from_checkpoint, *args, **kwargs)
+    return train
+
+
+def _make_log(orig):
+    def log(self, logs, *args, **kwargs):
+        cb = _telemetry_callback(self)
+        if cb is not None and isinstance(logs, dict) and "loss" in logs:
+            logs.update(cb.take(int(self.state.global_step)))
+        return orig(self, logs, *args, **kwargs)
+    return log
+
+
 def patch_trainer(module: ModuleType) -> None:
     """Wrap ``Trainer.save_model`` and, where this transformers has it, the private
     ``Trainer._has_mixed_mesh_grads`` (transformers >= 5.2x picks a per-mesh norm for mixed
@@ -279,6 +341,8 @@ def patch_trainer(module: ModuleType) -> None:
         _status["Trainer"] = f"missing ({module.__name__} has no Trainer)"
         return
     _wrap(cls, "save_model", _make_save_model, ("output_dir",))
+    _wrap(cls, "train", _make_train, ("resume_from_checkpoint",))
+    _wrap(cls, "log", _make_log, ("logs",))
     _wrap(cls, "_save_optimizer_and_scheduler", _make_save_optimizer, ("output_dir",))
     if "_has_mixed_mesh_grads" in cls.__dict__:
         _wrap(cls, "_has_mixed_mesh_grads", _make_has_mixed_mesh_grads, ("model",))

@@ -46,7 +46,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from dmuon.kernels.syrk import _check, sym_abt_torch
+from dmuon.kernels.sym_reference import _check, sym_abt_torch
 from dmuon.kernels.triton_support import TRITON_IMPORT_ERROR, interpreting, tl, triton
 
 __all__ = ["CONFIGS", "DEFAULT_CONFIG", "sym_abt_tma", "resolve_config", "tma_supported"]

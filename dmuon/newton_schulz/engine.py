@@ -36,8 +36,9 @@ Three ways to call it:
   ``outputs[i]`` must be contiguous with ``inputs[i]``'s shape; it may be ``inputs[i]`` itself
   (then ``bind`` itself overwrites the inputs' current values with its warm-up run).
 * ``engine.orthogonalize_(tensors, batch_dims=...)`` -- in place, keyed by the tensors' storage:
-  eager the first time, captured the second time a key is seen, replayed after that (no copies,
-  no static buffers; what ``dmuon.Muon`` uses on CUDA with its persistent gradient buckets).
+  eager the first time, captured when a key comes on two calls in a row, replayed after that (no
+  copies, no static buffers; what ``dmuon.Muon`` uses on CUDA: graph replay on persistent
+  gradient buckets, or on freed ones whose addresses stay put; eager where they cycle).
 """
 from __future__ import annotations
 
@@ -92,6 +93,29 @@ def _bmm_fp32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return _FP32_OUT[key]
 
 
+def _capture(fn, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
+    """Capture ``fn()`` into a new CUDA graph on ``stream`` with memory from ``pool``.
+
+    Unlike ``torch.cuda.graph``, whose ``__enter__`` synchronizes the device and empties the
+    caching allocator's cache, this neither synchronizes nor frees anything: a capture in the
+    middle of a training step (``orthogonalize_``) would otherwise hand every cached block back to
+    the driver, and the next forward would ``cudaMalloc`` it all again (issue 24: 130 mallocs and
+    frees in such a step). The capture's own allocations come from ``pool`` (the allocator may
+    ``cudaMalloc`` new segments for it, which is legal while capturing).
+    ``capture_error_mode="thread_local"``: other threads (NCCL's watchdog) may query events.
+    """
+    g = torch.cuda.CUDAGraph()
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        g.capture_begin(pool, capture_error_mode="thread_local")
+        try:
+            fn()
+        finally:
+            g.capture_end()
+    torch.cuda.current_stream(stream.device).wait_stream(stream)
+    return g
+
+
 class _Program:
     """Runs (and on CUDA captures) one signature's gather -> NS -> scatter over fixed tensors."""
 
@@ -110,6 +134,7 @@ class _Program:
             max_chunk_bytes=engine.max_chunk_bytes)
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.mode = "eager"
+        self.capture_tried = False         # orthogonalize_: one capture attempt per program
         self._sym = make_sym_op(engine.sym_backend)
         fp32_out = self.device.type == "cuda" and _bmm_fp32_out_supported(self.device, self.cdtype)
         # per chunk, once: may Gram's last product write the (fp32) destinations directly?
@@ -196,11 +221,8 @@ class _Program:
                 # need cudaFree, which is illegal while capturing. Hand them back first.
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
-            g = torch.cuda.CUDAGraph()
-            # thread_local: other threads (e.g. NCCL's watchdog) may query events meanwhile
-            with torch.cuda.graph(g, pool=eng._pool(self.device), capture_error_mode="thread_local"):
-                self.run_eager()
-            self.graph, self.mode = g, "graph"
+            self.graph, self.mode = _capture(self.run_eager, eng._pool(self.device),
+                                             eng._capture_stream(self.device)), "graph"
         except Exception as exc:  # capture impossible: fall back, say why once
             self.graph, self.mode = None, "eager"
             _log_once(f"capture:{type(exc).__name__}",
@@ -274,14 +296,22 @@ class NSEngine:
         self.sym_backend = sym_backend
         self.max_chunk_bytes = max_chunk_bytes
         self._pools: dict = {}
+        self._streams: dict = {}
         self._programs: dict = {}
         self._inplace: dict = {}          # orthogonalize_ programs by storage key, LRU order
         self.max_programs = 4
-        # Capturing costs about one NS run; callers whose buffers move (the optimizer frees its
-        # gradient buffers between steps) would otherwise re-capture whenever an address recurs.
+        # Capturing costs about one NS run of host time and its pool holds workspace memory: a
+        # bound, whatever the callers' buffers do.
         self.max_inplace_captures = 4
         self._inplace_captures = 0
         self.last_mode = "none"           # "graph" / "eager" of the last orthogonalize_ call
+        self._last_inplace_key: Optional[tuple] = None
+
+    def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """One side stream per device for this engine's captures (one stream per shared pool)."""
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device=device)
+        return self._streams[device]
 
     def _pool(self, device: torch.device):
         """One graph memory pool per device, shared by this engine's programs (run in order)."""
@@ -369,13 +399,13 @@ class NSEngine:
 
         For callers whose buffers stay put across steps (the optimizer's donated gradient buckets)
         this costs no copies and no extra memory beyond the NS workspace. Programs are keyed by the
-        tensors' storage (address, shape, strides, dtype): the first call with a key runs eagerly;
-        the second call with the same key captures a CUDA graph (once, without a warm-up run,
-        which would overwrite the inputs) and every later call replays it. A key whose addresses
-        change at each call therefore never captures and stays eager. At most ``max_programs``
-        keys are kept (least recently used dropped), and at most ``max_inplace_captures`` graphs are
-        ever captured here: buffers whose addresses cycle (freed and re-allocated between steps)
-        then run eagerly instead of paying a capture again and again (logged once).
+        tensors' storage (address, shape, dtype, batch dims): the first call with a key runs
+        eagerly; when the same key comes on two calls in a row, that call captures a CUDA graph
+        (once, without a warm-up run, which would overwrite the inputs; without synchronizing or
+        emptying the allocator's cache) and every later call replays it. Keys whose addresses
+        change or cycle between calls (gradient buckets freed between steps) never capture and
+        stay eager, with no allocator churn. At most ``max_programs`` keys are kept (least
+        recently used dropped), and at most ``max_inplace_captures`` graphs are ever captured here.
 
         Args:
           tensors: contiguous floating tensors on one device, each ``B`` matrices by
@@ -395,28 +425,32 @@ class NSEngine:
                                  f"{tuple(t.shape)} with strides {t.stride()}")
         key = ("inplace",) + tuple((t.data_ptr(), tuple(t.shape), d, t.dtype, t.device)
                                    for t, d in zip(tensors, bd))
-        entry = self._inplace.pop(key, None)
-        if entry is None:
+        prog = self._inplace.pop(key, None)
+        consecutive = key == self._last_inplace_key
+        self._last_inplace_key = key
+        if prog is None:
             self._check(tensors)
             prog = _Program(self, tensors, tensors, bd, capture=False)
             prog.run_eager()
-            entry = [prog, 1]
         else:
-            prog = entry[0]
             prog.srcs = prog.dsts = list(tensors)   # same storage; keep the live tensor objects
-            if (prog.graph is None and entry[1] == 1 and prog.device.type == "cuda"
+            # Capture once, when the key recurs on two calls in a row: stable buffers (persistent
+            # gradient buckets) capture at their second call; buffers whose addresses cycle
+            # (buckets freed between steps) never do (the graph would replay only now and then,
+            # while its private pool held workspace memory the rest of the step cannot use).
+            if (consecutive and not prog.capture_tried and prog.device.type == "cuda"
                     and self.cuda_graphs and not torch.cuda.is_current_stream_capturing()):
+                prog.capture_tried = True
                 if self._inplace_captures < self.max_inplace_captures:
                     self._inplace_captures += 1
                     prog._maybe_capture(warmup=False)
                 elif self._inplace_captures == self.max_inplace_captures:
                     self._inplace_captures += 1
-                    log.info("NSEngine.orthogonalize_: buffer addresses keep changing; %d graphs "
-                                "captured already, running eagerly from now on for new addresses",
-                                self.max_inplace_captures)
-            entry[1] += 1
+                    log.info("NSEngine.orthogonalize_: %d graphs captured already, running "
+                             "eagerly from now on for new buffer addresses",
+                             self.max_inplace_captures)
             prog()
-        self._inplace[key] = entry
+        self._inplace[key] = prog
         while len(self._inplace) > self.max_programs:
             self._inplace.pop(next(iter(self._inplace)))
         self.last_mode = prog.mode

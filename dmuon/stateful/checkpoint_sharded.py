@@ -52,6 +52,7 @@ import torch.nn as nn
 
 import torch.distributed as dist
 
+from dmuon.stateful.ddp import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.checkpoint_files import (CheckpointError, agree_errors, complete_or_raise,
                                              dcp_errors, publish, verify_files, write_marker)
@@ -189,6 +190,7 @@ def _bcast(rt, obj: Any, what: str) -> Any:
 
 
 @torch.no_grad()
+@unwrapping_model
 def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: Any = None, *,
                  extra: Optional[Mapping[str, Any]] = None, keep_last: int = 1,
                  storage_writer: Any = None) -> ShardedSaveResult:
@@ -293,6 +295,7 @@ def _nonfinite(tree: Any, prefix: str = "") -> list[str]:
 
 
 @torch.no_grad()
+@unwrapping_model
 def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: Any = None, *,
                  strict: bool = True, check_finite: bool = True,
                  storage_reader: Any = None) -> ShardedLoadResult:

@@ -35,6 +35,7 @@ from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
 from dmuon.stateful.compat import (default_group_timeout, group_timeout, set_group_timeout,
                                    torch_supported, unsupported_torch_message)
+from dmuon.stateful.ddp import check_mode, ddp_grid, guard_fsdp_mode, install_ddp_mode
 from dmuon.stateful.executor import Executor
 from dmuon.stateful.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
 from dmuon.stateful.hooks import register_hooks
@@ -118,6 +119,15 @@ def _check_fingerprint(fingerprint: str, mesh_groups: Any) -> None:
             "settings.")
 
 
+def _agree_mode(data_parallel: str) -> None:
+    """All-gather ``data_parallel``; raise on every rank if the ranks passed different ones."""
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, data_parallel)
+    if len(set(got)) > 1:
+        raise RuntimeError(f"dedicate_params: data_parallel differs across ranks ({got}); pass the "
+                           "same value on every rank. Nothing was changed.")
+
+
 def _bound_mesh_groups(meshes: tuple, timeout: Optional[datetime.timedelta]) -> None:
     """FSDP2 runs its collectives on the groups of the mesh it is given; ``init_device_mesh``'s
     sub-groups get torch's default timeout (30 minutes), not ``init_process_group(timeout=)``.
@@ -172,6 +182,7 @@ def dedicate_params(
     mp_policy: Any = None,
     batch_dims: Optional[Callable[[str, tuple[int, ...]], int]] = None,
     timeout: Optional[datetime.timedelta] = None,
+    data_parallel: str = "fsdp",
 ) -> dict[nn.Parameter, int]:
     """Dedicate every matrix ``predicate`` selects to one owner rank (collective; before fully_shard).
 
@@ -200,6 +211,12 @@ def dedicate_params(
         forward, backward or step) makes the waiting ranks raise ``RuntimeError`` naming the dmuon
         operation, hook group and ranks after at most this long (gloo; NCCL: its watchdog).
         Setup's own all-gathers use the default group and its timeout.
+      data_parallel: how the rest of the model is made data parallel afterwards. ``"fsdp"``
+        (default): ``fully_shard`` (FSDP2; HSDP with a 2-D mesh or ``replicate_mesh``).
+        ``"ddp"``: ``DistributedDataParallel(model)``; ``mesh`` is the 1-D mesh of the DDP ranks,
+        every rank keeps every matrix whole, each gradient is averaged to its owner, the owner
+        steps it, the new value is broadcast back (:mod:`dmuon.stateful.ddp`);
+        ``reshard_after_forward`` does not apply (nothing is gathered).
 
     Returns:
       ``{param: owner global rank}`` for every dedicated param (tied params appear once).
@@ -216,6 +233,8 @@ def dedicate_params(
       raises on all (that rank's own exception there, its message elsewhere), never a hang.
       NotImplementedError: a dedicated param is a DTensor (tensor parallelism;
         :mod:`dmuon.stateful.tensor_parallel`).
+      ValueError: ``data_parallel`` is not ``"fsdp"`` / ``"ddp"``, or ``"ddp"`` with a 2-D / HSDP
+        mesh; RuntimeError: ranks passed different ``data_parallel``.
     """
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
@@ -233,6 +252,7 @@ def dedicate_params(
     chosen: dict[str, nn.Parameter] = {}
     local_err: Optional[Exception] = None
     try:
+        check_mode(data_parallel)
         named, chosen = _select(model, predicate)
         bd_fn = (lambda n, shape: int(batch_dims(n, shape))) if batch_dims is not None else None
         specs = specs_from_named_shapes(named, lambda n, p: n in chosen, batch_dims_fn=bd_fn)
@@ -242,6 +262,9 @@ def dedicate_params(
     grid = agree_grid(mesh, replicate_mesh, local_err=local_err,
                       param_device_types=[str(mesh.device_type) if p.is_meta else p.device.type
                                           for p in chosen.values()])
+    _agree_mode(data_parallel)
+    if data_parallel == "ddp":
+        grid = ddp_grid(grid)  # the same grid on every rank: raises on all or none
     timeout = timeout or default_group_timeout(str(mesh.device_type))
     mesh_groups = make_process_groups(grid=grid, timeout=timeout)
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size)
@@ -285,6 +308,11 @@ def dedicate_params(
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.guards)
     st.shard_mesh = mesh["shard"] if mesh.ndim == 2 else mesh
+    if data_parallel == "ddp":
+        st.shard_mesh = None  # model.state_dict(): plain full tensors, as DDP's
+        install_ddp_mode(model, st)
+    else:
+        guard_fsdp_mode(model)
     register_hooks(model, st)
     register_state_dict_hooks(model, st)
     guard_module_apply(model, list(chosen.values()))

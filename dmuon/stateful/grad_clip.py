@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.stateful.ddp import unwrapping_model
 from dmuon.stateful.state import get_state, local_tensor
 
 
@@ -24,6 +25,7 @@ def _replication(t: torch.Tensor) -> int:
     return k * (dist.get_world_size() // mesh.size())
 
 
+@unwrapping_model
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False) -> torch.Tensor:
     """Clip the global gradient norm of ``model`` in place; collective.
@@ -75,6 +77,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     return total
 
 
+@unwrapping_model
 def clip_grad_value_(model: nn.Module, clip_value: float) -> None:
     """Clamp every gradient of ``model`` to ``[-clip_value, clip_value]`` in place (as
     ``torch.nn.utils.clip_grad_value_``): FSDP2's gradient shards and the owners' reduced matrix

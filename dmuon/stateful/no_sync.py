@@ -6,6 +6,7 @@ from typing import Iterator
 
 import torch.nn as nn
 
+from dmuon.stateful.ddp import unwrapping_model
 from dmuon.stateful.state import get_state
 
 
@@ -18,6 +19,7 @@ def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
+@unwrapping_model
 def no_sync(model: nn.Module) -> Iterator[None]:
     """Context manager: backward passes inside issue no collectives.
 

@@ -39,6 +39,7 @@ from dmuon.stateful.guards import make_marker
 from dmuon.newton_schulz.config import NSConfig
 from dmuon.newton_schulz.engine import NSEngine
 from dmuon.newton_schulz.config import NSConfig
+from dmuon.stateful.ddp import check_backend, unwrap_model
 from dmuon.stateful.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.telemetry import StepStats, StepTelemetry
 
@@ -118,9 +119,11 @@ class Muon(torch.optim.Optimizer):
         if not isinstance(model, nn.Module):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
+        model = unwrap_model(model)
         rt = get_state(model, "dmuon.Muon(model)")
         rt.finish_meta_init("dmuon.Muon(model)")  # meta-built model: close its init window
         check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
+        check_backend(model, rt, "dmuon.Muon(model)")
         _check_fsdp_mesh(model, rt)
         muon_hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
                        ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_eps=ns_eps,

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.stateful.ddp import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.stateful.state import get_state, local_tensor
@@ -293,6 +294,7 @@ def _rows(v: Any, rt, n: str) -> Optional[tuple[int, torch.Tensor]]:
 
 # ---------------------------------------------------------------------------------- dmuon's format
 @torch.no_grad()
+@unwrapping_model
 def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool = False, *,
                              rank0_only: bool = False) -> dict[str, Any]:
     """Collective: dmuon's full optimizer state (see the module docstring). Every rank calls it.
@@ -327,6 +329,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool
 
 
 @torch.no_grad()
+@unwrapping_model
 def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
                              state_dict: Optional[Mapping[str, Any]], *,
                              rank0_only: bool = False, check_finite: bool = True) -> None:

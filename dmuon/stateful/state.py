@@ -121,6 +121,8 @@ class DedicatedState:
         self.shard_mesh: Any = None
         self.raw_state_dict = False
         self._transfer: Any = None
+        # "fsdp" or "ddp" (dedicate_params(data_parallel=...); DDP mode: dmuon.stateful.ddp)
+        self.data_parallel = "fsdp"
         #: the open init window of a meta-built model (:mod:`dmuon.stateful.meta_init`), or None
         self.meta_init: Any = None
         if meta_shapes is not None:
@@ -494,8 +496,10 @@ def local_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def find_state(model: Any) -> Optional[DedicatedState]:
-    """The state ``dedicate_params`` attached to ``model`` (``None`` if it has none)."""
-    return getattr(model, STATE_ATTR, None)
+    """The state ``dedicate_params`` attached to ``model`` (``None`` if it has none); through a
+    ``DistributedDataParallel`` wrapper (DDP mode), the wrapped module's."""
+    from dmuon.stateful.ddp import unwrap_model
+    return getattr(unwrap_model(model), STATE_ATTR, None)
 
 
 def get_state(model: nn.Module, what: str = "this call") -> DedicatedState:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.stateful.ddp import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.state import DedicatedState, get_state
 from dmuon.stateful.torch_state_dict import StateDictError, check_entry
@@ -153,6 +154,7 @@ def local_shard(full: torch.Tensor, like: Any) -> torch.Tensor:
 
 
 @torch.no_grad()
+@unwrapping_model
 def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
                          rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Collective: ``{fully-qualified name: full tensor}`` like a single-device ``state_dict()``.
@@ -216,6 +218,7 @@ def agree(rt: DedicatedState, problems: list[str], what: str,
 
 
 @torch.no_grad()
+@unwrapping_model
 def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]], *,
                          strict: bool = True, rank0_only: bool = False,
                          check_finite: bool = True) -> LoadResult:

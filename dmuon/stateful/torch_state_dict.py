@@ -58,7 +58,10 @@ def shard_mesh_rank(st) -> int:
 
 def dtensor_rows(full: torch.Tensor, mesh: Any) -> Any:
     """``full`` (the same on every rank of ``mesh``) as a ``Shard(0)`` DTensor on ``mesh``: this
-    rank keeps its rows; no communication."""
+    rank keeps its rows; no communication. ``mesh=None`` (DDP mode: every rank holds every
+    matrix whole, as DDP's params): ``full`` itself."""
+    if mesh is None:
+        return full
     from torch.distributed.tensor import Shard, distribute_tensor
     return distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
 

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.stateful.ddp import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.newton_schulz.iteration import default_ns_dtype
@@ -219,6 +220,7 @@ def _max_over_ranks(rt: Any, d: dict[str, float]) -> dict[str, float]:
     return {k: max(g[k] for g in got) for k in d}
 
 
+@unwrapping_model
 def verify_step(model: nn.Module, optimizer: Muon, closure: Optional[Callable[[], Any]] = None,
                 *, rtol: Optional[float] = None) -> VerifyReport:
     """Collective: run ``optimizer.step()`` and check it against the single-device update.
