@@ -1,5 +1,7 @@
 """The seeds' torchtitan recipe: ``dedicate_params`` before a ``parallelize_model`` that calls
-``fully_shard`` itself (here a stand-in with torchtitan's structure; CPU / gloo).
+``fully_shard`` itself (here a stand-in with torchtitan's structure; CPU / gloo), on torchtitan's
+real path: the model is built on the meta device, then ``to_empty`` + ``init_weights`` after
+parallelizing (no rank allocates a dedicated matrix outside its owner column).
 
     torchrun --nproc_per_node 2 examples/torchtitan_style.py --steps 20
     python examples/torchtitan_style.py --steps 20        # spawns 2 local ranks itself
@@ -88,6 +90,15 @@ class Transformer(nn.Module):
         self.norm = nn.RMSNorm(a.dim)
         self.output = nn.Linear(a.dim, a.vocab_size, bias=False)
 
+    def init_weights(self) -> None:
+        """torchtitan's shape of init: run after ``to_empty`` on every rank."""
+        nn.init.normal_(self.tok_embeddings.weight)
+        for name, p in self.named_parameters():
+            if p.ndim == 2 and name != "tok_embeddings.weight":
+                nn.init.trunc_normal_(p, mean=0.0, std=0.02, a=-0.04, b=0.04)
+            elif p.ndim == 1:
+                nn.init.ones_(p)
+
     def forward(self, tokens):
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
@@ -96,8 +107,8 @@ class Transformer(nn.Module):
 
 
 def build_model(config: ModelArgs) -> Transformer:
-    torch.manual_seed(0)  # the same weights on every rank
-    return Transformer(config)
+    with torch.device("meta"):  # torchtitan builds on meta; nothing is allocated here
+        return Transformer(config)
 
 
 def parallelize_model(model: Transformer, mesh, config: ModelArgs) -> Transformer:
@@ -129,7 +140,11 @@ def main(argv: list[str]) -> None:
     # apply dmuon before torchtitan-style wrapping
     dmuon.dedicate_params(model, mesh["dp"],
                           predicate=lambda n, p: p.ndim == 2 and "layers." in n)
-    parallelize_model(model, mesh, config)      # calls fully_shard (+ TP in torchtitan)
+    parallelize_model(model, mesh, config)      # calls fully_shard (TP: not supported by dmuon yet)
+    model.to_empty(device="cpu")                # torchtitan: init_device; FSDP2 shards get storage
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights()                    # writes each dedicated matrix on its owner only
     optimizer = dmuon.Muon(model, lr=config.lr, adamw_lr=config.adamw_lr)
 
     for step, batch in enumerate(dataloader(dist.get_rank(), config, a.steps, per_rank=4)):

@@ -66,7 +66,11 @@ def _worker(rank, world):
     out["vector_rank3"] = ded(pred=lambda n, p: muon_predicate(n, p) or (rank == 3 and "norm" in n))
     with torch.device("meta"):
         meta_model = make_model()
-    out["meta"] = ded(meta_model)
+    out["meta_whole"] = ded(meta_model)  # meta-device init (tests/test_meta_init.py)
+    mixed = make_model()  # one selected matrix on meta, the others materialized
+    mixed.layers[0].mlp.up_proj.weight = torch.nn.Parameter(
+        torch.empty_like(mixed.layers[0].mlp.up_proj.weight, device="meta"))
+    out["meta"] = ded(mixed)
     # meshes that do not match the process group
     out["sub_mesh"] = ded(m=DeviceMesh("cpu", [0, 1]))
     out["per_replica_1d"] = ded(m=mesh2d["shard"])
@@ -130,6 +134,7 @@ def test_one_rank_mistakes_raise_on_every_rank(results):
 
 def test_meta_params(results):
     assert_all_ranks(results, "meta", "ValueError", "meta device", "to_empty")
+    assert_all_ranks(results, "meta_whole", None)
 
 
 def test_meshes_that_do_not_match_the_process_group(results):

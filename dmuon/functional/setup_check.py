@@ -19,7 +19,9 @@ __all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "check_setups"]
 Grid = tuple[tuple[int, ...], ...]
 
 _HSDP_HINT = ("For HSDP pass the 1-D shard mesh plus replicate_mesh=mesh2d['replicate'], or the "
-              "2-D mesh with dims ('replicate', 'shard').")
+              "2-D mesh with dims ('replicate', 'shard'). Tensor / context / pipeline parallel "
+              "mesh dims beside them are not supported yet (e.g. mesh['dp'] of a (dp, tp) mesh): "
+              "train with tp = 1.")
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ def check_setups(setups: Sequence[RankSetup], world_size: int) -> SetupCheck:
                 + ", ".join(f"{r} x {g} = {r * g}" for r, g in sizes)
                 + ". Pass the two 1-D slices of one 2-D mesh: mesh2d['shard'] and "
                 "mesh2d['replicate'] of init_device_mesh(dev, (R, G), mesh_dim_names="
-                "('replicate', 'shard')).")
+                "('replicate', 'shard')). A third (tensor parallel) dim is not supported yet.")
         elif bad_rows:
             problems.append(f"ranks of one replica disagree on their shard mesh: {bad_rows}. "
                             + _HSDP_HINT)

@@ -213,6 +213,7 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     import torch.distributed.checkpoint as dcp
 
     rt = get_state(model, "dmuon.save_sharded(path, model, optimizer)")
+    rt.finish_meta_init("dmuon: sharded checkpoint")
     if optimizer is not None:
         check_optimizer(model, optimizer, "dmuon.save_sharded")
     rt.drain()
@@ -321,6 +322,7 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
 
     what = "dmuon.load_sharded"
     rt = get_state(model, f"{what}(path, model, optimizer)")
+    rt.finish_meta_init("dmuon: sharded checkpoint")
     if optimizer is not None:
         check_optimizer(model, optimizer, what)
     rt.drain()

@@ -8,6 +8,10 @@ Call order (SPEC §2)::
     fully_shard(model, mesh=mesh)
     optimizer = dmuon.Muon(model, ...)
 
+A model built under ``torch.device("meta")`` works too (torchtitan's order: dedicate_params,
+fully_shard, ``model.to_empty(device=...)``, the model's init, ``dmuon.Muon``): only the owners'
+masters are allocated, and the init writes them (:mod:`dmuon.stateful.meta_init`).
+
 What it does, in order: validates the model and the predicate; builds the param specs and the
 owner plan (pure, :mod:`dmuon.functional.plan`); compares the plan's fingerprint across all ranks;
 creates the lane process groups and the executor; groups the dedicated params by hook boundary;
@@ -39,6 +43,7 @@ from dmuon.stateful.fsdp_info import has_fsdp_state
 from dmuon.stateful.guards import guard_module_apply
 from dmuon.functional.policy import ParamPolicy
 from dmuon.stateful.param_views import as_policy, decide_params, policy_fingerprint, routing_predicate
+from dmuon.stateful.meta_init import check_meta_selection, device_of_mesh, replace_meta_params
 from dmuon.stateful.process_groups import agree_grid, make_process_groups
 from dmuon.stateful.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
 from dmuon.stateful.torch_state_dict import register_state_dict_hooks
@@ -79,27 +84,22 @@ def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.
         if not picked:
             continue
         if _is_dtensor(p):
-            raise NotImplementedError(
-                f"dedicate_params: param {n!r} is a DTensor (tensor/sequence parallel); dedicating "
-                "DTensor params is not supported yet. Apply dedicate_params before parallelizing, "
-                "or exclude TP-sharded params in the predicate.")
+            from dmuon.stateful.tensor_parallel import TP_FIX, TensorParallelUnsupported
+            raise TensorParallelUnsupported(
+                f"dedicate_params: param {n!r} is a DTensor (placements {tuple(p.placements)}: "
+                f"tensor / sequence parallel applied before dedicate_params). {TP_FIX}.")
         if p.ndim < 2:
             raise ValueError(
                 f"dedicate_params: the predicate selected {n!r} of shape {tuple(p.shape)}, which is "
                 "not a matrix; Muon needs ndim >= 2. Add `p.ndim >= 2` (or `p.ndim == 2`) to the "
                 "predicate so vectors stay with AdamW.")
-        if p.is_meta:
-            raise ValueError(
-                f"dedicate_params: param {n!r} is on the meta device (meta-device init); dmuon "
-                "copies each dedicated matrix to its owner now, so it needs real values. "
-                "Materialize the model first (model.to_empty(device=...) and initialize the "
-                "weights), then dedicate_params, then fully_shard.")
         chosen[n] = p
     if not chosen:
         raise ValueError(
             f"dedicate_params: the predicate matched no trainable parameter of {type(model).__name__} "
             f"({len(named)} candidates, e.g. {[n for n, _ in named[:4]]}). Check the names it tests, "
             "e.g. predicate=lambda n, p: p.ndim == 2 and 'proj' in n.")
+    check_meta_selection(chosen)  # all on meta (meta-device init) or none
     return named, chosen
 
 
@@ -189,7 +189,10 @@ def dedicate_params(
     """Dedicate every matrix ``predicate`` selects to one owner rank (collective; before fully_shard).
 
     Args:
-      model: the model, not yet ``fully_shard``-ed, the same on every rank.
+      model: the model, not yet ``fully_shard``-ed, the same on every rank; materialized, or
+        built whole on the meta device (then ``to_empty`` + init after ``fully_shard``; the
+        dedicated params become new ``nn.Parameter`` objects, see
+        :mod:`dmuon.stateful.meta_init`).
       mesh: the 1-D shard ``DeviceMesh`` (the one passed to ``fully_shard``), or a 2-D mesh with
         dims ``("replicate", "shard")``.
       predicate: ``predicate(name, param) -> bool`` picks the Muon matrices (``ndim >= 2``); every
@@ -230,12 +233,14 @@ def dedicate_params(
       RuntimeError: torch.distributed is not initialized; the model already has FSDP2 state or was
         already dedicated; the predicate raised (the message names the param); the owner plan
         differs across ranks.
-      ValueError: the predicate matches nothing, or matches a non-matrix or a meta-device param;
+      ValueError: the predicate matches nothing, or matches a non-matrix; some selected params
+        are on the meta device and others not;
         the meshes do not match the world (ranks, R x G, device type; see
         :func:`dmuon.functional.setup_check.check_setups`).
       Every check runs on every rank before any process group is made: a problem on one rank
       raises on all (that rank's own exception there, its message elsewhere), never a hang.
-      NotImplementedError: a dedicated param is a DTensor (tensor parallelism).
+      NotImplementedError: a dedicated param is a DTensor (tensor parallelism;
+        :mod:`dmuon.stateful.tensor_parallel`).
       ValueError: ``data_parallel`` is not ``"fsdp"`` / ``"ddp"``, or ``"ddp"`` with a 2-D / HSDP
         mesh; RuntimeError: ranks passed different ``data_parallel``.
     """
@@ -263,8 +268,10 @@ def dedicate_params(
                                         view_fn=lambda n, shape: decisions[n].view)
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
         local_err = e
+    on_meta = bool(chosen) and all(p.is_meta for p in chosen.values())
     grid = agree_grid(mesh, replicate_mesh, local_err=local_err,
-                      param_device_types=[p.device.type for p in chosen.values()])
+                      param_device_types=[str(mesh.device_type) if p.is_meta else p.device.type
+                                          for p in chosen.values()])
     _agree_mode(data_parallel)
     if data_parallel == "ddp":
         grid = ddp_grid(grid)  # the same grid on every rank: raises on all or none
@@ -273,6 +280,11 @@ def dedicate_params(
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size)
     _check_fingerprint(policy_fingerprint(plan.fingerprint, pol), mesh_groups)
     _bound_mesh_groups((mesh, replicate_mesh), timeout)
+    meta_shapes = meta_device = None
+    if on_meta:  # meta-device init: new real-device param objects, no values (meta_init.py)
+        meta_device = device_of_mesh(mesh)
+        meta_shapes = {n: tuple(p.shape) for n, p in chosen.items()}
+        chosen = replace_meta_params(model, chosen, meta_device)
 
     # a param shared by several modules (tied weights) is moved by the boundary of all its uses:
     # if its names fall under different boundaries, the root group (gathered for the whole forward)
@@ -300,7 +312,8 @@ def dedicate_params(
     st = DedicatedState(
         model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
         groups=groups, group_modules=group_modules, reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen})
+        mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen},
+        meta_shapes=meta_shapes, meta_device=meta_device)
     st.views = {n: spec_by_name[n].matrix_view for n in chosen}  # what NS / the lr scale see
     st.view_sources = {n: d.source for n, d in decisions.items()}
     st.hp_mults = {n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()}  # policy multipliers

@@ -125,6 +125,19 @@ _MOVE_HINT = ("move or cast the model (model.to(device / dtype)) before dmuon.de
               "afterwards the masters stay where dedicate_params put them")
 
 
+_INIT_HINT = ("the model's init before dmuon.dedicate_params (its values are copied to the owner "
+              "there), or build the model under torch.device('meta') and run its init after "
+              "fully_shard and model.to_empty(device=...) (README: meta-device init)")
+
+
+def _hint(name: str, func: Any) -> str:
+    if name in _CONVERSIONS:
+        return _MOVE_HINT
+    if getattr(func, "__module__", "") == "torch.nn.init":
+        return _INIT_HINT
+    return _HINTS.get(name, _DEFAULT_HINT)
+
+
 class DedicatedPlaceholder(nn.Parameter):
     """The class of a dedicated param while it is a zero-size placeholder (see module docstring)."""
 
@@ -142,6 +155,9 @@ class DedicatedPlaceholder(nn.Parameter):
         p = _first(DedicatedPlaceholder, args, kwargs)
         pname = getattr(p, "_dmuon_name", "?")
         owner = getattr(p, "_dedicated_owner_rank", "?")
+        from dmuon.stateful.tensor_parallel import from_dtensor_api, tp_error
+        if from_dtensor_api():
+            raise tp_error(pname, owner)
         from dmuon.stateful.fsdp_patch import is_installed
         patch = "" if is_installed() else (
             f" dmuon's fully_shard patch is NOT installed on torch {torch.__version__}: if this "
@@ -151,7 +167,7 @@ class DedicatedPlaceholder(nn.Parameter):
             f"dmuon: torch's {name!r} was applied to the dedicated param {pname!r}, whose values "
             f"live whole on owner rank {owner} (here it is an empty placeholder between forward "
             f"passes), so it would silently see nothing. Use "
-            f"{_MOVE_HINT if name in _CONVERSIONS else _HINTS.get(name, _DEFAULT_HINT)}." + patch)
+            f"{_hint(name, func)}." + patch)
 
 
 class DedicatedGradMarker(torch.Tensor):
@@ -216,7 +232,8 @@ def guard_module_apply(module: nn.Module, params: list[nn.Parameter]) -> None:
     ``module``'s other params are touched. Dispatches to ``type(module)._apply`` at call time
     (FSDP2 replaces the module's class with one that overrides ``_apply``)."""
     def _apply(fn, *args, **kwargs):
-        probe = next((p for p in params if isinstance(p, DedicatedPlaceholder)), None)
+        # a placeholder, or (meta-device init) a DedicatedUninit, whose to_empty check raises
+        probe = next((p for p in params if type(p) is not nn.Parameter), None)
         if probe is not None:
             with torch.no_grad():
                 fn(probe)

@@ -122,6 +122,7 @@ class Muon(torch.optim.Optimizer):
                             f"fully_shard), not {type(model).__name__}")
         model = unwrap_model(model)
         rt = get_state(model, "dmuon.Muon(model)")
+        rt.finish_meta_init("dmuon.Muon(model)")  # meta-built model: close its init window
         check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
         check_backend(model, rt, "dmuon.Muon(model)")
         _check_fsdp_mesh(model, rt)

@@ -62,7 +62,9 @@ class DedicatedState:
     def __init__(self, *, model: nn.Module, params: Mapping[str, nn.Parameter], plan: Any,
                  mesh_groups: MeshGroups, executor: Executor, groups: HookGroups,
                  group_modules: Mapping[str, nn.Module], reshard_after_forward: bool,
-                 mp_policy: Any, batch_dims: Mapping[str, int]):
+                 mp_policy: Any, batch_dims: Mapping[str, int],
+                 meta_shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
+                 meta_device: Optional[torch.device] = None):
         self.model_ref = weakref.ref(model)
         self.params: dict[str, nn.Parameter] = dict(params)
         self.names: tuple[str, ...] = tuple(params)
@@ -82,7 +84,7 @@ class DedicatedState:
         self.mp_policy = mp_policy
         self.reshard_after_forward = reshard_after_forward
         self.storage = DedicatedStorage(self.params, self.owners, groups, self.G, self.R,
-                                        self.coord)
+                                        self.coord, shapes=meta_shapes, device=meta_device)
         self.pool = GradBufferPool(self.coord[0], self.storage.device)
         self.groups: dict[str, DedicatedParamGroup] = {
             key: DedicatedParamGroup(
@@ -121,6 +123,11 @@ class DedicatedState:
         self._transfer: Any = None
         # "fsdp" or "ddp" (dedicate_params(data_parallel=...); DDP mode: dmuon.stateful.ddp)
         self.data_parallel = "fsdp"
+        #: the open init window of a meta-built model (:mod:`dmuon.stateful.meta_init`), or None
+        self.meta_init: Any = None
+        if meta_shapes is not None:
+            from dmuon.stateful.meta_init import MetaInit
+            self.meta_init = MetaInit.open(self)
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -153,6 +160,13 @@ class DedicatedState:
             self._transfer = CheckpointTransfer(self)
         return self._transfer
 
+    def finish_meta_init(self, what: str) -> None:
+        """Close the init window of a meta-built model (collective; no-op when none is open;
+        see :func:`dmuon.stateful.meta_init.finish_meta_init`)."""
+        if self.meta_init is not None:
+            from dmuon.stateful.meta_init import finish_meta_init
+            finish_meta_init(self, what)
+
     def owned_masters(self) -> dict[str, torch.Tensor]:
         """``{name: master}`` of the matrices this rank runs Muon on (fixed at setup)."""
         return self.storage.owned_masters
@@ -163,6 +177,7 @@ class DedicatedState:
         forward, once: the compute and reduce dtypes come from FSDP2's policy)."""
         if self.ready:
             return
+        self.finish_meta_init("dmuon (first forward)")
         from dmuon.stateful.fsdp_info import find_mp_policy
         model = self.model_ref()
         if model is not None:

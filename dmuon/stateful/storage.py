@@ -18,7 +18,7 @@ Per rank ``(s, r)`` of the ``(R, G)`` mesh:
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 import torch.nn as nn
@@ -58,19 +58,26 @@ class DedicatedStorage:
     Args:
       params: ``{name: param}`` (the params ``dedicate_params`` selected; their values are copied
         into the masters of this rank's column, then each ``.data`` becomes a placeholder).
+      shapes, device: meta-device init only: the params' full shapes and the masters' device
+        (the masters are left uninitialized; :mod:`dmuon.stateful.meta_init` fills them).
       owners: ``{name: (s, r)}`` from the owner plan.  groups: the hook groups.
       shard_size, replicate_size: G, R.  coord: this rank's ``(s, r)``.
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], owners: Mapping[str, tuple[int, int]],
                  groups: HookGroups, shard_size: int, replicate_size: int,
-                 coord: tuple[int, int]):
+                 coord: tuple[int, int], *, shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
+                 device: Optional[torch.device] = None):
         self.params = dict(params)
         self.coord = coord
-        self.shape = {n: tuple(p.shape) for n, p in self.params.items()}
+        #: meta-device init (:mod:`dmuon.stateful.meta_init`): the params hold no values yet; the
+        #: masters are allocated (uninitialized) on ``device`` and the init writes them
+        self.uninitialized = shapes is not None
+        self.shape = ({n: tuple(shapes[n]) for n in self.params} if shapes is not None
+                      else {n: tuple(p.shape) for n, p in self.params.items()})
         self.orig_dtype = {n: p.dtype for n, p in self.params.items()}
         self.master_dtype = {n: master_dtype_for(d) for n, d in self.orig_dtype.items()}
-        self.device = next(iter(self.params.values())).device
+        self.device = device if device is not None else next(iter(self.params.values())).device
         self.master_layout: BucketLayout = bucket_layout(
             owners, self.shape, self.master_dtype, groups, shard_size, replicate_size)
         self.master_buffers: dict[BucketKey, torch.Tensor] = {}
@@ -84,8 +91,9 @@ class DedicatedStorage:
             self.master_buffers[b.key] = buf
             for e in b.entries:
                 view = buf[e.offset:e.offset + e.numel].view(e.shape)
-                with torch.no_grad():
-                    view.copy_(self.params[e.name].detach())
+                if not self.uninitialized:
+                    with torch.no_grad():
+                        view.copy_(self.params[e.name].detach())
                 self.masters[e.name] = view
         #: the masters this rank runs Muon on (owner == coord), in the params' order
         self.owned_masters: dict[str, torch.Tensor] = {

@@ -124,6 +124,8 @@ class _Hooks:
 
     # ------------------------------------------------------------------ save
     def pre_save(self, module, prefix, keep_vars) -> None:
+        if not self.st.raw_state_dict:
+            self.st.finish_meta_init("model.state_dict()")
         saving_state_dict(+1)
 
     def post_save(self, module, state_dict, prefix, local_metadata) -> None:
@@ -146,6 +148,7 @@ class _Hooks:
     def pre_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                  unexpected_keys, error_msgs) -> None:
         st = self.st
+        st.finish_meta_init("model.load_state_dict(sd)")
         problems: list[str] = []
         staged: dict[str, Any] = {}
         for k, n in self.keys.items():
