@@ -64,7 +64,10 @@ class DedicatedState:
                  group_modules: Mapping[str, nn.Module], reshard_after_forward: bool,
                  mp_policy: Any, batch_dims: Mapping[str, int],
                  meta_shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
-                 meta_device: Optional[torch.device] = None):
+                 meta_device: Optional[torch.device] = None,
+                 param_dtypes: Optional[Mapping[str, torch.dtype]] = None,
+                 reduce_dtypes: Optional[Mapping[str, torch.dtype]] = None,
+                 master_dtypes: Optional[Mapping[str, torch.dtype]] = None):
         self.model_ref = weakref.ref(model)
         self.params: dict[str, nn.Parameter] = dict(params)
         self.names: tuple[str, ...] = tuple(params)
@@ -82,9 +85,16 @@ class DedicatedState:
             n for n in self.names if self.owners[n] == self.coord)
         self.batch_dims = dict(batch_dims)
         self.mp_policy = mp_policy
+        #: per-param dtypes set by policy rules (``{name: dtype}``; the others: the group's)
+        self.rule_param_dtype: dict[str, torch.dtype] = dict(param_dtypes or {})
+        self.rule_reduce_dtype: dict[str, torch.dtype] = dict(reduce_dtypes or {})
+        #: resolved at the first forward: ``{name: dtype}`` of the gathered copy / the reduce
+        self.compute_dtype: dict[str, torch.dtype] = {}
+        self.reduce_dtype: dict[str, torch.dtype] = {}
         self.reshard_after_forward = reshard_after_forward
         self.storage = DedicatedStorage(self.params, self.owners, groups, self.G, self.R,
-                                        self.coord, shapes=meta_shapes, device=meta_device)
+                                        self.coord, shapes=meta_shapes, device=meta_device,
+                                        master_dtypes=master_dtypes)
         self.pool = GradBufferPool(self.coord[0], self.storage.device)
         self.groups: dict[str, DedicatedParamGroup] = {
             key: DedicatedParamGroup(
@@ -174,7 +184,12 @@ class DedicatedState:
     # ------------------------------------------------------------------ lazy init
     def lazy_init(self) -> None:
         """Resolve dtypes, build the gather / reduce layouts, schedules and buffers (the first
-        forward, once: the compute and reduce dtypes come from FSDP2's policy)."""
+        forward, once: the compute and reduce dtypes come from FSDP2's policy).
+
+        Per param: gathered-copy dtype = its policy rule's ``param_dtype``, else the group's
+        ``MixedPrecisionPolicy.param_dtype``, else its own dtype; reduce dtype = its rule's
+        ``reduce_dtype``, else the group policy's ``reduce_dtype``, else its gathered-copy dtype.
+        A bucket holds one dtype (the layouts are keyed by it), so no group-wide cast happens."""
         if self.ready:
             return
         self.finish_meta_init("dmuon (first forward)")
@@ -184,18 +199,23 @@ class DedicatedState:
             check_not_taken_over(model, self.params, "dmuon (first forward)")
         for g in self.groups.values():
             pol = self.mp_policy if self.mp_policy is not None else find_mp_policy(model, g.module)
-            orig = {self.orig_dtype[n] for n in g.names}
+            free = [n for n in g.names if n not in self.rule_param_dtype]
+            orig = {self.orig_dtype[n] for n in (free or g.names)}
             param_dtype = getattr(pol, "param_dtype", None) if pol is not None else None
             reduce_dtype = getattr(pol, "reduce_dtype", None) if pol is not None else None
             if param_dtype is None and len(orig) > 1:
                 raise ValueError(
                     f"hook group {g.key or '<root>'!r} mixes param dtypes {sorted(map(str, orig))} "
                     "with no MixedPrecisionPolicy.param_dtype; give the params one dtype or pass "
-                    "mp_policy=MixedPrecisionPolicy(param_dtype=...) to dedicate_params")
-            g.compute_dtype = param_dtype or next(iter(orig))
+                    "mp_policy=MixedPrecisionPolicy(param_dtype=...) to dedicate_params (or set "
+                    "param_dtype per param with a policy Rule)")
+            g.compute_dtype = param_dtype or next(iter(orig))  # the group's default
             g.reduce_dtype = reduce_dtype or g.compute_dtype
-        cdt = {n: self.groups[self.group_of[n]].compute_dtype for n in self.names}
-        rdt = {n: self.groups[self.group_of[n]].reduce_dtype for n in self.names}
+            for n in g.names:
+                c = self.rule_param_dtype.get(n, param_dtype or self.orig_dtype[n])
+                self.compute_dtype[n] = c
+                self.reduce_dtype[n] = self.rule_reduce_dtype.get(n, reduce_dtype or c)
+        cdt, rdt = self.compute_dtype, self.reduce_dtype
         unshard = bucket_layout(self.owners, self.shape, cdt, self.hook_groups, self.G, self.R)
         reduce = bucket_layout(self.owners, self.shape, rdt, self.hook_groups, self.G, self.R,
                                presence=True)
