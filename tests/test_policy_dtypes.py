@@ -247,3 +247,21 @@ def test_dtype_rules_decide_fingerprint_describe():
         pol.decide("a", (4,), predicate_says_muon=False)
     with pytest.raises(ValueError, match="AdamW"):
         Rule("a", route="adamw", reduce_dtype=torch.float32)
+
+
+def test_resolve_group_dtypes_precedence():
+    """Rule over the group's MixedPrecisionPolicy over the param's dtype; reduce defaults to the
+    group policy's reduce_dtype, else the param's gathered dtype."""
+    from dmuon.functional.policy import resolve_group_dtypes
+    bf, f32, f64 = torch.bfloat16, torch.float32, torch.float64
+    orig = {"a": f32, "b": f32, "c": f64}
+    kw = dict(rule_param_dtype={"c": bf}, rule_reduce_dtype={"b": f64})
+    dc, dr, c, r = resolve_group_dtypes("g", orig, group_param_dtype=None, group_reduce_dtype=None,
+                                        **kw)  # c's rule: the rest is one dtype (fp32)
+    assert (dc, dr, c, r) == (f32, f32, {"a": f32, "b": f32, "c": bf}, {"a": f32, "b": f64, "c": bf})
+    dc, dr, c, r = resolve_group_dtypes("g", orig, group_param_dtype=f64, group_reduce_dtype=f32,
+                                        **kw)
+    assert (dc, dr, c, r) == (f64, f32, {"a": f64, "b": f64, "c": bf}, {"a": f32, "b": f64, "c": f32})
+    with pytest.raises(ValueError, match="mixes param dtypes"):
+        resolve_group_dtypes("g", orig, group_param_dtype=None, group_reduce_dtype=None,
+                             rule_param_dtype={}, rule_reduce_dtype={})

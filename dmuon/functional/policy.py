@@ -35,14 +35,14 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
 from dmuon.functional.matrix_view import Batch, MatrixView, Transposed, VIEW_RULES, as_view
 
 __all__ = ["Rule", "ParamPolicy", "Decision", "default_view", "module_kind", "MODULE_KINDS",
-           "DTYPE_FIELDS", "RULE_DTYPES"]
+           "DTYPE_FIELDS", "RULE_DTYPES", "resolve_group_dtypes"]
 
 #: What :func:`module_kind` reports about the module owning a param.
 MODULE_KINDS = ("experts", "conv", "conv1d", "other")
@@ -166,6 +166,40 @@ class Decision:
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     master_dtype: Optional[torch.dtype] = None
+
+
+def resolve_group_dtypes(
+        group: str, orig_dtype: Mapping[str, torch.dtype], *,
+        group_param_dtype: Optional[torch.dtype], group_reduce_dtype: Optional[torch.dtype],
+        rule_param_dtype: Mapping[str, torch.dtype], rule_reduce_dtype: Mapping[str, torch.dtype],
+) -> tuple[torch.dtype, torch.dtype, dict[str, torch.dtype], dict[str, torch.dtype]]:
+    """The gathered-copy and reduce dtypes of one hook group's params (pure).
+
+    Per param ``n`` of ``orig_dtype`` (the group's params and their own dtypes): gathered =
+    ``rule_param_dtype[n]``, else ``group_param_dtype`` (the group's ``MixedPrecisionPolicy``),
+    else ``orig_dtype[n]``; reduce = ``rule_reduce_dtype[n]``, else ``group_reduce_dtype``, else
+    the param's gathered dtype.
+
+    Returns:
+      ``(group default gathered, group default reduce, {n: gathered}, {n: reduce})`` (the defaults:
+      what a param without rules gets).
+
+    Raises:
+      ValueError: with no ``group_param_dtype``, the params without a rule ``param_dtype`` mix
+        dtypes (the group has no one default).
+    """
+    free = [n for n in orig_dtype if n not in rule_param_dtype]
+    orig = {orig_dtype[n] for n in (free or orig_dtype)}
+    if group_param_dtype is None and len(orig) > 1:
+        raise ValueError(
+            f"hook group {group!r} mixes param dtypes {sorted(map(str, orig))} with no "
+            "MixedPrecisionPolicy.param_dtype; give the params one dtype or pass "
+            "mp_policy=MixedPrecisionPolicy(param_dtype=...) to dedicate_params (or set "
+            "param_dtype per param with a policy Rule)")
+    default_c = group_param_dtype or next(iter(orig))
+    gathered = {n: rule_param_dtype.get(n, group_param_dtype or d) for n, d in orig_dtype.items()}
+    reduce = {n: rule_reduce_dtype.get(n, group_reduce_dtype or gathered[n]) for n in orig_dtype}
+    return default_c, group_reduce_dtype or default_c, gathered, reduce
 
 
 def module_kind(module: Any) -> str:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.functional.buckets import HookGroups, bucket_layout
+from dmuon.functional.policy import resolve_group_dtypes
 from dmuon.stateful.compat import queue_backward_callback
 from dmuon.stateful.executor import Executor
 from dmuon.stateful.fsdp_patch import check_not_taken_over
@@ -65,9 +66,9 @@ class DedicatedState:
                  mp_policy: Any, batch_dims: Mapping[str, int],
                  meta_shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
                  meta_device: Optional[torch.device] = None,
-                 param_dtypes: Optional[Mapping[str, torch.dtype]] = None,
-                 reduce_dtypes: Optional[Mapping[str, torch.dtype]] = None,
-                 master_dtypes: Optional[Mapping[str, torch.dtype]] = None):
+                 param_dtypes: Optional[Mapping[str, Any]] = None,
+                 reduce_dtypes: Optional[Mapping[str, Any]] = None,
+                 master_dtypes: Optional[Mapping[str, Any]] = None):
         self.model_ref = weakref.ref(model)
         self.params: dict[str, nn.Parameter] = dict(params)
         self.names: tuple[str, ...] = tuple(params)
@@ -85,12 +86,11 @@ class DedicatedState:
             n for n in self.names if self.owners[n] == self.coord)
         self.batch_dims = dict(batch_dims)
         self.mp_policy = mp_policy
-        #: per-param dtypes set by policy rules (``{name: dtype}``; the others: the group's)
-        self.rule_param_dtype: dict[str, torch.dtype] = dict(param_dtypes or {})
-        self.rule_reduce_dtype: dict[str, torch.dtype] = dict(reduce_dtypes or {})
-        #: resolved at the first forward: ``{name: dtype}`` of the gathered copy / the reduce
-        self.compute_dtype: dict[str, torch.dtype] = {}
-        self.reduce_dtype: dict[str, torch.dtype] = {}
+        # policy rules' per-param dtypes; resolved at the first forward into compute / reduce
+        self.rule_param_dtype = dict(param_dtypes or {})
+        self.rule_reduce_dtype = dict(reduce_dtypes or {})
+        self.compute_dtype: dict[str, torch.dtype] = {}  # {name: gathered-copy dtype}
+        self.reduce_dtype: dict[str, torch.dtype] = {}   # {name: reduce dtype}
         self.reshard_after_forward = reshard_after_forward
         self.storage = DedicatedStorage(self.params, self.owners, groups, self.G, self.R,
                                         self.coord, shapes=meta_shapes, device=meta_device,
@@ -186,10 +186,8 @@ class DedicatedState:
         """Resolve dtypes, build the gather / reduce layouts, schedules and buffers (the first
         forward, once: the compute and reduce dtypes come from FSDP2's policy).
 
-        Per param: gathered-copy dtype = its policy rule's ``param_dtype``, else the group's
-        ``MixedPrecisionPolicy.param_dtype``, else its own dtype; reduce dtype = its rule's
-        ``reduce_dtype``, else the group policy's ``reduce_dtype``, else its gathered-copy dtype.
-        A bucket holds one dtype (the layouts are keyed by it), so no group-wide cast happens."""
+        Per param, :func:`dmuon.functional.policy.resolve_group_dtypes` (policy rules over the
+        group's ``MixedPrecisionPolicy``); a bucket holds one dtype (layouts are keyed by it)."""
         if self.ready:
             return
         self.finish_meta_init("dmuon (first forward)")
@@ -199,22 +197,13 @@ class DedicatedState:
             check_not_taken_over(model, self.params, "dmuon (first forward)")
         for g in self.groups.values():
             pol = self.mp_policy if self.mp_policy is not None else find_mp_policy(model, g.module)
-            free = [n for n in g.names if n not in self.rule_param_dtype]
-            orig = {self.orig_dtype[n] for n in (free or g.names)}
-            param_dtype = getattr(pol, "param_dtype", None) if pol is not None else None
-            reduce_dtype = getattr(pol, "reduce_dtype", None) if pol is not None else None
-            if param_dtype is None and len(orig) > 1:
-                raise ValueError(
-                    f"hook group {g.key or '<root>'!r} mixes param dtypes {sorted(map(str, orig))} "
-                    "with no MixedPrecisionPolicy.param_dtype; give the params one dtype or pass "
-                    "mp_policy=MixedPrecisionPolicy(param_dtype=...) to dedicate_params (or set "
-                    "param_dtype per param with a policy Rule)")
-            g.compute_dtype = param_dtype or next(iter(orig))  # the group's default
-            g.reduce_dtype = reduce_dtype or g.compute_dtype
-            for n in g.names:
-                c = self.rule_param_dtype.get(n, param_dtype or self.orig_dtype[n])
-                self.compute_dtype[n] = c
-                self.reduce_dtype[n] = self.rule_reduce_dtype.get(n, reduce_dtype or c)
+            g.compute_dtype, g.reduce_dtype, cd, rd = resolve_group_dtypes(
+                g.key or "<root>", {n: self.orig_dtype[n] for n in g.names},
+                group_param_dtype=getattr(pol, "param_dtype", None),
+                group_reduce_dtype=getattr(pol, "reduce_dtype", None),
+                rule_param_dtype=self.rule_param_dtype, rule_reduce_dtype=self.rule_reduce_dtype)
+            self.compute_dtype.update(cd)
+            self.reduce_dtype.update(rd)
         cdt, rdt = self.compute_dtype, self.reduce_dtype
         unshard = bucket_layout(self.owners, self.shape, cdt, self.hook_groups, self.G, self.R)
         reduce = bucket_layout(self.owners, self.shape, rdt, self.hook_groups, self.G, self.R,
