@@ -222,7 +222,8 @@ def check_dtypes(results: list[dict]) -> None:
 @pytest.mark.parametrize("kw", [dict(param_dtype=torch.int32), dict(reduce_dtype="bf16"),
                                 dict(master_dtype=torch.float8_e4m3fn),
                                 dict(master_dtype=torch.complex64),
-                                dict(param_dtype=torch.float32, master_dtype=torch.bfloat16)])
+                                dict(param_dtype=torch.float32, master_dtype=torch.bfloat16),
+                                dict(param_dtype=torch.bfloat16, master_dtype=torch.float16)])
 def test_invalid_rule_dtypes_raise(kw):
     from dmuon.functional.policy import Rule
     with pytest.raises(ValueError, match="Rule"):

@@ -54,8 +54,10 @@ DTYPE_FIELDS = ("param_dtype", "reduce_dtype", "master_dtype")
 RULE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def _bits(dtype: torch.dtype) -> int:
-    return torch.finfo(dtype).bits
+def _covers(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Every ``narrow`` value is a ``wide`` value: the same dtype, or more bits (fp16 and bf16
+    do not cover each other: range vs precision)."""
+    return wide == narrow or torch.finfo(wide).bits > torch.finfo(narrow).bits
 
 
 @dataclass(frozen=True)
@@ -72,8 +74,8 @@ class Rule:
         AdamW-routed params yet (``dedicate_params`` raises).
       param_dtype: dtype of the matched Muon params' gathered copies (what forward and backward
         compute with; the placeholders show it too), one of :data:`RULE_DTYPES` (fp16 / bf16 /
-        fp32 / fp64, as the two fields below). ``None``: the hook
-        group's ``MixedPrecisionPolicy.param_dtype`` (``dedicate_params(mp_policy=)``, else the
+        fp32 / fp64, as the two fields below). ``None``: the hook group's
+        ``MixedPrecisionPolicy.param_dtype`` (``dedicate_params(mp_policy=)``, else the
         enclosing ``fully_shard``'s), else the param's own dtype. dmuon does not cast the module's
         inputs: a module whose weight dtype differs from its input's must cast itself (FSDP2's
         ``cast_forward_inputs`` acts at ``fully_shard`` boundaries, not per param).
@@ -82,9 +84,9 @@ class Rule:
         (``param_dtype`` as resolved above, the rule's when it sets one).
       master_dtype: dtype of the owner's master copy and its momentum (Muon's update,
         with the reduced gradient cast to it, runs in it). ``None``: the wider of the param's
-        dtype and fp32. It must be at least as wide (``finfo.bits``) as ``param_dtype`` and as
-        the param's own dtype (a narrower master would round every step silently; checked here
-        and at ``dedicate_params``). ``model.state_dict()`` / ``get_model_state_dict`` return the
+        dtype and fp32. It must hold every value of ``param_dtype`` and of the param's own dtype
+        (the same dtype or more bits; fp16 and bf16 do not cover each other): a narrower master
+        would round every step silently (checked here and at ``dedicate_params``). ``model.state_dict()`` / ``get_model_state_dict`` return the
         param's own dtype; optimizer state dicts and checkpoints carry the master when it differs.
 
       The dtype fields apply to Muon-routed (dedicated) params only: a rule setting one that
@@ -110,7 +112,7 @@ class Rule:
                 raise ValueError(f"Rule({self.pattern!r}).{f} must be one of "
                                  f"{[str(d) for d in RULE_DTYPES]} or None, got {v!r}")
         if (self.master_dtype is not None and self.param_dtype is not None
-                and _bits(self.master_dtype) < _bits(self.param_dtype)):
+                and not _covers(self.master_dtype, self.param_dtype)):
             raise ValueError(f"Rule({self.pattern!r}).master_dtype={self.master_dtype} is narrower "
                              f"than its param_dtype={self.param_dtype}: the master would round "
                              "every update; use a master at least as wide as the gathered copy")
@@ -314,7 +316,7 @@ class ParamPolicy:
         if r is None:
             return Decision("muon", view, source, lm, wm)
         if (r.master_dtype is not None and dtype is not None and dtype.is_floating_point
-                and _bits(r.master_dtype) < _bits(dtype)):
+                and not _covers(r.master_dtype, dtype)):
             raise ValueError(
                 f"param {name!r} is {dtype}, but rule {k} ({r.pattern!r}) sets master_dtype="
                 f"{r.master_dtype}, narrower: the master would lose the param's precision. Use a "
