@@ -3,7 +3,8 @@ MoE cases of tests/test_views_moe.py (Qwen3-MoE, DeepSeek-V3, no batch_dims); pe
 and transposed views, each equal to the single-process functional reference with the views spelled out:
 Llama with per-head q / k / v / o (GQA: k / v per kv head), Phi-3 with its fused qkv_proj and
 gate_up_proj split into parts, GPT-2 with its Conv1D (in, out) weights seen transposed by default
-(lr_scale="jordan", whose factor depends on the orientation)."""
+(lr_scale="jordan", whose factor depends on the orientation); per-param dtypes of the policy
+(tests/test_policy_dtypes.py)."""
 from __future__ import annotations
 
 import pytest
@@ -26,9 +27,11 @@ MOE_DEFAULT = ("qwen3_moe", "deepseek_v3")
 
 def _worker(rank, world):
     from dmuon.functional.specs import default_muon_predicate
+    from test_policy_dtypes import dtype_worker
     from test_qk_clip import qk_worker
     from test_views_moe import moe_worker, raise_worker
     return {"moe": moe_worker(rank, world, MOE_DEFAULT), "raise": raise_worker(rank, world),
+            "dtypes": dtype_worker(rank, world),
             "qk": qk_worker(rank, world),
             "llama": dmuon_run(rank, world, "llama", default_muon_predicate, policy=_policy("llama")),
             "phi3": dmuon_run(rank, world, "phi3", default_muon_predicate, policy=_policy("phi3")),
@@ -72,13 +75,15 @@ def _ref_views(kind):
 def test_views_on_two_ranks():
     """One spawned group: MoE experts per expert (tests/test_views_moe.py), a 3-D param outside
     experts raising on every rank, QK-clip on 2 ranks (tests/test_qk_clip.py), per-head / split /
-    transposed views, policy multipliers."""
+    transposed views, policy multipliers, per-param dtypes (tests/test_policy_dtypes.py)."""
     from dmuon.functional.specs import default_muon_predicate
     from test_views_moe import check_moe
     results = run_ranks(_worker, 2, timeout=240)
     check_moe([r["moe"] for r in results], MOE_DEFAULT)
     from test_qk_clip import check_qk
     check_qk([r["qk"] for r in results])  # QK-clip: MAX all-reduce + owners' rescale
+    from test_policy_dtypes import check_dtypes
+    check_dtypes([r["dtypes"] for r in results])  # per-param param / reduce / master dtypes
     for r in results:
         assert "no default matrix view" in r["raise"] and "batch, heads, split, transposed" in r["raise"]
     for kind in ("llama", "phi3", "gpt2"):

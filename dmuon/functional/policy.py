@@ -9,6 +9,10 @@ what it sets; what it leaves ``None`` falls through to the defaults below:
 * **lr_mult / wd_mult** — the rule's multipliers of Muon's ``lr`` / ``weight_decay`` (else 1).
 * **view** — the rule's ``view`` (:mod:`dmuon.functional.matrix_view`), else ``batch_dims(name,
   shape) = k > 0`` given to ``dedicate_params`` (``Batch(k)``), else :func:`default_view`.
+* **param_dtype / reduce_dtype / master_dtype** (Muon params only) — see :class:`Rule`: the rule's
+  value, else the hook group's ``MixedPrecisionPolicy`` (``dedicate_params(mp_policy=)``, else the
+  enclosing ``fully_shard``'s), else the param's own dtype (gathered copy), the gathered copy's
+  dtype (reduce), the wider of the param's dtype and fp32 (master).
 
 :func:`default_view` (module-aware, shown per param by ``dmuon plan`` and ``describe``):
 
@@ -31,16 +35,29 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
 
 from dmuon.functional.matrix_view import Batch, MatrixView, Transposed, VIEW_RULES, as_view
 
-__all__ = ["Rule", "ParamPolicy", "Decision", "default_view", "module_kind", "MODULE_KINDS"]
+__all__ = ["Rule", "ParamPolicy", "Decision", "default_view", "module_kind", "MODULE_KINDS",
+           "DTYPE_FIELDS", "RULE_DTYPES", "resolve_group_dtypes"]
 
 #: What :func:`module_kind` reports about the module owning a param.
 MODULE_KINDS = ("experts", "conv", "conv1d", "other")
 
 _ROUTES = ("muon", "adamw")
+#: the per-param dtype fields of a :class:`Rule`
+DTYPE_FIELDS = ("param_dtype", "reduce_dtype", "master_dtype")
+#: the dtypes they accept (fp8 / complex / integer: no arithmetic or collectives to rely on)
+RULE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _covers(wide: torch.dtype, narrow: torch.dtype) -> bool:
+    """Every ``narrow`` value is a ``wide`` value: the same dtype, or more bits (fp16 and bf16
+    do not cover each other: range vs precision)."""
+    return wide == narrow or torch.finfo(wide).bits > torch.finfo(narrow).bits
 
 
 @dataclass(frozen=True)
@@ -55,6 +72,26 @@ class Rule:
       lr_mult, wd_mult: multipliers of Muon's ``lr`` and ``weight_decay`` for the matched Muon
         params (``W ← W·(1 − lr·m_lr·wd·m_wd) − lr·m_lr·s·U``); ``None``: 1. Not supported on
         AdamW-routed params yet (``dedicate_params`` raises).
+      param_dtype: dtype of the matched Muon params' gathered copies (what forward and backward
+        compute with; the placeholders show it too), one of :data:`RULE_DTYPES` (fp16 / bf16 /
+        fp32 / fp64, as the two fields below). ``None``: the hook group's
+        ``MixedPrecisionPolicy.param_dtype`` (``dedicate_params(mp_policy=)``, else the
+        enclosing ``fully_shard``'s), else the param's own dtype. dmuon does not cast the module's
+        inputs: a module whose weight dtype differs from its input's must cast itself (FSDP2's
+        ``cast_forward_inputs`` acts at ``fully_shard`` boundaries, not per param).
+      reduce_dtype: dtype the gradient is averaged in (the local gradient is cast to it).
+        ``None``: the group policy's ``reduce_dtype``, else the param's gathered-copy dtype
+        (``param_dtype`` as resolved above, the rule's when it sets one).
+      master_dtype: dtype of the owner's master copy and its momentum (Muon's update,
+        with the reduced gradient cast to it, runs in it). ``None``: the wider of the param's
+        dtype and fp32. It must hold every value of ``param_dtype`` and of the param's own dtype
+        (the same dtype or more bits; fp16 and bf16 do not cover each other): a narrower master
+        would round every step silently (checked here and at ``dedicate_params``). ``model.state_dict()`` / ``get_model_state_dict`` return the
+        param's own dtype; optimizer state dicts and checkpoints carry the master when it differs.
+
+      The dtype fields apply to Muon-routed (dedicated) params only: a rule setting one that
+      matches an AdamW param raises at ``dedicate_params`` (AdamW params are FSDP2's; use its
+      ``MixedPrecisionPolicy``).
     """
 
     pattern: str
@@ -62,10 +99,23 @@ class Rule:
     view: Optional[Any] = None
     lr_mult: Optional[float] = None
     wd_mult: Optional[float] = None
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    master_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str) or not self.pattern:
             raise ValueError(f"Rule.pattern must be a non-empty glob str, got {self.pattern!r}")
+        for f in DTYPE_FIELDS:
+            v = getattr(self, f)
+            if v is not None and v not in RULE_DTYPES:
+                raise ValueError(f"Rule({self.pattern!r}).{f} must be one of "
+                                 f"{[str(d) for d in RULE_DTYPES]} or None, got {v!r}")
+        if (self.master_dtype is not None and self.param_dtype is not None
+                and not _covers(self.master_dtype, self.param_dtype)):
+            raise ValueError(f"Rule({self.pattern!r}).master_dtype={self.master_dtype} is narrower "
+                             f"than its param_dtype={self.param_dtype}: the master would round "
+                             "every update; use a master at least as wide as the gathered copy")
         for f in ("lr_mult", "wd_mult"):
             v = getattr(self, f)
             if v is not None and not (isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -82,26 +132,76 @@ class Rule:
         if self.route == "adamw" and self.view is not None:
             raise ValueError(f"Rule({self.pattern!r}) routes to AdamW but sets a matrix view; views "
                              "apply to Muon params only")
+        if self.route == "adamw" and self.dtypes_set():
+            raise ValueError(f"Rule({self.pattern!r}) routes to AdamW but sets "
+                             f"{', '.join(self.dtypes_set())}; per-param dtypes apply to Muon "
+                             "params only (AdamW params follow fully_shard's MixedPrecisionPolicy)")
+
+    def dtypes_set(self) -> tuple[str, ...]:
+        """The names of the dtype fields this rule sets."""
+        return tuple(f for f in DTYPE_FIELDS if getattr(self, f) is not None)
 
     def matches(self, name: str) -> bool:
         return fnmatch.fnmatchcase(name, self.pattern)
 
     def canonical(self) -> list:
-        return [self.pattern, self.route, None if self.view is None else str(self.view),
-                self.lr_mult, self.wd_mult]
+        out = [self.pattern, self.route, None if self.view is None else str(self.view),
+               self.lr_mult, self.wd_mult]
+        if self.dtypes_set():  # rules without dtypes keep their earlier fingerprints
+            out += [None if getattr(self, f) is None else str(getattr(self, f))
+                    for f in DTYPE_FIELDS]
+        return out
 
 
 @dataclass(frozen=True)
 class Decision:
     """What the policy decided for one param: ``route``, ``view`` (``None`` for AdamW),
     ``source`` (which rule: ``"rule 0: <pattern>"``, ``"batch_dims"``, ``"default"``) and the
-    matching rule's ``lr_mult`` / ``wd_mult`` (1 when unset)."""
+    matching rule's ``lr_mult`` / ``wd_mult`` (1 when unset) and ``param_dtype`` /
+    ``reduce_dtype`` / ``master_dtype`` (``None`` when unset: the group's / default rule)."""
 
     route: str
     view: Optional[MatrixView]
     source: str
     lr_mult: float = 1.0
     wd_mult: float = 1.0
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    master_dtype: Optional[torch.dtype] = None
+
+
+def resolve_group_dtypes(
+        group: str, orig_dtype: Mapping[str, torch.dtype], *,
+        group_param_dtype: Optional[torch.dtype], group_reduce_dtype: Optional[torch.dtype],
+        rule_param_dtype: Mapping[str, torch.dtype], rule_reduce_dtype: Mapping[str, torch.dtype],
+) -> tuple[torch.dtype, torch.dtype, dict[str, torch.dtype], dict[str, torch.dtype]]:
+    """The gathered-copy and reduce dtypes of one hook group's params (pure).
+
+    Per param ``n`` of ``orig_dtype`` (the group's params and their own dtypes): gathered =
+    ``rule_param_dtype[n]``, else ``group_param_dtype`` (the group's ``MixedPrecisionPolicy``),
+    else ``orig_dtype[n]``; reduce = ``rule_reduce_dtype[n]``, else ``group_reduce_dtype``, else
+    the param's gathered dtype.
+
+    Returns:
+      ``(group default gathered, group default reduce, {n: gathered}, {n: reduce})`` (the defaults:
+      what a param without rules gets).
+
+    Raises:
+      ValueError: with no ``group_param_dtype``, the params without a rule ``param_dtype`` mix
+        dtypes (the group has no one default).
+    """
+    free = [n for n in orig_dtype if n not in rule_param_dtype]
+    orig = {orig_dtype[n] for n in (free or orig_dtype)}
+    if group_param_dtype is None and len(orig) > 1:
+        raise ValueError(
+            f"hook group {group!r} mixes param dtypes {sorted(map(str, orig))} with no "
+            "MixedPrecisionPolicy.param_dtype; give the params one dtype or pass "
+            "mp_policy=MixedPrecisionPolicy(param_dtype=...) to dedicate_params (or set "
+            "param_dtype per param with a policy Rule)")
+    default_c = group_param_dtype or next(iter(orig))
+    gathered = {n: rule_param_dtype.get(n, group_param_dtype or d) for n, d in orig_dtype.items()}
+    reduce = {n: rule_reduce_dtype.get(n, group_reduce_dtype or gathered[n]) for n in orig_dtype}
+    return default_c, group_reduce_dtype or default_c, gathered, reduce
 
 
 def module_kind(module: Any) -> str:
@@ -171,12 +271,15 @@ class ParamPolicy:
 
     def decide(self, name: str, shape: Sequence[int], *, predicate_says_muon: bool,
                kind: str = "other",
-               batch_dims: Optional[Callable[[str, tuple[int, ...]], int]] = None) -> Decision:
-        """The :class:`Decision` for one param (precedence in the module docstring).
+               batch_dims: Optional[Callable[[str, tuple[int, ...]], int]] = None,
+               dtype: Optional[torch.dtype] = None) -> Decision:
+        """The :class:`Decision` for one param (precedence in the module docstring); ``dtype``:
+        the param's own dtype (checks a rule's ``master_dtype`` against it).
 
         Raises:
           ValueError: the chosen view does not fit the shape, or no default view exists (the
-            message names the param and the rules).
+            message names the param and the rules); a rule sets dtypes or multipliers on an
+            AdamW param; a rule's ``master_dtype`` is narrower than the param's dtype.
         """
         shape = tuple(int(d) for d in shape)
         k, r = self.rule_for(name)
@@ -187,6 +290,12 @@ class ParamPolicy:
                     f"param {name!r} goes to AdamW, but rule {k} ({r.pattern!r}) sets lr_mult / "
                     "wd_mult, which apply to Muon params only for now; narrow the rule's pattern "
                     "or use a torch param group for AdamW")
+            if r is not None and r.dtypes_set():
+                raise ValueError(
+                    f"param {name!r} goes to AdamW, but rule {k} ({r.pattern!r}) sets "
+                    f"{', '.join(r.dtypes_set())}, which apply to Muon (dedicated) params only; "
+                    "narrow the rule's pattern, or give AdamW params their dtypes through "
+                    "fully_shard's MixedPrecisionPolicy")
             return Decision("adamw", None, f"rule {k}: {r.pattern}" if r is not None and
                             r.route is not None else "predicate")
         if r is not None and r.view is not None:
@@ -204,7 +313,16 @@ class ParamPolicy:
                              f"{source}) does not fit: {e}") from None
         lm = 1.0 if r is None or r.lr_mult is None else r.lr_mult
         wm = 1.0 if r is None or r.wd_mult is None else r.wd_mult
-        return Decision("muon", view, source, lm, wm)
+        if r is None:
+            return Decision("muon", view, source, lm, wm)
+        if (r.master_dtype is not None and dtype is not None and dtype.is_floating_point
+                and not _covers(r.master_dtype, dtype)):
+            raise ValueError(
+                f"param {name!r} is {dtype}, but rule {k} ({r.pattern!r}) sets master_dtype="
+                f"{r.master_dtype}, narrower: the master would lose the param's precision. Use a "
+                "master_dtype at least as wide as the param, or narrow the rule's pattern")
+        return Decision("muon", view, source, lm, wm, r.param_dtype, r.reduce_dtype,
+                        r.master_dtype)
 
     def canonical(self) -> list:
         """Plain data for the plan fingerprint."""
@@ -217,5 +335,7 @@ class ParamPolicy:
         for k, r in enumerate(self.rules):
             lines.append(f"  {k}: {r.pattern}  route={r.route or '-'}  view={r.view or '-'}"
                          + (f"  lr_mult={r.lr_mult}" if r.lr_mult is not None else "")
-                         + (f"  wd_mult={r.wd_mult}" if r.wd_mult is not None else ""))
+                         + (f"  wd_mult={r.wd_mult}" if r.wd_mult is not None else "")
+                         + "".join(f"  {f}={str(getattr(r, f)).replace('torch.', '')}"
+                                   for f in r.dtypes_set()))
         return "\n".join(lines)

@@ -108,8 +108,8 @@ class DDPParamGroup(DedicatedParamGroup):
 
     def setup(self, unshard_layout: Any, reduce_layout: Any, master_layout: Any) -> None:
         super().setup(unshard_layout, reduce_layout, master_layout)
-        self.zero_copy = all(self.storage.master_dtype[n] == self.compute_dtype
-                             for n in self.names)
+        self.zero_copy = all(str(self.storage.master_dtype[e.name]) == b.key.dtype
+                             for b in self._unshard_buckets for e in b.entries)
         if self.zero_copy:
             self.unshard_buffers = {}
             self._unshard_buckets = ()

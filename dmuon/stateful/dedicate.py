@@ -42,7 +42,8 @@ from dmuon.stateful.hooks import register_hooks
 from dmuon.stateful.fsdp_info import has_fsdp_state
 from dmuon.stateful.guards import guard_module_apply
 from dmuon.functional.policy import ParamPolicy
-from dmuon.stateful.param_views import as_policy, decide_params, policy_fingerprint, routing_predicate
+from dmuon.stateful.param_views import (as_policy, decide_params, dtype_overrides,
+                                        policy_fingerprint, routing_predicate)
 from dmuon.stateful.meta_init import check_meta_selection, device_of_mesh, replace_meta_params
 from dmuon.stateful.process_groups import agree_grid, make_process_groups
 from dmuon.stateful.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
@@ -116,8 +117,8 @@ def _check_fingerprint(fingerprint: str, mesh_groups: Any) -> None:
         detail = "; ".join(f"ranks {rs}: {fp[:12]}" for fp, rs in by_fp.items())
         raise RuntimeError(
             "dedicate_params: the owner plan differs across ranks (" + detail + "). Every rank must "
-            "build the same model (same names, shapes, dtypes) and pass the same predicate, mesh and "
-            "settings.")
+            "build the same model (same names, shapes, dtypes) and pass the same predicate, policy "
+            "(its rules, dtypes included), mesh and settings.")
 
 
 def _agree_mode(data_parallel: str) -> None:
@@ -206,11 +207,14 @@ def dedicate_params(
       mp_policy: a ``MixedPrecisionPolicy`` for the dedicated params (``param_dtype`` = dtype of the
         gathered copies, ``reduce_dtype`` = dtype of the gradient reduce). Default: the policy
         ``fully_shard`` got for the enclosing module (found at the first forward); none: the
-        param's dtype.
+        param's dtype. A ``policy`` rule's ``param_dtype`` / ``reduce_dtype`` overrides it for
+        the params it matches.
       batch_dims: ``(name, shape) -> int`` leading batch dims of a matrix: ``k > 0`` is the view
         ``Batch(k)`` (a ``0`` keeps the default view of a 2-D param, flattens a >=3-D one).
       policy: a :class:`dmuon.functional.policy.ParamPolicy`: per-name rules (first match wins)
-        that override the predicate's route and the matrix view; what no rule sets keeps the
+        that override the predicate's route, the matrix view, the lr / weight-decay multipliers
+        and the param / reduce / master dtypes (:class:`dmuon.functional.policy.Rule`); what no
+        rule sets keeps the
         defaults (``batch_dims``, then :func:`dmuon.functional.policy.default_view`: MoE expert
         stacks per expert, GPT-2 ``Conv1D`` transposed, conv kernels flattened, other >=3-D
         Muon params an error). Its rules join the plan fingerprint (the same on every rank).
@@ -313,7 +317,10 @@ def dedicate_params(
         model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
         groups=groups, group_modules=group_modules, reshard_after_forward=reshard_after_forward,
         mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen},
-        meta_shapes=meta_shapes, meta_device=meta_device)
+        meta_shapes=meta_shapes, meta_device=meta_device,
+        param_dtypes=dtype_overrides(decisions, "param_dtype"),
+        reduce_dtypes=dtype_overrides(decisions, "reduce_dtype"),
+        master_dtypes=dtype_overrides(decisions, "master_dtype"))
     st.views = {n: spec_by_name[n].matrix_view for n in chosen}  # what NS / the lr scale see
     st.view_sources = {n: d.source for n, d in decisions.items()}
     st.hp_mults = {n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()}  # policy multipliers

@@ -221,10 +221,9 @@ class DedicatedParamGroup:
         with _label(self, "reduce"):
             buffers: dict[BucketKey, torch.Tensor] = {}
             owned_here: dict[str, bool] = {}
-            dt = to_torch_dtype(self.reduce_dtype)
             with torch.no_grad():
-                for b in self._reduce_buckets:
-                    buf = pool.acquire(b.key, b.numel, dt)
+                for b in self._reduce_buckets:  # one dtype per bucket (per-param reduce dtypes)
+                    buf = pool.acquire(b.key, b.numel, to_torch_dtype(b.key.dtype))
                     for e in b.entries:
                         view = buf[e.offset:e.offset + e.numel]
                         lg = local_grads.pop(e.name, None)

@@ -14,7 +14,8 @@ import torch.nn as nn
 
 from dmuon.functional.policy import Decision, ParamPolicy, module_kind
 
-__all__ = ["as_policy", "routing_predicate", "decide_params", "policy_fingerprint"]
+__all__ = ["as_policy", "routing_predicate", "decide_params", "dtype_overrides",
+           "policy_fingerprint"]
 
 
 def as_policy(policy: Optional[ParamPolicy]) -> ParamPolicy:
@@ -51,8 +52,14 @@ def decide_params(model: nn.Module, chosen: dict[str, nn.Parameter], policy: Par
     for n, p in chosen.items():
         owner = model.get_submodule(n.rsplit(".", 1)[0]) if "." in n else model
         out[n] = policy.decide(n, tuple(p.shape), predicate_says_muon=True,
-                               kind=module_kind(owner), batch_dims=batch_dims)
+                               kind=module_kind(owner), batch_dims=batch_dims, dtype=p.dtype)
     return out
+
+
+def dtype_overrides(decisions: dict[str, Decision], field: str) -> dict[str, Any]:
+    """``{name: dtype}`` of the params whose rule sets ``field`` (``"param_dtype"``,
+    ``"reduce_dtype"`` or ``"master_dtype"``); the others follow the group's / default rule."""
+    return {n: getattr(d, field) for n, d in decisions.items() if getattr(d, field) is not None}
 
 
 def policy_fingerprint(plan_fingerprint: str, policy: ParamPolicy) -> str:

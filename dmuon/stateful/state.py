@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.functional.buckets import HookGroups, bucket_layout
+from dmuon.functional.policy import resolve_group_dtypes
 from dmuon.stateful.compat import queue_backward_callback
 from dmuon.stateful.executor import Executor
 from dmuon.stateful.fsdp_patch import check_not_taken_over
@@ -65,7 +66,10 @@ class DedicatedState(PublishMixin):
                  group_modules: Mapping[str, nn.Module], reshard_after_forward: bool,
                  mp_policy: Any, batch_dims: Mapping[str, int],
                  meta_shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
-                 meta_device: Optional[torch.device] = None):
+                 meta_device: Optional[torch.device] = None,
+                 param_dtypes: Optional[Mapping[str, Any]] = None,
+                 reduce_dtypes: Optional[Mapping[str, Any]] = None,
+                 master_dtypes: Optional[Mapping[str, Any]] = None):
         self.model_ref = weakref.ref(model)
         self.params: dict[str, nn.Parameter] = dict(params)
         self.names: tuple[str, ...] = tuple(params)
@@ -83,9 +87,15 @@ class DedicatedState(PublishMixin):
             n for n in self.names if self.owners[n] == self.coord)
         self.batch_dims = dict(batch_dims)
         self.mp_policy = mp_policy
+        # policy rules' per-param dtypes; resolved at the first forward into compute / reduce
+        self.rule_param_dtype = dict(param_dtypes or {})
+        self.rule_reduce_dtype = dict(reduce_dtypes or {})
+        self.compute_dtype: dict[str, torch.dtype] = {}  # {name: gathered-copy dtype}
+        self.reduce_dtype: dict[str, torch.dtype] = {}   # {name: reduce dtype}
         self.reshard_after_forward = reshard_after_forward
         self.storage = DedicatedStorage(self.params, self.owners, groups, self.G, self.R,
-                                        self.coord, shapes=meta_shapes, device=meta_device)
+                                        self.coord, shapes=meta_shapes, device=meta_device,
+                                        master_dtypes=master_dtypes)
         self.pool = GradBufferPool(self.coord[0], self.storage.device)
         self.groups: dict[str, DedicatedParamGroup] = {
             key: DedicatedParamGroup(
@@ -175,7 +185,10 @@ class DedicatedState(PublishMixin):
     # ------------------------------------------------------------------ lazy init
     def lazy_init(self) -> None:
         """Resolve dtypes, build the gather / reduce layouts, schedules and buffers (the first
-        forward, once: the compute and reduce dtypes come from FSDP2's policy)."""
+        forward, once: the compute and reduce dtypes come from FSDP2's policy).
+
+        Per param, :func:`dmuon.functional.policy.resolve_group_dtypes` (policy rules over the
+        group's ``MixedPrecisionPolicy``); a bucket holds one dtype (layouts are keyed by it)."""
         if self.ready:
             return
         self.finish_meta_init("dmuon (first forward)")
@@ -185,18 +198,14 @@ class DedicatedState(PublishMixin):
             check_not_taken_over(model, self.params, "dmuon (first forward)")
         for g in self.groups.values():
             pol = self.mp_policy if self.mp_policy is not None else find_mp_policy(model, g.module)
-            orig = {self.orig_dtype[n] for n in g.names}
-            param_dtype = getattr(pol, "param_dtype", None) if pol is not None else None
-            reduce_dtype = getattr(pol, "reduce_dtype", None) if pol is not None else None
-            if param_dtype is None and len(orig) > 1:
-                raise ValueError(
-                    f"hook group {g.key or '<root>'!r} mixes param dtypes {sorted(map(str, orig))} "
-                    "with no MixedPrecisionPolicy.param_dtype; give the params one dtype or pass "
-                    "mp_policy=MixedPrecisionPolicy(param_dtype=...) to dedicate_params")
-            g.compute_dtype = param_dtype or next(iter(orig))
-            g.reduce_dtype = reduce_dtype or g.compute_dtype
-        cdt = {n: self.groups[self.group_of[n]].compute_dtype for n in self.names}
-        rdt = {n: self.groups[self.group_of[n]].reduce_dtype for n in self.names}
+            g.compute_dtype, g.reduce_dtype, cd, rd = resolve_group_dtypes(
+                g.key or "<root>", {n: self.orig_dtype[n] for n in g.names},
+                group_param_dtype=getattr(pol, "param_dtype", None),
+                group_reduce_dtype=getattr(pol, "reduce_dtype", None),
+                rule_param_dtype=self.rule_param_dtype, rule_reduce_dtype=self.rule_reduce_dtype)
+            self.compute_dtype.update(cd)
+            self.reduce_dtype.update(rd)
+        cdt, rdt = self.compute_dtype, self.reduce_dtype
         unshard = bucket_layout(self.owners, self.shape, cdt, self.hook_groups, self.G, self.R)
         reduce = bucket_layout(self.owners, self.shape, rdt, self.hook_groups, self.G, self.R,
                                presence=True)

@@ -62,12 +62,15 @@ class DedicatedStorage:
         (the masters are left uninitialized; :mod:`dmuon.stateful.meta_init` fills them).
       owners: ``{name: (s, r)}`` from the owner plan.  groups: the hook groups.
       shard_size, replicate_size: G, R.  coord: this rank's ``(s, r)``.
+      master_dtypes: ``{name: dtype}`` overriding :func:`master_dtype_for` (a policy rule's
+        ``master_dtype``, validated by :class:`dmuon.functional.policy.Rule`).
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], owners: Mapping[str, tuple[int, int]],
                  groups: HookGroups, shard_size: int, replicate_size: int,
                  coord: tuple[int, int], *, shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None,
+                 master_dtypes: Optional[Mapping[str, torch.dtype]] = None):
         self.params = dict(params)
         self.coord = coord
         #: meta-device init (:mod:`dmuon.stateful.meta_init`): the params hold no values yet; the
@@ -77,6 +80,8 @@ class DedicatedStorage:
                       else {n: tuple(p.shape) for n, p in self.params.items()})
         self.orig_dtype = {n: p.dtype for n, p in self.params.items()}
         self.master_dtype = {n: master_dtype_for(d) for n, d in self.orig_dtype.items()}
+        self.master_dtype.update({n: d for n, d in (master_dtypes or {}).items()
+                                  if n in self.master_dtype})
         self.device = device if device is not None else next(iter(self.params.values())).device
         self.master_layout: BucketLayout = bucket_layout(
             owners, self.shape, self.master_dtype, groups, shard_size, replicate_size)
