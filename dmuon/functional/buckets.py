@@ -39,7 +39,7 @@ from typing import Callable, Mapping, NamedTuple, Sequence, Union
 
 import torch
 
-from dmuon.functional.plan import Coord
+from dmuon.functional.owner_plan import Coord
 from dmuon.functional.specs import dtype_from_str, layer_key_from_name
 
 GroupKeySpec = Union[Callable[[str], "str | None"], Mapping[str, str], None]

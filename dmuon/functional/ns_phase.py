@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from dmuon.functional.machine import Machine, collective_time, interp_log2, ns_matrix_seconds
-from dmuon.functional.plan import OwnerPlan
+from dmuon.functional.owner_plan import OwnerPlan
 from dmuon.functional.specs import ParamSpec
 from dmuon.newton_schulz.split import split_ns_program, split_piece_segments
 

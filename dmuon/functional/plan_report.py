@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
-    from dmuon.functional.plan import OwnerPlan
+    from dmuon.functional.owner_plan import OwnerPlan
 
 __all__ = ["plan_summary", "plan_table", "format_bytes", "format_flops"]
 

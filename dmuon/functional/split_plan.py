@@ -43,7 +43,8 @@ from typing import Callable, Optional, Sequence
 
 from dmuon.functional.matrix_shape import as_matrix_shape
 from dmuon.newton_schulz.cost import DEFAULT_GRAM_RESTART, choose_ns_variant
-from dmuon.functional.plan import AllocationUnit, OwnerPlan, assemble_plan
+from dmuon.functional.owner_plan import OwnerPlan, assemble_plan
+from dmuon.functional.plan_units import AllocationUnit
 from dmuon.functional.specs import ParamSpec
 from dmuon.newton_schulz.split import (SplitLayout, ring_bytes_per_rank, split_layout, split_ns_program,
                                        split_piece_flops)

@@ -14,7 +14,7 @@ from typing import Mapping, Optional, Sequence
 
 from dmuon.functional.buckets import HookGroups, bucket_layout, hook_groups
 from dmuon.newton_schulz.cost import DEFAULT_GRAM_RESTART
-from dmuon.functional.plan import OwnerPlan
+from dmuon.functional.owner_plan import OwnerPlan
 from dmuon.functional.schedule import Traffic, build_step_schedules, step_traffic
 from dmuon.functional.specs import ParamSpec
 from dmuon.newton_schulz.split import split_ns_schedule

@@ -28,12 +28,13 @@ metadata (``size()``, ``dim()``, ``numel()``, ``dtype``, ...), ``repr``, hashing
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
-
 import threading
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn as nn
+
+from dmuon.stateful.errors import DedicatedParamError
 
 __all__ = ["DedicatedParamError", "saving_state_dict", "DedicatedPlaceholder", "DedicatedGradMarker", "to_placeholder",
            "to_plain", "make_marker", "guard_module_apply"]
@@ -81,11 +82,6 @@ def saving_state_dict(delta: int = 0) -> bool:
     depth = max(0, getattr(_SAVING, "depth", 0) + delta)
     _SAVING.depth = depth
     return depth > 0
-
-
-class DedicatedParamError(RuntimeError):
-    """A torch operation touched the values of a dedicated param (or of its gradient) where they
-    are not: they live whole on the owner rank, in dmuon's storage."""
 
 
 def _name(func: Any) -> str:

@@ -47,9 +47,8 @@ _COUNTERS = ("adamw_step", "muon_step", "num_steps")
 
 def check_optimizer(model: nn.Module, optimizer: Any, what: str):
     """The model's state; ``TypeError`` unless ``optimizer`` is ``model``'s ``dmuon.Muon``."""
-    from dmuon.stateful.optimizer import Muon
     rt = get_state(model, what)
-    if not isinstance(optimizer, Muon) or optimizer.dedicated_state is not rt:
+    if getattr(optimizer, "dedicated_state", None) is not rt:  # only model's dmuon.Muon has it
         raise TypeError(f"{what}: optimizer must be the dmuon.Muon built for this model")
     return rt
 

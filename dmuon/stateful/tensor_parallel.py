@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import sys
 
-from dmuon.stateful.guards import DedicatedParamError
+from dmuon.stateful.errors import DedicatedParamError
 
 __all__ = ["TensorParallelUnsupported", "TP_FIX", "from_dtensor_api", "tp_error"]
 
