@@ -8,7 +8,7 @@ import hashlib
 import json
 import types
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 from dmuon.functional.plan_units import AllocationUnit
 from dmuon.functional.specs import ParamSpec

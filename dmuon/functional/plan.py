@@ -44,7 +44,7 @@ References: R. Graham, "Bounds on multiprocessing timing anomalies", SIAM J. App
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from dmuon.functional.plan_units import (DEFAULT_FLOPS_PER_BYTE, DEFAULT_SMALL_UNIT_THRESHOLD,
                                          AllocationUnit, build_units, natural_key, param_cost)

@@ -53,7 +53,7 @@ from dmuon.functional.model_flops import head_forward_flops, layer_forward_flops
 from dmuon.functional.ns_phase import NSPhase, ns_phase, reference_slowdown
 from dmuon.functional.plan import OwnerPlan, plan_owners
 from dmuon.functional.presets import ModelPreset, preset_specs
-from dmuon.functional.schedule import Broadcast, build_step_schedules
+from dmuon.functional.schedule import build_step_schedules
 from dmuon.functional.split_plan import owner_entries
 
 __all__ = ["StepSetup", "StepProjection", "TimelineOp", "project_step", "DESIGNS", "LANE_NAMES"]

@@ -320,10 +320,10 @@ def dedicate_params(
         meta_shapes=meta_shapes, meta_device=meta_device,
         param_dtypes=dtype_overrides(decisions, "param_dtype"),
         reduce_dtypes=dtype_overrides(decisions, "reduce_dtype"),
-        master_dtypes=dtype_overrides(decisions, "master_dtype"))
-    st.views = {n: spec_by_name[n].matrix_view for n in chosen}  # what NS / the lr scale see
-    st.view_sources = {n: d.source for n, d in decisions.items()}
-    st.hp_mults = {n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()}  # policy multipliers
+        master_dtypes=dtype_overrides(decisions, "master_dtype"),
+        views={n: spec_by_name[n].matrix_view for n in chosen},
+        view_sources={n: d.source for n, d in decisions.items()},
+        hp_mults={n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()})
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.guards)

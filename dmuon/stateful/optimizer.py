@@ -39,7 +39,6 @@ from dmuon.stateful.fsdp_patch import check_not_taken_over
 from dmuon.stateful.guards import make_marker
 from dmuon.newton_schulz.config import NSConfig
 from dmuon.newton_schulz.engine import NSEngine
-from dmuon.newton_schulz.config import NSConfig
 from dmuon.stateful.ddp import check_backend, unwrap_model
 from dmuon.stateful.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.telemetry import StepStats, StepTelemetry
@@ -185,10 +184,7 @@ class Muon(torch.optim.Optimizer):
         self._views: Optional[dict[str, Any]] = (
             views if any(v != Batch(0) for v in views.values()) else None)
         # the policy's (lr_mult, wd_mult) groups of the owned matrices; None: all (1, 1)
-        mults = getattr(rt, "hp_mults", {})
-        groups: dict[tuple[float, float], list[str]] = {}
-        for n in rt.owned_names:
-            groups.setdefault(mults.get(n, (1.0, 1.0)), []).append(n)
+        groups = rt.hp_groups(rt.owned_names)
         self._hp_groups = None if set(groups) <= {(1.0, 1.0)} else groups
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)

@@ -69,7 +69,10 @@ class DedicatedState(PublishMixin):
                  meta_device: Optional[torch.device] = None,
                  param_dtypes: Optional[Mapping[str, Any]] = None,
                  reduce_dtypes: Optional[Mapping[str, Any]] = None,
-                 master_dtypes: Optional[Mapping[str, Any]] = None):
+                 master_dtypes: Optional[Mapping[str, Any]] = None,
+                 views: Optional[Mapping[str, Any]] = None,
+                 view_sources: Optional[Mapping[str, str]] = None,
+                 hp_mults: Optional[Mapping[str, tuple[float, float]]] = None):
         self.model_ref = weakref.ref(model)
         self.params: dict[str, nn.Parameter] = dict(params)
         self.names: tuple[str, ...] = tuple(params)
@@ -86,6 +89,11 @@ class DedicatedState(PublishMixin):
         self.owned_names: tuple[str, ...] = tuple(
             n for n in self.names if self.owners[n] == self.coord)
         self.batch_dims = dict(batch_dims)
+        # the policy's decisions (dedicate_params): matrix views (what NS / the lr scale see), where
+        # each view came from, and (lr_mult, wd_mult) per param
+        self.views: dict[str, Any] = dict(views or {})
+        self.view_sources: dict[str, str] = dict(view_sources or {})
+        self.hp_mults: dict[str, tuple[float, float]] = dict(hp_mults or {})
         self.mp_policy = mp_policy
         # policy rules' per-param dtypes; resolved at the first forward into compute / reduce
         self.rule_param_dtype = dict(param_dtypes or {})
@@ -177,6 +185,14 @@ class DedicatedState(PublishMixin):
         if self.meta_init is not None:
             from dmuon.stateful.meta_init import finish_meta_init
             finish_meta_init(self, what)
+
+    def hp_groups(self, names) -> dict[tuple[float, float], list[str]]:
+        """``names`` grouped by the policy's ``(lr_mult, wd_mult)`` (``(1, 1)`` without a rule),
+        in order: one functional Muon update per group."""
+        groups: dict[tuple[float, float], list[str]] = {}
+        for n in names:
+            groups.setdefault(self.hp_mults.get(n, (1.0, 1.0)), []).append(n)
+        return groups
 
     def owned_masters(self) -> dict[str, torch.Tensor]:
         """``{name: master}`` of the matrices this rank runs Muon on (fixed at setup)."""

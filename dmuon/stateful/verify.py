@@ -193,11 +193,8 @@ def _reference(optimizer: Muon, params, grads, osd, ns_dtype_override=None):
                              momentum={n: osd["dedicated"][n]["momentum_buffer"] for n in ded})
         mg = {n: grads[n] for n in ded}
         if any(g is not None for g in mg.values()):
-            groups: dict[tuple[float, float], list[str]] = {}  # the policy's multipliers
-            for n in ded:
-                groups.setdefault(getattr(rt, "hp_mults", {}).get(n, (1.0, 1.0)), []).append(n)
             new_p, new_m = {}, {}
-            for (lm, wm), names in groups.items():
+            for (lm, wm), names in rt.hp_groups(ded).items():  # the policy's multipliers
                 sp, ss = fmuon.update(
                     {n: mg[n] for n in names},
                     fmuon.MuonState(ms.step, {n: ms.momentum[n] for n in names}),
