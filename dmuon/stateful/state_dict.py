@@ -34,6 +34,7 @@ from dmuon.stateful.ddp import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.state import DedicatedState, get_state
 from dmuon.stateful.torch_state_dict import StateDictError, check_entry
+from dmuon.stateful.tensor_parallel import assemble_tp_slices
 
 __all__ = ["get_model_state_dict", "set_model_state_dict", "read_state_dict", "LoadResult"]
 
@@ -180,7 +181,10 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
     full: dict[str, torch.Tensor] = {}
     tr = rt.checkpoint_transfer
     for group in tr.each_group():
-        for n, t in tr.to_every_rank(group, rt.masters).items():
+        got = tr.to_every_rank(group, rt.masters)
+        if rt.tp_layouts:  # TP slices -> full matrices (an all-gather per matrix, TP group)
+            got = assemble_tp_slices(rt.tp_layouts, got, rt.mesh_groups.tp_group)
+        for n, t in got.items():
             if keep:
                 full[n] = mv(t.to(rt.orig_dtype[n]).clone())
     ded = dedicated_names_by_key(model, rt)
