@@ -46,26 +46,51 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
     else:
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         dp = mesh["dp"]
-    model = make_model()
-    apply_tp(model, mesh["tp"])
+    order_b, meta = cfg.get("order") == "B", cfg.get("meta", False)
+    if meta:
+        with torch.device("meta"):
+            model = make_model()
+    else:
+        model = make_model()
     boundary = None
     if cfg.get("boundary") == "sub":
         boundary = lambda m: type(m).__name__ in ("Attention", "MLP")  # noqa: E731
-    owners = dmuon.dedicate_params(model, dp, muon_predicate, reshard_after_forward=z3,
-                                   hook_boundary_predicate=boundary)
+
+    def dedicate():
+        return dmuon.dedicate_params(model, dp, muon_predicate, reshard_after_forward=z3,
+                                     hook_boundary_predicate=boundary)
+    if order_b:  # the seeds' order: dedicate_params, then TP + fully_shard (parallelize_model)
+        owners = dedicate()
+        apply_tp(model, mesh["tp"])
+    else:  # TP, then dedicate_params, then fully_shard
+        apply_tp(model, mesh["tp"])
+        owners = dedicate()
     for layer in model.layers:
         fully_shard(layer, mesh=dp, reshard_after_forward=z3)
     fully_shard(model, mesh=dp)
+    forward_before_muon = None
+    if meta:
+        model.to_empty(device="cpu")
+        torch.manual_seed(3)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.25)
+    if owners == {}:  # deferred: a forward before dmuon.Muon raises
+        try:
+            model(make_batches(1, 2)[0])
+        except RuntimeError as e:
+            forward_before_muon = str(e)
     opt = dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
                      weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"],
                      ns_dtype=torch.float64, adamw_lr=HP["adamw_lr"], adamw_betas=HP["adamw_betas"],
                      adamw_eps=HP["adamw_eps"], adamw_weight_decay=HP["adamw_weight_decay"])
     rt = opt.dedicated_state
+    init_sd = dmuon.get_model_state_dict(model, cpu_offload=True) if meta else None
     dp_rank = dp.get_coordinate()
     dp_index = dp_rank[0] * (dp.size(1) if dp.ndim == 2 else 1) + (dp_rank[1] if dp.ndim == 2
                                                                      else 0)
     losses, norms = [], []
-    for ids in make_batches(STEPS, BATCH):
+    for ids in make_batches(cfg.get("steps", STEPS), BATCH):
         opt.zero_grad()
         loss = model(ids.chunk(dp.size())[dp_index])
         loss.backward()
@@ -77,7 +102,8 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
     plain = make_model(seed=7)
     plain.load_state_dict(sd)  # a TP run's checkpoint loads into a plain model
     dist.barrier()
-    return {"sd": sd, "losses": losses, "norms": norms,
+    return {"sd": sd, "losses": losses, "norms": norms, "init_sd": init_sd,
+            "forward_before_muon": forward_before_muon,
             "tp_names": sorted(rt.tp_layouts), "owners": sorted(set(owners.values())),
             "owned": list(rt.owned_names),
             "master_numel": {n: rt.masters[n].numel() for n in rt.masters},
@@ -85,8 +111,11 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
             "plain_equal": all(torch.equal(plain.state_dict()[k], v) for k, v in sd.items())}
 
 
-def _reference(cfg: dict) -> dict:
-    return reference_train(make_model(), make_batches(STEPS, BATCH), cfg)
+def _reference(cfg: dict, init_sd=None) -> dict:
+    model = make_model()
+    if init_sd is not None:
+        model.load_state_dict(init_sd)
+    return reference_train(model, make_batches(cfg.get("steps", STEPS), BATCH), cfg)
 
 
 def _check(results: list, ref: dict, world: int) -> None:
@@ -117,6 +146,22 @@ def test_tp_dp2_tp2_equals_single_device(cfg):
     if cfg.get("clip"):
         for out in results:
             assert max(abs(a - b) for a, b in zip(out["norms"], ref["norms"])) < 1e-10
+
+
+@pytest.mark.parametrize("meta", [False, True], ids=["materialized", "meta"])
+def test_tp_order_b_deferred_equals_single_device(meta):
+    """dedicate_params first (deferred), then TP + fully_shard (+ to_empty and init for a meta
+    model), then dmuon.Muon finishes the dedication; a forward before it raises."""
+    cfg = {"order": "B", "meta": meta}
+    results = run_ranks(_train, 4, cfg, timeout=120)
+    ref = _reference(cfg, results[0]["init_sd"])
+    _check(results, ref, 4)
+    for out in results:
+        assert "not dedicated yet" in out["forward_before_muon"]
+        assert out["owners"] == []  # the deferred call returns {}
+    if meta:  # every rank read the same initial weights
+        for out in results[1:]:
+            assert all(torch.equal(v, results[0]["init_sd"][k]) for k, v in out["init_sd"].items())
 
 
 @pytest.mark.slow

@@ -46,6 +46,8 @@ from dmuon.stateful.param_views import (as_policy, decide_params, dtype_override
                                         policy_fingerprint, routing_predicate)
 from dmuon.stateful.meta_init import check_meta_selection, device_of_mesh, replace_meta_params
 from dmuon.stateful.process_groups import agree_grids, make_process_groups
+from dmuon.stateful.deferred import (check_materialized, clear_pending, defer, find_pending,
+                                     root_tp_ranks, should_defer)
 from dmuon.stateful.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
                                             localize_tp_params, tp_layouts, tp_mesh_ranks)
 from dmuon.stateful.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
@@ -56,9 +58,11 @@ logger = logging.getLogger(__name__)
 Predicate = Callable[[str, torch.Tensor], bool]
 
 
-def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.Parameter]]:
-    """This rank's local checks and the dedicated params ``{name: param}`` (raises on bad input)."""
-    fsdp_mods = has_fsdp_state(model)
+def _select(model: nn.Module, predicate: Predicate,
+            finishing: bool = False) -> tuple[list, dict[str, nn.Parameter]]:
+    """This rank's local checks and the dedicated params ``{name: param}`` (raises on bad input;
+    ``finishing``: a deferred dedication, after ``fully_shard``)."""
+    fsdp_mods = [] if finishing else has_fsdp_state(model)
     if fsdp_mods:
         raise RuntimeError(
             "dedicate_params must run before fully_shard, but these modules already have FSDP2 "
@@ -247,7 +251,10 @@ def dedicate_params(
         ``reshard_after_forward`` does not apply (nothing is gathered).
 
     Returns:
-      ``{param: owner global rank}`` for every dedicated param (tied params appear once).
+      ``{param: owner global rank}`` for every dedicated param (tied params appear once); ``{}``
+      when the dedication is deferred to ``dmuon.Muon(model)`` (``mesh`` is the dp sub-mesh of
+      a mesh with a TP dim and TP is not applied yet, or the TP params are on meta:
+      :mod:`dmuon.stateful.deferred`).
 
     Raises:
       RuntimeError: torch.distributed is not initialized; the model already has FSDP2 state or was
@@ -259,14 +266,41 @@ def dedicate_params(
         :func:`dmuon.functional.setup_check.check_setups`).
       Every check runs on every rank before any process group is made: a problem on one rank
       raises on all (that rank's own exception there, its message elsewhere), never a hang.
-      NotImplementedError: a dedicated param is a DTensor (tensor parallelism;
-        :mod:`dmuon.stateful.tensor_parallel`).
+      NotImplementedError: a TP layout or TP combination dmuon does not support
+        (:mod:`dmuon.stateful.tensor_parallel`).
       ValueError: ``data_parallel`` is not ``"fsdp"`` / ``"ddp"``, or ``"ddp"`` with a 2-D / HSDP
         mesh; RuntimeError: ranks passed different ``data_parallel``.
     """
+    kwargs = dict(replicate_mesh=replicate_mesh, hook_boundary_predicate=hook_boundary_predicate,
+                  reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                  batch_dims=batch_dims, policy=policy, timeout=timeout,
+                  data_parallel=data_parallel)
+    return _dedicate(model, mesh, predicate, kwargs)
+
+
+def finish_deferred(model: nn.Module) -> None:
+    """Complete a deferred ``dedicate_params`` (collective; ``dmuon.Muon(model)`` calls it; no-op
+    without one): the same dedication, on the model TP, ``fully_shard`` and the init made."""
+    pending = find_pending(model)
+    if pending is None:
+        return
+    names = set(pending.names)
+    kw = dict(pending.kwargs)
+    mesh = kw.pop("mesh")
+    _dedicate(model, mesh, lambda n, p: n in names, kw, finishing=True)
+    clear_pending(model)
+
+
+def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
+              finishing: bool = False) -> dict[nn.Parameter, int]:
+    """:func:`dedicate_params` (``kw``: its keyword arguments); ``finishing``: a deferred one."""
+    replicate_mesh, hook_boundary_predicate = kw["replicate_mesh"], kw["hook_boundary_predicate"]
+    reshard_after_forward, mp_policy = kw["reshard_after_forward"], kw["mp_policy"]
+    batch_dims, policy, timeout = kw["batch_dims"], kw["policy"], kw["timeout"]
+    data_parallel = kw["data_parallel"]
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
-    if find_state(model) is not None:  # before any collective: a second call on one rank only
+    if find_state(model) is not None or (find_pending(model) is not None and not finishing):
         raise RuntimeError(
             "dedicate_params was already called on this model (on this rank); call it once per "
             "model, on every rank, before fully_shard. Nothing was changed.")
@@ -279,26 +313,39 @@ def dedicate_params(
     named: list = []
     chosen: dict[str, nn.Parameter] = {}
     layouts: dict = {}
+    tp_ranks = None
+    deferring = False
     local_err: Optional[Exception] = None
     try:
         check_mode(data_parallel)
         pol = as_policy(policy)
-        named, chosen = _select(model, routing_predicate(pol, predicate))
-        layouts = tp_layouts(model, chosen)  # TP-sharded DTensors (tensor_parallel.py)
-        decisions = _tp_decisions(decide_params(model, chosen, pol, batch_dims), layouts,
-                                  data_parallel, any(p.is_meta for p in chosen.values()))
-        spec_named = [(n, tuple(p.to_local().shape), p.dtype) if n in layouts else (n, p)
-                      for n, p in named]
-        specs = specs_from_named_shapes(spec_named, lambda n, p: n in chosen,
-                                        view_fn=lambda n, shape: decisions[n].view)
+        named, chosen = _select(model, routing_predicate(pol, predicate), finishing)
+        tp_ranks = root_tp_ranks(mesh, replicate_mesh)  # the dp sub-mesh of a (dp, tp) mesh
+        deferring = not finishing and should_defer(chosen, tp_ranks)
+        if finishing:
+            check_materialized(chosen)
+        if not deferring:
+            layouts = tp_layouts(model, chosen)  # TP-sharded DTensors (tensor_parallel.py)
+            tp_ranks = tp_mesh_ranks(layouts) or tp_ranks
+            decisions = _tp_decisions(decide_params(model, chosen, pol, batch_dims), layouts,
+                                      data_parallel, any(p.is_meta for p in chosen.values()))
+            spec_named = [(n, tuple(p.to_local().shape), p.dtype) if n in layouts else (n, p)
+                          for n, p in named]
+            specs = specs_from_named_shapes(spec_named, lambda n, p: n in chosen,
+                                            view_fn=lambda n, shape: decisions[n].view)
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
         local_err = e
     on_meta = bool(chosen) and all(p.is_meta for p in chosen.values())
     grids = agree_grids(mesh, replicate_mesh, local_err=local_err,
                         param_device_types=[str(mesh.device_type) if p.is_meta else p.device.type
                                             for p in chosen.values()],
-                        tp_ranks=tp_mesh_ranks(layouts))
+                        tp_ranks=tp_ranks)
     _agree_mode(data_parallel)
+    if deferring:  # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
+        defer(model, chosen, dict(kw, mesh=mesh))
+        logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
+                    "dedicate_params)", len(chosen))
+        return {}
     timeout = timeout or default_group_timeout(str(mesh.device_type))
     if len(grids) > 1:  # tensor parallelism: one dp grid per TP index
         mesh_groups = make_process_groups(tp_grids=grids, timeout=timeout)

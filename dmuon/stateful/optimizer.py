@@ -43,6 +43,7 @@ from dmuon.stateful.ddp import check_backend, unwrap_model
 from dmuon.stateful.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.telemetry import StepStats, StepTelemetry
 from dmuon.stateful.tensor_parallel import TPStep
+from dmuon.stateful.dedicate import finish_deferred
 from dmuon.functional.tree import leaf_paths
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ class Muon(torch.optim.Optimizer):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
         model = unwrap_model(model)
+        finish_deferred(model)  # dedicate_params before TP: the dedication completes here
         rt = get_state(model, "dmuon.Muon(model)")
         rt.finish_meta_init("dmuon.Muon(model)")  # meta-built model: close its init window
         check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
