@@ -195,7 +195,8 @@ class Muon(torch.optim.Optimizer):
         if rt.tp_layouts:
             mg = rt.mesh_groups
             self._tp = TPStep(rt.tp_layouts, rt.owned_names, group=mg.tp_group,
-                              ranks=mg.tp_ranks, index=mg.tp_index)
+                              ranks=mg.tp_ranks, index=mg.tp_index, all_names=rt.names,
+                              control=mg.control)
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 
@@ -329,9 +330,11 @@ class Muon(torch.optim.Optimizer):
         return fused_elementwise()
 
     def _muon_step(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]]) -> None:
+        params = rt.owned_masters()
+        if self._tp is not None:  # TP: the TP group agrees on its gradients (every rank joins)
+            grads = self._tp.agree_grads(grads, params)
         if not rt.owned_names:
             return
-        params = rt.owned_masters()
         if self.muon_state is None:
             self.muon_state = fmuon.init(params)
         if all(g is None for g in grads.values()):
@@ -340,8 +343,6 @@ class Muon(torch.optim.Optimizer):
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
         ortho, ew = self._orthogonalizer(rt, hp), self._elementwise(rt)
-        if self._tp is not None:  # TP: the slices' NS inputs meet on their root (one all-reduce)
-            grads = self._tp.agree_grads(grads, params)
         if self._hp_groups is None:
             _, self.muon_state = fmuon.update(
                 grads, self.muon_state, params, hp, view=self._views,

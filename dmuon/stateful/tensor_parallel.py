@@ -49,7 +49,7 @@ from dmuon.stateful.errors import DedicatedParamError
 
 __all__ = ["TensorParallelUnsupported", "TP_FIX", "TPLayout", "TPForward", "TPStep",
            "from_dtensor_api", "tp_error", "tp_layouts", "localize_tp_params", "refuse_tp",
-           "tp_mesh_ranks", "assemble_tp_slices"]
+           "tp_mesh_ranks", "assemble_tp_slices", "full_shape", "local_part"]
 
 #: what to do instead (named by every TP error)
 TP_FIX = ("apply tensor parallelism first (parallelize_module with ColwiseParallel / "
@@ -90,8 +90,9 @@ def refuse_tp(rt: Any, what: str) -> None:
         raise TensorParallelUnsupported(
             f"dmuon: {what} does not support tensor-parallel dedicated matrices yet (this model "
             f"has {len(rt.tp_layouts)}, e.g. {sorted(rt.tp_layouts)[:3]}). Nothing was changed. "
-            "Supported with TP: forward, backward, dmuon.Muon.step, dmuon.clip_grad_norm_ and "
-            "dmuon.get_model_state_dict (full matrices).")
+            "Supported with TP: forward, backward, dmuon.Muon.step, dmuon.clip_grad_norm_, and "
+            "checkpoints as full tensors: dmuon.get_model_state_dict / set_model_state_dict and "
+            "dmuon.get_optimizer_state_dict / set_optimizer_state_dict.")
 
 
 @dataclass(frozen=True)
@@ -248,9 +249,15 @@ class TPStep:
     """
 
     def __init__(self, layouts: Mapping[str, TPLayout], owned: Sequence[str], *, group: Any,
-                 ranks: Sequence[int], index: int):
+                 ranks: Sequence[int], index: int, all_names: Sequence[str] = (),
+                 control: Any = None):
         self.layouts = dict(layouts)
         self.names = tuple(n for n in owned if n in self.layouts)
+        # matrices without TP, dedicated in every TP index's grid: their gradients must agree
+        # across the TP group (checked each step; the control group makes every rank raise)
+        self.replicated = tuple(n for n in owned if n not in self.layouts)
+        self.check_replicated = any(n not in self.layouts for n in all_names)
+        self.control = control
         self.group, self.ranks, self.index = group, tuple(ranks), int(index)
         self.T = len(self.ranks)
         # NS root of each matrix: largest first onto the least loaded TP index (ties: lowest)
@@ -266,17 +273,43 @@ class TPStep:
         """Make the TP group agree on which of its matrices have a gradient this step (one small
         all-reduce): a slice without one, where another slice has one, gets zeros (its part of
         the full gradient), so every owner joins the same gathers."""
-        if not self.names:
-            return grads
-        dev = next(iter(masters.values())).device
-        have = torch.tensor([grads.get(n) is not None for n in self.names], dtype=torch.int32,
-                            device=dev)
-        dist.all_reduce(have, op=dist.ReduceOp.MAX, group=self.group)
         out = dict(grads)
-        for n, h in zip(self.names, have.tolist()):
-            if h and out.get(n) is None:
-                out[n] = torch.zeros_like(masters[n])
+        if self.names or self.replicated:
+            dev = next(iter(masters.values())).device
+            sums = [(-1.0 if grads.get(n) is None else
+                     float(grads[n].detach().abs().sum(dtype=torch.float64)))
+                    for n in self.replicated]
+            vec = torch.tensor([float(grads.get(n) is not None) for n in self.names] + sums
+                               + [-x for x in sums], dtype=torch.float64, device=dev)
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
+            got = vec.tolist()
+            k, r = len(self.names), len(self.replicated)
+            for n, h in zip(self.names, got[:k]):
+                if h and out.get(n) is None:
+                    out[n] = torch.zeros_like(masters[n])
+            hi, lo = got[k:k + r], [-x for x in got[k + r:]]
+            bad = [n for n, a, b in zip(self.replicated, hi, lo)
+                   if a - b > 1e-6 * max(abs(a), abs(b), 1e-30)]
+        else:
+            bad = []
+        if self.check_replicated:
+            self._agree_replicated(bad, next(iter(masters.values())).device if masters else None)
         return out
+
+    def _agree_replicated(self, bad: list[str], dev: Any) -> None:
+        """Raise on every rank if any TP group's ranks hold different gradients of a matrix
+        without TP (its inputs differ across the TP group: it would be updated differently)."""
+        flag = torch.tensor([float(bool(bad))], dtype=torch.float64,
+                            device=dev if dev is not None else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+        if flag.item() > 0:
+            here = f" (here: {bad[:4]})" if bad else ""
+            raise TensorParallelUnsupported(
+                "dmuon.Muon.step: the ranks of a TP group computed different gradients for a "
+                f"dedicated matrix that TP does not shard{here}, so its copies in the TP indices' "
+                "grids would diverge. Nothing was updated. Its input differs across the TP group "
+                "(e.g. sequence-parallel activations): shard it with TP too (ColwiseParallel / "
+                "RowwiseParallel), or leave it to AdamW (predicate).")
 
     def orthogonalizer(self, inner: Callable[[list], Sequence[torch.Tensor]],
                        input_names: Sequence[str]) -> Callable[[list], list]:
@@ -341,3 +374,18 @@ def assemble_tp_slices(layouts: Mapping[str, TPLayout], values: Mapping[str, tor
         dist.all_gather(parts, x, group=group)
         out[n] = torch.cat(parts, dim=lay.dim)
     return out
+
+
+def full_shape(rt: Any, name: str) -> tuple[int, ...]:
+    """The single-device shape of dedicated param ``name`` (a TP slice's full matrix)."""
+    lay = rt.tp_layouts.get(name)
+    return tuple(lay.shape) if lay is not None else tuple(rt.shape[name])
+
+
+def local_part(rt: Any, name: str, full: Any) -> Any:
+    """This rank's TP slice of a full value of dedicated param ``name`` (the value itself for a
+    matrix without TP, or for ``None``)."""
+    lay = rt.tp_layouts.get(name)
+    if lay is None or full is None or _is_dtensor(full):
+        return full
+    return full.chunk(lay.parts, dim=lay.dim)[rt.mesh_groups.tp_index]
