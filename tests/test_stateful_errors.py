@@ -80,7 +80,8 @@ def test_errors():
     assert_all_ranks(results, "non_matrix", "ValueError", "not a matrix", "norm")
     assert_all_ranks(results, "muon_without", "RuntimeError", "dedicate_params")
     assert_all_ranks(results, "muon_not_model", "TypeError")
-    assert_all_ranks(results, "dtensor", "TensorParallelUnsupported", "tensor parallelism yet", "tp = 1")
+    assert_all_ranks(results, "dtensor", "TensorParallelUnsupported", "not a row- or column-sharded",
+                     "apply tensor parallelism first")
     assert_all_ranks(results, "plan_mismatch", "RuntimeError", "ranks [0]", "ranks [1]")
     assert_all_ranks(results, "twice", "RuntimeError", "already")
     assert_all_ranks(results, "bad_sd", "StateDictError")  # a ValueError

@@ -58,8 +58,9 @@ def _worker(rank: int, world: int) -> dict:
                                                      data_parallel="ddp"))
     # two dims besides dp
     m3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
-    out["two_dims"] = catch(lambda: dmuon.dedicate_params(make_model(), m3["dp"],
-                                                          muon_predicate))
+    m = make_model()
+    apply_tp(m, m3["tp"])
+    out["two_dims"] = catch(lambda: dmuon.dedicate_params(m, m3["dp"], muon_predicate))
     # a non-TP dedicated matrix (the root in_proj) whose input differs across the TP group
     m = make_model(root_proj=True)
     apply_tp(m, mesh["tp"])
@@ -85,7 +86,7 @@ def test_tensor_parallel_unsupported_raises_on_every_rank():
     assert_all_ranks(res, "replicated", "TensorParallelUnsupported", "not a row- or column-sharded")
     assert_all_ranks(res, "view", "TensorParallelUnsupported", "default view", "heads(2,rows)")
     assert_all_ranks(res, "ddp", "TensorParallelUnsupported", "data_parallel='ddp'")
-    assert_all_ranks(res, "two_dims", "ValueError", "one tensor-parallel dim", "'cp'")
+    assert_all_ranks(res, "two_dims", "ValueError", "TP index", "context parallel")
     assert_all_ranks(res, "diverging", "TensorParallelUnsupported", "different gradients",
                      "Nothing was updated")
     assert all(r["barrier"] for r in res)

@@ -19,9 +19,9 @@ __all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "check_setups"]
 Grid = tuple[tuple[int, ...], ...]
 
 _HSDP_HINT = ("For HSDP pass the 1-D shard mesh plus replicate_mesh=mesh2d['replicate'], or the "
-              "2-D mesh with dims ('replicate', 'shard'). Tensor / context / pipeline parallel "
-              "mesh dims beside them are not supported yet (e.g. mesh['dp'] of a (dp, tp) mesh): "
-              "train with tp = 1.")
+              "2-D mesh with dims ('replicate', 'shard'). With tensor parallelism pass the dp "
+              "sub-mesh (mesh['dp'] of a (dp, tp) mesh) and TP-sharded matrices; other parallel "
+              "dims beside dp and tp (context parallel, pipeline stages) are not supported.")
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,7 @@ def _check_grid(setups: Sequence[RankSetup], ranks: list[int], world_size: int,
                 + ", ".join(f"{r} x {g} = {r * g}" for r, g in sizes)
                 + ". Pass the two 1-D slices of one 2-D mesh: mesh2d['shard'] and "
                 "mesh2d['replicate'] of init_device_mesh(dev, (R, G), mesh_dim_names="
-                "('replicate', 'shard')). A third (tensor parallel) dim is not supported yet.")
+                "('replicate', 'shard')). " + _HSDP_HINT)
         elif bad_rows:
             problems.append(f"ranks of one replica disagree on their shard mesh: {bad_rows}. "
                             + _HSDP_HINT)
@@ -245,6 +245,10 @@ def _check_grid(setups: Sequence[RankSetup], ranks: list[int], world_size: int,
                 "that fully_shard uses, over every rank of the world (a sub-mesh, e.g. one "
                 "pipeline stage, is not supported). " + _HSDP_HINT)
             grid = None
+            if tp_index is not None:
+                problems[-1] += (" With tensor parallelism, the dp mesh must hold every rank "
+                                 "of its TP index: other parallel dims beside dp and tp (e.g. "
+                                 "context parallel) are not supported.")
     return problems, grid
 
 

@@ -46,8 +46,8 @@ from dmuon.stateful.param_views import (as_policy, decide_params, dtype_override
                                         policy_fingerprint, routing_predicate)
 from dmuon.stateful.meta_init import check_meta_selection, device_of_mesh, replace_meta_params
 from dmuon.stateful.process_groups import agree_grids, make_process_groups
-from dmuon.stateful.deferred import (check_materialized, clear_pending, defer, find_pending,
-                                     root_tp_ranks, should_defer)
+from dmuon.stateful.deferred import (check_materialized, clear_pending, covers_world, defer,
+                                     find_pending, should_defer)
 from dmuon.stateful.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
                                             localize_tp_params, tp_layouts, tp_mesh_ranks)
 from dmuon.stateful.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
@@ -139,6 +139,29 @@ def _tp_decisions(decisions: dict, layouts: dict, data_parallel: str, on_meta: b
                 "view of TP-sliced matrices only. Drop its view rule / batch_dims for it.")
         out[n] = dataclasses.replace(d, view=layouts[n].view(), source="tensor parallel")
     return out
+
+
+def _agree_deferral(local_err: Optional[Exception], mesh: Any, replicate_mesh: Any,
+                    wants: bool) -> bool:
+    """Collective: whether every rank defers (:mod:`dmuon.stateful.deferred`): only when no rank's
+    local checks failed, every rank wants to, and the ranks' dp meshes split the world into equal
+    disjoint groups, each holding its own rank (a (dp, tp) layout). Otherwise the setup check
+    that follows raises on every rank, naming what is wrong."""
+    try:
+        mine = tuple(sorted(int(x) for x in mesh.mesh.flatten().tolist())) if replicate_mesh is None \
+            else tuple(sorted(int(x) for m in (mesh, replicate_mesh)
+                              for x in m.mesh.flatten().tolist()))
+    except AttributeError:
+        mine = ()
+    err = None if local_err is None else (type(local_err).__name__, str(local_err))
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (err, mine, bool(wants)))
+    if any(e is not None for e, _, _ in got) or not all(w for _, _, w in got):
+        return False
+    groups = {ranks for _, ranks, _ in got}
+    flat = sorted(x for g in groups for x in g)
+    return (flat == list(range(len(got))) and len({len(g) for g in groups}) == 1
+            and all(r in ranks for r, (_, ranks, _) in enumerate(got)))
 
 
 def _agree_mode(data_parallel: str) -> None:
@@ -313,20 +336,18 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     named: list = []
     chosen: dict[str, nn.Parameter] = {}
     layouts: dict = {}
-    tp_ranks = None
     deferring = False
     local_err: Optional[Exception] = None
     try:
         check_mode(data_parallel)
         pol = as_policy(policy)
         named, chosen = _select(model, routing_predicate(pol, predicate), finishing)
-        tp_ranks = root_tp_ranks(mesh, replicate_mesh)  # the dp sub-mesh of a (dp, tp) mesh
-        deferring = not finishing and should_defer(chosen, tp_ranks)
+        # the dp sub-mesh of a (dp, tp) mesh before TP, or TP params on meta: later (deferred.py)
+        deferring = not finishing and should_defer(chosen, not covers_world(mesh, replicate_mesh))
         if finishing:
             check_materialized(chosen)
         if not deferring:
             layouts = tp_layouts(model, chosen)  # TP-sharded DTensors (tensor_parallel.py)
-            tp_ranks = tp_mesh_ranks(layouts) or tp_ranks
             decisions = _tp_decisions(decide_params(model, chosen, pol, batch_dims), layouts,
                                       data_parallel, any(p.is_meta for p in chosen.values()))
             spec_named = [(n, tuple(p.to_local().shape), p.dtype) if n in layouts else (n, p)
@@ -336,16 +357,18 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
         local_err = e
     on_meta = bool(chosen) and all(p.is_meta for p in chosen.values())
-    grids = agree_grids(mesh, replicate_mesh, local_err=local_err,
-                        param_device_types=[str(mesh.device_type) if p.is_meta else p.device.type
-                                            for p in chosen.values()],
-                        tp_ranks=tp_ranks)
-    _agree_mode(data_parallel)
-    if deferring:  # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
+    if not finishing and _agree_deferral(local_err, mesh, replicate_mesh, deferring):
+        # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
+        _agree_mode(data_parallel)
         defer(model, chosen, dict(kw, mesh=mesh))
         logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
                     "dedicate_params)", len(chosen))
         return {}
+    grids = agree_grids(mesh, replicate_mesh, local_err=local_err,
+                        param_device_types=[str(mesh.device_type) if p.is_meta else p.device.type
+                                            for p in chosen.values()],
+                        tp_ranks=tp_mesh_ranks(layouts))
+    _agree_mode(data_parallel)
     timeout = timeout or default_group_timeout(str(mesh.device_type))
     if len(grids) > 1:  # tensor parallelism: one dp grid per TP index
         mesh_groups = make_process_groups(tp_grids=grids, timeout=timeout)

@@ -33,7 +33,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 
 from dmuon.stateful.fsdp_patch import PENDING_SLOTS_ATTR
 
-__all__ = ["PENDING_ATTR", "PendingDedication", "root_tp_ranks", "should_defer", "defer",
+__all__ = ["PENDING_ATTR", "PendingDedication", "covers_world", "should_defer", "defer",
            "check_materialized", "find_pending", "clear_pending"]
 
 PENDING_ATTR = "_dmuon_pending"
@@ -48,38 +48,29 @@ class PendingDedication:
     kwargs: dict[str, Any] = field(default_factory=dict)
 
 
-def root_tp_ranks(mesh: Any, replicate_mesh: Any = None) -> Optional[tuple[int, ...]]:
-    """The ranks of this rank's TP group when ``mesh`` (plus ``replicate_mesh``) is the dp part
-    of a larger mesh whose one other dim is TP; ``None`` when the mesh is its own root.
-
-    Raises:
-      ValueError: the root mesh has more than one dim besides the dp dims (TP only is supported)
-        or its dims are unnamed.
-    """
+def covers_world(mesh: Any, replicate_mesh: Any = None) -> bool:
+    """Whether ``mesh`` (times ``replicate_mesh``) has as many ranks as the world (else it is a
+    sub-mesh, e.g. the dp part of a (dp, tp) mesh; checked in full when dedicating)."""
+    import torch.distributed as dist
+    try:
+        size = mesh.size() * (replicate_mesh.size() if replicate_mesh is not None else 1)
+    except AttributeError:  # not a DeviceMesh: the setup check names it
+        return True
+    if size >= dist.get_world_size():
+        return True
+    # a slice of dmuon's own HSDP mesh (replicate, shard) passed without replicate_mesh is an
+    # HSDP mistake, not TP: the setup check names it at once
     get_root = getattr(mesh, "_get_root_mesh", None)
     root = get_root() if callable(get_root) else None
-    dp_size = mesh.size() * (replicate_mesh.size() if replicate_mesh is not None else 1)
-    if root is None or root.size() == dp_size:
-        return None
-    names = tuple(root.mesh_dim_names or ())
-    dp_names = set(mesh.mesh_dim_names or ()) | set(
-        (replicate_mesh.mesh_dim_names or ()) if replicate_mesh is not None else ())
-    other = [n for n in names if n not in dp_names]
-    if not names or len(other) != 1:
-        raise ValueError(
-            f"dedicate_params: the mesh is part of a {root.ndim}-D mesh with dims {names}; dmuon "
-            f"supports one tensor-parallel dim besides the dp dims {sorted(dp_names)}, got "
-            f"{other}. Name the dims (init_device_mesh(..., mesh_dim_names=...)) and pass the dp "
-            "sub-mesh, e.g. mesh['dp'] of a ('dp', 'tp') mesh.")
-    return tuple(int(x) for x in root[other[0]].mesh.flatten().tolist())
+    return root is not None and set(root.mesh_dim_names or ()) == {"replicate", "shard"}
 
 
-def should_defer(chosen: Mapping[str, Any], tp_ranks: Optional[tuple[int, ...]]) -> bool:
-    """Defer when TP is not applied yet to a dp sub-mesh's model (plain selected params), or when
-    the selected TP DTensors are still on meta (their values come after ``fully_shard``)."""
+def should_defer(chosen: Mapping[str, Any], sub_mesh: bool) -> bool:
+    """Defer when TP is not applied yet to a dp sub-mesh's model (no selected param is a DTensor),
+    or when the selected TP DTensors are still on meta (their values come after ``fully_shard``)."""
     from torch.distributed.tensor import DTensor
     dts = [p for p in chosen.values() if isinstance(p, DTensor)]
-    if tp_ranks is not None and not dts:
+    if sub_mesh and not dts:
         return True
     return bool(dts) and any(p.is_meta for p in chosen.values())
 
