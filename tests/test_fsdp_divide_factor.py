@@ -8,7 +8,6 @@ batch: equal to single-device training on ``2 x`` the full-batch mean loss, with
 """
 from __future__ import annotations
 
-import pytest
 import torch
 
 from dist_utils import run_ranks
@@ -45,7 +44,6 @@ def _train(rank: int, world: int) -> dict:
     return {"sd": dmuon.get_model_state_dict(model, cpu_offload=True), "norms": norms}
 
 
-@pytest.mark.xfail(strict=True, reason="dmuon averages its gradients whatever FSDP2's factor")
 def test_gradient_divide_factor_is_followed():
     ref = reference_train(make_model(), make_batches(STEPS, 4), {"clip": CLIP},
                           loss_of=lambda out: 2 * out)

@@ -115,6 +115,16 @@ def fsdp_mesh(group: Any) -> Any:
     return getattr(getattr(group, "mesh_info", None), "mesh", None)
 
 
+def fsdp_divide_factor(state: Any) -> Optional[float]:
+    """The factor FSDP2 divides ``state``'s summed gradients by (``set_gradient_divide_factor``;
+    ``None``: its default, the mean over the data-parallel ranks)."""
+    for group in fsdp_param_groups(state):
+        f = getattr(group, "gradient_divide_factor", None)
+        if f is not None:
+            return float(f)
+    return None
+
+
 def fsdp_mp_policy(state: Any) -> Any:
     """The ``MixedPrecisionPolicy`` ``fully_shard`` was given for ``state``'s module."""
     return getattr(state, "_mp_policy", None) if state is not None else None

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 from dmuon.stateful.compat import fsdp_mesh, fsdp_mp_policy, fsdp_param_groups, fsdp_state
 
-__all__ = ["has_fsdp_state", "find_mp_policy", "fsdp_meshes", "reduce_unused_fsdp_params"]
+__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_meshes", "reduce_unused_fsdp_params"]
 
 
 def has_fsdp_state(model: nn.Module) -> list[str]:
@@ -23,8 +23,14 @@ def has_fsdp_state(model: nn.Module) -> list[str]:
 def find_mp_policy(model: Optional[nn.Module], module: nn.Module) -> Any:
     """The ``MixedPrecisionPolicy`` of the nearest ``fully_shard``-ed module among ``module`` and
     its ancestors inside ``model``; ``None`` when no FSDP2 state covers it."""
+    return fsdp_mp_policy(find_fsdp_state(model, module))
+
+
+def find_fsdp_state(model: Optional[nn.Module], module: nn.Module) -> Any:
+    """The FSDP2 state of the nearest ``fully_shard``-ed module among ``module`` and its
+    ancestors inside ``model`` (``None`` when none covers it)."""
     if model is None:
-        return fsdp_mp_policy(fsdp_state(module))
+        return fsdp_state(module)
     path = next((name for name, m in model.named_modules() if m is module), None)
     chain = [model]
     if path:
@@ -33,7 +39,7 @@ def find_mp_policy(model: Optional[nn.Module], module: nn.Module) -> Any:
     for m in reversed(chain):
         st = fsdp_state(m)
         if st is not None:
-            return fsdp_mp_policy(st)
+            return st
     return None
 
 

@@ -39,7 +39,7 @@ import torch.nn as nn
 
 from dmuon.functional.buckets import HookGroups, bucket_layout
 from dmuon.functional.policy import resolve_group_dtypes
-from dmuon.stateful.compat import queue_backward_callback
+from dmuon.stateful.compat import fsdp_divide_factor, queue_backward_callback
 from dmuon.stateful.executor import Executor
 from dmuon.stateful.fsdp_patch import check_not_taken_over
 from dmuon.stateful.guards import DedicatedGradMarker, make_marker
@@ -146,6 +146,7 @@ class DedicatedState(PublishMixin):
         self.shard_mesh: Any = None
         self.raw_state_dict = False
         self._transfer: Any = None
+        self._fsdp_states: dict[str, Any] = {}  # {group key: enclosing FSDP2 state} (lazy init)
         # "fsdp" or "ddp" (dedicate_params(data_parallel=...); DDP mode: dmuon.stateful.ddp)
         self.data_parallel = "fsdp"
         #: the open init window of a meta-built model (:mod:`dmuon.stateful.meta_init`), or None
@@ -214,12 +215,14 @@ class DedicatedState(PublishMixin):
         if self.ready:
             return
         self.finish_meta_init("dmuon (first forward)")
-        from dmuon.stateful.fsdp_info import find_mp_policy
+        from dmuon.stateful.fsdp_info import find_fsdp_state
+        from dmuon.stateful.compat import fsdp_mp_policy
         model = self.model_ref()
         if model is not None:
             check_not_taken_over(model, self.params, "dmuon (first forward)")
         for g in self.groups.values():
-            pol = self.mp_policy if self.mp_policy is not None else find_mp_policy(model, g.module)
+            self._fsdp_states[g.key] = fsdp = find_fsdp_state(model, g.module)
+            pol = self.mp_policy if self.mp_policy is not None else fsdp_mp_policy(fsdp)
             g.compute_dtype, g.reduce_dtype, cd, rd = resolve_group_dtypes(
                 g.key or "<root>", {n: self.orig_dtype[n] for n in g.names},
                 group_param_dtype=getattr(pol, "param_dtype", None),
@@ -400,6 +403,11 @@ class DedicatedState(PublishMixin):
                 self._accumulate(rg)
 
     def _accumulate(self, rg: ReducedGrad) -> None:
+        # FSDP2's set_gradient_divide_factor(f) (torchtitan: 1.0) on the enclosing module: its
+        # gradients are sums / f, so the dedicated ones (means over the G x R ranks) follow it
+        f = fsdp_divide_factor(self._fsdp_states.get(self.group_of[rg.name]))
+        if f is not None and f != self.G * self.R:
+            rg.grad.mul_(self.G * self.R / f)
         prev = self._reduced.get(rg.name)
         self._reduced[rg.name] = rg.grad if prev is None else prev.add_(rg.grad)
         if rg.present_here:
