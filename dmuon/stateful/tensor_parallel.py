@@ -124,6 +124,7 @@ def _is_dtensor(p: Any) -> bool:
 
 
 def tp_layouts(model: nn.Module, chosen: Mapping[str, Any]) -> dict[str, TPLayout]:
+    from torch.distributed.tensor import Shard
     """The :class:`TPLayout` of every chosen param that is a TP ``DTensor`` (validated).
 
     Raises:
@@ -151,6 +152,9 @@ def tp_layouts(model: nn.Module, chosen: Mapping[str, Any]) -> dict[str, TPLayou
                       "dedicate_params?)")
         if p.ndim != 2 or not pl[0].is_shard():
             raise bad("not a row- or column-sharded 2-D matrix")
+        if type(pl[0]) is not Shard:  # e.g. _StridedShard (a fused qkv): slices interleave
+            raise bad(f"{type(pl[0]).__name__} interleaves the slices (a fused weight's TP "
+                      "layout); dmuon assembles contiguous Shard slices only")
         dim = pl[0].dim % 2
         T = mesh.size()
         if p.shape[dim] % T:
