@@ -112,8 +112,6 @@ def _resume(rank: int, world: int, folder: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="FusedQKVLinear's save hook reads the dedicated placeholder "
-                   "(IndexError)")
 def test_fused_wqkv_dedicated_state_dict_and_checkpoint(tmp_path):
     folder = str(tmp_path / "ckpt")
     saved = run_ranks(_save, 2, folder, timeout=180)
