@@ -12,6 +12,8 @@ dedicated (wqkv too), its own ``parallelize_llama`` (dp 2, gloo), ``to_empty`` +
   equals the dmuon model's bit for bit;
 - torchtitan's ``CheckpointManager`` save (with dmuon's optimizer container) -> new processes with
   other initial weights -> ``load``: the same state dict and the same logits as at save;
+- a checkpoint with a NaN in ``wq`` raises ``StateDictError`` on every rank and changes nothing
+  (the merged entry is checked with all the others, before the first byte loads);
 - dmuon's own full-dict functions (``dmuon.get_model_state_dict``), which name params, not
   torchtitan's split entries, raise on every rank naming the fix.
 (No training step: torchtitan's attention has no CPU backward in torch 2.13.)
@@ -24,6 +26,8 @@ import torch
 pytest.importorskip("torchtitan")
 
 from dist_utils import catch, run_ranks  # noqa: E402
+
+_WQ = "layers.0.attention.qkv_linear.wq.weight"
 
 
 def _config():
@@ -103,12 +107,20 @@ def _save(rank: int, world: int, folder: str) -> dict:
             "dmuon_sd": catch(lambda: dmuon.get_model_state_dict(model))}
 
 
-def _resume(rank: int, world: int, folder: str) -> dict:
+def _resume(rank: int, world: int, folder: str, saved_sd: dict) -> dict:
     model, _ = _build(world, seed=7)  # other initial weights: the load must win
+    before = _full(model.state_dict())
+    bad = dict(saved_sd)  # other values everywhere, and a NaN in wq: only the merged wqkv
+    bad[_WQ] = torch.full_like(bad[_WQ], float("nan"))
+    bad_load = catch(lambda: model.load_state_dict(bad))
+    after = _full(model.state_dict())
+    unchanged = sorted(after) == sorted(before) and all(torch.equal(after[k], before[k])
+                                                        for k in before)
     ckpt = _checkpointer(model, folder)
     loaded = ckpt.load(step=1)
     ckpt.close()
-    return {"loaded": loaded, "sd": _full(model.state_dict()), "logits": _logits(model)}
+    return {"loaded": loaded, "sd": _full(model.state_dict()), "logits": _logits(model),
+            "bad_load": bad_load, "unchanged": unchanged}
 
 
 @pytest.mark.slow
@@ -128,8 +140,11 @@ def test_fused_wqkv_dedicated_state_dict_and_checkpoint(tmp_path):
         assert torch.equal(r["logits"], want)
         kind, msg = r["dmuon_sd"]
         assert kind == "StateDictError" and "FusedQKVLinear" in msg and "model.state_dict()" in msg
-    resumed = run_ranks(_resume, 2, folder, timeout=180)
+    resumed = run_ranks(_resume, 2, folder, sd, timeout=180)
     for r in resumed:
+        kind, msg = r["bad_load"]  # checked before anything loads, on every rank
+        assert kind == "StateDictError" and "wqkv.weight: non-finite" in msg, r["bad_load"]
+        assert r["unchanged"]
         assert r["loaded"] is True
         assert sorted(r["sd"]) == sorted(sd)
         assert all(torch.equal(r["sd"][k], sd[k]) for k in sd)
