@@ -118,8 +118,7 @@ def build(kind: str, args: argparse.Namespace, jc: Any, mesh: Any, device: torch
                          adamw_weight_decay=o.weight_decay)
         sched = build_lr_schedulers([opt], jc.lr_scheduler, args.steps)
         clip = lambda: dmuon.clip_grad_norm_(model, jc.training.max_norm)  # noqa: E731
-        n_muon = len(getattr(model, "_dedicated_names", ())) or sum(
-            1 for _, p in model.named_parameters() if hasattr(p, "_dedicated_owner_rank"))
+        n_muon = sum(1 for p in model.parameters() if hasattr(p, "_dedicated_owner_rank"))
     else:
         pd = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, etp=1,
                           world_size=1)

@@ -26,6 +26,18 @@ finite values) and the verdict agreed across ranks, so a bad dict raises
 :class:`StateDictError` on every rank and leaves the model exactly as it was. Then the other
 entries load as torch loads them, and the dedicated ones reach their owner column (plain: a local
 copy; DTensor rows: one bucketed reduce per group). Loading is collective too.
+
+**Entries a submodule's own hooks rewrite** (torchtitan's ``FusedQKVLinear`` saves its fused
+``wqkv`` as ``wq`` / ``wk`` / ``wv`` in a post-hook and merges them back in a load pre-hook; torch
+runs a submodule's save post-hooks before the root's, and its load pre-hooks after the root's):
+the root's pre-save hook moves the matrices, and each module holding a dedicated param puts its
+entries in with a post-hook of its own, before any ancestor's post-hook reads them. On load, the
+root runs the load pre-hooks of the modules between it and each dedicated param whose entry is
+absent once more, on a shallow copy of the dict, and checks what they produce with every other
+entry before anything is written; the owning module's pre-hook stages the real entry. A
+``Replicate()`` DTensor entry (what such a merge gives from DCP's replicated parts) counts as a
+full tensor. dmuon's own by-name state-dict functions cannot follow such a rewrite: they raise
+:class:`StateDictError` naming the module.
 """
 from __future__ import annotations
 
