@@ -44,13 +44,13 @@ class Attention(nn.Module):
 
     def forward(self, x):
         b, t, d = x.shape
-        h = self.heads
+        hd = d // self.heads  # heads = the projections' width / hd (fewer per rank under TP)
 
         def split(y):
-            return y.view(b, t, h, d // h).transpose(1, 2)
+            return y.view(b, t, -1, hd).transpose(1, 2)
 
         out = _causal_attention(split(self.q_proj(x)), split(self.k_proj(x)), split(self.v_proj(x)))
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, d))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
 class MHAStyleAttention(nn.Module):

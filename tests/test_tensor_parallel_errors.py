@@ -1,75 +1,91 @@
-"""Tensor parallelism is not supported yet (issue 21): every way of combining DTensor TP with
-dmuon raises a clear error on every rank, in bounded time, instead of training silently wrong.
+"""Tensor parallelism: what dmuon does not support raises a clear error on every rank, in
+bounded time, instead of training silently wrong (issue 21; the supported orders are
+tests/test_tensor_parallel.py).
 
-4 gloo ranks, a (dp 2, tp 2) mesh, torch's ``parallelize_module`` with ``ColwiseParallel`` /
-``RowwiseParallel`` on the blocks' projections: order A (TP, then ``dedicate_params(model,
-mesh["dp"])``; also with a predicate that picks only non-TP matrices), order B (``dedicate_params``
-first on ``mesh["dp"]``, or on a mesh over every rank and then TP; a materialized and a meta-built
-model), a 3-D ``(replicate, shard, tp)`` mesh. After the errors the ranks still meet in a barrier
-(no rank was left inside a collective).
+4 gloo ranks, a (dp 2, tp 2) mesh: TP applied after ``dedicate_params`` on a mesh over every
+rank (materialized and meta-built); a TP-sharded dim that the TP degree does not divide; a
+replicated 2-D DTensor; a policy view on a TP matrix; ``data_parallel="ddp"`` with TP; a mesh with
+two dims besides dp; a dedicated matrix without TP whose gradient differs across the TP group
+(its copies would diverge). After the errors the ranks still meet in a barrier.
 """
 from __future__ import annotations
 
 import torch
 
 from dist_utils import assert_all_ranks, catch, run_ranks
-from models import make_model, muon_predicate
-
-TP_PLAN = {"self_attn.q_proj": "col", "self_attn.k_proj": "col", "self_attn.v_proj": "col",
-           "self_attn.o_proj": "row", "mlp.gate_proj": "col", "mlp.up_proj": "col",
-           "mlp.down_proj": "row"}
-
-
-def _tp(model, tp_mesh) -> None:
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-    plan = {k: ColwiseParallel() if v == "col" else RowwiseParallel() for k, v in TP_PLAN.items()}
-    for layer in model.layers:
-        parallelize_module(layer, tp_mesh, plan)
+from models import make_batches, make_model, muon_predicate
+from test_tensor_parallel import apply_tp
 
 
 def _worker(rank: int, world: int) -> dict:
     import torch.distributed as dist
+    import torch.nn as nn
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
     import dmuon
+    from dmuon.functional.matrix_view import Heads
+    from dmuon.functional.policy import ParamPolicy, Rule
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     world_mesh = init_device_mesh("cpu", (world,))
     out = {}
-    # order A: TP, then dedicate_params on the dp mesh
-    m = make_model()
-    _tp(m, mesh["tp"])
-    out["A_dtensor"] = catch(lambda: dmuon.dedicate_params(m, mesh["dp"], muon_predicate))
-    out["A_non_tp_only"] = catch(lambda: dmuon.dedicate_params(
-        m, mesh["dp"], lambda n, p: n == "lm_head.weight"))
-    # order B: dedicate_params first
-    out["B_dp_mesh"] = catch(lambda: dmuon.dedicate_params(make_model(), mesh["dp"],
-                                                           muon_predicate))
+    # TP after dedicate_params on a mesh over every rank: the placeholder's first read raises
     m = make_model()
     dmuon.dedicate_params(m, world_mesh, muon_predicate)
-    out["B_then_tp"] = catch(lambda: _tp(m, mesh["tp"]))
+    out["B_world_then_tp"] = catch(lambda: apply_tp(m, mesh["tp"]))
     with torch.device("meta"):
         mm = make_model()
     dmuon.dedicate_params(mm, world_mesh, muon_predicate)
-    out["B_meta_then_tp"] = catch(lambda: _tp(mm, mesh["tp"]))
-    # a 3-D (replicate, shard, tp) mesh
-    m3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
-    out["3d"] = catch(lambda: dmuon.dedicate_params(make_model(), m3["shard"], muon_predicate,
-                                                     replicate_mesh=m3["replicate"]))
+    out["B_meta_world_then_tp"] = catch(lambda: apply_tp(mm, mesh["tp"]))
+    # a sharded dim the TP degree does not divide
+    odd = nn.Sequential(nn.Linear(16, 15, bias=False)).double()
+    parallelize_module(odd, mesh["tp"], {"0": ColwiseParallel()})
+    out["uneven"] = catch(lambda: dmuon.dedicate_params(odd, mesh["dp"], lambda n, p: True))
+    # a replicated 2-D DTensor param
+    rep = nn.Sequential(nn.Linear(16, 16, bias=False)).double()
+    rep[0].weight = nn.Parameter(distribute_tensor(rep[0].weight.detach(), mesh["tp"],
+                                                   [Replicate()]))
+    out["replicated"] = catch(lambda: dmuon.dedicate_params(rep, mesh["dp"], lambda n, p: True))
+    # a policy view on a TP matrix; DDP with TP
+    m = make_model()
+    apply_tp(m, mesh["tp"])
+    pol = ParamPolicy((Rule("*.q_proj.weight", view=Heads(2, "rows")),))
+    out["view"] = catch(lambda: dmuon.dedicate_params(m, mesh["dp"], muon_predicate, policy=pol))
+    out["ddp"] = catch(lambda: dmuon.dedicate_params(m, mesh["dp"], muon_predicate,
+                                                     data_parallel="ddp"))
+    # two dims besides dp
+    m3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
+    out["two_dims"] = catch(lambda: dmuon.dedicate_params(make_model(), m3["dp"],
+                                                          muon_predicate))
+    # a non-TP dedicated matrix (the root in_proj) whose input differs across the TP group
+    m = make_model(root_proj=True)
+    apply_tp(m, mesh["tp"])
+    dmuon.dedicate_params(m, mesh["dp"], muon_predicate)
+    for layer in m.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(m, mesh=mesh["dp"])
+    opt = dmuon.Muon(m, lr=0.02)
+    ids = make_batches(1, 4)[0][rank:rank + 1]  # every rank its own row: the TP ranks differ
+    m(ids).backward()
+    out["diverging"] = catch(lambda: opt.step())
     dist.barrier()
     out["barrier"] = True
     return out
 
 
-def test_tensor_parallel_raises_on_every_rank():
-    res = run_ranks(_worker, 4)
-    assert_all_ranks(res, "A_dtensor", "TensorParallelUnsupported", "is a DTensor",
-                     "tensor parallelism", "tp = 1")
-    assert_all_ranks(res, "A_non_tp_only", "ValueError", "Tensor / context / pipeline", "tp = 1")
-    assert_all_ranks(res, "B_dp_mesh", "ValueError", "Tensor / context / pipeline", "tp = 1")
-    for key in ("B_then_tp", "B_meta_then_tp"):
+def test_tensor_parallel_unsupported_raises_on_every_rank():
+    res = run_ranks(_worker, 4, timeout=120)
+    for key in ("B_world_then_tp", "B_meta_world_then_tp"):
         assert_all_ranks(res, key, "TensorParallelUnsupported", "after dedicate_params",
-                         "layers.0.self_attn.q_proj.weight", "tp = 1")
-    assert_all_ranks(res, "3d", "ValueError", "tensor parallel")
+                         "layers.0.self_attn.q_proj.weight", "apply tensor parallelism first")
+    assert_all_ranks(res, "uneven", "TensorParallelUnsupported", "not divisible by the TP degree")
+    assert_all_ranks(res, "replicated", "TensorParallelUnsupported", "not a row- or column-sharded")
+    assert_all_ranks(res, "view", "TensorParallelUnsupported", "default view", "heads(2,rows)")
+    assert_all_ranks(res, "ddp", "TensorParallelUnsupported", "data_parallel='ddp'")
+    assert_all_ranks(res, "two_dims", "ValueError", "one tensor-parallel dim", "'cp'")
+    assert_all_ranks(res, "diverging", "TensorParallelUnsupported", "different gradients",
+                     "Nothing was updated")
     assert all(r["barrier"] for r in res)

@@ -23,6 +23,12 @@ plan fingerprint):
 * :class:`Transposed` ``(inner)`` — a 2-D weight stored as ``(in, out)`` (GPT-2's ``Conv1D``) seen
   as its transpose ``(out, in)``, then by ``inner`` (default ``Batch(0)``): the shape scale sees
   ``m = out``, ``n = in``, and a fused ``c_attn`` can be split, ``Transposed(Split((H, H, H)))``.
+* :class:`Sliced` ``(dim, parts)`` — the param is one of ``parts`` equal slices, along ``dim``, of a
+  2-D matrix (its tensor-parallel shard; dmuon sets it, users do not pick it). Its block is the
+  *full* matrix: the shape scale and the cost are the full matrix's; ``to_blocks`` gives the slice
+  itself, and the orthogonalizer must assemble the slices and return this slice of ``NS(full)``
+  (:mod:`dmuon.stateful.tensor_parallel`). Plain Newton–Schulz of the slice alone would be a
+  different update, so :func:`needs_assembly` lets the NS paths refuse it.
 
 The NS of a view is the NS of each of its matrices; the update written back has the param's shape.
 """
@@ -35,8 +41,8 @@ from torch import Tensor
 
 from dmuon.functional.matrix_shape import as_matrix_shape
 
-__all__ = ["MatrixView", "Batch", "Heads", "Split", "Transposed", "VIEW_RULES", "as_view", "views_per_leaf",
-           "describe_view"]
+__all__ = ["MatrixView", "Batch", "Heads", "Split", "Transposed", "Sliced", "VIEW_RULES", "as_view",
+           "views_per_leaf", "describe_view", "needs_assembly", "refuse_plain_ns"]
 
 #: The rule names, as ``str(view)`` starts and as error messages list them.
 VIEW_RULES = ("batch", "heads", "split", "transposed")
@@ -233,6 +239,59 @@ class Transposed(MatrixView):
     def from_blocks(self, us, shape):
         a, b = shape
         return self.inner.from_blocks(us, (b, a)).t().contiguous()
+
+
+@dataclass(frozen=True)
+class Sliced(MatrixView):
+    """Slice ``i`` of ``parts`` equal slices of a 2-D ``(M, N)`` matrix along ``dim`` (0: rows,
+    1: columns): a param of shape ``(M/parts, N)`` or ``(M, N/parts)``. ``blocks`` reports the full
+    matrix ``(1, M, N)``; ``to_blocks`` / ``from_blocks`` move the slice itself as ``(1, m, n)``."""
+
+    dim: int
+    parts: int
+
+    def __post_init__(self) -> None:
+        if self.dim not in (0, 1) or isinstance(self.parts, bool) or not isinstance(self.parts, int) \
+                or self.parts < 1:
+            raise ValueError(f"Sliced(dim, parts) needs dim 0 or 1 and an int parts >= 1, got "
+                             f"({self.dim!r}, {self.parts!r})")
+
+    def __str__(self) -> str:
+        return f"sliced({self.dim}, {self.parts})"
+
+    def full_shape(self, shape: Sequence[int]) -> tuple[int, int]:
+        """The full matrix's ``(M, N)`` for a slice of ``shape``."""
+        m, n = _two_d(self, _shape(shape))
+        return (m * self.parts, n) if self.dim == 0 else (m, n * self.parts)
+
+    def blocks(self, shape):
+        return ((1,) + self.full_shape(shape),)
+
+    def to_blocks(self, x):
+        self.blocks(x.shape)
+        return [x.reshape((1,) + tuple(x.shape)).contiguous()]
+
+    def from_blocks(self, us, shape):
+        (u,) = us
+        return u.reshape(tuple(shape))
+
+
+def needs_assembly(view: MatrixView) -> bool:
+    """True for a view whose blocks are slices of a larger matrix (:class:`Sliced`): its NS input
+    must be assembled from every slice first."""
+    return isinstance(view, Sliced)
+
+
+def refuse_plain_ns(views: Sequence[MatrixView], names: Sequence[str]) -> None:
+    """Raise ``ValueError`` if any view needs assembly: plain Newton–Schulz of a slice alone is
+    not the slice of the full matrix's NS (pass an orthogonalizer that assembles them)."""
+    bad = [n for n, v in zip(names, views) if needs_assembly(v)]
+    if bad:
+        raise ValueError(
+            f"params {bad[:4]} are seen through a Sliced view (slices of a larger matrix, e.g. a "
+            "tensor-parallel shard): Newton–Schulz must run on the assembled matrix. Pass an "
+            "orthogonalize= / orthogonalizer= that gathers the slices and returns each one's part "
+            "of NS(full) (dmuon.Muon does this over the TP group), or use the full matrices.")
 
 
 ViewLike = Union[MatrixView, int]

@@ -34,7 +34,7 @@ from dmuon.newton_schulz.coefficients import CoefficientSpec
 from dmuon.newton_schulz.batched import orthogonalize_batched
 from dmuon.functional.lr_scale import LR_SCALE_RULES, lr_scale_factor, lr_scale_factors
 from dmuon.functional.matrix_shape import as_matrix_shape  # noqa: F401 (re-exported)
-from dmuon.functional.matrix_view import Batch, views_per_leaf
+from dmuon.functional.matrix_view import Batch, refuse_plain_ns, views_per_leaf
 from dmuon.functional import transforms as T
 from dmuon.newton_schulz.config import NSConfig
 from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten_like, leaf_paths,
@@ -318,6 +318,8 @@ def update(
     g_leaves = flatten_like(treedef, grads, "grads")
     b_leaves = flatten_like(treedef, state.momentum, "state.momentum")
     views = views_per_leaf(view, batch_dims, params, treedef)
+    if orthogonalize is None:
+        refuse_plain_ns(views, names)
 
     mu = float(hparams.momentum)
     lr = float(hparams.lr)

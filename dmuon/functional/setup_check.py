@@ -37,6 +37,8 @@ class RankSetup:
       replicate_device_type: ``replicate_mesh.device_type`` or ``None``.
       param_device_types: sorted device types of the dedicated params.
       error: ``(exception type name, message)`` of this rank's local checks, or ``None``.
+      tp: tensor parallelism: the global ranks of this rank's TP group, in TP order (slice ``t``
+        of every TP-sharded dedicated matrix lives on ``tp[t]``), or ``None`` without TP.
     """
 
     rank: int
@@ -47,14 +49,20 @@ class RankSetup:
     replicate_device_type: Optional[str] = None
     param_device_types: tuple[str, ...] = ()
     error: Optional[tuple[str, str]] = None
+    tp: Optional[tuple[int, ...]] = None
 
 
 @dataclass(frozen=True)
 class SetupCheck:
-    """Verdict of :func:`check_setups`: ``grid`` when ``problems`` is empty, else ``None``."""
+    """Verdict of :func:`check_setups`: ``grid`` when ``problems`` is empty, else ``None``.
+
+    With tensor parallelism (``tp`` set) there is one grid per TP index ``t`` (the dp ranks that
+    hold slice ``t``): ``grids[t]``, each ``R x G``; ``grid`` is ``grids[0]``. Without TP,
+    ``grids == (grid,)``."""
 
     problems: tuple[str, ...]
     grid: Optional[Grid]
+    grids: Optional[tuple[Grid, ...]] = None
 
 
 def _depth(x) -> int:
@@ -121,8 +129,68 @@ def check_setups(setups: Sequence[RankSetup], world_size: int) -> SetupCheck:
     if errs:
         return SetupCheck(
             tuple(f"on ranks {rs}: {kind}: {msg}" for (kind, msg), rs in errs.items()), None)
+    tps = {su.tp for su in setups}
+    if tps != {None}:
+        return _check_tp_setups(setups, world_size)
+    problems, grid = _check_grid(setups, list(range(world_size)), world_size)
+    problems += _device_problems(setups)
+    ok = not problems
+    return SetupCheck(tuple(problems), grid if ok else None, (grid,) if ok else None)
+
+
+def _check_tp_setups(setups: Sequence[RankSetup], world_size: int) -> SetupCheck:
+    """:func:`check_setups` with tensor parallelism: one dp grid per TP index, aligned so that
+    the ranks at one ``(s, r)`` of every grid form one TP group (they hold one matrix's slices)."""
     problems: list[str] = []
-    world = list(range(world_size))
+    if any(su.tp is None for su in setups):
+        return SetupCheck((f"ranks {[su.rank for su in setups if su.tp is None]} have no "
+                           "tensor-parallel dedicated param but the others do; every rank must "
+                           "apply the same parallelize_module plan before dedicate_params",), None)
+    sizes = {len(su.tp) for su in setups}
+    bad = [su.rank for su in setups if su.rank not in su.tp]
+    if len(sizes) > 1 or bad:
+        return SetupCheck((f"the TP groups differ in size ({sorted(sizes)}) or do not contain "
+                           f"their own rank (ranks {bad}); use one (dp..., tp) DeviceMesh for "
+                           "every rank",), None)
+    T = sizes.pop()
+    grids: list[Grid] = []
+    for t in range(T):
+        sub = [su for su in setups if su.tp.index(su.rank) == t]
+        ranks = sorted(su.rank for su in sub)
+        p, g = _check_grid(sub, ranks, world_size, tp_index=t)
+        problems += p
+        if g is not None:
+            grids.append(g)
+    if not problems:
+        shapes = {(len(g), len(g[0])) for g in grids}
+        if len(shapes) > 1:
+            problems.append(f"the dp meshes of the TP indices differ in shape {sorted(shapes)}")
+        else:
+            by_rank = {su.rank: su.tp for su in setups}
+            R, G = shapes.pop()
+            for r in range(R):
+                for s_ in range(G):
+                    group = tuple(grids[t][r][s_] for t in range(T))
+                    if any(by_rank[x] != group for x in group):
+                        problems.append(
+                            f"the ranks at dp coordinate (shard {s_}, replica {r}) across the TP "
+                            f"indices are {list(group)}, but their TP groups are "
+                            f"{sorted({by_rank[x] for x in group})}: dmuon needs the TP group of "
+                            "each rank to be the ranks of the same dp coordinate; build one "
+                            "init_device_mesh(dev, (..., dp, tp)) and pass its dp sub-mesh")
+                        break
+    problems += _device_problems(setups)
+    ok = not problems
+    return SetupCheck(tuple(problems), grids[0] if ok else None, tuple(grids) if ok else None)
+
+
+def _check_grid(setups: Sequence[RankSetup], ranks: list[int], world_size: int,
+                tp_index: Optional[int] = None) -> tuple[list[str], Optional[Grid]]:
+    """The grid the ``setups`` of ``ranks`` (the world, or one TP index's ranks) agree on, and
+    every problem found."""
+    problems: list[str] = []
+    world = ranks
+    where = "" if tp_index is None else f" (TP index {tp_index})"
     grids: dict[Grid, list[int]] = {}
     local_problems: dict[str, list[int]] = {}
     rows: dict[int, dict[tuple[int, ...], list[int]]] = {}
@@ -143,18 +211,20 @@ def check_setups(setups: Sequence[RankSetup], world_size: int) -> SetupCheck:
     if not problems and grids:
         if len(grids) > 1:
             detail = "; ".join(f"ranks {rs}: {[list(r) for r in g]}" for g, rs in grids.items())
-            problems.append(f"the ranks disagree on the mesh ({detail}). dedicate_params needs one "
-                            f"mesh over all {world_size} ranks, the same on every rank. "
-                            + _HSDP_HINT)
+            problems.append(f"the ranks{where} disagree on the mesh ({detail}). dedicate_params "
+                            f"needs one mesh over all {len(world)} ranks{where}, the same on "
+                            "every rank. " + _HSDP_HINT)
         else:
             grid = next(iter(grids))
     elif not problems and rows:
         sizes = sorted({(len(su.replicate), len(su.mesh)) for su in setups})
         bad_rows = {r: list(v) for r, v in rows.items() if len(v) > 1}
-        if len(sizes) > 1 or sizes[0][0] * sizes[0][1] != world_size \
+        if len(sizes) > 1 or sizes[0][0] * sizes[0][1] != len(world) \
                 or sorted(rows) != list(range(sizes[0][0])):
             problems.append(
-                f"replicate_mesh size x mesh size must equal the world size {world_size}, got "
+                "replicate_mesh size x mesh size must equal the "
+                + ("world size" if tp_index is None else f"number of ranks{where}")
+                + f" {len(world)}, got "
                 + ", ".join(f"{r} x {g} = {r * g}" for r, g in sizes)
                 + ". Pass the two 1-D slices of one 2-D mesh: mesh2d['shard'] and "
                 "mesh2d['replicate'] of init_device_mesh(dev, (R, G), mesh_dim_names="
@@ -168,11 +238,18 @@ def check_setups(setups: Sequence[RankSetup], world_size: int) -> SetupCheck:
         flat = sorted(x for row in grid for x in row)
         if any(len(row) != len(grid[0]) for row in grid) or flat != world:
             problems.append(
-                f"the mesh covers ranks {flat} but the default process group has ranks "
-                f"{world[:8]}{' ...' if world_size > 8 else ''}: dedicate_params needs the mesh "
+                f"the mesh covers ranks {flat} but "
+                + ("the default process group has ranks" if tp_index is None
+                   else f"the ranks{where} are")
+                + f" {world[:8]}{' ...' if len(world) > 8 else ''}: dedicate_params needs the mesh "
                 "that fully_shard uses, over every rank of the world (a sub-mesh, e.g. one "
                 "pipeline stage, is not supported). " + _HSDP_HINT)
             grid = None
+    return problems, grid
+
+
+def _device_problems(setups: Sequence[RankSetup]) -> list[str]:
+    problems: list[str] = []
     dev: dict[str, list[int]] = {}
     for su in setups:
         types = set(su.param_device_types) | {su.mesh_device_type}
@@ -189,7 +266,7 @@ def check_setups(setups: Sequence[RankSetup], world_size: int) -> SetupCheck:
             f"on ranks {rs}: {what}. The dedicated params must live on the mesh's device type: "
             "move the model there first (model.to(device); fully_shard would move the other params "
             "but not the dedicated ones), or build the meshes with that device type.")
-    return SetupCheck(tuple(problems), grid if not problems else None)
+    return problems
 
 
 def check_fsdp_meshes(grid: Grid, device_type: str,

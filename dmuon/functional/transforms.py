@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from dmuon.functional.lr_scale import lr_scale_factor, lr_scale_factors
-from dmuon.functional.matrix_view import views_per_leaf
+from dmuon.functional.matrix_view import refuse_plain_ns, views_per_leaf
 from dmuon.newton_schulz.batched import orthogonalize_batched
 from dmuon.newton_schulz.config import NSConfig
 from dmuon.functional.tree import PyTree, flatten, flatten_like, leaf_paths
@@ -233,7 +233,8 @@ def orthogonalize(orthogonalizer: Any = None, *, batch_dims: Any = None,
             :data:`Orthogonalizer` ``xs -> us`` (one call per step with every active input).
         batch_dims, view: as :func:`dmuon.functional.muon.update`'s (one of the two).
     """
-    if orthogonalizer is None or isinstance(orthogonalizer, NSConfig):
+    plain = orthogonalizer is None or isinstance(orthogonalizer, NSConfig)
+    if plain:
         config = orthogonalizer or NSConfig()
 
         def run(xs: list[Tensor]) -> Sequence[Tensor]:
@@ -246,6 +247,8 @@ def orthogonalize(orthogonalizer: Any = None, *, batch_dims: Any = None,
     def fn(u_leaves, p_leaves, treedef, params):
         vs = views_per_leaf(view, batch_dims, params, treedef)
         act = [i for i, u in enumerate(u_leaves) if u is not None]
+        if plain:
+            refuse_plain_ns([vs[i] for i in act], [str(i) for i in act])
         blocks = [vs[i].to_blocks(u_leaves[i]) for i in act]
         xs = [x for blk in blocks for x in blk]
         us = list(run(xs)) if xs else []

@@ -59,6 +59,7 @@ from dmuon.stateful.checkpoint_files import (CheckpointError, agree_errors, comp
 from dmuon.stateful.optimizer_state_dict import (
     _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state,
 )
+from dmuon.stateful.tensor_parallel import refuse_tp
 from dmuon.stateful.state import get_state, local_tensor
 from dmuon.stateful.state_dict import (
     dedicated_names_by_key, expected_entries, module_entries, tied_groups,
@@ -213,6 +214,8 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     import torch.distributed.checkpoint as dcp
 
     rt = get_state(model, "dmuon.save_sharded(path, model, optimizer)")
+    refuse_tp(rt, "dmuon.save_sharded (use dmuon.get_model_state_dict / "
+              "get_optimizer_state_dict, which give full tensors)")
     rt.finish_meta_init("dmuon: sharded checkpoint")
     if optimizer is not None:
         check_optimizer(model, optimizer, "dmuon.save_sharded")
@@ -322,6 +325,7 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
 
     what = "dmuon.load_sharded"
     rt = get_state(model, f"{what}(path, model, optimizer)")
+    refuse_tp(rt, what)
     rt.finish_meta_init("dmuon: sharded checkpoint")
     if optimizer is not None:
         check_optimizer(model, optimizer, what)

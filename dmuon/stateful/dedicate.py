@@ -45,7 +45,11 @@ from dmuon.functional.policy import ParamPolicy
 from dmuon.stateful.param_views import (as_policy, decide_params, dtype_overrides,
                                         policy_fingerprint, routing_predicate)
 from dmuon.stateful.meta_init import check_meta_selection, device_of_mesh, replace_meta_params
-from dmuon.stateful.process_groups import agree_grid, make_process_groups
+from dmuon.stateful.process_groups import agree_grids, make_process_groups
+from dmuon.stateful.deferred import (check_materialized, clear_pending, defer, find_pending,
+                                     root_tp_ranks, should_defer)
+from dmuon.stateful.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
+                                            localize_tp_params, tp_layouts, tp_mesh_ranks)
 from dmuon.stateful.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
 from dmuon.stateful.torch_state_dict import register_state_dict_hooks
 
@@ -54,17 +58,11 @@ logger = logging.getLogger(__name__)
 Predicate = Callable[[str, torch.Tensor], bool]
 
 
-def _is_dtensor(p: Any) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(p, DTensor)
-
-
-def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.Parameter]]:
-    """This rank's local checks and the dedicated params ``{name: param}`` (raises on bad input)."""
-    fsdp_mods = has_fsdp_state(model)
+def _select(model: nn.Module, predicate: Predicate,
+            finishing: bool = False) -> tuple[list, dict[str, nn.Parameter]]:
+    """This rank's local checks and the dedicated params ``{name: param}`` (raises on bad input;
+    ``finishing``: a deferred dedication, after ``fully_shard``)."""
+    fsdp_mods = [] if finishing else has_fsdp_state(model)
     if fsdp_mods:
         raise RuntimeError(
             "dedicate_params must run before fully_shard, but these modules already have FSDP2 "
@@ -84,11 +82,6 @@ def _select(model: nn.Module, predicate: Predicate) -> tuple[list, dict[str, nn.
                 "every trainable parameter and must return a bool for each; fix it.") from e
         if not picked:
             continue
-        if _is_dtensor(p):
-            from dmuon.stateful.tensor_parallel import TP_FIX, TensorParallelUnsupported
-            raise TensorParallelUnsupported(
-                f"dedicate_params: param {n!r} is a DTensor (placements {tuple(p.placements)}: "
-                f"tensor / sequence parallel applied before dedicate_params). {TP_FIX}.")
         if p.ndim < 2:
             raise ValueError(
                 f"dedicate_params: the predicate selected {n!r} of shape {tuple(p.shape)}, which is "
@@ -119,6 +112,33 @@ def _check_fingerprint(fingerprint: str, mesh_groups: Any) -> None:
             "dedicate_params: the owner plan differs across ranks (" + detail + "). Every rank must "
             "build the same model (same names, shapes, dtypes) and pass the same predicate, policy "
             "(its rules, dtypes included), mesh and settings.")
+
+
+def _tp_decisions(decisions: dict, layouts: dict, data_parallel: str, on_meta: bool) -> dict:
+    """The policy's decisions with the :class:`~dmuon.functional.matrix_view.Sliced` view of each
+    TP-sliced matrix (raises for what TP does not support yet)."""
+    import dataclasses
+
+    from dmuon.functional.matrix_view import Batch
+    if not layouts:
+        return decisions
+    if data_parallel != "fsdp" or on_meta:
+        raise TensorParallelUnsupported(
+            "dedicate_params: tensor-parallel dedicated matrices "
+            + ("with data_parallel='ddp'" if data_parallel != "fsdp" else
+               "on the meta device (meta-device init)")
+            + " are not supported yet. Use data_parallel='fsdp' with a materialized model "
+            f"(TP, then dedicate_params, then fully_shard). {TP_FIX}.")
+    out = dict(decisions)
+    for n in layouts:
+        d = decisions[n]
+        if d.view != Batch(0):
+            raise TensorParallelUnsupported(
+                f"dedicate_params: {n!r} is tensor-parallel, and its matrix view {d.view} (from "
+                f"{d.source}) would need the full matrix before TP; dmuon supports the default "
+                "view of TP-sliced matrices only. Drop its view rule / batch_dims for it.")
+        out[n] = dataclasses.replace(d, view=layouts[n].view(), source="tensor parallel")
+    return out
 
 
 def _agree_mode(data_parallel: str) -> None:
@@ -231,7 +251,10 @@ def dedicate_params(
         ``reshard_after_forward`` does not apply (nothing is gathered).
 
     Returns:
-      ``{param: owner global rank}`` for every dedicated param (tied params appear once).
+      ``{param: owner global rank}`` for every dedicated param (tied params appear once); ``{}``
+      when the dedication is deferred to ``dmuon.Muon(model)`` (``mesh`` is the dp sub-mesh of
+      a mesh with a TP dim and TP is not applied yet, or the TP params are on meta:
+      :mod:`dmuon.stateful.deferred`).
 
     Raises:
       RuntimeError: torch.distributed is not initialized; the model already has FSDP2 state or was
@@ -243,14 +266,41 @@ def dedicate_params(
         :func:`dmuon.functional.setup_check.check_setups`).
       Every check runs on every rank before any process group is made: a problem on one rank
       raises on all (that rank's own exception there, its message elsewhere), never a hang.
-      NotImplementedError: a dedicated param is a DTensor (tensor parallelism;
-        :mod:`dmuon.stateful.tensor_parallel`).
+      NotImplementedError: a TP layout or TP combination dmuon does not support
+        (:mod:`dmuon.stateful.tensor_parallel`).
       ValueError: ``data_parallel`` is not ``"fsdp"`` / ``"ddp"``, or ``"ddp"`` with a 2-D / HSDP
         mesh; RuntimeError: ranks passed different ``data_parallel``.
     """
+    kwargs = dict(replicate_mesh=replicate_mesh, hook_boundary_predicate=hook_boundary_predicate,
+                  reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                  batch_dims=batch_dims, policy=policy, timeout=timeout,
+                  data_parallel=data_parallel)
+    return _dedicate(model, mesh, predicate, kwargs)
+
+
+def finish_deferred(model: nn.Module) -> None:
+    """Complete a deferred ``dedicate_params`` (collective; ``dmuon.Muon(model)`` calls it; no-op
+    without one): the same dedication, on the model TP, ``fully_shard`` and the init made."""
+    pending = find_pending(model)
+    if pending is None:
+        return
+    names = set(pending.names)
+    kw = dict(pending.kwargs)
+    mesh = kw.pop("mesh")
+    _dedicate(model, mesh, lambda n, p: n in names, kw, finishing=True)
+    clear_pending(model)
+
+
+def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
+              finishing: bool = False) -> dict[nn.Parameter, int]:
+    """:func:`dedicate_params` (``kw``: its keyword arguments); ``finishing``: a deferred one."""
+    replicate_mesh, hook_boundary_predicate = kw["replicate_mesh"], kw["hook_boundary_predicate"]
+    reshard_after_forward, mp_policy = kw["reshard_after_forward"], kw["mp_policy"]
+    batch_dims, policy, timeout = kw["batch_dims"], kw["policy"], kw["timeout"]
+    data_parallel = kw["data_parallel"]
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
-    if find_state(model) is not None:  # before any collective: a second call on one rank only
+    if find_state(model) is not None or (find_pending(model) is not None and not finishing):
         raise RuntimeError(
             "dedicate_params was already called on this model (on this rank); call it once per "
             "model, on every rank, before fully_shard. Nothing was changed.")
@@ -262,28 +312,50 @@ def dedicate_params(
     # raises and none is left waiting in a collective the others never reach
     named: list = []
     chosen: dict[str, nn.Parameter] = {}
+    layouts: dict = {}
+    tp_ranks = None
+    deferring = False
     local_err: Optional[Exception] = None
     try:
         check_mode(data_parallel)
         pol = as_policy(policy)
-        named, chosen = _select(model, routing_predicate(pol, predicate))
-        decisions = decide_params(model, chosen, pol, batch_dims)
-        specs = specs_from_named_shapes(named, lambda n, p: n in chosen,
-                                        view_fn=lambda n, shape: decisions[n].view)
+        named, chosen = _select(model, routing_predicate(pol, predicate), finishing)
+        tp_ranks = root_tp_ranks(mesh, replicate_mesh)  # the dp sub-mesh of a (dp, tp) mesh
+        deferring = not finishing and should_defer(chosen, tp_ranks)
+        if finishing:
+            check_materialized(chosen)
+        if not deferring:
+            layouts = tp_layouts(model, chosen)  # TP-sharded DTensors (tensor_parallel.py)
+            tp_ranks = tp_mesh_ranks(layouts) or tp_ranks
+            decisions = _tp_decisions(decide_params(model, chosen, pol, batch_dims), layouts,
+                                      data_parallel, any(p.is_meta for p in chosen.values()))
+            spec_named = [(n, tuple(p.to_local().shape), p.dtype) if n in layouts else (n, p)
+                          for n, p in named]
+            specs = specs_from_named_shapes(spec_named, lambda n, p: n in chosen,
+                                            view_fn=lambda n, shape: decisions[n].view)
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
         local_err = e
     on_meta = bool(chosen) and all(p.is_meta for p in chosen.values())
-    grid = agree_grid(mesh, replicate_mesh, local_err=local_err,
-                      param_device_types=[str(mesh.device_type) if p.is_meta else p.device.type
-                                          for p in chosen.values()])
+    grids = agree_grids(mesh, replicate_mesh, local_err=local_err,
+                        param_device_types=[str(mesh.device_type) if p.is_meta else p.device.type
+                                            for p in chosen.values()],
+                        tp_ranks=tp_ranks)
     _agree_mode(data_parallel)
-    if data_parallel == "ddp":
-        grid = ddp_grid(grid)  # the same grid on every rank: raises on all or none
+    if deferring:  # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
+        defer(model, chosen, dict(kw, mesh=mesh))
+        logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
+                    "dedicate_params)", len(chosen))
+        return {}
     timeout = timeout or default_group_timeout(str(mesh.device_type))
-    mesh_groups = make_process_groups(grid=grid, timeout=timeout)
+    if len(grids) > 1:  # tensor parallelism: one dp grid per TP index
+        mesh_groups = make_process_groups(tp_grids=grids, timeout=timeout)
+    else:
+        grid = ddp_grid(grids[0]) if data_parallel == "ddp" else grids[0]  # raises on all or none
+        mesh_groups = make_process_groups(grid=grid, timeout=timeout)
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size)
     _check_fingerprint(policy_fingerprint(plan.fingerprint, pol), mesh_groups)
     _bound_mesh_groups((mesh, replicate_mesh), timeout)
+    chosen = localize_tp_params(model, chosen, layouts)  # plain local slices from here on
     meta_shapes = meta_device = None
     if on_meta:  # meta-device init: new real-device param objects, no values (meta_init.py)
         meta_device = device_of_mesh(mesh)
@@ -323,7 +395,8 @@ def dedicate_params(
         master_dtypes=dtype_overrides(decisions, "master_dtype"),
         views={n: spec_by_name[n].matrix_view for n in chosen},
         view_sources={n: d.source for n, d in decisions.items()},
-        hp_mults={n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()})
+        hp_mults={n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()},
+        tp_layouts=layouts)
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.guards)
@@ -334,6 +407,8 @@ def dedicate_params(
     else:
         guard_fsdp_mode(model)
     register_hooks(model, st)
+    if layouts:  # after the group hooks: a module sees its gathered slice as TP's DTensor
+        st.tp_forward = TPForward(model, layouts)
     register_state_dict_hooks(model, st)
     guard_module_apply(model, list(chosen.values()))
     setattr(model, STATE_ATTR, st)

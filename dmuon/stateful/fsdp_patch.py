@@ -42,11 +42,14 @@ from dmuon.stateful.compat import FSDP_INIT_MODULES, torch_supported, unsupporte
 logger = logging.getLogger(__name__)
 
 DEDICATED_ATTR = "_dedicated_owner_rank"
+#: on a module: the names of its param slots a deferred ``dedicate_params`` selected
+#: (:mod:`dmuon.stateful.deferred`); ``fully_shard`` skips the params found there
+PENDING_SLOTS_ATTR = "_dmuon_pending_slots"
 _WRAPPED_FLAG = "_dmuon_skip_dedicated"
 #: ``(module name, function name) -> torch's original function`` while the patch is installed
 _ORIGINALS: dict[tuple[str, str], Callable] = {}
 
-__all__ = ["DEDICATED_ATTR", "is_dedicated", "install_fully_shard_patch",
+__all__ = ["DEDICATED_ATTR", "PENDING_SLOTS_ATTR", "is_dedicated", "install_fully_shard_patch",
            "remove_fully_shard_patch", "is_installed", "check_not_taken_over"]
 
 
@@ -57,6 +60,10 @@ def is_dedicated(param: Any) -> bool:
 
 def _with_dedicated(ignored: set | None, modules: Iterable[nn.Module], recurse: bool) -> set | None:
     extra = {p for m in modules for p in m.parameters(recurse=recurse) if is_dedicated(p)}
+    for m in modules:  # a deferred dedication's slots (dmuon.stateful.deferred): whatever is there
+        for sub in (m.modules() if recurse else (m,)):
+            slots = sub.__dict__.get(PENDING_SLOTS_ATTR, ())
+            extra.update(p for leaf, p in sub._parameters.items() if leaf in slots and p is not None)
     if not extra:
         return ignored
     return set(ignored or ()) | extra

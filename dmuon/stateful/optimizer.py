@@ -42,6 +42,9 @@ from dmuon.newton_schulz.engine import NSEngine
 from dmuon.stateful.ddp import check_backend, unwrap_model
 from dmuon.stateful.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.telemetry import StepStats, StepTelemetry
+from dmuon.stateful.tensor_parallel import TPStep
+from dmuon.stateful.dedicate import finish_deferred
+from dmuon.functional.tree import leaf_paths
 
 logger = logging.getLogger(__name__)
 
@@ -120,6 +123,7 @@ class Muon(torch.optim.Optimizer):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
         model = unwrap_model(model)
+        finish_deferred(model)  # dedicate_params before TP: the dedication completes here
         rt = get_state(model, "dmuon.Muon(model)")
         rt.finish_meta_init("dmuon.Muon(model)")  # meta-built model: close its init window
         check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
@@ -186,6 +190,13 @@ class Muon(torch.optim.Optimizer):
         # the policy's (lr_mult, wd_mult) groups of the owned matrices; None: all (1, 1)
         groups = rt.hp_groups(rt.owned_names)
         self._hp_groups = None if set(groups) <= {(1.0, 1.0)} else groups
+        # tensor parallelism: the owners' gathers / scatters of the TP-sliced matrices' NS
+        self._tp: Optional[TPStep] = None
+        if rt.tp_layouts:
+            mg = rt.mesh_groups
+            self._tp = TPStep(rt.tp_layouts, rt.owned_names, group=mg.tp_group,
+                              ranks=mg.tp_ranks, index=mg.tp_index, all_names=rt.names,
+                              control=mg.control)
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 
@@ -319,9 +330,11 @@ class Muon(torch.optim.Optimizer):
         return fused_elementwise()
 
     def _muon_step(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]]) -> None:
+        params = rt.owned_masters()
+        if self._tp is not None:  # TP: the TP group agrees on its gradients (every rank joins)
+            grads = self._tp.agree_grads(grads, params)
         if not rt.owned_names:
             return
-        params = rt.owned_masters()
         if self.muon_state is None:
             self.muon_state = fmuon.init(params)
         if all(g is None for g in grads.values()):
@@ -333,7 +346,8 @@ class Muon(torch.optim.Optimizer):
         if self._hp_groups is None:
             _, self.muon_state = fmuon.update(
                 grads, self.muon_state, params, hp, view=self._views,
-                donate=True, donate_grads=True, orthogonalize=ortho, elementwise=ew)
+                donate=True, donate_grads=True, elementwise=ew,
+                orthogonalize=self._tp_wrapped(ortho, params, grads))
         else:  # policy multipliers: one functional update per (lr_mult, wd_mult) group
             momentum = dict(self.muon_state.momentum)
             for (lm, wm), names in self._hp_groups.items():
@@ -342,10 +356,22 @@ class Muon(torch.optim.Optimizer):
                     {n: grads[n] for n in names}, sub, {n: params[n] for n in names},
                     hp._replace(lr=hp.lr * lm, weight_decay=hp.weight_decay * wm),
                     view=None if self._views is None else {n: self._views[n] for n in names},
-                    donate=True, donate_grads=True, orthogonalize=ortho, elementwise=ew)
+                    donate=True, donate_grads=True, elementwise=ew,
+                    orthogonalize=self._tp_wrapped(ortho, {n: params[n] for n in names}, grads))
                 momentum.update(sub.momentum)
             self.muon_state = fmuon.MuonState(self.muon_state.step + 1, momentum)
         self._state_views_stale = True  # rebuilt when self.state is next read
+
+    def _tp_wrapped(self, ortho: fmuon.Orthogonalize, params: dict[str, torch.Tensor],
+                    grads: dict[str, Optional[torch.Tensor]]) -> fmuon.Orthogonalize:
+        """``ortho``, or (TP) ``ortho`` behind the TP group's gathers and scatters: the update
+        hands it one input per block of each param with a gradient, in ``params``' leaf order."""
+        if self._tp is None:
+            return ortho
+        views = self._views or {}
+        names = [n for n in leaf_paths(params) if grads.get(n) is not None
+                 for _ in views.get(n, Batch(0)).blocks(tuple(params[n].shape))]
+        return self._tp.orthogonalizer(ortho, names)
 
     def _orthogonalizer(self, rt: DedicatedState, hp: fmuon.MuonHParams) -> fmuon.Orthogonalize:
         """The NS hook for this step, timed by the telemetry (see ``ns_engine`` in the class doc)."""

@@ -37,6 +37,7 @@ from dmuon.functional import muon as fmuon
 from dmuon.stateful.state import get_state, local_tensor
 from dmuon.stateful.state_dict import agree, from_rank0, full_copy, local_shard
 from dmuon.stateful.torch_state_dict import StateDictError, check_entry, dtensor_rows
+from dmuon.stateful.tensor_parallel import assemble_tp_slices, full_shape, local_part, refuse_tp
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "load_optimizer_state",
            "torch_optimizer_state_dict", "torch_load_optimizer_state_dict"]
@@ -77,10 +78,15 @@ def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, tor
     out: dict[str, dict[str, torch.Tensor]] = {}
     for group in tr.each_group():
         mom = tr.to_every_rank(group, ms.momentum if ms is not None else {}, owner_only=True)
+        if rt.tp_layouts:  # TP slices -> full (an all-gather per matrix over the TP group)
+            mom = assemble_tp_slices(rt.tp_layouts, mom, rt.mesh_groups.tp_group)
         for n, t in mom.items():
             out[n] = {"momentum_buffer": t.clone()}
         if masters and any(rt.master_dtype[n] != rt.orig_dtype[n] for n in mom):
-            for n, t in tr.to_every_rank(group, rt.masters).items():
+            got = tr.to_every_rank(group, rt.masters)
+            if rt.tp_layouts:
+                got = assemble_tp_slices(rt.tp_layouts, got, rt.mesh_groups.tp_group)
+            for n, t in got.items():
                 if rt.master_dtype[n] != rt.orig_dtype[n]:
                     out[n]["master"] = t.clone()
     return out
@@ -90,6 +96,8 @@ def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, tor
 @torch.no_grad()
 def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     """Collective: ``Muon.state_dict()`` in torch's protocol (see the module docstring)."""
+    refuse_tp(optimizer.dedicated_state, "Muon.state_dict() (torch's protocol; use "
+              "dmuon.get_optimizer_state_dict)")
     rt = optimizer.dedicated_state
     rt.drain()
     ded = _full_dedicated(optimizer, masters=True)
@@ -125,6 +133,8 @@ def torch_load_optimizer_state_dict(optimizer: Any, state_dict: Mapping[str, Any
     ``param_names`` where the groups carry them, else by position), or dmuon's full format."""
     if isinstance(state_dict, Mapping) and "fsdp2" in state_dict and "dedicated" in state_dict:
         return load_optimizer_state(optimizer, _from_full(state_dict), what="Muon.load_state_dict")
+    refuse_tp(optimizer.dedicated_state, "Muon.load_state_dict with torch's protocol (load "
+              "dmuon.get_optimizer_state_dict's dict instead)")
     groups, st = (state_dict.get("param_groups"), state_dict.get("state")) \
         if isinstance(state_dict, Mapping) else (None, None)
     if groups is None or st is None:
@@ -195,7 +205,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
             for k, v in s.items():
                 if k not in ("momentum_buffer", "master"):
                     continue
-                problems += check_entry(f"dedicated[{n!r}][{k!r}]", v, rt.shape[n],
+                problems += check_entry(f"dedicated[{n!r}][{k!r}]", v, full_shape(rt, n),
                                         rt.master_dtype[n], rt, finite=check_finite)
         adamw = dict(optimizer.adamw_named_params)
         for n, s in fsdp.items():
@@ -230,12 +240,14 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     if ded:
         for group in tr.each_group():
             names = rt.hook_groups.names(group)
-            full = tr.to_columns(group, lambda n: _rows(ded[n]["momentum_buffer"], rt, n))
+            full = tr.to_columns(
+                group, lambda n: _rows(local_part(rt, n, ded[n]["momentum_buffer"]), rt, n))
             for n, t in full.items():
                 if ms is not None and n in ms.momentum:
                     ms.momentum[n].copy_(t)
             if any("master" in ded[n] for n in names):
-                full = tr.to_columns(group, lambda n: _rows(ded[n].get("master"), rt, n))
+                full = tr.to_columns(
+                    group, lambda n: _rows(local_part(rt, n, ded[n].get("master")), rt, n))
                 for n, t in full.items():
                     if "master" in ded[n]:
                         staged_masters[n] = t.clone()
@@ -379,6 +391,6 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
         for n in meta["fsdp2"] if n in adamw}
     entries["dedicated"] = {
         n: {k: from_rank0(state_dict["dedicated"][n][k] if rt.rank == 0 else None,
-                          rt.shape[n], rt.master_dtype[n], rt) for k in keys}
+                          full_shape(rt, n), rt.master_dtype[n], rt) for k in keys}
         for n, keys in meta["dedicated"].items() if n in rt.params}
     load_optimizer_state(optimizer, entries, what=what, check_finite=check_finite)

@@ -32,7 +32,7 @@ from dmuon.functional.setup_check import Grid, RankSetup, check_setups
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MeshGroups", "make_process_groups", "agree_grid"]
+__all__ = ["MeshGroups", "make_process_groups", "agree_grid", "agree_grids"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,12 @@ class MeshGroups:
     backend: str
     control: Any = None
     timeout: Optional[datetime.timedelta] = None
+    #: tensor parallelism: the group of the ranks holding the other slices of this rank's
+    #: matrices (the same ``(s, r)`` in every TP index's grid), its size and this rank's index
+    tp_group: Any = None
+    tp_size: int = 1
+    tp_index: int = 0
+    tp_ranks: tuple[int, ...] = ()
 
     def control_collective(self, what: str, fn: Any) -> Any:
         """Run ``fn(group)`` on the control group; a failure (a timeout: a rank never came)
@@ -67,7 +73,7 @@ class MeshGroups:
         try:
             return fn(self.control)
         except RuntimeError as e:
-            world = len(self.grid) * len(self.grid[0])
+            world = len(self.grid) * len(self.grid[0]) * self.tp_size
             bound = f" (timeout {self.timeout})" if self.timeout is not None else ""
             raise RuntimeError(
                 f"dmuon: the {what} collective over ranks {list(range(world))} failed on rank "
@@ -101,6 +107,14 @@ def _nested_tuple(x: Any) -> Any:
 def agree_grid(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Sequence[str] = (),
                local_err: Optional[Exception] = None,
                what: str = "dedicate_params") -> Grid:
+    """:func:`agree_grids` without tensor parallelism: the one grid over the world."""
+    return agree_grids(mesh, replicate_mesh, param_device_types=param_device_types,
+                       local_err=local_err, what=what)[0]
+
+
+def agree_grids(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Sequence[str] = (),
+                local_err: Optional[Exception] = None, what: str = "dedicate_params",
+                tp_ranks: Optional[Sequence[int]] = None) -> tuple[Grid, ...]:
     """The ``grid[r][s]`` of global ranks the meshes describe, agreed by every rank (collective).
 
     Every rank all-gathers a :class:`~dmuon.functional.setup_check.RankSetup` of its arguments and
@@ -114,9 +128,11 @@ def agree_grid(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Seq
         meshes' device type).
       local_err: an exception this rank's own earlier checks raised (re-raised here, after every
         rank knows).  what: the caller's name, for the messages.
+      tp_ranks: tensor parallelism: the global ranks of this rank's TP group in TP order
+        (``mesh`` is then this rank's dp sub-mesh, over the ranks of its TP index).
 
     Returns:
-      ``grid[r][s]``, the same on every rank.
+      ``grids[t]`` (``grid[r][s]`` of TP index ``t``; one grid without TP), the same on every rank.
 
     Raises:
       ``local_err`` where given; elsewhere, when any rank has a problem, the type of that rank's
@@ -132,7 +148,8 @@ def agree_grid(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Seq
                        else _nested_tuple(replicate_mesh.mesh.flatten().tolist())),
             replicate_device_type=(None if replicate_mesh is None
                                    else str(replicate_mesh.device_type)),
-            param_device_types=tuple(sorted(set(param_device_types))), error=err)
+            param_device_types=tuple(sorted(set(param_device_types))), error=err,
+            tp=None if tp_ranks is None else tuple(int(x) for x in tp_ranks))
     except AttributeError:
         su = RankSetup(rank=dist.get_rank(), error=err or (
             "TypeError", f"mesh / replicate_mesh must be DeviceMesh objects (init_device_mesh), got "
@@ -141,7 +158,7 @@ def agree_grid(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Seq
     dist.all_gather_object(setups, su)
     verdict = check_setups(setups, dist.get_world_size())
     if not verdict.problems:
-        return verdict.grid
+        return verdict.grids
     if local_err is not None:
         raise local_err
     kinds = {s.error[0] for s in setups if s.error is not None}
@@ -153,7 +170,9 @@ def agree_grid(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Seq
 
 def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | None = None,
                         replicate_size: int | None = None,
-                        grid: Sequence[Sequence[int]] | None = None, backend: str | None = None,
+                        grid: Sequence[Sequence[int]] | None = None,
+                        tp_grids: Sequence[Sequence[Sequence[int]]] | None = None,
+                        backend: str | None = None,
                         timeout: datetime.timedelta | None = None, high_priority: bool = True,
                         lanes: Sequence[str] = LANES) -> MeshGroups:
     """Create every lane's process groups once (collective: every rank calls this, same args).
@@ -164,6 +183,9 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
     ``r * G + s`` layout over the world.
 
     Args:
+      tp_grids: tensor parallelism, instead of ``grid``: one ``grid[r][s]`` per TP index (from
+        :func:`agree_grids`); this rank's lanes are those of the grid that holds it, and a ``tp``
+        group joins the ranks of one ``(s, r)`` across the grids.
       backend: backend of the new groups (default: the default group's).
       timeout: collective timeout of the new groups (default: the default group's).
       high_priority: on NCCL, make the shard-axis lanes' groups high-priority streams.
@@ -178,23 +200,31 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
     """
     if not dist.is_initialized():
         raise RuntimeError("make_process_groups: call torch.distributed.init_process_group first")
-    given = sum(x is not None for x in (mesh, grid, shard_size))
+    given = sum(x is not None for x in (mesh, grid, shard_size, tp_grids))
     if given != 1:
-        raise ValueError("make_process_groups: give exactly one of mesh, grid, shard_size")
+        raise ValueError("make_process_groups: give exactly one of mesh, grid, tp_grids, "
+                         "shard_size")
     if mesh is not None:
         g = agree_grid(mesh, replicate_mesh, what="make_process_groups")
     elif grid is not None:
         g = tuple(tuple(int(x) for x in row) for row in grid)
-    else:
+    elif tp_grids is None:
         G, R = int(shard_size), int(replicate_size or 1)
         g = tuple(tuple(r * G + s for s in range(G)) for r in range(R))
+    all_grids = ((g,) if tp_grids is None
+                 else tuple(tuple(tuple(int(x) for x in row) for row in tg) for tg in tp_grids))
+    g = all_grids[0]
     R, G = len(g), len(g[0])
     world = dist.get_world_size()
-    flat = sorted(x for row in g for x in row)
-    if any(len(row) != G for row in g) or flat != list(range(world)):
-        raise ValueError(f"grid {g} must be an R x G arrangement of all {world} world ranks "
-                         f"(G*R = world size)")
+    flat = sorted(x for tg in all_grids for row in tg for x in row)
+    if any(len(tg) != R or any(len(row) != G for row in tg) for tg in all_grids) \
+            or flat != list(range(world)):
+        what = f"grid {g}" if len(all_grids) == 1 else f"grids {all_grids}"
+        raise ValueError(f"{what} must be an R x G arrangement (one per TP index) of all {world} "
+                         f"world ranks (G*R*T = world size)")
     me = dist.get_rank()
+    tp_index = next(t for t, tg in enumerate(all_grids) if any(me in row for row in tg))
+    g = all_grids[tp_index]
     coord = next((s, r) for r in range(R) for s in range(G) if g[r][s] == me)
     be = backend or str(dist.get_backend())
     for lane in lanes:
@@ -209,26 +239,35 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
         return opts
 
     groups: dict[str, Any] = {}
-    for lane in LANES:  # fixed global order, whatever `lanes` order was given
-        if lane not in lanes:
-            continue
-        axis = LANE_AXIS[lane]
-        members = ([list(g[r]) for r in range(R)] if axis == "shard"
-                   else [[g[r][s] for r in range(R)] for s in range(G)])
-        for ranks in members:
-            kw: dict[str, Any] = {"backend": backend}
-            if timeout is not None:
-                kw["timeout"] = timeout
-            opts = options(axis)
-            if opts is not None:
-                kw["pg_options"] = opts
-            pg = dist.new_group(ranks, **kw)
-            if me in ranks:
-                groups[lane] = pg
-    ctl_kw: dict[str, Any] = {"backend": backend}
+    kw0: dict[str, Any] = {"backend": backend}
     if timeout is not None:
-        ctl_kw["timeout"] = timeout
-    control = dist.new_group(list(range(world)), **ctl_kw)
-    log.debug("dmuon process groups: G=%d R=%d rank=%d coord=%s lanes=%s", G, R, me, coord,
-              list(groups))
-    return MeshGroups(G, R, g, me, coord, groups, be, control=control, timeout=timeout)
+        kw0["timeout"] = timeout
+    for tg in all_grids:  # every rank creates every group, in one order
+        for lane in LANES:  # fixed global order, whatever `lanes` order was given
+            if lane not in lanes:
+                continue
+            axis = LANE_AXIS[lane]
+            members = ([list(tg[r]) for r in range(R)] if axis == "shard"
+                       else [[tg[r][s] for r in range(R)] for s in range(G)])
+            for ranks in members:
+                kw = dict(kw0)
+                opts = options(axis)
+                if opts is not None:
+                    kw["pg_options"] = opts
+                pg = dist.new_group(ranks, **kw)
+                if me in ranks:
+                    groups[lane] = pg
+    tp_group, tp_ranks = None, (me,)
+    if len(all_grids) > 1:  # the ranks of one (s, r) across the TP indices
+        for r in range(R):
+            for s in range(G):
+                ranks = [tg[r][s] for tg in all_grids]
+                pg = dist.new_group(ranks, **kw0)
+                if me in ranks:
+                    tp_group, tp_ranks = pg, tuple(ranks)
+    control = dist.new_group(list(range(world)), **kw0)
+    log.debug("dmuon process groups: G=%d R=%d T=%d rank=%d coord=%s lanes=%s", G, R,
+              len(all_grids), me, coord, list(groups))
+    return MeshGroups(G, R, g, me, coord, groups, be, control=control, timeout=timeout,
+                      tp_group=tp_group, tp_size=len(all_grids), tp_index=tp_index,
+                      tp_ranks=tp_ranks)

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from dmuon.functional.qk_clip import QKClipConfig, clip_factors, scale_head_rows
 from dmuon.stateful.state import get_state
+from dmuon.stateful.tensor_parallel import refuse_tp
 
 __all__ = ["qk_clip_"]
 
@@ -41,6 +42,7 @@ def qk_clip_(model: nn.Module, max_logit: Mapping[str, torch.Tensor],
     """
     config.validate()
     rt = get_state(model)
+    refuse_tp(rt, "dmuon qk_clip_ (per-head rows of TP-sliced q / k matrices)")
     if set(max_logit) != set(layers):
         raise ValueError(f"qk_clip_: max_logit has layers {sorted(max_logit)} but layers has "
                          f"{sorted(layers)}; give both for the same layers")

@@ -72,7 +72,8 @@ class DedicatedState(PublishMixin):
                  master_dtypes: Optional[Mapping[str, Any]] = None,
                  views: Optional[Mapping[str, Any]] = None,
                  view_sources: Optional[Mapping[str, str]] = None,
-                 hp_mults: Optional[Mapping[str, tuple[float, float]]] = None):
+                 hp_mults: Optional[Mapping[str, tuple[float, float]]] = None,
+                 tp_layouts: Optional[Mapping[str, Any]] = None):
         self.model_ref = weakref.ref(model)
         self.params: dict[str, nn.Parameter] = dict(params)
         self.names: tuple[str, ...] = tuple(params)
@@ -94,6 +95,11 @@ class DedicatedState(PublishMixin):
         self.views: dict[str, Any] = dict(views or {})
         self.view_sources: dict[str, str] = dict(view_sources or {})
         self.hp_mults: dict[str, tuple[float, float]] = dict(hp_mults or {})
+        # tensor parallelism: {name: TPLayout} of the TP-sliced matrices (their params hold the
+        # local slice; dmuon.stateful.tensor_parallel) and the forward hooks that show them as
+        # TP's DTensors
+        self.tp_layouts: dict[str, Any] = dict(tp_layouts or {})
+        self.tp_forward: Any = None
         self.mp_policy = mp_policy
         # policy rules' per-param dtypes; resolved at the first forward into compute / reduce
         self.rule_param_dtype = dict(param_dtypes or {})

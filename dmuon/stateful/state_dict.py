@@ -34,6 +34,7 @@ from dmuon.stateful.ddp import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.state import DedicatedState, get_state
 from dmuon.stateful.torch_state_dict import StateDictError, check_entry
+from dmuon.stateful.tensor_parallel import assemble_tp_slices, full_shape, local_part
 
 __all__ = ["get_model_state_dict", "set_model_state_dict", "read_state_dict", "LoadResult"]
 
@@ -83,7 +84,7 @@ def expected_entries(model: nn.Module, rt: DedicatedState,
     for k, v in module_entries(model).items():
         if k in ded:
             n = ded[k]
-            exp[k] = (rt.shape[n], rt.orig_dtype[n])
+            exp[k] = (full_shape(rt, n), rt.orig_dtype[n])
         else:
             exp[k] = (tuple(v.shape), v.dtype)
     return exp
@@ -180,7 +181,10 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
     full: dict[str, torch.Tensor] = {}
     tr = rt.checkpoint_transfer
     for group in tr.each_group():
-        for n, t in tr.to_every_rank(group, rt.masters).items():
+        got = tr.to_every_rank(group, rt.masters)
+        if rt.tp_layouts:  # TP slices -> full matrices (an all-gather per matrix, TP group)
+            got = assemble_tp_slices(rt.tp_layouts, got, rt.mesh_groups.tp_group)
+        for n, t in got.items():
             if keep:
                 full[n] = mv(t.to(rt.orig_dtype[n]).clone())
     ded = dedicated_names_by_key(model, rt)
@@ -293,8 +297,9 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
         else:
             v = state_dict[src]
         if n is not None:
-            if n in rt.masters:
-                rt.masters[n].copy_(v.to(device=rt.device, dtype=rt.masters[n].dtype))
+            if n in rt.masters:  # (TP: this rank's slice of the full value)
+                rt.masters[n].copy_(local_part(rt, n, v).to(device=rt.device,
+                                                            dtype=rt.masters[n].dtype))
         elif hasattr(target, "device_mesh"):
             local = target.to_local()
             local.copy_(local_shard(v.to(device=local.device, dtype=target.dtype), target))

@@ -1,50 +1,66 @@
-"""Tensor parallelism (DTensor ``parallelize_module``) and dmuon: every path raises, on every rank.
+"""Tensor parallelism (DTensor ``parallelize_module``) with dedicated ownership.
 
-dmuon does not support tensor parallelism yet: Newton–Schulz must see the *full* matrix, and a
-TP-sharded matrix would have to be gathered over the TP group to its owner (or handed out in
-slices by the owner's forward broadcast), which the owner plan, the schedules and the byte
-accounting do not cover. Rather than train silently wrong, each way a user can combine them raises
-a clear error on every rank, before any collective that only some ranks would reach:
+**What moves where** (a matrix ``W`` of ``P`` bytes, TP degree ``T``, dp grid ``R x G``). TP
+splits ``W`` into ``T`` equal slices along one dim (``ColwiseParallel``: rows, ``Shard(0)``;
+``RowwiseParallel``: columns, ``Shard(1)``); the ranks of TP index ``t`` form one dp grid. dmuon
+dedicates *each slice inside its own dp grid*: every grid uses the same owner plan (planned on the
+full matrices, :class:`dmuon.functional.matrix_view.Sliced`), so the ``T`` owners of ``W``'s slices
+are the ranks of one dp coordinate ``(s, r)``, which form one TP group.
 
-* **TP first, then** ``dedicate_params`` (order A): a selected param that is a ``DTensor`` raises
-  :class:`TensorParallelUnsupported` (agreed across ranks like every ``dedicate_params`` check);
-* ``dedicate_params`` **on** ``mesh["dp"]`` of a ``(dp, tp)`` mesh (orders A and B, and 3-D
-  ``(replicate, shard, tp)`` meshes): the mesh does not span the world, which the setup check
-  refuses on every rank, naming tensor parallelism (:mod:`dmuon.functional.setup_check`);
-* ``dedicate_params`` **first, then TP** (order B, on a mesh that spans the world): TP's
-  ``distribute_tensor`` reads the dedicated param, and the placeholder (or, in a meta-device
-  model's init window, :class:`~dmuon.stateful.meta_init.DedicatedUninit`) raises
-  :class:`TensorParallelUnsupported` on every rank at that first read, before TP's scatter.
+* forward: the owner of slice ``t`` broadcasts it (``P/T``) over its shard group, as without TP;
+  the module sees ``DTensor.from_local(slice)`` with TP's own placements during its forward
+  (:class:`TPForward`), so TP's input / output redistributions run unchanged;
+* backward: the slice's gradient (TP's backward made it the gradient of this slice) is reduced to
+  the slice's owner (``P/T``), as without TP;
+* step, on the ``T`` owners: momentum and weight decay are elementwise, so each owner runs them on
+  its slice; Newton–Schulz needs the full matrix: the owners gather their NS inputs to one of them
+  (``W``'s *root*, chosen to balance NS work over the TP group), which runs NS on the assembled
+  matrix and scatters each owner its slice of the result (:class:`TPStep`). The shape scale is the
+  full matrix's. Per step and matrix: ``(T-1)/T P`` into the root and ``(T-1)/T P`` out of it
+  (:func:`dmuon.functional.step_bytes.tp_step_bytes`).
 
-**Which route support should take, by bytes** (matrix of ``P`` bytes, TP degree ``T``, shard
-group ``G``; not built yet). (1) *TP-local dedication*: each TP rank ``t`` dedicates its ``P/T``
-shard inside its own dp group (forward broadcast and gradient reduce as today, ``P/T`` each), and
-at the step the owner's TP peers gather the momentum-updated ``P/T`` slices to one rank (or
-all-gather them: ``(T-1)/T P`` received per rank, NS then run ``T`` times), which scatters the
-update back (``(T-1)/T P``). (2) *Owner holds the full matrix* and hands each of the ``G T - 1``
-other ranks its ``P/T`` slice in the forward broadcast: the owner's link sends ``~G P`` per forward
-and receives ``~G P`` of gradient slices, ``G`` times the ``~P`` of (1)'s ring / tree collectives,
-and every slice is a separate point-to-point transfer. Route (1) moves less over the busiest link
-and keeps dmuon's broadcast / reduce schedules per dp group; it is the one to build.
+Moving the full matrix to one owner that hands TP ranks their slices in the forward broadcast
+instead would send ``~G P`` over the owner's link per forward (``G T - 1`` slice transfers) and
+receive as much in gradients: ``G`` times the traffic of the route above, which keeps dmuon's
+schedules per dp grid and moves ``(T-1)/T P`` twice per step on the TP group's (fast) links.
+
+Non-TP dedicated matrices (e.g. an unsharded ``lm_head``) are dedicated in every TP index's grid:
+replicated across the TP group like FSDP2's non-TP params, updated identically.
+
+**Call order.** TP first (``parallelize_module`` on the TP mesh), then
+``dedicate_params(model, mesh["dp"], predicate)``, then ``fully_shard(..., mesh=mesh["dp"])``,
+then ``dmuon.Muon``. What is not supported raises :class:`TensorParallelUnsupported` on every
+rank: TP applied to an already dedicated param (the placeholder's first read by DTensor's API),
+placements other than one ``Shard(0)`` / ``Shard(1)`` of a 2-D param on a 1-D TP mesh, a sharded
+dim that ``T`` does not divide, a policy view other than the default one, tied TP params, and the
+features that do not handle slices yet (see :func:`refuse_tp`).
 """
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
 
 from dmuon.stateful.errors import DedicatedParamError
 
-__all__ = ["TensorParallelUnsupported", "TP_FIX", "from_dtensor_api", "tp_error"]
+__all__ = ["TensorParallelUnsupported", "TP_FIX", "TPLayout", "TPForward", "TPStep",
+           "from_dtensor_api", "tp_error", "tp_layouts", "localize_tp_params", "refuse_tp",
+           "tp_mesh_ranks", "assemble_tp_slices", "full_shape", "local_part"]
 
 #: what to do instead (named by every TP error)
-TP_FIX = ("dmuon does not support tensor parallelism yet (Newton–Schulz needs the full matrix, "
-          "which TP shards): train with tp = 1 (dedicate_params on a mesh over every rank, "
-          "FSDP2 / HSDP only), or keep TP and use another optimizer")
+TP_FIX = ("apply tensor parallelism first (parallelize_module with ColwiseParallel / "
+          "RowwiseParallel on a 1-D TP mesh), then dmuon.dedicate_params(model, mesh['dp'], "
+          "predicate), then fully_shard(..., mesh=mesh['dp']); or train with tp = 1")
 
 _DTENSOR_PKG = "torch.distributed.tensor"
 
 
 class TensorParallelUnsupported(DedicatedParamError, NotImplementedError):
-    """Tensor parallelism met a dedicated param (see the module docstring)."""
+    """Tensor parallelism met a dedicated param in a way dmuon does not support (module docs)."""
 
 
 def from_dtensor_api(max_depth: int = 40) -> bool:
@@ -65,3 +81,311 @@ def tp_error(name: str, owner: object) -> TensorParallelUnsupported:
     return TensorParallelUnsupported(
         f"dmuon: tensor parallelism (DTensor distribute_tensor / parallelize_module) was applied "
         f"to the dedicated param {name!r} (owner rank {owner}) after dedicate_params. {TP_FIX}.")
+
+
+def refuse_tp(rt: Any, what: str) -> None:
+    """Raise :class:`TensorParallelUnsupported` if the model has TP-sliced dedicated params and
+    ``what`` does not handle slices yet (every rank holds the same layouts: raises on all)."""
+    if getattr(rt, "tp_layouts", None):
+        raise TensorParallelUnsupported(
+            f"dmuon: {what} does not support tensor-parallel dedicated matrices yet (this model "
+            f"has {len(rt.tp_layouts)}, e.g. {sorted(rt.tp_layouts)[:3]}). Nothing was changed. "
+            "Supported with TP: forward, backward, dmuon.Muon.step, dmuon.clip_grad_norm_, and "
+            "checkpoints as full tensors: dmuon.get_model_state_dict / set_model_state_dict and "
+            "dmuon.get_optimizer_state_dict / set_optimizer_state_dict.")
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How tensor parallelism splits one dedicated matrix.
+
+    Attributes:
+      mesh: the 1-D TP ``DeviceMesh``.  placements: the DTensor's placements (``(Shard(dim),)``).
+      shape, stride: the full matrix's.  dim: the sharded dim (0: rows, 1: columns).
+      parts: ``T``, the TP degree.
+    """
+
+    mesh: Any
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dim: int
+    parts: int
+
+    def view(self):
+        """The matrix view NS and the shape scale see (:class:`~dmuon.functional.matrix_view.Sliced`)."""
+        from dmuon.functional.matrix_view import Sliced
+        return Sliced(self.dim, self.parts)
+
+
+def _is_dtensor(p: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(p, DTensor)
+
+
+def tp_layouts(model: nn.Module, chosen: Mapping[str, Any]) -> dict[str, TPLayout]:
+    """The :class:`TPLayout` of every chosen param that is a TP ``DTensor`` (validated).
+
+    Raises:
+      TensorParallelUnsupported: a layout dmuon does not support (module docstring), naming it.
+    """
+    aliases: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        aliases[id(p)] = aliases.get(id(p), 0) + 1
+    out: dict[str, TPLayout] = {}
+    meshes = set()
+    for n, p in chosen.items():
+        if not _is_dtensor(p):
+            continue
+        pl = tuple(p.placements)
+        mesh = p.device_mesh
+
+        def bad(why: str) -> TensorParallelUnsupported:
+            return TensorParallelUnsupported(
+                f"dedicate_params: param {n!r} is a DTensor of shape {tuple(p.shape)} with "
+                f"placements {pl} on a {mesh.ndim}-D mesh: {why}. dmuon dedicates 2-D matrices "
+                "that TP shards with one Shard(0) (ColwiseParallel) or Shard(1) (RowwiseParallel) "
+                f"on a 1-D TP mesh. {TP_FIX}.")
+        if mesh.ndim != 1 or len(pl) != 1:
+            raise bad("the mesh is not the 1-D TP mesh (was fully_shard applied before "
+                      "dedicate_params?)")
+        if p.ndim != 2 or not pl[0].is_shard():
+            raise bad("not a row- or column-sharded 2-D matrix")
+        dim = pl[0].dim % 2
+        T = mesh.size()
+        if p.shape[dim] % T:
+            raise bad(f"its dim {dim} ({p.shape[dim]}) is not divisible by the TP degree {T}")
+        if aliases.get(id(p), 1) > 1:
+            raise bad("it is tied (shared by several modules)")
+        meshes.add(tuple(mesh.mesh.flatten().tolist()))
+        out[n] = TPLayout(mesh, pl, tuple(p.shape), tuple(p.stride()), dim, T)
+    if len(meshes) > 1:
+        raise TensorParallelUnsupported(
+            f"dedicate_params: the TP-sharded params live on different TP meshes {sorted(meshes)}; "
+            f"dmuon needs one TP mesh. {TP_FIX}.")
+    return out
+
+
+def tp_mesh_ranks(layouts: Mapping[str, TPLayout]) -> Optional[tuple[int, ...]]:
+    """The global ranks of this rank's TP group in TP order (``None`` without TP layouts)."""
+    for lay in layouts.values():
+        return tuple(int(x) for x in lay.mesh.mesh.flatten().tolist())
+    return None
+
+
+def localize_tp_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
+                       layouts: Mapping[str, TPLayout]) -> dict[str, nn.Parameter]:
+    """Replace every TP ``DTensor`` param in ``layouts`` by a plain ``nn.Parameter`` of its local
+    slice (sharing its storage); returns ``chosen`` with the new objects."""
+    out = dict(chosen)
+    for n in layouts:
+        mod_name, _, leaf = n.rpartition(".")
+        module = model.get_submodule(mod_name) if mod_name else model
+        old = chosen[n]
+        new = nn.Parameter(old.to_local().detach(), requires_grad=old.requires_grad)
+        module._parameters[leaf] = new
+        out[n] = new
+    return out
+
+
+class TPForward:
+    """Forward hooks that show each TP-sliced dedicated param to its module as the DTensor TP made
+    (``DTensor.from_local`` of the gathered slice; differentiable, so the slice's gradient arrives
+    at the plain param) for the module's own forward, and the plain slice again afterwards."""
+
+    def __init__(self, model: nn.Module, layouts: Mapping[str, TPLayout]):
+        self.layouts = dict(layouts)
+        by_module: dict[str, list[tuple[str, str]]] = {}
+        for n in layouts:
+            mod_name, _, leaf = n.rpartition(".")
+            by_module.setdefault(mod_name, []).append((leaf, n))
+        self.handles = []
+        for mod_name, leaves in by_module.items():
+            module = model.get_submodule(mod_name) if mod_name else model
+            self.handles.append(module.register_forward_pre_hook(self._pre(leaves)))
+            self.handles.append(module.register_forward_hook(self._post(leaves), always_call=True))
+
+    def _pre(self, leaves: list[tuple[str, str]]) -> Callable:
+        from torch.distributed.tensor import DTensor
+
+        @torch.compiler.disable
+        def hook(module: nn.Module, args: Any) -> None:
+            stash = module.__dict__.setdefault("_dmuon_tp_plain", {})
+            for leaf, n in leaves:
+                plain = module._parameters[leaf]
+                if _is_dtensor(plain):  # re-entered (activation checkpointing): already shown
+                    continue
+                lay = self.layouts[n]
+                stash[leaf] = plain
+                module._parameters[leaf] = DTensor.from_local(
+                    plain, lay.mesh, lay.placements, run_check=False, shape=torch.Size(lay.shape),
+                    stride=lay.stride)
+        return hook
+
+    def _post(self, leaves: list[tuple[str, str]]) -> Callable:
+        @torch.compiler.disable
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            stash = module.__dict__.get("_dmuon_tp_plain", {})
+            for leaf, _ in leaves:
+                if leaf in stash:
+                    module._parameters[leaf] = stash.pop(leaf)
+        return hook
+
+
+def _ns_cost(shape: Sequence[int]) -> int:
+    m, n = shape
+    return m * n * min(m, n)
+
+
+class TPStep:
+    """The owners' side of a step with TP-sliced matrices (see the module docstring).
+
+    Args:
+      layouts: ``{name: TPLayout}`` of this model's TP-sliced dedicated params.
+      owned: the names this rank owns (its slices), in the model's order: the same on every rank
+        of its TP group.
+      group, ranks, index: the TP group of this rank's dp coordinate, its global ranks in TP
+        order, and this rank's index in it.
+    """
+
+    def __init__(self, layouts: Mapping[str, TPLayout], owned: Sequence[str], *, group: Any,
+                 ranks: Sequence[int], index: int, all_names: Sequence[str] = (),
+                 control: Any = None):
+        self.layouts = dict(layouts)
+        self.names = tuple(n for n in owned if n in self.layouts)
+        # matrices without TP, dedicated in every TP index's grid: their gradients must agree
+        # across the TP group (checked each step; the control group makes every rank raise)
+        self.replicated = tuple(n for n in owned if n not in self.layouts)
+        self.check_replicated = any(n not in self.layouts for n in all_names)
+        self.control = control
+        self.group, self.ranks, self.index = group, tuple(ranks), int(index)
+        self.T = len(self.ranks)
+        # NS root of each matrix: largest first onto the least loaded TP index (ties: lowest)
+        load = [0] * self.T
+        self.root: dict[str, int] = {}
+        for n in sorted(self.names, key=lambda n: -_ns_cost(self.layouts[n].shape)):
+            t = min(range(self.T), key=lambda i: (load[i], i))
+            self.root[n] = t
+            load[t] += _ns_cost(self.layouts[n].shape)
+
+    def agree_grads(self, grads: dict[str, Optional[torch.Tensor]],
+                    masters: Mapping[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
+        """Make the TP group agree on which of its matrices have a gradient this step (one small
+        all-reduce): a slice without one, where another slice has one, gets zeros (its part of
+        the full gradient), so every owner joins the same gathers."""
+        out = dict(grads)
+        if self.names or self.replicated:
+            dev = next(iter(masters.values())).device
+            sums = [(-1.0 if grads.get(n) is None else
+                     float(grads[n].detach().abs().sum(dtype=torch.float64)))
+                    for n in self.replicated]
+            vec = torch.tensor([float(grads.get(n) is not None) for n in self.names] + sums
+                               + [-x for x in sums], dtype=torch.float64, device=dev)
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
+            got = vec.tolist()
+            k, r = len(self.names), len(self.replicated)
+            for n, h in zip(self.names, got[:k]):
+                if h and out.get(n) is None:
+                    out[n] = torch.zeros_like(masters[n])
+            hi, lo = got[k:k + r], [-x for x in got[k + r:]]
+            bad = [n for n, a, b in zip(self.replicated, hi, lo)
+                   if a - b > 1e-6 * max(abs(a), abs(b), 1e-30)]
+        else:
+            bad = []
+        if self.check_replicated:
+            self._agree_replicated(bad, next(iter(masters.values())).device if masters else None)
+        return out
+
+    def _agree_replicated(self, bad: list[str], dev: Any) -> None:
+        """Raise on every rank if any TP group's ranks hold different gradients of a matrix
+        without TP (its inputs differ across the TP group: it would be updated differently)."""
+        flag = torch.tensor([float(bool(bad))], dtype=torch.float64,
+                            device=dev if dev is not None else "cpu")
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+        if flag.item() > 0:
+            here = f" (here: {bad[:4]})" if bad else ""
+            raise TensorParallelUnsupported(
+                "dmuon.Muon.step: the ranks of a TP group computed different gradients for a "
+                f"dedicated matrix that TP does not shard{here}, so its copies in the TP indices' "
+                "grids would diverge. Nothing was updated. Its input differs across the TP group "
+                "(e.g. sequence-parallel activations): shard it with TP too (ColwiseParallel / "
+                "RowwiseParallel), or leave it to AdamW (predicate).")
+
+    def orthogonalizer(self, inner: Callable[[list], Sequence[torch.Tensor]],
+                       input_names: Sequence[str]) -> Callable[[list], list]:
+        """``inner`` (an orthogonalizer of full matrices) wrapped so that the inputs of TP slices
+        (named by ``input_names``, one per input, in order) are gathered to their root, NS-ed
+        there with the other inputs, and scattered back as this slice of ``NS(full)``."""
+        def run(xs: list) -> list:
+            slots = [i for i, n in enumerate(input_names) if n in self.layouts]
+            if len(xs) != len(input_names):
+                raise RuntimeError(f"dmuon TP step: {len(xs)} NS inputs for {len(input_names)} "
+                                   "names (internal error)")
+            parts: dict[int, list] = {}
+            works = []
+            for i in slots:  # the same order on every rank of the TP group
+                x = xs[i].contiguous()
+                root = self.root[input_names[i]]
+                bufs = [torch.empty_like(x) for _ in range(self.T)] if root == self.index else None
+                if bufs is not None:
+                    parts[i] = bufs
+                works.append(dist.gather(x, bufs, dst=self.ranks[root], group=self.group,
+                                         async_op=True))
+            for w in works:
+                w.wait()
+            plain = [i for i in range(len(xs)) if i not in set(slots)]
+            mine = sorted(parts)
+            full = [torch.cat(parts[i], dim=1 + self.layouts[input_names[i]].dim) for i in mine]
+            outs = list(inner([xs[i] for i in plain] + full)) if plain or full else []
+            result: list = [None] * len(xs)
+            for k, i in enumerate(plain):
+                result[i] = outs[k]
+            full_out = dict(zip(mine, outs[len(plain):]))
+            works = []
+            for i in slots:
+                n = input_names[i]
+                root = self.root[n]
+                recv = torch.empty_like(xs[i])
+                pieces = None
+                if root == self.index:
+                    pieces = [c.to(xs[i].dtype).contiguous() for c in
+                              full_out[i].chunk(self.T, dim=1 + self.layouts[n].dim)]
+                result[i] = recv
+                works.append(dist.scatter(recv, pieces, src=self.ranks[root], group=self.group,
+                                          async_op=True))
+            for w in works:
+                w.wait()
+            return result
+        return run
+
+
+def assemble_tp_slices(layouts: Mapping[str, TPLayout], values: Mapping[str, torch.Tensor],
+                       group: Any) -> dict[str, torch.Tensor]:
+    """Collective over the TP group: ``values`` (every rank's slice of each TP matrix; other
+    names pass through) with each TP slice replaced by its full matrix (one all-gather per TP
+    matrix, in ``values``' order, which is the same on every rank)."""
+    out = dict(values)
+    for n, v in values.items():
+        lay = layouts.get(n)
+        if lay is None:
+            continue
+        x = v.contiguous()
+        parts = [torch.empty_like(x) for _ in range(lay.parts)]
+        dist.all_gather(parts, x, group=group)
+        out[n] = torch.cat(parts, dim=lay.dim)
+    return out
+
+
+def full_shape(rt: Any, name: str) -> tuple[int, ...]:
+    """The single-device shape of dedicated param ``name`` (a TP slice's full matrix)."""
+    lay = rt.tp_layouts.get(name)
+    return tuple(lay.shape) if lay is not None else tuple(rt.shape[name])
+
+
+def local_part(rt: Any, name: str, full: Any) -> Any:
+    """This rank's TP slice of a full value of dedicated param ``name`` (the value itself for a
+    matrix without TP, or for ``None``)."""
+    lay = rt.tp_layouts.get(name)
+    if lay is None or full is None or _is_dtensor(full):
+        return full
+    return full.chunk(lay.parts, dim=lay.dim)[rt.mesh_groups.tp_index]

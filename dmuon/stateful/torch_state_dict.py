@@ -51,6 +51,7 @@ import torch.nn as nn
 from dmuon.stateful.checkpoint_transfer import row_chunks
 from dmuon.stateful.fsdp_patch import is_dedicated
 from dmuon.stateful.guards import saving_state_dict
+from dmuon.stateful.tensor_parallel import refuse_tp
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,8 @@ class _Hooks:
         self.rows, self.stand_ins = None, {}
         st = self.st
         if not st.raw_state_dict:
+            refuse_tp(st, "model.state_dict() (torch's own, also under torch.distributed."
+                      "checkpoint; use dmuon.get_model_state_dict, which gives full tensors)")
             st.finish_meta_init("model.state_dict()")
             st.drain()
             mesh = st.shard_mesh
@@ -239,6 +242,7 @@ class _Hooks:
     def pre_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
                  unexpected_keys, error_msgs) -> None:
         st = self.st
+        refuse_tp(st, "model.load_state_dict(sd) (use dmuon.set_model_state_dict)")
         st.finish_meta_init("model.load_state_dict(sd)")
         problems: list[str] = []
         staged: dict[str, Any] = {}

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.stateful.tensor_parallel import refuse_tp
 from dmuon.stateful.ddp import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
@@ -256,6 +257,7 @@ def verify_step(model: nn.Module, optimizer: Muon, closure: Optional[Callable[[]
     """
     what = "dmuon.verify_step"
     rt = check_optimizer(model, optimizer, what)
+    refuse_tp(rt, what)
     loss = None
     if closure is not None:
         with torch.enable_grad():
