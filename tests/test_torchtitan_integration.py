@@ -140,8 +140,8 @@ def _llama3_meta(rank: int, world: int) -> dict:
     with torch.device("meta"):  # torchtitan's trainer: build on meta
         model = mc.build()
     pd = ParallelDims.from_config(cfg.parallelism, world)
-    # fused wqkv is left out: torchtitan's _split_qkv_on_save state-dict hook reads the param
-    # before dmuon's root hook puts the matrix in (README: left out)
+    # fused wqkv is left out here: dmuon.get_model_state_dict (read below) names params, and
+    # FusedQKVLinear's hooks save wqkv as wq/wk/wv (dedicated wqkv: test_torchtitan_fused_qkv.py)
     owners = dmuon.dedicate_params(model, pd.get_mesh("fsdp"),
                                    lambda n, p: p.ndim == 2 and "layers." in n and "wqkv" not in n)
     model = parallelize_llama(model, parallel_dims=pd, training=cfg.training,
