@@ -182,3 +182,157 @@ def test_llama3_meta_init_through_parallelize_llama():
         want = ref(tokens, positions=pos, attention_masks=ref.get_attention_masks(pos))
     for r in res:
         assert torch.equal(r["logits"], want)
+
+
+# ----------------------------------------------------------------------------- TP 2 x dp 2
+TT_STEPS, TT_SEQ, TT_BATCH = 3, 32, 4
+TT_HP = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.01, ns_steps=5,
+             adamw_lr=3e-3, adamw_betas=(0.9, 0.95), adamw_eps=1e-8, adamw_weight_decay=0.1)
+
+
+def _tt_predicate(n, p) -> bool:
+    return p.ndim == 2 and "layers." in n and "wqkv" not in n
+
+
+class _CausalSDPA(torch.nn.Module):
+    """The inner attention of the TP test, in torchtitan's interface (``(B, L, N, H)`` q / k / v
+    in and out): causal SDPA per rank on its local heads. torchtitan's LM attention backends (flex,
+    varlen) have no CPU backward in torch 2.13 and its ``ScaledDotProductAttention`` mixes its
+    plain causal mask with TP's DTensor heads on CPU; the heads are TP-local, so each rank attends
+    over its own ones and hands TP back a DTensor of the same layout."""
+
+    def forward(self, q, k, v, *, scale=None, enable_gqa=False, **kwargs):
+        import torch.nn.functional as F
+        from torch.distributed.tensor import DTensor
+        like = q if isinstance(q, DTensor) else None
+        if like is not None:
+            q, k, v = q.to_local(), k.to_local(), v.to_local()
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                             v.transpose(1, 2), is_causal=True, scale=scale,
+                                             enable_gqa=enable_gqa).transpose(1, 2)
+        return DTensor.from_local(out, like.device_mesh, like.placements) if like is not None \
+            else out
+
+
+def _use_causal_sdpa(model) -> None:
+    for layer in model.layers.values():
+        layer.attention.inner_attention = _CausalSDPA()
+
+
+def _llama3_tp_config():
+    """torchtitan's llama3 debug model in fp64 (attention swapped in the built model:
+    :class:`_CausalSDPA`)."""
+    from torchtitan.config import TORCH_DTYPE_MAP
+    TORCH_DTYPE_MAP.setdefault("float64", torch.float64)  # fp64 for a 1e-10 comparison
+    cfg, mc = _llama3_config()
+    cfg.training.mixed_precision_param = "float64"
+    cfg.training.mixed_precision_reduce = "float64"
+    return cfg, mc
+
+
+def _tt_loss(logits, tokens):
+    """torchtitan's loss convention: the local sum over tokens / the global token count (its
+    FSDP2 modules sum the gradients: set_gradient_divide_factor(1.0))."""
+    import torch.nn.functional as F
+    full = logits.full_tensor() if hasattr(logits, "full_tensor") else logits  # loss-parallel
+    return F.cross_entropy(full.reshape(-1, full.shape[-1]), tokens[:, 1:].reshape(-1),
+                           reduction="sum") / (TT_BATCH * TT_SEQ)
+
+
+def _tt_batches():
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 2048, (TT_BATCH, TT_SEQ + 1), generator=g) for _ in range(TT_STEPS)]
+
+
+def _llama3_tp2_dp2(rank: int, world: int) -> dict:
+    import torchtitan.distributed.parallel_dims as tt_dims
+    from torch.distributed.fsdp import FSDPModule
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    import dmuon
+
+    cfg, mc = _llama3_tp_config()
+    cfg.parallelism.data_parallel_shard_degree = 2
+    cfg.parallelism.tensor_parallel_degree = 2
+    cfg.parallelism.spmd_backend = "partial_dtensor"
+    tt_dims.device_type = "cpu"
+    torch.set_default_dtype(torch.float64)
+    with torch.device("meta"):
+        model = mc.build()
+    _use_causal_sdpa(model)
+    pd = ParallelDims.from_config(cfg.parallelism, world)
+    # the seeds' torchtitan recipe: dedicate_params, then torchtitan's parallelize (TP + FSDP)
+    owners = dmuon.dedicate_params(model, pd.get_mesh("fsdp"), _tt_predicate)
+    model = parallelize_llama(model, parallel_dims=pd, training=cfg.training,
+                              parallelism=cfg.parallelism, compile_config=cfg.compile,
+                              ac_config=None, dump_folder="")
+    for m in model.modules():  # gloo has no PREMUL_SUM: FSDP2 sums, then divides (by 1.0)
+        if isinstance(m, FSDPModule):
+            m.set_force_sum_reduction_for_comms(True)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    opt = dmuon.Muon(model, **TT_HP, ns_dtype=torch.float64)
+    rt = opt.dedicated_state
+    init_sd = dmuon.get_model_state_dict(model, cpu_offload=True)
+    dp_rank = pd.get_mesh("fsdp").get_local_rank()
+    losses = []
+    for tokens in _tt_batches():
+        opt.zero_grad()
+        local = tokens.chunk(2)[dp_rank]
+        loss = _tt_loss(model(local[:, :-1]), local)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        opt.step()
+    return {"init_sd": init_sd, "sd": dmuon.get_model_state_dict(model, cpu_offload=True),
+            "owners": owners, "tp_names": sorted(rt.tp_layouts), "n_dedicated": len(rt.names),
+            "dims": (pd.dp_shard, pd.tp)}
+
+
+def _tt_reference(init_sd: dict) -> dict:
+    from dmuon.functional import muon as fmuon
+    _, mc = _llama3_tp_config()
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = mc.build()
+    finally:
+        torch.set_default_dtype(prev)
+    _use_causal_sdpa(model)
+    model.load_state_dict(init_sd)
+    mats = {n: p for n, p in model.named_parameters() if _tt_predicate(n, p)}
+    rest = [p for n, p in model.named_parameters() if n not in mats]
+    adam = torch.optim.AdamW(rest, lr=TT_HP["adamw_lr"], betas=TT_HP["adamw_betas"],
+                             eps=TT_HP["adamw_eps"], weight_decay=TT_HP["adamw_weight_decay"],
+                             foreach=False)
+    hp = fmuon.MuonHParams(lr=TT_HP["lr"], momentum=TT_HP["momentum"], nesterov=True,
+                           weight_decay=TT_HP["weight_decay"], ns_steps=5, ns_dtype=torch.float64)
+    state = fmuon.init({n: p.detach() for n, p in mats.items()})
+    for tokens in _tt_batches():
+        model.zero_grad(set_to_none=True)
+        _tt_loss(model(tokens[:, :-1]), tokens).backward()
+        with torch.no_grad():
+            _, state = fmuon.update({n: p.grad for n, p in mats.items()}, state,
+                                    {n: p.data for n, p in mats.items()}, hp, donate=True)
+        adam.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.slow
+def test_llama3_tp2_dp2_through_parallelize_llama():
+    """torchtitan's llama3 debug model (fp64, :class:`_CausalSDPA` attention) on 4 gloo ranks: dedicate_params
+    before torchtitan's own parallelize_llama with TP 2 x dp 2 (deferred), to_empty,
+    init_weights, dmuon.Muon; 3 steps with torchtitan's loss convention equal one process
+    (functional Muon + torch AdamW, full batch) from the same initial weights to <= 1e-10."""
+    res = run_ranks(_llama3_tp2_dp2, 4, timeout=300)
+    assert res[0]["dims"] == (2, 2) and res[0]["owners"] == {}
+    assert res[0]["n_dedicated"] == 24 and len(res[0]["tp_names"]) == 24
+    for r in res[1:]:
+        assert all(torch.equal(v, res[0]["init_sd"][k]) for k, v in r["init_sd"].items())
+    ref = _tt_reference(res[0]["init_sd"])
+    for r in res:
+        worst = max(float((r["sd"][k] - v).abs().max() / v.abs().max().clamp_min(1e-30))
+                    for k, v in ref.items())
+        assert worst <= 1e-10, worst
