@@ -98,11 +98,16 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
         if cfg.get("clip"):
             norms.append(float(dmuon.clip_grad_norm_(model, cfg["clip"])))
         opt.step()
+    from dmuon.functional.tp_plan import tp_step_bytes
+    tp = opt._tp
+    predicted = tp_step_bytes({n: rt.tp_layouts[n].shape for n in tp.names}, tp.root, tp.T,
+                              {n: rt.masters[n].element_size() for n in tp.names})
+    tp_bytes = (tp.bytes_received, predicted[tp.index] * len(losses))
     sd = dmuon.get_model_state_dict(model, cpu_offload=True)
     plain = make_model(seed=7)
     plain.load_state_dict(sd)  # a TP run's checkpoint loads into a plain model
     dist.barrier()
-    return {"sd": sd, "losses": losses, "norms": norms, "init_sd": init_sd,
+    return {"sd": sd, "losses": losses, "norms": norms, "init_sd": init_sd, "tp_bytes": tp_bytes,
             "forward_before_muon": forward_before_muon,
             "tp_names": sorted(rt.tp_layouts), "owners": sorted(set(owners.values())),
             "owned": list(rt.owned_names),
@@ -132,6 +137,10 @@ def _check(results: list, ref: dict, world: int) -> None:
         for n, k in out["master_numel"].items():
             if n.endswith("q_proj.weight"):
                 assert k == 16 * 16 // 2, (n, k)
+    # the TP gathers / scatters moved what the accounting (tp_step_bytes) says, on every rank
+    for out in results:
+        got, want = out["tp_bytes"]
+        assert got == want and want > 0, (got, want)
     # the NS roots of one TP group spread over both TP indices
     roots = [set(out["roots"].values()) for out in results if out["roots"]]
     assert any(len(r) == 2 for r in roots), roots

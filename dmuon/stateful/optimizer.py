@@ -42,6 +42,7 @@ from dmuon.newton_schulz.engine import NSEngine
 from dmuon.stateful.ddp import check_backend, unwrap_model
 from dmuon.stateful.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.telemetry import StepStats, StepTelemetry
+from dmuon.stateful.step_checks import check_finite, check_same_fsdp_grads
 from dmuon.stateful.tensor_parallel import TPStep
 from dmuon.stateful.dedicate import finish_deferred
 from dmuon.functional.tree import leaf_paths
@@ -250,71 +251,16 @@ class Muon(torch.optim.Optimizer):
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         grads = rt.reduced_grads()
         if self._check_fsdp_usage:
-            self._check_same_fsdp_grads(rt)
+            check_same_fsdp_grads(self._adamw_named, rt)
         if self.check_finite:
-            self._check_finite(rt, grads)
+            if check_finite(self._adamw_named, rt, grads):
+                self._host_syncs += 1  # its verdict waited for the device
         self._muon_step(rt, grads)
         rt.clear_grads()
         rt.after_step(replicate_async=self.replicate_async)
         self._adamw_step()
         self.num_steps += 1
         return loss
-
-    def _check_same_fsdp_grads(self, rt: DedicatedState) -> None:
-        """Torch without FSDP2's ``set_reduce_scatter_unused_params``: raise on every rank if an
-        FSDP2 param has a gradient on some ranks only (one all-reduce of a has-grad count)."""
-        import torch.distributed as dist
-
-        have = torch.tensor([p.grad is not None for _, p in self._adamw_named],
-                            dtype=torch.int32, device=rt.device)
-        rt.mesh_groups.control_collective(
-            "FSDP2 gradient-usage all-reduce", lambda g: dist.all_reduce(have, group=g))
-        world = dist.get_world_size()
-        bad = [n for (n, _), c in zip(self._adamw_named, have.tolist()) if 0 < c < world]
-        if bad:
-            raise RuntimeError(
-                f"dmuon.Muon.step: FSDP2 params {bad[:6]}{' ...' if len(bad) > 6 else ''} have a "
-                "gradient on some ranks only (e.g. parts of MoE experts that got no token on some "
-                "ranks), so FSDP2's reduce-scatter mixed different params' gradients across ranks. "
-                f"Nothing was updated. torch {torch.__version__}'s FSDP2 has no "
-                "set_reduce_scatter_unused_params (torch 2.13's has it, and dmuon.Muon turns it "
-                "on); upgrade torch, make every rank use every FSDP2 param each step, or move "
-                "those params to dmuon (dedicate them), which handles it.")
-
-    def _check_finite(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]]) -> None:
-        """Raise on every rank, before anything changes, if any gradient is non-finite, naming the
-        ranks whose own backward produced it (the dedicated matrices' local gradients, checked as
-        they were sent) and the ranks holding non-finite reduced values (FSDP2's shards, which
-        FSDP2 reduced already, and the owners' averages: a finite input can overflow there)."""
-        import torch.distributed as dist
-
-        named = [(n, g) for n, g in grads.items() if g is not None]
-        named += [(n, local_tensor(p.grad)) for n, p in self._adamw_named if p.grad is not None]
-        named = [(n, g) for n, g in named if g.numel() > 0]
-        world, me = dist.get_world_size(), dist.get_rank()
-        flags = torch.zeros(2, world, dtype=torch.float32, device=rt.device)
-        if rt.local_nonfinite is not None:
-            flags[0, me] = rt.local_nonfinite.float()
-        if named:
-            norms = torch._foreach_norm([g for _, g in named])
-            flags[1, me] = (~torch.isfinite(torch.stack(norms).float())).any().float()
-        rt.mesh_groups.control_collective(
-            "check_finite all-reduce", lambda g: dist.all_reduce(flags, group=g))
-        if flags.is_cuda:
-            self._host_syncs += 1  # bool() below waits for the device
-        if bool(flags.any()):
-            computed = [r for r in range(world) if flags[0, r] > 0]
-            reduced = [r for r in range(world) if flags[1, r] > 0]
-            local = [n for n, g in named if not torch.isfinite(g).all()]
-            raise FloatingPointError(
-                "dmuon.Muon.step: non-finite (NaN/Inf) gradients"
-                + (f"; computed by the backward of ranks {computed} (dedicated matrices' local "
-                   "gradients)" if computed else "")
-                + (f"; in the reduced gradients held by ranks {reduced} (FSDP2 shards or owners' "
-                   "averages)" if reduced else "")
-                + (f" (here: {local[:8]})" if local else "")
-                + ". Nothing was updated; call optimizer.zero_grad() to skip this batch, lower the "
-                "learning rate or check the loss and inputs (or pass check_finite=False).")
 
     @property
     def elementwise_mode(self) -> str:

@@ -17,7 +17,8 @@ are the ranks of one dp coordinate ``(s, r)``, which form one TP group.
   (``W``'s *root*, chosen to balance NS work over the TP group), which runs NS on the assembled
   matrix and scatters each owner its slice of the result (:class:`TPStep`). The shape scale is the
   full matrix's. Per step and matrix: ``(T-1)/T P`` into the root and ``(T-1)/T P`` out of it
-  (:func:`dmuon.functional.step_bytes.tp_step_bytes`).
+  (:func:`dmuon.functional.tp_plan.tp_step_bytes`; the roots:
+  :func:`~dmuon.functional.tp_plan.tp_roots`).
 
 Moving the full matrix to one owner that hands TP ranks their slices in the forward broadcast
 instead would send ``~G P`` over the owner's link per forward (``G T - 1`` slice transfers) and
@@ -45,6 +46,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.functional.tp_plan import tp_roots
 from dmuon.stateful.errors import DedicatedParamError
 
 __all__ = ["TensorParallelUnsupported", "TP_FIX", "TPLayout", "TPForward", "TPStep",
@@ -236,11 +238,6 @@ class TPForward:
         return hook
 
 
-def _ns_cost(shape: Sequence[int]) -> int:
-    m, n = shape
-    return m * n * min(m, n)
-
-
 class TPStep:
     """The owners' side of a step with TP-sliced matrices (see the module docstring).
 
@@ -264,13 +261,11 @@ class TPStep:
         self.control = control
         self.group, self.ranks, self.index = group, tuple(ranks), int(index)
         self.T = len(self.ranks)
-        # NS root of each matrix: largest first onto the least loaded TP index (ties: lowest)
-        load = [0] * self.T
-        self.root: dict[str, int] = {}
-        for n in sorted(self.names, key=lambda n: -_ns_cost(self.layouts[n].shape)):
-            t = min(range(self.T), key=lambda i: (load[i], i))
-            self.root[n] = t
-            load[t] += _ns_cost(self.layouts[n].shape)
+        # the NS root of each matrix (the plan's: dmuon.functional.tp_plan)
+        self.root: dict[str, int] = tp_roots({n: self.layouts[n].shape for n in self.names},
+                                             self.T)
+        #: bytes this rank received in the TP gathers / scatters (all steps)
+        self.bytes_received = 0
 
     def agree_grads(self, grads: dict[str, Optional[torch.Tensor]],
                     masters: Mapping[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
@@ -333,6 +328,7 @@ class TPStep:
                 bufs = [torch.empty_like(x) for _ in range(self.T)] if root == self.index else None
                 if bufs is not None:
                     parts[i] = bufs
+                    self.bytes_received += x.numel() * x.element_size() * (self.T - 1)
                 works.append(dist.gather(x, bufs, dst=self.ranks[root], group=self.group,
                                          async_op=True))
             for w in works:
@@ -355,6 +351,8 @@ class TPStep:
                     pieces = [c.to(xs[i].dtype).contiguous() for c in
                               full_out[i].chunk(self.T, dim=1 + self.layouts[n].dim)]
                 result[i] = recv
+                if root != self.index:
+                    self.bytes_received += recv.numel() * recv.element_size()
                 works.append(dist.scatter(recv, pieces, src=self.ranks[root], group=self.group,
                                           async_op=True))
             for w in works:
