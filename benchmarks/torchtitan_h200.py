@@ -136,7 +136,12 @@ def train(kind: str, args, jc, mesh, device, batches: torch.Tensor) -> dict[str,
     from torchtitan.components.loss import cross_entropy_loss
 
     model, opt, clip, sched, margs, n_muon = build(kind, args, jc, mesh, device)
-    losses, times = [], []
+    losses, times, phases, ns_ms = [], [], [], []
+
+    def mark() -> float:  # with --phases: a device sync, so each phase's time is its own
+        if args.phases and device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter()
     for step in range(args.steps):
         ids = batches[step].to(device, non_blocking=True)
         inputs, labels = ids[:, :-1], ids[:, 1:]
@@ -147,16 +152,30 @@ def train(kind: str, args, jc, mesh, device, batches: torch.Tensor) -> dict[str,
         pred = model(inputs)
         loss = cross_entropy_loss(pred, labels) / labels.numel()
         loss.backward()
+        t1 = mark()
         clip()
+        t2 = mark()
         opt.step()
         sched.step()
         val = float(loss.item())
-        times.append((time.perf_counter() - t0) * 1e3)
+        t3 = time.perf_counter()
+        times.append((t3 - t0) * 1e3)
+        phases.append({"fwd_bwd_ms": (t1 - t0) * 1e3, "clip_ms": (t2 - t1) * 1e3,
+                       "step_ms": (t3 - t2) * 1e3})
+        stats = getattr(opt, "last_step_stats", None) if args.phases else None
+        stats = stats() if callable(stats) else stats  # dmuon.Muon's (reading it waits for NS)
+        if stats is not None and stats.ns_ms is not None:
+            ns_ms.append(stats.ns_ms)
         losses.append(val)
         logger.info("%s step %d loss %.4f  %.1f ms", kind, step + 1, val, times[-1])
     timed = times[args.warmup:] or times
     out = {"optimizer": kind, "dedicated_matrices": n_muon, "loss": losses, "step_ms": times,
            "median_step_ms_after_warmup": statistics.median(timed),
+           "median_phase_ms_after_warmup": {
+               k: statistics.median(p[k] for p in (phases[args.warmup:] or phases))
+               for k in phases[0]} if args.phases else None,
+           "median_ns_ms_after_warmup": (statistics.median(ns_ms[args.warmup:] or ns_ms)
+                                         if ns_ms else None),
            "final_loss_mean_last10": statistics.mean(losses[-10:])}
     if device.type == "cuda":
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -186,6 +205,9 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=None, help="default: 2048; tiny 64")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
     ap.add_argument("--optimizers", default="adamw,dmuon")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time fwd+bwd / clip / step apart (device syncs between them) and "
+                         "dmuon's NS (its telemetry)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     args.batch = args.batch or (2 if args.tiny else 8)

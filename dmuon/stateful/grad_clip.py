@@ -56,14 +56,20 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
             continue
         g = prm.grad
         pieces.append((local_tensor(g), _replication(g)))
-    acc = torch.zeros((), dtype=torch.float64, device=rt.device)
+    # one foreach norm per (replication, device, dtype) bucket: a handful of kernels, not one
+    # per tensor (a model of many small matrices spent milliseconds here)
+    buckets: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
     for g, k in pieces:
-        if g.numel() == 0:
-            continue
-        if math.isinf(p):
-            acc = torch.maximum(acc, g.detach().abs().max().to(torch.float64))
-        else:
-            acc = acc + torch.linalg.vector_norm(g.detach(), p).to(torch.float64) ** p / k
+        if g.numel() > 0:
+            buckets.setdefault((k, g.device, g.dtype), []).append(g.detach())
+    acc = torch.zeros((), dtype=torch.float64, device=rt.device)
+    with torch.no_grad():
+        for (k, _, _), ts in buckets.items():
+            norms = torch.stack(torch._foreach_norm(ts, p)).to(torch.float64).to(rt.device)
+            if math.isinf(p):
+                acc = torch.maximum(acc, norms.max())
+            else:
+                acc = acc + (norms ** p).sum() / k
     op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
     rt.mesh_groups.control_collective("clip_grad_norm_ all-reduce",
                                       lambda g: dist.all_reduce(acc, op=op, group=g))
@@ -72,8 +78,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         raise RuntimeError(f"the total gradient norm of order {norm_type} is non-finite ({total}); "
                            "check the loss and inputs, or pass error_if_nonfinite=False")
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g, _ in pieces:
-        g.mul_(coef.to(g.dtype))
+    with torch.no_grad():
+        for (_, dev, dt), ts in buckets.items():
+            torch._foreach_mul_(ts, coef.to(device=dev, dtype=dt))
     return total
 
 
