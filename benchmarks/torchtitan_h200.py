@@ -131,6 +131,24 @@ def build(kind: str, args: argparse.Namespace, jc: Any, mesh: Any, device: torch
     return model, opt, clip, sched, margs, n_muon
 
 
+def _report_host_syncs(kind: str) -> None:
+    """From this step on, log every host sync the CUDA stream sees, with the Python stack that
+    caused it (``torch.cuda.set_sync_debug_mode``), for one step."""
+    import traceback
+    import warnings
+
+    seen: set = set()
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        stack = "".join(traceback.format_stack(limit=12)[:-2])
+        if stack not in seen:
+            seen.add(stack)
+            logger.info("%s host sync: %s\n%s", kind, message, stack)
+    warnings.showwarning = show
+    warnings.simplefilter("always")
+    torch.cuda.set_sync_debug_mode("warn")
+
+
 def train(kind: str, args, jc, mesh, device, batches: torch.Tensor) -> dict[str, Any]:
     """``--steps`` training steps; per-step loss and wall time."""
     from torchtitan.components.loss import cross_entropy_loss
@@ -148,6 +166,8 @@ def train(kind: str, args, jc, mesh, device, batches: torch.Tensor) -> dict[str,
         if device.type == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
+        if args.sync_debug and device.type == "cuda" and step == args.warmup:
+            _report_host_syncs(kind)
         opt.zero_grad()
         pred = model(inputs)
         loss = cross_entropy_loss(pred, labels) / labels.numel()
@@ -160,6 +180,8 @@ def train(kind: str, args, jc, mesh, device, batches: torch.Tensor) -> dict[str,
         val = float(loss.item())
         t3 = time.perf_counter()
         times.append((t3 - t0) * 1e3)
+        if args.sync_debug and device.type == "cuda" and step == args.warmup:
+            torch.cuda.set_sync_debug_mode("default")
         phases.append({"fwd_bwd_ms": (t1 - t0) * 1e3, "clip_ms": (t2 - t1) * 1e3,
                        "step_ms": (t3 - t2) * 1e3})
         stats = getattr(opt, "last_step_stats", None) if args.phases else None
@@ -205,6 +227,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=None, help="default: 2048; tiny 64")
     ap.add_argument("--tiny", action="store_true", help="a tiny model (CPU smoke test)")
     ap.add_argument("--optimizers", default="adamw,dmuon")
+    ap.add_argument("--sync-debug", action="store_true",
+                    help="log the host syncs of the first timed step with their stacks")
     ap.add_argument("--phases", action="store_true",
                     help="also time fwd+bwd / clip / step apart (device syncs between them) and "
                          "dmuon's NS (its telemetry)")

@@ -13,18 +13,51 @@ import torch.distributed as dist
 
 from dmuon.stateful.state import DedicatedState, local_tensor
 
-__all__ = ["check_same_fsdp_grads", "check_finite"]
+__all__ = ["check_same_fsdp_grads", "check_finite", "host_all_reduce"]
+
+
+def host_all_reduce(values: Sequence[int], group: Any, device: torch.device) -> list[int]:
+    """Sum of the host ``values`` over ``group``, read back on the host.
+
+    On CUDA the all-reduce runs on a side stream fed from pinned memory: the values depend on
+    nothing the compute stream does, so the host waits for the collective alone, not for the
+    backward still queued on the compute stream (a plain device tensor + ``tolist()`` would drain
+    it, and the next kernels would start from an empty queue)."""
+    if device.type != "cuda":
+        t = torch.tensor(list(values), dtype=torch.int32, device=device)
+        dist.all_reduce(t, group=group)
+        return t.tolist()
+    src = torch.tensor(list(values), dtype=torch.int32).pin_memory()
+    out = torch.empty_like(src).pin_memory()
+    side = _side_stream(device)
+    with torch.cuda.stream(side):
+        t = src.to(device, non_blocking=True)
+        dist.all_reduce(t, group=group)
+        out.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    done.synchronize()
+    return out.tolist()
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def _side_stream(device: torch.device) -> Any:
+    key = torch.device(device).index
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
+    return _SIDE_STREAMS[key]
 
 
 def check_same_fsdp_grads(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState) -> None:
     """Torch without FSDP2's ``set_reduce_scatter_unused_params``: raise on every rank if an
     FSDP2 param has a gradient on some ranks only (one all-reduce of a has-grad count)."""
-    have = torch.tensor([p.grad is not None for _, p in adamw_named],
-                        dtype=torch.int32, device=rt.device)
-    rt.mesh_groups.control_collective(
-        "FSDP2 gradient-usage all-reduce", lambda g: dist.all_reduce(have, group=g))
+    flags = [p.grad is not None for _, p in adamw_named]
+    counts = rt.mesh_groups.control_collective(
+        "FSDP2 gradient-usage all-reduce", lambda g: host_all_reduce(flags, g, rt.device))
     world = dist.get_world_size()
-    bad = [n for (n, _), c in zip(adamw_named, have.tolist()) if 0 < c < world]
+    bad = [n for (n, _), c in zip(adamw_named, counts) if 0 < c < world]
     if bad:
         raise RuntimeError(
             f"dmuon.Muon.step: FSDP2 params {bad[:6]}{' ...' if len(bad) > 6 else ''} have a "
