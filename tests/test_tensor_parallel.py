@@ -101,7 +101,7 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
     from dmuon.functional.tp_plan import tp_step_bytes
     tp = opt._tp
     predicted = tp_step_bytes({n: rt.tp_layouts[n].shape for n in tp.names}, tp.root, tp.T,
-                              {n: rt.masters[n].element_size() for n in tp.names})
+                              {n: str(rt.masters[n].dtype) for n in tp.names})
     tp_bytes = (tp.bytes_received, predicted[tp.index] * len(losses))
     sd = dmuon.get_model_state_dict(model, cpu_offload=True)
     plain = make_model(seed=7)

@@ -21,9 +21,57 @@ def test_roots_balance_and_are_deterministic():
 
 def test_bytes_gather_to_root_scatter_back():
     shapes = {"w": (8, 6)}  # P = 48 elements, 4 bytes each
-    got = tp_step_bytes(shapes, {"w": 1}, 2, {"w": 4})
+    f32 = {"w": "torch.float32"}
+    got = tp_step_bytes(shapes, {"w": 1}, 2, f32)
     assert got == [24 * 4, 24 * 4]  # root gets the other half of x, the other its half of U
-    got = tp_step_bytes(shapes, {"w": 0}, 4, {"w": 4})
+    got = tp_step_bytes(shapes, {"w": 0}, 4, f32)
     assert got == [3 * 12 * 4, 12 * 4, 12 * 4, 12 * 4]
     # the busiest index receives (T-1)/T P per matrix it roots
     assert max(got) == (4 - 1) * 48 * 4 // 4
+
+
+def test_schedule_simulates_gather_ns_scatter():
+    """The TP schedule on the simulator: the root holds the slices one after the other (the
+    assembled NS input), and after the root's NS the scatter hands each member its slice."""
+    import torch
+
+    from dmuon.functional.simulate import simulate
+    from dmuon.functional.tp_plan import tp_step_schedule
+    shapes = {"a": (4, 6), "b": (8, 2)}
+    groups = [[0, 2], [1, 3]]  # two TP groups of a (dp 2, tp 2) world
+    sched = tp_step_schedule(groups, [shapes, shapes], {n: "torch.float64" for n in shapes}, 4)
+    assert {op.lane for op in sched} == {"tp"}
+    key = {(k, n): next(op.bucket for op in sched if op.bucket.group == f"tp:{n}"
+                        and op.bucket.column == k) for k in range(2) for n in shapes}
+    g = torch.Generator().manual_seed(0)
+    full = {(k, n): torch.randn(24 if n == "a" else 16, generator=g, dtype=torch.float64)
+            for k in range(2) for n in shapes}
+    bufs = [dict() for _ in range(4)]
+    for k, members in enumerate(groups):
+        for n in shapes:
+            half = full[k, n].numel() // 2
+            for j, rank in enumerate(members):  # each member holds its slice in its range
+                b = torch.full_like(full[k, n], float("nan"))
+                b[j * half:(j + 1) * half] = full[k, n][j * half:(j + 1) * half]
+                bufs[rank][key[k, n]] = b
+    gather_only = type(sched)(ops=tuple(op for op in sched if "gather" in op.id),
+                              shard_size=4, replicate_size=1)
+    got = simulate(gather_only, bufs)
+    for op in gather_only:
+        k, n = int(op.bucket.column), op.bucket.group[3:]
+        assert torch.equal(got[op.members[op.dst]][op.bucket], full[k, n])
+    # the root's "NS": negate; the scatter gives each member its slice of it
+    for op in gather_only:
+        got[op.members[op.dst]][op.bucket].neg_()
+    import dataclasses
+    scatter_only = type(sched)(ops=tuple(dataclasses.replace(op, waits=()) for op in sched
+                                         if "scatter" in op.id), shard_size=4, replicate_size=1)
+    out = simulate(scatter_only, got)
+    for op in scatter_only:
+        k, n = int(op.bucket.column), op.bucket.group[3:]
+        for j, rank in enumerate(op.members):
+            o, m = op.parts[j]
+            assert torch.equal(out[rank][op.bucket][o:o + m], -full[k, n][o:o + m])
+    # bytes: per matrix, (T-1)/T P into the root and P/T into the other member
+    tr = sched.traffic()
+    assert sum(tr.rank_received(r) for r in range(4)) == 2 * 2 * (24 + 16) * 8 // 2

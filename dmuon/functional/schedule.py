@@ -66,15 +66,17 @@ from dmuon.functional.buckets import BucketKey, BucketLayout, dtype_itemsize
 from dmuon.functional.traffic import LANES, Traffic
 
 Axis = Literal["shard", "replicate", "group"]
-Lane = Literal["unshard", "reduce", "replicate", "split"]
+Lane = Literal["unshard", "reduce", "replicate", "split", "tp"]
 LANE_AXIS: Mapping[str, str] = {"unshard": "shard", "reduce": "shard", "replicate": "replicate"}
-#: Lanes of explicit-group ops (split Newton–Schulz); planned and simulated, not run by the executor.
-GROUP_LANES: Mapping[str, str] = {"split": "group"}
+#: Lanes of explicit-group ops, planned and simulated, not run by the executor: ``"split"`` (split
+#: Newton–Schulz), ``"tp"`` (the TP group's NS gather / scatter, :mod:`dmuon.functional.tp_plan`;
+#: run by :class:`dmuon.stateful.tensor_parallel.TPStep`).
+GROUP_LANES: Mapping[str, str] = {"split": "group", "tp": "group"}
 _ALL_LANE_AXIS: Mapping[str, str] = {**LANE_AXIS, **GROUP_LANES}
 
 __all__ = [
     "Axis", "Lane", "LANES", "LANE_AXIS", "GROUP_LANES", "Broadcast", "Reduce", "AllReduce",
-    "AllGather", "Op", "Schedule", "Traffic",
+    "AllGather", "Gather", "Scatter", "Op", "Schedule", "Traffic",
     "StepSchedules", "unshard_schedule", "reduce_schedule", "publish_schedule",
     "build_step_schedules", "schedule_traffic", "step_traffic", "op_members", "op_root_coord",
 ]
@@ -178,16 +180,17 @@ class AllReduce(_Collective):
 
 
 @dataclass(frozen=True, kw_only=True)
-class AllGather(_Collective):
-    """Member ``j`` contributes ``parts[j] = (offset, numel)`` of the bucket; afterwards every member
-    holds all parts. The parts are disjoint and lie inside ``[offset, offset + numel)``."""
+class _Parts(_Collective):
+    """An explicit-group op whose member ``j`` owns ``parts[j] = (offset, numel)`` of the bucket
+    (disjoint, inside ``[offset, offset + numel)``)."""
 
     parts: tuple[tuple[int, int], ...]
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.axis != "group":
-            raise ValueError(f"op {self.id}: AllGather runs on an explicit group (axis='group')")
+            raise ValueError(f"op {self.id}: {type(self).__name__} runs on an explicit group "
+                             "(axis='group')")
         parts = tuple((int(o), int(n)) for o, n in self.parts)
         object.__setattr__(self, "parts", parts)
         if len(parts) != len(self.members):
@@ -200,12 +203,41 @@ class AllGather(_Collective):
             raise ValueError(f"op {self.id}: parts {parts} leave [{self.offset}, "
                              f"{self.offset + self.numel})")
 
+
+@dataclass(frozen=True, kw_only=True)
+class AllGather(_Parts):
+    """Member ``j`` contributes ``parts[j]``; afterwards every member holds all parts."""
+
     @property
     def root(self) -> int:
         return 0
 
 
-Op = Union[Broadcast, Reduce, AllReduce, AllGather]
+@dataclass(frozen=True, kw_only=True)
+class Gather(_Parts):
+    """Member ``j`` contributes ``parts[j]``; afterwards member ``dst`` (an index into
+    ``members``) holds all parts; the others' buffers are unchanged."""
+
+    dst: int
+
+    @property
+    def root(self) -> int:
+        return self.dst
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scatter(_Parts):
+    """Member ``src`` holds every part; afterwards member ``j`` holds ``parts[j]`` (its copy of
+    the other parts unchanged)."""
+
+    src: int
+
+    @property
+    def root(self) -> int:
+        return self.src
+
+
+Op = Union[Broadcast, Reduce, AllReduce, AllGather, Gather, Scatter]
 
 
 def op_members(op: Op, shard_size: int, replicate_size: int) -> list[list[tuple[int, int]]]:
@@ -250,11 +282,21 @@ def schedule_traffic(schedule: "Schedule") -> Traffic:
                 g = r * G + s
                 coll[op.lane][g] += 1
                 is_root = (s, r) == root
-                if isinstance(op, AllGather):
+                if isinstance(op, (AllGather, Gather, Scatter)):
                     mine = op.parts[j][1] * isz
                     total = sum(p[1] for p in op.parts) * isz
-                    sent[op.lane][g] += (n - 1) * mine
-                    recv[op.lane][g] += total - mine
+                    if isinstance(op, AllGather):
+                        sent[op.lane][g] += (n - 1) * mine
+                        recv[op.lane][g] += total - mine
+                    elif isinstance(op, Gather):  # every part into the root
+                        if is_root:
+                            recv[op.lane][g] += total - mine
+                        else:
+                            sent[op.lane][g] += mine
+                    elif is_root:  # Scatter: each part out of the root
+                        sent[op.lane][g] += total - mine
+                    else:
+                        recv[op.lane][g] += mine
                 elif isinstance(op, AllReduce):
                     k = (n - 1) * P if is_root else P
                     sent[op.lane][g] += k
@@ -343,12 +385,13 @@ class Schedule:
         lines = [f"Schedule G={G} R={R} ops={len(self.ops)}"]
         for i, op in enumerate(self.ops):
             kind = ("broadcast" if isinstance(op, Broadcast) else "all_gather"
-                    if isinstance(op, AllGather) else f"all_reduce[{op.op}]"
+                    if isinstance(op, AllGather) else "gather" if isinstance(op, Gather)
+                    else "scatter" if isinstance(op, Scatter) else f"all_reduce[{op.op}]"
                     if isinstance(op, AllReduce) else f"reduce[{op.op}]")
             where = ("every replica" if op.axis == "shard" else f"column s={op.at}"
                      if op.axis == "replicate" else f"ranks {list(op.members)}")
-            role = (f"src={op.src}" if isinstance(op, Broadcast) else f"dst={op.dst}"
-                    if isinstance(op, Reduce) else "")
+            role = (f"src={op.src}" if isinstance(op, (Broadcast, Scatter)) else f"dst={op.dst}"
+                    if isinstance(op, (Reduce, Gather)) else "")
             waits = f" waits={list(op.waits)}" if op.waits else ""
             lines.append(f"  {i:>3} {op.lane:<9} {kind:<12} axis={op.axis:<9} {where:<14} {role:<6} "
                          f"{op.bucket}[{op.offset}:{op.offset + op.numel}] "

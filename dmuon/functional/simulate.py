@@ -14,6 +14,8 @@ topological order). Exact semantics, per group of the op (see :func:`schedule.op
 * ``AllReduce``: every member's range becomes the sum over the members in ``members`` order
   (``avg``: divided by their number), accumulated in the buffer dtype.
 * ``AllGather``: every member's copy of each part ``parts[j]`` becomes member ``j``'s.
+* ``Gather``: the destination's copy of each part ``parts[j]`` becomes member ``j``'s.
+* ``Scatter``: member ``j``'s part ``parts[j]`` becomes the source's copy of it.
 
 Groups of one rank are no-ops. Only ranks that take part in an op need its bucket; a missing bucket
 on a participating rank raises ``KeyError`` saying which.
@@ -30,8 +32,8 @@ import torch
 from torch import Tensor
 
 from dmuon.functional.buckets import BucketKey
-from dmuon.functional.schedule import (AllGather, AllReduce, Broadcast, Reduce, Schedule, op_members,
-                                       op_root_coord)
+from dmuon.functional.schedule import (AllGather, AllReduce, Broadcast, Gather, Reduce, Scatter,
+                                       Schedule, op_members, op_root_coord)
 
 __all__ = ["simulate"]
 
@@ -103,6 +105,14 @@ def simulate(schedule: Schedule, buffers: Sequence[Mapping[BucketKey, Tensor]], 
                 for v in views:
                     for (o, n), part in zip(op.parts, parts):
                         v.narrow(0, o - op.offset, n).copy_(part)
+            elif isinstance(op, Gather):
+                for (o, n), v in zip(op.parts, views):
+                    if v is not root_view:
+                        root_view.narrow(0, o - op.offset, n).copy_(v.narrow(0, o - op.offset, n))
+            elif isinstance(op, Scatter):
+                for (o, n), v in zip(op.parts, views):
+                    if v is not root_view:
+                        v.narrow(0, o - op.offset, n).copy_(root_view.narrow(0, o - op.offset, n))
             elif isinstance(op, AllReduce):
                 acc = _combine(views, op.op)
                 for v in views:

@@ -8,9 +8,12 @@ coordinate) gather their NS inputs to one of them, the *root*, which runs NS on 
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping, Optional, Sequence
 
-__all__ = ["ns_cost", "tp_roots", "tp_step_bytes"]
+from dmuon.functional.buckets import BucketKey
+from dmuon.functional.schedule import Gather, Scatter, Schedule
+
+__all__ = ["ns_cost", "tp_roots", "tp_step_schedule", "tp_step_bytes"]
 
 
 def ns_cost(shape: Sequence[int]) -> int:
@@ -42,23 +45,56 @@ def tp_roots(shapes: Mapping[str, Sequence[int]], parts: int) -> dict[str, int]:
     return roots
 
 
-def tp_step_bytes(shapes: Mapping[str, Sequence[int]], roots: Mapping[str, int], parts: int,
-                  itemsize: Mapping[str, int]) -> list[int]:
-    """Bytes each TP index of one TP group receives per step for the NS of its matrices: the
-    root of a matrix of ``P`` bytes receives ``(T-1)/T P`` (the other slices of the NS input),
-    every other index ``P/T`` (its slice of the result).
+def tp_step_schedule(groups: Sequence[Sequence[int]],
+                     shapes: Sequence[Mapping[str, Sequence[int]]],
+                     dtypes: Mapping[str, str], world_size: int,
+                     roots: Optional[Sequence[Mapping[str, int]]] = None) -> Schedule:
+    """The TP groups' NS gathers and scatters of one step, as a schedule (lane ``"tp"``).
+
+    Each matrix of ``P`` elements is one bucket ``BucketKey("tp:<name>", k, dtype)`` holding the
+    ``T`` slices one after the other (slice ``j`` at ``[j P/T, (j+1) P/T)``: the root concatenates
+    them along the sliced dim); a ``Gather`` to the root (:func:`tp_roots`), then (after NS on
+    the root) a ``Scatter`` from it. The mesh is the world as one shard axis
+    (``shard_size = world_size``), so members are global ranks.
 
     Args:
-      shapes: ``{name: full (M, N)}``.  roots: :func:`tp_roots`'s.  parts: ``T``.
-      itemsize: ``{name: bytes per element}`` of the NS inputs (the master dtype).
+      groups: the TP groups, each its global ranks in TP order (slice ``j`` on ``groups[k][j]``).
+      shapes: per group, ``{name: full (M, N)}`` of the TP-sliced matrices it owns, in model order.
+      dtypes: ``{name: str(torch dtype)}`` of the NS inputs (the master dtype).
+      world_size: ranks of the world.
+      roots: per group, ``{name: root TP index}`` (default: :func:`tp_roots`).
+    """
+    ops: list = []
+    for k, (members, mats) in enumerate(zip(groups, shapes)):
+        T = len(members)
+        root = tp_roots(mats, T) if roots is None else roots[k]
+        for n, shape in mats.items():
+            m, c = (int(d) for d in shape)
+            numel, piece = m * c, m * c // T
+            key = BucketKey(f"tp:{n}", k, dtypes[n])
+            parts = tuple((j * piece, piece) for j in range(T))
+            common = dict(axis="group", at=None, bucket=key, offset=0, numel=numel,
+                          dtype=dtypes[n], lane="tp", members=tuple(int(x) for x in members),
+                          parts=parts)
+            gid = f"tp-gather|{k}|{n}"
+            ops.append(Gather(id=gid, dst=root[n], **common))
+            ops.append(Scatter(id=f"tp-scatter|{k}|{n}", src=root[n], waits=(gid,), **common))
+    return Schedule(ops=tuple(ops), shard_size=int(world_size), replicate_size=1)
+
+
+def tp_step_bytes(shapes: Mapping[str, Sequence[int]], roots: Mapping[str, int], parts: int,
+                  dtypes: Mapping[str, str]) -> list[int]:
+    """Bytes each TP index of one TP group receives per step for the NS of its matrices, from
+    :func:`tp_step_schedule`'s accounting: the root of a matrix of ``P`` bytes receives
+    ``(T-1)/T P`` (the other slices of the NS input), every other index ``P/T`` (its slice of
+    the result).
+
+    Args:
+      shapes: ``{name: full (M, N)}``.  roots: ``{name: root TP index}`` (:func:`tp_roots`).
+      parts: ``T``.  dtypes: ``{name: str(torch dtype)}`` of the NS inputs.
 
     Returns:
       ``[bytes received by TP index t for t in range(T)]``.
     """
-    out = [0] * parts
-    for n, shape in shapes.items():
-        m, k = (int(d) for d in shape)
-        piece = m * k // parts * int(itemsize[n])
-        for t in range(parts):
-            out[t] += piece * (parts - 1) if t == roots[n] else piece
-    return out
+    tr = tp_step_schedule([list(range(parts))], [shapes], dtypes, parts, roots=[roots]).traffic()
+    return [tr.rank_received(t) for t in range(parts)]

@@ -17,8 +17,10 @@ are the ranks of one dp coordinate ``(s, r)``, which form one TP group.
   (``W``'s *root*, chosen to balance NS work over the TP group), which runs NS on the assembled
   matrix and scatters each owner its slice of the result (:class:`TPStep`). The shape scale is the
   full matrix's. Per step and matrix: ``(T-1)/T P`` into the root and ``(T-1)/T P`` out of it
-  (:func:`dmuon.functional.tp_plan.tp_step_bytes`; the roots:
-  :func:`~dmuon.functional.tp_plan.tp_roots`).
+  (the plan: :func:`dmuon.functional.tp_plan.tp_roots`; the ops as a schedule on lane ``"tp"``,
+  simulated and byte-counted like dmuon's others: :func:`~dmuon.functional.tp_plan.tp_step_schedule`,
+  :func:`~dmuon.functional.tp_plan.tp_step_bytes`; :class:`TPStep` runs them with torch's
+  ``gather`` / ``scatter`` on the TP group).
 
 Moving the full matrix to one owner that hands TP ranks their slices in the forward broadcast
 instead would send ``~G P`` over the owner's link per forward (``G T - 1`` slice transfers) and
