@@ -35,6 +35,24 @@ def test_tp_clip_with_a_dedicated_matrix_without_tp():
     _check(cfg, run_ranks(run, 4, cfg, timeout=120))
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "a TP-sliced dedicated weight read outside its own module's forward (here by the parent "
+    "block: a norm regularizer) is dmuon's plain local slice, not the DTensor plain TP shows "
+    "there: |W| is the slice's norm, so loss and gradients differ (rel. 1.7e-2 in up_proj after "
+    "3 steps). tensor_parallel.py: localize_tp_params (~l.190) makes the attribute a plain "
+    "Parameter; TPForward (~l.205-240) swaps the DTensor in only around the module's own "
+    "forward"))
+def test_tp_weight_read_by_the_parent_module():
+    """``w = block.mlp.up_proj.weight; w = w.full_tensor()`` in the block's forward (as under
+    plain TP, where it is a DTensor), loss + 1e-2 |w|: loss and weights as on one device."""
+    cfg = {"model": "reg"}
+    results = run_ranks(run, 4, cfg, timeout=120)
+    ref = reference(cfg)
+    means = [sum(r["losses"][k] for r in results) / 4 for k in range(len(ref["losses"]))]
+    assert max(abs(a - b) for a, b in zip(means, ref["losses"])) <= 1e-10, (means, ref["losses"])
+    _check(cfg, results)
+
+
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason=(
     "the blocks are TP'd but the attention matrices are not (TP on the MLP only): they are "
@@ -92,6 +110,8 @@ WORKING = [
     {"accum": 2, "accum_sync": True},     # accumulation without no_sync (reduce every micro-batch)
     {"accum": 2, "ckpt": True, "z3": False, "boundary": "sub"},  # no_sync + ckpt + sub hooks
     {"ckpt": True, "boundary": "sub"},
+    {"ckpt": "reentrant"},                # reentrant activation checkpointing
+    {"model": "reg", "reg_kind": "sq"},   # |W|^2 of a slice read by the parent: separable, right
     {"sp": True, "pred": "lm_head", "clip": 0.5},  # SequenceParallel norms, Shard(1) activations
     {"sp": True, "order": "B"},
     {"hsdp3": True, "clip": 0.5},         # (replicate 2, shard 1, tp 2): shard + replicate_mesh

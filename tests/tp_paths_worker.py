@@ -91,6 +91,31 @@ def batches(cfg: dict) -> list:
     return bs
 
 
+class RegLlama(TinyLlama):
+    """The loss plus ``1e-2 |layers.0.mlp.up_proj.weight|`` (Frobenius norm; ``reg_kind =
+    "sq"``: its square), the weight read inside the block's forward, outside ``up_proj``'s own
+    (as its full tensor when TP made it a DTensor, as plain TP does)."""
+
+    def __init__(self, **kw):
+        super().__init__(**kw)
+        self.layers[0].__class__ = RegBlock
+
+    def forward(self, ids):
+        self.layers[0].reg = None
+        loss = super().forward(ids)
+        return loss + 1e-2 * self.layers[0].reg
+
+
+class RegBlock(Block):
+    reg_kind = "norm"
+
+    def forward(self, x):
+        w = self.mlp.up_proj.weight
+        w = w.full_tensor() if hasattr(w, "full_tensor") else w
+        self.reg = w.norm() if self.reg_kind == "norm" else w.pow(2).sum()
+        return super().forward(x)
+
+
 class LossParallelLlama(TinyLlama):
     """``lm_head`` ColwiseParallel with ``Shard(-1)`` DTensor logits: the loss under
     ``loss_parallel()`` (the caller runs backward inside it too)."""
@@ -124,7 +149,8 @@ class FullLogitsLlama(TinyLlama):
 def build_model(cfg: dict, seed: int = 0) -> nn.Module:
     """The fp64 model of ``cfg`` with the same weights on every process."""
     cls = {"reuse": ReuseLlama, "full_logits": FullLogitsLlama, "skip": SkipLlama,
-           "loss_parallel": LossParallelLlama, "routed": RoutedLlama}.get(cfg.get("model"), TinyLlama)
+           "loss_parallel": LossParallelLlama, "routed": RoutedLlama,
+           "reg": RegLlama}.get(cfg.get("model"), TinyLlama)
     gen = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = cls(checkpointing=cfg.get("ckpt", False))
@@ -261,6 +287,7 @@ def run(rank: int, world: int, cfg: dict) -> dict:
     mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
           if cfg.get("mp") else MixedPrecisionPolicy())
     model = build_model(cfg, seed=5 if cfg.get("load_plain") else 0)
+    RegBlock.reg_kind = cfg.get("reg_kind", "norm")
     if cfg.get("frozen"):  # a frozen TP matrix
         model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
     pred = predicate_of(cfg)
@@ -292,7 +319,7 @@ def run(rank: int, world: int, cfg: dict) -> dict:
         if cfg.get("model") == "skip":
             model.skip = step == 1
         if cfg.get("eval"):
-            with torch.no_grad():
+            with torch.inference_mode() if cfg["eval"] == "inference" else torch.no_grad():
                 model(local)
         tot = 0.0
         for i, mb in enumerate(local.chunk(accum)):
@@ -343,6 +370,7 @@ def reference(cfg: dict) -> dict:
     from dmuon.functional import muon as fmuon
 
     model = build_model(cfg)
+    RegBlock.reg_kind = cfg.get("reg_kind", "norm")
     if cfg.get("frozen"):
         model.layers[0].self_attn.q_proj.weight.requires_grad_(False)
     pred = predicate_of(cfg)
