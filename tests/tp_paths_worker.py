@@ -116,22 +116,6 @@ class RegBlock(Block):
         return super().forward(x)
 
 
-class LossParallelLlama(TinyLlama):
-    """``lm_head`` ColwiseParallel with ``Shard(-1)`` DTensor logits: the loss under
-    ``loss_parallel()`` (the caller runs backward inside it too)."""
-
-    def forward(self, ids):
-        x = self.embed_tokens(ids[:, :-1])
-        for layer in self.layers:
-            x = layer(x)
-        logits = self.lm_head(self.norm(x))
-        if hasattr(logits, "full_tensor"):
-            from torch.distributed.tensor.parallel import loss_parallel
-            with loss_parallel():
-                return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].reshape(-1))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
 class FullLogitsLlama(TinyLlama):
     """``lm_head`` output may be a DTensor (ColwiseParallel, use_local_output=False): the loss is
     computed on its ``full_tensor()``."""
@@ -149,7 +133,7 @@ class FullLogitsLlama(TinyLlama):
 def build_model(cfg: dict, seed: int = 0) -> nn.Module:
     """The fp64 model of ``cfg`` with the same weights on every process."""
     cls = {"reuse": ReuseLlama, "full_logits": FullLogitsLlama, "skip": SkipLlama,
-           "loss_parallel": LossParallelLlama, "routed": RoutedLlama,
+           "routed": RoutedLlama,
            "reg": RegLlama}.get(cfg.get("model"), TinyLlama)
     gen = torch.random.get_rng_state()
     torch.manual_seed(seed)
@@ -202,10 +186,6 @@ def apply_tp(model, tp_mesh, cfg: dict) -> None:
         parallelize_module(layer, tp_mesh, plan)
     if cfg.get("tp_lm_head") == "replicate_out":
         parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(output_layouts=Replicate())})
-    elif cfg.get("tp_lm_head") == "shard_out":  # loss_parallel
-        from torch.distributed.tensor import Shard
-        parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(
-            output_layouts=Shard(-1), use_local_output=False)})
     elif cfg.get("tp_lm_head") == "dtensor_out":
         parallelize_module(model, tp_mesh, {"lm_head": ColwiseParallel(use_local_output=False)})
 
@@ -325,11 +305,7 @@ def run(rank: int, world: int, cfg: dict) -> dict:
         for i, mb in enumerate(local.chunk(accum)):
             ctx = (contextlib.nullcontext() if i == accum - 1 or cfg.get("accum_sync")
                    else dmuon.no_sync(model))
-            lp = contextlib.nullcontext()
-            if cfg.get("model") == "loss_parallel":
-                from torch.distributed.tensor.parallel import loss_parallel
-                lp = loss_parallel()
-            with ctx, lp:
+            with ctx:
                 loss = model(mb) / accum
                 loss.backward()
             tot += float(loss.detach())
