@@ -22,11 +22,6 @@ def _check(cfg: dict, results: list) -> None:
             assert diff <= 1e-10, (cfg, r, out["norms"], ref["norms"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "dmuon.clip_grad_norm_ counts a dedicated matrix without TP (here lm_head, dedicated in every "
-    "TP index's grid) once per TP index: the total norm is sqrt(|g|^2 + (T-1)|g_lm_head|^2), so "
-    "clipping scales every gradient too little (grad_clip.py: the reduced grads are added with "
-    "replication 1)"))
 def test_tp_clip_with_a_dedicated_matrix_without_tp():
     """lm_head selected by the predicate but not parallelized, TP on the blocks, then
     dmuon.clip_grad_norm_ every step: the norm and the weights equal torch's clip of the
@@ -35,13 +30,6 @@ def test_tp_clip_with_a_dedicated_matrix_without_tp():
     _check(cfg, run_ranks(run, 4, cfg, timeout=120))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a TP-sliced dedicated weight read outside its own module's forward (here by the parent "
-    "block: a norm regularizer) is dmuon's plain local slice, not the DTensor plain TP shows "
-    "there: |W| is the slice's norm, so loss and gradients differ (rel. 1.7e-2 in up_proj after "
-    "3 steps). tensor_parallel.py: localize_tp_params (~l.190) makes the attribute a plain "
-    "Parameter; TPForward (~l.205-240) swaps the DTensor in only around the module's own "
-    "forward"))
 def test_tp_weight_read_by_the_parent_module():
     """``w = block.mlp.up_proj.weight; w = w.full_tensor()`` in the block's forward (as under
     plain TP, where it is a DTensor), loss + 1e-2 |w|: loss and weights as on one device."""
@@ -54,10 +42,6 @@ def test_tp_weight_read_by_the_parent_module():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "the blocks are TP'd but the attention matrices are not (TP on the MLP only): they are "
-    "dedicated in every TP index's grid and dmuon.clip_grad_norm_ counts them T times "
-    "(grad_clip.py, as above)"))
 def test_tp_clip_with_only_the_mlp_parallelized():
     cfg = {"tp_only_mlp": True, "clip": 0.5}
     _check(cfg, run_ranks(run, 4, cfg, timeout=120))

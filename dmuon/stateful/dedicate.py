@@ -431,7 +431,8 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
         guard_fsdp_mode(model)
     register_hooks(model, st)
     if layouts:  # after the group hooks: a module sees its gathered slice as TP's DTensor
-        st.tp_forward = TPForward(model, layouts)
+        st.tp_forward = TPForward(model, layouts, st.group_of,
+                                  {k: g.module for k, g in st.groups.items()})
     register_state_dict_hooks(model, st)
     guard_module_apply(model, list(chosen.values()))
     setattr(model, STATE_ATTR, st)

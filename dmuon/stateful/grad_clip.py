@@ -48,9 +48,11 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     p = float(norm_type)
     dedicated = set(rt.params.values())
     pieces: list[tuple[torch.Tensor, int]] = []
-    for g in reduced.values():
+    # with TP, a matrix TP does not shard is owned once in every TP index's grid: count it once
+    tp = rt.mesh_groups.tp_size
+    for n, g in reduced.items():
         if g is not None:
-            pieces.append((g, 1))
+            pieces.append((g, tp if tp > 1 and n not in rt.tp_layouts else 1))
     for prm in model.parameters():
         if prm in dedicated or prm.grad is None:
             continue

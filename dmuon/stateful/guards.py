@@ -166,6 +166,28 @@ class DedicatedPlaceholder(nn.Parameter):
             f"{_hint(name, func)}." + patch)
 
 
+class TPSliceGuard(nn.Parameter):
+    """The class of a tensor-parallel dedicated param that holds its gathered TP slice outside
+    the forward of its hook group (Z2, the root group): ops on its values raise, since TP code
+    there would silently compute on the local slice instead of TP's DTensor
+    (:mod:`dmuon.stateful.tensor_parallel`)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        if name in _ALLOWED:
+            return _call_plain(func, args, kwargs)
+        p = _first(TPSliceGuard, args, kwargs)
+        raise DedicatedParamError(
+            f"dmuon: torch's {name!r} was applied to the tensor-parallel dedicated param "
+            f"{getattr(p, '_dmuon_name', '?')!r} outside the forward of its hook group: there it "
+            "holds only this rank's TP slice as a plain tensor (TP's DTensor exists inside that "
+            "forward), so it would silently compute on the slice. Read it inside the forward of "
+            "its hook-boundary module (dedicate_params(hook_boundary_predicate=...) can widen "
+            "it), or use dmuon.get_model_state_dict for its full value.")
+
+
 class DedicatedGradMarker(torch.Tensor):
     """The ``.grad`` of a dedicated param whose gradient dmuon holds (see module docstring)."""
 
@@ -199,14 +221,20 @@ class DedicatedGradMarker(torch.Tensor):
 
 def to_placeholder(p: nn.Parameter) -> None:
     """Mark ``p`` (now a zero-size placeholder) so that ops on its values raise."""
-    if type(p) is nn.Parameter:
+    if type(p) in (nn.Parameter, TPSliceGuard):
         p.__class__ = DedicatedPlaceholder
 
 
 def to_plain(p: nn.Parameter) -> None:
     """Make ``p`` a plain ``nn.Parameter`` again (it is gathered: forward / backward use it)."""
-    if type(p) is DedicatedPlaceholder:
+    if type(p) in (DedicatedPlaceholder, TPSliceGuard):
         p.__class__ = nn.Parameter
+
+
+def to_tp_slice_guard(p: nn.Parameter) -> None:
+    """Mark a gathered TP slice outside its group's forward (:class:`TPSliceGuard`)."""
+    if type(p) is nn.Parameter:
+        p.__class__ = TPSliceGuard
 
 
 def make_marker(p: nn.Parameter, name: str, drop: Optional[Callable[[], None]],

@@ -197,46 +197,61 @@ def localize_tp_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
 
 
 class TPForward:
-    """Forward hooks that show each TP-sliced dedicated param to its module as the DTensor TP made
-    (``DTensor.from_local`` of the gathered slice; differentiable, so the slice's gradient arrives
-    at the plain param) for the module's own forward, and the plain slice again afterwards."""
+    """Hooks that show each TP-sliced dedicated param as the DTensor TP made
+    (``DTensor.from_local`` of its gathered slice; differentiable, so the slice's gradient
+    arrives at the plain param) for the whole forward of its *hook group's* module, so code
+    anywhere in that forward (the module's own, or an ancestor inside the boundary reading
+    ``self.mlp.up_proj.weight``) sees TP's DTensor. After that forward the module holds the
+    plain param again; a gathered slice there (Z2, the root group) is a
+    :class:`~dmuon.stateful.guards.TPSliceGuard`, whose value reads raise.
 
-    def __init__(self, model: nn.Module, layouts: Mapping[str, TPLayout]):
+    Registered after dmuon's group hooks (so the group is gathered first, and the swap is undone
+    after the group's own post-forward)."""
+
+    def __init__(self, model: nn.Module, layouts: Mapping[str, TPLayout],
+                 group_of: Mapping[str, str], group_modules: Mapping[str, nn.Module]):
         self.layouts = dict(layouts)
-        by_module: dict[str, list[tuple[str, str]]] = {}
+        by_group: dict[str, list[tuple[nn.Module, str, str]]] = {}
         for n in layouts:
             mod_name, _, leaf = n.rpartition(".")
-            by_module.setdefault(mod_name, []).append((leaf, n))
+            owner = model.get_submodule(mod_name) if mod_name else model
+            by_group.setdefault(group_of[n], []).append((owner, leaf, n))
         self.handles = []
-        for mod_name, leaves in by_module.items():
-            module = model.get_submodule(mod_name) if mod_name else model
-            self.handles.append(module.register_forward_pre_hook(self._pre(leaves)))
-            self.handles.append(module.register_forward_hook(self._post(leaves), always_call=True))
+        for key, slots in by_group.items():
+            module = group_modules[key]
+            self.handles.append(module.register_forward_pre_hook(self._pre(slots)))
+            self.handles.append(module.register_forward_hook(self._post(slots), always_call=True))
 
-    def _pre(self, leaves: list[tuple[str, str]]) -> Callable:
+    def _pre(self, slots: list[tuple[nn.Module, str, str]]) -> Callable:
         from torch.distributed.tensor import DTensor
+
+        from dmuon.stateful.guards import to_plain
 
         @torch.compiler.disable
         def hook(module: nn.Module, args: Any) -> None:
-            stash = module.__dict__.setdefault("_dmuon_tp_plain", {})
-            for leaf, n in leaves:
-                plain = module._parameters[leaf]
+            for owner, leaf, n in slots:
+                plain = owner._parameters[leaf]
                 if _is_dtensor(plain):  # re-entered (activation checkpointing): already shown
                     continue
                 lay = self.layouts[n]
-                stash[leaf] = plain
-                module._parameters[leaf] = DTensor.from_local(
+                owner.__dict__.setdefault("_dmuon_tp_plain", {})[leaf] = plain
+                to_plain(plain)
+                owner._parameters[leaf] = DTensor.from_local(
                     plain, lay.mesh, lay.placements, run_check=False, shape=torch.Size(lay.shape),
                     stride=lay.stride)
         return hook
 
-    def _post(self, leaves: list[tuple[str, str]]) -> Callable:
+    def _post(self, slots: list[tuple[nn.Module, str, str]]) -> Callable:
+        from dmuon.stateful.guards import to_tp_slice_guard
+
         @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            stash = module.__dict__.get("_dmuon_tp_plain", {})
-            for leaf, _ in leaves:
-                if leaf in stash:
-                    module._parameters[leaf] = stash.pop(leaf)
+            for owner, leaf, _ in slots:
+                plain = owner.__dict__.get("_dmuon_tp_plain", {}).pop(leaf, None)
+                if plain is not None:
+                    owner._parameters[leaf] = plain
+                    if plain.numel() > 0:  # still gathered: reads outside the window raise
+                        to_tp_slice_guard(plain)
         return hook
 
 
