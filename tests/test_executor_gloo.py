@@ -92,7 +92,8 @@ def _check_equal(got, want, exact):
             torch.testing.assert_close(g[defined], w[defined], rtol=1e-13, atol=1e-15)
 
 
-@pytest.mark.parametrize("G,R,seed", [(2, 1, 0), (4, 1, 1), (2, 2, 2)])
+@pytest.mark.parametrize("G,R,seed", [pytest.param(2, 1, 0, marks=pytest.mark.slow),
+                                       pytest.param(4, 1, 1, marks=pytest.mark.slow), (2, 2, 2)])
 def test_gloo_executor_matches_simulator(G, R, seed):
     layout, _, _, _ = random_layout(seed, G=G, R=R, n_layers=2)
     W = G * R

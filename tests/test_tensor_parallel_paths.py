@@ -105,6 +105,7 @@ WORKING = [
 ]
 
 
+@pytest.mark.slow
 def test_tp_paths_that_work_fast():
     results = run_ranks(run_many, 4, WORKING_FAST, timeout=120)
     _check_group(WORKING_FAST, results)
