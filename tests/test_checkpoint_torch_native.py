@@ -94,7 +94,8 @@ def _native(rank, world, cfg, tmp):
     return out
 
 
-@pytest.mark.parametrize("world,cfg", [(2, {}), (4, {"hsdp": True})])
+@pytest.mark.parametrize("world,cfg", [(2, {}), pytest.param(4, {"hsdp": True},
+                                                               marks=pytest.mark.slow)])
 def test_torch_native_model_state_dicts(tmp_path, world, cfg):
     res = run_ranks(_native, world, cfg, str(tmp_path), timeout=120)
     for rank, r in enumerate(res):

@@ -147,6 +147,7 @@ def _check(results, orders, world):
         assert sent == pytest.approx(want, rel=1e-12), (oid, sent, P, F)
 
 
+@pytest.mark.slow
 def test_compiled_layers_equal_reference():
     results = run_ranks(_worker, 2, ORDERS, timeout=120)
     _check(results, ORDERS, 2)

@@ -113,6 +113,7 @@ def test_equality_world1():
     _check(results, CONFIGS_1, 1)
 
 
+@pytest.mark.slow
 def test_equality_world4():
     results = run_ranks(_worker, 4, CONFIGS_4, timeout=120)
     _check(results, CONFIGS_4, 4)
