@@ -197,7 +197,7 @@ class Muon(torch.optim.Optimizer):
             mg = rt.mesh_groups
             self._tp = TPStep(rt.tp_layouts, rt.owned_names, group=mg.tp_group,
                               ranks=mg.tp_ranks, index=mg.tp_index, all_names=rt.names,
-                              control=mg.control)
+                              control=mg.control, device=rt.device)
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 

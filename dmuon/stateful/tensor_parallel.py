@@ -268,7 +268,7 @@ class TPStep:
 
     def __init__(self, layouts: Mapping[str, TPLayout], owned: Sequence[str], *, group: Any,
                  ranks: Sequence[int], index: int, all_names: Sequence[str] = (),
-                 control: Any = None):
+                 control: Any = None, device: Any = "cpu"):
         self.layouts = dict(layouts)
         self.names = tuple(n for n in owned if n in self.layouts)
         # matrices without TP, dedicated in every TP index's grid: their gradients must agree
@@ -276,6 +276,7 @@ class TPStep:
         self.replicated = tuple(n for n in owned if n not in self.layouts)
         self.check_replicated = any(n not in self.layouts for n in all_names)
         self.control = control
+        self.device = torch.device(device)  # of the small agreement tensors (NCCL: CUDA)
         self.group, self.ranks, self.index = group, tuple(ranks), int(index)
         self.T = len(self.ranks)
         # the NS root of each matrix (the plan's: dmuon.functional.tp_plan)
@@ -291,7 +292,7 @@ class TPStep:
         the full gradient), so every owner joins the same gathers."""
         out = dict(grads)
         if self.names or self.replicated:
-            dev = next(iter(masters.values())).device
+            dev = self.device
             sums = [(-1.0 if grads.get(n) is None else
                      float(grads[n].detach().abs().sum(dtype=torch.float64)))
                     for n in self.replicated]
@@ -309,14 +310,13 @@ class TPStep:
         else:
             bad = []
         if self.check_replicated:
-            self._agree_replicated(bad, next(iter(masters.values())).device if masters else None)
+            self._agree_replicated(bad)
         return out
 
-    def _agree_replicated(self, bad: list[str], dev: Any) -> None:
+    def _agree_replicated(self, bad: list[str]) -> None:
         """Raise on every rank if any TP group's ranks hold different gradients of a matrix
         without TP (its inputs differ across the TP group: it would be updated differently)."""
-        flag = torch.tensor([float(bool(bad))], dtype=torch.float64,
-                            device=dev if dev is not None else "cpu")
+        flag = torch.tensor([float(bool(bad))], dtype=torch.float64, device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
         if flag.item() > 0:
             here = f" (here: {bad[:4]})" if bad else ""
