@@ -151,7 +151,7 @@ class DedicatedPlaceholder(nn.Parameter):
         p = _first(DedicatedPlaceholder, args, kwargs)
         pname = getattr(p, "_dmuon_name", "?")
         owner = getattr(p, "_dedicated_owner_rank", "?")
-        from dmuon.stateful.tensor_parallel import from_dtensor_api, tp_error
+        from dmuon.stateful.tp_errors import from_dtensor_api, tp_error
         if from_dtensor_api():
             raise tp_error(pname, owner)
         from dmuon.stateful.fsdp_patch import is_installed

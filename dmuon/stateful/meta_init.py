@@ -133,7 +133,7 @@ class DedicatedUninit(nn.Parameter):
         if info is None:  # pragma: no cover - a stray subclass instance
             return _plain(func, args, kwargs)
         if name not in _PASS:
-            from dmuon.stateful.tensor_parallel import from_dtensor_api, tp_error
+            from dmuon.stateful.tp_errors import from_dtensor_api, tp_error
             if from_dtensor_api():  # TP after dedicate_params: raise on holders and others alike
                 raise tp_error(info.name, info.owner)
         if name == "empty_like" and args and args[0] is me and _from_to_empty():
