@@ -30,6 +30,7 @@ def test_tp_clip_with_a_dedicated_matrix_without_tp():
     _check(cfg, run_ranks(run, 4, cfg, timeout=120))
 
 
+@pytest.mark.slow
 def test_tp_weight_read_by_the_parent_module():
     """``w = block.mlp.up_proj.weight; w = w.full_tensor()`` in the block's forward (as under
     plain TP, where it is a DTensor), loss + 1e-2 |w|: loss and weights as on one device."""
