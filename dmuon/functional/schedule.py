@@ -60,19 +60,13 @@ publish another ``(R-1)*P``. Groups of one rank move nothing (executors issue no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Literal, Mapping, NamedTuple, Sequence, Union
+from typing import Iterator, Mapping, NamedTuple, Sequence
 
 from dmuon.functional.buckets import BucketKey, BucketLayout, dtype_itemsize
+from dmuon.functional.schedule_ops import (  # the ops, re-exported here
+    GROUP_LANES, LANE_AXIS, AllGather, AllReduce, Axis, Broadcast, Gather, Lane, Op, Reduce, Scatter,
+    op_members, op_root_coord)
 from dmuon.functional.traffic import LANES, Traffic
-
-Axis = Literal["shard", "replicate", "group"]
-Lane = Literal["unshard", "reduce", "replicate", "split", "tp"]
-LANE_AXIS: Mapping[str, str] = {"unshard": "shard", "reduce": "shard", "replicate": "replicate"}
-#: Lanes of explicit-group ops, planned and simulated, not run by the executor: ``"split"`` (split
-#: Newton–Schulz), ``"tp"`` (the TP group's NS gather / scatter, :mod:`dmuon.functional.tp_plan`;
-#: run by :class:`dmuon.stateful.tensor_parallel.TPStep`).
-GROUP_LANES: Mapping[str, str] = {"split": "group", "tp": "group"}
-_ALL_LANE_AXIS: Mapping[str, str] = {**LANE_AXIS, **GROUP_LANES}
 
 __all__ = [
     "Axis", "Lane", "LANES", "LANE_AXIS", "GROUP_LANES", "Broadcast", "Reduce", "AllReduce",
@@ -80,183 +74,6 @@ __all__ = [
     "StepSchedules", "unshard_schedule", "reduce_schedule", "publish_schedule",
     "build_step_schedules", "schedule_traffic", "step_traffic", "op_members", "op_root_coord",
 ]
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Collective:
-    id: str
-    axis: str
-    at: int | None
-    bucket: BucketKey
-    offset: int
-    numel: int
-    dtype: str
-    lane: str
-    waits: tuple[str, ...] = ()
-    members: tuple[int, ...] | None = None
-
-    def __post_init__(self) -> None:
-        if self.axis not in ("shard", "replicate", "group"):
-            raise ValueError(f"op {self.id}: axis must be 'shard', 'replicate' or 'group', "
-                             f"got {self.axis!r}")
-        if _ALL_LANE_AXIS.get(self.lane) != self.axis:
-            raise ValueError(f"op {self.id}: lane {self.lane!r} does not run on axis {self.axis!r}; "
-                             f"lanes and axes: {dict(_ALL_LANE_AXIS)}")
-        if self.axis == "group":
-            m = self.members
-            if (self.at is not None or m is None or not m or len(set(m)) != len(m)
-                    or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in m)):
-                raise ValueError(f"op {self.id}: a group op needs at=None and members = distinct "
-                                 f"global ranks (>= 0), got at={self.at!r}, members={m!r}")
-        elif self.members is not None:
-            raise ValueError(f"op {self.id}: members are for axis 'group' only")
-        elif (self.axis == "shard") != (self.at is None):
-            raise ValueError(f"op {self.id}: shard-axis ops run in every replica (at=None); "
-                             f"replicate-axis ops need the column index `at`")
-        if self.offset < 0 or self.numel < 0:
-            raise ValueError(f"op {self.id}: negative offset/numel")
-        if self.dtype != self.bucket.dtype:
-            raise ValueError(f"op {self.id}: dtype {self.dtype} differs from its bucket's "
-                             f"{self.bucket.dtype}")
-
-    @property
-    def nbytes(self) -> int:
-        """Payload bytes of the op (``numel * itemsize``)."""
-        return self.numel * dtype_itemsize(self.dtype)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Broadcast(_Collective):
-    """Broadcast ``bucket[offset:offset+numel]`` from index ``src`` along ``axis`` (see module doc)."""
-
-    src: int
-
-    @property
-    def root(self) -> int:
-        return self.src
-
-
-@dataclass(frozen=True, kw_only=True)
-class Reduce(_Collective):
-    """Reduce ``bucket[offset:offset+numel]`` to index ``dst`` along ``axis`` with ``op``.
-
-    ``op="avg"``: the destination gets the mean over the group's ranks. Non-destination buffers are
-    undefined afterwards (the simulator fills them with NaN).
-    """
-
-    dst: int
-    op: str = "avg"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.op not in ("avg", "sum"):
-            raise ValueError(f"op {self.id}: reduce op must be 'avg' or 'sum', got {self.op!r}")
-
-    @property
-    def root(self) -> int:
-        return self.dst
-
-
-@dataclass(frozen=True, kw_only=True)
-class AllReduce(_Collective):
-    """Every member's ``bucket[offset:offset+numel]`` becomes the sum (``op="sum"``) or mean
-    (``"avg"``) over the members (explicit group: ``axis="group"``, lane ``"split"``).
-
-    Bytes are counted as a reduce to ``members[0]`` followed by a broadcast from it (module doc).
-    """
-
-    op: str = "sum"
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.axis != "group":
-            raise ValueError(f"op {self.id}: AllReduce runs on an explicit group (axis='group')")
-        if self.op not in ("avg", "sum"):
-            raise ValueError(f"op {self.id}: reduce op must be 'avg' or 'sum', got {self.op!r}")
-
-    @property
-    def root(self) -> int:
-        return 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Parts(_Collective):
-    """An explicit-group op whose member ``j`` owns ``parts[j] = (offset, numel)`` of the bucket
-    (disjoint, inside ``[offset, offset + numel)``)."""
-
-    parts: tuple[tuple[int, int], ...]
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.axis != "group":
-            raise ValueError(f"op {self.id}: {type(self).__name__} runs on an explicit group "
-                             "(axis='group')")
-        parts = tuple((int(o), int(n)) for o, n in self.parts)
-        object.__setattr__(self, "parts", parts)
-        if len(parts) != len(self.members):
-            raise ValueError(f"op {self.id}: {len(parts)} parts for {len(self.members)} members")
-        spans = sorted(p for p in parts if p[1] > 0)
-        for (o1, n1), (o2, _) in zip(spans, spans[1:]):
-            if o1 + n1 > o2:
-                raise ValueError(f"op {self.id}: parts overlap: {parts}")
-        if any(o < self.offset or n < 0 or o + n > self.offset + self.numel for o, n in parts):
-            raise ValueError(f"op {self.id}: parts {parts} leave [{self.offset}, "
-                             f"{self.offset + self.numel})")
-
-
-@dataclass(frozen=True, kw_only=True)
-class AllGather(_Parts):
-    """Member ``j`` contributes ``parts[j]``; afterwards every member holds all parts."""
-
-    @property
-    def root(self) -> int:
-        return 0
-
-
-@dataclass(frozen=True, kw_only=True)
-class Gather(_Parts):
-    """Member ``j`` contributes ``parts[j]``; afterwards member ``dst`` (an index into
-    ``members``) holds all parts; the others' buffers are unchanged."""
-
-    dst: int
-
-    @property
-    def root(self) -> int:
-        return self.dst
-
-
-@dataclass(frozen=True, kw_only=True)
-class Scatter(_Parts):
-    """Member ``src`` holds every part; afterwards member ``j`` holds ``parts[j]`` (its copy of
-    the other parts unchanged)."""
-
-    src: int
-
-    @property
-    def root(self) -> int:
-        return self.src
-
-
-Op = Union[Broadcast, Reduce, AllReduce, AllGather, Gather, Scatter]
-
-
-def op_members(op: Op, shard_size: int, replicate_size: int) -> list[list[tuple[int, int]]]:
-    """The groups that execute ``op``: a list of groups, each a list of ``(s, r)`` in axis order.
-
-    Shard axis: R groups ``[(0, r), ..., (G-1, r)]``; replicate axis: one group
-    ``[(at, 0), ..., (at, R-1)]``; explicit group: one group, the members' coordinates
-    ``(g % G, g // G)`` in ``members`` order.
-    """
-    if op.axis == "shard":
-        return [[(s, r) for s in range(shard_size)] for r in range(replicate_size)]
-    if op.axis == "group":
-        return [[(g % shard_size, g // shard_size) for g in op.members]]
-    return [[(op.at, r) for r in range(replicate_size)]]
-
-
-def op_root_coord(op: Op, group: Sequence[tuple[int, int]]) -> tuple[int, int]:
-    """The root ``(s, r)`` of ``op`` inside one of its groups (index ``op.root`` along the axis)."""
-    return group[op.root]
 
 
 # ---------------------------------------------------------------------------------------------

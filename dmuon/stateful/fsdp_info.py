@@ -10,9 +10,10 @@ from typing import Any, Optional
 
 import torch.nn as nn
 
-from dmuon.stateful.compat import fsdp_mesh, fsdp_mp_policy, fsdp_param_groups, fsdp_state
+from dmuon.stateful.compat import (fsdp_divide_factor, fsdp_mesh, fsdp_mp_policy,
+                                   fsdp_param_groups, fsdp_state)
 
-__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_meshes", "reduce_unused_fsdp_params"]
+__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "mean_to_fsdp_scale", "fsdp_meshes", "reduce_unused_fsdp_params"]
 
 
 def has_fsdp_state(model: nn.Module) -> list[str]:
@@ -41,6 +42,14 @@ def find_fsdp_state(model: Optional[nn.Module], module: nn.Module) -> Any:
         if st is not None:
             return st
     return None
+
+
+def mean_to_fsdp_scale(state: Any, ranks: int) -> Optional[float]:
+    """The factor that turns a mean over ``ranks`` data-parallel ranks into what FSDP2 gives the
+    params of ``state`` (``set_gradient_divide_factor(f)``, torchtitan's 1.0: the sum / ``f``);
+    ``None`` when that is the mean itself."""
+    f = fsdp_divide_factor(state)
+    return None if f is None or f == ranks else ranks / f
 
 
 def fsdp_meshes(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:

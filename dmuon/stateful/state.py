@@ -39,7 +39,8 @@ import torch.nn as nn
 
 from dmuon.functional.buckets import HookGroups, bucket_layout
 from dmuon.functional.policy import resolve_group_dtypes
-from dmuon.stateful.compat import fsdp_divide_factor, queue_backward_callback
+from dmuon.stateful.compat import fsdp_mp_policy, queue_backward_callback
+from dmuon.stateful.fsdp_info import find_fsdp_state, mean_to_fsdp_scale
 from dmuon.stateful.executor import Executor
 from dmuon.stateful.fsdp_patch import check_not_taken_over
 from dmuon.stateful.guards import DedicatedGradMarker, make_marker
@@ -95,9 +96,7 @@ class DedicatedState(PublishMixin):
         self.views: dict[str, Any] = dict(views or {})
         self.view_sources: dict[str, str] = dict(view_sources or {})
         self.hp_mults: dict[str, tuple[float, float]] = dict(hp_mults or {})
-        # tensor parallelism: {name: TPLayout} of the TP-sliced matrices (their params hold the
-        # local slice; dmuon.stateful.tensor_parallel) and the forward hooks that show them as
-        # TP's DTensors
+        # TP: {name: TPLayout} of the TP-sliced matrices and their forward hooks (tensor_parallel)
         self.tp_layouts: dict[str, Any] = dict(tp_layouts or {})
         self.tp_forward: Any = None
         self.mp_policy = mp_policy
@@ -215,8 +214,6 @@ class DedicatedState(PublishMixin):
         if self.ready:
             return
         self.finish_meta_init("dmuon (first forward)")
-        from dmuon.stateful.fsdp_info import find_fsdp_state
-        from dmuon.stateful.compat import fsdp_mp_policy
         model = self.model_ref()
         if model is not None:
             check_not_taken_over(model, self.params, "dmuon (first forward)")
@@ -403,11 +400,9 @@ class DedicatedState(PublishMixin):
                 self._accumulate(rg)
 
     def _accumulate(self, rg: ReducedGrad) -> None:
-        # FSDP2's set_gradient_divide_factor(f) (torchtitan: 1.0) on the enclosing module: its
-        # gradients are sums / f, so the dedicated ones (means over the G x R ranks) follow it
-        f = fsdp_divide_factor(self._fsdp_states.get(self.group_of[rg.name]))
-        if f is not None and f != self.G * self.R:
-            rg.grad.mul_(self.G * self.R / f)
+        k = mean_to_fsdp_scale(self._fsdp_states.get(self.group_of[rg.name]), self.G * self.R)
+        if k is not None:  # FSDP2's set_gradient_divide_factor on the enclosing module
+            rg.grad.mul_(k)
         prev = self._reduced.get(rg.name)
         self._reduced[rg.name] = rg.grad if prev is None else prev.add_(rg.grad)
         if rg.present_here:
