@@ -25,6 +25,7 @@ import os
 import sys
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import step_world1 as sw  # noqa: E402
@@ -48,17 +49,6 @@ def _bytes(tensors) -> float:
     return total / GIB
 
 
-def _leaves(tree):
-    if isinstance(tree, torch.Tensor):
-        yield tree
-    elif isinstance(tree, dict):
-        for v in tree.values():
-            yield from _leaves(v)
-    elif isinstance(tree, (list, tuple)):
-        for v in tree:
-            yield from _leaves(v)
-
-
 def static_parts(model, opt, kind: str) -> dict:
     """GiB of the long-lived state by kind."""
     params = list(model.parameters())
@@ -66,8 +56,8 @@ def static_parts(model, opt, kind: str) -> dict:
         from dmuon.stateful.state import get_state
         rt = get_state(model, "memory_phases")
         masters = list(rt.masters.values())
-        momentum = list(_leaves(opt.muon_state.momentum)) if opt.muon_state else []
-        adam = list(_leaves((opt.adamw_state.mu, opt.adamw_state.nu))) if opt.adamw_state else []
+        momentum = list(tree_leaves(opt.muon_state.momentum)) if opt.muon_state else []
+        adam = list(tree_leaves((opt.adamw_state.mu, opt.adamw_state.nu))) if opt.adamw_state else []
         return dict(params_gib=_bytes(params + masters), muon_momentum_gib=_bytes(momentum),
                     adamw_moments_gib=_bytes(adam))
     adam = [v for st in opt.state.values() for v in st.values()]
