@@ -59,7 +59,11 @@ def main() -> None:
     ap.add_argument("--shapes", default="512x2048,2048x512,1024x4096")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--repeats", type=int, default=100)
+    ap.add_argument("--variant-grid", default="",
+                    help="BxMxN,...: only time the engine with each variant forced on these batches")
     a = ap.parse_args()
+    if a.variant_grid:
+        return variant_grid(a)
     torch.manual_seed(0)
     dt = torch.float16
     lift = default_range_lift(dt)
@@ -151,6 +155,37 @@ def main() -> None:
         print(json.dumps(row, indent=1), flush=True)
     out = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
                gpu=torch.cuda.get_device_name(0), torch=torch.__version__, rows=rows)
+    with open(a.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def variant_grid(a) -> None:
+    """The engine (default backend, graph replay) with Gram and direct forced, per batch shape:
+    time per call and the worst relative error vs fp64 over the batch."""
+    rows = []
+    for spec in a.variant_grid.split(","):
+        b, m, n = map(int, spec.split("x"))
+        g = torch.randn(b, m, n, device="cuda")
+        ref = newton_schulz(g.double(), dtype=torch.float64)
+        row = dict(shape=[b, m, n])
+        for forced in ("direct", "gram"):
+            with mock.patch.object(chunks_mod, "choose_ns_variant", lambda *x, **k: forced):
+                eng = NSEngine(NSConfig())
+                buf = g.clone()
+
+                def inplace():
+                    buf.copy_(g)
+                    eng.orthogonalize_([buf], batch_dims=1)
+                reps = max(5, min(a.repeats, int(2e4 / (b * m * n / 1e6 + 1))))
+                ms, _ = time_ms(inplace, warmup=3, repeats=reps)
+                d = (buf.double() - ref).flatten(1).norm(dim=1) / ref.flatten(1).norm(dim=1)
+                row[forced] = dict(us=ms * 1e3, mode=eng.last_mode, worst_err=float(d.max()),
+                                   mean_err=float(d.mean()))
+        row["direct_over_gram"] = row["direct"]["us"] / row["gram"]["us"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(),
+               gpu=torch.cuda.get_device_name(0), torch=torch.__version__, variant_grid=rows)
     with open(a.out, "w") as f:
         json.dump(out, f, indent=1)
 
