@@ -281,6 +281,8 @@ class Muon(torch.optim.Optimizer):
             grads = self._tp.agree_grads(grads, params)
         if not rt.owned_names:
             return
+        if self._absent_as_zero:  # zero_grad(set_to_none=False): torch's grads are zeros, not None
+            grads = {n: torch.zeros_like(params[n]) if g is None else g for n, g in grads.items()}
         if self.muon_state is None:
             self.muon_state = fmuon.init(params)
         if all(g is None for g in grads.values()):
@@ -407,6 +409,9 @@ class Muon(torch.optim.Optimizer):
         """Drop the dedicated matrices' pending grads (and their ``.grad`` markers) and zero
         FSDP2's grads (torch semantics)."""
         self._rt.clear_grads()
+        # set_to_none=False: until the next zero_grad(), a matrix no rank had a gradient for steps
+        # with a zero one, as a single-device optimizer would (momentum and weight decay apply)
+        self._absent_as_zero = not set_to_none
         super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ state dict
@@ -427,6 +432,9 @@ class Muon(torch.optim.Optimizer):
         changes (:func:`dmuon.stateful.optimizer_state_dict.load_optimizer_state`)."""
         from dmuon.stateful.optimizer_state_dict import torch_load_optimizer_state_dict
         torch_load_optimizer_state_dict(self, state_dict)
+
+    #: the last ``zero_grad`` had ``set_to_none=False`` (absent matrix gradients are zeros).
+    _absent_as_zero = False
 
     #: ``step()`` changed the functional states since ``self.state`` was last built.
     _state_views_stale = False
