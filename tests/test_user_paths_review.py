@@ -197,6 +197,16 @@ def _zero_not_none_skip(model, opt, batches, env):
         opt.step()
 
 
+def _zero_not_none_first_skip(model, opt, batches, env):
+    """``zero_grad(set_to_none=False)`` before any gradient: a matrix no rank used in step 0 still
+    has ``grad None`` in torch (zeroing leaves a missing gradient missing), so it is skipped."""
+    for i, ids in enumerate(batches):
+        opt.zero_grad(set_to_none=False)
+        model.skip = i == 0
+        model(_local(ids, env)).backward()
+        opt.step()
+
+
 def _plain(model, opt, batches, env):
     for ids in batches:
         opt.zero_grad()
@@ -210,7 +220,8 @@ PATHS = {"hparams": (make_model, _hparams, None), "schedulers": (make_model, _sc
          "dangling_forward": (make_model, _dangling_forward, None),
          # the reused block is not fully_shard-ed (FSDP2's own limit, see the module doc)
          "reuse_reentrant": (_reuse_model, _plain, lambda m: list(m.layers)[1:]),
-         "zero_not_none_skip": (_skip_model, _zero_not_none_skip, None)}
+         "zero_not_none_skip": (_skip_model, _zero_not_none_skip, None),
+         "zero_not_none_first_skip": (_skip_model, _zero_not_none_first_skip, None)}
 
 
 def _worker(rank, world):
@@ -240,12 +251,13 @@ def results():
     return run_ranks(_worker, 2, timeout=120)
 
 
-def _check(results, key):
+def _check(results, key, keys=None):
     ref = _reference(key)
     for rank, r in enumerate(results):
         got = r[key]["sd"]
         assert set(got) == set(ref["sd"]), key
-        worst = max(float((got[k] - v).abs().max()) for k, v in ref["sd"].items())
+        worst = max(float((got[k] - v).abs().max()) for k, v in ref["sd"].items()
+                    if keys is None or k in keys)
         assert worst <= TOL, f"{key} rank {rank}: max abs diff {worst:.3g}"
     return ref
 
@@ -266,3 +278,12 @@ def test_block_reused_under_reentrant_checkpointing_equals_one_process(results):
 
 def test_zero_grad_not_none_steps_an_unused_matrix_as_one_process(results):
     _check(results, "zero_not_none_skip")
+
+
+@pytest.mark.xfail(strict=True, reason="absent gradients after zero_grad(set_to_none=False) are "
+                   "zeros also for matrices that never had one (torch: still None, skipped)")
+def test_zero_grad_not_none_skips_a_matrix_that_never_had_a_gradient(results):
+    # only the Muon matrices: FSDP2 itself zero-fills its unused params' gradients (the norms of
+    # the skipped layer), which a single-device optimizer would skip (fsdp_info documents it)
+    mats = {n for n, p in _skip_model().named_parameters() if muon_predicate(n, p)}
+    _check(results, "zero_not_none_first_skip", keys=mats)
