@@ -16,7 +16,10 @@ Now a hook group called more than once in a forward reduces at the end of backwa
 gradient that still arrives after its group's reduce raises (deferral removed: both ranks raise).
 Also before (measured): after ``opt.zero_grad(set_to_none=False)``, a matrix no rank used in a step
 was skipped (``None``) where torch steps it with its zero gradient (1.2e-2 after 3 steps); now
-``Muon.zero_grad(set_to_none=False)`` makes the next step treat absent gradients as zeros.
+``Muon.zero_grad(set_to_none=False)`` makes the next step treat absent gradients as zeros for
+the matrices that had one since the last ``set_to_none=True`` (a matrix that never had one stays
+skipped, as torch leaves its ``grad`` ``None``; a first version zeroed those too and applied weight
+decay to them).
 (FSDP2 itself drops them the same way for a ``fully_shard`` module reused under reentrant
 checkpointing, so the reused block here is not ``fully_shard``-ed: its norms are the root's.)
 """
@@ -280,8 +283,6 @@ def test_zero_grad_not_none_steps_an_unused_matrix_as_one_process(results):
     _check(results, "zero_not_none_skip")
 
 
-@pytest.mark.xfail(strict=True, reason="absent gradients after zero_grad(set_to_none=False) are "
-                   "zeros also for matrices that never had one (torch: still None, skipped)")
 def test_zero_grad_not_none_skips_a_matrix_that_never_had_a_gradient(results):
     # only the Muon matrices: FSDP2 itself zero-fills its unused params' gradients (the norms of
     # the skipped layer), which a single-device optimizer would skip (fsdp_info documents it)

@@ -198,6 +198,8 @@ class Muon(torch.optim.Optimizer):
             self._tp = TPStep(rt.tp_layouts, rt.owned_names, group=mg.tp_group,
                               ranks=mg.tp_ranks, index=mg.tp_index, all_names=rt.names,
                               control=mg.control, device=rt.device)
+        #: owned matrices that had a gradient since the last ``zero_grad(set_to_none=True)``
+        self._grad_seen: set[str] = set()
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 
@@ -281,8 +283,12 @@ class Muon(torch.optim.Optimizer):
             grads = self._tp.agree_grads(grads, params)
         if not rt.owned_names:
             return
-        if self._absent_as_zero:  # zero_grad(set_to_none=False): torch's grads are zeros, not None
-            grads = {n: torch.zeros_like(params[n]) if g is None else g for n, g in grads.items()}
+        # zero_grad(set_to_none=False) zeroes the gradients that exist: a matrix that had one
+        # since the last set_to_none=True steps with zeros, one that never had one stays skipped
+        self._grad_seen.update(n for n, g in grads.items() if g is not None)
+        if self._absent_as_zero:
+            grads = {n: torch.zeros_like(params[n]) if g is None and n in self._grad_seen else g
+                     for n, g in grads.items()}
         if self.muon_state is None:
             self.muon_state = fmuon.init(params)
         if all(g is None for g in grads.values()):
@@ -412,6 +418,8 @@ class Muon(torch.optim.Optimizer):
         # set_to_none=False: until the next zero_grad(), a matrix no rank had a gradient for steps
         # with a zero one, as a single-device optimizer would (momentum and weight decay apply)
         self._absent_as_zero = not set_to_none
+        if set_to_none:
+            self._grad_seen = set()
         super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ state dict
@@ -433,7 +441,8 @@ class Muon(torch.optim.Optimizer):
         from dmuon.stateful.optimizer_state_dict import torch_load_optimizer_state_dict
         torch_load_optimizer_state_dict(self, state_dict)
 
-    #: the last ``zero_grad`` had ``set_to_none=False`` (absent matrix gradients are zeros).
+    #: the last ``zero_grad`` had ``set_to_none=False`` (absent matrix gradients of
+    #: :attr:`_grad_seen` matrices are zeros).
     _absent_as_zero = False
 
     #: ``step()`` changed the functional states since ``self.state`` was last built.
