@@ -121,6 +121,8 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
 
     def root_pre(module: nn.Module, args: Any) -> None:
         st.lazy_init()
+        if not in_backward():
+            st.begin_forward()
         if not has_root:
             return
         with record_function("dmuon::pre_forward (<root>)"):

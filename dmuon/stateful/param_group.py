@@ -207,13 +207,25 @@ class DedicatedParamGroup:
         return self.state is not GroupState.RESHARDED
 
     # ------------------------------------------------------------------ gradients
-    def note_grad(self, name: str) -> None:
-        """A local gradient of ``name`` arrived in this backward."""
+    def note_grad(self, name: str, *, defer: bool = False) -> None:
+        """A local gradient of ``name`` arrived in this backward (``defer``: the group never
+        completes early; the end of backward reduces it).
+
+        Raises:
+          RuntimeError: this group's reduce was already launched in this backward (the gradient
+            would be left out of it).
+        """
         if self.grad_state is GradState.REDUCED:
-            return
+            raise RuntimeError(
+                f"dmuon: a gradient of {name} arrived after the reduce of its hook group "
+                f"{self.key!r} was launched in this backward, so it would be lost (its params got "
+                "gradients in two separate backward segments, e.g. reentrant activation "
+                "checkpointing around a module whose weights another segment also uses). Use "
+                "torch.utils.checkpoint(..., use_reentrant=False), or call the module that owns "
+                "the weights in each segment.")
         self._arrived.add(name)
         self.grad_state = (GradState.COMPLETE if len(self._arrived) == len(self.names)
-                           else GradState.ACCUMULATING)
+                           and not defer else GradState.ACCUMULATING)
 
     def launch_reduce(self, local_grads: dict[str, torch.Tensor], pool: GradBufferPool) -> None:
         """Average this group's local grads to their owners, asynchronously (consumes them from

@@ -119,6 +119,8 @@ class DedicatedState(PublishMixin):
         self.order: list[str] = list(groups.order)  # forward order; agreed at the first forward
         self._seen_order: list[str] = []
         self._order_final = False
+        self._calls: dict[str, int] = {}   # calls of each group in the current forward
+        self.reused: set[str] = set()      # groups once called twice in a forward: reduce at the end
         self._reduce_order: tuple[str, ...] = tuple(reversed(groups.order))
         self._reduce_next = 0          # index into _reduce_order of the next reduce to launch
         self.version = 0               # weights change at every step: older gathers are stale
@@ -237,8 +239,18 @@ class DedicatedState(PublishMixin):
         self.ready = True
 
     # ------------------------------------------------------------------ forward order
+    def begin_forward(self) -> None:
+        """A forward of the model starts (not a checkpoint recomputation)."""
+        self._calls.clear()
+
     def note_forward(self, key: str) -> None:
-        """Record the order in which groups run forward (the first forward; used to prefetch)."""
+        """Record the order in which groups run forward (the first forward; used to prefetch) and
+        groups called more than once in one forward (:attr:`reused`: under reentrant activation
+        checkpointing their params get one gradient per call, so their reduce waits for the end
+        of backward)."""
+        self._calls[key] = self._calls.get(key, 0) + 1
+        if self._calls[key] > 1:
+            self.reused.add(key)
         if not self._order_final and key not in self._seen_order:
             self._seen_order.append(key)
 
@@ -341,7 +353,8 @@ class DedicatedState(PublishMixin):
         self.local_grads[name] = grad if prev is None else prev.add_(grad)
         if not self.require_grad_sync:
             return
-        self.groups[self.group_of[name]].note_grad(name)
+        key = self.group_of[name]
+        self.groups[key].note_grad(name, defer=key in self.reused)
         self._launch_due_reduces()
 
     def _launch_reduce(self, key: str) -> None:
