@@ -12,7 +12,9 @@ timed ones have no host sync).
     python benchmarks/step_world1.py --tiny --out /tmp/s.json      # CPU smoke test (gloo)
 
 Target (issue 9): dmuon step - AdamW step - dmuon NS <= 3 % of the AdamW step; peak memory <=
-AdamW's.
+AdamW's (issue 24: <= 1 %). ``adamw_heat`` (AdamW plus 43 ms of dense fp16 matmuls per step) and
+``dmuon_ns1`` (one NS iteration) measure how the NS's power draw slows the other phases of a
+power-capped card (NOTES_step.md, run 11).
 """
 from __future__ import annotations
 
@@ -191,6 +193,8 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh, model_kind: str = "ll
     if kind.startswith("adamw"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
                                 fused=device.type == "cuda")
+        if kind.startswith("adamw_heat") and device.type == "cuda":
+            opt = Heated(opt, device)
     else:
         from dmuon.newton_schulz.config import NSConfig
         from dmuon.newton_schulz.engine import NSEngine
@@ -201,7 +205,10 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh, model_kind: str = "ll
         # dmuon_lr0: Muon's matrices keep their initial values (lr 0; AdamW's part as usual), so
         # forward + backward multiply the same kind of numbers as the AdamW run (whose lr 1e-4
         # barely moves them): separates dmuon's machinery from data-dependent kernel speed
+        # dmuon_ns1: one NS iteration instead of five (not Muon's math: a diagnostic of how the
+        # forward after NS depends on the NS work before it)
         opt = Muon(model, lr=0.0 if kind == "dmuon_lr0" else 0.02, weight_decay=0.01,
+                   ns_steps=1 if kind == "dmuon_ns1" else 5,
                    adamw_lr=1e-4, adamw_weight_decay=0.01,
                    check_finite=(kind == "dmuon_check"), ns_engine=engine,
                    # persistent grad buckets: NS graph replay (default: freed after each step)
@@ -209,6 +216,25 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh, model_kind: str = "ll
                    # Muon's elementwise stages as foreach ops (the reference)
                    elementwise="foreach" if kind == "dmuon_foreach" else "auto")
     return model, opt
+
+
+class Heated:
+    """An optimizer followed, every step, by ``count`` dense fp16 8192^3 matmuls (about 43 ms on an
+    H200, dmuon's NS time on this model): the ``adamw_heat*`` configs, which ask whether a forward
+    that follows 43 ms of dense tensor-core work runs slower (clocks) whatever computed it."""
+
+    def __init__(self, opt, device: torch.device, count: int = 28):
+        self.opt, self.count = opt, count
+        self.a = torch.randn(8192, 8192, device=device, dtype=torch.float16)
+        self.c = torch.empty_like(self.a)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def step(self) -> None:
+        self.opt.step()
+        for _ in range(self.count):
+            torch.mm(self.a, self.a, out=self.c)
 
 
 def run_config(cfg: Cfg, kind: str, device: torch.device, mesh, warmup: int, steps: int,
@@ -334,7 +360,7 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke test)")
     ap.add_argument("--configs", default="adamw,dmuon,dmuon_foreach,adamw_again",
                     help="also: dmuon_persistent, dmuon_release, dmuon_check, dmuon_chunk1g, "
-                    "dmuon_lr0")
+                    "dmuon_lr0, dmuon_ns1, adamw_heat (AdamW + 43 ms of fp16 matmuls per step)")
     ap.add_argument("--model", choices=sorted(MODEL), default="llama",
                     help="llama: this file's model; hf: transformers' LlamaForCausalLM, same shapes")
     ap.add_argument("--warmup", type=int, default=4)
