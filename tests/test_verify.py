@@ -61,10 +61,11 @@ def _worker(rank, world):
     target = rt.owned_names[0] if rank == 1 else None
     orig_muon = opt._muon_step
 
-    def broken_muon(rt_, grads):
-        orig_muon(rt_, grads)
+    def broken_muon(rt_, grads, *rest):
+        stepped = orig_muon(rt_, grads, *rest)
         if target is not None:
             rt_.masters[target].add_(1e-3)
+        return stepped
     opt._muon_step = broken_muon
     _backward(model, opt, batches[4], rank, world)
     out["perturbed_target"] = target

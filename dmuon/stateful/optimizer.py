@@ -257,9 +257,11 @@ class Muon(torch.optim.Optimizer):
         if self.check_finite:
             if check_finite(self._adamw_named, rt, grads):
                 self._host_syncs += 1  # its verdict waited for the device
-        self._muon_step(rt, grads)
+        stepped = self._muon_step(rt, grads, rt.consumed.resolve(rt.params))
         rt.clear_grads()
         rt.after_step(replicate_async=self.replicate_async)
+        # torch would keep these gradients until zero_grad: their consumed markers stand in
+        rt.consumed.attach(rt.params, [n for n in stepped if rt.storage.is_placeholder(n)])
         self._adamw_step()
         self.num_steps += 1
         return loss
@@ -277,22 +279,29 @@ class Muon(torch.optim.Optimizer):
         from dmuon.kernels.muon_elementwise import fused_elementwise
         return fused_elementwise()
 
-    def _muon_step(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]]) -> None:
+    def _muon_step(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]],
+                   zeroed: set[str]) -> list[str]:
+        """Muon on the owned matrices; returns the names stepped (those with a gradient).
+
+        ``zeroed``: matrices whose consumed marker the user zeroed since the last step
+        (:mod:`dmuon.stateful.consumed_grads`); with no gradient this step, they step with zeros.
+        """
         params = rt.owned_masters()
         if self._tp is not None:  # TP: the TP group agrees on its gradients (every rank joins)
             grads = self._tp.agree_grads(grads, params)
         if not rt.owned_names:
-            return
+            return []
         # zero_grad(set_to_none=False) zeroes the gradients that exist: a matrix that had one
         # since the last set_to_none=True steps with zeros, one that never had one stays skipped
         self._grad_seen.update(n for n, g in grads.items() if g is not None)
-        if self._absent_as_zero:
-            grads = {n: torch.zeros_like(params[n]) if g is None and n in self._grad_seen else g
-                     for n, g in grads.items()}
+        grads = {n: torch.zeros_like(params[n]) if g is None and (
+                     n in zeroed or (self._absent_as_zero and n in self._grad_seen)) else g
+                 for n, g in grads.items()}
         if self.muon_state is None:
             self.muon_state = fmuon.init(params)
-        if all(g is None for g in grads.values()):
-            return
+        stepped = [n for n, g in grads.items() if g is not None]
+        if not stepped:
+            return []
         hp = self.muon_hparams()
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
@@ -315,6 +324,7 @@ class Muon(torch.optim.Optimizer):
                 momentum.update(sub.momentum)
             self.muon_state = fmuon.MuonState(self.muon_state.step + 1, momentum)
         self._state_views_stale = True  # rebuilt when self.state is next read
+        return stepped
 
     def _tp_wrapped(self, ortho: fmuon.Orthogonalize, params: dict[str, torch.Tensor],
                     grads: dict[str, Optional[torch.Tensor]]) -> fmuon.Orthogonalize:

@@ -40,6 +40,7 @@ import torch.nn as nn
 from dmuon.functional.buckets import HookGroups, bucket_layout
 from dmuon.functional.policy import resolve_group_dtypes
 from dmuon.stateful.compat import fsdp_mp_policy, queue_backward_callback
+from dmuon.stateful.consumed_grads import ConsumedGrads
 from dmuon.stateful.fsdp_info import find_fsdp_state, mean_to_fsdp_scale
 from dmuon.stateful.executor import Executor
 from dmuon.stateful.fsdp_patch import check_not_taken_over
@@ -139,6 +140,8 @@ class DedicatedState(PublishMixin):
         # ``.grad`` markers of placeholders whose gradient dmuon holds (see dmuon.stateful.guards)
         self._markers: dict[str, DedicatedGradMarker] = {}
         self._marked: set[str] = set()
+        #: after a step, the owners' consumed gradients as torch's ``.grad`` would still show them
+        self.consumed = ConsumedGrads()
         # Muon(check_finite=True): whether a gradient this rank sent was non-finite (0-d, device)
         self.track_local_finite = False
         self.local_nonfinite: Optional[torch.Tensor] = None
@@ -310,7 +313,9 @@ class DedicatedState(PublishMixin):
     def _take_markers(self, names, *, remove: bool = True) -> None:
         """Before a param is gathered (or its gradient sent or used): a marker the user dropped
         (``model.zero_grad()``, ``p.grad = None``) drops dmuon's gradient; ``remove``: take the
-        others off too (a gathered param must not carry a zero-size ``.grad``)."""
+        others off too (a gathered param must not carry a zero-size ``.grad``). The consumed
+        markers of the last step come off as well (:mod:`dmuon.stateful.consumed_grads`)."""
+        self.consumed.take(self.params, names)
         for n in [n for n in names if n in self._marked]:
             p = self.params[n]
             if p.grad is not self._markers[n]:
