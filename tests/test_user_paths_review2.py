@@ -11,10 +11,12 @@ step 1, then change ``param_groups[i]["lr"]``, with an ``LambdaLR`` made before 
 one rank only or on no rank; ``error_if_nonfinite=True`` with a NaN in one rank's gradient shard (of an FSDP2 param, or of a
 dedicated matrix's reduced gradient on its owner); ``norm_type`` ``-inf`` and ``0``.
 
-Found (measured): with ``norm_type=inf`` the NaN vanished in the ``MAX`` all-reduce (gloo's max
+Before the fix (measured): with ``norm_type=inf`` the NaN vanished in the ``MAX`` all-reduce (gloo's max
 keeps the non-NaN operand): no rank raised with ``error_if_nonfinite=True``, and the finite norm
 returned scaled the gradients where torch returns NaN; ``norm_type=-inf`` was computed as ``inf``
-(the largest entry, torch: the smallest) and ``0`` as a p-norm, silently.
+(the largest entry, torch: the smallest) and ``0`` as a p-norm, silently. Now the inf norm's
+all-reduce carries a NaN flag (every rank gets NaN and raises), and ``norm_type <= 0`` raises a
+``ValueError`` on every rank.
 Note: ``Muon.state_dict()`` aliases the live AdamW moments, as torch's ``Optimizer.state_dict()``
 aliases its state: an in-memory rewind needs ``copy.deepcopy`` (as with torch).
 
@@ -297,15 +299,13 @@ def test_clip_grad_norm_equals_torch_one_process(results, key):
 
 
 @pytest.mark.parametrize("where", ["fsdp", "dedicated"])
-@pytest.mark.parametrize("norm_type", [2.0, pytest.param(float("inf"), marks=pytest.mark.xfail(
-    strict=True, reason="MAX all-reduce drops the NaN: no rank raises"))])
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 def test_clip_nonfinite_on_one_rank_raises_on_every_rank(results, where, norm_type):
     for rank, r in enumerate(results):
         kind, msg = r["nonfinite"][f"{where}_{norm_type}"]
         assert kind == "RuntimeError" and "non-finite" in msg, (rank, kind, msg)
 
 
-@pytest.mark.xfail(strict=True, reason="-inf is taken as inf, 0 as a p-norm")
 @pytest.mark.parametrize("norm_type", [float("-inf"), 0.0])
 def test_clip_refuses_orders_it_does_not_compute(results, norm_type):
     for rank, r in enumerate(results):
