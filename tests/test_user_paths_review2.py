@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import os
-import tempfile
 
 import pytest
 import torch
@@ -226,25 +225,20 @@ def _nonfinite_errors(rank, world):
     return out
 
 
-def _worker(rank, world):
+def _worker(rank, world, tmp):
     import dmuon
     torch.set_num_threads(1)
     out = {}
-    with tempfile.TemporaryDirectory() as d:
-        # one directory per run, the same on every rank
-        tmp = os.path.join(os.path.dirname(d), "dmuon_review2_" + os.environ.get("MASTER_PORT",
-                                                                                  "x"))
-        os.makedirs(tmp, exist_ok=True)
-        for key, (make, loop, cfg) in PATHS.items():
-            model = make()
-            model, opt = build_dmuon(rank, world, model, model.layers, cfg)
-            try:
-                extra = loop(model, opt, make_batches(STEPS, BATCH),
-                             dict(rank=rank, world=world, dist=True, tmp=tmp))
-            except Exception as e:  # noqa: BLE001 - reported per path
-                out[key] = {"error": f"{type(e).__name__}: {e}"}
-                continue
-            out[key] = {"sd": dmuon.get_model_state_dict(model, cpu_offload=True), "extra": extra}
+    for key, (make, loop, cfg) in PATHS.items():
+        model = make()
+        model, opt = build_dmuon(rank, world, model, model.layers, cfg)
+        try:
+            extra = loop(model, opt, make_batches(STEPS, BATCH),
+                         dict(rank=rank, world=world, dist=True, tmp=tmp))
+        except Exception as e:  # noqa: BLE001 - reported per path
+            out[key] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        out[key] = {"sd": dmuon.get_model_state_dict(model, cpu_offload=True), "extra": extra}
     out["nonfinite"] = _nonfinite_errors(rank, world)
     return out
 
@@ -262,8 +256,8 @@ def _diff(a, b):
 
 
 @pytest.fixture(scope="module")
-def results():
-    return run_ranks(_worker, WORLD, timeout=180)
+def results(tmp_path_factory):
+    return run_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("ckpt")), timeout=180)
 
 
 def _check(results, key):
