@@ -200,7 +200,7 @@ def _nonfinite_errors(rank, world):
     gradient only: every rank must raise (none may go on to the step)."""
     import dmuon
     out = {}
-    for norm_type in (2.0, float("inf")):
+    for norm_type, bad in ((2.0, "nan"), (float("inf"), "nan"), (float("inf"), "inf")):
         for where in ("fsdp", "dedicated"):
             model = _skip_model()
             model, opt = build_dmuon(rank, world, model, model.layers, {})
@@ -210,12 +210,12 @@ def _nonfinite_errors(rank, world):
             if rank == 1:
                 with torch.no_grad():
                     if where == "fsdp":
-                        model.norm.weight.grad.to_local()[0] = float("nan")
+                        model.norm.weight.grad.to_local()[0] = float(bad)
                     else:  # a dedicated matrix's reduced gradient on its owner
                         rt = opt.dedicated_state
                         g = next(g for g in rt.reduced_grads().values() if g is not None)
-                        g.view(-1)[0] = float("nan")
-            key = f"{where}_{norm_type}"
+                        g.view(-1)[0] = float(bad)
+            key = f"{where}_{norm_type}_{bad}"
             out[key] = catch(lambda: dmuon.clip_grad_norm_(model, 1.0, norm_type=norm_type,
                                                            error_if_nonfinite=True))
     # orders torch.nn.utils.clip_grad_norm_ gives another meaning (-inf: the smallest entry)
@@ -293,10 +293,11 @@ def test_clip_grad_norm_equals_torch_one_process(results, key):
 
 
 @pytest.mark.parametrize("where", ["fsdp", "dedicated"])
-@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
-def test_clip_nonfinite_on_one_rank_raises_on_every_rank(results, where, norm_type):
+@pytest.mark.parametrize("norm_type,bad", [(2.0, "nan"), (float("inf"), "nan"),
+                                           (float("inf"), "inf")])
+def test_clip_nonfinite_on_one_rank_raises_on_every_rank(results, where, norm_type, bad):
     for rank, r in enumerate(results):
-        kind, msg = r["nonfinite"][f"{where}_{norm_type}"]
+        kind, msg = r["nonfinite"][f"{where}_{norm_type}_{bad}"]
         assert kind == "RuntimeError" and "non-finite" in msg, (rank, kind, msg)
 
 

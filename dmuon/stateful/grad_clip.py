@@ -83,7 +83,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     if math.isinf(p):
         # a MAX all-reduce may drop a NaN (gloo's max keeps the other operand): carry a NaN flag
         # next to the max, so every rank sees the NaN that one rank's gradients hold
-        both = torch.stack([torch.nan_to_num(acc, nan=0.0), torch.isnan(acc).to(acc.dtype)])
+        both = torch.stack([torch.nan_to_num(acc, nan=0.0, posinf=math.inf),
+                             torch.isnan(acc).to(acc.dtype)])
         rt.mesh_groups.control_collective(
             "clip_grad_norm_ all-reduce",
             lambda g: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=g))
