@@ -37,15 +37,23 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
 
     Args:
       model: a model prepared by ``dedicate_params``.
-      max_norm: the maximum norm.  norm_type: 2.0 (or any p >= 1) or ``inf``.
+      max_norm: the maximum norm.  norm_type: 2.0 (or any p > 0) or ``inf`` (a NaN in any
+        rank's gradients makes the total NaN on every rank, as in torch).
       error_if_nonfinite: raise ``RuntimeError`` when the total norm is NaN or Inf.
 
     Returns:
       the total norm (a 0-d tensor, the same on every rank), before clipping.
+
+    Raises:
+      ValueError: ``norm_type`` is not > 0 (torch's ``-inf`` and ``0`` orders are not computed).
+      RuntimeError: ``error_if_nonfinite`` and the total norm is NaN or Inf (on every rank).
     """
     rt = get_state(model, "dmuon.clip_grad_norm_(model, ...)")
-    reduced = rt.reduced_grads()
     p = float(norm_type)
+    if not p > 0:  # -inf (torch: the smallest entry), 0 (torch: a count), NaN
+        raise ValueError(f"dmuon.clip_grad_norm_: norm_type must be > 0 (a p-norm) or inf, got "
+                         f"{norm_type!r}")
+    reduced = rt.reduced_grads()
     dedicated = set(rt.params.values())
     pieces: list[tuple[torch.Tensor, int]] = []
     # with TP, a matrix TP does not shard is owned once in every TP index's grid: count it once
@@ -72,10 +80,20 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
                 acc = torch.maximum(acc, norms.max())
             else:
                 acc = acc + (norms ** p).sum() / k
-    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
-    rt.mesh_groups.control_collective("clip_grad_norm_ all-reduce",
-                                      lambda g: dist.all_reduce(acc, op=op, group=g))
-    total = acc if math.isinf(p) else acc ** (1.0 / p)
+    if math.isinf(p):
+        # a MAX all-reduce may drop a NaN (gloo's max keeps the other operand): carry a NaN flag
+        # next to the max, so every rank sees the NaN that one rank's gradients hold
+        both = torch.stack([torch.nan_to_num(acc, nan=0.0, posinf=math.inf),
+                             torch.isnan(acc).to(acc.dtype)])
+        rt.mesh_groups.control_collective(
+            "clip_grad_norm_ all-reduce",
+            lambda g: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=g))
+        total = torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
+    else:
+        rt.mesh_groups.control_collective(
+            "clip_grad_norm_ all-reduce",
+            lambda g: dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=g))
+        total = acc ** (1.0 / p)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total gradient norm of order {norm_type} is non-finite ({total}); "
                            "check the loss and inputs, or pass error_if_nonfinite=False")
