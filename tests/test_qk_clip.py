@@ -77,7 +77,19 @@ def qk_worker(rank, world):
     ids = torch.arange(9).remainder(32).unsqueeze(0)
     with torch.no_grad():
         loss = float(model(ids))  # the next forward sees the owners' rescaled masters
-    return {"sd": get_model_state_dict(model), "max": glob, "loss": loss}
+    sd = get_model_state_dict(model)
+    # a NaN max logit on one rank only: a MAX all-reduce may drop it; every rank must raise
+    nan = {"layers.0": torch.tensor([float("nan") if rank == 1 else 500.0, 5.0], dtype=F64),
+           "layers.1": torch.tensor([50.0, 20.0], dtype=F64)}
+    try:
+        qk_clip_(model, nan, layers, QKClipConfig(tau=100.0))
+        nan_error = None
+    except ValueError as e:
+        nan_error = str(e)
+    after = get_model_state_dict(model)
+    unchanged = all(torch.equal(after[k], v) for k, v in sd.items())
+    return {"sd": sd, "max": glob, "loss": loss, "nan_error": nan_error,
+            "nan_unchanged": unchanged}
 
 
 def check_qk(res):
@@ -97,6 +109,8 @@ def check_qk(res):
         loss = float(ref(torch.arange(9).remainder(32).unsqueeze(0)))
     sd = ref.state_dict()
     for r in res:
+        assert r["nan_error"] is not None and "NaN or Inf" in r["nan_error"], r["nan_error"]
+        assert r["nan_unchanged"]
         assert all(torch.equal(r["max"][k], glob[k]) for k in glob)
         for k, v in sd.items():
             assert torch.allclose(r["sd"][k], v, rtol=0, atol=1e-14), k

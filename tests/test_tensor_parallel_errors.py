@@ -72,6 +72,20 @@ def _worker(rank: int, world: int) -> dict:
     ids = make_batches(1, 4)[0][rank:rank + 1]  # every rank its own row: the TP ranks differ
     m(ids).backward()
     out["diverging"] = catch(lambda: opt.step())
+    # the same matrix, equal inputs on every rank, but a NaN in its gradient on one TP index's
+    # owner only (a MAX all-reduce may drop the NaN: the copies would diverge silently)
+    m = make_model(root_proj=True)
+    apply_tp(m, mesh["tp"])
+    dmuon.dedicate_params(m, mesh["dp"], muon_predicate)
+    for layer in m.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(m, mesh=mesh["dp"])
+    opt = dmuon.Muon(m, lr=0.02, check_finite=False)
+    m(make_batches(1, 4)[0][:1]).backward()
+    rt = opt.dedicated_state
+    if mesh["tp"].get_local_rank() == 1 and "in_proj.weight" in rt.owned_names:
+        rt.reduced_grads()["in_proj.weight"].view(-1)[0] = float("nan")
+    out["nan_one_tp_rank"] = catch(lambda: opt.step())
     dist.barrier()
     out["barrier"] = True
     return out
@@ -89,4 +103,5 @@ def test_tensor_parallel_unsupported_raises_on_every_rank():
     assert_all_ranks(res, "two_dims", "ValueError", "TP index", "context parallel")
     assert_all_ranks(res, "diverging", "TensorParallelUnsupported", "different gradients",
                      "Nothing was updated")
+    assert_all_ranks(res, "nan_one_tp_rank", "TensorParallelUnsupported", "different gradients")
     assert all(r["barrier"] for r in res)

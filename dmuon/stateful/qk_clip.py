@@ -56,8 +56,17 @@ def qk_clip_(model: nn.Module, max_logit: Mapping[str, torch.Tensor],
                                   "step's replica publish is already in flight when it runs")
     keys = sorted(layers)
     flat = torch.cat([max_logit[k].detach().reshape(-1).to(torch.float64) for k in keys]).to(rt.device)
+    # a MAX all-reduce may drop a NaN (gloo keeps the other operand): a non-finite flag travels
+    # beside the logits, so one rank's NaN or Inf is seen on every rank
+    flat = torch.cat([flat, (~torch.isfinite(flat)).any().to(flat.dtype).reshape(1)])
     rt.mesh_groups.control_collective(
         "QK-clip max-logit all-reduce", lambda g: dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=g))
+    if flat[-1].item() > 0:
+        raise ValueError(
+            "qk_clip_: a max logit is NaN or Inf on some rank (this step's attention overflowed "
+            "or its loss is non-finite); nothing was rescaled. Check the loss and inputs "
+            "(Muon(check_finite=True) stops the step itself on non-finite gradients).")
+    flat = flat[:-1]
     out, at = {}, 0
     owned = set(rt.owned_names)
     for k in keys:

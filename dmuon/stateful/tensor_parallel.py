@@ -40,6 +40,8 @@ features that do not handle slices yet (see :func:`refuse_tp`).
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -252,17 +254,23 @@ class TPStep:
             sums = [(-1.0 if grads.get(n) is None else
                      float(grads[n].detach().abs().sum(dtype=torch.float64)))
                     for n in self.replicated]
+            # a MAX all-reduce may drop a NaN (gloo keeps the other operand): NaN sums travel as
+            # flags, so one rank's NaN gradient is a disagreement, not a match
+            nans = [float(math.isnan(x)) for x in sums]
+            sums = [0.0 if math.isnan(x) else x for x in sums]
             vec = torch.tensor([float(grads.get(n) is not None) for n in self.names] + sums
-                               + [-x for x in sums], dtype=torch.float64, device=dev)
+                               + [-x for x in sums] + nans + [-x for x in nans],
+                               dtype=torch.float64, device=dev)
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
             got = vec.tolist()
             k, r = len(self.names), len(self.replicated)
             for n, h in zip(self.names, got[:k]):
                 if h and out.get(n) is None:
                     out[n] = torch.zeros_like(masters[n])
-            hi, lo = got[k:k + r], [-x for x in got[k + r:]]
-            bad = [n for n, a, b in zip(self.replicated, hi, lo)
-                   if a - b > 1e-6 * max(abs(a), abs(b), 1e-30)]
+            hi, lo = got[k:k + r], [-x for x in got[k + r:k + 2 * r]]
+            nan_hi, nan_lo = got[k + 2 * r:k + 3 * r], [-x for x in got[k + 3 * r:]]
+            bad = [n for n, a, b, na, nb in zip(self.replicated, hi, lo, nan_hi, nan_lo)
+                   if na != nb or a - b > 1e-6 * max(abs(a), abs(b), 1e-30)]
         else:
             bad = []
         if self.check_replicated:
