@@ -332,8 +332,6 @@ def test_clip_refuses_orders_it_does_not_compute(results, norm_type):
 
 @pytest.mark.parametrize("key", [f"zero_between_{z}_{k}" for z in ("none", "false")
                                  for k in (0, 1)])
-@pytest.mark.xfail(strict=False, reason="before the fix: the owner without a local gradient kept "
-                   "the thrown-away batch's reduced gradient (the owner's rank is one of the two)")
 def test_model_zero_grad_between_backward_and_step_equals_one_process(results, key):
     """``model.zero_grad()`` after a backward drops that backward's gradients also on the owner of
     a matrix that had none itself (its reduced gradient held no ``.grad`` marker to drop)."""
@@ -341,8 +339,6 @@ def test_model_zero_grad_between_backward_and_step_equals_one_process(results, k
 
 
 @pytest.mark.parametrize("key", ["zero_before_step_none", "zero_before_step_false"])
-@pytest.mark.xfail(strict=True, reason="zeroing drops dmuon's gradients (torch: zeros, stepped) "
-                   "and the owner without a local gradient keeps its reduced one")
 def test_model_zero_grad_right_before_step_equals_one_process(results, key):
     """Zeroed right before the step: ``set_to_none=False`` steps every matrix with a zero gradient
     (momentum and weight decay act), ``set_to_none=True`` skips them, as torch."""

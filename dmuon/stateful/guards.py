@@ -19,9 +19,11 @@ a smaller norm), ``torch.optim.AdamW(model.parameters())`` would never update th
 * :class:`DedicatedGradMarker` — after a synced backward, each dedicated param whose gradient dmuon
   holds gets a zero-size marker as ``.grad``. Math on it raises (``clip_grad_norm_`` ->
   ``dmuon.clip_grad_norm_``, ``clip_grad_value_`` -> ``dmuon.clip_grad_value_``, an optimizer's
-  update -> ``dmuon.Muon``). Zeroing it (``model.zero_grad(set_to_none=False)``) or dropping it
-  (``model.zero_grad()``, ``p.grad = None``) drops dmuon's gradient for that param, exactly as torch
-  would drop a local one; dmuon notices a dropped marker before the next reduce, clip or step.
+  update -> ``dmuon.Muon``). Zeroing it (``model.zero_grad(set_to_none=False)``) zeroes dmuon's
+  gradient for that param and dropping it (``model.zero_grad()``, ``p.grad = None``) drops it,
+  exactly as torch would a local one; dmuon notices a dropped marker before the next reduce, clip
+  or step. After a step, the owners' stepped matrices carry *consumed* markers
+  (:mod:`dmuon.stateful.consumed_grads`).
 
 Allowed on both: attribute get / set (``.grad``, ``.data``, ``.requires_grad``, ``.shape``, ...),
 metadata (``size()``, ``dim()``, ``numel()``, ``dtype``, ...), ``repr``, hashing, hook registration.
@@ -192,7 +194,7 @@ class DedicatedGradMarker(torch.Tensor):
     """The ``.grad`` of a dedicated param whose gradient dmuon holds (see module docstring)."""
 
     _dmuon_name: str = "?"
-    _dmuon_drop: Optional[Callable[[], None]] = None
+    _dmuon_on_zero: Optional[Callable[[], None]] = None
     _dmuon_what: str = "gradient"
 
     @classmethod
@@ -201,11 +203,11 @@ class DedicatedGradMarker(torch.Tensor):
         name = _name(func)
         m = _first(DedicatedGradMarker, args, kwargs)
         if name in ("zero_", "_foreach_zero_", "detach_", "requires_grad_") or name in _ALLOWED:
-            if name in ("zero_", "_foreach_zero_"):  # zeroing a held gradient drops it
+            if name in ("zero_", "_foreach_zero_"):  # zeroing a held gradient zeroes it
                 flat = [x for a in args for x in (a if isinstance(a, (list, tuple)) else [a])]
                 for x in flat:
-                    if isinstance(x, DedicatedGradMarker) and x._dmuon_drop is not None:
-                        x._dmuon_drop()
+                    if isinstance(x, DedicatedGradMarker) and x._dmuon_on_zero is not None:
+                        x._dmuon_on_zero()
             return _call_plain(func, args, kwargs)
         same, out = _no_op_conversion(name, func, args, kwargs)
         if same:
@@ -237,15 +239,15 @@ def to_tp_slice_guard(p: nn.Parameter) -> None:
         p.__class__ = TPSliceGuard
 
 
-def make_marker(p: nn.Parameter, name: str, drop: Optional[Callable[[], None]],
+def make_marker(p: nn.Parameter, name: str, on_zero: Optional[Callable[[], None]],
                 what: str = "gradient") -> DedicatedGradMarker:
-    """A zero-size marker of placeholder ``p``'s ``what`` (its gradient: ``drop()`` runs when it is
+    """A zero-size marker of placeholder ``p``'s ``what`` (its gradient: ``on_zero()`` runs when it is
     zeroed; ``"momentum"``: the optimizer state a non-owner rank lists but does not hold)."""
     with torch._C.DisableTorchFunctionSubclass():
         base = torch.empty(0, dtype=p.dtype, device=p.device)
     m = torch.Tensor._make_subclass(DedicatedGradMarker, base)
     m._dmuon_name = name
-    m._dmuon_drop = drop
+    m._dmuon_on_zero = on_zero
     m._dmuon_what = what
     return m
 

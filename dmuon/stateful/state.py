@@ -91,6 +91,7 @@ class DedicatedState(PublishMixin):
             n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
         self.owned_names: tuple[str, ...] = tuple(
             n for n in self.names if self.owners[n] == self.coord)
+        self._owned = frozenset(self.owned_names)
         self.batch_dims = dict(batch_dims)
         # the policy's decisions (dedicate_params): matrix views (what NS / the lr scale see), where
         # each view came from, and (lr_mult, wd_mult) per param
@@ -127,7 +128,9 @@ class DedicatedState(PublishMixin):
         self.version = 0               # weights change at every step: older gathers are stale
         self.require_grad_sync = True  # False inside dmuon.no_sync
         self.local_grads: dict[str, torch.Tensor] = {}
-        self._sent: set[str] = set()          # names whose local grad went into a reduce
+        # names whose local grad went into a reduce, or that this rank owns in a launched reduce
+        # (it holds their reduced gradient, also without a local one: they get markers too)
+        self._sent: set[str] = set()
         self._reduced: dict[str, torch.Tensor] = {}
         self._present_here: set[str] = set()
         self._flags: dict[str, list[torch.Tensor]] = {}
@@ -295,8 +298,8 @@ class DedicatedState(PublishMixin):
     # ------------------------------------------------------------------ .grad markers
     def _attach_markers(self, names) -> None:
         """After a backward: every freed param whose gradient dmuon holds shows a marker as
-        ``.grad`` (torch's tools then raise instead of seeing nothing; zeroing it or dropping it
-        drops dmuon's gradient, see :mod:`dmuon.stateful.guards`)."""
+        ``.grad`` (torch's tools then raise instead of seeing nothing; zeroing it zeroes
+        dmuon's gradient, dropping it drops it, see :mod:`dmuon.stateful.guards`)."""
         for n in names:
             p = self.params[n]
             if not self.storage.is_placeholder(n) or n in self._marked:
@@ -305,7 +308,7 @@ class DedicatedState(PublishMixin):
                 continue
             m = self._markers.get(n)
             if m is None or m.dtype != p.dtype:
-                m = make_marker(p, n, lambda n=n: self.drop_grad(n))
+                m = make_marker(p, n, lambda n=n: self.zero_held_grad(n))
                 self._markers[n] = m
             p.grad = m
             self._marked.add(n)
@@ -324,6 +327,15 @@ class DedicatedState(PublishMixin):
             elif remove:
                 self._marked.discard(n)
                 p.grad = None
+
+    def zero_held_grad(self, name: str) -> None:
+        """Zero every gradient dmuon holds for ``name`` on this rank, keeping it present (torch's
+        ``zero_grad(set_to_none=False)``: the param is stepped with a zero gradient unless a later
+        backward adds to it)."""
+        self._collect()  # a reduce still in flight counts as held
+        for held in (self.local_grads.get(name), self._reduced.get(name)):
+            if held is not None:
+                held.zero_()
 
     def drop_grad(self, name: str) -> None:
         """Forget every gradient dmuon holds for ``name`` on this rank (as torch's zero_grad)."""
@@ -365,7 +377,7 @@ class DedicatedState(PublishMixin):
     def _launch_reduce(self, key: str) -> None:
         g = self.groups[key]
         self._take_markers(g.names)  # markers of an earlier no_sync backward: still attached?
-        self._sent.update(n for n in g.names if n in self.local_grads)
+        self._sent.update(n for n in g.names if n in self.local_grads or n in self._owned)
         if self.track_local_finite:
             self._note_local_finite(g.names)
         g.launch_reduce(self.local_grads, self.pool)
