@@ -35,7 +35,8 @@ class ConsumedGrads:
     """Consumed markers of one rank's stepped matrices, and the records they left (module doc)."""
 
     def __init__(self) -> None:
-        self._markers: dict[str, DedicatedGradMarker] = {}
+        self._cache: dict[str, DedicatedGradMarker] = {}    # one marker object per matrix, reused
+        self._markers: dict[str, DedicatedGradMarker] = {}  # attached now
         self._zeroed: set[str] = set()   # markers zeroed while attached
         self._zero: set[str] = set()     # taken off zeroed: the next step sees a zero gradient
 
@@ -43,7 +44,9 @@ class ConsumedGrads:
         """After a step: a consumed marker as ``.grad`` of each of ``names`` (placeholders)."""
         for n in names:
             p = params[n]
-            m = make_marker(p, n, lambda n=n: self._zeroed.add(n))
+            m = self._cache.get(n)
+            if m is None or m.dtype != p.dtype or m.device != p.device:
+                m = self._cache[n] = make_marker(p, n, lambda n=n: self._zeroed.add(n))
             p.grad = m
             self._markers[n] = m
 
