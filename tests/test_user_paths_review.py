@@ -16,10 +16,12 @@ Now a hook group called more than once in a forward reduces at the end of backwa
 gradient that still arrives after its group's reduce raises (deferral removed: both ranks raise).
 Also before (measured): after ``opt.zero_grad(set_to_none=False)``, a matrix no rank used in a step
 was skipped (``None``) where torch steps it with its zero gradient (1.2e-2 after 3 steps); now
-``Muon.zero_grad(set_to_none=False)`` makes the next step treat absent gradients as zeros for
-the matrices that had one since the last ``set_to_none=True`` (a matrix that never had one stays
-skipped, as torch leaves its ``grad`` ``None``; a first version zeroed those too and applied weight
-decay to them).
+after each step the owners' stepped matrices carry consumed ``.grad`` markers
+(``dmuon.stateful.consumed_grads``): zeroing one (``opt.zero_grad`` or ``model.zero_grad`` with
+``set_to_none=False``) makes a matrix without a new gradient step with zeros, dropping one skips it,
+and a matrix that never had a gradient stays skipped, as torch leaves its ``grad`` ``None``. (Two
+earlier versions, a flag set by ``Muon.zero_grad``, zeroed matrices that never had a gradient, and
+then ones ``model.zero_grad()`` had set to ``None``: both measured wrong here.)
 (FSDP2 itself drops them the same way for a ``fully_shard`` module reused under reentrant
 checkpointing, so the reused block here is not ``fully_shard``-ed: its norms are the root's.)
 """
@@ -335,9 +337,6 @@ def test_zero_grad_not_none_skips_a_matrix_that_never_had_a_gradient(results):
 @pytest.mark.parametrize("key", ["model_zero_not_none_skip", "model_zero_then_none_skip",
                                  "none_then_opt_not_none_skip"])
 def test_model_zero_grad_steps_an_unused_matrix_as_one_process(results, key):
-    if key == "none_then_opt_not_none_skip":
-        pytest.xfail("strict: Muon.zero_grad(set_to_none=False) zeroes every matrix that ever had "
-                     "a gradient, also one model.zero_grad() had set to None")
     """dmuon's step consumes the owners' gradients; the consumed markers it leaves as ``.grad``
     (dmuon.stateful.consumed_grads) carry what torch's kept ``.grad`` would: zeroed (step with a
     zero gradient) or dropped (skip)."""

@@ -198,8 +198,6 @@ class Muon(torch.optim.Optimizer):
             self._tp = TPStep(rt.tp_layouts, rt.owned_names, group=mg.tp_group,
                               ranks=mg.tp_ranks, index=mg.tp_index, all_names=rt.names,
                               control=mg.control, device=rt.device)
-        #: owned matrices that had a gradient since the last ``zero_grad(set_to_none=True)``
-        self._grad_seen: set[str] = set()
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 
@@ -291,11 +289,8 @@ class Muon(torch.optim.Optimizer):
             grads = self._tp.agree_grads(grads, params)
         if not rt.owned_names:
             return []
-        # zero_grad(set_to_none=False) zeroes the gradients that exist: a matrix that had one
-        # since the last set_to_none=True steps with zeros, one that never had one stays skipped
-        self._grad_seen.update(n for n, g in grads.items() if g is not None)
-        grads = {n: torch.zeros_like(params[n]) if g is None and (
-                     n in zeroed or (self._absent_as_zero and n in self._grad_seen)) else g
+        # a zeroed (not dropped) gradient kept by torch since the last step: step with zeros
+        grads = {n: torch.zeros_like(params[n]) if g is None and n in zeroed else g
                  for n, g in grads.items()}
         if self.muon_state is None:
             self.muon_state = fmuon.init(params)
@@ -425,11 +420,9 @@ class Muon(torch.optim.Optimizer):
         """Drop the dedicated matrices' pending grads (and their ``.grad`` markers) and zero
         FSDP2's grads (torch semantics)."""
         self._rt.clear_grads()
-        # set_to_none=False: until the next zero_grad(), a matrix no rank had a gradient for steps
-        # with a zero one, as a single-device optimizer would (momentum and weight decay apply)
-        self._absent_as_zero = not set_to_none
-        if set_to_none:
-            self._grad_seen = set()
+        # the consumed markers of the last step (dmuon.stateful.consumed_grads) are zeroed or
+        # dropped here like any .grad: set_to_none=False then steps a matrix with no new gradient
+        # with zeros, as a single-device optimizer would (momentum and weight decay apply)
         super().zero_grad(set_to_none=set_to_none)
 
     # ------------------------------------------------------------------ state dict
@@ -451,9 +444,6 @@ class Muon(torch.optim.Optimizer):
         from dmuon.stateful.optimizer_state_dict import torch_load_optimizer_state_dict
         torch_load_optimizer_state_dict(self, state_dict)
 
-    #: the last ``zero_grad`` had ``set_to_none=False`` (absent matrix gradients of
-    #: :attr:`_grad_seen` matrices are zeros).
-    _absent_as_zero = False
 
     #: ``step()`` changed the functional states since ``self.state`` was last built.
     _state_views_stale = False
