@@ -336,8 +336,6 @@ def test_path_equals_one_process(results, key):
     _check(results, key)
 
 
-@pytest.mark.xfail(strict=True, reason="a param frozen when dmuon.Muon was built is in no param "
-                   "group: unfrozen later, its gradients are silently never applied")
 def test_unfreezing_a_param_frozen_before_dmuon_muon_raises_on_every_rank(results):
     """Before: the unfrozen matrix and norm got gradients that no optimizer applied (0.0173
     from one process after 3 steps, no error). Now ``step()`` raises on every rank, naming them,
@@ -362,7 +360,12 @@ def test_ema_copies_raise_clearly(results):
 
 @pytest.mark.xfail(strict=True, reason="deepcopy between dedicate_params and fully_shard raises "
                    "a DDP error (the _NotForDDP list's iteration), not one about copying")
-def test_deepcopy_after_dedicate_names_the_fix(results):
+def test_deepcopy_between_dedicate_and_fully_shard_names_the_fix(results):
+    """Before: it raised DDP's error ("DistributedDataParallel(model): ... dedicated for FSDP2"),
+    from the guard list dmuon puts in ``_ddp_params_and_buffers_to_ignore``, which the copy meets
+    first. Now it names the copy and what to use instead. (After ``fully_shard``, FSDP2's own
+    "FSDP does not support deepcopy" comes first; ``torch.save(model)`` fails on dmuon's hook
+    closures: "Can't pickle local object".)"""
     for rank, r in enumerate(results):
         kind, msg = r["ema_errors"]["deepcopy_after_dedicate"]
         assert kind is not None and "deepcopy" in msg and "get_model_state_dict" in msg, \

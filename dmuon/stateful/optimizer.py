@@ -42,7 +42,7 @@ from dmuon.newton_schulz.engine import NSEngine
 from dmuon.stateful.ddp import check_backend, unwrap_model
 from dmuon.stateful.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.telemetry import StepStats, StepTelemetry
-from dmuon.stateful.step_checks import check_finite, check_same_fsdp_grads
+from dmuon.stateful.step_checks import check_finite, check_outside_grads, check_same_fsdp_grads
 from dmuon.stateful.tensor_parallel import TPStep
 from dmuon.stateful.dedicate import finish_deferred
 from dmuon.functional.tree import leaf_paths
@@ -140,6 +140,9 @@ class Muon(torch.optim.Optimizer):
         dedicated = set(rt.params.values())
         self._adamw_named = tuple((n, p) for n, p in model.named_parameters()
                                   if p.requires_grad and p not in dedicated)
+        # frozen at construction: in no param group (a gradient there after unfreezing raises)
+        self._outside = tuple((n, p) for n, p in model.named_parameters()
+                              if not p.requires_grad and p not in dedicated)
         groups = [
             dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_hp),
             dict(params=[p for _, p in self._adamw_named], name="adamw", **adamw_hp),
@@ -250,6 +253,7 @@ class Muon(torch.optim.Optimizer):
                 "dmuon.no_sync) before every step(). A step() on one rank only, or twice in a row, "
                 "would update that rank's FSDP2 shards again and leave its dedicated matrices "
                 "behind the other ranks'.")
+        check_outside_grads(self._outside)
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         grads = rt.reduced_grads()
         if self._check_fsdp_usage:
