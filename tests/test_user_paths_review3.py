@@ -358,8 +358,6 @@ def test_ema_copies_raise_clearly(results):
             assert e[k][0] is not None and "deepcopy" in e[k][1], (rank, k, e[k])
 
 
-@pytest.mark.xfail(strict=True, reason="deepcopy between dedicate_params and fully_shard raises "
-                   "a DDP error (the _NotForDDP list's iteration), not one about copying")
 def test_deepcopy_between_dedicate_and_fully_shard_names_the_fix(results):
     """Before: it raised DDP's error ("DistributedDataParallel(model): ... dedicated for FSDP2"),
     from the guard list dmuon puts in ``_ddp_params_and_buffers_to_ignore``, which the copy meets
