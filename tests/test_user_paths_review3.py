@@ -9,7 +9,17 @@ unfrozen later); an EMA / teacher copy (a plain model, or a second dmuon model, 
 ``parameters()`` must raise); two dmuon models in one process stepped alternately, and a GAN
 (generator + discriminator, each with its own ``dmuon.Muon``; the discriminator frozen or not in
 the generator's step); a ``torch.optim.SGD`` over some FSDP2 params beside ``dmuon.Muon``; the
-parameter count and shapes users log from ``named_parameters()``.
+parameter count and shapes users log from ``named_parameters()``; ``optimizer.add_param_group``
+(progressive unfreezing as Lightning's ``BaseFinetuning`` does it).
+
+Before the fixes (measured): a param frozen before ``dedicate_params`` / ``dmuon.Muon`` and
+unfrozen later got gradients no optimizer applied (1.7e-2 from one process after 3 steps, no
+error); ``add_param_group`` was accepted and its group never stepped; ``copy.deepcopy`` between
+``dedicate_params`` and ``fully_shard`` raised DDP's FSDP-mode error. Now the first two raise on
+every rank naming the params / the recipe (freeze after building ``dmuon.Muon``), the third names
+the copy and ``dmuon.get_model_state_dict``. Still open (strict xfail): a dedicated param's
+``numel()`` / ``shape`` read its placeholder's 0.
+The right paths measured 0.0 max abs difference (bitwise) after 3 steps.
 """
 from __future__ import annotations
 
