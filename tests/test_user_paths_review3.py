@@ -82,13 +82,17 @@ def _freeze_after(cfg):
 
 
 def _freeze_after_run(env, cfg):
+    """``cfg["set_to_none"]``: ``opt.zero_grad``'s argument (False: as torch, a frozen param
+    keeps its zeroed gradient and steps with it: momentum and weight decay go on)."""
     model, opt = _build(make_model, env, cfg)
     frozen = [model.layers[0].mlp.down_proj.weight, *model.layers[1].parameters(),
               model.embed_tokens.weight]  # a root FSDP2 param too
     for i, ids in enumerate(make_batches(STEPS, BATCH)):
         for p in frozen:
             p.requires_grad_(i != 1)
-        _train_step(model, opt, ids, env)
+        opt.zero_grad(set_to_none=cfg.get("set_to_none", True))
+        _backward(_lm, model, ids, env)
+        opt.step()
     return {"sd": _full_sd(model, env)}
 
 
@@ -306,6 +310,7 @@ def _safe(fn):
 PATHS = {
     "freeze_after": _freeze_after({}),
     "freeze_after_z2": _freeze_after({"z3": False}),
+    "freeze_after_zero_false": _freeze_after({"set_to_none": False}),
     "frozen_before": _frozen_before(None),
     "frozen_before_unfreeze": _frozen_before(1),
     "ema_plain": _ema("plain"),
