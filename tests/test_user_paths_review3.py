@@ -4,7 +4,7 @@ one process with ``RefMuon`` (the single-device twin of ``dmuon.Muon`` from
 
 Paths: freezing (``requires_grad_(False)`` on a dedicated matrix and on a whole layer after
 ``dmuon.Muon``, then unfreezing; a matrix frozen before ``dedicate_params``, kept frozen or
-unfrozen later); an EMA / teacher copy (a plain model, or a second dmuon model, updated from
+unfrozen later; frozen for the synced micro-batch of a ``dmuon.no_sync`` accumulation); an EMA / teacher copy (a plain model, or a second dmuon model, updated from
 ``dmuon.get_model_state_dict`` each step and evaluated; ``copy.deepcopy`` and a ``no_grad`` loop over
 ``parameters()`` must raise); two dmuon models in one process stepped alternately, and a GAN
 (generator + discriminator, each with its own ``dmuon.Muon``; the discriminator frozen or not in
@@ -100,6 +100,30 @@ def _freeze_after_run(env, cfg):
             norms.append(float(clip(model, cfg["clip"])))
         opt.step()
     return {"sd": _full_sd(model, env), "extra": {"norms": norms}}
+
+
+def _freeze_in_accum(env):
+    """Gradient accumulation over 2 micro-batches (the first under ``dmuon.no_sync``) with one
+    dedicated matrix and ``layers.1``'s norms frozen for the synced (second) micro-batch only: their
+    first micro-batch's gradients must still be applied, as torch keeps ``.grad``."""
+    import contextlib
+    model, opt = _build(make_model, env)
+    frozen = [model.layers[0].mlp.down_proj.weight, model.layers[1].input_layernorm.weight]
+    for ids in make_batches(STEPS, BATCH):
+        opt.zero_grad()
+        for j, mb in enumerate(ids.chunk(2)):
+            for p in frozen:
+                p.requires_grad_(j == 0)
+            ctx = contextlib.nullcontext()
+            if env["dist"] and j == 0:
+                import dmuon
+                ctx = dmuon.no_sync(model)
+            with ctx:
+                _backward(lambda m, x: 0.5 * m(x), model, mb, env)
+        opt.step()
+        for p in frozen:
+            p.requires_grad_(True)
+    return {"sd": _full_sd(model, env)}
 
 
 def _frozen_before(unfreeze_at):
@@ -317,6 +341,7 @@ PATHS = {
     "freeze_after": _freeze_after({}),
     "freeze_after_z2_clip": _freeze_after({"z3": False, "clip": 0.05}),
     "freeze_after_zero_false": _freeze_after({"set_to_none": False, "clip": 0.05}),
+    "freeze_in_accum": _freeze_in_accum,
     "frozen_before": _frozen_before(None),
     "frozen_before_unfreeze": _frozen_before(1),
     "ema_plain": _ema("plain"),
