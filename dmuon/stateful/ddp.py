@@ -140,7 +140,19 @@ class DDPParamGroup(DedicatedParamGroup):
 
 class _NotForDDP(list):
     """``model._ddp_params_and_buffers_to_ignore`` of an FSDP-mode model: DDP's constructor
-    iterates it, which raises with the fix (FSDP-mode dedication then DDP)."""
+    iterates it, which raises with the fix (FSDP-mode dedication then DDP). ``copy.deepcopy`` /
+    pickling the model reaches it first too (before any placeholder): that raises with the fix for
+    copies."""
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise RuntimeError(
+            "copy.deepcopy / pickling a model after dmuon.dedicate_params: its dedicated matrices "
+            "live whole on their owner ranks (here: empty placeholders), so a copy would hold no "
+            "weights. For an EMA / teacher copy, build a plain model of the same class and load "
+            "dmuon.get_model_state_dict(model) into it (or deepcopy before dedicate_params and "
+            "dedicate the copy too, then dmuon.set_model_state_dict(copy, "
+            "dmuon.get_model_state_dict(model))); to save, use dmuon.get_model_state_dict / "
+            "dmuon.save_sharded.")
 
     def __iter__(self) -> Iterator[str]:
         raise RuntimeError(

@@ -42,7 +42,7 @@ from dmuon.newton_schulz.engine import NSEngine
 from dmuon.stateful.ddp import check_backend, unwrap_model
 from dmuon.stateful.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.telemetry import StepStats, StepTelemetry
-from dmuon.stateful.step_checks import check_finite, check_same_fsdp_grads
+from dmuon.stateful.step_checks import check_finite, check_outside_grads, check_same_fsdp_grads
 from dmuon.stateful.tensor_parallel import TPStep
 from dmuon.stateful.dedicate import finish_deferred
 from dmuon.functional.tree import leaf_paths
@@ -140,11 +140,15 @@ class Muon(torch.optim.Optimizer):
         dedicated = set(rt.params.values())
         self._adamw_named = tuple((n, p) for n, p in model.named_parameters()
                                   if p.requires_grad and p not in dedicated)
+        # frozen at construction: in no param group (a gradient there after unfreezing raises)
+        self._outside = tuple((n, p) for n, p in model.named_parameters()
+                              if not p.requires_grad and p not in dedicated)
         groups = [
             dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_hp),
             dict(params=[p for _, p in self._adamw_named], name="adamw", **adamw_hp),
         ]
         super().__init__(groups, defaults={})
+        self._groups_fixed = True  # add_param_group raises from here on
         self._rt: DedicatedState = rt
         if not (check_finite == "auto" or isinstance(check_finite, bool)):
             raise ValueError(f"check_finite must be 'auto', True or False, got {check_finite!r}")
@@ -248,6 +252,7 @@ class Muon(torch.optim.Optimizer):
                 "dmuon.no_sync) before every step(). A step() on one rank only, or twice in a row, "
                 "would update that rank's FSDP2 shards again and leave its dedicated matrices "
                 "behind the other ranks'.")
+        check_outside_grads(self._outside)
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         grads = rt.reduced_grads()
         if self._check_fsdp_usage:
@@ -429,6 +434,22 @@ class Muon(torch.optim.Optimizer):
     def param_name(self, p: Any) -> str:
         """The fully-qualified name of one of this optimizer's params."""
         return self._name_of[p]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once built: ``step()`` updates exactly ``param_groups[0]`` (the dedicated
+        matrices) and ``param_groups[1]`` (the trainable FSDP2 params at construction); a group
+        added later would never be stepped. Raises ``RuntimeError`` (the same on every rank)."""
+        if not getattr(self, "_groups_fixed", False):  # torch's __init__ adds the two groups
+            return super().add_param_group(param_group)
+        raise RuntimeError(
+            "dmuon.Muon.add_param_group: dmuon.Muon has a fixed pair of param groups (Muon for "
+            "the dedicated matrices, AdamW for the other params trainable when it was built); an "
+            "added group would never be stepped. For progressive unfreezing, build dmuon.Muon "
+            "with every param trainable (after dedicate_params and fully_shard) and freeze with "
+            "requires_grad_(False) afterwards: a param with no gradient is skipped, as torch "
+            "skips it, and trains again once unfrozen (set a per-group lr through "
+            "param_groups[i]['lr']); train params outside the model with a torch optimizer of "
+            "their own.")
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: torch's optimizer state-dict protocol, topology-free (param groups carry

@@ -2,7 +2,9 @@
 
 * :func:`check_same_fsdp_grads` — torch without FSDP2's ``set_reduce_scatter_unused_params``:
   an FSDP2 param with a gradient on some ranks only;
-* :func:`check_finite` — non-finite gradients (``Muon(check_finite=...)``), naming the ranks.
+* :func:`check_finite` — non-finite gradients (``Muon(check_finite=...)``), naming the ranks;
+* :func:`check_outside_grads` — a gradient on a param frozen when ``dmuon.Muon`` was built (in
+  none of its param groups: unfrozen later, it would silently never be updated).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch.distributed as dist
 
 from dmuon.stateful.state import DedicatedState, local_tensor
 
-__all__ = ["check_same_fsdp_grads", "check_finite", "host_all_reduce"]
+__all__ = ["check_same_fsdp_grads", "check_finite", "check_outside_grads", "host_all_reduce"]
 
 
 def host_all_reduce(values: Sequence[int], group: Any, device: torch.device) -> list[int]:
@@ -67,6 +69,25 @@ def check_same_fsdp_grads(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedS
             "set_reduce_scatter_unused_params (torch 2.13's has it, and dmuon.Muon turns it "
             "on); upgrade torch, make every rank use every FSDP2 param each step, or move "
             "those params to dmuon (dedicate them), which handles it.")
+
+def check_outside_grads(outside: Sequence[tuple[str, Any]]) -> None:
+    """Raise if a param in none of the optimizer's groups (``requires_grad=False`` when
+    ``dmuon.Muon`` was built, so neither dedicated nor AdamW's) has a gradient: it was unfrozen
+    since, and no optimizer would apply its gradient. No collective: every rank computes the same
+    verdict, since FSDP2 gives each rank a gradient of a param any rank used (a param unfrozen on
+    some ranks only already breaks FSDP2's reduce-scatter)."""
+    bad = [n for n, p in outside if p.grad is not None]
+    if bad:
+        raise RuntimeError(
+            f"dmuon.Muon.step: params {bad[:6]}{' ...' if len(bad) > 6 else ''} were frozen "
+            "(requires_grad=False) when dmuon.Muon(model) was built, so they are in none of its "
+            "param groups (dmuon.dedicate_params skips frozen matrices too), yet they have a "
+            "gradient now: they were unfrozen and would silently never be updated. Nothing was "
+            "updated. To train them later, keep them trainable through dedicate_params and "
+            "dmuon.Muon and freeze them afterwards with requires_grad_(False) (a param with no "
+            "gradient is skipped, as torch skips it); to keep them frozen, set requires_grad_(False) "
+            "again and drop their gradients (model.zero_grad()).")
+
 
 def check_finite(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState,
                  grads: dict[str, Optional[torch.Tensor]]) -> bool:
