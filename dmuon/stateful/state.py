@@ -44,7 +44,8 @@ from dmuon.stateful.consumed_grads import ConsumedGrads
 from dmuon.stateful.fsdp_info import find_fsdp_state, mean_to_fsdp_scale
 from dmuon.stateful.executor import Executor
 from dmuon.stateful.fsdp_patch import check_not_taken_over
-from dmuon.stateful.guards import DedicatedGradMarker, make_marker
+from dmuon.stateful.grad_markers import GradMarkersMixin
+from dmuon.stateful.guards import DedicatedGradMarker
 from dmuon.stateful.param_group import DedicatedParamGroup, GradState, ReducedGrad
 from dmuon.stateful.process_groups import MeshGroups
 from dmuon.stateful.publish import PublishMixin
@@ -60,7 +61,7 @@ __all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_stat
            "local_tensor"]
 
 
-class DedicatedState(PublishMixin):
+class DedicatedState(GradMarkersMixin, PublishMixin):
     """Root state of the dedicated params of one model (see the module docstring)."""
 
     def __init__(self, *, model: nn.Module, params: Mapping[str, nn.Parameter], plan: Any,
@@ -294,57 +295,6 @@ class DedicatedState(PublishMixin):
     def launch_unshard(self, key: str) -> None:
         self._take_markers(self.groups[key].names)
         self.groups[key].launch_unshard(self.version)
-
-    # ------------------------------------------------------------------ .grad markers
-    def _attach_markers(self, names) -> None:
-        """After a backward: every freed param whose gradient dmuon holds shows a marker as
-        ``.grad`` (torch's tools then raise instead of seeing nothing; zeroing it zeroes
-        dmuon's gradient, dropping it drops it, see :mod:`dmuon.stateful.guards`)."""
-        for n in names:
-            p = self.params[n]
-            if not self.storage.is_placeholder(n) or n in self._marked:
-                continue
-            if n not in self.local_grads and n not in self._sent:
-                continue
-            m = self._markers.get(n)
-            if m is None or m.dtype != p.dtype:
-                m = make_marker(p, n, lambda n=n: self.zero_held_grad(n))
-                self._markers[n] = m
-            p.grad = m
-            self._marked.add(n)
-
-    def _take_markers(self, names, *, remove: bool = True) -> None:
-        """Before a param is gathered (or its gradient sent or used): a marker the user dropped
-        (``model.zero_grad()``, ``p.grad = None``) drops dmuon's gradient; ``remove``: take the
-        others off too (a gathered param must not carry a zero-size ``.grad``). The consumed
-        markers of the last step come off as well (:mod:`dmuon.stateful.consumed_grads`)."""
-        self.consumed.take(self.params, names)
-        for n in [n for n in names if n in self._marked]:
-            p = self.params[n]
-            if p.grad is not self._markers[n]:
-                self._marked.discard(n)
-                self.drop_grad(n)
-            elif remove:
-                self._marked.discard(n)
-                p.grad = None
-
-    def zero_held_grad(self, name: str) -> None:
-        """Zero every gradient dmuon holds for ``name`` on this rank, keeping it present (torch's
-        ``zero_grad(set_to_none=False)``: the param is stepped with a zero gradient unless a later
-        backward adds to it)."""
-        self._collect()  # a reduce still in flight counts as held
-        for held in (self.local_grads.get(name), self._reduced.get(name)):
-            if held is not None:
-                held.zero_()
-
-    def drop_grad(self, name: str) -> None:
-        """Forget every gradient dmuon holds for ``name`` on this rank (as torch's zero_grad)."""
-        self.local_grads.pop(name, None)
-        self._collect()  # a reduce still in flight counts as held
-        self._reduced.pop(name, None)
-        self._present_here.discard(name)
-        self._flags.pop(name, None)
-        self._resolved = None
 
     def reshard_all(self) -> None:
         if self.ready:
