@@ -21,6 +21,7 @@ def _run(*args):
     return proc.stdout
 
 
+@pytest.mark.slow  # the example script end to end; resume across topologies: test_checkpoint_topology
 def test_checkpoint_example_saves_and_resumes_on_another_world_size(tmp_path):
     d = ["--dir", str(tmp_path), "--save-every", "3"]  # (--sharded: the same flow through DCP)
     first = _run("2", "--steps", "6", *d)

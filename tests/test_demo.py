@@ -203,6 +203,7 @@ def test_launcher_propagates_worker_exception():
 
 
 # ----------------------------------------------------------------------------------- end to end
+@pytest.mark.slow  # .ci/run smoke-runs `python -m dmuon.demo --fast` in a bare venv already
 def test_demo_fast_end_to_end(tmp_path, capsys):
     from dmuon.demo.__main__ import main
 

@@ -8,6 +8,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -50,6 +52,7 @@ _FAILING = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a subprocess with 2 ranks; the in-process launch failure is in test_demo.py
 def test_failing_worker_exits_nonzero_with_traceback(tmp_path):
     script = tmp_path / "failing.py"
     script.write_text(_FAILING)
