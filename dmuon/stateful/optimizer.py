@@ -37,8 +37,7 @@ from dmuon.functional import muon as fmuon
 from dmuon.functional.matrix_view import Batch
 from dmuon.stateful.fsdp_patch import check_not_taken_over
 from dmuon.stateful.guards import make_marker
-from dmuon.newton_schulz.config import NSConfig
-from dmuon.newton_schulz.engine import NSEngine
+from dmuon.stateful.ns_hook import NSHook
 from dmuon.stateful.ddp import check_backend, unwrap_model
 from dmuon.stateful.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.telemetry import StepStats, StepTelemetry
@@ -159,17 +158,13 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"adamw_impl must be 'auto' or one of {fadamw.IMPLS}, got "
                              f"{adamw_impl!r}")
         self.adamw_impl = adamw_impl
-        if not (ns_engine in ("auto", "engine", "functional") or isinstance(ns_engine, NSEngine)):
-            raise ValueError("ns_engine must be 'auto', 'engine', 'functional' or a "
-                             f"dmuon.newton_schulz.engine.NSEngine, got {ns_engine!r}")
         if elementwise not in ("auto", "fused", "foreach"):
             raise ValueError(f"elementwise must be 'auto', 'fused' or 'foreach', got {elementwise!r}")
         self.elementwise = elementwise
         rt.pool.persistent = bool(persistent_grad_buffers)
-        self._ns_choice = ns_engine
-        self._ns_engine: Optional[NSEngine] = ns_engine if isinstance(ns_engine, NSEngine) else None
         self._host_syncs = 0
         self.telemetry = StepTelemetry(rt.executor, rt.device)
+        self._ns = NSHook(ns_engine, self.telemetry)  # validates ns_engine
         self.replicate_async = bool(replicate_async)
         self.num_steps = 0  # completed step() calls (the same on every rank)
         # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;
@@ -305,7 +300,7 @@ class Muon(torch.optim.Optimizer):
         hp = self.muon_hparams()
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
-        ortho, ew = self._orthogonalizer(rt, hp), self._elementwise(rt)
+        ortho, ew = self._ns.for_step(rt.device.type, hp), self._elementwise(rt)
         if self._hp_groups is None:
             _, self.muon_state = fmuon.update(
                 grads, self.muon_state, params, hp, view=self._views,
@@ -337,38 +332,6 @@ class Muon(torch.optim.Optimizer):
                  for _ in views.get(n, Batch(0)).blocks(tuple(params[n].shape))]
         return self._tp.orthogonalizer(ortho, names)
 
-    def _orthogonalizer(self, rt: DedicatedState, hp: fmuon.MuonHParams) -> fmuon.Orthogonalize:
-        """The NS hook for this step, timed by the telemetry (see ``ns_engine`` in the class doc)."""
-        tel = self.telemetry
-        config = NSConfig.from_hparams(hp)
-        choice = self._ns_choice
-        if choice == "functional" or (choice == "auto" and rt.device.type != "cuda"):
-            def functional(xs: list) -> list:
-                tel.ns_begin()
-                out = fmuon.orthogonalize_batched(xs, config)
-                tel.ns_end()
-                self._ns_mode = "functional"
-                return out
-            return functional
-        if isinstance(choice, NSEngine):
-            if tuple(choice.config[:4]) != tuple(config[:4]):  # the fields MuonHParams sets
-                raise ValueError(
-                    f"dmuon.Muon.step: the NSEngine given as ns_engine computes {choice.config} but "
-                    f"this optimizer's NS hyper-parameters are {config}; build the engine with "
-                    "NSEngine(dmuon.newton_schulz.NSConfig.from_hparams(opt.muon_hparams()), ...) "
-                    "or leave ns_engine='auto'")
-        elif self._ns_engine is None or self._ns_engine.config != config:
-            self._ns_engine = NSEngine(config)
-        engine = self._ns_engine
-
-        def with_engine(xs: list) -> list:
-            tel.ns_begin()
-            out = engine.orthogonalize_(xs, batch_dims=1)
-            tel.ns_end()
-            self._ns_mode = engine.last_mode
-            return out
-        return with_engine
-
     def adamw_local_tensors(self) -> tuple[dict[str, torch.Tensor],
                                            dict[str, Optional[torch.Tensor]]]:
         """The trees :func:`dmuon.functional.adamw.update` steps, keyed as
@@ -397,7 +360,7 @@ class Muon(torch.optim.Optimizer):
             step=self.num_steps + 1, owned_matrices=len(owned),
             owned_elements=self._owned_elements,
             dedicated_matrices=len(rt.names), adamw_params=len(self._adamw_named),
-            ns_mode=getattr(self, "_ns_mode", "none") if owned else "none",
+            ns_mode=self._ns.mode if owned else "none",
             host_syncs=self._host_syncs, adamw_impl=self._adamw_impl())
         self._host_syncs = 0
 
