@@ -1,5 +1,5 @@
 """Users' torch idioms on a dmuon model (2 gloo ranks, fp64, 3 steps), each equal to the same
-loop on one process with a single-device twin of ``dmuon.Muon`` (``RefMuon``: the same two param
+loop on one process with a single-device twin of ``dmuon.Muon`` (``user_paths_harness.RefMuon``: the same two param
 groups, read at every step; functional Muon with fp64 NS + functional AdamW) to <= 1e-10.
 
 Paths: ``param_groups`` hyper-parameters changed between steps (momentum, weight decay, Nesterov,
@@ -32,48 +32,10 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_ranks
 from models import TinyLlama, make_batches, make_model, muon_predicate
-from stateful_harness import HP, build_dmuon
+from stateful_harness import build_dmuon
+from user_paths_harness import assert_state_equal, reference_run
 
-TOL = 1e-10
 STEPS, BATCH = 3, 4
-
-
-class RefMuon(torch.optim.Optimizer):
-    """One process: ``dmuon.Muon``'s two param groups over a plain model, read at every step."""
-
-    def __init__(self, model: torch.nn.Module):
-        from dmuon.functional import adamw as fadamw
-        from dmuon.functional import muon as fmuon
-        self.fm, self.fa = fmuon, fadamw
-        self.mats = {n: p for n, p in model.named_parameters() if muon_predicate(n, p)}
-        self.rest = {n: p for n, p in model.named_parameters() if n not in self.mats}
-        muon = dict(lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
-                    weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"],
-                    ns_coefficients="polar_express", ns_eps=1e-7, ns_dtype=torch.float64,
-                    lr_scale="moonlight")
-        adamw = dict(lr=HP["adamw_lr"], betas=HP["adamw_betas"], eps=HP["adamw_eps"],
-                     weight_decay=HP["adamw_weight_decay"])
-        super().__init__([dict(params=list(self.mats.values()), name="muon", **muon),
-                          dict(params=list(self.rest.values()), name="adamw", **adamw)],
-                         defaults={})
-        self.ms = fmuon.init({n: p.detach() for n, p in self.mats.items()})
-        self.as_ = fadamw.init({n: p.detach() for n, p in self.rest.items()})
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        g0, g1 = self.param_groups
-        hp = self.fm.MuonHParams(**{k: g0[k] for k in self.fm.MuonHParams._fields})
-        _, self.ms = self.fm.update({n: p.grad for n, p in self.mats.items()}, self.ms,
-                                    {n: p.data for n, p in self.mats.items()}, hp, donate=True)
-        ahp = self.fa.AdamWHParams(lr=g1["lr"], betas=tuple(g1["betas"]), eps=g1["eps"],
-                                   weight_decay=g1["weight_decay"])
-        _, self.as_ = self.fa.update({n: p.grad for n, p in self.rest.items()}, self.as_,
-                                     {n: p.data for n, p in self.rest.items()}, ahp, donate=True)
-        return loss
 
 
 class ReuseLlama(TinyLlama):
@@ -287,10 +249,7 @@ def _worker(rank, world):
 
 def _reference(key):
     make, loop, _ = PATHS[key]
-    model = make()
-    extra = loop(model, RefMuon(model), make_batches(STEPS, BATCH),
-                 dict(rank=0, world=1, dist=False))
-    return {"sd": {k: v.detach().clone() for k, v in model.state_dict().items()}, "extra": extra}
+    return reference_run(make, loop, STEPS, BATCH)
 
 
 @pytest.fixture(scope="module")
@@ -300,12 +259,7 @@ def results():
 
 def _check(results, key, keys=None):
     ref = _reference(key)
-    for rank, r in enumerate(results):
-        got = r[key]["sd"]
-        assert set(got) == set(ref["sd"]), key
-        worst = max(float((got[k] - v).abs().max()) for k, v in ref["sd"].items()
-                    if keys is None or k in keys)
-        assert worst <= TOL, f"{key} rank {rank}: max abs diff {worst:.3g}"
+    assert_state_equal(results, key, ref, keys)
     return ref
 
 

@@ -32,11 +32,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import catch, run_ranks
-from models import TinyLlama, make_batches, make_model, muon_predicate
+from models import TinyLlama, make_batches, make_model
 from stateful_harness import build_dmuon
-from test_user_paths_review import RefMuon
+from user_paths_harness import TOL, assert_state_equal, reference_run
 
-TOL = 1e-10
 STEPS, BATCH, WORLD = 3, 4, 2
 
 
@@ -267,10 +266,7 @@ def _worker(rank, world, tmp):
 
 def _reference(key):
     make, loop, _ = PATHS[key]
-    model = make()
-    extra = loop(model, RefMuon(model), make_batches(STEPS, BATCH),
-                 dict(rank=0, world=1, dist=False))
-    return {"sd": {k: v.detach().clone() for k, v in model.state_dict().items()}, "extra": extra}
+    return reference_run(make, loop, STEPS, BATCH)
 
 
 def _diff(a, b):
@@ -284,12 +280,7 @@ def results(tmp_path_factory):
 
 def _check(results, key):
     ref = _reference(key)
-    for rank, r in enumerate(results):
-        got = r[key]
-        assert "error" not in got, (key, rank, got.get("error"))
-        assert set(got["sd"]) == set(ref["sd"]), key
-        worst = _diff(got["sd"], ref["sd"])
-        assert worst <= TOL, f"{key} rank {rank}: max abs diff {worst:.3g}"
+    assert_state_equal(results, key, ref)
     return ref
 
 

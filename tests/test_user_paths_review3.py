@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from dist_utils import catch, run_ranks
 from models import make_batches, make_model, muon_predicate
 from stateful_harness import build_dmuon
-from test_user_paths_review import RefMuon
+from user_paths_harness import TOL, RefMuon
 
-TOL = 1e-10
 STEPS, BATCH, WORLD = 3, 4, 2
 
 

@@ -1,0 +1,73 @@
+"""Shared pieces of the user-path review tests (``test_user_paths_review*.py``): the single-device
+twin of ``dmuon.Muon`` and the comparison of a distributed run's full state dict with it."""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+from models import make_batches, muon_predicate
+from stateful_harness import HP
+
+#: fp64 multi-step runs equal one process to this (max abs difference of any weight)
+TOL = 1e-10
+
+
+class RefMuon(torch.optim.Optimizer):
+    """One process: ``dmuon.Muon``'s two param groups over a plain model, read at every step."""
+
+    def __init__(self, model: torch.nn.Module):
+        from dmuon.functional import adamw as fadamw
+        from dmuon.functional import muon as fmuon
+        self.fm, self.fa = fmuon, fadamw
+        self.mats = {n: p for n, p in model.named_parameters() if muon_predicate(n, p)}
+        self.rest = {n: p for n, p in model.named_parameters() if n not in self.mats}
+        muon = dict(lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
+                    weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"],
+                    ns_coefficients="polar_express", ns_eps=1e-7, ns_dtype=torch.float64,
+                    lr_scale="moonlight")
+        adamw = dict(lr=HP["adamw_lr"], betas=HP["adamw_betas"], eps=HP["adamw_eps"],
+                     weight_decay=HP["adamw_weight_decay"])
+        super().__init__([dict(params=list(self.mats.values()), name="muon", **muon),
+                          dict(params=list(self.rest.values()), name="adamw", **adamw)],
+                         defaults={})
+        self.ms = fmuon.init({n: p.detach() for n, p in self.mats.items()})
+        self.as_ = fadamw.init({n: p.detach() for n, p in self.rest.items()})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        g0, g1 = self.param_groups
+        hp = self.fm.MuonHParams(**{k: g0[k] for k in self.fm.MuonHParams._fields})
+        _, self.ms = self.fm.update({n: p.grad for n, p in self.mats.items()}, self.ms,
+                                    {n: p.data for n, p in self.mats.items()}, hp, donate=True)
+        ahp = self.fa.AdamWHParams(lr=g1["lr"], betas=tuple(g1["betas"]), eps=g1["eps"],
+                                   weight_decay=g1["weight_decay"])
+        _, self.as_ = self.fa.update({n: p.grad for n, p in self.rest.items()}, self.as_,
+                                     {n: p.data for n, p in self.rest.items()}, ahp, donate=True)
+        return loss
+
+
+def reference_run(make: Callable[[], torch.nn.Module], loop: Callable[..., Any], steps: int,
+                  batch: int) -> dict:
+    """``loop`` on one process with :class:`RefMuon` over ``make()``: ``{"sd", "extra"}``."""
+    model = make()
+    extra = loop(model, RefMuon(model), make_batches(steps, batch),
+                 dict(rank=0, world=1, dist=False))
+    return {"sd": {k: v.detach().clone() for k, v in model.state_dict().items()}, "extra": extra}
+
+
+def assert_state_equal(results: list, key: str, ref: dict,
+                       keys: Optional[Iterable[str]] = None) -> None:
+    """Every rank's full state dict of path ``key`` equals ``ref["sd"]`` to :data:`TOL` (over
+    ``keys`` only, when given), with the same names and no error recorded."""
+    keys = None if keys is None else set(keys)
+    for rank, r in enumerate(results):
+        got = r[key]
+        assert "error" not in got, (key, rank, got.get("error"))
+        assert set(got["sd"]) == set(ref["sd"]), key
+        worst = max(float((got["sd"][k] - v).abs().max()) for k, v in ref["sd"].items()
+                    if keys is None or k in keys)
+        assert worst <= TOL, f"{key} rank {rank}: max abs diff {worst:.3g}"
