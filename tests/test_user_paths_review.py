@@ -30,7 +30,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_ranks
+from dist_utils import catch, run_ranks
 from models import TinyLlama, make_batches, make_model, muon_predicate
 from stateful_harness import build_dmuon
 from user_paths_harness import assert_state_equal, reference_run
@@ -244,6 +244,10 @@ def _worker(rank, world):
         extra = loop(model, opt, make_batches(STEPS, BATCH), dict(rank=rank, world=world,
                                                                   dist=True))
         out[key] = {"sd": dmuon.get_model_state_dict(model, cpu_offload=True), "extra": extra}
+    # torch's own clip over model.parameters() after a step (e.g. to log a gradient norm): the
+    # owners' consumed markers make it raise, as before a step, instead of a norm without them
+    out["torch_clip_after_step"] = catch(
+        lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
     return out
 
 
@@ -296,3 +300,9 @@ def test_model_zero_grad_steps_an_unused_matrix_as_one_process(results, key):
     zero gradient) or dropped (skip)."""
     mats = {n for n, p in _skip_model().named_parameters() if muon_predicate(n, p)}
     _check(results, key, keys=mats)
+
+
+def test_torch_clip_after_step_raises_on_every_rank(results):
+    for rank, r in enumerate(results):
+        kind, msg = r["torch_clip_after_step"]
+        assert kind == "DedicatedParamError" and "dmuon.clip_grad_norm_" in msg, (rank, kind, msg)
