@@ -12,9 +12,9 @@ from typing import Callable
 
 import torch
 
-from dmuon.functional.presets import preset_specs
+from dmuon.tools.presets import preset_specs
 
-#: The two reference models (issue 8): names of :data:`dmuon.functional.presets.PRESETS`.
+#: The two reference models (issue 8): names of :data:`dmuon.tools.presets.PRESETS`.
 MODELS = ("llama-3.2-1b", "llama-3.1-8b")
 
 

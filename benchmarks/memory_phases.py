@@ -53,7 +53,7 @@ def static_parts(model, opt, kind: str) -> dict:
     """GiB of the long-lived state by kind."""
     params = list(model.parameters())
     if kind.startswith("dmuon"):
-        from dmuon.stateful.state import get_state
+        from dmuon.stateful.runtime.state import get_state
         rt = get_state(model, "memory_phases")
         masters = list(rt.masters.values())
         momentum = list(tree_leaves(opt.muon_state.momentum)) if opt.muon_state else []
@@ -103,7 +103,7 @@ def main() -> None:
     mark("backward")
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     if a.config.startswith("dmuon"):
-        from dmuon.stateful.state import get_state
+        from dmuon.stateful.runtime.state import get_state
         rt = get_state(model, "memory_phases")
         grads += list(rt.pool.buffers.values())
     grads_gib = _bytes(grads)

@@ -33,7 +33,7 @@ from dmuon.newton_schulz.iteration import (default_range_lift, frobenius_normali
                                             newton_schulz, ns_iterate)
 from dmuon.newton_schulz.cost import choose_ns_variant
 from dmuon.newton_schulz.config import NSConfig
-from dmuon.newton_schulz.engine import NSEngine
+from dmuon.kernels.ns_engine import NSEngine
 
 ENGINE_VARIANTS = {
     "bf16_r2": NSConfig(ns_dtype=torch.bfloat16, ns_gram_restart=2),

@@ -19,7 +19,7 @@ from collections import defaultdict
 import torch
 
 from dmuon.newton_schulz.cost import ns_cost
-from dmuon.newton_schulz.engine import NSEngine
+from dmuon.kernels.ns_engine import NSEngine
 from dmuon.newton_schulz.config import NSConfig
 
 from bench_util import MODELS, kernel_times, model_shapes, time_ms

@@ -16,7 +16,7 @@ import json
 import torch
 
 from dmuon.newton_schulz.config import NSConfig
-from dmuon.newton_schulz.engine import NSEngine
+from dmuon.kernels.ns_engine import NSEngine
 from dmuon.newton_schulz.iteration import newton_schulz
 
 from bench_util import time_ms

@@ -25,7 +25,7 @@ from bench_util import kernel_times, time_ms  # noqa: E402
 from dmuon.kernels.syrk import make_sym_op  # noqa: E402
 from dmuon.newton_schulz import chunks as chunks_mod  # noqa: E402
 from dmuon.newton_schulz.config import NSConfig  # noqa: E402
-from dmuon.newton_schulz.engine import NSEngine  # noqa: E402
+from dmuon.kernels.ns_engine import NSEngine  # noqa: E402
 from dmuon.newton_schulz.iteration import (default_range_lift, frobenius_normalize,  # noqa: E402
                                             newton_schulz, ns_iterate)
 from dmuon.newton_schulz.coefficients import ns_coefficient_table  # noqa: E402

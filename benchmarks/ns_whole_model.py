@@ -19,7 +19,7 @@ import torch
 from dmuon.newton_schulz.iteration import default_gram_restart, default_ns_dtype, newton_schulz
 from dmuon.newton_schulz.cost import direct_flops, gram_flops, ns_cost
 from dmuon.kernels.syrk import sym_abt_torch, sym_abt_triton, triton_available
-from dmuon.newton_schulz.engine import NSEngine
+from dmuon.kernels.ns_engine import NSEngine
 from dmuon.newton_schulz.config import NSConfig
 
 from bench_util import MODELS, model_shapes, time_ms

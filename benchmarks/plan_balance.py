@@ -20,8 +20,8 @@ from typing import Optional, Sequence
 import torch
 
 from dmuon.functional.plan import plan_owners
-from dmuon.functional.plan_report import plan_summary
-from dmuon.functional.presets import preset_specs
+from dmuon.tools.plan_report import plan_summary
+from dmuon.tools.presets import preset_specs
 
 # (model, G, R, balance target or None[, max_split]): max_split > 1 plans split NS units
 # (planned, not yet executed by the optimizer); the issue-25 target is max/mean <= 1.2 for 70B 64x8

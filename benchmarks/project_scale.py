@@ -30,11 +30,11 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-from dmuon.functional.machine import MACHINES  # noqa: E402
-from dmuon.functional.presets import get_preset  # noqa: E402
-from dmuon.functional.projection import StepSetup, project_step  # noqa: E402
-from dmuon.functional.projection_report import machine_summary, projection_summary  # noqa: E402
-from dmuon.projection_plot import write_timeline_png  # noqa: E402
+from dmuon.tools.machine import MACHINES  # noqa: E402
+from dmuon.tools.presets import get_preset  # noqa: E402
+from dmuon.tools.projection import StepSetup, project_step  # noqa: E402
+from dmuon.tools.projection_report import machine_summary, projection_summary  # noqa: E402
+from dmuon.tools.projection_plot import write_timeline_png  # noqa: E402
 
 MODELS = ("llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "mixtral-8x7b")
 GPUS = (8, 64, 512, 1024)

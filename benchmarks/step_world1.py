@@ -185,7 +185,7 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh, model_kind: str = "ll
         model = MODEL[model_kind](cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if kind.startswith("dmuon"):
-        from dmuon.stateful.dedicate import dedicate_params
+        from dmuon.stateful.runtime.dedicate import dedicate_params
         dedicate_params(model, mesh, muon_predicate)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
@@ -197,8 +197,8 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh, model_kind: str = "ll
             opt = Heated(opt, device)
     else:
         from dmuon.newton_schulz.config import NSConfig
-        from dmuon.newton_schulz.engine import NSEngine
-        from dmuon.stateful.optimizer import Muon
+        from dmuon.kernels.ns_engine import NSEngine
+        from dmuon.stateful.optimizer.muon import Muon
         engine = "auto"
         if kind == "dmuon_chunk1g":
             engine = NSEngine(NSConfig(ns_dtype=None), max_chunk_bytes=1 << 30)

@@ -3,7 +3,7 @@
 Usage: ``python benchmarks/validate_projection.py [--out results/projection_validation.json]
 [--skip-gloo]``
 
-What it checks (``dmuon.functional.projection``; every measured number is read from the file named):
+What it checks (``dmuon.tools.projection``; every measured number is read from the file named):
 
 1. **H200, world 1** (``results/step_world1_h200.json``, ``_lr0``, ``_call3``): calibrate one MFU
    (forward+backward) and AdamW's seconds per parameter on the AdamW row of the main run; predict
@@ -42,11 +42,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from dmuon.functional.machine import A800, H200, ns_matrix_seconds  # noqa: E402
+from dmuon.tools.machine import A800, H200, ns_matrix_seconds  # noqa: E402
 from dmuon.newton_schulz.cost import ns_cost  # noqa: E402
 from dmuon.functional.plan import plan_owners  # noqa: E402
-from dmuon.functional.presets import ModelPreset, get_preset, preset_specs  # noqa: E402
-from dmuon.functional.projection import StepSetup, project_step  # noqa: E402
+from dmuon.tools.presets import ModelPreset, get_preset, preset_specs  # noqa: E402
+from dmuon.tools.projection import StepSetup, project_step  # noqa: E402
 from dmuon.functional.specs import specs_from_named_shapes  # noqa: E402
 from dmuon.functional.step_bytes import runtime_step_traffic  # noqa: E402
 

@@ -21,12 +21,12 @@ __all__ = ["main", "build_parser"]
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dmuon.functional.plan import plan_owners
-    from dmuon.functional.plan_report import plan_summary, plan_table
-    from dmuon.functional.presets import get_preset, preset_from_hf_config, preset_specs
+    from dmuon.tools.plan_report import plan_summary, plan_table
+    from dmuon.tools.presets import get_preset, preset_from_hf_config, preset_specs
     from dmuon.functional.step_bytes import step_bytes_per_rank
     from dmuon.functional.split_plan import owner_entries
 
-    from dmuon.functional.plan_views import hf_config_specs, views_summary
+    from dmuon.tools.plan_views import hf_config_specs, views_summary
 
     policy = None
     if args.model:
@@ -77,10 +77,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_project(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from dmuon.functional.machine import MACHINES
-    from dmuon.functional.presets import get_preset, preset_from_hf_config
-    from dmuon.functional.projection import StepSetup, project_step
-    from dmuon.functional.projection_report import (machine_summary, projection_summary,
+    from dmuon.tools.machine import MACHINES
+    from dmuon.tools.presets import get_preset, preset_from_hf_config
+    from dmuon.tools.projection import StepSetup, project_step
+    from dmuon.tools.projection_report import (machine_summary, projection_summary,
                                                     projection_table)
 
     preset = get_preset(args.model) if args.model else preset_from_hf_config(args.config)
@@ -101,7 +101,7 @@ def _cmd_project(args: argparse.Namespace) -> int:
     projections = [project_step(setup, machine, d) for d in args.designs.split(",")]
     summ = projection_summary(setup, machine, projections)
     if args.png:
-        from dmuon.projection_plot import write_timeline_png
+        from dmuon.tools.projection_plot import write_timeline_png
         write_timeline_png(args.png, projections, title=f"{preset.name} {setup.world} {machine.name}")
     if args.json:
         summ["machine_constants"] = machine_summary(machine)
@@ -115,7 +115,7 @@ def _cmd_project(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``dmuon`` argument parser with one sub-parser per subcommand."""
-    from dmuon.functional.presets import PRESETS
+    from dmuon.tools.presets import PRESETS
 
     parser = argparse.ArgumentParser(prog="dmuon", description="dmuon: distributed Muon tools")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -146,10 +146,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the summary dict as JSON")
     p.set_defaults(func=_cmd_plan)
 
-    from dmuon.functional.machine import MACHINES
+    from dmuon.tools.machine import MACHINES
     p = sub.add_parser("project", help="project step time at scale: FSDP2 + AdamW vs FSDP2 + dmuon",
                        description="Build the owner plan and the schedules, then time one step on a "
-                                   "machine model (dmuon.functional.projection).")
+                                   "machine model (dmuon.tools.projection).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", choices=sorted(PRESETS), help="built-in model shape preset")
     src.add_argument("--config", metavar="PATH", help="Hugging Face config.json (dense or MoE)")

@@ -105,12 +105,12 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.dedicate import dedicate_params
-    from dmuon.stateful.grad_clip import clip_grad_norm_
-    from dmuon.stateful.no_sync import no_sync
-    from dmuon.stateful.optimizer import Muon
-    from dmuon.stateful.state import get_state
-    from dmuon.stateful.state_dict import get_model_state_dict
+    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.extras.grad_clip import clip_grad_norm_
+    from dmuon.stateful.runtime.no_sync import no_sync
+    from dmuon.stateful.optimizer.muon import Muon
+    from dmuon.stateful.runtime.state import get_state
+    from dmuon.stateful.checkpoint.state_dict import get_model_state_dict
 
     steps, batch = cfg.get("steps", 10), cfg.get("batch", 4)
     z3 = cfg.get("z3", True)

@@ -85,7 +85,7 @@ def test_engine_inplace_captures_without_churn():
     """``NSEngine.orthogonalize_``: buffers whose addresses cycle (A, B, C, A, ...) stay eager and
     cost no malloc/free after the first round; stable buffers capture at their second call
     without freeing the allocator's cached blocks, then replay."""
-    from dmuon.newton_schulz.engine import NSEngine
+    from dmuon.kernels.ns_engine import NSEngine
     torch.manual_seed(0)
     eng = NSEngine()
     sets = [[torch.randn(3, 64, 96, device="cuda"), torch.randn(2, 128, 64, device="cuda")]

@@ -37,8 +37,8 @@ def _build(topo, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.dedicate import dedicate_params
-    from dmuon.stateful.optimizer import Muon
+    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.optimizer.muon import Muon
     from models import make_model, muon_predicate
 
     G, R = TOPOS[topo]
@@ -106,9 +106,9 @@ def _save(rank, world, root, topo, out):
     import torch
     import torch.distributed as dist
 
-    from dmuon.stateful.checkpoint_sharded import save_sharded
-    from dmuon.stateful.optimizer_state_dict import get_optimizer_state_dict
-    from dmuon.stateful.state_dict import get_model_state_dict
+    from dmuon.stateful.checkpoint.sharded import save_sharded
+    from dmuon.stateful.checkpoint.optimizer_state_dict import get_optimizer_state_dict
+    from dmuon.stateful.checkpoint.state_dict import get_model_state_dict
 
     model, opt = _build(topo, rank, world)
     _train(model, opt, rank, world, 0, HALF)
@@ -133,9 +133,9 @@ def _save(rank, world, root, topo, out):
 def _resume(rank, world, root, src, dst, mode, out, built):
     import torch
 
-    from dmuon.stateful.checkpoint_sharded import load_sharded
-    from dmuon.stateful.optimizer_state_dict import set_optimizer_state_dict
-    from dmuon.stateful.state_dict import get_model_state_dict, set_model_state_dict
+    from dmuon.stateful.checkpoint.sharded import load_sharded
+    from dmuon.stateful.checkpoint.optimizer_state_dict import set_optimizer_state_dict
+    from dmuon.stateful.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from stateful_harness import max_rel_err
 
     if dst not in built:  # later loads overwrite a trained model: loading must replace everything
@@ -183,8 +183,8 @@ def _bad_dicts(rank, world, root, out):
     """Mismatched dicts raise on every rank, before any collective, and name the entries."""
     import torch
 
-    from dmuon.stateful.optimizer_state_dict import set_optimizer_state_dict
-    from dmuon.stateful.state_dict import set_model_state_dict
+    from dmuon.stateful.checkpoint.optimizer_state_dict import set_optimizer_state_dict
+    from dmuon.stateful.checkpoint.state_dict import set_model_state_dict
 
     model, opt = _build("g2", rank, world)
     ckpt = torch.load(os.path.join(root, "g4.pt"), map_location="cpu", weights_only=False)
@@ -219,11 +219,11 @@ def _bf16_masters(rank, world, root, out):
     restore them (and the momentum) bitwise."""
     import torch
 
-    from dmuon.stateful.checkpoint_sharded import load_sharded, save_sharded
-    from dmuon.stateful.dedicate import dedicate_params
-    from dmuon.stateful.optimizer import Muon
-    from dmuon.stateful.optimizer_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-    from dmuon.stateful.state_dict import get_model_state_dict, set_model_state_dict
+    from dmuon.stateful.checkpoint.sharded import load_sharded, save_sharded
+    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.optimizer.muon import Muon
+    from dmuon.stateful.checkpoint.optimizer_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+    from dmuon.stateful.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from models import make_model, muon_predicate
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -319,8 +319,8 @@ def _hf(rank, world, root, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.dedicate import dedicate_params
-    from dmuon.stateful.state_dict import get_model_state_dict, read_state_dict, set_model_state_dict
+    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.checkpoint.state_dict import get_model_state_dict, read_state_dict, set_model_state_dict
 
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
     st_dir, bin_dir = os.path.join(root, "hf_st"), os.path.join(root, "hf_bin")

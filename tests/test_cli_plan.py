@@ -5,7 +5,7 @@ import pytest
 
 from dmuon.__main__ import main
 from dmuon.functional.plan import plan_owners
-from dmuon.functional.presets import get_preset, preset_specs
+from dmuon.tools.presets import get_preset, preset_specs
 from dmuon.functional.step_bytes import step_bytes_per_rank
 
 

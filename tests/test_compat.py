@@ -1,4 +1,4 @@
-"""Every private torch API dmuon uses resolves on the installed torch (:mod:`dmuon.stateful.compat`).
+"""Every private torch API dmuon uses resolves on the installed torch (:mod:`dmuon.compat.torch_api`).
 
 CI runs this on torch 2.13; the GPU machine on 2.11. A torch release that moves one of them fails
 here, by name, instead of inside a training step.
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dmuon.stateful import compat
+from dmuon.compat import torch_api as compat
 
 
 def test_installed_torch_is_supported():

@@ -159,7 +159,7 @@ def _main_run(rank, world):
     torch_clip = catch(lambda: torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0))
     opt.zero_grad()
     st = stats[-1]
-    from dmuon.functional.ddp_traffic import ddp_step_traffic
+    from dmuon.tools.ddp_traffic import ddp_step_traffic
     from dmuon.functional.specs import specs_from_named_shapes
     specs = specs_from_named_shapes(list(make_model().named_parameters()), muon_predicate)
     predicted = ddp_step_traffic(specs, world, dtype="torch.float64")
@@ -377,7 +377,7 @@ def _check_main(results, reference):
         assert r["unshard_buffers"] == 0
         # torch's own clip_grad_norm_ refuses instead of skipping dmuon's gradients
         assert r["torch_clip"][0] is not None, r["torch_clip"]
-        # the bytes the functional schedules predict (dmuon.functional.ddp_traffic), every step
+        # the bytes the functional schedules predict (dmuon.tools.ddp_traffic), every step
         assert r["bytes_per_step"] == [r["predicted"]] * (STEPS - 1), (r["bytes_per_step"],
                                                                       r["predicted"])
     # mean sent per rank = DDP's ring all-reduce of the same matrices (+ presence flags)
@@ -463,8 +463,8 @@ def test_checkpoints_across_backends(two, reference):
 def test_ddp_traffic_equals_ring_allreduce_on_presets():
     """Functional: for real model shapes, dmuon's DDP-mode bytes per rank equal (mean) DDP's ring
     all-reduce of the dedicated matrices, the maximum within a few percent."""
-    from dmuon.functional.ddp_traffic import ddp_step_traffic, ring_allreduce_bytes
-    from dmuon.functional.presets import preset_specs
+    from dmuon.tools.ddp_traffic import ddp_step_traffic, ring_allreduce_bytes
+    from dmuon.tools.presets import preset_specs
 
     specs = preset_specs("llama-3.2-1b", dtype="torch.float32")
     for world in (2, 4, 8):

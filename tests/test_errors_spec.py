@@ -36,10 +36,10 @@ def _worker(rank, world):
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.dedicate import dedicate_params
-    from dmuon.stateful.fsdp_patch import install_fully_shard_patch
-    from dmuon.stateful.optimizer import Muon
-    from dmuon.stateful.state_dict import get_model_state_dict
+    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.compat.fsdp_patch import install_fully_shard_patch
+    from dmuon.stateful.optimizer.muon import Muon
+    from dmuon.stateful.checkpoint.state_dict import get_model_state_dict
     from models import make_batches, make_model, muon_predicate
 
     install_fully_shard_patch()

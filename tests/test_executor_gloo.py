@@ -20,8 +20,8 @@ def _sequence(steps, layout):
 
 def _worker(rank, world, layout, *, seed):
     import torch.distributed as dist
-    from dmuon.stateful.executor import Executor
-    from dmuon.stateful.process_groups import make_process_groups
+    from dmuon.stateful.runtime.executor import Executor
+    from dmuon.stateful.runtime.process_groups import make_process_groups
 
     G, R = layout.shard_size, layout.replicate_size
     res = {}

@@ -30,8 +30,8 @@ def nccl_one_rank(tmp_path):
 
 
 def test_cuda_lanes_streams_and_event_ordering(nccl_one_rank):
-    from dmuon.stateful.executor import Executor
-    from dmuon.stateful.process_groups import make_process_groups
+    from dmuon.stateful.runtime.executor import Executor
+    from dmuon.stateful.runtime.process_groups import make_process_groups
 
     dev = torch.device("cuda", 0)
     mg = make_process_groups(shard_size=1)

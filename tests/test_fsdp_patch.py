@@ -33,7 +33,7 @@ def _patch_contract(world, mesh):
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from dmuon.stateful import fsdp_patch
+    from dmuon.compat import fsdp_patch
 
     out = {"installed_by_import": fsdp_patch.is_installed()}
     fsdp_patch.install_fully_shard_patch()
@@ -61,7 +61,7 @@ def _patch_contract(world, mesh):
 def _lifecycle():
     import torch.distributed.fsdp._fully_shard._fsdp_init as init_mod
 
-    from dmuon.stateful import fsdp_patch
+    from dmuon.compat import fsdp_patch
 
     wrapped = {n: getattr(init_mod, n) for n in ("_get_managed_states", "_get_managed_modules")}
     originals = {n: f.__wrapped__ for n, f in wrapped.items()}
@@ -80,7 +80,7 @@ def _taken_over(rank, world, mesh):
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.stateful import fsdp_patch
+    from dmuon.compat import fsdp_patch
 
     out = {}
     torch.manual_seed(0)
@@ -113,7 +113,7 @@ def _several_param_groups(rank, world, mesh):
     from torch.distributed.tensor import Shard
 
     import dmuon
-    from dmuon.stateful.compat import fsdp_param_groups, fsdp_state
+    from dmuon.compat.torch_api import fsdp_param_groups, fsdp_state
 
     torch.manual_seed(0)
     model = make_model(n_layers=1)
@@ -206,7 +206,7 @@ def test_missing_hook_point_fails_loudly(monkeypatch):
     import torch.distributed.fsdp._fully_shard._fsdp_init as init_mod
     import torch.distributed.fsdp._fully_shard._fully_shard as fs_mod
 
-    from dmuon.stateful import fsdp_patch
+    from dmuon.compat import fsdp_patch
 
     monkeypatch.delattr(init_mod, "_get_managed_states")
     monkeypatch.delattr(fs_mod, "_get_managed_states", raising=False)
@@ -220,7 +220,7 @@ torch.__version__ = "2.99.0"
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     import dmuon
-from dmuon.stateful import fsdp_patch
+from dmuon.compat import fsdp_patch
 print("WARNED", any("supports torch 2.11 through 2.14" in str(x.message) for x in w))
 print("PATCHED", fsdp_patch.is_installed())
 x = torch.randn(8, 4, dtype=torch.float64)

@@ -44,7 +44,7 @@ def _worker(rank, world, kind):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     import dmuon
-    from dmuon.stateful.state import get_state
+    from dmuon.stateful.runtime.state import get_state
     from torch.utils._pytree import tree_leaves
     from models import make_batches, make_model, muon_predicate
     torch.cuda.set_device(rank)

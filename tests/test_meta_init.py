@@ -132,7 +132,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     import dmuon
-    from dmuon.stateful.state import get_state
+    from dmuon.stateful.runtime.state import get_state
 
     torch.set_default_dtype(torch.float64)
     out: dict = {}
@@ -255,7 +255,7 @@ def test_meta_init_hsdp_2x2():
 
 
 def test_meta_selection_mixed_raises():
-    from dmuon.stateful.meta_init import check_meta_selection
+    from dmuon.stateful.modes.meta_init import check_meta_selection
     a = nn.Parameter(torch.empty(2, 2, device="meta"))
     b = nn.Parameter(torch.empty(2, 2))
     assert check_meta_selection({"a": a}) is True
@@ -265,7 +265,7 @@ def test_meta_selection_mixed_raises():
 
 
 def _uninit(shape, holds: bool):
-    from dmuon.stateful.meta_init import DedicatedUninit, _Info
+    from dmuon.stateful.modes.meta_init import DedicatedUninit, _Info
     p = nn.Parameter(torch.empty(shape if holds else (0,)))
     p._dmuon_uninit = _Info("w", tuple(shape), holds, torch.device("cpu"), owner=1)
     p.__class__ = DedicatedUninit
@@ -275,7 +275,7 @@ def _uninit(shape, holds: bool):
 def test_uninit_param_on_a_rank_without_the_matrix():
     """No storage, full-shape metadata, init and in-place writes are no-ops, reads raise,
     to_empty keeps it (and refuses another device)."""
-    from dmuon.stateful.guards import DedicatedParamError
+    from dmuon.stateful.runtime.guards import DedicatedParamError
     lin = nn.Linear(3, 4, bias=True)
     lin.weight = _uninit((4, 3), holds=False)
     w = lin.weight

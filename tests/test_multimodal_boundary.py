@@ -44,7 +44,7 @@ def _train(rank, world, use_predicate):
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from dmuon.stateful.state import get_state
+    from dmuon.stateful.runtime.state import get_state
     ex = _ex()
     mesh = init_device_mesh("cpu", (world,))
     model = ex.build(dtype=torch.float64)

@@ -172,7 +172,7 @@ def test_update_with_real_ns_close_to_reference():
 def test_stateful_optimizer_picks_fused_on_cuda():
     import inspect
 
-    from dmuon.stateful import optimizer as opt_mod
+    from dmuon.stateful.optimizer import muon as opt_mod
     # default: fused on CUDA when Triton imports
     assert inspect.signature(opt_mod.Muon.__init__).parameters["elementwise"].default == "auto"
     assert ew_mod.fused_elementwise() is not None

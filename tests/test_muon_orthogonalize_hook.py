@@ -7,7 +7,7 @@ import torch
 
 from dmuon.functional import muon
 from dmuon.newton_schulz.iteration import newton_schulz
-from dmuon.newton_schulz.engine import NSEngine
+from dmuon.kernels.ns_engine import NSEngine
 from dmuon.newton_schulz.config import NSConfig
 
 SHAPES = {"a": (8, 12), "b": (12, 8), "c": (8, 12), "e": (3, 6, 10), "s": (5, 5)}

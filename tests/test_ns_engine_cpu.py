@@ -10,7 +10,7 @@ from dmuon.newton_schulz.iteration import newton_schulz
 from dmuon.newton_schulz.cost import choose_ns_variant
 from dmuon.kernels.syrk import make_sym_op, sym_abt, sym_abt_torch
 from dmuon.newton_schulz.chunks import plan_ns_chunks
-from dmuon.newton_schulz.engine import NSEngine
+from dmuon.kernels.ns_engine import NSEngine
 from dmuon.newton_schulz.config import NSConfig
 
 # (shape, batch_dims): square (direct), wide/tall 4x (gram), 3-D batched, 4-D conv-like, 1.25x

@@ -15,7 +15,7 @@ import torch
 
 from dmuon.newton_schulz.iteration import (default_gram_restart, default_ns_dtype, newton_schulz,
                                             resolve_gram_restart)
-from dmuon.newton_schulz.engine import NSEngine
+from dmuon.kernels.ns_engine import NSEngine
 from dmuon.newton_schulz.config import NSConfig
 
 

@@ -10,7 +10,7 @@ import torch
 
 from dmuon.newton_schulz.iteration import newton_schulz
 from dmuon.kernels.syrk import sym_abt_triton, triton_available
-from dmuon.newton_schulz.engine import NSEngine
+from dmuon.kernels.ns_engine import NSEngine
 from dmuon.newton_schulz.config import NSConfig
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,7 @@ from dmuon.newton_schulz.coefficients import ns_coefficient_table
 from dmuon.newton_schulz.cost import choose_ns_variant
 from dmuon.newton_schulz.iteration import (default_range_lift, frobenius_normalize,
                                             newton_schulz, ns_iterate)
-from dmuon.newton_schulz.engine import NSEngine
+from dmuon.kernels.ns_engine import NSEngine
 from dmuon.newton_schulz.config import NSConfig
 
 TABLE = ns_coefficient_table("polar_express", 5, safety=1.01)

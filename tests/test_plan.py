@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from dmuon.__main__ import main as cli_main
 from dmuon.functional.matrix_shape import as_matrix_shape
 from dmuon.newton_schulz.cost import ns_cost
-from dmuon.functional.plan_report import plan_summary, plan_table
+from dmuon.tools.plan_report import plan_summary, plan_table
 from dmuon.functional.plan import (DEFAULT_FLOPS_PER_BYTE, DEFAULT_LAYER_SPREAD_TOLERANCE, OwnerPlan,
                                    build_units, natural_key, param_cost, plan_owners)
-from dmuon.functional.presets import (PRESETS, get_preset, preset_from_hf_config, preset_named_shapes,
+from dmuon.tools.presets import (PRESETS, get_preset, preset_from_hf_config, preset_named_shapes,
                                       preset_specs)
 from dmuon.functional.specs import ParamSpec, layer_key_from_name, specs_from_named_shapes
 

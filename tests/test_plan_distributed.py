@@ -28,7 +28,7 @@ def _worker(rank: int, rdzv: str, q) -> None:
         import torch.distributed as dist
 
         from dmuon.functional.plan import plan_owners
-        from dmuon.functional.presets import preset_specs
+        from dmuon.tools.presets import preset_specs
 
         dist.init_process_group("gloo", init_method=rdzv, rank=rank, world_size=WORLD,
                                 timeout=datetime.timedelta(seconds=TIMEOUT_S))
@@ -100,7 +100,7 @@ def test_plan_identical_across_4_gloo_ranks(tmp_path):
     assert len({tuple(results[k]["cases"][0]["first_names"]) for k in range(WORLD)}) > 1
 
     from dmuon.functional.plan import plan_owners
-    from dmuon.functional.presets import preset_specs
+    from dmuon.tools.presets import preset_specs
     for i, (model, g, r) in enumerate(CASES):
         local = plan_owners(preset_specs(model), g, r).fingerprint   # the parent's own plan
         for k in range(WORLD):

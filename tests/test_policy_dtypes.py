@@ -96,7 +96,7 @@ def _dmuon_case(rank: int, world: int, case: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
-    from dmuon.stateful.state import get_state
+    from dmuon.stateful.runtime.state import get_state
 
     model = make_net()
     mesh = init_device_mesh("cpu", (world,))
@@ -232,7 +232,7 @@ def test_invalid_rule_dtypes_raise(kw):
 
 def test_dtype_rules_decide_fingerprint_describe():
     from dmuon.functional.policy import ParamPolicy, Rule
-    from dmuon.stateful.param_views import policy_fingerprint
+    from dmuon.stateful.runtime.param_views import policy_fingerprint
     pol = ParamPolicy(rules=(Rule("a", param_dtype=torch.bfloat16, master_dtype=torch.float64),))
     d = pol.decide("a", (4, 4), predicate_says_muon=True, dtype=torch.float32)
     assert (d.param_dtype, d.reduce_dtype, d.master_dtype) == (torch.bfloat16, None, torch.float64)

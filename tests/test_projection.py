@@ -7,14 +7,14 @@ import os
 import pytest
 
 from dmuon.__main__ import main
-from dmuon.functional.machine import A800, H200, H200_NS_GROUPS, collective_time, ns_matrix_seconds, ns_rate
-from dmuon.functional.model_flops import active_params, forward_flops, layer_forward_flops
+from dmuon.tools.machine import A800, H200, H200_NS_GROUPS, collective_time, ns_matrix_seconds, ns_rate
+from dmuon.tools.model_flops import active_params, forward_flops, layer_forward_flops
 from dmuon.newton_schulz.cost import ns_cost
-from dmuon.functional.ns_phase import ns_phase
+from dmuon.tools.ns_phase import ns_phase
 from dmuon.functional.plan import plan_owners
-from dmuon.functional.presets import ModelPreset, get_preset, preset_from_hf_config, preset_specs
-from dmuon.functional.projection import StepSetup, project_step
-from dmuon.functional.projection_report import projection_summary, projection_table
+from dmuon.tools.presets import ModelPreset, get_preset, preset_from_hf_config, preset_specs
+from dmuon.tools.projection import StepSetup, project_step
+from dmuon.tools.projection_report import projection_summary, projection_table
 from dmuon.functional.step_bytes import runtime_step_traffic
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")

@@ -70,7 +70,7 @@ def _train(rank, world, cfg):
     import dmuon
 
     if cfg.get("old_torch"):  # as on a torch whose FSDP2 has no set_reduce_scatter_unused_params
-        import dmuon.stateful.fsdp_info as fsdp_info
+        import dmuon.compat.fsdp_info as fsdp_info
         fsdp_info.reduce_unused_fsdp_params = lambda m: False
     model = _model(cfg)
     model, opt = build_dmuon(rank, world, model, _blocks(model), cfg)
@@ -88,7 +88,7 @@ def _train(rank, world, cfg):
             continue
         opt.step()
     return {"sd": dmuon.get_model_state_dict(model, cpu_offload=True),
-            "groups": sorted(dmuon.stateful.state.get_state(model).groups)}
+            "groups": sorted(dmuon.stateful.runtime.state.get_state(model).groups)}
 
 
 MOE_2 = [dict(id="moe_top1_z3", model="moe", top_k=1),
@@ -115,7 +115,7 @@ def _worker(rank, world, cfgs):
     import logging
     torch.set_num_threads(1)
     log = io.StringIO()  # dedicate_params' INFO lines (how it grouped the matrices)
-    logger = logging.getLogger("dmuon.stateful.dedicate")
+    logger = logging.getLogger("dmuon.stateful.runtime.dedicate")
     logger.addHandler(logging.StreamHandler(log))
     logger.setLevel(logging.INFO)
     out = {cfg["id"]: _train(rank, world, cfg) for cfg in cfgs}

@@ -9,8 +9,8 @@ from dmuon.functional.buckets import bucket_layout, hook_groups
 from dmuon.newton_schulz.coefficients import ns_coefficient_table
 from dmuon.newton_schulz.iteration import newton_schulz
 from dmuon.functional.plan import plan_owners
-from dmuon.functional.plan_report import plan_summary, plan_table
-from dmuon.functional.presets import preset_specs
+from dmuon.tools.plan_report import plan_summary, plan_table
+from dmuon.tools.presets import preset_specs
 from dmuon.functional.schedule import build_step_schedules
 from dmuon.functional.simulate import simulate
 from dmuon.functional.specs import specs_from_named_shapes

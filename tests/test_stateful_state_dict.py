@@ -14,8 +14,8 @@ def _build(world, tie=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.dedicate import dedicate_params
-    from dmuon.stateful.optimizer import Muon
+    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.optimizer.muon import Muon
     from models import make_model, muon_predicate
 
     mesh = init_device_mesh("cpu", (world,))
@@ -38,11 +38,11 @@ def _worker(rank, world, path):
     import torch
     import torch.distributed as dist
 
-    from dmuon.stateful.optimizer_state_dict import (
+    from dmuon.stateful.checkpoint.optimizer_state_dict import (
         get_optimizer_state_dict, set_optimizer_state_dict,
     )
 
-    from dmuon.stateful.state_dict import get_model_state_dict, set_model_state_dict
+    from dmuon.stateful.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from models import make_batches, make_model
 
     out = {}

@@ -28,7 +28,7 @@ def _fresh(rank, world, cfg=None):
 
 
 def _grads_snapshot(model):
-    from dmuon.stateful.state import local_tensor
+    from dmuon.stateful.runtime.state import local_tensor
     return {n: local_tensor(p.grad).clone() for n, p in model.named_parameters()
             if p.grad is not None and p.grad.numel() > 0}
 
@@ -36,7 +36,7 @@ def _grads_snapshot(model):
 def _foreign_tools(rank, world):
     """Each foreign tool raises, naming the dmuon call, and changes nothing."""
     import dmuon
-    from dmuon.stateful.state import get_state
+    from dmuon.stateful.runtime.state import get_state
 
     out = {}
     model, opt = _fresh(rank, world)
@@ -204,7 +204,7 @@ def _hung_rank(rank, world, hsdp, sleep_s):
     log = []
     handler = logging.Handler()
     handler.emit = lambda rec: log.append(rec.getMessage())
-    logging.getLogger("dmuon.stateful.dedicate").addHandler(handler)
+    logging.getLogger("dmuon.stateful.runtime.dedicate").addHandler(handler)
     model = make_model()
     model, opt = build_dmuon(rank, world, model, model.layers, {"hsdp": hsdp},
                              timeout=datetime.timedelta(seconds=5))

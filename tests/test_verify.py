@@ -1,4 +1,4 @@
-"""``dmuon.stateful.verify.verify_step`` on 2 gloo ranks (fp64): passes on correct setups (Z3, Z2)
+"""``dmuon.stateful.extras.verify.verify_step`` on 2 gloo ranks (fp64): passes on correct setups (Z3, Z2)
 with errors at rounding level, and fails loudly, on every rank, when the distributed step is
 deliberately broken (one owner's master perturbed inside the step, one rank's AdamW shard skipped,
 rank-dependent hyper-parameters)."""
@@ -12,8 +12,8 @@ def _setup(rank, world, z3):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.dedicate import dedicate_params
-    from dmuon.stateful.optimizer import Muon
+    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.optimizer.muon import Muon
     from models import make_model, muon_predicate
 
     mesh = init_device_mesh("cpu", (world,))
@@ -33,7 +33,7 @@ def _backward(model, opt, ids, rank, world):
 
 
 def _worker(rank, world):
-    from dmuon.stateful.verify import VerificationError, verify_step
+    from dmuon.stateful.extras.verify import VerificationError, verify_step
     from models import make_batches
 
     out = {}

@@ -19,7 +19,7 @@ import sys
 import time
 from typing import Any, Optional, Sequence
 
-from dmuon.functional.plan_report import format_bytes
+from dmuon.tools.plan_report import format_bytes
 
 __all__ = ["main", "build_parser", "FAST"]
 

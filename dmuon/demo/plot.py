@@ -183,7 +183,7 @@ class _Canvas:
 
 
 #: The built-in raster canvas (lines, rectangles, 3x5 text, ``.png()``), also used by
-#: :mod:`dmuon.projection_plot`.
+#: :mod:`dmuon.tools.projection_plot`.
 Canvas = _Canvas
 
 

@@ -9,12 +9,11 @@ What this package exports is what the README's "The functional core" section sho
 * the owner plan and the communication as data: :func:`plan_owners`, :func:`bucket_layout`,
   :func:`unshard_schedule`, :func:`reduce_schedule`, :func:`publish_schedule`,
   :func:`step_traffic`, :func:`simulate`;
-* :mod:`projection`, the step-time projector;
 * matrix views and the per-param policy: :class:`Batch`, :class:`Heads`, :class:`Split`,
   :class:`Transposed` (:mod:`matrix_view`), :class:`ParamPolicy`, :class:`Rule` (:mod:`policy`),
   :func:`hf_rules`; QK-clip: :mod:`qk_clip`.
 """
-from dmuon.functional import adamw, muon, projection, qk_clip, transforms
+from dmuon.functional import adamw, muon, qk_clip, transforms
 from dmuon.functional.hf_policy import hf_rules
 from dmuon.functional.matrix_view import Batch, Heads, Split, Transposed
 from dmuon.functional.policy import ParamPolicy, Rule
@@ -25,7 +24,7 @@ from dmuon.functional.simulate import simulate
 from dmuon.newton_schulz.iteration import newton_schulz
 
 __all__ = [
-    "adamw", "muon", "transforms", "projection", "newton_schulz", "plan_owners", "bucket_layout",
+    "adamw", "muon", "transforms", "newton_schulz", "plan_owners", "bucket_layout",
     "unshard_schedule", "reduce_schedule", "publish_schedule", "step_traffic", "simulate",
     "Batch", "Heads", "Split", "Transposed", "ParamPolicy", "Rule", "hf_rules", "qk_clip",
 ]

@@ -27,7 +27,7 @@ plan fingerprint):
   2-D matrix (its tensor-parallel shard; dmuon sets it, users do not pick it). Its block is the
   *full* matrix: the shape scale and the cost are the full matrix's; ``to_blocks`` gives the slice
   itself, and the orthogonalizer must assemble the slices and return this slice of ``NS(full)``
-  (:mod:`dmuon.stateful.tensor_parallel`). Plain Newton–Schulz of the slice alone would be a
+  (:mod:`dmuon.stateful.modes.tensor_parallel`). Plain Newton–Schulz of the slice alone would be a
   different update, so :func:`needs_assembly` lets the NS paths refuse it.
 
 The NS of a view is the NS of each of its matrices; the update written back has the param's shape.

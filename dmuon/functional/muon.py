@@ -288,7 +288,7 @@ def update(
             Otherwise a callable ``orthogonalize(xs) -> us`` called once per step with every
             active input as a ``(B, m, n)`` tensor (list order: params' leaf order), returning
             ``NS(xs[i])`` of the same shapes, in any float dtype. It owns its NS settings (e.g. a
-            :class:`dmuon.newton_schulz.engine.NSEngine` built from the same hparams), must treat
+            :class:`dmuon.kernels.ns_engine.NSEngine` built from the same hparams), must treat
             each matrix independently, and may overwrite ``xs`` in place and return them: the
             ``xs`` are always this function's scratch (fresh tensors, or donated gradients),
             never params or momentum buffers.

@@ -19,7 +19,7 @@ Lane = Literal["unshard", "reduce", "replicate", "split", "tp"]
 LANE_AXIS: Mapping[str, str] = {"unshard": "shard", "reduce": "shard", "replicate": "replicate"}
 #: Lanes of explicit-group ops, planned and simulated, not run by the executor: ``"split"`` (split
 #: Newton–Schulz), ``"tp"`` (the TP group's NS gather / scatter, :mod:`dmuon.functional.tp_plan`;
-#: run by :class:`dmuon.stateful.tensor_parallel.TPStep`).
+#: run by :class:`dmuon.stateful.modes.tensor_parallel.TPStep`).
 GROUP_LANES: Mapping[str, str] = {"split": "group", "tp": "group"}
 _ALL_LANE_AXIS: Mapping[str, str] = {**LANE_AXIS, **GROUP_LANES}
 

@@ -6,7 +6,7 @@ mesh and dedicated params look like, and the error its local checks raised, if a
 verdict: a problem on one rank raises on all of them instead of leaving the others waiting in a
 collective the failing rank never reaches.
 
-The grid convention is :mod:`dmuon.stateful.process_groups`'s: ``grid[r][s]`` is the global rank
+The grid convention is :mod:`dmuon.stateful.runtime.process_groups`'s: ``grid[r][s]`` is the global rank
 of shard index ``s`` in replica ``r``; it must be an ``R x G`` arrangement of all world ranks.
 """
 from __future__ import annotations

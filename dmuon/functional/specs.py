@@ -7,7 +7,7 @@ dimensions index independent matrices (``batch_dims``, e.g. 1 for an MoE expert 
 
 :func:`specs_from_named_shapes` builds specs from ``(name, shape, dtype)`` triples or from
 ``model.named_parameters()``-like ``(name, tensor)`` pairs, so the same code serves a live model, a meta
-model, a Hugging Face ``config.json`` (see :mod:`dmuon.functional.presets`) and tests.
+model, a Hugging Face ``config.json`` (see :mod:`dmuon.tools.presets`) and tests.
 """
 from __future__ import annotations
 

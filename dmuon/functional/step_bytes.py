@@ -1,6 +1,6 @@
 """Bytes per rank and lane of one training step as the runtime lays them out.
 
-The stateful layer builds two bucket layouts from one plan (``dmuon/stateful/state.py``): the
+The stateful layer builds two bucket layouts from one plan (``dmuon/stateful/runtime/state.py``): the
 unshard layout in each group's compute dtype, and the reduce layout in its reduce dtype with one
 presence element per matrix (:mod:`dmuon.functional.buckets`). One step moves: the forward
 unshard (Z3: and the backward re-unshard), the gradient reduce (both HSDP stages) and, with

@@ -4,7 +4,7 @@ and the bytes the owners' TP group moves per step.
 With TP degree ``T`` the ``T`` owners of a matrix's slices (one per TP index, at one dp
 coordinate) gather their NS inputs to one of them, the *root*, which runs NS on the assembled
 ``(M, N)`` matrix and scatters each owner its slice of the result
-(:mod:`dmuon.stateful.tensor_parallel`). Roots balance the NS work over the TP group.
+(:mod:`dmuon.stateful.modes.tensor_parallel`). Roots balance the NS work over the TP group.
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ patched right after its import (:mod:`dmuon.integrations._post_import`). Models 
 """
 from __future__ import annotations
 
-from dmuon.integrations.hf_trainer import dmuon_root, status
+from typing import Any
 
 __all__ = ["install", "status", "dmuon_root"]
 
@@ -21,7 +21,22 @@ def install() -> None:
     if _installed:
         return
     from dmuon.integrations._post_import import when_imported
-    from dmuon.integrations.hf_trainer import patch_accelerate, patch_trainer
-    when_imported("accelerate.accelerator", patch_accelerate)
-    when_imported("transformers.trainer", patch_trainer)
+    when_imported("accelerate.accelerator", _hf("patch_accelerate"))
+    when_imported("transformers.trainer", _hf("patch_trainer"))
     _installed = True
+
+
+def _hf(name: str) -> Any:
+    """``hf_trainer.<name>``, imported when the framework is (not at ``import dmuon``)."""
+    def patch(module: Any) -> Any:
+        from dmuon.integrations import hf_trainer
+        return getattr(hf_trainer, name)(module)
+    patch.__name__ = name
+    return patch
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("status", "dmuon_root"):
+        from dmuon.integrations import hf_trainer
+        return getattr(hf_trainer, name)
+    raise AttributeError(f"module 'dmuon.integrations' has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 A dmuon model (``dedicate_params`` + ``fully_shard``) already owns its data parallelism. What
 Accelerate / Trainer would do to it, and what dmuon changes, **only for dmuon models** (a model
-with a runtime, :func:`dmuon.stateful.state.find_state`; everything else takes the original
+with a runtime, :func:`dmuon.stateful.runtime.state.find_state`; everything else takes the original
 code path untouched):
 
 * ``Accelerator.prepare_model`` wraps multi-process models in ``DistributedDataParallel``
@@ -60,7 +60,7 @@ from typing import Any, Iterator, Optional
 
 import torch.nn as nn
 
-from dmuon.stateful.state import find_state, get_state
+from dmuon.stateful.runtime.state import find_state, get_state
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def _make_prepare_model(orig):
         # already distributed by dmuon + FSDP2: no DDP / FSDP wrapping, no device move
         out = orig(self, model, device_placement=False, evaluation_mode=True)
         if getattr(root, "no_sync", None) is None:
-            from dmuon.stateful.no_sync import no_sync
+            from dmuon.stateful.runtime.no_sync import no_sync
             root.no_sync = functools.partial(no_sync, root)  # used by Accelerator.no_sync
         return out
     return prepare_model
@@ -184,7 +184,7 @@ def _make_prepare_model(orig):
 
 def _dmuon_model_for(acc: Any, parameters: list) -> Optional[nn.Module]:
     """The dmuon model whose dedicated params are in ``parameters`` (all of its params, or raise)."""
-    from dmuon.stateful.fsdp_patch import is_dedicated
+    from dmuon.compat.fsdp_patch import is_dedicated
     if not any(is_dedicated(p) for p in parameters):
         return None
     given = {id(p) for p in parameters}
@@ -211,7 +211,7 @@ def _make_clip_grad_norm(orig):
         root = _dmuon_model_for(self, parameters)
         if root is None:
             return orig(self, parameters, max_norm, norm_type=norm_type)
-        from dmuon.stateful.grad_clip import clip_grad_norm_ as dmuon_clip
+        from dmuon.stateful.extras.grad_clip import clip_grad_norm_ as dmuon_clip
         return dmuon_clip(root, float(max_norm), float(norm_type))
     return clip_grad_norm_
 
@@ -221,7 +221,7 @@ def _make_get_state_dict(orig):
         root = dmuon_root(model)
         if root is None:
             return orig(self, model, unwrap=unwrap)
-        from dmuon.stateful.state_dict import get_model_state_dict
+        from dmuon.stateful.checkpoint.state_dict import get_model_state_dict
         return get_model_state_dict(root, cpu_offload=True)
     return get_state_dict
 
@@ -260,7 +260,7 @@ def _make_save_model(orig):
             return orig(self, output_dir, _internal_call, *args, **kwargs)
         if getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False):
             _check_accelerator(self.accelerator)
-        from dmuon.stateful.state_dict import get_model_state_dict
+        from dmuon.stateful.checkpoint.state_dict import get_model_state_dict
         sd = get_model_state_dict(root, cpu_offload=True)  # collective: every rank is here
         with _answering_state_dict(root, sd):
             return orig(self, output_dir, _internal_call, *args, **kwargs)
@@ -285,7 +285,7 @@ def _make_save_optimizer(orig):
         # Trainer asks rank 0 alone for optimizer.state_dict(), which is collective on a dmuon
         # model: every rank gathers dmuon's full, topology-free dict here, rank 0 saves it, and
         # Muon.load_state_dict (which Trainer's resume calls on every rank) reads it back
-        from dmuon.stateful.optimizer_state_dict import get_optimizer_state_dict
+        from dmuon.stateful.checkpoint.optimizer_state_dict import get_optimizer_state_dict
         opt = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
         full = get_optimizer_state_dict(root, opt, cpu_offload=True, rank0_only=True)
         with _answering_optimizer_state_dict(self.optimizer, full):

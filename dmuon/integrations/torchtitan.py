@@ -34,7 +34,7 @@ except ImportError as e:  # pragma: no cover - exercised only without torchtitan
     raise ImportError("dmuon.integrations.torchtitan needs torchtitan (pip install "
                       "torchtitan==0.3.0, or dmuon's 'torchtitan' extra)") from e
 
-from dmuon.stateful.optimizer import Muon
+from dmuon.stateful.optimizer.muon import Muon
 
 __all__ = ["DMuonOptimizersContainer"]
 

@@ -1,5 +1,6 @@
 """Newton–Schulz, in one place: the iteration, its coefficient schedules, its costs, how a batch
-of matrices is chunked, the CUDA engine that runs it, and NS split across ranks.
+of matrices is chunked, and NS split across ranks. The CUDA engine that runs it batched and
+graph-replayed is a kernel (:mod:`dmuon.kernels.ns_engine`).
 
 Modules:
 
@@ -10,14 +11,11 @@ Modules:
 * :mod:`.chunks` — batching same-shape matrices into chunks (pure planning).
 * :mod:`.config` — :class:`NSConfig`, the one source of truth of the NS settings, built from
   :class:`dmuon.functional.muon.MuonHParams` under the same names.
-* :mod:`.engine` — :class:`NSEngine`: batched, CUDA-graph-replayed execution with Triton triangle
-  kernels (caches graphs and buffers; no ``torch.distributed``). The optimizer's orthogonalizer on
-  CUDA.
 * :mod:`.split` — one matrix's NS spread over k ranks, exactly (pure; planned by the owner plan).
 
 The route of a step: ``dmuon.Muon.step`` (stateful) → ``dmuon.functional.muon.update`` with an
-``orthogonalize`` hook → this package (the engine, or :func:`orthogonalize_batched` of the
-functional core, both running :mod:`.iteration`) → ``dmuon.kernels``.
+``orthogonalize`` hook → this package (:func:`orthogonalize_batched`, or the CUDA engine
+:mod:`dmuon.kernels.ns_engine`, both running :mod:`.iteration`).
 """
 from dmuon.newton_schulz.coefficients import NAMED_SCHEDULES, CoefficientSpec, ns_coefficient_table
 from dmuon.newton_schulz.cost import NSCost, choose_ns_variant, ns_cost

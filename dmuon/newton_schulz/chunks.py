@@ -1,6 +1,6 @@
 """How a set of matrices is cut into batched Newton–Schulz calls: shape groups and chunks (pure).
 
-The GPU engine (:mod:`dmuon.newton_schulz.engine`) runs one batched NS call per chunk. This module
+The GPU engine (:mod:`dmuon.kernels.ns_engine`) runs one batched NS call per chunk. This module
 only plans: it groups inputs by ``(min(m, n), max(m, n))`` and orientation (a tall matrix is
 iterated in its own layout, so tall and wide inputs of one shape form separate chunks), picks each
 group's variant by :func:`~dmuon.newton_schulz.cost.choose_ns_variant`, and splits groups so that no

@@ -1,0 +1,93 @@
+"""What FSDP2 did to a model: which modules it took, with which mesh and mixed-precision policy.
+
+dmuon casts dedicated params itself (FSDP2 does not cast ignored params), so it reads the
+``MixedPrecisionPolicy`` that ``fully_shard`` got for the module enclosing each hook group. All
+access to FSDP2's private state goes through :mod:`dmuon.compat.torch_api`.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch.nn as nn
+
+from dmuon.compat.torch_api import (fsdp_divide_factor, fsdp_mesh, fsdp_mp_policy,
+                                   fsdp_param_groups, fsdp_state)
+
+__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "mean_to_fsdp_scale", "fsdp_meshes", "reduce_unused_fsdp_params"]
+
+
+def has_fsdp_state(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that already carry FSDP2 (``fully_shard``) state."""
+    return [name or "<root>" for name, m in model.named_modules() if fsdp_state(m) is not None]
+
+
+def find_mp_policy(model: Optional[nn.Module], module: nn.Module) -> Any:
+    """The ``MixedPrecisionPolicy`` of the nearest ``fully_shard``-ed module among ``module`` and
+    its ancestors inside ``model``; ``None`` when no FSDP2 state covers it."""
+    return fsdp_mp_policy(find_fsdp_state(model, module))
+
+
+def find_fsdp_state(model: Optional[nn.Module], module: nn.Module) -> Any:
+    """The FSDP2 state of the nearest ``fully_shard``-ed module among ``module`` and its
+    ancestors inside ``model`` (``None`` when none covers it)."""
+    if model is None:
+        return fsdp_state(module)
+    path = next((name for name, m in model.named_modules() if m is module), None)
+    chain = [model]
+    if path:
+        parts = path.split(".")
+        chain += [model.get_submodule(".".join(parts[: i + 1])) for i in range(len(parts))]
+    for m in reversed(chain):
+        st = fsdp_state(m)
+        if st is not None:
+            return st
+    return None
+
+
+def mean_to_fsdp_scale(state: Any, ranks: int) -> Optional[float]:
+    """The factor that turns a mean over ``ranks`` data-parallel ranks into what FSDP2 gives the
+    params of ``state`` (``set_gradient_divide_factor(f)``, torchtitan's 1.0: the sum / ``f``);
+    ``None`` when that is the mean itself."""
+    f = fsdp_divide_factor(state)
+    return None if f is None or f == ranks else ranks / f
+
+
+def fsdp_meshes(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(module name, ranks of the mesh, device type)`` of every FSDP2 param group in ``model``
+    (every group: a module sharded with several meshes through ``shard_placement_fn`` has one
+    per mesh)."""
+    out = []
+    for name, m in model.named_modules():
+        for group in fsdp_param_groups(fsdp_state(m)):
+            mesh = fsdp_mesh(group)
+            if mesh is not None:
+                out.append((name, tuple(int(x) for x in mesh.mesh.flatten().tolist()),
+                            str(mesh.device_type)))
+    return out
+
+
+def reduce_unused_fsdp_params(model: nn.Module) -> bool:
+    """Make FSDP2 include a zero gradient for a param that got none on this rank (a param used on
+    some ranks only, e.g. a bias of an MoE expert that got no token here), so that every rank's
+    reduce-scatter covers the same params. Without it, ranks that used different params
+    reduce-scatter different tensors of equal size into each other, silently (measured on torch
+    2.13, gloo). This is FSDP2's own ``set_reduce_scatter_unused_params(True)``.
+
+    Its semantics are FSDP2's: a param no rank used gets a zero gradient (not ``None``), so AdamW
+    still applies its moment decay and weight decay to it (a single-device optimizer would skip
+    it). Dedicated matrices are not affected: dmuon reduces them itself and skips those no rank
+    had a gradient for.
+
+    Returns:
+      False when this torch's FSDP2 has no such switch (nothing was changed).
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    found = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not found or not all(hasattr(m, "set_reduce_scatter_unused_params") for m in found):
+        return False
+    for m in found:
+        m.set_reduce_scatter_unused_params(True, recurse=False)
+    return True

@@ -1,0 +1,202 @@
+"""Every private PyTorch API dmuon uses, in one place, with the torch versions it was checked on.
+
+dmuon supports torch :data:`SUPPORTED_TORCH` (2.11 through 2.14). Each function here wraps one
+private API; ``tests/test_compat.py`` resolves every one of them on the installed torch (CI: 2.13;
+the GPU machine: 2.11), so a torch update that moves one fails there by name instead of deep inside
+a training step. Nothing else in dmuon touches a private torch name (the sharded checkpoint code,
+owned by the checkpoint issue, uses only DCP's public planner API).
+
+Private APIs and what they are for:
+
+* ``torch.distributed.fsdp._fully_shard._fsdp_init._get_managed_states`` /
+  ``_get_managed_modules`` — the one place FSDP2's init sees every ``fully_shard`` call whatever the
+  user's import order (:mod:`dmuon.compat.fsdp_patch` wraps them); names in
+  :data:`FSDP_INIT_MODULES`.
+* ``torch.distributed.fsdp._fully_shard._fsdp_state._get_module_fsdp_state`` and, on the state,
+  ``_fsdp_param_groups`` (each group's ``mesh_info.mesh``, ``fsdp_params``) and ``_mp_policy`` —
+  which modules ``fully_shard`` took, with which mesh and mixed-precision policy.
+* ``torch._C._current_graph_task_id`` — whether a hook runs inside a backward pass (activation
+  checkpointing re-runs forward there).
+* ``torch.autograd.Variable._execution_engine.queue_callback`` — run a function when the current
+  backward pass ends (FSDP2 uses it for the same purpose).
+* ``ProcessGroup._get_backend(device).options._timeout`` and
+  ``distributed_c10d._set_pg_timeout`` — read a group's timeout (the default group's is the default
+  bound of dmuon's own groups) and bound the mesh groups dmuon is given.
+"""
+from __future__ import annotations
+
+import datetime
+import importlib
+import re
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+#: The torch releases dmuon is tested on: ``(lowest, highest)`` major.minor, both included.
+SUPPORTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 14))
+
+#: Modules of FSDP2's init that look up the managed-state collectors (``fsdp_patch`` wraps them).
+FSDP_INIT_MODULES: tuple[str, ...] = (
+    "torch.distributed.fsdp._fully_shard._fsdp_init",
+    "torch.distributed.fsdp._fully_shard._fully_shard",
+)
+FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+__all__ = [
+    "SUPPORTED_TORCH", "FSDP_INIT_MODULES", "torch_version", "torch_supported",
+    "unsupported_torch_message", "fsdp_state", "fsdp_param_groups", "fsdp_managed_params",
+    "fsdp_mesh", "fsdp_mp_policy", "in_backward", "queue_backward_callback",
+    "default_group_timeout", "group_timeout", "set_group_timeout", "private_api_report",
+]
+
+
+def torch_version(version: Optional[str] = None) -> tuple[int, int]:
+    """``(major, minor)`` of ``version`` (default: the installed torch), e.g. ``"2.13.0+cpu"``."""
+    m = re.match(r"(\d+)\.(\d+)", version or torch.__version__)
+    if m is None:  # pragma: no cover - torch always has a numeric version
+        raise ValueError(f"cannot parse the torch version {version or torch.__version__!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def torch_supported(version: Optional[str] = None) -> bool:
+    """Whether ``version`` (default: the installed torch) lies in :data:`SUPPORTED_TORCH`."""
+    lo, hi = SUPPORTED_TORCH
+    return lo <= torch_version(version) <= hi
+
+
+def unsupported_torch_message(what: str) -> str:
+    """The message ``import dmuon`` warns with and ``dedicate_params`` raises with."""
+    (a, b), (c, d) = SUPPORTED_TORCH
+    return (f"{what}: dmuon supports torch {a}.{b} through {c}.{d}, but torch {torch.__version__} is "
+            f"installed. FSDP2's private init path, which dmuon hooks so that fully_shard skips "
+            f"dedicated params, is only checked on those releases. Install a supported torch "
+            f"(e.g. pip install torch=={c}.{d}.*); the pure core dmuon.functional works on any.")
+
+
+# ------------------------------------------------------------------------------ FSDP2 state
+def _state_getter() -> Callable[[nn.Module], Any]:
+    mod = importlib.import_module(FSDP_STATE_MODULE)
+    return mod._get_module_fsdp_state
+
+
+def fsdp_state(module: nn.Module) -> Any:
+    """The FSDP2 state ``fully_shard`` attached to ``module`` (``None`` if it has none)."""
+    try:
+        getter = _state_getter()
+    except (ImportError, AttributeError):  # pragma: no cover - torch without FSDP2
+        return None
+    return getter(module)
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """Every ``FSDPParamGroup`` of an FSDP2 state (torch >= 2.13 may hold several per module, one
+    per mesh of ``shard_placement_fn``; older torches one at most)."""
+    if state is None:
+        return []
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    one = getattr(state, "_fsdp_param_group", None)  # torch 2.11 / 2.12
+    return [one] if one is not None else []
+
+
+def fsdp_managed_params(state: Any) -> Iterator[nn.Parameter]:
+    """The original ``nn.Parameter`` objects FSDP2 manages in ``state`` (sharded in place)."""
+    for group in fsdp_param_groups(state):
+        for fp in getattr(group, "fsdp_params", ()):
+            p = getattr(fp, "sharded_param", None)
+            if p is not None:
+                yield p
+
+
+def fsdp_mesh(group: Any) -> Any:
+    """The DeviceMesh of one ``FSDPParamGroup`` (``None`` if it has none)."""
+    return getattr(getattr(group, "mesh_info", None), "mesh", None)
+
+
+def fsdp_divide_factor(state: Any) -> Optional[float]:
+    """The factor FSDP2 divides ``state``'s summed gradients by (``set_gradient_divide_factor``;
+    ``None``: its default, the mean over the data-parallel ranks)."""
+    for group in fsdp_param_groups(state):
+        f = getattr(group, "gradient_divide_factor", None)
+        if f is not None:
+            return float(f)
+    return None
+
+
+def fsdp_mp_policy(state: Any) -> Any:
+    """The ``MixedPrecisionPolicy`` ``fully_shard`` was given for ``state``'s module."""
+    return getattr(state, "_mp_policy", None) if state is not None else None
+
+
+# ------------------------------------------------------------------------------ autograd
+def in_backward() -> bool:
+    """True inside a backward pass (e.g. activation checkpointing re-running a forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Run ``fn`` once the current backward pass has finished (call from inside a backward)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+# ------------------------------------------------------------------------------ process groups
+def default_group_timeout(device_type: str) -> Optional[datetime.timedelta]:
+    """The default process group's collective timeout for ``device_type`` (``None`` when this
+    torch does not expose it)."""
+    import torch.distributed as dist
+    try:
+        pg = dist.distributed_c10d._get_default_group()
+        return pg._get_backend(torch.device(device_type)).options._timeout
+    except Exception:  # noqa: BLE001 - private API; callers fall back to torch's default
+        return None
+
+
+def group_timeout(pg: Any, device_type: str) -> Optional[datetime.timedelta]:
+    """The collective timeout of process group ``pg`` for ``device_type`` (``None`` if unknown)."""
+    try:
+        return pg._get_backend(torch.device(device_type)).options._timeout
+    except Exception:  # noqa: BLE001 - private API
+        return None
+
+
+def set_group_timeout(pg: Any, timeout: datetime.timedelta) -> bool:
+    """Set ``pg``'s collective timeout (gloo: a collective raises after it; NCCL: the watchdog
+    aborts); False when this torch cannot."""
+    import torch.distributed as dist
+    fn = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+    if fn is None:
+        return False
+    try:
+        fn(timeout, pg)
+    except Exception:  # noqa: BLE001 - private API
+        return False
+    return True
+
+
+def private_api_report() -> dict[str, bool]:
+    """``{private API: resolvable on this torch}`` for every API listed in the module docstring
+    (``tests/test_compat.py`` requires all True on supported torches)."""
+    out: dict[str, bool] = {}
+    init = importlib.import_module(FSDP_INIT_MODULES[0])
+    out["_fsdp_init._get_managed_states"] = callable(getattr(init, "_get_managed_states", None))
+    out["_fsdp_init._get_managed_modules"] = callable(getattr(init, "_get_managed_modules", None))
+    try:
+        out["_fsdp_state._get_module_fsdp_state"] = callable(_state_getter())
+    except (ImportError, AttributeError):
+        out["_fsdp_state._get_module_fsdp_state"] = False
+    state_cls = getattr(importlib.import_module(FSDP_STATE_MODULE), "FSDPState", None)
+    probe = state_cls() if state_cls is not None else None
+    out["FSDPState._fsdp_param_groups"] = probe is not None and (
+        hasattr(probe, "_fsdp_param_groups") or hasattr(type(probe), "_fsdp_param_group"))
+    out["torch._C._current_graph_task_id"] = callable(
+        getattr(torch._C, "_current_graph_task_id", None))
+    out["Variable._execution_engine.queue_callback"] = callable(
+        getattr(torch.autograd.Variable._execution_engine, "queue_callback", None))
+    import torch.distributed as dist
+    out["distributed_c10d._get_default_group"] = callable(
+        getattr(dist.distributed_c10d, "_get_default_group", None))
+    out["distributed_c10d._set_pg_timeout"] = callable(
+        getattr(dist.distributed_c10d, "_set_pg_timeout", None))
+    return out

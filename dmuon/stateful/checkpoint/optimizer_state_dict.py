@@ -1,0 +1,396 @@
+"""Optimizer state dicts of ``dmuon.Muon``: torch's protocol, dmuon's full format, one load path.
+
+Two formats, both topology-free (names, never ranks):
+
+* **torch's protocol** — ``Muon.state_dict()`` (collective): ``{"state": {index: {...}},
+  "param_groups": [{hparams, "params": [index, ...], "param_names": [name, ...]}, ...]}``, as any
+  ``torch.optim.Optimizer`` built over named params writes it. Each dedicated matrix's
+  ``"momentum_buffer"`` (and its fp32 ``"master"`` where wider than the param) is a ``Shard(0)``
+  DTensor on the shard mesh, like the model's entries (:mod:`dmuon.stateful.checkpoint.torch_state_dict`);
+  AdamW's ``"exp_avg"`` / ``"exp_avg_sq"`` are DTensors laid out like FSDP2's params. So torch's
+  ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (sharded, full, flattened), DCP and
+  the checkpointers built on them (torchtitan's, Lightning's) round-trip it. Counters ride in the
+  groups (``"step"`` of each state entry; ``"num_steps"`` in the first group).
+* **dmuon's full format** (the seeds') — :func:`get_optimizer_state_dict`:
+  ``{"fsdp2": {fqn: {"exp_avg", "exp_avg_sq"}}, "dedicated": {fqn: {"momentum_buffer"[,
+  "master"]}}, "adamw_step", "muon_step", "num_steps", "param_groups"}``, plain full tensors.
+
+**One load path** (:func:`load_optimizer_state`), used by ``Muon.load_state_dict`` (either
+format: full tensors, dmuon's rows, FSDP2-like DTensors), :func:`set_optimizer_state_dict` and
+``dmuon.load_sharded``: every value is checked on every rank (shape, floating dtype, finite
+values) into staged copies, the verdict is agreed across ranks, and only then do the optimizer's
+states (and, for a ``"master"``, the model's masters) change; a bad dict raises
+:class:`~dmuon.stateful.checkpoint.torch_state_dict.StateDictError` on every rank and changes nothing.
+Staging costs one copy of this rank's optimizer state (its owned momentum and AdamW shards).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dmuon.stateful.modes.ddp import unwrapping_model
+from dmuon.functional import adamw as fadamw
+from dmuon.functional import muon as fmuon
+from dmuon.stateful.runtime.state import get_state, local_tensor
+from dmuon.stateful.checkpoint.state_dict import agree, from_rank0, full_copy, local_shard
+from dmuon.stateful.checkpoint.torch_state_dict import StateDictError, check_entry, dtensor_rows
+from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part, refuse_tp
+
+__all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "load_optimizer_state",
+           "torch_optimizer_state_dict", "torch_load_optimizer_state_dict"]
+
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+_COUNTERS = ("adamw_step", "muon_step", "num_steps")
+
+
+def check_optimizer(model: nn.Module, optimizer: Any, what: str):
+    """The model's state; ``TypeError`` unless ``optimizer`` is ``model``'s ``dmuon.Muon``."""
+    rt = get_state(model, what)
+    if getattr(optimizer, "dedicated_state", None) is not rt:  # only model's dmuon.Muon has it
+        raise TypeError(f"{what}: optimizer must be the dmuon.Muon built for this model")
+    return rt
+
+
+def hparam_groups(optimizer: Any) -> list[dict[str, Any]]:
+    return [{k: v for k, v in g.items() if k not in ("params", "param_names")}
+            for g in optimizer.param_groups]
+
+
+def dtensor_like(local: torch.Tensor, like: Any) -> Any:
+    """``local`` (this rank's piece) as a DTensor laid out like the FSDP2 param ``like`` (no
+    communication); ``local`` itself when ``like`` is a plain tensor."""
+    if not hasattr(like, "device_mesh"):
+        return local
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, torch.Tensor]]:
+    """Collective: ``{name: {"momentum_buffer": full[, "master": full]}}`` on every rank, bucketed
+    (momentum from its owner; a master wider than the param from its column)."""
+    rt = optimizer.dedicated_state
+    tr = rt.checkpoint_transfer
+    ms = optimizer.muon_state
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for group in tr.each_group():
+        mom = tr.to_every_rank(group, ms.momentum if ms is not None else {}, owner_only=True)
+        if rt.tp_layouts:  # TP slices -> full (an all-gather per matrix over the TP group)
+            mom = assemble_tp_slices(rt.tp_layouts, mom, rt.mesh_groups.tp_group)
+        for n, t in mom.items():
+            out[n] = {"momentum_buffer": t.clone()}
+        if masters and any(rt.master_dtype[n] != rt.orig_dtype[n] for n in mom):
+            got = tr.to_every_rank(group, rt.masters)
+            if rt.tp_layouts:
+                got = assemble_tp_slices(rt.tp_layouts, got, rt.mesh_groups.tp_group)
+            for n, t in got.items():
+                if rt.master_dtype[n] != rt.orig_dtype[n]:
+                    out[n]["master"] = t.clone()
+    return out
+
+
+# ---------------------------------------------------------------------------------- torch's
+@torch.no_grad()
+def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
+    """Collective: ``Muon.state_dict()`` in torch's protocol (see the module docstring)."""
+    refuse_tp(optimizer.dedicated_state, "Muon.state_dict() (torch's protocol; use "
+              "dmuon.get_optimizer_state_dict)")
+    rt = optimizer.dedicated_state
+    rt.drain()
+    ded = _full_dedicated(optimizer, masters=True)
+    mesh = rt.shard_mesh
+    ms, st = optimizer.muon_state, optimizer.adamw_state
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for g in optimizer.param_groups:
+        names, ids = [], []
+        for p in g["params"]:
+            n = optimizer.param_name(p)
+            if n in rt.params:
+                entry = {k: dtensor_rows(v, mesh) for k, v in ded[n].items()}
+                entry["step"] = torch.tensor(float(ms.step if ms is not None else 0))
+            else:
+                entry = {k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
+                entry["step"] = torch.tensor(float(st.step))
+            state[index] = entry
+            names.append(n)
+            ids.append(index)
+            index += 1
+        group = {k: (str(v) if isinstance(v, torch.dtype) else v)  # torch's tools: no dtypes
+                 for k, v in g.items() if k not in ("params", "param_names")}
+        group.update(params=ids, param_names=names)
+        groups.append(group)
+    groups[0]["num_steps"] = int(optimizer.num_steps)
+    return {"state": state, "param_groups": groups}
+
+
+def torch_load_optimizer_state_dict(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
+    """``Muon.load_state_dict``: torch's protocol (from any topology: params matched by
+    ``param_names`` where the groups carry them, else by position), or dmuon's full format."""
+    if isinstance(state_dict, Mapping) and "fsdp2" in state_dict and "dedicated" in state_dict:
+        return load_optimizer_state(optimizer, _from_full(state_dict), what="Muon.load_state_dict")
+    refuse_tp(optimizer.dedicated_state, "Muon.load_state_dict with torch's protocol (load "
+              "dmuon.get_optimizer_state_dict's dict instead)")
+    groups, st = (state_dict.get("param_groups"), state_dict.get("state")) \
+        if isinstance(state_dict, Mapping) else (None, None)
+    if groups is None or st is None:
+        raise StateDictError("Muon.load_state_dict: expected {'state', 'param_groups'} (from "
+                             "Muon.state_dict() or torch's get_optimizer_state_dict) or dmuon's "
+                             "{'fsdp2', 'dedicated', ...} (dmuon.get_optimizer_state_dict)")
+    mine = [optimizer.param_name(p) for g in optimizer.param_groups for p in g["params"]]
+    by_index: dict[Any, str] = {}
+    flat = 0
+    for g in groups:
+        names = g.get("param_names")
+        for j, i in enumerate(g.get("params", ())):
+            if names is not None:
+                by_index[i] = names[j]
+            elif flat < len(mine):
+                by_index[i] = mine[flat]
+            flat += 1
+    entries: dict[str, Any] = {"dedicated": {}, "fsdp2": {}, "param_groups": [], "num_steps": 0}
+    rt = optimizer.dedicated_state
+    steps = {"muon_step": 0, "adamw_step": 0}
+    for i, s in st.items():
+        n = by_index.get(i, i if isinstance(i, str) else None)
+        if n is None or not isinstance(s, Mapping):
+            continue
+        if n in rt.params:
+            entries["dedicated"][n] = {k: v for k, v in s.items() if k != "step"}
+            steps["muon_step"] = int(float(s.get("step", 0)))
+        else:
+            entries["fsdp2"][n] = {k: v for k, v in s.items() if k != "step"}
+            steps["adamw_step"] = int(float(s.get("step", 0)))
+    entries.update(steps)
+    entries["num_steps"] = int(groups[0].get("num_steps", steps["muon_step"])) if groups else 0
+    entries["param_groups"] = [{k: v for k, v in g.items() if k not in ("params", "param_names")}
+                               for g in groups]
+    load_optimizer_state(optimizer, entries, what="Muon.load_state_dict")
+
+
+def _from_full(sd: Mapping[str, Any]) -> dict[str, Any]:
+    return {"dedicated": dict(sd["dedicated"]), "fsdp2": dict(sd["fsdp2"]),
+            **{k: int(sd.get(k, 0)) for k in _COUNTERS}, "param_groups": sd.get("param_groups")}
+
+
+# ---------------------------------------------------------------------------------- one load path
+@torch.no_grad()
+def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: str,
+                         check_finite: bool = True, has_dict: bool = True) -> None:
+    """Collective: validate, stage and install an optimizer state (see the module docstring).
+
+    Args:
+      entries: ``{"dedicated": {name: {"momentum_buffer": v[, "master": v]}}, "fsdp2": {name:
+        {"exp_avg": v, "exp_avg_sq": v}}, "adamw_step", "muon_step", "num_steps",
+        "param_groups"}``. A dedicated ``v``: a full tensor, or a ``Shard(0)`` DTensor of dmuon's
+        rows. An FSDP2 ``v``: a full tensor, a DTensor laid out like the param, or this rank's
+        local piece (``dmuon.load_sharded``). An empty section keeps zeros (a checkpoint taken
+        before the first step).
+      has_dict: this rank holds ``entries`` (``False``: it takes part only).
+    """
+    rt = optimizer.dedicated_state
+    rt.drain()
+    problems: list[str] = []
+    ded = entries.get("dedicated") or {}
+    fsdp = entries.get("fsdp2") or {}
+    if has_dict:
+        for n, s in ded.items():
+            if n not in rt.params:
+                problems.append(f"dedicated[{n!r}]: no such dedicated matrix")
+                continue
+            for k, v in s.items():
+                if k not in ("momentum_buffer", "master"):
+                    continue
+                problems += check_entry(f"dedicated[{n!r}][{k!r}]", v, full_shape(rt, n),
+                                        rt.master_dtype[n], rt, finite=check_finite)
+        adamw = dict(optimizer.adamw_named_params)
+        for n, s in fsdp.items():
+            p = adamw.get(n)
+            if p is None:
+                problems.append(f"fsdp2[{n!r}]: no such AdamW param")
+                continue
+            for k in _MOMENTS:
+                v = s.get(k) if isinstance(s, Mapping) else None
+                if v is None:
+                    problems.append(f"fsdp2[{n!r}]: no {k!r}")
+                    continue
+                shape = tuple(p.shape) if _is_full_or_dtensor(v, p) else tuple(local_tensor(p).shape)
+                problems += check_entry(f"fsdp2[{n!r}][{k!r}]", v, shape, p.dtype,
+                                        finite=check_finite)
+        if ded and set(ded) != set(rt.params):
+            problems.append(f"dedicated: {len(set(rt.params) - set(ded))} matrices missing, e.g. "
+                            f"{sorted(set(rt.params) - set(ded))[:3]}")
+        if fsdp and set(fsdp) != set(adamw):
+            problems.append(f"fsdp2: {len(set(adamw) - set(fsdp))} params missing, e.g. "
+                            f"{sorted(set(adamw) - set(fsdp))[:3]}")
+    agree(rt, problems, what)
+    # stage: new functional states filled from the entries (nothing live changes yet)
+    ms = fmuon.init(rt.owned_masters()) if rt.owned_names else None
+    st = fadamw.init(optimizer.adamw_local_tensors()[0]) if optimizer.adamw_named_params else None
+    if st is not None and fsdp:
+        for n, p in optimizer.adamw_named_params:
+            for k, dst in zip(_MOMENTS, (st.mu[n], st.nu[n])):
+                dst.copy_(_local_piece(fsdp[n][k], p).to(dtype=dst.dtype))
+    staged_masters: dict[str, torch.Tensor] = {}
+    tr = rt.checkpoint_transfer
+    if ded:
+        for group in tr.each_group():
+            names = rt.hook_groups.names(group)
+            full = tr.to_columns(
+                group, lambda n: _rows(local_part(rt, n, ded[n]["momentum_buffer"]), rt, n))
+            for n, t in full.items():
+                if ms is not None and n in ms.momentum:
+                    ms.momentum[n].copy_(t)
+            if any("master" in ded[n] for n in names):
+                full = tr.to_columns(
+                    group, lambda n: _rows(local_part(rt, n, ded[n].get("master")), rt, n))
+                for n, t in full.items():
+                    if "master" in ded[n]:
+                        staged_masters[n] = t.clone()
+    # install (the only writes to live state)
+    groups = entries.get("param_groups") or []
+    by_name = {g.get("name"): g for g in groups if isinstance(g, Mapping)}
+    for g in optimizer.param_groups:
+        theirs = by_name.get(g.get("name"))
+        if theirs is not None:
+            g.update({k: _decode(k, v) for k, v in theirs.items()
+                      if k not in ("params", "param_names", "name", "num_steps")})
+    optimizer.muon_state = ms._replace(step=int(entries.get("muon_step", 0))) \
+        if ms is not None else None
+    optimizer.adamw_state = st._replace(step=int(entries.get("adamw_step", 0))) \
+        if st is not None else None
+    optimizer.num_steps = int(entries.get("num_steps", 0))
+    for n, t in staged_masters.items():
+        rt.masters[n].copy_(t)
+    if staged_masters:
+        rt.masters_changed()
+    optimizer.refresh_state_views()
+
+
+def _decode(key: str, v: Any) -> Any:
+    """A hyper-parameter as saved: dtypes travel as strings (``"torch.float64"``)."""
+    if key.endswith("dtype") and isinstance(v, str) and v.startswith("torch."):
+        dt = getattr(torch, v[len("torch."):], None)
+        if isinstance(dt, torch.dtype):
+            return dt
+    return v
+
+
+def _is_full_or_dtensor(v: Any, p: Any) -> bool:
+    return hasattr(v, "to_local") or tuple(v.shape) == tuple(p.shape)
+
+
+def _local_piece(v: Any, p: Any) -> torch.Tensor:
+    """This rank's piece of an AdamW moment: a DTensor (its local tensor), a full tensor (sliced
+    like ``p``), or already this rank's piece."""
+    if hasattr(v, "to_local"):
+        return v.to_local()
+    if tuple(v.shape) == tuple(p.shape):
+        return local_shard(v.to(device=p.device), p)
+    return v.to(device=p.device)
+
+
+def _rows(v: Any, rt, n: str) -> Optional[tuple[int, torch.Tensor]]:
+    if v is None:
+        return None
+    from dmuon.stateful.checkpoint.transfer import row_chunks
+    start, size = row_chunks(rt.shape[n][0], rt.G)[rt.coord[0]]
+    local = v.to_local() if hasattr(v, "to_local") else v[start:start + size]
+    return start, local.to(device=rt.device, dtype=rt.master_dtype[n])
+
+
+# ---------------------------------------------------------------------------------- dmuon's format
+@torch.no_grad()
+@unwrapping_model
+def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool = False, *,
+                             rank0_only: bool = False) -> dict[str, Any]:
+    """Collective: dmuon's full optimizer state (see the module docstring). Every rank calls it.
+
+    Args:
+      model, optimizer: the model and its ``dmuon.Muon``.
+      cpu_offload: return CPU tensors.
+      rank0_only: only rank 0 keeps the tensors (other ranks get the same dict with empty
+        sections).
+
+    Returns:
+      the dict; before the first step the moments and momentum are zeros.
+    """
+    rt = check_optimizer(model, optimizer, "dmuon.get_optimizer_state_dict")
+    rt.drain()
+    keep = not rank0_only or rt.rank == 0
+    mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
+    st = optimizer.adamw_state
+    fsdp2: dict[str, dict[str, torch.Tensor]] = {}
+    for n, p in optimizer.adamw_named_params:
+        # collective for a DTensor p: the full tensor of this rank's piece (a copy)
+        entry = {k: full_copy(dtensor_like(src[n], p)) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
+        if keep:
+            fsdp2[n] = {k: mv(v) for k, v in entry.items()}
+    ded = _full_dedicated(optimizer, masters=True)
+    dedicated = {n: {k: mv(v) for k, v in e.items()} for n, e in ded.items()} if keep else {}
+    ms = optimizer.muon_state
+    return {"fsdp2": fsdp2, "dedicated": dedicated,
+            "adamw_step": int(st.step) if st is not None else 0,
+            "muon_step": int(ms.step) if ms is not None else int(optimizer.num_steps),
+            "num_steps": int(optimizer.num_steps), "param_groups": hparam_groups(optimizer)}
+
+
+@torch.no_grad()
+@unwrapping_model
+def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
+                             state_dict: Optional[Mapping[str, Any]], *,
+                             rank0_only: bool = False, check_finite: bool = True) -> None:
+    """Collective: load a dict written by :func:`get_optimizer_state_dict` at any topology
+    (through :func:`load_optimizer_state`). Call it after ``set_model_state_dict`` (a
+    ``"master"`` entry overwrites the model's masters).
+
+    Args:
+      model, optimizer: the model and its ``dmuon.Muon``.
+      state_dict: the full dict (every rank, or only rank 0 with ``rank0_only``).
+      rank0_only: only rank 0's dict is read; its tensors are broadcast from rank 0.
+      check_finite: refuse NaN / Inf values (default).
+
+    Raises:
+      StateDictError: on every rank, before anything changes, when a rank's dict does not match
+        the model (the message lists the problems).
+    """
+    what = "dmuon.set_optimizer_state_dict"
+    rt = check_optimizer(model, optimizer, what)
+    rt.drain()
+    has_dict = not rank0_only or rt.rank == 0
+    if has_dict and not (isinstance(state_dict, Mapping) and isinstance(state_dict.get("fsdp2"),
+                                                                         Mapping)
+                         and isinstance(state_dict.get("dedicated"), Mapping)):
+        problems = [f"expected dmuon.get_optimizer_state_dict's dict, got "
+                    f"{type(state_dict).__name__}"]
+    else:
+        problems = []
+    agree(rt, problems, what)
+    if not rank0_only:
+        return load_optimizer_state(optimizer, _from_full(state_dict), what=what,
+                                    check_finite=check_finite)
+    # rank 0 holds the dict: broadcast its structure, then its tensors, one by one (bounded)
+    meta: list = [None]
+    if rt.rank == 0:
+        meta[0] = {"dedicated": {n: sorted(s) for n, s in state_dict["dedicated"].items()},
+                   "fsdp2": sorted(state_dict["fsdp2"]),
+                   **{k: int(state_dict.get(k, 0)) for k in _COUNTERS},
+                   "param_groups": state_dict.get("param_groups")}
+    rt.mesh_groups.control_collective(
+        f"{what} structure", lambda g: dist.broadcast_object_list(meta, src=0, group=g))
+    meta = meta[0]
+    adamw = dict(optimizer.adamw_named_params)
+    entries: dict[str, Any] = {k: meta[k] for k in (*_COUNTERS, "param_groups")}
+    entries["fsdp2"] = {
+        n: {k: from_rank0(state_dict["fsdp2"][n][k] if rt.rank == 0 else None,
+                          tuple(adamw[n].shape), adamw[n].dtype, rt) for k in _MOMENTS}
+        for n in meta["fsdp2"] if n in adamw}
+    entries["dedicated"] = {
+        n: {k: from_rank0(state_dict["dedicated"][n][k] if rt.rank == 0 else None,
+                          full_shape(rt, n), rt.master_dtype[n], rt) for k in keys}
+        for n, keys in meta["dedicated"].items() if n in rt.params}
+    load_optimizer_state(optimizer, entries, what=what, check_finite=check_finite)

@@ -1,0 +1,413 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP): no rank ever holds the model;
+saves are atomic, loads validated and transactional.
+
+Each rank hands DCP only what it already stores:
+
+* FSDP2 params and their AdamW moments as DTensors (its local shards; replicas in HSDP are
+  written once, DCP de-duplicates them);
+* each dedicated matrix (in the param's dtype) and its Muon momentum as a plain tensor on its
+  owner rank only (``"master"`` too when the master is wider than the param);
+* counters, hyper-parameters and the caller's ``extra`` values as small objects.
+
+The checkpoint's logical layout is the full format of ``get_model_state_dict`` /
+``get_optimizer_state_dict``: ``{"model": {fqn: T}, "optim": {"fsdp2": ..., "dedicated": ...,
+"adamw_step", "muon_step", "num_steps", "param_groups"}, "extra": {...}}``, so
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save(dir, "full.pt")`` turns it into one
+``torch.save`` file that ``set_model_state_dict`` / ``set_optimizer_state_dict`` (any topology, or a
+plain ``model.load_state_dict(full["model"])``) read.
+
+Loading at any ``(shard, replicate)`` shape: every rank asks DCP for exactly the pieces it will
+store — the overlap of its new FSDP2 shards with the saved ones (DCP re-shards), the whole matrices
+of its new owner column (masters) and the momentum of the matrices it now owns. The checkpoint's
+metadata is checked against the model on every rank before any collective.
+
+**Atomic saves** (publish by rename): ``save_sharded(path, ...)`` writes into a fresh sibling
+directory ``<path>.partial-<save id>``; once every rank's DCP write returned, rank 0 reads back and
+checksums (CRC-32) every file, writes ``dmuon-complete.json`` (the save id, each file's size and
+CRC, dmuon's version) into it, then publishes it: the old ``path`` becomes ``<path>.1`` (older ones
+shift up to ``<path>.<keep_last - 1>``, the rest are deleted; ``keep_last=1`` deletes it) and the new
+directory becomes ``path``. A rank killed while writing leaves ``path`` as it was (the partial
+directory is never read); a crash between the two renames leaves no ``path``, and
+:func:`load_sharded` names ``<path>.1``. A directory without the marker, or whose files do not
+match it (truncated, flipped bytes, a file from another save), is refused on load.
+
+**Validated, transactional loads**: every rank checks the checkpoint's metadata against the model
+(names, full shapes, floating dtypes for floating params), the ranks split the files among them
+and verify each one's size and CRC, DCP reads into *staged* tensors (new buffers shaped like this
+rank's pieces: one extra copy of its local state at most), the staged values are checked for
+NaN/Inf (``check_finite``), and the verdicts are agreed across ranks; only then are the model's
+pieces and the optimizer's state replaced. Any failure raises :class:`CheckpointError` (an
+``Exception``; DCP's own ``CheckpointException`` is a ``BaseException``) on every rank, naming
+the files / keys and ranks, with model and optimizer exactly as before.
+"""
+from __future__ import annotations
+
+import math
+import os
+import uuid
+from typing import Any, Mapping, NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+
+import torch.distributed as dist
+
+from dmuon.stateful.modes.ddp import unwrapping_model
+from dmuon.functional.state_dict_check import check_state_dict
+from dmuon.stateful.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise,
+                                             dcp_errors, publish, verify_files, write_marker)
+from dmuon.stateful.checkpoint.optimizer_state_dict import (
+    _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state,
+)
+from dmuon.stateful.modes.tensor_parallel import refuse_tp
+from dmuon.stateful.runtime.state import get_state, local_tensor
+from dmuon.stateful.checkpoint.state_dict import (
+    dedicated_names_by_key, expected_entries, module_entries, tied_groups,
+)
+
+__all__ = ["save_sharded", "load_sharded", "ShardedSaveResult", "ShardedLoadResult",
+           "CheckpointError"]
+
+
+
+
+
+class ShardedSaveResult(NamedTuple):
+    """``bytes_written``: tensor bytes this rank wrote (after DCP's de-duplication);
+    ``bytes_local``: tensor bytes this rank offered (its shards and owned matrices)."""
+
+    bytes_written: int
+    bytes_local: int
+
+
+class ShardedLoadResult(NamedTuple):
+    """``extra``: the loaded ``extra`` values; ``bytes_requested``: tensor bytes this rank asked
+    for (exactly what it stores); ``bytes_read``: bytes of the saved chunks it read to get them
+    (saved shards overlapping its own; never more than those)."""
+
+    extra: dict
+    bytes_requested: int
+    bytes_read: int
+
+
+def _local_bytes(tree: Any) -> int:
+    if isinstance(tree, Mapping):
+        return sum(_local_bytes(v) for v in tree.values())
+    if isinstance(tree, torch.Tensor):
+        t = local_tensor(tree)
+        return t.numel() * t.element_size()
+    return 0
+
+
+def _planners():
+    from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import LoadItemType
+
+    class CountingSavePlanner(DefaultSavePlanner):
+        bytes_written = 0
+
+        def finish_plan(self, new_plan):
+            total = 0
+            for item in new_plan.items:
+                td = item.tensor_data
+                if td is not None:
+                    size = torch._utils._element_size(td.properties.dtype)
+                    total += math.prod(td.chunk.sizes) * size
+            self.bytes_written = total
+            return super().finish_plan(new_plan)
+
+    class CountingLoadPlanner(DefaultLoadPlanner):
+        bytes_requested = 0
+        bytes_read = 0
+
+        def create_local_plan(self):
+            plan = super().create_local_plan()
+            req, chunks = 0, {}
+            for ri in plan.items:
+                if ri.type != LoadItemType.TENSOR:
+                    continue
+                tmd = self.metadata.state_dict_metadata[ri.storage_index.fqn]
+                size = torch._utils._element_size(tmd.properties.dtype)
+                req += math.prod(ri.lengths) * size
+                off = tuple(ri.storage_index.offset)
+                for c in tmd.chunks:
+                    if tuple(c.offsets) == off:
+                        chunks[(ri.storage_index.fqn, off)] = math.prod(c.sizes) * size
+            self.bytes_requested, self.bytes_read = req, sum(chunks.values())
+            return plan
+
+    return CountingSavePlanner, CountingLoadPlanner
+
+
+def _save_entries(model: nn.Module, rt, optimizer) -> dict[str, Any]:
+    """What this rank hands DCP: FSDP2's DTensors, the dedicated matrices (param dtype) and
+    momentum it owns, a wider master where there is one, counters and hparams."""
+    ded = dedicated_names_by_key(model, rt)
+    model_sd: dict[str, Any] = {}
+    seen: dict[str, torch.Tensor] = {}
+    for k, v in module_entries(model).items():
+        n = ded.get(k)
+        if n is None:
+            model_sd[k] = v
+        elif rt.rank == rt.owner_rank[n]:
+            if n not in seen:
+                seen[n] = rt.masters[n].detach().to(rt.orig_dtype[n])
+            model_sd[k] = seen[n]
+    out: dict[str, Any] = {"model": model_sd}
+    if optimizer is None:
+        return out
+    st, ms = optimizer.adamw_state, optimizer.muon_state
+    fsdp2 = {n: {k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
+             for n, p in optimizer.adamw_named_params}
+    dedicated: dict[str, dict[str, torch.Tensor]] = {}
+    for n in rt.owned_names:
+        dedicated[n] = {"momentum_buffer": ms.momentum[n]}
+        if rt.master_dtype[n] != rt.orig_dtype[n]:
+            dedicated[n]["master"] = rt.masters[n]
+    out["optim"] = {"fsdp2": fsdp2, "dedicated": dedicated,
+                    "adamw_step": int(st.step) if st is not None else 0,
+                    "muon_step": int(ms.step) if ms is not None else int(optimizer.num_steps),
+                    "num_steps": int(optimizer.num_steps),
+                    # a tuple is one DCP object (a list of dicts would be split into leaves)
+                    "param_groups": tuple(hparam_groups(optimizer))}
+    return out
+
+
+
+
+
+
+def _bcast(rt, obj: Any, what: str) -> Any:
+    box = [obj]
+    rt.mesh_groups.control_collective(what, lambda g: dist.broadcast_object_list(box, src=0,
+                                                                                 group=g))
+    return box[0]
+
+
+
+
+
+
+
+
+@torch.no_grad()
+@unwrapping_model
+def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: Any = None, *,
+                 extra: Optional[Mapping[str, Any]] = None, keep_last: int = 1,
+                 storage_writer: Any = None) -> ShardedSaveResult:
+    """Collective: write a sharded checkpoint with DCP, atomically (see the module docstring);
+    each rank writes only what it owns. When it returns on every rank, ``checkpoint_id`` holds the
+    complete checkpoint.
+
+    Args:
+      checkpoint_id: the checkpoint directory (on a file system every rank sees).
+      model: a model prepared by ``dedicate_params`` (and ``fully_shard``).
+      optimizer: its ``dmuon.Muon`` (optional: model only).
+      extra: small picklable values to store too (e.g. ``{"step": 100}``), same on every rank.
+      keep_last: keep this many checkpoints: the previous ones as ``<path>.1`` ... (default 1).
+      storage_writer: a DCP ``StorageWriter`` for the partial directory (default: the file
+        system; it must write to the path it is given).
+
+    Returns:
+      :class:`ShardedSaveResult` (bytes this rank wrote / offered).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    rt = get_state(model, "dmuon.save_sharded(path, model, optimizer)")
+    refuse_tp(rt, "dmuon.save_sharded (use dmuon.get_model_state_dict / "
+              "get_optimizer_state_dict, which give full tensors)")
+    rt.finish_meta_init("dmuon: sharded checkpoint")
+    if optimizer is not None:
+        check_optimizer(model, optimizer, "dmuon.save_sharded")
+    rt.drain()
+    path = os.path.abspath(os.fspath(checkpoint_id))
+    save_id = _bcast(rt, uuid.uuid4().hex[:12] if rt.rank == 0 else None, "save id")
+    tmp = f"{path}.partial-{save_id}"
+    sd = _save_entries(model, rt, optimizer)
+    if extra:
+        sd["extra"] = dict(extra)
+    sd["dmuon"] = {"save_id": save_id}
+    save_planner, _ = _planners()
+    planner = save_planner()
+    errors = dcp_errors(lambda: dcp.save(sd, checkpoint_id=tmp, storage_writer=storage_writer,
+                                          planner=planner), f"DCP save into {tmp}")
+    agree_errors(rt, errors, "dmuon.save_sharded")
+    if rt.rank == 0:
+        write_marker(tmp, save_id)
+        publish(path, tmp, keep_last)
+    rt.mesh_groups.control_collective("dmuon.save_sharded publish",
+                                      lambda g: dist.barrier(group=g))
+    return ShardedSaveResult(planner.bytes_written, _local_bytes(sd))
+
+
+
+
+
+
+def _read_metadata(checkpoint_id, storage_reader):
+    from torch.distributed.checkpoint import FileSystemReader
+    reader = storage_reader if storage_reader is not None else FileSystemReader(checkpoint_id)
+    return reader, reader.read_metadata().state_dict_metadata
+
+
+def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, strict: bool):
+    """Problems of the checkpoint's metadata against the model (and optimizer); no collective."""
+    exp = expected_entries(model, rt)
+    given = {k[len("model."):]: tuple(getattr(m, "size", ()) or ()) for k, m in md.items()
+             if k.startswith("model.")}
+    check = check_state_dict(given, {k: shape for k, (shape, _) in exp.items()},
+                             tied_groups(model))
+    problems = [f"model: {p}" for p in check.problems(strict)]
+    for k, src in check.source.items():
+        saved = getattr(getattr(md.get("model." + src), "properties", None), "dtype", None)
+        if saved is not None and exp[k][1].is_floating_point and not saved.is_floating_point:
+            problems.append(f"model.{src}: saved as {saved}, cannot load into a {exp[k][1]} param")
+    if optimizer is not None:
+        if not any(k.startswith("optim.") for k in md):
+            problems.append("the checkpoint has no optimizer state (saved without optimizer?); "
+                            "pass optimizer=None to load the model only")
+        else:
+            want = {f"optim.fsdp2.{n}.{m}": tuple(p.shape) for n, p in optimizer.adamw_named_params
+                    for m in _MOMENTS}
+            want.update({f"optim.dedicated.{n}.momentum_buffer": rt.shape[n] for n in rt.names})
+            for key, shape in want.items():
+                if key not in md:
+                    problems.append(f"missing {key}")
+                elif tuple(md[key].size) != tuple(shape):
+                    problems.append(f"{key}: shape {tuple(md[key].size)}, expected {tuple(shape)}")
+    return problems, check
+
+
+def _staged_like(t: Any) -> Any:
+    """A new tensor laid out like ``t`` (a DTensor: a new local piece, same spec)."""
+    if hasattr(t, "to_local"):
+        return dtensor_like(torch.empty_like(t.to_local()), t)
+    return torch.empty_like(t)
+
+
+def _nonfinite(tree: Any, prefix: str = "") -> list[str]:
+    out = []
+    if isinstance(tree, Mapping):
+        for k, v in tree.items():
+            out += _nonfinite(v, f"{prefix}{k}.")
+    elif isinstance(tree, torch.Tensor):
+        t = local_tensor(tree)
+        if t.dtype.is_floating_point and t.numel() and not bool(torch.isfinite(t).all()):
+            out.append(f"{prefix[:-1]}: non-finite values (NaN/Inf)")
+    return out
+
+
+@torch.no_grad()
+@unwrapping_model
+def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: Any = None, *,
+                 strict: bool = True, check_finite: bool = True,
+                 storage_reader: Any = None) -> ShardedLoadResult:
+    """Collective: load a :func:`save_sharded` checkpoint at any topology, validated and
+    transactional (see the module docstring); each rank reads only the pieces it stores.
+
+    Args:
+      checkpoint_id: the checkpoint directory.
+      model: a model prepared by ``dedicate_params`` (and ``fully_shard``), any mesh shape.
+      optimizer: its ``dmuon.Muon`` to restore too (optional).
+      strict: model keys missing from the checkpoint are errors (``False``: keep their values).
+      check_finite: refuse NaN / Inf values (default).
+      storage_reader: a DCP ``StorageReader`` (default: the file system).
+
+    Returns:
+      :class:`ShardedLoadResult` (the ``extra`` values saved, bytes requested / read here).
+
+    Raises:
+      CheckpointError: on every rank, with model and optimizer unchanged: no complete checkpoint
+        at the path (the message names the last complete one), a file missing, truncated or
+        corrupt, the metadata not matching the model, non-finite values, a DCP read error.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    what = "dmuon.load_sharded"
+    rt = get_state(model, f"{what}(path, model, optimizer)")
+    refuse_tp(rt, what)
+    rt.finish_meta_init("dmuon: sharded checkpoint")
+    if optimizer is not None:
+        check_optimizer(model, optimizer, what)
+    rt.drain()
+    path = os.path.abspath(os.fspath(checkpoint_id))
+    errors: list[str] = []
+    marker: dict = {}
+    try:
+        marker = complete_or_raise(path)
+    except CheckpointError as e:
+        errors.append(str(e))
+    agree_errors(rt, errors, what)
+    agree_errors(rt, verify_files(rt, path, marker), what)
+    reader, md = _read_metadata(path, storage_reader)
+    problems, check = _check_metadata(md, model, rt, optimizer, strict)
+    agree_errors(rt, problems, what)
+    # stage: DCP reads into new buffers shaped like this rank's pieces
+    ded = dedicated_names_by_key(model, rt)
+    wide = {n for n in rt.names if f"optim.dedicated.{n}.master" in md} \
+        if optimizer is not None else set()
+    live: dict[str, Any] = {}     # key -> the live tensor it replaces
+    staged: dict[str, Any] = {}   # saved key -> the new buffer DCP reads into
+    done: set[str] = set()
+    for k, v in module_entries(model).items():
+        if k not in check.source:
+            continue
+        n = ded.get(k)
+        if n is None:
+            live[k] = v
+            staged[check.source[k]] = _staged_like(v)
+        elif n in rt.masters and n not in done and n not in wide:  # (a wide master: below)
+            done.add(n)
+            live[k] = rt.masters[n]
+            staged[check.source[k]] = torch.empty(rt.shape[n], dtype=rt.orig_dtype[n],
+                                                  device=rt.device)
+    sd: dict[str, Any] = {"model": staged}
+    if optimizer is not None:
+        adamw = optimizer.adamw_named_params
+        sd["optim"] = {
+            "fsdp2": {n: {m: _staged_like(dtensor_like(local_tensor(p), p)) for m in _MOMENTS}
+                      for n, p in adamw},
+            "dedicated": {n: {"momentum_buffer": torch.empty(rt.shape[n], dtype=rt.master_dtype[n],
+                                                             device=rt.device)}
+                          for n in rt.owned_names},
+            "adamw_step": 0, "muon_step": 0, "num_steps": 0, "param_groups": ()}
+        for n in wide:
+            if n in rt.masters:
+                sd["optim"]["dedicated"].setdefault(n, {})["master"] = torch.empty(
+                    rt.shape[n], dtype=rt.master_dtype[n], device=rt.device)
+    extra_keys = [k[len("extra."):] for k in md if k.startswith("extra.")]
+    if extra_keys:
+        sd["extra"] = {k: None for k in extra_keys}
+    _, load_planner = _planners()
+    planner = load_planner()
+    errors = dcp_errors(lambda: dcp.load(sd, checkpoint_id=path, storage_reader=reader,
+                                          planner=planner), f"DCP read of {path}")
+    if not errors and check_finite:
+        errors = _nonfinite(sd["model"], "model.") + (
+            _nonfinite(sd["optim"], "optim.") if optimizer is not None else [])
+    agree_errors(rt, errors, what)
+    # install (the first writes to live state)
+    if optimizer is not None:
+        o = sd["optim"]
+        # AdamW pieces and counters through the one load path (re-checked there); the momentum
+        # of every matrix was read by its new owner, which installs it after
+        load_optimizer_state(optimizer, {
+            "fsdp2": o["fsdp2"], "dedicated": {}, "param_groups": list(o["param_groups"]),
+            **{k: int(o[k]) for k in ("adamw_step", "muon_step", "num_steps")}},
+            what=what, check_finite=False)
+        if optimizer.muon_state is not None:
+            for n in rt.owned_names:
+                optimizer.muon_state.momentum[n].copy_(o["dedicated"][n]["momentum_buffer"])
+        optimizer.refresh_state_views()
+    for k, t in live.items():
+        src = staged[check.source[k]]
+        if hasattr(t, "to_local"):
+            t.to_local().copy_(src.to_local())
+        else:
+            t.copy_(src.to(t.dtype))
+    masters_wide = sd.get("optim", {}).get("dedicated", {}) if optimizer is not None else {}
+    for n, e in masters_wide.items():
+        if "master" in e and n in rt.masters:
+            rt.masters[n].copy_(e["master"])
+    rt.masters_changed()
+    return ShardedLoadResult(dict(sd.get("extra", {})), planner.bytes_requested, planner.bytes_read)

@@ -1,0 +1,349 @@
+"""Full (single-device style) model state dicts for a dedicated + FSDP2 model, at any topology.
+
+``get_model_state_dict`` returns exactly the keys, shapes and dtypes of a single-device
+``model.state_dict()`` as plain tensors: FSDP2 params via ``full_tensor()``, dedicated matrices
+from their owners' masters (cast back to the param's dtype). The dict names no rank, shard or
+mesh, so it loads into a plain model, into a dmuon model of any ``(shard, replicate)`` shape, or
+into one process.
+
+``set_model_state_dict`` checks the dict on every rank *before any collective*
+(:func:`dmuon.functional.state_dict_check.check_state_dict`: missing, unexpected, wrong-shape
+entries; a tied parameter is satisfied by any one of its names, as in HuggingFace
+``save_pretrained`` output without ``lm_head.weight``), agrees on the verdict with one small object
+all-gather (so a bad dict raises on every rank instead of hanging), then writes each rank's part:
+the masters of its owner column, the local shards of FSDP2 params (re-sharded for this mesh),
+buffers.
+
+``rank0_only=True`` keeps the full dict on rank 0 only (get: other ranks return ``{}``; set: only
+rank 0 needs a dict, tensors are broadcast one at a time), for memory.
+
+:func:`read_state_dict` reads ``torch.save`` files and HuggingFace ``save_pretrained`` folders
+(safetensors or bin, sharded or not) into the flat dict ``set_model_state_dict`` takes.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Mapping, NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dmuon.stateful.modes.ddp import unwrapping_model
+from dmuon.functional.state_dict_check import check_state_dict
+from dmuon.stateful.runtime.state import DedicatedState, get_state
+from dmuon.stateful.checkpoint.torch_state_dict import StateDictError, check_entry
+from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part
+
+__all__ = ["get_model_state_dict", "set_model_state_dict", "read_state_dict", "LoadResult"]
+
+
+class LoadResult(NamedTuple):
+    """What ``set_model_state_dict(..., strict=False)`` did not load (like torch's
+    ``load_state_dict`` return value). Tied names satisfied by an alias are not missing."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def dedicated_names_by_key(model: nn.Module, rt: DedicatedState) -> dict[str, str]:
+    """``{state_dict key: dedicated canonical name}`` for every key that is a dedicated param (a
+    tied matrix appears under each of its keys)."""
+    canon = {p: n for n, p in rt.params.items()}
+    out = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if p in canon:
+            out[n] = canon[p]
+    return out
+
+
+def module_entries(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without reading a dedicated param's values (its placeholder is kept
+    as the entry; torch's own ``state_dict`` would ``detach()`` it, which dmuon's placeholder
+    guard refuses). Other entries are detached as torch does."""
+    from dmuon.compat.fsdp_patch import is_dedicated
+    st = get_state(model)
+    prev, st.raw_state_dict = st.raw_state_dict, True
+    try:
+        sd = model.state_dict(keep_vars=True)
+    finally:
+        st.raw_state_dict = prev
+    return {k: (v if is_dedicated(v) else v.detach()) for k, v in sd.items()}
+
+
+def expected_entries(model: nn.Module, rt: DedicatedState,
+                     ded: Optional[Mapping[str, str]] = None,
+                     ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """``{key: (full shape, dtype)}`` of the single-device ``model.state_dict()``, in its order
+    (the same on every rank): dedicated matrices by their full shape and the param's dtype.
+    ``ded``: :func:`dedicated_names_by_key` when the caller has it already (else computed)."""
+    if ded is None:
+        ded = dedicated_names_by_key(model, rt)
+    exp = {}
+    for k, v in module_entries(model).items():
+        if k in ded:
+            n = ded[k]
+            exp[k] = (full_shape(rt, n), rt.orig_dtype[n])
+        else:
+            exp[k] = (tuple(v.shape), v.dtype)
+    return exp
+
+
+def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
+    """Groups of state-dict names that share one tensor (tied params / buffers)."""
+    by_id: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(n)
+    for n, b in model.named_buffers(remove_duplicate=False):
+        by_id.setdefault(id(b), []).append(n)
+    return [tuple(g) for g in by_id.values() if len(g) > 1]
+
+
+def from_owner(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, src: int,
+               rt: DedicatedState, rank0_only: bool) -> Optional[torch.Tensor]:
+    """Collective: the full tensor ``t`` held by global rank ``src`` (``None`` elsewhere) as a copy
+    on every rank (broadcast), or with ``rank0_only`` on rank 0 only (point to point; other ranks
+    get ``None``). ``shape`` / ``dtype``: those of ``t``, for the receiving buffers."""
+    me = rt.rank
+    if not rank0_only:
+        buf = t.detach().clone() if me == src else torch.empty(shape, dtype=dtype, device=rt.device)
+        rt.mesh_groups.control_collective(
+            "state-dict broadcast", lambda g: dist.broadcast(buf, src=src, group=g))
+        return buf
+    if me == src:
+        if me == 0:
+            return t.detach().clone()
+        rt.mesh_groups.control_collective(
+            "state-dict send", lambda g: dist.send(t.detach().contiguous(), dst=0, group=g))
+    elif me == 0:
+        buf = torch.empty(shape, dtype=dtype, device=rt.device)
+        rt.mesh_groups.control_collective(
+            "state-dict receive", lambda g: dist.recv(buf, src=src, group=g))
+        return buf
+    return None
+
+
+def from_rank0(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
+               rt: DedicatedState) -> torch.Tensor:
+    """Collective: rank 0's full tensor ``t`` (ignored elsewhere, may be ``None``) on every rank,
+    on ``rt.device`` in ``dtype`` (broadcast). ``shape``: that of ``t``, for the receiving
+    buffers."""
+    buf = (t.to(device=rt.device, dtype=dtype).contiguous() if rt.rank == 0
+           else torch.empty(shape, dtype=dtype, device=rt.device))
+    rt.mesh_groups.control_collective(
+        "state-dict broadcast", lambda g: dist.broadcast(buf, src=0, group=g))
+    return buf
+
+
+def full_copy(t: torch.Tensor) -> torch.Tensor:
+    """Collective for a DTensor ``t`` (every rank of its mesh calls it): its full tensor
+    (``full_tensor()``); a plain tensor: a detached copy."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
+def local_shard(full: torch.Tensor, like: Any) -> torch.Tensor:
+    """This rank's piece of ``full`` (the full tensor, held by every rank) laid out like the param
+    ``like``: an FSDP2 DTensor's local shard, cut from this rank's own copy
+    (``distribute_tensor(..., src_data_rank=None)``); ``full`` itself when ``like`` is a plain
+    tensor."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full, like.device_mesh, like.placements,
+                             src_data_rank=None).to_local()
+
+
+@torch.no_grad()
+@unwrapping_model
+def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
+                         rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Collective: ``{fully-qualified name: full tensor}`` like a single-device ``state_dict()``.
+
+    Drains dmuon's pending collectives first. Every rank must call it. The dedicated matrices
+    travel one hook group at a time, bucketed: each owner column broadcasts its masters over its
+    shard group (:mod:`dmuon.stateful.checkpoint.transfer`).
+
+    Args:
+      model: a model prepared by ``dedicate_params`` (and ``fully_shard``).
+      cpu_offload: return CPU tensors.
+      rank0_only: only rank 0 keeps the dict (others return ``{}``).
+
+    Returns:
+      plain tensors (never DTensors), the same keys / shapes / dtypes as ``model.state_dict()`` of
+      the model on one device (tied params under each of their names).
+    """
+    rt = get_state(model, "dmuon.get_model_state_dict(model)")
+    rt.finish_meta_init("dmuon.get_model_state_dict(model)")
+    rt.drain()
+    keep = not rank0_only or rt.rank == 0
+    mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
+    full: dict[str, torch.Tensor] = {}
+    tr = rt.checkpoint_transfer
+    for group in tr.each_group():
+        got = tr.to_every_rank(group, rt.masters)
+        if rt.tp_layouts:  # TP slices -> full matrices (an all-gather per matrix, TP group)
+            got = assemble_tp_slices(rt.tp_layouts, got, rt.mesh_groups.tp_group)
+        for n, t in got.items():
+            if keep:
+                full[n] = mv(t.to(rt.orig_dtype[n]).clone())
+    ded = dedicated_names_by_key(model, rt)
+    out: dict[str, torch.Tensor] = {}
+    for k, v in module_entries(model).items():
+        t = full.get(ded[k]) if k in ded else full_copy(v)
+        if keep:
+            out[k] = t if k in ded else mv(t)
+    return out
+
+
+def _shape_of(v: Any):
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+
+
+def agree(rt: DedicatedState, problems: list[str], what: str,
+          payload: Any = None) -> list[tuple[list[str], Any]]:
+    """All-gather ``(problems, payload)``; raise :class:`StateDictError` (a ``ValueError``) on every rank if any rank has a
+    problem (the message names the ranks and lists the problems). Returns the gathered list."""
+    got: list = [None] * dist.get_world_size()
+    rt.mesh_groups.control_collective(
+        f"{what} agreement", lambda g: dist.all_gather_object(got, (problems, payload), group=g))
+    by_msg: dict[str, list[int]] = {}
+    for r, (p, _) in enumerate(got):
+        if p:
+            by_msg.setdefault("; ".join(p), []).append(r)
+    if by_msg:
+        detail = " | ".join(f"rank(s) {rs}: {m}" for m, rs in by_msg.items())
+        raise StateDictError(
+            f"{what}: the state dict does not match the model ({detail}). Nothing was changed on "
+            "any rank. Load a dict saved from the same architecture (names and full shapes as in "
+            "the single-device model.state_dict(), floating values, finite unless "
+            "check_finite=False), or pass strict=False to allow missing / unexpected keys.")
+    return got
+
+
+@torch.no_grad()
+@unwrapping_model
+def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]], *,
+                         strict: bool = True, rank0_only: bool = False,
+                         check_finite: bool = True) -> LoadResult:
+    """Collective: load a full ``{name: tensor}`` dict (single-device, HF or dmuon) into the model.
+
+    Works at any topology: the dict's tensors are full; each rank keeps what it owns.
+
+    Args:
+      model: a model prepared by ``dedicate_params`` (and ``fully_shard``).
+      state_dict: ``{fully-qualified name: full tensor}``; values are cast to each param's dtype.
+        With ``rank0_only``, only rank 0's dict is read (others may pass ``None``).
+      strict: missing or unexpected keys are errors (default). ``False`` skips them (wrong shapes
+        still raise) and reports them in the return value.
+      rank0_only: rank 0 holds the dict; each tensor is broadcast from it, one at a time.
+      check_finite: refuse NaN / Inf values (default); ``False`` loads them.
+
+    Returns:
+      :class:`LoadResult` ``(missing_keys, unexpected_keys)``.
+
+    Raises:
+      ValueError: on every rank, before anything changes, when a rank's dict has missing /
+        unexpected keys (``strict``), wrong shapes, non-tensor values, integer or bool values for
+        floating params, or non-finite values (``check_finite``); the message lists them. A
+        floating value of another precision loads (cast to the param's dtype; narrowing is
+        logged).
+    """
+    what = "dmuon.set_model_state_dict"
+    rt = get_state(model, f"{what}(model, sd)")
+    rt.finish_meta_init(f"{what}(model, sd)")
+    rt.wait_publish()
+    ded = dedicated_names_by_key(model, rt)
+    exp = expected_entries(model, rt, ded)
+    has_dict = not rank0_only or rt.rank == 0
+    check = None
+    if has_dict:
+        if not isinstance(state_dict, Mapping):
+            problems = [f"expected a mapping {{name: tensor}}, got {type(state_dict).__name__}"]
+        else:
+            check = check_state_dict({k: _shape_of(v) for k, v in state_dict.items()},
+                                     {k: s for k, (s, _) in exp.items()}, tied_groups(model))
+            problems = check.problems(strict)
+            if not problems:  # values: dtype kinds, finiteness (before anything changes)
+                for k, src in check.source.items():
+                    shape, dtype = exp[k]
+                    problems += check_entry(f"{src!r}", state_dict[src], shape, dtype,
+                                            finite=check_finite)
+    else:
+        problems = []
+    payload = None
+    if rank0_only and check is not None:
+        payload = (dict(check.source), list(check.missing), list(check.unexpected))
+    got = agree(rt, problems, what, payload)
+    if rank0_only:
+        source, missing, unexpected = got[0][1]
+    else:
+        source, missing, unexpected = check.source, list(check.missing), list(check.unexpected)
+
+    live = dict(model.named_parameters(remove_duplicate=False))
+    live.update(dict(model.named_buffers(remove_duplicate=False)))
+    done: set[int] = set()
+    for k, (shape, dtype) in exp.items():
+        src = source.get(k)
+        if src is None:
+            continue
+        n = ded.get(k)
+        target = rt.params[n] if n is not None else live.get(k)
+        if target is None or id(target) in done:  # unreachable buffer, or a tied alias done
+            continue
+        done.add(id(target))
+        if rank0_only:
+            v = from_rank0(state_dict[src] if rt.rank == 0 else None, shape, dtype, rt)
+        else:
+            v = state_dict[src]
+        if n is not None:
+            if n in rt.masters:  # (TP: this rank's slice of the full value)
+                rt.masters[n].copy_(local_part(rt, n, v).to(device=rt.device,
+                                                            dtype=rt.masters[n].dtype))
+        elif hasattr(target, "device_mesh"):
+            local = target.to_local()
+            local.copy_(local_shard(v.to(device=local.device, dtype=target.dtype), target))
+        else:
+            target.copy_(v.to(device=target.device, dtype=target.dtype))
+    rt.masters_changed()
+    return LoadResult(list(missing), list(unexpected))
+
+
+_HF_FILES = ("model.safetensors.index.json", "model.safetensors",
+             "pytorch_model.bin.index.json", "pytorch_model.bin")
+
+
+def read_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Read a full state dict from disk onto the CPU (no process group needed).
+
+    Args:
+      path: a ``torch.save(model.state_dict())`` file (``.pt``/``.pth``/``.bin``), a
+        ``.safetensors`` file, a sharded-checkpoint index (``*.index.json``), or a HuggingFace
+        ``save_pretrained`` folder (``model.safetensors[.index.json]`` or
+        ``pytorch_model.bin[.index.json]``).
+
+    Returns:
+      ``{name: tensor}`` ready for :func:`set_model_state_dict` (tied names HF dropped stay absent;
+      ``set_model_state_dict`` fills them from their alias).
+
+    Raises:
+      FileNotFoundError: the folder holds none of the files above.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        for name in _HF_FILES:
+            if os.path.exists(os.path.join(path, name)):
+                return read_state_dict(os.path.join(path, name))
+        raise FileNotFoundError(f"read_state_dict: {path!r} has none of {list(_HF_FILES)} "
+                                "(is it a save_pretrained folder?)")
+    if path.endswith(".index.json"):
+        with open(path) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        out: dict[str, torch.Tensor] = {}
+        for name in files:
+            out.update(read_state_dict(os.path.join(os.path.dirname(path), name)))
+        return out
+    if path.endswith(".safetensors"):
+        from safetensors.torch import load_file
+        return load_file(path, device="cpu")
+    return torch.load(path, map_location="cpu", weights_only=True)

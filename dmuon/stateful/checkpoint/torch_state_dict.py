@@ -1,0 +1,382 @@
+"""torch's own ``model.state_dict()`` / ``model.load_state_dict()`` on a dmuon model: true.
+
+**Representation.** In ``model.state_dict()`` every dedicated matrix is a ``DTensor`` on the
+shard mesh given to ``dedicate_params``, placement ``Shard(0)`` — exactly how FSDP2 presents its
+own params. So every tool built on torch's state dicts handles it as it handles FSDP2's:
+``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (sharded, or full through
+``full_tensor()``), ``dcp.save`` / ``dcp.load`` (each rank writes and reads its rows; HSDP replicas
+hold identical chunks, which DCP's planner writes once; loading into another topology re-shards
+as for FSDP2), torchtitan's and Lightning's checkpointers. Why not the owner's whole matrix as the
+only chunk (no traffic at save)? DTensor has no such placement, and torch's ShardedTensor, which
+could express it, is deprecated; every rank must describe the same global tensor.
+
+**Cost.** ``model.state_dict()`` is therefore collective on a dmuon model (every rank calls it, as
+DCP requires anyway): per hook group, each owner column broadcasts its masters over its shard group
+(bucketed, :mod:`dmuon.stateful.checkpoint.transfer`), each rank keeps its rows, cast to the
+param's dtype. Bytes moved per save: ``(G-1) P`` per replica, ``P`` = the dedicated matrices'
+bytes in the master dtype. ``model.state_dict(keep_vars=True)`` works the same.
+
+**Loading** (``model.load_state_dict(sd)``, and everything built on it: torch's
+``set_model_state_dict``, ``dcp.load`` then ``load_state_dict``): a dedicated entry may be that
+DTensor (the rows of this rank) or a plain full tensor (every rank holds the whole dict, e.g. a
+single-device ``torch.save`` file); an FSDP2 param may be a DTensor or a plain full tensor too
+(dmuon slices this rank's shard out of it, as ``distribute_tensor`` would). Before anything is
+written, every entry is checked on every rank (full shape, a floating dtype for floating params,
+finite values) and the verdict agreed across ranks, so a bad dict raises
+:class:`StateDictError` on every rank and leaves the model exactly as it was. Then the other
+entries load as torch loads them, and the dedicated ones reach their owner column (plain: a local
+copy; DTensor rows: one bucketed reduce per group). Loading is collective too.
+
+**Entries a submodule's own hooks rewrite** (torchtitan's ``FusedQKVLinear`` saves its fused
+``wqkv`` as ``wq`` / ``wk`` / ``wv`` in a post-hook and merges them back in a load pre-hook; torch
+runs a submodule's save post-hooks before the root's, and its load pre-hooks after the root's):
+the root's pre-save hook moves the matrices, and each module holding a dedicated param puts its
+entries in with a post-hook of its own, before any ancestor's post-hook reads them. On load, the
+root runs the load pre-hooks of the modules between it and each dedicated param whose entry is
+absent once more, on a shallow copy of the dict, and checks what they produce with every other
+entry before anything is written; the owning module's pre-hook stages the real entry. A
+``Replicate()`` DTensor entry (what such a merge gives from DCP's replicated parts) counts as a
+full tensor. dmuon's own by-name state-dict functions cannot follow such a rewrite: they raise
+:class:`StateDictError` naming the module.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dmuon.stateful.checkpoint.transfer import row_chunks
+from dmuon.compat.fsdp_patch import is_dedicated
+from dmuon.stateful.runtime.guards import saving_state_dict
+from dmuon.stateful.modes.tensor_parallel import refuse_tp
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StateDictError", "register_state_dict_hooks", "dtensor_rows", "shard_mesh_rank",
+           "check_entry"]
+
+
+
+class StateDictError(ValueError):
+    """A state dict does not fit the model (names, shapes, dtypes, values); raised on every rank
+    before anything changed."""
+
+
+def shard_mesh_rank(st) -> int:
+    return st.coord[0]
+
+
+def dtensor_rows(full: torch.Tensor, mesh: Any) -> Any:
+    """``full`` (the same on every rank of ``mesh``) as a ``Shard(0)`` DTensor on ``mesh``: this
+    rank keeps its rows; no communication. ``mesh=None`` (DDP mode: every rank holds every
+    matrix whole, as DDP's params): ``full`` itself."""
+    if mesh is None:
+        return full
+    from torch.distributed.tensor import Shard, distribute_tensor
+    return distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+
+
+def _rows_of(value: Any, st, shape: tuple[int, ...]) -> tuple[int, torch.Tensor]:
+    """``(first row, local rows)`` of a dedicated entry: a DTensor of dmuon's spec, or a full
+    plain tensor (this rank's rows of it)."""
+    start, n = row_chunks(shape[0], st.G)[shard_mesh_rank(st)]
+    if hasattr(value, "to_local"):
+        if not _replicated(value):
+            return start, value.to_local()
+        value = value.to_local()  # every rank holds it whole
+    return start, value[start:start + n]
+
+
+def _replicated(value: Any) -> bool:
+    """A DTensor whose every rank holds the whole tensor (``Replicate()`` on every mesh dim, as
+    torchtitan's ``FusedQKVLinear`` merge hook produces)."""
+    from torch.distributed.tensor import Replicate
+    return all(isinstance(p, Replicate) for p in value.placements)
+
+
+def check_entry(key: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype, st=None,
+                *, finite: bool = True) -> list[str]:
+    """Problems of one state-dict value for a tensor of ``shape`` / ``dtype`` (no collective):
+    wrong shape, a non-floating value for a floating tensor, non-finite values (``finite``), a
+    DTensor of another spec than dmuon's (``st`` given: the dedicated ``Shard(0)`` rows, or a
+    DTensor replicated on every mesh dim)."""
+    if not isinstance(value, torch.Tensor):
+        return [f"{key}: a {type(value).__name__}, not a tensor"]
+    problems = []
+    if tuple(value.shape) != tuple(shape):
+        problems.append(f"{key}: shape {tuple(value.shape)}, expected {tuple(shape)}")
+        return problems
+    if dtype.is_floating_point and not (value.dtype.is_floating_point or value.is_complex()):
+        problems.append(f"{key}: dtype {value.dtype} cannot load into a {dtype} param (an integer "
+                        "or bool tensor is not a weight)")
+        return problems
+    local = value.to_local() if hasattr(value, "to_local") else value
+    if st is not None and hasattr(value, "to_local") and not _replicated(value):
+        from torch.distributed.tensor import Shard
+        if tuple(value.placements) != (Shard(0),) or value.device_mesh.size() != st.G:
+            problems.append(f"{key}: a DTensor with placements {tuple(value.placements)} on a "
+                            f"mesh of {value.device_mesh.size()} ranks; dmuon expects the rows "
+                            f"of its own state_dict() (Shard(0) over {st.G} ranks), a "
+                            "replicated DTensor or a plain full tensor")
+            return problems
+    if finite and local.dtype.is_floating_point and local.numel() and \
+            not bool(torch.isfinite(local).all()):
+        problems.append(f"{key}: non-finite values (NaN/Inf)")
+    if dtype.is_floating_point and local.dtype.is_floating_point and \
+            torch.finfo(local.dtype).bits > torch.finfo(dtype).bits:
+        logger.info("dmuon: %s narrows from %s to %s on load", key, local.dtype, dtype)
+    return problems
+
+
+class _Hooks:
+    """The state-dict hooks of one dedicated model (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, st):
+        self.st = st
+        self.transfer = st.checkpoint_transfer
+        self.model = model
+        self.keys = {}  # state-dict key -> dedicated name (every alias of a tied matrix)
+        canon = {id(p): n for n, p in st.params.items()}
+        for k, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in canon:
+                self.keys[k] = canon[id(p)]
+        self.staged: Optional[dict[str, Any]] = None
+        # filled by the root pre-save hook, put in by each owning module's post-hook (before an
+        # ancestor's post-hook, e.g. torchtitan's FusedQKVLinear split, reads the entry)
+        self.rows: Optional[dict[str, Any]] = None
+        self.stand_ins: dict[str, torch.Tensor] = {}  # raw pass: key -> meta stand-in
+        self.late: set[str] = set()  # load: keys an ancestor's pre-hook produces (checked early)
+        self.own_hooks: set[int] = set()  # ids of the hooks below (skipped by the dry run)
+        self.owned_by: dict[str, list[tuple[str, str]]] = {}  # module path -> [(attr, name)]
+        for k, n in self.keys.items():
+            path, _, attr = k.rpartition(".")
+            self.owned_by.setdefault(path, []).append((attr, n))
+
+    # ------------------------------------------------------------------ save
+    def pre_save(self, module, prefix, keep_vars) -> None:
+        self.rows, self.stand_ins = None, {}
+        st = self.st
+        if not st.raw_state_dict:
+            refuse_tp(st, "model.state_dict() (torch's own, also under torch.distributed."
+                      "checkpoint; use dmuon.get_model_state_dict, which gives full tensors)")
+            st.finish_meta_init("model.state_dict()")
+            st.drain()
+            mesh = st.shard_mesh
+            rows: dict[str, Any] = {}
+            for group in self.transfer.each_group():
+                full = self.transfer.to_every_rank(group, st.masters)
+                for n, t in full.items():
+                    rows[n] = dtensor_rows(t.to(st.orig_dtype[n]).clone(), mesh)
+            self.rows = rows
+        saving_state_dict(+1)
+
+    def owner_post_save(self, module, state_dict, prefix, local_metadata, path: str) -> None:
+        """Post-hook of a module holding dedicated params: put their entries in (the rows, or
+        in dmuon's raw pass a meta stand-in of the full shape) before any ancestor's post-hook
+        reads them. Outside a root ``model.state_dict()`` (no pre-save ran) it does nothing."""
+        for attr, n in self.owned_by[path]:
+            key = prefix + attr
+            if key not in state_dict:
+                continue
+            if self.rows is not None:
+                state_dict[key] = self.rows[n]
+            elif saving_state_dict() and self.st.raw_state_dict:
+                t = torch.empty(self.st.shape[n], dtype=self.st.orig_dtype[n], device="meta")
+                self.stand_ins[key] = t
+                state_dict[key] = t
+
+    def post_save(self, module, state_dict, prefix, local_metadata) -> None:
+        saving_state_dict(-1)
+        rows, self.rows = self.rows, None
+        stand_ins, self.stand_ins = self.stand_ins, {}
+        if self.st.raw_state_dict:
+            self._restore_placeholders(state_dict, prefix, stand_ins)
+            return
+        for k, n in self.keys.items():
+            if prefix + k in state_dict:
+                state_dict[prefix + k] = rows[n]
+
+    def _restore_placeholders(self, state_dict, prefix: str, stand_ins: dict) -> None:
+        """dmuon's raw pass (its own full / sharded state-dict functions): the placeholders back
+        in; an entry that a submodule's state-dict hook rewrote (renamed, split, replaced) cannot
+        be read by param name: :class:`StateDictError` (the same on every rank)."""
+        lost = []
+        for k, n in self.keys.items():
+            key = prefix + k
+            t = stand_ins.get(key)
+            if t is None:
+                continue
+            if state_dict.get(key) is t:
+                state_dict[key] = self.st.params[n]
+            else:
+                lost.append(k)
+        if lost:
+            k = lost[0]
+            path = k.rpartition(".")[0]
+            by = self._rewriter(path)
+            raise StateDictError(
+                f"dmuon's own state-dict functions (dmuon.get_model_state_dict / "
+                f"set_model_state_dict, dmuon's sharded checkpoints) read dedicated params by "
+                f"name, but {len(lost)} dedicated entries (e.g. {k!r}) are rewritten by the "
+                f"state-dict hooks of {by} (e.g. a fused matrix saved as its parts). Use torch's "
+                "model.state_dict() / model.load_state_dict(sd) (and everything built on them: "
+                "torch.distributed.checkpoint, torchtitan's CheckpointManager), which include the "
+                "dedicated matrices exactly in the layout those hooks write; or leave these "
+                "params out of dedicate_params' predicate.")
+
+    def _rewriter(self, path: str) -> str:
+        """The nearest module on ``path`` (the owner, then its ancestors) with a state-dict
+        post-hook of its own, as ``'name' (Class)``."""
+        parts = path.split(".") if path else []
+        for i in range(len(parts), 0, -1):
+            sub = ".".join(parts[:i])
+            m = self.model.get_submodule(sub)
+            if any(h not in self.own_hooks for h in m._state_dict_hooks):
+                return f"module {sub!r} ({type(m).__name__})"
+        return f"a module on {path!r}"
+
+    # ------------------------------------------------------------------ load
+    def pre_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                 unexpected_keys, error_msgs) -> None:
+        st = self.st
+        refuse_tp(st, "model.load_state_dict(sd) (use dmuon.set_model_state_dict)")
+        st.finish_meta_init("model.load_state_dict(sd)")
+        problems: list[str] = []
+        staged: dict[str, Any] = {}
+        absent = []
+        for k, n in self.keys.items():
+            key = prefix + k
+            if key not in state_dict:
+                absent.append(k)
+                continue
+            v = state_dict[key]
+            problems += check_entry(key, v, st.shape[n], st.orig_dtype[n], st)
+            staged.setdefault(n, v)
+            state_dict[key] = st.params[n]  # the placeholder: torch's own copy_ is a no-op
+        self.late = set()
+        for k, v in self._dry_run(module, state_dict, prefix, absent).items():
+            n = self.keys[k]
+            problems += check_entry(prefix + k, v, st.shape[n], st.orig_dtype[n], st)
+            self.late.add(prefix + k)
+        for name, p in module.named_parameters(remove_duplicate=False):
+            key = prefix + name
+            if is_dedicated(p) or key not in state_dict:
+                continue
+            v = state_dict[key]
+            mine = check_entry(key, v, tuple(p.shape), p.dtype)
+            problems += mine
+            if not mine and hasattr(p, "to_local") and not hasattr(v, "to_local"):
+                state_dict[key] = _slice_for(p, v)
+        for name, b in module.named_buffers(remove_duplicate=False):
+            key = prefix + name
+            if key in state_dict and isinstance(state_dict[key], torch.Tensor) and \
+                    tuple(state_dict[key].shape) != tuple(b.shape):
+                problems.append(f"{key}: shape {tuple(state_dict[key].shape)}, expected "
+                                f"{tuple(b.shape)}")
+        _agree(st, problems)
+        self.staged = staged
+
+    def _dry_run(self, root, state_dict, prefix: str, absent: list[str]) -> dict[str, Any]:
+        """``{key: value}`` for each dedicated key absent from the dict that the load pre-hooks
+        of the modules between the root and its owner (torchtitan's ``FusedQKVLinear`` merges
+        ``wq``/``wk``/``wv`` into ``wqkv``) produce: those hooks run here, top-down as torch
+        runs them, on a shallow copy of the dict, so the produced entry is checked with all the
+        others before anything loads. The real load runs them again."""
+        chains = {}
+        for k in absent:
+            parts = k.split(".")[:-1]
+            for i in range(1, len(parts) + 1):
+                chains.setdefault(".".join(parts[:i]), None)
+        if not chains:
+            return {}
+        trial = dict(state_dict)
+        meta = getattr(state_dict, "_metadata", {})
+        for path in sorted(chains, key=lambda p: p.count(".")):  # parents before children
+            m = root.get_submodule(path)
+            sub = prefix + path + "."
+            for hid, hook in list(m._load_state_dict_pre_hooks.items()):
+                if hid not in self.own_hooks:
+                    hook(trial, sub, meta.get(sub[:-1], {}), True, [], [], [])
+        return {k: trial[prefix + k] for k in absent if prefix + k in trial}
+
+    def owner_pre_load(self, module, state_dict, prefix, *rest, path: str) -> None:
+        """Load pre-hook of a module holding dedicated params: an entry an ancestor's pre-hook
+        produced (checked by the root's dry run) is staged for the owner column and replaced by
+        the placeholder, as the root does for the entries it sees."""
+        if self.staged is None:
+            return
+        for attr, n in self.owned_by[path]:
+            key = prefix + attr
+            if key not in self.late or key not in state_dict:
+                continue
+            v = state_dict[key]
+            problems = check_entry(key, v, self.st.shape[n], self.st.orig_dtype[n], self.st)
+            if problems:  # the dry run passed: the hook gave another value the second time
+                raise StateDictError(f"model.load_state_dict: {problems[0]} (a state-dict hook "
+                                     "produced another value than in dmuon's check)")
+            self.staged.setdefault(n, v)
+            state_dict[key] = self.st.params[n]
+
+    def post_load(self, module, incompatible_keys) -> None:
+        self.late = set()
+        staged, self.staged = self.staged, None
+        if not staged:
+            return
+        st = self.st
+        for group in self.transfer.each_group():
+            names = set(st.hook_groups.names(group))
+            if not any(n in staged for n in names):
+                continue
+            full = self.transfer.to_columns(
+                group, lambda n: _rows_of(staged[n], st, st.shape[n]) if n in staged else None)
+            with torch.no_grad():
+                for n, t in full.items():
+                    if n in staged:
+                        st.masters[n].copy_(t)
+        st.masters_changed()
+
+
+def _slice_for(param: Any, full: torch.Tensor) -> Any:
+    """A plain full tensor for FSDP2's DTensor ``param``: this rank's shard of it (no
+    communication: every rank has the full tensor), as ``distribute_tensor`` slices it."""
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full.to(device=param.device, dtype=param.dtype), param.device_mesh,
+                             param.placements, src_data_rank=None)
+
+
+def _agree(st, problems: list[str]) -> None:
+    got: list = [None] * dist.get_world_size()
+    st.mesh_groups.control_collective(
+        "load_state_dict check agreement", lambda g: dist.all_gather_object(got, problems, group=g))
+    by_msg: dict[str, list[int]] = {}
+    for r, p in enumerate(got):
+        for m in p:
+            by_msg.setdefault(m, []).append(r)
+    if by_msg:
+        detail = "; ".join(f"{m} (rank(s) {rs})" for m, rs in list(by_msg.items())[:12])
+        raise StateDictError(
+            f"model.load_state_dict on a dmuon model: the state dict does not fit the model: "
+            f"{detail}. Nothing was loaded on any rank.")
+
+
+def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:
+    """Install the save and load hooks on ``model`` (the root; see the module docstring)."""
+    h = _Hooks(model, st)
+    # torch marks public hooks with an attribute: plain functions, not bound methods
+    model.register_state_dict_pre_hook(lambda *a: h.pre_save(*a))
+    model.register_state_dict_post_hook(lambda *a: h.post_save(*a))
+    model.register_load_state_dict_pre_hook(lambda *a: h.pre_load(*a))
+    model.register_load_state_dict_post_hook(lambda *a: h.post_load(*a))
+    for path in h.owned_by:
+        if not path:  # held by the root itself: its own hooks above see the entry
+            continue
+        m = model.get_submodule(path)
+        r1 = m.register_state_dict_post_hook(
+            lambda *a, _p=path: h.owner_post_save(*a, path=_p))
+        r2 = m.register_load_state_dict_pre_hook(
+            lambda *a, _p=path: h.owner_pre_load(*a, path=_p))
+        h.own_hooks.update((r1.id, r2.id))
+    return h

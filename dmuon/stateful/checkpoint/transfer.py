@@ -1,0 +1,118 @@
+"""Moving dedicated matrices (and their momentum) for state dicts and checkpoints, bucketed, through
+the schedules and the executor.
+
+Every transfer runs one hook group at a time on the master layout's buckets (one flat buffer per
+``(group, owner column, master dtype)``), with the schedules of :mod:`dmuon.functional.schedule`,
+on a second :class:`~dmuon.stateful.runtime.executor.Executor` over dmuon's lane groups (bounded by
+dmuon's timeout, failures named; its counters, :attr:`CheckpointTransfer.executor`, are kept apart
+from the training step's telemetry). Callers drain the training collectives first.
+
+* :meth:`CheckpointTransfer.to_every_rank` — the full values of a group's matrices on every rank:
+  each owner column broadcasts its bucket over the shard axis (the forward unshard, in the master
+  dtype). Values held only by the global owner (momentum in HSDP) are first published to the
+  owner's column over the replicate axis. Moves ``(G-1) P`` per replica, plus ``(R-1) P_owner``.
+* :meth:`CheckpointTransfer.to_columns` — the reverse for loads: each rank contributes the rows it
+  holds (a DTensor chunk; zeros elsewhere), one shard-axis reduce (sum) per bucket delivers the full
+  matrices to their owner column in every replica. Exact: each element is one value plus zeros.
+
+Memory: one group's buckets at a time (the largest hook group's dedicated matrices, in the master
+dtype), freed before the next group.
+"""
+from __future__ import annotations
+
+from typing import Callable, Iterator, Mapping, Optional
+
+import torch
+
+from dmuon.functional.buckets import BucketKey, to_torch_dtype
+from dmuon.functional.schedule import publish_schedule, reduce_schedule, unshard_schedule
+from dmuon.stateful.runtime.executor import Executor
+
+__all__ = ["CheckpointTransfer", "row_chunks"]
+
+
+def row_chunks(rows: int, parts: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of each part's rows when ``rows`` are split as DTensor's ``Shard(0)``
+    splits them over ``parts`` ranks (``torch.chunk``: equal chunks of ``ceil(rows / parts)``, the
+    last ones shorter or empty)."""
+    size = -(-rows // parts) if rows else 0
+    out = []
+    for i in range(parts):
+        start = min(i * size, rows)
+        out.append((start, max(0, min(size, rows - start))))
+    return out
+
+
+class CheckpointTransfer:
+    """Bucketed transfers of one model's dedicated matrices (see the module docstring).
+
+    Args:
+      state: the model's :class:`~dmuon.stateful.runtime.state.DedicatedState`.
+    """
+
+    def __init__(self, state):
+        self.st = state
+        self.layout = state.storage.master_layout
+        self.executor = Executor(state.mesh_groups, timeout=state.mesh_groups.timeout)
+
+    def _buffers(self, group: str) -> dict[BucketKey, torch.Tensor]:
+        return {b.key: torch.zeros(b.numel, dtype=to_torch_dtype(b.key.dtype),
+                                   device=self.st.device)
+                for b in self.layout.buckets_of(group)}
+
+    def groups(self) -> tuple[str, ...]:
+        return self.layout.groups
+
+    def to_every_rank(self, group: str, values: Mapping[str, torch.Tensor], *,
+                      owner_only: bool = False) -> dict[str, torch.Tensor]:
+        """Collective: ``{name: full tensor}`` for every matrix of ``group``, on every rank (views
+        into one group's buffers; copy what must outlive the next call).
+
+        Args:
+          values: this rank's values: for ``owner_only=False`` every matrix of its owner column
+            (the masters), for ``owner_only=True`` the matrices it owns itself (momentum).
+        """
+        bufs = self._buffers(group)
+        s, _ = self.st.coord
+        with torch.no_grad():
+            for b in self.layout.buckets_of(group):
+                if b.key.column != s:
+                    continue
+                for e in b.entries:
+                    v = values.get(e.name)
+                    if v is not None:
+                        bufs[b.key][e.offset:e.offset + e.numel].view(e.shape).copy_(v)
+        if owner_only and self.st.R > 1:
+            sched = publish_schedule(self.layout, group)
+            if len(sched):
+                self.executor.launch(sched, bufs).wait()
+        self.executor.launch(unshard_schedule(self.layout, group), bufs).wait()
+        return {e.name: bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)
+                for b in self.layout.buckets_of(group) for e in b.entries}
+
+    def to_columns(self, group: str,
+                   rows: Callable[[str], Optional[tuple[int, torch.Tensor]]]
+                   ) -> dict[str, torch.Tensor]:
+        """Collective: the full matrices of ``group`` on their owner column (every replica), from
+        the rows each rank holds: ``rows(name) -> (first row, tensor of rows)`` or ``None``.
+        Returns ``{name: full tensor}`` for the matrices of this rank's column."""
+        bufs = self._buffers(group)
+        with torch.no_grad():
+            for b in self.layout.buckets_of(group):
+                for e in b.entries:
+                    got = rows(e.name)
+                    if got is None:
+                        continue
+                    start, t = got
+                    if t.numel():
+                        full = bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)
+                        full[start:start + t.shape[0]].copy_(t)
+        sched = reduce_schedule(self.layout, group, op="sum", replicate=False)
+        self.executor.launch(sched, bufs).wait()
+        s, _ = self.st.coord
+        return {e.name: bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)
+                for b in self.layout.buckets_of(group) if b.key.column == s for e in b.entries}
+
+    def each_group(self) -> Iterator[str]:
+        """The hook groups that hold dedicated matrices, in the static order (every rank)."""
+        return iter(self.layout.groups)

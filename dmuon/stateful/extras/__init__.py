@@ -1,0 +1,1 @@
+"""Extras on a dedicated model: gradient clipping, QK-clip, ``verify_step``."""

@@ -1,0 +1,332 @@
+"""Meta-device construction: ``dedicate_params`` on a model built under ``torch.device("meta")``.
+
+Call order (torchtitan's)::
+
+    with torch.device("meta"):
+        model = build_model(config)
+    dmuon.dedicate_params(model, mesh, predicate)    # plans owners; allocates only owned masters
+    fully_shard(...)                                  # FSDP2 keeps its params on meta too
+    model.to_empty(device=...)                        # FSDP2's shards get storage
+    model.init_weights()                              # or each module's reset_parameters()
+    optimizer = dmuon.Muon(model, ...)                # closes the init window (collective)
+
+**Between ``dedicate_params`` and the close of the init window**, every dedicated param is a
+:class:`DedicatedUninit` (a new ``nn.Parameter`` object on the mesh's device, put in place of the
+meta one in every module that held it, so tied weights stay tied):
+
+* on a rank of the owner's shard column (the rank that holds its master: the owner; in HSDP every
+  replica of that column) its data *is* the master (a view into the master bucket; a temporary of
+  the param's dtype when the master is wider, copied in at the close): ``to_empty`` keeps it (no
+  new allocation) and the init functions write the master directly;
+* on every other rank it has no storage at all. It reports the full shape and ``is_meta=True``,
+  so the init code runs unchanged: ``torch.nn.init`` functions (``kaiming_uniform_``,
+  ``trunc_normal_``, ``normal_``, ...) and in-place writes (``w.normal_()``, ``w.data.zero_()``,
+  ``copy_``) are no-ops there, tensors made from it (``w.new_empty(...)``, ``zeros_like(w)``)
+  are meta tensors (torchtitan's fused-QKV init builds q/k/v that way, then ``copy_``-s them in),
+  and fan-in computations such as ``nn.Linear.reset_parameters``' bias bound read the full
+  shape. An op that would *read* its values raises
+  :class:`~dmuon.stateful.runtime.guards.DedicatedParamError` (the values do not exist on this rank).
+
+**The close** (:func:`finish_meta_init`; the first of ``dmuon.Muon(model)``, the first forward, or
+a model state-dict call, every rank at the same point) is collective: it checks on every rank that
+no param or buffer is left on meta and that ``to_empty`` reached every dedicated param, agreeing
+the verdict (one small all-gather) so a problem raises on every rank; it copies wide-master
+temporaries in; in HSDP it broadcasts each master from its owner to the other replicas of its
+column (their own init drew different random numbers), so every rank of the column ends with the
+owner's values; then every dedicated param becomes a placeholder, as after a materialized
+``dedicate_params``.
+
+**RNG.** A rank that does not hold a matrix draws no random numbers for it, and FSDP2's sharded
+params draw per shard, so the init values are not those of a single-process init with the same
+seed. The contract is: the owner's values are *the* initial values; read them with
+:func:`dmuon.get_model_state_dict` right after init (that is what the tests compare against).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dmuon.functional.schedule import publish_schedule
+from dmuon.stateful.runtime.guards import DedicatedParamError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DedicatedUninit", "MetaInit", "check_meta_selection", "replace_meta_params",
+           "device_of_mesh", "finish_meta_init"]
+
+#: metadata reads answered with the full (logical) shape on a rank without the matrix
+_SHAPE_GETTERS = frozenset({"shape", "ndim", "is_meta"})
+_SHAPE_FUNCS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
+#: harmless on any rank (attributes, metadata, hooks)
+_PASS = frozenset({
+    "__get__", "__set__", "__delete__", "__repr__", "__format__", "__hash__", "requires_grad_",
+    "register_hook", "register_post_accumulate_grad_hook", "_has_compatible_shallow_copy_type",
+    "is_floating_point", "is_complex", "element_size", "get_device", "is_contiguous",
+    "_is_view", "has_names", "__dir__", "_backward_hooks", "is_shared", "is_pinned",
+    "untyped_storage", "_typed_storage", "data_ptr", "storage_offset",
+})
+
+
+#: tensors made from one (shape / dtype only): on meta on a rank without the matrix, so that init
+#: code building a scratch (torchtitan's fused-QKV init: new_empty, init, cat, copy_) stays free
+_FACTORIES = frozenset({"new_empty", "new_zeros", "new_ones", "new_full", "new_empty_strided",
+                        "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+                        "randn_like"})
+
+
+def _from_to_empty() -> bool:
+    """Whether the ``empty_like`` being handled is ``Module.to_empty``'s (its lambda in
+    ``torch.nn.modules.module``), not init code asking for a scratch tensor."""
+    f = sys._getframe(2)
+    for _ in range(3):
+        if f is None:
+            return False
+        if f.f_globals.get("__name__") == "torch.nn.modules.module":
+            return True
+        f = f.f_back
+    return False
+
+
+@dataclass(eq=False)
+class _Info:
+    """What a :class:`DedicatedUninit` knows about itself."""
+
+    name: str
+    shape: tuple[int, ...]
+    holds: bool                      # this rank has the master (the owner's column)
+    device: torch.device
+    owner: int
+    materialized: bool = False       # to_empty reached it
+
+
+def _same_device(want: Any, have: torch.device) -> bool:
+    if want is None:
+        return True
+    want = torch.device(want)
+    return want.type == have.type and (want.index is None or have.index is None
+                                       or want.index == have.index)
+
+
+def _plain(func, args, kwargs):
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+class DedicatedUninit(nn.Parameter):
+    """The class of a dedicated param of a meta-built model until the init window closes (see the
+    module docstring)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", None) or str(func)
+        me = next((a for a in list(args) + list(kwargs.values())
+                   if isinstance(a, DedicatedUninit)), None)
+        info: Optional[_Info] = getattr(me, "_dmuon_uninit", None)
+        if info is None:  # pragma: no cover - a stray subclass instance
+            return _plain(func, args, kwargs)
+        if name not in _PASS:
+            from dmuon.stateful.modes.tp_errors import from_dtensor_api, tp_error
+            if from_dtensor_api():  # TP after dedicate_params: raise on holders and others alike
+                raise tp_error(info.name, info.owner)
+        if name == "empty_like" and args and args[0] is me and _from_to_empty():
+            if not _same_device(kwargs.get("device"), info.device) or \
+                    kwargs.get("dtype", me.dtype) != me.dtype:
+                raise DedicatedParamError(
+                    f"dmuon: model.to_empty(device={kwargs.get('device')}) would move the "
+                    f"dedicated param {info.name!r}, whose master dedicate_params placed on "
+                    f"{info.device} (the mesh's device). Call to_empty with that device.")
+            info.materialized = True
+            return _plain(torch.Tensor.detach, (me,), {})  # its own data: no new storage
+        if info.holds:
+            return _plain(func, args, kwargs)
+        # a rank without the matrix: metadata is the full shape, writes are no-ops
+        if name == "__get__":
+            attr = getattr(getattr(func, "__self__", None), "__name__", "")
+            if attr == "shape":
+                return torch.Size(info.shape)
+            if attr == "ndim":
+                return len(info.shape)
+            if attr == "is_meta":
+                return True
+            return _plain(func, args, kwargs)
+        if name in _SHAPE_FUNCS and args and args[0] is me:
+            if name in ("numel", "nelement"):
+                return math.prod(info.shape)
+            if name in ("dim", "ndimension"):
+                return len(info.shape)
+            dim = args[1] if len(args) > 1 else kwargs.get("dim")
+            return torch.Size(info.shape) if dim is None else info.shape[dim]
+        if name in _PASS:
+            return _plain(func, args, kwargs)
+        if name in _FACTORIES and args and args[0] is me:  # scratch "like" it: on meta here
+            return _plain(func, args, {**kwargs, "device": "meta"})
+        if getattr(func, "__module__", "") == "torch.nn.init" or (
+                name.endswith("_") and not name.startswith("_") and args and args[0] is me):
+            return me  # an init function or an in-place write: nothing lives here to write
+        raise DedicatedParamError(
+            f"dmuon: torch's {name!r} read the values of the dedicated param {info.name!r} during "
+            f"meta-device init on a rank that does not hold it (owner: rank {info.owner}; its "
+            "values exist only on the owner's shard column). Init code may write dedicated "
+            "params (torch.nn.init functions, in-place ops: no-ops here) but not read them; "
+            "derive such values after dmuon.Muon(model), from dmuon.get_model_state_dict.")
+
+
+def check_meta_selection(chosen: Mapping[str, nn.Parameter]) -> bool:
+    """Whether the dedicated params are on meta (all of them: True; none: False).
+
+    Raises:
+      ValueError: some are on meta and others not.
+    """
+    meta = [n for n, p in chosen.items() if p.is_meta]
+    if meta and len(meta) != len(chosen):
+        real = [n for n in chosen if n not in set(meta)]
+        raise ValueError(
+            f"dedicate_params: some selected params are on the meta device ({meta[:3]}) and "
+            f"others are not ({real[:3]}). Build the whole model under torch.device('meta') "
+            "(then dedicate_params, fully_shard, model.to_empty(...), init), or materialize it "
+            "whole before dedicate_params.")
+    return bool(meta)
+
+
+def device_of_mesh(mesh: Any) -> torch.device:
+    """The device dmuon allocates a meta-built model's masters on: the mesh's (CUDA: current)."""
+    kind = str(mesh.device_type)
+    if kind == "cpu":
+        return torch.device("cpu")
+    mod = getattr(torch, kind, None)
+    index = mod.current_device() if mod is not None and hasattr(mod, "current_device") else None
+    return torch.device(kind, index)
+
+
+def replace_meta_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
+                        device: torch.device) -> dict[str, nn.Parameter]:
+    """Put a new ``nn.Parameter`` (zero-size, on ``device``) in place of every selected meta
+    param, in every module that holds it (tied params stay one object). Returns the new
+    ``{name: param}``. A meta tensor's data cannot later be swapped for a real one in place, so
+    the objects themselves change; nothing outside the model can hold them yet."""
+    new: dict[int, nn.Parameter] = {}
+    out: dict[str, nn.Parameter] = {}
+    for n, p in chosen.items():
+        q = new.get(id(p))
+        if q is None:
+            q = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device),
+                             requires_grad=p.requires_grad)
+            for k, v in vars(p).items():  # user attributes on the param (torchtitan sets none)
+                setattr(q, k, v)
+            new[id(p)] = q
+        out[n] = q
+    old = {id(p): p for p in chosen.values()}
+    for mod in model.modules():
+        for k, v in list(mod._parameters.items()):
+            if v is not None and id(v) in new and v is old[id(v)]:
+                mod._parameters[k] = new[id(v)]
+    return out
+
+
+@dataclass(eq=False)
+class MetaInit:
+    """The open init window of a meta-built dedicated model (``st.meta_init``).
+
+    Attributes:
+      infos: ``{name: _Info}``.  temps: ``{name: param-dtype tensor}`` for held matrices whose
+      master is wider than the param (copied into the master at the close).
+    """
+
+    infos: dict[str, _Info]
+    temps: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, st: Any) -> "MetaInit":
+        """Make every dedicated param of ``st`` a :class:`DedicatedUninit` (see module docs)."""
+        infos: dict[str, _Info] = {}
+        temps: dict[str, torch.Tensor] = {}
+        for n, p in st.params.items():
+            holds = n in st.masters
+            info = _Info(n, tuple(st.shape[n]), holds, st.device, st.owner_rank[n])
+            if holds:
+                m = st.masters[n]
+                if m.dtype == st.orig_dtype[n]:
+                    p.data = m
+                else:
+                    temps[n] = torch.empty(m.shape, dtype=st.orig_dtype[n], device=st.device)
+                    p.data = temps[n]
+            if type(p) is not nn.Parameter:
+                p.__class__ = nn.Parameter
+            p._dmuon_uninit = info
+            p.__class__ = DedicatedUninit
+            infos[n] = info
+        return cls(infos, temps)
+
+    def problems(self, model: nn.Module, dedicated: set) -> list[str]:
+        """This rank's reasons the window cannot close (no collective)."""
+        out = []
+        late = [n for n, i in self.infos.items() if not i.materialized]
+        if late:
+            out.append(f"dedicated params never reached by model.to_empty(device=...): "
+                       f"{late[:4]}{' ...' if len(late) > 4 else ''}")
+        left = []
+        for n, p in model.named_parameters():
+            if p in dedicated:
+                continue
+            local = p.to_local() if hasattr(p, "to_local") else p
+            if local.is_meta:
+                left.append(n)
+        left += [n for n, b in model.named_buffers() if b is not None and b.is_meta]
+        if left:
+            out.append(f"params / buffers still on the meta device: {left[:4]}"
+                       f"{' ...' if len(left) > 4 else ''}")
+        return out
+
+    def close(self, st: Any) -> None:
+        """Copy temporaries into masters, publish over each column (HSDP), make placeholders."""
+        with torch.no_grad():
+            for n, t in self.temps.items():
+                st.masters[n].copy_(t)
+        self.temps.clear()
+        if st.R > 1:
+            layout = st.storage.master_layout
+            sched = publish_schedule(layout, [k for k in st.hook_groups.order
+                                              if k in layout.groups])
+            if len(sched):
+                st.executor.launch(sched, st.storage.master_buffers).wait()
+        for p in st.params.values():
+            p.__dict__.pop("_dmuon_uninit", None)
+            p.__class__ = nn.Parameter
+        st.storage.set_placeholder_dtypes(st.orig_dtype)
+
+
+def finish_meta_init(st: Any, what: str) -> None:
+    """Close ``st``'s init window if it is open (collective on every rank; no-op otherwise).
+
+    Raises:
+      RuntimeError: on every rank, when any rank has a param or buffer left on meta or a
+        dedicated param ``to_empty`` never reached; nothing changes then (the window stays open).
+    """
+    mi = getattr(st, "meta_init", None)
+    if mi is None:
+        return
+    model = st.model_ref()
+    mine = mi.problems(model, set(st.params.values())) if model is not None else []
+    got: list = [None] * dist.get_world_size()
+    st.mesh_groups.control_collective(
+        "meta-init close agreement", lambda g: dist.all_gather_object(got, mine, group=g))
+    bad = {r: p for r, p in enumerate(got) if p}
+    if bad:
+        detail = "; ".join(f"rank {r}: {', '.join(p)}" for r, p in list(bad.items())[:4])
+        raise RuntimeError(
+            f"{what}: the model was built on the meta device and is not materialized ({detail}). "
+            "After dedicate_params and fully_shard, call model.to_empty(device=...) and the "
+            "model's init (model.init_weights(), or each module's reset_parameters()) on every "
+            "rank, before dmuon.Muon(model), the first forward or a state-dict call.")
+    mi.close(st)
+    st.meta_init = None
+    logger.info("dmuon: meta-device init closed; %d dedicated masters held here",
+                len(st.masters))

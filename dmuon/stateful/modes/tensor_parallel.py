@@ -1,0 +1,374 @@
+"""Tensor parallelism (DTensor ``parallelize_module``) with dedicated ownership.
+
+**What moves where** (a matrix ``W`` of ``P`` bytes, TP degree ``T``, dp grid ``R x G``). TP
+splits ``W`` into ``T`` equal slices along one dim (``ColwiseParallel``: rows, ``Shard(0)``;
+``RowwiseParallel``: columns, ``Shard(1)``); the ranks of TP index ``t`` form one dp grid. dmuon
+dedicates *each slice inside its own dp grid*: every grid uses the same owner plan (planned on the
+full matrices, :class:`dmuon.functional.matrix_view.Sliced`), so the ``T`` owners of ``W``'s slices
+are the ranks of one dp coordinate ``(s, r)``, which form one TP group.
+
+* forward: the owner of slice ``t`` broadcasts it (``P/T``) over its shard group, as without TP;
+  the module sees ``DTensor.from_local(slice)`` with TP's own placements during its forward
+  (:class:`TPForward`), so TP's input / output redistributions run unchanged;
+* backward: the slice's gradient (TP's backward made it the gradient of this slice) is reduced to
+  the slice's owner (``P/T``), as without TP;
+* step, on the ``T`` owners: momentum and weight decay are elementwise, so each owner runs them on
+  its slice; Newton–Schulz needs the full matrix: the owners gather their NS inputs to one of them
+  (``W``'s *root*, chosen to balance NS work over the TP group), which runs NS on the assembled
+  matrix and scatters each owner its slice of the result (:class:`TPStep`). The shape scale is the
+  full matrix's. Per step and matrix: ``(T-1)/T P`` into the root and ``(T-1)/T P`` out of it
+  (the plan: :func:`dmuon.functional.tp_plan.tp_roots`; the ops as a schedule on lane ``"tp"``,
+  simulated and byte-counted like dmuon's others: :func:`~dmuon.functional.tp_plan.tp_step_schedule`,
+  :func:`~dmuon.functional.tp_plan.tp_step_bytes`; :class:`TPStep` runs them with torch's
+  ``gather`` / ``scatter`` on the TP group).
+
+Moving the full matrix to one owner that hands TP ranks their slices in the forward broadcast
+instead would send ``~G P`` over the owner's link per forward (``G T - 1`` slice transfers) and
+receive as much in gradients: ``G`` times the traffic of the route above, which keeps dmuon's
+schedules per dp grid and moves ``(T-1)/T P`` twice per step on the TP group's (fast) links.
+
+Non-TP dedicated matrices (e.g. an unsharded ``lm_head``) are dedicated in every TP index's grid:
+replicated across the TP group like FSDP2's non-TP params, updated identically.
+
+**Call order.** TP first (``parallelize_module`` on the TP mesh), then
+``dedicate_params(model, mesh["dp"], predicate)``, then ``fully_shard(..., mesh=mesh["dp"])``,
+then ``dmuon.Muon``. What is not supported raises :class:`TensorParallelUnsupported` on every
+rank: TP applied to an already dedicated param (the placeholder's first read by DTensor's API),
+placements other than one ``Shard(0)`` / ``Shard(1)`` of a 2-D param on a 1-D TP mesh, a sharded
+dim that ``T`` does not divide, a policy view other than the default one, tied TP params, and the
+features that do not handle slices yet (see :func:`refuse_tp`).
+"""
+from __future__ import annotations
+
+import math
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dmuon.functional.tp_plan import tp_roots
+from dmuon.stateful.modes.tp_errors import (TP_FIX, TensorParallelUnsupported, from_dtensor_api,  # noqa: F401
+                                      refuse_tp, tp_error)
+
+__all__ = ["TensorParallelUnsupported", "TP_FIX", "TPLayout", "TPForward", "TPStep",
+           "from_dtensor_api", "tp_error", "tp_layouts", "localize_tp_params", "refuse_tp",
+           "tp_mesh_ranks", "assemble_tp_slices", "full_shape", "local_part"]
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How tensor parallelism splits one dedicated matrix.
+
+    Attributes:
+      mesh: the 1-D TP ``DeviceMesh``.  placements: the DTensor's placements (``(Shard(dim),)``).
+      shape, stride: the full matrix's.  dim: the sharded dim (0: rows, 1: columns).
+      parts: ``T``, the TP degree.
+    """
+
+    mesh: Any
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dim: int
+    parts: int
+
+    def view(self):
+        """The matrix view NS and the shape scale see (:class:`~dmuon.functional.matrix_view.Sliced`)."""
+        from dmuon.functional.matrix_view import Sliced
+        return Sliced(self.dim, self.parts)
+
+
+def _is_dtensor(p: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+    return isinstance(p, DTensor)
+
+
+def tp_layouts(model: nn.Module, chosen: Mapping[str, Any]) -> dict[str, TPLayout]:
+    from torch.distributed.tensor import Shard
+    """The :class:`TPLayout` of every chosen param that is a TP ``DTensor`` (validated).
+
+    Raises:
+      TensorParallelUnsupported: a layout dmuon does not support (module docstring), naming it.
+    """
+    aliases: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        aliases[id(p)] = aliases.get(id(p), 0) + 1
+    out: dict[str, TPLayout] = {}
+    meshes = set()
+    for n, p in chosen.items():
+        if not _is_dtensor(p):
+            continue
+        pl = tuple(p.placements)
+        mesh = p.device_mesh
+
+        def bad(why: str) -> TensorParallelUnsupported:
+            return TensorParallelUnsupported(
+                f"dedicate_params: param {n!r} is a DTensor of shape {tuple(p.shape)} with "
+                f"placements {pl} on a {mesh.ndim}-D mesh: {why}. dmuon dedicates 2-D matrices "
+                "that TP shards with one Shard(0) (ColwiseParallel) or Shard(1) (RowwiseParallel) "
+                f"on a 1-D TP mesh. {TP_FIX}.")
+        if mesh.ndim != 1 or len(pl) != 1:
+            raise bad("the mesh is not the 1-D TP mesh (was fully_shard applied before "
+                      "dedicate_params?)")
+        if p.ndim != 2 or not pl[0].is_shard():
+            raise bad("not a row- or column-sharded 2-D matrix")
+        if type(pl[0]) is not Shard:  # e.g. _StridedShard (a fused qkv): slices interleave
+            raise bad(f"{type(pl[0]).__name__} interleaves the slices (a fused weight's TP "
+                      "layout); dmuon assembles contiguous Shard slices only")
+        dim = pl[0].dim % 2
+        T = mesh.size()
+        if p.shape[dim] % T:
+            raise bad(f"its dim {dim} ({p.shape[dim]}) is not divisible by the TP degree {T}")
+        if aliases.get(id(p), 1) > 1:
+            raise bad("it is tied (shared by several modules)")
+        meshes.add(tuple(mesh.mesh.flatten().tolist()))
+        out[n] = TPLayout(mesh, pl, tuple(p.shape), tuple(p.stride()), dim, T)
+    if len(meshes) > 1:
+        raise TensorParallelUnsupported(
+            f"dedicate_params: the TP-sharded params live on different TP meshes {sorted(meshes)}; "
+            f"dmuon needs one TP mesh. {TP_FIX}.")
+    return out
+
+
+def tp_mesh_ranks(layouts: Mapping[str, TPLayout]) -> Optional[tuple[int, ...]]:
+    """The global ranks of this rank's TP group in TP order (``None`` without TP layouts)."""
+    for lay in layouts.values():
+        return tuple(int(x) for x in lay.mesh.mesh.flatten().tolist())
+    return None
+
+
+def localize_tp_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
+                       layouts: Mapping[str, TPLayout]) -> dict[str, nn.Parameter]:
+    """Replace every TP ``DTensor`` param in ``layouts`` by a plain ``nn.Parameter`` of its local
+    slice (sharing its storage); returns ``chosen`` with the new objects."""
+    out = dict(chosen)
+    for n in layouts:
+        mod_name, _, leaf = n.rpartition(".")
+        module = model.get_submodule(mod_name) if mod_name else model
+        old = chosen[n]
+        new = nn.Parameter(old.to_local().detach(), requires_grad=old.requires_grad)
+        module._parameters[leaf] = new
+        out[n] = new
+    return out
+
+
+class TPForward:
+    """Hooks that show each TP-sliced dedicated param as the DTensor TP made
+    (``DTensor.from_local`` of its gathered slice; differentiable, so the slice's gradient
+    arrives at the plain param) for the whole forward of its *hook group's* module, so code
+    anywhere in that forward (the module's own, or an ancestor inside the boundary reading
+    ``self.mlp.up_proj.weight``) sees TP's DTensor. After that forward the module holds the
+    plain param again; a gathered slice there (Z2, the root group) is a
+    :class:`~dmuon.stateful.runtime.guards.TPSliceGuard`, whose value reads raise.
+
+    Registered after dmuon's group hooks (so the group is gathered first, and the swap is undone
+    after the group's own post-forward)."""
+
+    def __init__(self, model: nn.Module, layouts: Mapping[str, TPLayout],
+                 group_of: Mapping[str, str], group_modules: Mapping[str, nn.Module]):
+        self.layouts = dict(layouts)
+        by_group: dict[str, list[tuple[nn.Module, str, str]]] = {}
+        for n in layouts:
+            mod_name, _, leaf = n.rpartition(".")
+            owner = model.get_submodule(mod_name) if mod_name else model
+            by_group.setdefault(group_of[n], []).append((owner, leaf, n))
+        self.handles = []
+        for key, slots in by_group.items():
+            module = group_modules[key]
+            self.handles.append(module.register_forward_pre_hook(self._pre(slots)))
+            self.handles.append(module.register_forward_hook(self._post(slots), always_call=True))
+
+    def _pre(self, slots: list[tuple[nn.Module, str, str]]) -> Callable:
+        from torch.distributed.tensor import DTensor
+
+        from dmuon.stateful.runtime.guards import to_plain
+
+        @torch.compiler.disable
+        def hook(module: nn.Module, args: Any) -> None:
+            for owner, leaf, n in slots:
+                plain = owner._parameters[leaf]
+                if _is_dtensor(plain):  # re-entered (activation checkpointing): already shown
+                    continue
+                lay = self.layouts[n]
+                owner.__dict__.setdefault("_dmuon_tp_plain", {})[leaf] = plain
+                to_plain(plain)
+                owner._parameters[leaf] = DTensor.from_local(
+                    plain, lay.mesh, lay.placements, run_check=False, shape=torch.Size(lay.shape),
+                    stride=lay.stride)
+        return hook
+
+    def _post(self, slots: list[tuple[nn.Module, str, str]]) -> Callable:
+        from dmuon.stateful.runtime.guards import to_tp_slice_guard
+
+        @torch.compiler.disable
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            for owner, leaf, _ in slots:
+                plain = owner.__dict__.get("_dmuon_tp_plain", {}).pop(leaf, None)
+                if plain is not None:
+                    owner._parameters[leaf] = plain
+                    if plain.numel() > 0:  # still gathered: reads outside the window raise
+                        to_tp_slice_guard(plain)
+        return hook
+
+
+class TPStep:
+    """The owners' side of a step with TP-sliced matrices (see the module docstring).
+
+    Args:
+      layouts: ``{name: TPLayout}`` of this model's TP-sliced dedicated params.
+      owned: the names this rank owns (its slices), in the model's order: the same on every rank
+        of its TP group.
+      group, ranks, index: the TP group of this rank's dp coordinate, its global ranks in TP
+        order, and this rank's index in it.
+    """
+
+    def __init__(self, layouts: Mapping[str, TPLayout], owned: Sequence[str], *, group: Any,
+                 ranks: Sequence[int], index: int, all_names: Sequence[str] = (),
+                 control: Any = None, device: Any = "cpu"):
+        self.layouts = dict(layouts)
+        self.names = tuple(n for n in owned if n in self.layouts)
+        # matrices without TP, dedicated in every TP index's grid: their gradients must agree
+        # across the TP group (checked each step; the control group makes every rank raise)
+        self.replicated = tuple(n for n in owned if n not in self.layouts)
+        self.check_replicated = any(n not in self.layouts for n in all_names)
+        self.control = control
+        self.device = torch.device(device)  # of the small agreement tensors (NCCL: CUDA)
+        self.group, self.ranks, self.index = group, tuple(ranks), int(index)
+        self.T = len(self.ranks)
+        # the NS root of each matrix (the plan's: dmuon.functional.tp_plan)
+        self.root: dict[str, int] = tp_roots({n: self.layouts[n].shape for n in self.names},
+                                             self.T)
+        #: bytes this rank received in the TP gathers / scatters (all steps)
+        self.bytes_received = 0
+
+    def agree_grads(self, grads: dict[str, Optional[torch.Tensor]],
+                    masters: Mapping[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
+        """Make the TP group agree on which of its matrices have a gradient this step (one small
+        all-reduce): a slice without one, where another slice has one, gets zeros (its part of
+        the full gradient), so every owner joins the same gathers."""
+        out = dict(grads)
+        if self.names or self.replicated:
+            dev = self.device
+            sums = [(-1.0 if grads.get(n) is None else
+                     float(grads[n].detach().abs().sum(dtype=torch.float64)))
+                    for n in self.replicated]
+            # a MAX all-reduce may drop a NaN (gloo keeps the other operand): NaN sums travel as
+            # flags, so one rank's NaN gradient is a disagreement, not a match
+            nans = [float(math.isnan(x)) for x in sums]
+            sums = [0.0 if math.isnan(x) else x for x in sums]
+            vec = torch.tensor([float(grads.get(n) is not None) for n in self.names] + sums
+                               + [-x for x in sums] + nans + [-x for x in nans],
+                               dtype=torch.float64, device=dev)
+            dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
+            got = vec.tolist()
+            k, r = len(self.names), len(self.replicated)
+            for n, h in zip(self.names, got[:k]):
+                if h and out.get(n) is None:
+                    out[n] = torch.zeros_like(masters[n])
+            hi, lo = got[k:k + r], [-x for x in got[k + r:k + 2 * r]]
+            nan_hi, nan_lo = got[k + 2 * r:k + 3 * r], [-x for x in got[k + 3 * r:]]
+            bad = [n for n, a, b, na, nb in zip(self.replicated, hi, lo, nan_hi, nan_lo)
+                   if na != nb or a - b > 1e-6 * max(abs(a), abs(b), 1e-30)]
+        else:
+            bad = []
+        if self.check_replicated:
+            self._agree_replicated(bad)
+        return out
+
+    def _agree_replicated(self, bad: list[str]) -> None:
+        """Raise on every rank if any TP group's ranks hold different gradients of a matrix
+        without TP (its inputs differ across the TP group: it would be updated differently)."""
+        flag = torch.tensor([float(bool(bad))], dtype=torch.float64, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
+        if flag.item() > 0:
+            here = f" (here: {bad[:4]})" if bad else ""
+            raise TensorParallelUnsupported(
+                "dmuon.Muon.step: the ranks of a TP group computed different gradients for a "
+                f"dedicated matrix that TP does not shard{here}, so its copies in the TP indices' "
+                "grids would diverge. Nothing was updated. Its input differs across the TP group "
+                "(e.g. sequence-parallel activations): shard it with TP too (ColwiseParallel / "
+                "RowwiseParallel), or leave it to AdamW (predicate).")
+
+    def orthogonalizer(self, inner: Callable[[list], Sequence[torch.Tensor]],
+                       input_names: Sequence[str]) -> Callable[[list], list]:
+        """``inner`` (an orthogonalizer of full matrices) wrapped so that the inputs of TP slices
+        (named by ``input_names``, one per input, in order) are gathered to their root, NS-ed
+        there with the other inputs, and scattered back as this slice of ``NS(full)``."""
+        def run(xs: list) -> list:
+            slots = [i for i, n in enumerate(input_names) if n in self.layouts]
+            if len(xs) != len(input_names):
+                raise RuntimeError(f"dmuon TP step: {len(xs)} NS inputs for {len(input_names)} "
+                                   "names (internal error)")
+            parts: dict[int, list] = {}
+            works = []
+            for i in slots:  # the same order on every rank of the TP group
+                x = xs[i].contiguous()
+                root = self.root[input_names[i]]
+                bufs = [torch.empty_like(x) for _ in range(self.T)] if root == self.index else None
+                if bufs is not None:
+                    parts[i] = bufs
+                    self.bytes_received += x.numel() * x.element_size() * (self.T - 1)
+                works.append(dist.gather(x, bufs, dst=self.ranks[root], group=self.group,
+                                         async_op=True))
+            for w in works:
+                w.wait()
+            plain = [i for i in range(len(xs)) if i not in set(slots)]
+            mine = sorted(parts)
+            full = [torch.cat(parts[i], dim=1 + self.layouts[input_names[i]].dim) for i in mine]
+            outs = list(inner([xs[i] for i in plain] + full)) if plain or full else []
+            result: list = [None] * len(xs)
+            for k, i in enumerate(plain):
+                result[i] = outs[k]
+            full_out = dict(zip(mine, outs[len(plain):]))
+            works = []
+            for i in slots:
+                n = input_names[i]
+                root = self.root[n]
+                recv = torch.empty_like(xs[i])
+                pieces = None
+                if root == self.index:
+                    pieces = [c.to(xs[i].dtype).contiguous() for c in
+                              full_out[i].chunk(self.T, dim=1 + self.layouts[n].dim)]
+                result[i] = recv
+                if root != self.index:
+                    self.bytes_received += recv.numel() * recv.element_size()
+                works.append(dist.scatter(recv, pieces, src=self.ranks[root], group=self.group,
+                                          async_op=True))
+            for w in works:
+                w.wait()
+            return result
+        return run
+
+
+def assemble_tp_slices(layouts: Mapping[str, TPLayout], values: Mapping[str, torch.Tensor],
+                       group: Any) -> dict[str, torch.Tensor]:
+    """Collective over the TP group: ``values`` (every rank's slice of each TP matrix; other
+    names pass through) with each TP slice replaced by its full matrix (one all-gather per TP
+    matrix, in ``values``' order, which is the same on every rank)."""
+    out = dict(values)
+    for n, v in values.items():
+        lay = layouts.get(n)
+        if lay is None:
+            continue
+        x = v.contiguous()
+        parts = [torch.empty_like(x) for _ in range(lay.parts)]
+        dist.all_gather(parts, x, group=group)
+        out[n] = torch.cat(parts, dim=lay.dim)
+    return out
+
+
+def full_shape(rt: Any, name: str) -> tuple[int, ...]:
+    """The single-device shape of dedicated param ``name`` (a TP slice's full matrix)."""
+    lay = rt.tp_layouts.get(name)
+    return tuple(lay.shape) if lay is not None else tuple(rt.shape[name])
+
+
+def local_part(rt: Any, name: str, full: Any) -> Any:
+    """This rank's TP slice of a full value of dedicated param ``name`` (the value itself for a
+    matrix without TP, or for ``None``)."""
+    lay = rt.tp_layouts.get(name)
+    if lay is None or full is None or _is_dtensor(full):
+        return full
+    return full.chunk(lay.parts, dim=lay.dim)[rt.mesh_groups.tp_index]

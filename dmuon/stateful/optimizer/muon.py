@@ -1,0 +1,468 @@
+"""``dmuon.Muon``: a ``torch.optim.Optimizer`` over a model prepared by ``dedicate_params``.
+
+Two param groups, both read at every ``step`` (so ``torch.optim.lr_scheduler`` and HF ``Trainer``
+work): ``param_groups[0]`` (``name="muon"``) holds the dedicated matrices and Muon's hparams;
+``param_groups[1]`` (``name="adamw"``) holds every other trainable param (FSDP2's sharded params)
+with AdamW's hparams (``lr = adamw_lr``, ``weight_decay = adamw_weight_decay``).
+
+``step()``:
+
+1. takes the averaged gradients of the matrices this rank owns from the model's
+   :class:`~dmuon.stateful.runtime.state.DedicatedState` (``reduced_grads()``: waits for the pending
+   reduces; ``None`` for a matrix no rank had a gradient for);
+2. runs :func:`dmuon.functional.muon.update` (``donate=True``) on the masters this rank owns
+   (``owned_masters()``);
+3. hands the gradients back (``clear_grads()``) and tells the state the masters changed
+   (``after_step()``: gathered copies are stale, the next forward broadcasts the new masters; HSDP:
+   publishes them to the replicas asynchronously);
+4. runs :func:`dmuon.functional.adamw.update` (``donate=True``) on FSDP2's local shards
+   (``DTensor.to_local()``, updated in place).
+
+Those calls (and ``attach_optimizer`` / ``is_current``, ``check_publish_consumed``) are the whole
+interface between the optimizer and the stateful layer.
+
+The functional states (``MuonState``, ``AdamWState``) are the truth; ``self.state[param]`` exposes
+them torch-style (``momentum_buffer``; ``step``, ``exp_avg``, ``exp_avg_sq``) for ``state_dict()``.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+import torch.nn as nn
+
+from dmuon.functional import adamw as fadamw
+from dmuon.functional import muon as fmuon
+from dmuon.functional.matrix_view import Batch
+from dmuon.compat.fsdp_patch import check_not_taken_over
+from dmuon.stateful.runtime.guards import make_marker
+from dmuon.stateful.optimizer.ns_hook import NSHook
+from dmuon.stateful.modes.ddp import check_backend, unwrap_model
+from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
+from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
+from dmuon.stateful.optimizer.step_checks import check_finite, check_outside_grads, check_same_fsdp_grads
+from dmuon.stateful.modes.tensor_parallel import TPStep
+from dmuon.stateful.runtime.dedicate import finish_deferred
+from dmuon.functional.tree import leaf_paths
+
+logger = logging.getLogger(__name__)
+
+
+def _check_fsdp_mesh(model: nn.Module, rt: DedicatedState) -> None:
+    """Raise ``ValueError`` if ``fully_shard`` used a mesh over other ranks or another device
+    type than ``dedicate_params`` (the gradients would be averaged over different ranks)."""
+    from dmuon.functional.setup_check import check_fsdp_meshes
+    from dmuon.compat.fsdp_info import fsdp_meshes
+
+    problems = check_fsdp_meshes(rt.mesh_groups.grid, rt.device.type, fsdp_meshes(model))
+    if problems:
+        raise ValueError("dmuon.Muon: " + " | ".join(problems))
+
+
+class Muon(torch.optim.Optimizer):
+    """Distributed Muon for dedicated matrices + AdamW for everything else.
+
+    Args:
+      model: a model on which ``dmuon.dedicate_params`` ran (then ``fully_shard``).
+      lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, ns_eps, ns_dtype, lr_scale:
+        Muon hyper-parameters (see :class:`dmuon.functional.muon.MuonHParams`).
+      adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters for every
+        trainable param the predicate rejected.
+      check_finite: before updating anything, check every gradient (one small all-reduce per
+        step); NaN/Inf raises ``FloatingPointError`` on every rank and leaves params, state and
+        gradients untouched (``zero_grad()`` then skips the batch). Raising needs the flag on the
+        host, so on CUDA the check costs one host synchronization per step (the CPU waits for
+        the backward to finish before it can queue the step): ``"auto"`` (default) means on for
+        CPU params, off on CUDA, where it is opt-in (``True``; ``last_step_stats().host_syncs``
+        shows it). Without it a NaN gradient propagates into the weights.
+      adamw_impl: the ``impl`` of :func:`dmuon.functional.adamw.update` for FSDP2's local shards;
+        ``"auto"`` (default): ``"fused"`` (``torch._fused_adamw_``) on CUDA, ``"reference"``
+        (bitwise ``torch.optim.AdamW(foreach=False)``) elsewhere.
+      ns_engine: who runs the owner's Newton–Schulz. ``"auto"`` (default): on CUDA a
+        :class:`dmuon.kernels.ns_engine.NSEngine` (batched per shape, CUDA-graph replay on the
+        gradient buckets), elsewhere the functional core's batched NS (bitwise the functional
+        Muon); ``"engine"``: that engine on any device; ``"functional"``: always the functional
+        core; an ``NSEngine``: that one (its execution settings; what it computes must be this
+        optimizer's ``ns_*`` hyper-parameters, checked at every step). The NS settings have one
+        source: ``param_groups[0]``'s ``ns_*`` values, as :class:`dmuon.newton_schulz.NSConfig`.
+      elementwise: Muon's elementwise stages (momentum + Nesterov input; weight decay + update).
+        ``"auto"`` (default): fused Triton passes (:mod:`dmuon.kernels.muon_elementwise`, 28
+        instead of 52 bytes per fp32 element) on CUDA when Triton imports, else the functional
+        core's foreach stages (bitwise); ``"foreach"``: always foreach; ``"fused"``: fused
+        where it can run.
+      persistent_grad_buffers: keep the owners' gradient buckets allocated between steps
+        (stable addresses: the engine's graph replays every step; peak memory = FSDP2 + AdamW's)
+        instead of giving their memory back after each step (default ``False``: forward runs
+        without them, 3.6 GiB less peak on the 1B H200 benchmark).
+      replicate_async: HSDP only. True (default): the publish of the new masters to the replicas
+        of each owner's shard column is dispatched at the end of ``step()`` and waited by the next
+        forward's pre-hook of each hook group (groups forward did not use: at the end of the next
+        backward). False: the publish runs and is waited inside ``step()``. Both give bitwise the
+        same weights. A ``step()`` while the previous step's publish is still pending (no
+        forward/backward since) raises ``RuntimeError``; ``dmuon.wait_all_replicate_broadcasts``
+        drains it.
+
+    Raises:
+      RuntimeError: ``dedicate_params`` was not called on ``model``; ``step()`` of an optimizer
+        superseded by a newer ``Muon(model)`` on the same model.
+      ValueError: an invalid hyper-parameter; ``fully_shard`` used a mesh over other ranks (or
+        another device type) than ``dedicate_params``.
+    """
+
+    def __init__(self, model: nn.Module, *, lr: float = 0.02, momentum: float = 0.95,
+                 nesterov: bool = True, weight_decay: float = 0.0, ns_steps: int = 5,
+                 ns_coefficients: Any = "polar_express", ns_eps: float = 1e-7,
+                 ns_dtype: Optional[torch.dtype] = None, lr_scale: str = "moonlight",
+                 adamw_lr: float = 1e-3, adamw_betas: tuple[float, float] = (0.9, 0.999),
+                 adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.01,
+                 check_finite: Any = "auto", replicate_async: bool = True,
+                 adamw_impl: str = "auto", ns_engine: Any = "auto", elementwise: str = "auto",
+                 persistent_grad_buffers: bool = False):
+        if not isinstance(model, nn.Module):
+            raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
+                            f"fully_shard), not {type(model).__name__}")
+        model = unwrap_model(model)
+        finish_deferred(model)  # dedicate_params before TP: the dedication completes here
+        rt = get_state(model, "dmuon.Muon(model)")
+        rt.finish_meta_init("dmuon.Muon(model)")  # meta-built model: close its init window
+        check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
+        check_backend(model, rt, "dmuon.Muon(model)")
+        _check_fsdp_mesh(model, rt)
+        muon_hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+                       ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_eps=ns_eps,
+                       ns_dtype=ns_dtype, lr_scale=lr_scale)
+        fmuon.validate_hparams(fmuon.MuonHParams(**muon_hp))
+        adamw_hp = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
+                        weight_decay=adamw_weight_decay)
+        fadamw.validate_hparams(fadamw.AdamWHParams(**adamw_hp))
+        dedicated = set(rt.params.values())
+        self._adamw_named = tuple((n, p) for n, p in model.named_parameters()
+                                  if p.requires_grad and p not in dedicated)
+        # frozen at construction: in no param group (a gradient there after unfreezing raises)
+        self._outside = tuple((n, p) for n, p in model.named_parameters()
+                              if not p.requires_grad and p not in dedicated)
+        groups = [
+            dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_hp),
+            dict(params=[p for _, p in self._adamw_named], name="adamw", **adamw_hp),
+        ]
+        super().__init__(groups, defaults={})
+        self._groups_fixed = True  # add_param_group raises from here on
+        self._rt: DedicatedState = rt
+        if not (check_finite == "auto" or isinstance(check_finite, bool)):
+            raise ValueError(f"check_finite must be 'auto', True or False, got {check_finite!r}")
+        self.check_finite = (rt.device.type != "cuda") if check_finite == "auto" \
+            else check_finite
+        rt.track_local_finite = self.check_finite
+        if adamw_impl not in ("auto",) + fadamw.IMPLS:
+            raise ValueError(f"adamw_impl must be 'auto' or one of {fadamw.IMPLS}, got "
+                             f"{adamw_impl!r}")
+        self.adamw_impl = adamw_impl
+        if elementwise not in ("auto", "fused", "foreach"):
+            raise ValueError(f"elementwise must be 'auto', 'fused' or 'foreach', got {elementwise!r}")
+        self.elementwise = elementwise
+        rt.pool.persistent = bool(persistent_grad_buffers)
+        self._host_syncs = 0
+        self.telemetry = StepTelemetry(rt.executor, rt.device)
+        self._ns = NSHook(ns_engine, self.telemetry)  # validates ns_engine
+        self.replicate_async = bool(replicate_async)
+        self.num_steps = 0  # completed step() calls (the same on every rank)
+        # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;
+        # else every step checks that each FSDP2 param has a gradient on all ranks or on none
+        from dmuon.compat.fsdp_info import reduce_unused_fsdp_params
+        self._check_fsdp_usage = bool(self._adamw_named) and not reduce_unused_fsdp_params(model)
+        # a newer Muon(model) supersedes this one: stepping both would update twice per step
+        self._generation = rt.attach_optimizer()
+        # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
+        # runs its zero-gradient "materializing" step on this optimizer
+        self.muon_state: Optional[fmuon.MuonState] = (
+            fmuon.init(rt.owned_masters()) if rt.owned_names else None)
+        self.adamw_state: Optional[fadamw.AdamWState] = (
+            fadamw.init(self.adamw_local_tensors()[0]) if self._adamw_named else None)
+        self._momentum_markers: dict[str, Any] = {}
+        self._name_of = {p: n for n, p in rt.params.items()}
+        self._name_of.update({p: n for n, p in self._adamw_named})
+        self.refresh_state_views()
+        # matrix views of the owned matrices (fixed by dedicate_params); None: all plain matrices
+        views = {n: rt.views[n] for n in rt.owned_names}
+        self._views: Optional[dict[str, Any]] = (
+            views if any(v != Batch(0) for v in views.values()) else None)
+        # the policy's (lr_mult, wd_mult) groups of the owned matrices; None: all (1, 1)
+        groups = rt.hp_groups(rt.owned_names)
+        self._hp_groups = None if set(groups) <= {(1.0, 1.0)} else groups
+        # tensor parallelism: the owners' gathers / scatters of the TP-sliced matrices' NS
+        self._tp: Optional[TPStep] = None
+        if rt.tp_layouts:
+            mg = rt.mesh_groups
+            self._tp = TPStep(rt.tp_layouts, rt.owned_names, group=mg.tp_group,
+                              ranks=mg.tp_ranks, index=mg.tp_index, all_names=rt.names,
+                              control=mg.control, device=rt.device)
+        # elements of the owned masters (fixed at setup), reported by every step's telemetry
+        self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
+
+    # ------------------------------------------------------------------ read-only views
+    @property
+    def dedicated_state(self) -> DedicatedState:
+        """The :class:`~dmuon.stateful.runtime.state.DedicatedState` of the model this optimizer steps
+        (the one ``dedicate_params`` attached; see :func:`dmuon.stateful.runtime.state.get_state`)."""
+        return self._rt
+
+    @property
+    def adamw_named_params(self) -> tuple[tuple[str, nn.Parameter], ...]:
+        """``(name, param)`` of every param AdamW updates (``param_groups[1]``: the trainable
+        params the predicate rejected, FSDP2's DTensors), in ``model.named_parameters()`` order."""
+        return self._adamw_named
+
+    # ------------------------------------------------------------------ hparams
+    def muon_hparams(self) -> fmuon.MuonHParams:
+        """The Muon hyper-parameters the next ``step()`` uses (read from ``param_groups[0]``)."""
+        g = self.param_groups[0]
+        return fmuon.MuonHParams(**{k: g[k] for k in fmuon.MuonHParams._fields})
+
+    def adamw_hparams(self) -> fadamw.AdamWHParams:
+        """The AdamW hyper-parameters the next ``step()`` uses (read from ``param_groups[1]``)."""
+        g = self.param_groups[1]
+        return fadamw.AdamWHParams(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
+                                   weight_decay=g["weight_decay"])
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One optimizer step (see the module docstring). Returns ``closure()``'s value if given."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        rt = self._rt
+        if not rt.is_current(self._generation):
+            raise RuntimeError(
+                "dmuon.Muon.step: a newer dmuon.Muon was built on this model, which supersedes "
+                "this one (two optimizers would both update every matrix each step). Nothing was "
+                "updated. Step only the newest optimizer (build one dmuon.Muon per model).")
+        if not rt.fresh_grads:
+            raise RuntimeError(
+                "dmuon.Muon.step: no backward pass reached the dedicated matrices since the last "
+                "step() (or zero_grad()), so there is no fresh gradient to apply; nothing was "
+                "updated. Run forward and loss.backward() (the last micro-batch outside "
+                "dmuon.no_sync) before every step(). A step() on one rank only, or twice in a row, "
+                "would update that rank's FSDP2 shards again and leave its dedicated matrices "
+                "behind the other ranks'.")
+        check_outside_grads(self._outside)
+        rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
+        grads = rt.reduced_grads()
+        if self._check_fsdp_usage:
+            check_same_fsdp_grads(self._adamw_named, rt)
+        if self.check_finite:
+            if check_finite(self._adamw_named, rt, grads):
+                self._host_syncs += 1  # its verdict waited for the device
+        stepped = self._muon_step(rt, grads, rt.consumed.resolve(rt.params))
+        rt.clear_grads()
+        rt.after_step(replicate_async=self.replicate_async)
+        # torch would keep these gradients until zero_grad: their consumed markers stand in
+        rt.consumed.attach(rt.params, [n for n in stepped if rt.storage.is_placeholder(n)])
+        self._adamw_step()
+        self.num_steps += 1
+        return loss
+
+    @property
+    def elementwise_mode(self) -> str:
+        """``"fused"`` (Triton kernels) or ``"foreach"``: how the owner's elementwise Muon stages run."""
+        return "foreach" if self._elementwise(self._rt) is None else "fused"
+
+    def _elementwise(self, rt: DedicatedState) -> Optional[fmuon.MuonElementwise]:
+        """The ``elementwise=`` hook for this step (see the ``elementwise`` argument)."""
+        if self.elementwise == "foreach" or (self.elementwise == "auto"
+                                             and rt.device.type != "cuda"):
+            return None
+        from dmuon.kernels.muon_elementwise import fused_elementwise
+        return fused_elementwise()
+
+    def _muon_step(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]],
+                   zeroed: set[str]) -> list[str]:
+        """Muon on the owned matrices; returns the names stepped (those with a gradient).
+
+        ``zeroed``: matrices whose consumed marker the user zeroed since the last step
+        (:mod:`dmuon.stateful.runtime.consumed_grads`); with no gradient this step, they step with zeros.
+        """
+        params = rt.owned_masters()
+        if self._tp is not None:  # TP: the TP group agrees on its gradients (every rank joins)
+            grads = self._tp.agree_grads(grads, params)
+        if not rt.owned_names:
+            return []
+        # a zeroed (not dropped) gradient kept by torch since the last step: step with zeros
+        grads = {n: torch.zeros_like(params[n]) if g is None and n in zeroed else g
+                 for n, g in grads.items()}
+        if self.muon_state is None:
+            self.muon_state = fmuon.init(params)
+        stepped = [n for n, g in grads.items() if g is not None]
+        if not stepped:
+            return []
+        hp = self.muon_hparams()
+        # reduced grads are consumed by this step: donate them (NS input formed in place, in the
+        # persistent buckets, so the engine's graph replays on the same storage every step)
+        ortho, ew = self._ns.for_step(rt.device.type, hp), self._elementwise(rt)
+        if self._hp_groups is None:
+            _, self.muon_state = fmuon.update(
+                grads, self.muon_state, params, hp, view=self._views,
+                donate=True, donate_grads=True, elementwise=ew,
+                orthogonalize=self._tp_wrapped(ortho, params, grads))
+        else:  # policy multipliers: one functional update per (lr_mult, wd_mult) group
+            momentum = dict(self.muon_state.momentum)
+            for (lm, wm), names in self._hp_groups.items():
+                sub = fmuon.MuonState(self.muon_state.step, {n: momentum[n] for n in names})
+                _, sub = fmuon.update(
+                    {n: grads[n] for n in names}, sub, {n: params[n] for n in names},
+                    hp._replace(lr=hp.lr * lm, weight_decay=hp.weight_decay * wm),
+                    view=None if self._views is None else {n: self._views[n] for n in names},
+                    donate=True, donate_grads=True, elementwise=ew,
+                    orthogonalize=self._tp_wrapped(ortho, {n: params[n] for n in names}, grads))
+                momentum.update(sub.momentum)
+            self.muon_state = fmuon.MuonState(self.muon_state.step + 1, momentum)
+        self._state_views_stale = True  # rebuilt when self.state is next read
+        return stepped
+
+    def _tp_wrapped(self, ortho: fmuon.Orthogonalize, params: dict[str, torch.Tensor],
+                    grads: dict[str, Optional[torch.Tensor]]) -> fmuon.Orthogonalize:
+        """``ortho``, or (TP) ``ortho`` behind the TP group's gathers and scatters: the update
+        hands it one input per block of each param with a gradient, in ``params``' leaf order."""
+        if self._tp is None:
+            return ortho
+        views = self._views or {}
+        names = [n for n in leaf_paths(params) if grads.get(n) is not None
+                 for _ in views.get(n, Batch(0)).blocks(tuple(params[n].shape))]
+        return self._tp.orthogonalizer(ortho, names)
+
+    def adamw_local_tensors(self) -> tuple[dict[str, torch.Tensor],
+                                           dict[str, Optional[torch.Tensor]]]:
+        """The trees :func:`dmuon.functional.adamw.update` steps, keyed as
+        :attr:`adamw_named_params`.
+
+        Returns:
+          ``(params, grads)``: ``{name: local shard}`` (``DTensor.to_local()``, a view: writing it
+          writes the param) and ``{name: local gradient shard, or None}``.
+        """
+        params = {n: local_tensor(p) for n, p in self._adamw_named}
+        grads = {n: local_tensor(p.grad) for n, p in self._adamw_named}
+        return params, grads
+
+    def _adamw_impl(self) -> str:
+        if self.adamw_impl != "auto":
+            return self.adamw_impl
+        dev = self._adamw_named[0][1].device if self._adamw_named else self._rt.device
+        return "fused" if dev.type == "cuda" else "reference"
+
+    def _adamw_step(self) -> None:
+        """AdamW on FSDP2's local shards, then close this step's telemetry (last part of step)."""
+        self._adamw_update()
+        rt = self._rt
+        owned = rt.owned_names
+        self.telemetry.finish_step(
+            step=self.num_steps + 1, owned_matrices=len(owned),
+            owned_elements=self._owned_elements,
+            dedicated_matrices=len(rt.names), adamw_params=len(self._adamw_named),
+            ns_mode=self._ns.mode if owned else "none",
+            host_syncs=self._host_syncs, adamw_impl=self._adamw_impl())
+        self._host_syncs = 0
+
+    def _adamw_update(self) -> None:
+        if not self._adamw_named:
+            return
+        params, grads = self.adamw_local_tensors()
+        if self.adamw_state is None:
+            self.adamw_state = fadamw.init(params)
+        if all(g is None for g in grads.values()):
+            return
+        _, self.adamw_state = fadamw.update(grads, self.adamw_state, params, self.adamw_hparams(),
+                                            donate=True, impl=self._adamw_impl())
+        self._state_views_stale = True  # rebuilt when self.state is next read
+
+    def last_step_stats(self) -> Optional[StepStats]:
+        """What the last ``step()`` did on this rank (None before the first): collectives and
+        payload bytes per lane since the previous step, the owner's NS time (CUDA events; reading
+        it waits for that step's NS), NS mode, owned matrices and elements, host syncs.
+        See :mod:`dmuon.stateful.optimizer.telemetry`."""
+        return self.telemetry.last()
+
+    # ------------------------------------------------------------------ grads
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the dedicated matrices' pending grads (and their ``.grad`` markers) and zero
+        FSDP2's grads (torch semantics)."""
+        self._rt.clear_grads()
+        # the consumed markers of the last step (dmuon.stateful.runtime.consumed_grads) are zeroed or
+        # dropped here like any .grad: set_to_none=False then steps a matrix with no new gradient
+        # with zeros, as a single-device optimizer would (momentum and weight decay apply)
+        super().zero_grad(set_to_none=set_to_none)
+
+    # ------------------------------------------------------------------ state dict
+    def param_name(self, p: Any) -> str:
+        """The fully-qualified name of one of this optimizer's params."""
+        return self._name_of[p]
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused once built: ``step()`` updates exactly ``param_groups[0]`` (the dedicated
+        matrices) and ``param_groups[1]`` (the trainable FSDP2 params at construction); a group
+        added later would never be stepped. Raises ``RuntimeError`` (the same on every rank)."""
+        if not getattr(self, "_groups_fixed", False):  # torch's __init__ adds the two groups
+            return super().add_param_group(param_group)
+        raise RuntimeError(
+            "dmuon.Muon.add_param_group: dmuon.Muon has a fixed pair of param groups (Muon for "
+            "the dedicated matrices, AdamW for the other params trainable when it was built); an "
+            "added group would never be stepped. For progressive unfreezing, build dmuon.Muon "
+            "with every param trainable (after dedicate_params and fully_shard) and freeze with "
+            "requires_grad_(False) afterwards: a param with no gradient is skipped, as torch "
+            "skips it, and trains again once unfrozen (set a per-group lr through "
+            "param_groups[i]['lr']); train params outside the model with a torch optimizer of "
+            "their own.")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Collective: torch's optimizer state-dict protocol, topology-free (param groups carry
+        ``param_names``; dedicated momentum as ``Shard(0)`` DTensor rows, AdamW moments as
+        FSDP2-like DTensors), see :mod:`dmuon.stateful.checkpoint.optimizer_state_dict`."""
+        from dmuon.stateful.checkpoint.optimizer_state_dict import torch_optimizer_state_dict
+        return torch_optimizer_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Collective: load :meth:`state_dict`'s dict (or torch's ``get_optimizer_state_dict``'s,
+        or dmuon's full format) saved at any topology; validated on every rank before anything
+        changes (:func:`dmuon.stateful.checkpoint.optimizer_state_dict.load_optimizer_state`)."""
+        from dmuon.stateful.checkpoint.optimizer_state_dict import torch_load_optimizer_state_dict
+        torch_load_optimizer_state_dict(self, state_dict)
+
+
+    #: ``step()`` changed the functional states since ``self.state`` was last built.
+    _state_views_stale = False
+
+    @property
+    def state(self) -> Any:
+        """torch-style ``{param: {"momentum_buffer", "step"} | {"step", "exp_avg", "exp_avg_sq"}}``
+        views of the functional states (read by ``state_dict()``), rebuilt lazily: ``step()`` only
+        marks them stale, so the hot path never rebuilds them."""
+        if self._state_views_stale:
+            self.refresh_state_views()
+        return self._state_views
+
+    @state.setter
+    def state(self, value: Any) -> None:  # torch.optim.Optimizer.__init__ assigns it
+        self._state_views = value
+
+    def refresh_state_views(self) -> None:
+        """Rebuild ``self.state[param]`` (torch-style views) from the functional states."""
+        rt = self._rt
+        self._state_views_stale = False
+        self._state_views.clear()
+        step_m = torch.tensor(float(self.muon_state.step if self.muon_state is not None
+                                    else self.num_steps))
+        for n in rt.names:
+            if self.muon_state is not None and n in self.muon_state.momentum:
+                buf = self.muon_state.momentum[n]
+            else:  # held by its owner: a marker that refuses math (torch's tools read the keys)
+                buf = self._momentum_markers.get(n)
+                if buf is None:
+                    buf = make_marker(rt.params[n], n, None, what="momentum")
+                    self._momentum_markers[n] = buf
+            self.state[rt.params[n]] = {"momentum_buffer": buf, "step": step_m}
+        if self.adamw_state is not None:
+            step = torch.tensor(float(self.adamw_state.step))
+            for n, p in self._adamw_named:
+                self.state[p] = {"step": step, "exp_avg": self.adamw_state.mu[n],
+                                 "exp_avg_sq": self.adamw_state.nu[n]}

@@ -1,0 +1,148 @@
+"""Per-step telemetry of ``dmuon.Muon``: collectives and payload bytes per lane, NS time, ownership.
+
+Cheap enough to leave on: per step it takes one snapshot of the executor's counters (a few dict
+copies), records two CUDA events around the Newton–Schulz call (on CPU: two ``perf_counter``
+reads) and stores a small record. Nothing synchronizes the host while training; the CUDA events
+are resolved only when :meth:`StepTelemetry.last` is called, which then waits for *that* step's NS
+to finish (``Event.synchronize``: call it after ``step()`` when a host sync is acceptable, e.g.
+when logging).
+
+What a :class:`StepStats` counts:
+
+* ``lanes``: per lane (``unshard``, ``reduce``, ``replicate``) the collectives this rank issued
+  and the logical payload bytes it sent and received (the convention of
+  :mod:`dmuon.functional.schedule`) since the previous ``step()`` returned -- i.e. the forward
+  gathers, the backward reduces and this step's HSDP publish;
+* ``ns_ms``: wall time of the owner's Newton–Schulz inside ``step()`` (CUDA events on the
+  compute stream; on CPU the host clock), ``ns_mode`` (``"graph"``: one CUDA-graph replay,
+  ``"eager"``, ``"functional"``: the functional core's batched NS, ``"none"``: nothing owned);
+* ``owned_matrices`` / ``owned_elements``: the dedicated matrices this rank runs Muon on;
+* ``host_syncs``: host synchronizations ``step()`` itself made (the CUDA ``check_finite``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from dmuon.stateful.runtime.executor import Executor
+
+__all__ = ["StepStats", "StepTelemetry"]
+
+
+@dataclass
+class StepStats:
+    """What one ``Muon.step()`` did on this rank (see the module docstring)."""
+
+    step: int
+    lanes: dict[str, dict[str, int]]
+    owned_matrices: int
+    owned_elements: int
+    dedicated_matrices: int
+    adamw_params: int
+    ns_ms: Optional[float]
+    ns_mode: str
+    ns_calls: int
+    host_syncs: int
+    adamw_impl: str
+    device: str
+
+    @property
+    def collectives(self) -> int:
+        """Collectives issued on all lanes."""
+        return sum(c["collectives"] for c in self.lanes.values())
+
+    @property
+    def payload_bytes(self) -> int:
+        """Payload bytes sent plus received on all lanes."""
+        return sum(c["sent_bytes"] + c["received_bytes"] for c in self.lanes.values())
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (with the totals)."""
+        d = asdict(self)
+        d["collectives"] = self.collectives
+        d["payload_bytes"] = self.payload_bytes
+        return d
+
+
+@dataclass
+class _Record:
+    stats: StepStats
+    events: list = field(default_factory=list)     # CUDA (start, end) pairs, unresolved
+    host_ms: float = 0.0
+
+
+class StepTelemetry:
+    """Collects :class:`StepStats`; owned by ``dmuon.Muon`` (``optimizer.telemetry``).
+
+    Args:
+      executor: the runtime's executor (its ``counters()`` are cumulative per lane).
+      device: where the optimizer's math runs (CUDA: NS timed with events).
+    """
+
+    def __init__(self, executor: "Executor", device: torch.device):
+        self.executor = executor
+        self.device = torch.device(device)
+        self._prev = self._snapshot()
+        self._events: list = []
+        self._host_ms = 0.0
+        self._calls = 0
+        self._t0 = 0.0
+        self._last: Optional[_Record] = None
+
+    def _snapshot(self) -> dict[str, dict[str, int]]:
+        return self.executor.counters()
+
+    # -- around the NS call (may be called several times per step) ----------------------------
+    def ns_begin(self) -> None:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            self._events.append([ev, None])
+        else:
+            self._t0 = time.perf_counter()
+
+    def ns_end(self) -> None:
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(self.device))
+            self._events[-1][1] = ev
+        else:
+            self._host_ms += (time.perf_counter() - self._t0) * 1e3
+        self._calls += 1
+
+    # -- once per step ---------------------------------------------------------------------------
+    def finish_step(self, **fields: Any) -> None:
+        """Close the step: lane counters since the previous step, NS timing, the given fields."""
+        now = self._snapshot()
+        lanes = {}
+        for lane, c in now.items():
+            p = self._prev.get(lane, {})
+            lanes[lane] = {k: v - p.get(k, 0) for k, v in c.items()}
+        self._prev = now
+        stats = StepStats(lanes=lanes, ns_ms=None, ns_calls=self._calls, device=str(self.device),
+                          **fields)
+        self._last = _Record(stats, self._events, self._host_ms)
+        self._events, self._host_ms, self._calls = [], 0.0, 0
+
+    def last(self) -> Optional[StepStats]:
+        """The last step's stats (None before the first step). On CUDA this waits for that step's
+        NS events (a host sync, only here); ``ns_ms`` is None when no NS ran."""
+        rec = self._last
+        if rec is None:
+            return None
+        st = rec.stats
+        if st.ns_ms is None:
+            if rec.events:
+                total = 0.0
+                for start, end in rec.events:
+                    end.synchronize()
+                    total += start.elapsed_time(end)
+                st.ns_ms = total
+                rec.events = []
+            elif st.ns_calls:
+                st.ns_ms = rec.host_ms
+        return st

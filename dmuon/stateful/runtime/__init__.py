@@ -1,0 +1,1 @@
+"""The runtime: ``dedicate_params``, the root state, hook groups, hooks, storage, process groups, the executor."""

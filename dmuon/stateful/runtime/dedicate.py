@@ -1,0 +1,441 @@
+"""``dedicate_params``: take Muon's matrices away from FSDP2 and give each, whole, to one owner rank.
+
+Call order (SPEC §2)::
+
+    import dmuon
+    dmuon.dedicate_params(model, mesh, predicate)   # before fully_shard
+    for layer in model.layers: fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = dmuon.Muon(model, ...)
+
+A model built under ``torch.device("meta")`` works too (torchtitan's order: dedicate_params,
+fully_shard, ``model.to_empty(device=...)``, the model's init, ``dmuon.Muon``): only the owners'
+masters are allocated, and the init writes them (:mod:`dmuon.stateful.modes.meta_init`).
+
+What it does, in order: validates the model and the predicate; builds the param specs and the
+owner plan (pure, :mod:`dmuon.functional.plan`); compares the plan's fingerprint across all ranks;
+creates the lane process groups and the executor; groups the dedicated params by hook boundary;
+moves each dedicated matrix into its owner's master storage (zero-size placeholder elsewhere);
+marks each with ``_dedicated_owner_rank`` (so every later ``fully_shard`` skips it); registers the
+forward/backward hooks; attaches the root state as ``model._dmuon_state``
+(:class:`dmuon.stateful.runtime.state.DedicatedState`).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dmuon.functional.buckets import hook_groups
+from dmuon.functional.plan import plan_owners
+from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
+from dmuon.compat.torch_api import (default_group_timeout, group_timeout, set_group_timeout,
+                                   torch_supported, unsupported_torch_message)
+from dmuon.stateful.modes.ddp import check_mode, ddp_grid, guard_fsdp_mode, install_ddp_mode
+from dmuon.stateful.runtime.executor import Executor
+from dmuon.compat.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
+from dmuon.stateful.runtime.hooks import register_hooks
+from dmuon.compat.fsdp_info import has_fsdp_state
+from dmuon.stateful.runtime.guards import guard_module_apply
+from dmuon.functional.policy import ParamPolicy
+from dmuon.stateful.runtime.param_views import (as_policy, decide_params, dtype_overrides,
+                                        policy_fingerprint, routing_predicate)
+from dmuon.stateful.modes.meta_init import check_meta_selection, device_of_mesh, replace_meta_params
+from dmuon.stateful.runtime.process_groups import agree_grids, make_process_groups
+from dmuon.stateful.modes.deferred import (check_materialized, clear_pending, covers_world, defer,
+                                     find_pending, should_defer)
+from dmuon.stateful.modes.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
+                                            localize_tp_params, tp_layouts, tp_mesh_ranks)
+from dmuon.stateful.runtime.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
+from dmuon.stateful.checkpoint.torch_state_dict import register_state_dict_hooks
+
+logger = logging.getLogger(__name__)
+
+Predicate = Callable[[str, torch.Tensor], bool]
+
+
+def _select(model: nn.Module, predicate: Predicate,
+            finishing: bool = False) -> tuple[list, dict[str, nn.Parameter]]:
+    """This rank's local checks and the dedicated params ``{name: param}`` (raises on bad input;
+    ``finishing``: a deferred dedication, after ``fully_shard``)."""
+    fsdp_mods = [] if finishing else has_fsdp_state(model)
+    if fsdp_mods:
+        raise RuntimeError(
+            "dedicate_params must run before fully_shard, but these modules already have FSDP2 "
+            f"state: {fsdp_mods[:5]}{' ...' if len(fsdp_mods) > 5 else ''}. Call "
+            "dmuon.dedicate_params(model, mesh, predicate) first, then fully_shard.")
+    if not callable(predicate):
+        raise TypeError("predicate must be a callable (name, param) -> bool")
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # dedups tied params
+    chosen: dict[str, nn.Parameter] = {}
+    for n, p in named:
+        try:
+            picked = bool(predicate(n, p))
+        except Exception as e:
+            raise RuntimeError(
+                f"dedicate_params: the predicate raised {type(e).__name__}: {e} for param {n!r} "
+                f"(shape {tuple(p.shape)}, {p.dtype}). It is called as predicate(name, param) for "
+                "every trainable parameter and must return a bool for each; fix it.") from e
+        if not picked:
+            continue
+        if p.ndim < 2:
+            raise ValueError(
+                f"dedicate_params: the predicate selected {n!r} of shape {tuple(p.shape)}, which is "
+                "not a matrix; Muon needs ndim >= 2. Add `p.ndim >= 2` (or `p.ndim == 2`) to the "
+                "predicate so vectors stay with AdamW.")
+        chosen[n] = p
+    if not chosen:
+        raise ValueError(
+            f"dedicate_params: the predicate matched no trainable parameter of {type(model).__name__} "
+            f"({len(named)} candidates, e.g. {[n for n, _ in named[:4]]}). Check the names it tests, "
+            "e.g. predicate=lambda n, p: p.ndim == 2 and 'proj' in n.")
+    check_meta_selection(chosen)  # all on meta (meta-device init) or none
+    return named, chosen
+
+
+def _check_fingerprint(fingerprint: str, mesh_groups: Any) -> None:
+    """All-gather the owner plan's fingerprint; raise on every rank if any rank's differs."""
+    world = dist.get_world_size()
+    got: list = [None] * world
+    mesh_groups.control_collective("owner-plan fingerprint all-gather",
+                                   lambda g: dist.all_gather_object(got, fingerprint, group=g))
+    if len(set(got)) > 1:
+        by_fp: dict[str, list[int]] = {}
+        for r, fp in enumerate(got):
+            by_fp.setdefault(fp, []).append(r)
+        detail = "; ".join(f"ranks {rs}: {fp[:12]}" for fp, rs in by_fp.items())
+        raise RuntimeError(
+            "dedicate_params: the owner plan differs across ranks (" + detail + "). Every rank must "
+            "build the same model (same names, shapes, dtypes) and pass the same predicate, policy "
+            "(its rules, dtypes included), mesh and settings.")
+
+
+def _tp_decisions(decisions: dict, layouts: dict, data_parallel: str, on_meta: bool) -> dict:
+    """The policy's decisions with the :class:`~dmuon.functional.matrix_view.Sliced` view of each
+    TP-sliced matrix (raises for what TP does not support yet)."""
+    import dataclasses
+
+    from dmuon.functional.matrix_view import Batch
+    if not layouts:
+        return decisions
+    if data_parallel != "fsdp" or on_meta:
+        raise TensorParallelUnsupported(
+            "dedicate_params: tensor-parallel dedicated matrices "
+            + ("with data_parallel='ddp'" if data_parallel != "fsdp" else
+               "on the meta device (meta-device init)")
+            + " are not supported yet. Use data_parallel='fsdp' with a materialized model "
+            f"(TP, then dedicate_params, then fully_shard). {TP_FIX}.")
+    out = dict(decisions)
+    for n in layouts:
+        d = decisions[n]
+        if d.view != Batch(0):
+            raise TensorParallelUnsupported(
+                f"dedicate_params: {n!r} is tensor-parallel, and its matrix view {d.view} (from "
+                f"{d.source}) would need the full matrix before TP; dmuon supports the default "
+                "view of TP-sliced matrices only. Drop its view rule / batch_dims for it.")
+        out[n] = dataclasses.replace(d, view=layouts[n].view(), source="tensor parallel")
+    return out
+
+
+def _agree_deferral(local_err: Optional[Exception], mesh: Any, replicate_mesh: Any,
+                    wants: bool) -> bool:
+    """Collective: whether every rank defers (:mod:`dmuon.stateful.modes.deferred`): only when no rank's
+    local checks failed, every rank wants to, and the ranks' dp meshes split the world into equal
+    disjoint groups, each holding its own rank (a (dp, tp) layout). Otherwise the setup check
+    that follows raises on every rank, naming what is wrong."""
+    try:
+        mine = tuple(sorted(int(x) for x in mesh.mesh.flatten().tolist())) if replicate_mesh is None \
+            else tuple(sorted(int(x) for m in (mesh, replicate_mesh)
+                              for x in m.mesh.flatten().tolist()))
+    except AttributeError:
+        mine = ()
+    err = None if local_err is None else (type(local_err).__name__, str(local_err))
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, (err, mine, bool(wants)))
+    if any(e is not None for e, _, _ in got) or not all(w for _, _, w in got):
+        return False
+    groups = {ranks for _, ranks, _ in got}
+    flat = sorted(x for g in groups for x in g)
+    return (flat == list(range(len(got))) and len({len(g) for g in groups}) == 1
+            and all(r in ranks for r, (_, ranks, _) in enumerate(got)))
+
+
+def _agree_mode(data_parallel: str) -> None:
+    """All-gather ``data_parallel``; raise on every rank if the ranks passed different ones."""
+    got: list = [None] * dist.get_world_size()
+    dist.all_gather_object(got, data_parallel)
+    if len(set(got)) > 1:
+        raise RuntimeError(f"dedicate_params: data_parallel differs across ranks ({got}); pass the "
+                           "same value on every rank. Nothing was changed.")
+
+
+def _bound_mesh_groups(meshes: tuple, timeout: Optional[datetime.timedelta]) -> None:
+    """FSDP2 runs its collectives on the groups of the mesh it is given; ``init_device_mesh``'s
+    sub-groups get torch's default timeout (30 minutes), not ``init_process_group(timeout=)``.
+    Lower every such group's timeout to dmuon's, so a hung rank surfaces within the same bound on
+    every collective of the step. The default group itself (a 1-D mesh over the whole world uses
+    it) is the user's: if it waits longer than dmuon's bound, warn with the fix."""
+    if timeout is None:
+        return
+    world = dist.group.WORLD
+    for mesh in meshes:
+        if mesh is None:
+            continue
+        for pg in mesh.get_all_groups():
+            cur = group_timeout(pg, str(mesh.device_type))
+            if cur is None or cur <= timeout:
+                continue
+            if pg is world:
+                logger.warning(
+                    "dmuon: FSDP2's collectives on this mesh run on the default process group, "
+                    "whose timeout (%s) is longer than dedicate_params(timeout=%s): a hung rank "
+                    "would surface only after %s there. For one bound, pass "
+                    "init_process_group(..., timeout=datetime.timedelta(seconds=%d)).",
+                    cur, timeout, cur, int(timeout.total_seconds()))
+            elif not set_group_timeout(pg, timeout):
+                logger.warning("dmuon: could not lower the timeout (%s) of a mesh group to "
+                               "dedicate_params(timeout=%s) on torch %s", cur, timeout,
+                               torch.__version__)
+
+
+def _boundary_of(model: nn.Module, name: str,
+                 hook_boundary_predicate: Optional[Callable[[nn.Module], bool]]) -> str:
+    """Module path of the hook boundary that moves param ``name`` (``""``: the model itself)."""
+    parts = name.split(".")[:-1]
+    if hook_boundary_predicate is None:
+        key = layer_key_from_name(name)
+        return key if key is not None else ROOT_GROUP
+    for i in range(len(parts), 0, -1):  # lowest (deepest) accepted ancestor first
+        path = ".".join(parts[:i])
+        if hook_boundary_predicate(model.get_submodule(path)):
+            return path
+    return ROOT_GROUP
+
+
+def dedicate_params(
+    model: nn.Module,
+    mesh: Any,
+    predicate: Predicate,
+    *,
+    replicate_mesh: Any = None,
+    hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
+    reshard_after_forward: bool = True,
+    mp_policy: Any = None,
+    batch_dims: Optional[Callable[[str, tuple[int, ...]], int]] = None,
+    policy: Optional[ParamPolicy] = None,
+    timeout: Optional[datetime.timedelta] = None,
+    data_parallel: str = "fsdp",
+) -> dict[nn.Parameter, int]:
+    """Dedicate every matrix ``predicate`` selects to one owner rank (collective; before fully_shard).
+
+    Args:
+      model: the model, not yet ``fully_shard``-ed, the same on every rank; materialized, or
+        built whole on the meta device (then ``to_empty`` + init after ``fully_shard``; the
+        dedicated params become new ``nn.Parameter`` objects, see
+        :mod:`dmuon.stateful.modes.meta_init`).
+      mesh: the 1-D shard ``DeviceMesh`` (the one passed to ``fully_shard``), or a 2-D mesh with
+        dims ``("replicate", "shard")``.
+      predicate: ``predicate(name, param) -> bool`` picks the Muon matrices (``ndim >= 2``); every
+        other trainable param stays with FSDP2 and AdamW.
+      replicate_mesh: optional 1-D replicate mesh: HSDP (owners spread over shard x replicate).
+      hook_boundary_predicate: ``module -> bool``; a param is moved by the hooks of its lowest
+        accepted ancestor. Default: the ``layers.N`` / ``blocks.N`` ancestor. Params outside any
+        boundary go to a root group moved by the model's own hooks.
+      reshard_after_forward: True (Z3): free gathered copies after forward, re-gather in backward;
+        False (Z2): keep them from forward to the end of backward.
+      mp_policy: a ``MixedPrecisionPolicy`` for the dedicated params (``param_dtype`` = dtype of the
+        gathered copies, ``reduce_dtype`` = dtype of the gradient reduce). Default: the policy
+        ``fully_shard`` got for the enclosing module (found at the first forward); none: the
+        param's dtype. A ``policy`` rule's ``param_dtype`` / ``reduce_dtype`` overrides it for
+        the params it matches.
+      batch_dims: ``(name, shape) -> int`` leading batch dims of a matrix: ``k > 0`` is the view
+        ``Batch(k)`` (a ``0`` keeps the default view of a 2-D param, flattens a >=3-D one).
+      policy: a :class:`dmuon.functional.policy.ParamPolicy`: per-name rules (first match wins)
+        that override the predicate's route, the matrix view, the lr / weight-decay multipliers
+        and the param / reduce / master dtypes (:class:`dmuon.functional.policy.Rule`); what no
+        rule sets keeps the
+        defaults (``batch_dims``, then :func:`dmuon.functional.policy.default_view`: MoE expert
+        stacks per expert, GPT-2 ``Conv1D`` transposed, conv kernels flattened, other >=3-D
+        Muon params an error). Its rules join the plan fingerprint (the same on every rank).
+      timeout: collective timeout of the process groups that move the dedicated params (default:
+        the default group's). A rank that never reaches one of their collectives (it skipped a
+        forward, backward or step) makes the waiting ranks raise ``RuntimeError`` naming the dmuon
+        operation, hook group and ranks after at most this long (gloo; NCCL: its watchdog).
+        Setup's own all-gathers use the default group and its timeout.
+      data_parallel: how the rest of the model is made data parallel afterwards. ``"fsdp"``
+        (default): ``fully_shard`` (FSDP2; HSDP with a 2-D mesh or ``replicate_mesh``).
+        ``"ddp"``: ``DistributedDataParallel(model)``; ``mesh`` is the 1-D mesh of the DDP ranks,
+        every rank keeps every matrix whole, each gradient is averaged to its owner, the owner
+        steps it, the new value is broadcast back (:mod:`dmuon.stateful.modes.ddp`);
+        ``reshard_after_forward`` does not apply (nothing is gathered).
+
+    Returns:
+      ``{param: owner global rank}`` for every dedicated param (tied params appear once); ``{}``
+      when the dedication is deferred to ``dmuon.Muon(model)`` (``mesh`` is the dp sub-mesh of
+      a mesh with a TP dim and TP is not applied yet, or the TP params are on meta:
+      :mod:`dmuon.stateful.modes.deferred`).
+
+    Raises:
+      RuntimeError: torch.distributed is not initialized; the model already has FSDP2 state or was
+        already dedicated; the predicate raised (the message names the param); the owner plan
+        differs across ranks.
+      ValueError: the predicate matches nothing, or matches a non-matrix; some selected params
+        are on the meta device and others not;
+        the meshes do not match the world (ranks, R x G, device type; see
+        :func:`dmuon.functional.setup_check.check_setups`).
+      Every check runs on every rank before any process group is made: a problem on one rank
+      raises on all (that rank's own exception there, its message elsewhere), never a hang.
+      NotImplementedError: a TP layout or TP combination dmuon does not support
+        (:mod:`dmuon.stateful.modes.tensor_parallel`).
+      ValueError: ``data_parallel`` is not ``"fsdp"`` / ``"ddp"``, or ``"ddp"`` with a 2-D / HSDP
+        mesh; RuntimeError: ranks passed different ``data_parallel``.
+    """
+    kwargs = dict(replicate_mesh=replicate_mesh, hook_boundary_predicate=hook_boundary_predicate,
+                  reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
+                  batch_dims=batch_dims, policy=policy, timeout=timeout,
+                  data_parallel=data_parallel)
+    return _dedicate(model, mesh, predicate, kwargs)
+
+
+def finish_deferred(model: nn.Module) -> None:
+    """Complete a deferred ``dedicate_params`` (collective; ``dmuon.Muon(model)`` calls it; no-op
+    without one): the same dedication, on the model TP, ``fully_shard`` and the init made."""
+    pending = find_pending(model)
+    if pending is None:
+        return
+    names = set(pending.names)
+    kw = dict(pending.kwargs)
+    mesh = kw.pop("mesh")
+    _dedicate(model, mesh, lambda n, p: n in names, kw, finishing=True)
+    clear_pending(model)
+
+
+def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
+              finishing: bool = False) -> dict[nn.Parameter, int]:
+    """:func:`dedicate_params` (``kw``: its keyword arguments); ``finishing``: a deferred one."""
+    replicate_mesh, hook_boundary_predicate = kw["replicate_mesh"], kw["hook_boundary_predicate"]
+    reshard_after_forward, mp_policy = kw["reshard_after_forward"], kw["mp_policy"]
+    batch_dims, policy, timeout = kw["batch_dims"], kw["policy"], kw["timeout"]
+    data_parallel = kw["data_parallel"]
+    if not torch_supported():
+        raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
+    if find_state(model) is not None or (find_pending(model) is not None and not finishing):
+        raise RuntimeError(
+            "dedicate_params was already called on this model (on this rank); call it once per "
+            "model, on every rank, before fully_shard. Nothing was changed.")
+    install_fully_shard_patch()  # idempotent; back in place if it was removed
+    if not dist.is_initialized():
+        raise RuntimeError("dedicate_params needs torch.distributed: call "
+                           "torch.distributed.init_process_group(...) first")
+    # local checks may fail on some ranks only: agree first (one all-gather), so every rank
+    # raises and none is left waiting in a collective the others never reach
+    named: list = []
+    chosen: dict[str, nn.Parameter] = {}
+    layouts: dict = {}
+    deferring = False
+    local_err: Optional[Exception] = None
+    try:
+        check_mode(data_parallel)
+        pol = as_policy(policy)
+        named, chosen = _select(model, routing_predicate(pol, predicate), finishing)
+        # the dp sub-mesh of a (dp, tp) mesh before TP, or TP params on meta: later (deferred.py)
+        deferring = not finishing and should_defer(chosen, not covers_world(mesh, replicate_mesh))
+        if finishing:
+            check_materialized(chosen)
+        if not deferring:
+            layouts = tp_layouts(model, chosen)  # TP-sharded DTensors (tensor_parallel.py)
+            decisions = _tp_decisions(decide_params(model, chosen, pol, batch_dims), layouts,
+                                      data_parallel, any(p.is_meta for p in chosen.values()))
+            spec_named = [(n, tuple(p.to_local().shape), p.dtype) if n in layouts else (n, p)
+                          for n, p in named]
+            specs = specs_from_named_shapes(spec_named, lambda n, p: n in chosen,
+                                            view_fn=lambda n, shape: decisions[n].view)
+    except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
+        local_err = e
+    on_meta = bool(chosen) and all(p.is_meta for p in chosen.values())
+    if not finishing and _agree_deferral(local_err, mesh, replicate_mesh, deferring):
+        # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
+        _agree_mode(data_parallel)
+        defer(model, chosen, dict(kw, mesh=mesh))
+        logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
+                    "dedicate_params)", len(chosen))
+        return {}
+    grids = agree_grids(mesh, replicate_mesh, local_err=local_err,
+                        param_device_types=[str(mesh.device_type) if p.is_meta else p.device.type
+                                            for p in chosen.values()],
+                        tp_ranks=tp_mesh_ranks(layouts))
+    _agree_mode(data_parallel)
+    timeout = timeout or default_group_timeout(str(mesh.device_type))
+    if len(grids) > 1:  # tensor parallelism: one dp grid per TP index
+        mesh_groups = make_process_groups(tp_grids=grids, timeout=timeout)
+    else:
+        grid = ddp_grid(grids[0]) if data_parallel == "ddp" else grids[0]  # raises on all or none
+        mesh_groups = make_process_groups(grid=grid, timeout=timeout)
+    plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size)
+    _check_fingerprint(policy_fingerprint(plan.fingerprint, pol), mesh_groups)
+    _bound_mesh_groups((mesh, replicate_mesh), timeout)
+    chosen = localize_tp_params(model, chosen, layouts)  # plain local slices from here on
+    meta_shapes = meta_device = None
+    if on_meta:  # meta-device init: new real-device param objects, no values (meta_init.py)
+        meta_device = device_of_mesh(mesh)
+        meta_shapes = {n: tuple(p.shape) for n, p in chosen.items()}
+        chosen = replace_meta_params(model, chosen, meta_device)
+
+    # a param shared by several modules (tied weights) is moved by the boundary of all its uses:
+    # if its names fall under different boundaries, the root group (gathered for the whole forward)
+    aliases: dict[int, list[str]] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(n)
+    keys = {}
+    for n, p in chosen.items():
+        bounds = {_boundary_of(model, a, hook_boundary_predicate) for a in aliases[id(p)]}
+        keys[n] = bounds.pop() if len(bounds) == 1 else ROOT_GROUP
+    module_order = {name: i for i, (name, _) in enumerate(model.named_modules())}
+    order = sorted(set(keys.values()), key=lambda k: module_order.get(k, -1))
+    groups = hook_groups(list(chosen), keys, order=order)
+    group_modules = {k: (model if k == ROOT_GROUP else model.get_submodule(k)) for k in order}
+
+    if hook_boundary_predicate is None and all(
+            layer_key_from_name(a) is None for n in chosen for a in aliases[id(chosen[n])]):
+        logger.info(
+            "dmuon: no dedicated param lies under a layers.N / blocks.N module, so all %d are in "
+            "one root hook group, gathered for the whole forward (groups: %s). Pass "
+            "hook_boundary_predicate=lambda m: ... to dedicate_params to move them per block.",
+            len(chosen), [k or "<root>" for k in order])
+    executor = Executor(mesh_groups, timeout=timeout)
+    spec_by_name = {s.name: s for s in specs}
+    st = DedicatedState(
+        model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
+        groups=groups, group_modules=group_modules, reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen},
+        meta_shapes=meta_shapes, meta_device=meta_device,
+        param_dtypes=dtype_overrides(decisions, "param_dtype"),
+        reduce_dtypes=dtype_overrides(decisions, "reduce_dtype"),
+        master_dtypes=dtype_overrides(decisions, "master_dtype"),
+        views={n: spec_by_name[n].matrix_view for n in chosen},
+        view_sources={n: d.source for n, d in decisions.items()},
+        hp_mults={n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()},
+        tp_layouts=layouts)
+    for n, p in chosen.items():
+        setattr(p, DEDICATED_ATTR, st.owner_rank[n])
+        p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.runtime.guards)
+    st.shard_mesh = mesh["shard"] if mesh.ndim == 2 else mesh
+    if data_parallel == "ddp":
+        st.shard_mesh = None  # model.state_dict(): plain full tensors, as DDP's
+        install_ddp_mode(model, st)
+    else:
+        guard_fsdp_mode(model)
+    register_hooks(model, st)
+    if layouts:  # after the group hooks: a module sees its gathered slice as TP's DTensor
+        st.tp_forward = TPForward(model, layouts, st.group_of,
+                                  {k: g.module for k, g in st.groups.items()})
+    register_state_dict_hooks(model, st)
+    guard_module_apply(model, list(chosen.values()))
+    setattr(model, STATE_ATTR, st)
+    logger.info("dmuon: dedicated %d params in %d hook groups over G=%d R=%d (plan %s)",
+                len(chosen), len(order), st.G, st.R, plan.fingerprint[:12])
+    return {chosen[n]: st.owner_rank[n] for n in chosen}

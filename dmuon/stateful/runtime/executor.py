@@ -1,0 +1,342 @@
+"""Runs :mod:`dmuon.functional.schedule` ops with ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
+
+The same op objects the simulator runs. ``Executor.launch(ops, buffers)`` is non-blocking and
+returns a :class:`Pending`; ``Pending.wait()`` makes the results usable:
+
+CPU (gloo and any backend with async work handles)
+    Ops are issued with ``async_op=True`` in **one FIFO per lane**, in launch order. An op whose
+    ``waits`` (or ``after``) are not complete yet stays queued — and so do the ops of its lane
+    launched after it — until a later ``launch``, ``poll()`` or ``wait()`` finds them complete
+    (``wait`` issues only its own ops' lanes, blocking on their dependencies' work handles). Each
+    lane has its own process groups, so every group sees its collectives in its lane's launch
+    order, which callers keep identical on every rank; lanes never wait on each other's queues, so
+    ranks that interleave lanes differently (one rank's gradient reduce launched before a backward
+    re-gather, another's after it) cannot deadlock.
+CUDA
+    One stream per lane (``"unshard"`` and ``"reduce"`` high priority, ``"replicate"`` default). At
+    launch an event is recorded on the current (producer / compute) stream; each op is issued on its
+    lane's stream after that stream waits on the producer event and on the end events of the ops it
+    waits for; the collective's work is waited *by the lane stream* (no host sync) and an end event is
+    recorded. ``Pending.wait()`` makes the caller's current stream wait on those events. Lanes have
+    their own process groups (NCCL runs one group's collectives in order on one internal stream).
+
+Participation: shard-axis ops run on every rank (its replica's shard group); replicate-axis ops only
+on the ranks of column ``op.at``. A rank needs the bucket of every op it takes part in.
+
+Semantics caveat (as in the simulator): after a ``Reduce`` only the destination's range is defined;
+gloo overwrites the range on the other ranks. Callers must not read it (the simulator poisons it).
+
+Counters (per lane, this rank): collectives issued, logical payload bytes sent and received under the
+convention of :mod:`dmuon.functional.schedule` (broadcast: root sends (n-1)P, others receive P;
+reduce: non-roots send P, root receives (n-1)P). Groups of one rank issue nothing unless
+``issue_trivial=True`` (then they are issued and counted as collectives with 0 bytes).
+"""
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from dmuon.functional.buckets import BucketKey
+from dmuon.functional.schedule import LANES, Broadcast, Op, Schedule
+from dmuon.stateful.runtime.process_groups import MeshGroups
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Executor", "Pending"]
+
+_REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
+
+
+@dataclass(eq=False)
+class _Rec:
+    """One op on this rank: its view, dependencies and, once issued, its handle or end event."""
+
+    op: Op
+    seq: int
+    view: Tensor | None            # None: this rank does not take part (or trivial group skipped)
+    group: Any = None
+    root: int = -1                  # global rank of the root
+    group_size: int = 1
+    deps: list["_Rec"] = field(default_factory=list)
+    issued: bool = False
+    handle: Any = None              # gloo work handle
+    event: Any = None               # CUDA end event
+    executor: Any = None            # for the context of a failed wait
+
+
+    def complete(self) -> bool:
+        """Finished on this rank. An op this rank skips (not a participant, or a group of one)
+        completes when its own dependencies do, so dependencies stay transitive through it."""
+        if not self.issued:
+            return False
+        if self.handle is not None:
+            return bool(self.handle.is_completed())
+        if self.event is not None:
+            return bool(self.event.query())
+        return all(d.complete() for d in self.deps)
+
+    def wait_host(self) -> None:
+        """CPU: block until complete (through skipped ops to their dependencies); an op still
+        queued is issued first, with the ops before it in its lane."""
+        if not self.issued:
+            self.executor._drain([self])
+        if self.handle is not None:
+            try:
+                self.handle.wait()
+            except RuntimeError as e:  # gloo: timeout, or a peer's pair closed
+                raise self.executor.collective_error(self, e) from e
+        elif self.event is None:
+            for d in self.deps:
+                d.wait_host()
+
+    def events(self) -> list:
+        """CUDA: the events that mark this op done on this rank (a skipped op: its deps' events)."""
+        if self.event is not None:
+            return [self.event]
+        return [e for d in self.deps for e in d.events()]
+
+
+def _collective(rec: _Rec) -> Any:
+    """Issue ``rec``'s broadcast or reduce on its view (async); returns the work handle."""
+    op = rec.op
+    if isinstance(op, Broadcast):
+        return dist.broadcast(rec.view, src=rec.root, group=rec.group, async_op=True)
+    return dist.reduce(rec.view, dst=rec.root, op=_REDUCE_OPS[op.op], group=rec.group,
+                       async_op=True)
+
+
+class Pending:
+    """Handle of one :meth:`Executor.launch`. ``wait()`` is idempotent."""
+
+    def __init__(self, executor: "Executor", recs: list[_Rec], device_type: str):
+        self._ex = executor
+        self._recs = recs
+        self._device_type = device_type
+        self._waited = False
+
+    def is_completed(self) -> bool:
+        """Non-blocking: all ops issued and finished (on CUDA: their end events have fired)."""
+        if self._device_type != "cuda":
+            self._ex.poll()
+        return all(r.complete() for r in self._recs)
+
+    def wait(self) -> None:
+        """CPU: issue what is still queued (blocking on dependencies) and wait on every work handle.
+        CUDA: make the current stream wait on the ops' end events (no host synchronization)."""
+        if self._device_type == "cuda":
+            dev = next(r.view.device for r in self._recs if r.view is not None)
+            cur = torch.cuda.current_stream(dev)
+            for ev in {id(e): e for r in self._recs for e in r.events()}.values():
+                cur.wait_event(ev)
+        else:
+            if self._recs:
+                self._ex._drain(self._recs)
+            for r in self._recs:
+                r.wait_host()
+        self._waited = True
+
+    def __repr__(self) -> str:
+        return f"Pending({len(self._recs)} ops, waited={self._waited})"
+
+
+class Executor:
+    """Executes schedule ops on this rank with the lane process groups of ``groups``.
+
+    Args:
+      groups: from :func:`dmuon.stateful.runtime.process_groups.make_process_groups`.
+      issue_trivial: also issue collectives on groups of one rank (no-ops; useful to exercise the
+        lanes at world size 1).
+    """
+
+    def __init__(self, groups: MeshGroups, *, issue_trivial: bool = False,
+                 timeout: Any = None):
+        self.groups = groups
+        self.issue_trivial = issue_trivial
+        self.timeout = timeout  # the lane groups' collective timeout (for error messages)
+        # CPU: per lane, launched and not yet issued, in launch order
+        self._queues: dict[str, deque[_Rec]] = {lane: deque() for lane in LANES}
+        self._seq = 0
+        self._streams: dict[tuple[int, str], Any] = {}
+        self.reset_counters()
+
+    # ----------------------------------------------------------------------------- counters
+    def counters(self) -> dict[str, dict[str, int]]:
+        """``{lane: {"collectives", "sent_bytes", "received_bytes"}}`` for this rank (a copy)."""
+        return {lane: dict(c) for lane, c in self._counters.items()}
+
+    def reset_counters(self) -> None:
+        self._counters = {lane: {"collectives": 0, "sent_bytes": 0, "received_bytes": 0}
+                          for lane in LANES}
+
+    def _count(self, rec: _Rec) -> None:
+        c = self._counters[rec.op.lane]
+        c["collectives"] += 1
+        n, P = rec.group_size, rec.op.nbytes
+        me = self.groups.rank
+        if isinstance(rec.op, Broadcast):
+            if me == rec.root:
+                c["sent_bytes"] += (n - 1) * P
+            else:
+                c["received_bytes"] += P
+        else:
+            if me == rec.root:
+                c["received_bytes"] += (n - 1) * P
+            else:
+                c["sent_bytes"] += P
+
+    _LANE_WHAT = {"unshard": "weight gather (forward / backward pre-hook)",
+                  "reduce": "gradient reduce (backward)",
+                  "replicate": "HSDP replicate-axis collective (stage-2 gradient reduce or "
+                               "post-step publish)"}
+
+    def collective_error(self, rec: "_Rec", err: BaseException) -> RuntimeError:
+        """The error raised when waiting on ``rec``'s collective fails: which dmuon operation,
+        hook group, ranks and timeout, and what usually causes it."""
+        op, mg = rec.op, self.groups
+        if op.axis == "shard":
+            ranks = mg.axis_ranks("shard")
+        else:
+            ranks = [mg.global_rank(op.at, r) for r in range(mg.replicate_size)]
+        bound = f" (timeout {self.timeout})" if self.timeout is not None else ""
+        return RuntimeError(
+            f"dmuon: the {self._LANE_WHAT.get(op.lane, op.lane)} collective {op.id!r} "
+            f"({type(op).__name__}, lane {op.lane!r}, hook group {op.bucket.group or '<root>'!r}, "
+            f"process group of ranks {ranks}, root rank {rec.root}) failed on rank {mg.rank}"
+            f"{bound}: {err}. A timeout means a rank of {ranks} never reached this collective: "
+            "every rank must run the same forward / backward / optimizer.step() sequence on a "
+            "dedicated model (none may skip a forward or take another code path), or a rank "
+            "crashed (see its log). dmuon's process groups are unusable now; restart the job. "
+            "The bound is dedicate_params(..., timeout=...).")
+
+    # ----------------------------------------------------------------------------- streams
+    def lane_stream(self, lane: str, device: torch.device):
+        """The CUDA stream of ``lane`` on ``device`` (created once; shard-axis lanes high priority)."""
+        key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
+        st = self._streams.get(key)
+        if st is None:
+            _, hi = torch.cuda.Stream.priority_range()  # (low, high); high is the smaller number
+            prio = hi if lane in ("unshard", "reduce") else 0
+            st = torch.cuda.Stream(device=key[0], priority=prio)
+            self._streams[key] = st
+        return st
+
+    # ----------------------------------------------------------------------------- launch
+    def _record(self, op: Op, buffers: Mapping[BucketKey, Tensor], by_id: dict[str, _Rec],
+                after: list[_Rec]) -> _Rec:
+        mg = self.groups
+        s, r = mg.coord
+        if op.axis == "shard":
+            takes_part, root, n = True, mg.global_rank(op.root, r), mg.shard_size
+        else:
+            takes_part, root, n = (s == op.at), mg.global_rank(op.at, op.root), mg.replicate_size
+        deps = []
+        for w in op.waits:
+            if w not in by_id:
+                raise ValueError(f"op {op.id!r} waits on {w!r}, which is not an earlier op of this "
+                                 f"launch; pass the earlier launch's Pending as `after`")
+            deps.append(by_id[w])
+        rec = _Rec(op=op, seq=self._seq, view=None, root=root, group_size=n,
+                   deps=deps + after, executor=self)
+        self._seq += 1
+        if takes_part and (n > 1 or self.issue_trivial):
+            try:
+                buf = buffers[op.bucket]
+            except KeyError:
+                raise KeyError(f"rank {mg.rank} {mg.coord} takes part in op {op.id!r} but no "
+                               f"buffer for bucket {op.bucket} was given") from None
+            if buf.dim() != 1 or buf.numel() < op.offset + op.numel or not buf.is_contiguous():
+                raise ValueError(f"bucket {op.bucket} must be a contiguous 1-D tensor with at least "
+                                 f"{op.offset + op.numel} elements, got {tuple(buf.shape)}")
+            if str(buf.dtype) != op.dtype:
+                raise ValueError(f"op {op.id!r} expects {op.dtype}, bucket tensor is {buf.dtype}")
+            rec.view = buf.narrow(0, op.offset, op.numel)
+            rec.group = mg.group(op.lane)
+        return rec
+
+    def launch(self, ops: "Schedule | Sequence[Op]", buffers: Mapping[BucketKey, Tensor], *,
+               after: "Pending | Iterable[Pending] | None" = None) -> Pending:
+        """Start ``ops`` on this rank's ``buffers`` (``BucketKey -> 1-D tensor``); non-blocking.
+
+        Every rank must launch the same ops in the same order. ``waits`` must name earlier ops of
+        the same launch; ``after``: earlier launches every op of this one must also follow.
+        All participating buffers must be on one device type (CPU or CUDA).
+        """
+        afters = [] if after is None else ([after] if isinstance(after, Pending) else list(after))
+        after_recs = [r for p in afters for r in p._recs]
+        by_id: dict[str, _Rec] = {}
+        recs = []
+        for op in ops:
+            rec = self._record(op, buffers, by_id, after_recs)
+            by_id[op.id] = rec
+            recs.append(rec)
+        devs = {rec.view.device.type for rec in recs if rec.view is not None}
+        if len(devs) > 1:
+            raise ValueError(f"launch: buffers on several device types {devs}; use one")
+        dev_type = devs.pop() if devs else "cpu"
+        if dev_type == "cuda":
+            self._launch_cuda(recs)
+        else:
+            for rec in recs:
+                self._queues[rec.op.lane].append(rec)
+            self.poll()
+        return Pending(self, recs, dev_type)
+
+    # ----------------------------------------------------------------------------- CPU path
+    def _issue_cpu(self, rec: _Rec) -> None:
+        if rec.view is not None:
+            rec.handle = _collective(rec)
+            self._count(rec)
+        rec.issued = True
+
+    def poll(self) -> None:
+        """CPU: issue queued ops, in order per lane, while their dependencies are complete
+        (non-blocking)."""
+        for q in self._queues.values():
+            while q and all(d.complete() for d in q[0].deps):
+                self._issue_cpu(q.popleft())
+
+    def _drain(self, recs: Sequence[_Rec]) -> None:
+        """CPU: issue ``recs`` and the ops queued before them in their lanes, blocking on
+        dependencies (other lanes are left alone)."""
+        upto: dict[str, int] = {}
+        for r in recs:
+            upto[r.op.lane] = max(upto.get(r.op.lane, -1), r.seq)
+        for lane, seq in upto.items():
+            q = self._queues[lane]
+            while q and q[0].seq <= seq:
+                for d in q[0].deps:
+                    d.wait_host()
+                self._issue_cpu(q.popleft())
+
+    # ----------------------------------------------------------------------------- CUDA path
+    def _launch_cuda(self, recs: list[_Rec]) -> None:
+        dev = next(r.view.device for r in recs if r.view is not None)
+        producer = torch.cuda.Event()
+        producer.record(torch.cuda.current_stream(dev))
+        waited: set[str] = set()
+        for rec in recs:
+            if rec.view is None:
+                rec.issued = True
+                continue
+            op = rec.op
+            st = self.lane_stream(op.lane, dev)
+            if op.lane not in waited:
+                st.wait_event(producer)
+                waited.add(op.lane)
+            for ev in {id(e): e for d in rec.deps for e in d.events()}.values():
+                st.wait_event(ev)
+            with torch.cuda.stream(st):
+                work = _collective(rec)
+                work.wait()          # lane stream waits on the collective: no host sync
+                rec.view.record_stream(st)
+                ev = torch.cuda.Event()
+                ev.record(st)
+            rec.event = ev
+            rec.issued = True
+            self._count(rec)

@@ -1,0 +1,74 @@
+"""Gradient accumulation without communication, and draining async HSDP publishes."""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch.nn as nn
+
+from dmuon.stateful.modes.ddp import unwrapping_model
+from dmuon.stateful.runtime.state import get_state
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+@contextlib.contextmanager
+@unwrapping_model
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Context manager: backward passes inside issue no collectives.
+
+    Dedicated matrices accumulate their local gradients on every rank; FSDP2 modules get
+    ``set_requires_gradient_sync(False)``. The next backward outside the context reduces the
+    accumulated sum (dedicated: averaged over ranks to the owner; FSDP2: its own reduce-scatter).
+
+    Example::
+
+        for i, batch in enumerate(loader):
+            ctx = dmuon.no_sync(model) if (i + 1) % accum != 0 else contextlib.nullcontext()
+            with ctx:
+                (model(batch).loss / accum).backward()
+            if (i + 1) % accum == 0:
+                optimizer.step(); optimizer.zero_grad()
+    """
+    rt = get_state(model, "dmuon.no_sync(model)")
+    fsdp = _fsdp_modules(model)
+    prev = rt.require_grad_sync
+    rt.require_grad_sync = False
+    for m in fsdp:
+        m.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        rt.require_grad_sync = prev
+        for m in fsdp:
+            m.set_requires_gradient_sync(prev, recurse=False)
+
+
+def wait_all_replicate_broadcasts(model: nn.Module) -> None:
+    """Wait for every pending asynchronous post-step HSDP publish of ``model`` (no-op without HSDP).
+
+    With ``dmuon.Muon(..., replicate_async=True)`` (the default), ``step()`` leaves one publish per
+    hook group in flight: the owner ``(s, r_o)`` of each matrix broadcasts its new master to the
+    other ranks ``(s, r)`` of its shard column. The next forward waits each group's publish in that
+    group's pre-hook, and the end of the next backward waits the groups forward did not use; this
+    call waits all of them now. Afterwards every rank of a column holds bit-identical masters.
+
+    Call it before reading weights outside dmuon (e.g. a foreign checkpointer such as torchtitan's
+    DCP save), or before a second ``step()`` with no forward/backward in between (which otherwise
+    raises). ``get_model_state_dict`` / ``get_optimizer_state_dict`` (and the setters) call it
+    themselves. Local: it waits on collectives every rank already issued, so ranks may call it at
+    different times; idempotent.
+
+    Args:
+      model: a model prepared by ``dmuon.dedicate_params``.
+
+    Raises:
+      RuntimeError: ``model`` has no dedicated params.
+    """
+    get_state(model, "dmuon.wait_all_replicate_broadcasts(model)").wait_publish()

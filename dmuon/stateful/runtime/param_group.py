@@ -1,0 +1,295 @@
+"""One hook group of dedicated params: its buckets, schedules, state, and in-flight collectives.
+
+A hook group is the set of dedicated params one boundary module moves (a ``layers.N`` block by
+default). Like FSDP2's ``FSDPParamGroup`` it carries an explicit state:
+
+* :class:`GroupState` — where the params' values are: ``RESHARDED`` (placeholders; the gathered
+  buckets hold no storage), ``UNSHARDING`` (a gather is in flight into them), ``UNSHARDED`` (the
+  params are views into the gathered buckets, valid for weights version :attr:`gathered_version`).
+* :class:`GradState` — this backward's gradients: ``IDLE`` (none yet), ``ACCUMULATING`` (some
+  arrived), ``COMPLETE`` (every param's local gradient arrived), ``REDUCED`` (this backward's
+  reduce was issued; the root state decides *when*, in one order on every rank).
+
+Every collective the group has in flight is one :class:`Inflight` record (the executor's
+:class:`~dmuon.stateful.runtime.executor.Pending` plus the buffers it uses): at most one gather, any
+number of reduces (several synced backwards before a step), at most one HSDP publish.
+
+The group never decides ordering or timing; the root state (:mod:`dmuon.stateful.runtime.state`) calls it.
+Its methods that run inside hooks are labelled for the profiler (``record_function``:
+``dmuon::<op> (<group>)``).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Mapping, NamedTuple, Optional
+
+import torch
+import torch.nn as nn
+from torch.autograd.profiler import record_function
+
+from dmuon.functional.buckets import BucketEntry, BucketKey, BucketLayout, to_torch_dtype
+from dmuon.functional.schedule import (
+    Schedule, publish_schedule, reduce_schedule, unshard_schedule,
+)
+from dmuon.stateful.runtime.executor import Executor, Pending
+from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool, alloc_storage, free_storage
+
+__all__ = ["GroupState", "GradState", "Inflight", "ReducedGrad", "DedicatedParamGroup"]
+
+
+class GroupState(enum.Enum):
+    """Where a group's param values are (see the module docstring)."""
+
+    RESHARDED = "resharded"
+    UNSHARDING = "unsharding"
+    UNSHARDED = "unsharded"
+
+
+class GradState(enum.Enum):
+    """A group's gradients in the current backward (see the module docstring)."""
+
+    IDLE = "idle"
+    ACCUMULATING = "accumulating"
+    COMPLETE = "complete"
+    REDUCED = "reduced"
+
+
+@dataclass(eq=False)
+class Inflight:
+    """One launch of a group's schedule that has not been waited yet.
+
+    Attributes:
+      kind: ``"unshard"``, ``"reduce"`` or ``"publish"``.  group: the hook-group key.
+      pending: the executor's handle.  buffers: the bucket tensors the launch reads and writes.
+    """
+
+    kind: str
+    group: str
+    pending: Pending
+    buffers: Mapping[BucketKey, torch.Tensor]
+    #: reduces: ``{owned name: this rank (the owner) had a local gradient}``
+    owned_here: Optional[dict[str, bool]] = None
+
+    def wait(self) -> None:
+        self.pending.wait()
+
+
+class ReducedGrad(NamedTuple):
+    """An averaged gradient this rank owns, after its reduce.
+
+    ``present_here``: the owner itself had a local gradient (then some rank had one for sure).
+    ``flag``: otherwise, the 0-d presence element of the reduce (> 0 iff any rank had one); read
+    on the host only in that case, so dense models never sync for it.
+    """
+
+    name: str
+    grad: torch.Tensor
+    present_here: bool
+    flag: Optional[torch.Tensor]
+
+
+def _label(group: "DedicatedParamGroup", op: str) -> record_function:
+    return record_function(f"dmuon::{op} ({group.key or '<root>'})")
+
+
+class DedicatedParamGroup:
+    """The dedicated params of one hook-boundary module (see the module docstring).
+
+    Args:
+      key: the hook-group key (module path; ``""``: the model itself).
+      module: the boundary module.  names: its dedicated param names (sorted).
+      storage: the model's :class:`~dmuon.stateful.runtime.storage.DedicatedStorage`.
+      executor: runs the schedules.  reshard_after_forward: Z3 (True) or Z2.
+    """
+
+    def __init__(self, *, key: str, module: nn.Module, names: tuple[str, ...],
+                 storage: DedicatedStorage, executor: Executor, reshard_after_forward: bool):
+        self.key = key
+        self.module = module
+        self.names = names
+        self.storage = storage
+        self.executor = executor
+        self.reshard_after_forward = reshard_after_forward
+        self.compute_dtype: Optional[torch.dtype] = None
+        self.reduce_dtype: Optional[torch.dtype] = None
+        self.state = GroupState.RESHARDED
+        self.grad_state = GradState.IDLE
+        self.gathered_version = -1
+        self._arrived: set[str] = set()
+        self.inflight_unshard: Optional[Inflight] = None
+        self.inflight_reduces: list[Inflight] = []
+        self.inflight_publish: Optional[Inflight] = None
+        # built by ``setup`` at the first forward (the dtypes come from FSDP2's policy)
+        self.unshard_buffers: dict[BucketKey, torch.Tensor] = {}
+        self._unshard_buckets: tuple = ()
+        self._reduce_buckets: tuple = ()
+        self._own_reduce_entries: dict[BucketKey, tuple[BucketEntry, ...]] = {}
+        self.unshard_schedule: Optional[Schedule] = None
+        self.reduce_schedule: Optional[Schedule] = None
+        self.publish_schedule: Optional[Schedule] = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self, unshard_layout: BucketLayout, reduce_layout: BucketLayout,
+              master_layout: BucketLayout) -> None:
+        """Build the group's gathered buckets (storage freed) and its three schedules, once."""
+        self._unshard_buckets = unshard_layout.buckets_of(self.key)
+        self._reduce_buckets = reduce_layout.buckets_of(self.key)
+        coord = self.storage.coord
+        self._own_reduce_entries = {
+            b.key: tuple(e for e in b.entries if e.owner == coord)
+            for b in self._reduce_buckets if b.key.column == coord[0]}
+        for b in self._unshard_buckets:
+            buf = torch.empty(b.numel, dtype=to_torch_dtype(b.key.dtype),
+                              device=self.storage.device)
+            free_storage(buf)
+            self.unshard_buffers[b.key] = buf
+        self.unshard_schedule = unshard_schedule(unshard_layout, self.key)
+        self.reduce_schedule = reduce_schedule(reduce_layout, self.key)
+        self.publish_schedule = (publish_schedule(master_layout, self.key)
+                                 if self.key in master_layout.groups else None)
+
+    # ------------------------------------------------------------------ unshard / reshard
+    def launch_unshard(self, version: int) -> None:
+        """Start gathering (no-op if gathered for ``version`` or a gather is in flight). An HSDP
+        publish of this group is waited first: this rank may be a source, and its master must be
+        the published one."""
+        if self.inflight_unshard is not None:
+            return
+        if self.state is GroupState.UNSHARDED and self.gathered_version == version:
+            return
+        with _label(self, "unshard"):
+            self.wait_publish()
+            s = self.storage.coord[0]
+            with torch.no_grad():
+                for b in self._unshard_buckets:
+                    buf = self.unshard_buffers[b.key]
+                    alloc_storage(buf)
+                    if b.key.column != s:
+                        continue
+                    for e in b.entries:  # this rank is the broadcast source of its column
+                        buf[e.offset:e.offset + e.numel].view(e.shape).copy_(
+                            self.storage.masters[e.name])
+            pending = self.executor.launch(self.unshard_schedule, self.unshard_buffers)
+            self.inflight_unshard = Inflight("unshard", self.key, pending, self.unshard_buffers)
+            self.state = GroupState.UNSHARDING
+            self.gathered_version = version
+
+    def _wait_unshard(self) -> None:
+        inflight, self.inflight_unshard = self.inflight_unshard, None
+        if inflight is not None:
+            inflight.wait()
+            self.state = GroupState.UNSHARDED
+
+    def unshard(self, version: int) -> None:
+        """Make the params valid full tensors in the compute dtype for ``version`` (waits)."""
+        self.launch_unshard(version)
+        with _label(self, "wait_unshard"):
+            self._wait_unshard()
+            for b in self._unshard_buckets:
+                buf = self.unshard_buffers[b.key]
+                for e in b.entries:
+                    self.storage.point(e.name, buf[e.offset:e.offset + e.numel].view(e.shape))
+
+    def reshard(self) -> None:
+        """Free the gathered copy (never under an in-flight gather); params become placeholders."""
+        with _label(self, "reshard"):
+            self._wait_unshard()
+            for n in self.names:
+                self.storage.release(n)
+            for buf in self.unshard_buffers.values():
+                free_storage(buf)
+            self.state = GroupState.RESHARDED
+
+    @property
+    def holds_gathered(self) -> bool:
+        """Gathered or gathering (something to free at the end of a backward)."""
+        return self.state is not GroupState.RESHARDED
+
+    # ------------------------------------------------------------------ gradients
+    def note_grad(self, name: str, *, defer: bool = False) -> None:
+        """A local gradient of ``name`` arrived in this backward (``defer``: the group never
+        completes early; the end of backward reduces it).
+
+        Raises:
+          RuntimeError: this group's reduce was already launched in this backward (the gradient
+            would be left out of it).
+        """
+        if self.grad_state is GradState.REDUCED:
+            raise RuntimeError(
+                f"dmuon: a gradient of {name} arrived after the reduce of its hook group "
+                f"{self.key!r} was launched in this backward, so it would be lost (its params got "
+                "gradients in two separate backward segments, e.g. reentrant activation "
+                "checkpointing around a module whose weights another segment also uses). Use "
+                "torch.utils.checkpoint(..., use_reentrant=False), or call the module that owns "
+                "the weights in each segment.")
+        self._arrived.add(name)
+        self.grad_state = (GradState.COMPLETE if len(self._arrived) == len(self.names)
+                           and not defer else GradState.ACCUMULATING)
+
+    def launch_reduce(self, local_grads: dict[str, torch.Tensor], pool: GradBufferPool) -> None:
+        """Average this group's local grads to their owners, asynchronously (consumes them from
+        ``local_grads``). A param without a local grad sends zeros and presence 0."""
+        with _label(self, "reduce"):
+            buffers: dict[BucketKey, torch.Tensor] = {}
+            owned_here: dict[str, bool] = {}
+            with torch.no_grad():
+                for b in self._reduce_buckets:  # one dtype per bucket (per-param reduce dtypes)
+                    buf = pool.acquire(b.key, b.numel, to_torch_dtype(b.key.dtype))
+                    for e in b.entries:
+                        view = buf[e.offset:e.offset + e.numel]
+                        lg = local_grads.pop(e.name, None)
+                        if lg is None:
+                            view.zero_()
+                        else:
+                            view.view(e.shape).copy_(lg)
+                        if e.flag >= 0:  # fill_, not ``buf[i] = v``: that copies a host
+                            # scalar to the device, which blocks the host (issue 24: +27 ms of
+                            # host-bound backward on the 1B H200 benchmark)
+                            buf[e.flag:e.flag + 1].fill_(0.0 if lg is None else 1.0)
+                        if e.owner == self.storage.coord:
+                            owned_here[e.name] = lg is not None
+                    buffers[b.key] = buf
+            pending = self.executor.launch(self.reduce_schedule, buffers)
+            self.inflight_reduces.append(Inflight("reduce", self.key, pending, buffers, owned_here))
+            self.grad_state = GradState.REDUCED
+
+    def wait_reduces(self) -> list[ReducedGrad]:
+        """Wait for this group's in-flight reduces; one :class:`ReducedGrad` per entry this rank
+        owns, per reduce in launch order."""
+        out: list[ReducedGrad] = []
+        inflight, self.inflight_reduces = self.inflight_reduces, []
+        for rec in inflight:
+            with _label(self, "wait_reduce"):
+                rec.wait()
+            for key, buf in rec.buffers.items():
+                for e in self._own_reduce_entries.get(key, ()):
+                    view = buf[e.offset:e.offset + e.numel].view(e.shape)
+                    flag = None if e.flag < 0 else buf[e.flag]
+                    out.append(ReducedGrad(e.name, view, rec.owned_here[e.name], flag))
+        return out
+
+    def reset_backward(self) -> None:
+        """Forget this backward's gradient bookkeeping (end of backward)."""
+        self._arrived.clear()
+        self.grad_state = GradState.IDLE
+
+    # ------------------------------------------------------------------ HSDP publish
+    def launch_publish(self, master_buffers: Mapping[BucketKey, torch.Tensor]) -> None:
+        """Broadcast the group's new masters from their owners to the other ranks of each owner's
+        shard column (no-op when the schedule is empty: R == 1)."""
+        if self.publish_schedule is None or len(self.publish_schedule) == 0:
+            return
+        pending = self.executor.launch(self.publish_schedule, master_buffers)
+        self.inflight_publish = Inflight("publish", self.key, pending, master_buffers)
+
+    def wait_publish(self) -> None:
+        """Wait for the group's pending publish, if any (local: no new collective)."""
+        inflight, self.inflight_publish = self.inflight_publish, None
+        if inflight is not None:
+            with _label(self, "wait_publish"):
+                inflight.wait()
+
+    def __repr__(self) -> str:
+        return (f"DedicatedParamGroup({self.key or '<root>'!r}, {len(self.names)} params, "
+                f"{self.state.value}, grads {self.grad_state.value})")

@@ -1,0 +1,390 @@
+"""Step-time projection: FSDP2 + AdamW against FSDP2 + dmuon on a model of the machine.
+
+For a model preset, a mesh ``(R, G)``, a micro-batch and a sequence length, :func:`project_step`
+builds the real owner plan (:func:`~dmuon.functional.plan.plan_owners`, split units included) and
+the real schedules (:func:`~dmuon.functional.schedule.build_step_schedules`, split NS:
+:func:`~dmuon.newton_schulz.split.split_ns_schedule`), then times one steady-state step on a
+:class:`~dmuon.tools.machine.Machine` with three serial resources per rank (every rank runs
+the same program, so one rank's timeline stands for all, except in the owners' phase):
+
+* ``compute``: per layer forward / backward (flops of :mod:`~dmuon.tools.model_flops` at the
+  machine's MFU), the output head, the optimizer;
+* ``shard`` link: FSDP2's all-gathers (bf16 params) and reduce-scatters of the params it manages
+  (all of them for AdamW; the non-dedicated ones for dmuon), dmuon's forward / Z3 backward
+  broadcasts and gradient reduces (one per bucket of the schedule, in schedule order);
+* ``replicate`` link (HSDP): FSDP2's replicate all-reduce of each gradient shard, dmuon's stage-2
+  reduces and its post-step publish, which runs at the start of the next forward and gates each
+  group's broadcast (as the hooks wait for it). Replicate-axis ops of dmuon run per shard column;
+  the projected rank sits in the column with the most of them; the other columns' publishes,
+  timed on their own links, gate their buckets' broadcasts (a wait counted as ``"unshard"``).
+
+Ops run in program order on their resource; an op starts when its resource is free and its
+dependencies are done. Forward: layer ``l``'s gathers wait for layer ``l - 2``'s compute (one layer
+of prefetch, as FSDP2 and dmuon's hooks issue the next gather at the pre-forward), the compute of
+``l`` for its gathers; backward: in reverse, Z3 re-gathers with one layer of prefetch, gradient
+reduction after each layer's backward; the backward ends when the last gradient collective does
+(the optimizer waits for them). Optimizer: AdamW over the rank's FSDP2 shard
+(``adamw_s_per_param``); dmuon: the owners' phase of :func:`~dmuon.tools.ns_phase.ns_phase`
+(its slowest rank) then fused AdamW over the shard of the non-dedicated params.
+
+Exposed communication of a lane = the time the compute resource waits for it (a wait is charged
+to the dependency that finished last) plus, for the backward tail, the wait for the last gradient
+collective; in the owners' phase, the slowest rank's finish minus its compute (``"split"``).
+
+``design``: ``"adamw"``; ``"dmuon"`` (this implementation: its NS engine, fused element-wise
+stages, split units when ``max_split > 1`` and they shorten the projected step: a split lowers the
+owners' phase but adds buckets, hence broadcasts and reduces, to its layer); ``"reference"``
+(dedicated ownership as in X-Square-Robot/dmuon 0.2.0: same schedules, its NS time = dmuon's x
+``reference_slowdown``, element-wise work and AdamW at the baseline's AdamW rate, no splits).
+
+Not modeled: activation memory and recomputation, CPU launch overhead, contention between the
+shard and replicate links and between concurrent collectives of one link class beyond the
+serialization above, NCCL's use of SMs.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+from dmuon.functional.buckets import bucket_layout, hook_groups
+from dmuon.tools.machine import Machine, collective_time
+from dmuon.tools.model_flops import head_forward_flops, layer_forward_flops
+from dmuon.tools.ns_phase import NSPhase, ns_phase, reference_slowdown
+from dmuon.functional.plan import OwnerPlan, plan_owners
+from dmuon.tools.presets import ModelPreset, preset_specs
+from dmuon.functional.schedule import build_step_schedules
+from dmuon.functional.split_plan import owner_entries
+
+__all__ = ["StepSetup", "StepProjection", "TimelineOp", "project_step", "DESIGNS", "LANE_NAMES"]
+
+DESIGNS = ("adamw", "dmuon", "reference")
+LANE_NAMES = ("fsdp_all_gather", "fsdp_reduce_scatter", "fsdp_replicate", "unshard", "reduce",
+              "replicate", "split")
+
+
+@dataclass(frozen=True)
+class StepSetup:
+    """What is projected.
+
+    Attributes:
+      preset: the model; shard: ``G``; replicate: ``R``; micro_batch: sequences per rank;
+      seq: tokens per sequence; fsdp_reshard: FSDP2's ``reshard_after_forward`` for its layers
+      (True: Z3, re-gather in backward); dmuon_reshard: ``reshard_after_forward`` of the dedicated params (True: Z3);
+      reduce_bytes: bytes per gradient element in reductions (4: fp32 ``reduce_dtype``, 2: bf16);
+      max_split: split NS over up to this many ranks (dmuon design; 1: never); ns_steps.
+    """
+
+    preset: ModelPreset
+    shard: int
+    replicate: int = 1
+    micro_batch: int = 1
+    seq: int = 4096
+    fsdp_reshard: bool = True
+    dmuon_reshard: bool = True
+    reduce_bytes: int = 4
+    max_split: int = 1
+    ns_steps: int = 5
+
+    @property
+    def world(self) -> int:
+        return self.shard * self.replicate
+
+    @property
+    def global_batch_tokens(self) -> int:
+        return self.micro_batch * self.seq * self.world
+
+
+@dataclass(frozen=True)
+class TimelineOp:
+    """One op of the projected timeline: resource, lane label, phase, start and end (seconds)."""
+
+    name: str
+    resource: str
+    lane: str
+    phase: str
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class StepProjection:
+    """Projected step of one design.
+
+    Attributes:
+      design; forward, backward, optimizer, step: seconds (step = their sum);
+      exposed: ``{lane: seconds the compute waited for it}``; ns: the owners' phase (dmuon
+      designs) or None; plan: the owner plan (dmuon designs); timeline: every op;
+      memory_bytes: model-state bytes on the fullest rank (params, grads, optimizer state, the
+      gathered layers in flight; no activations).
+    """
+
+    design: str
+    forward: float
+    backward: float
+    optimizer: float
+    exposed: dict
+    ns: Optional[NSPhase]
+    plan: Optional[OwnerPlan]
+    timeline: tuple[TimelineOp, ...] = field(repr=False)
+    memory_bytes: float = 0.0
+
+    @property
+    def step(self) -> float:
+        return self.forward + self.backward + self.optimizer
+
+
+class _Timeline:
+    def __init__(self) -> None:
+        self.ops: list[TimelineOp] = []
+        self.free = {"compute": 0.0, "shard": 0.0, "replicate": 0.0}
+        self.exposed: dict[str, float] = {k: 0.0 for k in LANE_NAMES}
+        self.last_compute = 0.0
+
+    def add(self, name: str, resource: str, lane: str, phase: str, dur: float,
+            deps: tuple = (), floor: float = 0.0) -> TimelineOp:
+        ready = max([floor] + [d.end for d in deps if d is not None])
+        start = max(self.free[resource], ready)
+        if resource == "compute" and start > self.free["compute"] + 1e-15:
+            waited = [d for d in deps if d is not None and d.resource != "compute"]
+            if waited:
+                culprit = max(waited, key=lambda d: d.end)
+                self.exposed[culprit.lane] += start - max(self.free["compute"], floor)
+        op = TimelineOp(name, resource, lane, phase, start, start + dur)
+        self.free[resource] = op.end
+        self.ops.append(op)
+        if resource == "compute":
+            self.last_compute = op.end
+        return op
+
+
+def _group_geometry(machine: Machine, setup: StepSetup) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((members per node, nodes) of a shard group, (...) of a replicate group)``."""
+    g, r, gpn = setup.shard, setup.replicate, machine.gpus_per_node
+    shard = (min(g, gpn), max(1, math.ceil(g / gpn)))
+    if g >= gpn:
+        rep = (1, r)
+    else:
+        per = max(1, gpn // g)
+        rep = (min(r, per), max(1, math.ceil(r / per)))
+    return shard, rep
+
+
+def project_step(setup: StepSetup, machine: Machine, design: str, *,
+                 plan: Optional[OwnerPlan] = None) -> StepProjection:
+    """Project one training step of ``design`` (module docstring).
+
+    Args:
+      setup, machine, design: what, on what, which design.
+      plan: the owner plan to time (dmuon designs); default: :func:`plan_owners` of the setup,
+        which for ``design="dmuon"`` with ``max_split > 1`` keeps the candidate (split or whole)
+        whose projected step is shortest.
+    """
+    if design not in DESIGNS:
+        raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
+    if not isinstance(setup.dmuon_reshard, bool):
+        raise TypeError(f"dmuon_reshard must be a bool, got {setup.dmuon_reshard!r}")
+    p = setup.preset
+    specs = preset_specs(p)
+    dedicated = design != "adamw"
+    G, R = setup.shard, setup.replicate
+    (sh_pn, sh_nodes), (rep_pn, rep_nodes) = _group_geometry(machine, setup)
+
+    def coll(kind: str, nbytes: float, axis: str) -> float:
+        if axis == "shard":
+            return collective_time(machine, kind, nbytes, G, members_per_node=sh_pn, nodes=sh_nodes)
+        return collective_time(machine, kind, nbytes, R, members_per_node=rep_pn, nodes=rep_nodes)
+
+    # params FSDP2 manages, per layer and for the root unit
+    fsdp_layer = [0] * p.layers
+    fsdp_root = 0
+    for s in specs:
+        if dedicated and s.route == "muon":
+            continue
+        if s.layer_key is None:
+            fsdp_root += s.numel
+        else:
+            fsdp_layer[int(s.layer_key.rsplit(".", 1)[1])] += s.numel
+    nsp = None
+    groups: dict[int, tuple[list, list, list]] = {}
+    if dedicated:
+        if plan is None:
+            score = None
+            if design == "dmuon" and setup.max_split > 1:
+                def score(q):
+                    return project_step(setup, machine, design, plan=q).step
+            plan = plan_owners(specs, G, R, ns_steps=setup.ns_steps,
+                               max_split=setup.max_split if design == "dmuon" else 1,
+                               node_size=machine.gpus_per_node, split_score=score)
+        entries = owner_entries(plan, specs)
+        shapes = {n: e[0] for n, e in entries.items()}
+        hg = hook_groups(sorted(plan.owners))
+        un = build_step_schedules(bucket_layout(plan.owners, shapes, {n: "torch.bfloat16" for n in shapes},
+                                                hg, G, R))
+        red_dt = "torch.float32" if setup.reduce_bytes == 4 else "torch.bfloat16"
+        red = build_step_schedules(bucket_layout(plan.owners, shapes, {n: red_dt for n in shapes}, hg,
+                                                 G, R, presence=True))
+        for g in un.unshard:
+            layer = int(g.rsplit(".", 1)[1])
+            groups[layer] = (list(un.unshard[g].ops), list(red.reduce[g].ops),
+                             [op for op in un.publish.ops if op.bucket.group == g])
+        slow = reference_slowdown(machine, p.hidden) if design == "reference" else 1.0
+        ew = machine.adamw_s_per_param if design == "reference" else machine.fused_s_per_param
+        nsp = ns_phase(plan, specs, machine, steps=setup.ns_steps, slowdown=slow,
+                       elementwise_s_per_param=ew)
+    tokens = setup.micro_batch * setup.seq
+    fwd_rate = machine.peak_flops * machine.mfu("fwd", p.hidden)
+    bwd_rate = machine.peak_flops * machine.mfu("bwd", p.hidden)
+    f_layer = layer_forward_flops(p, setup.seq, tokens) / fwd_rate
+    b_layer = 2 * layer_forward_flops(p, setup.seq, tokens) / bwd_rate
+    f_head = head_forward_flops(p, tokens) / fwd_rate
+    b_head = 2 * head_forward_flops(p, tokens) / bwd_rate
+    tl = _Timeline()
+    z3_dmuon = setup.dmuon_reshard
+
+    # -- forward. HSDP: the previous step's publish runs first, column by column on the
+    # replicate links; a bucket's broadcast waits for its column's publish of that group. This
+    # rank sits in the column with the most replicate traffic (its publish and stage-2 reduces
+    # are on its timeline; the other columns' publishes only gate their broadcasts).
+    col_bytes = [0] * G
+    for ops in groups.values():
+        for op in ops[1] + ops[2]:
+            if op.axis == "replicate":
+                col_bytes[op.at] += op.nbytes
+    my_col = max(range(G), key=lambda c: (col_bytes[c], -c))
+    gate: dict[tuple[int, int], float] = {}
+    col_t = [0.0] * G
+    for layer in sorted(groups):
+        for op in groups[layer][2]:
+            col_t[op.at] += coll("broadcast", op.nbytes, "replicate")
+            gate[(layer, op.at)] = col_t[op.at]
+            if op.at == my_col:
+                tl.add(f"publish L{layer}", "replicate", "replicate", "forward",
+                       coll("broadcast", op.nbytes, "replicate"))
+    root_ag = tl.add("fsdp AG root", "shard", "fsdp_all_gather", "forward",
+                     coll("all_gather", 2 * fsdp_root, "shard")) if fsdp_root else None
+    fwd: list = [None] * p.layers
+    gathers: list[list] = [[] for _ in range(p.layers)]
+
+    def issue_gathers(layer: int, phase: str, after) -> None:
+        ops = []
+        if fsdp_layer[layer]:
+            ops.append(tl.add(f"fsdp AG L{layer}", "shard", "fsdp_all_gather", phase,
+                              coll("all_gather", 2 * fsdp_layer[layer], "shard"), (after,)))
+        for op in groups.get(layer, ([], [], []))[0]:
+            ops.append(tl.add(f"broadcast L{layer}", "shard", "unshard", phase,
+                              coll("broadcast", op.nbytes, "shard"), (after,),
+                              floor=gate.get((layer, op.bucket.column), 0.0)))
+        gathers[layer] = ops
+
+    for layer in range(min(2, p.layers)):
+        issue_gathers(layer, "forward", None)
+    prev = root_ag
+    for layer in range(p.layers):
+        if layer >= 1 and layer + 1 < p.layers:
+            issue_gathers(layer + 1, "forward", fwd[layer - 1])
+        fwd[layer] = tl.add(f"F L{layer}", "compute", "compute", "forward", f_layer,
+                            tuple(gathers[layer]) + (prev, root_ag))
+        prev = fwd[layer]
+    head_f = tl.add("F head", "compute", "compute", "forward", f_head, (prev, root_ag))
+    t_forward = head_f.end
+
+    # -- backward
+    head_b = tl.add("B head", "compute", "compute", "backward", b_head, (head_f,))
+    tail: list = []
+    bwd: list = [None] * p.layers
+
+    def issue_regather(layer: int, after) -> None:
+        ops = []
+        if setup.fsdp_reshard and fsdp_layer[layer]:
+            ops.append(tl.add(f"fsdp AG' L{layer}", "shard", "fsdp_all_gather", "backward",
+                              coll("all_gather", 2 * fsdp_layer[layer], "shard"), (after,)))
+        if z3_dmuon:
+            for op in groups.get(layer, ([], [], []))[0]:
+                ops.append(tl.add(f"broadcast' L{layer}", "shard", "unshard", "backward",
+                                  coll("broadcast", op.nbytes, "shard"), (after,)))
+        gathers[layer] = ops
+
+    last = p.layers - 1
+    for layer in (last, last - 1):
+        if layer >= 0:
+            issue_regather(layer, head_f)
+    prev = head_b
+    for layer in range(last, -1, -1):
+        if layer - 1 >= 0 and layer < last:
+            issue_regather(layer - 1, bwd[layer + 1])
+        bwd[layer] = tl.add(f"B L{layer}", "compute", "compute", "backward", b_layer,
+                            tuple(gathers[layer]) + (prev,))
+        prev = bwd[layer]
+        if fsdp_layer[layer]:
+            rs = tl.add(f"fsdp RS L{layer}", "shard", "fsdp_reduce_scatter", "backward",
+                        coll("reduce_scatter", setup.reduce_bytes * fsdp_layer[layer], "shard"),
+                        (bwd[layer],))
+            tail.append(rs)
+            if R > 1:
+                tail.append(tl.add(f"fsdp AR L{layer}", "replicate", "fsdp_replicate", "backward",
+                                   coll("all_reduce", setup.reduce_bytes * fsdp_layer[layer] / G,
+                                        "replicate"), (rs,)))
+        for op in groups.get(layer, ([], [], []))[1]:
+            if op.lane == "reduce":
+                st1 = tl.add(f"reduce L{layer}", "shard", "reduce", "backward",
+                             coll("reduce", op.nbytes, "shard"), (bwd[layer],))
+                tail.append(st1)
+            elif op.at == my_col:
+                tail.append(tl.add(f"reduce2 L{layer}", "replicate", "replicate", "backward",
+                                   coll("reduce", op.nbytes, "replicate"), (st1,)))
+    if fsdp_root:
+        rs = tl.add("fsdp RS root", "shard", "fsdp_reduce_scatter", "backward",
+                    coll("reduce_scatter", setup.reduce_bytes * fsdp_root, "shard"), (prev,))
+        tail.append(rs)
+        if R > 1:
+            tail.append(tl.add("fsdp AR root", "replicate", "fsdp_replicate", "backward",
+                               coll("all_reduce", setup.reduce_bytes * fsdp_root / G, "replicate"), (rs,)))
+    end = max([prev.end] + [t.end for t in tail])
+    if tail and end > prev.end:
+        tl.exposed[max(tail, key=lambda t: t.end).lane] += end - prev.end
+    t_backward = end - t_forward
+
+    # -- optimizer
+    shard_params = (sum(fsdp_layer) + fsdp_root) / G
+    if design == "adamw":
+        t_opt = machine.adamw_step_s + machine.adamw_s_per_param * shard_params
+        tl.add("AdamW", "compute", "compute", "optimizer", t_opt, floor=end)
+    else:
+        rate = machine.adamw_s_per_param if design == "reference" else machine.fused_s_per_param
+        fixed = machine.adamw_step_s if design == "reference" else 0.0
+        worst = max(range(len(nsp.finish)), key=lambda r: nsp.finish[r])
+        tl.exposed["split"] += nsp.finish[worst] - nsp.compute[worst]
+        tl.add("owners: NS + Muon", "compute", "compute", "optimizer", nsp.seconds, floor=end)
+        t_rest = fixed + rate * shard_params
+        tl.add("AdamW (rest)", "compute", "compute", "optimizer", t_rest, floor=end + nsp.seconds)
+        t_opt = nsp.seconds + t_rest
+    mem = _memory(setup, specs, plan, fsdp_layer, fsdp_root)
+    return StepProjection(design, t_forward, t_backward, t_opt, dict(tl.exposed), nsp, plan,
+                          tuple(tl.ops), mem)
+
+
+def _memory(setup: StepSetup, specs, plan: Optional[OwnerPlan], fsdp_layer, fsdp_root) -> float:
+    """Model-state bytes on the fullest rank: FSDP2 shards at 16 B/param (fp32 param, grad, two
+    moments), two gathered bf16 layers; dedicated params: the fp32 masters of the rank's shard
+    column (HSDP keeps them on every rank of the column) and, for the params it owns, fp32
+    momentum and gradient (8 B)."""
+    G = setup.shard
+    fsdp = 16 * (sum(fsdp_layer) + fsdp_root) / G
+    per_layer = [0] * setup.preset.layers
+    for s in specs:
+        if s.layer_key is not None:
+            per_layer[int(s.layer_key.rsplit(".", 1)[1])] += s.numel
+    gathered = 2 * 2 * max(per_layer)
+    dedicated = 0.0
+    if plan is not None:
+        by = {s.name: s for s in specs}
+        owned = [0] * plan.num_slots
+        for u, slot in zip(plan.units, plan.unit_slots):
+            owned[slot] += sum(by[n].numel for n in u.params if n in by)
+        for sp in plan.splits:
+            for b in sp.blocks:
+                owned[b.slot] += math.prod(b.shape)
+        column = [sum(owned[r * G + c] for r in range(setup.replicate)) for c in range(G)]
+        dedicated = max(4 * column[k % G] + 8 * owned[k] for k in range(plan.num_slots))
+    return fsdp + gathered + dedicated
