@@ -5,16 +5,17 @@ import pytest
 import torch
 
 from dist_utils import run_ranks
-from dmuon.functional.schedule import build_step_schedules, step_traffic
+from dmuon.functional.program import program_from_layouts, step_traffic
 from dmuon.functional.simulate import simulate
 from sched_cases import random_buffers, random_layout
 
 
 def _sequence(steps, layout):
     """The schedules a training step runs, in order: unshard all, reduce all, publish."""
-    seq = [steps.unshard[g] for g in layout.groups] + [steps.reduce[g] for g in layout.groups]
-    if len(steps.publish):
-        seq.append(steps.publish)
+    seq = ([steps.groups[g].unshard for g in layout.groups]
+           + [steps.groups[g].reduce for g in layout.groups])
+    if len(steps.publish_all()):
+        seq.append(steps.publish_all())
     return seq
 
 
@@ -28,7 +29,7 @@ def _worker(rank, world, layout, *, seed):
     mg = make_process_groups(shard_size=G, replicate_size=R)
     res["coord"] = mg.coord
     ex = Executor(mg)
-    steps = build_step_schedules(layout)
+    steps = program_from_layouts(layout, layout, layout)
     seq = _sequence(steps, layout)
     # 1) each schedule launched and waited in turn, on integer-valued and random data
     for kind in ("int", "randn"):
@@ -56,10 +57,10 @@ def _worker(rank, world, layout, *, seed):
         ex.launch(sched, bufs).wait()
     res["z2"] = ex.counters()
     ex.reset_counters()
-    p = [ex.launch(steps.unshard[g], bufs) for g in layout.groups]
-    p += [ex.launch(steps.unshard[g], bufs) for g in layout.groups]
-    p += [ex.launch(steps.reduce[g], bufs) for g in layout.groups]
-    p.append(ex.launch(steps.publish, bufs, after=p[-1]))
+    p = [ex.launch(steps.groups[g].unshard, bufs) for g in layout.groups]
+    p += [ex.launch(steps.groups[g].unshard, bufs) for g in layout.groups]
+    p += [ex.launch(steps.groups[g].reduce, bufs) for g in layout.groups]
+    p.append(ex.launch(steps.publish_all(), bufs, after=p[-1]))
     for x in p:
         x.wait()
     res["z3"] = ex.counters()
@@ -98,7 +99,7 @@ def test_gloo_executor_matches_simulator(G, R, seed):
     layout, _, _, _ = random_layout(seed, G=G, R=R, n_layers=2)
     W = G * R
     results = run_ranks(_worker, W, layout, seed=seed)   # also checks args/kwargs passing
-    steps = build_step_schedules(layout)
+    steps = program_from_layouts(layout, layout, layout)
     seq = _sequence(steps, layout)
     assert [r["coord"] for r in results] == [(i % G, i // G) for i in range(W)]
     for kind in ("int", "randn"):

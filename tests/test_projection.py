@@ -15,7 +15,7 @@ from dmuon.functional.plan import plan_owners
 from dmuon.tools.presets import ModelPreset, get_preset, preset_from_hf_config, preset_specs
 from dmuon.tools.projection import StepSetup, project_step
 from dmuon.tools.projection_report import projection_summary, projection_table
-from dmuon.functional.step_bytes import runtime_step_traffic
+from dmuon.functional.program import plan_program
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
 TINY = ModelPreset("tiny", hidden=1024, intermediate=2816, layers=4, heads=8, kv_heads=2, vocab=8192)
@@ -127,7 +127,7 @@ def test_runtime_step_traffic_z3_hsdp_and_splits(monkeypatch):
     F = 4 * sum(1 for s in specs if s.route == "muon")
     G, R = 4, 2
     plan = plan_owners(specs, G, R)
-    tr = runtime_step_traffic(plan, specs, reshard_after_forward=True, compute_dtype="torch.float32")
+    tr = plan_program(plan, specs, reshard_after_forward=True, compute_dtype="torch.float32").traffic()
     shard = tr.total_sent(["unshard", "reduce"])
     assert shard == R * (G - 1) * (3 * P + F)        # mean per rank 3(G-1)/G P + presence
     assert tr.total_sent(["replicate"]) == (R - 1) * (2 * P + F)   # stage 2 (+ presence), publish
@@ -138,7 +138,7 @@ def test_runtime_step_traffic_z3_hsdp_and_splits(monkeypatch):
     P = sum(s.numel for s in specs if s.route == "muon") * 4
     split = plan_owners(specs, G, R, max_split=4, node_size=4)
     assert split.splits
-    tr = runtime_step_traffic(split, specs, reshard_after_forward=True, compute_dtype="torch.float32")
+    tr = plan_program(split, specs, reshard_after_forward=True, compute_dtype="torch.float32").traffic()
     entries = len(split.owners)
     assert tr.total_sent(["unshard", "reduce"]) == R * (G - 1) * (3 * P + 4 * entries)
     want = sum(split_ns_schedule(sp.param, sp.layout, sp.members, G, R, variant=sp.variant,

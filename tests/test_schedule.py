@@ -1,10 +1,11 @@
 """Schedule ops, builders, validation, byte accounting (Z2 / Z3 / HSDP) and the readable dump."""
 import pytest
 
+from dmuon.functional.program import program_from_layouts, step_traffic
 from dmuon.functional.buckets import BucketKey
-from dmuon.functional.schedule import (LANES, Broadcast, Reduce, Schedule, build_step_schedules,
+from dmuon.functional.schedule import (LANES, Broadcast, Reduce, Schedule,
                                        publish_schedule, reduce_schedule, schedule_traffic,
-                                       step_traffic, unshard_schedule)
+                                       unshard_schedule)
 from sched_cases import random_layout
 
 KEY = BucketKey("g", 0, "torch.float32")
@@ -44,11 +45,11 @@ def test_op_validation():
 def test_builders_structure(seed):
     layout, owners, _, _ = random_layout(seed)
     G, R = layout.shard_size, layout.replicate_size
-    steps = build_step_schedules(layout)
+    steps = program_from_layouts(layout, layout, layout)
     for g in layout.groups:
         bs = layout.buckets_of(g)
         un = unshard_schedule(layout, g)
-        assert un == steps.unshard[g]
+        assert un == steps.groups[g].unshard
         assert [op.bucket for op in un] == [b.key for b in bs]
         assert all(isinstance(op, Broadcast) and op.axis == "shard" and op.at is None
                    and op.src == op.bucket.column and op.numel == layout.bucket(op.bucket).numel
@@ -68,7 +69,7 @@ def test_builders_structure(seed):
                 assert op.waits == (f"reduce/{b.key}",)
                 assert red.op(op.waits[0]).bucket == op.bucket
     pub = publish_schedule(layout)
-    assert pub == steps.publish
+    assert pub == steps.publish_all()
     assert (len(pub) == 0) == (R == 1)
     for op in pub:
         assert op.axis == "replicate" and op.lane == "replicate"

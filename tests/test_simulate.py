@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from dmuon.functional.schedule import (Reduce, Schedule, build_step_schedules, publish_schedule,
+from dmuon.functional.program import program_from_layouts
+from dmuon.functional.schedule import (Reduce, Schedule, publish_schedule,
                                        reduce_schedule, unshard_schedule)
 from dmuon.functional.simulate import simulate
 from sched_cases import random_buffers, random_layout
@@ -98,8 +99,8 @@ def test_publish_then_unshard_full_cycle():
     layout, owners, _, _ = random_layout(11, G=3, R=2, n_layers=2)
     G, R = 3, 2
     bufs = random_buffers(layout, 5)
-    steps = build_step_schedules(layout)
-    out = simulate(steps.publish, bufs)
+    steps = program_from_layouts(layout, layout, layout)
+    out = simulate(steps.publish_all(), bufs)
     # after the publish every rank of column s holds each entry's owner-replica value
     for b in layout.buckets:
         for e in b.entries:
@@ -109,7 +110,7 @@ def test_publish_then_unshard_full_cycle():
                 assert torch.equal(got, src)
     # then forward unshard: every rank holds the owners' values
     for g in layout.groups:
-        out = simulate(steps.unshard[g], out, donate=True)
+        out = simulate(steps.groups[g].unshard, out, donate=True)
     for b in layout.buckets:
         for e in b.entries:
             src = bufs[_rank(b.key.column, e.owner[1], G)][b.key][e.offset:e.offset + e.numel]

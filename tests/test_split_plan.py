@@ -4,6 +4,7 @@ import math
 
 import torch
 
+from dmuon.functional.program import program_from_layouts
 from dmuon.__main__ import main
 from dmuon.functional.buckets import bucket_layout, hook_groups
 from dmuon.newton_schulz.coefficients import ns_coefficient_table
@@ -11,7 +12,6 @@ from dmuon.newton_schulz.iteration import newton_schulz
 from dmuon.functional.plan import plan_owners
 from dmuon.tools.plan_report import plan_summary, plan_table
 from dmuon.tools.presets import preset_specs
-from dmuon.functional.schedule import build_step_schedules
 from dmuon.functional.simulate import simulate
 from dmuon.functional.specs import specs_from_named_shapes
 from dmuon.newton_schulz.split import simulate_split_ns, split_ns_schedule
@@ -82,7 +82,7 @@ def test_split_plan_schedules_and_simulated_ns_are_exact(monkeypatch):
     entries = owner_entries(plan, specs)
     layout = bucket_layout(plan.owners, {n: e[0] for n, e in entries.items()},
                            {n: e[1] for n, e in entries.items()}, hook_groups(sorted(plan.owners)), 4)
-    sched = build_step_schedules(layout)
+    sched = program_from_layouts(layout, layout, layout)
     torch.manual_seed(0)
     data = {s.name: torch.randn(s.shape, dtype=torch.float64) for s in specs}
     bufs = []
@@ -98,7 +98,7 @@ def test_split_plan_schedules_and_simulated_ns_are_exact(monkeypatch):
             mine[b.key] = t
         bufs.append(mine)
     for g in layout.groups:                                # forward: every rank gets every block
-        bufs = simulate(sched.unshard[g], bufs)
+        bufs = simulate(sched.groups[g].unshard, bufs)
     for sp in plan.splits:
         full = data[sp.param]
         for b in sp.blocks:

@@ -19,12 +19,14 @@ from dmuon.functional.matrix_view import Batch, Heads, Split, Transposed
 from dmuon.functional.policy import ParamPolicy, Rule
 from dmuon.functional.buckets import bucket_layout
 from dmuon.functional.plan import plan_owners
-from dmuon.functional.schedule import publish_schedule, reduce_schedule, step_traffic, unshard_schedule
+from dmuon.functional.schedule import publish_schedule, reduce_schedule, unshard_schedule
+from dmuon.functional.program import StepProgram, step_program, step_traffic
 from dmuon.functional.simulate import simulate
 from dmuon.newton_schulz.iteration import newton_schulz
 
 __all__ = [
     "adamw", "muon", "transforms", "newton_schulz", "plan_owners", "bucket_layout",
     "unshard_schedule", "reduce_schedule", "publish_schedule", "step_traffic", "simulate",
+    "StepProgram", "step_program",
     "Batch", "Heads", "Split", "Transposed", "ParamPolicy", "Rule", "hf_rules", "qk_clip",
 ]

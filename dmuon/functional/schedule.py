@@ -37,6 +37,8 @@ Builders (all pure, built once at setup):
 * :func:`publish_schedule` — post-step HSDP publish: for each range, a replicate-axis Broadcast
   inside column ``s`` from owner ``r``.
 
+A whole step's phases, built from these once per model, are :mod:`dmuon.functional.program`.
+
 Byte-counting convention (logical payload, star model of a collective): for one op with payload
 ``P = numel * itemsize`` executed in a group of ``n`` ranks,
 
@@ -60,7 +62,7 @@ publish another ``(R-1)*P``. Groups of one rank move nothing (executors issue no
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Mapping, NamedTuple, Sequence
+from typing import Iterator, Mapping, Sequence
 
 from dmuon.functional.buckets import BucketKey, BucketLayout, dtype_itemsize
 from dmuon.functional.schedule_ops import (  # the ops, re-exported here
@@ -71,16 +73,57 @@ from dmuon.functional.traffic import LANES, Traffic
 __all__ = [
     "Axis", "Lane", "LANES", "LANE_AXIS", "GROUP_LANES", "Broadcast", "Reduce", "AllReduce",
     "AllGather", "Gather", "Scatter", "Op", "Schedule", "Traffic",
-    "StepSchedules", "unshard_schedule", "reduce_schedule", "publish_schedule",
-    "build_step_schedules", "schedule_traffic", "step_traffic", "op_members", "op_root_coord",
+    "unshard_schedule", "reduce_schedule", "publish_schedule", "schedule_traffic",
+    "op_members", "op_root_coord",
+    "op_rank_index", "op_bytes",
 ]
 
 
 # ---------------------------------------------------------------------------------------------
 # byte accounting
 
+def op_rank_index(op: Op, shard_size: int, index: int) -> tuple[int, int] | None:
+    """Where rank ``index`` stands in ``op``: ``(position in its group, group size)``, or ``None``
+    when it takes no part. ``index`` is ``r * G + s`` for shard / replicate ops and the global rank
+    (an entry of ``members``) for explicit-group ops."""
+    if op.axis == "group":
+        return (op.members.index(index), len(op.members)) if index in op.members else None
+    s, r = index % shard_size, index // shard_size
+    if op.axis == "shard":
+        return s, shard_size
+    return None if s != op.at else (r, -1)  # the replicate group's size is R (the caller's)
+
+
+def op_bytes(op: Op, position: int, size: int) -> tuple[int, int]:
+    """``(sent, received)`` payload bytes of the member at ``position`` of a group of ``size``
+    ranks executing ``op`` (the convention of the module docstring; ``(0, 0)`` in a group of one).
+    The one byte count of dmuon: schedules' :class:`Traffic`, the executor's counters and every
+    figure derived from them come from here."""
+    n = size
+    if n <= 1:
+        return 0, 0
+    is_root = position == op.root
+    if isinstance(op, (AllGather, Gather, Scatter)):
+        isz = dtype_itemsize(op.dtype)
+        mine = op.parts[position][1] * isz
+        total = sum(p[1] for p in op.parts) * isz
+        if isinstance(op, AllGather):
+            return (n - 1) * mine, total - mine
+        if isinstance(op, Gather):  # every part into the root
+            return (0, total - mine) if is_root else (mine, 0)
+        return (total - mine, 0) if is_root else (0, mine)  # Scatter: each part out of the root
+    P = op.nbytes
+    if isinstance(op, AllReduce):
+        k = (n - 1) * P if is_root else P
+        return k, k
+    if isinstance(op, Broadcast):
+        return ((n - 1) * P, 0) if is_root else (0, P)
+    return (0, (n - 1) * P) if is_root else (P, 0)  # Reduce
+
+
 def schedule_traffic(schedule: "Schedule") -> Traffic:
-    """Bytes sent/received per lane and rank for one execution of ``schedule`` (module-doc rule)."""
+    """Bytes sent/received per lane and rank for one execution of ``schedule``
+    (:func:`op_bytes` for every op and rank)."""
     G, R = schedule.shard_size, schedule.replicate_size
     W = G * R
     lanes = tuple(dict.fromkeys(LANES + tuple(op.lane for op in schedule.ops)))
@@ -88,46 +131,18 @@ def schedule_traffic(schedule: "Schedule") -> Traffic:
     recv = {lane: [0] * W for lane in lanes}
     coll = {lane: [0] * W for lane in lanes}
     for op in schedule.ops:
-        P = op.nbytes
-        isz = dtype_itemsize(op.dtype)
-        for group in op_members(op, G, R):
-            n = len(group)
-            if n == 1:
+        for g in range(W):
+            where = op_rank_index(op, G, g)
+            if where is None:
                 continue
-            root = op_root_coord(op, group)
-            for j, (s, r) in enumerate(group):
-                g = r * G + s
-                coll[op.lane][g] += 1
-                is_root = (s, r) == root
-                if isinstance(op, (AllGather, Gather, Scatter)):
-                    mine = op.parts[j][1] * isz
-                    total = sum(p[1] for p in op.parts) * isz
-                    if isinstance(op, AllGather):
-                        sent[op.lane][g] += (n - 1) * mine
-                        recv[op.lane][g] += total - mine
-                    elif isinstance(op, Gather):  # every part into the root
-                        if is_root:
-                            recv[op.lane][g] += total - mine
-                        else:
-                            sent[op.lane][g] += mine
-                    elif is_root:  # Scatter: each part out of the root
-                        sent[op.lane][g] += total - mine
-                    else:
-                        recv[op.lane][g] += mine
-                elif isinstance(op, AllReduce):
-                    k = (n - 1) * P if is_root else P
-                    sent[op.lane][g] += k
-                    recv[op.lane][g] += k
-                elif isinstance(op, Broadcast):
-                    if is_root:
-                        sent[op.lane][g] += (n - 1) * P
-                    else:
-                        recv[op.lane][g] += P
-                else:
-                    if is_root:
-                        recv[op.lane][g] += (n - 1) * P
-                    else:
-                        sent[op.lane][g] += P
+            pos, size = where
+            size = R if size < 0 else size
+            if size <= 1:
+                continue
+            a, b = op_bytes(op, pos, size)
+            coll[op.lane][g] += 1
+            sent[op.lane][g] += a
+            recv[op.lane][g] += b
     t = lambda d: {k: tuple(v) for k, v in d.items()}  # noqa: E731
     return Traffic(W, t(sent), t(recv), t(coll))
 
@@ -292,45 +307,3 @@ def publish_schedule(layout: BucketLayout, group: str | Sequence[str] | None = N
                                          bucket=k, offset=off, numel=n, dtype=k.dtype,
                                          lane="replicate", src=r))
     return _mk(layout, ops)
-
-
-class StepSchedules(NamedTuple):
-    """Every prebuilt schedule of one training step.
-
-    unshard, reduce: ``group -> Schedule``; publish: all groups in one schedule (empty if R == 1).
-    """
-
-    unshard: Mapping[str, Schedule]
-    reduce: Mapping[str, Schedule]
-    publish: Schedule
-
-
-def build_step_schedules(layout: BucketLayout, *, reduce_op: str = "avg") -> StepSchedules:
-    """Build (once, at setup) the unshard and reduce schedules of every group and the publish."""
-    return StepSchedules(
-        unshard={g: unshard_schedule(layout, g) for g in layout.groups},
-        reduce={g: reduce_schedule(layout, g, op=reduce_op) for g in layout.groups},
-        publish=publish_schedule(layout),
-    )
-
-
-def step_traffic(layout: BucketLayout, reshard_after_forward: bool = False, *,
-                 publish: bool = True) -> Traffic:
-    """Bytes per lane and rank for one training step of all dedicated params.
-
-    ``reshard_after_forward`` as ``dedicate_params`` spells it: ``False`` (Z2): forward unshard +
-    backward reduce; ``True`` (Z3): forward unshard + backward re-unshard + reduce. ``publish``:
-    add the post-step HSDP publish (nothing when R == 1). Mean sent (or received) per rank over
-    shard-axis lanes: ``2(G-1)/G * P`` (Z2), ``3(G-1)/G * P`` (Z3), P = layout bytes.
-    """
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError("reshard_after_forward must be a bool (True: Z3, False: Z2), got "
-                        f"{reshard_after_forward!r}")
-    steps = build_step_schedules(layout)
-    total = Traffic.zero(layout.world_size)
-    k = 2 if reshard_after_forward else 1
-    for g in layout.groups:
-        total = total + steps.unshard[g].traffic().scaled(k) + steps.reduce[g].traffic()
-    if publish:
-        total = total + steps.publish.traffic()
-    return total

@@ -5,8 +5,8 @@ step moves, per hook group, the gradient reduce (stage 2 of :func:`~dmuon.functi
 reduce_schedule`: one replicate-axis Reduce per owner range, average to the owner, with one
 presence element per matrix) and the post-step publish (one replicate-axis Broadcast per owner
 range from the owner); the forward "unshard" is over groups of one rank and moves nothing. The
-numbers come from the same schedules the runtime executes (:func:`~dmuon.functional.step_bytes.
-runtime_step_traffic`), so the executor's counters report exactly them.
+numbers are the step program's count (:func:`~dmuon.functional.program.plan_program`), which the
+executor's counters equal.
 
 Plain DDP all-reduces the same gradients. Its ring all-reduce (NCCL's and gloo's algorithm for
 large buckets) sends and receives ``2 (N - 1) / N * P`` per rank for ``P`` bytes. dmuon's
@@ -21,7 +21,7 @@ from typing import NamedTuple, Sequence
 
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import ParamSpec
-from dmuon.functional.step_bytes import runtime_step_traffic
+from dmuon.functional.program import plan_program
 
 __all__ = ["DDPTraffic", "ddp_step_traffic", "ring_allreduce_bytes"]
 
@@ -73,7 +73,7 @@ def ddp_step_traffic(specs: Sequence[ParamSpec], world: int, *,
     from dmuon.functional.buckets import dtype_itemsize
 
     plan = plan_owners(specs, 1, world)
-    traffic = runtime_step_traffic(plan, specs, reshard_after_forward=False, compute_dtype=dtype)
+    traffic = plan_program(plan, specs, reshard_after_forward=False, compute_dtype=dtype).traffic()
     item = dtype_itemsize(dtype)
     numel: dict[str, int] = {}
     for s in specs:

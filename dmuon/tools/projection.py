@@ -2,7 +2,7 @@
 
 For a model preset, a mesh ``(R, G)``, a micro-batch and a sequence length, :func:`project_step`
 builds the real owner plan (:func:`~dmuon.functional.plan.plan_owners`, split units included) and
-the real schedules (:func:`~dmuon.functional.schedule.build_step_schedules`, split NS:
+the real schedules (:func:`~dmuon.functional.program.step_program`, split NS:
 :func:`~dmuon.newton_schulz.split.split_ns_schedule`), then times one steady-state step on a
 :class:`~dmuon.tools.machine.Machine` with three serial resources per rank (every rank runs
 the same program, so one rank's timeline stands for all, except in the owners' phase):
@@ -47,13 +47,13 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional
 
-from dmuon.functional.buckets import bucket_layout, hook_groups
+from dmuon.functional.buckets import hook_groups
 from dmuon.tools.machine import Machine, collective_time
 from dmuon.tools.model_flops import head_forward_flops, layer_forward_flops
 from dmuon.tools.ns_phase import NSPhase, ns_phase, reference_slowdown
 from dmuon.functional.plan import OwnerPlan, plan_owners
 from dmuon.tools.presets import ModelPreset, preset_specs
-from dmuon.functional.schedule import build_step_schedules
+from dmuon.functional.program import step_program
 from dmuon.functional.split_plan import owner_entries
 
 __all__ = ["StepSetup", "StepProjection", "TimelineOp", "project_step", "DESIGNS", "LANE_NAMES"]
@@ -218,16 +218,14 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
                                node_size=machine.gpus_per_node, split_score=score)
         entries = owner_entries(plan, specs)
         shapes = {n: e[0] for n, e in entries.items()}
-        hg = hook_groups(sorted(plan.owners))
-        un = build_step_schedules(bucket_layout(plan.owners, shapes, {n: "torch.bfloat16" for n in shapes},
-                                                hg, G, R))
         red_dt = "torch.float32" if setup.reduce_bytes == 4 else "torch.bfloat16"
-        red = build_step_schedules(bucket_layout(plan.owners, shapes, {n: red_dt for n in shapes}, hg,
-                                                 G, R, presence=True))
-        for g in un.unshard:
+        bf16 = {n: "torch.bfloat16" for n in shapes}
+        prog = step_program(plan.owners, shapes, bf16, reduce_dtypes={n: red_dt for n in shapes},
+                            master_dtypes=bf16, shard_size=G, replicate_size=R,
+                            groups=hook_groups(sorted(plan.owners)))
+        for g, ph in prog.groups.items():
             layer = int(g.rsplit(".", 1)[1])
-            groups[layer] = (list(un.unshard[g].ops), list(red.reduce[g].ops),
-                             [op for op in un.publish.ops if op.bucket.group == g])
+            groups[layer] = (list(ph.unshard.ops), list(ph.reduce.ops), list(ph.publish.ops))
         slow = reference_slowdown(machine, p.hidden) if design == "reference" else 1.0
         ew = machine.adamw_s_per_param if design == "reference" else machine.fused_s_per_param
         nsp = ns_phase(plan, specs, machine, steps=setup.ns_steps, slowdown=slow,

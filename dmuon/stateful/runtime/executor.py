@@ -21,20 +21,22 @@ CUDA
     their own process groups (NCCL runs one group's collectives in order on one internal stream).
 
 Participation: shard-axis ops run on every rank (its replica's shard group); replicate-axis ops only
-on the ranks of column ``op.at``. A rank needs the bucket of every op it takes part in.
+on the ranks of column ``op.at``; explicit-group ops (lane ``"tp"``: tensor parallelism's NS
+``Gather`` / ``Scatter``) on their ``members``, over this rank's TP group. A rank needs the bucket of
+every op it takes part in.
 
 Semantics caveat (as in the simulator): after a ``Reduce`` only the destination's range is defined;
 gloo overwrites the range on the other ranks. Callers must not read it (the simulator poisons it).
 
-Counters (per lane, this rank): collectives issued, logical payload bytes sent and received under the
-convention of :mod:`dmuon.functional.schedule` (broadcast: root sends (n-1)P, others receive P;
-reduce: non-roots send P, root receives (n-1)P). Groups of one rank issue nothing unless
+Counters (per lane, this rank): collectives issued, logical payload bytes sent and received, counted
+by :func:`dmuon.functional.schedule.op_bytes` (the one byte count: they equal the step program's
+traffic, ``tests/test_step_program_gloo.py``). Groups of one rank issue nothing unless
 ``issue_trivial=True`` (then they are issued and counted as collectives with 0 bytes).
 """
 from __future__ import annotations
 
 import logging
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -43,7 +45,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon.functional.buckets import BucketKey
-from dmuon.functional.schedule import LANES, Broadcast, Op, Schedule
+from dmuon.functional.schedule import (LANES, AllReduce, Broadcast, Gather, Op, Reduce, Schedule,
+                                       Scatter, op_bytes)
 from dmuon.stateful.runtime.process_groups import MeshGroups
 
 log = logging.getLogger(__name__)
@@ -63,6 +66,7 @@ class _Rec:
     group: Any = None
     root: int = -1                  # global rank of the root
     group_size: int = 1
+    position: int = 0               # this rank's index in the op's group
     deps: list["_Rec"] = field(default_factory=list)
     issued: bool = False
     handle: Any = None              # gloo work handle
@@ -102,13 +106,27 @@ class _Rec:
         return [e for d in self.deps for e in d.events()]
 
 
+def _parts(rec: _Rec) -> list[Tensor]:
+    """The members' parts of an explicit-group op, as views of this rank's range."""
+    return [rec.view.narrow(0, o - rec.op.offset, n) for o, n in rec.op.parts]
+
+
 def _collective(rec: _Rec) -> Any:
-    """Issue ``rec``'s broadcast or reduce on its view (async); returns the work handle."""
-    op = rec.op
+    """Issue ``rec``'s collective on its view (async); returns the work handle."""
+    op, kw = rec.op, dict(group=rec.group, async_op=True)
     if isinstance(op, Broadcast):
-        return dist.broadcast(rec.view, src=rec.root, group=rec.group, async_op=True)
-    return dist.reduce(rec.view, dst=rec.root, op=_REDUCE_OPS[op.op], group=rec.group,
-                       async_op=True)
+        return dist.broadcast(rec.view, src=rec.root, **kw)
+    if isinstance(op, Reduce):
+        return dist.reduce(rec.view, dst=rec.root, op=_REDUCE_OPS[op.op], **kw)
+    if isinstance(op, AllReduce):
+        return dist.all_reduce(rec.view, op=_REDUCE_OPS[op.op], **kw)
+    parts = _parts(rec)
+    mine = parts[rec.position]
+    if isinstance(op, Gather):
+        return dist.gather(mine, parts if rec.position == op.root else None, dst=rec.root, **kw)
+    if isinstance(op, Scatter):
+        return dist.scatter(mine, parts if rec.position == op.root else None, src=rec.root, **kw)
+    return dist.all_gather(parts, mine.clone(), **kw)  # AllGather
 
 
 class Pending:
@@ -160,14 +178,15 @@ class Executor:
         self.issue_trivial = issue_trivial
         self.timeout = timeout  # the lane groups' collective timeout (for error messages)
         # CPU: per lane, launched and not yet issued, in launch order
-        self._queues: dict[str, deque[_Rec]] = {lane: deque() for lane in LANES}
+        self._queues: dict[str, deque[_Rec]] = defaultdict(deque)
         self._seq = 0
         self._streams: dict[tuple[int, str], Any] = {}
         self.reset_counters()
 
     # ----------------------------------------------------------------------------- counters
     def counters(self) -> dict[str, dict[str, int]]:
-        """``{lane: {"collectives", "sent_bytes", "received_bytes"}}`` for this rank (a copy)."""
+        """``{lane: {"collectives", "sent_bytes", "received_bytes"}}`` for this rank (a copy): the
+        three mesh lanes always, an explicit-group lane (``"tp"``) once it ran."""
         return {lane: dict(c) for lane, c in self._counters.items()}
 
     def reset_counters(self) -> None:
@@ -175,20 +194,14 @@ class Executor:
                           for lane in LANES}
 
     def _count(self, rec: _Rec) -> None:
-        c = self._counters[rec.op.lane]
+        """Count ``rec`` on this rank (:func:`~dmuon.functional.schedule.op_bytes`, the one byte
+        count: the counters equal the step program's traffic)."""
+        c = self._counters.setdefault(rec.op.lane, {"collectives": 0, "sent_bytes": 0,
+                                                    "received_bytes": 0})
+        sent, received = op_bytes(rec.op, rec.position, rec.group_size)
         c["collectives"] += 1
-        n, P = rec.group_size, rec.op.nbytes
-        me = self.groups.rank
-        if isinstance(rec.op, Broadcast):
-            if me == rec.root:
-                c["sent_bytes"] += (n - 1) * P
-            else:
-                c["received_bytes"] += P
-        else:
-            if me == rec.root:
-                c["received_bytes"] += (n - 1) * P
-            else:
-                c["sent_bytes"] += P
+        c["sent_bytes"] += sent
+        c["received_bytes"] += received
 
     _LANE_WHAT = {"unshard": "weight gather (forward / backward pre-hook)",
                   "reduce": "gradient reduce (backward)",
@@ -201,6 +214,8 @@ class Executor:
         op, mg = rec.op, self.groups
         if op.axis == "shard":
             ranks = mg.axis_ranks("shard")
+        elif op.axis == "group":
+            ranks = list(op.members)
         else:
             ranks = [mg.global_rank(op.at, r) for r in range(mg.replicate_size)]
         bound = f" (timeout {self.timeout})" if self.timeout is not None else ""
@@ -232,16 +247,20 @@ class Executor:
         mg = self.groups
         s, r = mg.coord
         if op.axis == "shard":
-            takes_part, root, n = True, mg.global_rank(op.root, r), mg.shard_size
+            takes_part, root, n, pos = True, mg.global_rank(op.root, r), mg.shard_size, s
+        elif op.axis == "group":  # an explicit group of global ranks (tensor parallelism's lane)
+            takes_part, n, root = mg.rank in op.members, len(op.members), op.members[op.root]
+            pos = op.members.index(mg.rank) if takes_part else -1
         else:
-            takes_part, root, n = (s == op.at), mg.global_rank(op.at, op.root), mg.replicate_size
+            takes_part, root, n, pos = ((s == op.at), mg.global_rank(op.at, op.root),
+                                        mg.replicate_size, r)
         deps = []
         for w in op.waits:
             if w not in by_id:
                 raise ValueError(f"op {op.id!r} waits on {w!r}, which is not an earlier op of this "
                                  f"launch; pass the earlier launch's Pending as `after`")
             deps.append(by_id[w])
-        rec = _Rec(op=op, seq=self._seq, view=None, root=root, group_size=n,
+        rec = _Rec(op=op, seq=self._seq, view=None, root=root, group_size=n, position=pos,
                    deps=deps + after, executor=self)
         self._seq += 1
         if takes_part and (n > 1 or self.issue_trivial):
@@ -256,7 +275,7 @@ class Executor:
             if str(buf.dtype) != op.dtype:
                 raise ValueError(f"op {op.id!r} expects {op.dtype}, bucket tensor is {buf.dtype}")
             rec.view = buf.narrow(0, op.offset, op.numel)
-            rec.group = mg.group(op.lane)
+            rec.group = mg.member_group(op.members) if op.axis == "group" else mg.group(op.lane)
         return rec
 
     def launch(self, ops: "Schedule | Sequence[Op]", buffers: Mapping[BucketKey, Tensor], *,

@@ -92,6 +92,14 @@ class MeshGroups:
         except KeyError:
             raise KeyError(f"no process group for lane {lane!r}; lanes: {list(self.groups)}") from None
 
+    def member_group(self, members: Sequence[int]) -> Any:
+        """The process group of an explicit-group op's ``members`` (global ranks): this rank's
+        tensor-parallel group."""
+        if tuple(members) == tuple(self.tp_ranks) and self.tp_group is not None:
+            return self.tp_group
+        raise KeyError(f"no process group for the ranks {list(members)} on rank {self.rank} "
+                       f"(its TP group: {list(self.tp_ranks)})")
+
     def axis_ranks(self, axis: str) -> list[int]:
         """Global ranks of this rank's group along ``axis``, in axis order."""
         s, r = self.coord

@@ -1,0 +1,300 @@
+"""The step program: every collective of one training step of the dedicated matrices, as one
+frozen value built once per model.
+
+A dedicated model's step moves its matrices in a fixed pattern that depends only on the owner
+plan, the hook groups, the dtypes and the mode, so it is data (built at the first forward, when
+FSDP2's dtypes are known, and never re-planned):
+
+===============  ====================================================  =========================
+phase            what                                                  schedule
+===============  ====================================================  =========================
+``unshard``      forward gather of a hook group (owner column           shard-axis ``Broadcast``
+                 broadcasts its bucket); Z3 groups run it again at       per bucket
+                 the start of their backward
+``reduce``       backward gradient reduce, in one fixed order (the      shard-axis ``Reduce``
+                 reverse of the forward order), with one presence        (+ replicate stage)
+                 element per matrix
+``publish``      post-step HSDP / DDP publish of the new masters to     replicate-axis
+                 the replicas of the owner's column                      ``Broadcast``
+``tp``           tensor parallelism: the owners' NS inputs gathered to   explicit-group
+                 the matrix's root and the result scattered back         ``Gather`` / ``Scatter``
+===============  ====================================================  =========================
+
+plus the checkpoint moves (:meth:`StepProgram.to_every_rank`, :meth:`StepProgram.to_columns`) over
+the master layout. :meth:`StepProgram.traffic` is **the** byte count of a step: the runtime's
+executor counts with the same per-op function (:func:`dmuon.functional.schedule.op_bytes`) and
+equals it (``tests/test_step_program_gloo.py``); every other figure (the demo's summary, the CLI,
+the DDP comparison, the projector) is a view of it.
+
+The runtime interprets the program (its hooks ask for "phase X of group g"); the pure step
+(:mod:`dmuon.functional.step`) runs the same phases on per-rank pytrees in the simulator.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence
+
+from dmuon.functional.buckets import BucketLayout, HookGroups, bucket_layout, hook_groups
+from dmuon.functional.owner_plan import Coord, OwnerPlan
+from dmuon.functional.schedule import (Schedule, publish_schedule, reduce_schedule,
+                                       unshard_schedule)
+from dmuon.functional.specs import ParamSpec
+from dmuon.functional.traffic import Traffic
+
+__all__ = ["PHASES", "GroupPhases", "StepProgram", "step_program", "program_from_layouts",
+           "plan_program", "step_traffic", "ROOT_GROUP"]
+
+#: The hook group of params under no boundary module (gathered for the whole forward: never Z3).
+ROOT_GROUP = ""
+#: The per-group phases, in the order a step runs them.
+PHASES = ("unshard", "reduce", "publish")
+
+
+@dataclass(frozen=True)
+class GroupPhases:
+    """One hook group's schedules.
+
+    Attributes:
+      key: the hook-group key.  names: its matrices.
+      unshard: the forward gather (Z3: also the backward re-gather).
+      reduce: the backward gradient reduce (presence elements included).
+      publish: the post-step publish to the replicas (empty when R == 1).
+      reshard_after_forward: Z3 (freed after forward, re-gathered in backward) or Z2.
+    """
+
+    key: str
+    names: tuple[str, ...]
+    unshard: Schedule
+    reduce: Schedule
+    publish: Schedule
+    reshard_after_forward: bool
+
+    def phase(self, kind: str) -> Schedule:
+        if kind not in PHASES:
+            raise ValueError(f"unknown phase {kind!r}; phases: {PHASES}")
+        return getattr(self, kind)
+
+
+def _renamed(schedule: Schedule, prefix: str) -> tuple:
+    return tuple(dataclasses.replace(op, id=f"{prefix}{op.id}",
+                                     waits=tuple(f"{prefix}{w}" for w in op.waits))
+                 for op in schedule)
+
+
+@dataclass(frozen=True)
+class StepProgram:
+    """Every phase of a training step as schedule data (see the module docstring).
+
+    Attributes:
+      shard_size, replicate_size: G, R of one data-parallel grid (DDP mode: G = 1, R = world).
+      owners: ``{name: (s, r)}``.  hook_groups: groups in forward (static module) order.
+      unshard_layout: buckets in the compute dtypes.  reduce_layout: in the reduce dtypes, with
+        presence elements.  master_layout: in the master dtypes (publish, checkpoint moves).
+      groups: ``{key: GroupPhases}`` in forward order.
+      tp: tensor parallelism's NS gathers / scatters over the whole world (global ranks), or
+        ``None`` without TP.
+      splits: the split-NS units' schedules (lane ``"split"``; planned, counted by
+        :meth:`traffic`, not yet run by the runtime).
+    """
+
+    shard_size: int
+    replicate_size: int
+    owners: Mapping[str, Coord]
+    hook_groups: HookGroups
+    unshard_layout: BucketLayout
+    reduce_layout: BucketLayout
+    master_layout: BucketLayout
+    groups: Mapping[str, GroupPhases]
+    tp: Optional[Schedule] = None
+    splits: tuple[Schedule, ...] = ()
+
+    @property
+    def world_size(self) -> int:
+        return self.shard_size * self.replicate_size
+
+    @property
+    def forward_order(self) -> tuple[str, ...]:
+        return tuple(self.groups)
+
+    @property
+    def reduce_order(self) -> tuple[str, ...]:
+        """The fixed order of the gradient reduces on every rank: the reverse of the static
+        group order."""
+        return tuple(reversed(tuple(self.groups)))
+
+    def phase(self, kind: str, key: str) -> Schedule:
+        """The schedule of phase ``kind`` of hook group ``key``."""
+        return self.groups[key].phase(kind)
+
+    def owned(self, coord: Sequence[int]) -> tuple[str, ...]:
+        """The matrices ``coord = (s, r)`` owns, in hook-group order."""
+        c = tuple(coord)
+        return tuple(n for g in self.groups.values() for n in g.names if tuple(self.owners[n]) == c)
+
+    # ------------------------------------------------------------------ the whole step
+    def step_schedule(self) -> Schedule:
+        """One step's collectives in issue order on every rank: the forward gathers (forward
+        order), the Z3 backward re-gathers (reverse order), the reduces (reduce order), the
+        publishes (static order). TP's ops are :attr:`tp` (global ranks)."""
+        fwd = tuple(op for k in self.forward_order for op in self.groups[k].unshard)
+        re = tuple(op for k in self.reduce_order if self.groups[k].reshard_after_forward
+                   for op in _renamed(self.groups[k].unshard, "regather:"))
+        red = tuple(op for k in self.reduce_order for op in self.groups[k].reduce)
+        return Schedule(fwd + re + red + self.publish_all().ops, self.shard_size,
+                        self.replicate_size)
+
+    def publish_all(self) -> Schedule:
+        """Every group's post-step publish, in the static group order (empty when R == 1)."""
+        return Schedule(tuple(op for k in self.forward_order for op in self.groups[k].publish),
+                        self.shard_size, self.replicate_size)
+
+    def traffic(self, *, publish: bool = True) -> Traffic:
+        """Bytes and collectives per lane and rank (``r * G + s``) of one step: the one count
+        (``publish=False``: without the post-step publish)."""
+        sched = self.step_schedule()
+        if not publish:
+            sched = Schedule(tuple(op for op in sched if not op.id.startswith("publish/")),
+                             self.shard_size, self.replicate_size)
+        total = sched.traffic()
+        for sp in self.splits:
+            total = total + sp.traffic()
+        return total
+
+    def rank_counters(self, coord: Sequence[int], global_rank: Optional[int] = None
+                      ) -> dict[str, dict[str, int]]:
+        """What the executor of rank ``coord`` counts in one step (``global_rank``: its global
+        rank, for the TP lane), as ``{lane: {"collectives", "sent_bytes", "received_bytes"}}``."""
+        s, r = (int(x) for x in coord)
+        out = self.traffic().for_rank(r * self.shard_size + s)
+        if self.tp is not None and len(self.tp):
+            if global_rank is None:
+                raise ValueError("rank_counters: a program with TP needs the global rank")
+            out.update({k: v for k, v in self.tp.traffic().for_rank(int(global_rank)).items()
+                        if k == "tp"})
+        return {lane: c for lane, c in out.items() if lane != "split" or any(c.values())}
+
+    # ------------------------------------------------------------------ checkpoint moves
+    def to_every_rank(self, group: str, *, owner_only: bool = False) -> Schedule:
+        """Checkpoint read of ``group``'s master buckets onto every rank: (``owner_only``: values
+        held by the global owner alone, e.g. momentum, are first published to its column) then
+        each column broadcasts over the shard axis."""
+        head = tuple(_renamed(publish_schedule(self.master_layout, group), "ckpt:")) \
+            if owner_only else ()
+        body = _renamed(unshard_schedule(self.master_layout, group), "ckpt:")
+        return Schedule(head + body, self.shard_size, self.replicate_size)
+
+    def to_columns(self, group: str) -> Schedule:
+        """Checkpoint write of ``group``'s full matrices to their owner column in every replica:
+        a shard-axis sum of the rows each rank holds (zeros elsewhere)."""
+        return Schedule(_renamed(reduce_schedule(self.master_layout, group, op="sum",
+                                                 replicate=False), "ckpt:"),
+                        self.shard_size, self.replicate_size)
+
+
+def step_traffic(layout: BucketLayout, reshard_after_forward: bool = False, *,
+                 publish: bool = True) -> Traffic:
+    """Bytes per lane and rank of one step of ``layout``'s matrices (the layout serves as the
+    unshard, reduce and master layout): :meth:`StepProgram.traffic`.
+
+    ``reshard_after_forward``: ``False`` (Z2): forward unshard + backward reduce; ``True`` (Z3):
+    forward unshard + backward re-unshard + reduce (the root group ``""`` stays Z2, as in the
+    runtime). ``publish``: add the post-step HSDP publish (nothing when R == 1). Mean sent (or
+    received) per rank over shard-axis lanes: ``2(G-1)/G * P`` (Z2), ``3(G-1)/G * P`` (Z3).
+    """
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError("reshard_after_forward must be a bool (True: Z3, False: Z2), got "
+                        f"{reshard_after_forward!r}")
+    return program_from_layouts(layout, layout, layout,
+                                reshard_after_forward=reshard_after_forward).traffic(
+                                    publish=publish)
+
+
+def plan_program(plan: OwnerPlan, specs: Sequence[ParamSpec], *, reshard_after_forward: bool = True,
+                 compute_dtype: str = "torch.float32", reduce_dtype: Optional[str] = None,
+                 groups: Optional[HookGroups] = None, ns_steps: int = 5,
+                 split_dtype: str = "torch.bfloat16") -> StepProgram:
+    """The :class:`StepProgram` of an owner plan with one compute and one reduce dtype for every
+    matrix, its split-NS units' schedules included (the CLI, the demo's summary, the projector
+    and the DDP comparison read their bytes from it).
+
+    Args:
+      plan, specs: the owner plan and its specs (split units use their own shapes).
+      reshard_after_forward, groups: as :func:`step_program`.
+      compute_dtype / reduce_dtype: ``str(torch dtype)`` (reduce: default the compute dtype).
+      ns_steps, split_dtype: for split units' schedules (compute dtype of their gathers).
+    """
+    from dmuon.functional.split_plan import owner_entries
+    from dmuon.newton_schulz.cost import DEFAULT_GRAM_RESTART
+    from dmuon.newton_schulz.split import split_ns_schedule
+
+    entries = owner_entries(plan, specs)
+    shapes = {n: e[0] for n, e in entries.items()}
+    prog = step_program(plan.owners, shapes, {n: compute_dtype for n in shapes},
+                        reduce_dtypes={n: reduce_dtype or compute_dtype for n in shapes},
+                        shard_size=plan.shard_size, replicate_size=plan.replicate_size,
+                        groups=groups if groups is not None else hook_groups(sorted(plan.owners)),
+                        reshard_after_forward=reshard_after_forward)
+    G, R = plan.shard_size, plan.replicate_size
+    splits = tuple(split_ns_schedule(
+        sp.param, sp.layout, sp.members, G, R, steps=ns_steps, variant=sp.variant,
+        gram_restart=DEFAULT_GRAM_RESTART if sp.variant == "gram" else None, dtype=split_dtype)
+        for sp in plan.splits)
+    return dataclasses.replace(prog, splits=splits)
+
+
+def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]],
+                 compute_dtypes: Mapping[str, str], *, shard_size: int, replicate_size: int = 1,
+                 reduce_dtypes: Optional[Mapping[str, str]] = None,
+                 master_dtypes: Optional[Mapping[str, str]] = None,
+                 groups: Optional[HookGroups] = None, reshard_after_forward: bool = True,
+                 tp: Optional[Schedule] = None) -> StepProgram:
+    """Build the :class:`StepProgram` of one model (pure, deterministic).
+
+    Args:
+      owners: ``{name: (s, r)}`` (``OwnerPlan.owners``).  shapes: ``{name: shape}`` of what moves
+        (a TP slice's local shape).
+      compute_dtypes: ``{name: dtype}`` of the gathered copies (``str(torch dtype)`` or dtype).
+      reduce_dtypes: of the gradient reduces (default: the compute dtypes).
+      master_dtypes: of the masters (default: fp32, or fp64 for fp64 compute).
+      groups: the hook groups (default: by layer key, :func:`~dmuon.functional.buckets.hook_groups`).
+      reshard_after_forward: Z3 (True) or Z2 for every group but :data:`ROOT_GROUP` (always Z2:
+        gathered for the whole forward).
+      tp: tensor parallelism's NS schedule (:func:`dmuon.functional.tp_plan.tp_step_schedule`).
+    """
+    if not isinstance(reshard_after_forward, bool):
+        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    G, R = int(shard_size), int(replicate_size)
+    hg = groups if groups is not None else hook_groups(list(owners))
+    rd = dict(reduce_dtypes) if reduce_dtypes is not None else dict(compute_dtypes)
+    if master_dtypes is None:
+        master_dtypes = {n: ("torch.float64" if "float64" in str(compute_dtypes[n])
+                             else "torch.float32") for n in owners}
+    return program_from_layouts(
+        bucket_layout(owners, shapes, compute_dtypes, hg, G, R),
+        bucket_layout(owners, shapes, rd, hg, G, R, presence=True),
+        bucket_layout(owners, shapes, master_dtypes, hg, G, R),
+        owners=owners, groups=hg, reshard_after_forward=reshard_after_forward, tp=tp)
+
+
+def program_from_layouts(unshard: BucketLayout, reduce: BucketLayout, master: BucketLayout, *,
+                         owners: Optional[Mapping[str, Coord]] = None,
+                         groups: Optional[HookGroups] = None, reshard_after_forward: bool = True,
+                         tp: Optional[Schedule] = None) -> StepProgram:
+    """The :class:`StepProgram` of three given layouts (:func:`step_program` builds them; a
+    byte count over one layout passes it three times)."""
+    G, R = unshard.shard_size, unshard.replicate_size
+    if owners is None:
+        owners = {e.name: e.owner for b in unshard.buckets for e in b.entries}
+    if groups is None:
+        groups = HookGroups(order=unshard.groups, members=tuple(
+            (k, tuple(sorted(e.name for b in unshard.buckets_of(k) for e in b.entries)))
+            for k in unshard.groups))
+    phases = {
+        key: GroupPhases(key=key, names=groups.names(key),
+                         unshard=unshard_schedule(unshard, key),
+                         reduce=reduce_schedule(reduce, key),
+                         publish=publish_schedule(master, key),
+                         reshard_after_forward=reshard_after_forward and key != ROOT_GROUP)
+        for key in unshard.groups}
+    return StepProgram(G, R, dict(owners), groups, unshard, reduce, master, phases, tp)
