@@ -50,7 +50,7 @@ def _worker(rank, world, out_dir):
             "wrapped": type(trainer.model_wrapped).__name__,
             "collectives": rt.executor.counters()["replicate"]["collectives"],
             "per_step": sum(1 for g in rt.groups.values()
-                            for op in list(g.reduce_schedule) + list(g.publish_schedule)
+                            for op in list(g.phases.reduce) + list(g.phases.publish)
                             if op.lane == "replicate")}
 
 

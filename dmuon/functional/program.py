@@ -43,7 +43,8 @@ from dmuon.functional.specs import ParamSpec
 from dmuon.functional.traffic import Traffic
 
 __all__ = ["PHASES", "GroupPhases", "StepProgram", "step_program", "program_from_layouts",
-           "plan_program", "step_traffic", "ROOT_GROUP"]
+           "plan_program", "step_traffic", "checkpoint_to_every_rank", "checkpoint_to_columns",
+           "ROOT_GROUP"]
 
 #: The hook group of params under no boundary module (gathered for the whole forward: never Z3).
 ROOT_GROUP = ""
@@ -176,20 +177,32 @@ class StepProgram:
 
     # ------------------------------------------------------------------ checkpoint moves
     def to_every_rank(self, group: str, *, owner_only: bool = False) -> Schedule:
-        """Checkpoint read of ``group``'s master buckets onto every rank: (``owner_only``: values
-        held by the global owner alone, e.g. momentum, are first published to its column) then
-        each column broadcasts over the shard axis."""
-        head = tuple(_renamed(publish_schedule(self.master_layout, group), "ckpt:")) \
-            if owner_only else ()
-        body = _renamed(unshard_schedule(self.master_layout, group), "ckpt:")
-        return Schedule(head + body, self.shard_size, self.replicate_size)
+        """:func:`checkpoint_to_every_rank` of this program's master layout."""
+        return checkpoint_to_every_rank(self.master_layout, group, owner_only=owner_only)
 
     def to_columns(self, group: str) -> Schedule:
-        """Checkpoint write of ``group``'s full matrices to their owner column in every replica:
-        a shard-axis sum of the rows each rank holds (zeros elsewhere)."""
-        return Schedule(_renamed(reduce_schedule(self.master_layout, group, op="sum",
-                                                 replicate=False), "ckpt:"),
-                        self.shard_size, self.replicate_size)
+        """:func:`checkpoint_to_columns` of this program's master layout."""
+        return checkpoint_to_columns(self.master_layout, group)
+
+
+def checkpoint_to_every_rank(master: BucketLayout, group: str, *,
+                             owner_only: bool = False) -> Schedule:
+    """Checkpoint read of ``group``'s master buckets onto every rank: (``owner_only``: values held
+    by the global owner alone, e.g. momentum, are first published to its column) then each column
+    broadcasts over the shard axis (each broadcast waits for its bucket's publish). Depends on the
+    master layout alone (a state dict may be read before the first forward fixed the compute
+    dtypes)."""
+    head = tuple(_renamed(publish_schedule(master, group), "ckpt:")) if owner_only else ()
+    body = tuple(dataclasses.replace(op, waits=tuple(h.id for h in head if h.bucket == op.bucket))
+                 for op in _renamed(unshard_schedule(master, group), "ckpt:"))
+    return Schedule(head + body, master.shard_size, master.replicate_size)
+
+
+def checkpoint_to_columns(master: BucketLayout, group: str) -> Schedule:
+    """Checkpoint write of ``group``'s full matrices to their owner column in every replica: a
+    shard-axis sum of the rows each rank holds (zeros elsewhere)."""
+    return Schedule(_renamed(reduce_schedule(master, group, op="sum", replicate=False), "ckpt:"),
+                    master.shard_size, master.replicate_size)
 
 
 def step_traffic(layout: BucketLayout, reshard_after_forward: bool = False, *,

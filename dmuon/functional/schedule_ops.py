@@ -17,9 +17,9 @@ __all__ = ["Axis", "Lane", "LANE_AXIS", "GROUP_LANES", "Broadcast", "Reduce", "A
 Axis = Literal["shard", "replicate", "group"]
 Lane = Literal["unshard", "reduce", "replicate", "split", "tp"]
 LANE_AXIS: Mapping[str, str] = {"unshard": "shard", "reduce": "shard", "replicate": "replicate"}
-#: Lanes of explicit-group ops, planned and simulated, not run by the executor: ``"split"`` (split
-#: Newton–Schulz), ``"tp"`` (the TP group's NS gather / scatter, :mod:`dmuon.functional.tp_plan`;
-#: run by :class:`dmuon.stateful.modes.tensor_parallel.TPStep`).
+#: Lanes of explicit-group ops: ``"tp"`` (the TP group's NS gather / scatter,
+#: :mod:`dmuon.functional.tp_plan`; the runtime's executor runs them) and ``"split"`` (split
+#: Newton–Schulz: planned and simulated, not run yet).
 GROUP_LANES: Mapping[str, str] = {"split": "group", "tp": "group"}
 _ALL_LANE_AXIS: Mapping[str, str] = {**LANE_AXIS, **GROUP_LANES}
 

@@ -2,7 +2,9 @@
 the schedules and the executor.
 
 Every transfer runs one hook group at a time on the master layout's buckets (one flat buffer per
-``(group, owner column, master dtype)``), with the schedules of :mod:`dmuon.functional.schedule`,
+``(group, owner column, master dtype)``), with the step program's checkpoint phases
+(:func:`~dmuon.functional.program.checkpoint_to_every_rank`, :func:`~dmuon.functional.program.
+checkpoint_to_columns`),
 on a second :class:`~dmuon.stateful.runtime.executor.Executor` over dmuon's lane groups (bounded by
 dmuon's timeout, failures named; its counters, :attr:`CheckpointTransfer.executor`, are kept apart
 from the training step's telemetry). Callers drain the training collectives first.
@@ -25,7 +27,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 
 from dmuon.functional.buckets import BucketKey, to_torch_dtype
-from dmuon.functional.schedule import publish_schedule, reduce_schedule, unshard_schedule
+from dmuon.functional.program import checkpoint_to_columns, checkpoint_to_every_rank
 from dmuon.stateful.runtime.executor import Executor
 
 __all__ = ["CheckpointTransfer", "row_chunks"]
@@ -82,11 +84,8 @@ class CheckpointTransfer:
                     v = values.get(e.name)
                     if v is not None:
                         bufs[b.key][e.offset:e.offset + e.numel].view(e.shape).copy_(v)
-        if owner_only and self.st.R > 1:
-            sched = publish_schedule(self.layout, group)
-            if len(sched):
-                self.executor.launch(sched, bufs).wait()
-        self.executor.launch(unshard_schedule(self.layout, group), bufs).wait()
+        self.executor.launch(checkpoint_to_every_rank(self.layout, group,
+                                                      owner_only=owner_only), bufs).wait()
         return {e.name: bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)
                 for b in self.layout.buckets_of(group) for e in b.entries}
 
@@ -107,8 +106,7 @@ class CheckpointTransfer:
                     if t.numel():
                         full = bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)
                         full[start:start + t.shape[0]].copy_(t)
-        sched = reduce_schedule(self.layout, group, op="sum", replicate=False)
-        self.executor.launch(sched, bufs).wait()
+        self.executor.launch(checkpoint_to_columns(self.layout, group), bufs).wait()
         s, _ = self.st.coord
         return {e.name: bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)
                 for b in self.layout.buckets_of(group) if b.key.column == s for e in b.entries}

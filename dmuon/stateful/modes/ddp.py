@@ -106,8 +106,8 @@ class DDPParamGroup(DedicatedParamGroup):
 
     zero_copy = False
 
-    def setup(self, unshard_layout: Any, reduce_layout: Any, master_layout: Any) -> None:
-        super().setup(unshard_layout, reduce_layout, master_layout)
+    def setup(self, program: Any) -> None:
+        super().setup(program)
         self.zero_copy = all(str(self.storage.master_dtype[e.name]) == b.key.dtype
                              for b in self._unshard_buckets for e in b.entries)
         if self.zero_copy:

@@ -19,8 +19,8 @@ are the ranks of one dp coordinate ``(s, r)``, which form one TP group.
   full matrix's. Per step and matrix: ``(T-1)/T P`` into the root and ``(T-1)/T P`` out of it
   (the plan: :func:`dmuon.functional.tp_plan.tp_roots`; the ops as a schedule on lane ``"tp"``,
   simulated and byte-counted like dmuon's others: :func:`~dmuon.functional.tp_plan.tp_step_schedule`,
-  :func:`~dmuon.functional.tp_plan.tp_step_bytes`; :class:`TPStep` runs them with torch's
-  ``gather`` / ``scatter`` on the TP group).
+  the step program's ``tp`` phase; :class:`TPStep` runs them through the executor, on the TP
+  group).
 
 Moving the full matrix to one owner that hands TP ranks their slices in the forward broadcast
 instead would send ``~G P`` over the owner's link per forward (``G T - 1`` slice transfers) and
@@ -40,6 +40,7 @@ features that do not handle slices yet (see :func:`refuse_tp`).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from dataclasses import dataclass
@@ -222,10 +223,12 @@ class TPStep:
         of its TP group.
       group, ranks, index: the TP group of this rank's dp coordinate, its global ranks in TP
         order, and this rank's index in it.
+      executor: the runtime's executor (runs the step program's ``tp`` phase; its ``"tp"`` lane
+        counts the bytes).
     """
 
     def __init__(self, layouts: Mapping[str, TPLayout], owned: Sequence[str], *, group: Any,
-                 ranks: Sequence[int], index: int, all_names: Sequence[str] = (),
+                 ranks: Sequence[int], index: int, executor: Any, all_names: Sequence[str] = (),
                  control: Any = None, device: Any = "cpu"):
         self.layouts = dict(layouts)
         self.names = tuple(n for n in owned if n in self.layouts)
@@ -236,12 +239,11 @@ class TPStep:
         self.control = control
         self.device = torch.device(device)  # of the small agreement tensors (NCCL: CUDA)
         self.group, self.ranks, self.index = group, tuple(ranks), int(index)
+        self.executor = executor  # runs the step program's "tp" phase
         self.T = len(self.ranks)
         # the NS root of each matrix (the plan's: dmuon.functional.tp_plan)
         self.root: dict[str, int] = tp_roots({n: self.layouts[n].shape for n in self.names},
                                              self.T)
-        #: bytes this rank received in the TP gathers / scatters (all steps)
-        self.bytes_received = 0
 
     def agree_grads(self, grads: dict[str, Optional[torch.Tensor]],
                     masters: Mapping[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
@@ -291,55 +293,81 @@ class TPStep:
                 "(e.g. sequence-parallel activations): shard it with TP too (ColwiseParallel / "
                 "RowwiseParallel), or leave it to AdamW (predicate).")
 
+    @property
+    def bytes_received(self) -> int:
+        """Bytes this rank received in the TP gathers / scatters (all steps): the executor's
+        ``"tp"`` lane, counted like every other lane."""
+        return self.executor.counters().get("tp", {}).get("received_bytes", 0)
+
     def orthogonalizer(self, inner: Callable[[list], Sequence[torch.Tensor]],
-                       input_names: Sequence[str]) -> Callable[[list], list]:
+                       input_names: Sequence[str], program: Any) -> Callable[[list], list]:
         """``inner`` (an orthogonalizer of full matrices) wrapped so that the inputs of TP slices
         (named by ``input_names``, one per input, in order) are gathered to their root, NS-ed
-        there with the other inputs, and scattered back as this slice of ``NS(full)``."""
+        there with the other inputs, and scattered back as this slice of ``NS(full)``: the step
+        program's ``tp`` phase (``program.tp``), run by the executor."""
         def run(xs: list) -> list:
-            slots = [i for i, n in enumerate(input_names) if n in self.layouts]
             if len(xs) != len(input_names):
                 raise RuntimeError(f"dmuon TP step: {len(xs)} NS inputs for {len(input_names)} "
                                    "names (internal error)")
-            parts: dict[int, list] = {}
-            works = []
-            for i in slots:  # the same order on every rank of the TP group
-                x = xs[i].contiguous()
-                root = self.root[input_names[i]]
-                bufs = [torch.empty_like(x) for _ in range(self.T)] if root == self.index else None
-                if bufs is not None:
-                    parts[i] = bufs
-                    self.bytes_received += x.numel() * x.element_size() * (self.T - 1)
-                works.append(dist.gather(x, bufs, dst=self.ranks[root], group=self.group,
-                                         async_op=True))
-            for w in works:
-                w.wait()
-            plain = [i for i in range(len(xs)) if i not in set(slots)]
-            mine = sorted(parts)
-            full = [torch.cat(parts[i], dim=1 + self.layouts[input_names[i]].dim) for i in mine]
+            slots = {input_names[i]: i for i, n in enumerate(input_names) if n in self.layouts}
+            gathers, scatters = self._phase(program, slots)
+            bufs: dict = {}
+            for op in gathers:  # a root holds every part; the others their own part
+                n = op.bucket.group[len("tp:"):]
+                x = xs[slots[n]].contiguous()
+                if self.root[n] == self.index:
+                    bufs[op.bucket] = torch.empty(op.numel, dtype=x.dtype, device=x.device)
+                    bufs[op.bucket][self._span(op)].copy_(x.view(-1))
+                else:
+                    bufs[op.bucket] = x.view(-1)
+            self.executor.run(gathers, bufs)
+            mine = [op for op in gathers if self.root[op.bucket.group[len("tp:"):]] == self.index]
+            full = [self._assemble(op, bufs[op.bucket], xs[slots[op.bucket.group[3:]]])
+                    for op in mine]
+            plain = [i for i, n in enumerate(input_names) if n not in self.layouts]
             outs = list(inner([xs[i] for i in plain] + full)) if plain or full else []
             result: list = [None] * len(xs)
             for k, i in enumerate(plain):
                 result[i] = outs[k]
-            full_out = dict(zip(mine, outs[len(plain):]))
-            works = []
-            for i in slots:
-                n = input_names[i]
-                root = self.root[n]
-                recv = torch.empty_like(xs[i])
-                pieces = None
-                if root == self.index:
-                    pieces = [c.to(xs[i].dtype).contiguous() for c in
-                              full_out[i].chunk(self.T, dim=1 + self.layouts[n].dim)]
-                result[i] = recv
-                if root != self.index:
-                    self.bytes_received += recv.numel() * recv.element_size()
-                works.append(dist.scatter(recv, pieces, src=self.ranks[root], group=self.group,
-                                          async_op=True))
-            for w in works:
-                w.wait()
+            for op, out in zip(mine, outs[len(plain):]):  # the root's parts of NS(full)
+                n = op.bucket.group[3:]
+                dim = 1 + self.layouts[n].dim
+                for j, c in enumerate(out.chunk(self.T, dim=dim)):
+                    o, k = op.parts[j]
+                    bufs[op.bucket][o:o + k].copy_(c.reshape(-1))
+            for op in scatters:
+                n = op.bucket.group[3:]
+                if self.root[n] != self.index:
+                    bufs[op.bucket] = torch.empty_like(xs[slots[n]]).view(-1)
+            self.executor.run(scatters, bufs)
+            for op in scatters:
+                n = op.bucket.group[3:]
+                result[slots[n]] = bufs[op.bucket][self._span(op)].view(xs[slots[n]].shape) \
+                    if self.root[n] == self.index else bufs[op.bucket].view(xs[slots[n]].shape)
             return result
         return run
+
+    def _phase(self, program: Any, active: Mapping[str, int]) -> tuple[Any, Any]:
+        """The ``tp`` phase's gathers and scatters of this rank's TP group for the matrices with
+        an NS input this step (the same on every rank of the group: :meth:`agree_grads`)."""
+        from dmuon.functional.schedule import Gather, Schedule
+        ops = [op for op in program.tp if self.ranks == tuple(op.members)
+               and op.bucket.group[3:] in active]
+        world = program.tp.shard_size
+        gathers = Schedule(tuple(op for op in ops if isinstance(op, Gather)), world, 1)
+        scatters = Schedule(tuple(dataclasses.replace(op, waits=()) for op in ops
+                                  if not isinstance(op, Gather)), world, 1)
+        return gathers, scatters
+
+    def _span(self, op: Any) -> slice:
+        o, k = op.parts[self.index]
+        return slice(o, o + k)
+
+    def _assemble(self, op: Any, buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """The full NS input on the root: the parts, each of the slice's shape, concatenated
+        along the sliced dim."""
+        dim = 1 + self.layouts[op.bucket.group[3:]].dim
+        return torch.cat([buf[o:o + k].view(x.shape) for o, k in op.parts], dim=dim)
 
 
 def assemble_tp_slices(layouts: Mapping[str, TPLayout], values: Mapping[str, torch.Tensor],

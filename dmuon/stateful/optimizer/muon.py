@@ -195,7 +195,8 @@ class Muon(torch.optim.Optimizer):
         if rt.tp_layouts:
             mg = rt.mesh_groups
             self._tp = TPStep(rt.tp_layouts, rt.owned_names, group=mg.tp_group,
-                              ranks=mg.tp_ranks, index=mg.tp_index, all_names=rt.names,
+                              ranks=mg.tp_ranks, index=mg.tp_index, executor=rt.executor,
+                              all_names=rt.names,
                               control=mg.control, device=rt.device)
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
@@ -330,7 +331,7 @@ class Muon(torch.optim.Optimizer):
         views = self._views or {}
         names = [n for n in leaf_paths(params) if grads.get(n) is not None
                  for _ in views.get(n, Batch(0)).blocks(tuple(params[n].shape))]
-        return self._tp.orthogonalizer(ortho, names)
+        return self._tp.orthogonalizer(ortho, names, self._rt.program)
 
     def adamw_local_tensors(self) -> tuple[dict[str, torch.Tensor],
                                            dict[str, Optional[torch.Tensor]]]:

@@ -67,6 +67,7 @@ class _Rec:
     root: int = -1                  # global rank of the root
     group_size: int = 1
     position: int = 0               # this rank's index in the op's group
+    part_only: bool = False         # a Gather / Scatter member other than the root gave its part
     deps: list["_Rec"] = field(default_factory=list)
     issued: bool = False
     handle: Any = None              # gloo work handle
@@ -107,7 +108,10 @@ class _Rec:
 
 
 def _parts(rec: _Rec) -> list[Tensor]:
-    """The members' parts of an explicit-group op, as views of this rank's range."""
+    """The members' parts of an explicit-group op, as views of this rank's range (a member that
+    passed only its own part: that part alone, at its position)."""
+    if rec.part_only:
+        return [rec.view if j == rec.position else None for j in range(len(rec.op.parts))]
     return [rec.view.narrow(0, o - rec.op.offset, n) for o, n in rec.op.parts]
 
 
@@ -269,12 +273,15 @@ class Executor:
             except KeyError:
                 raise KeyError(f"rank {mg.rank} {mg.coord} takes part in op {op.id!r} but no "
                                f"buffer for bucket {op.bucket} was given") from None
-            if buf.dim() != 1 or buf.numel() < op.offset + op.numel or not buf.is_contiguous():
+            if (isinstance(op, (Gather, Scatter)) and pos != op.root and buf.dim() == 1
+                    and buf.numel() == op.parts[pos][1] and buf.is_contiguous()):
+                rec.part_only = True  # a member's own part is all a gather / scatter needs of it
+            elif buf.dim() != 1 or buf.numel() < op.offset + op.numel or not buf.is_contiguous():
                 raise ValueError(f"bucket {op.bucket} must be a contiguous 1-D tensor with at least "
                                  f"{op.offset + op.numel} elements, got {tuple(buf.shape)}")
             if str(buf.dtype) != op.dtype:
                 raise ValueError(f"op {op.id!r} expects {op.dtype}, bucket tensor is {buf.dtype}")
-            rec.view = buf.narrow(0, op.offset, op.numel)
+            rec.view = buf if rec.part_only else buf.narrow(0, op.offset, op.numel)
             rec.group = mg.member_group(op.members) if op.axis == "group" else mg.group(op.lane)
         return rec
 
@@ -305,6 +312,11 @@ class Executor:
                 self._queues[rec.op.lane].append(rec)
             self.poll()
         return Pending(self, recs, dev_type)
+
+    def run(self, ops: "Schedule | Sequence[Op]", buffers: Mapping[BucketKey, Tensor]) -> None:
+        """Launch ``ops`` and wait for them (the ``run`` a pure step takes,
+        :func:`dmuon.functional.step.rank_step`)."""
+        self.launch(ops, buffers).wait()
 
     # ----------------------------------------------------------------------------- CPU path
     def _issue_cpu(self, rec: _Rec) -> None:

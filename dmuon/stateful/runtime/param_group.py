@@ -28,10 +28,9 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
-from dmuon.functional.buckets import BucketEntry, BucketKey, BucketLayout, to_torch_dtype
-from dmuon.functional.schedule import (
-    Schedule, publish_schedule, reduce_schedule, unshard_schedule,
-)
+from dmuon.functional.buckets import BucketKey, to_torch_dtype
+from dmuon.functional.packing import pack_, presence, unpack
+from dmuon.functional.program import GroupPhases, StepProgram
 from dmuon.stateful.runtime.executor import Executor, Pending
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool, alloc_storage, free_storage
 
@@ -124,30 +123,25 @@ class DedicatedParamGroup:
         self.unshard_buffers: dict[BucketKey, torch.Tensor] = {}
         self._unshard_buckets: tuple = ()
         self._reduce_buckets: tuple = ()
-        self._own_reduce_entries: dict[BucketKey, tuple[BucketEntry, ...]] = {}
-        self.unshard_schedule: Optional[Schedule] = None
-        self.reduce_schedule: Optional[Schedule] = None
-        self.publish_schedule: Optional[Schedule] = None
+        #: this group's phases of the step program (``setup``, at the first forward)
+        self.phases: Optional[GroupPhases] = None
 
     # ------------------------------------------------------------------ setup
-    def setup(self, unshard_layout: BucketLayout, reduce_layout: BucketLayout,
-              master_layout: BucketLayout) -> None:
-        """Build the group's gathered buckets (storage freed) and its three schedules, once."""
-        self._unshard_buckets = unshard_layout.buckets_of(self.key)
-        self._reduce_buckets = reduce_layout.buckets_of(self.key)
-        coord = self.storage.coord
-        self._own_reduce_entries = {
-            b.key: tuple(e for e in b.entries if e.owner == coord)
-            for b in self._reduce_buckets if b.key.column == coord[0]}
+    def setup(self, program: StepProgram) -> None:
+        """Take this group's phases from the step program and build its gathered buckets
+        (storage freed), once."""
+        phases = program.groups[self.key]
+        if phases.reshard_after_forward != self.reshard_after_forward:  # pragma: no cover
+            raise RuntimeError(f"dmuon internal error: hook group {self.key!r}'s mode differs "
+                               "from the step program's")
+        self.phases = phases
+        self._unshard_buckets = program.unshard_layout.buckets_of(self.key)
+        self._reduce_buckets = program.reduce_layout.buckets_of(self.key)
         for b in self._unshard_buckets:
             buf = torch.empty(b.numel, dtype=to_torch_dtype(b.key.dtype),
                               device=self.storage.device)
             free_storage(buf)
             self.unshard_buffers[b.key] = buf
-        self.unshard_schedule = unshard_schedule(unshard_layout, self.key)
-        self.reduce_schedule = reduce_schedule(reduce_layout, self.key)
-        self.publish_schedule = (publish_schedule(master_layout, self.key)
-                                 if self.key in master_layout.groups else None)
 
     # ------------------------------------------------------------------ unshard / reshard
     def launch_unshard(self, version: int) -> None:
@@ -161,16 +155,12 @@ class DedicatedParamGroup:
         with _label(self, "unshard"):
             self.wait_publish()
             s = self.storage.coord[0]
-            with torch.no_grad():
-                for b in self._unshard_buckets:
-                    buf = self.unshard_buffers[b.key]
-                    alloc_storage(buf)
-                    if b.key.column != s:
-                        continue
-                    for e in b.entries:  # this rank is the broadcast source of its column
-                        buf[e.offset:e.offset + e.numel].view(e.shape).copy_(
-                            self.storage.masters[e.name])
-            pending = self.executor.launch(self.unshard_schedule, self.unshard_buffers)
+            for buf in self.unshard_buffers.values():
+                alloc_storage(buf)
+            # this rank is the broadcast source of its column's bucket
+            pack_(self._unshard_buckets, self.unshard_buffers, self.storage.masters,
+                  where=lambda b, e: b.key.column == s)
+            pending = self.executor.launch(self.phases.unshard, self.unshard_buffers)
             self.inflight_unshard = Inflight("unshard", self.key, pending, self.unshard_buffers)
             self.state = GroupState.UNSHARDING
             self.gathered_version = version
@@ -186,10 +176,8 @@ class DedicatedParamGroup:
         self.launch_unshard(version)
         with _label(self, "wait_unshard"):
             self._wait_unshard()
-            for b in self._unshard_buckets:
-                buf = self.unshard_buffers[b.key]
-                for e in b.entries:
-                    self.storage.point(e.name, buf[e.offset:e.offset + e.numel].view(e.shape))
+            for name, view in unpack(self._unshard_buckets, self.unshard_buffers).items():
+                self.storage.point(name, view)
 
     def reshard(self) -> None:
         """Free the gathered copy (never under an in-flight gather); params become placeholders."""
@@ -231,26 +219,14 @@ class DedicatedParamGroup:
         """Average this group's local grads to their owners, asynchronously (consumes them from
         ``local_grads``). A param without a local grad sends zeros and presence 0."""
         with _label(self, "reduce"):
-            buffers: dict[BucketKey, torch.Tensor] = {}
-            owned_here: dict[str, bool] = {}
-            with torch.no_grad():
-                for b in self._reduce_buckets:  # one dtype per bucket (per-param reduce dtypes)
-                    buf = pool.acquire(b.key, b.numel, to_torch_dtype(b.key.dtype))
-                    for e in b.entries:
-                        view = buf[e.offset:e.offset + e.numel]
-                        lg = local_grads.pop(e.name, None)
-                        if lg is None:
-                            view.zero_()
-                        else:
-                            view.view(e.shape).copy_(lg)
-                        if e.flag >= 0:  # fill_, not ``buf[i] = v``: that copies a host
-                            # scalar to the device, which blocks the host (issue 24: +27 ms of
-                            # host-bound backward on the 1B H200 benchmark)
-                            buf[e.flag:e.flag + 1].fill_(0.0 if lg is None else 1.0)
-                        if e.owner == self.storage.coord:
-                            owned_here[e.name] = lg is not None
-                    buffers[b.key] = buf
-            pending = self.executor.launch(self.reduce_schedule, buffers)
+            buffers = {b.key: pool.acquire(b.key, b.numel, to_torch_dtype(b.key.dtype))
+                       for b in self._reduce_buckets}  # one dtype per bucket
+            sent = pack_(self._reduce_buckets, buffers,
+                         {n: local_grads.pop(n) for n in self.names if n in local_grads})
+            coord = self.storage.coord
+            owned_here = {e.name: sent[e.name] for b in self._reduce_buckets for e in b.entries
+                          if e.owner == coord}
+            pending = self.executor.launch(self.phases.reduce, buffers)
             self.inflight_reduces.append(Inflight("reduce", self.key, pending, buffers, owned_here))
             self.grad_state = GradState.REDUCED
 
@@ -259,14 +235,14 @@ class DedicatedParamGroup:
         owns, per reduce in launch order."""
         out: list[ReducedGrad] = []
         inflight, self.inflight_reduces = self.inflight_reduces, []
+        coord = self.storage.coord
+        mine = lambda b, e: e.owner == coord  # noqa: E731
         for rec in inflight:
             with _label(self, "wait_reduce"):
                 rec.wait()
-            for key, buf in rec.buffers.items():
-                for e in self._own_reduce_entries.get(key, ()):
-                    view = buf[e.offset:e.offset + e.numel].view(e.shape)
-                    flag = None if e.flag < 0 else buf[e.flag]
-                    out.append(ReducedGrad(e.name, view, rec.owned_here[e.name], flag))
+            flags = presence(self._reduce_buckets, rec.buffers, where=mine)
+            for name, view in unpack(self._reduce_buckets, rec.buffers, where=mine).items():
+                out.append(ReducedGrad(name, view, rec.owned_here[name], flags.get(name)))
         return out
 
     def reset_backward(self) -> None:
@@ -278,9 +254,9 @@ class DedicatedParamGroup:
     def launch_publish(self, master_buffers: Mapping[BucketKey, torch.Tensor]) -> None:
         """Broadcast the group's new masters from their owners to the other ranks of each owner's
         shard column (no-op when the schedule is empty: R == 1)."""
-        if self.publish_schedule is None or len(self.publish_schedule) == 0:
+        if self.phases is None or len(self.phases.publish) == 0:
             return
-        pending = self.executor.launch(self.publish_schedule, master_buffers)
+        pending = self.executor.launch(self.phases.publish, master_buffers)
         self.inflight_publish = Inflight("publish", self.key, pending, master_buffers)
 
     def wait_publish(self) -> None:

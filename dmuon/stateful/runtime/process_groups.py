@@ -66,6 +66,9 @@ class MeshGroups:
     tp_size: int = 1
     tp_index: int = 0
     tp_ranks: tuple[int, ...] = ()
+    #: every TP index's ``grid[r][s]`` (``()`` without TP): the TP group of ``(s, r)`` is
+    #: ``[tp_grids[t][r][s] for t]``
+    tp_grids: tuple = ()
 
     def control_collective(self, what: str, fn: Any) -> Any:
         """Run ``fn(group)`` on the control group; a failure (a timeout: a rank never came)
@@ -278,4 +281,4 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
               len(all_grids), me, coord, list(groups))
     return MeshGroups(G, R, g, me, coord, groups, be, control=control, timeout=timeout,
                       tp_group=tp_group, tp_size=len(all_grids), tp_index=tp_index,
-                      tp_ranks=tp_ranks)
+                      tp_ranks=tp_ranks, tp_grids=all_grids if len(all_grids) > 1 else ())

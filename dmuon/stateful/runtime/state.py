@@ -37,7 +37,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.functional.buckets import HookGroups, bucket_layout
+from dmuon.functional.buckets import HookGroups
+from dmuon.functional.program import StepProgram, step_program
+from dmuon.functional.schedule import Schedule
+from dmuon.functional.tp_plan import tp_step_schedule
 from dmuon.functional.policy import resolve_group_dtypes
 from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
 from dmuon.stateful.runtime.consumed_grads import ConsumedGrads
@@ -138,6 +141,8 @@ class DedicatedState(GradMarkersMixin, PublishMixin):
         self._resolved: Optional[dict[str, Optional[torch.Tensor]]] = None
         self._callback_queued = False
         self.ready = False
+        #: the step program (:mod:`dmuon.functional.program`), built at the first forward
+        self.program: Optional[StepProgram] = None
         self._optimizer_generation = 0
         # a synced backward ran since the last step (step() refuses to run without one)
         self.fresh_grads = False
@@ -237,13 +242,33 @@ class DedicatedState(GradMarkersMixin, PublishMixin):
             self.compute_dtype.update(cd)
             self.reduce_dtype.update(rd)
         cdt, rdt = self.compute_dtype, self.reduce_dtype
-        unshard = bucket_layout(self.owners, self.shape, cdt, self.hook_groups, self.G, self.R)
-        reduce = bucket_layout(self.owners, self.shape, rdt, self.hook_groups, self.G, self.R,
-                               presence=True)
+        self.program = step_program(
+            self.owners, self.shape, cdt, reduce_dtypes=rdt, master_dtypes=self.master_dtype,
+            shard_size=self.G, replicate_size=self.R, groups=self.hook_groups,
+            reshard_after_forward=self.reshard_after_forward, tp=self.tp_schedule())
+        if self.program.master_layout != self.storage.master_layout:  # pragma: no cover
+            raise RuntimeError("dmuon internal error: the step program's master layout differs "
+                               "from the storage's")
         for g in self.groups.values():
-            g.setup(unshard, reduce, self.storage.master_layout)
+            g.setup(self.program)
         self.storage.set_placeholder_dtypes(cdt)
         self.ready = True
+
+    def tp_schedule(self) -> Optional[Schedule]:
+        """Tensor parallelism's NS gathers / scatters over the world (the step program's ``tp``
+        phase), or ``None`` without TP: one TP group per dp coordinate ``(s, r)``, each gathering
+        the TP-sliced matrices that coordinate owns (:func:`~dmuon.functional.tp_plan.
+        tp_step_schedule`)."""
+        if not self.tp_layouts:
+            return None
+        grids = self.mesh_groups.tp_grids
+        coords = [(s, r) for r in range(self.R) for s in range(self.G)]
+        return tp_step_schedule(
+            [[tg[r][s] for tg in grids] for s, r in coords],
+            [{n: self.tp_layouts[n].shape for n in self.names
+              if n in self.tp_layouts and self.owners[n] == c} for c in coords],
+            {n: str(self.master_dtype[n]) for n in self.tp_layouts},
+            world_size=dist.get_world_size())
 
     # ------------------------------------------------------------------ forward order
     def begin_forward(self) -> None:
