@@ -17,7 +17,7 @@ gradient that still arrives after its group's reduce raises (deferral removed: b
 Also before (measured): after ``opt.zero_grad(set_to_none=False)``, a matrix no rank used in a step
 was skipped (``None``) where torch steps it with its zero gradient (1.2e-2 after 3 steps); now
 after each step the owners' stepped matrices carry consumed ``.grad`` markers
-(``dmuon.stateful.runtime.consumed_grads``): zeroing one (``opt.zero_grad`` or ``model.zero_grad`` with
+(``dmuon.stateful.runtime.ledger``): zeroing one (``opt.zero_grad`` or ``model.zero_grad`` with
 ``set_to_none=False``) makes a matrix without a new gradient step with zeros, dropping one skips it,
 and a matrix that never had a gradient stays skipped, as torch leaves its ``grad`` ``None``. (Two
 earlier versions, a flag set by ``Muon.zero_grad``, zeroed matrices that never had a gradient, and
@@ -296,7 +296,7 @@ def test_zero_grad_not_none_skips_a_matrix_that_never_had_a_gradient(results):
                                  "none_then_opt_not_none_skip"])
 def test_model_zero_grad_steps_an_unused_matrix_as_one_process(results, key):
     """dmuon's step consumes the owners' gradients; the consumed markers it leaves as ``.grad``
-    (dmuon.stateful.runtime.consumed_grads) carry what torch's kept ``.grad`` would: zeroed (step with a
+    (dmuon.stateful.runtime.ledger) carry what torch's kept ``.grad`` would: zeroed (step with a
     zero gradient) or dropped (skip)."""
     mats = {n for n, p in _skip_model().named_parameters() if muon_predicate(n, p)}
     _check(results, key, keys=mats)

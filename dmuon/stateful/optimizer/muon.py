@@ -153,7 +153,7 @@ class Muon(torch.optim.Optimizer):
             raise ValueError(f"check_finite must be 'auto', True or False, got {check_finite!r}")
         self.check_finite = (rt.device.type != "cuda") if check_finite == "auto" \
             else check_finite
-        rt.track_local_finite = self.check_finite
+        rt.ledger.track_finite = self.check_finite
         if adamw_impl not in ("auto",) + fadamw.IMPLS:
             raise ValueError(f"adamw_impl must be 'auto' or one of {fadamw.IMPLS}, got "
                              f"{adamw_impl!r}")
@@ -240,7 +240,7 @@ class Muon(torch.optim.Optimizer):
                 "dmuon.Muon.step: a newer dmuon.Muon was built on this model, which supersedes "
                 "this one (two optimizers would both update every matrix each step). Nothing was "
                 "updated. Step only the newest optimizer (build one dmuon.Muon per model).")
-        if not rt.fresh_grads:
+        if not rt.ledger.fresh:
             raise RuntimeError(
                 "dmuon.Muon.step: no backward pass reached the dedicated matrices since the last "
                 "step() (or zero_grad()), so there is no fresh gradient to apply; nothing was "
@@ -256,11 +256,11 @@ class Muon(torch.optim.Optimizer):
         if self.check_finite:
             if check_finite(self._adamw_named, rt, grads):
                 self._host_syncs += 1  # its verdict waited for the device
-        stepped = self._muon_step(rt, grads, rt.consumed.resolve(rt.params))
+        stepped = self._muon_step(rt, grads, rt.ledger.take_zero_next())
         rt.clear_grads()
         rt.after_step(replicate_async=self.replicate_async)
         # torch would keep these gradients until zero_grad: their consumed markers stand in
-        rt.consumed.attach(rt.params, [n for n in stepped if rt.storage.is_placeholder(n)])
+        rt.ledger.consume(stepped)
         self._adamw_step()
         self.num_steps += 1
         return loss
@@ -283,7 +283,7 @@ class Muon(torch.optim.Optimizer):
         """Muon on the owned matrices; returns the names stepped (those with a gradient).
 
         ``zeroed``: matrices whose consumed marker the user zeroed since the last step
-        (:mod:`dmuon.stateful.runtime.consumed_grads`); with no gradient this step, they step with zeros.
+        (:mod:`dmuon.stateful.runtime.ledger`); with no gradient this step, they step with zeros.
         """
         params = rt.owned_masters()
         if self._tp is not None:  # TP: the TP group agrees on its gradients (every rank joins)
@@ -389,7 +389,7 @@ class Muon(torch.optim.Optimizer):
         """Drop the dedicated matrices' pending grads (and their ``.grad`` markers) and zero
         FSDP2's grads (torch semantics)."""
         self._rt.clear_grads()
-        # the consumed markers of the last step (dmuon.stateful.runtime.consumed_grads) are zeroed or
+        # the consumed markers of the last step (dmuon.stateful.runtime.ledger) are zeroed or
         # dropped here like any .grad: set_to_none=False then steps a matrix with no new gradient
         # with zeros, as a single-device optimizer would (momentum and weight decay apply)
         super().zero_grad(set_to_none=set_to_none)

@@ -100,8 +100,8 @@ def check_finite(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState,
     named = [(n, g) for n, g in named if g.numel() > 0]
     world, me = dist.get_world_size(), dist.get_rank()
     flags = torch.zeros(2, world, dtype=torch.float32, device=rt.device)
-    if rt.local_nonfinite is not None:
-        flags[0, me] = rt.local_nonfinite.float()
+    if rt.ledger.nonfinite is not None:
+        flags[0, me] = rt.ledger.nonfinite.float()
     if named:
         norms = torch._foreach_norm([g for _, g in named])
         flags[1, me] = (~torch.isfinite(torch.stack(norms).float())).any().float()

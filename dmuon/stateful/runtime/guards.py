@@ -23,7 +23,7 @@ a smaller norm), ``torch.optim.AdamW(model.parameters())`` would never update th
   gradient for that param and dropping it (``model.zero_grad()``, ``p.grad = None``) drops it,
   exactly as torch would a local one; dmuon notices a dropped marker before the next reduce, clip
   or step. After a step, the owners' stepped matrices carry *consumed* markers
-  (:mod:`dmuon.stateful.runtime.consumed_grads`).
+  (:mod:`dmuon.stateful.runtime.ledger`).
 
 Allowed on both: attribute get / set (``.grad``, ``.data``, ``.requires_grad``, ``.shape``, ...),
 metadata (``size()``, ``dim()``, ``numel()``, ``dtype``, ...), ``repr``, hashing, hook registration.

@@ -8,9 +8,13 @@ It owns:
 
 * the :class:`~dmuon.stateful.runtime.storage.DedicatedStorage` (masters, placeholders) and the
   :class:`~dmuon.stateful.runtime.storage.GradBufferPool`;
-* one :class:`~dmuon.stateful.runtime.param_group.DedicatedParamGroup` per hook group, in forward order;
-* the plan, the lane process groups and the executor (built by ``dedicate_params``), and the bucket
-  layouts and schedules (built once, at the first forward, when FSDP2's dtypes are known).
+* one :class:`~dmuon.stateful.runtime.param_group.DedicatedParamGroup` per hook group, in forward
+  order: each runs its phases of the step program;
+* the plan, the lane process groups and the executor (built by ``dedicate_params``), and the
+  :class:`~dmuon.functional.program.StepProgram` (built once, at the first forward, when FSDP2's
+  dtypes are known): every collective of a step as data, which the hooks ask the groups to run;
+* the :class:`~dmuon.stateful.runtime.ledger.GradLedger`: where each matrix's gradient is on this
+  rank (one record and one state per matrix) and its ``.grad`` markers.
 
 **Same collectives on every rank.** Every collective a rank issues must come in the same order on
 every rank of its process group, whatever arrives when. Gathers follow the forward order (agreed
@@ -25,7 +29,8 @@ a param no rank had a gradient for is skipped by the update, as a single-device 
 **Step protocol** (the optimizer's narrow interface): :meth:`reduced_grads` (waits, returns the
 owner's averaged gradients, ``None`` for params no rank had one for), :meth:`owned_masters`,
 :meth:`clear_grads`, :meth:`after_step` (weights version bump, gathered copies freed, HSDP publish),
-:meth:`masters_changed` (a state-dict load), :meth:`attach_optimizer` / :meth:`is_current`.
+:meth:`masters_changed` (a state-dict load), :meth:`attach_optimizer` / :meth:`is_current`, and
+the ledger (``ledger.fresh``, ``ledger.take_zero_next()``, ``ledger.consume(stepped)``).
 """
 from __future__ import annotations
 
@@ -43,12 +48,10 @@ from dmuon.functional.schedule import Schedule
 from dmuon.functional.tp_plan import tp_step_schedule
 from dmuon.functional.policy import resolve_group_dtypes
 from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
-from dmuon.stateful.runtime.consumed_grads import ConsumedGrads
 from dmuon.compat.fsdp_info import find_fsdp_state, mean_to_fsdp_scale
 from dmuon.stateful.runtime.executor import Executor
 from dmuon.compat.fsdp_patch import check_not_taken_over
-from dmuon.stateful.runtime.grad_markers import GradMarkersMixin
-from dmuon.stateful.runtime.guards import DedicatedGradMarker
+from dmuon.stateful.runtime.ledger import GradLedger
 from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState, ReducedGrad
 from dmuon.stateful.runtime.process_groups import MeshGroups
 from dmuon.stateful.runtime.publish import PublishMixin
@@ -64,7 +67,7 @@ __all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_stat
            "local_tensor"]
 
 
-class DedicatedState(GradMarkersMixin, PublishMixin):
+class DedicatedState(PublishMixin):
     """Root state of the dedicated params of one model (see the module docstring)."""
 
     def __init__(self, *, model: nn.Module, params: Mapping[str, nn.Parameter], plan: Any,
@@ -95,7 +98,6 @@ class DedicatedState(GradMarkersMixin, PublishMixin):
             n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
         self.owned_names: tuple[str, ...] = tuple(
             n for n in self.names if self.owners[n] == self.coord)
-        self._owned = frozenset(self.owned_names)
         self.batch_dims = dict(batch_dims)
         # the policy's decisions (dedicate_params): matrix views (what NS / the lr scale see), where
         # each view came from, and (lr_mult, wd_mult) per param
@@ -131,29 +133,14 @@ class DedicatedState(GradMarkersMixin, PublishMixin):
         self._reduce_next = 0          # index into _reduce_order of the next reduce to launch
         self.version = 0               # weights change at every step: older gathers are stale
         self.require_grad_sync = True  # False inside dmuon.no_sync
-        self.local_grads: dict[str, torch.Tensor] = {}
-        # names whose local grad went into a reduce, or that this rank owns in a launched reduce
-        # (it holds their reduced gradient, also without a local one: they get markers too)
-        self._sent: set[str] = set()
-        self._reduced: dict[str, torch.Tensor] = {}
-        self._present_here: set[str] = set()
-        self._flags: dict[str, list[torch.Tensor]] = {}
-        self._resolved: Optional[dict[str, Optional[torch.Tensor]]] = None
         self._callback_queued = False
         self.ready = False
         #: the step program (:mod:`dmuon.functional.program`), built at the first forward
         self.program: Optional[StepProgram] = None
         self._optimizer_generation = 0
-        # a synced backward ran since the last step (step() refuses to run without one)
-        self.fresh_grads = False
-        # ``.grad`` markers of placeholders whose gradient dmuon holds (see dmuon.stateful.runtime.guards)
-        self._markers: dict[str, DedicatedGradMarker] = {}
-        self._marked: set[str] = set()
-        #: after a step, the owners' consumed gradients as torch's ``.grad`` would still show them
-        self.consumed = ConsumedGrads()
-        # Muon(check_finite=True): whether a gradient this rank sent was non-finite (0-d, device)
-        self.track_local_finite = False
-        self.local_nonfinite: Optional[torch.Tensor] = None
+        #: where every matrix's gradient is on this rank, and its ``.grad`` markers
+        self.ledger = GradLedger(self.params, self.owned_names, self.storage.is_placeholder,
+                                 self._collect)
         # the 1-D shard mesh (DTensor rows of model.state_dict(), see torch_state_dict.py), set by
         # dedicate_params; raw_state_dict: model.state_dict() keeps placeholders (dmuon's reads)
         self.shard_mesh: Any = None
@@ -314,11 +301,11 @@ class DedicatedState(GradMarkersMixin, PublishMixin):
 
     # ------------------------------------------------------------------ gather / free
     def unshard(self, key: str) -> None:
-        self._take_markers(self.groups[key].names)
+        self.ledger.take_markers(self.groups[key].names)
         self.groups[key].unshard(self.version)
 
     def launch_unshard(self, key: str) -> None:
-        self._take_markers(self.groups[key].names)
+        self.ledger.take_markers(self.groups[key].names)
         self.groups[key].launch_unshard(self.version)
 
     def reshard_all(self) -> None:
@@ -341,8 +328,7 @@ class DedicatedState(GradMarkersMixin, PublishMixin):
             return
         self.on_backward_start()  # forward outputs dmuon found no tensor in still end here
         param.grad = None
-        prev = self.local_grads.get(name)
-        self.local_grads[name] = grad if prev is None else prev.add_(grad)
+        self.ledger.add_local(name, grad)
         if not self.require_grad_sync:
             return
         key = self.group_of[name]
@@ -351,21 +337,9 @@ class DedicatedState(GradMarkersMixin, PublishMixin):
 
     def _launch_reduce(self, key: str) -> None:
         g = self.groups[key]
-        self._take_markers(g.names)  # markers of an earlier no_sync backward: still attached?
-        self._sent.update(n for n in g.names if n in self.local_grads or n in self._owned)
-        if self.track_local_finite:
-            self._note_local_finite(g.names)
-        g.launch_reduce(self.local_grads, self.pool)
-        self._resolved = None
+        self.ledger.take_markers(g.names)  # markers of an earlier no_sync backward: still there?
+        g.launch_reduce(self.ledger.send(g.names), self.pool)
         g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
-
-    def _note_local_finite(self, names) -> None:
-        """Accumulate, on the device, whether a local gradient this rank sends is non-finite."""
-        grads = [self.local_grads[n] for n in names if n in self.local_grads]
-        if not grads:
-            return
-        bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).float())).any()
-        self.local_nonfinite = bad if self.local_nonfinite is None else self.local_nonfinite | bad
 
     def _launch_due_reduces(self) -> None:
         """Launch, in the fixed reduce order, every reduce whose group's gradients are complete
@@ -388,14 +362,14 @@ class DedicatedState(GradMarkersMixin, PublishMixin):
                 self._launch_reduce(key)
         self._reduce_next = 0
         if self.require_grad_sync:
-            self.fresh_grads = True
+            self.ledger.fresh = True
         for g in self.groups.values():
             # weights change only at step(): Z2 keeps its gathered copy across no_sync micro-batches
             keep = not self.require_grad_sync and not g.reshard_after_forward
             if g.holds_gathered and not keep:
                 g.reshard()
             g.reset_backward()
-            self._attach_markers(g.names)
+            self.ledger.show_markers(g.names)
 
     # ------------------------------------------------------------------ step protocol
     def _collect(self) -> None:
@@ -408,13 +382,7 @@ class DedicatedState(GradMarkersMixin, PublishMixin):
         k = mean_to_fsdp_scale(self._fsdp_states.get(self.group_of[rg.name]), self.G * self.R)
         if k is not None:  # FSDP2's set_gradient_divide_factor on the enclosing module
             rg.grad.mul_(k)
-        prev = self._reduced.get(rg.name)
-        self._reduced[rg.name] = rg.grad if prev is None else prev.add_(rg.grad)
-        if rg.present_here:
-            self._present_here.add(rg.name)
-        elif rg.flag is not None:
-            self._flags.setdefault(rg.name, []).append(rg.flag)
-        self._resolved = None
+        self.ledger.add_reduced(rg.name, rg.grad, rg.present_here, rg.flag)
 
     def reduced_grads(self) -> dict[str, Optional[torch.Tensor]]:
         """Wait for the pending reduces; ``{owned name: averaged gradient, or None}`` (``None``:
@@ -423,18 +391,9 @@ class DedicatedState(GradMarkersMixin, PublishMixin):
         Whether any rank had one is known without a host sync when the owner had a local gradient
         itself (every param of a dense model); otherwise the reduces' presence elements are read
         in one batch (one host sync on CUDA, in steps where that happens)."""
-        self._take_markers(list(self._marked), remove=False)
+        self.ledger.take_markers(self.ledger.held_markers(), remove=False)
         self._collect()
-        if self._resolved is not None:
-            return self._resolved
-        unsure = [n for n in self._reduced if n not in self._present_here]
-        absent: set[str] = set()
-        if unsure:
-            flags = torch.stack([torch.stack(self._flags[n]).amax() for n in unsure]).tolist()
-            absent = {n for n, f in zip(unsure, flags) if not f > 0}
-        self._resolved = {n: (self._reduced.get(n) if n not in absent else None)
-                          for n in self.owned_names}
-        return self._resolved
+        return self.ledger.resolve()
 
     def drain(self) -> None:
         """Wait for every collective dmuon has in flight (reduces and HSDP publishes), so that a
@@ -447,19 +406,7 @@ class DedicatedState(GradMarkersMixin, PublishMixin):
 
     def clear_grads(self) -> None:
         """Drop local and reduced grads (``Muon.zero_grad``, ``step``); buffers back to the pool."""
-        self._collect()
-        for n in list(self._marked):
-            if self.params[n].grad is self._markers[n]:
-                self.params[n].grad = None
-        self._marked.clear()
-        self._sent.clear()
-        self.fresh_grads = False
-        self.local_nonfinite = None
-        self.local_grads.clear()
-        self._reduced.clear()
-        self._present_here.clear()
-        self._flags.clear()
-        self._resolved = None
+        self.ledger.clear()
         self.pool.release_all()
 
     def masters_changed(self) -> None:

@@ -1,0 +1,282 @@
+"""The gradient ledger: one record per dedicated matrix, one explicit state, what torch's ``.grad``
+would show.
+
+A dedicated matrix's gradient does not live in ``.grad``: a rank's local gradient is moved aside
+by the post-accumulate-grad hook, sent in its hook group's reduce, and the owner holds the average
+until ``step()`` consumes it. The ledger is the one place that knows, per matrix on this rank,
+where its gradient is (:class:`Held`), and it keeps torch's semantics on the placeholder's
+``.grad``:
+
+=============  =======================================================  ==========================
+state          this rank holds                                          ``.grad`` after backward
+=============  =======================================================  ==========================
+``NONE``       nothing (never had one, dropped, or stepped and cleared)  ``None``
+``LOCAL``      a local gradient not sent yet (this backward, or          a *held* marker
+               ``no_sync`` micro-batches)
+``SENT``       its local gradient went into a launched reduce (another   a *held* marker
+               rank owns the matrix)
+``REDUCED``    the owner: the average of launched reduces (in flight or  a *held* marker
+               waited); also without a local gradient of its own
+``CONSUMED``   the owner, after ``step()``: it stepped with it           a *consumed* marker
+=============  =======================================================  ==========================
+
+A later local gradient adds to ``local`` in any state (``REDUCED`` / ``SENT`` then carry a local
+part for the next reduce). Markers (:func:`dmuon.stateful.runtime.guards.make_marker`) are zero-size
+tensors shown as ``.grad`` of placeholders: math on one raises (torch's tools would silently see
+nothing); zeroing a held one zeroes what is held (the matrix is stepped with zeros unless a later
+backward adds), replacing it (``model.zero_grad()``, ``p.grad = None``) drops it; zeroing a consumed
+one makes the next step use a zero gradient if none arrives (torch's ``zero_grad(set_to_none=
+False)``), replacing it leaves no record. Markers are checked and taken off before the param is
+gathered, its gradient sent, or a clip or step reads it (:meth:`GradLedger.take_markers`).
+
+Presence: the owner knows some rank had a gradient when it had one itself (``present``); otherwise
+the reduces' presence elements (``flags``) are read on the host, in one batch, when a step asks
+(:meth:`GradLedger.resolve`) — dense models never sync for it.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping, Optional
+
+import torch
+import torch.nn as nn
+
+from dmuon.stateful.runtime.guards import DedicatedGradMarker, make_marker
+
+__all__ = ["Held", "GradRecord", "GradLedger"]
+
+
+class Held(enum.Enum):
+    """Where a matrix's gradient is on this rank (see the module docstring)."""
+
+    NONE = "none"
+    LOCAL = "local"
+    SENT = "sent"
+    REDUCED = "reduced"
+    CONSUMED = "consumed"
+
+
+@dataclass(eq=False)
+class GradRecord:
+    """One matrix's gradient on this rank.
+
+    Attributes:
+      state: :class:`Held`.  local: the local gradient not sent yet (any state).
+      reduced: the owner's sum of averaged gradients (``REDUCED``).
+      present: the owner had a local gradient in one of them (some rank had one, for sure).
+      flags: otherwise, their presence elements (0-d; > 0 iff a rank had one).
+      marker: the reused marker object.  shown: the marker is ``.grad`` now.
+      zeroed: a shown consumed marker was zeroed.  zero_next: the next step steps with a zero
+        gradient when none arrives.
+    """
+
+    state: Held = Held.NONE
+    local: Optional[torch.Tensor] = None
+    reduced: Optional[torch.Tensor] = None
+    present: bool = False
+    flags: list = field(default_factory=list)
+    marker: Optional[DedicatedGradMarker] = None
+    shown: bool = False
+    zeroed: bool = False
+    zero_next: bool = False
+
+    def forget(self) -> None:
+        """Hold nothing (the consumed-marker record stays)."""
+        self.state = Held.NONE
+        self.local = self.reduced = None
+        self.present = False
+        self.flags = []
+
+
+class GradLedger:
+    """The gradient records of one model's dedicated matrices on this rank (module docstring).
+
+    Args:
+      params: ``{name: param}``.  owned: the names this rank owns.
+      is_placeholder: ``name -> bool`` (markers go on placeholders only).
+      collect: waits for the in-flight reduces and feeds :meth:`add_reduced` (a reduce still in
+        flight counts as held).
+    """
+
+    def __init__(self, params: Mapping[str, nn.Parameter], owned: Iterable[str],
+                 is_placeholder: Callable[[str], bool], collect: Callable[[], None]):
+        self.params = dict(params)
+        self.owned = frozenset(owned)
+        self.records = {n: GradRecord() for n in self.params}
+        self._is_placeholder = is_placeholder
+        self._collect = collect
+        self._resolved: Optional[dict[str, Optional[torch.Tensor]]] = None
+        #: a synced backward ran since the last step or clear
+        self.fresh = False
+        #: ``Muon(check_finite=True)``: whether a local gradient this rank sent was non-finite
+        self.track_finite = False
+        self.nonfinite: Optional[torch.Tensor] = None
+
+    def state(self, name: str) -> Held:
+        return self.records[name].state
+
+    # ------------------------------------------------------------------ backward
+    def add_local(self, name: str, grad: torch.Tensor) -> None:
+        """A local gradient arrived (accumulated onto one not sent yet)."""
+        rec = self.records[name]
+        if rec.state is Held.CONSUMED:  # (its marker came off at the gather before this use)
+            self._take_consumed([name])
+        rec.local = grad if rec.local is None else rec.local.add_(grad)
+        if rec.state is Held.NONE:
+            rec.state = Held.LOCAL
+
+    def send(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """A reduce of ``names`` is launched: hand over the local gradients (``{name: grad}``
+        of those that have one); the owner holds the average from now on, the others hold what
+        they sent."""
+        out: dict[str, torch.Tensor] = {}
+        for n in names:
+            rec = self.records[n]
+            if rec.local is not None:
+                out[n], rec.local = rec.local, None
+            if n in self.owned:
+                rec.state = Held.REDUCED
+            elif n in out:
+                rec.state = Held.SENT
+        if self.track_finite and out:
+            bad = (~torch.isfinite(torch.stack(torch._foreach_norm(list(out.values()))).float())).any()
+            self.nonfinite = bad if self.nonfinite is None else self.nonfinite | bad
+        self._resolved = None
+        return out
+
+    def add_reduced(self, name: str, grad: torch.Tensor, present_here: bool,
+                    flag: Optional[torch.Tensor]) -> None:
+        """The owner's averaged gradient of one waited reduce (summed over several)."""
+        rec = self.records[name]
+        rec.reduced = grad if rec.reduced is None else rec.reduced.add_(grad)
+        if present_here:
+            rec.present = True
+        elif flag is not None:
+            rec.flags.append(flag)
+        self._resolved = None
+
+    # ------------------------------------------------------------------ step
+    def resolve(self) -> dict[str, Optional[torch.Tensor]]:
+        """``{owned name: averaged gradient, or None}`` (``None``: no rank had one since the last
+        clear, or no reduce ran); one batched host read of the presence elements where needed.
+        The caller collects the reduces first."""
+        if self._resolved is not None:
+            return self._resolved
+        held = {n: r for n, r in self.records.items() if r.reduced is not None}
+        unsure = [n for n, r in held.items() if not r.present]
+        absent: set[str] = set()
+        if unsure:
+            got = torch.stack([torch.stack(held[n].flags).amax() for n in unsure]).tolist()
+            absent = {n for n, f in zip(unsure, got) if not f > 0}
+        self._resolved = {n: (held[n].reduced if n in held and n not in absent else None)
+                          for n in self.params if n in self.owned}
+        return self._resolved
+
+    def take_zero_next(self) -> set[str]:
+        """At a step: take the consumed markers off; the matrices that step with a zero gradient
+        when none arrived (their consumed marker was zeroed and not replaced), then forget that."""
+        self._take_consumed(list(self.records))
+        zero = {n for n, r in self.records.items() if r.zero_next}
+        for n in zero:
+            self.records[n].zero_next = False
+        return zero
+
+    def clear(self) -> None:
+        """Drop every held gradient and held marker (``zero_grad``, ``step``); consumed markers
+        stay (torch's ``.grad`` of a stepped param lives until it is zeroed)."""
+        self._collect()
+        for n, rec in self.records.items():
+            if rec.shown and rec.state is not Held.CONSUMED:
+                if self.params[n].grad is rec.marker:
+                    self.params[n].grad = None
+                rec.shown = False
+            if rec.state is not Held.CONSUMED:
+                rec.forget()
+        self.fresh = False
+        self.nonfinite = None
+        self._resolved = None
+
+    def consume(self, stepped: Iterable[str]) -> None:
+        """After a step: each stepped placeholder shows a consumed marker (module docstring)."""
+        for n in stepped:
+            if not self._is_placeholder(n):
+                continue
+            rec = self.records[n]
+            rec.forget()
+            rec.state = Held.CONSUMED
+            self._show(n, rec)
+
+    # ------------------------------------------------------------------ markers
+    def _show(self, name: str, rec: GradRecord) -> None:
+        p = self.params[name]
+        if rec.marker is None or rec.marker.dtype != p.dtype or rec.marker.device != p.device:
+            rec.marker = make_marker(p, name, lambda n=name: self._on_zero(n))
+        p.grad = rec.marker
+        rec.shown = True
+
+    def show_markers(self, names: Iterable[str]) -> None:
+        """After a backward: each placeholder whose gradient this rank holds shows a held marker."""
+        for n in names:
+            rec = self.records[n]
+            if rec.shown or not self._is_placeholder(n):
+                continue
+            if rec.local is not None or rec.state in (Held.SENT, Held.REDUCED):
+                self._show(n, rec)
+
+    def take_markers(self, names: Iterable[str], *, remove: bool = True) -> None:
+        """Before a gather, a reduce, a clip or a step: a held marker the user replaced drops the
+        gradient; ``remove``: take the others off too (a gathered param must not carry a
+        zero-size ``.grad``). Consumed markers come off, keeping what they say."""
+        names = list(names)
+        self._take_consumed(names)
+        for n in names:
+            rec = self.records[n]
+            if not rec.shown or rec.state is Held.CONSUMED:
+                continue
+            if self.params[n].grad is not rec.marker:
+                rec.shown = False
+                self.drop(n)
+            elif remove:
+                rec.shown = False
+                self.params[n].grad = None
+
+    def held_markers(self) -> list[str]:
+        """The names showing a held (not consumed) marker now."""
+        return [n for n, r in self.records.items() if r.shown and r.state is not Held.CONSUMED]
+
+    def _take_consumed(self, names: Iterable[str]) -> None:
+        for n in names:
+            rec = self.records[n]
+            if not (rec.shown and rec.state is Held.CONSUMED):
+                continue
+            rec.shown = False
+            p = self.params[n]
+            if p.grad is rec.marker:
+                p.grad = None
+                rec.zero_next = rec.zeroed
+            rec.zeroed = False
+            rec.state = Held.NONE
+
+    def _on_zero(self, name: str) -> None:
+        """A shown marker was zeroed (``zero_grad(set_to_none=False)``)."""
+        rec = self.records[name]
+        if rec.state is Held.CONSUMED:
+            rec.zeroed = True
+        else:
+            self.zero(name)
+
+    def zero(self, name: str) -> None:
+        """Zero every gradient held for ``name``, keeping it present (torch's
+        ``zero_grad(set_to_none=False)``: stepped with zeros unless a later backward adds)."""
+        self._collect()
+        rec = self.records[name]
+        for held in (rec.local, rec.reduced):
+            if held is not None:
+                held.zero_()
+
+    def drop(self, name: str) -> None:
+        """Forget every gradient held for ``name`` (torch's ``zero_grad()``)."""
+        self._collect()
+        self.records[name].forget()
+        self._resolved = None
