@@ -133,6 +133,24 @@ def _column(program: StepProgram, s: int):
     return lambda b, e: b.key.column == s  # noqa: E731
 
 
+def _check_trees(program: StepProgram, coord: tuple[int, int], params: Mapping[str, Tensor],
+                 grads: Mapping[str, Optional[Tensor]], who: str) -> None:
+    """A tree that does not fit the program raises (never a silently skipped matrix)."""
+    known = set(program.owners)
+    stray = sorted(n for n, g in grads.items() if g is not None and n not in known)
+    column = {n for n in known if program.owners[n][0] == coord[0]}
+    missing = sorted(column - set(params))
+    if stray or missing:
+        raise ValueError(
+            f"{who}: the trees of rank {coord} do not fit the step program: "
+            + (f"gradients of {stray[:4]} (no such matrix in the program: was it planned? "
+               "specs_from_named_shapes skips tensors with requires_grad=False unless "
+               "skip_frozen=False)" if stray else "")
+            + ("; " if stray and missing else "")
+            + (f"params lack {missing[:4]} (a rank holds every matrix of its shard column)"
+               if missing else ""))
+
+
 def rank_step(coord: Sequence[int], params: Mapping[str, Tensor],
               grads: Mapping[str, Optional[Tensor]], state: Any, program: StepProgram,
               update: Update, run: Runner, **kw: Any) -> tuple[dict[str, Tensor], Any, Schedule]:
@@ -150,6 +168,7 @@ def rank_step(coord: Sequence[int], params: Mapping[str, Tensor],
       ``(new params of its column, new state, the schedule it ran)``.
     """
     s, r = (int(x) for x in coord)
+    _check_trees(program, (s, r), params, grads, "rank_step")
     dev = next(iter(params.values())).device if params else torch.device("cpu")
     bufs = zero_buffers(program.reduce_layout.buckets, dev)
     pack_(program.reduce_layout.buckets, bufs, grads)
@@ -194,6 +213,8 @@ def world_step(params: Sequence[Mapping[str, Tensor]],
                          f"and {len(grads)} grads trees")
     if program.tp is not None:
         raise NotImplementedError("world_step does not simulate tensor parallelism's NS gathers")
+    for i in range(W):
+        _check_trees(program, (i % G, i // G), params[i], grads[i], "world_step")
     states = list(states) if states is not None else [None] * W
     red = Schedule(tuple(op for k in program.reduce_order for op in program.groups[k].reduce),
                    G, program.replicate_size)

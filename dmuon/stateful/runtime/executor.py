@@ -51,7 +51,7 @@ from dmuon.stateful.runtime.process_groups import MeshGroups
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Executor", "Pending"]
+__all__ = ["Executor", "Pending", "mesh_executor"]
 
 _REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
 
@@ -371,3 +371,13 @@ class Executor:
             rec.event = ev
             rec.issued = True
             self._count(rec)
+
+
+def mesh_executor(shard_size: int, replicate_size: int = 1, *, timeout: Any = None) -> Executor:
+    """An :class:`Executor` over the world as ``replicate_size`` replicas of ``shard_size`` ranks
+    (``r * G + s``; collective: every rank calls it). ``executor.run`` is the runner a pure step
+    takes (:func:`dmuon.functional.step.rank_step`): a research loop on the functional API runs
+    the step program's schedules with it."""
+    from dmuon.stateful.runtime.process_groups import make_process_groups
+    return Executor(make_process_groups(shard_size=shard_size, replicate_size=replicate_size,
+                                        timeout=timeout), timeout=timeout)
