@@ -73,7 +73,9 @@ def owner_step(grads: Mapping[str, Optional[Tensor]], state: Any, params: Mappin
         :func:`~dmuon.functional.muon.update` per distinct pair, with ``lr·lr_mult`` and
         ``weight_decay·wd_mult``; the state's ``step`` advances once.
       **update_kwargs: passed to :func:`~dmuon.functional.muon.update` (``donate``,
-        ``donate_grads``, ``orthogonalize``, ``elementwise``).
+        ``donate_grads``, ``orthogonalize``, ``elementwise``); ``orthogonalize_for(params,
+        grads)`` instead of ``orthogonalize``: the orthogonalizer of each update's sub-trees
+        (one that must know which matrices its inputs are, e.g. tensor parallelism's gathers).
 
     Returns:
       ``(new params, new state)``.
@@ -93,18 +95,23 @@ def owner_step(grads: Mapping[str, Optional[Tensor]], state: Any, params: Mappin
                         f"{type(update).__name__}")
     if state is None:
         state = fmuon.init(params)
+    ortho_for = update_kwargs.pop("orthogonalize_for", None)
+
+    def run(g: dict, st: fmuon.MuonState, p: dict, hp: fmuon.MuonHParams):
+        kw = dict(update_kwargs)
+        if ortho_for is not None:
+            kw["orthogonalize"] = ortho_for(p, g)
+        return fmuon.update(g, st, p, hp, view=_views(views, p), **kw)
+
     groups = lr_wd_groups(list(params), mults)
     if len(groups) == 1 and (1.0, 1.0) in groups:
-        new_p, new_s = fmuon.update(grads, state, params, update, view=_views(views, params),
-                                    **update_kwargs)
+        new_p, new_s = run(grads, state, params, update)
         return dict(new_p), new_s
     new_params, momentum = dict(params), dict(state.momentum)
     for (lm, wm), names in groups.items():
         sub = fmuon.MuonState(state.step, {n: momentum[n] for n in names})
-        sp, sub = fmuon.update(
-            {n: grads[n] for n in names}, sub, {n: params[n] for n in names},
-            update._replace(lr=update.lr * lm, weight_decay=update.weight_decay * wm),
-            view=_views(views, {n: params[n] for n in names}), **update_kwargs)
+        sp, sub = run({n: grads[n] for n in names}, sub, {n: params[n] for n in names},
+                      update._replace(lr=update.lr * lm, weight_decay=update.weight_decay * wm))
         new_params.update(sp)
         momentum.update(sub.momentum)
     return new_params, fmuon.MuonState(int(state.step) + 1, momentum)

@@ -9,9 +9,10 @@ single-device update (SPEC §4). A composition of existing pieces; no new math.
    :func:`dmuon.stateful.checkpoint.state_dict.from_owner`) and the full optimizer state;
 2. runs ``optimizer.step()``;
 3. gathers the new full params and state the same way;
-4. computes the single-device reference on the gathered tensors: :func:`dmuon.functional.muon.update`
-   with the optimizer's Muon hparams (``ns_dtype`` as configured; and once more with
-   ``ns_dtype=float64``, reported only) and :func:`dmuon.functional.adamw.update` (``impl="reference"``,
+4. computes the single-device reference on the gathered tensors: the owners' step
+   (:func:`dmuon.functional.step.owner_step`, the function ``dmuon.Muon.step`` runs) over every
+   matrix in one process, with the optimizer's Muon hparams (``ns_dtype`` as configured; and once
+   more with ``ns_dtype=float64``, reported only) and :func:`dmuon.functional.adamw.update` (``impl="reference"``,
    i.e. ``torch.optim.AdamW(foreach=False)`` math) with its AdamW hparams;
 5. compares each param and each state tensor (momentum, ``exp_avg``, ``exp_avg_sq``) by the max
    relative error ``max|dist - ref| / max|ref|`` and takes the max of every error over ranks (one
@@ -49,6 +50,7 @@ from dmuon.stateful.modes.tensor_parallel import refuse_tp
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
+from dmuon.functional.step import owner_step
 from dmuon.newton_schulz.iteration import default_ns_dtype
 from dmuon.stateful.optimizer.muon import Muon
 from dmuon.stateful.checkpoint.optimizer_state_dict import (check_optimizer, get_optimizer_state_dict,
@@ -193,18 +195,8 @@ def _reference(optimizer: Muon, params, grads, osd, ns_dtype_override=None):
         ms = fmuon.MuonState(step=int(osd["muon_step"]),
                              momentum={n: osd["dedicated"][n]["momentum_buffer"] for n in ded})
         mg = {n: grads[n] for n in ded}
-        if any(g is not None for g in mg.values()):
-            new_p, new_m = {}, {}
-            for (lm, wm), names in rt.hp_groups(ded).items():  # the policy's multipliers
-                sp, ss = fmuon.update(
-                    {n: mg[n] for n in names},
-                    fmuon.MuonState(ms.step, {n: ms.momentum[n] for n in names}),
-                    {n: mp[n] for n in names},
-                    hp._replace(lr=hp.lr * lm, weight_decay=hp.weight_decay * wm),
-                    view={n: rt.views[n] for n in names})
-                new_p.update(sp)
-                new_m.update(ss.momentum)
-            mp, ms = new_p, fmuon.MuonState(ms.step + 1, new_m)
+        if any(g is not None for g in mg.values()):  # the optimizer's owner step, in one process
+            mp, ms = owner_step(mg, ms, mp, hp, views=rt.views, mults=rt.hp_mults)
         out_p.update(mp)
         mom = dict(ms.momentum)
     names = [n for n, _ in optimizer.adamw_named_params]

@@ -44,6 +44,7 @@ from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
 from dmuon.stateful.optimizer.step_checks import check_finite, check_outside_grads, check_same_fsdp_grads
 from dmuon.stateful.modes.tensor_parallel import TPStep
 from dmuon.stateful.runtime.dedicate import finish_deferred
+from dmuon.functional.step import owner_step
 from dmuon.functional.tree import leaf_paths
 
 logger = logging.getLogger(__name__)
@@ -187,9 +188,8 @@ class Muon(torch.optim.Optimizer):
         views = {n: rt.views[n] for n in rt.owned_names}
         self._views: Optional[dict[str, Any]] = (
             views if any(v != Batch(0) for v in views.values()) else None)
-        # the policy's (lr_mult, wd_mult) groups of the owned matrices; None: all (1, 1)
-        groups = rt.hp_groups(rt.owned_names)
-        self._hp_groups = None if set(groups) <= {(1.0, 1.0)} else groups
+        # the policy's (lr_mult, wd_mult) of the owned matrices (owner_step groups them)
+        self._hp_mults = {n: rt.hp_mults[n] for n in rt.owned_names if n in rt.hp_mults}
         # tensor parallelism: the owners' gathers / scatters of the TP-sliced matrices' NS
         self._tp: Optional[TPStep] = None
         if rt.tp_layouts:
@@ -302,23 +302,10 @@ class Muon(torch.optim.Optimizer):
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
         ortho, ew = self._ns.for_step(rt.device.type, hp), self._elementwise(rt)
-        if self._hp_groups is None:
-            _, self.muon_state = fmuon.update(
-                grads, self.muon_state, params, hp, view=self._views,
-                donate=True, donate_grads=True, elementwise=ew,
-                orthogonalize=self._tp_wrapped(ortho, params, grads))
-        else:  # policy multipliers: one functional update per (lr_mult, wd_mult) group
-            momentum = dict(self.muon_state.momentum)
-            for (lm, wm), names in self._hp_groups.items():
-                sub = fmuon.MuonState(self.muon_state.step, {n: momentum[n] for n in names})
-                _, sub = fmuon.update(
-                    {n: grads[n] for n in names}, sub, {n: params[n] for n in names},
-                    hp._replace(lr=hp.lr * lm, weight_decay=hp.weight_decay * wm),
-                    view=None if self._views is None else {n: self._views[n] for n in names},
-                    donate=True, donate_grads=True, elementwise=ew,
-                    orthogonalize=self._tp_wrapped(ortho, {n: params[n] for n in names}, grads))
-                momentum.update(sub.momentum)
-            self.muon_state = fmuon.MuonState(self.muon_state.step + 1, momentum)
+        _, self.muon_state = owner_step(
+            grads, self.muon_state, params, hp, views=self._views, mults=self._hp_mults,
+            donate=True, donate_grads=True, elementwise=ew,
+            orthogonalize_for=lambda p, g: self._tp_wrapped(ortho, p, g))
         self._state_views_stale = True  # rebuilt when self.state is next read
         return stepped
 

@@ -193,14 +193,6 @@ class DedicatedState(PublishMixin):
             from dmuon.stateful.modes.meta_init import finish_meta_init
             finish_meta_init(self, what)
 
-    def hp_groups(self, names) -> dict[tuple[float, float], list[str]]:
-        """``names`` grouped by the policy's ``(lr_mult, wd_mult)`` (``(1, 1)`` without a rule),
-        in order: one functional Muon update per group."""
-        groups: dict[tuple[float, float], list[str]] = {}
-        for n in names:
-            groups.setdefault(self.hp_mults.get(n, (1.0, 1.0)), []).append(n)
-        return groups
-
     def owned_masters(self) -> dict[str, torch.Tensor]:
         """``{name: master}`` of the matrices this rank runs Muon on (fixed at setup)."""
         return self.storage.owned_masters
