@@ -22,7 +22,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 from dmuon.newton_schulz.coefficients import ns_coefficient_table
-from dmuon.functional.matrix_shape import as_matrix_shape
+from dmuon.newton_schulz.matrix_shape import as_matrix_shape
 from dmuon.newton_schulz.iteration import default_ns_dtype, newton_schulz
 from dmuon.newton_schulz.cost import choose_ns_variant
 

@@ -5,7 +5,7 @@ import logging
 import pytest
 import torch
 
-from dmuon.functional.matrix_shape import as_matrix_shape
+from dmuon.newton_schulz.matrix_shape import as_matrix_shape
 from dmuon.newton_schulz.iteration import newton_schulz
 from dmuon.newton_schulz.cost import choose_ns_variant
 from dmuon.kernels.syrk import make_sym_op, sym_abt, sym_abt_torch

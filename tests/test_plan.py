@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dmuon.__main__ import main as cli_main
-from dmuon.functional.matrix_shape import as_matrix_shape
+from dmuon.newton_schulz.matrix_shape import as_matrix_shape
 from dmuon.newton_schulz.cost import ns_cost
 from dmuon.tools.plan_report import plan_summary, plan_table
 from dmuon.functional.plan import (DEFAULT_FLOPS_PER_BYTE, DEFAULT_LAYER_SPREAD_TOLERANCE, OwnerPlan,

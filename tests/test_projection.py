@@ -121,7 +121,7 @@ def test_projected_70b_on_64x8_with_splits():
 
 def test_runtime_step_traffic_z3_hsdp_and_splits(monkeypatch):
     import dmuon.functional.split_plan as sp_mod
-    from dmuon.newton_schulz.split import split_ns_schedule
+    from dmuon.functional.split_ns import split_ns_schedule
     specs = preset_specs(TINY)
     P = sum(s.numel for s in specs if s.route == "muon") * 4
     F = 4 * sum(1 for s in specs if s.route == "muon")

@@ -12,7 +12,7 @@ from dmuon.newton_schulz.iteration import newton_schulz
 from dmuon.newton_schulz.cost import ns_cost
 from dmuon.functional.schedule import AllGather, AllReduce, Broadcast, Schedule, schedule_traffic
 from dmuon.functional.simulate import simulate
-from dmuon.newton_schulz.split import (simulate_split_ns, split_layout, split_ns_program,
+from dmuon.functional.split_ns import (simulate_split_ns, split_layout, split_ns_program,
                                        split_ns_rank, split_ns_schedule, split_piece_flops,
                                        split_piece_segments)
 from dist_utils import run_ranks

@@ -14,7 +14,7 @@ from dmuon.tools.plan_report import plan_summary, plan_table
 from dmuon.tools.presets import preset_specs
 from dmuon.functional.simulate import simulate
 from dmuon.functional.specs import specs_from_named_shapes
-from dmuon.newton_schulz.split import simulate_split_ns, split_ns_schedule
+from dmuon.functional.split_ns import simulate_split_ns, split_ns_schedule
 from dmuon.functional.split_plan import SPLIT_NOTE, owner_entries
 
 

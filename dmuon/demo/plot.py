@@ -3,21 +3,18 @@
 :func:`write_loss_plot` draws, per optimizer, the training loss (nats/token) vs step smoothed
 with a trailing moving average (matplotlib also shows the raw curve faintly) and the held-out loss
 as markers joined by a dotted line, plus the entropy floor as a labelled dashed horizontal line; a
-note in the picture states the smoothing window and the held-out set. The built-in backend needs
-only ``zlib`` and ``struct``: it rasterizes the lines
-on an RGB pixel grid, labels axes with a 3x5 bitmap font, and encodes an 8-bit RGB PNG
-(PNG spec, ISO/IEC 15948: signature, IHDR, one zlib-compressed IDAT of filter-0 scanlines, IEND).
+note in the picture states the smoothing window and the held-out set. The built-in backend draws
+on :class:`dmuon.tools.canvas.Canvas` (an RGB grid with a 3x5 bitmap font, encoded as an 8-bit RGB
+PNG; no dependency beyond ``zlib``).
 """
 from __future__ import annotations
 
 import math
-import struct
-import zlib
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["write_loss_plot", "smooth", "encode_png", "PNG_SIGNATURE", "Canvas"]
+from dmuon.tools.canvas import PNG_SIGNATURE, Canvas, encode_png, nice_ticks
 
-PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+__all__ = ["write_loss_plot", "smooth", "encode_png", "PNG_SIGNATURE"]
 _COLORS = [(31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189)]
 _FLOOR_COLOR = (90, 90, 90)
 
@@ -113,105 +110,6 @@ def _plot_matplotlib(path: str, curves: Mapping[str, Sequence[float]], floor: fl
 
 
 # ----------------------------------------------------------------------------------- built-in
-_FONT = {  # 3x5 glyphs, rows top to bottom
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111",
-    "3": "111001111001111", "4": "101101111001001", "5": "111100111001111",
-    "6": "111100111101111", "7": "111001001010010", "8": "111101111101111",
-    "9": "111101111001111", ".": "000000000000010", "-": "000000111000000",
-    " ": "000000000000000", "(": "010100100100010", ")": "010001001001010",
-    "=": "000111000111000", "/": "001001010100100", ":": "000010000010000",
-    ",": "000000000010100", "+": "000010111010000",
-    "A": "010101111101101", "B": "110101110101110", "C": "011100100100011",
-    "D": "110101101101110", "E": "111100110100111", "F": "111100110100100",
-    "G": "011100101101011", "H": "101101111101101", "I": "111010010010111",
-    "J": "001001001101010", "K": "101101110101101", "L": "100100100100111",
-    "M": "101111111101101", "N": "110101101101101", "O": "010101101101010",
-    "P": "110101110100100", "Q": "010101101110011", "R": "110101110101101",
-    "S": "011100010001110", "T": "111010010010010", "U": "101101101101111",
-    "V": "101101101101010", "W": "101101111111101", "X": "101101010101101",
-    "Y": "101101010010010", "Z": "111001010100111",
-}
-
-
-class _Canvas:
-    """An RGB pixel grid with lines, rectangles and 3x5 bitmap text."""
-
-    def __init__(self, w: int, h: int, bg: tuple[int, int, int] = (255, 255, 255)):
-        self.w, self.h = w, h
-        self.px = bytearray(bytes(bg) * (w * h))
-
-    def dot(self, x: int, y: int, c: tuple[int, int, int]) -> None:
-        if 0 <= x < self.w and 0 <= y < self.h:
-            i = 3 * (y * self.w + x)
-            self.px[i:i + 3] = bytes(c)
-
-    def rect(self, x0: int, y0: int, x1: int, y1: int, c: tuple[int, int, int]) -> None:
-        for y in range(max(0, y0), min(self.h, y1 + 1)):
-            for x in range(max(0, x0), min(self.w, x1 + 1)):
-                self.dot(x, y, c)
-
-    def line(self, x0: float, y0: float, x1: float, y1: float, c: tuple[int, int, int],
-             width: int = 1, dash: int = 0) -> None:
-        """Straight segment sampled at unit steps; ``dash > 0`` draws ``dash`` on / ``dash`` off."""
-        n = int(max(abs(x1 - x0), abs(y1 - y0))) + 1
-        for i in range(n + 1):
-            if dash and (i // dash) % 2:
-                continue
-            t = i / n
-            x, y = round(x0 + (x1 - x0) * t), round(y0 + (y1 - y0) * t)
-            for dy in range(-(width // 2), width - width // 2):
-                for dx in range(-(width // 2), width - width // 2):
-                    self.dot(x + dx, y + dy, c)
-
-    def text(self, x: int, y: int, s: str, c: tuple[int, int, int] = (0, 0, 0),
-             scale: int = 2, anchor: str = "left") -> None:
-        adv = 4 * scale
-        if anchor == "right":
-            x -= adv * len(s)
-        elif anchor == "center":
-            x -= adv * len(s) // 2
-        for k, ch in enumerate(s.upper()):
-            g = _FONT.get(ch, _FONT[" "])
-            for r in range(5):
-                for col in range(3):
-                    if g[3 * r + col] == "1":
-                        self.rect(x + k * adv + col * scale, y + r * scale,
-                                  x + k * adv + col * scale + scale - 1, y + r * scale + scale - 1, c)
-
-    def png(self) -> bytes:
-        return encode_png(self.w, self.h, bytes(self.px))
-
-
-#: The built-in raster canvas (lines, rectangles, 3x5 text, ``.png()``), also used by
-#: :mod:`dmuon.tools.projection_plot`.
-Canvas = _Canvas
-
-
-def encode_png(width: int, height: int, rgb: bytes) -> bytes:
-    """Encode ``rgb`` (``height`` rows of ``width`` RGB triplets) as an 8-bit RGB PNG."""
-    if len(rgb) != 3 * width * height:
-        raise ValueError(f"rgb has {len(rgb)} bytes, expected {3 * width * height}")
-
-    def chunk(tag: bytes, data: bytes) -> bytes:
-        return (struct.pack(">I", len(data)) + tag + data
-                + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF))
-
-    stride = 3 * width
-    raw = b"".join(b"\x00" + rgb[y * stride:(y + 1) * stride] for y in range(height))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return (PNG_SIGNATURE + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(raw, 9))
-            + chunk(b"IEND", b""))
-
-
-def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
-    span = max(hi - lo, 1e-12)
-    raw = span / n
-    mag = 10 ** math.floor(math.log10(raw))
-    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
-    first = math.ceil(lo / step) * step
-    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
-
-
 def _fmt(v: float) -> str:
     return f"{v:.0f}" if abs(v - round(v)) < 1e-9 else f"{v:.2f}".rstrip("0")
 
@@ -220,7 +118,7 @@ def _plot_builtin(path: str, curves: Mapping[str, Sequence[float]], floor: float
                   title: str, held_out: Mapping, eval_sequences) -> None:
     W, H = 800, 500
     L, R, T, B = 70, 20, 40, 50           # margins
-    cv = _Canvas(W, H)
+    cv = Canvas(W, H)
     smoothed = {k: smooth(list(v), _window(len(v))) for k, v in curves.items() if len(v)}
     n = max((len(v) for v in smoothed.values()), default=1)
     vals = [y for v in smoothed.values() for y in v if math.isfinite(y)] + [floor]
@@ -236,10 +134,10 @@ def _plot_builtin(path: str, curves: Mapping[str, Sequence[float]], floor: float
         return T + (y_hi - v) / (y_hi - y_lo) * (H - T - B)
 
     grid = (230, 230, 230)
-    for v in _nice_ticks(y_lo, y_hi, 8):
+    for v in nice_ticks(y_lo, y_hi, 8):
         cv.line(L, Y(v), W - R, Y(v), grid)
         cv.text(L - 6, round(Y(v)) - 5, _fmt(v), anchor="right")
-    for s in _nice_ticks(1, n):
+    for s in nice_ticks(1, n):
         cv.line(X(s), T, X(s), H - B, grid)
         cv.text(round(X(s)), H - B + 8, _fmt(s), anchor="center")
     cv.line(L, T, L, H - B, (0, 0, 0))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Sequence
 
-from dmuon.functional.matrix_shape import as_matrix_shape
+from dmuon.newton_schulz.matrix_shape import as_matrix_shape
 
 if TYPE_CHECKING:
     from dmuon.functional.matrix_view import MatrixView

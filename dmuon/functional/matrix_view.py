@@ -39,7 +39,7 @@ from typing import Any, Sequence, Union
 
 from torch import Tensor
 
-from dmuon.functional.matrix_shape import as_matrix_shape
+from dmuon.newton_schulz.matrix_shape import as_matrix_shape
 
 __all__ = ["MatrixView", "Batch", "Heads", "Split", "Transposed", "Sliced", "VIEW_RULES", "as_view",
            "views_per_leaf", "describe_view", "needs_assembly", "refuse_plain_ns"]

@@ -33,7 +33,7 @@ from torch import Tensor
 from dmuon.newton_schulz.coefficients import CoefficientSpec
 from dmuon.newton_schulz.batched import orthogonalize_batched
 from dmuon.functional.lr_scale import LR_SCALE_RULES, lr_scale_factor, lr_scale_factors
-from dmuon.functional.matrix_shape import as_matrix_shape  # noqa: F401 (re-exported)
+from dmuon.newton_schulz.matrix_shape import as_matrix_shape  # noqa: F401 (re-exported)
 from dmuon.functional.matrix_view import Batch, refuse_plain_ns, views_per_leaf
 from dmuon.functional import transforms as T
 from dmuon.newton_schulz.config import NSConfig

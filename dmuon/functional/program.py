@@ -239,7 +239,7 @@ def plan_program(plan: OwnerPlan, specs: Sequence[ParamSpec], *, reshard_after_f
     """
     from dmuon.functional.split_plan import owner_entries
     from dmuon.newton_schulz.cost import DEFAULT_GRAM_RESTART
-    from dmuon.newton_schulz.split import split_ns_schedule
+    from dmuon.functional.split_ns import split_ns_schedule
 
     entries = owner_entries(plan, specs)
     shapes = {n: e[0] for n, e in entries.items()}

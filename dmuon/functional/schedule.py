@@ -10,7 +10,7 @@ A schedule is an ordered tuple of collective ops over a mesh ``(R, G)`` (see :mo
     same addressing, destination ``dst``, reduction ``op`` (``"avg"`` or ``"sum"``). Only the
     destination's buffer holds a defined result afterwards (a gloo reduce overwrites the others).
 
-``AllReduce`` / ``AllGather`` (split Newton–Schulz, :mod:`dmuon.newton_schulz.split`)
+``AllReduce`` / ``AllGather`` (split Newton–Schulz, :mod:`dmuon.functional.split_ns`)
     over an explicit group (``axis="group"``, ``at=None``, ``members``: global ranks in block
     order) on lane ``"split"``. ``AllReduce``: every member's range becomes the sum (``"sum"``) or
     mean (``"avg"``) of all members' ranges. ``AllGather``: member ``j`` contributes

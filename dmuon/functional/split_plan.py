@@ -2,19 +2,19 @@
 
 When a few matrices cost more than the mean slot (Llama-3.1-70B on 512 ranks: 240 MLP matrices
 of 8192 x 28672 over 512 slots), no assignment of whole matrices can balance the step. A *split
-unit* spreads one matrix over ``k`` ranks exactly (:mod:`dmuon.newton_schulz.split`): rank ``i``
+unit* spreads one matrix over ``k`` ranks exactly (:mod:`dmuon.functional.split_ns`): rank ``i``
 owns column block ``i`` of the wide orientation (a row block of a tall param, a column block of a
 wide one) — its master, momentum and gradient — and does ``1/k`` of every NS product; the blocks
 are ordinary entries of the bucket layout (so the forward broadcasts and gradient reduces of the
 schedule carry them unchanged) and the NS adds the ``m x m`` collectives of
-:func:`~dmuon.newton_schulz.split.split_ns_schedule` on lane ``"split"``.
+:func:`~dmuon.functional.split_ns.split_ns_schedule` on lane ``"split"``.
 
 Piece cost (same units as :func:`~dmuon.functional.plan.param_cost`)::
 
     cost_i = flops_i + flops_per_byte * nbytes_i
              + SPLIT_COMM_FLOPS_PER_BYTE * ring bytes per rank + SPLIT_COLLECTIVE_FLOPS * collectives
 
-``flops_i`` from :func:`~dmuon.newton_schulz.split.split_piece_flops` (they sum to the matrix's
+``flops_i`` from :func:`~dmuon.functional.split_ns.split_piece_flops` (they sum to the matrix's
 count), ring bytes with m x m buffers in 2-byte compute dtype and 4-byte Gram sums.
 
 Algorithm (deterministic). From the whole-matrix plan and ``mean0`` = its mean slot cost, for each
@@ -41,12 +41,12 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from dmuon.functional.matrix_shape import as_matrix_shape
+from dmuon.newton_schulz.matrix_shape import as_matrix_shape
 from dmuon.newton_schulz.cost import DEFAULT_GRAM_RESTART, choose_ns_variant
 from dmuon.functional.owner_plan import OwnerPlan, assemble_plan
 from dmuon.functional.plan_units import AllocationUnit
 from dmuon.functional.specs import ParamSpec
-from dmuon.newton_schulz.split import (SplitLayout, ring_bytes_per_rank, split_layout, split_ns_program,
+from dmuon.functional.split_ns import (SplitLayout, ring_bytes_per_rank, split_layout, split_ns_program,
                                        split_piece_flops)
 
 __all__ = ["SplitBlock", "SplitUnit", "plan_splits", "block_name", "split_unit_cost", "owner_entries",
@@ -103,7 +103,7 @@ class SplitUnit:
       dim: the param dimension that is split (its long side: 0 for a tall param, whose wide
         orientation is its transpose, 1 for a wide one).
       variant: ``"direct"`` or ``"gram"``; gram_restart: the period the costs assume.
-      layout: the :class:`~dmuon.newton_schulz.split.SplitLayout` (``m`` = short side).
+      layout: the :class:`~dmuon.functional.split_ns.SplitLayout` (``m`` = short side).
       blocks: in block order (block ``i`` = column block ``i`` of the wide orientation).
     """
 

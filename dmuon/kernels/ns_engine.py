@@ -1,7 +1,7 @@
 """Batched Newton–Schulz for all matrices a rank owns, grouped by shape, replayed as a CUDA graph.
 
 What it computes: for every input ``G_i`` (viewed as ``B_i`` matrices ``m_i x n_i`` through
-:func:`~dmuon.functional.matrix_shape.as_matrix_shape`) exactly what
+:func:`~dmuon.newton_schulz.matrix_shape.as_matrix_shape`) exactly what
 :func:`dmuon.newton_schulz.iteration.newton_schulz` computes, ``U_i ~ polar(G_i)``, returned in
 ``G_i``'s shape and dtype:
 

@@ -1,5 +1,6 @@
 """Newton–Schulz, in one place: the iteration, its coefficient schedules, its costs, how a batch
-of matrices is chunked, and NS split across ranks. The CUDA engine that runs it batched and
+of matrices is chunked. NS split across ranks is a schedule of the step program
+(:mod:`dmuon.functional.split_ns`); the CUDA engine that runs it batched and
 graph-replayed is a kernel (:mod:`dmuon.kernels.ns_engine`).
 
 Modules:
@@ -11,7 +12,7 @@ Modules:
 * :mod:`.chunks` — batching same-shape matrices into chunks (pure planning).
 * :mod:`.config` — :class:`NSConfig`, the one source of truth of the NS settings, built from
   :class:`dmuon.functional.muon.MuonHParams` under the same names.
-* :mod:`.split` — one matrix's NS spread over k ranks, exactly (pure; planned by the owner plan).
+* :mod:`.matrix_shape` — how a param of any shape is seen as an ``(m, n)`` matrix.
 
 The route of a step: ``dmuon.Muon.step`` (stateful) → ``dmuon.functional.muon.update`` with an
 ``orthogonalize`` hook → this package (:func:`orthogonalize_batched`, or the CUDA engine

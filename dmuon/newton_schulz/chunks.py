@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from dmuon.functional.matrix_shape import as_matrix_shape
+from dmuon.newton_schulz.matrix_shape import as_matrix_shape
 from dmuon.newton_schulz.cost import choose_ns_variant
 
 __all__ = ["NSEntry", "NSChunk", "plan_ns_chunks"]

@@ -3,7 +3,7 @@
 Each rank computes, on one compute resource, its whole units (one task each: the NS of its
 matrices, :func:`~dmuon.tools.machine.ns_matrix_seconds`) and the pieces of its split units.
 A piece is a chain: compute segment, collective, compute segment, ... (exact flops per segment from
-:func:`~dmuon.newton_schulz.split.split_piece_segments`, timed at the whole matrix's rate); a
+:func:`~dmuon.functional.split_ns.split_piece_segments`, timed at the whole matrix's rate); a
 collective starts when every member of its group has finished the segment before it and every
 member's link is free, and lasts :func:`~dmuon.tools.machine.collective_time` (NVLink: a split
 stays in one node). While a piece waits for a collective its rank computes other ready work
@@ -26,7 +26,7 @@ from typing import Mapping, Sequence
 from dmuon.tools.machine import Machine, collective_time, interp_log2, ns_matrix_seconds
 from dmuon.functional.owner_plan import OwnerPlan
 from dmuon.functional.specs import ParamSpec
-from dmuon.newton_schulz.split import split_ns_program, split_piece_segments
+from dmuon.functional.split_ns import split_ns_program, split_piece_segments
 
 __all__ = ["NSPhase", "ns_phase", "reference_slowdown"]
 

@@ -3,7 +3,7 @@
 For a model preset, a mesh ``(R, G)``, a micro-batch and a sequence length, :func:`project_step`
 builds the real owner plan (:func:`~dmuon.functional.plan.plan_owners`, split units included) and
 the real schedules (:func:`~dmuon.functional.program.step_program`, split NS:
-:func:`~dmuon.newton_schulz.split.split_ns_schedule`), then times one steady-state step on a
+:func:`~dmuon.functional.split_ns.split_ns_schedule`), then times one steady-state step on a
 :class:`~dmuon.tools.machine.Machine` with three serial resources per rank (every rank runs
 the same program, so one rank's timeline stands for all, except in the owners' phase):
 

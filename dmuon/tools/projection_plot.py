@@ -2,14 +2,14 @@
 
 One band per design, three rows each: the compute stream (forward, backward and optimizer
 phases in different colors) and the shard and replicate links (one color per lane); a time axis
-in milliseconds. Drawn with the demo's built-in PNG writer (:class:`dmuon.demo.plot.Canvas`), so
+in milliseconds. Drawn with the built-in PNG writer (:class:`dmuon.tools.canvas.Canvas`), so
 it needs no plotting library.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
-from dmuon.demo.plot import Canvas, _nice_ticks
+from dmuon.tools.canvas import Canvas, nice_ticks
 from dmuon.tools.projection import StepProjection
 
 __all__ = ["write_timeline_png", "COLORS"]
@@ -51,7 +51,7 @@ def write_timeline_png(path: str, projections: Sequence[StepProjection], *, titl
         for t in (p.forward, p.forward + p.backward):
             cv.line(X(t), y + 12, X(t), y + 14 + 3 * (row_h + 4), (0, 0, 0), dash=3)
         y += 14 + 3 * (row_h + 4) + band_gap
-    for v in _nice_ticks(0.0, span * 1e3, 10):
+    for v in nice_ticks(0.0, span * 1e3, 10):
         cv.line(X(v / 1e3), y - band_gap + 4, X(v / 1e3), y - band_gap + 10, (0, 0, 0))
         cv.text(X(v / 1e3), y - band_gap + 14, f"{v:g}", anchor="center")
     cv.text((L + W - R) // 2, y + 4, "MS", anchor="center")
