@@ -45,11 +45,11 @@ import logging
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.stateful.checkpoint.transfer import row_chunks
 from dmuon.compat.fsdp_patch import is_dedicated
+from dmuon.stateful.runtime.agree import agree
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
 
@@ -348,18 +348,11 @@ def _slice_for(param: Any, full: torch.Tensor) -> Any:
 
 
 def _agree(st, problems: list[str]) -> None:
-    got: list = [None] * dist.get_world_size()
-    st.mesh_groups.control_collective(
-        "load_state_dict check agreement", lambda g: dist.all_gather_object(got, problems, group=g))
-    by_msg: dict[str, list[int]] = {}
-    for r, p in enumerate(got):
-        for m in p:
-            by_msg.setdefault(m, []).append(r)
-    if by_msg:
-        detail = "; ".join(f"{m} (rank(s) {rs})" for m, rs in list(by_msg.items())[:12])
-        raise StateDictError(
-            f"model.load_state_dict on a dmuon model: the state dict does not fit the model: "
-            f"{detail}. Nothing was loaded on any rank.")
+    """Raise :class:`StateDictError` on every rank if any rank's dict does not fit (collective)."""
+    agree(problems, what="load_state_dict check agreement", via=st.mesh_groups,
+          error=lambda detail: StateDictError(
+              f"model.load_state_dict on a dmuon model: the state dict does not fit the model: "
+              f"{detail}. Nothing was loaded on any rank."))
 
 
 def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:

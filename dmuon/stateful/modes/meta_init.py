@@ -50,10 +50,10 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.functional.schedule import publish_schedule
+from dmuon.stateful.runtime.agree import agree
 from dmuon.stateful.runtime.guards import DedicatedParamError
 
 logger = logging.getLogger(__name__)
@@ -315,17 +315,12 @@ def finish_meta_init(st: Any, what: str) -> None:
         return
     model = st.model_ref()
     mine = mi.problems(model, set(st.params.values())) if model is not None else []
-    got: list = [None] * dist.get_world_size()
-    st.mesh_groups.control_collective(
-        "meta-init close agreement", lambda g: dist.all_gather_object(got, mine, group=g))
-    bad = {r: p for r, p in enumerate(got) if p}
-    if bad:
-        detail = "; ".join(f"rank {r}: {', '.join(p)}" for r, p in list(bad.items())[:4])
-        raise RuntimeError(
+    agree(mine, what="meta-init close agreement", via=st.mesh_groups, error=lambda detail: (
+        RuntimeError(
             f"{what}: the model was built on the meta device and is not materialized ({detail}). "
             "After dedicate_params and fully_shard, call model.to_empty(device=...) and the "
             "model's init (model.init_weights(), or each module's reset_parameters()) on every "
-            "rank, before dmuon.Muon(model), the first forward or a state-dict call.")
+            "rank, before dmuon.Muon(model), the first forward or a state-dict call.")))
     mi.close(st)
     st.meta_init = None
     logger.info("dmuon: meta-device init closed; %d dedicated masters held here",

@@ -50,6 +50,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.functional.tp_plan import tp_roots
+from dmuon.stateful.runtime.agree import rank_flags
 from dmuon.stateful.modes.tp_errors import (TP_FIX, TensorParallelUnsupported, from_dtensor_api,  # noqa: F401
                                       refuse_tp, tp_error)
 
@@ -280,9 +281,8 @@ class TPStep:
     def _agree_replicated(self, bad: list[str]) -> None:
         """Raise on every rank if any TP group's ranks hold different gradients of a matrix
         without TP (its inputs differ across the TP group: it would be updated differently)."""
-        flag = torch.tensor([float(bool(bad))], dtype=torch.float64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
-        if flag.item() > 0:
+        mine = torch.tensor([float(bool(bad))], dtype=torch.float32, device=self.device)
+        if bool(rank_flags(mine, what="TP replicated-gradient agreement", via=self.control).any()):
             here = f" (here: {bad[:4]})" if bad else ""
             raise TensorParallelUnsupported(
                 "dmuon.Muon.step: the ranks of a TP group computed different gradients for a "
