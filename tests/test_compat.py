@@ -54,3 +54,24 @@ def test_fsdp_param_groups_reads_both_layouts():
     assert compat.fsdp_param_groups(New()) == ["a", "b"]
     assert compat.fsdp_param_groups(Old()) == ["a"]
     assert compat.fsdp_param_groups(None) == []
+
+
+def test_tensor_subclass_helpers():
+    class Sub(torch.Tensor):
+        calls: list = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.calls.append(getattr(func, "__name__", str(func)))
+            with compat.torch_function_disabled():
+                return func(*args, **(kwargs or {}))
+
+    base = torch.zeros(3)
+    s = compat.make_tensor_subclass(Sub, base)
+    assert type(s) is Sub and s.data_ptr() == base.data_ptr()
+    Sub.calls.clear()
+    with compat.torch_function_disabled():
+        s.numel()
+    assert Sub.calls == []
+    s.numel()
+    assert Sub.calls == ["numel"]

@@ -19,6 +19,9 @@ Private APIs and what they are for:
   checkpointing re-runs forward there).
 * ``torch.autograd.Variable._execution_engine.queue_callback`` — run a function when the current
   backward pass ends (FSDP2 uses it for the same purpose).
+* ``torch._C.DisableTorchFunctionSubclass`` and ``torch.Tensor._make_subclass`` — dmuon's tensor
+  guards (:mod:`dmuon.stateful.runtime.guard_base`) run an allowed call as on a plain tensor, and
+  build a gradient marker sharing a plain tensor's storage.
 * ``ProcessGroup._get_backend(device).options._timeout`` and
   ``distributed_c10d._set_pg_timeout`` — read a group's timeout (the default group's is the default
   bound of dmuon's own groups) and bound the mesh groups dmuon is given.
@@ -47,6 +50,7 @@ __all__ = [
     "SUPPORTED_TORCH", "FSDP_INIT_MODULES", "torch_version", "torch_supported",
     "unsupported_torch_message", "fsdp_state", "fsdp_param_groups", "fsdp_managed_params",
     "fsdp_mesh", "fsdp_mp_policy", "in_backward", "queue_backward_callback",
+    "torch_function_disabled", "make_tensor_subclass",
     "default_group_timeout", "group_timeout", "set_group_timeout", "private_api_report",
 ]
 
@@ -141,6 +145,19 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def torch_function_disabled() -> Any:
+    """A context in which tensor subclasses' ``__torch_function__`` is not called
+    (``torch._C.DisableTorchFunctionSubclass``): dmuon's guards run an allowed call as on a
+    plain tensor."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def make_tensor_subclass(cls: type, data: torch.Tensor) -> torch.Tensor:
+    """An instance of tensor subclass ``cls`` sharing ``data``'s storage, without running
+    ``cls.__init__`` (``torch.Tensor._make_subclass``: how ``nn.Parameter`` is built)."""
+    return torch.Tensor._make_subclass(cls, data)
+
+
 # ------------------------------------------------------------------------------ process groups
 def default_group_timeout(device_type: str) -> Optional[datetime.timedelta]:
     """The default process group's collective timeout for ``device_type`` (``None`` when this
@@ -194,6 +211,9 @@ def private_api_report() -> dict[str, bool]:
         getattr(torch._C, "_current_graph_task_id", None))
     out["Variable._execution_engine.queue_callback"] = callable(
         getattr(torch.autograd.Variable._execution_engine, "queue_callback", None))
+    out["torch._C.DisableTorchFunctionSubclass"] = callable(
+        getattr(torch._C, "DisableTorchFunctionSubclass", None))
+    out["torch.Tensor._make_subclass"] = callable(getattr(torch.Tensor, "_make_subclass", None))
     import torch.distributed as dist
     out["distributed_c10d._get_default_group"] = callable(
         getattr(dist.distributed_c10d, "_get_default_group", None))
