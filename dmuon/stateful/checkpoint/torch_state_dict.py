@@ -49,6 +49,7 @@ import torch.nn as nn
 
 from dmuon.stateful.checkpoint.transfer import row_chunks
 from dmuon.compat.fsdp_patch import is_dedicated
+from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
 from dmuon.stateful.runtime.agree import agree
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
@@ -234,7 +235,7 @@ class _Hooks:
         for i in range(len(parts), 0, -1):
             sub = ".".join(parts[:i])
             m = self.model.get_submodule(sub)
-            if any(h not in self.own_hooks for h in m._state_dict_hooks):
+            if any(h not in self.own_hooks for h in state_dict_hooks(m)):
                 return f"module {sub!r} ({type(m).__name__})"
         return f"a module on {path!r}"
 
@@ -297,7 +298,7 @@ class _Hooks:
         for path in sorted(chains, key=lambda p: p.count(".")):  # parents before children
             m = root.get_submodule(path)
             sub = prefix + path + "."
-            for hid, hook in list(m._load_state_dict_pre_hooks.items()):
+            for hid, hook in list(load_state_dict_pre_hooks(m).items()):
                 if hid not in self.own_hooks:
                     hook(trial, sub, meta.get(sub[:-1], {}), True, [], [], [])
         return {k: trial[prefix + k] for k in absent if prefix + k in trial}

@@ -52,6 +52,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
+from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.schedule import publish_schedule
 from dmuon.stateful.runtime.agree import agree
 from dmuon.stateful.runtime.errors import DedicatedParamError
@@ -223,9 +224,10 @@ def replace_meta_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
         out[n] = q
     old = {id(p): p for p in chosen.values()}
     for mod in model.modules():
-        for k, v in list(mod._parameters.items()):
+        slots = module_param_slots(mod)
+        for k, v in list(slots.items()):
             if v is not None and id(v) in new and v is old[id(v)]:
-                mod._parameters[k] = new[id(v)]
+                slots[k] = new[id(v)]
     return out
 
 
