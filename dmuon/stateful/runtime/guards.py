@@ -4,7 +4,7 @@ Between uses a dedicated param is a zero-size placeholder (its values live whole
 its gradient lives in dmuon's buckets, not in ``.grad``. Tools written for local tensors would
 silently see nothing: ``torch.nn.utils.clip_grad_norm_`` would clip without the matrices (and return
 a smaller norm), ``torch.optim.AdamW(model.parameters())`` would never update them,
-``parameters_to_vector`` would leave them out. Two guards make every such use loud:
+``parameters_to_vector`` would leave them out. These guards make every such use loud:
 
 * :class:`DedicatedPlaceholder` — the class of a dedicated param while it is a placeholder (dmuon
   switches ``param.__class__`` between it and ``nn.Parameter`` when it frees / gathers the param, so
@@ -24,11 +24,11 @@ a smaller norm), ``torch.optim.AdamW(model.parameters())`` would never update th
   exactly as torch would a local one; dmuon notices a dropped marker before the next reduce, clip
   or step. After a step, the owners' stepped matrices carry *consumed* markers
   (:mod:`dmuon.stateful.runtime.consumed_grads`).
-
-* :class:`TPSliceGuard` -- a tensor-parallel dedicated param holding its gathered TP slice outside
+* :class:`TPSliceGuard` — a tensor-parallel dedicated param holding its gathered TP slice outside
   the forward of its hook group.
 
-All share one dispatch and one allow-list (:mod:`dmuon.stateful.runtime.guard_base`): attribute get
+The guard classes (and the meta-init :class:`~dmuon.stateful.modes.meta_init.DedicatedUninit`)
+share one dispatch and one allow-list (:mod:`dmuon.stateful.runtime.guard_base`): attribute get
 / set (``.grad``, ``.data``, ``.requires_grad``, ``.shape``, ...), metadata (``size()``, ``dim()``,
 ``numel()``, ``dtype``, ...), ``repr``, hashing, hook registration pass; so does a conversion that
 changes nothing (placeholders and markers); anything else raises :class:`DedicatedParamError`.
