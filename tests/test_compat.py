@@ -54,3 +54,42 @@ def test_fsdp_param_groups_reads_both_layouts():
     assert compat.fsdp_param_groups(New()) == ["a", "b"]
     assert compat.fsdp_param_groups(Old()) == ["a"]
     assert compat.fsdp_param_groups(None) == []
+
+
+def test_tensor_subclass_helpers():
+    class Sub(torch.Tensor):
+        calls: list = []
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            cls.calls.append(getattr(func, "__name__", str(func)))
+            with compat.torch_function_disabled():
+                return func(*args, **(kwargs or {}))
+
+    base = torch.zeros(3)
+    s = compat.make_tensor_subclass(Sub, base)
+    assert type(s) is Sub and s.data_ptr() == base.data_ptr()
+    Sub.calls.clear()
+    with compat.torch_function_disabled():
+        s.numel()
+    assert Sub.calls == []
+    s.numel()
+    assert Sub.calls == ["numel"]
+
+
+def test_module_and_mesh_helpers():
+    import collections
+
+    lin = torch.nn.Linear(2, 3)
+    slots = compat.module_param_slots(lin)
+    assert set(slots) == {"weight", "bias"} and slots["weight"] is lin.weight
+    handle = lin.register_state_dict_post_hook(lambda *a: None)
+    assert handle.id in compat.state_dict_hooks(lin)
+    pre = lin.register_load_state_dict_pre_hook(lambda *a: None)
+    assert pre.id in compat.load_state_dict_pre_hooks(lin)
+    Pair = collections.namedtuple("Pair", "a b")
+    t = torch.ones(1)
+    assert compat.tree_leaves({"x": [t, (t, 2)], "y": Pair(t, 3)}) == [t, t, 2, t, 3]
+    assert compat.mesh_root(object()) is None
+    assert compat.composable_replicate_applied(lin) is False
+    assert compat.DDP_IGNORE_ATTR == "_ddp_params_and_buffers_to_ignore"

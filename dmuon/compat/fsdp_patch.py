@@ -37,7 +37,8 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.nn as nn
 
-from dmuon.compat.torch_api import FSDP_INIT_MODULES, torch_supported, unsupported_torch_message
+from dmuon.compat.torch_api import (FSDP_INIT_MODULES, module_param_slots, torch_supported,
+                                   unsupported_torch_message)
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def _with_dedicated(ignored: set | None, modules: Iterable[nn.Module], recurse: 
     for m in modules:  # a deferred dedication's slots (dmuon.stateful.modes.deferred): whatever is there
         for sub in (m.modules() if recurse else (m,)):
             slots = sub.__dict__.get(PENDING_SLOTS_ATTR, ())
-            extra.update(p for leaf, p in sub._parameters.items() if leaf in slots and p is not None)
+            extra.update(p for leaf, p in module_param_slots(sub).items() if leaf in slots and p is not None)
     if not extra:
         return ignored
     return set(ignored or ()) | extra

@@ -19,19 +19,36 @@ Private APIs and what they are for:
   checkpointing re-runs forward there).
 * ``torch.autograd.Variable._execution_engine.queue_callback`` — run a function when the current
   backward pass ends (FSDP2 uses it for the same purpose).
+* ``torch._C.DisableTorchFunctionSubclass`` and ``torch.Tensor._make_subclass`` — dmuon's tensor
+  guards (:mod:`dmuon.stateful.runtime.guard_base`) run an allowed call as on a plain tensor, and
+  build a gradient marker sharing a plain tensor's storage.
 * ``ProcessGroup._get_backend(device).options._timeout`` and
   ``distributed_c10d._set_pg_timeout`` — read a group's timeout (the default group's is the default
   bound of dmuon's own groups) and bound the mesh groups dmuon is given.
+* ``DeviceMesh._get_root_mesh`` — the mesh a sub-mesh was sliced from (a dp slice of dmuon's own
+  HSDP mesh passed without ``replicate_mesh`` is a mistake, not tensor parallelism).
+* ``torch.distributed._composable.replicate`` (its ``state``) — whether torch's composable
+  ``replicate`` was applied to a model (dmuon supports ``DistributedDataParallel`` instead).
+* ``_ddp_params_and_buffers_to_ignore`` (:data:`DDP_IGNORE_ATTR`), the module attribute
+  ``DistributedDataParallel`` reads (``_set_params_and_buffers_to_ignore_for_model`` sets it) — so
+  DDP leaves dedicated params alone, and FSDP-mode models refuse DDP.
+* ``torch.utils._pytree.tree_leaves`` — the tensors of any forward output, flattened as torch
+  flattens it (containers torch and libraries register, e.g. HF ``ModelOutput``).
+* ``Module._parameters``, ``Module._state_dict_hooks``, ``Module._load_state_dict_pre_hooks`` — a
+  module's param slots (a slot may hold a plain tensor or DTensor, set without ``__setattr__``'s
+  checks) and its state-dict hooks (a foreign hook that rewrites dedicated entries is named; a
+  load pre-hook is dry-run on a copy of the dict before anything loads).
 """
 from __future__ import annotations
 
 import datetime
 import importlib
 import re
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as torch_pytree
 
 #: The torch releases dmuon is tested on: ``(lowest, highest)`` major.minor, both included.
 SUPPORTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 14))
@@ -42,11 +59,18 @@ FSDP_INIT_MODULES: tuple[str, ...] = (
     "torch.distributed.fsdp._fully_shard._fully_shard",
 )
 FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
+#: the module attribute ``DistributedDataParallel``'s constructor reads: names of the params and
+#: buffers it leaves alone (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``
+#: sets it)
+DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 
 __all__ = [
     "SUPPORTED_TORCH", "FSDP_INIT_MODULES", "torch_version", "torch_supported",
     "unsupported_torch_message", "fsdp_state", "fsdp_param_groups", "fsdp_managed_params",
     "fsdp_mesh", "fsdp_mp_policy", "in_backward", "queue_backward_callback",
+    "torch_function_disabled", "make_tensor_subclass", "mesh_root", "composable_replicate_applied",
+    "DDP_IGNORE_ATTR", "tree_leaves", "module_param_slots", "state_dict_hooks",
+    "load_state_dict_pre_hooks",
     "default_group_timeout", "group_timeout", "set_group_timeout", "private_api_report",
 ]
 
@@ -141,6 +165,66 @@ def queue_backward_callback(fn: Callable[[], None]) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def torch_function_disabled() -> Any:
+    """A context in which tensor subclasses' ``__torch_function__`` is not called
+    (``torch._C.DisableTorchFunctionSubclass``): dmuon's guards run an allowed call as on a
+    plain tensor."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def make_tensor_subclass(cls: type, data: torch.Tensor) -> torch.Tensor:
+    """An instance of tensor subclass ``cls`` sharing ``data``'s storage, without running
+    ``cls.__init__`` (``torch.Tensor._make_subclass``: how ``nn.Parameter`` is built)."""
+    return torch.Tensor._make_subclass(cls, data)
+
+
+# ------------------------------------------------------------------------------ modules, meshes
+def module_param_slots(module: nn.Module) -> dict[str, Optional[torch.Tensor]]:
+    """``module``'s own param slots, the live dict (``Module._parameters``): what torch sees, and
+    where a slot can be given a plain tensor or a DTensor without ``__setattr__``'s checks."""
+    return module._parameters
+
+
+def state_dict_hooks(module: nn.Module) -> Mapping[int, Callable]:
+    """``module``'s own ``state_dict`` post-hooks, ``{handle id: hook}``
+    (``Module._state_dict_hooks``)."""
+    return module._state_dict_hooks
+
+
+def load_state_dict_pre_hooks(module: nn.Module) -> Mapping[int, Callable]:
+    """``module``'s own ``load_state_dict`` pre-hooks, ``{handle id: hook}``
+    (``Module._load_state_dict_pre_hooks``; each is called as ``hook(state_dict, prefix,
+    local_metadata, strict, missing_keys, unexpected_keys, error_msgs)``)."""
+    return module._load_state_dict_pre_hooks
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    """The leaves of ``tree`` as torch flattens it (``torch.utils._pytree``: dicts, lists,
+    tuples, named tuples, and the containers torch and libraries register, e.g. HF
+    ``ModelOutput``)."""
+    return torch_pytree.tree_leaves(tree)
+
+
+def mesh_root(mesh: Any) -> Any:
+    """The DeviceMesh ``mesh`` was sliced from (``DeviceMesh._get_root_mesh``; ``mesh`` itself
+    for a root mesh), or ``None`` where this torch or object has none."""
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    return get_root() if callable(get_root) else None
+
+
+def composable_replicate_applied(module: nn.Module) -> bool:
+    """Whether torch's composable ``replicate`` (``torch.distributed._composable.replicate``)
+    was applied to ``module``."""
+    try:
+        from torch.distributed._composable.replicate import replicate
+    except ImportError:  # pragma: no cover
+        return False
+    try:
+        return replicate.state(module) is not None
+    except Exception:  # noqa: BLE001 - no composable state on this module
+        return False
+
+
 # ------------------------------------------------------------------------------ process groups
 def default_group_timeout(device_type: str) -> Optional[datetime.timedelta]:
     """The default process group's collective timeout for ``device_type`` (``None`` when this
@@ -194,6 +278,23 @@ def private_api_report() -> dict[str, bool]:
         getattr(torch._C, "_current_graph_task_id", None))
     out["Variable._execution_engine.queue_callback"] = callable(
         getattr(torch.autograd.Variable._execution_engine, "queue_callback", None))
+    out["torch._C.DisableTorchFunctionSubclass"] = callable(
+        getattr(torch._C, "DisableTorchFunctionSubclass", None))
+    out["torch.Tensor._make_subclass"] = callable(getattr(torch.Tensor, "_make_subclass", None))
+    from torch.distributed.device_mesh import DeviceMesh
+    out["DeviceMesh._get_root_mesh"] = callable(getattr(DeviceMesh, "_get_root_mesh", None))
+    try:
+        from torch.distributed._composable.replicate import replicate
+        out["_composable.replicate.state"] = callable(getattr(replicate, "state", None))
+    except ImportError:
+        out["_composable.replicate.state"] = False
+    from torch.nn.parallel import DistributedDataParallel
+    out["DistributedDataParallel._ddp_params_and_buffers_to_ignore"] = callable(getattr(
+        DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None))
+    out["torch.utils._pytree.tree_leaves"] = callable(getattr(torch_pytree, "tree_leaves", None))
+    probe_module = nn.Linear(1, 1)
+    for attr in ("_parameters", "_state_dict_hooks", "_load_state_dict_pre_hooks"):
+        out[f"Module.{attr}"] = isinstance(getattr(probe_module, attr, None), dict)
     import torch.distributed as dist
     out["distributed_c10d._get_default_group"] = callable(
         getattr(dist.distributed_c10d, "_get_default_group", None))

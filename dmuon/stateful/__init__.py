@@ -2,6 +2,7 @@
 
 * :mod:`~dmuon.stateful.runtime` — ``dedicate_params``, the root state of a model, its hook
   groups, hooks, storage, process groups and the executor that runs the step program's schedules;
+  the one agreement helper (decide on every rank, raise on every rank) and the tensor guards;
 * :mod:`~dmuon.stateful.optimizer` — ``dmuon.Muon`` and what its ``step()`` uses (checks, the NS
   hook, telemetry);
 * :mod:`~dmuon.stateful.modes` — DDP mode, tensor parallelism, deferred dedication, meta-device

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from dmuon.stateful.runtime.agree import agree
+
 __all__ = ["MARKER", "CheckpointError", "write_marker", "publish", "complete_or_raise",
            "verify_files", "dcp_errors", "agree_errors"]
 
@@ -55,13 +57,10 @@ def dcp_errors(fn: Any, what: str) -> list[str]:
 
 
 def agree_errors(rt, errors: list[str], what: str) -> None:
-    got: list = [None] * dist.get_world_size()
-    rt.mesh_groups.control_collective(
-        f"{what} agreement", lambda g: dist.all_gather_object(got, errors, group=g))
-    bad = [(r, e) for r, es in enumerate(got) for e in es]
-    if bad:
-        detail = " | ".join(f"rank {r}: {e}" for r, e in bad[:10])
-        raise CheckpointError(f"{what}: {detail}. Nothing was changed on any rank.")
+    """Raise :class:`CheckpointError` on every rank if any rank has an error (collective;
+    :func:`dmuon.stateful.runtime.agree.agree`)."""
+    agree(errors, what=f"{what} agreement", via=rt.mesh_groups, error=lambda detail: (
+        CheckpointError(f"{what}: {detail}. Nothing was changed on any rank.")))
 
 
 def publish(path: str, tmp: str, keep_last: int) -> None:

@@ -111,7 +111,7 @@ def _planners():
             for item in new_plan.items:
                 td = item.tensor_data
                 if td is not None:
-                    size = torch._utils._element_size(td.properties.dtype)
+                    size = td.properties.dtype.itemsize
                     total += math.prod(td.chunk.sizes) * size
             self.bytes_written = total
             return super().finish_plan(new_plan)
@@ -127,7 +127,7 @@ def _planners():
                 if ri.type != LoadItemType.TENSOR:
                     continue
                 tmd = self.metadata.state_dict_metadata[ri.storage_index.fqn]
-                size = torch._utils._element_size(tmd.properties.dtype)
+                size = tmd.properties.dtype.itemsize
                 req += math.prod(ri.lengths) * size
                 off = tuple(ri.storage_index.offset)
                 for c in tmd.chunks:

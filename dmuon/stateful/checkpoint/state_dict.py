@@ -32,6 +32,7 @@ import torch.nn as nn
 
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
+from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.state import DedicatedState, get_state
 from dmuon.stateful.checkpoint.torch_state_dict import StateDictError, check_entry
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part
@@ -200,25 +201,18 @@ def _shape_of(v: Any):
     return tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
 
 
-def agree(rt: DedicatedState, problems: list[str], what: str,
-          payload: Any = None) -> list[tuple[list[str], Any]]:
-    """All-gather ``(problems, payload)``; raise :class:`StateDictError` (a ``ValueError``) on every rank if any rank has a
-    problem (the message names the ranks and lists the problems). Returns the gathered list."""
-    got: list = [None] * dist.get_world_size()
-    rt.mesh_groups.control_collective(
-        f"{what} agreement", lambda g: dist.all_gather_object(got, (problems, payload), group=g))
-    by_msg: dict[str, list[int]] = {}
-    for r, (p, _) in enumerate(got):
-        if p:
-            by_msg.setdefault("; ".join(p), []).append(r)
-    if by_msg:
-        detail = " | ".join(f"rank(s) {rs}: {m}" for m, rs in by_msg.items())
-        raise StateDictError(
+def agree(rt: DedicatedState, problems: list[str], what: str, payload: Any = None) -> list[Any]:
+    """Raise :class:`StateDictError` (a ``ValueError``) on every rank if any rank has a problem
+    (the message names the ranks and lists the problems; :func:`dmuon.stateful.runtime.agree.agree`).
+    Returns every rank's ``payload``."""
+    def error(detail: str) -> StateDictError:
+        return StateDictError(
             f"{what}: the state dict does not match the model ({detail}). Nothing was changed on "
             "any rank. Load a dict saved from the same architecture (names and full shapes as in "
             "the single-device model.state_dict(), floating values, finite unless "
             "check_finite=False), or pass strict=False to allow missing / unexpected keys.")
-    return got
+    return agree_problems(problems, what=f"{what} agreement", via=rt.mesh_groups,
+                          payload=payload, error=error)
 
 
 @torch.no_grad()
@@ -274,9 +268,9 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     payload = None
     if rank0_only and check is not None:
         payload = (dict(check.source), list(check.missing), list(check.unexpected))
-    got = agree(rt, problems, what, payload)
+    payloads = agree(rt, problems, what, payload)
     if rank0_only:
-        source, missing, unexpected = got[0][1]
+        source, missing, unexpected = payloads[0]
     else:
         source, missing, unexpected = check.source, list(check.missing), list(check.unexpected)
 

@@ -45,11 +45,12 @@ import logging
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.stateful.checkpoint.transfer import row_chunks
 from dmuon.compat.fsdp_patch import is_dedicated
+from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
+from dmuon.stateful.runtime.agree import agree
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
 
@@ -234,7 +235,7 @@ class _Hooks:
         for i in range(len(parts), 0, -1):
             sub = ".".join(parts[:i])
             m = self.model.get_submodule(sub)
-            if any(h not in self.own_hooks for h in m._state_dict_hooks):
+            if any(h not in self.own_hooks for h in state_dict_hooks(m)):
                 return f"module {sub!r} ({type(m).__name__})"
         return f"a module on {path!r}"
 
@@ -297,7 +298,7 @@ class _Hooks:
         for path in sorted(chains, key=lambda p: p.count(".")):  # parents before children
             m = root.get_submodule(path)
             sub = prefix + path + "."
-            for hid, hook in list(m._load_state_dict_pre_hooks.items()):
+            for hid, hook in list(load_state_dict_pre_hooks(m).items()):
                 if hid not in self.own_hooks:
                     hook(trial, sub, meta.get(sub[:-1], {}), True, [], [], [])
         return {k: trial[prefix + k] for k in absent if prefix + k in trial}
@@ -348,18 +349,11 @@ def _slice_for(param: Any, full: torch.Tensor) -> Any:
 
 
 def _agree(st, problems: list[str]) -> None:
-    got: list = [None] * dist.get_world_size()
-    st.mesh_groups.control_collective(
-        "load_state_dict check agreement", lambda g: dist.all_gather_object(got, problems, group=g))
-    by_msg: dict[str, list[int]] = {}
-    for r, p in enumerate(got):
-        for m in p:
-            by_msg.setdefault(m, []).append(r)
-    if by_msg:
-        detail = "; ".join(f"{m} (rank(s) {rs})" for m, rs in list(by_msg.items())[:12])
-        raise StateDictError(
-            f"model.load_state_dict on a dmuon model: the state dict does not fit the model: "
-            f"{detail}. Nothing was loaded on any rank.")
+    """Raise :class:`StateDictError` on every rank if any rank's dict does not fit (collective)."""
+    agree(problems, what="load_state_dict check agreement", via=st.mesh_groups,
+          error=lambda detail: StateDictError(
+              f"model.load_state_dict on a dmuon model: the state dict does not fit the model: "
+              f"{detail}. Nothing was loaded on any rank."))
 
 
 def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:

@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.stateful.modes.ddp import unwrapping_model
+from dmuon.stateful.runtime.agree import max_over_ranks
 from dmuon.stateful.runtime.state import get_state, local_tensor
 
 
@@ -81,14 +82,9 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
             else:
                 acc = acc + (norms ** p).sum() / k
     if math.isinf(p):
-        # a MAX all-reduce may drop a NaN (gloo's max keeps the other operand): carry a NaN flag
-        # next to the max, so every rank sees the NaN that one rank's gradients hold
-        both = torch.stack([torch.nan_to_num(acc, nan=0.0, posinf=math.inf),
-                             torch.isnan(acc).to(acc.dtype)])
-        rt.mesh_groups.control_collective(
-            "clip_grad_norm_ all-reduce",
-            lambda g: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=g))
-        total = torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
+        # NaN-safe (a MAX all-reduce alone may drop a NaN): every rank sees the NaN that one
+        # rank's gradients hold
+        total = max_over_ranks(acc, what="clip_grad_norm_ all-reduce", via=rt.mesh_groups)
     else:
         rt.mesh_groups.control_collective(
             "clip_grad_norm_ all-reduce",

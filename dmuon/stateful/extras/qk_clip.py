@@ -11,10 +11,10 @@ from __future__ import annotations
 from typing import Mapping
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.functional.qk_clip import QKClipConfig, clip_factors, scale_head_rows
+from dmuon.stateful.runtime.agree import max_over_ranks
 from dmuon.stateful.runtime.state import get_state
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
 
@@ -56,11 +56,10 @@ def qk_clip_(model: nn.Module, max_logit: Mapping[str, torch.Tensor],
                                   "step's replica publish is already in flight when it runs")
     keys = sorted(layers)
     flat = torch.cat([max_logit[k].detach().reshape(-1).to(torch.float64) for k in keys]).to(rt.device)
-    # a MAX all-reduce may drop a NaN (gloo keeps the other operand): a non-finite flag travels
-    # beside the logits, so one rank's NaN or Inf is seen on every rank
+    # a non-finite flag travels beside the logits (NaN-safe MAX), so one rank's NaN or Inf
+    # (even a -Inf that other ranks' maxima would hide) is seen on every rank
     flat = torch.cat([flat, (~torch.isfinite(flat)).any().to(flat.dtype).reshape(1)])
-    rt.mesh_groups.control_collective(
-        "QK-clip max-logit all-reduce", lambda g: dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=g))
+    flat = max_over_ranks(flat, what="QK-clip max-logit all-reduce", via=rt.mesh_groups)
     if flat[-1].item() > 0:
         raise ValueError(
             "qk_clip_: a max logit is NaN or Inf on some rank (this step's attention overflowed "

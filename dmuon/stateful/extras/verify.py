@@ -43,10 +43,10 @@ import logging
 from typing import Any, Callable, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
+from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
@@ -147,9 +147,7 @@ def _gather_grads(optimizer: Muon) -> dict[str, Optional[torch.Tensor]]:
     rt = optimizer.dedicated_state
     reduced = rt.reduced_grads()
     mine = {n: str(g.dtype).split(".")[-1] for n, g in reduced.items() if g is not None}
-    metas: list = [None] * dist.get_world_size()
-    rt.mesh_groups.control_collective(
-        "verify gradient metadata", lambda g: dist.all_gather_object(metas, mine, group=g))
+    metas = gather(mine, what="verify gradient metadata", via=rt.mesh_groups)
     meta = {n: d for m in metas for n, d in m.items()}
     grads: dict[str, Optional[torch.Tensor]] = {}
     for n in rt.names:
@@ -168,16 +166,12 @@ def _gather_grads(optimizer: Muon) -> dict[str, Optional[torch.Tensor]]:
 def _check_hparams(optimizer: Muon) -> None:
     """Raise :class:`VerificationError` on every rank if the param groups differ across ranks."""
     mine = repr(hparam_groups(optimizer))
-    got: list = [None] * dist.get_world_size()
-    optimizer.dedicated_state.mesh_groups.control_collective(
-        "verify hyper-parameters", lambda g: dist.all_gather_object(got, mine, group=g))
-    if len(set(got)) > 1:
-        groups = {r: g for r, g in enumerate(got)}
-        raise VerificationError(
-            "dmuon.verify_step: the optimizer's hyper-parameters differ across ranks (each rank "
-            "would update its own matrices with its own values); nothing was updated. Per rank: "
-            + " | ".join(f"rank {r}: {g}" for r, g in groups.items())
-            + ". Make every rank set the same lr / schedule / hparams.")
+    agree_equal(mine, what="verify hyper-parameters", via=optimizer.dedicated_state.mesh_groups,
+                error=lambda detail: VerificationError(
+                    "dmuon.verify_step: the optimizer's hyper-parameters differ across ranks (each "
+                    "rank would update its own matrices with its own values); nothing was updated. "
+                    "Per rank: " + detail + ". Make every rank set the same lr / schedule / "
+                    "hparams."))
 
 
 @torch.no_grad()
@@ -216,9 +210,7 @@ def _reference(optimizer: Muon, params, grads, osd, ns_dtype_override=None):
 
 
 def _max_over_ranks(rt: Any, d: dict[str, float]) -> dict[str, float]:
-    got: list = [None] * dist.get_world_size()
-    rt.mesh_groups.control_collective(
-        "verify error maxima", lambda g: dist.all_gather_object(got, d, group=g))
+    got = gather(d, what="verify error maxima", via=rt.mesh_groups)
     return {k: max(g[k] for g in got) for k in d}
 
 

@@ -46,6 +46,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn as nn
 
+from dmuon.compat.torch_api import DDP_IGNORE_ATTR, composable_replicate_applied
 from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GroupState
 
 logger = logging.getLogger(__name__)
@@ -53,7 +54,6 @@ logger = logging.getLogger(__name__)
 #: the values of ``dedicate_params(data_parallel=...)``
 DATA_PARALLEL_MODES = ("fsdp", "ddp")
 #: the attribute DDP reads the names to skip from
-DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 
 __all__ = ["DATA_PARALLEL_MODES", "check_mode", "ddp_grid", "DDPParamGroup", "install_ddp_mode",
            "guard_fsdp_mode", "check_backend", "unwrap_model"]
@@ -170,17 +170,6 @@ def guard_fsdp_mode(model: nn.Module) -> None:
         object.__setattr__(model, DDP_IGNORE_ATTR, _NotForDDP())
 
 
-def _composable_replicate_applied(model: nn.Module) -> bool:
-    try:
-        from torch.distributed._composable.replicate import replicate
-    except ImportError:  # pragma: no cover
-        return False
-    try:
-        return replicate.state(model) is not None
-    except Exception:  # noqa: BLE001 - no composable state on this module
-        return False
-
-
 def check_backend(model: nn.Module, st: Any, what: str) -> None:
     """Raise if the data parallelism applied to ``model`` does not fit the mode it was dedicated
     for (the same verdict on every rank: it depends only on the model's structure).
@@ -188,7 +177,7 @@ def check_backend(model: nn.Module, st: Any, what: str) -> None:
     Raises:
       RuntimeError: DDP mode and a ``fully_shard`` that shards params; composable ``replicate``.
     """
-    if _composable_replicate_applied(model):
+    if composable_replicate_applied(model):
         raise RuntimeError(
             f"{what}: torch's composable replicate() was applied to a model with dedicated "
             "matrices; dmuon supports DistributedDataParallel for data parallelism. Use "

@@ -32,6 +32,7 @@ import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
 
 from dmuon.compat.fsdp_patch import PENDING_SLOTS_ATTR
+from dmuon.compat.torch_api import mesh_root
 
 __all__ = ["PENDING_ATTR", "PendingDedication", "covers_world", "should_defer", "defer",
            "check_materialized", "find_pending", "clear_pending"]
@@ -60,8 +61,7 @@ def covers_world(mesh: Any, replicate_mesh: Any = None) -> bool:
         return True
     # a slice of dmuon's own HSDP mesh (replicate, shard) passed without replicate_mesh is an
     # HSDP mistake, not TP: the setup check names it at once
-    get_root = getattr(mesh, "_get_root_mesh", None)
-    root = get_root() if callable(get_root) else None
+    root = mesh_root(mesh)
     return root is not None and set(root.mesh_dim_names or ()) == {"replicate", "shard"}
 
 

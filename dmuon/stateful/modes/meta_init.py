@@ -47,14 +47,16 @@ import logging
 import math
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.schedule import publish_schedule
-from dmuon.stateful.runtime.guards import DedicatedParamError
+from dmuon.stateful.runtime.agree import agree
+from dmuon.stateful.runtime.errors import DedicatedParamError
+from dmuon.stateful.runtime.guard_base import ATTRIBUTE_CALLS, PASS_ON, TorchGuard, call_plain
 
 logger = logging.getLogger(__name__)
 
@@ -62,16 +64,7 @@ __all__ = ["DedicatedUninit", "MetaInit", "check_meta_selection", "replace_meta_
            "device_of_mesh", "finish_meta_init"]
 
 #: metadata reads answered with the full (logical) shape on a rank without the matrix
-_SHAPE_GETTERS = frozenset({"shape", "ndim", "is_meta"})
 _SHAPE_FUNCS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
-#: harmless on any rank (attributes, metadata, hooks)
-_PASS = frozenset({
-    "__get__", "__set__", "__delete__", "__repr__", "__format__", "__hash__", "requires_grad_",
-    "register_hook", "register_post_accumulate_grad_hook", "_has_compatible_shallow_copy_type",
-    "is_floating_point", "is_complex", "element_size", "get_device", "is_contiguous",
-    "_is_view", "has_names", "__dir__", "_backward_hooks", "is_shared", "is_pinned",
-    "untyped_storage", "_typed_storage", "data_ptr", "storage_offset",
-})
 
 
 #: tensors made from one (shape / dtype only): on meta on a rank without the matrix, so that init
@@ -85,7 +78,7 @@ def _from_to_empty() -> bool:
     """Whether the ``empty_like`` being handled is ``Module.to_empty``'s (its lambda in
     ``torch.nn.modules.module``), not init code asking for a scratch tensor."""
     f = sys._getframe(2)
-    for _ in range(3):
+    for _ in range(4):  # from the guard's dispatch: its __torch_function__, then torch's caller
         if f is None:
             return False
         if f.f_globals.get("__name__") == "torch.nn.modules.module":
@@ -114,25 +107,23 @@ def _same_device(want: Any, have: torch.device) -> bool:
                                        or want.index == have.index)
 
 
-def _plain(func, args, kwargs):
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
-class DedicatedUninit(nn.Parameter):
+class DedicatedUninit(TorchGuard, nn.Parameter):
     """The class of a dedicated param of a meta-built model until the init window closes (see the
-    module docstring)."""
+    module docstring). On a rank that holds the matrix every call runs on it; elsewhere the
+    allow-list is :data:`~dmuon.stateful.runtime.guard_base.ATTRIBUTE_CALLS` (shape queries
+    answer the full shape here) and no conversion passes."""
+
+    _guard_allowed = ATTRIBUTE_CALLS
+    _guard_no_op_conversions = False
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", None) or str(func)
+    def _guard_special(cls, name: str, func: Callable, args: tuple, kwargs: dict) -> Any:
         me = next((a for a in list(args) + list(kwargs.values())
                    if isinstance(a, DedicatedUninit)), None)
         info: Optional[_Info] = getattr(me, "_dmuon_uninit", None)
         if info is None:  # pragma: no cover - a stray subclass instance
-            return _plain(func, args, kwargs)
-        if name not in _PASS:
+            return call_plain(func, args, kwargs)
+        if name not in cls._guard_allowed:
             from dmuon.stateful.modes.tp_errors import from_dtensor_api, tp_error
             if from_dtensor_api():  # TP after dedicate_params: raise on holders and others alike
                 raise tp_error(info.name, info.owner)
@@ -144,9 +135,9 @@ class DedicatedUninit(nn.Parameter):
                     f"dedicated param {info.name!r}, whose master dedicate_params placed on "
                     f"{info.device} (the mesh's device). Call to_empty with that device.")
             info.materialized = True
-            return _plain(torch.Tensor.detach, (me,), {})  # its own data: no new storage
+            return call_plain(torch.Tensor.detach, (me,), {})  # its own data: no new storage
         if info.holds:
-            return _plain(func, args, kwargs)
+            return call_plain(func, args, kwargs)
         # a rank without the matrix: metadata is the full shape, writes are no-ops
         if name == "__get__":
             attr = getattr(getattr(func, "__self__", None), "__name__", "")
@@ -156,7 +147,7 @@ class DedicatedUninit(nn.Parameter):
                 return len(info.shape)
             if attr == "is_meta":
                 return True
-            return _plain(func, args, kwargs)
+            return call_plain(func, args, kwargs)
         if name in _SHAPE_FUNCS and args and args[0] is me:
             if name in ("numel", "nelement"):
                 return math.prod(info.shape)
@@ -164,14 +155,22 @@ class DedicatedUninit(nn.Parameter):
                 return len(info.shape)
             dim = args[1] if len(args) > 1 else kwargs.get("dim")
             return torch.Size(info.shape) if dim is None else info.shape[dim]
-        if name in _PASS:
-            return _plain(func, args, kwargs)
+        if name in cls._guard_allowed:
+            return PASS_ON
         if name in _FACTORIES and args and args[0] is me:  # scratch "like" it: on meta here
-            return _plain(func, args, {**kwargs, "device": "meta"})
+            return call_plain(func, args, {**kwargs, "device": "meta"})
         if getattr(func, "__module__", "") == "torch.nn.init" or (
                 name.endswith("_") and not name.startswith("_") and args and args[0] is me):
             return me  # an init function or an in-place write: nothing lives here to write
-        raise DedicatedParamError(
+        return PASS_ON
+
+    @classmethod
+    def _guard_error(cls, name: str, func: Callable, args: tuple,
+                     kwargs: dict) -> DedicatedParamError:
+        me = next((a for a in list(args) + list(kwargs.values())
+                   if isinstance(a, DedicatedUninit)), None)
+        info: _Info = me._dmuon_uninit
+        return DedicatedParamError(
             f"dmuon: torch's {name!r} read the values of the dedicated param {info.name!r} during "
             f"meta-device init on a rank that does not hold it (owner: rank {info.owner}; its "
             "values exist only on the owner's shard column). Init code may write dedicated "
@@ -225,9 +224,10 @@ def replace_meta_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
         out[n] = q
     old = {id(p): p for p in chosen.values()}
     for mod in model.modules():
-        for k, v in list(mod._parameters.items()):
+        slots = module_param_slots(mod)
+        for k, v in list(slots.items()):
             if v is not None and id(v) in new and v is old[id(v)]:
-                mod._parameters[k] = new[id(v)]
+                slots[k] = new[id(v)]
     return out
 
 
@@ -315,17 +315,12 @@ def finish_meta_init(st: Any, what: str) -> None:
         return
     model = st.model_ref()
     mine = mi.problems(model, set(st.params.values())) if model is not None else []
-    got: list = [None] * dist.get_world_size()
-    st.mesh_groups.control_collective(
-        "meta-init close agreement", lambda g: dist.all_gather_object(got, mine, group=g))
-    bad = {r: p for r, p in enumerate(got) if p}
-    if bad:
-        detail = "; ".join(f"rank {r}: {', '.join(p)}" for r, p in list(bad.items())[:4])
-        raise RuntimeError(
+    agree(mine, what="meta-init close agreement", via=st.mesh_groups, error=lambda detail: (
+        RuntimeError(
             f"{what}: the model was built on the meta device and is not materialized ({detail}). "
             "After dedicate_params and fully_shard, call model.to_empty(device=...) and the "
             "model's init (model.init_weights(), or each module's reset_parameters()) on every "
-            "rank, before dmuon.Muon(model), the first forward or a state-dict call.")
+            "rank, before dmuon.Muon(model), the first forward or a state-dict call.")))
     mi.close(st)
     st.meta_init = None
     logger.info("dmuon: meta-device init closed; %d dedicated masters held here",

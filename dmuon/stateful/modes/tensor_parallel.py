@@ -50,7 +50,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.tp_plan import tp_roots
+from dmuon.stateful.runtime.agree import rank_flags
 from dmuon.stateful.modes.tp_errors import (TP_FIX, TensorParallelUnsupported, from_dtensor_api,  # noqa: F401
                                       refuse_tp, tp_error)
 
@@ -150,7 +152,7 @@ def localize_tp_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
         module = model.get_submodule(mod_name) if mod_name else model
         old = chosen[n]
         new = nn.Parameter(old.to_local().detach(), requires_grad=old.requires_grad)
-        module._parameters[leaf] = new
+        module_param_slots(module)[leaf] = new
         out[n] = new
     return out
 
@@ -189,13 +191,13 @@ class TPForward:
         @torch.compiler.disable
         def hook(module: nn.Module, args: Any) -> None:
             for owner, leaf, n in slots:
-                plain = owner._parameters[leaf]
+                plain = module_param_slots(owner)[leaf]
                 if _is_dtensor(plain):  # re-entered (activation checkpointing): already shown
                     continue
                 lay = self.layouts[n]
                 owner.__dict__.setdefault("_dmuon_tp_plain", {})[leaf] = plain
                 to_plain(plain)
-                owner._parameters[leaf] = DTensor.from_local(
+                module_param_slots(owner)[leaf] = DTensor.from_local(
                     plain, lay.mesh, lay.placements, run_check=False, shape=torch.Size(lay.shape),
                     stride=lay.stride)
         return hook
@@ -208,7 +210,7 @@ class TPForward:
             for owner, leaf, _ in slots:
                 plain = owner.__dict__.get("_dmuon_tp_plain", {}).pop(leaf, None)
                 if plain is not None:
-                    owner._parameters[leaf] = plain
+                    module_param_slots(owner)[leaf] = plain
                     if plain.numel() > 0:  # still gathered: reads outside the window raise
                         to_tp_slice_guard(plain)
         return hook
@@ -282,9 +284,8 @@ class TPStep:
     def _agree_replicated(self, bad: list[str]) -> None:
         """Raise on every rank if any TP group's ranks hold different gradients of a matrix
         without TP (its inputs differ across the TP group: it would be updated differently)."""
-        flag = torch.tensor([float(bool(bad))], dtype=torch.float64, device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.control)
-        if flag.item() > 0:
+        mine = torch.tensor([float(bool(bad))], dtype=torch.float32, device=self.device)
+        if bool(rank_flags(mine, what="TP replicated-gradient agreement", via=self.control).any()):
             here = f" (here: {bad[:4]})" if bad else ""
             raise TensorParallelUnsupported(
                 "dmuon.Muon.step: the ranks of a TP group computed different gradients for a "

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dmuon.stateful.runtime.agree import rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
 __all__ = ["check_same_fsdp_grads", "check_finite", "check_outside_grads", "host_all_reduce"]
@@ -98,17 +99,16 @@ def check_finite(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState,
     named = [(n, g) for n, g in grads.items() if g is not None]
     named += [(n, local_tensor(p.grad)) for n, p in adamw_named if p.grad is not None]
     named = [(n, g) for n, g in named if g.numel() > 0]
-    world, me = dist.get_world_size(), dist.get_rank()
-    flags = torch.zeros(2, world, dtype=torch.float32, device=rt.device)
+    mine = torch.zeros(2, dtype=torch.float32, device=rt.device)
     if rt.ledger.nonfinite is not None:
-        flags[0, me] = rt.ledger.nonfinite.float()
+        mine[0] = rt.ledger.nonfinite.float()
     if named:
         norms = torch._foreach_norm([g for _, g in named])
-        flags[1, me] = (~torch.isfinite(torch.stack(norms).float())).any().float()
-    rt.mesh_groups.control_collective(
-        "check_finite all-reduce", lambda g: dist.all_reduce(flags, group=g))
+        mine[1] = (~torch.isfinite(torch.stack(norms).float())).any().float()
+    flags = rank_flags(mine, what="check_finite all-reduce", via=rt.mesh_groups)
     synced = flags.is_cuda  # bool() below waits for the device
     if bool(flags.any()):
+        world = flags.shape[1]
         computed = [r for r in range(world) if flags[0, r] > 0]
         reduced = [r for r in range(world) if flags[1, r] > 0]
         local = [n for n, g in named if not torch.isfinite(g).all()]

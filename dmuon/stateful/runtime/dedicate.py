@@ -45,6 +45,7 @@ from dmuon.functional.policy import ParamPolicy
 from dmuon.stateful.runtime.param_views import (as_policy, decide_params, dtype_overrides,
                                         policy_fingerprint, routing_predicate)
 from dmuon.stateful.modes.meta_init import check_meta_selection, device_of_mesh, replace_meta_params
+from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.runtime.process_groups import agree_grids, make_process_groups
 from dmuon.stateful.modes.deferred import (check_materialized, clear_pending, covers_world, defer,
                                      find_pending, should_defer)
@@ -99,19 +100,11 @@ def _select(model: nn.Module, predicate: Predicate,
 
 def _check_fingerprint(fingerprint: str, mesh_groups: Any) -> None:
     """All-gather the owner plan's fingerprint; raise on every rank if any rank's differs."""
-    world = dist.get_world_size()
-    got: list = [None] * world
-    mesh_groups.control_collective("owner-plan fingerprint all-gather",
-                                   lambda g: dist.all_gather_object(got, fingerprint, group=g))
-    if len(set(got)) > 1:
-        by_fp: dict[str, list[int]] = {}
-        for r, fp in enumerate(got):
-            by_fp.setdefault(fp, []).append(r)
-        detail = "; ".join(f"ranks {rs}: {fp[:12]}" for fp, rs in by_fp.items())
-        raise RuntimeError(
-            "dedicate_params: the owner plan differs across ranks (" + detail + "). Every rank must "
-            "build the same model (same names, shapes, dtypes) and pass the same predicate, policy "
-            "(its rules, dtypes included), mesh and settings.")
+    agree_equal(fingerprint, what="owner-plan fingerprint all-gather", via=mesh_groups,
+                show=lambda fp: fp[:12], error=lambda detail: RuntimeError(
+                    "dedicate_params: the owner plan differs across ranks (" + detail + "). Every "
+                    "rank must build the same model (same names, shapes, dtypes) and pass the same "
+                    "predicate, policy (its rules, dtypes included), mesh and settings."))
 
 
 def _tp_decisions(decisions: dict, layouts: dict, data_parallel: str, on_meta: bool) -> dict:
@@ -154,8 +147,7 @@ def _agree_deferral(local_err: Optional[Exception], mesh: Any, replicate_mesh: A
     except AttributeError:
         mine = ()
     err = None if local_err is None else (type(local_err).__name__, str(local_err))
-    got: list = [None] * dist.get_world_size()
-    dist.all_gather_object(got, (err, mine, bool(wants)))
+    got = gather((err, mine, bool(wants)), what="dedicate_params deferral agreement")
     if any(e is not None for e, _, _ in got) or not all(w for _, _, w in got):
         return False
     groups = {ranks for _, ranks, _ in got}
@@ -166,11 +158,10 @@ def _agree_deferral(local_err: Optional[Exception], mesh: Any, replicate_mesh: A
 
 def _agree_mode(data_parallel: str) -> None:
     """All-gather ``data_parallel``; raise on every rank if the ranks passed different ones."""
-    got: list = [None] * dist.get_world_size()
-    dist.all_gather_object(got, data_parallel)
-    if len(set(got)) > 1:
-        raise RuntimeError(f"dedicate_params: data_parallel differs across ranks ({got}); pass the "
-                           "same value on every rank. Nothing was changed.")
+    agree_equal(data_parallel, what="dedicate_params data_parallel agreement", show=repr,
+                error=lambda detail: RuntimeError(
+                    f"dedicate_params: data_parallel differs across ranks ({detail}); pass the "
+                    "same value on every rank. Nothing was changed."))
 
 
 def _bound_mesh_groups(meshes: tuple, timeout: Optional[datetime.timedelta]) -> None:

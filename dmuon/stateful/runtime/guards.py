@@ -4,7 +4,7 @@ Between uses a dedicated param is a zero-size placeholder (its values live whole
 its gradient lives in dmuon's buckets, not in ``.grad``. Tools written for local tensors would
 silently see nothing: ``torch.nn.utils.clip_grad_norm_`` would clip without the matrices (and return
 a smaller norm), ``torch.optim.AdamW(model.parameters())`` would never update them,
-``parameters_to_vector`` would leave them out. Two guards make every such use loud:
+``parameters_to_vector`` would leave them out. These guards make every such use loud:
 
 * :class:`DedicatedPlaceholder` — the class of a dedicated param while it is a placeholder (dmuon
   switches ``param.__class__`` between it and ``nn.Parameter`` when it frees / gathers the param, so
@@ -24,9 +24,14 @@ a smaller norm), ``torch.optim.AdamW(model.parameters())`` would never update th
   exactly as torch would a local one; dmuon notices a dropped marker before the next reduce, clip
   or step. After a step, the owners' stepped matrices carry *consumed* markers
   (:mod:`dmuon.stateful.runtime.ledger`).
+* :class:`TPSliceGuard` — a tensor-parallel dedicated param holding its gathered TP slice outside
+  the forward of its hook group.
 
-Allowed on both: attribute get / set (``.grad``, ``.data``, ``.requires_grad``, ``.shape``, ...),
-metadata (``size()``, ``dim()``, ``numel()``, ``dtype``, ...), ``repr``, hashing, hook registration.
+The guard classes (and the meta-init :class:`~dmuon.stateful.modes.meta_init.DedicatedUninit`)
+share one dispatch and one allow-list (:mod:`dmuon.stateful.runtime.guard_base`): attribute get
+/ set (``.grad``, ``.data``, ``.requires_grad``, ``.shape``, ...), metadata (``size()``, ``dim()``,
+``numel()``, ``dtype``, ...), ``repr``, hashing, hook registration pass; so does a conversion that
+changes nothing (placeholders and markers); anything else raises :class:`DedicatedParamError`.
 """
 from __future__ import annotations
 
@@ -36,21 +41,15 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn as nn
 
+from dmuon.compat.torch_api import make_tensor_subclass, torch_function_disabled
 from dmuon.stateful.runtime.errors import DedicatedParamError
+from dmuon.stateful.runtime.guard_base import (CONVERSIONS, PASS_ON, TorchGuard, call_plain,
+                                               first_instance)
 
-__all__ = ["DedicatedParamError", "saving_state_dict", "DedicatedPlaceholder", "DedicatedGradMarker", "to_placeholder",
-           "to_plain", "make_marker", "guard_module_apply"]
+__all__ = ["DedicatedParamError", "saving_state_dict", "DedicatedPlaceholder", "DedicatedGradMarker",
+           "TPSliceGuard", "to_placeholder", "to_plain", "to_tp_slice_guard", "make_marker",
+           "guard_module_apply"]
 
-#: functions that only read metadata or attributes, or register hooks: fine on a placeholder
-_ALLOWED = frozenset({
-    "__get__", "__set__", "__delete__", "__repr__", "__format__", "__hash__", "__bool__",
-    "size", "dim", "ndimension", "numel", "nelement", "element_size", "is_floating_point",
-    "is_complex", "is_contiguous", "stride", "storage_offset", "get_device", "type",
-    "register_hook", "register_post_accumulate_grad_hook", "requires_grad_", "_is_view",
-    "is_shared", "is_pinned", "has_names", "_backward_hooks", "__dir__",
-    "_has_compatible_shallow_copy_type", "is_set_to", "data_ptr", "untyped_storage",
-    "_typed_storage", "__len__", "is_nonzero",
-})
 #: what dmuon offers instead, by the name of the torch function that was refused
 _HINTS = {
     "linalg_vector_norm": "dmuon.clip_grad_norm_(model, max_norm) (torch's clip_grad_norm_ "
@@ -65,9 +64,6 @@ _HINTS = {
     "_foreach_clamp_max_": "dmuon.clip_grad_value_(model, clip_value)",
     "clamp": "dmuon.clip_grad_value_(model, clip_value)",
 }
-#: conversions that are fine when they change nothing (``model.to(device)`` on the same device,
-#: as HF Trainer does); one that would move or cast a placeholder raises
-_CONVERSIONS = frozenset({"to", "cuda", "cpu", "float", "double", "half", "bfloat16", "type_as"})
 _DEFAULT_HINT = ("dmuon.Muon(model, ...) to update the model, dmuon.clip_grad_norm_ / "
                  "dmuon.clip_grad_value_ to clip, dmuon.get_model_state_dict(model) to read weights"
                  " (a tool that goes param by param may have changed FSDP2's params before this "
@@ -86,39 +82,6 @@ def saving_state_dict(delta: int = 0) -> bool:
     return depth > 0
 
 
-def _name(func: Any) -> str:
-    return getattr(func, "__name__", None) or str(func)
-
-
-def _first(types_of: type, args: tuple, kwargs: dict) -> Any:
-    for a in list(args) + list(kwargs.values()):
-        if isinstance(a, types_of):
-            return a
-        if isinstance(a, (list, tuple)):
-            for x in a:
-                if isinstance(x, types_of):
-                    return x
-    return None
-
-
-def _call_plain(func: Callable, args: tuple, kwargs: dict) -> Any:
-    with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
-
-
-def _no_op_conversion(name: str, func: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
-    """``(True, result)`` when ``func`` is a dtype / device conversion that leaves the (empty)
-    tensor's dtype and device as they are (``.to("cpu:0")`` of a CPU tensor returns an equal new
-    one)."""
-    if name not in _CONVERSIONS or not args or not isinstance(args[0], torch.Tensor):
-        return False, None
-    out = _call_plain(func, args, kwargs)
-    src = args[0]
-    same = (isinstance(out, torch.Tensor) and out.dtype == src.dtype and out.device == src.device
-            and out.numel() == src.numel())
-    return same, out
-
-
 _MOVE_HINT = ("move or cast the model (model.to(device / dtype)) before dmuon.dedicate_params: "
               "afterwards the masters stay where dedicate_params put them")
 
@@ -129,59 +92,58 @@ _INIT_HINT = ("the model's init before dmuon.dedicate_params (its values are cop
 
 
 def _hint(name: str, func: Any) -> str:
-    if name in _CONVERSIONS:
+    if name in CONVERSIONS:
         return _MOVE_HINT
     if getattr(func, "__module__", "") == "torch.nn.init":
         return _INIT_HINT
     return _HINTS.get(name, _DEFAULT_HINT)
 
 
-class DedicatedPlaceholder(nn.Parameter):
+class DedicatedPlaceholder(TorchGuard, nn.Parameter):
     """The class of a dedicated param while it is a zero-size placeholder (see module docstring)."""
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = _name(func)
-        if name in _ALLOWED or (name == "detach" and saving_state_dict()):
-            return _call_plain(func, args, kwargs)
+    def _guard_special(cls, name: str, func: Callable, args: tuple, kwargs: dict) -> Any:
+        if name == "detach" and saving_state_dict():  # dmuon's own state_dict pass
+            return call_plain(func, args, kwargs)
         if name == "copy_" and len(args) >= 2 and args[0] is args[1]:
             return args[0]  # load_state_dict copying the placeholder dmuon left in the dict
-        same, out = _no_op_conversion(name, func, args, kwargs)
-        if same:
-            return out
-        p = _first(DedicatedPlaceholder, args, kwargs)
+        return PASS_ON
+
+    @classmethod
+    def _guard_error(cls, name: str, func: Callable, args: tuple,
+                     kwargs: dict) -> DedicatedParamError:
+        p = first_instance(DedicatedPlaceholder, args, kwargs)
         pname = getattr(p, "_dmuon_name", "?")
         owner = getattr(p, "_dedicated_owner_rank", "?")
         from dmuon.stateful.modes.tp_errors import from_dtensor_api, tp_error
         if from_dtensor_api():
-            raise tp_error(pname, owner)
+            return tp_error(pname, owner)
         from dmuon.compat.fsdp_patch import is_installed
         patch = "" if is_installed() else (
             f" dmuon's fully_shard patch is NOT installed on torch {torch.__version__}: if this "
             "came from fully_shard, it is trying to shard the param; call "
             "dmuon.compat.fsdp_patch.install_fully_shard_patch() (import dmuon does) first.")
-        raise DedicatedParamError(
+        return DedicatedParamError(
             f"dmuon: torch's {name!r} was applied to the dedicated param {pname!r}, whose values "
             f"live whole on owner rank {owner} (here it is an empty placeholder between forward "
             f"passes), so it would silently see nothing. Use "
             f"{_hint(name, func)}." + patch)
 
 
-class TPSliceGuard(nn.Parameter):
+class TPSliceGuard(TorchGuard, nn.Parameter):
     """The class of a tensor-parallel dedicated param that holds its gathered TP slice outside
     the forward of its hook group (Z2, the root group): ops on its values raise, since TP code
     there would silently compute on the local slice instead of TP's DTensor
-    (:mod:`dmuon.stateful.modes.tensor_parallel`)."""
+    (:mod:`dmuon.stateful.modes.tensor_parallel`). Even a no-op conversion raises."""
+
+    _guard_no_op_conversions = False
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = _name(func)
-        if name in _ALLOWED:
-            return _call_plain(func, args, kwargs)
-        p = _first(TPSliceGuard, args, kwargs)
-        raise DedicatedParamError(
+    def _guard_error(cls, name: str, func: Callable, args: tuple,
+                     kwargs: dict) -> DedicatedParamError:
+        p = first_instance(TPSliceGuard, args, kwargs)
+        return DedicatedParamError(
             f"dmuon: torch's {name!r} was applied to the tensor-parallel dedicated param "
             f"{getattr(p, '_dmuon_name', '?')!r} outside the forward of its hook group: there it "
             "holds only this rank's TP slice as a plain tensor (TP's DTensor exists inside that "
@@ -190,30 +152,31 @@ class TPSliceGuard(nn.Parameter):
             "it), or use dmuon.get_model_state_dict for its full value.")
 
 
-class DedicatedGradMarker(torch.Tensor):
+class DedicatedGradMarker(TorchGuard, torch.Tensor):
     """The ``.grad`` of a dedicated param whose gradient dmuon holds (see module docstring)."""
 
     _dmuon_name: str = "?"
     _dmuon_on_zero: Optional[Callable[[], None]] = None
     _dmuon_what: str = "gradient"
+    #: also ``detach_`` (``zero_grad``'s path); zeroing is a special case
+    _guard_allowed = TorchGuard._guard_allowed | {"detach_"}
 
     @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = _name(func)
-        m = _first(DedicatedGradMarker, args, kwargs)
-        if name in ("zero_", "_foreach_zero_", "detach_", "requires_grad_") or name in _ALLOWED:
-            if name in ("zero_", "_foreach_zero_"):  # zeroing a held gradient zeroes it
-                flat = [x for a in args for x in (a if isinstance(a, (list, tuple)) else [a])]
-                for x in flat:
-                    if isinstance(x, DedicatedGradMarker) and x._dmuon_on_zero is not None:
-                        x._dmuon_on_zero()
-            return _call_plain(func, args, kwargs)
-        same, out = _no_op_conversion(name, func, args, kwargs)
-        if same:
-            return out
+    def _guard_special(cls, name: str, func: Callable, args: tuple, kwargs: dict) -> Any:
+        if name not in ("zero_", "_foreach_zero_"):
+            return PASS_ON
+        flat = [x for a in args for x in (a if isinstance(a, (list, tuple)) else [a])]
+        for x in flat:  # zeroing a held gradient zeroes it
+            if isinstance(x, DedicatedGradMarker) and x._dmuon_on_zero is not None:
+                x._dmuon_on_zero()
+        return call_plain(func, args, kwargs)
+
+    @classmethod
+    def _guard_error(cls, name: str, func: Callable, args: tuple,
+                     kwargs: dict) -> DedicatedParamError:
+        m = first_instance(DedicatedGradMarker, args, kwargs)
         what = getattr(m, "_dmuon_what", "gradient")
-        raise DedicatedParamError(
+        return DedicatedParamError(
             f"dmuon: torch's {name!r} was applied to the {what} of the dedicated param "
             f"{getattr(m, '_dmuon_name', '?')!r}, which dmuon holds on its owner rank (here it "
             "is only a marker). Use "
@@ -243,9 +206,9 @@ def make_marker(p: nn.Parameter, name: str, on_zero: Optional[Callable[[], None]
                 what: str = "gradient") -> DedicatedGradMarker:
     """A zero-size marker of placeholder ``p``'s ``what`` (its gradient: ``on_zero()`` runs when it is
     zeroed; ``"momentum"``: the optimizer state a non-owner rank lists but does not hold)."""
-    with torch._C.DisableTorchFunctionSubclass():
+    with torch_function_disabled():
         base = torch.empty(0, dtype=p.dtype, device=p.device)
-    m = torch.Tensor._make_subclass(DedicatedGradMarker, base)
+    m = make_tensor_subclass(DedicatedGradMarker, base)
     m._dmuon_name = name
     m._dmuon_on_zero = on_zero
     m._dmuon_what = what

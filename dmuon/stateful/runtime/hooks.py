@@ -39,9 +39,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
-from torch.utils._pytree import tree_leaves
 
-from dmuon.compat.torch_api import in_backward
+from dmuon.compat.torch_api import in_backward, tree_leaves
 from dmuon.stateful.runtime.state import ROOT_GROUP, DedicatedState
 
 __all__ = ["grad_tensors", "register_hooks"]

@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from dmuon.functional.schedule import LANE_AXIS, LANES
 from dmuon.functional.setup_check import Grid, RankSetup, check_setups
+from dmuon.stateful.runtime.agree import gather
 
 log = logging.getLogger(__name__)
 
@@ -165,8 +166,7 @@ def agree_grids(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Se
         su = RankSetup(rank=dist.get_rank(), error=err or (
             "TypeError", f"mesh / replicate_mesh must be DeviceMesh objects (init_device_mesh), got "
             f"{type(mesh).__name__} / {type(replicate_mesh).__name__}"))
-    setups: list = [None] * dist.get_world_size()
-    dist.all_gather_object(setups, su)
+    setups = gather(su, what=f"{what} setup agreement")
     verdict = check_setups(setups, dist.get_world_size())
     if not verdict.problems:
         return verdict.grids

@@ -274,10 +274,9 @@ class DedicatedState(PublishMixin):
         self._order_final = True
         rest = [k for k in self.order if k not in self._seen_order]
         mine = tuple(self._seen_order + rest)
-        orders: list = [None] * dist.get_world_size()
-        self.mesh_groups.control_collective(
-            "forward-order agreement (first forward)",
-            lambda g: dist.all_gather_object(orders, mine, group=g))
+        from dmuon.stateful.runtime.agree import gather  # local: this file is being rewritten
+        orders = gather(mine, what="forward-order agreement (first forward)",
+                        via=self.mesh_groups)
         if len(set(orders)) == 1:
             self.order = list(mine)
         else:

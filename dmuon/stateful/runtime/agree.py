@@ -1,0 +1,152 @@
+"""Decide on every rank, raise on every rank: dmuon's one agreement helper.
+
+Many of dmuon's checks are local and may fail on some ranks only (a rank's state dict, its mesh
+arguments, its model's init, its gradients). A rank that raised alone would leave the others
+waiting in the next collective until the timeout, and a rank that went on alone would compute
+something the others do not. So every such check ends in one small collective that tells every
+rank what every rank found, and then every rank raises the same error, or none does:
+
+* :func:`gather` -- every rank's value in rank order (one ``all_gather_object``): the collective
+  the others are built on, also used for plain exchanges of small metadata;
+* :func:`agree` -- every rank's list of problems; when any rank has one, raises ``error(detail)``
+  on every rank, ``detail`` naming the ranks and their messages (:func:`describe_problems`);
+* :func:`agree_equal` -- one value that must be the same on every rank (the plan fingerprint, the
+  data-parallel mode, the hyper-parameters); raises ``error(detail)`` on every rank when it is not
+  (:func:`describe_values`);
+* :func:`rank_flags` -- device flags of every rank (one SUM all-reduce of a ``(k, world)``
+  matrix), built without reading anything back to the host before the collective;
+* :func:`max_over_ranks` -- an elementwise MAX over ranks that keeps a NaN: gloo's MAX may drop
+  one (it keeps the other operand), so a NaN flag travels beside the values.
+
+Where the collective runs (``via``): a
+:class:`~dmuon.stateful.runtime.process_groups.MeshGroups` (its control group, bounded by dmuon's
+timeout; a failure raises an error naming ``what``: :meth:`MeshGroups.control_collective`), a
+process group (used as it is), or ``None`` (the default group: setup, before dmuon's groups
+exist). Ranks are named by their index in that group; every group used here spans the world, so
+that is the global rank.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["gather", "agree", "agree_equal", "rank_flags", "max_over_ranks",
+           "describe_problems", "describe_values"]
+
+#: at most this many groups of ranks, and this many messages per group, in a detail
+MAX_GROUPS = 8
+MAX_MESSAGES = 12
+
+
+def _group(via: Any) -> Any:
+    """The process group ``via`` names (``None``: the default group)."""
+    return via.control if hasattr(via, "control_collective") else via
+
+
+def _run(via: Any, what: str, fn: Callable[[Any], Any]) -> Any:
+    """``fn(group)`` on ``via``'s group; through ``control_collective`` where ``via`` has one."""
+    if hasattr(via, "control_collective"):
+        return via.control_collective(what, fn)
+    return fn(via)
+
+
+def gather(value: Any, *, what: str, via: Any = None) -> list[Any]:
+    """Every rank's ``value`` (picklable), in rank order (collective: one ``all_gather_object``).
+
+    Args:
+      value: this rank's value.  what: the collective's name, for a timeout's message.
+      via: where it runs (see the module docstring).
+    """
+    got: list[Any] = [None] * dist.get_world_size(_group(via))
+    _run(via, what, lambda g: dist.all_gather_object(got, value, group=g))
+    return got
+
+
+def describe_problems(problems: Mapping[int, Sequence[str]]) -> str:
+    """``"rank(s) [0, 2]: a; b | rank(s) [1]: c"``: each problem once, under the ranks that have
+    it (ranks with the same problems share one entry); ``""`` when no rank has one."""
+    ranks_of: dict[str, list[int]] = {}
+    for r in sorted(problems):
+        for p in dict.fromkeys(problems[r]):
+            ranks_of.setdefault(str(p), []).append(r)
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    for p, rs in ranks_of.items():
+        by_ranks.setdefault(tuple(rs), []).append(p)
+    parts = []
+    for rs, ps in list(by_ranks.items())[:MAX_GROUPS]:
+        more = f"; ... ({len(ps) - MAX_MESSAGES} more)" if len(ps) > MAX_MESSAGES else ""
+        parts.append(f"rank(s) {list(rs)}: " + "; ".join(ps[:MAX_MESSAGES]) + more)
+    if len(by_ranks) > MAX_GROUPS:
+        parts.append(f"... ({len(by_ranks) - MAX_GROUPS} more groups of ranks)")
+    return " | ".join(parts)
+
+
+def describe_values(values: Sequence[Any], show: Callable[[Any], str] = str) -> str:
+    """``"ranks [0, 2]: x | ranks [1]: y"``: each distinct value (hashable) under the ranks that
+    hold it."""
+    ranks_of: dict[Any, list[int]] = {}
+    for r, v in enumerate(values):
+        ranks_of.setdefault(v, []).append(r)
+    parts = [f"ranks {rs}: {show(v)}" for v, rs in list(ranks_of.items())[:MAX_GROUPS]]
+    if len(ranks_of) > MAX_GROUPS:
+        parts.append(f"... ({len(ranks_of) - MAX_GROUPS} more values)")
+    return " | ".join(parts)
+
+
+def agree(problems: Sequence[str], *, what: str, error: Callable[[str], BaseException],
+          via: Any = None, payload: Any = None) -> list[Any]:
+    """Collective: raise ``error(detail)`` on every rank if any rank has a problem.
+
+    Args:
+      problems: this rank's problems (messages; empty: none).  what: the collective's name.
+      error: builds the exception from the detail (:func:`describe_problems`: the ranks and their
+        messages); the caller's message frames it (what failed, that nothing changed, the fix).
+      via: where it runs (see the module docstring).
+      payload: a small picklable value to exchange in the same collective.
+
+    Returns:
+      every rank's ``payload``, in rank order (when no rank has a problem).
+    """
+    got = gather((list(problems), payload), what=what, via=via)
+    detail = describe_problems({r: p for r, (p, _) in enumerate(got) if p})
+    if detail:
+        raise error(detail)
+    return [pl for _, pl in got]
+
+
+def agree_equal(value: Any, *, what: str, error: Callable[[str], BaseException],
+                via: Any = None, show: Callable[[Any], str] = str) -> list[Any]:
+    """Collective: raise ``error(detail)`` on every rank unless every rank passed an equal
+    ``value`` (hashable; ``detail``: :func:`describe_values` with ``show``). Returns every
+    rank's value."""
+    got = gather(value, what=what, via=via)
+    if len(set(got)) > 1:
+        raise error(describe_values(got, show))
+    return got
+
+
+def rank_flags(local: torch.Tensor, *, what: str, via: Any = None) -> torch.Tensor:
+    """Collective: ``flags[i, r]`` = rank ``r``'s ``local[i]`` (``local``: ``k`` flags on any
+    device, nonzero = set), as float32 on ``local``'s device. Nothing is read back to the host
+    before the collective (on CUDA the caller's ``bool(...)`` afterwards is the one wait)."""
+    group = _group(via)
+    flags = torch.zeros(local.numel(), dist.get_world_size(group), dtype=torch.float32,
+                        device=local.device)
+    flags[:, dist.get_rank(group)] = local.reshape(-1).to(torch.float32)
+    _run(via, what, lambda g: dist.all_reduce(flags, group=g))
+    return flags
+
+
+def max_over_ranks(values: torch.Tensor, *, what: str, via: Any = None) -> torch.Tensor:
+    """Collective: the elementwise maximum of ``values`` (floating) over ranks, NaN wherever any
+    rank holds a NaN (a MAX all-reduce alone may drop it). Same shape and dtype as ``values``."""
+    v = values.reshape(-1)
+    both = torch.stack([torch.nan_to_num(v, nan=0.0, posinf=math.inf, neginf=-math.inf),
+                        torch.isnan(v).to(v.dtype)])
+    _run(via, what, lambda g: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=g))
+    out = torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
+    return out.reshape(values.shape)
+
