@@ -3,8 +3,8 @@
 ``init(params) -> AdamWState`` and ``update(grads, state, params, hparams) -> (new_params, new_state)``.
 AdamW is the chain ``scale_by_adam(betas, eps)`` then ``decoupled_apply(lr, wd)``
 (:func:`transform`; the stages of :mod:`dmuon.functional.stages`, whose arithmetic follows
-``torch.optim.AdamW(foreach=False)`` op for op); :func:`update` runs that chain in place, one
-tensor at a time (bitwise torch's single-tensor path), as ``torch._foreach_*`` calls, or as the
+``torch.optim.AdamW(foreach=False)`` op for op); :func:`update` runs that chain in place with
+per-tensor ops (bitwise torch's single-tensor path), as ``torch._foreach_*`` calls, or as the
 fused kernel ``torch._fused_adamw_`` (an implementation of the whole chain).
 
 References:
@@ -130,8 +130,8 @@ def update(
             are the very same tensor objects; when ``False`` (default) no input is modified.
         impl: how :func:`transform`'s chain runs, one of ``IMPLS``:
 
-            * ``"reference"`` (default): one tensor at a time, op for op as
-              ``torch.optim.AdamW(foreach=False)`` -- bitwise equal to it in fp32;
+            * ``"reference"`` (default): the ops of ``torch.optim.AdamW(foreach=False)``, one
+              tensor at a time (each op over every leaf in turn) -- bitwise equal to it;
             * ``"foreach"``: the same ops as ``torch._foreach_*`` calls over all leaves of one
               device and dtype (a few launches per step on CUDA; bitwise equal to
               ``"reference"`` on CPU, where foreach runs the same per-tensor ops);
@@ -169,13 +169,10 @@ def update(
 
     leaves = Leaves(params, grads, donate=donate, what="grads", names=names,
                     ops=PER_TENSOR if impl == "reference" else FOREACH)
-    if impl == "reference":  # torch's single-tensor algorithm: the chain one leaf at a time
-        groups = [[k] for k in range(len(leaves))]
-    else:  # foreach lists and fused kernels take one device and dtype
-        by: dict[tuple, list[int]] = {}
-        for k, p in enumerate(leaves.params):
-            by.setdefault((p.device, p.dtype), []).append(k)
-        groups = list(by.values())
+    by: dict[tuple, list[int]] = {}  # foreach lists and fused kernels take one device and dtype
+    for k, p in enumerate(leaves.params):
+        by.setdefault((p.device, p.dtype), []).append(k)
+    groups = None if impl == "reference" or len(by) < 2 else list(by.values())
     chain = _fused(hparams) if impl == "fused" else transform(hparams)
     inner = T.ChainState((T.AdamState(state.step, state.mu, state.nu), T.EmptyState()))
     adam = run_inplace(chain, leaves, inner, groups).states[0]

@@ -86,8 +86,8 @@ def update_params(transform: Transform, grads: PyTree, state: Any, params: PyTre
     bitwise). ``donate=True`` writes params and state buffers in place (the returned leaves are
     the same objects); otherwise no input is modified. ``None`` gradients skip their leaf.
     """
-    leaves = Leaves(params, grads, donate=donate, what="grads")
     with torch.no_grad():
+        leaves = Leaves(params, grads, donate=donate, what="grads")
         state = run_inplace(transform, leaves, state)
     return leaves.params_tree(), state
 
