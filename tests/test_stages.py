@@ -76,6 +76,25 @@ def test_adamw_update_is_its_chain_in_place(impl):
         assert adam.step == s_u.step == step + 1
 
 
+def test_adamw_groups_by_dtype():
+    # foreach lists and the fused kernel take one dtype: the chain runs per group of leaves
+    hp = adamw.AdamWHParams(lr=1e-2, weight_decay=0.1)
+    shapes = {"w": (5, 4), "v": (7,), "d": (3, 3)}
+    out = {}
+    for impl in adamw.IMPLS:
+        p = _tree(8, shapes)
+        p["d"] = p["d"].double()
+        st = adamw.init(p)
+        for step in range(3):
+            g = {n: t.to(p[n].dtype) for n, t in _tree(30 + step, shapes).items()}
+            p, st = adamw.update(g, st, p, hp, impl=impl)
+        assert p["d"].dtype == st.mu["d"].dtype == torch.float64
+        out[impl] = p, st
+    assert _equal(out["foreach"][0], out["reference"][0])
+    assert _equal(out["foreach"][1].nu, out["reference"][1].nu)
+    assert max(float((out["fused"][0][n] - out["reference"][0][n]).abs().max()) for n in shapes) < 1e-6
+
+
 def test_fused_stage_implementations_are_used():
     calls = []
 

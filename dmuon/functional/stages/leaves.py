@@ -22,8 +22,8 @@ States: a stage state (a NamedTuple) names its per-param fields in ``per_param``
 runs, :func:`run_inplace` *opens* the state: each per-param pytree becomes the list of the active
 leaves' buffers (copies unless ``donate``), which ``update_`` changes in place (it never replaces
 them) and returns with its other fields (e.g. a step count) advanced; closing puts the buffers
-back into the trees. Opened states slice per group of leaves, so a chain can run one leaf at a
-time (``torch.optim``'s single-tensor order) or per device and dtype (foreach, fused kernels).
+back into the trees. Opened states slice per group of leaves, so a chain can run per device and
+dtype (what foreach lists and fused kernels take).
 
 Ops: stages call list ops through ``leaves.ops``: :data:`FOREACH` (``torch._foreach_*``) or
 :data:`PER_TENSOR` (the same in-place tensor methods one tensor at a time): two executions of
