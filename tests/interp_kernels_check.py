@@ -10,6 +10,10 @@ Run as a script (``tests/test_kernels_interpreter.py`` does, in a subprocess, be
   configs, on a contiguous and a transposed operand, same checks;
 * the scale-and-cast kernel: the division bitwise equal to ``torch.div`` (fp32 out), the bf16 cast
   within one ulp (the interpreter truncates), the plain cast exact.
+* Muon's fused elementwise stages (:mod:`dmuon.kernels.muon_elementwise`): momentum (Nesterov
+  input in its own tensor and in the gradient's storage) and apply against the fp64 formulas
+  (fp32, one rounding), fp64 tensors falling back to the foreach stages bitwise, and a whole
+  ``muon.update`` with them as its stage implementations close to the foreach one.
 
 Prints one line per check and exits 1 on any failure.
 """
@@ -68,6 +72,52 @@ def check_triangle(name: str, fn, bsz: int, m: int, k: int, transposed: bool) ->
           f"err {rel(out, ref):.2e} symmetric {torch.equal(out, out.mT)}")
 
 
+def check_muon_elementwise() -> None:
+    from dmuon.functional import muon
+    from dmuon.kernels import muon_elementwise
+
+    ew = muon_elementwise.fused_elementwise()
+    g = torch.Generator().manual_seed(3)
+    b, gr, p, u = (torch.randn(5003, generator=g) for _ in range(4))  # not a multiple of BLOCK
+    mu, decay, alpha = 0.95, 1 - 0.02 * 0.1, -0.37
+    b_ref = mu * b.double() + gr.double()
+    x_ref = gr.double() + mu * b_ref
+    b1, g1, x1 = b.clone(), gr.clone(), torch.full_like(gr, float("nan"))
+    ew.momentum([b1], [g1], [x1], mu)
+    b2, g2 = b.clone(), gr.clone()
+    ew.momentum([b2], [g2], [g2], mu)  # the Nesterov input in the gradient's storage
+    check("muon momentum + nesterov (fp32, vs fp64)",
+          rel(b1, b_ref) < 1e-6 and rel(x1, x_ref) < 1e-6 and torch.equal(g1, gr)
+          and torch.equal(b2, b1) and torch.equal(g2, x1), f"err {rel(x1, x_ref):.2e}")
+    p1 = p.clone()
+    ew.apply([p1], [u], decay, [alpha])
+    p_ref = p.double() * decay + alpha * u.double()
+    check("muon apply (fp32, vs fp64)", rel(p1, p_ref) < 1e-6, f"err {rel(p1, p_ref):.2e}")
+    t64 = [t.double() for t in (b, gr, p, u)]
+    f64, r64 = [t.clone() for t in t64], [t.clone() for t in t64]
+    ew.momentum([f64[0]], [f64[1]], [f64[1]], mu)
+    ew.apply([f64[2]], [f64[3]], decay, [alpha])
+    muon.foreach_momentum_([r64[0]], [r64[1]], [r64[1]], mu)
+    muon.foreach_apply_([r64[2]], [r64[3]], decay, [alpha])
+    check("muon stages fall back to foreach (fp64, bitwise)",
+          all(torch.equal(x, y) for x, y in zip(f64, r64)))
+    hp = muon.MuonHParams(lr=0.03, weight_decay=0.1)
+    out = {}
+    for name, e in (("fused", ew), ("foreach", None)):
+        params = {"w": torch.randn(48, 40, generator=torch.Generator().manual_seed(4)),
+                  "e": torch.randn(3, 16, 24, generator=torch.Generator().manual_seed(5))}
+        state = muon.init(params)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(10 + step)
+            grads = {n: torch.randn(t.shape, generator=gen) for n, t in params.items()}
+            params, state = muon.update(grads, state, params, hp, batch_dims={"e": 1},
+                                        donate=True, donate_grads=True, elementwise=e,
+                                        orthogonalize=lambda xs: [x.mul(0.5).tanh() for x in xs])
+        out[name] = params
+    err = max(rel(out["fused"][n], out["foreach"][n].double()) for n in out["fused"])
+    check("muon.update with the fused stages (fp32, vs foreach)", err < 1e-6, f"err {err:.2e}")
+
+
 def main() -> int:
     def old(a, b=None, **kw):
         return syrk.sym_abt_triton(a, b, **kw)
@@ -99,6 +149,7 @@ def main() -> int:
     scale_cast._scale_cast_kernel[grid](dst, back, back, 5000, HAS_DENOM=False,
                                         BLOCK=scale_cast._BLOCK)
     check("scale_cast cast", torch.equal(back, dst.float()))
+    check_muon_elementwise()
     print(f"{len(FAILED)} failed", flush=True)
     return 1 if FAILED else 0
 

@@ -1,8 +1,11 @@
 """AdamW as an explicit-state transformation over pytrees (optax style).
 
 ``init(params) -> AdamWState`` and ``update(grads, state, params, hparams) -> (new_params, new_state)``.
-The arithmetic follows ``torch.optim.AdamW(foreach=False)`` op for op, so results are bitwise equal to
-torch's single-tensor path in fp32.
+AdamW is the chain ``scale_by_adam(betas, eps)`` then ``decoupled_apply(lr, wd)``
+(:func:`transform`; the stages of :mod:`dmuon.functional.stages`, whose arithmetic follows
+``torch.optim.AdamW(foreach=False)`` op for op); :func:`update` runs that chain in place with
+per-tensor ops (bitwise torch's single-tensor path), as ``torch._foreach_*`` calls, or as the
+fused kernel ``torch._fused_adamw_`` (an implementation of the whole chain).
 
 References:
     I. Loshchilov, F. Hutter. "Decoupled Weight Decay Regularization". ICLR 2019. arXiv:1711.05101.
@@ -17,6 +20,7 @@ import torch
 from torch import Tensor
 
 from dmuon.functional import transforms as T
+from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves, run_inplace
 from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten_like, leaf_paths,
                                   zeros_like_tree)
 
@@ -124,10 +128,10 @@ def update(
         hparams: ``AdamWHParams``.
         donate: when ``True``, params and moment buffers are updated in place and the returned leaves
             are the very same tensor objects; when ``False`` (default) no input is modified.
-        impl: how the arithmetic runs, one of ``IMPLS``:
+        impl: how :func:`transform`'s chain runs, one of ``IMPLS``:
 
-            * ``"reference"`` (default): one tensor at a time, op for op as
-              ``torch.optim.AdamW(foreach=False)`` -- bitwise equal to it in fp32;
+            * ``"reference"`` (default): the ops of ``torch.optim.AdamW(foreach=False)``, one
+              tensor at a time (each op over every leaf in turn) -- bitwise equal to it;
             * ``"foreach"``: the same ops as ``torch._foreach_*`` calls over all leaves of one
               device and dtype (a few launches per step on CUDA; bitwise equal to
               ``"reference"`` on CPU, where foreach runs the same per-tensor ops);
@@ -136,7 +140,8 @@ def update(
               CPU on recent torch). Same math, different rounding: equal to ``"reference"`` only
               up to a few ulps.
 
-            Without donation, ``"foreach"`` and ``"fused"`` first copy the params and moments.
+            Without donation the params and moments are copied first and the chain runs on
+            the copies.
 
     Returns:
         ``(new_params, new_state)``. Without donation, leaves with a ``None`` gradient are returned as
@@ -158,58 +163,20 @@ def update(
     m_leaves = flatten_like(treedef, state.mu, "state.mu")
     v_leaves = flatten_like(treedef, state.nu, "state.nu")
 
-    lr = float(hparams.lr)
-    beta1, beta2 = (float(b) for b in hparams.betas)
-    eps = float(hparams.eps)
-    wd = float(hparams.weight_decay)
-    step = int(state.step) + 1
-    # Same scalar arithmetic as torch's _single_tensor_adam (step as a Python number).
-    bias_correction1 = 1 - beta1**step
-    bias_correction2 = 1 - beta2**step
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2**0.5
-
-    if impl != "reference":
-        for name, p, g, m, v in zip(names, p_leaves, g_leaves, m_leaves, v_leaves):
-            if g is not None:
-                _check_leaf(name, p, g, m, v)
-        new_p, new_m, new_v = _update_batched(
-            p_leaves, g_leaves, m_leaves, v_leaves, impl=impl, donate=donate, lr=lr, beta1=beta1,
-            beta2=beta2, eps=eps, wd=wd, step=step, step_size=step_size,
-            bias_correction2_sqrt=bias_correction2_sqrt)
-        new_state = AdamWState(step=step, mu=treedef.unflatten(new_m), nu=treedef.unflatten(new_v))
-        return treedef.unflatten(new_p), new_state
-
-    new_p, new_m, new_v = [], [], []
     for name, p, g, m, v in zip(names, p_leaves, g_leaves, m_leaves, v_leaves):
-        if g is None:
-            new_p.append(p)
-            new_m.append(m)
-            new_v.append(v)
-            continue
-        _check_leaf(name, p, g, m, v)
-        g = g.to(dtype=p.dtype)
-        if donate:
-            if wd != 0:
-                p.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-            p.addcdiv_(m, denom, value=-step_size)
-        else:
-            # Out-of-place versions of the same ops (in-place only on tensors made here).
-            if wd != 0:
-                p = p.mul(1 - lr * wd)
-            m = m.lerp(g, 1 - beta1)
-            v = v.mul(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / bias_correction2_sqrt).add_(eps)
-            p = p.addcdiv(m, denom, value=-step_size)
-        new_p.append(p)
-        new_m.append(m)
-        new_v.append(v)
+        if g is not None:
+            _check_leaf(name, p, g, m, v)
 
-    new_state = AdamWState(step=step, mu=treedef.unflatten(new_m), nu=treedef.unflatten(new_v))
-    return treedef.unflatten(new_p), new_state
+    leaves = Leaves(params, grads, donate=donate, what="grads", names=names,
+                    ops=PER_TENSOR if impl == "reference" else FOREACH)
+    by: dict[tuple, list[int]] = {}  # foreach lists and fused kernels take one device and dtype
+    for k, p in enumerate(leaves.params):
+        by.setdefault((p.device, p.dtype), []).append(k)
+    groups = None if impl == "reference" or len(by) < 2 else list(by.values())
+    chain = _fused(hparams) if impl == "fused" else transform(hparams)
+    inner = T.ChainState((T.AdamState(state.step, state.mu, state.nu), T.EmptyState()))
+    adam = run_inplace(chain, leaves, inner, groups).states[0]
+    return leaves.params_tree(), AdamWState(step=adam.step, mu=adam.mu, nu=adam.nu)
 
 
 def _check_leaf(name: str, p: Tensor, g, m: Tensor, v: Tensor) -> None:
@@ -223,47 +190,39 @@ def _check_leaf(name: str, p: Tensor, g, m: Tensor, v: Tensor) -> None:
         )
 
 
-def _update_batched(p_leaves, g_leaves, m_leaves, v_leaves, *, impl: str, donate: bool, lr: float,
-                    beta1: float, beta2: float, eps: float, wd: float, step: int,
-                    step_size: float, bias_correction2_sqrt: float):
-    """``impl`` "foreach" / "fused": the update of :func:`update`, per (device, dtype) group."""
-    new_p, new_m, new_v = list(p_leaves), list(m_leaves), list(v_leaves)
-    groups: dict[tuple, list[int]] = {}
-    for i, (p, g) in enumerate(zip(p_leaves, g_leaves)):
-        if g is not None:
-            groups.setdefault((p.device, p.dtype), []).append(i)
-    for (device, _), idx in groups.items():
-        ps = [p_leaves[i] for i in idx]
-        gs = [g_leaves[i].to(dtype=p_leaves[i].dtype) for i in idx]
-        ms = [m_leaves[i] for i in idx]
-        vs = [v_leaves[i] for i in idx]
-        if not donate:
-            ps, ms, vs = ([t.clone() for t in ts] for ts in (ps, ms, vs))
-        if impl == "fused":
-            t = torch.full((), float(step), dtype=torch.float32, device=device)
-            torch._fused_adamw_(ps, gs, ms, vs, [], [t] * len(ps), lr=lr, beta1=beta1,
-                                beta2=beta2, weight_decay=wd, eps=eps, amsgrad=False,
-                                maximize=False, grad_scale=None, found_inf=None)
-        else:
-            if wd != 0:
-                torch._foreach_mul_(ps, 1 - lr * wd)
-            torch._foreach_lerp_(ms, gs, 1 - beta1)
-            torch._foreach_mul_(vs, beta2)
-            torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
-            denom = torch._foreach_sqrt(vs)
-            torch._foreach_div_(denom, bias_correction2_sqrt)
-            torch._foreach_add_(denom, eps)
-            torch._foreach_addcdiv_(ps, ms, denom, value=-step_size)
-        for k, i in enumerate(idx):
-            new_p[i], new_m[i], new_v[i] = ps[k], ms[k], vs[k]
-    return new_p, new_m, new_v
+def _fused(hparams: AdamWHParams) -> T.Transform:
+    """:func:`transform`'s chain with ``torch._fused_adamw_`` (the kernel of
+    ``torch.optim.AdamW(fused=True)``) as the in-place implementation of both stages: one pass
+    over param, grad and moments per device and dtype; same math, other rounding (a few ulps)."""
+    chain = transform(hparams)
+    lr, eps, wd = float(hparams.lr), float(hparams.eps), float(hparams.weight_decay)
+    beta1, beta2 = (float(b) for b in hparams.betas)
+
+    def update_(leaves: Leaves, state: T.ChainState) -> T.ChainState:
+        adam = state.states[0]
+        t = int(adam.step) + 1
+        ps = leaves.written_params()
+        if ps:
+            step = torch.full((), float(t), dtype=torch.float32, device=ps[0].device)
+            torch._fused_adamw_(ps, leaves.updates, adam.mu, adam.nu, [], [step] * len(ps), lr=lr,
+                                beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
+                                amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
+        leaves.params, leaves.applied = ps, True
+        return T.ChainState((adam._replace(step=t), state.states[1]))
+
+    return chain._replace(update_=update_)
 
 
 def transform(hparams: AdamWHParams = AdamWHParams()):
-    """AdamW as a chain of :mod:`dmuon.functional.transforms` stages (the same math as
-    :func:`update`, up to rounding)::
+    """AdamW as a chain of :mod:`dmuon.functional.transforms` stages, the chain :func:`update`
+    runs in place::
 
-        chain(scale_by_adam(betas, eps), add_decayed_weights(wd), scale_by_learning_rate(lr))
+        chain(scale_by_adam(betas, eps), decoupled_apply(lr, wd))
+
+    With :func:`~dmuon.functional.transforms.apply_updates` (optax form) the last stage rounds
+    ``W + (−lr)·(u + λ·W)``, within a few ulps of :func:`update`; with
+    :func:`~dmuon.functional.transforms.update_params` it is :func:`update` (``impl="foreach"``)
+    bitwise.
 
     Args:
         hparams: :class:`AdamWHParams` (validated).
@@ -273,5 +232,4 @@ def transform(hparams: AdamWHParams = AdamWHParams()):
     """
     validate_hparams(hparams)
     return T.chain(T.scale_by_adam(hparams.betas, hparams.eps),
-                   T.add_decayed_weights(hparams.weight_decay),
-                   T.scale_by_learning_rate(hparams.lr))
+                   T.decoupled_apply(hparams.lr, hparams.weight_decay))

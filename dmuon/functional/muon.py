@@ -15,6 +15,11 @@ For each param ``W`` with gradient ``g`` (viewed as ``B`` matrices of shape ``(m
 with the shape scale ``s`` chosen by ``lr_scale``: ``"moonlight"`` ``0.2·sqrt(max(m, n))`` (matches
 AdamW's update RMS, Liu et al. 2025), ``"jordan"`` ``sqrt(max(1, m/n))`` (Jordan 2024), ``"none"`` ``1``.
 
+Those lines are the stages of :mod:`dmuon.functional.stages` (momentum, orthogonalize, shape
+scale, decoupled apply), each written once; :func:`transform` chains them (optax form) and
+:func:`update` runs the same chain in place on donated buffers, with the caller's NS engine and
+fused elementwise kernels as implementations of its stages.
+
 References:
     K. Jordan et al. "Muon: An optimizer for hidden layers in neural networks", 2024.
         https://kellerjordan.github.io/posts/muon/
@@ -24,7 +29,6 @@ References:
 from __future__ import annotations
 
 import math
-from collections import defaultdict
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -32,10 +36,13 @@ from torch import Tensor
 
 from dmuon.newton_schulz.coefficients import CoefficientSpec
 from dmuon.newton_schulz.batched import orthogonalize_batched
-from dmuon.functional.lr_scale import LR_SCALE_RULES, lr_scale_factor, lr_scale_factors
+from dmuon.functional.lr_scale import LR_SCALE_RULES, lr_scale_factor
 from dmuon.newton_schulz.matrix_shape import as_matrix_shape  # noqa: F401 (re-exported)
 from dmuon.functional.matrix_view import Batch, refuse_plain_ns, views_per_leaf
 from dmuon.functional import transforms as T
+from dmuon.functional.stages.decoupled import foreach_apply_
+from dmuon.functional.stages.leaves import Leaves, run_inplace
+from dmuon.functional.stages.momentum import foreach_momentum_
 from dmuon.newton_schulz.config import NSConfig
 from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten_like, leaf_paths,
                                   zeros_like_tree)
@@ -61,59 +68,14 @@ __all__ = [
 Orthogonalize = Callable[[list[Tensor]], Sequence[Tensor]]
 
 
-def foreach_momentum_(bs: list[Tensor], gs: list[Tensor], xs: list[Tensor] | None,
-                      mu: float) -> None:
-    """Reference momentum stage, in place: ``b ← μ·b + g``; then ``x ← g + μ·b`` if ``xs`` is given.
-
-    Args:
-        bs: momentum buffers (updated in place).
-        gs: gradients, each with its ``b``'s shape and dtype.
-        xs: Nesterov outputs (``None``: no Nesterov input). ``xs[k]`` is either ``gs[k]`` itself
-            (formed in the gradient's storage) or a tensor of ``gs[k]``'s shape that receives it.
-        mu: momentum coefficient ``μ``.
-    """
-    if not bs:
-        return
-    torch._foreach_mul_(bs, mu)
-    torch._foreach_add_(bs, gs)
-    if xs is None:
-        return
-    same = [k for k in range(len(bs)) if xs[k] is gs[k]]
-    if same:
-        torch._foreach_add_([gs[k] for k in same], [bs[k] for k in same], alpha=mu)
-    for k in range(len(bs)):
-        if xs[k] is not gs[k]:
-            torch.add(gs[k], bs[k], alpha=mu, out=xs[k])
-
-
-def foreach_apply_(ps: list[Tensor], us: list[Tensor], decay: float,
-                   alphas: Sequence[float]) -> None:
-    """Reference update stage, in place: ``p ← p·decay`` (skipped when ``decay == 1``), then
-    ``p ← p + alpha_k·u_k`` (one foreach call per distinct ``alpha``).
-
-    Args:
-        ps: params (updated in place).
-        us: Newton–Schulz results, each of its param's shape (any float dtype).
-        decay: ``1 − lr·wd``.
-        alphas: per param, ``−lr·s``.
-    """
-    if not ps:
-        return
-    if decay != 1.0:
-        torch._foreach_mul_(ps, decay)
-    by_alpha: dict[float, list[int]] = defaultdict(list)
-    for k, a in enumerate(alphas):
-        by_alpha[a].append(k)
-    for alpha, ks in by_alpha.items():
-        torch._foreach_add_([ps[k] for k in ks], [us[k] for k in ks], alpha=alpha)
-
-
 class MuonElementwise(NamedTuple):
-    """The ``elementwise=`` hook of :func:`update`: its two elementwise stages (like NS's ``sym``).
+    """The ``elementwise=`` hook of :func:`update`: implementations of Muon's two elementwise
+    stages (like NS's ``sym``), the momentum stage and the applying stage.
 
-    The math is fixed by the reference functions; a replacement (e.g. the fused Triton kernels of
-    :mod:`dmuon.kernels.muon_elementwise`, one pass each) computes the same formulas, in place,
-    rounding at most differently (one rounding instead of one per op).
+    The math is the stages' (:func:`foreach_momentum_`, :func:`foreach_apply_`); a replacement
+    (e.g. the fused Triton kernels of :mod:`dmuon.kernels.muon_elementwise`, one pass each)
+    computes the same formulas, in place, rounding at most differently (one rounding instead of
+    one per op).
 
     Attributes:
         momentum: ``momentum(bs, gs, xs, mu)`` with the contract of :func:`foreach_momentum_`.
@@ -251,8 +213,9 @@ def update(
         b ← μ·b + g;   x ← g + μ·b (nesterov) or b;   U ← NS(x)
         W ← W·(1 − lr·wd);   W ← W − lr·s(m, n)·U
 
-    All matrices of equal ``(m, n)``, dtype and device (across params and expert batches) are
-    orthogonalized in one batched Newton–Schulz call. Gradients of lower precision than the param
+    This runs :func:`transform`'s chain of stages (:mod:`dmuon.functional.stages`) in place, with
+    the options below. All matrices of equal ``(m, n)``, dtype and device (across params and expert
+    batches) are orthogonalized in one batched Newton–Schulz call. Gradients of lower precision than the param
     (bf16 grads for fp32/fp64 masters) are upcast first: momentum and the update run in the param's
     dtype; NS runs in ``hparams.ns_dtype``. A ``None`` gradient leaves that param and its momentum
     unchanged (like ``torch.optim.Muon``, which skips params without ``.grad``). Runs under
@@ -292,8 +255,8 @@ def update(
             each matrix independently, and may overwrite ``xs`` in place and return them: the
             ``xs`` are always this function's scratch (fresh tensors, or donated gradients),
             never params or momentum buffers.
-        elementwise: the momentum and update stages (:class:`MuonElementwise`); ``None``
-            (default): :data:`FOREACH_ELEMENTWISE`. Without donation the params and momentum
+        elementwise: implementations of the momentum and applying stages
+            (:class:`MuonElementwise`); ``None`` (default): :data:`FOREACH_ELEMENTWISE`. Without donation the params and momentum
             buffers are copied first and the stages run on the copies.
 
     Returns:
@@ -321,15 +284,7 @@ def update(
     if orthogonalize is None:
         refuse_plain_ns(views, names)
 
-    mu = float(hparams.momentum)
-    lr = float(hparams.lr)
-    wd = float(hparams.weight_decay)
-
-    new_b: list[Tensor] = list(b_leaves)
-    act: list[int] = []          # active leaves (gradient given)
-    gs: list[Tensor] = []        # their gradients in the param's dtype
-    own_g: list[bool] = []       # may the gradient's storage be used as scratch?
-    for i, (name, p, g, b, vw) in enumerate(zip(names, p_leaves, g_leaves, b_leaves, views)):
+    for name, p, g, b, vw in zip(names, p_leaves, g_leaves, b_leaves, views):
         shape = tuple(p.shape)
         try:
             vw.blocks(shape)
@@ -345,103 +300,50 @@ def update(
                 f"momentum buffer of {name!r} must have shape {shape} (was the state made by "
                 "muon.init for these params?)"
             )
-        g2 = g.to(dtype=p.dtype)
-        act.append(i)
-        gs.append(g2)
-        own_g.append(g2 is not g or (donate_grads and g.is_contiguous()))
 
-    ew = FOREACH_ELEMENTWISE if elementwise is None else elementwise
-    # Momentum b ← μ·b + g and the Nesterov input x ← g + μ·b (in the gradient's storage where it
-    # may be scratch), in one call of the elementwise hook.
-    bs = [b_leaves[i] for i in act]
-    if not donate:
-        bs = [b.clone() for b in bs]
-    xs: list[Tensor] = [None] * len(act)  # type: ignore[list-item]
-    if hparams.nesterov:
-        xs = [gs[k] if own_g[k] else torch.empty_like(gs[k]) for k in range(len(act))]
-    ew.momentum(bs, gs, xs if hparams.nesterov else None, mu)
-    for k, i in enumerate(act):
-        new_b[i] = bs[k]
-    if not hparams.nesterov:
-        for k in range(len(act)):
-            if orthogonalize is None:
-                xs[k] = bs[k]
-            elif own_g[k]:
-                xs[k] = gs[k].copy_(bs[k])
-            else:
-                xs[k] = bs[k].clone()
-    # each active param's blocks (B, m, n) through its view; nblk[k] of them for param k
-    inputs: list[Tensor] = []
-    nblk: list[int] = []
-    for k, i in enumerate(act):
-        blocks = views[i].to_blocks(xs[k])
-        inputs.extend(blocks)
-        nblk.append(len(blocks))
-
-    if orthogonalize is None:
-        updates = orthogonalize_batched(inputs, NSConfig.from_hparams(hparams))
-    else:
-        updates = list(orthogonalize(inputs)) if inputs else []
-        if len(updates) != len(inputs) or any(
-                not isinstance(u, Tensor) or tuple(u.shape) != tuple(x.shape)
-                for u, x in zip(updates, inputs)):
-            raise ValueError("orthogonalize(xs) must return one tensor per input with the input's "
-                             f"shape; got {len(updates)} results for {len(inputs)} inputs")
-
-    # W ← W·(1 − lr·wd);  W ← W − lr·s·U  (the elementwise hook's update stage).
-    # A view whose blocks share one shape scale s: alpha = −lr·s; else each block's U is scaled
-    # by its own s first and alpha = −lr.
-    ps = [p_leaves[i] for i in act]
-    us: list[Tensor] = []
-    alphas: list[float] = []
-    at = 0
-    for k, i in enumerate(act):
-        shape = tuple(p_leaves[i].shape)
-        blk = updates[at:at + nblk[k]]
-        at += nblk[k]
-        scales = lr_scale_factors(shape, hparams.lr_scale, views[i])
-        if len(set(scales)) == 1:
-            alphas.append(-lr * scales[0])
-        else:
-            blk = [u * s for u, s in zip(blk, scales)]
-            alphas.append(-lr)
-        us.append(views[i].from_blocks(blk, shape))
-    if not donate:
-        ps = [p.clone() for p in ps]
-    ew.apply(ps, us, (1 - lr * wd) if wd != 0 else 1.0, alphas)
-    new_p: list[Tensor] = list(p_leaves)
-    for k, i in enumerate(act):
-        new_p[i] = ps[k]
-
-    return treedef.unflatten(new_p), MuonState(step=int(state.step) + 1,
-                                               momentum=treedef.unflatten(new_b))
+    # Muon's chain, run in place: momentum and the Nesterov input (formed in the gradient's
+    # storage where it is scratch), NS of every block, the shape scale, W·(1 − lr·wd) − lr·s·U.
+    leaves = Leaves(params, grads, donate=donate, donate_updates=donate_grads, what="grads",
+                    names=names)
+    leaves.all_views(view, batch_dims, given=views)
+    chain = transform(hparams, batch_dims=batch_dims, view=view, orthogonalizer=orthogonalize,
+                      elementwise=elementwise)
+    inner = T.ChainState((T.MomentumState(state.momentum),) + (T.EmptyState(),) * 3)
+    new = run_inplace(chain, leaves, inner)
+    return leaves.params_tree(), MuonState(step=int(state.step) + 1,
+                                           momentum=new.states[0].momentum)
 
 
 def transform(hparams: MuonHParams = MuonHParams(), *, batch_dims: Any = None,
-              view: Any = None, orthogonalizer: Any = None):
-    """Muon as a chain of :mod:`dmuon.functional.transforms` stages (the same math as
-    :func:`update`, up to rounding)::
+              view: Any = None, orthogonalizer: Any = None,
+              elementwise: MuonElementwise | None = None) -> T.Transform:
+    """Muon as a chain of :mod:`dmuon.functional.transforms` stages, the chain :func:`update` runs
+    in place::
 
         chain(trace_momentum(μ, nesterov), orthogonalize(NS), scale_by_shape(lr_scale),
-              add_decayed_weights(wd), scale_by_learning_rate(lr))
+              decoupled_apply(lr, wd))
 
     Args:
         hparams: :class:`MuonHParams` (validated); its ``ns_*`` fields are the NS settings
             (:class:`~dmuon.newton_schulz.NSConfig`) unless ``orthogonalizer`` replaces them.
         batch_dims, view: the matrix views, as in :func:`update` (one of the two).
-        orthogonalizer: ``None`` (Newton–Schulz per ``hparams``) or any
+        orthogonalizer: ``None`` (Newton–Schulz per ``hparams``), an ``NSConfig``, or any
             :data:`~dmuon.functional.transforms.Orthogonalizer` ``xs -> us``.
+        elementwise: implementations of the momentum and applying stages
+            (:class:`MuonElementwise`; ``None``: :data:`FOREACH_ELEMENTWISE`).
 
     Returns:
-        A :class:`~dmuon.functional.transforms.Transform`; apply its updates with
-        :func:`~dmuon.functional.transforms.apply_updates`.
+        A :class:`~dmuon.functional.transforms.Transform`: with
+        :func:`~dmuon.functional.transforms.apply_updates` (optax form; its last stage rounds
+        ``W + (−lr)·(s·U + λ·W)``, within a few ulps of :func:`update`), or with
+        :func:`~dmuon.functional.transforms.update_params` (bitwise :func:`update`).
     """
     validate_hparams(hparams)
+    ew = FOREACH_ELEMENTWISE if elementwise is None else elementwise
     ortho = NSConfig.from_hparams(hparams) if orthogonalizer is None else orthogonalizer
     return T.chain(
-        T.trace_momentum(hparams.momentum, hparams.nesterov),
+        T.trace_momentum(hparams.momentum, hparams.nesterov, impl=ew.momentum),
         T.orthogonalize(ortho, batch_dims=batch_dims, view=view),
         T.scale_by_shape(hparams.lr_scale, batch_dims=batch_dims, view=view),
-        T.add_decayed_weights(hparams.weight_decay),
-        T.scale_by_learning_rate(hparams.lr),
+        T.decoupled_apply(hparams.lr, hparams.weight_decay, impl=ew.apply),
     )

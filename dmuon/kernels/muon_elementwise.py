@@ -1,21 +1,24 @@
-"""Muon's two elementwise stages as one Triton pass each (CUDA): the ``elementwise=`` hook of
-:func:`dmuon.functional.muon.update`.
+"""Fused (Triton, CUDA) implementations of Muon's two elementwise stages: the ``elementwise=``
+hook of :func:`dmuon.functional.muon.update` (:class:`~dmuon.functional.muon.MuonElementwise`).
 
-Math (the contract of :func:`dmuon.functional.muon.foreach_momentum_` and
-:func:`~dmuon.functional.muon.foreach_apply_`, computed here in fp32 registers)::
+The stages and their arithmetic live in the functional core: the momentum stage
+(:mod:`dmuon.functional.stages.momentum`, :func:`~dmuon.functional.stages.momentum.foreach_momentum_`)
+and the applying stage (:mod:`dmuon.functional.stages.decoupled`,
+:func:`~dmuon.functional.stages.decoupled.foreach_apply_`). This module computes the same
+formulas, one pass per tensor, in fp32 registers::
 
     momentum:  b ← μ·b + g;   x ← g + μ·b          (x may live in g's storage)
     apply:     p ← p·decay + alpha·u                (decay = 1 − lr·wd, alpha = −lr·s)
 
 Traffic per fp32 element: momentum reads ``b, g`` and writes ``b, x`` (16 B; the foreach
-reference makes three passes, 32 B); apply reads ``p, u`` and writes ``p`` (12 B; reference 20 B
-with weight decay). The reference rounds after every op (``b·μ`` is rounded before ``+ g``); here
-each stored value is rounded once, so results differ from it by at most about one unit in the last
-place of the stored dtype. ``x`` is computed from the *stored* (rounded) new ``b``, as the reference
-reads it back.
+implementation makes three passes, 32 B); apply reads ``p, u`` and writes ``p`` (12 B; foreach 20 B
+with weight decay). The foreach ops round after every op (``b·μ`` is rounded before ``+ g``); here
+each stored value is rounded once, so results differ by at most about one unit in the last place
+of the stored dtype. ``x`` is computed from the *stored* (rounded) new ``b``, as foreach reads it
+back.
 
 Tensors the kernels do not take (not CUDA, not contiguous, param dtype other than fp32 / bf16 /
-fp16, e.g. fp64 masters) go to the reference functions unchanged (bitwise the default path).
+fp16, e.g. fp64 masters) go to the foreach implementations unchanged (bitwise the default path).
 One launch per tensor and stage; Triton specializes each launch on the pointers' 16-byte
 alignment, so aligned tensors get 16-byte vector loads.
 
@@ -24,6 +27,7 @@ layout; K. Jordan, "Muon", 2024, for the Nesterov form.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional, Sequence
 
 import torch
@@ -82,18 +86,17 @@ def _grid(n: int) -> tuple[int]:
 
 def momentum_(bs: list[Tensor], gs: list[Tensor], xs: Optional[list[Tensor]], mu: float) -> None:
     """``b ← μ·b + g`` and (``xs`` given) ``x ← g + μ·b``, one fused pass per tensor; the contract
-    of :func:`dmuon.functional.muon.foreach_momentum_` (tensors the kernel does not take go
-    there)."""
-    rest = []
-    with _on_device(bs):
-        for k, (b, g) in enumerate(zip(bs, gs)):
-            x = None if xs is None else xs[k]
-            if not fused_supported(b, g, x) or g.dtype != b.dtype or b.numel() == 0:
-                rest.append(k)
-                continue
-            _momentum_kernel[_grid(b.numel())](
-                b, g, g if x is None else x, b.numel(), float(mu),
-                NESTEROV=x is not None, BLOCK=_BLOCK, num_warps=_WARPS)
+    of :func:`dmuon.functional.stages.momentum.foreach_momentum_` (tensors the kernel does not take
+    go there)."""
+    def launch(k: int) -> bool:
+        b, g, x = bs[k], gs[k], None if xs is None else xs[k]
+        if not fused_supported(b, g, x) or g.dtype != b.dtype or b.numel() == 0:
+            return False
+        _momentum_kernel[_grid(b.numel())](b, g, g if x is None else x, b.numel(), float(mu),
+                                           NESTEROV=x is not None, BLOCK=_BLOCK, num_warps=_WARPS)
+        return True
+
+    rest = _launch_all(bs, launch)
     if rest:
         foreach_momentum_([bs[k] for k in rest], [gs[k] for k in rest],
                           None if xs is None else [xs[k] for k in rest], mu)
@@ -101,25 +104,28 @@ def momentum_(bs: list[Tensor], gs: list[Tensor], xs: Optional[list[Tensor]], mu
 
 def apply_(ps: list[Tensor], us: list[Tensor], decay: float, alphas: Sequence[float]) -> None:
     """``p ← p·decay + alpha·u``, one fused pass per tensor; the contract of
-    :func:`dmuon.functional.muon.foreach_apply_` (tensors the kernel does not take go there)."""
-    rest = []
-    with _on_device(ps):
-        for k, (p, u) in enumerate(zip(ps, us)):
-            if not fused_supported(p, u) or p.numel() == 0:
-                rest.append(k)
-                continue
-            _apply_kernel[_grid(p.numel())](p, u, p.numel(), float(decay), float(alphas[k]),
-                                            BLOCK=_BLOCK, num_warps=_WARPS)
+    :func:`dmuon.functional.stages.decoupled.foreach_apply_` (tensors the kernel does not take go
+    there)."""
+    def launch(k: int) -> bool:
+        p, u = ps[k], us[k]
+        if not fused_supported(p, u) or p.numel() == 0:
+            return False
+        _apply_kernel[_grid(p.numel())](p, u, p.numel(), float(decay), float(alphas[k]),
+                                        BLOCK=_BLOCK, num_warps=_WARPS)
+        return True
+
+    rest = _launch_all(ps, launch)
     if rest:
         foreach_apply_([ps[k] for k in rest], [us[k] for k in rest], decay,
                        [alphas[k] for k in rest])
 
 
-def _on_device(ts: list[Tensor]):
-    """Make the tensors' CUDA device current for the launches (a no-op context otherwise)."""
-    import contextlib
+def _launch_all(ts: list[Tensor], launch) -> list[int]:
+    """Call ``launch(k)`` for every tensor, with the tensors' CUDA device current; the ``k`` it
+    declined."""
     dev = next((t.device for t in ts if t.is_cuda), None)
-    return torch.cuda.device(dev) if dev is not None else contextlib.nullcontext()
+    with torch.cuda.device(dev) if dev is not None else contextlib.nullcontext():
+        return [k for k in range(len(ts)) if not launch(k)]
 
 
 def fused_elementwise() -> Optional[MuonElementwise]:

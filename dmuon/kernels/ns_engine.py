@@ -39,6 +39,9 @@ Three ways to call it:
   eager the first time, captured when a key comes on two calls in a row, replayed after that (no
   copies, no static buffers; what ``dmuon.Muon`` uses on CUDA: graph replay on persistent
   gradient buckets, or on freed ones whose addresses stay put; eager where they cycle).
+  ``engine(xs)`` is that on ``(B, m, n)`` inputs: the engine itself is the ``orthogonalize=``
+  hook of :func:`dmuon.functional.muon.update`; with ``engine.timer`` set
+  (:class:`~dmuon.newton_schulz.timing.NSTimer`) it records each call's span and mode there.
 """
 from __future__ import annotations
 
@@ -54,6 +57,7 @@ from dmuon.newton_schulz.iteration import (default_ns_dtype, default_range_lift,
                                             frobenius_denominator, left_product, ns_iterate,
                                             resolve_gram_restart)
 from dmuon.newton_schulz.chunks import NSChunk, plan_ns_chunks
+from dmuon.newton_schulz.timing import NSTimer
 from dmuon.kernels.scale_cast import scale_cast_
 from dmuon.kernels.syrk import make_sym_op
 
@@ -306,6 +310,7 @@ class NSEngine:
         self._inplace_captures = 0
         self.last_mode = "none"           # "graph" / "eager" of the last orthogonalize_ call
         self._last_inplace_key: Optional[tuple] = None
+        self.timer: Optional[NSTimer] = None  # where __call__ records its spans, if anywhere
 
     def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
         """One side stream per device for this engine's captures (one stream per shared pool)."""
@@ -455,6 +460,16 @@ class NSEngine:
             self._inplace.pop(next(iter(self._inplace)))
         self.last_mode = prog.mode
         return tensors
+
+    def __call__(self, xs: Sequence[Tensor]) -> list[Tensor]:
+        """:meth:`orthogonalize_` of ``(B, m, n)`` inputs (the ``orthogonalize=`` hook of
+        :func:`dmuon.functional.muon.update`), timed into :attr:`timer` when one is set."""
+        xs = list(xs)
+        if self.timer is None or not xs:
+            return self.orthogonalize_(xs, batch_dims=1)
+        out = self.timer.run(xs[0].device, self.orthogonalize_, xs, batch_dims=1)
+        self.timer.mode = self.last_mode
+        return out
 
     def mode(self, inputs: Sequence[Tensor], batch_dims: Union[int, Sequence[int]] = 0) -> str:
         """``"graph"`` or ``"eager"`` for the program of this signature (``"none"`` if not built)."""

@@ -13,10 +13,14 @@ Modules:
 * :mod:`.config` — :class:`NSConfig`, the one source of truth of the NS settings, built from
   :class:`dmuon.functional.muon.MuonHParams` under the same names.
 * :mod:`.matrix_shape` — how a param of any shape is seen as an ``(m, n)`` matrix.
+* :mod:`.batched` — ``orthogonalize_batched`` (one call per matrix shape) and ``BatchedNS``, the
+  same as an orthogonalizer object; :mod:`.timing` — ``NSTimer``, where an orthogonalizer records
+  how long its calls took when its caller asks.
 
 The route of a step: ``dmuon.Muon.step`` (stateful) → ``dmuon.functional.muon.update`` with an
-``orthogonalize`` hook → this package (:func:`orthogonalize_batched`, or the CUDA engine
-:mod:`dmuon.kernels.ns_engine`, both running :mod:`.iteration`).
+``orthogonalize`` object (``BatchedNS``, or the CUDA engine :class:`dmuon.kernels.ns_engine.NSEngine`,
+both running :mod:`.iteration`, each timing itself into the step's ``NSTimer``) → the
+``orthogonalize`` stage of :mod:`dmuon.functional.stages` calls it; nothing here calls back.
 """
 from dmuon.newton_schulz.coefficients import NAMED_SCHEDULES, CoefficientSpec, ns_coefficient_table
 from dmuon.newton_schulz.cost import NSCost, choose_ns_variant, ns_cost

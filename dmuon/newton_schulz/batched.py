@@ -1,16 +1,18 @@
-"""Newton–Schulz over many matrix stacks, batched per shape (pure)."""
+"""Newton–Schulz over many matrix stacks, batched per shape (pure): :func:`orthogonalize_batched`,
+and :class:`BatchedNS`, the same as an orthogonalizer object that times its calls on request."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from dmuon.newton_schulz.config import NSConfig
 from dmuon.newton_schulz.iteration import newton_schulz
+from dmuon.newton_schulz.timing import NSTimer
 
-__all__ = ["orthogonalize_batched"]
+__all__ = ["orthogonalize_batched", "BatchedNS"]
 
 
 def orthogonalize_batched(matrices: Sequence[Tensor], config: NSConfig = NSConfig()) -> list[Tensor]:
@@ -50,3 +52,28 @@ def orthogonalize_batched(matrices: Sequence[Tensor], config: NSConfig = NSConfi
         for i, piece in zip(idx, torch.split(u, [matrices[i].shape[0] for i in idx], dim=0)):
             out[i] = piece
     return out  # type: ignore[return-value]
+
+
+class BatchedNS:
+    """:func:`orthogonalize_batched` with a fixed ``config``, as the orthogonalizer
+    ``xs -> us`` of :func:`dmuon.functional.muon.update` (``orthogonalize=``) and of the
+    ``orthogonalize`` stage; never writes its inputs.
+
+    Args:
+        config: what Newton–Schulz computes.
+        timer: where to record each call's span (:class:`~dmuon.newton_schulz.timing.NSTimer`;
+            ``None``: untimed).
+    """
+
+    mode = "functional"
+
+    def __init__(self, config: NSConfig = NSConfig(), timer: Optional[NSTimer] = None):
+        self.config = config
+        self.timer = timer
+
+    def __call__(self, xs: Sequence[Tensor]) -> list[Tensor]:
+        if self.timer is None or not xs:
+            return orthogonalize_batched(xs, self.config)
+        out = self.timer.run(xs[0].device, orthogonalize_batched, xs, self.config)
+        self.timer.mode = self.mode
+        return out

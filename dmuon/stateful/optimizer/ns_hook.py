@@ -1,47 +1,55 @@
 """The ``orthogonalize`` hook of ``dmuon.Muon.step``: which Newton–Schulz runs the owners' matrices.
 
-``ns_engine="functional"`` (or ``"auto"`` off CUDA): the functional core's batched NS
-(:func:`dmuon.functional.muon.orthogonalize_batched`). Otherwise an
+``ns_engine="functional"`` (or ``"auto"`` off CUDA): the functional core's batched NS, as the
+object :class:`dmuon.newton_schulz.batched.BatchedNS`. Otherwise an
 :class:`~dmuon.kernels.ns_engine.NSEngine` (the user's, checked against the optimizer's NS
-hyper-parameters, or one built and kept for as long as they do not change) in place on the donated
-gradient buckets. Either way the call is timed by the step's telemetry, and :attr:`NSHook.mode`
-says how the last one ran (``"functional"``, ``"graph"``, ``"eager"``; ``"none"`` before any).
+hyper-parameters, or one built and kept for as long as they do not change), itself the hook, in
+place on the donated gradient buckets. Either way the hook handed to
+:func:`dmuon.functional.muon.update` is a core or kernels object that records its own calls into
+this hook's :class:`~dmuon.newton_schulz.timing.NSTimer` (CUDA events; host clock off CUDA), which
+the step's telemetry reads afterwards: the math never calls back into this layer.
+:attr:`NSHook.mode` says how the last call ran (``"functional"``, ``"graph"``, ``"eager"``;
+``"none"`` before any).
 """
 from __future__ import annotations
 
 from typing import Any, Optional
 
 from dmuon.functional import muon as fmuon
-from dmuon.newton_schulz.config import NSConfig
 from dmuon.kernels.ns_engine import NSEngine
+from dmuon.newton_schulz.batched import BatchedNS
+from dmuon.newton_schulz.config import NSConfig
+from dmuon.newton_schulz.timing import NSTimer
 
 __all__ = ["NSHook"]
 
 
 class NSHook:
-    """Builds each step's NS hook from the ``ns_engine`` choice (see :class:`dmuon.Muon`)."""
+    """Builds each step's NS hook from the ``ns_engine`` choice (see :class:`dmuon.Muon`); gives
+    ``telemetry`` its timer (``telemetry.ns_timer``)."""
 
     def __init__(self, choice: Any, telemetry: Any):
         if not (choice in ("auto", "engine", "functional") or isinstance(choice, NSEngine)):
             raise ValueError("ns_engine must be 'auto', 'engine', 'functional' or a "
                              f"dmuon.kernels.ns_engine.NSEngine, got {choice!r}")
         self.choice = choice
-        self.telemetry = telemetry
+        self.timer = NSTimer()
+        telemetry.ns_timer = self.timer
         self.engine: Optional[NSEngine] = choice if isinstance(choice, NSEngine) else None
-        self.mode = "none"
+        self._functional: Optional[BatchedNS] = None
+
+    @property
+    def mode(self) -> str:
+        """How the last NS call ran (``"none"`` before any)."""
+        return self.timer.mode
 
     def for_step(self, device_type: str, hp: fmuon.MuonHParams) -> fmuon.Orthogonalize:
         """The hook for one step with hyper-parameters ``hp`` on ``device_type``."""
-        tel = self.telemetry
         config = NSConfig.from_hparams(hp)
         if self.choice == "functional" or (self.choice == "auto" and device_type != "cuda"):
-            def functional(xs: list) -> list:
-                tel.ns_begin()
-                out = fmuon.orthogonalize_batched(xs, config)
-                tel.ns_end()
-                self.mode = "functional"
-                return out
-            return functional
+            if self._functional is None or self._functional.config != config:
+                self._functional = BatchedNS(config, timer=self.timer)
+            return self._functional
         if isinstance(self.choice, NSEngine):
             if tuple(self.choice.config[:4]) != tuple(config[:4]):  # the fields MuonHParams sets
                 raise ValueError(
@@ -51,12 +59,5 @@ class NSHook:
                     "opt.muon_hparams()), ...) or leave ns_engine='auto'")
         elif self.engine is None or self.engine.config != config:
             self.engine = NSEngine(config)
-        engine = self.engine
-
-        def with_engine(xs: list) -> list:
-            tel.ns_begin()
-            out = engine.orthogonalize_(xs, batch_dims=1)
-            tel.ns_end()
-            self.mode = engine.last_mode
-            return out
-        return with_engine
+        self.engine.timer = self.timer
+        return self.engine

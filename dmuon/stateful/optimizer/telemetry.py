@@ -1,8 +1,9 @@
 """Per-step telemetry of ``dmuon.Muon``: collectives and payload bytes per lane, NS time, ownership.
 
 Cheap enough to leave on: per step it takes one snapshot of the executor's counters (a few dict
-copies), records two CUDA events around the Newton–Schulz call (on CPU: two ``perf_counter``
-reads) and stores a small record. Nothing synchronizes the host while training; the CUDA events
+copies), takes the spans the Newton–Schulz orthogonalizer recorded of its own calls (two CUDA
+events per call, on CPU two ``perf_counter`` reads; :class:`dmuon.newton_schulz.timing.NSTimer`,
+given to the orthogonalizer by :mod:`dmuon.stateful.optimizer.ns_hook`) and stores a small record. Nothing synchronizes the host while training; the CUDA events
 are resolved only when :meth:`StepTelemetry.last` is called, which then waits for *that* step's NS
 to finish (``Event.synchronize``: call it after ``step()`` when a host sync is acceptable, e.g.
 when logging).
@@ -21,11 +22,12 @@ What a :class:`StepStats` counts:
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+
+from dmuon.newton_schulz.timing import NSTimer, elapsed_ms
 
 if TYPE_CHECKING:
     from dmuon.stateful.runtime.executor import Executor
@@ -71,8 +73,7 @@ class StepStats:
 @dataclass
 class _Record:
     stats: StepStats
-    events: list = field(default_factory=list)     # CUDA (start, end) pairs, unresolved
-    host_ms: float = 0.0
+    spans: list = field(default_factory=list)      # NSTimer spans, unresolved
 
 
 class StepTelemetry:
@@ -87,46 +88,25 @@ class StepTelemetry:
         self.executor = executor
         self.device = torch.device(device)
         self._prev = self._snapshot()
-        self._events: list = []
-        self._host_ms = 0.0
-        self._calls = 0
-        self._t0 = 0.0
+        self.ns_timer: Optional[NSTimer] = None   # set by the NS hook; its spans are the NS time
         self._last: Optional[_Record] = None
 
     def _snapshot(self) -> dict[str, dict[str, int]]:
         return self.executor.counters()
 
-    # -- around the NS call (may be called several times per step) ----------------------------
-    def ns_begin(self) -> None:
-        if self.device.type == "cuda":
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(torch.cuda.current_stream(self.device))
-            self._events.append([ev, None])
-        else:
-            self._t0 = time.perf_counter()
-
-    def ns_end(self) -> None:
-        if self.device.type == "cuda":
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(torch.cuda.current_stream(self.device))
-            self._events[-1][1] = ev
-        else:
-            self._host_ms += (time.perf_counter() - self._t0) * 1e3
-        self._calls += 1
-
     # -- once per step ---------------------------------------------------------------------------
     def finish_step(self, **fields: Any) -> None:
-        """Close the step: lane counters since the previous step, NS timing, the given fields."""
+        """Close the step: lane counters since the previous step, the NS spans, the given fields."""
         now = self._snapshot()
         lanes = {}
         for lane, c in now.items():
             p = self._prev.get(lane, {})
             lanes[lane] = {k: v - p.get(k, 0) for k, v in c.items()}
         self._prev = now
-        stats = StepStats(lanes=lanes, ns_ms=None, ns_calls=self._calls, device=str(self.device),
+        spans = self.ns_timer.take() if self.ns_timer is not None else []
+        stats = StepStats(lanes=lanes, ns_ms=None, ns_calls=len(spans), device=str(self.device),
                           **fields)
-        self._last = _Record(stats, self._events, self._host_ms)
-        self._events, self._host_ms, self._calls = [], 0.0, 0
+        self._last = _Record(stats, spans)
 
     def last(self) -> Optional[StepStats]:
         """The last step's stats (None before the first step). On CUDA this waits for that step's
@@ -135,14 +115,7 @@ class StepTelemetry:
         if rec is None:
             return None
         st = rec.stats
-        if st.ns_ms is None:
-            if rec.events:
-                total = 0.0
-                for start, end in rec.events:
-                    end.synchronize()
-                    total += start.elapsed_time(end)
-                st.ns_ms = total
-                rec.events = []
-            elif st.ns_calls:
-                st.ns_ms = rec.host_ms
+        if st.ns_ms is None and rec.spans:
+            st.ns_ms = elapsed_ms(rec.spans)
+            rec.spans = []
         return st

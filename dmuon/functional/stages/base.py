@@ -1,0 +1,54 @@
+"""The transform protocol (optax's, plus an in-place form) and the helper that builds a stage.
+
+A :class:`Transform` is a pair of pure functions::
+
+    state = t.init(params)
+    updates, state = t.update(updates, state, params)
+
+plus, for the stages of :mod:`dmuon.functional.stages`, their arithmetic in place,
+``state = t.update_(leaves, state)`` over a :class:`~dmuon.functional.stages.leaves.Leaves`
+(opened state; see that module). ``update`` is derived from ``update_`` (:func:`stage`), so a
+stage's formula exists once; ``dmuon.functional.muon.update`` and ``adamw.update`` run the
+``update_`` of the same stages on donated buffers.
+
+References:
+    M. Hessel et al. "Optax: composable gradient transformation and optimisation, in JAX", 2020
+    (the ``init`` / ``update`` protocol).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+
+from dmuon.functional.stages.leaves import Leaves, derive_update
+from dmuon.functional.tree import PyTree
+
+__all__ = ["Transform", "EmptyState", "stage"]
+
+
+class Transform(NamedTuple):
+    """A gradient transformation: ``init(params) -> state``;
+    ``update(updates, state, params) -> (updates, state)``; optionally ``update_(leaves, state)
+    -> state``, the same arithmetic in place (``None``: the transform has no in-place form)."""
+
+    init: Callable[[PyTree], Any]
+    update: Callable[[PyTree, Any, PyTree], tuple[PyTree, Any]]
+    update_: Optional[Callable[[Leaves, Any], Any]] = None
+
+
+class EmptyState(NamedTuple):
+    """State of a stateless stage."""
+
+
+def _empty(params: PyTree) -> EmptyState:
+    return EmptyState()
+
+
+def stage(update_: Callable[[Leaves, Any], Any], init: Callable[[PyTree], Any] = _empty,
+          update: Optional[Callable[..., tuple[PyTree, Any]]] = None) -> Transform:
+    """A :class:`Transform` from its in-place arithmetic ``update_``; its ``update`` (run under
+    ``torch.no_grad()``: params may be ``nn.Parameter`` s) is derived from ``update_`` unless
+    given."""
+    pure = derive_update(update_) if update is None else update
+    return Transform(init, torch.no_grad()(pure), update_)

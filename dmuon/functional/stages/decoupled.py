@@ -1,0 +1,144 @@
+"""Decoupled weight decay and the learning rate: the last stage of Muon and AdamW.
+
+The step, for an update ``u = (c/d)·N[/D]`` (pending scalars and denominator of
+:class:`~dmuon.functional.stages.leaves.Leaves`)::
+
+    W ← W·(1 − lr·λ) + α·N[/D],      α = −lr·c/d
+
+applied in place by :func:`decoupled_apply_` (``torch.optim``'s rounding: the decay multiply
+first, then one fused ``add`` / ``addcdiv``). The optax form of the same stage returns the additive
+update ``−lr·(u + λ·W)`` (:func:`add_decayed_weights` then :func:`scale_by_learning_rate`) for
+:func:`~dmuon.functional.transforms.apply_updates`: the same math, rounded per op, so
+``W + (−lr)·(u + λ·W)`` differs from the applied step by a few ulps of ``|W| + lr·|u|`` per step.
+No additive ``u`` can reproduce the one-pass rounding in general (``W + (W' − W)`` is ``W'`` only
+when ``W'`` is within a factor 2 of ``W``), and stages chained after Muon need additive updates;
+so the two forms keep their own roundings (``tests/test_transforms.py`` bounds the difference).
+
+References:
+    I. Loshchilov, F. Hutter. "Decoupled Weight Decay Regularization". ICLR 2019.
+    arXiv:1711.05101.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+from torch import Tensor
+
+from dmuon.functional.stages.base import EmptyState, Transform, stage
+from dmuon.functional.stages.leaves import FOREACH, Leaves
+from dmuon.functional.tree import PyTree
+
+__all__ = ["ApplyImpl", "decoupled_apply_", "foreach_apply_", "decoupled_apply",
+           "add_decayed_weights", "scale_by_learning_rate"]
+
+#: ``impl(ps, us, decay, alphas)``: the contract of :func:`foreach_apply_`.
+ApplyImpl = Callable[[list[Tensor], list[Tensor], float, Sequence[float]], None]
+
+
+def decoupled_apply_(ps: list[Tensor], us: list[Tensor], decay: float, alphas: Sequence[float],
+                     dens: Optional[Sequence[Optional[Tensor]]] = None, ops: Any = FOREACH) -> None:
+    """The applying stage's arithmetic, in place: ``p ← p·decay`` (skipped when ``decay == 1``),
+    then ``p ← p + alpha_k·u_k`` (``p ← p + alpha_k·u_k / dens[k]`` where a denominator is
+    given); one list op per distinct ``(alpha, denominator or not)``.
+
+    Args:
+        ps: params (updated in place).
+        us: update numerators, each of its param's shape (any float dtype).
+        decay: ``1 − lr·λ``.
+        alphas: per param, ``−lr·c/d``.
+        dens: per param, a denominator tensor or ``None``.
+        ops: :data:`~dmuon.functional.stages.leaves.FOREACH` or ``PER_TENSOR``.
+    """
+    if not ps:
+        return
+    if decay != 1.0:
+        ops.mul_(ps, decay)
+    groups: dict[tuple[float, bool], list[int]] = {}
+    for k, a in enumerate(alphas):
+        groups.setdefault((a, dens is not None and dens[k] is not None), []).append(k)
+    for (alpha, divided), ks in groups.items():
+        if divided:
+            ops.addcdiv_([ps[k] for k in ks], [us[k] for k in ks], [dens[k] for k in ks],
+                         value=alpha)
+        else:
+            ops.add_([ps[k] for k in ks], [us[k] for k in ks], alpha=alpha)
+
+
+def foreach_apply_(ps: list[Tensor], us: list[Tensor], decay: float,
+                   alphas: Sequence[float]) -> None:
+    """``p ← p·decay + alpha_k·u_k`` with ``torch._foreach_*`` ops (:func:`decoupled_apply_`
+    without denominators): the default implementation of :func:`decoupled_apply`.
+
+    Args:
+        ps: params (updated in place).
+        us: the updates (e.g. Newton–Schulz results), each of its param's shape (any float dtype).
+        decay: ``1 − lr·wd``.
+        alphas: per param, ``−lr·s``.
+    """
+    decoupled_apply_(ps, us, decay, alphas)
+
+
+def decoupled_apply(lr: float, weight_decay: float = 0.0, *,
+                    impl: Optional[ApplyImpl] = None) -> Transform:
+    """``W ← W·(1 − lr·λ) − lr·u``: applied in place by ``update_``; ``update`` (optax form)
+    returns ``−lr·(u + λ·W)`` (see the module docstring for the rounding of each).
+
+    Args:
+        lr: learning rate ``≥ 0``.
+        weight_decay: ``λ ≥ 0``.
+        impl: the implementation of updates without a denominator (default
+            :func:`foreach_apply_` with the leaves' ops); another one (a fused kernel) must keep
+            that contract.
+    """
+    lr, wd = _check(lr, "lr"), _check(weight_decay, "weight_decay")
+    decay_stage, lr_stage = add_decayed_weights(wd), scale_by_learning_rate(lr)
+
+    def update_(leaves: Leaves, state: Any) -> Any:
+        decay = (1 - lr * wd) if wd != 0 else 1.0
+        alphas = [(-lr * c) / d for c, d in zip(leaves.scale, leaves.divisor)]
+        ps = leaves.written_params()
+        if impl is not None and all(d is None for d in leaves.denom):
+            impl(ps, leaves.updates, decay, alphas)
+        else:
+            decoupled_apply_(ps, leaves.updates, decay, alphas, leaves.denom, leaves.ops)
+        leaves.params, leaves.applied = ps, True
+        return state
+
+    def update(updates: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
+        updates, _ = decay_stage.update(updates, EmptyState(), params)
+        return lr_stage.update(updates, EmptyState(), params)[0], state
+
+    return stage(update_, update=update)
+
+
+def _check(x: float, what: str) -> float:
+    if not x >= 0:
+        raise ValueError(f"{what} must be >= 0, got {x!r}")
+    return float(x)
+
+
+def add_decayed_weights(weight_decay: float) -> Transform:
+    """``u + λ·W`` (after :func:`scale_by_learning_rate`: decoupled decay ``W ← W − lr·λ·W``)."""
+    wd = _check(weight_decay, "weight_decay")
+
+    def update_(leaves: Leaves, state: Any) -> Any:
+        if wd != 0:
+            leaves.materialize()
+            leaves.updates = [u + wd * p for u, p in zip(leaves.updates, leaves.params)]
+            leaves.scratch = [True] * len(leaves)
+        return state
+
+    return stage(update_)
+
+
+def scale_by_learning_rate(lr: float) -> Transform:
+    """``−lr·u`` (descent)."""
+    lr = _check(lr, "lr")
+
+    def update_(leaves: Leaves, state: Any) -> Any:
+        leaves.materialize()
+        leaves.updates = [-lr * u for u in leaves.updates]
+        leaves.scratch = [True] * len(leaves)
+        return state
+
+    return stage(update_)

@@ -1,0 +1,252 @@
+"""The leaves of one update, as flat lists that stages transform in place (pure data + plumbing).
+
+A stage's arithmetic is written once, as an in-place operation ``update_(leaves, state)`` over a
+:class:`Leaves`: the params that have an update this step (the *active* leaves, in the params' leaf
+order) and, per leaf, the running update. The optax form ``update(updates, state, params)`` of a
+stage is derived from it (:func:`derive_update`: copies first, so no input changes), and
+``dmuon.functional.muon.update`` / ``adamw.update`` run the same ``update_`` on donated buffers.
+
+What a :class:`Leaves` holds per active leaf ``k``:
+
+* ``params[k]`` -- ``W``; only an *applying* stage writes it (``dmuon.functional.stages.decoupled``),
+  into a copy unless ``donate``;
+* the update ``u = (scale[k] / divisor[k]) · updates[k] / denom[k]``: a tensor numerator, and scalars
+  and a tensor denominator (Adam's ``sqrt(v̂) + ε``) left *pending* so that the applying stage folds
+  them into one fused ``p + α·N`` or ``p + α·N/D`` (``α = −lr·scale/divisor``), the rounding of
+  ``torch.optim``; :meth:`Leaves.materialize` multiplies them out where a stage needs the values;
+* ``scratch[k]``: ``updates[k]``'s storage is this update's to overwrite (a fresh tensor, a
+  converted copy, or a donated gradient); ``spare[k]``: storage a stage freed (a donated gradient
+  no longer needed) that a later stage may fill instead of allocating.
+
+States: a stage state (a NamedTuple) names its per-param fields in ``per_param``. Before ``update_``
+runs, :func:`run_inplace` *opens* the state: each per-param pytree becomes the list of the active
+leaves' buffers (copies unless ``donate``), which ``update_`` changes in place (it never replaces
+them) and returns with its other fields (e.g. a step count) advanced; closing puts the buffers
+back into the trees. Opened states slice per group of leaves, so a chain can run per device and
+dtype (what foreach lists and fused kernels take).
+
+Ops: stages call list ops through ``leaves.ops``: :data:`FOREACH` (``torch._foreach_*``) or
+:data:`PER_TENSOR` (the same in-place tensor methods one tensor at a time): two executions of
+one formula.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from dmuon.functional.matrix_view import views_per_leaf
+from dmuon.functional.tree import PyTree, flatten, flatten_like, leaf_paths
+
+__all__ = ["Leaves", "FOREACH", "PER_TENSOR", "derive_update", "run_inplace", "apply_inplace_"]
+
+
+def _per_tensor(method: str) -> Callable[..., Any]:
+    def op(xs: list[Tensor], *args: Any, **kwargs: Any) -> list[Tensor]:
+        return [getattr(x, method)(*[a[k] if isinstance(a, list) else a for a in args], **kwargs)
+                for k, x in enumerate(xs)]
+    return op
+
+
+_OPS = ("mul_", "add_", "lerp_", "addcmul_", "addcdiv_", "div_", "sqrt")
+
+#: List ops as ``torch._foreach_*`` calls (one launch per list on CUDA).
+FOREACH = SimpleNamespace(**{o: getattr(torch, f"_foreach_{o}") for o in _OPS})
+#: The same ops one tensor at a time (``x.mul_(s)``, ...): ``torch.optim``'s single-tensor path.
+PER_TENSOR = SimpleNamespace(**{o: _per_tensor(o) for o in _OPS})
+
+_LISTS = ("params", "updates", "scratch", "spare", "scale", "divisor", "denom", "index")
+
+
+class Leaves:
+    """The active leaves of one update (see the module docstring).
+
+    Args:
+        params: the params pytree.
+        updates: a pytree with the params' structure; ``None`` leaves are inactive.
+        donate: params and state buffers may be written in place (else stages write copies).
+        donate_updates: updates of the param's dtype whose storage is contiguous may be
+            overwritten (converted copies always may).
+        ops: :data:`FOREACH` or :data:`PER_TENSOR`.
+        what: the name of ``updates`` in structure errors.
+        names: the params' leaf path names, if the caller has them.
+    """
+
+    def __init__(self, params: PyTree, updates: PyTree, *, donate: bool = False,
+                 donate_updates: bool = False, ops: Any = FOREACH, what: str = "updates",
+                 names: Optional[list[str]] = None):
+        self.all_params, self.treedef = flatten(params)
+        self.tree = params
+        u_all = flatten_like(self.treedef, updates, what)
+        self.index = [i for i, u in enumerate(u_all) if u is not None]
+        self.params = [self.all_params[i] for i in self.index]
+        self.updates = [u_all[i].to(dtype=p.dtype) for i, p in zip(self.index, self.params)]
+        self.scratch = [u is not u_all[i] or (donate_updates and u.is_contiguous())
+                        for i, u in zip(self.index, self.updates)]
+        n = len(self.index)
+        self.spare: list[Optional[Tensor]] = [None] * n
+        self.scale = [1.0] * n
+        self.divisor = [1.0] * n
+        self.denom: list[Optional[Tensor]] = [None] * n
+        self.donate, self.ops, self.applied = donate, ops, False
+        self._names = names
+        self._views: dict = {}
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    @property
+    def names(self) -> list[str]:
+        """Path names of the active leaves."""
+        if self._names is None:
+            self._names = leaf_paths(self.tree)
+        return [self._names[i] for i in self.index]
+
+    def all_views(self, view: Any, batch_dims: Any, given: Optional[list] = None) -> list:
+        """The matrix view of every leaf (``view=`` / ``batch_dims=`` as ``muon.update``'s),
+        computed once per spelling (``given``: already computed by the caller)."""
+        key = (id(view), id(batch_dims))
+        if key not in self._views:
+            vs = given if given is not None else views_per_leaf(view, batch_dims, self.tree,
+                                                                self.treedef)
+            self._views[key] = (view, batch_dims, vs)  # keeps the keys' objects alive
+        return self._views[key][2]
+
+    def views(self, view: Any, batch_dims: Any) -> list:
+        """The matrix views of the active leaves."""
+        vs = self.all_views(view, batch_dims)
+        return [vs[i] for i in self.index]
+
+    def materialize(self, ks: Optional[Sequence[int]] = None) -> None:
+        """Multiply out the pending scalars and denominator: ``u = N·scale / divisor / D``."""
+        for k in range(len(self)) if ks is None else ks:
+            u, c, d, den = self.updates[k], self.scale[k], self.divisor[k], self.denom[k]
+            if c == 1.0 and d == 1.0 and den is None:
+                continue
+            if c != 1.0:
+                u = u * c
+            if d != 1.0:
+                u = u / d
+            if den is not None:
+                u = u / den
+            self.updates[k], self.scratch[k] = u, True
+            self.scale[k], self.divisor[k], self.denom[k] = 1.0, 1.0, None
+
+    def written_params(self) -> list[Tensor]:
+        """The params an applying stage writes: themselves when donated, else copies."""
+        return self.params if self.donate else [p.clone() for p in self.params]
+
+    def select(self, ks: Sequence[int]) -> "Leaves":
+        """The leaves ``ks`` alone (lists sliced; the tree, views and options shared)."""
+        sub = object.__new__(Leaves)
+        sub.__dict__.update(self.__dict__)
+        for f in _LISTS:
+            setattr(sub, f, [getattr(self, f)[k] for k in ks])
+        return sub
+
+    def absorb(self, sub: "Leaves", ks: Sequence[int]) -> None:
+        """Take back what a stage did on ``self.select(ks)``."""
+        for f in _LISTS:
+            mine, theirs = getattr(self, f), getattr(sub, f)
+            for j, k in enumerate(ks):
+                mine[k] = theirs[j]
+        self.applied = sub.applied
+
+    # -- results ---------------------------------------------------------------------------------
+    def params_tree(self) -> PyTree:
+        """The params pytree after the update (inactive leaves: the input objects)."""
+        out = list(self.all_params)
+        for k, i in enumerate(self.index):
+            out[i] = self.params[k]
+        return self.treedef.unflatten(out)
+
+    def updates_tree(self) -> PyTree:
+        """The (materialized) updates in the params' dtypes; ``None`` where inactive."""
+        self.materialize()
+        out: list[Any] = [None] * self.treedef.num_leaves
+        for k, i in enumerate(self.index):
+            out[i] = self.updates[k].to(dtype=self.params[k].dtype)
+        return self.treedef.unflatten(out)
+
+    # -- states ----------------------------------------------------------------------------------
+    def open(self, state: Any) -> Any:
+        """``state`` with each per-param pytree replaced by the active leaves' buffers."""
+        def take(tree: PyTree) -> list[Tensor]:
+            flat = flatten_like(self.treedef, tree, "state")
+            return [flat[i] if self.donate else flat[i].clone() for i in self.index]
+        return _walk(state, lambda tree, *_: take(tree), lambda v, *_: v)
+
+    def close(self, state: Any, opened: Any, result: Any) -> Any:
+        """The new state: ``opened``'s buffers put back into ``state``'s trees, the other fields
+        from ``result`` (what ``update_`` returned)."""
+        def put(tree: PyTree, bufs: list[Tensor], _: Any) -> PyTree:
+            flat = list(flatten_like(self.treedef, tree, "state"))
+            for k, i in enumerate(self.index):
+                flat[i] = bufs[k]
+            return self.treedef.unflatten(flat)
+        return _walk(state, put, lambda v, o, r: r, opened, result)
+
+
+def _walk(state: Any, on_param: Callable, on_other: Callable, *others: Any) -> Any:
+    """Map a (nested) stage state: ``on_param`` on its per-param fields (those its type names in
+    ``per_param``), ``on_other`` on everything else; NamedTuples and tuples of states are walked
+    (``others``: states of the same layout, walked alongside)."""
+    if isinstance(state, tuple) and hasattr(state, "_fields"):
+        per = getattr(type(state), "per_param", ())
+        fields = []
+        for name, v in zip(state._fields, state):
+            os_ = [getattr(o, name) for o in others]
+            fields.append(on_param(v, *os_) if name in per
+                          else _walk(v, on_param, on_other, *os_))
+        return type(state)(*fields)
+    if type(state) is tuple:
+        return tuple(_walk(s, on_param, on_other, *[o[j] for o in others])
+                     for j, s in enumerate(state))
+    return on_other(state, *others)
+
+
+def _slice(opened: Any, ks: Sequence[int]) -> Any:
+    return _walk(opened, lambda bufs: [bufs[k] for k in ks], lambda v: v)
+
+
+def apply_inplace_(leaves: Leaves) -> None:
+    """``W ← W + u`` (optax's :func:`~dmuon.functional.transforms.apply_updates`, in place on the
+    written params) for a chain that ends without an applying stage."""
+    leaves.materialize()
+    ps = leaves.written_params()
+    if ps:
+        leaves.ops.add_(ps, [u.to(dtype=p.dtype) for u, p in zip(leaves.updates, ps)])
+    leaves.params, leaves.applied = ps, True
+
+
+def run_inplace(transform: Any, leaves: Leaves, state: Any,
+                groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
+    """Run ``transform.update_`` on ``leaves`` (all at once, or per group of leaf positions) and
+    apply the result; returns the new state. Afterwards ``leaves.params_tree()`` is the update."""
+    if getattr(transform, "update_", None) is None:
+        raise TypeError("this transform has no in-place form (update_); run it with its update "
+                        "and apply_updates")
+    opened = leaves.open(state)
+    if not groups:
+        result = transform.update_(leaves, opened)
+    else:
+        for ks in groups:
+            sub = leaves.select(ks)
+            result = transform.update_(sub, _slice(opened, ks))
+            leaves.absorb(sub, ks)
+    if not leaves.applied:
+        apply_inplace_(leaves)
+    return leaves.close(state, opened, result)
+
+
+def derive_update(update_: Callable[[Leaves, Any], Any]) -> Callable[..., tuple[PyTree, Any]]:
+    """The optax form ``update(updates, state, params) -> (updates, state)`` of an in-place stage:
+    the same ``update_`` on copies (nothing the caller holds is written)."""
+    def update(updates: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
+        leaves = Leaves(params, updates)
+        opened = leaves.open(state)
+        result = update_(leaves, opened)
+        return leaves.updates_tree(), leaves.close(state, opened, result)
+    return update

@@ -1,0 +1,104 @@
+"""Momentum with the Nesterov input: Muon's first stage (pure math, in place on lists).
+
+::
+
+    b ← μ·b + g                  (sum form; b₀ = 0, so the first step gives b = g)
+    x ← g + μ·b  if nesterov  else  b
+
+:func:`foreach_momentum_` is the arithmetic (``torch._foreach_*``); :func:`trace_momentum` is the
+stage that runs it, or any implementation of the same contract (``impl=``, e.g. the fused Triton
+pass of :mod:`dmuon.kernels.muon_elementwise`). With the Nesterov input the stage forms ``x`` in
+the gradient's own storage where that storage is scratch (a converted copy or a donated
+gradient), else in a new tensor; without it the output is ``b`` itself and the gradient's
+storage, if scratch, is left to later stages as a spare.
+
+References:
+    K. Jordan et al. "Muon: An optimizer for hidden layers in neural networks", 2024 (the Nesterov
+    form). Y. Nesterov, "A method for solving the convex programming problem with convergence rate
+    O(1/k²)", 1983.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import torch
+from torch import Tensor
+
+from dmuon.functional.stages.base import Transform, stage
+from dmuon.functional.stages.leaves import Leaves
+from dmuon.functional.tree import PyTree, flatten, zeros_like_tree
+
+__all__ = ["MomentumState", "MomentumImpl", "foreach_momentum_", "trace_momentum"]
+
+#: ``impl(bs, gs, xs, mu)``: the contract of :func:`foreach_momentum_`.
+MomentumImpl = Callable[[list[Tensor], list[Tensor], Optional[list[Tensor]], float], None]
+
+
+class MomentumState(NamedTuple):
+    """State of :func:`trace_momentum`: the buffers ``b`` (params' structure, shapes, dtypes)."""
+
+    momentum: PyTree
+    per_param = ("momentum",)
+
+
+def foreach_momentum_(bs: list[Tensor], gs: list[Tensor], xs: Optional[list[Tensor]],
+                      mu: float) -> None:
+    """The momentum stage's arithmetic, in place: ``b ← μ·b + g``; then ``x ← g + μ·b`` if ``xs``
+    is given.
+
+    Args:
+        bs: momentum buffers (updated in place).
+        gs: gradients, each with its ``b``'s shape and dtype.
+        xs: Nesterov outputs (``None``: no Nesterov input). ``xs[k]`` is either ``gs[k]`` itself
+            (formed in the gradient's storage) or a tensor of ``gs[k]``'s shape that receives it.
+        mu: momentum coefficient ``μ``.
+    """
+    if not bs:
+        return
+    torch._foreach_mul_(bs, mu)
+    torch._foreach_add_(bs, gs)
+    if xs is None:
+        return
+    same = [k for k in range(len(bs)) if xs[k] is gs[k]]
+    if same:
+        torch._foreach_add_([gs[k] for k in same], [bs[k] for k in same], alpha=mu)
+    for k in range(len(bs)):
+        if xs[k] is not gs[k]:
+            torch.add(gs[k], bs[k], alpha=mu, out=xs[k])
+
+
+def trace_momentum(momentum: float = 0.95, nesterov: bool = True, *,
+                   impl: Optional[MomentumImpl] = None) -> Transform:
+    """``b ← μ·b + g`` (sum form, ``b₀ = 0``); output ``g + μ·b`` if ``nesterov`` else ``b``.
+
+    Args:
+        momentum: ``μ`` in ``[0, 1)``.
+        nesterov: output the Nesterov input ``g + μ·b`` (else ``b``).
+        impl: the implementation (default :func:`foreach_momentum_`); another one (a fused
+            kernel) must keep that contract.
+
+    Gradients are first cast to the param's dtype (the math runs there).
+    """
+    if not 0.0 <= momentum < 1.0:
+        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+    mu = float(momentum)
+    run = foreach_momentum_ if impl is None else impl
+
+    def init(params: PyTree) -> MomentumState:
+        leaves, treedef = flatten(params)
+        return MomentumState(zeros_like_tree(leaves, treedef))
+
+    def update_(leaves: Leaves, state: Any) -> Any:
+        leaves.materialize()
+        bs, gs, n = state.momentum, leaves.updates, len(leaves)
+        if nesterov:
+            xs = [g if leaves.scratch[k] else torch.empty_like(g) for k, g in enumerate(gs)]
+            run(bs, gs, xs, mu)
+            leaves.updates, leaves.scratch = xs, [True] * n
+        else:
+            run(bs, gs, None, mu)
+            leaves.spare = [g if s else None for g, s in zip(gs, leaves.scratch)]
+            leaves.updates, leaves.scratch = list(bs), [False] * n
+        return state
+
+    return stage(update_, init)

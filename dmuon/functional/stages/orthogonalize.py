@@ -1,0 +1,82 @@
+"""Orthogonalization: ``U = NS(x)`` of every matrix of every update (pure; the NS is swappable).
+
+Each update is seen through its param's matrix view (:mod:`dmuon.functional.matrix_view`) as
+blocks ``(B, m, n)``; the orthogonalizer gets every active block of the step in one call (so it can
+batch same-shape matrices: :func:`dmuon.newton_schulz.batched.orthogonalize_batched`, or the CUDA
+engine :class:`dmuon.kernels.ns_engine.NSEngine` handed in by the caller) and returns one result
+per block, of its shape; the view's exact inverse writes them back in the param's shape.
+
+A plain :class:`~dmuon.newton_schulz.NSConfig` never writes its inputs, so it reads the momentum
+buffers directly. Any other orthogonalizer may overwrite its inputs (an in-place engine does):
+inputs that are not scratch are first copied, into a spare buffer when one is free (a donated
+gradient) or a new tensor; so the inputs are never params or state.
+
+References:
+    K. Jordan et al. "Muon: An optimizer for hidden layers in neural networks", 2024.
+    N. Higham, "Functions of Matrices", SIAM 2008, ch. 8 (the polar factor, Newton–Schulz).
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from torch import Tensor
+
+from dmuon.functional.matrix_view import refuse_plain_ns
+from dmuon.functional.stages.base import Transform, stage
+from dmuon.functional.stages.leaves import Leaves
+from dmuon.newton_schulz.batched import BatchedNS
+from dmuon.newton_schulz.config import NSConfig
+
+__all__ = ["Orthogonalizer", "orthogonalize"]
+
+#: ``(xs) -> us``: the NS results of ``(B, m, n)`` inputs, one per input, of the same shapes.
+Orthogonalizer = Callable[[list[Tensor]], Sequence[Tensor]]
+
+
+def orthogonalize(orthogonalizer: Any = None, *, batch_dims: Any = None,
+                  view: Any = None) -> Transform:
+    """``U = NS(x)`` of every matrix of every update, seen through its matrix view (``view=``, or
+    ``batch_dims=k`` for ``Batch(k)``; :mod:`dmuon.functional.matrix_view`).
+
+    Args:
+        orthogonalizer: an :class:`~dmuon.newton_schulz.NSConfig` (default ``NSConfig()``: what
+            :func:`dmuon.newton_schulz.batched.orthogonalize_batched` computes), or any
+            :data:`Orthogonalizer` ``xs -> us`` (one call per step with every active input, in
+            the params' leaf order; it may overwrite the ``xs`` and return them).
+        batch_dims, view: as :func:`dmuon.functional.muon.update`'s (one of the two).
+    """
+    plain = orthogonalizer is None or isinstance(orthogonalizer, NSConfig)
+    if plain:
+        run: Orthogonalizer = BatchedNS(orthogonalizer or NSConfig())
+    elif callable(orthogonalizer):
+        run = orthogonalizer
+    else:
+        raise TypeError(f"orthogonalizer must be an NSConfig or a callable, got {orthogonalizer!r}")
+
+    def update_(leaves: Leaves, state: Any) -> Any:
+        leaves.materialize()
+        vs = leaves.views(view, batch_dims)
+        if plain:
+            refuse_plain_ns(vs, leaves.names)
+        blocks = []
+        for k, x in enumerate(leaves.updates):
+            if not (plain or leaves.scratch[k]):  # the orthogonalizer's inputs are its scratch
+                spare = leaves.spare[k]
+                x = x.clone() if spare is None else spare.copy_(x)
+            blocks.append(vs[k].to_blocks(x))
+        xs = [x for blk in blocks for x in blk]
+        us = list(run(xs)) if xs else []
+        if len(us) != len(xs) or any(not isinstance(u, Tensor) or tuple(u.shape) != tuple(x.shape)
+                                     for u, x in zip(us, xs)):
+            raise ValueError("orthogonalize(xs) must return one tensor per input with the input's "
+                             f"shape; got {len(us)} results for {len(xs)} inputs")
+        at = 0
+        for k, blk in enumerate(blocks):
+            shape = tuple(leaves.params[k].shape)
+            leaves.updates[k] = vs[k].from_blocks(us[at:at + len(blk)], shape)
+            at += len(blk)
+        n = len(leaves)
+        leaves.scratch, leaves.spare = [True] * n, [None] * n
+        return state
+
+    return stage(update_)
