@@ -149,7 +149,7 @@ def main(argv: list[str]) -> None:
                         "weights": weights, "optimizer": optim, "step_stats": stats,
                         "checkpoint": _last_checkpoint(a.output_dir),
                         "reduce_collectives": rt.executor.counters()["reduce"]["collectives"],
-                        "reduce_ops_per_sync": sum(len(g.reduce_schedule) for g in rt.groups.values())},
+                        "reduce_ops_per_sync": sum(len(g.phases.reduce) for g in rt.groups.values())},
                        a.probe_out)
         dist.barrier()
 
