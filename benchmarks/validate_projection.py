@@ -13,7 +13,7 @@ What it checks (``dmuon.tools.projection``; every measured number is read from t
    breakdown run predicted from the whole-model run's groups.
 3. **gloo byte counters**: runs ``python -m dmuon.demo --fast`` (2 ranks, Z3) and
    ``examples/hsdp.py`` (2 x 2 HSDP, 3 steps) and compares every rank's per-lane sent / received
-   bytes with the step program's count (:func:`~dmuon.functional.program.plan_program`).
+   bytes with the step program's count (:func:`~dmuon.tools.step_bytes.plan_program`).
 4. **8 x A800, the reference implementation's published numbers** (issue 25; bf16, seq 2048,
    micro-batch 2; its ``benchmarks/bench_llm.py``: FSDP2 layers Z3, bf16 reduce, torch AdamW;
    dmuon Z2): calibrate MFU forward, MFU backward and AdamW seconds per parameter on the four AdamW
@@ -48,7 +48,7 @@ from dmuon.functional.plan import plan_owners  # noqa: E402
 from dmuon.tools.presets import ModelPreset, get_preset, preset_specs  # noqa: E402
 from dmuon.tools.projection import StepSetup, project_step  # noqa: E402
 from dmuon.functional.specs import specs_from_named_shapes  # noqa: E402
-from dmuon.functional.program import plan_program  # noqa: E402
+from dmuon.tools.step_bytes import plan_program  # noqa: E402
 
 RES = os.path.join(HERE, "results")
 

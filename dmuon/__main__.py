@@ -23,7 +23,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dmuon.functional.plan import plan_owners
     from dmuon.tools.plan_report import plan_summary, plan_table
     from dmuon.tools.presets import get_preset, preset_from_hf_config, preset_specs
-    from dmuon.tools.plan_report import step_bytes_per_rank
+    from dmuon.tools.step_bytes import step_bytes_per_rank
     from dmuon.functional.split_plan import owner_entries
 
     from dmuon.tools.plan_views import hf_config_specs, views_summary

@@ -6,7 +6,7 @@ import pytest
 from dmuon.__main__ import main
 from dmuon.functional.plan import plan_owners
 from dmuon.tools.presets import get_preset, preset_specs
-from dmuon.tools.plan_report import step_bytes_per_rank
+from dmuon.tools.step_bytes import step_bytes_per_rank
 
 
 @pytest.mark.parametrize("G,R", [(4, 1), (2, 2)])

@@ -76,7 +76,10 @@ def _fresh_modules(code: str) -> list[str]:
 
 def test_import_functional_loads_nothing_stateful():
     mods = _fresh_modules("import dmuon.functional")
-    assert "dmuon.functional.muon" in mods
+    assert "dmuon.functional.simulate" not in mods  # the core's names load on first use
+    mods = _fresh_modules("from dmuon.functional import muon, adamw, transforms, step_program, "
+                          "simulate, plan_owners\nimport dmuon.functional.step")
+    assert {"dmuon.functional.muon", "dmuon.functional.step", "dmuon.functional.simulate"} <= set(mods)
     assert [m for m in mods if m.startswith(("dmuon.stateful", "dmuon.tools"))] == []
 
 

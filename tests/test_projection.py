@@ -15,7 +15,7 @@ from dmuon.functional.plan import plan_owners
 from dmuon.tools.presets import ModelPreset, get_preset, preset_from_hf_config, preset_specs
 from dmuon.tools.projection import StepSetup, project_step
 from dmuon.tools.projection_report import projection_summary, projection_table
-from dmuon.functional.program import plan_program
+from dmuon.tools.step_bytes import plan_program
 
 RESULTS = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "results")
 TINY = ModelPreset("tiny", hidden=1024, intermediate=2816, layers=4, heads=8, kv_heads=2, vocab=8192)

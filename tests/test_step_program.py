@@ -15,7 +15,8 @@ from dmuon.functional.buckets import hook_groups
 from dmuon.functional.matrix_view import Batch
 from dmuon.functional.packing import pack, presence, unpack
 from dmuon.functional.program import ROOT_GROUP, step_program, step_traffic
-from dmuon.functional.step import owner_step, world_step
+from dmuon.functional.owner_step import owner_step
+from dmuon.functional.step import world_step
 
 HP = fmuon.MuonHParams(lr=0.05, momentum=0.9, weight_decay=0.1, ns_steps=5,
                        ns_dtype=torch.float64)

@@ -240,7 +240,7 @@ def _train_one(kind: str, cfg: RunConfig, src: Any, mesh: Any, device: torch.dev
         out["owned"] = list(rt.owned_names)
         if rank == 0:
             from dmuon.tools.plan_report import plan_summary, plan_table
-            from dmuon.tools.plan_report import step_bytes_per_rank
+            from dmuon.tools.step_bytes import step_bytes_per_rank
 
             comm = step_bytes_per_rank(rt.owners, rt.shape, {n: str(d) for n, d in rt.orig_dtype.items()},
                                        rt.G, rt.R)

@@ -1,6 +1,7 @@
 """The pure functional core of dmuon: no ``torch.distributed``, no globals, explicit state.
 
-What this package exports is what the README's "The functional core" section shows:
+What this package exports is what the README's "The functional core" section shows (loaded on
+first use, so that ``import dmuon.functional.muon`` does not load the simulator or the planner):
 
 * optimizers as explicit-state transformations: :mod:`muon`, :mod:`adamw` (``init`` / ``update``
   with NamedTuple states) and the composable transforms they are built from (:mod:`transforms`:
@@ -8,21 +9,48 @@ What this package exports is what the README's "The functional core" section sho
 * :func:`newton_schulz` (the iteration itself lives in :mod:`dmuon.newton_schulz`);
 * the owner plan and the communication as data: :func:`plan_owners`, :func:`bucket_layout`,
   :func:`unshard_schedule`, :func:`reduce_schedule`, :func:`publish_schedule`,
-  :func:`step_traffic`, :func:`simulate`;
+  :func:`step_program` (:class:`StepProgram`: every phase of a step, one traffic count),
+  :func:`step_traffic`, :func:`simulate`; the pure step is :mod:`step` / :mod:`owner_step`;
 * matrix views and the per-param policy: :class:`Batch`, :class:`Heads`, :class:`Split`,
   :class:`Transposed` (:mod:`matrix_view`), :class:`ParamPolicy`, :class:`Rule` (:mod:`policy`),
   :func:`hf_rules`; QK-clip: :mod:`qk_clip`.
 """
-from dmuon.functional import adamw, muon, qk_clip, transforms
-from dmuon.functional.hf_policy import hf_rules
-from dmuon.functional.matrix_view import Batch, Heads, Split, Transposed
-from dmuon.functional.policy import ParamPolicy, Rule
-from dmuon.functional.buckets import bucket_layout
-from dmuon.functional.plan import plan_owners
-from dmuon.functional.schedule import publish_schedule, reduce_schedule, unshard_schedule
-from dmuon.functional.program import StepProgram, step_program, step_traffic
-from dmuon.functional.simulate import simulate
-from dmuon.newton_schulz.iteration import newton_schulz
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+#: public name -> the module that defines it (modules: the module itself)
+_EXPORTS: dict[str, str] = {
+    "adamw": "dmuon.functional.adamw", "muon": "dmuon.functional.muon",
+    "transforms": "dmuon.functional.transforms", "qk_clip": "dmuon.functional.qk_clip",
+    "newton_schulz": "dmuon.newton_schulz.iteration",
+    "plan_owners": "dmuon.functional.plan", "bucket_layout": "dmuon.functional.buckets",
+    "unshard_schedule": "dmuon.functional.schedule",
+    "reduce_schedule": "dmuon.functional.schedule",
+    "publish_schedule": "dmuon.functional.schedule",
+    "step_traffic": "dmuon.functional.program", "StepProgram": "dmuon.functional.program",
+    "step_program": "dmuon.functional.program", "simulate": "dmuon.functional.simulate",
+    "Batch": "dmuon.functional.matrix_view", "Heads": "dmuon.functional.matrix_view",
+    "Split": "dmuon.functional.matrix_view", "Transposed": "dmuon.functional.matrix_view",
+    "ParamPolicy": "dmuon.functional.policy", "Rule": "dmuon.functional.policy",
+    "hf_rules": "dmuon.functional.hf_policy",
+}
+_MODULES = {"adamw", "muon", "transforms", "qk_clip"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dmuon.functional' has no attribute {name!r}")
+    mod = importlib.import_module(_EXPORTS[name])
+    value = mod if name in _MODULES else getattr(mod, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
+
 
 __all__ = [
     "adamw", "muon", "transforms", "newton_schulz", "plan_owners", "bucket_layout",

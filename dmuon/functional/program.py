@@ -24,7 +24,7 @@ plus the checkpoint moves (:meth:`StepProgram.to_every_rank`, :meth:`StepProgram
 the master layout. :meth:`StepProgram.traffic` is **the** byte count of a step: the runtime's
 executor counts with the same per-op function (:func:`dmuon.functional.schedule.op_bytes`) and
 equals it (``tests/test_step_program_gloo.py``); every other figure (the demo's summary, the CLI,
-the DDP comparison, the projector) is a view of it.
+the DDP comparison, the projector: :mod:`dmuon.tools.step_bytes`) is a view of it.
 
 The runtime interprets the program (its hooks ask for "phase X of group g"); the pure step
 (:mod:`dmuon.functional.step`) runs the same phases on per-rank pytrees in the simulator.
@@ -36,14 +36,13 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from dmuon.functional.buckets import BucketLayout, HookGroups, bucket_layout, hook_groups
-from dmuon.functional.owner_plan import Coord, OwnerPlan
+from dmuon.functional.owner_plan import Coord
 from dmuon.functional.schedule import (Schedule, publish_schedule, reduce_schedule,
                                        unshard_schedule)
-from dmuon.functional.specs import ParamSpec
 from dmuon.functional.traffic import Traffic
 
 __all__ = ["PHASES", "GroupPhases", "StepProgram", "step_program", "program_from_layouts",
-           "plan_program", "step_traffic", "checkpoint_to_every_rank", "checkpoint_to_columns",
+           "step_traffic", "checkpoint_to_every_rank", "checkpoint_to_columns",
            "ROOT_GROUP"]
 
 #: The hook group of params under no boundary module (gathered for the whole forward: never Z3).
@@ -221,39 +220,6 @@ def step_traffic(layout: BucketLayout, reshard_after_forward: bool = False, *,
     return program_from_layouts(layout, layout, layout,
                                 reshard_after_forward=reshard_after_forward).traffic(
                                     publish=publish)
-
-
-def plan_program(plan: OwnerPlan, specs: Sequence[ParamSpec], *, reshard_after_forward: bool = True,
-                 compute_dtype: str = "torch.float32", reduce_dtype: Optional[str] = None,
-                 groups: Optional[HookGroups] = None, ns_steps: int = 5,
-                 split_dtype: str = "torch.bfloat16") -> StepProgram:
-    """The :class:`StepProgram` of an owner plan with one compute and one reduce dtype for every
-    matrix, its split-NS units' schedules included (the CLI, the demo's summary, the projector
-    and the DDP comparison read their bytes from it).
-
-    Args:
-      plan, specs: the owner plan and its specs (split units use their own shapes).
-      reshard_after_forward, groups: as :func:`step_program`.
-      compute_dtype / reduce_dtype: ``str(torch dtype)`` (reduce: default the compute dtype).
-      ns_steps, split_dtype: for split units' schedules (compute dtype of their gathers).
-    """
-    from dmuon.functional.split_plan import owner_entries
-    from dmuon.newton_schulz.cost import DEFAULT_GRAM_RESTART
-    from dmuon.functional.split_ns import split_ns_schedule
-
-    entries = owner_entries(plan, specs)
-    shapes = {n: e[0] for n, e in entries.items()}
-    prog = step_program(plan.owners, shapes, {n: compute_dtype for n in shapes},
-                        reduce_dtypes={n: reduce_dtype or compute_dtype for n in shapes},
-                        shard_size=plan.shard_size, replicate_size=plan.replicate_size,
-                        groups=groups if groups is not None else hook_groups(sorted(plan.owners)),
-                        reshard_after_forward=reshard_after_forward)
-    G, R = plan.shard_size, plan.replicate_size
-    splits = tuple(split_ns_schedule(
-        sp.param, sp.layout, sp.members, G, R, steps=ns_steps, variant=sp.variant,
-        gram_restart=DEFAULT_GRAM_RESTART if sp.variant == "gram" else None, dtype=split_dtype)
-        for sp in plan.splits)
-    return dataclasses.replace(prog, splits=splits)
 
 
 def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]],

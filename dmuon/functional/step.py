@@ -3,10 +3,9 @@ world's step in the simulator, each returning the updated pytrees (and the sched
 
 The card's function, three ways, all over flat ``{name: tensor}`` trees of the dedicated matrices:
 
-* :func:`owner_step` — what an owner does with the averaged gradients of the matrices it owns:
-  Muon (:func:`dmuon.functional.muon.update`, with the policy's matrix views and
-  ``(lr_mult, wd_mult)`` groups) or any :class:`~dmuon.functional.transforms.Transform` chain.
-  ``dmuon.Muon.step`` and ``verify_step``'s reference call exactly this function.
+* :func:`~dmuon.functional.owner_step.owner_step` — what an owner does with the averaged
+  gradients of the matrices it owns (its own module: the optimizer imports it without the
+  simulator); ``dmuon.Muon.step`` and ``verify_step``'s reference call exactly this function.
 * :func:`rank_step` — one rank's step: pack its local gradients into the program's reduce buckets,
   run the reduces (in the program's fixed order) and the publish through ``run(schedule,
   buffers)`` (the runtime's executor on a real mesh, or anything with the simulator's semantics),
@@ -30,98 +29,17 @@ import torch
 from torch import Tensor
 
 from dmuon.functional import muon as fmuon
-from dmuon.functional import transforms as T
+from dmuon.functional.owner_step import Update, owner_step
 from dmuon.functional.packing import pack, pack_, presence, unpack, zero_buffers
 from dmuon.functional.program import StepProgram
 from dmuon.functional.schedule import Schedule
 from dmuon.functional.simulate import simulate
 
-__all__ = ["owner_step", "rank_step", "world_step", "Runner", "lr_wd_groups"]
+__all__ = ["owner_step", "rank_step", "world_step", "Runner"]
 
 #: ``run(schedule, buffers)``: execute ``schedule`` on this rank's ``{bucket key: 1-D tensor}``
 #: buffers in place and return when done (the runtime's ``Executor.run``).
 Runner = Callable[[Schedule, dict], None]
-Update = Any  # fmuon.MuonHParams | T.Transform
-
-
-def lr_wd_groups(names: Sequence[str], mults: Optional[Mapping[str, tuple[float, float]]]
-                 ) -> dict[tuple[float, float], list[str]]:
-    """``names`` grouped by their ``(lr_mult, wd_mult)`` (``(1, 1)`` when absent), in order."""
-    groups: dict[tuple[float, float], list[str]] = {}
-    for n in names:
-        groups.setdefault(tuple((mults or {}).get(n, (1.0, 1.0))), []).append(n)
-    return groups
-
-
-def owner_step(grads: Mapping[str, Optional[Tensor]], state: Any, params: Mapping[str, Tensor],
-               update: Update = fmuon.MuonHParams(), *,
-               views: Optional[Mapping[str, Any]] = None,
-               mults: Optional[Mapping[str, tuple[float, float]]] = None,
-               **update_kwargs: Any) -> tuple[dict[str, Tensor], Any]:
-    """One owner's update of the matrices it owns.
-
-    Args:
-      grads: ``{name: averaged gradient or None}`` (None: skipped, params and state unchanged).
-      state: a :class:`~dmuon.functional.muon.MuonState` for ``params`` (``None``: a fresh one),
-        or the chain's state when ``update`` is a Transform.
-      params: ``{name: master}``.
-      update: :class:`~dmuon.functional.muon.MuonHParams` (Muon, the fused donating update), or a
-        :class:`~dmuon.functional.transforms.Transform` (any chain, applied with
-        :func:`~dmuon.functional.transforms.apply_updates`).
-      views: ``{name: matrix view}`` (Muon; absent: the matrix itself).
-      mults: ``{name: (lr_mult, wd_mult)}`` of the per-param policy (Muon): one
-        :func:`~dmuon.functional.muon.update` per distinct pair, with ``lr·lr_mult`` and
-        ``weight_decay·wd_mult``; the state's ``step`` advances once.
-      **update_kwargs: passed to :func:`~dmuon.functional.muon.update` (``donate``,
-        ``donate_grads``, ``orthogonalize``, ``elementwise``); ``orthogonalize_for(params,
-        grads)`` instead of ``orthogonalize``: the orthogonalizer of each update's sub-trees
-        (one that must know which matrices its inputs are, e.g. tensor parallelism's gathers).
-
-    Returns:
-      ``(new params, new state)``.
-    """
-    params = dict(params)
-    grads = {n: grads.get(n) for n in params}
-    if isinstance(update, T.Transform):
-        if mults and any(m != (1.0, 1.0) for m in mults.values()):
-            raise ValueError("owner_step: lr / wd multipliers apply to Muon's hyper-parameters; "
-                             "a Transform chain carries its own learning rate")
-        if state is None:
-            state = update.init(params)
-        updates, state = update.update(grads, state, params)
-        return T.apply_updates(params, updates), state
-    if not isinstance(update, fmuon.MuonHParams):
-        raise TypeError(f"owner_step: update must be a MuonHParams or a Transform, got "
-                        f"{type(update).__name__}")
-    if state is None:
-        state = fmuon.init(params)
-    ortho_for = update_kwargs.pop("orthogonalize_for", None)
-
-    def run(g: dict, st: fmuon.MuonState, p: dict, hp: fmuon.MuonHParams):
-        kw = dict(update_kwargs)
-        if ortho_for is not None:
-            kw["orthogonalize"] = ortho_for(p, g)
-        return fmuon.update(g, st, p, hp, view=_views(views, p), **kw)
-
-    groups = lr_wd_groups(list(params), mults)
-    if len(groups) == 1 and (1.0, 1.0) in groups:
-        new_p, new_s = run(grads, state, params, update)
-        return dict(new_p), new_s
-    new_params, momentum = dict(params), dict(state.momentum)
-    for (lm, wm), names in groups.items():
-        sub = fmuon.MuonState(state.step, {n: momentum[n] for n in names})
-        sp, sub = run({n: grads[n] for n in names}, sub, {n: params[n] for n in names},
-                      update._replace(lr=update.lr * lm, weight_decay=update.weight_decay * wm))
-        new_params.update(sp)
-        momentum.update(sub.momentum)
-    return new_params, fmuon.MuonState(int(state.step) + 1, momentum)
-
-
-def _views(views: Optional[Mapping[str, Any]], params: Mapping[str, Tensor]) -> Optional[dict]:
-    if not views:
-        return None
-    got = {n: views[n] for n in params if n in views}
-    return got or None
 
 
 def _reduced(program: StepProgram, coord: tuple[int, int], bufs: Mapping) -> dict:

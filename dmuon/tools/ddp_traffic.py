@@ -5,7 +5,7 @@ step moves, per hook group, the gradient reduce (stage 2 of :func:`~dmuon.functi
 reduce_schedule`: one replicate-axis Reduce per owner range, average to the owner, with one
 presence element per matrix) and the post-step publish (one replicate-axis Broadcast per owner
 range from the owner); the forward "unshard" is over groups of one rank and moves nothing. The
-numbers are the step program's count (:func:`~dmuon.functional.program.plan_program`), which the
+numbers are the step program's count (:func:`~dmuon.tools.step_bytes.plan_program`), which the
 executor's counters equal.
 
 Plain DDP all-reduces the same gradients. Its ring all-reduce (NCCL's and gloo's algorithm for
@@ -21,7 +21,7 @@ from typing import NamedTuple, Sequence
 
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import ParamSpec
-from dmuon.functional.program import plan_program
+from dmuon.tools.step_bytes import plan_program
 
 __all__ = ["DDPTraffic", "ddp_step_traffic", "ring_allreduce_bytes"]
 

@@ -17,31 +17,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["plan_summary", "plan_table", "format_bytes", "format_flops"]
 
 
-def step_bytes_per_rank(owners: Mapping[str, tuple[int, int]], shapes: Mapping[str, Sequence[int]],
-                        dtypes: Mapping[str, str], shard_size: int, replicate_size: int = 1,
-                        modes: Sequence[str] = ("z2", "z3")) -> dict[str, list[int]]:
-    """Payload bytes each rank receives in one step, per mode: a view of the step program's count
-    (:func:`dmuon.functional.program.step_traffic` over one layout, one hook group per layer key,
-    all lanes, the HSDP publish included; no presence elements). The mean over ranks of the
-    shard-axis part is ``2(G-1)/G * P`` (Z2) and ``3(G-1)/G * P`` (Z3).
-
-    Returns:
-      ``{mode: [bytes received by global rank r*G + s]}``.
-    """
-    from dmuon.functional.buckets import bucket_layout, hook_groups
-    from dmuon.functional.program import step_traffic
-
-    layout = bucket_layout(owners, shapes, dtypes, hook_groups(sorted(owners)), shard_size,
-                           replicate_size)
-    out: dict[str, list[int]] = {}
-    for mode in modes:
-        if mode not in ("z2", "z3"):
-            raise ValueError(f"modes are 'z2' and 'z3' (report labels), got {mode!r}")
-        traffic = step_traffic(layout, reshard_after_forward=(mode == "z3"))
-        out[mode] = [traffic.rank_received(rank) for rank in range(layout.world_size)]
-    return out
-
-
 def format_bytes(n: float) -> str:
     """``1536 -> '1.5 KiB'`` (binary units)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -10,7 +10,7 @@ single-device update (SPEC §4). A composition of existing pieces; no new math.
 2. runs ``optimizer.step()``;
 3. gathers the new full params and state the same way;
 4. computes the single-device reference on the gathered tensors: the owners' step
-   (:func:`dmuon.functional.step.owner_step`, the function ``dmuon.Muon.step`` runs) over every
+   (:func:`dmuon.functional.owner_step.owner_step`, the function ``dmuon.Muon.step`` runs) over every
    matrix in one process, with the optimizer's Muon hparams (``ns_dtype`` as configured; and once
    more with ``ns_dtype=float64``, reported only) and :func:`dmuon.functional.adamw.update` (``impl="reference"``,
    i.e. ``torch.optim.AdamW(foreach=False)`` math) with its AdamW hparams;
@@ -50,7 +50,7 @@ from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
-from dmuon.functional.step import owner_step
+from dmuon.functional.owner_step import owner_step
 from dmuon.newton_schulz.iteration import default_ns_dtype
 from dmuon.stateful.optimizer.muon import Muon
 from dmuon.stateful.checkpoint.optimizer_state_dict import (check_optimizer, get_optimizer_state_dict,

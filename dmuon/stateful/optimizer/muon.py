@@ -44,7 +44,7 @@ from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
 from dmuon.stateful.optimizer.step_checks import check_finite, check_outside_grads, check_same_fsdp_grads
 from dmuon.stateful.modes.tensor_parallel import TPStep
 from dmuon.stateful.runtime.dedicate import finish_deferred
-from dmuon.functional.step import owner_step
+from dmuon.functional.owner_step import owner_step
 from dmuon.functional.tree import leaf_paths
 
 logger = logging.getLogger(__name__)
