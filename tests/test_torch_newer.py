@@ -10,7 +10,6 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
 
 from dmuon.compat import torch_api as compat
 
@@ -69,7 +68,6 @@ def _run(version: str, before_import: str = "", run: bool = True) -> str:
     return out.stdout
 
 
-@pytest.mark.xfail(strict=True, reason="issue 36: torch 2.15 and newer torches are refused")
 def test_the_range_includes_2_15():
     assert compat.SUPPORTED_TORCH == ((2, 11), (2, 15))
     assert compat.torch_tested("2.15.0") and compat.torch_tested("2.15.1+cu132")
@@ -81,14 +79,12 @@ def test_installed_torch_imports_without_a_warning():
     assert "WARN 0" in out and "PATCHED True" in out, out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 36: torch 2.15 and newer torches are refused")
 def test_newer_torch_warns_and_runs():
     out = _run("2.99.0")
     assert "WARN 1" in out and "2.99.0" in out and "newer" in out, out
     assert "PATCHED True" in out and "STEPPED 2" in out, out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 36: torch 2.15 and newer torches are refused")
 def test_newer_torch_without_a_wrapped_private_api_raises_naming_it():
     out = _run("2.99.0", before_import="""
         import torch.distributed.fsdp._fully_shard._fsdp_init as init
