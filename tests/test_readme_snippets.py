@@ -192,7 +192,6 @@ def _run_dist_blocks(rank: int, world: int, blocks: list, tmp: str) -> dict:
 
 
 # --------------------------------------------------------------------------- README
-@pytest.mark.xfail(strict=True, reason="issue 36: README blocks not marked / not runnable yet")
 def test_every_readme_block_is_marked():
     problems = []
     for b in BLOCKS:
@@ -224,7 +223,6 @@ def test_readme_block_runs(block):
     exec(compile(code, f"README.md:{block.line}", "exec"), PURE[harness]())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 36: README blocks not marked / not runnable yet")
 def test_readme_distributed_blocks_run(tmp_path):
     use_it = next(b for b in BLOCKS if b.lang == "python")  # "Use it: three lines": an HF model's
     assert use_it.mark and use_it.mark[0] == "run" and _source(use_it)[0] == "hf", use_it

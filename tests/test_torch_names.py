@@ -172,3 +172,57 @@ def test_flat_triple_trains_like_the_named_schedule(results):
     for r in results:
         assert r["flat"].keys() == r["named"].keys()
         assert all(torch.equal(r["flat"][k], r["named"][k]) for k in r["flat"])
+
+
+# ----------------------------------------------------------------------------- same math as torch
+@pytest.mark.parametrize("adjust_lr_fn", [None, "original", "match_rms_adamw",
+                                          "spectral_unclamped"])
+def test_torch_names_give_torch_optim_muons_update(adjust_lr_fn):
+    """torch.optim.Muon (its NS run in fp64, eps=0) and dmuon's functional Muon given torch's
+    values through dmuon.functional.muon_options agree to fp64 rounding: the aliases mean the same,
+    and the momentum conventions (torch's EMA buffer, dmuon's sum) give the same update."""
+    import torch.optim._muon as torch_muon
+
+    from dmuon.functional.muon_options import resolve_torch_names
+    if adjust_lr_fn == "spectral_unclamped" and "spectral_unclamped" not in open(
+            torch_muon.__file__).read():
+        pytest.skip(f"torch {torch.__version__} has no adjust_lr_fn='spectral_unclamped' (2.15 has)")
+
+    def fp64_ns(grad, ns_coefficients, ns_steps, eps):  # torch's iteration without the bf16 cast
+        a, b, c = ns_coefficients
+        x = grad.double()
+        x = x.T if grad.size(0) > grad.size(1) else x
+        x = x / x.norm().clamp(min=eps)
+        for _ in range(ns_steps):
+            A = x @ x.T
+            x = a * x + (b * A + c * A @ A) @ x
+        return (x.T if grad.size(0) > grad.size(1) else x).to(grad.dtype)
+
+    g = torch.Generator().manual_seed(3)
+    shapes = {"tall": (12, 5), "wide": (5, 12), "square": (7, 7)}
+    init = {k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+    grads = [{k: torch.randn(s, generator=g, dtype=torch.float64) for k, s in shapes.items()}
+             for _ in range(4)]
+    theirs = {k: torch.nn.Parameter(v.clone()) for k, v in init.items()}
+    opt = torch.optim.Muon(list(theirs.values()), lr=1e-2, weight_decay=0.1, eps=0.0,
+                           adjust_lr_fn=adjust_lr_fn)
+    orig = torch_muon._zeropower_via_newtonschulz
+    torch_muon._zeropower_via_newtonschulz = fp64_ns
+    try:
+        for gr in grads:
+            for k, p in theirs.items():
+                p.grad = gr[k].clone()
+            opt.step()
+    finally:
+        torch_muon._zeropower_via_newtonschulz = orig
+    # torch's defaults where dmuon's differ, passed under torch's names where they have them
+    hp = resolve_torch_names(dict(fmuon.MuonHParams()._asdict(), lr=1e-2, weight_decay=0.1,
+                                  ns_coefficients=TORCH_TRIPLE, ns_dtype=torch.float64),
+                             eps=0.0, adjust_lr_fn=adjust_lr_fn)
+    ours, state = {k: v.clone() for k, v in init.items()}, None
+    state = fmuon.init(ours)
+    for gr in grads:
+        ours, state = fmuon.update(gr, state, ours, fmuon.MuonHParams(**hp))
+    for k in shapes:
+        moved = (theirs[k].detach() - init[k]).abs().max()
+        assert (ours[k] - theirs[k].detach()).abs().max() <= 1e-12 * moved, k
