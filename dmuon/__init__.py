@@ -4,9 +4,11 @@
 :func:`dedicate_params` marked (they carry ``_dedicated_owner_rank``), whatever the order in which
 user code imported ``fully_shard`` (:mod:`dmuon.compat.fsdp_patch`: how, and how to remove it).
 It also teaches accelerate / HF ``Trainer``, when they are imported, about dmuon-prepared models
-(:mod:`dmuon.integrations`). Nothing else changes torch. On a torch outside the supported range
-(:data:`dmuon.compat.torch_api.SUPPORTED_TORCH`) the import warns and installs nothing;
-``dedicate_params`` then raises, and the pure core ``dmuon.functional`` works as anywhere.
+(:mod:`dmuon.integrations`). Nothing else changes torch. On a torch newer than the tested range
+(:data:`dmuon.compat.torch_api.SUPPORTED_TORCH`) the import warns and installs as usual, unless a
+private torch API dmuon wraps is gone: then, as on a torch older than the range, it warns naming
+what is missing and installs nothing; ``dedicate_params`` then raises, and the pure core
+``dmuon.functional`` works as anywhere.
 
 Public API (the stateful wrapper, see SPEC §2), loaded on first use (``import dmuon.functional``
 loads no module of :mod:`dmuon.stateful`):
@@ -66,17 +68,18 @@ def __dir__() -> list[str]:
 def _install() -> None:
     """The seeds' import contract: the fully_shard patch and the framework hooks."""
     from dmuon.compat.fsdp_patch import install_fully_shard_patch
-    from dmuon.compat.torch_api import torch_supported, unsupported_torch_message
+    from dmuon.compat.torch_api import import_warning, torch_supported
 
-    if torch_supported():
+    message = import_warning()  # None on a tested torch
+    if message is not None:
+        import warnings
+
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+    if torch_supported():  # a tested torch, or a newer one with every wrapped private API
         install_fully_shard_patch()
         from dmuon.integrations import install as install_integrations
 
         install_integrations()  # accelerate / HF Trainer learn about dmuon models (on their import)
-    else:
-        import warnings
-
-        warnings.warn(unsupported_torch_message("import dmuon"), RuntimeWarning, stacklevel=3)
 
 
 _install()

@@ -1,6 +1,6 @@
 """Every private torch API dmuon uses resolves on the installed torch (:mod:`dmuon.compat.torch_api`).
 
-CI runs this on torch 2.13; the GPU machine on 2.11. A torch release that moves one of them fails
+CI runs this on torch 2.13; the GPU machine on 2.11; ``bash .ci/torch-matrix 2.15.0`` on 2.15. A torch release that moves one of them fails
 here, by name, instead of inside a training step.
 """
 from __future__ import annotations
@@ -22,10 +22,15 @@ def test_every_private_api_resolves():
     assert len(report) >= 7
 
 
-@pytest.mark.parametrize("version,ok", [("2.10.1", False), ("2.11.0", True), ("2.13.0+cpu", True),
-                                        ("2.14.1", True), ("2.15.0", False), ("3.0.0", False)])
-def test_supported_range(version, ok):
-    assert compat.torch_supported(version) is ok
+@pytest.mark.parametrize("version,tested,runs", [
+    ("2.10.1", False, False), ("2.11.0", True, True), ("2.13.0+cpu", True, True),
+    ("2.14.1", True, True), ("2.15.0", True, True), ("2.15.1+cu132", True, True),
+    ("2.16.0", False, True), ("3.0.0", False, True)])
+def test_supported_range(version, tested, runs):
+    """Tested: the range; runs: also a newer torch (whose private APIs are checked when installed,
+    tests/test_torch_newer.py)."""
+    assert compat.torch_tested(version) is tested
+    assert compat.torch_supported(version) is runs
 
 
 def test_in_backward_and_callback():

@@ -216,12 +216,12 @@ def test_missing_hook_point_fails_loudly(monkeypatch):
 
 _UNSUPPORTED = r"""
 import warnings, torch
-torch.__version__ = "2.99.0"
+torch.__version__ = "2.10.0"  # older than the range (a newer one runs: tests/test_torch_newer.py)
 with warnings.catch_warnings(record=True) as w:
     warnings.simplefilter("always")
     import dmuon
 from dmuon.compat import fsdp_patch
-print("WARNED", any("supports torch 2.11 through 2.14" in str(x.message) for x in w))
+print("WARNED", any("needs torch >= 2.11" in str(x.message) for x in w))
 print("PATCHED", fsdp_patch.is_installed())
 x = torch.randn(8, 4, dtype=torch.float64)
 from dmuon.newton_schulz import newton_schulz
@@ -230,7 +230,7 @@ print("CORE", tuple(u.shape))
 try:
     dmuon.dedicate_params(torch.nn.Linear(4, 4), None, lambda n, p: True)
 except RuntimeError as e:
-    print("RAISED", "2.11 through 2.14" in str(e) and "2.99.0" in str(e))
+    print("RAISED", "needs torch >= 2.11" in str(e) and "2.10.0" in str(e))
 """
 
 

@@ -250,9 +250,9 @@ def test_bad_input_raises():
                     {"bias": torch.zeros(4)})
     with pytest.raises(ValueError, match="AdamW"):
         muon.update({"w": torch.ones(4, 4)}, muon.init(params), params, batch_dims=1)
-    with pytest.raises(ValueError, match="'moonlight', 'jordan', 'none'"):
+    with pytest.raises(ValueError, match="'moonlight', 'jordan', 'spectral', 'none'"):
         muon.update({"w": torch.ones(4, 4)}, muon.init(params), params,
-                    muon.MuonHParams(lr_scale="spectral"))
+                    muon.MuonHParams(lr_scale="adam"))
     with pytest.raises(ValueError, match="momentum"):
         muon.update({"w": torch.ones(4, 4)}, muon.init(params), params,
                     muon.MuonHParams(momentum=1.0))

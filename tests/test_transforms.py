@@ -148,11 +148,15 @@ def test_functional_exports_exactly_the_readme_names():
         assert re.search(rf"`{name}\b", section), f"dmuon.functional exports {name!r}; README omits it"
 
 
-def test_muon_takes_hyperparameters_by_keyword_only():
+def test_muon_takes_lr_by_position_and_the_rest_by_keyword():
+    """lr by position as torch's optimizers take it; the rest by name (torch.optim.Muon's positional
+    order would mislead: tests/test_torch_names.py checks the error says so)."""
     sig = inspect.signature(dmuon.Muon.__init__)
     params = list(sig.parameters.values())
-    assert [p.name for p in params[:2]] == ["self", "model"]
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[2:])
-    with pytest.raises(TypeError):
+    assert [p.name for p in params[:3]] == ["self", "model", "lr"]
+    assert params[2].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+    assert params[3].kind is inspect.Parameter.VAR_POSITIONAL  # raises, saying why
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[4:])
+    with pytest.raises(TypeError, match="by name"):
         dmuon.Muon(torch.nn.Linear(2, 2), 0.02, 0.1)  # torch.optim.Muon's order would mislead
     assert "ns_steps" not in inspect.signature(dmuon.dedicate_params).parameters

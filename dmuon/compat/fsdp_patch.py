@@ -6,7 +6,7 @@ user code imported ``fully_shard``.
 
 How: FSDP2 collects the parameters a ``fully_shard`` call manages in
 ``_fsdp_init._get_managed_states(modules, ignored_params)`` and the modules in
-``_get_managed_modules(root_modules, ignored_params, ...)`` (torch 2.11 - 2.14; both looked up as
+``_get_managed_modules(root_modules, ignored_params, ...)`` (torch 2.11 - 2.15; both looked up as
 module globals of the modules in :data:`dmuon.compat.torch_api.FSDP_INIT_MODULES` at call time).
 User code may hold ``fully_shard`` by name from before ``import dmuon``, so wrapping the public
 function would not be enough; the patch wraps those two collectors instead, adding every parameter

@@ -1,9 +1,14 @@
 """Every private PyTorch API dmuon uses, in one place, with the torch versions it was checked on.
 
-dmuon supports torch :data:`SUPPORTED_TORCH` (2.11 through 2.14). Each function here wraps one
+dmuon is tested on torch :data:`SUPPORTED_TORCH` (2.11 through 2.15). Each function here wraps one
 private API; ``tests/test_compat.py`` resolves every one of them on the installed torch (CI: 2.13;
-the GPU machine: 2.11), so a torch update that moves one fails there by name instead of deep inside
-a training step. Nothing else in dmuon touches a private torch name (the sharded checkpoint code,
+the GPU machine: 2.11; ``bash .ci/torch-matrix 2.15.0``: 2.15), so a torch update that moves one
+fails there by name instead of deep inside a training step.
+
+A torch newer than the range warns at ``import dmuon`` and runs when every private API below still
+resolves on it (:func:`private_api_report`); when one is gone, the import warns naming it, installs
+nothing, and ``dedicate_params`` raises naming it. A torch older than the range is refused the same
+way. :func:`torch_supported` is that rule; :func:`torch_tested` the range alone. Nothing else in dmuon touches a private torch name (the sharded checkpoint code,
 owned by the checkpoint issue, uses only DCP's public planner API).
 
 Private APIs and what they are for:
@@ -50,8 +55,9 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as torch_pytree
 
-#: The torch releases dmuon is tested on: ``(lowest, highest)`` major.minor, both included.
-SUPPORTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 14))
+#: The torch releases dmuon is tested on: ``(lowest, highest)`` major.minor, both included (a newer
+#: one runs with a warning when :func:`private_api_report` is all True on it).
+SUPPORTED_TORCH: tuple[tuple[int, int], tuple[int, int]] = ((2, 11), (2, 15))
 
 #: Modules of FSDP2's init that look up the managed-state collectors (``fsdp_patch`` wraps them).
 FSDP_INIT_MODULES: tuple[str, ...] = (
@@ -65,8 +71,9 @@ FSDP_STATE_MODULE = "torch.distributed.fsdp._fully_shard._fsdp_state"
 DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 
 __all__ = [
-    "SUPPORTED_TORCH", "FSDP_INIT_MODULES", "torch_version", "torch_supported",
-    "unsupported_torch_message", "fsdp_state", "fsdp_param_groups", "fsdp_managed_params",
+    "SUPPORTED_TORCH", "FSDP_INIT_MODULES", "torch_version", "torch_tested", "torch_supported",
+    "missing_private_apis", "unsupported_torch_message", "newer_torch_message", "import_warning",
+    "fsdp_state", "fsdp_param_groups", "fsdp_managed_params",
     "fsdp_mesh", "fsdp_mp_policy", "in_backward", "queue_backward_callback",
     "torch_function_disabled", "make_tensor_subclass", "mesh_root", "composable_replicate_applied",
     "DDP_IGNORE_ATTR", "tree_leaves", "module_param_slots", "state_dict_hooks",
@@ -83,19 +90,72 @@ def torch_version(version: Optional[str] = None) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def torch_supported(version: Optional[str] = None) -> bool:
+def torch_tested(version: Optional[str] = None) -> bool:
     """Whether ``version`` (default: the installed torch) lies in :data:`SUPPORTED_TORCH`."""
     lo, hi = SUPPORTED_TORCH
     return lo <= torch_version(version) <= hi
 
 
-def unsupported_torch_message(what: str) -> str:
-    """The message ``import dmuon`` warns with and ``dedicate_params`` raises with."""
+def _installed(version: Optional[str]) -> bool:
+    return version is None or version == str(torch.__version__)
+
+
+def torch_supported(version: Optional[str] = None) -> bool:
+    """Whether dmuon runs on torch ``version`` (default: the installed torch): a tested release, or
+    a newer one on which every wrapped private API resolves (checked for the installed torch only;
+    another version string is judged by the range's lower bound)."""
+    lo, hi = SUPPORTED_TORCH
+    v = torch_version(version)
+    if v < lo:
+        return False
+    if v <= hi or not _installed(version):
+        return True
+    return not missing_private_apis()
+
+
+def missing_private_apis() -> list[str]:
+    """The private APIs of :func:`private_api_report` that the installed torch lacks."""
+    return [name for name, ok in private_api_report().items() if not ok]
+
+
+def _range() -> str:
     (a, b), (c, d) = SUPPORTED_TORCH
-    return (f"{what}: dmuon supports torch {a}.{b} through {c}.{d}, but torch {torch.__version__} is "
-            f"installed. FSDP2's private init path, which dmuon hooks so that fully_shard skips "
-            f"dedicated params, is only checked on those releases. Install a supported torch "
-            f"(e.g. pip install torch=={c}.{d}.*); the pure core dmuon.functional works on any.")
+    return f"{a}.{b} through {c}.{d}"
+
+
+def unsupported_torch_message(what: str) -> str:
+    """The message ``import dmuon`` warns with and ``dedicate_params`` raises with on a torch dmuon
+    does not run on (older than the range, or newer and missing a wrapped private API)."""
+    lo, hi = SUPPORTED_TORCH
+    v = torch_version()
+    fix = (f"Install a tested torch (e.g. pip install torch=={hi[0]}.{hi[1]}.*); the pure core "
+           "dmuon.functional works on any.")
+    if v < lo:
+        return (f"{what}: dmuon needs torch >= {lo[0]}.{lo[1]} (tested on {_range()}), but torch "
+                f"{torch.__version__} is installed. " + fix)
+    missing = missing_private_apis() if v > hi else []
+    return (f"{what}: torch {torch.__version__} is newer than the releases dmuon is tested on "
+            f"({_range()}) and lacks private APIs dmuon wraps in dmuon/compat/torch_api.py: "
+            f"{missing} (dmuon hooks FSDP2's init through them so that fully_shard skips dedicated "
+            "params, and reads FSDP2's state and autograd's through them). " + fix)
+
+
+def newer_torch_message() -> str:
+    """The warning ``import dmuon`` gives on a torch newer than the range that dmuon runs on."""
+    hi = SUPPORTED_TORCH[1]
+    return (f"import dmuon: torch {torch.__version__} is newer than the releases dmuon is tested on "
+            f"({_range()}). Every private torch API dmuon wraps (dmuon/compat/torch_api.py) "
+            "resolves on it, so dmuon runs; if something misbehaves, compare with torch "
+            f"{hi[0]}.{hi[1]}.* (bash .ci/torch-matrix <version> runs the tests on any release).")
+
+
+def import_warning() -> Optional[str]:
+    """What ``import dmuon`` warns on the installed torch (``None``: a tested release)."""
+    if torch_tested():
+        return None
+    if torch_supported():
+        return newer_torch_message()
+    return unsupported_torch_message("import dmuon")
 
 
 # ------------------------------------------------------------------------------ FSDP2 state
@@ -259,45 +319,67 @@ def set_group_timeout(pg: Any, timeout: datetime.timedelta) -> bool:
     return True
 
 
+def _resolves(check: Callable[[], Any]) -> bool:
+    try:
+        return bool(check())
+    except Exception:  # noqa: BLE001 - a moved private API: the report says False, by name
+        return False
+
+
 def private_api_report() -> dict[str, bool]:
     """``{private API: resolvable on this torch}`` for every API listed in the module docstring
-    (``tests/test_compat.py`` requires all True on supported torches)."""
-    out: dict[str, bool] = {}
-    init = importlib.import_module(FSDP_INIT_MODULES[0])
-    out["_fsdp_init._get_managed_states"] = callable(getattr(init, "_get_managed_states", None))
-    out["_fsdp_init._get_managed_modules"] = callable(getattr(init, "_get_managed_modules", None))
-    try:
-        out["_fsdp_state._get_module_fsdp_state"] = callable(_state_getter())
-    except (ImportError, AttributeError):
-        out["_fsdp_state._get_module_fsdp_state"] = False
-    state_cls = getattr(importlib.import_module(FSDP_STATE_MODULE), "FSDPState", None)
-    probe = state_cls() if state_cls is not None else None
-    out["FSDPState._fsdp_param_groups"] = probe is not None and (
-        hasattr(probe, "_fsdp_param_groups") or hasattr(type(probe), "_fsdp_param_group"))
-    out["torch._C._current_graph_task_id"] = callable(
-        getattr(torch._C, "_current_graph_task_id", None))
-    out["Variable._execution_engine.queue_callback"] = callable(
-        getattr(torch.autograd.Variable._execution_engine, "queue_callback", None))
-    out["torch._C.DisableTorchFunctionSubclass"] = callable(
-        getattr(torch._C, "DisableTorchFunctionSubclass", None))
-    out["torch.Tensor._make_subclass"] = callable(getattr(torch.Tensor, "_make_subclass", None))
-    from torch.distributed.device_mesh import DeviceMesh
-    out["DeviceMesh._get_root_mesh"] = callable(getattr(DeviceMesh, "_get_root_mesh", None))
-    try:
-        from torch.distributed._composable.replicate import replicate
-        out["_composable.replicate.state"] = callable(getattr(replicate, "state", None))
-    except ImportError:
-        out["_composable.replicate.state"] = False
-    from torch.nn.parallel import DistributedDataParallel
-    out["DistributedDataParallel._ddp_params_and_buffers_to_ignore"] = callable(getattr(
-        DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None))
-    out["torch.utils._pytree.tree_leaves"] = callable(getattr(torch_pytree, "tree_leaves", None))
-    probe_module = nn.Linear(1, 1)
-    for attr in ("_parameters", "_state_dict_hooks", "_load_state_dict_pre_hooks"):
-        out[f"Module.{attr}"] = isinstance(getattr(probe_module, attr, None), dict)
+    (``tests/test_compat.py`` requires all True on the installed torch; on a torch newer than
+    :data:`SUPPORTED_TORCH` an entry that is False stops dmuon, naming it). Never raises."""
     import torch.distributed as dist
-    out["distributed_c10d._get_default_group"] = callable(
-        getattr(dist.distributed_c10d, "_get_default_group", None))
-    out["distributed_c10d._set_pg_timeout"] = callable(
-        getattr(dist.distributed_c10d, "_set_pg_timeout", None))
-    return out
+
+    def init_fn(name: str) -> Callable[[], bool]:
+        return lambda: callable(getattr(importlib.import_module(FSDP_INIT_MODULES[0]), name, None))
+
+    def param_groups() -> bool:
+        state_cls = getattr(importlib.import_module(FSDP_STATE_MODULE), "FSDPState", None)
+        probe = state_cls() if state_cls is not None else None
+        return probe is not None and (hasattr(probe, "_fsdp_param_groups")
+                                      or hasattr(type(probe), "_fsdp_param_group"))
+
+    checks: dict[str, Callable[[], Any]] = {
+        "_fsdp_init._get_managed_states": init_fn("_get_managed_states"),
+        "_fsdp_init._get_managed_modules": init_fn("_get_managed_modules"),
+        "_fsdp_state._get_module_fsdp_state": lambda: callable(_state_getter()),
+        "FSDPState._fsdp_param_groups": param_groups,
+        "torch._C._current_graph_task_id": lambda: callable(
+            getattr(torch._C, "_current_graph_task_id", None)),
+        "Variable._execution_engine.queue_callback": lambda: callable(
+            getattr(torch.autograd.Variable._execution_engine, "queue_callback", None)),
+        "distributed_c10d._get_default_group": lambda: callable(
+            getattr(dist.distributed_c10d, "_get_default_group", None)),
+        "distributed_c10d._set_pg_timeout": lambda: callable(
+            getattr(dist.distributed_c10d, "_set_pg_timeout", None)),
+        "torch._C.DisableTorchFunctionSubclass": lambda: callable(
+            getattr(torch._C, "DisableTorchFunctionSubclass", None)),
+        "torch.Tensor._make_subclass": lambda: callable(getattr(torch.Tensor, "_make_subclass", None)),
+        "DeviceMesh._get_root_mesh": _root_mesh_api,
+        "_composable.replicate.state": _replicate_state_api,
+        "DistributedDataParallel._ddp_params_and_buffers_to_ignore": _ddp_ignore_api,
+        "torch.utils._pytree.tree_leaves": lambda: callable(
+            getattr(torch_pytree, "tree_leaves", None)),
+        **{f"Module.{attr}": (lambda attr=attr: isinstance(getattr(nn.Linear(1, 1), attr, None),
+                                                            dict))
+           for attr in ("_parameters", "_state_dict_hooks", "_load_state_dict_pre_hooks")},
+    }
+    return {name: _resolves(check) for name, check in checks.items()}
+
+
+def _root_mesh_api() -> bool:
+    from torch.distributed.device_mesh import DeviceMesh
+    return callable(getattr(DeviceMesh, "_get_root_mesh", None))
+
+
+def _replicate_state_api() -> bool:
+    from torch.distributed._composable.replicate import replicate
+    return callable(getattr(replicate, "state", None))
+
+
+def _ddp_ignore_api() -> bool:
+    from torch.nn.parallel import DistributedDataParallel
+    return callable(getattr(DistributedDataParallel,
+                            "_set_params_and_buffers_to_ignore_for_model", None))

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LR_SCALE_RULES", "lr_scale_factor", "lr_scale_factors"]
 
-LR_SCALE_RULES = ("moonlight", "jordan", "none")
+LR_SCALE_RULES = ("moonlight", "jordan", "spectral", "none")
 
 
 def lr_scale_factor(shape: Sequence[int], rule: str = "moonlight", batch_dims: int = 0) -> float:
@@ -24,6 +24,8 @@ def lr_scale_factor(shape: Sequence[int], rule: str = "moonlight", batch_dims: i
       (Liu et al., "Muon is Scalable for LLM Training", 2025; ``torch.optim.Muon``'s
       ``adjust_lr_fn="match_rms_adamw"``).
     * ``"jordan"``: ``s = sqrt(max(1, m/n))`` (K. Jordan, Muon blog 2024; torch's ``"original"``).
+    * ``"spectral"``: ``s = sqrt(m/n)`` (J. Bernstein, "Deriving Muon", 2025: the spectral-norm
+      condition, ``"jordan"`` without the clamp at 1; torch 2.15's ``"spectral_unclamped"``).
     * ``"none"``: ``s = 1``.
 
     Args:
@@ -48,6 +50,8 @@ def _factor(rule: str, m: int, n: int) -> float:
         return 0.2 * math.sqrt(max(m, n))
     if rule == "jordan":
         return math.sqrt(max(1.0, m / n)) if n > 0 else 1.0
+    if rule == "spectral":
+        return math.sqrt(m / n) if n > 0 else 1.0
     return 1.0
 
 

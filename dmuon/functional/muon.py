@@ -13,7 +13,8 @@ For each param ``W`` with gradient ``g`` (viewed as ``B`` matrices of shape ``(m
     W ← W − lr·s(m, n)·U
 
 with the shape scale ``s`` chosen by ``lr_scale``: ``"moonlight"`` ``0.2·sqrt(max(m, n))`` (matches
-AdamW's update RMS, Liu et al. 2025), ``"jordan"`` ``sqrt(max(1, m/n))`` (Jordan 2024), ``"none"`` ``1``.
+AdamW's update RMS, Liu et al. 2025), ``"jordan"`` ``sqrt(max(1, m/n))`` (Jordan 2024), ``"spectral"``
+``sqrt(m/n)`` (Bernstein 2025), ``"none"`` ``1``.
 
 Those lines are the stages of :mod:`dmuon.functional.stages` (momentum, orthogonalize, shape
 scale, decoupled apply), each written once; :func:`transform` chains them (optax form) and
@@ -34,7 +35,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import torch
 from torch import Tensor
 
-from dmuon.newton_schulz.coefficients import CoefficientSpec
+from dmuon.newton_schulz.coefficients import CoefficientSpec, ns_coefficient_table
 from dmuon.newton_schulz.batched import orthogonalize_batched
 from dmuon.functional.lr_scale import LR_SCALE_RULES, lr_scale_factor
 from dmuon.newton_schulz.matrix_shape import as_matrix_shape  # noqa: F401 (re-exported)
@@ -99,8 +100,9 @@ class MuonHParams(NamedTuple):
         nesterov: feed ``g + μ·b`` (True) or ``b`` (False) to Newton–Schulz.
         weight_decay: decoupled weight decay ``wd`` (``W ← W·(1 − lr·wd)``).
         ns_steps: Newton–Schulz iterations.
-        ns_coefficients: a named schedule (``"polar_express"``, ``"jordan"``, ``"you"``) or a table of
-            ``(a, b, c)`` triples (see :mod:`dmuon.newton_schulz.coefficients`).
+        ns_coefficients: a named schedule (``"polar_express"``, ``"jordan"``, ``"you"``), a table of
+            ``(a, b, c)`` triples, or one flat ``(a, b, c)`` (torch's form: the same triple every
+            iteration); see :mod:`dmuon.newton_schulz.coefficients`.
         ns_eps: ``ε`` in the Frobenius normalization ``x / (‖x‖_F + ε)``.
         ns_dtype: compute dtype of Newton–Schulz (``None``: the NS default for the device).
         lr_scale: shape scale rule, one of ``LR_SCALE_RULES`` (see :func:`lr_scale_factor`).
@@ -130,8 +132,14 @@ class MuonState(NamedTuple):
     momentum: PyTree
 
 
+def _real(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def validate_hparams(hparams: MuonHParams) -> None:
-    """Raise ``ValueError`` (``TypeError`` for wrong types) when a Muon hyper-parameter is invalid.
+    """Raise ``ValueError`` (``TypeError`` for wrong types) when a Muon hyper-parameter is invalid:
+    everything :func:`update` would reject later, the coefficient schedule against ``ns_steps``
+    included, so a constructor that calls this fails before the first step.
 
     Args:
         hparams: the hyper-parameters to check.
@@ -139,22 +147,33 @@ def validate_hparams(hparams: MuonHParams) -> None:
     if not isinstance(hparams, MuonHParams):
         raise TypeError(f"hparams must be a MuonHParams, got {type(hparams).__name__}")
     h = hparams
-    if not (isinstance(h.lr, (int, float)) and math.isfinite(h.lr) and h.lr >= 0):
+    if not (_real(h.lr) and math.isfinite(h.lr) and h.lr >= 0):
         raise ValueError(f"Muon lr must be a finite float >= 0, got {h.lr!r}")
-    if not (isinstance(h.momentum, (int, float)) and 0.0 <= h.momentum < 1.0):
+    if not (_real(h.momentum) and 0.0 <= h.momentum < 1.0):
         raise ValueError(f"Muon momentum must be in [0, 1), got {h.momentum!r}")
-    if not (isinstance(h.weight_decay, (int, float)) and math.isfinite(h.weight_decay)
-            and h.weight_decay >= 0):
+    if not isinstance(h.nesterov, bool):
+        raise TypeError(f"Muon nesterov must be True or False, got {h.nesterov!r}")
+    if not (_real(h.weight_decay) and math.isfinite(h.weight_decay) and h.weight_decay >= 0):
         raise ValueError(f"Muon weight_decay must be a finite float >= 0, got {h.weight_decay!r}")
     if isinstance(h.ns_steps, bool) or not isinstance(h.ns_steps, int) or h.ns_steps < 1:
         raise ValueError(f"Muon ns_steps must be an int >= 1, got {h.ns_steps!r}")
-    if not (isinstance(h.ns_eps, (int, float)) and h.ns_eps >= 0):
-        raise ValueError(f"Muon ns_eps must be a float >= 0, got {h.ns_eps!r}")
+    try:
+        ns_coefficient_table(h.ns_coefficients, h.ns_steps)
+    except ValueError as e:
+        raise ValueError(f"Muon ns_coefficients={h.ns_coefficients!r} with ns_steps={h.ns_steps}: "
+                         f"{e}") from None
+    if not (_real(h.ns_eps) and math.isfinite(h.ns_eps) and h.ns_eps >= 0):
+        raise ValueError(f"Muon ns_eps must be a finite float >= 0, got {h.ns_eps!r}")
     if h.ns_dtype is not None and not (isinstance(h.ns_dtype, torch.dtype)
                                        and h.ns_dtype.is_floating_point):
         raise ValueError(f"Muon ns_dtype must be None or a floating torch.dtype, got {h.ns_dtype!r}")
     if h.lr_scale not in LR_SCALE_RULES:
-        raise ValueError(f"Muon lr_scale must be one of {LR_SCALE_RULES}, got {h.lr_scale!r}")
+        from dmuon.functional.muon_options import ADJUST_LR_FN  # torch's values (it imports this)
+
+        hint = ADJUST_LR_FN.get(h.lr_scale) if isinstance(h.lr_scale, str) else None
+        raise ValueError(f"Muon lr_scale must be one of {LR_SCALE_RULES}, got {h.lr_scale!r}"
+                         + (f" (torch.optim.Muon's adjust_lr_fn value; dmuon's lr_scale for it is "
+                            f"{hint!r}, or pass adjust_lr_fn={h.lr_scale!r})" if hint else ""))
 
 
 def _non_matrix_error(name: str, shape: tuple[int, ...], view: Any, why: str = "") -> ValueError:

@@ -23,16 +23,20 @@ Named schedules:
   ``(a/s, b/s**3, c/s**5)``, i.e. ``p(x/s)``; default ``s = 1.01``.
 
 A user table is a sequence of ``(a, b, c)`` triples: a single triple repeats for every iteration;
-a longer table of length ``L`` supplies the first ``steps`` rows and needs ``steps <= L``.
+a longer table of length ``L`` supplies the first ``steps`` rows and needs ``steps <= L``. A flat
+triple of numbers ``(a, b, c)`` — ``torch.optim.Muon``'s ``ns_coefficients``, e.g. its default
+``(3.4445, -4.775, 2.0315)`` — is that single triple: the same ``(a, b, c)`` every iteration.
 """
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence, Union
 
 __all__ = ["CoefficientSpec", "ns_coefficient_table", "NAMED_SCHEDULES"]
 
-CoefficientSpec = Union[str, Sequence[tuple[float, float, float]]]
+#: a schedule name, a table of ``(a, b, c)`` rows, or one flat ``(a, b, c)`` (torch's spelling)
+CoefficientSpec = Union[str, Sequence[tuple[float, float, float]], tuple[float, float, float]]
 
 _JORDAN = ((3.4445, -4.7750, 2.0315),)
 
@@ -72,6 +76,11 @@ def _check_table(table: Sequence, what: str) -> tuple[tuple[float, float, float]
                          f"(a, b, c) triples, got {type(table).__name__}")
     if len(table) == 0:
         raise ValueError(f"{what} is empty; give at least one (a, b, c) triple")
+    if _is_number(table[0]):  # flat: torch.optim.Muon's ns_coefficients=(a, b, c)
+        if len(table) != 3 or not all(_is_number(v) for v in table):
+            raise ValueError(f"{what} {tuple(table)!r} is neither one flat (a, b, c) triple of "
+                             "numbers nor a table of (a, b, c) rows")
+        table = (tuple(table),)
     rows = []
     for i, row in enumerate(table):
         try:
@@ -87,6 +96,10 @@ def _check_table(table: Sequence, what: str) -> tuple[tuple[float, float, float]
     return tuple(rows)
 
 
+def _is_number(v: object) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
 def ns_coefficient_table(spec: CoefficientSpec = "polar_express", steps: int = 5, *,
                          safety: float = 1.01) -> tuple[tuple[float, float, float], ...]:
     """The ``(a, b, c)`` triple of every one of ``steps`` Newton–Schulz iterations.
@@ -94,7 +107,7 @@ def ns_coefficient_table(spec: CoefficientSpec = "polar_express", steps: int = 5
     Args:
       spec: ``"jordan"``, ``"you"``, ``"polar_express"`` (see the module docstring for values and
         references) or a user table of ``(a, b, c)`` triples (one triple repeats; a longer table
-        must have at least ``steps`` rows).
+        must have at least ``steps`` rows); a flat ``(a, b, c)`` (torch's form) is one triple.
       steps: number of iterations, ``>= 1``; the returned tuple has exactly this length.
       safety: Polar Express safety factor ``s >= 1`` (rows but the last become
         ``(a/s, b/s**3, c/s**5)``); ignored by the other schedules.

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
+from dmuon.functional import muon_options as fopts
 from dmuon.functional.matrix_view import Batch
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.stateful.runtime.guards import make_marker
@@ -67,7 +68,15 @@ class Muon(torch.optim.Optimizer):
     Args:
       model: a model on which ``dmuon.dedicate_params`` ran (then ``fully_shard``).
       lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, ns_eps, ns_dtype, lr_scale:
-        Muon hyper-parameters (see :class:`dmuon.functional.muon.MuonHParams`).
+        Muon hyper-parameters (see :class:`dmuon.functional.muon.MuonHParams`). ``lr`` may be
+        given by position, as torch's optimizers take it (``dmuon.Muon(model, 0.02)``); every
+        other option by name (a further positional value raises ``TypeError`` saying why).
+      eps, adjust_lr_fn: ``torch.optim.Muon``'s names for ``ns_eps`` and ``lr_scale``
+        (``"original"`` / ``None`` = ``"jordan"``, ``"match_rms_adamw"`` = ``"moonlight"``,
+        ``"spectral_unclamped"`` = ``"spectral"``), folded into those at construction
+        (:mod:`dmuon.functional.muon_options`): ``param_groups`` carry dmuon's names only. Both
+        spellings with different values raise. ``ns_coefficients`` also takes torch's flat
+        ``(a, b, c)`` (the same triple every iteration).
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters for every
         trainable param the predicate rejected.
       check_finite: before updating anything, check every gradient (one small all-reduce per
@@ -107,22 +116,27 @@ class Muon(torch.optim.Optimizer):
     Raises:
       RuntimeError: ``dedicate_params`` was not called on ``model``; ``step()`` of an optimizer
         superseded by a newer ``Muon(model)`` on the same model.
-      ValueError: an invalid hyper-parameter; ``fully_shard`` used a mesh over other ranks (or
-        another device type) than ``dedicate_params``.
+      ValueError, TypeError: an invalid option (checked here, before anything changes, so never at
+        the first ``step()``); ``fully_shard`` used a mesh over other ranks (or another device
+        type) than ``dedicate_params``.
     """
 
-    def __init__(self, model: nn.Module, *, lr: float = 0.02, momentum: float = 0.95,
-                 nesterov: bool = True, weight_decay: float = 0.0, ns_steps: int = 5,
-                 ns_coefficients: Any = "polar_express", ns_eps: float = 1e-7,
+    def __init__(self, model: nn.Module, lr: float = 0.02, *positional: Any,
+                 momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
+                 ns_steps: int = 5, ns_coefficients: Any = "polar_express", ns_eps: float = 1e-7,
                  ns_dtype: Optional[torch.dtype] = None, lr_scale: str = "moonlight",
                  adamw_lr: float = 1e-3, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.01,
                  check_finite: Any = "auto", replicate_async: bool = True,
                  adamw_impl: str = "auto", ns_engine: Any = "auto", elementwise: str = "auto",
-                 persistent_grad_buffers: bool = False):
+                 persistent_grad_buffers: bool = False, eps: Any = fopts.NOT_GIVEN,
+                 adjust_lr_fn: Any = fopts.NOT_GIVEN):
         if not isinstance(model, nn.Module):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
+        # every option is checked before anything changes (a bad value raises here, not at step())
+        muon_hp, adamw_hp = fopts.check_options(positional, locals())
+        NSHook(ns_engine, None)  # a bad ns_engine raises here too (the hook is built below)
         model = unwrap_model(model)
         finish_deferred(model)  # dedicate_params before TP: the dedication completes here
         rt = get_state(model, "dmuon.Muon(model)")
@@ -130,13 +144,6 @@ class Muon(torch.optim.Optimizer):
         check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
         check_backend(model, rt, "dmuon.Muon(model)")
         _check_fsdp_mesh(model, rt)
-        muon_hp = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
-                       ns_steps=ns_steps, ns_coefficients=ns_coefficients, ns_eps=ns_eps,
-                       ns_dtype=ns_dtype, lr_scale=lr_scale)
-        fmuon.validate_hparams(fmuon.MuonHParams(**muon_hp))
-        adamw_hp = dict(lr=adamw_lr, betas=tuple(adamw_betas), eps=adamw_eps,
-                        weight_decay=adamw_weight_decay)
-        fadamw.validate_hparams(fadamw.AdamWHParams(**adamw_hp))
         dedicated = set(rt.params.values())
         self._adamw_named = tuple((n, p) for n, p in model.named_parameters()
                                   if p.requires_grad and p not in dedicated)
@@ -150,23 +157,16 @@ class Muon(torch.optim.Optimizer):
         super().__init__(groups, defaults={})
         self._groups_fixed = True  # add_param_group raises from here on
         self._rt: DedicatedState = rt
-        if not (check_finite == "auto" or isinstance(check_finite, bool)):
-            raise ValueError(f"check_finite must be 'auto', True or False, got {check_finite!r}")
         self.check_finite = (rt.device.type != "cuda") if check_finite == "auto" \
             else check_finite
         rt.ledger.track_finite = self.check_finite
-        if adamw_impl not in ("auto",) + fadamw.IMPLS:
-            raise ValueError(f"adamw_impl must be 'auto' or one of {fadamw.IMPLS}, got "
-                             f"{adamw_impl!r}")
         self.adamw_impl = adamw_impl
-        if elementwise not in ("auto", "fused", "foreach"):
-            raise ValueError(f"elementwise must be 'auto', 'fused' or 'foreach', got {elementwise!r}")
         self.elementwise = elementwise
-        rt.pool.persistent = bool(persistent_grad_buffers)
+        rt.pool.persistent = persistent_grad_buffers
         self._host_syncs = 0
         self.telemetry = StepTelemetry(rt.executor, rt.device)
         self._ns = NSHook(ns_engine, self.telemetry)  # validates ns_engine
-        self.replicate_async = bool(replicate_async)
+        self.replicate_async = replicate_async
         self.num_steps = 0  # completed step() calls (the same on every rank)
         # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;
         # else every step checks that each FSDP2 param has a gradient on all ranks or on none
