@@ -288,7 +288,8 @@ EXAMPLES = sorted(p.name for p in (ROOT / "examples").glob("*.py"))
 #: example -> the test that runs it (a new example needs an entry)
 EXAMPLE_TESTS = {
     "checkpoint.py": "test_checkpoint_example.py", "custom_loop.py": "test_example_custom_loop.py",
-    "ddp.py": "test_ddp.py", "hf_llama.py": "test_recipes_hf.py",
+    "ddp.py": "test_ddp.py", "functional_research.py": "test_functional_research.py",
+    "hf_llama.py": "test_recipes_hf.py",
     "hf_trainer.py": "test_recipes_trainer.py", "hsdp.py": "test_hsdp.py",
     "lightning_fsdp2.py": "test_recipes_lightning.py",
     "multimodal_boundary.py": "test_multimodal_boundary.py",

@@ -136,7 +136,7 @@ class Muon(torch.optim.Optimizer):
                             f"fully_shard), not {type(model).__name__}")
         # every option is checked before anything changes (a bad value raises here, not at step())
         muon_hp, adamw_hp = fopts.check_options(positional, locals())
-        NSHook(ns_engine, None)  # a bad ns_engine raises here too (the hook is built below)
+        NSHook.check(ns_engine)  # a bad ns_engine raises here, before anything changes
         model = unwrap_model(model)
         finish_deferred(model)  # dedicate_params before TP: the dedication completes here
         rt = get_state(model, "dmuon.Muon(model)")
@@ -165,7 +165,7 @@ class Muon(torch.optim.Optimizer):
         rt.pool.persistent = persistent_grad_buffers
         self._host_syncs = 0
         self.telemetry = StepTelemetry(rt.executor, rt.device)
-        self._ns = NSHook(ns_engine, self.telemetry)  # validates ns_engine
+        self._ns = NSHook(ns_engine, self.telemetry)
         self.replicate_async = replicate_async
         self.num_steps = 0  # completed step() calls (the same on every rank)
         # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;

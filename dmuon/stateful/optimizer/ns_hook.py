@@ -29,14 +29,19 @@ class NSHook:
     ``telemetry`` its timer (``telemetry.ns_timer``)."""
 
     def __init__(self, choice: Any, telemetry: Any):
-        if not (choice in ("auto", "engine", "functional") or isinstance(choice, NSEngine)):
-            raise ValueError("ns_engine must be 'auto', 'engine', 'functional' or a "
-                             f"dmuon.kernels.ns_engine.NSEngine, got {choice!r}")
+        self.check(choice)
         self.choice = choice
         self.timer = NSTimer()
         telemetry.ns_timer = self.timer
         self.engine: Optional[NSEngine] = choice if isinstance(choice, NSEngine) else None
         self._functional: Optional[BatchedNS] = None
+
+    @staticmethod
+    def check(choice: Any) -> None:
+        """Raise ``ValueError`` unless ``choice`` is a valid ``ns_engine``."""
+        if not (choice in ("auto", "engine", "functional") or isinstance(choice, NSEngine)):
+            raise ValueError("ns_engine must be 'auto', 'engine', 'functional' or a "
+                             f"dmuon.kernels.ns_engine.NSEngine, got {choice!r}")
 
     @property
     def mode(self) -> str:
