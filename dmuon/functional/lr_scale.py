@@ -2,16 +2,23 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import Any, Mapping, TYPE_CHECKING, Sequence
 
 from dmuon.newton_schulz.matrix_shape import as_matrix_shape
 
 if TYPE_CHECKING:
     from dmuon.functional.matrix_view import MatrixView
 
-__all__ = ["LR_SCALE_RULES", "lr_scale_factor", "lr_scale_factors"]
+__all__ = ["LR_SCALE_RULES", "ADJUST_LR_FN", "lr_scale_factor", "lr_scale_factors"]
 
 LR_SCALE_RULES = ("moonlight", "jordan", "spectral", "none")
+
+#: torch.optim.Muon's ``adjust_lr_fn`` values -> dmuon's ``lr_scale`` rule with the same shape
+#: scale (torch's ``_adjust_lr``, 2.13 - 2.15: ``None`` is its default, ``"original"``)
+ADJUST_LR_FN: Mapping[Any, str] = {
+    None: "jordan", "original": "jordan", "match_rms_adamw": "moonlight",
+    "spectral_unclamped": "spectral",
+}
 
 
 def lr_scale_factor(shape: Sequence[int], rule: str = "moonlight", batch_dims: int = 0) -> float:

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from dmuon.newton_schulz.coefficients import CoefficientSpec, ns_coefficient_table
 from dmuon.newton_schulz.batched import orthogonalize_batched
-from dmuon.functional.lr_scale import LR_SCALE_RULES, lr_scale_factor
+from dmuon.functional.lr_scale import ADJUST_LR_FN, LR_SCALE_RULES, lr_scale_factor
 from dmuon.newton_schulz.matrix_shape import as_matrix_shape  # noqa: F401 (re-exported)
 from dmuon.functional.matrix_view import Batch, refuse_plain_ns, views_per_leaf
 from dmuon.functional import transforms as T
@@ -168,7 +168,6 @@ def validate_hparams(hparams: MuonHParams) -> None:
                                        and h.ns_dtype.is_floating_point):
         raise ValueError(f"Muon ns_dtype must be None or a floating torch.dtype, got {h.ns_dtype!r}")
     if h.lr_scale not in LR_SCALE_RULES:
-        from dmuon.functional.muon_options import ADJUST_LR_FN  # torch's values (it imports this)
 
         hint = ADJUST_LR_FN.get(h.lr_scale) if isinstance(h.lr_scale, str) else None
         raise ValueError(f"Muon lr_scale must be one of {LR_SCALE_RULES}, got {h.lr_scale!r}"

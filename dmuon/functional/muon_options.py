@@ -26,7 +26,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from dmuon.functional import adamw as fadamw
-from dmuon.functional.lr_scale import LR_SCALE_RULES
+from dmuon.functional.lr_scale import ADJUST_LR_FN, LR_SCALE_RULES
 from dmuon.functional.muon import MuonHParams, validate_hparams
 
 __all__ = ["NOT_GIVEN", "TORCH_ALIASES", "ADJUST_LR_FN", "ELEMENTWISE", "resolve_torch_names",
@@ -45,12 +45,6 @@ NOT_GIVEN: Any = _NotGiven()
 #: torch.optim.Muon's option name -> dmuon's
 TORCH_ALIASES: Mapping[str, str] = {"eps": "ns_eps", "adjust_lr_fn": "lr_scale"}
 
-#: torch.optim.Muon's ``adjust_lr_fn`` values -> dmuon's ``lr_scale`` rule with the same shape
-#: scale (torch's ``_adjust_lr``, 2.13 - 2.15: ``None`` is its default, ``"original"``)
-ADJUST_LR_FN: Mapping[Any, str] = {
-    None: "jordan", "original": "jordan", "match_rms_adamw": "moonlight",
-    "spectral_unclamped": "spectral",
-}
 
 #: ``dmuon.Muon``'s ``elementwise=`` choices
 ELEMENTWISE = ("auto", "fused", "foreach")
