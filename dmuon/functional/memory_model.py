@@ -1,0 +1,110 @@
+"""Per-rank memory of the dedicated matrices, phase by phase, from the step program (pure).
+
+What a rank ``(s, r)`` holds for the dedicated matrices (FSDP2's own params and AdamW's moments are
+not modelled here):
+
+* **masters** — every master of its shard column (the column's master buckets), always;
+* **state** — the owner's optimizer state of the matrices it owns (Muon: one momentum buffer per
+  matrix, ``state_itemsize`` bytes per element), always;
+* **gathered** — the unshard buckets of the hook groups gathered at a time: Z3 holds the group it
+  runs plus the one it prefetches (forward and backward), and the root group for the whole forward;
+  Z2 holds every group from its forward until its gradient reduce in backward;
+* **reduce** — the gradient buckets: those of its own column are kept from a group's reduce to the
+  step (the owner's averaged gradients), a group's other buckets only while its reduce runs.
+
+:func:`rank_memory` gives the peak of each phase (``between_steps``, ``forward``, ``backward``,
+``step``); :func:`check_memory` raises :class:`MemoryBudgetError` naming the rank and phase that
+exceed a budget, so an over-budget plan is refused before any process starts.
+"""
+from __future__ import annotations
+
+from typing import Mapping, NamedTuple, Sequence
+
+from dmuon.functional.program import ROOT_GROUP, StepProgram
+
+__all__ = ["RankMemory", "MemoryBudgetError", "rank_memory", "check_memory"]
+
+
+class RankMemory(NamedTuple):
+    """Bytes one rank holds for the dedicated matrices.
+
+    Attributes:
+      masters, state: held always.  phases: ``{phase: peak bytes}`` for ``between_steps``,
+      ``forward``, ``backward``, ``step`` (masters and state included).
+    """
+
+    masters: int
+    state: int
+    phases: Mapping[str, int]
+
+    @property
+    def peak(self) -> int:
+        return max(self.phases.values())
+
+
+class MemoryBudgetError(ValueError):
+    """A plan whose per-rank memory exceeds the budget (the message names rank, phase, bytes)."""
+
+
+def _bytes(buckets) -> int:
+    return sum(b.nbytes for b in buckets)
+
+
+def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: int = 4,
+                prefetch: bool = True) -> RankMemory:
+    """The per-phase peak bytes of rank ``coord = (s, r)`` (see the module docstring).
+
+    Args:
+      program: the model's step program.  coord: the rank's ``(s, r)``.
+      state_itemsize: bytes per element of the owner's state (fp32 momentum: 4).
+      prefetch: the forward / backward prefetch of the next group (the runtime's default).
+    """
+    s, r = (int(x) for x in coord)
+    masters = _bytes(b for b in program.master_layout.buckets if b.key.column == s)
+    owned = set(program.owned((s, r)))
+    state = sum(e.numel for b in program.master_layout.buckets for e in b.entries
+                if e.name in owned) * state_itemsize
+    order = [k for k in program.forward_order if k != ROOT_GROUP]
+    un = {k: _bytes(program.unshard_layout.buckets_of(k)) for k in program.forward_order}
+    red_own = {k: _bytes(b for b in program.reduce_layout.buckets_of(k) if b.key.column == s)
+               for k in program.forward_order}
+    red_all = {k: _bytes(program.reduce_layout.buckets_of(k)) for k in program.forward_order}
+    root = un.get(ROOT_GROUP, 0)
+    z3 = {k: program.groups[k].reshard_after_forward for k in order}
+    window = 2 if prefetch else 1
+
+    def held_z3(i: int, ks: list[str]) -> int:  # a Z3 group and the ones it prefetches
+        return sum(un[k] for k in ks[i:i + window] if z3[k])
+
+    z2_all = sum(un[k] for k in order if not z3[k])
+    forward = max((held_z3(i, order) for i in range(len(order))), default=0) + z2_all + root
+    back = list(reversed(order))
+    backward = 0
+    for i, k in enumerate(back):  # group k's backward: its reduce launches at its end
+        kept = sum(red_own[j] for j in back[:i])                      # earlier reduces, held
+        gathered = held_z3(i, back) + sum(un[j] for j in back[i:] if not z3[j]) + root
+        backward = max(backward, kept + gathered + red_all[k])
+    base = masters + state
+    phases = {"between_steps": base, "forward": base + forward,
+              "backward": base + backward, "step": base + sum(red_own.values())}
+    return RankMemory(masters, state, phases)
+
+
+def check_memory(program: StepProgram, budget_bytes: int, **kw) -> dict[tuple[int, int], RankMemory]:
+    """Every rank's :func:`rank_memory`; raise if any phase of any rank exceeds ``budget_bytes``.
+
+    Raises:
+      MemoryBudgetError: naming each rank and phase over the budget and by how much.
+    """
+    G, R = program.shard_size, program.replicate_size
+    out = {(s, r): rank_memory(program, (s, r), **kw) for r in range(R) for s in range(G)}
+    over = [(c, ph, b) for c, m in out.items() for ph, b in m.phases.items() if b > budget_bytes]
+    if over:
+        worst = sorted(over, key=lambda x: -x[2])[:6]
+        raise MemoryBudgetError(
+            f"the plan needs more than the budget of {budget_bytes} bytes per rank for the "
+            "dedicated matrices: " + "; ".join(f"rank {c} in {ph}: {b} bytes (+{b - budget_bytes})"
+                                               for c, ph, b in worst)
+            + ". Use more ranks (a larger shard group), Z3 (reshard_after_forward=True), or "
+            "smaller hook groups.")
+    return out
