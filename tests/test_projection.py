@@ -189,3 +189,21 @@ def test_machine_defaults_are_the_validation_fit():
         cal = fit[key]["calibrated"]
         for name in ("mfu_fwd", "mfu_bwd", "mfu_half_hidden", "adamw_step_s", "adamw_s_per_param"):
             assert math.isclose(getattr(machine, name), cal[name], rel_tol=1e-3, abs_tol=1e-12), name
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35: the projector ignores --ns-steps (measured "
+                   "groups return their 5-step time whatever the step count)")
+def test_ns_steps_change_ns_time_as_the_math_says():
+    """``--ns-steps`` (and every NS option) changes the projected NS time by the flop ratio: the
+    measured groups are 5-step runs, so k steps take k-step flops at the measured rate."""
+    for gm, gn, variant, count, ms in H200_NS_GROUPS:
+        t5 = ns_matrix_seconds(H200, gm, gn, steps=5)
+        for k in (1, 2, 10):
+            ratio = (ns_cost(gm, gn, k, variant=variant, gram_restart=3).flops
+                     / ns_cost(gm, gn, 5, variant=variant, gram_restart=3).flops)
+            assert math.isclose(ns_matrix_seconds(H200, gm, gn, steps=k), t5 * ratio, rel_tol=1e-9)
+    t = {k: ns_matrix_seconds(H200, 8192, 28672, steps=k) for k in (1, 2, 5, 10)}
+    assert t[1] < t[2] < t[5] < t[10]
+    owners = {k: max(project_step(StepSetup(get_preset("llama-3.1-8b"), 8, ns_steps=k), H200,
+                                  "dmuon").ns.finish) for k in (1, 2, 5, 10)}
+    assert owners[1] < owners[2] < owners[5] < owners[10]
