@@ -191,8 +191,6 @@ def test_machine_defaults_are_the_validation_fit():
             assert math.isclose(getattr(machine, name), cal[name], rel_tol=1e-3, abs_tol=1e-12), name
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35: the projector ignores --ns-steps (measured "
-                   "groups return their 5-step time whatever the step count)")
 def test_ns_steps_change_ns_time_as_the_math_says():
     """``--ns-steps`` (and every NS option) changes the projected NS time by the flop ratio: the
     measured groups are 5-step runs, so k steps take k-step flops at the measured rate."""

@@ -30,7 +30,8 @@ from typing import Mapping, Optional
 
 from dmuon.newton_schulz.cost import ns_cost
 
-__all__ = ["Link", "Machine", "H200", "A800", "MACHINES", "H200_NS_GROUPS", "collective_time",
+__all__ = ["Link", "Machine", "H200", "A800", "MACHINES", "H200_NS_GROUPS", "MEASURED_NS_STEPS",
+           "collective_time",
            "collective_latency", "interp_log2",
            "group_busbw", "ns_matrix_seconds", "ns_rate"]
 
@@ -45,8 +46,12 @@ class Link:
     alpha_hop: float
 
 
+#: The Newton–Schulz iterations of the measured groups (the engine's default NSConfig).
+MEASURED_NS_STEPS = 5
+
 #: H200 engine, per shape group: (m, n, variant, matrices, ms), the default fp16 engine with one
-#: Gram restart (gram_restart 3); benchmarks/results/ns_whole_model_h200.json "groups_auto".
+#: Gram restart (gram_restart 3) and :data:`MEASURED_NS_STEPS` iterations;
+#: benchmarks/results/ns_whole_model_h200.json "groups_auto".
 H200_NS_GROUPS: tuple[tuple[int, int, str, int, float], ...] = (
     (512, 2048, "gram", 32, 1.422592043876648),
     (2048, 2048, "direct", 32, 11.415295600891113),
@@ -226,13 +231,15 @@ def interp_log2(points: list[tuple[float, float]], x: float) -> float:
 def ns_rate(machine: Machine, m: int, variant: str, *, steps: int = 5,
             groups: Optional[tuple] = None) -> float:
     """Full-count flop rate (FLOP/s) of ``variant`` NS at short side ``m``: the measured groups'
-    rates (their flops at the machine's restart period over their time) interpolated in
-    ``log2(m)``, times ``ns_rate_scale``. ``groups`` overrides ``machine.ns_groups`` (to
-    cross-validate on a subset)."""
+    rates (their flops at :data:`MEASURED_NS_STEPS` iterations and the machine's restart period,
+    over their time) interpolated in ``log2(m)``, times ``ns_rate_scale``. ``groups`` overrides
+    ``machine.ns_groups`` (to cross-validate on a subset); ``steps`` is not used (a rate does not
+    depend on how many iterations run)."""
     pts = []
     for gm, gn, gv, count, ms in (machine.ns_groups if groups is None else groups):
         if gv == variant:
-            f = ns_cost(gm, gn, steps, variant=gv, batch=count, gram_restart=machine.ns_restart).flops
+            f = ns_cost(gm, gn, MEASURED_NS_STEPS, variant=gv, batch=count,
+                        gram_restart=machine.ns_restart).flops
             pts.append((min(gm, gn), f / (ms * 1e-3)))
     if not pts:
         raise ValueError(f"no measured NS group of variant {variant!r} on {machine.name}")
@@ -241,12 +248,17 @@ def ns_rate(machine: Machine, m: int, variant: str, *, steps: int = 5,
 
 def ns_matrix_seconds(machine: Machine, m: int, n: int, *, steps: int = 5, flops: Optional[int] = None,
                       groups: Optional[tuple] = None) -> float:
-    """Seconds of the NS of one ``m x n`` matrix on ``machine`` (module docstring); ``flops``
+    """Seconds of the NS of one ``m x n`` matrix with ``steps`` iterations on ``machine`` (module
+    docstring): a measured shape's time scaled by its flops at ``steps`` over those at
+    :data:`MEASURED_NS_STEPS`; any other shape's flops at the interpolated rate. ``flops``
     replaces the whole matrix's count (a split piece's share), timed at the whole shape's rate."""
     s, l = min(m, n), max(m, n)
     cost = ns_cost(s, l, steps, variant="auto", gram_restart=machine.ns_restart)
     for gm, gn, gv, count, ms in (machine.ns_groups if groups is None else groups):
         if (min(gm, gn), max(gm, gn)) == (s, l) and flops is None:
-            return ms * 1e-3 / count / machine.ns_rate_scale
+            ratio = (ns_cost(s, l, steps, variant=gv, gram_restart=machine.ns_restart).flops
+                     / ns_cost(s, l, MEASURED_NS_STEPS, variant=gv,
+                               gram_restart=machine.ns_restart).flops)
+            return ms * 1e-3 / count * ratio / machine.ns_rate_scale
     f = cost.flops if flops is None else flops
     return f / ns_rate(machine, s, cost.variant, steps=steps, groups=groups)
