@@ -205,3 +205,14 @@ def test_ns_steps_change_ns_time_as_the_math_says():
     owners = {k: max(project_step(StepSetup(get_preset("llama-3.1-8b"), 8, ns_steps=k), H200,
                                   "dmuon").ns.finish) for k in (1, 2, 5, 10)}
     assert owners[1] < owners[2] < owners[5] < owners[10]
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35: dmuon project --config refuses a model folder "
+                   "that dmuon plan --config accepts")
+def test_project_config_takes_a_folder_as_plan_does(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert main(["plan", "--config", str(tmp_path), "--shard", "2"]) == 0
+    assert main(["project", "--config", str(tmp_path), "-G", "2", "--seq", "64",
+                 "--max-split", "1"]) == 0
