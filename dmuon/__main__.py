@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import os
 import time
 from typing import Optional, Sequence
 
@@ -41,10 +40,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         if got is None:  # no transformers: the Llama / Qwen-style reader
             if args.per_head or args.split_fused:
                 raise SystemExit("dmuon plan: --per-head / --split-fused need transformers installed")
-            cfg_path = args.config
-            if os.path.isdir(cfg_path):
-                cfg_path = os.path.join(cfg_path, "config.json")
-            preset = preset_from_hf_config(cfg_path)
+            preset = preset_from_hf_config(args.config)
             specs = preset_specs(preset, dtype=args.dtype)
             title = (f"model {preset.name} (config reader): hidden {preset.hidden}, layers "
                      f"{preset.layers}, dtype {args.dtype}")
@@ -152,7 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "machine model (dmuon.tools.projection).")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", choices=sorted(PRESETS), help="built-in model shape preset")
-    src.add_argument("--config", metavar="PATH", help="Hugging Face config.json (dense or MoE)")
+    src.add_argument("--config", metavar="PATH",
+                     help="Hugging Face config.json or model folder (dense or MoE)")
     p.add_argument("--shard", "-G", type=int, required=True, help="shard group size G")
     p.add_argument("--replicate", "-R", type=int, default=1, help="HSDP replicas R (default 1)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per GPU (default 1)")

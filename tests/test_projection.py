@@ -207,8 +207,6 @@ def test_ns_steps_change_ns_time_as_the_math_says():
     assert owners[1] < owners[2] < owners[5] < owners[10]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35: dmuon project --config refuses a model folder "
-                   "that dmuon plan --config accepts")
 def test_project_config_takes_a_folder_as_plan_does(tmp_path):
     cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
            "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 100}

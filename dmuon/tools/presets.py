@@ -158,7 +158,8 @@ def preset_specs(p: Union[ModelPreset, str], dtype: str = "torch.bfloat16") -> t
 
 def preset_from_hf_config(config: Union[str, os.PathLike, Mapping[str, Any]],
                           name: Optional[str] = None) -> ModelPreset:
-    """Read a Hugging Face ``config.json`` (path or already-parsed dict) of a Llama-style decoder.
+    """Read a Hugging Face ``config.json`` (its path, the model folder holding it, or the parsed
+    dict) of a Llama-style decoder.
 
     Uses ``hidden_size``, ``intermediate_size``, ``num_hidden_layers``, ``num_attention_heads``,
     ``num_key_value_heads`` (default: heads), ``vocab_size``, ``head_dim`` (default hidden/heads),
@@ -173,6 +174,8 @@ def preset_from_hf_config(config: Union[str, os.PathLike, Mapping[str, Any]],
         layouts this reader does not model (dense layers between sparse ones, DeepSeek's MLA).
     """
     if isinstance(config, (str, os.PathLike)):
+        if os.path.isdir(config):  # a model folder, as `dmuon plan --config` takes
+            config = os.path.join(config, "config.json")
         with open(config, encoding="utf-8") as f:
             cfg: Mapping[str, Any] = json.load(f)
         name = name or os.path.basename(os.path.dirname(os.path.abspath(config))) or "config"
