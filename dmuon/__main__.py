@@ -77,7 +77,7 @@ def _cmd_project(args: argparse.Namespace) -> int:
     from dmuon.tools.presets import get_preset, preset_from_hf_config
     from dmuon.tools.projection import StepSetup, project_step
     from dmuon.tools.projection_report import (machine_summary, projection_summary,
-                                                    projection_table)
+                                                    projection_table, sensitivity)
 
     preset = get_preset(args.model) if args.model else preset_from_hf_config(args.config)
     machine = MACHINES[args.machine]
@@ -96,6 +96,7 @@ def _cmd_project(args: argparse.Namespace) -> int:
                       reduce_bytes=args.reduce_bytes, max_split=args.max_split, ns_steps=args.ns_steps)
     projections = [project_step(setup, machine, d) for d in args.designs.split(",")]
     summ = projection_summary(setup, machine, projections)
+    summ["sensitivity"] = sensitivity(setup, machine, projections)
     if args.png:
         from dmuon.tools.projection_plot import write_timeline_png
         write_timeline_png(args.png, projections, title=f"{preset.name} {setup.world} {machine.name}")

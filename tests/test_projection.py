@@ -214,3 +214,18 @@ def test_project_config_takes_a_folder_as_plan_does(tmp_path):
     assert main(["plan", "--config", str(tmp_path), "--shard", "2"]) == 0
     assert main(["project", "--config", str(tmp_path), "-G", "2", "--seq", "64",
                  "--max-split", "1"]) == 0
+
+
+def test_projection_prints_its_sensitivity_to_link_constants(capsys):
+    assert main(["project", "--model", "llama-3.2-1b", "-G", "16", "--max-split", "1",
+                 "--json"]) == 0
+    summ = json.loads(capsys.readouterr().out)
+    for design in ("adamw", "dmuon"):
+        rows = summ["sensitivity"][design]
+        step = summ["designs"][design]["step_ms"]
+        assert set(rows) == {"nvlink_busbw", "nvlink_alpha", "ib_busbw", "ib_alpha"}
+        # half the bandwidth never speeds a step up, twice never slows it down (latency: reverse)
+        assert rows["ib_busbw"][0] >= step >= rows["ib_busbw"][1]
+        assert rows["ib_alpha"][0] <= step <= rows["ib_alpha"][1]
+    assert main(["project", "--model", "llama-3.2-1b", "-G", "16", "--max-split", "1"]) == 0
+    assert "with each link constant at 1/2x and 2x" in capsys.readouterr().out

@@ -8,7 +8,11 @@ from dmuon.tools.machine import Machine
 from dmuon.tools.projection import StepProjection, StepSetup
 from dmuon.functional.split_plan import SPLIT_NOTE
 
-__all__ = ["projection_summary", "projection_table", "machine_summary"]
+__all__ = ["projection_summary", "projection_table", "machine_summary", "sensitivity",
+           "SENSITIVE_CONSTANTS"]
+
+#: The link constants a projection assumes (:meth:`Machine.with_values` names).
+SENSITIVE_CONSTANTS = ("nvlink_busbw", "nvlink_alpha", "ib_busbw", "ib_alpha")
 
 
 def machine_summary(machine: Machine) -> dict[str, Any]:
@@ -20,6 +24,24 @@ def machine_summary(machine: Machine) -> dict[str, Any]:
         v = getattr(machine, f.name)
         out[f.name] = dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
     out["sources"] = dict(machine.sources)
+    return out
+
+
+def sensitivity(setup: StepSetup, machine: Machine, projections: Sequence[StepProjection], *,
+                factors: tuple[float, float] = (0.5, 2.0)) -> dict[str, dict[str, list[float]]]:
+    """``{design: {constant: [step ms at factors[0] x, at factors[1] x]}}`` for each latency and
+    bandwidth constant of :data:`SENSITIVE_CONSTANTS` (the plan of each projection is kept)."""
+    from dmuon.tools.projection import project_step
+
+    out: dict[str, dict[str, list[float]]] = {}
+    for p in projections:
+        row: dict[str, list[float]] = {}
+        for const in SENSITIVE_CONSTANTS:
+            link, attr = const.split("_", 1)
+            base = getattr(getattr(machine, link), attr)
+            row[const] = [project_step(setup, machine.with_values(**{const: base * f}), p.design,
+                                       plan=p.plan).step * 1e3 for f in factors]
+        out[p.design] = row
     return out
 
 
@@ -84,6 +106,13 @@ def projection_table(summary: Mapping[str, Any]) -> str:
                          f"{d['ns_imbalance_max_over_mean']:.3f}; plan max/mean "
                          f"{d['plan_imbalance_max_over_mean']:.3f}, split units {d['split_units']}"
                          + (f" (k = {d['split_k']}; {d['split_note']})" if d.get("split_note") else ""))
+    for name, rows in s.get("sensitivity", {}).items():
+        step = s["designs"][name]["step_ms"]
+        lo = min(v for r in rows.values() for v in r)
+        hi = max(v for r in rows.values() for v in r)
+        each = ", ".join(f"{k} {r[0] - step:+.1f}/{r[1] - step:+.1f}" for k, r in rows.items())
+        lines.append(f"  {name}: step {lo:.1f} .. {hi:.1f} ms with each link constant at 1/2x and "
+                     f"2x (ms change: {each})")
     if any(not d["fits_hbm_model_states_only"] for d in s["designs"].values()):
         lines.append("  ! model states alone exceed the GPU's memory")
     lines.append("  (model states only: params, grads, optimizer state, gathered layers; activations "
