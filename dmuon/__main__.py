@@ -20,7 +20,7 @@ __all__ = ["main", "build_parser"]
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from dmuon.functional.plan import plan_owners
-    from dmuon.tools.plan_report import plan_summary, plan_table
+    from dmuon.tools.plan_report import plan_summary, plan_table, strategy_rows, strategy_table
     from dmuon.tools.presets import get_preset, preset_from_hf_config, preset_specs
     from dmuon.tools.step_bytes import step_bytes_per_rank
     from dmuon.functional.split_plan import owner_entries
@@ -58,6 +58,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         summ["model"] = title.split(":")[0].removeprefix("model ").split(" (")[0]
         summ["views"] = views_summary(specs)
         summ["policy"] = None if policy is None else policy.canonical()
+        summ["strategy"] = strategy_rows(plan, specs)
         print(json.dumps(summ, indent=2))
     else:
         print(title)
@@ -67,6 +68,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             f"{k}: {v['params']} params, {v['matrices']} matrices"
             for k, v in views_summary(specs).items()))
         print(plan_table(plan, comm_bytes_per_rank=comm, planning_seconds=seconds, max_rows=args.max_rows))
+        print("per-matrix strategy (where each matrix's Newton-Schulz runs and why):")
+        print(strategy_table(strategy_rows(plan, specs), max_rows=args.max_rows or 20))
     return 0
 
 

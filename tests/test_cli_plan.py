@@ -30,3 +30,38 @@ def test_cli_plan_json(capsys):
     assert out["model"] == "llama-3.2-1b"
     assert len(out["comm_bytes_per_rank"]["z2"]) == 4
     assert all(b > 0 for b in out["comm_bytes_per_rank"]["z3"])
+
+
+def test_strategy_rows_of_a_plan_with_a_split():
+    """A matrix far above the mean rank cost is split over ranks of one node; the rows say so."""
+    from dmuon.functional.specs import specs_from_named_shapes
+    from dmuon.tools.plan_report import strategy_rows, strategy_table
+
+    named = [(f"layers.{i}.q_proj.weight", (256, 256), "torch.float32") for i in range(6)]
+    named.append(("layers.0.big_proj.weight", (2048, 8192), "torch.float32"))
+    specs = specs_from_named_shapes(named, lambda n, p: True)
+    rows = {r["name"]: r for r in strategy_rows(plan_owners(specs, 8, 1, max_split=4), specs)}
+    big = rows["layers.0.big_proj.weight"]
+    assert big["placement"] == "split" and big["k"] > 1 and len(set(big["ranks"])) == big["k"]
+    assert big["cost_vs_mean"] > 1 and "ways its largest piece costs" in big["reason"]
+    assert all(r["placement"] == "owner" for n, r in rows.items() if n != big["name"])
+    assert "split/" in strategy_table(list(rows.values()))
+
+
+@pytest.mark.slow
+def test_cli_plan_strategy_table(capsys):
+    """Every Muon matrix's placement (whole on one owner, or split over k ranks of a node) with
+    the reason, as data (--json) and as text."""
+    assert main(["plan", "--model", "llama-3.1-70b", "--shard", "64", "--replicate", "8",
+                 "--max-split", "8", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["strategy"]
+    specs = [s for s in preset_specs(get_preset("llama-3.1-70b")) if s.route == "muon"]
+    assert sorted(r["name"] for r in rows) == sorted(s.name for s in specs)
+    split = [r for r in rows if r["placement"] == "split"]
+    assert split and all(1 < r["k"] <= 8 and len(set(r["ranks"])) == r["k"] for r in split)
+    assert all(len({rk // 8 for rk in r["ranks"]}) == 1 for r in split)  # one node each
+    whole = [r for r in rows if r["placement"] == "owner"]
+    assert all(r["reason"] == "splitting would not lower the largest rank cost" for r in whole)
+    assert main(["plan", "--model", "llama-3.2-1b", "--shard", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "per-matrix strategy" in out and "splitting not asked for (max_split 1)" in out

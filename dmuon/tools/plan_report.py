@@ -14,7 +14,63 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional, Sequence
 if TYPE_CHECKING:  # pragma: no cover
     from dmuon.functional.owner_plan import OwnerPlan
 
-__all__ = ["plan_summary", "plan_table", "format_bytes", "format_flops"]
+__all__ = ["strategy_rows", "strategy_table", "plan_summary", "plan_table", "format_bytes", "format_flops"]
+
+
+def strategy_rows(plan: "OwnerPlan", specs: Sequence[Any]) -> list[dict[str, Any]]:
+    """Per Muon matrix: where its Newton–Schulz runs and why, as data.
+
+    Each row: ``name``, ``shape``, ``placement`` (``"owner"``: whole on one rank; ``"split"``: over
+    ``k`` ranks of one node, :mod:`dmuon.functional.split_ns`), ``ranks`` (global ranks),
+    ``ns_flops`` and ``bytes`` (of the whole matrix), ``cost_vs_mean`` (its plan cost over the mean
+    rank cost: above 1 a whole matrix alone makes its rank the slowest), and ``reason``: for a split,
+    its largest piece's cost over the mean rank cost after splitting; for a whole matrix, that
+    splitting was not asked for (``max_split`` 1) or did not lower the largest rank cost.
+    (Tensor-parallel matrices are sliced by TP before the plan sees them: each slice is a row.)
+    """
+    from dmuon.functional.plan_units import param_cost
+
+    settings = plan.params
+    mean = sum(plan.slot_costs) / max(len(plan.slot_costs), 1) or 1.0
+    split = {sp.param: sp for sp in plan.splits}
+    max_split = int(settings.get("max_split", 1) or 1)
+    G = plan.shard_size
+    rows = []
+    for spec in specs:
+        if spec.route != "muon":
+            continue
+        cost, flops, nbytes, _ = param_cost(spec, ns_steps=int(settings.get("ns_steps", 5)))
+        row = {"name": spec.name, "shape": list(spec.shape), "ns_flops": flops, "bytes": nbytes,
+               "cost_vs_mean": cost / mean}
+        sp = split.get(spec.name)
+        if sp is not None:
+            piece = max(b.cost for b in sp.blocks)
+            row.update(placement="split", k=sp.k, ranks=[b.slot for b in sp.blocks],
+                       reason=f"whole it costs {cost / mean:.2f}x the mean rank; split {sp.k} ways "
+                              f"its largest piece costs {piece / mean:.2f}x")
+        else:
+            s_, r_ = plan.owners[spec.name]
+            row.update(placement="owner", k=1, ranks=[r_ * G + s_],
+                       reason=("splitting not asked for (max_split 1)" if max_split <= 1 else
+                               "splitting would not lower the largest rank cost"))
+        rows.append(row)
+    return rows
+
+
+def strategy_table(rows: Sequence[Mapping[str, Any]], max_rows: Optional[int] = 40) -> str:
+    """:func:`strategy_rows` as text, the most costly matrices first."""
+    order = sorted(rows, key=lambda r: (-r["cost_vs_mean"], r["name"]))
+    shown = order if max_rows is None else order[:max_rows]
+    lines = [f"{'matrix':<48} {'shape':>13} {'placement':>10} {'ranks':>16} {'vs mean':>8}  reason"]
+    for r in shown:
+        ranks = ",".join(map(str, r["ranks"]))
+        shape = "x".join(map(str, r["shape"]))
+        where = r["placement"] if r["k"] == 1 else f"{r['placement']}/{r['k']}"
+        lines.append(f"{r['name'][-48:]:<48} {shape:>13} {where:>10} {ranks[-16:]:>16} "
+                     f"{r['cost_vs_mean']:>8.3f}  {r['reason']}")
+    if len(order) > len(shown):
+        lines.append(f"... {len(order) - len(shown)} more (the cheapest)")
+    return "\n".join(lines)
 
 
 def format_bytes(n: float) -> str:
