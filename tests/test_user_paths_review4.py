@@ -2,7 +2,8 @@
 on one process with ``RefMuon`` to <= 1e-10, or a clear error on every rank within a bound.
 
 Paths: a ``register_post_accumulate_grad_hook`` registered on the dedicated matrices after
-``dedicate_params`` (and, in ZeRO-2, between a forward and its backward).
+``dedicate_params`` (and, in ZeRO-2, between a forward and its backward); such a hook that steps
+the matrix itself (optimizer-in-backward).
 
 One spawn of 2 ranks runs every path (the default tier's budget); the reference runs each rank's
 micro-batch in turn on one process (loss / world, summed gradients).
@@ -76,10 +77,31 @@ def _hook_after(cfg, when):
     return path
 
 
+def _hook_writes(env):
+    """Optimizer-in-backward: a hook that steps the dedicated matrix itself (``p.add_``). Its
+    gathered copy is not the matrix (the owner's master is): the write must raise, not vanish."""
+    model, opt = _build(make_model, env)
+    mats = [p for n, p in model.named_parameters() if muon_predicate(n, p)]
+
+    def step_in_backward(p):
+        if p.grad is not None:
+            with torch.no_grad():
+                p.add_(p.grad, alpha=-0.01)
+    for p in mats:
+        p.register_post_accumulate_grad_hook(step_in_backward)
+    for ids in make_batches(2, BATCH):
+        opt.zero_grad()
+        for mb, scale in _chunks(ids, env):
+            (model(mb) * scale).backward()
+        opt.step()
+    return {"sd": _full_sd(model, env)}
+
+
 PATHS = {
     "hook_after_setup": _hook_after({}, "setup"),
     "hook_after_setup_z2": _hook_after({"z3": False}, "setup"),
     "hook_mid_z2": _hook_after({"z3": False}, "mid"),
+    "hook_writes": _hook_writes,
 }
 
 
@@ -128,3 +150,14 @@ def test_post_accumulate_grad_hook_after_setup_sees_the_gradient(results, key):
     """Before: the hook saw ``p.grad is None`` on every dedicated matrix (a defensive hook did
     nothing: 0.114 from one process after 4 steps in the issue's run)."""
     _check(results, key)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 37 item 1: a write to a gathered dedicated matrix in "
+                   "a post-accumulate-grad hook is silently lost")
+def test_optimizer_in_backward_on_a_dedicated_matrix_raises_on_every_rank(results):
+    """A hook that updates the param itself (optimizer-in-backward) writes into the gathered copy,
+    which dmuon discards: every rank must raise, naming the param and ``dmuon.Muon``."""
+    for rank, r in enumerate(results):
+        err = r["hook_writes"].get("error", "")
+        assert "DedicatedParamError" in err and "in place" in err and "dmuon.Muon" in err, \
+            (rank, err[:400])
