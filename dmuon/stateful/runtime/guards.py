@@ -104,6 +104,10 @@ class DedicatedPlaceholder(TorchGuard, nn.Parameter):
 
     @classmethod
     def _guard_special(cls, name: str, func: Callable, args: tuple, kwargs: dict) -> Any:
+        if name == "register_post_accumulate_grad_hook" and args:  # dmuon's own hook stays last
+            handle = call_plain(func, args, kwargs)
+            keep_dmuon_hook_last(args[0])
+            return handle
         if name == "detach" and saving_state_dict():  # dmuon's own state_dict pass
             return call_plain(func, args, kwargs)
         if name == "copy_" and len(args) >= 2 and args[0] is args[1]:
@@ -182,6 +186,39 @@ class DedicatedGradMarker(TorchGuard, torch.Tensor):
             "is only a marker). Use "
             + ("optimizer.state_dict() (or dmuon.get_optimizer_state_dict) to read it"
                if what != "gradient" else _HINTS.get(name, _DEFAULT_HINT)) + ".")
+
+
+def keep_dmuon_hook_last(p: nn.Parameter) -> bool:
+    """Move dmuon's post-accumulate-grad hook of ``p`` (``p._dmuon_grad_hook``) behind the hooks
+    registered after it, so that theirs see ``.grad`` before dmuon takes it; True when it was not
+    last (torch calls the hooks in registration order). Records the param's version, so that
+    :func:`check_not_written` can tell a write by such a hook."""
+    hooks, hid = p._post_accumulate_grad_hooks, getattr(p, "_dmuon_grad_hook", None)
+    p._dmuon_version = p._version
+    if hooks is None or hid not in hooks or next(reversed(hooks)) == hid:
+        return False
+    # torch calls them in the order of the underlying dict, which OrderedDict.move_to_end leaves
+    # as it is: insert them anew (handles keep working: they remove by id)
+    items = [(k, v) for k, v in hooks.items() if k != hid] + [(hid, hooks[hid])]
+    hooks.clear()
+    hooks.update(items)
+    return True
+
+
+def check_not_written(name: str, p: nn.Parameter, owner: Any) -> None:
+    """Raise if the gathered dedicated param ``p`` was written in place since
+    :func:`keep_dmuon_hook_last` last looked (its version moved): e.g. an optimizer step inside a
+    post-accumulate-grad hook (optimizer-in-backward). The gathered copy is discarded after use,
+    so the write would be lost silently."""
+    seen = getattr(p, "_dmuon_version", None)
+    if seen is not None and p._version != seen:
+        raise DedicatedParamError(
+            f"dmuon: the dedicated param {name!r} was written in place while gathered (e.g. an "
+            "optimizer step inside a post-accumulate-grad hook: optimizer-in-backward). Its "
+            f"values live whole on owner rank {owner}; the gathered copy written here is "
+            "discarded after use, so the write would be lost. Update dedicated params through "
+            "dmuon.Muon's step() (hooks may read or scale p.grad, which dmuon then reduces).")
+    p._dmuon_version = p._version
 
 
 def to_placeholder(p: nn.Parameter) -> None:

@@ -10,7 +10,10 @@ Per hook-boundary module (a ``layers.N`` block by default — never a leaf, sinc
   end-of-backward callback once per backward, re-gather (Z3), prefetch the previous group;
 * post-accumulate-grad on every dedicated param: the state collects the local grad (and queues the
   end-of-backward callback, should no pre-backward hook have fired) and launches the reduces that
-  are due, in the one order every rank uses (:mod:`dmuon.stateful.runtime.state`).
+  are due, in the one order every rank uses (:mod:`dmuon.stateful.runtime.state`). It runs after
+  the user's own post-accumulate-grad hooks on the param, whenever they were registered, so they
+  see the local gradient as torch gives it (:meth:`~dmuon.stateful.runtime.state.DedicatedState.
+  on_grad`).
 
 **Any forward output.** The pre-backward hook needs the tensors of the output. Like FSDP2, dmuon
 looks for them with torch's pytree (tensors, tuples, lists, dicts, HF ``ModelOutput``), and beyond
@@ -171,6 +174,8 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
         handles.append(g.module.register_forward_hook(_eager(post)))
 
     for name, p in st.params.items():
-        handles.append(p.register_post_accumulate_grad_hook(
-            _eager(lambda param, name=name: st.on_grad(name, param))))
+        h = p.register_post_accumulate_grad_hook(
+            _eager(lambda param, name=name: st.on_grad(name, param)))
+        p._dmuon_grad_hook = h.id  # kept last among the param's hooks (state.on_grad, guards)
+        handles.append(h)
     return handles

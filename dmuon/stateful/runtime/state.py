@@ -50,6 +50,7 @@ from dmuon.functional.policy import resolve_group_dtypes
 from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
 from dmuon.compat.fsdp_info import find_fsdp_state, mean_to_fsdp_scale
 from dmuon.stateful.runtime.executor import Executor
+from dmuon.stateful.runtime.guards import check_not_written, keep_dmuon_hook_last
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.stateful.runtime.ledger import GradLedger
 from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState, ReducedGrad
@@ -134,6 +135,7 @@ class DedicatedState(PublishMixin):
         self.version = 0               # weights change at every step: older gathers are stale
         self.require_grad_sync = True  # False inside dmuon.no_sync
         self._callback_queued = False
+        self._deferred_grads: dict[str, nn.Parameter] = {}  # on_grad: taken at the backward's end
         self.ready = False
         #: the step program (:mod:`dmuon.functional.program`), built at the first forward
         self.program: Optional[StepProgram] = None
@@ -313,7 +315,27 @@ class DedicatedState(PublishMixin):
 
     def on_grad(self, name: str, param: nn.Parameter) -> None:
         """Post-accumulate-grad of a dedicated param: move the local grad aside; launch the
-        reduces that are due (:meth:`_launch_due_reduces`)."""
+        reduces that are due (:meth:`_launch_due_reduces`).
+
+        The user's own post-accumulate-grad hooks on the param see ``.grad`` as torch gives it
+        (the local gradient): dmuon's hook is kept last (:func:`keep_dmuon_hook_last`, at every
+        registration on a placeholder). A hook registered while the param was gathered runs
+        after dmuon's in this backward: the gradient then stays in ``.grad`` for it and is taken
+        at the end of the backward (its group's reduce waits for that end). A hook that wrote
+        the gathered copy in place (an optimizer step inside the hook) raises: that copy is
+        discarded, the owner's master is the matrix."""
+        if param.grad is None:
+            return
+        hooks = param._post_accumulate_grad_hooks
+        if hooks is not None and len(hooks) > 1:
+            check_not_written(name, param, self.owner_rank[name])
+            if keep_dmuon_hook_last(param):  # later hooks run after this one, now
+                self.on_backward_start()
+                self._deferred_grads[name] = param
+                return
+        self._take_grad(name, param)
+
+    def _take_grad(self, name: str, param: nn.Parameter) -> None:
         grad = param.grad
         if grad is None:
             return
@@ -346,6 +368,11 @@ class DedicatedState(PublishMixin):
     def on_backward_end(self) -> None:
         """End of a backward: launch every reduce not launched yet, in the fixed order (zeros and
         presence 0 for missing grads), free gathered copies, reset per-backward state."""
+        deferred, self._deferred_grads = self._deferred_grads, {}
+        for name, param in deferred.items():  # left in .grad for hooks registered after dmuon's
+            if param._post_accumulate_grad_hooks is not None:
+                check_not_written(name, param, self.owner_rank[name])
+            self._take_grad(name, param)
         self._callback_queued = False
         self.wait_publish()  # publishes of groups this forward did not use
         if self.require_grad_sync:
