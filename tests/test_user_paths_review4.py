@@ -331,8 +331,6 @@ def test_optimizer_in_backward_on_a_dedicated_matrix_raises_on_every_rank(result
             (rank, err[:400])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 item 2: a state dict called on one rank waits in "
-                   "a collective until the timeout, then names the weight gather")
 def test_state_dict_on_one_rank_raises_within_seconds_naming_the_cause(results):
     """Before: rank 0 waited in the collective state dict for the whole timeout (30 min at
     torch's default), then raised about "the weight gather (forward / backward pre-hook)

@@ -286,6 +286,16 @@ def composable_replicate_applied(module: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------ process groups
+def default_store() -> Any:
+    """The default process group's key-value store (the rendezvous ``TCPStore``, behind its
+    prefix), or ``None`` when this torch does not expose it."""
+    import torch.distributed as dist
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - private API; the caller then skips what needs it
+        return None
+
+
 def default_group_timeout(device_type: str) -> Optional[datetime.timedelta]:
     """The default process group's collective timeout for ``device_type`` (``None`` when this
     torch does not expose it)."""

@@ -64,6 +64,11 @@ ROOT_GROUP = ""
 #: the model attribute ``dedicate_params`` stores the state in (read it with :func:`get_state`)
 STATE_ATTR = "_dmuon_state"
 
+#: what to do instead of a state dict / save on some ranks only (:meth:`DedicatedState.join`)
+JOIN_FIX = ("Call it on every rank and write on one: Hugging Face `model.save_pretrained(dir, "
+            "is_main_process=(rank == 0))` on every rank; or `sd = dmuon.get_model_state_dict("
+            "model)` on every rank and `torch.save(sd, path)` on rank 0 only.")
+
 __all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_state",
            "local_tensor"]
 
@@ -194,6 +199,16 @@ class DedicatedState(PublishMixin):
         if self.meta_init is not None:
             from dmuon.stateful.modes.meta_init import finish_meta_init
             finish_meta_init(self, what)
+
+    def join(self, what: str, *, always: bool = False) -> None:
+        """Before a state-dict / checkpoint call that issues collectives: every rank must make it
+        (:func:`dmuon.stateful.runtime.agree.join`: within seconds, an error on the ranks that
+        did, naming those that did not, before anything is sent). ``always=False``: only when the
+        call moves dedicated matrices between ranks (``G > 1``, TP, an open meta-init window;
+        in DDP mode every rank holds them whole, and a save on rank 0 alone is fine)."""
+        if always or self.G > 1 or self.tp_layouts or self.meta_init is not None:
+            from dmuon.stateful.runtime.agree import join
+            join(what, fix=JOIN_FIX)
 
     def owned_masters(self) -> dict[str, torch.Tensor]:
         """``{name: master}`` of the matrices this rank runs Muon on (fixed at setup)."""
