@@ -350,11 +350,10 @@ def test_state_dict_on_one_rank_raises_within_seconds_naming_the_cause(results):
         assert o["every_rank_after"] == (None, None), (rank, o["every_rank_after"])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 item 3: a dedicated matrix takes its dtypes from "
-                   "the hook group's policy, not from the fully_shard module that holds it")
 def test_nested_fully_shard_policy_is_followed_per_matrix(results):
     """Before: every rank raised torch's ``expected m1 and m2 to have the same dtype`` (the
-    attention matrices gathered in fp64, their input cast to fp32 by FSDP2), no word of dmuon."""
+    attention matrices gathered in fp64, their input cast to fp32 by FSDP2), no word of dmuon.
+    Now each matrix follows the policy of the innermost ``fully_shard`` module holding it."""
     _check(results, "nested_mp")
 
 

@@ -1,7 +1,8 @@
 """What FSDP2 did to a model: which modules it took, with which mesh and mixed-precision policy.
 
 dmuon casts dedicated params itself (FSDP2 does not cast ignored params), so it reads the
-``MixedPrecisionPolicy`` that ``fully_shard`` got for the module enclosing each hook group. All
+``MixedPrecisionPolicy`` that ``fully_shard`` got for the innermost module holding each dedicated
+param. All
 access to FSDP2's private state goes through :mod:`dmuon.compat.torch_api`.
 """
 from __future__ import annotations

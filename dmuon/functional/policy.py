@@ -11,7 +11,8 @@ what it sets; what it leaves ``None`` falls through to the defaults below:
   shape) = k > 0`` given to ``dedicate_params`` (``Batch(k)``), else :func:`default_view`.
 * **param_dtype / reduce_dtype / master_dtype** (Muon params only) — see :class:`Rule`: the rule's
   value, else the hook group's ``MixedPrecisionPolicy`` (``dedicate_params(mp_policy=)``, else the
-  enclosing ``fully_shard``'s), else the param's own dtype (gathered copy), the gathered copy's
+  policy of the innermost ``fully_shard`` module holding the param), else the param's own dtype
+  (gathered copy), the gathered copy's
   dtype (reduce), the wider of the param's dtype and fp32 (master).
 
 :func:`default_view` (module-aware, shown per param by ``dmuon plan`` and ``describe``):
@@ -76,7 +77,8 @@ class Rule:
         compute with; the placeholders show it too), one of :data:`RULE_DTYPES` (fp16 / bf16 /
         fp32 / fp64, as the two fields below). ``None``: the hook group's
         ``MixedPrecisionPolicy.param_dtype`` (``dedicate_params(mp_policy=)``, else the
-        enclosing ``fully_shard``'s), else the param's own dtype. dmuon does not cast the module's
+        innermost ``fully_shard`` module's holding it), else the param's own dtype. dmuon does not
+        cast the module's
         inputs: a module whose weight dtype differs from its input's must cast itself (FSDP2's
         ``cast_forward_inputs`` acts at ``fully_shard`` boundaries, not per param).
       reduce_dtype: dtype the gradient is averaged in (the local gradient is cast to it).

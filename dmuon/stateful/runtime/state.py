@@ -153,7 +153,7 @@ class DedicatedState(PublishMixin):
         self.shard_mesh: Any = None
         self.raw_state_dict = False
         self._transfer: Any = None
-        self._fsdp_states: dict[str, Any] = {}  # {group key: enclosing FSDP2 state} (lazy init)
+        self._fsdp_states: dict[str, Any] = {}  # {name: innermost FSDP2 state} (lazy init)
         # "fsdp" or "ddp" (dedicate_params(data_parallel=...); DDP mode: dmuon.stateful.modes.ddp)
         self.data_parallel = "fsdp"
         #: the open init window of a meta-built model (:mod:`dmuon.stateful.modes.meta_init`), or None
@@ -220,23 +220,34 @@ class DedicatedState(PublishMixin):
         forward, once: the compute and reduce dtypes come from FSDP2's policy).
 
         Per param, :func:`dmuon.functional.policy.resolve_group_dtypes` (policy rules over the
-        group's ``MixedPrecisionPolicy``); a bucket holds one dtype (layouts are keyed by it)."""
+        ``MixedPrecisionPolicy`` of the innermost ``fully_shard`` module holding the param,
+        :meth:`_fsdp_holders`); a bucket holds one dtype (layouts are keyed by it)."""
         if self.ready:
             return
         self.finish_meta_init("dmuon (first forward)")
         model = self.model_ref()
         if model is not None:
             check_not_taken_over(model, self.params, "dmuon (first forward)")
+        holders = self._fsdp_holders(model)
         for g in self.groups.values():
-            self._fsdp_states[g.key] = fsdp = find_fsdp_state(model, g.module)
-            pol = self.mp_policy if self.mp_policy is not None else fsdp_mp_policy(fsdp)
-            g.compute_dtype, g.reduce_dtype, cd, rd = resolve_group_dtypes(
-                g.key or "<root>", {n: self.orig_dtype[n] for n in g.names},
-                group_param_dtype=getattr(pol, "param_dtype", None),
-                group_reduce_dtype=getattr(pol, "reduce_dtype", None),
-                rule_param_dtype=self.rule_param_dtype, rule_reduce_dtype=self.rule_reduce_dtype)
-            self.compute_dtype.update(cd)
-            self.reduce_dtype.update(rd)
+            own = find_fsdp_state(model, g.module)
+            parts: dict[int, list[str]] = {}
+            for n in g.names:  # each matrix follows the fully_shard module that holds it
+                parts.setdefault(id(holders[n]), []).append(n)
+            for names in parts.values():
+                fsdp = holders[names[0]]
+                pol = self.mp_policy if self.mp_policy is not None else fsdp_mp_policy(fsdp)
+                c, r, cd, rd = resolve_group_dtypes(
+                    g.key or "<root>", {n: self.orig_dtype[n] for n in names},
+                    group_param_dtype=getattr(pol, "param_dtype", None),
+                    group_reduce_dtype=getattr(pol, "reduce_dtype", None),
+                    rule_param_dtype=self.rule_param_dtype,
+                    rule_reduce_dtype=self.rule_reduce_dtype)
+                if fsdp is own or g.compute_dtype is None:
+                    g.compute_dtype, g.reduce_dtype = c, r
+                self.compute_dtype.update(cd)
+                self.reduce_dtype.update(rd)
+                self._fsdp_states.update(dict.fromkeys(names, fsdp))
         cdt, rdt = self.compute_dtype, self.reduce_dtype
         self.program = step_program(
             self.owners, self.shape, cdt, reduce_dtypes=rdt, master_dtypes=self.master_dtype,
@@ -249,6 +260,25 @@ class DedicatedState(PublishMixin):
             g.setup(self.program)
         self.storage.set_placeholder_dtypes(cdt)
         self.ready = True
+
+    def _fsdp_holders(self, model: Optional[nn.Module]) -> dict[str, Any]:
+        """``{name: FSDP2 state}`` of the innermost ``fully_shard``-ed module holding each
+        dedicated param (``None``: none does): its ``MixedPrecisionPolicy`` (FSDP2 casts that
+        module's inputs to its ``param_dtype``) and gradient divide factor apply to the param."""
+        from dmuon.compat.torch_api import fsdp_state
+        found: dict[str, Any] = {}
+
+        def state_of(path: str) -> Any:
+            if path not in found:
+                m = model.get_submodule(path) if path else model
+                st = fsdp_state(m)
+                found[path] = st if st is not None or not path else \
+                    state_of(path.rpartition(".")[0])
+            return found[path]
+        if model is None:
+            return {n: find_fsdp_state(None, self.groups[self.group_of[n]].module)
+                    for n in self.names}
+        return {n: state_of(n.rpartition(".")[0]) for n in self.names}
 
     def tp_schedule(self) -> Optional[Schedule]:
         """Tensor parallelism's NS gathers / scatters over the world (the step program's ``tp``
@@ -412,8 +442,8 @@ class DedicatedState(PublishMixin):
                 self._accumulate(rg)
 
     def _accumulate(self, rg: ReducedGrad) -> None:
-        k = mean_to_fsdp_scale(self._fsdp_states.get(self.group_of[rg.name]), self.G * self.R)
-        if k is not None:  # FSDP2's set_gradient_divide_factor on the enclosing module
+        k = mean_to_fsdp_scale(self._fsdp_states.get(rg.name), self.G * self.R)
+        if k is not None:  # FSDP2's set_gradient_divide_factor on the module holding the param
             rg.grad.mul_(k)
         self.ledger.add_reduced(rg.name, rg.grad, rg.present_here, rg.flag)
 
