@@ -205,14 +205,19 @@ def _disc():
     return Disc().double()
 
 
-def _r1_penalty(env):
+def _r1_penalty(cfg):
+    return lambda env: _r1_penalty_run(env, cfg)
+
+
+def _r1_penalty_run(env, cfg):
     """R1 gradient penalty (StyleGAN / WGAN-GP style): ``autograd.grad(D(x).sum(), x,
     create_graph=True)``, then ``.backward()`` through that gradient; FSDP2 told to keep its
-    params (``reshard_after_forward=False``, ``set_reshard_after_backward(False)``)."""
+    params (``reshard_after_forward=False``, and ``set_reshard_after_backward(False)`` for the
+    first pass only: kept for good, FSDP2 would run the next forward on its stale pre-step
+    copies)."""
     import torch.nn.functional as F
-    model, opt = _build(_disc, env, {"z3": False})
-    if env["dist"]:
-        model.set_reshard_after_backward(False)
+    model, opt = _build(_disc, env, cfg)
+    keep = model.set_reshard_after_backward if env["dist"] else (lambda flag: None)
     gen = torch.Generator().manual_seed(5)
     data = [torch.randn(BATCH, 8, generator=gen, dtype=torch.float64) for _ in range(STEPS)]
     for real in data:
@@ -220,8 +225,10 @@ def _r1_penalty(env):
         for x, scale in _chunks(real, env):
             x = x.clone().requires_grad_(True)
             out = model(x)
+            keep(False)
             (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
             loss = F.softplus(-out).mean() + 5.0 * g.pow(2).sum(-1).mean()
+            keep(True)
             (loss * scale).backward()
         opt.step()
     return {"sd": _full_sd(model, env)}
@@ -233,7 +240,8 @@ PATHS = {
     "hook_mid_z2": _hook_after({"z3": False}, "mid"),
     "hook_writes": _hook_writes,
     "nested_mp": _nested_mp,
-    "r1_penalty": _r1_penalty,
+    "r1_penalty": _r1_penalty({"z3": False}),
+    "r1_penalty_z3": _r1_penalty({}),
 }
 
 
@@ -357,10 +365,10 @@ def test_nested_fully_shard_policy_is_followed_per_matrix(results):
     _check(results, "nested_mp")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 item 4: dmuon frees its gathered copies at the end "
-                   "of the create_graph pass, which the second backward needs")
-def test_double_backward_gradient_penalty_equals_one_process(results):
+@pytest.mark.parametrize("key", ["r1_penalty", "r1_penalty_z3"])
+def test_double_backward_gradient_penalty_equals_one_process(results, key):
     """Before: every rank raised torch's internal ``setStorage ... size 0`` in the second backward
     (dmuon had freed the gathered copies the first pass's graph saved); no dmuon setting kept
-    them."""
-    _check(results, "r1_penalty")
+    them. Now a backward with ``create_graph=True`` keeps them gathered (its graph holds them)
+    until the next backward without it ends, or the step; ZeRO-2 and ZeRO-3."""
+    _check(results, key)

@@ -141,6 +141,7 @@ class DedicatedState(PublishMixin):
         self.require_grad_sync = True  # False inside dmuon.no_sync
         self._callback_queued = False
         self._deferred_grads: dict[str, nn.Parameter] = {}  # on_grad: taken at the backward's end
+        self._keep_gathered = False  # this backward has create_graph=True (on_backward_start)
         self.ready = False
         #: the step program (:mod:`dmuon.functional.program`), built at the first forward
         self.program: Optional[StepProgram] = None
@@ -353,10 +354,15 @@ class DedicatedState(PublishMixin):
 
     # ------------------------------------------------------------------ backward protocol
     def on_backward_start(self) -> None:
-        """The first dmuon hook of a backward pass: queue :meth:`on_backward_end` once."""
+        """The first dmuon hook of a backward pass: queue :meth:`on_backward_end` once. A
+        backward with ``create_graph=True`` (grad mode is on inside it) builds a graph that
+        holds the gathered copies: they stay gathered until the next backward without it ends,
+        or the next step (a gradient penalty's second backward runs through them)."""
         if not self._callback_queued:
             self._callback_queued = True
             queue_backward_callback(self.on_backward_end)
+        if torch.is_grad_enabled():
+            self._keep_gathered = True
 
     def on_grad(self, name: str, param: nn.Parameter) -> None:
         """Post-accumulate-grad of a dedicated param: move the local grad aside; launch the
@@ -397,7 +403,8 @@ class DedicatedState(PublishMixin):
         g = self.groups[key]
         self.ledger.take_markers(g.names)  # markers of an earlier no_sync backward: still there?
         g.launch_reduce(self.ledger.send(g.names), self.pool)
-        g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
+        if not self._keep_gathered:
+            g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
 
     def _launch_due_reduces(self) -> None:
         """Launch, in the fixed reduce order, every reduce whose group's gradients are complete
@@ -426,9 +433,11 @@ class DedicatedState(PublishMixin):
         self._reduce_next = 0
         if self.require_grad_sync:
             self.ledger.fresh = True
+        create_graph, self._keep_gathered = self._keep_gathered, False
         for g in self.groups.values():
-            # weights change only at step(): Z2 keeps its gathered copy across no_sync micro-batches
-            keep = not self.require_grad_sync and not g.reshard_after_forward
+            # weights change only at step(): Z2 keeps its gathered copy across no_sync
+            # micro-batches; a create_graph backward's graph holds the copies (on_backward_start)
+            keep = create_graph or (not self.require_grad_sync and not g.reshard_after_forward)
             if g.holds_gathered and not keep:
                 g.reshard()
             g.reset_backward()
