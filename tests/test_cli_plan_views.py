@@ -55,13 +55,13 @@ def test_plan_gpt2_and_policies(tmp_path, capsys):
     assert "policy rules (first match wins):" in text and "split(16+8+8,rows)" in text
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 item 7: --split-fused leaves transformers 5's 3-D "
-                   "fused experts.gate_up_proj fused per expert, silently")
 def test_split_fused_splits_3d_expert_stacks_or_refuses(tmp_path, capsys):
     """transformers 5 stores MoE experts fused: ``experts.gate_up_proj`` (E, 2I, H), rows
     ``gate | up`` per expert. ``--split-fused`` must split each expert's matrix (2E matrices of
     (I, H)); a layout a row split would cut wrongly (gpt-oss: (E, H, 2I), gate / up interleaved)
-    must raise naming it. Before: both stayed ``batch(1)`` (E fused matrices), no error."""
+    must raise naming it. Before: both stayed ``batch(1)`` (E fused matrices), no error. Now
+    ``Split`` takes a stack of fused matrices (leading dims) and ``hf_rules(split_fused=True)``
+    adds ``*.experts.gate_up_proj``; the experts module's layout flags are checked."""
     import torch
     import transformers as tf
 
@@ -80,5 +80,7 @@ def test_split_fused_splits_3d_expert_stacks_or_refuses(tmp_path, capsys):
                           num_local_experts=4, num_experts_per_tok=2, layer_types=["full_attention"] * 2)
     folder = tmp_path / "gpt_oss"
     cfg.save_pretrained(folder)
-    with pytest.raises(ValueError, match="interleaved"):
+    with pytest.raises(SystemExit):  # the CLI prints the ValueError and exits with 2
         main(["plan", "--shard", "2", "--json", "--config", str(folder), "--split-fused"])
+    err = capsys.readouterr().err
+    assert "interleaved" in err and "experts.gate_up_proj" in err, err
