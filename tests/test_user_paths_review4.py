@@ -482,8 +482,6 @@ def test_double_backward_gradient_penalty_equals_one_process(results, key):
     _check(results, key)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 37 item 5: the errors point elsewhere (dmuon.Muon, "
-                   "FSDP2 takeover) or FSDP2 trains the flat model wrong, silently")
 @pytest.mark.parametrize("key, needles", [
     ("grad_scaler", ("GradScaler", "fp16 loss scaling is not supported", "bf16")),
     ("peft_after", ("PEFT", "before dmuon.dedicate_params", "base_layer")),
@@ -493,7 +491,8 @@ def test_errors_name_the_real_cause(results, key, needles):
     """Before: GradScaler raised a ``DedicatedParamError`` telling the user to use ``dmuon.Muon``
     (they do); PEFT after ``dedicate_params`` was blamed on FSDP2 takeover and patch order; the
     flat model whose forward returns a plain object hiding the loss trained silently wrong (FSDP2
-    never reduced its own params' gradients: 1.0 relative on the AdamW params)."""
+    never reduced its own params' gradients: 1.0 relative on the AdamW params). Now each raises
+    on every rank naming the cause and the fix (bf16; PEFT first; a pytree-visible output)."""
     for rank, r in enumerate(results):
         kind, msg = r[key]
         assert kind is not None, (rank, key)

@@ -70,6 +70,15 @@ _DEFAULT_HINT = ("dmuon.Muon(model, ...) to update the model, dmuon.clip_grad_no
                  "one: call optimizer.zero_grad() and redo the step)")
 
 
+#: torch.amp.GradScaler on a dmuon model (its unscale_ reaches a gradient marker)
+FP16_LOSS_SCALING = (
+    "dmuon: torch.amp.GradScaler (fp16 loss scaling) is not supported on a dmuon model: fp16 "
+    "loss scaling is not supported; use bf16 (a MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
+    "or torch.autocast(dtype=torch.bfloat16): no scaler needed) or fp32. The scaler cannot see "
+    "the dedicated matrices' gradients (they live on their owner ranks), so it could neither "
+    "unscale them nor detect their overflows. Call optimizer.zero_grad() before going on "
+    "(FSDP2's gradients of another dtype may have been unscaled already).")
+
 _SAVING = threading.local()
 
 
@@ -180,6 +189,8 @@ class DedicatedGradMarker(TorchGuard, torch.Tensor):
                      kwargs: dict) -> DedicatedParamError:
         m = first_instance(DedicatedGradMarker, args, kwargs)
         what = getattr(m, "_dmuon_what", "gradient")
+        if name == "_amp_foreach_non_finite_check_and_unscale_":  # GradScaler.unscale_ / step
+            return DedicatedParamError(FP16_LOSS_SCALING)
         return DedicatedParamError(
             f"dmuon: torch's {name!r} was applied to the {what} of the dedicated param "
             f"{getattr(m, '_dmuon_name', '?')!r}, which dmuon holds on its owner rank (here it "

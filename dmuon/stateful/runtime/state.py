@@ -229,6 +229,8 @@ class DedicatedState(PublishMixin):
         model = self.model_ref()
         if model is not None:
             check_not_taken_over(model, self.params, "dmuon (first forward)")
+            if renamed_params(self, model):
+                raise renamed_error(self, model, "dmuon (first forward)")
         holders = self._fsdp_holders(model)
         for g in self.groups.values():
             own = find_fsdp_state(model, g.module)
@@ -514,10 +516,55 @@ def find_state(model: Any) -> Optional[DedicatedState]:
     return getattr(unwrap_model(model), STATE_ATTR, None)
 
 
+#: module names wrappers insert that do not change what a param is (torch.compile, activation
+#: checkpointing, FSDP1 / DDP wrappers)
+_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module",
+                               "module"})
+
+
+def _plain_name(name: str) -> str:
+    return ".".join(s for s in name.split(".") if s not in _WRAPPER_SEGMENTS)
+
+
+def renamed_params(st: DedicatedState, root: nn.Module) -> list[tuple[str, str]]:
+    """``(name at dedicate_params, name in root now)`` of the dedicated params that ``root`` now
+    names otherwise (beyond compile / checkpoint / DDP wrapper segments), or does not hold."""
+    now: dict[int, list[str]] = {}
+    for n, p in root.named_parameters(remove_duplicate=False):
+        now.setdefault(id(p), []).append(n)
+    out = []
+    for n, p in st.params.items():
+        names = now.get(id(p), [])
+        if not any(_plain_name(a).endswith(_plain_name(n)) for a in names):
+            out.append((n, names[0] if names else "<gone>"))
+    return out
+
+
+def renamed_error(st: DedicatedState, root: nn.Module, what: str, inner: str = "") -> RuntimeError:
+    """The error for a model wrapped or renamed after ``dedicate_params`` (PEFT's
+    ``get_peft_model`` is the usual cause)."""
+    moved = renamed_params(st, root)
+    eg = (f" (e.g. {moved[0][0]!r} is now {moved[0][1]!r}, {len(moved)} dedicated params "
+          "renamed)") if moved else ""
+    where = f" wraps the model dmuon.dedicate_params prepared (at {inner!r}) and" if inner else ""
+    return RuntimeError(
+        f"{what}: this model{where} had its modules wrapped or renamed after "
+        f"dmuon.dedicate_params{eg}, as PEFT's get_peft_model (LoRA) does: dmuon's hooks, groups "
+        "and state-dict names refer to the modules as they were. Apply PEFT (get_peft_model) "
+        "before dmuon.dedicate_params: dmuon.dedicate_params(peft_model, mesh, predicate), then "
+        "fully_shard "
+        "(its frozen base weights are left out; the trainable ones are dedicated).")
+
+
 def get_state(model: nn.Module, what: str = "this call") -> DedicatedState:
-    """The state ``dedicate_params`` attached to ``model``; clear error when there is none."""
+    """The state ``dedicate_params`` attached to ``model``; clear error when there is none (also
+    when ``model`` wraps a dedicated model, as PEFT's ``get_peft_model`` applied afterwards)."""
     st = find_state(model)
     if st is None:
+        for path, m in model.named_modules():
+            inner = getattr(m, STATE_ATTR, None) if path else None
+            if inner is not None:
+                raise renamed_error(inner, model, what, path)
         raise RuntimeError(
             f"{what} needs a model prepared by dmuon.dedicate_params(model, mesh, predicate) "
             "(call it before fully_shard), but this model has no dedicated parameters.")
