@@ -416,6 +416,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.runtime.guards)
+        p._dmuon_shape = st.shape[n]  # what a placeholder reports as its shape / numel()
     st.shard_mesh = mesh["shard"] if mesh.ndim == 2 else mesh
     if data_parallel == "ddp":
         st.shard_mesh = None  # model.state_dict(): plain full tensors, as DDP's

@@ -9,8 +9,11 @@ a smaller norm), ``torch.optim.AdamW(model.parameters())`` would never update th
 * :class:`DedicatedPlaceholder` — the class of a dedicated param while it is a placeholder (dmuon
   switches ``param.__class__`` between it and ``nn.Parameter`` when it frees / gathers the param, so
   forward and backward run on plain parameters at no cost). Metadata, attribute access and hook
-  registration work; any op that reads or writes its values raises :class:`DedicatedParamError`,
-  naming the param, its owner rank and the dmuon call to use.
+  registration work (``shape``, ``size()``, ``numel()``, ``dim()`` answer the matrix's full shape,
+  as FSDP2's DTensors do; the storage stays empty, which torch's C++ checks see); any op that
+  reads or writes its values raises :class:`DedicatedParamError`, naming the param, its owner
+  rank and the dmuon call to use. A post-accumulate-grad hook registered on it is put before
+  dmuon's own (:func:`keep_dmuon_hook_last`).
 * :func:`guard_module_apply` — ``model.to(dtype)`` / ``model.cuda()`` / ``model.half()`` after
   ``dedicate_params`` would convert FSDP2's params one by one and then fail at the first
   placeholder, leaving a half-converted model; the root module's ``_apply`` first tries the
@@ -44,7 +47,7 @@ import torch.nn as nn
 from dmuon.compat.torch_api import make_tensor_subclass, torch_function_disabled
 from dmuon.stateful.runtime.errors import DedicatedParamError
 from dmuon.stateful.runtime.guard_base import (CONVERSIONS, PASS_ON, TorchGuard, call_plain,
-                                               first_instance)
+                                               first_instance, full_shape_query)
 
 __all__ = ["DedicatedParamError", "saving_state_dict", "DedicatedPlaceholder", "DedicatedGradMarker",
            "TPSliceGuard", "to_placeholder", "to_plain", "to_tp_slice_guard", "make_marker",
@@ -119,6 +122,12 @@ class DedicatedPlaceholder(TorchGuard, nn.Parameter):
             return handle
         if name == "detach" and saving_state_dict():  # dmuon's own state_dict pass
             return call_plain(func, args, kwargs)
+        me = args[0] if args else None
+        shape = getattr(me, "_dmuon_shape", None)
+        if shape is not None:  # the matrix's true shape, as FSDP2's DTensors show theirs
+            out = full_shape_query(name, func, args, kwargs, me, shape)
+            if out is not PASS_ON:
+                return out
         if name == "copy_" and len(args) >= 2 and args[0] is args[1]:
             return args[0]  # load_state_dict copying the placeholder dmuon left in the dict
         return PASS_ON
