@@ -168,6 +168,12 @@ _POISON = 1 << 40  # added to a join's arrival counter by a rank that gave up on
 _join_done: dict[int, int] = {}  # id(store) -> joins this process completed on that store
 
 
+#: what to do instead of a state dict / save on some ranks only (:func:`join`)
+SAVE_FIX = ("Call it on every rank and write on one: Hugging Face `model.save_pretrained(dir, "
+            "is_main_process=(rank == 0))` on every rank; or `sd = dmuon.get_model_state_dict("
+            "model)` on every rank and `torch.save(sd, path)` on rank 0 only.")
+
+
 class NotOnEveryRankError(RuntimeError):
     """A collective call was made on some ranks only (:func:`join`); raised on the ranks that
     made it, before anything was sent."""
@@ -180,7 +186,7 @@ def _join_error(what: str, fix: str, detail: str) -> NotOnEveryRankError:
         f"can be given longer: {JOIN_ENV}=seconds.)")
 
 
-def join(what: str, *, fix: str = "") -> None:
+def join(what: str, *, fix: str = SAVE_FIX) -> None:
     """Collective entry check: return once every rank of the world has entered a :func:`join`
     (the same count of them on every rank); raise :class:`NotOnEveryRankError` on the ranks that
     entered when some rank does not come within ``DMUON_JOIN_TIMEOUT_S`` seconds (default 30),

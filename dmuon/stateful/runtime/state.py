@@ -48,7 +48,7 @@ from dmuon.functional.schedule import Schedule
 from dmuon.functional.tp_plan import tp_step_schedule
 from dmuon.functional.policy import resolve_group_dtypes
 from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
-from dmuon.compat.fsdp_info import find_fsdp_state, mean_to_fsdp_scale
+from dmuon.compat.fsdp_info import find_fsdp_state, fsdp_holders, mean_to_fsdp_scale
 from dmuon.stateful.runtime.executor import Executor
 from dmuon.stateful.runtime.guards import check_not_written, keep_dmuon_hook_last
 from dmuon.compat.fsdp_patch import check_not_taken_over
@@ -63,11 +63,6 @@ logger = logging.getLogger(__name__)
 ROOT_GROUP = ""
 #: the model attribute ``dedicate_params`` stores the state in (read it with :func:`get_state`)
 STATE_ATTR = "_dmuon_state"
-
-#: what to do instead of a state dict / save on some ranks only (:meth:`DedicatedState.join`)
-JOIN_FIX = ("Call it on every rank and write on one: Hugging Face `model.save_pretrained(dir, "
-            "is_main_process=(rank == 0))` on every rank; or `sd = dmuon.get_model_state_dict("
-            "model)` on every rank and `torch.save(sd, path)` on rank 0 only.")
 
 __all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_state",
            "local_tensor"]
@@ -202,14 +197,12 @@ class DedicatedState(PublishMixin):
             finish_meta_init(self, what)
 
     def join(self, what: str, *, always: bool = False) -> None:
-        """Before a state-dict / checkpoint call that issues collectives: every rank must make it
-        (:func:`dmuon.stateful.runtime.agree.join`: within seconds, an error on the ranks that
-        did, naming those that did not, before anything is sent). ``always=False``: only when the
-        call moves dedicated matrices between ranks (``G > 1``, TP, an open meta-init window;
-        in DDP mode every rank holds them whole, and a save on rank 0 alone is fine)."""
+        """Before a state-dict / checkpoint call with collectives: every rank must make it
+        (:func:`dmuon.stateful.runtime.agree.join`). ``always=False``: only when the call moves
+        dedicated matrices (``G > 1``, TP, meta init; DDP mode's saves are local)."""
         if always or self.G > 1 or self.tp_layouts or self.meta_init is not None:
             from dmuon.stateful.runtime.agree import join
-            join(what, fix=JOIN_FIX)
+            join(what)
 
     def owned_masters(self) -> dict[str, torch.Tensor]:
         """``{name: master}`` of the matrices this rank runs Muon on (fixed at setup)."""
@@ -222,16 +215,17 @@ class DedicatedState(PublishMixin):
 
         Per param, :func:`dmuon.functional.policy.resolve_group_dtypes` (policy rules over the
         ``MixedPrecisionPolicy`` of the innermost ``fully_shard`` module holding the param,
-        :meth:`_fsdp_holders`); a bucket holds one dtype (layouts are keyed by it)."""
+        :func:`~dmuon.compat.fsdp_info.fsdp_holders`); a bucket holds one dtype (layouts are keyed by it)."""
         if self.ready:
             return
         self.finish_meta_init("dmuon (first forward)")
         model = self.model_ref()
         if model is not None:
             check_not_taken_over(model, self.params, "dmuon (first forward)")
+            from dmuon.stateful.runtime.renames import renamed_error, renamed_params
             if renamed_params(self, model):
                 raise renamed_error(self, model, "dmuon (first forward)")
-        holders = self._fsdp_holders(model)
+        holders = fsdp_holders(model, self.names, lambda n: self.groups[self.group_of[n]].module)
         for g in self.groups.values():
             own = find_fsdp_state(model, g.module)
             parts: dict[int, list[str]] = {}
@@ -263,25 +257,6 @@ class DedicatedState(PublishMixin):
             g.setup(self.program)
         self.storage.set_placeholder_dtypes(cdt)
         self.ready = True
-
-    def _fsdp_holders(self, model: Optional[nn.Module]) -> dict[str, Any]:
-        """``{name: FSDP2 state}`` of the innermost ``fully_shard``-ed module holding each
-        dedicated param (``None``: none does): its ``MixedPrecisionPolicy`` (FSDP2 casts that
-        module's inputs to its ``param_dtype``) and gradient divide factor apply to the param."""
-        from dmuon.compat.torch_api import fsdp_state
-        found: dict[str, Any] = {}
-
-        def state_of(path: str) -> Any:
-            if path not in found:
-                m = model.get_submodule(path) if path else model
-                st = fsdp_state(m)
-                found[path] = st if st is not None or not path else \
-                    state_of(path.rpartition(".")[0])
-            return found[path]
-        if model is None:
-            return {n: find_fsdp_state(None, self.groups[self.group_of[n]].module)
-                    for n in self.names}
-        return {n: state_of(n.rpartition(".")[0]) for n in self.names}
 
     def tp_schedule(self) -> Optional[Schedule]:
         """Tensor parallelism's NS gathers / scatters over the world (the step program's ``tp``
@@ -356,10 +331,9 @@ class DedicatedState(PublishMixin):
 
     # ------------------------------------------------------------------ backward protocol
     def on_backward_start(self) -> None:
-        """The first dmuon hook of a backward pass: queue :meth:`on_backward_end` once. A
-        backward with ``create_graph=True`` (grad mode is on inside it) builds a graph that
-        holds the gathered copies: they stay gathered until the next backward without it ends,
-        or the next step (a gradient penalty's second backward runs through them)."""
+        """The first dmuon hook of a backward: queue :meth:`on_backward_end` once. A backward
+        with ``create_graph=True`` (grad mode on inside it) keeps the gathered copies its graph
+        holds until a backward without it ends, or the step (a gradient penalty's)."""
         if not self._callback_queued:
             self._callback_queued = True
             queue_backward_callback(self.on_backward_end)
@@ -370,13 +344,10 @@ class DedicatedState(PublishMixin):
         """Post-accumulate-grad of a dedicated param: move the local grad aside; launch the
         reduces that are due (:meth:`_launch_due_reduces`).
 
-        The user's own post-accumulate-grad hooks on the param see ``.grad`` as torch gives it
-        (the local gradient): dmuon's hook is kept last (:func:`keep_dmuon_hook_last`, at every
-        registration on a placeholder). A hook registered while the param was gathered runs
-        after dmuon's in this backward: the gradient then stays in ``.grad`` for it and is taken
-        at the end of the backward (its group's reduce waits for that end). A hook that wrote
-        the gathered copy in place (an optimizer step inside the hook) raises: that copy is
-        discarded, the owner's master is the matrix."""
+        The user's post-accumulate-grad hooks see ``.grad`` (the local gradient): dmuon's is kept
+        last (:func:`keep_dmuon_hook_last`); one registered while gathered runs after it in this
+        backward, so ``.grad`` stays for it and is taken at the end. A hook that wrote the
+        gathered copy raises (:func:`check_not_written`)."""
         if param.grad is None:
             return
         hooks = param._post_accumulate_grad_hooks
@@ -389,8 +360,7 @@ class DedicatedState(PublishMixin):
         self._take_grad(name, param)
 
     def _take_grad(self, name: str, param: nn.Parameter) -> None:
-        grad = param.grad
-        if grad is None:
+        if (grad := param.grad) is None:
             return
         self.on_backward_start()  # forward outputs dmuon found no tensor in still end here
         param.grad = None
@@ -424,8 +394,7 @@ class DedicatedState(PublishMixin):
         presence 0 for missing grads), free gathered copies, reset per-backward state."""
         deferred, self._deferred_grads = self._deferred_grads, {}
         for name, param in deferred.items():  # left in .grad for hooks registered after dmuon's
-            if param._post_accumulate_grad_hooks is not None:
-                check_not_written(name, param, self.owner_rank[name])
+            check_not_written(name, param, self.owner_rank[name])
             self._take_grad(name, param)
         self._callback_queued = False
         self.wait_publish()  # publishes of groups this forward did not use
@@ -437,8 +406,7 @@ class DedicatedState(PublishMixin):
             self.ledger.fresh = True
         create_graph, self._keep_gathered = self._keep_gathered, False
         for g in self.groups.values():
-            # weights change only at step(): Z2 keeps its gathered copy across no_sync
-            # micro-batches; a create_graph backward's graph holds the copies (on_backward_start)
+            # Z2 keeps its copy across no_sync micro-batches; create_graph: on_backward_start
             keep = create_graph or (not self.require_grad_sync and not g.reshard_after_forward)
             if g.holds_gathered and not keep:
                 g.reshard()
@@ -516,46 +484,6 @@ def find_state(model: Any) -> Optional[DedicatedState]:
     return getattr(unwrap_model(model), STATE_ATTR, None)
 
 
-#: module names wrappers insert that do not change what a param is (torch.compile, activation
-#: checkpointing, FSDP1 / DDP wrappers)
-_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module",
-                               "module"})
-
-
-def _plain_name(name: str) -> str:
-    return ".".join(s for s in name.split(".") if s not in _WRAPPER_SEGMENTS)
-
-
-def renamed_params(st: DedicatedState, root: nn.Module) -> list[tuple[str, str]]:
-    """``(name at dedicate_params, name in root now)`` of the dedicated params that ``root`` now
-    names otherwise (beyond compile / checkpoint / DDP wrapper segments), or does not hold."""
-    now: dict[int, list[str]] = {}
-    for n, p in root.named_parameters(remove_duplicate=False):
-        now.setdefault(id(p), []).append(n)
-    out = []
-    for n, p in st.params.items():
-        names = now.get(id(p), [])
-        if not any(_plain_name(a).endswith(_plain_name(n)) for a in names):
-            out.append((n, names[0] if names else "<gone>"))
-    return out
-
-
-def renamed_error(st: DedicatedState, root: nn.Module, what: str, inner: str = "") -> RuntimeError:
-    """The error for a model wrapped or renamed after ``dedicate_params`` (PEFT's
-    ``get_peft_model`` is the usual cause)."""
-    moved = renamed_params(st, root)
-    eg = (f" (e.g. {moved[0][0]!r} is now {moved[0][1]!r}, {len(moved)} dedicated params "
-          "renamed)") if moved else ""
-    where = f" wraps the model dmuon.dedicate_params prepared (at {inner!r}) and" if inner else ""
-    return RuntimeError(
-        f"{what}: this model{where} had its modules wrapped or renamed after "
-        f"dmuon.dedicate_params{eg}, as PEFT's get_peft_model (LoRA) does: dmuon's hooks, groups "
-        "and state-dict names refer to the modules as they were. Apply PEFT (get_peft_model) "
-        "before dmuon.dedicate_params: dmuon.dedicate_params(peft_model, mesh, predicate), then "
-        "fully_shard "
-        "(its frozen base weights are left out; the trainable ones are dedicated).")
-
-
 def get_state(model: nn.Module, what: str = "this call") -> DedicatedState:
     """The state ``dedicate_params`` attached to ``model``; clear error when there is none (also
     when ``model`` wraps a dedicated model, as PEFT's ``get_peft_model`` applied afterwards)."""
@@ -564,6 +492,7 @@ def get_state(model: nn.Module, what: str = "this call") -> DedicatedState:
         for path, m in model.named_modules():
             inner = getattr(m, STATE_ATTR, None) if path else None
             if inner is not None:
+                from dmuon.stateful.runtime.renames import renamed_error
                 raise renamed_error(inner, model, what, path)
         raise RuntimeError(
             f"{what} needs a model prepared by dmuon.dedicate_params(model, mesh, predicate) "
