@@ -1,7 +1,8 @@
 """What FSDP2 did to a model: which modules it took, with which mesh and mixed-precision policy.
 
 dmuon casts dedicated params itself (FSDP2 does not cast ignored params), so it reads the
-``MixedPrecisionPolicy`` that ``fully_shard`` got for the module enclosing each hook group. All
+``MixedPrecisionPolicy`` that ``fully_shard`` got for the innermost module holding each dedicated
+param. All
 access to FSDP2's private state goes through :mod:`dmuon.compat.torch_api`.
 """
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch.nn as nn
 from dmuon.compat.torch_api import (fsdp_divide_factor, fsdp_mesh, fsdp_mp_policy,
                                    fsdp_param_groups, fsdp_state)
 
-__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "mean_to_fsdp_scale", "fsdp_meshes", "reduce_unused_fsdp_params"]
+__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_holders", "mean_to_fsdp_scale", "fsdp_meshes", "reduce_unused_fsdp_params"]
 
 
 def has_fsdp_state(model: nn.Module) -> list[str]:
@@ -42,6 +43,23 @@ def find_fsdp_state(model: Optional[nn.Module], module: nn.Module) -> Any:
         if st is not None:
             return st
     return None
+
+
+def fsdp_holders(model: Optional[nn.Module], names: Any, module_of: Any) -> dict[str, Any]:
+    """``{name: FSDP2 state}`` of the innermost ``fully_shard``-ed module holding each param of
+    ``names`` (``None``: none does): its ``MixedPrecisionPolicy`` (FSDP2 casts that module's
+    inputs to its ``param_dtype``) and gradient divide factor apply to the param. Without a
+    model, ``module_of(name)``'s own state."""
+    if model is None:
+        return {n: find_fsdp_state(None, module_of(n)) for n in names}
+    found: dict[str, Any] = {}
+
+    def state_of(path: str) -> Any:
+        if path not in found:
+            st = fsdp_state(model.get_submodule(path) if path else model)
+            found[path] = st if st is not None or not path else state_of(path.rpartition(".")[0])
+        return found[path]
+    return {n: state_of(n.rpartition(".")[0]) for n in names}
 
 
 def mean_to_fsdp_scale(state: Any, ranks: int) -> Optional[float]:

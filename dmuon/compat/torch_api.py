@@ -265,6 +265,18 @@ def tree_leaves(tree: Any) -> list[Any]:
     return torch_pytree.tree_leaves(tree)
 
 
+def fsdp_output_grad_tensors(output: Any) -> list[Any]:
+    """The tensors requiring grad that FSDP2's post-forward finds in a forward output (where it
+    registers its pre-backward hook): its own ``collect_grad_tensors`` (torch >= 2.13: dicts,
+    lists, tuples, named tuples, dataclasses), else torch's pytree leaves (older FSDP2)."""
+    try:
+        from torch.distributed.fsdp._common_utils import collect_grad_tensors
+        return list(collect_grad_tensors(output))
+    except (ImportError, AttributeError, RuntimeError):
+        return [t for t in torch_pytree.tree_leaves(output)
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 def mesh_root(mesh: Any) -> Any:
     """The DeviceMesh ``mesh`` was sliced from (``DeviceMesh._get_root_mesh``; ``mesh`` itself
     for a root mesh), or ``None`` where this torch or object has none."""
@@ -286,6 +298,16 @@ def composable_replicate_applied(module: nn.Module) -> bool:
 
 
 # ------------------------------------------------------------------------------ process groups
+def default_store() -> Any:
+    """The default process group's key-value store (the rendezvous ``TCPStore``, behind its
+    prefix), or ``None`` when this torch does not expose it."""
+    import torch.distributed as dist
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - private API; the caller then skips what needs it
+        return None
+
+
 def default_group_timeout(device_type: str) -> Optional[datetime.timedelta]:
     """The default process group's collective timeout for ``device_type`` (``None`` when this
     torch does not expose it)."""

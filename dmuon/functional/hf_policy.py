@@ -8,7 +8,10 @@ names) and returns :class:`~dmuon.functional.policy.Rule` s for a
   as ``num_key_value_heads`` heads (grouped-query attention: one matrix per k/v head), ``o_proj``
   columns as ``num_attention_heads`` heads (Kimi-style per-head Muon).
 * ``split_fused=True``: Phi-3's ``qkv_proj`` rows as ``q | k | v`` (``H_q·d``, ``H_kv·d``,
-  ``H_kv·d``), a 2-D ``gate_up_proj`` rows as ``gate | up`` (two halves), and GPT-2's ``c_attn``
+  ``H_kv·d``), a 2-D ``gate_up_proj`` rows as ``gate | up`` (two halves), transformers 5's fused
+  MoE ``experts.gate_up_proj`` ``(E, 2I, H)`` as ``gate | up`` per expert (``2E`` matrices; ``I``
+  = ``moe_intermediate_size``, else ``intermediate_size``; an experts module storing them
+  interleaved or transposed, as gpt-oss, raises), and GPT-2's ``c_attn``
   (``Conv1D``, stored ``(in, out)``) as ``Transposed(Split((H, H, H)))`` (GLM-style "Muon Split").
 
 Example::
@@ -61,6 +64,11 @@ def hf_rules(config: Any, *, per_head: bool = False, split_fused: bool = True) -
         inter = _get(config, "intermediate_size")
         if inter is not None:
             rules.append(Rule("*.mlp.gate_up_proj.weight", view=Split((inter, inter))))
+        # transformers 5's fused MoE experts: (E, 2I, H) rows gate | up per expert (a layout a
+        # row split would cut wrongly, e.g. gpt-oss's interleaved (E, H, 2I), raises at decide)
+        moe = _get(config, "moe_intermediate_size", "intermediate_size")
+        if moe is not None:
+            rules.append(Rule("*.experts.gate_up_proj", view=Split((moe, moe))))
         rules.append(Rule("*.attn.c_attn.weight", view=Transposed(Split((hidden,) * 3))))
     if per_head:
         rules += [Rule("*.self_attn.q_proj.weight", view=Heads(nh, "rows")),

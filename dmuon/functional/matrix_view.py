@@ -19,7 +19,8 @@ plan fingerprint):
   ``(H, h·d)`` → ``(h, H, d)``).
 * :class:`Split` ``(sizes, axis)`` — a fused 2-D weight cut into its parts along rows (``qkv_proj``
   rows ``q | k | v``, ``gate_up_proj`` rows ``gate | up``) or columns; consecutive parts of equal
-  size form one block.
+  size form one block. A ≥3-D param is a stack of such weights, each cut the same way (MoE
+  experts' fused ``(E, 2I, H)`` ``gate_up_proj``: ``2E`` matrices of ``(I, H)``).
 * :class:`Transposed` ``(inner)`` — a 2-D weight stored as ``(in, out)`` (GPT-2's ``Conv1D``) seen
   as its transpose ``(out, in)``, then by ``inner`` (default ``Batch(0)``): the shape scale sees
   ``m = out``, ``n = in``, and a fused ``c_attn`` can be split, ``Transposed(Split((H, H, H)))``.
@@ -172,7 +173,9 @@ def _runs(sizes: tuple[int, ...]) -> list[tuple[int, int, int]]:
 
 @dataclass(frozen=True)
 class Split(MatrixView):
-    """A fused 2-D weight as its parts of ``sizes`` along ``axis`` (module docstring)."""
+    """A fused weight as its parts of ``sizes`` along ``axis`` (module docstring); a ≥3-D param
+    is a stack of such fused matrices (its leading dims index them: MoE experts' ``(E, 2I, H)``
+    ``gate_up_proj``), each split the same way, the parts of each matrix kept together."""
 
     sizes: tuple[int, ...]
     axis: str = "rows"
@@ -187,32 +190,48 @@ class Split(MatrixView):
     def __str__(self) -> str:
         return f"split({'+'.join(map(str, self.sizes))},{self.axis})"
 
+    def _lead(self, shape: tuple[int, ...]) -> tuple[int, int, int]:
+        """``(matrices in the stack, m, n)``."""
+        if len(shape) < 2:
+            raise ValueError(f"matrix view {self} needs a matrix (or a stack of them), got shape "
+                             f"{shape}")
+        b = 1
+        for d in shape[:-2]:
+            b *= d
+        return b, shape[-2], shape[-1]
+
     def blocks(self, shape):
-        m, n = _two_d(self, _shape(shape))
+        lead, m, n = self._lead(_shape(shape))
         size = m if self.axis == "rows" else n
         if sum(self.sizes) != size:
             raise ValueError(f"view {self}: the parts sum to {sum(self.sizes)} but the {self.axis} "
-                             f"of shape {(m, n)} are {size}")
-        return tuple((c, s, n) if self.axis == "rows" else (c, m, s)
+                             f"of shape {tuple(shape)} are {size}")
+        return tuple((lead * c, s, n) if self.axis == "rows" else (lead * c, m, s)
                      for _, c, s in _runs(self.sizes))
 
     def to_blocks(self, x):
+        lead, m, n = self._lead(tuple(x.shape))
         self.blocks(x.shape)
-        m, n = x.shape
+        x = x.reshape(lead, m, n)
         out = []
         for a, c, s in _runs(self.sizes):
             if self.axis == "rows":
-                out.append(x[a:a + c * s].reshape(c, s, n).contiguous())
+                out.append(x[:, a:a + c * s].reshape(lead * c, s, n).contiguous())
             else:
-                out.append(x[:, a:a + c * s].reshape(m, c, s).permute(1, 0, 2).contiguous())
+                out.append(x[:, :, a:a + c * s].reshape(lead, m, c, s).permute(0, 2, 1, 3)
+                           .reshape(lead * c, m, s).contiguous())
         return out
 
     def from_blocks(self, us, shape):
         import torch
-        m, n = shape
+        shape = tuple(shape)
+        lead, m, n = self._lead(shape)
         if self.axis == "rows":
-            return torch.cat([u.reshape(-1, n) for u in us], dim=0)
-        return torch.cat([u.permute(1, 0, 2).reshape(m, -1) for u in us], dim=1)
+            full = torch.cat([u.reshape(lead, -1, n) for u in us], dim=1)
+        else:
+            full = torch.cat([u.reshape(lead, -1, m, u.shape[-1]).permute(0, 2, 1, 3)
+                              .reshape(lead, m, -1) for u in us], dim=2)
+        return full.reshape(shape)
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ what it sets; what it leaves ``None`` falls through to the defaults below:
   shape) = k > 0`` given to ``dedicate_params`` (``Batch(k)``), else :func:`default_view`.
 * **param_dtype / reduce_dtype / master_dtype** (Muon params only) — see :class:`Rule`: the rule's
   value, else the hook group's ``MixedPrecisionPolicy`` (``dedicate_params(mp_policy=)``, else the
-  enclosing ``fully_shard``'s), else the param's own dtype (gathered copy), the gathered copy's
+  policy of the innermost ``fully_shard`` module holding the param), else the param's own dtype
+  (gathered copy), the gathered copy's
   dtype (reduce), the wider of the param's dtype and fp32 (master).
 
 :func:`default_view` (module-aware, shown per param by ``dmuon plan`` and ``describe``):
@@ -39,13 +40,13 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from dmuon.functional.matrix_view import Batch, MatrixView, Transposed, VIEW_RULES, as_view
+from dmuon.functional.matrix_view import Batch, MatrixView, Split, Transposed, VIEW_RULES, as_view
 
 __all__ = ["Rule", "ParamPolicy", "Decision", "default_view", "module_kind", "MODULE_KINDS",
            "DTYPE_FIELDS", "RULE_DTYPES", "resolve_group_dtypes"]
 
 #: What :func:`module_kind` reports about the module owning a param.
-MODULE_KINDS = ("experts", "conv", "conv1d", "other")
+MODULE_KINDS = ("experts", "experts_interleaved", "experts_transposed", "conv", "conv1d", "other")
 
 _ROUTES = ("muon", "adamw")
 #: the per-param dtype fields of a :class:`Rule`
@@ -76,7 +77,8 @@ class Rule:
         compute with; the placeholders show it too), one of :data:`RULE_DTYPES` (fp16 / bf16 /
         fp32 / fp64, as the two fields below). ``None``: the hook group's
         ``MixedPrecisionPolicy.param_dtype`` (``dedicate_params(mp_policy=)``, else the
-        enclosing ``fully_shard``'s), else the param's own dtype. dmuon does not cast the module's
+        innermost ``fully_shard`` module's holding it), else the param's own dtype. dmuon does not
+        cast the module's
         inputs: a module whose weight dtype differs from its input's must cast itself (FSDP2's
         ``cast_forward_inputs`` acts at ``fully_shard`` boundaries, not per param).
       reduce_dtype: dtype the gradient is averaged in (the local gradient is cast to it).
@@ -215,6 +217,11 @@ def module_kind(module: Any) -> str:
     if cls == "Conv1D":  # transformers.pytorch_utils.Conv1D: weight (in, out), y = x @ W + b
         return "conv1d"
     if cls.endswith("Experts"):
+        # transformers 5 marks its fused experts' layout (use_experts_implementation)
+        if getattr(module, "is_concatenated", True) is False:
+            return "experts_interleaved"  # [gate0, up0, gate1, up1, ...]
+        if getattr(module, "is_transposed", False) is True:
+            return "experts_transposed"   # (E, in, out)
         return "experts"
     return "other"
 
@@ -229,7 +236,8 @@ def default_view(name: str, shape: Sequence[int], kind: str) -> MatrixView:
     nd = len(tuple(shape))
     if nd == 2:
         return Transposed(Batch(0)) if kind == "conv1d" else Batch(0)
-    if nd == 3 and (kind == "experts" or any("experts" in seg for seg in name.split(".")[:-1])):
+    if nd == 3 and (kind.startswith("experts") or
+                    any("experts" in seg for seg in name.split(".")[:-1])):
         return Batch(1)
     if nd >= 4 and kind == "conv":
         return Batch(0)
@@ -240,6 +248,24 @@ def default_view(name: str, shape: Sequence[int], kind: str) -> MatrixView:
         f"dmuon.functional.policy.ParamPolicy(rules=(Rule({name!r}, view=Batch(1)),)) passed as "
         f"dedicate_params(..., policy=...), or batch_dims=; the rules are {', '.join(VIEW_RULES)} "
         "(dmuon.functional.matrix_view). Or route it to AdamW in the predicate.")
+
+
+def _check_fused_layout(name: str, shape: tuple, view: MatrixView, source: str, kind: str) -> None:
+    """A ``Split`` view (also inside ``Transposed``) of an experts stack whose module stores its
+    fused matrices interleaved or transposed would cut them into wrong parts: raise."""
+    inner = view.inner if isinstance(view, Transposed) else view
+    if not isinstance(inner, Split) or len(shape) < 3 or kind == "experts":
+        return
+    how = {"experts_interleaved": "interleaved ([gate0, up0, gate1, up1, ...]: transformers' "
+                                  "is_concatenated=False)",
+           "experts_transposed": "transposed ((E, in, out): transformers' is_transposed=True)"}
+    if kind in how:
+        raise ValueError(
+            f"param {name!r} of shape {shape}: its matrix view {view} (from {source}) splits "
+            f"each expert's fused matrix into contiguous parts, but its experts module stores "
+            f"them {how[kind]}, so the parts would be wrong. Leave this param to its default "
+            "view (one matrix per expert: drop split_fused / --split-fused, or give it a rule "
+            "with view=Batch(1)).")
 
 
 @dataclass(frozen=True)
@@ -306,6 +332,7 @@ class ParamPolicy:
             view, source = Batch(0), "batch_dims"  # an explicit 0 on a >=3-D param: flatten
         else:
             view, source = default_view(name, shape, kind), "default"
+        _check_fused_layout(name, shape, view, source, kind)
         try:
             view.blocks(shape)
         except ValueError as e:

@@ -320,6 +320,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool
       the dict; before the first step the moments and momentum are zeros.
     """
     rt = check_optimizer(model, optimizer, "dmuon.get_optimizer_state_dict")
+    rt.join("dmuon.get_optimizer_state_dict(model, optimizer)", always=True)
     rt.drain()
     keep = not rank0_only or rt.rank == 0
     mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
@@ -360,6 +361,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
     """
     what = "dmuon.set_optimizer_state_dict"
     rt = check_optimizer(model, optimizer, what)
+    rt.join(f"{what}(model, optimizer, sd)", always=True)
     rt.drain()
     has_dict = not rank0_only or rt.rank == 0
     if has_dict and not (isinstance(state_dict, Mapping) and isinstance(state_dict.get("fsdp2"),

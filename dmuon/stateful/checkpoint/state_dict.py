@@ -175,6 +175,7 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
       the model on one device (tied params under each of their names).
     """
     rt = get_state(model, "dmuon.get_model_state_dict(model)")
+    rt.join("dmuon.get_model_state_dict(model)")
     rt.finish_meta_init("dmuon.get_model_state_dict(model)")
     rt.drain()
     keep = not rank0_only or rt.rank == 0
@@ -245,6 +246,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     """
     what = "dmuon.set_model_state_dict"
     rt = get_state(model, f"{what}(model, sd)")
+    rt.join(f"{what}(model, sd)", always=True)
     rt.finish_meta_init(f"{what}(model, sd)")
     rt.wait_publish()
     ded = dedicated_names_by_key(model, rt)

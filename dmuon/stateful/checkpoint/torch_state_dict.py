@@ -163,6 +163,7 @@ class _Hooks:
         if not st.raw_state_dict:
             refuse_tp(st, "model.state_dict() (torch's own, also under torch.distributed."
                       "checkpoint; use dmuon.get_model_state_dict, which gives full tensors)")
+            st.join("model.state_dict()")
             st.finish_meta_init("model.state_dict()")
             st.drain()
             mesh = st.shard_mesh
@@ -244,6 +245,7 @@ class _Hooks:
                  unexpected_keys, error_msgs) -> None:
         st = self.st
         refuse_tp(st, "model.load_state_dict(sd) (use dmuon.set_model_state_dict)")
+        st.join("model.load_state_dict(sd)", always=True)
         st.finish_meta_init("model.load_state_dict(sd)")
         problems: list[str] = []
         staged: dict[str, Any] = {}

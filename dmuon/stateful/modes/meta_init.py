@@ -44,7 +44,6 @@ seed. The contract is: the owner's values are *the* initial values; read them wi
 from __future__ import annotations
 
 import logging
-import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -56,7 +55,8 @@ from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.schedule import publish_schedule
 from dmuon.stateful.runtime.agree import agree
 from dmuon.stateful.runtime.errors import DedicatedParamError
-from dmuon.stateful.runtime.guard_base import ATTRIBUTE_CALLS, PASS_ON, TorchGuard, call_plain
+from dmuon.stateful.runtime.guard_base import (ATTRIBUTE_CALLS, PASS_ON, TorchGuard, call_plain,
+                                               full_shape_query)
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,6 @@ __all__ = ["DedicatedUninit", "MetaInit", "check_meta_selection", "replace_meta_
            "device_of_mesh", "finish_meta_init"]
 
 #: metadata reads answered with the full (logical) shape on a rank without the matrix
-_SHAPE_FUNCS = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
 
 
 #: tensors made from one (shape / dtype only): on meta on a rank without the matrix, so that init
@@ -139,22 +138,13 @@ class DedicatedUninit(TorchGuard, nn.Parameter):
         if info.holds:
             return call_plain(func, args, kwargs)
         # a rank without the matrix: metadata is the full shape, writes are no-ops
+        out = full_shape_query(name, func, args, kwargs, me, info.shape)
+        if out is not PASS_ON:
+            return out
         if name == "__get__":
-            attr = getattr(getattr(func, "__self__", None), "__name__", "")
-            if attr == "shape":
-                return torch.Size(info.shape)
-            if attr == "ndim":
-                return len(info.shape)
-            if attr == "is_meta":
+            if getattr(getattr(func, "__self__", None), "__name__", "") == "is_meta":
                 return True
             return call_plain(func, args, kwargs)
-        if name in _SHAPE_FUNCS and args and args[0] is me:
-            if name in ("numel", "nelement"):
-                return math.prod(info.shape)
-            if name in ("dim", "ndimension"):
-                return len(info.shape)
-            dim = args[1] if len(args) > 1 else kwargs.get("dim")
-            return torch.Size(info.shape) if dim is None else info.shape[dim]
         if name in cls._guard_allowed:
             return PASS_ON
         if name in _FACTORIES and args and args[0] is me:  # scratch "like" it: on meta here

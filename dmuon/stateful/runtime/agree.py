@@ -18,6 +18,13 @@ rank what every rank found, and then every rank raises the same error, or none d
 * :func:`max_over_ranks` -- an elementwise MAX over ranks that keeps a NaN: gloo's MAX may drop
   one (it keeps the other operand), so a NaN flag travels beside the values.
 
+* :func:`join` -- before a collective call that a user might make on some ranks only (a state
+  dict, a save: ``if rank == 0: model.save_pretrained(...)``): every rank that enters waits, on
+  the rendezvous store and not in any collective, for all ranks to enter, within
+  ``DMUON_JOIN_TIMEOUT_S`` seconds (default 30); otherwise the ranks that entered raise
+  :class:`NotOnEveryRankError` naming the ranks that did not, and a rank that comes later
+  raises at once. Nothing was sent, and the call can be made again on every rank.
+
 Where the collective runs (``via``): a
 :class:`~dmuon.stateful.runtime.process_groups.MeshGroups` (its control group, bounded by dmuon's
 timeout; a failure raises an error naming ``what``: :meth:`MeshGroups.control_collective`), a
@@ -28,13 +35,15 @@ that is the global rank.
 from __future__ import annotations
 
 import math
+import os
+import time
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["gather", "agree", "agree_equal", "rank_flags", "max_over_ranks",
-           "describe_problems", "describe_values"]
+__all__ = ["gather", "agree", "agree_equal", "rank_flags", "max_over_ranks", "join",
+           "NotOnEveryRankError", "describe_problems", "describe_values"]
 
 #: at most this many groups of ranks, and this many messages per group, in a detail
 MAX_GROUPS = 8
@@ -150,3 +159,88 @@ def max_over_ranks(values: torch.Tensor, *, what: str, via: Any = None) -> torch
     out = torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
     return out.reshape(values.shape)
 
+
+
+#: the environment variable that sets :func:`join`'s bound (seconds), and its default
+JOIN_ENV = "DMUON_JOIN_TIMEOUT_S"
+JOIN_TIMEOUT_S = 30.0
+_POISON = 1 << 40  # added to a join's arrival counter by a rank that gave up on it
+_join_done: dict[int, int] = {}  # id(store) -> joins this process completed on that store
+
+
+#: what to do instead of a state dict / save on some ranks only (:func:`join`)
+SAVE_FIX = ("Call it on every rank and write on one: Hugging Face `model.save_pretrained(dir, "
+            "is_main_process=(rank == 0))` on every rank; or `sd = dmuon.get_model_state_dict("
+            "model)` on every rank and `torch.save(sd, path)` on rank 0 only.")
+
+
+class NotOnEveryRankError(RuntimeError):
+    """A collective call was made on some ranks only (:func:`join`); raised on the ranks that
+    made it, before anything was sent."""
+
+
+def _join_error(what: str, fix: str, detail: str) -> NotOnEveryRankError:
+    return NotOnEveryRankError(
+        f"dmuon: {what} is collective on a dmuon model: {detail}. {fix} Nothing was sent; "
+        f"the call can be made again on every rank. (A rank that is only slow to get here "
+        f"can be given longer: {JOIN_ENV}=seconds.)")
+
+
+def join(what: str, *, fix: str = SAVE_FIX) -> None:
+    """Collective entry check: return once every rank of the world has entered a :func:`join`
+    (the same count of them on every rank); raise :class:`NotOnEveryRankError` on the ranks that
+    entered when some rank does not come within ``DMUON_JOIN_TIMEOUT_S`` seconds (default 30),
+    and at once on a rank that comes after another gave up. No collective is used: the ranks
+    meet on the default group's rendezvous store (a counter per call), so a rank that never
+    comes leaves nothing half-sent. A failed join is not counted: the next call on every rank
+    is the same join again (a fresh attempt).
+
+    Args:
+      what: the call, as the user wrote it (``"model.state_dict()"``).
+      fix: what to do instead (appended to the message).
+    """
+    import torch.distributed as dist
+
+    from dmuon.compat.torch_api import default_store
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    store = default_store()
+    if store is None:  # pragma: no cover - a torch without it: the collective itself decides
+        return
+    world, rank = dist.get_world_size(), dist.get_rank()
+    seq = _join_done.get(id(store), 0) + 1
+    bound = float(os.environ.get(JOIN_ENV, JOIN_TIMEOUT_S))
+    base = f"dmuon/join/{seq}"
+    key = f"{base}.{store.add(base + '/attempt', 0)}"
+    try:
+        store.append(key + "/ranks", f"{rank},")
+    except Exception:  # noqa: BLE001 - a store without append: the message names no ranks
+        pass
+    n = store.add(key + "/n", 1)
+    if n >= _POISON:
+        raise _join_error(what, fix, f"another rank gave up waiting for this one at this call "
+                          f"after {bound:g} s (this is rank {rank}): state_dict / save is "
+                          "collective: call it on every rank")
+    if n == world:
+        store.set(key + "/go", "ok")
+    deadline, nap = time.monotonic() + bound, 0.001
+    while not store.check([key + "/go"]):
+        if time.monotonic() > deadline:
+            v = store.add(key + "/n", _POISON)
+            if v % _POISON < world:  # not everyone came: abort this attempt for all
+                store.set(key + "/go", "abort")
+                if v // _POISON == 1:
+                    store.add(base + "/attempt", 1)
+                break
+            deadline = math.inf  # the last rank came just now: its "ok" follows
+        time.sleep(nap)
+        nap = min(2 * nap, 0.05)
+    if store.get(key + "/go") != b"ok":
+        try:
+            came = {int(x) for x in store.get(key + "/ranks").decode().split(",") if x}
+            missing = f"rank(s) {sorted(set(range(world)) - came)}"
+        except Exception:  # noqa: BLE001
+            missing = "some rank(s)"
+        raise _join_error(what, fix, f"{missing} did not reach it within {bound:g} s (this is "
+                          f"rank {rank}): state_dict / save is collective: call it on every rank")
+    _join_done[id(store)] = seq

@@ -240,7 +240,9 @@ def dedicate_params(
         False (Z2): keep them from forward to the end of backward.
       mp_policy: a ``MixedPrecisionPolicy`` for the dedicated params (``param_dtype`` = dtype of the
         gathered copies, ``reduce_dtype`` = dtype of the gradient reduce). Default: the policy
-        ``fully_shard`` got for the enclosing module (found at the first forward); none: the
+        ``fully_shard`` got for the innermost module holding each param (found at the first
+        forward: a nested ``fully_shard(layer.self_attn, mp_policy=...)`` applies to its own
+        matrices, as FSDP2 casts that module's inputs); none: the
         param's dtype. A ``policy`` rule's ``param_dtype`` / ``reduce_dtype`` overrides it for
         the params it matches.
       batch_dims: ``(name, shape) -> int`` leading batch dims of a matrix: ``k > 0`` is the view
@@ -414,6 +416,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.runtime.guards)
+        p._dmuon_shape = st.shape[n]  # what a placeholder reports as its shape / numel()
     st.shard_mesh = mesh["shard"] if mesh.ndim == 2 else mesh
     if data_parallel == "ddp":
         st.shard_mesh = None  # model.state_dict(): plain full tensors, as DDP's

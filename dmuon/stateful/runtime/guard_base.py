@@ -32,7 +32,8 @@ from dmuon.compat.torch_api import torch_function_disabled
 from dmuon.stateful.runtime.errors import DedicatedParamError
 
 __all__ = ["TorchGuard", "PASS_ON", "ALLOWED", "ATTRIBUTE_CALLS", "LOCAL_METADATA", "CONVERSIONS",
-           "func_name", "first_instance", "call_plain", "no_op_conversion", "DedicatedParamError"]
+           "SHAPE_QUERIES", "func_name", "first_instance", "call_plain", "full_shape_query",
+           "no_op_conversion", "DedicatedParamError"]
 
 #: attribute access, hooks, repr / hashing, dtype and layout facts: harmless on any guard
 ATTRIBUTE_CALLS = frozenset({
@@ -85,6 +86,32 @@ def call_plain(func: Callable, args: tuple, kwargs: dict) -> Any:
         return func(*args, **kwargs)
 
 
+#: the shape queries a guard standing for a whole matrix answers with its full shape
+SHAPE_QUERIES = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
+
+
+def full_shape_query(name: str, func: Callable, args: tuple, kwargs: dict, me: Any,
+                     shape: tuple[int, ...]) -> Any:
+    """The answer to a shape query on ``me`` (``.shape``, ``.ndim``, ``size()``, ``dim()``,
+    ``numel()``, ...) for a tensor of full ``shape``; :data:`PASS_ON` for any other call."""
+    import math
+    if name == "__get__":
+        attr = getattr(getattr(func, "__self__", None), "__name__", "")
+        if attr == "shape":
+            return torch.Size(shape)
+        if attr == "ndim":
+            return len(shape)
+        return PASS_ON
+    if name in SHAPE_QUERIES and args and args[0] is me:
+        if name in ("numel", "nelement"):
+            return math.prod(shape)
+        if name in ("dim", "ndimension"):
+            return len(shape)
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return torch.Size(shape) if dim is None else shape[dim]
+    return PASS_ON
+
+
 def no_op_conversion(name: str, func: Callable, args: tuple, kwargs: dict) -> tuple[bool, Any]:
     """``(True, result)`` when ``func`` is a dtype / device conversion that leaves the tensor's
     dtype, device and size as they are (``.to("cpu:0")`` of a CPU tensor returns an equal new
@@ -94,7 +121,8 @@ def no_op_conversion(name: str, func: Callable, args: tuple, kwargs: dict) -> tu
     out = call_plain(func, args, kwargs)
     src = args[0]
     same = (isinstance(out, torch.Tensor) and out.dtype == src.dtype and out.device == src.device
-            and out.numel() == src.numel())
+            and call_plain(torch.Tensor.numel, (out,), {}) ==
+            call_plain(torch.Tensor.numel, (src,), {}))  # the local sizes (a guard may report more)
     return same, out
 
 

@@ -9,8 +9,11 @@ a smaller norm), ``torch.optim.AdamW(model.parameters())`` would never update th
 * :class:`DedicatedPlaceholder` — the class of a dedicated param while it is a placeholder (dmuon
   switches ``param.__class__`` between it and ``nn.Parameter`` when it frees / gathers the param, so
   forward and backward run on plain parameters at no cost). Metadata, attribute access and hook
-  registration work; any op that reads or writes its values raises :class:`DedicatedParamError`,
-  naming the param, its owner rank and the dmuon call to use.
+  registration work (``shape``, ``size()``, ``numel()``, ``dim()`` answer the matrix's full shape,
+  as FSDP2's DTensors do; the storage stays empty, which torch's C++ checks see); any op that
+  reads or writes its values raises :class:`DedicatedParamError`, naming the param, its owner
+  rank and the dmuon call to use. A post-accumulate-grad hook registered on it is put before
+  dmuon's own (:func:`keep_dmuon_hook_last`).
 * :func:`guard_module_apply` — ``model.to(dtype)`` / ``model.cuda()`` / ``model.half()`` after
   ``dedicate_params`` would convert FSDP2's params one by one and then fail at the first
   placeholder, leaving a half-converted model; the root module's ``_apply`` first tries the
@@ -44,7 +47,7 @@ import torch.nn as nn
 from dmuon.compat.torch_api import make_tensor_subclass, torch_function_disabled
 from dmuon.stateful.runtime.errors import DedicatedParamError
 from dmuon.stateful.runtime.guard_base import (CONVERSIONS, PASS_ON, TorchGuard, call_plain,
-                                               first_instance)
+                                               first_instance, full_shape_query)
 
 __all__ = ["DedicatedParamError", "saving_state_dict", "DedicatedPlaceholder", "DedicatedGradMarker",
            "TPSliceGuard", "to_placeholder", "to_plain", "to_tp_slice_guard", "make_marker",
@@ -69,6 +72,15 @@ _DEFAULT_HINT = ("dmuon.Muon(model, ...) to update the model, dmuon.clip_grad_no
                  " (a tool that goes param by param may have changed FSDP2's params before this "
                  "one: call optimizer.zero_grad() and redo the step)")
 
+
+#: torch.amp.GradScaler on a dmuon model (its unscale_ reaches a gradient marker)
+FP16_LOSS_SCALING = (
+    "dmuon: torch.amp.GradScaler (fp16 loss scaling) is not supported on a dmuon model: fp16 "
+    "loss scaling is not supported; use bf16 (a MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
+    "or torch.autocast(dtype=torch.bfloat16): no scaler needed) or fp32. The scaler cannot see "
+    "the dedicated matrices' gradients (they live on their owner ranks), so it could neither "
+    "unscale them nor detect their overflows. Call optimizer.zero_grad() before going on "
+    "(FSDP2's gradients of another dtype may have been unscaled already).")
 
 _SAVING = threading.local()
 
@@ -104,8 +116,18 @@ class DedicatedPlaceholder(TorchGuard, nn.Parameter):
 
     @classmethod
     def _guard_special(cls, name: str, func: Callable, args: tuple, kwargs: dict) -> Any:
+        if name == "register_post_accumulate_grad_hook" and args:  # dmuon's own hook stays last
+            handle = call_plain(func, args, kwargs)
+            keep_dmuon_hook_last(args[0])
+            return handle
         if name == "detach" and saving_state_dict():  # dmuon's own state_dict pass
             return call_plain(func, args, kwargs)
+        me = args[0] if args else None
+        shape = getattr(me, "_dmuon_shape", None)
+        if shape is not None:  # the matrix's true shape, as FSDP2's DTensors show theirs
+            out = full_shape_query(name, func, args, kwargs, me, shape)
+            if out is not PASS_ON:
+                return out
         if name == "copy_" and len(args) >= 2 and args[0] is args[1]:
             return args[0]  # load_state_dict copying the placeholder dmuon left in the dict
         return PASS_ON
@@ -176,12 +198,47 @@ class DedicatedGradMarker(TorchGuard, torch.Tensor):
                      kwargs: dict) -> DedicatedParamError:
         m = first_instance(DedicatedGradMarker, args, kwargs)
         what = getattr(m, "_dmuon_what", "gradient")
+        if name == "_amp_foreach_non_finite_check_and_unscale_":  # GradScaler.unscale_ / step
+            return DedicatedParamError(FP16_LOSS_SCALING)
         return DedicatedParamError(
             f"dmuon: torch's {name!r} was applied to the {what} of the dedicated param "
             f"{getattr(m, '_dmuon_name', '?')!r}, which dmuon holds on its owner rank (here it "
             "is only a marker). Use "
             + ("optimizer.state_dict() (or dmuon.get_optimizer_state_dict) to read it"
                if what != "gradient" else _HINTS.get(name, _DEFAULT_HINT)) + ".")
+
+
+def keep_dmuon_hook_last(p: nn.Parameter) -> bool:
+    """Move dmuon's post-accumulate-grad hook of ``p`` (``p._dmuon_grad_hook``) behind the hooks
+    registered after it, so that theirs see ``.grad`` before dmuon takes it; True when it was not
+    last (torch calls the hooks in registration order). Records the param's version, so that
+    :func:`check_not_written` can tell a write by such a hook."""
+    hooks, hid = p._post_accumulate_grad_hooks, getattr(p, "_dmuon_grad_hook", None)
+    p._dmuon_version = p._version
+    if hooks is None or hid not in hooks or next(reversed(hooks)) == hid:
+        return False
+    # torch calls them in the order of the underlying dict, which OrderedDict.move_to_end leaves
+    # as it is: insert them anew (handles keep working: they remove by id)
+    items = [(k, v) for k, v in hooks.items() if k != hid] + [(hid, hooks[hid])]
+    hooks.clear()
+    hooks.update(items)
+    return True
+
+
+def check_not_written(name: str, p: nn.Parameter, owner: Any) -> None:
+    """Raise if the gathered dedicated param ``p`` was written in place since
+    :func:`keep_dmuon_hook_last` last looked (its version moved): e.g. an optimizer step inside a
+    post-accumulate-grad hook (optimizer-in-backward). The gathered copy is discarded after use,
+    so the write would be lost silently."""
+    seen = getattr(p, "_dmuon_version", None)
+    if seen is not None and p._version != seen:
+        raise DedicatedParamError(
+            f"dmuon: the dedicated param {name!r} was written in place while gathered (e.g. an "
+            "optimizer step inside a post-accumulate-grad hook: optimizer-in-backward). Its "
+            f"values live whole on owner rank {owner}; the gathered copy written here is "
+            "discarded after use, so the write would be lost. Update dedicated params through "
+            "dmuon.Muon's step() (hooks may read or scale p.grad, which dmuon then reduces).")
+    p._dmuon_version = p._version
 
 
 def to_placeholder(p: nn.Parameter) -> None:

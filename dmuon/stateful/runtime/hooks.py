@@ -10,7 +10,10 @@ Per hook-boundary module (a ``layers.N`` block by default — never a leaf, sinc
   end-of-backward callback once per backward, re-gather (Z3), prefetch the previous group;
 * post-accumulate-grad on every dedicated param: the state collects the local grad (and queues the
   end-of-backward callback, should no pre-backward hook have fired) and launches the reduces that
-  are due, in the one order every rank uses (:mod:`dmuon.stateful.runtime.state`).
+  are due, in the one order every rank uses (:mod:`dmuon.stateful.runtime.state`). It runs after
+  the user's own post-accumulate-grad hooks on the param, whenever they were registered, so they
+  see the local gradient as torch gives it (:meth:`~dmuon.stateful.runtime.state.DedicatedState.
+  on_grad`).
 
 **Any forward output.** The pre-backward hook needs the tensors of the output. Like FSDP2, dmuon
 looks for them with torch's pytree (tensors, tuples, lists, dicts, HF ``ModelOutput``), and beyond
@@ -40,10 +43,11 @@ import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
-from dmuon.compat.torch_api import in_backward, tree_leaves
+from dmuon.compat.torch_api import (fsdp_output_grad_tensors, fsdp_param_groups, fsdp_state,
+                                   in_backward, tree_leaves)
 from dmuon.stateful.runtime.state import ROOT_GROUP, DedicatedState
 
-__all__ = ["grad_tensors", "register_hooks"]
+__all__ = ["grad_tensors", "register_hooks", "check_fsdp_sees_output"]
 
 _MAX_DEPTH = 6
 
@@ -113,6 +117,29 @@ def _register_pre_backward(st: DedicatedState, key: str | None, output: Any) -> 
     return True
 
 
+def check_fsdp_sees_output(model: nn.Module, output: Any) -> None:
+    """Raise when FSDP2 would silently leave its own params untrained: ``model`` is the only
+    ``fully_shard``-ed module, it holds FSDP2 params, and its forward output hides every tensor
+    from FSDP2 (a plain object: dmuon finds the tensors in its attributes, FSDP2 does not). FSDP2's
+    backward work (reducing the gradients of every param it manages) starts from a pre-backward
+    hook on the output's tensors, or from another ``fully_shard`` module's: here none runs."""
+    root = fsdp_state(model)
+    if root is None or not fsdp_param_groups(root) or fsdp_output_grad_tensors(output):
+        return
+    others = [n for n, m in model.named_modules() if n and fsdp_state(m) is not None]
+    if others:  # their pre-backward hooks start FSDP2's backward work for the root too
+        return
+    cls = type(output).__name__
+    raise RuntimeError(
+        f"dmuon: {type(model).__name__}.forward returned a {cls} object that hides its tensors "
+        f"from torch's pytree, so FSDP2 cannot hook the backward of this model (its only "
+        "fully_shard module): the gradients of FSDP2's own params would never be reduced and "
+        "those params would silently not train (dmuon's matrices would). Return the loss in a "
+        f"tensor, tuple, dict, dataclass or Hugging Face ModelOutput, or register {cls} with "
+        "torch.utils._pytree (register_pytree_node / register_dataclass); or fully_shard the "
+        "model's blocks too.")
+
+
 def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
     """Register every dmuon hook on ``model`` (boundary modules, the model, the params)."""
     handles: list[Any] = []
@@ -134,7 +161,8 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
             return None
         st.finalize_order()
         if torch.is_grad_enabled():
-            _register_pre_backward(st, ROOT_GROUP if has_root else None, output)
+            if _register_pre_backward(st, ROOT_GROUP if has_root else None, output):
+                check_fsdp_sees_output(model, output)
         return None
 
     handles.append(model.register_forward_pre_hook(_eager(root_pre)))
@@ -171,6 +199,8 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
         handles.append(g.module.register_forward_hook(_eager(post)))
 
     for name, p in st.params.items():
-        handles.append(p.register_post_accumulate_grad_hook(
-            _eager(lambda param, name=name: st.on_grad(name, param))))
+        h = p.register_post_accumulate_grad_hook(
+            _eager(lambda param, name=name: st.on_grad(name, param)))
+        p._dmuon_grad_hook = h.id  # kept last among the param's hooks (state.on_grad, guards)
+        handles.append(h)
     return handles

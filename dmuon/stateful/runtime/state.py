@@ -48,8 +48,9 @@ from dmuon.functional.schedule import Schedule
 from dmuon.functional.tp_plan import tp_step_schedule
 from dmuon.functional.policy import resolve_group_dtypes
 from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
-from dmuon.compat.fsdp_info import find_fsdp_state, mean_to_fsdp_scale
+from dmuon.compat.fsdp_info import find_fsdp_state, fsdp_holders, mean_to_fsdp_scale
 from dmuon.stateful.runtime.executor import Executor
+from dmuon.stateful.runtime.guards import check_not_written, keep_dmuon_hook_last
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.stateful.runtime.ledger import GradLedger
 from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState, ReducedGrad
@@ -134,6 +135,8 @@ class DedicatedState(PublishMixin):
         self.version = 0               # weights change at every step: older gathers are stale
         self.require_grad_sync = True  # False inside dmuon.no_sync
         self._callback_queued = False
+        self._deferred_grads: dict[str, nn.Parameter] = {}  # on_grad: taken at the backward's end
+        self._keep_gathered = False  # this backward has create_graph=True (on_backward_start)
         self.ready = False
         #: the step program (:mod:`dmuon.functional.program`), built at the first forward
         self.program: Optional[StepProgram] = None
@@ -146,7 +149,7 @@ class DedicatedState(PublishMixin):
         self.shard_mesh: Any = None
         self.raw_state_dict = False
         self._transfer: Any = None
-        self._fsdp_states: dict[str, Any] = {}  # {group key: enclosing FSDP2 state} (lazy init)
+        self._fsdp_states: dict[str, Any] = {}  # {name: innermost FSDP2 state} (lazy init)
         # "fsdp" or "ddp" (dedicate_params(data_parallel=...); DDP mode: dmuon.stateful.modes.ddp)
         self.data_parallel = "fsdp"
         #: the open init window of a meta-built model (:mod:`dmuon.stateful.modes.meta_init`), or None
@@ -193,6 +196,14 @@ class DedicatedState(PublishMixin):
             from dmuon.stateful.modes.meta_init import finish_meta_init
             finish_meta_init(self, what)
 
+    def join(self, what: str, *, always: bool = False) -> None:
+        """Before a state-dict / checkpoint call with collectives: every rank must make it
+        (:func:`dmuon.stateful.runtime.agree.join`). ``always=False``: only when the call moves
+        dedicated matrices (``G > 1``, TP, meta init; DDP mode's saves are local)."""
+        if always or self.G > 1 or self.tp_layouts or self.meta_init is not None:
+            from dmuon.stateful.runtime.agree import join
+            join(what)
+
     def owned_masters(self) -> dict[str, torch.Tensor]:
         """``{name: master}`` of the matrices this rank runs Muon on (fixed at setup)."""
         return self.storage.owned_masters
@@ -203,23 +214,37 @@ class DedicatedState(PublishMixin):
         forward, once: the compute and reduce dtypes come from FSDP2's policy).
 
         Per param, :func:`dmuon.functional.policy.resolve_group_dtypes` (policy rules over the
-        group's ``MixedPrecisionPolicy``); a bucket holds one dtype (layouts are keyed by it)."""
+        ``MixedPrecisionPolicy`` of the innermost ``fully_shard`` module holding the param,
+        :func:`~dmuon.compat.fsdp_info.fsdp_holders`); a bucket holds one dtype (layouts are keyed by it)."""
         if self.ready:
             return
         self.finish_meta_init("dmuon (first forward)")
         model = self.model_ref()
         if model is not None:
             check_not_taken_over(model, self.params, "dmuon (first forward)")
+            from dmuon.stateful.runtime.renames import renamed_error, renamed_params
+            if renamed_params(self, model):
+                raise renamed_error(self, model, "dmuon (first forward)")
+        holders = fsdp_holders(model, self.names, lambda n: self.groups[self.group_of[n]].module)
         for g in self.groups.values():
-            self._fsdp_states[g.key] = fsdp = find_fsdp_state(model, g.module)
-            pol = self.mp_policy if self.mp_policy is not None else fsdp_mp_policy(fsdp)
-            g.compute_dtype, g.reduce_dtype, cd, rd = resolve_group_dtypes(
-                g.key or "<root>", {n: self.orig_dtype[n] for n in g.names},
-                group_param_dtype=getattr(pol, "param_dtype", None),
-                group_reduce_dtype=getattr(pol, "reduce_dtype", None),
-                rule_param_dtype=self.rule_param_dtype, rule_reduce_dtype=self.rule_reduce_dtype)
-            self.compute_dtype.update(cd)
-            self.reduce_dtype.update(rd)
+            own = find_fsdp_state(model, g.module)
+            parts: dict[int, list[str]] = {}
+            for n in g.names:  # each matrix follows the fully_shard module that holds it
+                parts.setdefault(id(holders[n]), []).append(n)
+            for names in parts.values():
+                fsdp = holders[names[0]]
+                pol = self.mp_policy if self.mp_policy is not None else fsdp_mp_policy(fsdp)
+                c, r, cd, rd = resolve_group_dtypes(
+                    g.key or "<root>", {n: self.orig_dtype[n] for n in names},
+                    group_param_dtype=getattr(pol, "param_dtype", None),
+                    group_reduce_dtype=getattr(pol, "reduce_dtype", None),
+                    rule_param_dtype=self.rule_param_dtype,
+                    rule_reduce_dtype=self.rule_reduce_dtype)
+                if fsdp is own or g.compute_dtype is None:
+                    g.compute_dtype, g.reduce_dtype = c, r
+                self.compute_dtype.update(cd)
+                self.reduce_dtype.update(rd)
+                self._fsdp_states.update(dict.fromkeys(names, fsdp))
         cdt, rdt = self.compute_dtype, self.reduce_dtype
         self.program = step_program(
             self.owners, self.shape, cdt, reduce_dtypes=rdt, master_dtypes=self.master_dtype,
@@ -306,16 +331,36 @@ class DedicatedState(PublishMixin):
 
     # ------------------------------------------------------------------ backward protocol
     def on_backward_start(self) -> None:
-        """The first dmuon hook of a backward pass: queue :meth:`on_backward_end` once."""
+        """The first dmuon hook of a backward: queue :meth:`on_backward_end` once. A backward
+        with ``create_graph=True`` (grad mode on inside it) keeps the gathered copies its graph
+        holds until a backward without it ends, or the step (a gradient penalty's)."""
         if not self._callback_queued:
             self._callback_queued = True
             queue_backward_callback(self.on_backward_end)
+        if torch.is_grad_enabled():
+            self._keep_gathered = True
 
     def on_grad(self, name: str, param: nn.Parameter) -> None:
         """Post-accumulate-grad of a dedicated param: move the local grad aside; launch the
-        reduces that are due (:meth:`_launch_due_reduces`)."""
-        grad = param.grad
-        if grad is None:
+        reduces that are due (:meth:`_launch_due_reduces`).
+
+        The user's post-accumulate-grad hooks see ``.grad`` (the local gradient): dmuon's is kept
+        last (:func:`keep_dmuon_hook_last`); one registered while gathered runs after it in this
+        backward, so ``.grad`` stays for it and is taken at the end. A hook that wrote the
+        gathered copy raises (:func:`check_not_written`)."""
+        if param.grad is None:
+            return
+        hooks = param._post_accumulate_grad_hooks
+        if hooks is not None and len(hooks) > 1:
+            check_not_written(name, param, self.owner_rank[name])
+            if keep_dmuon_hook_last(param):  # later hooks run after this one, now
+                self.on_backward_start()
+                self._deferred_grads[name] = param
+                return
+        self._take_grad(name, param)
+
+    def _take_grad(self, name: str, param: nn.Parameter) -> None:
+        if (grad := param.grad) is None:
             return
         self.on_backward_start()  # forward outputs dmuon found no tensor in still end here
         param.grad = None
@@ -330,7 +375,8 @@ class DedicatedState(PublishMixin):
         g = self.groups[key]
         self.ledger.take_markers(g.names)  # markers of an earlier no_sync backward: still there?
         g.launch_reduce(self.ledger.send(g.names), self.pool)
-        g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
+        if not self._keep_gathered:
+            g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
 
     def _launch_due_reduces(self) -> None:
         """Launch, in the fixed reduce order, every reduce whose group's gradients are complete
@@ -346,6 +392,10 @@ class DedicatedState(PublishMixin):
     def on_backward_end(self) -> None:
         """End of a backward: launch every reduce not launched yet, in the fixed order (zeros and
         presence 0 for missing grads), free gathered copies, reset per-backward state."""
+        deferred, self._deferred_grads = self._deferred_grads, {}
+        for name, param in deferred.items():  # left in .grad for hooks registered after dmuon's
+            check_not_written(name, param, self.owner_rank[name])
+            self._take_grad(name, param)
         self._callback_queued = False
         self.wait_publish()  # publishes of groups this forward did not use
         if self.require_grad_sync:
@@ -354,9 +404,10 @@ class DedicatedState(PublishMixin):
         self._reduce_next = 0
         if self.require_grad_sync:
             self.ledger.fresh = True
+        create_graph, self._keep_gathered = self._keep_gathered, False
         for g in self.groups.values():
-            # weights change only at step(): Z2 keeps its gathered copy across no_sync micro-batches
-            keep = not self.require_grad_sync and not g.reshard_after_forward
+            # Z2 keeps its copy across no_sync micro-batches; create_graph: on_backward_start
+            keep = create_graph or (not self.require_grad_sync and not g.reshard_after_forward)
             if g.holds_gathered and not keep:
                 g.reshard()
             g.reset_backward()
@@ -370,8 +421,8 @@ class DedicatedState(PublishMixin):
                 self._accumulate(rg)
 
     def _accumulate(self, rg: ReducedGrad) -> None:
-        k = mean_to_fsdp_scale(self._fsdp_states.get(self.group_of[rg.name]), self.G * self.R)
-        if k is not None:  # FSDP2's set_gradient_divide_factor on the enclosing module
+        k = mean_to_fsdp_scale(self._fsdp_states.get(rg.name), self.G * self.R)
+        if k is not None:  # FSDP2's set_gradient_divide_factor on the module holding the param
             rg.grad.mul_(k)
         self.ledger.add_reduced(rg.name, rg.grad, rg.present_here, rg.flag)
 
@@ -434,9 +485,15 @@ def find_state(model: Any) -> Optional[DedicatedState]:
 
 
 def get_state(model: nn.Module, what: str = "this call") -> DedicatedState:
-    """The state ``dedicate_params`` attached to ``model``; clear error when there is none."""
+    """The state ``dedicate_params`` attached to ``model``; clear error when there is none (also
+    when ``model`` wraps a dedicated model, as PEFT's ``get_peft_model`` applied afterwards)."""
     st = find_state(model)
     if st is None:
+        for path, m in model.named_modules():
+            inner = getattr(m, STATE_ATTR, None) if path else None
+            if inner is not None:
+                from dmuon.stateful.runtime.renames import renamed_error
+                raise renamed_error(inner, model, what, path)
         raise RuntimeError(
             f"{what} needs a model prepared by dmuon.dedicate_params(model, mesh, predicate) "
             "(call it before fully_shard), but this model has no dedicated parameters.")

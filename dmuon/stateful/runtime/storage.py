@@ -128,7 +128,8 @@ class DedicatedStorage:
         to_placeholder(p)
 
     def is_placeholder(self, name: str) -> bool:
-        return self.params[name].numel() == 0
+        """The param holds its zero-size placeholder (its reported shape is the matrix's)."""
+        return self.params[name].data.numel() == 0
 
 
 class GradBufferPool:
