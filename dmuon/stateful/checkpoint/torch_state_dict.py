@@ -151,6 +151,7 @@ class _Hooks:
         self.stand_ins: dict[str, torch.Tensor] = {}  # raw pass: key -> meta stand-in
         self.late: set[str] = set()  # load: keys an ancestor's pre-hook produces (checked early)
         self.own_hooks: set[int] = set()  # ids of the hooks below (skipped by the dry run)
+        self.handles: list = []  # every hook's handle (dmuon.release removes them)
         self.owned_by: dict[str, list[tuple[str, str]]] = {}  # module path -> [(attr, name)]
         for k, n in self.keys.items():
             path, _, attr = k.rpartition(".")
@@ -360,10 +361,10 @@ def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:
     """Install the save and load hooks on ``model`` (the root; see the module docstring)."""
     h = _Hooks(model, st)
     # torch marks public hooks with an attribute: plain functions, not bound methods
-    model.register_state_dict_pre_hook(lambda *a: h.pre_save(*a))
-    model.register_state_dict_post_hook(lambda *a: h.post_save(*a))
-    model.register_load_state_dict_pre_hook(lambda *a: h.pre_load(*a))
-    model.register_load_state_dict_post_hook(lambda *a: h.post_load(*a))
+    h.handles = [model.register_state_dict_pre_hook(lambda *a: h.pre_save(*a)),
+                 model.register_state_dict_post_hook(lambda *a: h.post_save(*a)),
+                 model.register_load_state_dict_pre_hook(lambda *a: h.pre_load(*a)),
+                 model.register_load_state_dict_post_hook(lambda *a: h.post_load(*a))]
     for path in h.owned_by:
         if not path:  # held by the root itself: its own hooks above see the entry
             continue
@@ -373,4 +374,5 @@ def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:
         r2 = m.register_load_state_dict_pre_hook(
             lambda *a, _p=path: h.owner_pre_load(*a, path=_p))
         h.own_hooks.update((r1.id, r2.id))
+        h.handles += [r1, r2]
     return h
