@@ -42,6 +42,7 @@ the files / keys and ranks, with model and optimizer exactly as before.
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import uuid
@@ -56,6 +57,7 @@ from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise,
                                              dcp_errors, publish, verify_files, write_marker)
+from dmuon.stateful.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.stateful.checkpoint.optimizer_state_dict import (
     _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state,
 )
@@ -119,6 +121,15 @@ def _planners():
     class CountingLoadPlanner(DefaultLoadPlanner):
         bytes_requested = 0
         bytes_read = 0
+
+        def load_bytes(self, read_item, value):
+            # weights_only (DCP's own planner unpickles with weights_only=False: any code);
+            # handed on re-serialized, so DCP's placing of the value is unchanged
+            obj = load_bytes(value, read_item.dest_index.fqn)
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            buf.seek(0)
+            return super().load_bytes(read_item, buf)
 
         def create_local_plan(self):
             plan = super().create_local_plan()
@@ -203,7 +214,9 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
       checkpoint_id: the checkpoint directory (on a file system every rank sees).
       model: a model prepared by ``dedicate_params`` (and ``fully_shard``).
       optimizer: its ``dmuon.Muon`` (optional: model only).
-      extra: small picklable values to store too (e.g. ``{"step": 100}``), same on every rank.
+      extra: small values to store too (e.g. ``{"step": 100}``), same on every rank: what
+        ``torch.load(weights_only=True)`` reads (numbers, strings, lists, tuples, dicts, tensors,
+        dtypes), since loads run no code; anything else is refused before anything is written.
       keep_last: keep this many checkpoints: the previous ones as ``<path>.1`` ... (default 1).
       storage_writer: a DCP ``StorageWriter`` for the partial directory (default: the file
         system; it must write to the path it is given).
@@ -223,6 +236,8 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     path = os.path.abspath(os.fspath(checkpoint_id))
     save_id = _bcast(rt, uuid.uuid4().hex[:12] if rt.rank == 0 else None, "save id")
     tmp = f"{path}.partial-{save_id}"
+    # before anything is written: values a load could not read without running code
+    agree_errors(rt, value_problems("extra", extra or {}), "dmuon.save_sharded")
     sd = _save_entries(model, rt, optimizer)
     if extra:
         sd["extra"] = dict(extra)
@@ -244,10 +259,18 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
 
 
 
-def _read_metadata(checkpoint_id, storage_reader):
-    from torch.distributed.checkpoint import FileSystemReader
-    reader = storage_reader if storage_reader is not None else FileSystemReader(checkpoint_id)
-    return reader, reader.read_metadata().state_dict_metadata
+def _read_metadata(rt, checkpoint_id: str, marker: dict, storage_reader):
+    """The reader (dmuon's safe one unless the caller gave one) and the metadata's entries,
+    agreed on every rank (a refused file raises :class:`CheckpointError` on all)."""
+    reader = storage_reader if storage_reader is not None else safe_reader(
+        checkpoint_id, {f: v["size"] for f, v in marker.get("files", {}).items()})
+    md, errors = None, []
+    try:
+        md = reader.read_metadata().state_dict_metadata
+    except CheckpointError as e:
+        errors.append(str(e))
+    agree_errors(rt, errors, "dmuon.load_sharded")
+    return reader, md
 
 
 def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, strict: bool):
@@ -339,7 +362,7 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
         errors.append(str(e))
     agree_errors(rt, errors, what)
     agree_errors(rt, verify_files(rt, path, marker), what)
-    reader, md = _read_metadata(path, storage_reader)
+    reader, md = _read_metadata(rt, path, marker, storage_reader)
     problems, check = _check_metadata(md, model, rt, optimizer, strict)
     agree_errors(rt, problems, what)
     # stage: DCP reads into new buffers shaped like this rank's pieces
