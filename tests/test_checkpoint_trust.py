@@ -19,7 +19,8 @@ import zipfile
 
 import pytest
 import torch
-from dist_utils import catch, run_ranks
+from dist_utils import catch
+from reliability_spawn import results
 
 
 class RunsCode:
@@ -167,8 +168,8 @@ def _trust_worker(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-def test_crafted_sharded_checkpoints_are_refused_and_never_run_code(tmp_path):
-    for rank, r in enumerate(run_ranks(_trust_worker, 2, str(tmp_path), timeout=120)):
+def test_crafted_sharded_checkpoints_are_refused_and_never_run_code(tmp_path_factory):
+    for rank, r in enumerate(results(2, "trust", tmp_path_factory)):
         assert r["ran"] == [], (rank, r["ran"])
         assert r["unchanged"], rank
         for tag, needle in (("extra", "weights_only"), ("metadata", "not allowed"),

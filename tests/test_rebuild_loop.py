@@ -19,7 +19,7 @@ and leaves a model and optimizer that raise a clear error instead of training on
 from __future__ import annotations
 
 import pytest
-from dist_utils import run_ranks
+from reliability_spawn import results
 
 MIB = 2 ** 20
 #: a model whose leak would show in RSS: ~0.4 M params (fp32), 14 dedicated matrices
@@ -113,19 +113,9 @@ def _rebuild_loop(rank: int, world: int) -> dict:
     return out
 
 
-_RESULTS: dict = {}
-
-
-def _results(world: int) -> list:
-    """One spawned run per world size, shared by the tests of this file."""
-    if world not in _RESULTS:
-        _RESULTS[world] = run_ranks(_rebuild_loop, world, timeout=120)
-    return _RESULTS[world]
-
-
 @pytest.mark.parametrize("world", [1, 2])
-def test_discarded_models_are_freed_with_their_groups_threads_and_fds(world):
-    for rank, res in enumerate(_results(world)):
+def test_discarded_models_are_freed_with_their_groups_threads_and_fds(world, tmp_path_factory):
+    for rank, res in enumerate(results(world, "rebuild", tmp_path_factory)):
         rows = res["rows"]
         for i, row in enumerate(rows):  # model, optimizer, a dedicated master
             assert row["alive"] == [0, 0, 0], (rank, i, row)
@@ -137,8 +127,8 @@ def test_discarded_models_are_freed_with_their_groups_threads_and_fds(world):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_release_frees_dmuon_state_and_leaves_clear_errors(world):
-    for rank, res in enumerate(_results(world)):
+def test_release_frees_dmuon_state_and_leaves_clear_errors(world, tmp_path_factory):
+    for rank, res in enumerate(results(world, "rebuild", tmp_path_factory)):
         assert res["release"] == (None, None), (rank, res["release"])
         assert res["master_freed"], rank
         for key in ("forward", "step"):

@@ -12,7 +12,8 @@ import json
 import os
 import shutil
 import zlib
-from typing import Any
+import logging
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -21,12 +22,23 @@ from dmuon.stateful.runtime.agree import agree
 __all__ = ["MARKER", "CheckpointError", "write_marker", "publish", "complete_or_raise",
            "verify_files", "dcp_errors", "agree_errors"]
 
+logger = logging.getLogger(__name__)
+
 MARKER = "dmuon-complete.json"
 
 
 class CheckpointError(Exception):
-    """A sharded checkpoint cannot be loaded (torn, corrupt, not matching the model), or a save
-    failed; raised on every rank, with nothing changed."""
+    """A sharded checkpoint cannot be loaded (torn, corrupt, not matching the model, crafted), or
+    a save failed; raised on every rank, with nothing changed.
+
+    Attributes:
+      errno: when an ``OSError`` on some rank caused it, that error's number, the same on every
+        rank (``errno.ENOSPC`` disk full, ``EDQUOT``, ``EROFS`` read-only, ``EFBIG`` file too
+        large, ``EACCES``, ``EIO``, ...); ``__cause__`` is then that ``OSError``. ``None``
+        otherwise.
+    """
+
+    errno: Optional[int] = None
 
 
 def _crc(path: str) -> tuple[int, int]:
@@ -84,7 +96,9 @@ def agree_errors(rt, errors: list[str], what: str) -> None:
 
 
 def publish(path: str, tmp: str, keep_last: int) -> None:
-    """Rank 0: the new checkpoint ``tmp`` becomes ``path``; older ones rotate to ``path.1`` .. ."""
+    """Rank 0: the new checkpoint ``tmp`` becomes ``path``; older ones rotate to ``path.1`` .. .
+    If the final rename fails, ``path`` is renamed back (it holds the previous checkpoint); a
+    retired copy that cannot be deleted afterwards is logged, not an error (the save is done)."""
     keep_last = max(1, int(keep_last))
     oldest = f"{path}.{keep_last - 1}" if keep_last > 1 else None
     if oldest and os.path.exists(oldest):
@@ -93,11 +107,21 @@ def publish(path: str, tmp: str, keep_last: int) -> None:
         if os.path.exists(f"{path}.{i}"):
             os.rename(f"{path}.{i}", f"{path}.{i + 1}")
     retired = f"{path}.1" if keep_last > 1 else f"{path}.retired-{os.path.basename(tmp)}"
-    if os.path.exists(path):
+    had = os.path.exists(path)
+    if had:
         os.rename(path, retired)
-    os.rename(tmp, path)
-    if keep_last == 1 and os.path.exists(retired):
-        shutil.rmtree(retired)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        if had:
+            os.rename(retired, path)
+        raise
+    if keep_last == 1 and had:
+        try:
+            shutil.rmtree(retired)
+        except OSError as e:
+            logger.warning("dmuon.save_sharded: could not delete the previous checkpoint %s (%s); "
+                           "the new one is published at %s", retired, e, path)
 
 
 def plain_name(name: Any) -> bool:

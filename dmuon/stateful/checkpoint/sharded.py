@@ -56,7 +56,10 @@ import torch.distributed as dist
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise,
-                                             dcp_errors, publish, verify_files, write_marker)
+                                             publish, verify_files, write_marker)
+from dmuon.stateful.checkpoint.torch_state_dict import log_dtype_changes
+from dmuon.stateful.checkpoint.save_safety import (agree_failure, discard_partial, run_step,
+                                                   sweep_partials, target_problems)
 from dmuon.stateful.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.stateful.checkpoint.optimizer_state_dict import (
     _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state,
@@ -236,22 +239,34 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     path = os.path.abspath(os.fspath(checkpoint_id))
     save_id = _bcast(rt, uuid.uuid4().hex[:12] if rt.rank == 0 else None, "save id")
     tmp = f"{path}.partial-{save_id}"
-    # before anything is written: values a load could not read without running code
-    agree_errors(rt, value_problems("extra", extra or {}), "dmuon.save_sharded")
+    what = "dmuon.save_sharded"
+    # before anything is written (save_safety.py): values a load could not read without running
+    # code; a path that is a link, a file or a folder of something else; then the stale partials
+    problems = value_problems("extra", extra or {})
+    if rt.rank == 0:
+        problems += target_problems(path)
+    agree_errors(rt, problems, what)
+    if rt.rank == 0:
+        sweep_partials(path)
     sd = _save_entries(model, rt, optimizer)
     if extra:
         sd["extra"] = dict(extra)
     sd["dmuon"] = {"save_id": save_id}
     save_planner, _ = _planners()
     planner = save_planner()
-    errors = dcp_errors(lambda: dcp.save(sd, checkpoint_id=tmp, storage_writer=storage_writer,
-                                          planner=planner), f"DCP save into {tmp}")
-    agree_errors(rt, errors, "dmuon.save_sharded")
-    if rt.rank == 0:
-        write_marker(tmp, save_id)
-        publish(path, tmp, keep_last)
-    rt.mesh_groups.control_collective("dmuon.save_sharded publish",
-                                      lambda g: dist.barrier(group=g))
+    own, raised = run_step(lambda: dcp.save(sd, checkpoint_id=tmp, storage_writer=storage_writer,
+                                            planner=planner), f"DCP save into {tmp}", rt.rank)
+    kept = f"The checkpoint at {path!r} is unchanged; the partial folder was removed."
+    err = agree_failure(rt, own, raised, what, kept)
+    if err is None:  # rank 0 marks and publishes; every rank learns how that went
+        own, raised = (run_step(lambda: (write_marker(tmp, save_id), publish(path, tmp, keep_last)),
+                                f"publishing {tmp} as {path}", 0) if rt.rank == 0
+                       else (None, False))
+        err = agree_failure(rt, own, raised, what, kept)
+    if err is not None:
+        if rt.rank == 0:
+            discard_partial(tmp, path)
+        raise err
     return ShardedSaveResult(planner.bytes_written, _local_bytes(sd))
 
 
@@ -273,8 +288,10 @@ def _read_metadata(rt, checkpoint_id: str, marker: dict, storage_reader):
     return reader, md
 
 
-def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, strict: bool):
-    """Problems of the checkpoint's metadata against the model (and optimizer); no collective."""
+def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, strict: bool,
+                    notes: list):
+    """Problems of the checkpoint's metadata against the model (and optimizer); no collective.
+    ``notes`` collects the model entries saved in another float precision."""
     exp = expected_entries(model, rt)
     given = {k[len("model."):]: tuple(getattr(m, "size", ()) or ()) for k, m in md.items()
              if k.startswith("model.")}
@@ -285,6 +302,8 @@ def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, stri
         saved = getattr(getattr(md.get("model." + src), "properties", None), "dtype", None)
         if saved is not None and exp[k][1].is_floating_point and not saved.is_floating_point:
             problems.append(f"model.{src}: saved as {saved}, cannot load into a {exp[k][1]} param")
+        elif saved is not None and saved.is_floating_point and saved != exp[k][1]:
+            notes.append((f"model.{src}", saved, exp[k][1]))
     if optimizer is not None:
         if not any(k.startswith("optim.") for k in md):
             problems.append("the checkpoint has no optimizer state (saved without optimizer?); "
@@ -363,8 +382,10 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     agree_errors(rt, errors, what)
     agree_errors(rt, verify_files(rt, path, marker), what)
     reader, md = _read_metadata(rt, path, marker, storage_reader)
-    problems, check = _check_metadata(md, model, rt, optimizer, strict)
+    notes: list = []
+    problems, check = _check_metadata(md, model, rt, optimizer, strict, notes)
     agree_errors(rt, problems, what)
+    log_dtype_changes(what, notes)
     # stage: DCP reads into new buffers shaped like this rank's pieces
     ded = dedicated_names_by_key(model, rt)
     wide = {n for n in rt.names if f"optim.dedicated.{n}.master" in md} \
@@ -403,11 +424,13 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
         sd["extra"] = {k: None for k in extra_keys}
     _, load_planner = _planners()
     planner = load_planner()
-    errors = dcp_errors(lambda: dcp.load(sd, checkpoint_id=path, storage_reader=reader,
-                                          planner=planner), f"DCP read of {path}")
-    if not errors and check_finite:
-        errors = _nonfinite(sd["model"], "model.") + (
-            _nonfinite(sd["optim"], "optim.") if optimizer is not None else [])
+    own, raised = run_step(lambda: dcp.load(sd, checkpoint_id=path, storage_reader=reader,
+                                            planner=planner), f"DCP read of {path}", rt.rank)
+    err = agree_failure(rt, own, raised, what, "Nothing was changed on any rank.")
+    if err is not None:
+        raise err
+    errors = (_nonfinite(sd["model"], "model.") + (
+        _nonfinite(sd["optim"], "optim.") if optimizer is not None else [])) if check_finite else []
     agree_errors(rt, errors, what)
     # install (the first writes to live state)
     if optimizer is not None:

@@ -33,7 +33,8 @@ from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.state import DedicatedState, get_state
-from dmuon.stateful.checkpoint.torch_state_dict import StateDictError, check_entry
+from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, check_entry,
+                                                       log_dtype_changes)
 from dmuon.stateful.checkpoint.trust import index_targets, read_torch_file
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part
 
@@ -251,6 +252,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     exp = expected_entries(model, rt, ded)
     has_dict = not rank0_only or rt.rank == 0
     check = None
+    notes: list = []
     if has_dict:
         if not isinstance(state_dict, Mapping):
             problems = [f"expected a mapping {{name: tensor}}, got {type(state_dict).__name__}"]
@@ -262,13 +264,14 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
                 for k, src in check.source.items():
                     shape, dtype = exp[k]
                     problems += check_entry(f"{src!r}", state_dict[src], shape, dtype,
-                                            finite=check_finite)
+                                            finite=check_finite, notes=notes)
     else:
         problems = []
     payload = None
     if rank0_only and check is not None:
         payload = (dict(check.source), list(check.missing), list(check.unexpected))
     payloads = agree(rt, problems, what, payload)
+    log_dtype_changes(what, notes)
     if rank0_only:
         source, missing, unexpected = payloads[0]
     else:
