@@ -90,6 +90,35 @@ def test_read_state_dict_refuses_compressed_records_and_code(tmp_path):
     assert torch.equal(dmuon.read_state_dict(str(plain))["w"], torch.zeros(1024, 1024))
 
 
+def test_dcp_items_compressed_or_transformed_are_refused(tmp_path):
+    """Inside a sharded checkpoint: a deflated tensor record, and an item stored through a DCP
+    storage transform (compression), are refused before anything inflates."""
+    import io
+
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from dmuon.stateful.checkpoint import trust
+    from dmuon.stateful.checkpoint.files import CheckpointError
+    raw = io.BytesIO()
+    torch.save(torch.zeros(512, 512), raw)
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(raw.getvalue())) as zin, zipfile.ZipFile(bomb, "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename), compress_type=zipfile.ZIP_DEFLATED)
+    with pytest.raises(CheckpointError, match="compressed"):
+        trust._tensor_item(io.BytesIO(bomb.getvalue()), "item")
+    assert torch.equal(trust._tensor_item(io.BytesIO(raw.getvalue()), "item"), torch.zeros(512, 512))
+    info = _StorageInfo("__0_0.distcp", 0, 10)
+    info.transform_descriptors = ["zstd"]
+    md = Metadata(state_dict_metadata={}, storage_data={MetadataIndex("w"): info})
+    (tmp_path / ".metadata").write_bytes(pickle.dumps(md))
+    with pytest.raises(CheckpointError, match="transform"):
+        trust.read_metadata(str(tmp_path / ".metadata"), {"__0_0.distcp": 100})
+    with pytest.raises(CheckpointError, match="outside"):  # beyond the file the marker measured
+        trust.read_metadata(str(tmp_path / ".metadata"), {"__0_0.distcp": 5})
+
+
 # ----------------------------------------------------------------------------- load_sharded
 def _forge(model, opt, path: str, extra: dict) -> None:
     """What anyone with write access to the folder can do: a dmuon-shaped DCP checkpoint (plain

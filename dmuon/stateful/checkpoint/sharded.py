@@ -219,7 +219,8 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
       optimizer: its ``dmuon.Muon`` (optional: model only).
       extra: small values to store too (e.g. ``{"step": 100}``), same on every rank: what
         ``torch.load(weights_only=True)`` reads (numbers, strings, lists, tuples, dicts, tensors,
-        dtypes), since loads run no code; anything else is refused before anything is written.
+        dtypes, and classes registered with ``torch.serialization.add_safe_globals``), since
+        loads run no code; anything else is refused before anything is written.
       keep_last: keep this many checkpoints: the previous ones as ``<path>.1`` ... (default 1).
       storage_writer: a DCP ``StorageWriter`` for the partial directory (default: the file
         system; it must write to the path it is given).

@@ -118,8 +118,37 @@ def load_bytes(value: io.BytesIO, what: str) -> Any:
             from None
 
 
-def _tensor_item(data: bytes, what: str) -> torch.Tensor:
-    buf = io.BytesIO(data)
+class _Slice(io.RawIOBase):
+    """Bytes ``[offset, offset + length)`` of an open file as a seekable file of their own (a
+    DCP item: read where it lies, no copy of it in memory)."""
+
+    def __init__(self, f: Any, offset: int, length: int):
+        super().__init__()
+        self._f, self._start, self._len, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self._len}[whence]
+        self._pos = max(0, base + pos)
+        return self._pos
+
+    def readinto(self, buf: Any) -> int:
+        n = max(0, min(len(buf), self._len - self._pos))
+        self._f.seek(self._start + self._pos)
+        got = self._f.readinto(memoryview(buf)[:n]) if n else 0
+        self._pos += got
+        return got
+
+
+def _tensor_item(buf: Any, what: str) -> torch.Tensor:
     try:
         with zipfile.ZipFile(buf) as zf:
             _stored_only(zf, what)
@@ -158,14 +187,14 @@ def safe_reader(path: str, files: Mapping[str, int]) -> Any:
                 info = self.storage_data[req.storage_index]
                 what = f"{info.relative_path}: item {req.storage_index.fqn!r}"
                 with open(os.path.join(path, info.relative_path), "rb") as f:
-                    f.seek(info.offset)
-                    data = f.read(info.length)
-                if len(data) != info.length:
-                    raise CheckpointError(f"{what}: the file ends early (truncated?)")
-                if req.type == LoadItemType.BYTE_IO:
-                    planner.load_bytes(req, io.BytesIO(data))
-                    continue
-                t = _tensor_item(data, what)
+                    if os.fstat(f.fileno()).st_size < info.offset + info.length:
+                        raise CheckpointError(f"{what}: the file ends early (truncated?)")
+                    if req.type == LoadItemType.BYTE_IO:
+                        f.seek(info.offset)
+                        planner.load_bytes(req, io.BytesIO(f.read(info.length)))
+                        continue
+                    t = _tensor_item(io.BufferedReader(_Slice(f, info.offset, info.length)),
+                                     what)
                 for dim, (off, size) in enumerate(zip(req.storage_offsets, req.lengths)):
                     if size < t.size(dim):
                         t = t.narrow(dim, off, size)
