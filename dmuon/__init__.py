@@ -17,7 +17,8 @@ loads no module of :mod:`dmuon.stateful`):
   ``set_optimizer_state_dict``, ``read_state_dict``, ``save_sharded`` / ``load_sharded``
   (torch.distributed.checkpoint, never gathered, any topology), ``clip_grad_norm_``,
   ``clip_grad_value_``, ``verify_step`` (checks one step against single-device Muon/AdamW on the
-  real mesh).
+  real mesh), ``release`` (frees dmuon's part of a model the caller keeps; a discarded model needs
+  no call).
 The pure core is ``dmuon.functional``; offline tools (projector, plan reports) are ``dmuon.tools``.
 """
 from __future__ import annotations
@@ -46,6 +47,7 @@ _PUBLIC: dict[str, str] = {
     "set_model_state_dict": "dmuon.stateful.checkpoint.state_dict",
     "read_state_dict": "dmuon.stateful.checkpoint.state_dict",
     "LoadResult": "dmuon.stateful.checkpoint.state_dict",
+    "release": "dmuon.stateful.runtime.release",
 }
 _SUBPACKAGES = ("functional", "tools", "stateful", "newton_schulz", "kernels", "integrations",
                 "compat", "launch", "demo")

@@ -152,10 +152,12 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
               "dedicated_bytes": sum(rt_p.numel() * rt_p.element_size()
                                      for rt_p in get_state(model).masters.values()),
               "placeholder_numel": [p.numel() for p in ded]}
-    opt = Muon(model, lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
-               weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"], ns_dtype=torch.float64,
-               adamw_lr=HP["adamw_lr"], adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
-               adamw_weight_decay=HP["adamw_weight_decay"])
+    opt = Muon(model, **{**dict(
+        lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
+        weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"], ns_dtype=torch.float64,
+        adamw_lr=HP["adamw_lr"], adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
+        adamw_weight_decay=HP["adamw_weight_decay"]), **cfg.get("muon_kw", {})})
+    ns_modes = []
     sched = None
     if cfg.get("sched"):
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
@@ -183,6 +185,8 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
             norms.append(float(clip_grad_norm_(model, cfg["clip"])))
         lrs.append((opt.param_groups[0]["lr"], opt.param_groups[1]["lr"]))
         opt.step()
+        if cfg.get("ns_modes"):  # how the owner's NS ran (a host sync: only when asked)
+            ns_modes.append(opt.last_step_stats().ns_mode)
         if cfg.get("hf_zero"):  # HF Trainer: only model.zero_grad() after the step
             model.zero_grad()
         if sched is not None:
@@ -194,7 +198,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     groups = sorted(rt.groups)
     return {"sd": sd, "groups": groups, "norms": norms, "losses": losses, "lrs": lrs,
             "owners": sorted(owners.values()), "counters": rt.executor.counters(),
-            "owned": list(rt.owned_names), "layout": layout, "R": R,
+            "owned": list(rt.owned_names), "layout": layout, "R": R, "ns_modes": ns_modes,
             "seen_dtypes": sorted(set(seen_dtypes)),
             "master_dtypes": sorted({str(m.dtype) for m in rt.masters.values()}),
             "reduce_dtypes": sorted({str(g.reduce_dtype) for g in rt.groups.values()}),

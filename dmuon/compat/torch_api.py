@@ -39,6 +39,10 @@ Private APIs and what they are for:
   DDP leaves dedicated params alone, and FSDP-mode models refuse DDP.
 * ``torch.utils._pytree.tree_leaves`` — the tensors of any forward output, flattened as torch
   flattens it (containers torch and libraries register, e.g. HF ``ModelOutput``).
+* :data:`DCP_METADATA_CLASSES` — the classes (``_StorageInfo``, ``_MEM_FORMAT_ENCODING`` and
+  ``torch.serialization._get_layout`` among them) a ``torch.distributed.checkpoint`` ``.metadata``
+  pickle names: the allow-list with which dmuon reads that file without running code
+  (:mod:`dmuon.stateful.checkpoint.trust`).
 * ``Module._parameters``, ``Module._state_dict_hooks``, ``Module._load_state_dict_pre_hooks`` — a
   module's param slots (a slot may hold a plain tensor or DTensor, set without ``__setattr__``'s
   checks) and its state-dict hooks (a foreign hook that rewrites dedicated entries is named; a
@@ -341,6 +345,40 @@ def set_group_timeout(pg: Any, timeout: datetime.timedelta) -> bool:
     return True
 
 
+# ------------------------------------------------------------------------------ DCP metadata
+#: ``{module: names}`` a DCP ``.metadata`` pickle may name (its dataclasses, torch.Size, layouts,
+#: memory formats, the checkpoint id's path); torch dtypes are allowed besides (``torch.<dtype>``)
+DCP_METADATA_CLASSES: dict[str, tuple[str, ...]] = {
+    "torch.distributed.checkpoint.metadata": (
+        "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+        "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "torch.serialization": ("_get_layout",),
+    "torch": ("Size",),
+    "collections": ("OrderedDict",),
+    "pathlib": ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),
+    "pathlib._local": ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"),
+}
+
+
+def dcp_metadata_global(module: str, name: str) -> Any:
+    """The object a DCP ``.metadata`` pickle may name as ``module.name``, or ``None`` when it is
+    not on the allow-list (:data:`DCP_METADATA_CLASSES`, and ``torch.<dtype>``)."""
+    if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+        return getattr(torch, name)
+    if name not in DCP_METADATA_CLASSES.get(module, ()):
+        return None
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError):
+        return None
+
+
+def _dcp_metadata_api() -> bool:
+    return all(dcp_metadata_global(m, n) is not None for m, names in DCP_METADATA_CLASSES.items()
+               if not m.startswith("pathlib") for n in names)
+
+
 def _resolves(check: Callable[[], Any]) -> bool:
     try:
         return bool(check())
@@ -382,6 +420,7 @@ def private_api_report() -> dict[str, bool]:
         "DeviceMesh._get_root_mesh": _root_mesh_api,
         "_composable.replicate.state": _replicate_state_api,
         "DistributedDataParallel._ddp_params_and_buffers_to_ignore": _ddp_ignore_api,
+        "DCP .metadata classes": _dcp_metadata_api,
         "torch.utils._pytree.tree_leaves": lambda: callable(
             getattr(torch_pytree, "tree_leaves", None)),
         **{f"Module.{attr}": (lambda attr=attr: isinstance(getattr(nn.Linear(1, 1), attr, None),

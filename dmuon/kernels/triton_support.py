@@ -21,7 +21,10 @@ try:  # Triton is optional: CPU machines and some installs lack it.
 except Exception as e:  # pragma: no cover - depends on the install
     triton = None
     tl = None
-    TRITON_IMPORT_ERROR = e
+    # without its traceback: the traceback's frames (and their callers', through f_back) would
+    # keep whatever the importing code held alive for the life of the process (a first model)
+    TRITON_IMPORT_ERROR = e.with_traceback(None)
+    TRITON_IMPORT_ERROR.__context__ = TRITON_IMPORT_ERROR.__cause__ = None
 
 
 def triton_available() -> bool:

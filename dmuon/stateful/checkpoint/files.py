@@ -12,7 +12,8 @@ import json
 import os
 import shutil
 import zlib
-from typing import Any
+import logging
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -21,12 +22,23 @@ from dmuon.stateful.runtime.agree import agree
 __all__ = ["MARKER", "CheckpointError", "write_marker", "publish", "complete_or_raise",
            "verify_files", "dcp_errors", "agree_errors"]
 
+logger = logging.getLogger(__name__)
+
 MARKER = "dmuon-complete.json"
 
 
 class CheckpointError(Exception):
-    """A sharded checkpoint cannot be loaded (torn, corrupt, not matching the model), or a save
-    failed; raised on every rank, with nothing changed."""
+    """A sharded checkpoint cannot be loaded (torn, corrupt, not matching the model, crafted), or
+    a save failed; raised on every rank, with nothing changed.
+
+    Attributes:
+      errno: when an ``OSError`` on some rank caused it, that error's number, the same on every
+        rank (``errno.ENOSPC`` disk full, ``EDQUOT``, ``EROFS`` read-only, ``EFBIG`` file too
+        large, ``EACCES``, ``EIO``, ...); ``__cause__`` is then that ``OSError``. ``None``
+        otherwise.
+    """
+
+    errno: Optional[int] = None
 
 
 def _crc(path: str) -> tuple[int, int]:
@@ -44,15 +56,35 @@ def _files(d: str) -> list[str]:
     return sorted(f for f in os.listdir(d) if f != MARKER and os.path.isfile(os.path.join(d, f)))
 
 
+def failures_of(e: BaseException) -> dict[int, BaseException]:
+    """``{rank: exception}`` behind ``e``: DCP's ``CheckpointException`` carries each failed
+    rank's exception (``failures``); anything else is this rank's own (key -1)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return {int(r): (f[0] if isinstance(f, tuple) else f) for r, f in failures.items()}
+    return {-1: e}
+
+
+def describe_exception(e: BaseException) -> str:
+    """``Type: message`` of ``e`` (a :class:`CheckpointError`: its message alone), one line."""
+    if isinstance(e, CheckpointError):
+        return str(e)
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:400] if text else ''}".rstrip(": ")
+
+
 def dcp_errors(fn: Any, what: str) -> list[str]:
     """Run a DCP call; its failure as a message (DCP's ``CheckpointException`` is a
-    ``BaseException``: caught here so that it reaches every rank as a :class:`CheckpointError`)."""
+    ``BaseException``: caught here so that it reaches every rank as a :class:`CheckpointError`),
+    naming each failed rank's own exception rather than DCP's traceback dump."""
     try:
         fn()
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as e:  # noqa: BLE001
-        return [f"{what} failed: {type(e).__name__}: {str(e)[:400]}"]
+        parts = [describe_exception(x) + (f" (rank {r})" if r >= 0 else "")
+                 for r, x in sorted(failures_of(e).items())]
+        return [f"{what} failed: " + "; ".join(dict.fromkeys(parts))]
     return []
 
 
@@ -64,7 +96,9 @@ def agree_errors(rt, errors: list[str], what: str) -> None:
 
 
 def publish(path: str, tmp: str, keep_last: int) -> None:
-    """Rank 0: the new checkpoint ``tmp`` becomes ``path``; older ones rotate to ``path.1`` .. ."""
+    """Rank 0: the new checkpoint ``tmp`` becomes ``path``; older ones rotate to ``path.1`` .. .
+    If the final rename fails, ``path`` is renamed back (it holds the previous checkpoint); a
+    retired copy that cannot be deleted afterwards is logged, not an error (the save is done)."""
     keep_last = max(1, int(keep_last))
     oldest = f"{path}.{keep_last - 1}" if keep_last > 1 else None
     if oldest and os.path.exists(oldest):
@@ -73,11 +107,44 @@ def publish(path: str, tmp: str, keep_last: int) -> None:
         if os.path.exists(f"{path}.{i}"):
             os.rename(f"{path}.{i}", f"{path}.{i + 1}")
     retired = f"{path}.1" if keep_last > 1 else f"{path}.retired-{os.path.basename(tmp)}"
-    if os.path.exists(path):
+    had = os.path.exists(path)
+    if had:
         os.rename(path, retired)
-    os.rename(tmp, path)
-    if keep_last == 1 and os.path.exists(retired):
-        shutil.rmtree(retired)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        if had:
+            os.rename(retired, path)
+        raise
+    if keep_last == 1 and had:
+        try:
+            shutil.rmtree(retired)
+        except OSError as e:
+            logger.warning("dmuon.save_sharded: could not delete the previous checkpoint %s (%s); "
+                           "the new one is published at %s", retired, e, path)
+
+
+def plain_name(name: Any) -> bool:
+    """``name`` is a file name inside its folder: a non-empty str, no separator, not ``.``/``..``."""
+    return (isinstance(name, str) and bool(name) and name not in (".", "..") and "/" not in name
+            and "\\" not in name and "\0" not in name and not os.path.isabs(name))
+
+
+def _checked_marker(marker: Any, where: str) -> dict:
+    """The marker's content, refused unless it is what :func:`write_marker` writes: a save id
+    and ``{plain file name: {"size": int, "crc32": int}}``."""
+    files = marker.get("files") if isinstance(marker, dict) else None
+    if not isinstance(files, dict) or not isinstance(marker.get("save_id"), str):
+        raise CheckpointError(f"{where}: not a dmuon completion marker; refused.")
+    for name, rec in files.items():
+        if not plain_name(name):
+            raise CheckpointError(f"{where} lists {name!r}, outside the checkpoint's folder; "
+                                  "refused.")
+        if not (isinstance(rec, dict) and all(type(rec.get(k)) is int and rec[k] >= 0
+                                              for k in ("size", "crc32"))):
+            raise CheckpointError(f"{where}: the entry of {name!r} is not a size and a CRC; "
+                                  "refused.")
+    return marker
 
 
 def complete_or_raise(path: str) -> dict:
@@ -86,7 +153,7 @@ def complete_or_raise(path: str) -> dict:
     if os.path.isfile(marker):
         try:
             with open(marker) as f:
-                return json.load(f)
+                return _checked_marker(json.load(f), marker)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{marker}: unreadable ({e})") from None
     parent, base = os.path.split(path)

@@ -42,6 +42,7 @@ the files / keys and ranks, with model and optimizer exactly as before.
 """
 from __future__ import annotations
 
+import io
 import math
 import os
 import uuid
@@ -55,7 +56,11 @@ import torch.distributed as dist
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise,
-                                             dcp_errors, publish, verify_files, write_marker)
+                                             publish, verify_files, write_marker)
+from dmuon.stateful.checkpoint.torch_state_dict import log_dtype_changes
+from dmuon.stateful.checkpoint.save_safety import (agree_failure, discard_partial, run_step,
+                                                   sweep_partials, target_problems)
+from dmuon.stateful.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.stateful.checkpoint.optimizer_state_dict import (
     _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state,
 )
@@ -119,6 +124,15 @@ def _planners():
     class CountingLoadPlanner(DefaultLoadPlanner):
         bytes_requested = 0
         bytes_read = 0
+
+        def load_bytes(self, read_item, value):
+            # weights_only (DCP's own planner unpickles with weights_only=False: any code);
+            # handed on re-serialized, so DCP's placing of the value is unchanged
+            obj = load_bytes(value, read_item.dest_index.fqn)
+            buf = io.BytesIO()
+            torch.save(obj, buf)
+            buf.seek(0)
+            return super().load_bytes(read_item, buf)
 
         def create_local_plan(self):
             plan = super().create_local_plan()
@@ -203,7 +217,10 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
       checkpoint_id: the checkpoint directory (on a file system every rank sees).
       model: a model prepared by ``dedicate_params`` (and ``fully_shard``).
       optimizer: its ``dmuon.Muon`` (optional: model only).
-      extra: small picklable values to store too (e.g. ``{"step": 100}``), same on every rank.
+      extra: small values to store too (e.g. ``{"step": 100}``), same on every rank: what
+        ``torch.load(weights_only=True)`` reads (numbers, strings, lists, tuples, dicts, tensors,
+        dtypes, and classes registered with ``torch.serialization.add_safe_globals``), since
+        loads run no code; anything else is refused before anything is written.
       keep_last: keep this many checkpoints: the previous ones as ``<path>.1`` ... (default 1).
       storage_writer: a DCP ``StorageWriter`` for the partial directory (default: the file
         system; it must write to the path it is given).
@@ -224,20 +241,34 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     path = os.path.abspath(os.fspath(checkpoint_id))
     save_id = _bcast(rt, uuid.uuid4().hex[:12] if rt.rank == 0 else None, "save id")
     tmp = f"{path}.partial-{save_id}"
+    what = "dmuon.save_sharded"
+    # before anything is written (save_safety.py): values a load could not read without running
+    # code; a path that is a link, a file or a folder of something else; then the stale partials
+    problems = value_problems("extra", extra or {})
+    if rt.rank == 0:
+        problems += target_problems(path)
+    agree_errors(rt, problems, what)
+    if rt.rank == 0:
+        sweep_partials(path)
     sd = _save_entries(model, rt, optimizer)
     if extra:
         sd["extra"] = dict(extra)
     sd["dmuon"] = {"save_id": save_id}
     save_planner, _ = _planners()
     planner = save_planner()
-    errors = dcp_errors(lambda: dcp.save(sd, checkpoint_id=tmp, storage_writer=storage_writer,
-                                          planner=planner), f"DCP save into {tmp}")
-    agree_errors(rt, errors, "dmuon.save_sharded")
-    if rt.rank == 0:
-        write_marker(tmp, save_id)
-        publish(path, tmp, keep_last)
-    rt.mesh_groups.control_collective("dmuon.save_sharded publish",
-                                      lambda g: dist.barrier(group=g))
+    own, raised = run_step(lambda: dcp.save(sd, checkpoint_id=tmp, storage_writer=storage_writer,
+                                            planner=planner), f"DCP save into {tmp}", rt.rank)
+    kept = f"The checkpoint at {path!r} is unchanged; the partial folder was removed."
+    err = agree_failure(rt, own, raised, what, kept)
+    if err is None:  # rank 0 marks and publishes; every rank learns how that went
+        own, raised = (run_step(lambda: (write_marker(tmp, save_id), publish(path, tmp, keep_last)),
+                                f"publishing {tmp} as {path}", 0) if rt.rank == 0
+                       else (None, False))
+        err = agree_failure(rt, own, raised, what, kept)
+    if err is not None:
+        if rt.rank == 0:
+            discard_partial(tmp, path)
+        raise err
     return ShardedSaveResult(planner.bytes_written, _local_bytes(sd))
 
 
@@ -245,14 +276,24 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
 
 
 
-def _read_metadata(checkpoint_id, storage_reader):
-    from torch.distributed.checkpoint import FileSystemReader
-    reader = storage_reader if storage_reader is not None else FileSystemReader(checkpoint_id)
-    return reader, reader.read_metadata().state_dict_metadata
+def _read_metadata(rt, checkpoint_id: str, marker: dict, storage_reader):
+    """The reader (dmuon's safe one unless the caller gave one) and the metadata's entries,
+    agreed on every rank (a refused file raises :class:`CheckpointError` on all)."""
+    reader = storage_reader if storage_reader is not None else safe_reader(
+        checkpoint_id, {f: v["size"] for f, v in marker.get("files", {}).items()})
+    md, errors = None, []
+    try:
+        md = reader.read_metadata().state_dict_metadata
+    except CheckpointError as e:
+        errors.append(str(e))
+    agree_errors(rt, errors, "dmuon.load_sharded")
+    return reader, md
 
 
-def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, strict: bool):
-    """Problems of the checkpoint's metadata against the model (and optimizer); no collective."""
+def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, strict: bool,
+                    notes: list):
+    """Problems of the checkpoint's metadata against the model (and optimizer); no collective.
+    ``notes`` collects the model entries saved in another float precision."""
     exp = expected_entries(model, rt)
     given = {k[len("model."):]: tuple(getattr(m, "size", ()) or ()) for k, m in md.items()
              if k.startswith("model.")}
@@ -263,6 +304,8 @@ def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, stri
         saved = getattr(getattr(md.get("model." + src), "properties", None), "dtype", None)
         if saved is not None and exp[k][1].is_floating_point and not saved.is_floating_point:
             problems.append(f"model.{src}: saved as {saved}, cannot load into a {exp[k][1]} param")
+        elif saved is not None and saved.is_floating_point and saved != exp[k][1]:
+            notes.append((f"model.{src}", saved, exp[k][1]))
     if optimizer is not None:
         if not any(k.startswith("optim.") for k in md):
             problems.append("the checkpoint has no optimizer state (saved without optimizer?); "
@@ -341,9 +384,11 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
         errors.append(str(e))
     agree_errors(rt, errors, what)
     agree_errors(rt, verify_files(rt, path, marker), what)
-    reader, md = _read_metadata(path, storage_reader)
-    problems, check = _check_metadata(md, model, rt, optimizer, strict)
+    reader, md = _read_metadata(rt, path, marker, storage_reader)
+    notes: list = []
+    problems, check = _check_metadata(md, model, rt, optimizer, strict, notes)
     agree_errors(rt, problems, what)
+    log_dtype_changes(what, notes)
     # stage: DCP reads into new buffers shaped like this rank's pieces
     ded = dedicated_names_by_key(model, rt)
     wide = {n for n in rt.names if f"optim.dedicated.{n}.master" in md} \
@@ -382,11 +427,13 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
         sd["extra"] = {k: None for k in extra_keys}
     _, load_planner = _planners()
     planner = load_planner()
-    errors = dcp_errors(lambda: dcp.load(sd, checkpoint_id=path, storage_reader=reader,
-                                          planner=planner), f"DCP read of {path}")
-    if not errors and check_finite:
-        errors = _nonfinite(sd["model"], "model.") + (
-            _nonfinite(sd["optim"], "optim.") if optimizer is not None else [])
+    own, raised = run_step(lambda: dcp.load(sd, checkpoint_id=path, storage_reader=reader,
+                                            planner=planner), f"DCP read of {path}", rt.rank)
+    err = agree_failure(rt, own, raised, what, "Nothing was changed on any rank.")
+    if err is not None:
+        raise err
+    errors = (_nonfinite(sd["model"], "model.") + (
+        _nonfinite(sd["optim"], "optim.") if optimizer is not None else [])) if check_finite else []
     agree_errors(rt, errors, what)
     # install (the first writes to live state)
     if optimizer is not None:

@@ -99,11 +99,13 @@ def _replicated(value: Any) -> bool:
 
 
 def check_entry(key: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype, st=None,
-                *, finite: bool = True) -> list[str]:
+                *, finite: bool = True, notes: Optional[list] = None) -> list[str]:
     """Problems of one state-dict value for a tensor of ``shape`` / ``dtype`` (no collective):
     wrong shape, a non-floating value for a floating tensor, non-finite values (``finite``), a
     DTensor of another spec than dmuon's (``st`` given: the dedicated ``Shard(0)`` rows, or a
-    DTensor replicated on every mesh dim)."""
+    DTensor replicated on every mesh dim). ``notes`` collects ``(key, value dtype, dtype)`` of a
+    floating value of another precision, for one :func:`log_dtype_changes` per load (without
+    ``notes``: a rounding to a narrower ``dtype`` is logged here)."""
     if not isinstance(value, torch.Tensor):
         return [f"{key}: a {type(value).__name__}, not a tensor"]
     problems = []
@@ -126,10 +128,31 @@ def check_entry(key: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype
     if finite and local.dtype.is_floating_point and local.numel() and \
             not bool(torch.isfinite(local).all()):
         problems.append(f"{key}: non-finite values (NaN/Inf)")
-    if dtype.is_floating_point and local.dtype.is_floating_point and \
-            torch.finfo(local.dtype).bits > torch.finfo(dtype).bits:
-        logger.info("dmuon: %s narrows from %s to %s on load", key, local.dtype, dtype)
+    if dtype.is_floating_point and local.dtype.is_floating_point and local.dtype != dtype:
+        if notes is not None:
+            notes.append((key, local.dtype, dtype))
+        elif torch.finfo(local.dtype).bits > torch.finfo(dtype).bits:
+            logger.info("dmuon: %s narrows from %s to %s on load", key, local.dtype, dtype)
     return problems
+
+
+def log_dtype_changes(what: str, notes: list) -> None:
+    """One log line per kind of precision change of a load (``notes`` of :func:`check_entry`):
+    values narrower than their param (or of another 16-bit format) load at their own precision,
+    a warning (the README's promise: allowed, and said); wider values are rounded, info."""
+    def bits(d: torch.dtype) -> int:
+        return torch.finfo(d).bits
+
+    narrower = [n for n in notes if bits(n[1]) < bits(n[2]) or bits(n[1]) == bits(n[2])]
+    wider = [n for n in notes if bits(n[1]) > bits(n[2])]
+    for entries, log, words in (
+            (narrower, logger.warning, "hold a narrower float than their param and load at their "
+                                       "own precision (the param's extra bits are zero)"),
+            (wider, logger.info, "are rounded to their param's narrower dtype")):
+        if entries:
+            kinds = sorted({f"{a} into {b}" for _, a, b in entries})
+            log("dmuon: %s: %d value(s) %s: %s (e.g. %s)", what, len(entries), words,
+                ", ".join(kinds), entries[0][0])
 
 
 class _Hooks:
@@ -151,6 +174,7 @@ class _Hooks:
         self.stand_ins: dict[str, torch.Tensor] = {}  # raw pass: key -> meta stand-in
         self.late: set[str] = set()  # load: keys an ancestor's pre-hook produces (checked early)
         self.own_hooks: set[int] = set()  # ids of the hooks below (skipped by the dry run)
+        self.handles: list = []  # every hook's handle (dmuon.release removes them)
         self.owned_by: dict[str, list[tuple[str, str]]] = {}  # module path -> [(attr, name)]
         for k, n in self.keys.items():
             path, _, attr = k.rpartition(".")
@@ -248,6 +272,7 @@ class _Hooks:
         st.join("model.load_state_dict(sd)", always=True)
         st.finish_meta_init("model.load_state_dict(sd)")
         problems: list[str] = []
+        notes: list = []
         staged: dict[str, Any] = {}
         absent = []
         for k, n in self.keys.items():
@@ -256,20 +281,20 @@ class _Hooks:
                 absent.append(k)
                 continue
             v = state_dict[key]
-            problems += check_entry(key, v, st.shape[n], st.orig_dtype[n], st)
+            problems += check_entry(key, v, st.shape[n], st.orig_dtype[n], st, notes=notes)
             staged.setdefault(n, v)
             state_dict[key] = st.params[n]  # the placeholder: torch's own copy_ is a no-op
         self.late = set()
         for k, v in self._dry_run(module, state_dict, prefix, absent).items():
             n = self.keys[k]
-            problems += check_entry(prefix + k, v, st.shape[n], st.orig_dtype[n], st)
+            problems += check_entry(prefix + k, v, st.shape[n], st.orig_dtype[n], st, notes=notes)
             self.late.add(prefix + k)
         for name, p in module.named_parameters(remove_duplicate=False):
             key = prefix + name
             if is_dedicated(p) or key not in state_dict:
                 continue
             v = state_dict[key]
-            mine = check_entry(key, v, tuple(p.shape), p.dtype)
+            mine = check_entry(key, v, tuple(p.shape), p.dtype, notes=notes)
             problems += mine
             if not mine and hasattr(p, "to_local") and not hasattr(v, "to_local"):
                 state_dict[key] = _slice_for(p, v)
@@ -280,6 +305,7 @@ class _Hooks:
                 problems.append(f"{key}: shape {tuple(state_dict[key].shape)}, expected "
                                 f"{tuple(b.shape)}")
         _agree(st, problems)
+        log_dtype_changes("model.load_state_dict", notes)
         self.staged = staged
 
     def _dry_run(self, root, state_dict, prefix: str, absent: list[str]) -> dict[str, Any]:
@@ -362,10 +388,10 @@ def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:
     """Install the save and load hooks on ``model`` (the root; see the module docstring)."""
     h = _Hooks(model, st)
     # torch marks public hooks with an attribute: plain functions, not bound methods
-    model.register_state_dict_pre_hook(lambda *a: h.pre_save(*a))
-    model.register_state_dict_post_hook(lambda *a: h.post_save(*a))
-    model.register_load_state_dict_pre_hook(lambda *a: h.pre_load(*a))
-    model.register_load_state_dict_post_hook(lambda *a: h.post_load(*a))
+    h.handles = [model.register_state_dict_pre_hook(lambda *a: h.pre_save(*a)),
+                 model.register_state_dict_post_hook(lambda *a: h.post_save(*a)),
+                 model.register_load_state_dict_pre_hook(lambda *a: h.pre_load(*a)),
+                 model.register_load_state_dict_post_hook(lambda *a: h.post_load(*a))]
     for path in h.owned_by:
         if not path:  # held by the root itself: its own hooks above see the entry
             continue
@@ -375,4 +401,5 @@ def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:
         r2 = m.register_load_state_dict_pre_hook(
             lambda *a, _p=path: h.owner_pre_load(*a, path=_p))
         h.own_hooks.update((r1.id, r2.id))
+        h.handles += [r1, r2]
     return h

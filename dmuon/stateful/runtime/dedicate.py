@@ -423,11 +423,11 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
         install_ddp_mode(model, st)
     else:
         guard_fsdp_mode(model)
-    register_hooks(model, st)
+    st.hook_handles = register_hooks(model, st)  # kept: dmuon.release removes them
     if layouts:  # after the group hooks: a module sees its gathered slice as TP's DTensor
         st.tp_forward = TPForward(model, layouts, st.group_of,
                                   {k: g.module for k, g in st.groups.items()})
-    register_state_dict_hooks(model, st)
+    st.hook_handles += register_state_dict_hooks(model, st).handles
     guard_module_apply(model, list(chosen.values()))
     setattr(model, STATE_ATTR, st)
     logger.info("dmuon: dedicated %d params in %d hook groups over G=%d R=%d (plan %s)",

@@ -37,6 +37,7 @@ collectives, ``.data`` swaps and storage resizes never enter a graph.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import torch
@@ -198,9 +199,19 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
         handles.append(g.module.register_forward_pre_hook(_eager(pre)))
         handles.append(g.module.register_forward_hook(_eager(post)))
 
+    # a param's grad hook is held by C++ (its AccumulateGrad), which Python's gc cannot traverse:
+    # holding the state there would keep the state, FSDP2's states and the model alive forever
+    # (a cycle through C++); a weak reference breaks it (the model holds the state)
+    st_ref = weakref.ref(st)
+
+    def on_grad(param: nn.Parameter, name: str) -> None:
+        state = st_ref()
+        if state is not None:
+            state.on_grad(name, param)
+
     for name, p in st.params.items():
         h = p.register_post_accumulate_grad_hook(
-            _eager(lambda param, name=name: st.on_grad(name, param)))
+            _eager(lambda param, name=name: on_grad(param, name)))
         p._dmuon_grad_hook = h.id  # kept last among the param's hooks (state.on_grad, guards)
         handles.append(h)
     return handles

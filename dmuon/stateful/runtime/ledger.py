@@ -36,6 +36,7 @@ the reduces' presence elements (``flags``) are read on the host, in one batch, w
 from __future__ import annotations
 
 import enum
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Optional
 
@@ -87,6 +88,12 @@ class GradRecord:
         self.local = self.reduced = None
         self.present = False
         self.flags = []
+
+
+def _on_zero(ref: "weakref.ref[GradLedger]", name: str) -> None:
+    ledger = ref()
+    if ledger is not None:
+        ledger._on_zero(name)
 
 
 class GradLedger:
@@ -211,7 +218,9 @@ class GradLedger:
     def _show(self, name: str, rec: GradRecord) -> None:
         p = self.params[name]
         if rec.marker is None or rec.marker.dtype != p.dtype or rec.marker.device != p.device:
-            rec.marker = make_marker(p, name, lambda n=name: self._on_zero(n))
+            # C++ holds a marker (``.grad``): a weak reference, or ledger and model never die
+            ref = weakref.ref(self)
+            rec.marker = make_marker(p, name, lambda n=name: _on_zero(ref, n))
         p.grad = rec.marker
         rec.shown = True
 

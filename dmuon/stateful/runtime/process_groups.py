@@ -17,6 +17,13 @@ Lanes and their groups (see :mod:`dmuon.functional.schedule`):
 group, in the same order (lane order ``unshard, reduce, replicate``, then ``r`` or ``s`` ascending),
 which :func:`make_process_groups` guarantees. Groups of one rank are created too (cheap; lets an
 executor run its lanes even at world size 1).
+
+**Reused, never leaked.** A group cannot be freed while another model may use it, and each new one
+holds threads and sockets (gloo) or a communicator (NCCL) until ``destroy_process_group``. So the
+groups made for one set of arguments (grids, backend, timeout, options, lanes) are made once per
+process and reused by every later model with the same arguments (models never run collectives
+concurrently: every rank issues them in program order); all ranks agree to reuse them (one small
+all-gather) or all make new ones. Groups a ``destroy_process_group()`` removed are never reused.
 """
 from __future__ import annotations
 
@@ -249,6 +256,11 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
         opts.is_high_priority_stream = True
         return opts
 
+    key = (all_grids, be, backend, timeout, bool(high_priority), tuple(lanes), me)
+    cached = _reusable(key)
+    # reuse only when every rank can: new_group is collective over the world
+    if all(gather(cached is not None, what="process-group reuse agreement")):
+        return cached
     groups: dict[str, Any] = {}
     kw0: dict[str, Any] = {"backend": backend}
     if timeout is not None:
@@ -279,6 +291,31 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
     control = dist.new_group(list(range(world)), **kw0)
     log.debug("dmuon process groups: G=%d R=%d T=%d rank=%d coord=%s lanes=%s", G, R,
               len(all_grids), me, coord, list(groups))
-    return MeshGroups(G, R, g, me, coord, groups, be, control=control, timeout=timeout,
+    made = MeshGroups(G, R, g, me, coord, groups, be, control=control, timeout=timeout,
                       tp_group=tp_group, tp_size=len(all_grids), tp_index=tp_index,
                       tp_ranks=tp_ranks, tp_grids=all_grids if len(all_grids) > 1 else ())
+    _REUSE[key] = made
+    return made
+
+
+#: the groups made so far, by (grids, backend, timeout, options, lanes, rank): a process that
+#: builds model after model (a sweep, an eval model, a restart loop) reuses them instead of
+#: adding groups (and their threads and sockets) that nothing could free
+_REUSE: dict[tuple, MeshGroups] = {}
+
+
+def _reusable(key: tuple) -> Optional[MeshGroups]:
+    """The groups made for ``key`` before, if every one of them is still registered (a
+    ``destroy_process_group()`` and a new ``init_process_group`` in between made them stale)."""
+    made = _REUSE.get(key)
+    if made is None:
+        return None
+    pgs = [*made.groups.values(), made.control, made.tp_group]
+    try:
+        for pg in pgs:
+            if pg is not None:
+                dist.get_process_group_ranks(pg)
+    except Exception:  # noqa: BLE001 - KeyError (or anything) for a destroyed group: make new ones
+        del _REUSE[key]
+        return None
+    return made

@@ -108,6 +108,8 @@ class DedicatedState(PublishMixin):
         # TP: {name: TPLayout} of the TP-sliced matrices and their forward hooks (tensor_parallel)
         self.tp_layouts: dict[str, Any] = dict(tp_layouts or {})
         self.tp_forward: Any = None
+        #: the handles of every hook dedicate_params registered (:func:`dmuon.release` removes them)
+        self.hook_handles: list[Any] = []
         self.mp_policy = mp_policy
         # policy rules' per-param dtypes; resolved at the first forward into compute / reduce
         self.rule_param_dtype = dict(param_dtypes or {})

@@ -1,0 +1,101 @@
+"""``dmuon.release(model)``: free what dmuon holds for a model now, while the caller still holds it.
+
+A discarded model needs no call: ``del model, optimizer`` (and Python's ``gc.collect()`` or its next
+automatic collection) frees the model, its optimizer and dmuon's state, like a plain FSDP2 model.
+No reference cycle runs through objects only C++ holds: the dedicated params' post-accumulate-grad
+hooks and the ``.grad`` markers' zero callbacks hold the state and the gradient ledger weakly
+(:mod:`dmuon.stateful.runtime.hooks`, :mod:`dmuon.stateful.runtime.ledger`), and the process groups
+are made once per process and set of arguments and reused by later models
+(:mod:`dmuon.stateful.runtime.process_groups`), so a rebuild adds no group, thread or socket.
+
+:func:`release` is for a caller that keeps the model object (a notebook cell, a framework holding
+it, an eval copy kept for its FSDP2 params): it waits for dmuon's collectives in flight, removes
+every hook ``dedicate_params`` registered, drops the ``.grad`` markers and frees the state (the
+dedicated masters, gathered copies, gradient buffers, the step program). The model's FSDP2 params
+stay (they are the model's); its dedicated matrices are gone, so the model and its ``dmuon.Muon``
+then refuse forward, ``state_dict`` / ``load_state_dict``, ``step`` and every dmuon call with a
+``RuntimeError`` naming ``dmuon.release``, instead of running on empty placeholders. Local (no
+collective); calling it again is a no-op. The optimizer's own state (momentum, AdamW moments) is
+the optimizer's: ``del optimizer`` frees it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch.nn as nn
+
+from dmuon.stateful.modes.deferred import clear_pending, find_pending
+from dmuon.stateful.runtime.guards import DedicatedGradMarker
+from dmuon.stateful.runtime.state import STATE_ATTR, find_state
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["release", "ReleasedState", "RELEASED"]
+
+RELEASED = ("dmuon: this model was released by dmuon.release(model): dmuon's state for it (its "
+            "dedicated matrices' values and gradients, its hooks) is gone, so it can no longer run "
+            "forward, save, load or step. Build a new model (dedicate_params, fully_shard, "
+            "dmuon.Muon) to train; to keep its values, save them before releasing it.")
+
+
+class ReleasedState:
+    """What a released model's (and its optimizer's) dmuon state becomes: any use raises."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # copy / pickle protocols ask for optional dunders
+            raise AttributeError(name)
+        raise RuntimeError(RELEASED)
+
+    def __repr__(self) -> str:
+        return "<dmuon state released by dmuon.release(model)>"
+
+
+def _refuse(*_args: Any, **_kwargs: Any) -> None:
+    raise RuntimeError(RELEASED)
+
+
+def release(model: nn.Module) -> None:
+    """Free what dmuon holds for ``model`` now (see the module docstring); local, idempotent.
+
+    Args:
+      model: a model prepared by ``dedicate_params`` (or its ``DistributedDataParallel``
+        wrapper), or one whose dedication is deferred to ``dmuon.Muon(model)``.
+
+    Raises:
+      RuntimeError: ``model`` was never prepared by ``dedicate_params``.
+    """
+    from dmuon.stateful.modes.ddp import unwrap_model
+    model = unwrap_model(model)
+    st = find_state(model)
+    if isinstance(st, ReleasedState):
+        return
+    if st is None:
+        if find_pending(model) is not None:  # a deferred dedication: nothing allocated yet
+            clear_pending(model)
+            return
+        raise RuntimeError("dmuon.release(model): this model was not prepared by "
+                           "dmuon.dedicate_params; there is nothing of dmuon's to release.")
+    try:  # collectives in flight finish first (they were issued on every rank)
+        st.drain()
+        st.reshard_all()
+    except Exception as e:  # noqa: BLE001 - a dead peer: release anyway, the buffers go with it
+        logger.warning("dmuon.release: waiting for dmuon's collectives in flight failed (%s); "
+                       "releasing anyway", e)
+    handles = list(st.hook_handles)
+    for extra in (getattr(st, "ddp_hook", None), getattr(st, "tp_forward", None)):
+        if extra is not None:
+            handles += getattr(extra, "handles", [extra])
+    for h in handles:
+        h.remove()
+    for p in st.params.values():
+        if isinstance(p.grad, DedicatedGradMarker):
+            p.grad = None
+    model.__dict__.pop("_apply", None)  # guard_module_apply's guard
+    # what is left raises, naming the release (not the placeholders' torch-op errors)
+    model.register_forward_pre_hook(_refuse)
+    model.register_state_dict_pre_hook(_refuse)
+    model.register_load_state_dict_pre_hook(_refuse)
+    st.__dict__.clear()
+    st.__class__ = ReleasedState  # the optimizer holds the same object: its calls raise too
+    setattr(model, STATE_ATTR, st)
