@@ -38,7 +38,6 @@ def _sched(t):
     return 0.05 * (1 - t / 20)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: schedules, tensor steps, weights_only states")
 def test_schedules_equal_the_values_of_each_step():
     model, data = _model(), _data()
     p0 = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -81,7 +80,6 @@ def test_schedules_equal_the_values_of_each_step():
         muon.validate_hparams(muon.MuonHParams(lr=torch.tensor(-1.0)))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: schedules, tensor steps, weights_only states")
 def test_compiled_train_step_with_a_scheduled_lr_compiles_once():
     model, data = _model(), _data(12)
     p0 = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -108,7 +106,6 @@ def test_compiled_train_step_with_a_scheduled_lr_compiles_once():
     torch._dynamo.reset()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: schedules, tensor steps, weights_only states")
 def test_lr_and_weight_decay_sweep_under_vmap():
     model, data = _model(), _data(4)
     p0 = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -137,7 +134,6 @@ def _roundtrip(obj):
     return torch.load(buf, weights_only=True)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: schedules, tensor steps, weights_only states")
 def test_every_state_loads_with_weights_only():
     params = {"w": torch.randn(4, 3), "v": torch.randn(5, 4)}
     states = [

@@ -15,6 +15,7 @@ from torch import Tensor
 
 from dmuon.functional import muon as fmuon
 from dmuon.functional import transforms as T
+from dmuon.functional.stages.hparams import next_step
 
 __all__ = ["owner_step", "lr_wd_groups", "Update"]
 
@@ -72,6 +73,7 @@ def owner_step(grads: Mapping[str, Optional[Tensor]], state: Any, params: Mappin
                         f"{type(update).__name__}")
     if state is None:
         state = fmuon.init(params)
+    update = fmuon.at_step(update, state.step)  # schedules: their values at this step
     ortho_for = update_kwargs.pop("orthogonalize_for", None)
 
     def run(g: dict, st: fmuon.MuonState, p: dict, hp: fmuon.MuonHParams):
@@ -91,7 +93,7 @@ def owner_step(grads: Mapping[str, Optional[Tensor]], state: Any, params: Mappin
                       update._replace(lr=update.lr * lm, weight_decay=update.weight_decay * wm))
         new_params.update(sp)
         momentum.update(sub.momentum)
-    return new_params, fmuon.MuonState(int(state.step) + 1, momentum)
+    return new_params, fmuon.MuonState(next_step(state.step), momentum)
 
 
 def _views(views: Optional[Mapping[str, Any]], params: Mapping[str, Tensor]) -> Optional[dict]:

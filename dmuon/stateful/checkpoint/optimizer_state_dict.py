@@ -34,6 +34,7 @@ import torch.nn as nn
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
+from dmuon.functional.stages.hparams import as_step
 from dmuon.stateful.runtime.state import get_state, local_tensor
 from dmuon.stateful.checkpoint.state_dict import agree, from_rank0, full_copy, local_shard
 from dmuon.stateful.checkpoint.torch_state_dict import StateDictError, check_entry, dtensor_rows
@@ -259,9 +260,9 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         if theirs is not None:
             g.update({k: _decode(k, v) for k, v in theirs.items()
                       if k not in ("params", "param_names", "name", "num_steps")})
-    optimizer.muon_state = ms._replace(step=int(entries.get("muon_step", 0))) \
+    optimizer.muon_state = ms._replace(step=as_step(entries.get("muon_step", 0))) \
         if ms is not None else None
-    optimizer.adamw_state = st._replace(step=int(entries.get("adamw_step", 0))) \
+    optimizer.adamw_state = st._replace(step=as_step(entries.get("adamw_step", 0))) \
         if st is not None else None
     optimizer.num_steps = int(entries.get("num_steps", 0))
     for n, t in staged_masters.items():
