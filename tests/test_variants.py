@@ -9,13 +9,9 @@ import io
 import pytest
 import torch
 
-from dmuon.functional import muon
+from dmuon.functional import muon, variants
 from dmuon.functional import transforms as T
-try:  # issue 34: not written yet
-    from dmuon.functional import variants
-    from dmuon.functional.stages import NEEDS, stage
-except ImportError:
-    variants = NEEDS = stage = None
+from dmuon.functional.stages import NEEDS, stage
 from dmuon.newton_schulz.coefficients import ns_coefficient_table
 
 F64 = torch.float64
@@ -95,7 +91,6 @@ def _err(x, y):
     return max(float((x[n] - y[n]).abs().max() / y[n].abs().max()) for n in y)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: NorMuon, Muon-Hyperball as chains")
 @pytest.mark.parametrize("kind,wd", [("normuon", 0.1), ("muon_hyperball", 0.0),
                                      ("normuon_hyperball", 0.0)])
 def test_variant_equals_its_single_device_reference(kind, wd):
@@ -113,7 +108,6 @@ def test_variant_equals_its_single_device_reference(kind, wd):
     assert set(chain.needs) <= set(NEEDS)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: NorMuon, Muon-Hyperball as chains")
 def test_fixed_radius_and_the_checks():
     chain = variants.muon_hyperball(radius=2.0)(HP, batch_dims=VIEWS)
     got, _ = _run(chain, 3)
@@ -126,7 +120,6 @@ def test_fixed_radius_and_the_checks():
         stage(lambda leaves, st: st, needs=("the_loss",))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: NorMuon, Muon-Hyperball as chains")
 def test_muon_variant_is_muon_update_bitwise():
     chain = variants.muon()(HP._replace(weight_decay=0.1), batch_dims=VIEWS)
     got, st = _run(chain, 3)
@@ -140,7 +133,6 @@ def test_muon_variant_is_muon_update_bitwise():
     assert all(torch.equal(st.states[0].momentum[n], s.momentum[n]) for n in p)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: NorMuon, Muon-Hyperball as chains")
 def test_variant_states_load_weights_only():
     for kind in ("normuon", "muon_hyperball", "normuon_hyperball"):
         hp = HP._replace(lr=lambda t: 0.03 * 0.9 ** t)

@@ -19,6 +19,8 @@ The stages are the math (:mod:`dmuon.functional.stages`, re-exported here; conve
 * :func:`scale_by_adam` — Adam's bias-corrected ``m̂ / (sqrt(v̂) + ε)`` (torch's arithmetic).
 * :func:`decoupled_apply` — ``W ← W·(1 − lr·λ) − lr·u``; as an optax stage, ``−lr·(u + λ·W)``.
 * :func:`add_decayed_weights` — ``u + λ·W``; :func:`scale_by_learning_rate` — ``−lr·u``.
+* :func:`scale_by_row_norm` — NorMuon's per-row normalization; :func:`hyperball_apply` — the
+  hyperball step (MuonH).
 * :func:`chain` — stages in sequence; :func:`partition` — a transform per route label.
 
 Hyper-parameters (``lr``, ``weight_decay``, ``momentum``, and the variants' ``beta2``) are
@@ -47,17 +49,18 @@ from typing import Any, Mapping, NamedTuple
 import optree
 import torch
 
-from dmuon.functional.stages import (AdamState, EmptyState, MomentumState, Orthogonalizer,
-                                     Transform, add_decayed_weights, decoupled_apply,
+from dmuon.functional.stages import (AdamState, EmptyState, HyperballState, MomentumState,
+                                     Orthogonalizer, RowNormState, Transform,
+                                     add_decayed_weights, decoupled_apply, hyperball_apply,
                                      orthogonalize, scale_by_adam, scale_by_learning_rate,
-                                     scale_by_shape, trace_momentum)
+                                     scale_by_row_norm, scale_by_shape, trace_momentum)
 from dmuon.functional.stages.hparams import ScheduleState, register_state
 from dmuon.functional.stages.leaves import Leaves, run_inplace
 from dmuon.functional.tree import PyTree, flatten, flatten_like, leaf_paths
 
 __all__ = [
     "Transform", "EmptyState", "MomentumState", "AdamState", "ChainState", "PartitionState",
-    "ScheduleState",
+    "ScheduleState", "RowNormState", "HyperballState", "scale_by_row_norm", "hyperball_apply",
     "Orthogonalizer", "apply_updates", "update_params", "chain", "partition", "trace_momentum",
     "orthogonalize", "scale_by_shape", "scale_by_adam", "decoupled_apply", "add_decayed_weights",
     "scale_by_learning_rate",

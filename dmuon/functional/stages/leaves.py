@@ -325,10 +325,16 @@ def run_inplace(transform: Any, leaves: Leaves, state: Any,
 
 def derive_update(update_: Callable[[Leaves, Any], Any]) -> Callable[..., tuple[PyTree, Any]]:
     """The optax form ``update(updates, state, params) -> (updates, state)`` of an in-place stage:
-    the same ``update_`` on copies (nothing the caller holds is written)."""
+    the same ``update_`` on copies (nothing the caller holds is written); an applying stage's
+    additive update is ``W' − W``."""
     def update(updates: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
         leaves = Leaves(params, updates)
+        before = list(leaves.params)
         opened = leaves.open(state)
         result = update_(leaves, opened)
+        if leaves.applied:  # an applying stage wrote (copies of) the params: W' − W
+            leaves.updates = [new - old for new, old in zip(leaves.params, before)]
+            leaves.scale = [1.0] * len(leaves)
+            leaves.divisor, leaves.denom = [1.0] * len(leaves), [None] * len(leaves)
         return leaves.updates_tree(), leaves.close(state, opened, result)
     return update
