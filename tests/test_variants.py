@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dmuon.functional import muon, variants
+from dmuon.functional.matrix_view import Batch
 from dmuon.functional import transforms as T
 from dmuon.functional.stages import NEEDS, stage
 from dmuon.newton_schulz.coefficients import ns_coefficient_table
@@ -146,3 +147,68 @@ def test_variant_states_load_weights_only():
     st = variants.normuon()(HP, batch_dims=VIEWS).init(_tree(0))
     assert {n: tuple(t.shape) for n, t in st.states[2].second_moment.items()} == \
         {"a": (12,), "b": (6,), "e": (15,)}
+
+
+@pytest.mark.parametrize("G,R", [(4, 1), (2, 2)])
+def test_world_step_runs_a_variant_equal_to_one_process(G, R):
+    """The pure distributed step (simulated ranks, the owners' chain) equals one process."""
+    from dmuon.functional.buckets import hook_groups
+    from dmuon.functional.program import step_program
+    from dmuon.functional.step import world_step
+
+    shapes = {f"layers.{i}.{p}.weight": s for i in range(2)
+              for p, s in (("q", (6, 8)), ("o", (8, 6)), ("up", (10, 8)))}
+    names = sorted(shapes)
+    owners = {n: (k % G, (k // G) % R) for k, n in enumerate(names)}
+    prog = step_program(owners, shapes, {n: "torch.float64" for n in names}, shard_size=G,
+                        replicate_size=R, groups=hook_groups(names))
+    W = G * R
+    g = torch.Generator().manual_seed(W)
+    full = {n: torch.randn(*s, generator=g, dtype=F64) for n, s in shapes.items()}
+    for kind in ("normuon", "muon_hyperball", "normuon_hyperball"):
+        variant = getattr(variants, kind)()
+        chain = variant(HP)
+        ref, ref_st = dict(full), chain.init(full)
+        params = [{n: full[n].clone() for n in names if owners[n][0] == i % G} for i in range(W)]
+        states = None
+        for step in range(2):
+            grads = [{n: torch.randn(*shapes[n], generator=g, dtype=F64) for n in names}
+                     for _ in range(W)]
+            params, states, _ = world_step(params, grads, prog, states, HP, transform=variant)
+            avg = {n: sum(gr[n] for gr in grads) / W for n in names}
+            ref, ref_st = T.update_params(chain, avg, ref_st, ref)
+            for i in range(W):
+                for n, v in params[i].items():
+                    torch.testing.assert_close(v, ref[n], rtol=0, atol=1e-12)
+
+
+def test_owner_step_groups_a_variant_by_the_policy_multipliers():
+    from dmuon.functional.owner_step import owner_step
+    p, g = _tree(0), _tree(1)
+    mults = {"a": (0.5, 1.0), "e": (2.0, 1.0)}
+    got, st = owner_step(g, None, p, HP._replace(weight_decay=0.1),
+                         transform=variants.normuon(), views={"e": Batch(1)}, mults=mults)
+    for n in p:
+        lm, wm = mults.get(n, (1.0, 1.0))
+        hp = HP._replace(lr=HP.lr * lm, weight_decay=0.1 * wm)
+        one = variants.normuon()(hp, batch_dims=VIEWS if n == "e" else None)
+        ref, _ = T.update_params(one, {n: g[n]}, one.init({n: p[n]}), {n: p[n]})
+        assert torch.equal(got[n], ref[n]), n
+
+
+def test_an_owner_without_a_quantity_raises_at_construction():
+    """A stage needing the whole matrix cannot run on a tensor-parallel slice's owner."""
+    from types import SimpleNamespace
+
+    from dmuon.stateful.optimizer.variant import VariantRunner
+
+    def whole(hp):
+        spectral = stage(lambda leaves, st: st, needs=("whole_matrix",))
+        return T.chain(variants.muon()(hp), spectral)
+
+    rt = SimpleNamespace(hp_mults={}, tp_layouts={"layers.0.o_proj.weight": SimpleNamespace(
+        dim=1)})
+    with pytest.raises(ValueError, match="'whole_matrix'.*layers.0.o_proj.weight"):
+        VariantRunner(whole, HP, rt)
+    with pytest.raises(TypeError, match="transform must be"):
+        VariantRunner(42, HP, rt)

@@ -17,7 +17,6 @@ from stateful_harness import max_rel_err
 KINDS = ("normuon", "muon_hyperball", "normuon_hyperball")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: dmuon.Muon(transform=)")
 def test_variants_on_two_ranks_equal_one_process():
     results = run_ranks(vw.two_rank_suite, 2, timeout=240)
     for kind in KINDS:

@@ -128,6 +128,7 @@ def run_variant(rank: int, world: int, kind: str, mode: str, steps: int,
     torch.distributed.barrier()
     if keep_model:
         out["model"] = model
+        out["routing"] = opt.routing_table()
     return out
 
 
