@@ -13,10 +13,7 @@ F = pytest.importorskip("torch.optim.functional", reason="torch < 2.15: no publi
 if not hasattr(F, "muon"):
     pytest.skip("torch < 2.15: no torch.optim.functional.muon", allow_module_level=True)
 
-try:  # issue 34: not written yet
-    from dmuon.functional import torch_functional as ours  # noqa: E402
-except ImportError:
-    ours = None
+from dmuon.functional import torch_functional as ours  # noqa: E402
 
 SHAPES = [(24, 16), (16, 40), (32, 32)]
 KW = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True,
@@ -62,7 +59,6 @@ def _rel(a, b, start):
     return max(float((x - y).abs().max() / (y - s).abs().max()) for x, y, s in zip(a, b, start))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: torch.optim.functional.muon's call")
 def test_same_call_same_contract():
     theirs = inspect.signature(F.muon).parameters
     mine = inspect.signature(ours.muon).parameters
@@ -71,7 +67,6 @@ def test_same_call_same_contract():
     assert set(mine) - set(theirs) == {"ns_dtype"}
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: torch.optim.functional.muon's call")
 def test_agrees_with_torch_functional_muon():
     p_t, b_t, start = _run(F.muon)
     p_o, b_o, _ = _run(ours.muon)  # bf16 NS, as torch's
