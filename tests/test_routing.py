@@ -11,10 +11,7 @@ import pytest
 from dmuon.functional.hf_policy import hf_rules
 from dmuon.functional.matrix_view import Heads
 from dmuon.functional.policy import ParamPolicy, Rule
-try:  # issue 34: not written yet
-    from dmuon.functional.routing import routing_table
-except ImportError:
-    routing_table = None
+from dmuon.functional.routing import routing_table
 from dmuon.stateful.runtime.param_views import decide_params, routing_predicate
 from models import make_model, muon_predicate
 
@@ -27,7 +24,6 @@ def _table(model, predicate=muon_predicate, policy=ParamPolicy()):
                           for n, p in model.named_parameters()], policy, decisions)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: the routing table, fail closed")
 def test_every_param_with_its_route_view_and_reason():
     model = make_model()
     model.layers[1].mlp.down_proj.weight.requires_grad_(False)
@@ -50,7 +46,6 @@ def test_every_param_with_its_route_view_and_reason():
     assert any("q_proj" in line and " 1 " in line for line in text.splitlines())
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: the routing table, fail closed")
 def test_a_rule_that_matches_nothing_raises():
     with pytest.raises(ValueError, match=r"rule 0 \('\*.self_atn.q_proj.weight'\) matches no"):
         _table(make_model(), policy=ParamPolicy(rules=(Rule("*.self_atn.q_proj.weight",
@@ -60,7 +55,6 @@ def test_a_rule_that_matches_nothing_raises():
     _table(make_model(), policy=ParamPolicy(rules=hf_rules(cfg, per_head=True)))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 34: the routing table, fail closed")
 def test_a_declared_muon_matrix_on_adamw_raises_unless_opted_out():
     def no_q(n, p):
         return muon_predicate(n, p) and "q_proj" not in n

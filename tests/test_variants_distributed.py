@@ -27,6 +27,11 @@ def test_variants_on_two_ranks_equal_one_process():
             assert max_rel_err(r["normuon"][f"resumed_{how}"], after)[0] == 0.0, how
         kind, msg = r["fixed_changed"]
         assert kind == "RuntimeError" and "fixed Transform" in msg
+        # dmuon.Muon.routing_table(): every param, the dedicated ones with their owner rank
+        table = r["normuon_hyperball"]["routing"]
+        muon_rows = [row for row in table.rows if row.route == "muon"]
+        assert muon_rows and all(row.owner in (0, 1) for row in muon_rows)
+        assert {row.route for row in table.rows} == {"muon", "adamw"}
 
 
 @pytest.mark.slow
