@@ -27,7 +27,7 @@ from torch import Tensor
 
 from dmuon.functional.stages.base import EmptyState, Transform
 from dmuon.functional.stages.hparams import Hyper, check_hyper, hyper_stage, is_one
-from dmuon.functional.stages.leaves import FOREACH, Leaves
+from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves
 from dmuon.functional.tree import PyTree
 
 __all__ = ["ApplyImpl", "decoupled_apply_", "foreach_apply_", "decoupled_apply",
@@ -53,6 +53,8 @@ def decoupled_apply_(ps: list[Tensor], us: list[Tensor], decay: float, alphas: S
     """
     if not ps:
         return
+    if isinstance(decay, Tensor) or any(isinstance(a, Tensor) for a in alphas):
+        ops = PER_TENSOR  # tensor hyper-parameters (traced, batched): per-tensor ops
     if not is_one(decay):
         ops.mul_(ps, decay)
     groups: dict[tuple[float, bool], list[int]] = {}

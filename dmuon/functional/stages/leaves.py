@@ -147,8 +147,8 @@ class Leaves:
         self.scale = [1.0] * n
         self.divisor = [1.0] * n
         self.denom: list[Optional[Tensor]] = [None] * n
-        if ops is FOREACH and any(is_batched(t) for t in self.params + self.updates):
-            ops = PER_TENSOR  # vmap has no batching rules for torch._foreach_*
+        if ops is FOREACH and any(is_batched(t) for t in self.params[:1] + self.updates[:1]):
+            ops = PER_TENSOR  # vmap has no batching rules for torch._foreach_* (O(1) check)
         self.donate, self.ops, self.applied = donate, ops, False
         self._names = names
         self._views: dict = {}

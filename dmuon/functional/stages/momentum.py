@@ -26,7 +26,7 @@ from torch import Tensor
 
 from dmuon.functional.stages.base import Transform
 from dmuon.functional.stages.hparams import Hyper, check_hyper, hyper_stage, register_state
-from dmuon.functional.stages.leaves import FOREACH, Leaves
+from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves
 from dmuon.functional.tree import PyTree, flatten, zeros_like_tree
 
 __all__ = ["MomentumState", "MomentumImpl", "foreach_momentum_", "momentum_", "trace_momentum"]
@@ -120,9 +120,9 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
             run = impl
         elif leaves.ops is FOREACH and not isinstance(mu, Tensor):
             run = foreach_momentum_
-        else:
+        else:  # per-tensor ops (inside vmap), or a tensor μ (traced, batched)
             def run(b, g, x, m):
-                momentum_(b, g, x, m, leaves.ops)
+                momentum_(b, g, x, m, PER_TENSOR if isinstance(m, Tensor) else leaves.ops)
         bs, gs, n = state.momentum, leaves.updates, len(leaves)
         if nesterov:
             xs = [g if leaves.scratch[k] else torch.empty_like(g) for k, g in enumerate(gs)]
