@@ -305,9 +305,7 @@ class Muon(torch.optim.Optimizer):
         grads = {n: torch.zeros_like(params[n]) if g is None and n in zeroed else g
                  for n, g in grads.items()}
         if self._variant is not None:  # every rank, every step: the chain's counts agree
-            self._variant.step(grads, params, self.muon_hparams(), views=self._views,
-                               mults=self._hp_mults, orthogonalizer_for=self._ortho_for,
-                               sum_hook=self._tp.sum_partials if self._tp else None)
+            self._variant.step(grads, params, self.muon_hparams(), self)
             self._state_views_stale = True
             return [n for n, g in grads.items() if g is not None]
         if not rt.owned_names:
@@ -327,14 +325,6 @@ class Muon(torch.optim.Optimizer):
             orthogonalize_for=lambda p, g: self._tp_wrapped(ortho, p, g))
         self._state_views_stale = True  # rebuilt when self.state is next read
         return stepped
-
-    def _ortho_for(self, spec: Any, names: list[str]) -> fmuon.Orthogonalize:
-        """A variant's ``orthogonalize`` stage's NS: this optimizer's (engine or functional) for
-        an ``NSConfig``, the stage's own callable otherwise; behind TP's gathers."""
-        from dmuon.newton_schulz.config import NSConfig
-        base = self._ns.for_config(self._rt.device.type, spec) if isinstance(spec, NSConfig) \
-            else spec
-        return self._tp.orthogonalizer(base, names, self._rt.program) if self._tp else base
 
     def routing_table(self) -> Any:
         """Where every param went (Muon with its view and owner / AdamW / frozen) and what decided

@@ -217,10 +217,18 @@ class VariantRunner:
                            else f"1-D with at most {numel} values")
                         + f", floating, in a dtype the master ({wide}) holds")
 
-    def step(self, grads: dict, params: dict, hparams: fmuon.MuonHParams, *,
-             views: Optional[dict], mults: dict, orthogonalizer_for: Callable,
-             sum_hook: Optional[Callable]) -> None:
-        """One step of the chain on this rank's owned matrices (donated)."""
+    def step(self, grads: dict, params: dict, hparams: fmuon.MuonHParams, opt: Any) -> None:
+        """One step of the chain on this rank's owned matrices (donated), with the optimizer
+        ``opt``'s views, multipliers, NS and TP hooks."""
+        from dmuon.newton_schulz.config import NSConfig
+        rt, tp = opt.dedicated_state, opt._tp
+
+        def orthogonalizer_for(spec: Any, names: list) -> Callable:
+            """A stage's NS: the optimizer's (engine or functional) for an ``NSConfig``, the
+            stage's own callable otherwise; behind TP's gathers."""
+            base = opt._ns.for_config(rt.device.type, spec) if isinstance(spec, NSConfig) \
+                else spec
+            return tp.orthogonalizer(base, names, rt.program) if tp is not None else base
         if self.fixed and not all(_same(a, b) for a, b in zip(hparams, self.hp0)):
             raise RuntimeError(
                 "dmuon.Muon.step: param_groups[0]'s Muon hyper-parameters changed (an lr "
@@ -231,8 +239,9 @@ class VariantRunner:
         update = self.transform if self.fixed else hparams
         _, self.state = owner_step(
             grads, self.state, params, update, transform=None if self.fixed else self.transform,
-            views=views, mults=mults if not self.fixed else None, donate=True, donate_grads=True,
-            orthogonalizer_for=orthogonalizer_for, sum_hook=sum_hook)
+            views=opt._views, mults=None if self.fixed else opt._hp_mults, donate=True,
+            donate_grads=True, orthogonalizer_for=orthogonalizer_for,
+            sum_hook=tp.sum_partials if tp is not None else None)
 
     def field_values(self, key: str) -> dict[str, torch.Tensor]:
         """``{owned name: tensor}`` of field ``key`` (the live buffers)."""
