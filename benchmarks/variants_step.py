@@ -16,8 +16,10 @@ Usage (the H200)::
 
     python benchmarks/variants_step.py --out benchmarks/results/variants_step_h200.json
 
-``--models 1b,8b`` (default ``1b``); ``--tiny``: small shapes on CPU (host clock, the functional
-NS), a smoke run for CI (``tests/test_benchmarks_smoke.py``).
+``--models 1b,8b`` (default ``1b``; 8B's matrices are 28 GB per fp32 copy: params, gradients,
+momentum and the variants' temporaries fit an H200's 141 GB one kind at a time); ``--tiny``: small
+shapes on CPU (host clock, the functional NS), a smoke run for CI (``tests/test_benchmarks_smoke.py``).
+Each kind's ``peak_gib`` (CUDA) is its peak allocated memory.
 """
 from __future__ import annotations
 
@@ -87,21 +89,24 @@ def _elementwise(device: torch.device):
         return None
 
 
+def _tensors(shapes: list, device: torch.device, seed: int, scale: float = 1.0) -> dict:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return {f"m{i}": (torch.randn(s, generator=g) * scale).to(device) for i, s in enumerate(shapes)}
+
+
 def bench_model(shapes: list, device: torch.device, warmup: int, repeats: int) -> dict:
-    g = torch.Generator(device="cpu").manual_seed(0)
-    names = [f"m{i}" for i in range(len(shapes))]
-    base = {n: (torch.randn(s, generator=g) * 0.02).to(device) for n, s in zip(names, shapes)}
-    grads = {n: torch.randn(s, generator=g).to(device) for n, s in zip(names, shapes)}
+    """Each kind on fresh tensors (freed after: an 8B model's matrices are 28 GB in fp32)."""
     hp = fmuon.MuonHParams(lr=0.02)
     engine = _engine(device, NSConfig.from_hparams(hp))
     timer = _timer(device)
     out: dict = {}
-    xs = [grads[n].unsqueeze(0).clone() for n in names]
+    grads = _tensors(shapes, device, 1)
+    xs = [t.unsqueeze(0) for t in grads.values()]  # the engine may overwrite them: timing only
     ms, all_ms = timer(lambda: engine(xs), warmup, repeats)
     out["ns"] = {"ms": ms, "all_ms": all_ms}
+    del grads, xs
     for kind in KINDS:
-        params = {n: t.clone() for n, t in base.items()}
-        g_step = {n: t.clone() for n, t in grads.items()}
+        params, g_step = _tensors(shapes, device, 0, 0.02), _tensors(shapes, device, 1)
         if kind == "muon":
             state = [fmuon.init(params)]
             ew = _elementwise(device)
@@ -123,6 +128,12 @@ def bench_model(shapes: list, device: torch.device, warmup: int, repeats: int) -
         ms, all_ms = timer(step, warmup, repeats)
         out[kind] = {"ms": ms, "all_ms": all_ms, "ratio_to_ns": ms / out["ns"]["ms"],
                      "over_ns_ms": ms - out["ns"]["ms"]}
+        if device.type == "cuda":
+            out[kind]["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        del params, g_step, state, step
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
     return out
 
 

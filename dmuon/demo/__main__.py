@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     a("--hyperball-lr", type=float, default=0.02,
       help="MuonH / NorMuonH relative step (each update moves a matrix by this fraction of its "
            "norm; default 0.02)")
+    a("--hyperball-radius", type=float, default=None,
+      help="MuonH / NorMuonH: the Frobenius norm every matrix is kept at (default: its norm at "
+           "the first step)")
     a("--adamw-lr", type=float, default=0.01,
       help="AdamW learning rate, for dmuon's non-matrix params and the baseline (default 0.01)")
     a("--seed", type=int, default=0, help="seed of the source, the init and the data (default 0)")
@@ -111,6 +114,7 @@ def _config(args: argparse.Namespace) -> Any:
     if kw["hidden"] % kw["heads"] or (kw["hidden"] // kw["heads"]) % 2:
         raise ValueError(f"--hidden {kw['hidden']} must split into {kw['heads']} heads of even size")
     return RunConfig(ranks=ranks, lr=args.lr, hyperball_lr=args.hyperball_lr,
+                     hyperball_radius=args.hyperball_radius,
                      adamw_lr=args.adamw_lr, seed=args.seed,
                      device=device, optimizers=opts, progress=not args.no_progress, **kw)
 

@@ -24,7 +24,7 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -50,6 +50,7 @@ class RunConfig:
     batch: int = 32                 # global batch (sequences per step, split over ranks)
     lr: float = 0.02                # Muon lr (and NorMuon's)
     hyperball_lr: float = 0.02      # MuonH / NorMuonH: the relative step (no weight decay)
+    hyperball_radius: Optional[float] = None  # their fixed norm (None: each matrix's initial)
     adamw_lr: float = 3e-3          # AdamW lr (dmuon's AdamW group and the baseline)
     warmup: float = 0.05            # fraction of steps with linear warm-up
     seed: int = 0
@@ -154,9 +155,10 @@ def _build(kind: str, cfg: RunConfig, mesh: Any, device: torch.device) -> tuple[
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         # a variant (NorMuon, Muon-Hyperball, their chain) runs the same way, on the owners
+        radius = cfg.hyperball_radius
         transform = {"dmuon": None, "normuon": variants.normuon(),
-                     "muonh": variants.muon_hyperball(),
-                     "normuonh": variants.normuon_hyperball()}[kind]
+                     "muonh": variants.muon_hyperball(radius=radius),
+                     "normuonh": variants.normuon_hyperball(radius=radius)}[kind]
         lr = cfg.hyperball_lr if kind in ("muonh", "normuonh") else cfg.lr
         opt = dmuon.Muon(model, lr=lr, adamw_lr=cfg.adamw_lr, transform=transform)
         runtime = opt.dedicated_state
