@@ -147,6 +147,7 @@ def main(argv: list[str]) -> None:
         if dist.get_rank() == 0:
             torch.save({"logits": logits, "log_history": trainer.state.log_history,
                         "weights": weights, "optimizer": optim, "step_stats": stats,
+                        "routing_log": getattr(trainer, "_dmuon_routing_log", None),
                         "checkpoint": _last_checkpoint(a.output_dir),
                         "reduce_collectives": rt.executor.counters()["reduce"]["collectives"],
                         "reduce_ops_per_sync": sum(len(g.phases.reduce) for g in rt.groups.values())},

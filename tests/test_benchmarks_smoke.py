@@ -3,7 +3,7 @@
 The GPU benchmarks (``ns_whole_model``, ``ns_accuracy``, ``ns_breakdown``, ``syrk_bench``) need a
 CUDA device and run on the H200; here the CPU-capable ones run end to end in small configurations:
 ``step_world1 --tiny`` and ``step_profile --tiny`` (gloo, world size 1), ``plan_balance`` and
-``validate_projection --skip-gloo`` (the projector's prediction errors).
+``validate_projection --skip-gloo`` (the projector's prediction errors), ``variants_step --tiny``.
 """
 from __future__ import annotations
 
@@ -57,3 +57,14 @@ def test_validate_projection_meets_the_step_total_goal(tmp_path):
     totals += [r["step"]["error"] for r in d["h200_world1"]["rows"] if r["role"] == "prediction"]
     totals += [r["reference"]["error"] for r in d["a800"]["a800_128"]]
     assert len(totals) == 4 + 8 + 2 and max(abs(e) for e in totals) <= 0.15, totals
+
+
+def test_variants_step_tiny_writes_results(tmp_path):
+    out = tmp_path / "v.json"
+    _run("variants_step.py", "--tiny", "--out", str(out))
+    d = json.loads(out.read_text())
+    for key in ("date", "machine", "torch", "results"):
+        assert key in d, key
+    r = d["results"]["tiny"]
+    assert {"ns", "muon", "normuon", "muon_hyperball", "normuon_hyperball"} <= set(r)
+    assert all(r[k]["ratio_to_ns"] > 0 for k in r if k != "ns")

@@ -143,6 +143,11 @@ def test_trainer_recipe_clips_saves_and_reloads(preempted, ref):
     for k, v in reloaded.state_dict().items():
         assert torch.equal(v, run["weights"][k]), k
 
+    # the routing table, logged once: every param, the Muon ones with their view and owner
+    (table,) = run["routing_log"]
+    assert table.startswith("dmuon routing:") and "model.layers.0.self_attn.q_proj.weight" in table
+    assert "model.embed_tokens.weight" in table and " adamw " in table
+
     # gradient accumulation: one reduce per optimizer step, none on the no_sync micro-batches
     assert run["reduce_collectives"] == STOP * run["reduce_ops_per_sync"]
 

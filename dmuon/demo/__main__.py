@@ -26,7 +26,9 @@ __all__ = ["main", "build_parser", "FAST"]
 # the tiny configuration of --fast (tests, smoke runs)
 FAST = dict(steps=40, layers=1, hidden=32, heads=2, vocab=16, order=1, seq_len=16, batch=16,
             eval_batch=32)
-_LABELS = {"dmuon": "dmuon (Muon + AdamW)", "adamw": "FSDP2 + AdamW"}
+_LABELS = {"dmuon": "dmuon (Muon + AdamW)", "normuon": "dmuon NorMuon + AdamW",
+           "muonh": "dmuon MuonH + AdamW", "normuonh": "dmuon NorMuonH + AdamW",
+           "adamw": "FSDP2 + AdamW"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -49,12 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seq-len", type=int, default=64, help="tokens per sequence (default 64)")
     a("--batch", type=int, default=32,
       help="global batch in sequences, split over the ranks (default 32)")
-    a("--lr", type=float, default=0.02, help="Muon learning rate (default 0.02)")
+    a("--lr", type=float, default=0.02, help="Muon (and NorMuon) learning rate (default 0.02)")
+    a("--hyperball-lr", type=float, default=0.02,
+      help="MuonH / NorMuonH relative step (each update moves a matrix by this fraction of its "
+           "norm; default 0.02)")
+    a("--hyperball-radius", type=float, default=None,
+      help="MuonH / NorMuonH: the Frobenius norm every matrix is kept at (default: its norm at "
+           "the first step)")
     a("--adamw-lr", type=float, default=0.01,
       help="AdamW learning rate, for dmuon's non-matrix params and the baseline (default 0.01)")
     a("--seed", type=int, default=0, help="seed of the source, the init and the data (default 0)")
     a("--optimizers", default="dmuon,adamw",
-      help="comma list of optimizers to run: dmuon, adamw (default both)")
+      help="comma list of optimizers to run: dmuon (Muon), normuon, muonh, normuonh (Muon's "
+           "variants through dmuon.Muon(transform=...)), adamw (default dmuon,adamw)")
     a("--out-dir", default=None,
       help="output folder (default ./dmuon-demo-out, with --fast ./dmuon-demo-out-fast, so a "
            "smoke run never overwrites a full run's outputs)")
@@ -104,7 +113,9 @@ def _config(args: argparse.Namespace) -> Any:
                          "`order` tokens of a sequence are context only)")
     if kw["hidden"] % kw["heads"] or (kw["hidden"] // kw["heads"]) % 2:
         raise ValueError(f"--hidden {kw['hidden']} must split into {kw['heads']} heads of even size")
-    return RunConfig(ranks=ranks, lr=args.lr, adamw_lr=args.adamw_lr, seed=args.seed,
+    return RunConfig(ranks=ranks, lr=args.lr, hyperball_lr=args.hyperball_lr,
+                     hyperball_radius=args.hyperball_radius,
+                     adamw_lr=args.adamw_lr, seed=args.seed,
                      device=device, optimizers=opts, progress=not args.no_progress, **kw)
 
 

@@ -24,11 +24,14 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["RunConfig", "launch", "train_rank", "DemoWorkerError", "ProgressBar"]
+__all__ = ["RunConfig", "launch", "train_rank", "DemoWorkerError", "ProgressBar", "MUON_KINDS"]
+
+#: the demo's dmuon optimizers: Muon, and its variants run through dmuon.Muon(transform=...)
+MUON_KINDS = ("dmuon", "normuon", "muonh", "normuonh")
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,9 @@ class RunConfig:
     branching: int = 4
     seq_len: int = 64
     batch: int = 32                 # global batch (sequences per step, split over ranks)
-    lr: float = 0.02                # Muon lr
+    lr: float = 0.02                # Muon lr (and NorMuon's)
+    hyperball_lr: float = 0.02      # MuonH / NorMuonH: the relative step (no weight decay)
+    hyperball_radius: Optional[float] = None  # their fixed norm (None: each matrix's initial)
     adamw_lr: float = 3e-3          # AdamW lr (dmuon's AdamW group and the baseline)
     warmup: float = 0.05            # fraction of steps with linear warm-up
     seed: int = 0
@@ -140,15 +145,22 @@ def _build(kind: str, cfg: RunConfig, mesh: Any, device: torch.device) -> tuple[
     torch.manual_seed(cfg.seed)
     model = DemoLM(cfg.model_config()).to(device)
     runtime = None
-    if kind == "dmuon":
+    if kind in MUON_KINDS:
         import dmuon
+        from dmuon.functional import variants
 
         # The three lines a user adds to an FSDP2 script:
         dmuon.dedicate_params(model, mesh, predicate=is_muon_param)  # 2-D "*proj*" matrices
         for layer in model.layers:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = dmuon.Muon(model, lr=cfg.lr, adamw_lr=cfg.adamw_lr)
+        # a variant (NorMuon, Muon-Hyperball, their chain) runs the same way, on the owners
+        radius = cfg.hyperball_radius
+        transform = {"dmuon": None, "normuon": variants.normuon(),
+                     "muonh": variants.muon_hyperball(radius=radius),
+                     "normuonh": variants.normuon_hyperball(radius=radius)}[kind]
+        lr = cfg.hyperball_lr if kind in ("muonh", "normuonh") else cfg.lr
+        opt = dmuon.Muon(model, lr=lr, adamw_lr=cfg.adamw_lr, transform=transform)
         runtime = opt.dedicated_state
     elif kind == "adamw":
         for layer in model.layers:
@@ -156,7 +168,7 @@ def _build(kind: str, cfg: RunConfig, mesh: Any, device: torch.device) -> tuple[
         fully_shard(model, mesh=mesh)
         opt = torch.optim.AdamW(model.parameters(), lr=cfg.adamw_lr, weight_decay=0.01)
     else:
-        raise ValueError(f"unknown optimizer {kind!r}; choose 'dmuon' or 'adamw'")
+        raise ValueError(f"unknown optimizer {kind!r}; choose one of {MUON_KINDS + ('adamw',)}")
     return model, opt, runtime
 
 

@@ -5,7 +5,8 @@ first use, so that ``import dmuon.functional.muon`` does not load the simulator 
 
 * optimizers as explicit-state transformations: :mod:`muon`, :mod:`adamw` (``init`` / ``update``
   with NamedTuple states) and the composable transforms they are built from (:mod:`transforms`:
-  ``chain``, ``partition`` and the stages);
+  ``chain``, ``partition`` and the stages); Muon's variants as chains (:mod:`variants`: NorMuon,
+  Muon-Hyperball);
 * :func:`newton_schulz` (the iteration itself lives in :mod:`dmuon.newton_schulz`);
 * the owner plan and the communication as data: :func:`plan_owners`, :func:`bucket_layout`,
   :func:`unshard_schedule`, :func:`reduce_schedule`, :func:`publish_schedule`,
@@ -34,9 +35,9 @@ _EXPORTS: dict[str, str] = {
     "Batch": "dmuon.functional.matrix_view", "Heads": "dmuon.functional.matrix_view",
     "Split": "dmuon.functional.matrix_view", "Transposed": "dmuon.functional.matrix_view",
     "ParamPolicy": "dmuon.functional.policy", "Rule": "dmuon.functional.policy",
-    "hf_rules": "dmuon.functional.hf_policy",
+    "hf_rules": "dmuon.functional.hf_policy", "variants": "dmuon.functional.variants",
 }
-_MODULES = {"adamw", "muon", "transforms", "qk_clip"}
+_MODULES = {"adamw", "muon", "transforms", "qk_clip", "variants"}
 
 
 def __getattr__(name: str) -> Any:
@@ -57,4 +58,5 @@ __all__ = [
     "unshard_schedule", "reduce_schedule", "publish_schedule", "step_traffic", "simulate",
     "StepProgram", "step_program",
     "Batch", "Heads", "Split", "Transposed", "ParamPolicy", "Rule", "hf_rules", "qk_clip",
+    "variants",
 ]

@@ -13,13 +13,14 @@ References:
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from dmuon.functional import transforms as T
+from dmuon.functional.stages.hparams import (check_hyper, new_step, next_step, register_state,
+                                             value_at)
 from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves, run_inplace
 from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten_like, leaf_paths,
                                   zeros_like_tree)
@@ -34,7 +35,9 @@ class AdamWHParams(NamedTuple):
     """Hyper-parameters of AdamW (defaults as ``torch.optim.AdamW``).
 
     Attributes:
-        lr: learning rate ``γ``.
+        lr: learning rate ``γ``: a float, a 0-d tensor or a function of the step
+            (:mod:`dmuon.functional.stages.hparams`; :func:`update` evaluates it at
+            ``state.step``), as ``weight_decay``.
         betas: ``(β1, β2)``, decay rates of the first and second moment estimates.
         eps: ``ε`` added to the bias-corrected root second moment.
         weight_decay: decoupled weight decay ``λ`` (the param is multiplied by ``1 − γ·λ``).
@@ -46,16 +49,18 @@ class AdamWHParams(NamedTuple):
     weight_decay: float = 0.01
 
 
+@register_state
 class AdamWState(NamedTuple):
     """State of AdamW: a plain pytree any tree tool can save.
 
     Attributes:
-        step: number of ``update`` calls so far (one global int; bias correction uses it).
+        step: number of ``update`` calls so far (one global count, a 0-d float64 tensor; bias
+            correction uses it).
         mu: first moment estimates, same structure / shapes / dtypes as params.
         nu: second moment estimates, same structure / shapes / dtypes as params.
     """
 
-    step: int
+    step: Any
     mu: PyTree
     nu: PyTree
 
@@ -69,14 +74,12 @@ def validate_hparams(hparams: AdamWHParams) -> None:
     if not isinstance(hparams, AdamWHParams):
         raise TypeError(f"hparams must be an AdamWHParams, got {type(hparams).__name__}")
     lr, betas, eps, wd = hparams
-    if not (isinstance(lr, (int, float)) and math.isfinite(lr) and lr >= 0):
-        raise ValueError(f"AdamW lr must be a finite float >= 0, got {lr!r}")
+    check_hyper("lr", lr, where="AdamW")
+    check_hyper("weight_decay", wd, where="AdamW")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
         raise ValueError(f"AdamW betas must be two floats in [0, 1), got {betas!r}")
     if not (eps >= 0):
         raise ValueError(f"AdamW eps must be >= 0, got {eps!r}")
-    if not (math.isfinite(wd) and wd >= 0):
-        raise ValueError(f"AdamW weight_decay must be a finite float >= 0, got {wd!r}")
 
 
 def init(params: PyTree) -> AdamWState:
@@ -86,14 +89,15 @@ def init(params: PyTree) -> AdamWState:
         params: any optree pytree of tensors (e.g. a flat ``{name: tensor}`` dict).
 
     Returns:
-        ``AdamWState(step=0, mu=zeros_like(params), nu=zeros_like(params))``.
+        ``AdamWState(step=tensor(0), mu=zeros_like(params), nu=zeros_like(params))``.
 
     References:
         Loshchilov & Hutter, "Decoupled Weight Decay Regularization", ICLR 2019.
     """
     leaves, treedef = flatten(params)
     check_tensor_leaves(leaves, leaf_paths(params), "params")
-    return AdamWState(step=0, mu=zeros_like_tree(leaves, treedef), nu=zeros_like_tree(leaves, treedef))
+    return AdamWState(step=new_step(), mu=zeros_like_tree(leaves, treedef),
+                      nu=zeros_like_tree(leaves, treedef))
 
 
 @torch.no_grad()
@@ -156,6 +160,8 @@ def update(
         raise ValueError(f"AdamW impl must be one of {IMPLS}, got {impl!r}")
     if not isinstance(state, AdamWState):
         raise TypeError(f"state must be an AdamWState (from adamw.init), got {type(state).__name__}")
+    hparams = hparams._replace(lr=value_at(hparams.lr, state.step),
+                               weight_decay=value_at(hparams.weight_decay, state.step))
     p_leaves, treedef = flatten(params)
     names = leaf_paths(params)
     check_tensor_leaves(p_leaves, names, "params")
@@ -208,7 +214,7 @@ def _fused(hparams: AdamWHParams) -> T.Transform:
                                 beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
                                 amsgrad=False, maximize=False, grad_scale=None, found_inf=None)
         leaves.params, leaves.applied = ps, True
-        return T.ChainState((adam._replace(step=t), state.states[1]))
+        return T.ChainState((adam._replace(step=next_step(adam.step)), state.states[1]))
 
     return chain._replace(update_=update_)
 

@@ -46,7 +46,8 @@ def hf_rules(config: Any, *, per_head: bool = False, split_fused: bool = True) -
       split_fused: split fused ``qkv_proj`` / ``gate_up_proj`` / GPT-2 ``c_attn`` into parts.
 
     Returns:
-      the rules, most specific first (a ``ParamPolicy`` takes the first match).
+      the rules, most specific first (a ``ParamPolicy`` takes the first match); ``optional``
+      (a model without fused projections has nothing for the split rules to match).
 
     Raises:
       ValueError: the config lacks the head counts or the sizes do not divide.
@@ -60,19 +61,22 @@ def hf_rules(config: Any, *, per_head: bool = False, split_fused: bool = True) -
     d = _get(config, "head_dim", default=None) or hidden // nh
     rules: list[Rule] = []
     if split_fused:
-        rules.append(Rule("*.qkv_proj.weight", view=Split((nh * d, nkv * d, nkv * d))))
+        rules.append(Rule("*.qkv_proj.weight", view=Split((nh * d, nkv * d, nkv * d)),
+                          optional=True))
         inter = _get(config, "intermediate_size")
         if inter is not None:
-            rules.append(Rule("*.mlp.gate_up_proj.weight", view=Split((inter, inter))))
+            rules.append(Rule("*.mlp.gate_up_proj.weight", view=Split((inter, inter)),
+                              optional=True))
         # transformers 5's fused MoE experts: (E, 2I, H) rows gate | up per expert (a layout a
         # row split would cut wrongly, e.g. gpt-oss's interleaved (E, H, 2I), raises at decide)
         moe = _get(config, "moe_intermediate_size", "intermediate_size")
         if moe is not None:
-            rules.append(Rule("*.experts.gate_up_proj", view=Split((moe, moe))))
-        rules.append(Rule("*.attn.c_attn.weight", view=Transposed(Split((hidden,) * 3))))
+            rules.append(Rule("*.experts.gate_up_proj", view=Split((moe, moe)), optional=True))
+        rules.append(Rule("*.attn.c_attn.weight", view=Transposed(Split((hidden,) * 3)),
+                          optional=True))
     if per_head:
-        rules += [Rule("*.self_attn.q_proj.weight", view=Heads(nh, "rows")),
-                  Rule("*.self_attn.k_proj.weight", view=Heads(nkv, "rows")),
-                  Rule("*.self_attn.v_proj.weight", view=Heads(nkv, "rows")),
-                  Rule("*.self_attn.o_proj.weight", view=Heads(nh, "cols"))]
+        rules += [Rule("*.self_attn.q_proj.weight", view=Heads(nh, "rows"), optional=True),
+                  Rule("*.self_attn.k_proj.weight", view=Heads(nkv, "rows"), optional=True),
+                  Rule("*.self_attn.v_proj.weight", view=Heads(nkv, "rows"), optional=True),
+                  Rule("*.self_attn.o_proj.weight", view=Heads(nh, "cols"), optional=True)]
     return tuple(rules)

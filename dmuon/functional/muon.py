@@ -42,6 +42,8 @@ from dmuon.newton_schulz.matrix_shape import as_matrix_shape  # noqa: F401 (re-e
 from dmuon.functional.matrix_view import Batch, refuse_plain_ns, views_per_leaf
 from dmuon.functional import transforms as T
 from dmuon.functional.stages.decoupled import foreach_apply_
+from dmuon.functional.stages.hparams import (check_hyper, new_step, next_step, register_state,
+                                             value_at)
 from dmuon.functional.stages.leaves import Leaves, run_inplace
 from dmuon.functional.stages.momentum import foreach_momentum_
 from dmuon.newton_schulz.config import NSConfig
@@ -63,6 +65,7 @@ __all__ = [
     "transform",
     "update",
     "validate_hparams",
+    "at_step",
 ]
 
 #: The ``orthogonalize=`` hook of :func:`update`: ``(B_i, m_i, n_i)`` inputs -> their NS results.
@@ -94,6 +97,12 @@ FOREACH_ELEMENTWISE = MuonElementwise(momentum=foreach_momentum_, apply=foreach_
 class MuonHParams(NamedTuple):
     """Hyper-parameters of Muon.
 
+    ``lr``, ``momentum`` and ``weight_decay`` may each be a float, a 0-d tensor (traced by
+    ``torch.compile`` as an input, batched by ``torch.vmap``: a sweep), or a function of the step
+    ``h(step) -> value`` (:mod:`dmuon.functional.stages.hparams`; :func:`update` evaluates it at
+    ``state.step``, the number of updates before this one; :func:`transform`'s stages keep their
+    own counts). The other fields are structural (floats, ints, names).
+
     Attributes:
         lr: learning rate.
         momentum: momentum coefficient ``μ`` in ``[0, 1)``.
@@ -108,10 +117,10 @@ class MuonHParams(NamedTuple):
         lr_scale: shape scale rule, one of ``LR_SCALE_RULES`` (see :func:`lr_scale_factor`).
     """
 
-    lr: float = 0.02
-    momentum: float = 0.95
+    lr: Any = 0.02
+    momentum: Any = 0.95
     nesterov: bool = True
-    weight_decay: float = 0.0
+    weight_decay: Any = 0.0
     ns_steps: int = 5
     ns_coefficients: CoefficientSpec = "polar_express"
     ns_eps: float = 1e-7
@@ -119,16 +128,19 @@ class MuonHParams(NamedTuple):
     lr_scale: str = "moonlight"
 
 
+@register_state
 class MuonState(NamedTuple):
-    """State of Muon: a plain pytree any tree tool can save.
+    """State of Muon: a plain pytree any tree tool can save (``torch.load(weights_only=True)``
+    rebuilds it once this module is imported).
 
     Attributes:
-        step: number of ``update`` calls so far (informational; the math does not use it).
+        step: number of ``update`` calls so far, a 0-d ``float64`` tensor (schedules of
+            :class:`MuonHParams` are evaluated at it; the math does not use it otherwise).
         momentum: momentum buffers ``b`` (sum form ``b ← μ·b + g``), same structure / shapes / dtypes
             as params.
     """
 
-    step: int
+    step: Any
     momentum: PyTree
 
 
@@ -147,14 +159,11 @@ def validate_hparams(hparams: MuonHParams) -> None:
     if not isinstance(hparams, MuonHParams):
         raise TypeError(f"hparams must be a MuonHParams, got {type(hparams).__name__}")
     h = hparams
-    if not (_real(h.lr) and math.isfinite(h.lr) and h.lr >= 0):
-        raise ValueError(f"Muon lr must be a finite float >= 0, got {h.lr!r}")
-    if not (_real(h.momentum) and 0.0 <= h.momentum < 1.0):
-        raise ValueError(f"Muon momentum must be in [0, 1), got {h.momentum!r}")
+    _hyper("lr", h.lr, "a finite float >= 0")
+    _hyper("momentum", h.momentum, "in [0, 1)", hi=1.0)
     if not isinstance(h.nesterov, bool):
         raise TypeError(f"Muon nesterov must be True or False, got {h.nesterov!r}")
-    if not (_real(h.weight_decay) and math.isfinite(h.weight_decay) and h.weight_decay >= 0):
-        raise ValueError(f"Muon weight_decay must be a finite float >= 0, got {h.weight_decay!r}")
+    _hyper("weight_decay", h.weight_decay, "a finite float >= 0")
     if isinstance(h.ns_steps, bool) or not isinstance(h.ns_steps, int) or h.ns_steps < 1:
         raise ValueError(f"Muon ns_steps must be an int >= 1, got {h.ns_steps!r}")
     try:
@@ -175,6 +184,18 @@ def validate_hparams(hparams: MuonHParams) -> None:
                             f"{hint!r}, or pass adjust_lr_fn={h.lr_scale!r})" if hint else ""))
 
 
+def _hyper(name: str, v: Any, what: str, hi: Any = None) -> None:
+    """A float, 0-d tensor or schedule (:func:`~dmuon.functional.stages.hparams.check_hyper`),
+    with Muon's message for a value out of range."""
+    try:
+        check_hyper(name, v, hi=hi)
+    except ValueError:
+        raise ValueError(f"Muon {name} must be {what}, got {v!r}") from None
+    except TypeError as e:
+        raise ValueError(f"Muon {name} must be {what} (or a 0-d tensor, or a function of the "
+                         f"step): {e}") from None
+
+
 def _non_matrix_error(name: str, shape: tuple[int, ...], view: Any, why: str = "") -> ValueError:
     return ValueError(
         f"param {name!r} of shape {shape} (view {view}) is not a batch of matrices"
@@ -193,7 +214,8 @@ def init(params: PyTree) -> MuonState:
             are the common case).
 
     Returns:
-        ``MuonState(step=0, momentum=zeros_like(params))`` (buffers in each param's dtype).
+        ``MuonState(step=tensor(0), momentum=zeros_like(params))`` (buffers in each param's
+        dtype).
 
     Raises:
         ValueError: a leaf has fewer than 2 dims (route it to AdamW).
@@ -207,7 +229,7 @@ def init(params: PyTree) -> MuonState:
     for name, p in zip(names, leaves):
         if p.ndim < 2:
             raise _non_matrix_error(name, tuple(p.shape), Batch(0))
-    return MuonState(step=0, momentum=zeros_like_tree(leaves, treedef))
+    return MuonState(step=new_step(), momentum=zeros_like_tree(leaves, treedef))
 
 
 @torch.no_grad()
@@ -293,6 +315,7 @@ def update(
     validate_hparams(hparams)
     if not isinstance(state, MuonState):
         raise TypeError(f"state must be a MuonState (from muon.init), got {type(state).__name__}")
+    hparams = at_step(hparams, state.step)
     p_leaves, treedef = flatten(params)
     names = leaf_paths(params)
     check_tensor_leaves(p_leaves, names, "params")
@@ -328,8 +351,15 @@ def update(
                       elementwise=elementwise)
     inner = T.ChainState((T.MomentumState(state.momentum),) + (T.EmptyState(),) * 3)
     new = run_inplace(chain, leaves, inner)
-    return leaves.params_tree(), MuonState(step=int(state.step) + 1,
+    return leaves.params_tree(), MuonState(step=next_step(state.step),
                                            momentum=new.states[0].momentum)
+
+
+def at_step(hparams: MuonHParams, step: Any) -> MuonHParams:
+    """``hparams`` with every schedule (``lr``, ``momentum``, ``weight_decay``) evaluated at
+    ``step``; values pass through."""
+    return hparams._replace(**{f: value_at(getattr(hparams, f), step)
+                               for f in ("lr", "momentum", "weight_decay")})
 
 
 def transform(hparams: MuonHParams = MuonHParams(), *, batch_dims: Any = None,

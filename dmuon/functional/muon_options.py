@@ -131,6 +131,14 @@ def check_options(positional: tuple, given: Mapping[str, Any]) -> tuple[dict, di
             "silently set another option.")
     muon_hp = resolve_torch_names({k: given[k] for k in MuonHParams._fields},
                                   eps=given["eps"], adjust_lr_fn=given["adjust_lr_fn"])
+    for k in ("lr", "momentum", "weight_decay"):  # param_groups hold values (schedulers set them)
+        v = muon_hp[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(
+                f"dmuon.Muon: {k} must be a float, got {type(v).__name__}; param_groups hold "
+                "values, which torch.optim.lr_scheduler (or your loop) updates between steps. "
+                "0-d tensors and functions of the step are for the functional API "
+                "(dmuon.functional.muon.MuonHParams, the transforms' stages).")
     try:
         validate_hparams(MuonHParams(**muon_hp))
     except ValueError as e:

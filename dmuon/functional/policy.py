@@ -94,6 +94,9 @@ class Rule:
       The dtype fields apply to Muon-routed (dedicated) params only: a rule setting one that
       matches an AdamW param raises at ``dedicate_params`` (AdamW params are FSDP2's; use its
       ``MixedPrecisionPolicy``).
+      optional: the rule may match no param of the model (``hf_rules``' generic rules); a rule
+        that is not optional and matches nothing raises at ``dedicate_params``
+        (:mod:`dmuon.functional.routing`).
     """
 
     pattern: str
@@ -104,6 +107,7 @@ class Rule:
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     master_dtype: Optional[torch.dtype] = None
+    optional: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.pattern, str) or not self.pattern:
@@ -270,9 +274,16 @@ def _check_fused_layout(name: str, shape: tuple, view: MatrixView, source: str, 
 
 @dataclass(frozen=True)
 class ParamPolicy:
-    """Ordered per-name :class:`Rule` s (module docstring); the first matching rule decides."""
+    """Ordered per-name :class:`Rule` s (module docstring); the first matching rule decides.
+
+    ``eligible``: optional ``(name, shape) -> bool``, the params the policy calls Muon matrices
+    (e.g. ``lambda n, s: len(s) == 2 and ".layers." in n``): one that ends on AdamW raises at
+    ``dedicate_params`` unless a rule routes it to AdamW explicitly
+    (:mod:`dmuon.functional.routing`). Not part of the plan's fingerprint.
+    """
 
     rules: tuple[Rule, ...] = field(default_factory=tuple)
+    eligible: Optional[Callable[[str, tuple], bool]] = None
 
     def __post_init__(self) -> None:
         rules = tuple(self.rules)

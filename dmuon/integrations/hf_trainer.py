@@ -312,13 +312,29 @@ def _telemetry_callback(trainer: Any) -> Any:
     return None
 
 
+def _log_routing(trainer: Any, root: nn.Module) -> None:
+    """Log the routing table (every param → Muon / AdamW / frozen and why) once per Trainer, on
+    the main process; kept as ``trainer._dmuon_routing_log``."""
+    if getattr(trainer, "_dmuon_routing_log", None):
+        return
+    table = getattr(find_state(root), "routing", None)
+    if table is None:
+        return
+    trainer._dmuon_routing_log = [str(table)]
+    is_main = getattr(trainer, "is_world_process_zero", lambda: True)
+    if is_main():
+        logger.info("%s", table)
+
+
 def _make_train(orig):
     def train(self, resume_from_checkpoint=None, *args, **kwargs):
-        if dmuon_root(getattr(self, "model", None)) is not None:
+        root = dmuon_root(getattr(self, "model", None))
+        if root is not None:
             _check_data_parallel(self.accelerator)
             if _telemetry_callback(self) is None:
                 from dmuon.integrations.hf_telemetry import DmuonTelemetryCallback
                 self.add_callback(DmuonTelemetryCallback())
+            _log_routing(self, root)
         return orig(self, resume_from_checkpoint, *args, **kwargs)
     return train
 

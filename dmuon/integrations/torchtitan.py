@@ -26,6 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+import logging
+
+import torch.distributed as dist
 import torch.nn as nn
 
 try:
@@ -35,6 +38,8 @@ except ImportError as e:  # pragma: no cover - exercised only without torchtitan
                       "torchtitan==0.3.0, or dmuon's 'torchtitan' extra)") from e
 
 from dmuon.stateful.optimizer.muon import Muon
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DMuonOptimizersContainer"]
 
@@ -76,6 +81,9 @@ class DMuonOptimizersContainer(OptimizersContainer):
                     adamw_betas=tuple(config.adamw_betas), adamw_eps=config.adamw_eps,
                     adamw_weight_decay=config.adamw_weight_decay, **config.muon_kwargs)
         self.optimizers = [muon]
+        table = muon.routing_table()  # where every param went, logged once (rank 0)
+        if table is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+            logger.info("%s", table)
         all_params = [p for g in muon.param_groups for p in g["params"]]
         self._validate_params(all_params)
         self._post_init(all_params)

@@ -21,26 +21,36 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import torch
+
 from dmuon.functional.stages.base import Transform, stage
+from dmuon.functional.stages.hparams import concrete_count, new_step, next_step, register_state
 from dmuon.functional.stages.leaves import Leaves
 from dmuon.functional.tree import PyTree, flatten, zeros_like_tree
 
 __all__ = ["AdamState", "scale_by_adam", "adam_scalars"]
 
 
+@register_state
 class AdamState(NamedTuple):
-    """State of :func:`scale_by_adam`: ``step`` (one global count) and the moments ``mu``, ``nu``."""
+    """State of :func:`scale_by_adam`: ``step`` (one global count, a 0-d tensor) and the moments
+    ``mu``, ``nu``."""
 
-    step: int
+    step: Any
     mu: PyTree
     nu: PyTree
     per_param = ("mu", "nu")
 
 
-def adam_scalars(betas: tuple[float, float], step: int) -> tuple[float, float]:
-    """``(1 − β1^t, sqrt(1 − β2^t))`` for the step ``t`` (Python floats, torch's arithmetic)."""
+def adam_scalars(betas: tuple[float, float], step: Any) -> tuple[Any, Any]:
+    """``(1 − β1^t, sqrt(1 − β2^t))`` for the step ``t``: Python floats for an int ``t`` (torch's
+    arithmetic), 0-d fp64 tensors for a tensor ``t`` (traced or batched: torch's capturable
+    path's formula)."""
     beta1, beta2 = betas
-    return 1 - beta1**step, (1 - beta2**step) ** 0.5
+    if isinstance(step, int):
+        return 1 - beta1**step, (1 - beta2**step) ** 0.5
+    t = step.to(torch.float64)
+    return 1 - torch.pow(beta1, t), (1 - torch.pow(beta2, t)).sqrt()
 
 
 def scale_by_adam(betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) -> Transform:
@@ -57,13 +67,15 @@ def scale_by_adam(betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) 
 
     def init(params: PyTree) -> AdamState:
         leaves, treedef = flatten(params)
-        return AdamState(0, zeros_like_tree(leaves, treedef), zeros_like_tree(leaves, treedef))
+        return AdamState(new_step(), zeros_like_tree(leaves, treedef),
+                         zeros_like_tree(leaves, treedef))
 
     def update_(leaves: Leaves, state: Any) -> Any:
-        t = int(state.step) + 1
+        t_next = next_step(state.step)
         if not len(leaves):
-            return state._replace(step=t)
-        bc1, bc2_sqrt = adam_scalars((beta1, beta2), t)
+            return state._replace(step=t_next)
+        known = concrete_count(state.step)
+        bc1, bc2_sqrt = adam_scalars((beta1, beta2), t_next if known is None else known + 1)
         leaves.materialize()
         ops, ms, vs, gs = leaves.ops, state.mu, state.nu, leaves.updates
         ops.lerp_(ms, gs, 1 - beta1)
@@ -75,6 +87,6 @@ def scale_by_adam(betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8) 
         n = len(leaves)
         leaves.updates, leaves.scratch, leaves.denom = list(ms), [False] * n, list(den)
         leaves.divisor = [d * bc1 for d in leaves.divisor]
-        return state._replace(step=t)
+        return state._replace(step=t_next)
 
     return stage(update_, init)

@@ -21,22 +21,38 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
+from dmuon.functional.stages.hparams import register_state
 from dmuon.functional.stages.leaves import Leaves, derive_update
 from dmuon.functional.tree import PyTree
 
-__all__ = ["Transform", "EmptyState", "stage"]
+__all__ = ["Transform", "EmptyState", "stage", "NEEDS"]
+
+#: What a stage may need of each matrix beyond its own update (``Transform.needs``), and whether
+#: an owner holding a slice of the matrix (tensor parallelism) can provide it:
+#:
+#: * ``"params"`` — the current weights ``W`` (every owner holds its matrices' masters);
+#: * ``"row_sums"`` / ``"matrix_sums"`` — sums over each row / over each whole matrix of the
+#:   view's blocks, taken through :meth:`Leaves.sum_partials` (exact on a slice: the owners of a
+#:   sliced matrix add their partial sums over the TP group);
+#: * ``"whole_rows"`` / ``"whole_matrix"`` — elementwise access to whole rows / to the whole
+#:   matrix (e.g. a spectral norm by power iteration): an owner of a column slice lacks whole
+#:   rows, an owner of any slice lacks the whole matrix; ``dmuon.Muon`` raises at construction.
+NEEDS = ("params", "row_sums", "matrix_sums", "whole_rows", "whole_matrix")
 
 
 class Transform(NamedTuple):
     """A gradient transformation: ``init(params) -> state``;
     ``update(updates, state, params) -> (updates, state)``; optionally ``update_(leaves, state)
-    -> state``, the same arithmetic in place (``None``: the transform has no in-place form)."""
+    -> state``, the same arithmetic in place (``None``: the transform has no in-place form), and
+    ``needs``: the quantities of :data:`NEEDS` its arithmetic uses (a chain: its stages')."""
 
     init: Callable[[PyTree], Any]
     update: Callable[[PyTree, Any, PyTree], tuple[PyTree, Any]]
     update_: Optional[Callable[[Leaves, Any], Any]] = None
+    needs: tuple = ()
 
 
+@register_state
 class EmptyState(NamedTuple):
     """State of a stateless stage."""
 
@@ -46,9 +62,13 @@ def _empty(params: PyTree) -> EmptyState:
 
 
 def stage(update_: Callable[[Leaves, Any], Any], init: Callable[[PyTree], Any] = _empty,
-          update: Optional[Callable[..., tuple[PyTree, Any]]] = None) -> Transform:
+          update: Optional[Callable[..., tuple[PyTree, Any]]] = None,
+          needs: tuple = ()) -> Transform:
     """A :class:`Transform` from its in-place arithmetic ``update_``; its ``update`` (run under
     ``torch.no_grad()``: params may be ``nn.Parameter`` s) is derived from ``update_`` unless
-    given."""
+    given. ``needs``: see :data:`NEEDS`."""
+    bad = [n for n in needs if n not in NEEDS]
+    if bad:
+        raise ValueError(f"stage needs {bad}: not quantities dmuon knows; one of {NEEDS}")
     pure = derive_update(update_) if update is None else update
-    return Transform(init, torch.no_grad()(pure), update_)
+    return Transform(init, torch.no_grad()(pure), update_, tuple(needs))

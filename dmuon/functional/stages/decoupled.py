@@ -22,10 +22,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
 
+import torch
 from torch import Tensor
 
-from dmuon.functional.stages.base import EmptyState, Transform, stage
-from dmuon.functional.stages.leaves import FOREACH, Leaves
+from dmuon.functional.stages.base import EmptyState, Transform
+from dmuon.functional.stages.hparams import Hyper, check_hyper, hyper_stage, is_one
+from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves
 from dmuon.functional.tree import PyTree
 
 __all__ = ["ApplyImpl", "decoupled_apply_", "foreach_apply_", "decoupled_apply",
@@ -51,13 +53,20 @@ def decoupled_apply_(ps: list[Tensor], us: list[Tensor], decay: float, alphas: S
     """
     if not ps:
         return
-    if decay != 1.0:
+    if isinstance(decay, Tensor) or any(isinstance(a, Tensor) for a in alphas):
+        ops = PER_TENSOR  # tensor hyper-parameters (traced, batched): per-tensor ops
+    if not is_one(decay):
         ops.mul_(ps, decay)
     groups: dict[tuple[float, bool], list[int]] = {}
     for k, a in enumerate(alphas):
         groups.setdefault((a, dens is not None and dens[k] is not None), []).append(k)
     for (alpha, divided), ks in groups.items():
-        if divided:
+        if isinstance(alpha, Tensor):  # a tensor lr (traced, batched): no alpha= argument
+            us_a = ops.mul([us[k] for k in ks], alpha)
+            if divided:
+                us_a = [u / dens[k] for u, k in zip(us_a, ks)]
+            ops.add_([ps[k] for k in ks], us_a)
+        elif divided:
             ops.addcdiv_([ps[k] for k in ks], [us[k] for k in ks], [dens[k] for k in ks],
                          value=alpha)
         else:
@@ -78,67 +87,95 @@ def foreach_apply_(ps: list[Tensor], us: list[Tensor], decay: float,
     decoupled_apply_(ps, us, decay, alphas)
 
 
-def decoupled_apply(lr: float, weight_decay: float = 0.0, *,
+def decoupled_apply(lr: Hyper, weight_decay: Hyper = 0.0, *,
                     impl: Optional[ApplyImpl] = None) -> Transform:
     """``W ← W·(1 − lr·λ) − lr·u``: applied in place by ``update_``; ``update`` (optax form)
     returns ``−lr·(u + λ·W)`` (see the module docstring for the rounding of each).
 
     Args:
-        lr: learning rate ``≥ 0``.
-        weight_decay: ``λ ≥ 0``.
+        lr: learning rate ``≥ 0``; weight_decay: ``λ ≥ 0``. Each a float, a 0-d tensor or a
+            function of the step (:mod:`~dmuon.functional.stages.hparams`).
         impl: the implementation of updates without a denominator (default
             :func:`foreach_apply_` with the leaves' ops); another one (a fused kernel) must keep
-            that contract.
+            that contract (it is used with float hyper-parameters only).
     """
-    lr, wd = _check(lr, "lr"), _check(weight_decay, "weight_decay")
-    decay_stage, lr_stage = add_decayed_weights(wd), scale_by_learning_rate(lr)
+    lr = check_hyper("lr", lr, where="decoupled_apply")
+    wd = check_hyper("weight_decay", weight_decay, where="decoupled_apply")
 
-    def update_(leaves: Leaves, state: Any) -> Any:
-        decay = (1 - lr * wd) if wd != 0 else 1.0
+    def update_(leaves: Leaves, state: Any, lr: Any, wd: Any) -> Any:
+        decay = 1.0 if _is_zero(wd) else (1 - lr * wd)
         alphas = [(-lr * c) / d for c, d in zip(leaves.scale, leaves.divisor)]
         ps = leaves.written_params()
-        if impl is not None and all(d is None for d in leaves.denom):
+        if impl not in (None, foreach_apply_) and all(d is None for d in leaves.denom) \
+                and not any(isinstance(a, Tensor) for a in [decay] + alphas):
             impl(ps, leaves.updates, decay, alphas)
         else:
             decoupled_apply_(ps, leaves.updates, decay, alphas, leaves.denom, leaves.ops)
         leaves.params, leaves.applied = ps, True
         return state
 
+    applied = hyper_stage(update_, lr=lr, wd=wd)
+    optax = chain_of(add_decayed_weights(wd), scale_by_learning_rate(lr))
+
     def update(updates: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
+        # the optax form: the same two stages' arithmetic (their counts are this stage's)
+        return optax(updates, state, params)
+
+    return Transform(applied.init, torch.no_grad()(update), applied.update_)
+
+
+def chain_of(decay_stage: Transform, lr_stage: Transform):
+    """The optax form of :func:`decoupled_apply`: ``−lr·(u + λ·W)``, with the state of the
+    applying stage (``EmptyState``, or its :class:`ScheduleState` count for both schedules)."""
+    from dmuon.functional.stages.hparams import ScheduleState, next_step
+
+    def run(updates: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
+        if isinstance(state, ScheduleState):
+            s1 = _same_count(decay_stage, state)
+            s2 = _same_count(lr_stage, state)
+            updates, _ = decay_stage.update(updates, s1, params)
+            out, _ = lr_stage.update(updates, s2, params)
+            return out, ScheduleState(next_step(state.count), state.inner)
         updates, _ = decay_stage.update(updates, EmptyState(), params)
         return lr_stage.update(updates, EmptyState(), params)[0], state
-
-    return stage(update_, update=update)
-
-
-def _check(x: float, what: str) -> float:
-    if not x >= 0:
-        raise ValueError(f"{what} must be >= 0, got {x!r}")
-    return float(x)
+    return run
 
 
-def add_decayed_weights(weight_decay: float) -> Transform:
-    """``u + λ·W`` (after :func:`scale_by_learning_rate`: decoupled decay ``W ← W − lr·λ·W``)."""
-    wd = _check(weight_decay, "weight_decay")
+def _same_count(t: Transform, state: Any) -> Any:
+    """``t``'s state at the count of ``state`` (``t`` stateless, or scheduled)."""
+    from dmuon.functional.stages.hparams import ScheduleState
+    own = t.init({})
+    return ScheduleState(state.count, own.inner) if isinstance(own, ScheduleState) else own
 
-    def update_(leaves: Leaves, state: Any) -> Any:
-        if wd != 0:
+
+def _is_zero(x: Any) -> bool:
+    return isinstance(x, (int, float)) and x == 0
+
+
+def add_decayed_weights(weight_decay: Hyper) -> Transform:
+    """``u + λ·W`` (after :func:`scale_by_learning_rate`: decoupled decay ``W ← W − lr·λ·W``);
+    ``λ``: a float, a 0-d tensor or a function of the step."""
+    wd = check_hyper("weight_decay", weight_decay, where="add_decayed_weights")
+
+    def update_(leaves: Leaves, state: Any, wd: Any) -> Any:
+        if not _is_zero(wd):
             leaves.materialize()
             leaves.updates = [u + wd * p for u, p in zip(leaves.updates, leaves.params)]
             leaves.scratch = [True] * len(leaves)
         return state
 
-    return stage(update_)
+    return hyper_stage(update_, wd=wd)
 
 
-def scale_by_learning_rate(lr: float) -> Transform:
-    """``−lr·u`` (descent)."""
-    lr = _check(lr, "lr")
+def scale_by_learning_rate(lr: Hyper) -> Transform:
+    """``−lr·u`` (descent); ``lr``: a float, a 0-d tensor or a function of the step (its state
+    then counts the updates)."""
+    lr = check_hyper("lr", lr, where="scale_by_learning_rate")
 
-    def update_(leaves: Leaves, state: Any) -> Any:
+    def update_(leaves: Leaves, state: Any, lr: Any) -> Any:
         leaves.materialize()
         leaves.updates = [-lr * u for u in leaves.updates]
         leaves.scratch = [True] * len(leaves)
         return state
 
-    return stage(update_)
+    return hyper_stage(update_, lr=lr)

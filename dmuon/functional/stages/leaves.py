@@ -27,20 +27,59 @@ dtype (what foreach lists and fused kernels take).
 
 Ops: stages call list ops through ``leaves.ops``: :data:`FOREACH` (``torch._foreach_*``) or
 :data:`PER_TENSOR` (the same in-place tensor methods one tensor at a time): two executions of
-one formula.
+one formula. Inside ``torch.vmap`` (whose batching rules do not cover ``torch._foreach_*``) the
+leaves use :data:`PER_TENSOR`.
+
+What the caller who runs a chain may add (the owner of distributed matrices does;
+:func:`dmuon.functional.owner_step.owner_step`): ``default_views`` (the matrix view of each leaf
+where a stage names none), ``orthogonalizer_for(spec, names) -> xs -> us`` (the orthogonalizer
+an ``orthogonalize`` stage runs instead of its own: an NS engine, or tensor parallelism's gathers
+around it) and ``sum_hook(names, partials, dims)`` (adds each matrix's partial sums over the
+owners of its slices; :meth:`Leaves.sum_partials`).
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any, Callable, Optional, Sequence
+import contextlib
+import contextvars
+from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from dmuon.functional.matrix_view import views_per_leaf
+from dmuon.functional.stages.hparams import is_batched, is_one
 from dmuon.functional.tree import PyTree, flatten, flatten_like, leaf_paths
 
-__all__ = ["Leaves", "FOREACH", "PER_TENSOR", "derive_update", "run_inplace", "apply_inplace_"]
+__all__ = ["Leaves", "FOREACH", "PER_TENSOR", "derive_update", "run_inplace", "apply_inplace_",
+           "default_views", "init_views"]
+
+#: ``{leaf path: matrix view}`` that stage ``init`` s use where the stage names no view
+_INIT_VIEWS: contextvars.ContextVar = contextvars.ContextVar("dmuon_init_views", default=None)
+
+
+@contextlib.contextmanager
+def default_views(views: Optional[Mapping[str, Any]]) -> Iterator[None]:
+    """Within the block, a stage's ``init`` that names no view (``view=None, batch_dims=None``)
+    sees each param through ``views[path]`` (the owner's policy views; missing: ``Batch(0)``):
+    the ``init`` counterpart of ``Leaves(default_views=...)``, for states whose shape depends on
+    the view (NorMuon's per-row second moment)."""
+    token = _INIT_VIEWS.set(None if views is None else dict(views))
+    try:
+        yield
+    finally:
+        _INIT_VIEWS.reset(token)
+
+
+def init_views(view: Any, batch_dims: Any, params: PyTree) -> list:
+    """The matrix view of every leaf of ``params`` for a stage's ``init``: ``view=`` /
+    ``batch_dims=`` as ``muon.update``'s, else the :func:`default_views` in effect."""
+    treedef = flatten(params)[1]
+    if view is None and batch_dims is None and not torch.compiler.is_compiling():
+        given = _INIT_VIEWS.get()
+        if given:
+            names = set(leaf_paths(params))
+            view = {n: v for n, v in given.items() if n in names} or None
+    return views_per_leaf(view, batch_dims, params, treedef)
 
 
 def _per_tensor(method: str) -> Callable[..., Any]:
@@ -50,12 +89,25 @@ def _per_tensor(method: str) -> Callable[..., Any]:
     return op
 
 
-_OPS = ("mul_", "add_", "lerp_", "addcmul_", "addcdiv_", "div_", "sqrt")
+class ListOps(NamedTuple):
+    """The list ops stages call (``ops.mul_(xs, s)``, ...): one implementation of each."""
+
+    mul_: Callable
+    add_: Callable
+    lerp_: Callable
+    addcmul_: Callable
+    addcdiv_: Callable
+    div_: Callable
+    sqrt: Callable
+    mul: Callable
+
+
+_OPS = ListOps._fields
 
 #: List ops as ``torch._foreach_*`` calls (one launch per list on CUDA).
-FOREACH = SimpleNamespace(**{o: getattr(torch, f"_foreach_{o}") for o in _OPS})
+FOREACH = ListOps(**{o: getattr(torch, f"_foreach_{o}") for o in _OPS})
 #: The same ops one tensor at a time (``x.mul_(s)``, ...): ``torch.optim``'s single-tensor path.
-PER_TENSOR = SimpleNamespace(**{o: _per_tensor(o) for o in _OPS})
+PER_TENSOR = ListOps(**{o: _per_tensor(o) for o in _OPS})
 
 _LISTS = ("params", "updates", "scratch", "spare", "scale", "divisor", "denom", "index")
 
@@ -72,11 +124,16 @@ class Leaves:
         ops: :data:`FOREACH` or :data:`PER_TENSOR`.
         what: the name of ``updates`` in structure errors.
         names: the params' leaf path names, if the caller has them.
+        default_views: the matrix view of every leaf (params' leaf order) for stages that name
+            none (``None``: ``Batch(0)``).
+        orthogonalizer_for, sum_hook: see the module docstring.
     """
 
     def __init__(self, params: PyTree, updates: PyTree, *, donate: bool = False,
                  donate_updates: bool = False, ops: Any = FOREACH, what: str = "updates",
-                 names: Optional[list[str]] = None):
+                 names: Optional[list[str]] = None, default_views: Optional[list] = None,
+                 orthogonalizer_for: Optional[Callable] = None,
+                 sum_hook: Optional[Callable] = None):
         self.all_params, self.treedef = flatten(params)
         self.tree = params
         u_all = flatten_like(self.treedef, updates, what)
@@ -90,9 +147,13 @@ class Leaves:
         self.scale = [1.0] * n
         self.divisor = [1.0] * n
         self.denom: list[Optional[Tensor]] = [None] * n
+        if ops is FOREACH and any(is_batched(t) for t in self.params[:1] + self.updates[:1]):
+            ops = PER_TENSOR  # vmap has no batching rules for torch._foreach_* (O(1) check)
         self.donate, self.ops, self.applied = donate, ops, False
         self._names = names
         self._views: dict = {}
+        self.default_views = default_views
+        self.orthogonalizer_for, self.sum_hook = orthogonalizer_for, sum_hook
 
     def __len__(self) -> int:
         return len(self.index)
@@ -107,6 +168,9 @@ class Leaves:
     def all_views(self, view: Any, batch_dims: Any, given: Optional[list] = None) -> list:
         """The matrix view of every leaf (``view=`` / ``batch_dims=`` as ``muon.update``'s),
         computed once per spelling (``given``: already computed by the caller)."""
+        if view is None and batch_dims is None and self.default_views is not None \
+                and given is None:
+            return self.default_views
         key = (id(view), id(batch_dims))
         if key not in self._views:
             vs = given if given is not None else views_per_leaf(view, batch_dims, self.tree,
@@ -123,16 +187,27 @@ class Leaves:
         """Multiply out the pending scalars and denominator: ``u = N·scale / divisor / D``."""
         for k in range(len(self)) if ks is None else ks:
             u, c, d, den = self.updates[k], self.scale[k], self.divisor[k], self.denom[k]
-            if c == 1.0 and d == 1.0 and den is None:
+            if is_one(c) and is_one(d) and den is None:
                 continue
-            if c != 1.0:
+            if not is_one(c):
                 u = u * c
-            if d != 1.0:
+            if not is_one(d):
                 u = u / d
             if den is not None:
                 u = u / den
             self.updates[k], self.scratch[k] = u, True
             self.scale[k], self.divisor[k], self.denom[k] = 1.0, 1.0, None
+
+    def sum_partials(self, partials: list[Tensor], dims: tuple[int, ...]) -> list[Tensor]:
+        """Per active leaf ``k``, ``partials[k]`` holds sums of ``k``'s view blocks ``(B, m, n)``
+        over the block dims ``dims`` (``(-1,)``: per row; ``(-2, -1)``: per matrix; ``(-2,)``: of
+        per-row values over the rows) of the part of each matrix this caller holds. Returns the
+        sums over the whole matrices: the partials themselves, unless a ``sum_hook`` adds those
+        of the other holders (a tensor-parallel slice's owners; a collective: every holder of the
+        matrices calls it in the same order)."""
+        if self.sum_hook is None:
+            return list(partials)
+        return list(self.sum_hook(self.names, list(partials), tuple(dims)))
 
     def written_params(self) -> list[Tensor]:
         """The params an applying stage writes: themselves when donated, else copies."""
@@ -222,19 +297,26 @@ def apply_inplace_(leaves: Leaves) -> None:
 
 
 def run_inplace(transform: Any, leaves: Leaves, state: Any,
-                groups: Optional[Sequence[Sequence[int]]] = None) -> Any:
-    """Run ``transform.update_`` on ``leaves`` (all at once, or per group of leaf positions) and
-    apply the result; returns the new state. Afterwards ``leaves.params_tree()`` is the update."""
-    if getattr(transform, "update_", None) is None:
-        raise TypeError("this transform has no in-place form (update_); run it with its update "
-                        "and apply_updates")
+                groups: Optional[Sequence[Sequence[int]]] = None,
+                transforms: Optional[Sequence[Any]] = None) -> Any:
+    """Run ``transform.update_`` on ``leaves`` (all at once, or per group of leaf positions,
+    ``transforms[i]`` on group ``i`` where given) and apply the result; returns the new state.
+    Afterwards ``leaves.params_tree()`` is the update. With groups, the state's fields that are
+    not per param (counts) are those the last group returned (every group starts from the same)."""
+    for t in [transform] if transforms is None else transforms:
+        if getattr(t, "update_", None) is None:
+            raise TypeError("this transform has no in-place form (update_); run it with its "
+                            "update and apply_updates")
     opened = leaves.open(state)
     if not groups:
         result = transform.update_(leaves, opened)
     else:
-        for ks in groups:
+        for i, ks in enumerate(groups):
             sub = leaves.select(ks)
-            result = transform.update_(sub, _slice(opened, ks))
+            t = transform if transforms is None else transforms[i]
+            result = t.update_(sub, _slice(opened, ks))
+            if not sub.applied:
+                apply_inplace_(sub)
             leaves.absorb(sub, ks)
     if not leaves.applied:
         apply_inplace_(leaves)
@@ -243,10 +325,16 @@ def run_inplace(transform: Any, leaves: Leaves, state: Any,
 
 def derive_update(update_: Callable[[Leaves, Any], Any]) -> Callable[..., tuple[PyTree, Any]]:
     """The optax form ``update(updates, state, params) -> (updates, state)`` of an in-place stage:
-    the same ``update_`` on copies (nothing the caller holds is written)."""
+    the same ``update_`` on copies (nothing the caller holds is written); an applying stage's
+    additive update is ``W' − W``."""
     def update(updates: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
         leaves = Leaves(params, updates)
+        before = list(leaves.params)
         opened = leaves.open(state)
         result = update_(leaves, opened)
+        if leaves.applied:  # an applying stage wrote (copies of) the params: W' − W
+            leaves.updates = [new - old for new, old in zip(leaves.params, before)]
+            leaves.scale = [1.0] * len(leaves)
+            leaves.divisor, leaves.denom = [1.0] * len(leaves), [None] * len(leaves)
         return leaves.updates_tree(), leaves.close(state, opened, result)
     return update

@@ -24,16 +24,18 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from dmuon.functional.stages.base import Transform, stage
-from dmuon.functional.stages.leaves import Leaves
+from dmuon.functional.stages.base import Transform
+from dmuon.functional.stages.hparams import Hyper, check_hyper, hyper_stage, register_state
+from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves
 from dmuon.functional.tree import PyTree, flatten, zeros_like_tree
 
-__all__ = ["MomentumState", "MomentumImpl", "foreach_momentum_", "trace_momentum"]
+__all__ = ["MomentumState", "MomentumImpl", "foreach_momentum_", "momentum_", "trace_momentum"]
 
 #: ``impl(bs, gs, xs, mu)``: the contract of :func:`foreach_momentum_`.
 MomentumImpl = Callable[[list[Tensor], list[Tensor], Optional[list[Tensor]], float], None]
 
 
+@register_state
 class MomentumState(NamedTuple):
     """State of :func:`trace_momentum`: the buffers ``b`` (params' structure, shapes, dtypes)."""
 
@@ -67,29 +69,60 @@ def foreach_momentum_(bs: list[Tensor], gs: list[Tensor], xs: Optional[list[Tens
             torch.add(gs[k], bs[k], alpha=mu, out=xs[k])
 
 
-def trace_momentum(momentum: float = 0.95, nesterov: bool = True, *,
+def momentum_(bs: list[Tensor], gs: list[Tensor], xs: Optional[list[Tensor]], mu: Any,
+              ops: Any) -> None:
+    """:func:`foreach_momentum_`'s arithmetic with the list ops ``ops`` and ``μ`` a float or a 0-d
+    tensor (``x ← g + b·μ`` then: a tensor is no ``alpha``): the path of per-tensor ops (inside
+    ``torch.vmap``) and of tensor or scheduled ``μ``."""
+    if not bs:
+        return
+    ops.mul_(bs, mu)
+    ops.add_(bs, gs)
+    if xs is None:
+        return
+    for k in range(len(bs)):
+        if isinstance(mu, Tensor):
+            x = gs[k] + bs[k] * mu
+        elif xs[k] is gs[k]:
+            gs[k].add_(bs[k], alpha=mu)
+            continue
+        else:
+            x = torch.add(gs[k], bs[k], alpha=mu)
+        if xs[k] is gs[k]:
+            gs[k].copy_(x)
+        else:
+            xs[k].copy_(x)
+
+
+def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
                    impl: Optional[MomentumImpl] = None) -> Transform:
     """``b ← μ·b + g`` (sum form, ``b₀ = 0``); output ``g + μ·b`` if ``nesterov`` else ``b``.
 
     Args:
-        momentum: ``μ`` in ``[0, 1)``.
+        momentum: ``μ`` in ``[0, 1)``: a float, a 0-d tensor or a function of the step
+            (:mod:`~dmuon.functional.stages.hparams`).
         nesterov: output the Nesterov input ``g + μ·b`` (else ``b``).
         impl: the implementation (default :func:`foreach_momentum_`); another one (a fused
             kernel) must keep that contract.
 
     Gradients are first cast to the param's dtype (the math runs there).
     """
-    if not 0.0 <= momentum < 1.0:
-        raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-    mu = float(momentum)
-    run = foreach_momentum_ if impl is None else impl
+    momentum = check_hyper("momentum", momentum, hi=1.0, where="trace_momentum")
 
     def init(params: PyTree) -> MomentumState:
         leaves, treedef = flatten(params)
         return MomentumState(zeros_like_tree(leaves, treedef))
 
-    def update_(leaves: Leaves, state: Any) -> Any:
+    def update_(leaves: Leaves, state: Any, momentum: Any) -> Any:
         leaves.materialize()
+        mu = momentum
+        if impl not in (None, foreach_momentum_) and not isinstance(mu, Tensor):
+            run = impl
+        elif leaves.ops is FOREACH and not isinstance(mu, Tensor):
+            run = foreach_momentum_
+        else:  # per-tensor ops (inside vmap), or a tensor μ (traced, batched)
+            def run(b, g, x, m):
+                momentum_(b, g, x, m, PER_TENSOR if isinstance(m, Tensor) else leaves.ops)
         bs, gs, n = state.momentum, leaves.updates, len(leaves)
         if nesterov:
             xs = [g if leaves.scratch[k] else torch.empty_like(g) for k, g in enumerate(gs)]
@@ -101,4 +134,4 @@ def trace_momentum(momentum: float = 0.95, nesterov: bool = True, *,
             leaves.updates, leaves.scratch = list(bs), [False] * n
         return state
 
-    return stage(update_, init)
+    return hyper_stage(update_, init, momentum=momentum)

@@ -6,6 +6,11 @@ batch same-shape matrices: :func:`dmuon.newton_schulz.batched.orthogonalize_batc
 engine :class:`dmuon.kernels.ns_engine.NSEngine` handed in by the caller) and returns one result
 per block, of its shape; the view's exact inverse writes them back in the param's shape.
 
+The caller running a chain may hand the leaves an ``orthogonalizer_for(spec, names)``
+(:class:`~dmuon.functional.stages.leaves.Leaves`): the stage then runs what it returns for its own
+``spec`` (the ``NSConfig`` or callable it was built with) and the matrix name of each input — an
+owner's NS engine, or tensor parallelism's gathers around it.
+
 A plain :class:`~dmuon.newton_schulz.NSConfig` never writes its inputs, so it reads the momentum
 buffers directly. Any other orthogonalizer may overwrite its inputs (an in-place engine does):
 inputs that are not scratch are first copied, into a spare buffer when one is free (a donated
@@ -46,8 +51,9 @@ def orthogonalize(orthogonalizer: Any = None, *, batch_dims: Any = None,
         batch_dims, view: as :func:`dmuon.functional.muon.update`'s (one of the two).
     """
     plain = orthogonalizer is None or isinstance(orthogonalizer, NSConfig)
+    spec = (orthogonalizer or NSConfig()) if plain else orthogonalizer
     if plain:
-        run: Orthogonalizer = BatchedNS(orthogonalizer or NSConfig())
+        run: Orthogonalizer = BatchedNS(spec)
     elif callable(orthogonalizer):
         run = orthogonalizer
     else:
@@ -56,16 +62,22 @@ def orthogonalize(orthogonalizer: Any = None, *, batch_dims: Any = None,
     def update_(leaves: Leaves, state: Any) -> Any:
         leaves.materialize()
         vs = leaves.views(view, batch_dims)
-        if plain:
+        hook = leaves.orthogonalizer_for
+        reads_only = plain and hook is None  # else the inputs are the orthogonalizer's scratch
+        if reads_only:
             refuse_plain_ns(vs, leaves.names)
         blocks = []
         for k, x in enumerate(leaves.updates):
-            if not (plain or leaves.scratch[k]):  # the orthogonalizer's inputs are its scratch
+            if not (reads_only or leaves.scratch[k]):  # the orthogonalizer's inputs are scratch
                 spare = leaves.spare[k]
                 x = x.clone() if spare is None else spare.copy_(x)
             blocks.append(vs[k].to_blocks(x))
         xs = [x for blk in blocks for x in blk]
-        us = list(run(xs)) if xs else []
+        runner = run
+        if hook is not None:
+            names = leaves.names
+            runner = hook(spec, [names[k] for k, blk in enumerate(blocks) for _ in blk])
+        us = list(runner(xs)) if xs else []
         if len(us) != len(xs) or any(not isinstance(u, Tensor) or tuple(u.shape) != tuple(x.shape)
                                      for u, x in zip(us, xs)):
             raise ValueError("orthogonalize(xs) must return one tensor per input with the input's "

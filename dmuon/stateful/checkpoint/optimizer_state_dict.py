@@ -34,10 +34,12 @@ import torch.nn as nn
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
+from dmuon.functional.stages.hparams import as_step
 from dmuon.stateful.runtime.state import get_state, local_tensor
 from dmuon.stateful.checkpoint.state_dict import agree, from_rank0, full_copy, local_shard
 from dmuon.stateful.checkpoint.torch_state_dict import StateDictError, check_entry, dtensor_rows
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part, refuse_tp
+from dmuon.stateful.optimizer.variant import layout_of
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "load_optimizer_state",
            "torch_optimizer_state_dict", "torch_load_optimizer_state_dict"]
@@ -77,11 +79,16 @@ def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, tor
     ms = optimizer.muon_state
     out: dict[str, dict[str, torch.Tensor]] = {}
     for group in tr.each_group():
-        mom = tr.to_every_rank(group, ms.momentum if ms is not None else {}, owner_only=True)
-        if rt.tp_layouts:  # TP slices -> full (an all-gather per matrix over the TP group)
-            mom = assemble_tp_slices(rt.tp_layouts, mom, rt.mesh_groups.tp_group)
-        for n, t in mom.items():
-            out[n] = {"momentum_buffer": t.clone()}
+        if getattr(optimizer, "_variant", None) is not None:  # a variant: each field by name
+            from dmuon.stateful.optimizer.variant import gather_fields
+            mom = gather_fields(optimizer, group)
+            out.update(mom)
+        else:
+            mom = tr.to_every_rank(group, ms.momentum if ms is not None else {}, owner_only=True)
+            if rt.tp_layouts:  # TP slices -> full (an all-gather per matrix over the TP group)
+                mom = assemble_tp_slices(rt.tp_layouts, mom, rt.mesh_groups.tp_group)
+            for n, t in mom.items():
+                out[n] = {"momentum_buffer": t.clone()}
         if masters and any(rt.master_dtype[n] != rt.orig_dtype[n] for n in mom):
             got = tr.to_every_rank(group, rt.masters)
             if rt.tp_layouts:
@@ -110,9 +117,12 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
         names, ids = [], []
         for p in g["params"]:
             n = optimizer.param_name(p)
-            if n in rt.params:
-                entry = {k: dtensor_rows(v, mesh) for k, v in ded[n].items()}
-                entry["step"] = torch.tensor(float(ms.step if ms is not None else 0))
+            if n in rt.params:  # a variant's smaller fields: plain full tensors
+                entry = {k: dtensor_rows(v, mesh) if layout_of(optimizer, k) == "param" else v
+                         for k, v in ded[n].items()}
+                entry["step"] = torch.tensor(float(ms.step if ms is not None else
+                                                   optimizer.num_steps if optimizer._variant
+                                                   is not None else 0))
             else:
                 entry = {k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
                 entry["step"] = torch.tensor(float(st.step))
@@ -125,6 +135,8 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
         group.update(params=ids, param_names=names)
         groups.append(group)
     groups[0]["num_steps"] = int(optimizer.num_steps)
+    if optimizer._variant is not None:  # the chain's counts (the same on every rank)
+        groups[0]["variant_scalars"] = optimizer._variant.scalars()
     return {"state": state, "param_groups": groups}
 
 
@@ -169,12 +181,14 @@ def torch_load_optimizer_state_dict(optimizer: Any, state_dict: Mapping[str, Any
     entries["num_steps"] = int(groups[0].get("num_steps", steps["muon_step"])) if groups else 0
     entries["param_groups"] = [{k: v for k, v in g.items() if k not in ("params", "param_names")}
                                for g in groups]
+    entries["variant_scalars"] = groups[0].get("variant_scalars") if groups else None
     load_optimizer_state(optimizer, entries, what="Muon.load_state_dict")
 
 
 def _from_full(sd: Mapping[str, Any]) -> dict[str, Any]:
     return {"dedicated": dict(sd["dedicated"]), "fsdp2": dict(sd["fsdp2"]),
-            **{k: int(sd.get(k, 0)) for k in _COUNTERS}, "param_groups": sd.get("param_groups")}
+            **{k: int(sd.get(k, 0)) for k in _COUNTERS}, "param_groups": sd.get("param_groups"),
+            "variant_scalars": sd.get("variant_scalars")}
 
 
 # ---------------------------------------------------------------------------------- one load path
@@ -196,16 +210,20 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     rt.drain()
     problems: list[str] = []
     ded = entries.get("dedicated") or {}
+    var = optimizer._variant
+    keys = ("momentum_buffer", "master") if var is None else \
+        tuple(f.key for f in var.fields) + ("master",)
     fsdp = entries.get("fsdp2") or {}
     if has_dict:
         for n, s in ded.items():
             if n not in rt.params:
                 problems.append(f"dedicated[{n!r}]: no such dedicated matrix")
                 continue
+            problems += check_fields(optimizer, n, s)
             for k, v in s.items():
-                if k not in ("momentum_buffer", "master"):
+                if k not in keys:
                     continue
-                problems += check_entry(f"dedicated[{n!r}][{k!r}]", v, full_shape(rt, n),
+                problems += check_entry(f"dedicated[{n!r}][{k!r}]", v, entry_shape(optimizer, n, k),
                                         rt.master_dtype[n], rt, finite=check_finite)
         adamw = dict(optimizer.adamw_named_params)
         for n, s in fsdp.items():
@@ -229,7 +247,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
                             f"{sorted(set(adamw) - set(fsdp))[:3]}")
     agree(rt, problems, what)
     # stage: new functional states filled from the entries (nothing live changes yet)
-    ms = fmuon.init(rt.owned_masters()) if rt.owned_names else None
+    ms = fmuon.init(rt.owned_masters()) if rt.owned_names and var is None else None
     st = fadamw.init(optimizer.adamw_local_tensors()[0]) if optimizer.adamw_named_params else None
     if st is not None and fsdp:
         for n, p in optimizer.adamw_named_params:
@@ -237,10 +255,15 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
                 dst.copy_(_local_piece(fsdp[n][k], p).to(dtype=dst.dtype))
     staged_masters: dict[str, torch.Tensor] = {}
     tr = rt.checkpoint_transfer
+    staged_fields = None
+    if ded and var is not None:  # a variant: every field by name
+        from dmuon.stateful.optimizer.variant import stage_fields
+        staged_fields = stage_fields(optimizer, ded,
+                                     lambda n, v: _rows(local_part(rt, n, v), rt, n))
     if ded:
         for group in tr.each_group():
             names = rt.hook_groups.names(group)
-            full = tr.to_columns(
+            full = {} if var is not None else tr.to_columns(
                 group, lambda n: _rows(local_part(rt, n, ded[n]["momentum_buffer"]), rt, n))
             for n, t in full.items():
                 if ms is not None and n in ms.momentum:
@@ -258,17 +281,44 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         theirs = by_name.get(g.get("name"))
         if theirs is not None:
             g.update({k: _decode(k, v) for k, v in theirs.items()
-                      if k not in ("params", "param_names", "name", "num_steps")})
-    optimizer.muon_state = ms._replace(step=int(entries.get("muon_step", 0))) \
+                      if k not in ("params", "param_names", "name", "num_steps",
+                                   "variant_scalars")})
+    optimizer.muon_state = ms._replace(step=as_step(entries.get("muon_step", 0))) \
         if ms is not None else None
-    optimizer.adamw_state = st._replace(step=int(entries.get("adamw_step", 0))) \
+    optimizer.adamw_state = st._replace(step=as_step(entries.get("adamw_step", 0))) \
         if st is not None else None
     optimizer.num_steps = int(entries.get("num_steps", 0))
+    if var is not None and (staged_fields is not None or entries.get("variant_scalars")):
+        var.load(staged_fields or {}, entries.get("variant_scalars"))
     for n, t in staged_masters.items():
         rt.masters[n].copy_(t)
     if staged_masters:
         rt.masters_changed()
     optimizer.refresh_state_views()
+
+
+def entry_shape(optimizer: Any, n: str, key: str) -> tuple[int, ...]:
+    """The single-device shape of dedicated entry ``key`` of matrix ``n``."""
+    var = optimizer._variant
+    if var is None or key == "master":
+        return full_shape(optimizer.dedicated_state, n)
+    return var.full_shapes[key][n]
+
+
+def check_fields(optimizer: Any, n: str, entry: Mapping[str, Any]) -> list[str]:
+    """A variant's fields missing from a dedicated entry, or state keys this optimizer does
+    not have (a variant's checkpoint into plain Muon): each a problem, never silently dropped."""
+    var = optimizer._variant
+    want = ("momentum_buffer",) if var is None else tuple(f.key for f in var.fields)
+    if not isinstance(entry, Mapping):
+        return [f"dedicated[{n!r}]: not a dict"]
+    missing = [k for k in want if k not in entry]
+    extra = [k for k in entry if k not in want + ("master", "step")]
+    out = [f"dedicated[{n!r}]: no {k!r} (saved by another transform= than this optimizer's?)"
+           for k in missing if var is not None]
+    out += [f"dedicated[{n!r}][{k!r}]: not a state of this optimizer (saved with another "
+            "transform=? pass the same one)" for k in extra]
+    return out
 
 
 def _decode(key: str, v: Any) -> Any:
@@ -337,7 +387,9 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool
     return {"fsdp2": fsdp2, "dedicated": dedicated,
             "adamw_step": int(st.step) if st is not None else 0,
             "muon_step": int(ms.step) if ms is not None else int(optimizer.num_steps),
-            "num_steps": int(optimizer.num_steps), "param_groups": hparam_groups(optimizer)}
+            "num_steps": int(optimizer.num_steps), "param_groups": hparam_groups(optimizer),
+            **({"variant_scalars": optimizer._variant.scalars()} if optimizer._variant is not None
+               else {})}
 
 
 @torch.no_grad()
@@ -381,18 +433,20 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
         meta[0] = {"dedicated": {n: sorted(s) for n, s in state_dict["dedicated"].items()},
                    "fsdp2": sorted(state_dict["fsdp2"]),
                    **{k: int(state_dict.get(k, 0)) for k in _COUNTERS},
-                   "param_groups": state_dict.get("param_groups")}
+                   "param_groups": state_dict.get("param_groups"),
+                   "variant_scalars": state_dict.get("variant_scalars")}
     rt.mesh_groups.control_collective(
         f"{what} structure", lambda g: dist.broadcast_object_list(meta, src=0, group=g))
     meta = meta[0]
     adamw = dict(optimizer.adamw_named_params)
-    entries: dict[str, Any] = {k: meta[k] for k in (*_COUNTERS, "param_groups")}
+    entries: dict[str, Any] = {k: meta[k] for k in (*_COUNTERS, "param_groups",
+                                                    "variant_scalars")}
     entries["fsdp2"] = {
         n: {k: from_rank0(state_dict["fsdp2"][n][k] if rt.rank == 0 else None,
                           tuple(adamw[n].shape), adamw[n].dtype, rt) for k in _MOMENTS}
         for n in meta["fsdp2"] if n in adamw}
     entries["dedicated"] = {
         n: {k: from_rank0(state_dict["dedicated"][n][k] if rt.rank == 0 else None,
-                          full_shape(rt, n), rt.master_dtype[n], rt) for k in keys}
+                          entry_shape(optimizer, n, k), rt.master_dtype[n], rt) for k in keys}
         for n, keys in meta["dedicated"].items() if n in rt.params}
     load_optimizer_state(optimizer, entries, what=what, check_finite=check_finite)

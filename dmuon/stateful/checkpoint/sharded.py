@@ -53,6 +53,7 @@ import torch.nn as nn
 
 import torch.distributed as dist
 
+from dmuon.stateful.optimizer.variant import refuse_variant
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise,
@@ -237,6 +238,7 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     rt.finish_meta_init("dmuon: sharded checkpoint")
     if optimizer is not None:
         check_optimizer(model, optimizer, "dmuon.save_sharded")
+        refuse_variant(optimizer, "dmuon.save_sharded")
     rt.drain()
     path = os.path.abspath(os.fspath(checkpoint_id))
     save_id = _bcast(rt, uuid.uuid4().hex[:12] if rt.rank == 0 else None, "save id")
@@ -374,6 +376,7 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     rt.finish_meta_init("dmuon: sharded checkpoint")
     if optimizer is not None:
         check_optimizer(model, optimizer, what)
+        refuse_variant(optimizer, what)
     rt.drain()
     path = os.path.abspath(os.fspath(checkpoint_id))
     errors: list[str] = []

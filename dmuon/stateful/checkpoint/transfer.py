@@ -72,7 +72,9 @@ class CheckpointTransfer:
 
         Args:
           values: this rank's values: for ``owner_only=False`` every matrix of its owner column
-            (the masters), for ``owner_only=True`` the matrices it owns itself (momentum).
+            (the masters), for ``owner_only=True`` the matrices it owns itself (momentum). A value
+            with fewer elements than its matrix (a variant's per-row state) travels in the first
+            elements of the matrix's entry (read back with ``reshape(-1)[:numel]``).
         """
         bufs = self._buffers(group)
         s, _ = self.st.coord
@@ -82,8 +84,10 @@ class CheckpointTransfer:
                     continue
                 for e in b.entries:
                     v = values.get(e.name)
-                    if v is not None:
+                    if v is not None and tuple(v.shape) == tuple(e.shape):
                         bufs[b.key][e.offset:e.offset + e.numel].view(e.shape).copy_(v)
+                    elif v is not None:  # a smaller value (a variant's per-row state): its first
+                        bufs[b.key][e.offset:e.offset + v.numel()].copy_(v.reshape(-1))  # elems
         self.executor.launch(checkpoint_to_every_rank(self.layout, group,
                                                       owner_only=owner_only), bufs).wait()
         return {e.name: bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)

@@ -45,6 +45,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
+from dmuon.stateful.optimizer.variant import refuse_variant
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
 from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.modes.ddp import unwrapping_model
@@ -242,6 +243,7 @@ def verify_step(model: nn.Module, optimizer: Muon, closure: Optional[Callable[[]
     what = "dmuon.verify_step"
     rt = check_optimizer(model, optimizer, what)
     refuse_tp(rt, what)
+    refuse_variant(optimizer, what)
     loss = None
     if closure is not None:
         with torch.enable_grad():

@@ -348,6 +348,33 @@ class TPStep:
             return result
         return run
 
+    def sum_partials(self, names: Sequence[str], partials: list, dims: Sequence[int]) -> list:
+        """The ``sum_hook`` of a variant's stages (:meth:`dmuon.functional.stages.leaves.Leaves.
+        sum_partials`): the partial sums of each TP slice over block dims ``dims`` added over the
+        TP group where the slice misses part of what they sum (a row slice, ``Shard(0)``, misses
+        rows: block dim -2; a column slice misses columns: block dim -1); one SUM all-reduce per
+        dtype, in the leaves' order (the same on every rank of the group: its owned names and
+        active matrices agree). Matrices without TP are whole here: their sums pass through."""
+        out = list(partials)
+        want = {-2 if lay.dim == 0 else -1 for lay in self.layouts.values()}
+        if not want & {d if d < 0 else d - 3 for d in dims}:
+            return out
+        picks = [k for k, n in enumerate(names) if n in self.layouts
+                 and (-2 if self.layouts[n].dim == 0 else -1) in
+                 {d if d < 0 else d - 3 for d in dims}]
+        by: dict = {}
+        for k in picks:
+            by.setdefault(out[k].dtype, []).append(k)
+        for dtype, ks in by.items():
+            flat = torch.cat([out[k].reshape(-1) for k in ks])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+            at = 0
+            for k in ks:
+                n = out[k].numel()
+                out[k] = flat[at:at + n].view(out[k].shape)
+                at += n
+        return out
+
     def _phase(self, program: Any, active: Mapping[str, int]) -> tuple[Any, Any]:
         """The ``tp`` phase's gathers and scatters of this rank's TP group for the matrices with
         an NS input this step (the same on every rank of the group: :meth:`agree_grads`)."""

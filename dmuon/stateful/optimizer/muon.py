@@ -105,6 +105,14 @@ class Muon(torch.optim.Optimizer):
         (stable addresses: the engine's graph replays every step; peak memory = FSDP2 + AdamW's)
         instead of giving their memory back after each step (default ``False``: forward runs
         without them, 3.6 GiB less peak on the 1B H200 benchmark).
+      transform: a Muon variant run on the owners instead of Muon's fused update: a function
+        ``MuonHParams -> Transform`` (:mod:`dmuon.functional.variants`' ``normuon()``,
+        ``muon_hyperball()``, ``normuon_hyperball()``, or your own chain of stages) built from
+        ``param_groups[0]`` each step (lr schedulers, ``lr_mult`` / ``wd_mult`` apply), or a fixed
+        ``Transform`` (a change of ``param_groups[0]``'s raises at the next step); same
+        dedication, hooks, HSDP / TP / DDP modes, clipping; its state saved and restored by name
+        like momentum (:mod:`dmuon.stateful.optimizer.variant`); a quantity a stage needs that an
+        owner lacks raises here. ``None`` (default): Muon, bitwise as without the option.
       replicate_async: HSDP only. True (default): the publish of the new masters to the replicas
         of each owner's shard column is dispatched at the end of ``step()`` and waited by the next
         forward's pre-hook of each hook group (groups forward did not use: at the end of the next
@@ -130,7 +138,7 @@ class Muon(torch.optim.Optimizer):
                  check_finite: Any = "auto", replicate_async: bool = True,
                  adamw_impl: str = "auto", ns_engine: Any = "auto", elementwise: str = "auto",
                  persistent_grad_buffers: bool = False, eps: Any = fopts.NOT_GIVEN,
-                 adjust_lr_fn: Any = fopts.NOT_GIVEN):
+                 adjust_lr_fn: Any = fopts.NOT_GIVEN, transform: Any = None):
         if not isinstance(model, nn.Module):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
@@ -177,7 +185,12 @@ class Muon(torch.optim.Optimizer):
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
         # runs its zero-gradient "materializing" step on this optimizer
         self.muon_state: Optional[fmuon.MuonState] = (
-            fmuon.init(rt.owned_masters()) if rt.owned_names else None)
+            fmuon.init(rt.owned_masters()) if rt.owned_names and transform is None else None)
+        # a variant: its chain and state (the truth; muon_state stays None)
+        self._variant = None
+        if transform is not None:
+            from dmuon.stateful.optimizer.variant import VariantRunner
+            self._variant = VariantRunner(transform, self.muon_hparams(), rt)
         self.adamw_state: Optional[fadamw.AdamWState] = (
             fadamw.init(self.adamw_local_tensors()[0]) if self._adamw_named else None)
         self._momentum_markers: dict[str, Any] = {}
@@ -288,11 +301,15 @@ class Muon(torch.optim.Optimizer):
         params = rt.owned_masters()
         if self._tp is not None:  # TP: the TP group agrees on its gradients (every rank joins)
             grads = self._tp.agree_grads(grads, params)
-        if not rt.owned_names:
-            return []
         # a zeroed (not dropped) gradient kept by torch since the last step: step with zeros
         grads = {n: torch.zeros_like(params[n]) if g is None and n in zeroed else g
                  for n, g in grads.items()}
+        if self._variant is not None:  # every rank, every step: the chain's counts agree
+            self._variant.step(grads, params, self.muon_hparams(), self)
+            self._state_views_stale = True
+            return [n for n, g in grads.items() if g is not None]
+        if not rt.owned_names:
+            return []
         if self.muon_state is None:
             self.muon_state = fmuon.init(params)
         stepped = [n for n, g in grads.items() if g is not None]
@@ -308,6 +325,16 @@ class Muon(torch.optim.Optimizer):
             orthogonalize_for=lambda p, g: self._tp_wrapped(ortho, p, g))
         self._state_views_stale = True  # rebuilt when self.state is next read
         return stepped
+
+    def routing_table(self) -> Any:
+        """Where every param went (Muon with its view and owner / AdamW / frozen) and what decided
+        (:class:`dmuon.functional.routing.RoutingTable`; ``print()`` it)."""
+        return getattr(self._rt, "routing", None)
+
+    @property
+    def variant_state(self) -> Any:
+        """The variant's chain state on this rank's owned matrices (``transform=``; else None)."""
+        return None if self._variant is None else self._variant.state
 
     def _tp_wrapped(self, ortho: fmuon.Orthogonalize, params: dict[str, torch.Tensor],
                     grads: dict[str, Optional[torch.Tensor]]) -> fmuon.Orthogonalize:
@@ -440,15 +467,21 @@ class Muon(torch.optim.Optimizer):
         self._state_views.clear()
         step_m = torch.tensor(float(self.muon_state.step if self.muon_state is not None
                                     else self.num_steps))
+        own = ({"momentum_buffer": self.muon_state.momentum if self.muon_state else {}}
+               if self._variant is None else  # a variant: each field by its key
+               {f.key: self._variant.field_values(f.key) for f in self._variant.fields})
         for n in rt.names:
-            if self.muon_state is not None and n in self.muon_state.momentum:
-                buf = self.muon_state.momentum[n]
-            else:  # held by its owner: a marker that refuses math (torch's tools read the keys)
-                buf = self._momentum_markers.get(n)
-                if buf is None:
-                    buf = make_marker(rt.params[n], n, None, what="momentum")
-                    self._momentum_markers[n] = buf
-            self.state[rt.params[n]] = {"momentum_buffer": buf, "step": step_m}
+            entry = {}
+            for key, vals in own.items():
+                buf = vals.get(n)
+                if buf is None:  # held by its owner: a marker that refuses math (torch's tools
+                    buf = self._momentum_markers.get((n, key))  # read the keys)
+                    if buf is None:
+                        buf = make_marker(rt.params[n], n, None, what="momentum"
+                                          if key == "momentum_buffer" else key)
+                        self._momentum_markers[(n, key)] = buf
+                entry[key] = buf
+            self.state[rt.params[n]] = dict(entry, step=step_m)
         if self.adamw_state is not None:
             step = torch.tensor(float(self.adamw_state.step))
             for n, p in self._adamw_named:

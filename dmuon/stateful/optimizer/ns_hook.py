@@ -50,7 +50,11 @@ class NSHook:
 
     def for_step(self, device_type: str, hp: fmuon.MuonHParams) -> fmuon.Orthogonalize:
         """The hook for one step with hyper-parameters ``hp`` on ``device_type``."""
-        config = NSConfig.from_hparams(hp)
+        return self.for_config(device_type, NSConfig.from_hparams(hp))
+
+    def for_config(self, device_type: str, config: NSConfig) -> fmuon.Orthogonalize:
+        """The hook running Newton–Schulz with ``config`` on ``device_type`` (a variant's
+        ``orthogonalize`` stage asks with its own :class:`~dmuon.newton_schulz.NSConfig`)."""
         if self.choice == "functional" or (self.choice == "auto" and device_type != "cuda"):
             if self._functional is None or self._functional.config != config:
                 self._functional = BatchedNS(config, timer=self.timer)

@@ -42,6 +42,7 @@ from dmuon.stateful.runtime.hooks import register_hooks
 from dmuon.compat.fsdp_info import has_fsdp_state
 from dmuon.stateful.runtime.guards import guard_module_apply
 from dmuon.functional.policy import ParamPolicy
+from dmuon.functional.routing import Dedication, routing_table
 from dmuon.stateful.runtime.param_views import (as_policy, decide_params, dtype_overrides,
                                         policy_fingerprint, routing_predicate)
 from dmuon.stateful.modes.meta_init import check_meta_selection, device_of_mesh, replace_meta_params
@@ -267,8 +268,10 @@ def dedicate_params(
         ``reshard_after_forward`` does not apply (nothing is gathered).
 
     Returns:
-      ``{param: owner global rank}`` for every dedicated param (tied params appear once); ``{}``
-      when the dedication is deferred to ``dmuon.Muon(model)`` (``mesh`` is the dp sub-mesh of
+      ``{param: owner global rank}`` for every dedicated param (tied params appear once), a dict
+      whose ``.routing`` is the routing table (every param → Muon with its view / AdamW / frozen,
+      and the rule or predicate that decided; ``print(...)`` it; :mod:`dmuon.functional.routing`);
+      ``{}`` when the dedication is deferred to ``dmuon.Muon(model)`` (``mesh`` is the dp sub-mesh of
       a mesh with a TP dim and TP is not applied yet, or the TP params are on meta:
       :mod:`dmuon.stateful.modes.deferred`).
 
@@ -329,6 +332,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     named: list = []
     chosen: dict[str, nn.Parameter] = {}
     layouts: dict = {}
+    routing = None
     deferring = False
     local_err: Optional[Exception] = None
     try:
@@ -345,6 +349,8 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
                                       data_parallel, any(p.is_meta for p in chosen.values()))
             spec_named = [(n, tuple(p.to_local().shape), p.dtype) if n in layouts else (n, p)
                           for n, p in named]
+            routing = routing_table([(n, tuple(p.shape), p.requires_grad)
+                                     for n, p in model.named_parameters()], pol, decisions)
             specs = specs_from_named_shapes(spec_named, lambda n, p: n in chosen,
                                             view_fn=lambda n, shape: decisions[n].view)
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
@@ -356,7 +362,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
         defer(model, chosen, dict(kw, mesh=mesh))
         logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
                     "dedicate_params)", len(chosen))
-        return {}
+        return Dedication()
     grids = agree_grids(mesh, replicate_mesh, local_err=local_err,
                         param_device_types=[str(mesh.device_type) if p.is_meta else p.device.type
                                             for p in chosen.values()],
@@ -432,4 +438,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     setattr(model, STATE_ATTR, st)
     logger.info("dmuon: dedicated %d params in %d hook groups over G=%d R=%d (plan %s)",
                 len(chosen), len(order), st.G, st.R, plan.fingerprint[:12])
-    return {chosen[n]: st.owner_rank[n] for n in chosen}
+    st.routing = routing.with_owners(st.owner_rank)  # Muon.routing_table(); recipes log it
+    out = Dedication({chosen[n]: st.owner_rank[n] for n in chosen})
+    out.routing = st.routing
+    return out
