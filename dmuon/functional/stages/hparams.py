@@ -134,7 +134,7 @@ def check_hyper(name: str, v: Any, *, lo: float = 0.0, hi: Optional[float] = Non
     if is_schedule(v):
         return v
     if isinstance(v, Tensor):
-        if v.ndim != 0 or not (v.is_floating_point() or v.dtype == torch.int64):
+        if v.ndim != 0 or not v.is_floating_point():
             raise TypeError(f"{at}{name} as a tensor must be a 0-d float tensor, got shape "
                             f"{tuple(v.shape)} {v.dtype}")
         if traced() or is_batched(v) or v.device.type == "meta":
