@@ -151,7 +151,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
                              if p not in ded and not isinstance(p, DTensor)],
               "dedicated_bytes": sum(rt_p.numel() * rt_p.element_size()
                                      for rt_p in get_state(model).masters.values()),
-              "placeholder_numel": [p.numel() for p in ded]}
+              "placeholder_numel": [p.data.numel() for p in ded]}  # the local storage
     opt = Muon(model, **{**dict(
         lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
         weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"], ns_dtype=torch.float64,

@@ -30,7 +30,7 @@ def _peak_gathered(model, rt):
     peak = [0]
 
     def probe(*_):
-        peak[0] = max(peak[0], sum(p.numel() for p in rt.params.values()))
+        peak[0] = max(peak[0], sum(p.data.numel() for p in rt.params.values()))
 
     handles = []
     for m in model.modules():

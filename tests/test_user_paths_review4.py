@@ -373,7 +373,9 @@ def _one_rank_saves(rank, world):
     for key, who, call in (("rank0_state_dict", 0, lambda: torch.save(model.state_dict(),
                                                                         io.BytesIO())),
                            ("rank1_get_model_state_dict", 1,
-                            lambda: dmuon.get_model_state_dict(model))):
+                            lambda: dmuon.get_model_state_dict(model)),
+                           ("rank0_optimizer_state_dict", 0, lambda: torch.save(opt.state_dict(),
+                                                                              io.BytesIO()))):
         t0 = time.monotonic()
         out[key] = catch(call) if rank == who else (None, None)
         out[key + "_s"] = time.monotonic() - t0
@@ -455,7 +457,8 @@ def test_state_dict_on_one_rank_raises_within_seconds_naming_the_cause(results):
     save on every rank afterwards works."""
     for rank, r in enumerate(results):
         o = r["one_rank_saves"]
-        for key, who in (("rank0_state_dict", 0), ("rank1_get_model_state_dict", 1)):
+        for key, who in (("rank0_state_dict", 0), ("rank1_get_model_state_dict", 1),
+                         ("rank0_optimizer_state_dict", 0)):
             kind, msg = o[key]
             if rank == who:
                 assert kind is not None and "state_dict / save is collective: call it on every " \

@@ -106,6 +106,7 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     refuse_tp(optimizer.dedicated_state, "Muon.state_dict() (torch's protocol; use "
               "dmuon.get_optimizer_state_dict)")
     rt = optimizer.dedicated_state
+    rt.join("optimizer.state_dict()", always=True)  # torch.save(opt.state_dict()) on rank 0
     rt.drain()
     ded = _full_dedicated(optimizer, masters=True)
     mesh = rt.shard_mesh
@@ -143,6 +144,7 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
 def torch_load_optimizer_state_dict(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
     """``Muon.load_state_dict``: torch's protocol (from any topology: params matched by
     ``param_names`` where the groups carry them, else by position), or dmuon's full format."""
+    optimizer.dedicated_state.join("optimizer.load_state_dict(sd)", always=True)
     if isinstance(state_dict, Mapping) and "fsdp2" in state_dict and "dedicated" in state_dict:
         return load_optimizer_state(optimizer, _from_full(state_dict), what="Muon.load_state_dict")
     refuse_tp(optimizer.dedicated_state, "Muon.load_state_dict with torch's protocol (load "

@@ -160,7 +160,6 @@ def max_over_ranks(values: torch.Tensor, *, what: str, via: Any = None) -> torch
     return out.reshape(values.shape)
 
 
-
 #: the environment variable that sets :func:`join`'s bound (seconds), and its default
 JOIN_ENV = "DMUON_JOIN_TIMEOUT_S"
 JOIN_TIMEOUT_S = 30.0
