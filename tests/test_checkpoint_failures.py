@@ -97,6 +97,7 @@ def _failures(rank: int, world: int, tmp: str) -> dict:
     def state(load=False):
         dist.barrier()
         partial = sorted(p for p in os.listdir(tmp) if ".partial-" in p)
+        dist.barrier()  # every rank has listed before rank 0 goes on (it plants a stale partial)
         if load:
             return partial, catch(lambda: dmuon.load_sharded(path, model, opt))
         return partial, (None, None) if files() == good else ("changed", str(files()))
