@@ -135,7 +135,10 @@ def run_threads(fn: Callable[..., Any], world: int, *args: Any, device: str = "c
             mtp.ProcessLocalGroup.exception_handle(e)
         finally:
             if dist.is_initialized():
-                dist.destroy_process_group()
+                try:
+                    dist.destroy_process_group()
+                except AttributeError:  # torch 2.11's ThreadLocalWorld has no .comms to abort
+                    pass
 
     threads = [threading.Thread(target=run, args=(r,), daemon=True) for r in range(world)]
     try:

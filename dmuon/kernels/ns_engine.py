@@ -51,6 +51,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from dmuon.kernels.streams import no_gc, side_stream
 from dmuon.newton_schulz.coefficients import ns_coefficient_table
 from dmuon.newton_schulz.config import NSConfig
 from dmuon.newton_schulz.iteration import (default_ns_dtype, default_range_lift,
@@ -110,12 +111,16 @@ def _capture(fn, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
     """
     g = torch.cuda.CUDAGraph()
     stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        g.capture_begin(pool, capture_error_mode="thread_local")
-        try:
-            fn()
-        finally:
-            g.capture_end()
+    # Python's gc stays off while capturing: a collection would free a dropped model's graphs
+    # (their private pools) in the middle of this capture, which torch's allocator asserts on
+    # ("use_count > 0", seen when a model was rebuilt in one process)
+    with no_gc():
+        with torch.cuda.stream(stream):
+            g.capture_begin(pool, capture_error_mode="thread_local")
+            try:
+                fn()
+            finally:
+                g.capture_end()
     torch.cuda.current_stream(stream.device).wait_stream(stream)
     return g
 
@@ -215,7 +220,7 @@ class _Program:
             return
         try:
             if warmup:
-                side = torch.cuda.Stream(device=self.device)
+                side = side_stream(self.device, "ns_warmup")
                 side.wait_stream(torch.cuda.current_stream(self.device))
                 with torch.cuda.stream(side):  # warm-up: Triton compiles, cuBLAS handles/workspaces
                     self.run_eager()
@@ -300,7 +305,6 @@ class NSEngine:
         self.sym_backend = sym_backend
         self.max_chunk_bytes = max_chunk_bytes
         self._pools: dict = {}
-        self._streams: dict = {}
         self._programs: dict = {}
         self._inplace: dict = {}          # orthogonalize_ programs by storage key, LRU order
         self.max_programs = 4
@@ -313,10 +317,9 @@ class NSEngine:
         self.timer: Optional[NSTimer] = None  # where __call__ records its spans, if anywhere
 
     def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
-        """One side stream per device for this engine's captures (one stream per shared pool)."""
-        if device not in self._streams:
-            self._streams[device] = torch.cuda.Stream(device=device)
-        return self._streams[device]
+        """The process's NS capture stream of ``device`` (:func:`~dmuon.kernels.streams.side_stream`:
+        a stream per engine would leave its cuBLAS workspace behind when the engine is freed)."""
+        return side_stream(device, "ns_capture")
 
     def _pool(self, device: torch.device):
         """One graph memory pool per device, shared by this engine's programs (run in order)."""

@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from dmuon.kernels.streams import side_stream
 from dmuon.stateful.runtime.agree import rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
@@ -43,14 +44,8 @@ def host_all_reduce(values: Sequence[int], group: Any, device: torch.device) -> 
     return out.tolist()
 
 
-_SIDE_STREAMS: dict = {}
-
-
 def _side_stream(device: torch.device) -> Any:
-    key = torch.device(device).index
-    if key not in _SIDE_STREAMS:
-        _SIDE_STREAMS[key] = torch.cuda.Stream(device=device)
-    return _SIDE_STREAMS[key]
+    return side_stream(torch.device(device), "step_checks")
 
 
 def check_same_fsdp_grads(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState) -> None:

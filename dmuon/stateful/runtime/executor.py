@@ -47,6 +47,7 @@ from torch import Tensor
 from dmuon.functional.buckets import BucketKey
 from dmuon.functional.schedule import (LANES, AllReduce, Broadcast, Gather, Op, Reduce, Schedule,
                                        Scatter, op_bytes)
+from dmuon.kernels.streams import side_stream
 from dmuon.stateful.runtime.process_groups import MeshGroups
 
 log = logging.getLogger(__name__)
@@ -238,10 +239,8 @@ class Executor:
         """The CUDA stream of ``lane`` on ``device`` (created once; shard-axis lanes high priority)."""
         key = (device.index if device.index is not None else torch.cuda.current_device(), lane)
         st = self._streams.get(key)
-        if st is None:
-            _, hi = torch.cuda.Stream.priority_range()  # (low, high); high is the smaller number
-            prio = hi if lane in ("unshard", "reduce") else 0
-            st = torch.cuda.Stream(device=key[0], priority=prio)
+        if st is None:  # the process's stream of the lane (a rebuilt model reuses it)
+            st = side_stream(key[0], f"lane:{lane}", high_priority=lane in ("unshard", "reduce"))
             self._streams[key] = st
         return st
 
