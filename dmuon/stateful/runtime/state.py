@@ -64,8 +64,7 @@ ROOT_GROUP = ""
 #: the model attribute ``dedicate_params`` stores the state in (read it with :func:`get_state`)
 STATE_ATTR = "_dmuon_state"
 
-__all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_state",
-           "local_tensor"]
+__all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_state", "local_tensor"]
 
 
 class DedicatedState(PublishMixin):
@@ -475,8 +474,7 @@ class DedicatedState(PublishMixin):
 
 def local_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """``t.to_local()`` for a DTensor (this rank's shard, a view); else ``t`` itself (or None)."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def find_state(model: Any) -> Optional[DedicatedState]:
