@@ -52,22 +52,18 @@ def _shapes(model: str) -> list[tuple[int, int]]:
 
 
 def _timer(device: torch.device):
+    if device.type == "cuda":  # CUDA events (bench_util's one timer)
+        from bench_util import time_ms
+        return time_ms
+
     def run(fn, warmup: int, repeats: int) -> tuple[float, list[float]]:
         for _ in range(warmup):
             fn()
         ts = []
         for _ in range(repeats):
-            if device.type == "cuda":
-                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                s.record()
-                fn()
-                e.record()
-                e.synchronize()
-                ts.append(s.elapsed_time(e))
-            else:
-                t0 = time.perf_counter()
-                fn()
-                ts.append((time.perf_counter() - t0) * 1e3)
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(ts), ts
     return run
 
