@@ -21,11 +21,12 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 
-from dmuon.functional.stages.hparams import register_state
+from dmuon.functional.stages.hparams import (ScheduleState, is_schedule, new_step, next_step,
+                                             register_state, value_at)
 from dmuon.functional.stages.leaves import Leaves, derive_update
 from dmuon.functional.tree import PyTree
 
-__all__ = ["Transform", "EmptyState", "stage", "NEEDS"]
+__all__ = ["Transform", "EmptyState", "stage", "hyper_stage", "NEEDS"]
 
 #: What a stage may need of each matrix beyond its own update (``Transform.needs``), and whether
 #: an owner holding a slice of the matrix (tensor parallelism) can provide it:
@@ -72,3 +73,24 @@ def stage(update_: Callable[[Leaves, Any], Any], init: Callable[[PyTree], Any] =
         raise ValueError(f"stage needs {bad}: not quantities dmuon knows; one of {NEEDS}")
     pure = derive_update(update_) if update is None else update
     return Transform(init, torch.no_grad()(pure), update_, tuple(needs))
+
+
+def hyper_stage(fn: Callable[..., Any], init: Optional[Callable[[Any], Any]] = None,
+                needs: tuple = (), **hparams: Any):
+    """A stage whose in-place arithmetic ``fn(leaves, state, **values)`` takes hyper-parameter
+    values: with only floats / tensors it is ``stage(lambda l, s: fn(l, s, **hparams), init)``;
+    with any schedule its state is :class:`ScheduleState` ``(count, inner)`` and each update
+    evaluates the schedules at ``count`` first."""
+    init = init or (lambda params: EmptyState())
+    scheduled = {k for k, v in hparams.items() if is_schedule(v)}
+    if not scheduled:
+        return stage(lambda leaves, state: fn(leaves, state, **hparams), init, needs=needs)
+
+    def init_s(params: Any) -> ScheduleState:
+        return ScheduleState(new_step(), init(params))
+
+    def update_(leaves: Any, state: ScheduleState) -> ScheduleState:
+        values = {k: value_at(v, state.count) for k, v in hparams.items()}
+        return ScheduleState(next_step(state.count), fn(leaves, state.inner, **values))
+
+    return stage(update_, init_s, needs=needs)

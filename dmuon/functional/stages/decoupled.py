@@ -25,8 +25,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from dmuon.functional.stages.base import EmptyState, Transform
-from dmuon.functional.stages.hparams import Hyper, check_hyper, hyper_stage, is_one
+from dmuon.functional.stages.base import EmptyState, Transform, hyper_stage
+from dmuon.functional.stages.hparams import Hyper, check_hyper, is_one
 from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves
 from dmuon.functional.tree import PyTree
 

@@ -33,7 +33,7 @@ from torch import Tensor
 
 __all__ = ["Hyper", "ScheduleState", "new_step", "next_step", "as_step", "concrete_count",
            "is_schedule", "value_at", "check_hyper", "is_one", "is_batched", "traced",
-           "hyper_stage", "register_state"]
+           "register_state"]
 
 #: A hyper-parameter: a float, a 0-d tensor, or a function of the update count.
 Hyper = Union[float, Tensor, Callable[[Tensor], Any]]
@@ -154,26 +154,3 @@ def _check_range(name: str, x: float, lo: float, hi: Optional[float], hi_open: b
     if not ok:
         rng = f"[{lo}, {hi}{')' if hi_open else ']'}" if hi is not None else f">= {lo}, finite"
         raise ValueError(f"{at}{name} must be in {rng}, got {x!r}")
-
-
-def hyper_stage(fn: Callable[..., Any], init: Optional[Callable[[Any], Any]] = None,
-                needs: tuple = (), **hparams: Any):
-    """A stage whose in-place arithmetic ``fn(leaves, state, **values)`` takes hyper-parameter
-    values: with only floats / tensors it is ``stage(lambda l, s: fn(l, s, **hparams), init)``;
-    with any schedule its state is :class:`ScheduleState` ``(count, inner)`` and each update
-    evaluates the schedules at ``count`` first."""
-    from dmuon.functional.stages.base import EmptyState, stage
-
-    init = init or (lambda params: EmptyState())
-    scheduled = {k for k, v in hparams.items() if is_schedule(v)}
-    if not scheduled:
-        return stage(lambda leaves, state: fn(leaves, state, **hparams), init, needs=needs)
-
-    def init_s(params: Any) -> ScheduleState:
-        return ScheduleState(new_step(), init(params))
-
-    def update_(leaves: Any, state: ScheduleState) -> ScheduleState:
-        values = {k: value_at(v, state.count) for k, v in hparams.items()}
-        return ScheduleState(next_step(state.count), fn(leaves, state.inner, **values))
-
-    return stage(update_, init_s, needs=needs)

@@ -35,8 +35,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-from dmuon.functional.stages.base import Transform
-from dmuon.functional.stages.hparams import Hyper, check_hyper, hyper_stage, register_state
+from dmuon.functional.stages.base import Transform, hyper_stage
+from dmuon.functional.stages.hparams import Hyper, check_hyper, register_state
 from dmuon.functional.stages.leaves import Leaves, init_views
 from dmuon.functional.tree import PyTree, flatten
 

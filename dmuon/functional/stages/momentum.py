@@ -24,8 +24,8 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from dmuon.functional.stages.base import Transform
-from dmuon.functional.stages.hparams import Hyper, check_hyper, hyper_stage, register_state
+from dmuon.functional.stages.base import Transform, hyper_stage
+from dmuon.functional.stages.hparams import Hyper, check_hyper, register_state
 from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves
 from dmuon.functional.tree import PyTree, flatten, zeros_like_tree
 
