@@ -17,9 +17,9 @@ import torch
 from dist_utils import run_ranks
 from stateful_harness import distributed_run, max_rel_err, reference_run
 
+from dmuon.functional import state_dtype as sd
 
 BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
-pytestmark = pytest.mark.xfail(strict=True, reason="issue 38: momentum_dtype / offload_state not built yet")
 
 CONFIGS = [
     dict(id="fp32", accum=2),
@@ -32,7 +32,6 @@ CONFIGS = [
 
 
 def test_encode_decode_exact():
-    from dmuon.functional import state_dtype as sd
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 48, generator=g, dtype=torch.float64) * 1e-3
     # fp32 of an fp32 tensor: the identity (the default path is bitwise the historical one)
@@ -58,7 +57,6 @@ def test_encode_decode_exact():
 
 def _ckpt_checks(rank, world):
     """Checkpoint round trips through the torch protocol (``Muon.state_dict``)."""
-    from dmuon.functional import state_dtype as sd
     from models import make_batches, make_model
     from stateful_harness import build_dmuon
     from dmuon.stateful.optimizer.state_storage import checkpoint_momentum, state_nbytes

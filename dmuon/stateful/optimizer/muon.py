@@ -120,6 +120,10 @@ class Muon(torch.optim.Optimizer):
         same weights. A ``step()`` while the previous step's publish is still pending (no
         forward/backward since) raises ``RuntimeError``; ``dmuon.wait_all_replicate_broadcasts``
         drains it.
+      momentum_dtype, offload_state: the owners' momentum between steps (:mod:`dmuon.stateful.
+        optimizer.state_storage`): ``torch.float32`` (default: the master's dtype, bitwise as
+        before), ``torch.bfloat16``, ``torch.float8_e4m3fn`` / ``_e5m2`` (a power-of-two scale per
+        matrix); ``offload_state=True``: in (pinned) host memory, copied in on a side stream.
 
     Raises:
       RuntimeError: ``dedicate_params`` was not called on ``model``; ``step()`` of an optimizer
@@ -138,12 +142,14 @@ class Muon(torch.optim.Optimizer):
                  check_finite: Any = "auto", replicate_async: bool = True,
                  adamw_impl: str = "auto", ns_engine: Any = "auto", elementwise: str = "auto",
                  persistent_grad_buffers: bool = False, eps: Any = fopts.NOT_GIVEN,
-                 adjust_lr_fn: Any = fopts.NOT_GIVEN, transform: Any = None):
+                 adjust_lr_fn: Any = fopts.NOT_GIVEN, transform: Any = None,
+                 momentum_dtype: Any = None, offload_state: bool = False):
         if not isinstance(model, nn.Module):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
         # every option is checked before anything changes (a bad value raises here, not at step())
         muon_hp, adamw_hp = fopts.check_options(positional, locals())
+        from dmuon.stateful.optimizer.state_storage import MomentumStorage, check_storage
         NSHook.check(ns_engine)  # a bad ns_engine raises here, before anything changes
         model = unwrap_model(model)
         finish_deferred(model)  # dedicate_params before TP: the dedication completes here
@@ -152,6 +158,8 @@ class Muon(torch.optim.Optimizer):
         check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
         check_backend(model, rt, "dmuon.Muon(model)")
         _check_fsdp_mesh(model, rt)
+        self._storage = MomentumStorage(momentum_dtype, offload_state, rt.device)
+        check_storage(self._storage, transform, rt)
         dedicated = set(rt.params.values())
         self._adamw_named = tuple((n, p) for n, p in model.named_parameters()
                                   if p.requires_grad and p not in dedicated)
@@ -159,7 +167,8 @@ class Muon(torch.optim.Optimizer):
         self._outside = tuple((n, p) for n, p in model.named_parameters()
                               if not p.requires_grad and p not in dedicated)
         groups = [
-            dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_hp),
+            dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_hp,
+                 momentum_dtype=str(self._storage.dtype), offload_state=offload_state),
             dict(params=[p for _, p in self._adamw_named], name="adamw", **adamw_hp),
         ]
         super().__init__(groups, defaults={})
@@ -185,7 +194,8 @@ class Muon(torch.optim.Optimizer):
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
         # runs its zero-gradient "materializing" step on this optimizer
         self.muon_state: Optional[fmuon.MuonState] = (
-            fmuon.init(rt.owned_masters()) if rt.owned_names and transform is None else None)
+            self._storage.stored_state(fmuon.init(rt.owned_masters()))
+            if rt.owned_names and transform is None else None)
         # a variant: its chain and state (the truth; muon_state stays None)
         self._variant = None
         if transform is not None:
@@ -263,6 +273,8 @@ class Muon(torch.optim.Optimizer):
                 "behind the other ranks'.")
         check_outside_grads(self._outside)
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
+        if self.muon_state is not None:  # offload: the copy-in overlaps the pending reduces
+            self._storage.prefetch(self.muon_state.momentum)
         grads = rt.reduced_grads()
         if self._check_fsdp_usage:
             check_same_fsdp_grads(self._adamw_named, rt)
@@ -311,7 +323,7 @@ class Muon(torch.optim.Optimizer):
         if not rt.owned_names:
             return []
         if self.muon_state is None:
-            self.muon_state = fmuon.init(params)
+            self.muon_state = self._storage.stored_state(fmuon.init(params))
         stepped = [n for n, g in grads.items() if g is not None]
         if not stepped:
             return []
@@ -319,10 +331,12 @@ class Muon(torch.optim.Optimizer):
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
         ortho, ew = self._ns.for_step(rt.device.type, hp), self._elementwise(rt)
-        _, self.muon_state = owner_step(
-            grads, self.muon_state, params, hp, views=self._views, mults=self._hp_mults,
+        work = self._storage.working_state(self.muon_state, params)
+        _, work = owner_step(
+            grads, work, params, hp, views=self._views, mults=self._hp_mults,
             donate=True, donate_grads=True, elementwise=ew,
             orthogonalize_for=lambda p, g: self._tp_wrapped(ortho, p, g))
+        self.muon_state = self._storage.commit_state(self.muon_state, work)
         self._state_views_stale = True  # rebuilt when self.state is next read
         return stepped
 
