@@ -198,7 +198,6 @@ def test_unsupported_combinations_raise():
         MomentumStorage(None, "yes", torch.device("cpu"))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 38: memory model options not built yet")
 def test_memory_model_equals_allocated(results):
     """The plan's per-rank state bytes (rank_memory) == the bytes the owners' state tensors hold,
     read from the optimizer, for each option, on each rank."""
@@ -209,7 +208,6 @@ def test_memory_model_equals_allocated(results):
         assert c["offload_nbytes"][0]["host"] > 0
 
 
-@pytest.mark.xfail(strict=True, reason="issue 38: plan CLI state bytes not built yet")
 def test_plan_cli_shows_state_bytes(capsys):
     from dmuon.__main__ import main
     got = {}
