@@ -194,6 +194,10 @@ def test_unsupported_combinations_raise():
     st = MomentumStorage(BF16, False, torch.device("cpu"))
     with pytest.raises(NotImplementedError, match="transform="):
         check_storage(st, object(), None)
+    from types import SimpleNamespace
+    with pytest.raises(NotImplementedError, match="tensor parallelism"):
+        check_storage(MomentumStorage(FP8, False, torch.device("cpu")), None,
+                      SimpleNamespace(tp_layouts={"w": None}))
     with pytest.raises(TypeError, match="offload_state"):
         MomentumStorage(None, "yes", torch.device("cpu"))
 

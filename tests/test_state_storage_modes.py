@@ -127,3 +127,13 @@ def test_ddp_sharded_full_variant(tmp_path):
         assert r["sharded_same_notes"] == 0 and r["full_same_notes"] == 0, r
         assert r["full_fp32_notes"] == 1 and r["sharded_fp32_notes"] == 1, r
         assert r["resume_bitwise"], r
+
+
+def test_tp_bf16_offload():
+    """TP (dp 2 x tp 2): bf16 momentum, offloaded, == the rounding reference (bf16 rounds per
+    element, so TP slices round as the whole matrix)."""
+    from test_tensor_parallel import _check, _reference, _train as tp_train
+    cfg = {"z3": True, "momentum_dtype": torch.bfloat16,
+           "muon_kw": dict(momentum_dtype=torch.bfloat16, offload_state=True)}
+    ref = _reference(cfg)
+    _check(run_ranks(tp_train, 4, cfg, timeout=300), ref, 4)
