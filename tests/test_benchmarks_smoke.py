@@ -70,7 +70,6 @@ def test_variants_step_tiny_writes_results(tmp_path):
     assert all(r[k]["ratio_to_ns"] > 0 for k in r if k != "ns")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 38: benchmarks/state_memory.py not written yet")
 def test_state_memory_tiny_writes_results(tmp_path):
     """Issue 38: ``state_memory --tiny`` runs the full mode's code path on CPU; the owners' state
     bytes it reads from each optimizer equal the plan's (memory model) number."""
