@@ -67,6 +67,11 @@ def reference_train(model: torch.nn.Module, batches: list, cfg: dict,
         for g in adam.param_groups:
             g["lr"] = HP["adamw_lr"] * f
         adam.step()
+        if cfg.get("adamw_state_dtype") is not None:  # moments stored rounded, as dmuon stores them
+            from dmuon.functional.state_dtype import round_trip
+            for st in adam.state.values():
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k].copy_(round_trip(st[k], cfg["adamw_state_dtype"]))
     return {"sd": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "norms": norms, "losses": losses}
 

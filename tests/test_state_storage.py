@@ -28,6 +28,7 @@ CONFIGS = [
     dict(id="fp8", momentum_dtype=FP8, accum=2, muon_kw=dict(momentum_dtype=FP8)),
     dict(id="fp8_offload", momentum_dtype=FP8, accum=2,
          muon_kw=dict(momentum_dtype=FP8, offload_state=True)),
+    dict(id="adamw_bf16", adamw_state_dtype=BF16, muon_kw=dict(adamw_state_dtype=BF16)),
 ]
 
 
@@ -117,6 +118,18 @@ def _ckpt_checks(rank, world):
         mom3 = checkpoint_momentum(opt3)
         out[f"{key}_to_fp32_exact"] = all(torch.equal(mom[n].double(), mom3[n]) for n in mom)
         out[f"{key}_to_fp32_notes"] = list(notes)
+    try:  # AdamW's moments in bf16: held, checkpointed and restored in bf16
+        model, opt = train(dict(adamw_state_dtype=BF16))
+        osd = opt.state_dict()
+        out["adamw_moment_dtypes"] = sorted({str(e["exp_avg"].dtype) for e in osd["state"].values()
+                                             if "exp_avg" in e} | {str(t.dtype) for t in
+                                                                   opt.adamw_state.nu.values()})
+        _, opt2 = train(dict(adamw_state_dtype=BF16), steps=0, opt_sd=osd)
+        out["adamw_roundtrip"] = all(torch.equal(opt.adamw_state.mu[n], opt2.adamw_state.mu[n])
+                                     and torch.equal(opt.adamw_state.nu[n], opt2.adamw_state.nu[n])
+                                     for n in opt.adamw_state.mu)
+    except Exception as e:  # noqa: BLE001 (reported to the parent)
+        out["adamw_moment_dtypes"] = out["adamw_roundtrip"] = repr(e)
     # an fp32 checkpoint into fp8: converted (rounded as a step would round it), one note
     _, opt = train({})
     osd = opt.state_dict()
@@ -132,7 +145,12 @@ def _ckpt_checks(rank, world):
 
 def _worker(rank, world, cfgs):
     torch.set_num_threads(1)
-    out = {c["id"]: distributed_run(rank, world, c) for c in cfgs}
+    out = {}
+    for c in cfgs:
+        try:
+            out[c["id"]] = distributed_run(rank, world, c)
+        except Exception as e:  # noqa: BLE001 (the test of that config reports it)
+            out[c["id"]] = repr(e)
     out["ckpt"] = _ckpt_checks(rank, world)
     return out
 
@@ -144,7 +162,7 @@ def results():
 
 def test_momentum_dtype_equals_rounding_reference(results):
     """bf16 / fp8 momentum on 2 gloo ranks == the one-process Muon that rounds the same way."""
-    for cfg in CONFIGS[2:]:
+    for cfg in [c for c in CONFIGS if c.get("momentum_dtype") is not None]:
         ref = reference_run(cfg)
         for rank in range(2):
             err, where = max_rel_err(results[rank][cfg["id"]]["sd"], ref["sd"])
@@ -226,3 +244,24 @@ def test_plan_cli_shows_state_bytes(capsys):
           "--offload-state"])
     assert "Muon state per rank (torch.bfloat16, on the host (offloaded))" in \
         capsys.readouterr().out
+
+
+@pytest.mark.xfail(strict=True, reason="issue 38: adamw_state_dtype not built yet")
+def test_adamw_state_dtype_bf16(results):
+    """adamw_state_dtype=bf16: FSDP2's AdamW moments stored in bf16 == the one-process
+    torch.optim.AdamW that rounds its moments to bf16 after each step; checkpoints hold them in
+    bf16 and round-trip them bitwise."""
+    for rank in range(2):
+        assert results[rank]["adamw_bf16"]["sd"]  # the run itself (compared below)
+    cfg = CONFIGS[-1]
+    ref = reference_run(cfg)
+    for rank in range(2):
+        err, where = max_rel_err(results[rank]["adamw_bf16"]["sd"], ref["sd"])
+        assert err <= 1e-10, (rank, err, where)
+    fp32 = reference_run(dict(id="fp32"))
+    err, _ = max_rel_err(results[0]["adamw_bf16"]["sd"], fp32["sd"])
+    assert 0 < err <= 2e-2, err
+    for rank in range(2):
+        c = results[rank]["ckpt"]
+        assert c["adamw_moment_dtypes"] == ["torch.bfloat16"], c["adamw_moment_dtypes"]
+        assert c["adamw_roundtrip"], rank
