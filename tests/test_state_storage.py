@@ -246,7 +246,6 @@ def test_plan_cli_shows_state_bytes(capsys):
         capsys.readouterr().out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 38: adamw_state_dtype not built yet")
 def test_adamw_state_dtype_bf16(results):
     """adamw_state_dtype=bf16: FSDP2's AdamW moments stored in bf16 == the one-process
     torch.optim.AdamW that rounds its moments to bf16 after each step; checkpoints hold them in
@@ -259,7 +258,8 @@ def test_adamw_state_dtype_bf16(results):
         err, where = max_rel_err(results[rank]["adamw_bf16"]["sd"], ref["sd"])
         assert err <= 1e-10, (rank, err, where)
     fp32 = reference_run(dict(id="fp32"))
-    err, _ = max_rel_err(results[0]["adamw_bf16"]["sd"], fp32["sd"])
+    err, where = max_rel_err(results[0]["adamw_bf16"]["sd"], fp32["sd"])
+    print(f"bf16 AdamW moments vs fp32 after 10 steps: max rel err {err:.3g} at {where}")
     assert 0 < err <= 2e-2, err
     for rank in range(2):
         c = results[rank]["ckpt"]

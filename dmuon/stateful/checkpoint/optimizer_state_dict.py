@@ -287,7 +287,12 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         if theirs is not None:
             g.update({k: _decode(k, v) for k, v in theirs.items()
                       if k not in ("params", "param_names", "name", "num_steps",
-                                   "variant_scalars", "momentum_dtype", "offload_state")})
+                                   "variant_scalars", "momentum_dtype", "offload_state",
+                                   "adamw_state_dtype")})
+    if st is not None:  # stored in this optimizer's adamw_state_dtype (a note if the saved differs)
+        saved = (by_name.get("adamw") or {}).get("adamw_state_dtype") if fsdp else \
+            str(optimizer._adamw_storage.dtype)
+        st = optimizer._adamw_storage.load(st, saved, what)
     if ms is not None:  # stored in this optimizer's momentum_dtype (a note if the saved differs)
         saved = (by_name.get("muon") or {}).get("momentum_dtype") if ded else \
             str(optimizer._storage.dtype)

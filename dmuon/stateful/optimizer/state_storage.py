@@ -1,5 +1,6 @@
 """Where and in what dtype an owner keeps its Muon momentum: ``dmuon.Muon(momentum_dtype=...,
-offload_state=...)``.
+offload_state=...)`` (:class:`MomentumStorage`); and the dtype of FSDP2's AdamW moments,
+``adamw_state_dtype`` (:class:`AdamWStorage`: fp32 or bf16, rounded after each update).
 
 The optimizer's ``muon_state.momentum[name]`` holds each owned matrix's momentum **as stored**:
 in ``momentum_dtype`` (fp32, bf16, or an 8-bit float whose per-matrix power-of-two scale is kept
@@ -46,21 +47,25 @@ class MomentumStorage:
     Args:
       dtype: ``momentum_dtype`` (checked by :func:`~dmuon.functional.state_dtype.check_state_dtype`).
       offload: keep it in host memory between steps.
-      device: the masters' device.
+      device: the masters' device (``None``: set later by :meth:`bind`).
     """
 
-    def __init__(self, dtype: Any, offload: bool, device: torch.device):
+    def __init__(self, dtype: Any, offload: bool, device: Optional[torch.device]):
         self.dtype = sd.check_state_dtype(dtype)
         if not isinstance(offload, bool):
             raise TypeError(f"dmuon.Muon offload_state must be True or False, got {offload!r}")
         self.offload = offload
-        self.device = torch.device(device)
         self.scales: dict[str, Tensor] = {}
-        self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if (offload and self._cuda) else None
+        self.bind(device if device is not None else torch.device("cpu"))
         self._copied_in: Optional[Any] = None   # event: staging buffers filled
         self._copied_out: Optional[Any] = None  # event: host buffers written back
         self._staging: Optional[dict[str, Tensor]] = None
+
+    def bind(self, device: torch.device) -> None:
+        """Set the masters' device (and, offloading on CUDA, the side stream of the copies)."""
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if (self.offload and self._cuda) else None
 
     @property
     def identity(self) -> bool:
@@ -262,3 +267,58 @@ def state_nbytes(optimizer: Any) -> dict[str, int]:
     if ms is None:
         return {"device": 0, "host": 0}
     return optimizer._storage.nbytes(ms.momentum)
+
+
+class AdamWStorage:
+    """FSDP2's AdamW moments (``exp_avg``, ``exp_avg_sq`` of the local shards) stored in
+    ``adamw_state_dtype``: ``torch.float32`` (default: as the params, bitwise as before) or
+    ``torch.bfloat16`` (round to nearest even after each update; the update runs on the decoded
+    values in the params' dtype, as torch's AdamW would, then rounds). 8-bit floats are refused:
+    the second moment spans more binades than one scale per shard keeps.
+    """
+
+    def __init__(self, dtype: Any):
+        self.dtype = sd.check_state_dtype(dtype, "adamw_state_dtype")
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"dmuon.Muon adamw_state_dtype must be torch.float32 or "
+                             f"torch.bfloat16, got {self.dtype}: AdamW's second moment spans "
+                             "too many binades for an 8-bit float with one scale")
+
+    @property
+    def identity(self) -> bool:
+        return self.dtype == torch.float32
+
+    def _tree(self, tree: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        return {n: sd.encode(t, self.dtype).data for n, t in tree.items()}
+
+    def stored_state(self, st: Any) -> Any:
+        """The ``AdamWState`` ``st`` (working moments) with its moments as stored."""
+        if self.identity:
+            return st
+        return st._replace(mu=self._tree(st.mu), nu=self._tree(st.nu))
+
+    def working_state(self, st: Any, params: Mapping[str, Tensor]) -> Any:
+        """The stored ``st`` with its moments decoded into the params' dtype (new tensors)."""
+        if self.identity:
+            return st
+        return st._replace(**{k: {n: sd.decode(sd.Stored(t, None), params[n].dtype)
+                                  for n, t in getattr(st, k).items()} for k in ("mu", "nu")})
+
+    def commit_state(self, stored: Any, work: Any) -> Any:
+        """The updated working state rounded back into ``stored``'s buffers."""
+        if self.identity:
+            return work
+        for k in ("mu", "nu"):
+            for n, t in getattr(work, k).items():
+                getattr(stored, k)[n].copy_(sd.encode(t, self.dtype).data)
+        return work._replace(mu=stored.mu, nu=stored.nu)
+
+    def load(self, st: Any, saved_dtype: Optional[str], what: str) -> Any:
+        """``stored_state`` of staged working moments read from a checkpoint whose AdamW moments
+        were stored in ``saved_dtype`` (``None``: fp32); a note if that differs."""
+        saved = sd.check_state_dtype(saved_dtype)
+        if saved != self.dtype:
+            logger.warning("%s: the checkpoint's AdamW moments were stored in %s; this optimizer "
+                           "stores them in %s (adamw_state_dtype): converted on load", what,
+                           sd.dtype_name(saved), sd.dtype_name(self.dtype))
+        return self.stored_state(st)
