@@ -28,7 +28,6 @@ rounding error is damped by ``μ`` and does not accumulate as it would in a weig
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -93,15 +92,16 @@ def encode(x: Tensor, dtype: torch.dtype) -> Stored:
         return Stored(x, None)  # fp32 means "as the master": never narrower than it
     if dtype not in _FP8:
         return Stored(x.to(dtype), None)
-    amax = float(x.abs().max()) if x.numel() else 0.0
-    if not math.isfinite(amax):
-        raise FloatingPointError(f"encode: a non-finite value in a state tensor of shape "
-                                 f"{tuple(x.shape)}; it cannot be stored in {dtype}")
-    k = math.ceil(math.log2(amax / _fmax(dtype))) if amax > 0 else 0
-    k = max(min(k, 127), -126)  # an fp32 normal power of two
-    scale = math.ldexp(1.0, k)
-    data = (x * (1.0 / scale)).clamp_(-_fmax(dtype), _fmax(dtype)).to(dtype)
-    return Stored(data, torch.tensor(scale, dtype=torch.float32, device=x.device))
+    # the scale on the device, no host sync: 2**k with k = ceil(log2(amax / fmax)), exactly
+    # (frexp: v = m * 2**e, m in [0.5, 1); ceil(log2 v) = e, or e - 1 when v is a power of two)
+    fmax = _fmax(dtype)
+    amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+    m, e = torch.frexp(amax / fmax)
+    k = torch.where(m == 0.5, e - 1, e)
+    k = torch.where(amax > 0, k, torch.zeros_like(k)).clamp_(-126, 127)  # an fp32 normal
+    scale = torch.ldexp(torch.ones((), dtype=torch.float32, device=x.device), k)
+    data = (x / scale.to(x.dtype)).clamp_(-fmax, fmax).to(dtype)
+    return Stored(data, scale)
 
 
 @torch.no_grad()
