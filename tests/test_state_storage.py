@@ -97,6 +97,8 @@ def _ckpt_checks(rank, world):
             out[f"{key}_model"] = {"device": m.state, "host": m.host_state}
         except Exception as e:  # noqa: BLE001 (reported to the parent)
             out[f"{key}_model"] = repr(e)
+        # offload: every step copied each owned momentum in (prefetch) and back (commit)
+        out[f"{key}_copies"] = (opt._storage.copies_in, opt._storage.copies_out, 3 * len(stored))
         mom = checkpoint_momentum(opt)
         osd = opt.state_dict()
         ckpt_dtypes = {str(e["momentum_buffer"].dtype) for e in osd["state"].values()
@@ -197,6 +199,9 @@ def test_checkpoints_store_state_in_its_dtype(results):
             assert nb["device" if key != "offload" else "host"] == want, (key, nb, want)
             assert nb["host" if key != "offload" else "device"] == 0, (key, nb)
         assert c["offload_stored_device"] == ["cpu"]
+        cin, cout, want = c["offload_copies"]
+        assert cin == cout == want > 0, c["offload_copies"]
+        assert c["bf16_copies"][:2] == (0, 0)
         assert c["fp8_ckpt_dtypes"] == ["torch.bfloat16"] and c["bf16_ckpt_dtypes"] == [
             "torch.bfloat16"] and c["offload_ckpt_dtypes"] == ["torch.float64"]
         assert c["fp8_scales_equal"]

@@ -56,6 +56,8 @@ class MomentumStorage:
             raise TypeError(f"dmuon.Muon offload_state must be True or False, got {offload!r}")
         self.offload = offload
         self.scales: dict[str, Tensor] = {}
+        #: tensors copied host -> device (prefetch) and back (commit) so far (offload)
+        self.copies_in = self.copies_out = 0
         self.bind(device if device is not None else torch.device("cpu"))
         self._copied_in: Optional[Any] = None   # event: staging buffers filled
         self._copied_out: Optional[Any] = None  # event: host buffers written back
@@ -114,6 +116,7 @@ class MomentumStorage:
         CUDA). A no-op on device."""
         if not self.offload or self._staging is not None:
             return
+        self.copies_in += len(stored)
         if self._stream is None:  # CPU: the same path, synchronously
             self._staging = {n: torch.empty_like(t, device=self.device).copy_(t)
                              for n, t in stored.items()}
@@ -164,6 +167,7 @@ class MomentumStorage:
         if not self.offload:
             return enc
         self._staging = None
+        self.copies_out += len(enc)
         if self._stream is None:
             for n, t in enc.items():
                 stored[n].copy_(t)
