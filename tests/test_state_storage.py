@@ -79,10 +79,11 @@ def _ckpt_checks(rank, world):
     handler.emit = lambda r: notes.append(r.getMessage())
     logging.getLogger("dmuon.stateful.optimizer.state_storage").addHandler(handler)
     for key, kw in [("fp8", dict(momentum_dtype=FP8)), ("bf16", dict(momentum_dtype=BF16)),
-                    ("offload", dict(offload_state=True))]:
+                    ("offload", dict(offload_state=True)),
+                    ("fp8_offload", dict(momentum_dtype=FP8, offload_state=True))]:
         model, opt = train(kw)
         stored = opt.muon_state.momentum
-        want = FP8 if key == "fp8" else BF16 if key == "bf16" else torch.float64
+        want = FP8 if key.startswith("fp8") else BF16 if key == "bf16" else torch.float64
         out[f"{key}_stored_dtypes"] = sorted({str(t.dtype) for t in stored.values()}) == [str(want)]
         out[f"{key}_stored_device"] = sorted({t.device.type for t in stored.values()})
         nb = state_nbytes(opt)
@@ -198,6 +199,9 @@ def test_checkpoints_store_state_in_its_dtype(results):
             nb, want = c[f"{key}_nbytes"]
             assert nb["device" if key != "offload" else "host"] == want, (key, nb, want)
             assert nb["host" if key != "offload" else "device"] == 0, (key, nb)
+        # fp8 offloaded (the HSDP slow test trains it): data on the host, scales on the device
+        nb, model = c["fp8_offload_nbytes"][0], c["fp8_offload_model"]
+        assert nb == model and nb["host"] > 0 and 0 < nb["device"] < nb["host"], (nb, model)
         assert c["offload_stored_device"] == ["cpu"]
         cin, cout, want = c["offload_copies"]
         assert cin == cout == want > 0, c["offload_copies"]

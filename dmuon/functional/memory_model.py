@@ -39,7 +39,8 @@ class RankMemory(NamedTuple):
     """Bytes one rank holds for the dedicated matrices.
 
     Attributes:
-      masters, state: held always on the device (``state``: 0 with ``offload_state``).
+      masters, state: held always on the device (``state`` with ``offload_state``: the 8-bit
+      floats' per-matrix scales only).
       phases: ``{phase: peak bytes}`` for ``between_steps``, ``forward``, ``backward``, ``step``
       (masters and state included).  host_state: the owner's state in host memory (offload).
     """
@@ -95,9 +96,13 @@ def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: O
     working = sum(e.numel * _itemsize(dt) for e, dt in entries)  # the step's working momentum
     # during the step only: the offloaded state's staging copy, the decoded working momentum
     narrow = check_state_dtype(momentum_dtype) != torch.float32
-    step_extra = (state if offload_state else 0) + (working if narrow else 0)
-    host = state if offload_state else 0
-    state = 0 if offload_state else state
+    # offloaded: the data on the host; the 8-bit floats' 4-byte scales stay on the device
+    scales = 0 if state_itemsize is not None else state - sum(
+        state_nbytes(e.numel, momentum_dtype, matrices=0, working=dtype_from_str(dt))
+        for e, dt in entries)
+    step_extra = (state - scales if offload_state else 0) + (working if narrow else 0)
+    host = state - scales if offload_state else 0
+    state = scales if offload_state else state
     order = [k for k in program.forward_order if k != ROOT_GROUP]
     un = {k: _bytes(program.unshard_layout.buckets_of(k)) for k in program.forward_order}
     red_own = {k: _bytes(b for b in program.reduce_layout.buckets_of(k) if b.key.column == s)

@@ -106,9 +106,12 @@ class MomentumStorage:
         return work._replace(momentum=self.commit(ms.momentum, work.momentum))
 
     def nbytes(self, stored: Mapping[str, Tensor]) -> dict[str, int]:
-        """``{"device": bytes, "host": bytes}`` of the stored momentum and its scales."""
-        total = sum(t.nbytes for t in stored.values()) + sum(s.nbytes for s in self.scales.values())
-        return {"device": 0 if self.offload else total, "host": total if self.offload else 0}
+        """``{"device": bytes, "host": bytes}`` of the stored momentum and its scales (the scales
+        stay on the device when the momentum is offloaded)."""
+        data = sum(t.nbytes for t in stored.values())
+        scales = sum(s.nbytes for s in self.scales.values())
+        return {"device": scales + (0 if self.offload else data),
+                "host": data if self.offload else 0}
 
     # ------------------------------------------------------------------ step
     def prefetch(self, stored: Mapping[str, Tensor]) -> None:
