@@ -23,8 +23,8 @@ steps, all 14 projections, fp8 e4m3fn, mean relative Frobenius error of one roun
 rarely reaches; a scale per row would buy nothing for ``4·rows`` more bytes, so dmuon keeps one
 scale per matrix.
 
-Stochastic rounding is not offered: with a decaying momentum (``b ← μ·b + g``) each step's
-rounding error is damped by ``μ`` and does not accumulate as it would in a weight.
+Stochastic rounding is not offered (not measured): with a decaying momentum (``b ← μ·b + g``)
+each step's rounding error is damped by ``μ`` rather than summed as in a weight.
 """
 from __future__ import annotations
 
