@@ -178,7 +178,10 @@ def device_alloc_counts() -> tuple[int, int]:
 MODEL = {"llama": Llama, "hf": HFLlama}
 
 
-def build(cfg: Cfg, kind: str, device: torch.device, mesh, model_kind: str = "llama"):
+def build(cfg: Cfg, kind: str, device: torch.device, mesh, model_kind: str = "llama",
+          muon_kw: dict | None = None):
+    """The model (FSDP2, bf16 mixed precision) and optimizer of config ``kind``; ``muon_kw``:
+    further ``dmuon.Muon`` options (e.g. ``momentum_dtype``, ``offload_state``)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     torch.manual_seed(0)
     with torch.device(device):
@@ -214,7 +217,8 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh, model_kind: str = "ll
                    # persistent grad buckets: NS graph replay (default: freed after each step)
                    persistent_grad_buffers=(kind == "dmuon_persistent"),
                    # Muon's elementwise stages as foreach ops (the reference)
-                   elementwise="foreach" if kind == "dmuon_foreach" else "auto")
+                   elementwise="foreach" if kind == "dmuon_foreach" else "auto",
+                   **(muon_kw or {}))
     return model, opt
 
 
@@ -238,13 +242,13 @@ class Heated:
 
 
 def run_config(cfg: Cfg, kind: str, device: torch.device, mesh, warmup: int, steps: int,
-               stat_steps: int, model_kind: str = "llama") -> dict:
+               stat_steps: int, model_kind: str = "llama", muon_kw: dict | None = None) -> dict:
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t_build = time.perf_counter()
-    model, opt = build(cfg, kind, device, mesh, model_kind)
+    model, opt = build(cfg, kind, device, mesh, model_kind, muon_kw)
     build_s = time.perf_counter() - t_build
     batches = make_batches(cfg, device)
 

@@ -53,8 +53,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     entries = owner_entries(plan, specs)
     comm = step_bytes_per_rank(plan.owners, {n: e[0] for n, e in entries.items()},
                                {n: e[1] for n, e in entries.items()}, args.shard, args.replicate)
+    state = _state_per_rank(plan, entries, args)
     if args.json:
         summ = plan_summary(plan, comm_bytes_per_rank=comm, planning_seconds=seconds)
+        summ["muon_state"] = state
         summ["model"] = title.split(":")[0].removeprefix("model ").split(" (")[0]
         summ["views"] = views_summary(specs)
         summ["policy"] = None if policy is None else policy.canonical()
@@ -68,9 +70,36 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             f"{k}: {v['params']} params, {v['matrices']} matrices"
             for k, v in views_summary(specs).items()))
         print(plan_table(plan, comm_bytes_per_rank=comm, planning_seconds=seconds, max_rows=args.max_rows))
+        where = "host (offloaded)" if state["offload_state"] else "device"
+        from dmuon.tools.plan_report import format_bytes
+        print(f"Muon state per rank ({state['momentum_dtype']}, on the {where}): max "
+              f"{format_bytes(state['max_bytes'])}, min {format_bytes(state['min_bytes'])}, "
+              f"all ranks {format_bytes(state['total_bytes'])}")
         print("per-matrix strategy (where each matrix's Newton-Schulz runs and why):")
         print(strategy_table(strategy_rows(plan, specs), max_rows=args.max_rows or 20))
     return 0
+
+
+def _state_per_rank(plan, entries, args) -> dict:
+    """Per-rank bytes of the owners' Muon state for the plan (:mod:`dmuon.functional.memory_model`)."""
+    import math
+
+    from dmuon.functional.memory_model import owner_state_bytes
+    from dmuon.functional.specs import dtype_from_str
+    from dmuon.functional.state_dtype import check_state_dtype
+
+    dt = check_state_dtype(args.momentum_dtype, "--momentum-dtype")
+    per: dict = {}
+    for n, (shape, dtype) in entries.items():
+        work = "torch.float64" if dtype_from_str(dtype).itemsize > 4 else "torch.float32"
+        per.setdefault((plan.owners[n], work), {})[n] = math.prod(shape)
+    by_rank: dict = {}
+    for (coord, work), numels in per.items():
+        by_rank[coord] = by_rank.get(coord, 0) + owner_state_bytes(numels, dt, working=work)
+    vals = list(by_rank.values()) or [0]
+    return {"momentum_dtype": str(dt), "offload_state": bool(args.offload_state),
+            "per_rank_bytes": {f"{c[0]},{c[1]}": b for c, b in sorted(by_rank.items())},
+            "max_bytes": max(vals), "min_bytes": min(vals), "total_bytes": sum(vals)}
 
 
 def _cmd_project(args: argparse.Namespace) -> int:
@@ -143,6 +172,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "that lowers the largest rank cost (default 1: never; planned, not yet "
                         "executed by the optimizer)")
     p.add_argument("--node-size", type=int, default=8, help="ranks per node (default 8)")
+    p.add_argument("--momentum-dtype", default="fp32",
+                   help="owners' Muon momentum dtype: fp32 (default), bf16, fp8 (per-rank state "
+                        "bytes as dmuon.Muon(momentum_dtype=...) allocates them)")
+    p.add_argument("--offload-state", action="store_true",
+                   help="the owners' Muon state in host memory (dmuon.Muon(offload_state=True))")
     p.add_argument("--json", action="store_true", help="print the summary dict as JSON")
     p.set_defaults(func=_cmd_plan)
 

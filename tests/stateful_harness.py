@@ -60,9 +60,18 @@ def reference_train(model: torch.nn.Module, batches: list, cfg: dict,
         with torch.no_grad():
             _, state = fmuon.update({n: p.grad for n, p in mats.items()}, state,
                                     {n: p.data for n, p in mats.items()}, hp, donate=True)
+            if cfg.get("momentum_dtype") is not None:  # stored rounded, as dmuon stores it
+                from dmuon.functional.state_dtype import round_trip
+                state = state._replace(momentum={n: round_trip(b, cfg["momentum_dtype"])
+                                                 for n, b in state.momentum.items()})
         for g in adam.param_groups:
             g["lr"] = HP["adamw_lr"] * f
         adam.step()
+        if cfg.get("adamw_state_dtype") is not None:  # moments stored rounded, as dmuon stores them
+            from dmuon.functional.state_dtype import round_trip
+            for st in adam.state.values():
+                for k in ("exp_avg", "exp_avg_sq"):
+                    st[k].copy_(round_trip(st[k], cfg["adamw_state_dtype"]))
     return {"sd": {k: v.detach().clone() for k, v in model.state_dict().items()},
             "norms": norms, "losses": losses}
 

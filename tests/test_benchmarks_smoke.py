@@ -68,3 +68,20 @@ def test_variants_step_tiny_writes_results(tmp_path):
     r = d["results"]["tiny"]
     assert {"ns", "muon", "normuon", "muon_hyperball", "normuon_hyperball"} <= set(r)
     assert all(r[k]["ratio_to_ns"] > 0 for k in r if k != "ns")
+
+
+def test_state_memory_tiny_writes_results(tmp_path):
+    """Issue 38: ``state_memory --tiny`` runs the full mode's code path on CPU; the owners' state
+    bytes it reads from each optimizer equal the plan's (memory model) number."""
+    out = tmp_path / "sm.json"
+    _run("state_memory.py", "--tiny", "--model", "llama", "--configs",
+         "adamw,dmuon_fp8,dmuon_offload", "--warmup", "1", "--steps", "1", "--largest",
+         "--max-layers", "1", "--out", str(out), timeout=600)
+    d = json.loads(out.read_text())
+    for key in ("date", "machine", "torch", "results", "largest", "summary"):
+        assert key in d, key
+    for c in ("dmuon_fp8", "dmuon_offload"):
+        r = d["results"][c]
+        assert r["muon_state_held_bytes"] == r["muon_state_planned_bytes"], r
+    assert d["results"]["dmuon_offload"]["muon_state_held_bytes"]["device"] == 0
+    assert d["largest"]["adamw"]["layers"] == 1 and d["largest"]["dmuon_fp8"]["capped"]

@@ -83,7 +83,8 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
     opt = dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
                      weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"],
                      ns_dtype=torch.float64, adamw_lr=HP["adamw_lr"], adamw_betas=HP["adamw_betas"],
-                     adamw_eps=HP["adamw_eps"], adamw_weight_decay=HP["adamw_weight_decay"])
+                     adamw_eps=HP["adamw_eps"], adamw_weight_decay=HP["adamw_weight_decay"],
+                     **cfg.get("muon_kw", {}))
     rt = opt.dedicated_state
     init_sd = dmuon.get_model_state_dict(model, cpu_offload=True) if meta else None
     dp_rank = dp.get_coordinate()

@@ -28,6 +28,7 @@ FAST = dict(steps=40, layers=1, hidden=32, heads=2, vocab=16, order=1, seq_len=1
             eval_batch=32)
 _LABELS = {"dmuon": "dmuon (Muon + AdamW)", "normuon": "dmuon NorMuon + AdamW",
            "muonh": "dmuon MuonH + AdamW", "normuonh": "dmuon NorMuonH + AdamW",
+           "dmuon_bf16": "dmuon, bf16 momentum", "dmuon_fp8": "dmuon, fp8 momentum",
            "adamw": "FSDP2 + AdamW"}
 
 
@@ -63,7 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seed", type=int, default=0, help="seed of the source, the init and the data (default 0)")
     a("--optimizers", default="dmuon,adamw",
       help="comma list of optimizers to run: dmuon (Muon), normuon, muonh, normuonh (Muon's "
-           "variants through dmuon.Muon(transform=...)), adamw (default dmuon,adamw)")
+           "variants through dmuon.Muon(transform=...)), dmuon_bf16, dmuon_fp8 (Muon with its "
+           "momentum stored in bf16 / fp8: momentum_dtype=), adamw (default dmuon,adamw)")
     a("--out-dir", default=None,
       help="output folder (default ./dmuon-demo-out, with --fast ./dmuon-demo-out-fast, so a "
            "smoke run never overwrites a full run's outputs)")

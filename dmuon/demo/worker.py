@@ -30,8 +30,10 @@ import torch
 
 __all__ = ["RunConfig", "launch", "train_rank", "DemoWorkerError", "ProgressBar", "MUON_KINDS"]
 
-#: the demo's dmuon optimizers: Muon, and its variants run through dmuon.Muon(transform=...)
-MUON_KINDS = ("dmuon", "normuon", "muonh", "normuonh")
+#: the demo's dmuon optimizers: Muon, its variants run through dmuon.Muon(transform=...), and
+#: Muon with its momentum stored in bf16 / fp8 (dmuon.Muon(momentum_dtype=...), issue 38)
+MUON_KINDS = ("dmuon", "normuon", "muonh", "normuonh", "dmuon_bf16", "dmuon_fp8")
+_MOMENTUM_DTYPE = {"dmuon_bf16": torch.bfloat16, "dmuon_fp8": torch.float8_e4m3fn}
 
 
 @dataclass(frozen=True)
@@ -156,11 +158,13 @@ def _build(kind: str, cfg: RunConfig, mesh: Any, device: torch.device) -> tuple[
         fully_shard(model, mesh=mesh)
         # a variant (NorMuon, Muon-Hyperball, their chain) runs the same way, on the owners
         radius = cfg.hyperball_radius
-        transform = {"dmuon": None, "normuon": variants.normuon(),
+        transform = {"dmuon": None, "dmuon_bf16": None, "dmuon_fp8": None,
+                     "normuon": variants.normuon(),
                      "muonh": variants.muon_hyperball(radius=radius),
                      "normuonh": variants.normuon_hyperball(radius=radius)}[kind]
         lr = cfg.hyperball_lr if kind in ("muonh", "normuonh") else cfg.lr
-        opt = dmuon.Muon(model, lr=lr, adamw_lr=cfg.adamw_lr, transform=transform)
+        opt = dmuon.Muon(model, lr=lr, adamw_lr=cfg.adamw_lr, transform=transform,
+                         momentum_dtype=_MOMENTUM_DTYPE.get(kind))
         runtime = opt.dedicated_state
     elif kind == "adamw":
         for layer in model.layers:

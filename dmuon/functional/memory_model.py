@@ -5,7 +5,10 @@ not modelled here):
 
 * **masters** — every master of its shard column (the column's master buckets), always;
 * **state** — the owner's optimizer state of the matrices it owns (Muon: one momentum buffer per
-  matrix, ``state_itemsize`` bytes per element), always;
+  matrix, in ``momentum_dtype``: :func:`~dmuon.functional.state_dtype.state_nbytes`, e.g. fp32
+  4 bytes per element, bf16 2, fp8 1 plus a 4-byte scale per matrix), always; with
+  ``offload_state`` it is held in host memory (``host_state``) and counts on the device only
+  during the step (its staging buffers and the working momentum);
 * **gathered** — the unshard buckets of the hook groups gathered at a time: Z3 holds the group it
   runs plus the one it prefetches (forward and backward), and the root group for the whole forward;
   Z2 holds every group from its forward until its gradient reduce in backward;
@@ -20,22 +23,32 @@ from __future__ import annotations
 
 from typing import Mapping, NamedTuple, Sequence
 
-from dmuon.functional.program import ROOT_GROUP, StepProgram
+from typing import Any, Optional
 
-__all__ = ["RankMemory", "MemoryBudgetError", "rank_memory", "check_memory"]
+import torch
+
+from dmuon.functional.program import ROOT_GROUP, StepProgram
+from dmuon.functional.specs import dtype_from_str
+from dmuon.functional.state_dtype import check_state_dtype, state_nbytes
+
+__all__ = ["RankMemory", "MemoryBudgetError", "rank_memory", "check_memory",
+           "owner_state_bytes"]
 
 
 class RankMemory(NamedTuple):
     """Bytes one rank holds for the dedicated matrices.
 
     Attributes:
-      masters, state: held always.  phases: ``{phase: peak bytes}`` for ``between_steps``,
-      ``forward``, ``backward``, ``step`` (masters and state included).
+      masters, state: held always on the device (``state`` with ``offload_state``: the 8-bit
+      floats' per-matrix scales only).
+      phases: ``{phase: peak bytes}`` for ``between_steps``, ``forward``, ``backward``, ``step``
+      (masters and state included).  host_state: the owner's state in host memory (offload).
     """
 
     masters: int
     state: int
     phases: Mapping[str, int]
+    host_state: int = 0
 
     @property
     def peak(self) -> int:
@@ -50,20 +63,46 @@ def _bytes(buckets) -> int:
     return sum(b.nbytes for b in buckets)
 
 
-def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: int = 4,
-                prefetch: bool = True) -> RankMemory:
+def owner_state_bytes(numels: Mapping[str, int], momentum_dtype: Any = None, *,
+                      working: Any = "torch.float32") -> int:
+    """Bytes of the Muon state of the matrices ``{name: numel}`` one owner holds, stored in
+    ``momentum_dtype`` (what ``dmuon.Muon(momentum_dtype=...)`` allocates; ``working``: the
+    masters' dtype, which fp32 state follows)."""
+    w = dtype_from_str(working)
+    return state_nbytes(sum(numels.values()), momentum_dtype, matrices=len(numels), working=w)
+
+
+def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: Optional[int] = None,
+                prefetch: bool = True, momentum_dtype: Any = None,
+                offload_state: bool = False) -> RankMemory:
     """The per-phase peak bytes of rank ``coord = (s, r)`` (see the module docstring).
 
     Args:
       program: the model's step program.  coord: the rank's ``(s, r)``.
-      state_itemsize: bytes per element of the owner's state (fp32 momentum: 4).
+      state_itemsize: bytes per element of the owner's state (overrides ``momentum_dtype``).
       prefetch: the forward / backward prefetch of the next group (the runtime's default).
+      momentum_dtype, offload_state: ``dmuon.Muon``'s options of the same names.
     """
     s, r = (int(x) for x in coord)
     masters = _bytes(b for b in program.master_layout.buckets if b.key.column == s)
     owned = set(program.owned((s, r)))
-    state = sum(e.numel for b in program.master_layout.buckets for e in b.entries
-                if e.name in owned) * state_itemsize
+    entries = [(e, b.key.dtype) for b in program.master_layout.buckets for e in b.entries
+               if e.name in owned]
+    if state_itemsize is not None:
+        state = sum(e.numel for e, _ in entries) * state_itemsize
+    else:
+        state = sum(owner_state_bytes({e.name: e.numel}, momentum_dtype, working=dt)
+                    for e, dt in entries)
+    working = sum(e.numel * _itemsize(dt) for e, dt in entries)  # the step's working momentum
+    # during the step only: the offloaded state's staging copy, the decoded working momentum
+    narrow = check_state_dtype(momentum_dtype) != torch.float32
+    # offloaded: the data on the host; the 8-bit floats' 4-byte scales stay on the device
+    scales = 0 if state_itemsize is not None else state - sum(
+        state_nbytes(e.numel, momentum_dtype, matrices=0, working=dtype_from_str(dt))
+        for e, dt in entries)
+    step_extra = (state - scales if offload_state else 0) + (working if narrow else 0)
+    host = state - scales if offload_state else 0
+    state = scales if offload_state else state
     order = [k for k in program.forward_order if k != ROOT_GROUP]
     un = {k: _bytes(program.unshard_layout.buckets_of(k)) for k in program.forward_order}
     red_own = {k: _bytes(b for b in program.reduce_layout.buckets_of(k) if b.key.column == s)
@@ -86,8 +125,12 @@ def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: i
         backward = max(backward, kept + gathered + red_all[k])
     base = masters + state
     phases = {"between_steps": base, "forward": base + forward,
-              "backward": base + backward, "step": base + sum(red_own.values())}
-    return RankMemory(masters, state, phases)
+              "backward": base + backward, "step": base + sum(red_own.values()) + step_extra}
+    return RankMemory(masters, state, phases, host)
+
+
+def _itemsize(dtype: Any) -> int:
+    return dtype_from_str(dtype).itemsize
 
 
 def check_memory(program: StepProgram, budget_bytes: int, **kw) -> dict[tuple[int, int], RankMemory]:

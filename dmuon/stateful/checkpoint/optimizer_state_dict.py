@@ -40,6 +40,8 @@ from dmuon.stateful.checkpoint.state_dict import agree, from_rank0, full_copy, l
 from dmuon.stateful.checkpoint.torch_state_dict import StateDictError, check_entry, dtensor_rows
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part, refuse_tp
 from dmuon.stateful.optimizer.variant import layout_of
+from dmuon.stateful.optimizer.state_storage import checkpoint_momentum
+from dmuon.functional.state_dtype import checkpoint_dtype
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "load_optimizer_state",
            "torch_optimizer_state_dict", "torch_load_optimizer_state_dict"]
@@ -84,11 +86,12 @@ def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, tor
             mom = gather_fields(optimizer, group)
             out.update(mom)
         else:
-            mom = tr.to_every_rank(group, ms.momentum if ms is not None else {}, owner_only=True)
+            mom = tr.to_every_rank(group, checkpoint_momentum(optimizer), owner_only=True)
             if rt.tp_layouts:  # TP slices -> full (an all-gather per matrix over the TP group)
                 mom = assemble_tp_slices(rt.tp_layouts, mom, rt.mesh_groups.tp_group)
-            for n, t in mom.items():
-                out[n] = {"momentum_buffer": t.clone()}
+            for n, t in mom.items():  # in its exact checkpoint dtype (state_dtype)
+                out[n] = {"momentum_buffer": t.to(checkpoint_dtype(
+                    optimizer._storage.dtype, t.dtype), copy=True)}
         if masters and any(rt.master_dtype[n] != rt.orig_dtype[n] for n in mom):
             got = tr.to_every_rank(group, rt.masters)
             if rt.tp_layouts:
@@ -284,7 +287,16 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         if theirs is not None:
             g.update({k: _decode(k, v) for k, v in theirs.items()
                       if k not in ("params", "param_names", "name", "num_steps",
-                                   "variant_scalars")})
+                                   "variant_scalars", "momentum_dtype", "offload_state",
+                                   "adamw_state_dtype")})
+    if st is not None:  # stored in this optimizer's adamw_state_dtype (a note if the saved differs)
+        saved = (by_name.get("adamw") or {}).get("adamw_state_dtype") if fsdp else \
+            str(optimizer._adamw_storage.dtype)
+        st = optimizer._adamw_storage.load(st, saved, what)
+    if ms is not None:  # stored in this optimizer's momentum_dtype (a note if the saved differs)
+        saved = (by_name.get("muon") or {}).get("momentum_dtype") if ded else \
+            str(optimizer._storage.dtype)
+        ms = ms._replace(momentum=optimizer._storage.load(ms.momentum, saved, what))
     optimizer.muon_state = ms._replace(step=as_step(entries.get("muon_step", 0))) \
         if ms is not None else None
     optimizer.adamw_state = st._replace(step=as_step(entries.get("adamw_step", 0))) \

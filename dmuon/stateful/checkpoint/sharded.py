@@ -175,8 +175,10 @@ def _save_entries(model: nn.Module, rt, optimizer) -> dict[str, Any]:
     fsdp2 = {n: {k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
              for n, p in optimizer.adamw_named_params}
     dedicated: dict[str, dict[str, torch.Tensor]] = {}
+    from dmuon.stateful.optimizer.state_storage import checkpoint_momentum
+    mom = checkpoint_momentum(optimizer)  # fp32: the live buffers; else exact bf16 copies
     for n in rt.owned_names:
-        dedicated[n] = {"momentum_buffer": ms.momentum[n]}
+        dedicated[n] = {"momentum_buffer": mom[n]}
         if rt.master_dtype[n] != rt.orig_dtype[n]:
             dedicated[n]["master"] = rt.masters[n]
     out["optim"] = {"fsdp2": fsdp2, "dedicated": dedicated,
@@ -447,9 +449,11 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
             "fsdp2": o["fsdp2"], "dedicated": {}, "param_groups": list(o["param_groups"]),
             **{k: int(o[k]) for k in ("adamw_step", "muon_step", "num_steps")}},
             what=what, check_finite=False)
-        if optimizer.muon_state is not None:
-            for n in rt.owned_names:
-                optimizer.muon_state.momentum[n].copy_(o["dedicated"][n]["momentum_buffer"])
+        from dmuon.stateful.optimizer.state_storage import install_momentum
+        saved = next((g.get("momentum_dtype") for g in o["param_groups"]
+                      if g.get("name") == "muon"), None)
+        install_momentum(optimizer, {n: o["dedicated"][n]["momentum_buffer"]
+                                     for n in rt.owned_names}, saved, what)
         optimizer.refresh_state_views()
     for k, t in live.items():
         src = staged[check.source[k]]

@@ -120,6 +120,9 @@ class Muon(torch.optim.Optimizer):
         same weights. A ``step()`` while the previous step's publish is still pending (no
         forward/backward since) raises ``RuntimeError``; ``dmuon.wait_all_replicate_broadcasts``
         drains it.
+      momentum_dtype, offload_state, adamw_state_dtype: how the owners keep Muon's momentum (fp32
+        default / bf16 / fp8; in host memory) and FSDP2's AdamW moments (fp32 / bf16) between
+        steps: :mod:`dmuon.stateful.optimizer.state_storage`.
 
     Raises:
       RuntimeError: ``dedicate_params`` was not called on ``model``; ``step()`` of an optimizer
@@ -138,12 +141,17 @@ class Muon(torch.optim.Optimizer):
                  check_finite: Any = "auto", replicate_async: bool = True,
                  adamw_impl: str = "auto", ns_engine: Any = "auto", elementwise: str = "auto",
                  persistent_grad_buffers: bool = False, eps: Any = fopts.NOT_GIVEN,
-                 adjust_lr_fn: Any = fopts.NOT_GIVEN, transform: Any = None):
+                 adjust_lr_fn: Any = fopts.NOT_GIVEN, transform: Any = None,
+                 momentum_dtype: Any = None, offload_state: bool = False,
+                 adamw_state_dtype: Any = None):
         if not isinstance(model, nn.Module):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
         # every option is checked before anything changes (a bad value raises here, not at step())
         muon_hp, adamw_hp = fopts.check_options(positional, locals())
+        from dmuon.stateful.optimizer import state_storage as ss
+        self._adamw_storage = ss.AdamWStorage(adamw_state_dtype)  # checked before any change
+        self._storage = ss.MomentumStorage(momentum_dtype, offload_state, None)
         NSHook.check(ns_engine)  # a bad ns_engine raises here, before anything changes
         model = unwrap_model(model)
         finish_deferred(model)  # dedicate_params before TP: the dedication completes here
@@ -152,6 +160,8 @@ class Muon(torch.optim.Optimizer):
         check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
         check_backend(model, rt, "dmuon.Muon(model)")
         _check_fsdp_mesh(model, rt)
+        self._storage.bind(rt.device)
+        ss.check_storage(self._storage, transform, rt)
         dedicated = set(rt.params.values())
         self._adamw_named = tuple((n, p) for n, p in model.named_parameters()
                                   if p.requires_grad and p not in dedicated)
@@ -159,8 +169,10 @@ class Muon(torch.optim.Optimizer):
         self._outside = tuple((n, p) for n, p in model.named_parameters()
                               if not p.requires_grad and p not in dedicated)
         groups = [
-            dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_hp),
-            dict(params=[p for _, p in self._adamw_named], name="adamw", **adamw_hp),
+            dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_hp,
+                 momentum_dtype=str(self._storage.dtype), offload_state=offload_state),
+            dict(params=[p for _, p in self._adamw_named], name="adamw", **adamw_hp,
+                 adamw_state_dtype=str(self._adamw_storage.dtype)),
         ]
         super().__init__(groups, defaults={})
         self._groups_fixed = True  # add_param_group raises from here on
@@ -185,14 +197,15 @@ class Muon(torch.optim.Optimizer):
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
         # runs its zero-gradient "materializing" step on this optimizer
         self.muon_state: Optional[fmuon.MuonState] = (
-            fmuon.init(rt.owned_masters()) if rt.owned_names and transform is None else None)
+            self._storage.stored_state(fmuon.init(rt.owned_masters()))
+            if rt.owned_names and transform is None else None)
         # a variant: its chain and state (the truth; muon_state stays None)
         self._variant = None
         if transform is not None:
             from dmuon.stateful.optimizer.variant import VariantRunner
             self._variant = VariantRunner(transform, self.muon_hparams(), rt)
-        self.adamw_state: Optional[fadamw.AdamWState] = (
-            fadamw.init(self.adamw_local_tensors()[0]) if self._adamw_named else None)
+        self.adamw_state: Optional[fadamw.AdamWState] = self._adamw_storage.stored_state(
+            fadamw.init(self.adamw_local_tensors()[0])) if self._adamw_named else None
         self._momentum_markers: dict[str, Any] = {}
         self._name_of = {p: n for n, p in rt.params.items()}
         self._name_of.update({p: n for n, p in self._adamw_named})
@@ -263,6 +276,8 @@ class Muon(torch.optim.Optimizer):
                 "behind the other ranks'.")
         check_outside_grads(self._outside)
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
+        if self.muon_state is not None:  # offload: the copy-in overlaps the pending reduces
+            self._storage.prefetch(self.muon_state.momentum)
         grads = rt.reduced_grads()
         if self._check_fsdp_usage:
             check_same_fsdp_grads(self._adamw_named, rt)
@@ -311,7 +326,7 @@ class Muon(torch.optim.Optimizer):
         if not rt.owned_names:
             return []
         if self.muon_state is None:
-            self.muon_state = fmuon.init(params)
+            self.muon_state = self._storage.stored_state(fmuon.init(params))
         stepped = [n for n, g in grads.items() if g is not None]
         if not stepped:
             return []
@@ -319,10 +334,12 @@ class Muon(torch.optim.Optimizer):
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
         ortho, ew = self._ns.for_step(rt.device.type, hp), self._elementwise(rt)
-        _, self.muon_state = owner_step(
-            grads, self.muon_state, params, hp, views=self._views, mults=self._hp_mults,
+        work = self._storage.working_state(self.muon_state, params)
+        _, work = owner_step(
+            grads, work, params, hp, views=self._views, mults=self._hp_mults,
             donate=True, donate_grads=True, elementwise=ew,
             orthogonalize_for=lambda p, g: self._tp_wrapped(ortho, p, g))
+        self.muon_state = self._storage.commit_state(self.muon_state, work)
         self._state_views_stale = True  # rebuilt when self.state is next read
         return stepped
 
@@ -383,12 +400,14 @@ class Muon(torch.optim.Optimizer):
         if not self._adamw_named:
             return
         params, grads = self.adamw_local_tensors()
+        store = self._adamw_storage  # adamw_state_dtype: stored rounded, updated decoded
         if self.adamw_state is None:
-            self.adamw_state = fadamw.init(params)
+            self.adamw_state = store.stored_state(fadamw.init(params))
         if all(g is None for g in grads.values()):
             return
-        _, self.adamw_state = fadamw.update(grads, self.adamw_state, params, self.adamw_hparams(),
-                                            donate=True, impl=self._adamw_impl())
+        _, work = fadamw.update(grads, store.working_state(self.adamw_state, params), params,
+                                self.adamw_hparams(), donate=True, impl=self._adamw_impl())
+        self.adamw_state = store.commit_state(self.adamw_state, work)
         self._state_views_stale = True  # rebuilt when self.state is next read
 
     def last_step_stats(self) -> Optional[StepStats]:
@@ -442,7 +461,6 @@ class Muon(torch.optim.Optimizer):
         changes (:func:`dmuon.stateful.checkpoint.optimizer_state_dict.load_optimizer_state`)."""
         from dmuon.stateful.checkpoint.optimizer_state_dict import torch_load_optimizer_state_dict
         torch_load_optimizer_state_dict(self, state_dict)
-
 
     #: ``step()`` changed the functional states since ``self.state`` was last built.
     _state_views_stale = False

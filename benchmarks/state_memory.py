@@ -1,0 +1,188 @@
+"""Memory and step time of the owners' Muon state options (issue 38): AdamW / dmuon fp32 / bf16 /
+fp8 momentum / offloaded momentum, on ``step_world1``'s model and step (HF Llama 1.1B by default:
+vocab 32k, 16 layers, hidden 2048, B4 x T2048, fp32 params, bf16 mixed precision, world size 1).
+
+Per config, in its own subprocess (each starts from an empty GPU): ``step_world1.run_config``'s
+step time (median of CUDA-event-timed steps) and peak allocated memory, the state held between
+steps (``memory_phases.static_parts``: params, Muon momentum, AdamW moments, on the device), the
+owners' Muon state bytes as the optimizer holds them (device / host) next to the plan's number
+(:func:`dmuon.functional.memory_model.rank_memory`), and (``--largest``) the largest Llama-shaped
+model the config trains at B1 x T2048: the most layers of the 1.1B's width for which two steps
+run without running out of memory (doubling, then bisection; one subprocess per try).
+
+    python benchmarks/state_memory.py --out benchmarks/results/state_memory_h200.json
+    python benchmarks/state_memory.py --tiny --out /tmp/sm.json       # CPU smoke test (gloo)
+
+Targets (issue 38): bf16 momentum's peak allocated <= 23.83 GiB (the reference implementation's
+on this model); offloaded step time within 3 % of on-device.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, replace
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import memory_phases as mp  # noqa: E402
+import step_world1 as sw  # noqa: E402
+
+#: config name -> (step_world1 kind, dmuon.Muon options)
+CONFIGS = {
+    "adamw": ("adamw", {}),
+    "dmuon_fp32": ("dmuon", {}),
+    "dmuon_bf16": ("dmuon", {"momentum_dtype": "bf16"}),
+    "dmuon_fp8": ("dmuon", {"momentum_dtype": "fp8"}),
+    "dmuon_offload": ("dmuon", {"offload_state": True}),
+    "dmuon_bf16_offload": ("dmuon", {"momentum_dtype": "bf16", "offload_state": True}),
+}
+
+
+def _muon_kw(kw: dict) -> dict:
+    from dmuon.functional.state_dtype import check_state_dtype
+    return {**kw, **({"momentum_dtype": check_state_dtype(kw["momentum_dtype"])}
+                     if "momentum_dtype" in kw else {})}
+
+
+def state_report(model, opt, kind: str, kw: dict) -> dict:
+    """Between-steps state (GiB on the device) and the owners' Muon state bytes: held vs planned."""
+    out = dict(static_parts=mp.static_parts(model, opt, kind))
+    if kind.startswith("dmuon"):
+        from dmuon.functional.memory_model import rank_memory
+        from dmuon.stateful.optimizer.state_storage import state_nbytes
+        rt = opt.dedicated_state
+        m = rank_memory(rt.program, rt.coord, momentum_dtype=kw.get("momentum_dtype"),
+                        offload_state=kw.get("offload_state", False))
+        out.update(muon_state_held_bytes=state_nbytes(opt),
+                   muon_state_planned_bytes={"device": m.state, "host": m.host_state})
+    return out
+
+
+def child(a) -> dict:
+    """One config in this process: step time, peak memory, state (or one ``--largest`` try)."""
+    kind, kw = CONFIGS[a.config]
+    kw = _muon_kw(kw)
+    cfg = sw.TINY if a.tiny else sw.Cfg()
+    if a.layers is not None:  # a --largest try: B1 x T2048 (tiny: its own batch) at this depth
+        cfg = replace(cfg, layers=a.layers, batch=1 if not a.tiny else cfg.batch)
+    device = torch.device("cuda", 0) if (torch.cuda.is_available() and not a.tiny) \
+        else torch.device("cpu")
+    mesh = sw.init_world1(device)
+    if a.layers is not None:
+        try:
+            r = sw.run_config(cfg, kind, device, mesh, 1, 1, 0, a.model, kw)
+            return {"fits": True, "peak_allocated_gib": r.get("peak_allocated_gib")}
+        except torch.OutOfMemoryError as e:
+            return {"fits": False, "error": str(e).splitlines()[0]}
+    r = sw.run_config(cfg, kind, device, mesh, a.warmup, a.steps, 0, a.model, kw)
+    model, opt = sw.build(cfg, kind, device, mesh, a.model, kw)  # untimed: what it holds
+    ids = sw.make_batches(cfg, device, 1)[0]
+    opt.zero_grad(set_to_none=True)
+    sw.lm_loss(model, ids, cfg.vocab)[0].backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    r.update(config=a.config, muon_kw={k: str(v) for k, v in kw.items()},
+             **state_report(model, opt, kind, kw))
+    r.pop("step_times", None)
+    return r
+
+
+def _spawn(a, config: str, layers: int | None = None) -> dict:
+    tmp = tempfile.mktemp(suffix=".json")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", config, "--out", tmp,
+           "--warmup", str(a.warmup), "--steps", str(a.steps), "--model", a.model] \
+        + (["--tiny"] if a.tiny else []) + ([] if layers is None else ["--layers", str(layers)])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0 or not os.path.exists(tmp):
+        if layers is not None and "OutOfMemoryError" in proc.stderr:
+            return {"fits": False, "error": "out of memory"}
+        raise RuntimeError(f"{config} (layers {layers}) failed:\n{proc.stderr[-3000:]}")
+    with open(tmp) as f:
+        return json.load(f)
+
+
+def largest(a, config: str) -> dict:
+    """The most layers (of the model's width) that train at B1 x T2048: doubling, then bisection,
+    up to ``--max-layers``."""
+    fits, tries, n = 0, {}, 1
+    while n <= a.max_layers:
+        tries[n] = _spawn(a, config, n)
+        if not tries[n]["fits"]:
+            break
+        fits, n = n, n * 2
+    hi = min(n, a.max_layers + 1)
+    while hi - fits > 1:
+        mid = (fits + hi) // 2
+        tries[mid] = _spawn(a, config, mid)
+        fits, hi = (mid, hi) if tries[mid]["fits"] else (fits, mid)
+    c = sw.TINY if a.tiny else sw.Cfg()
+    h, kv = c.hidden, c.hidden * c.kv_heads // c.heads
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * c.inter + 2 * h  # q, o; k, v; MLP; norms
+    return {"layers": fits, "capped": fits >= a.max_layers,
+            "params_billion": (fits * per_layer + 2 * c.vocab * h + h) / 1e9,
+            "tries": {str(k): v for k, v in sorted(tries.items())}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results/state_memory_h200.json")
+    ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke test)")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"of {sorted(CONFIGS)}")
+    ap.add_argument("--model", choices=sorted(sw.MODEL), default="hf")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--largest", action="store_true",
+                    help="also search the largest model each config trains at B1 x T2048")
+    ap.add_argument("--max-layers", type=int, default=256)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--config", help=argparse.SUPPRESS)
+    ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        with open(a.out, "w") as f:
+            json.dump(child(a), f)
+        return
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    bad = [c for c in configs if c not in CONFIGS]
+    if bad:
+        raise SystemExit(f"--configs: unknown {bad}; choose from {sorted(CONFIGS)}")
+    cuda = torch.cuda.is_available() and not a.tiny
+    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+           "machine": torch.cuda.get_device_name(0) if cuda else "cpu",
+           "torch": torch.__version__, "model": a.model,
+           "config": asdict(sw.TINY if a.tiny else sw.Cfg()), "results": {}, "largest": {}}
+    for c in configs:
+        r = _spawn(a, c)
+        doc["results"][c] = r
+        print(f"{c:20s} step {r['step_ms']:8.2f} ms  peak alloc "
+              f"{r.get('peak_allocated_gib', 0):6.2f} GiB  state "
+              f"{r.get('muon_state_held_bytes')}", flush=True)
+        if a.largest:
+            doc["largest"][c] = largest(a, c)
+            print(f"{c:20s} largest at B1: {doc['largest'][c]['layers']} layers", flush=True)
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+        with open(a.out, "w") as f:  # after every config: a run cut short keeps what it measured
+            json.dump(doc, f, indent=1)
+    res = doc["results"]
+    summary = {}
+    if cuda and "dmuon_bf16" in res:
+        summary["bf16_peak_allocated_gib"] = res["dmuon_bf16"]["peak_allocated_gib"]
+        summary["bf16_target_gib"] = 23.83
+        summary["bf16_met"] = summary["bf16_peak_allocated_gib"] <= 23.83
+    if "dmuon_offload" in res and "dmuon_fp32" in res:
+        ratio = res["dmuon_offload"]["step_ms"] / res["dmuon_fp32"]["step_ms"]
+        summary.update(offload_step_ratio=ratio, offload_met=ratio <= 1.03)
+    doc["summary"] = summary
+    with open(a.out, "w") as f:
+        json.dump(doc, f, indent=1)
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""``momentum_dtype`` / ``offload_state`` in the other modes and checkpoint paths (issue 38),
+slow tier: HSDP 2x2 equals the rounding reference and offload is bitwise on device there; DDP mode
+offload is bitwise on device; ``save_sharded`` / ``load_sharded`` (DCP) and ``dmuon.get_/
+set_optimizer_state_dict`` carry the state exactly, into the same or another dtype; a variant
+with a non-default storage raises at construction."""
+from __future__ import annotations
+
+import logging
+import tempfile
+
+import pytest
+import torch
+
+from dist_utils import catch, run_ranks
+from models import make_batches, make_model, muon_predicate
+from stateful_harness import HP, build_dmuon, distributed_run, max_rel_err, reference_run
+
+FP8 = torch.float8_e4m3fn
+pytestmark = pytest.mark.slow
+
+HSDP = [dict(id="hsdp_fp32", hsdp=True, batch=8, accum=2),
+        dict(id="hsdp_offload", hsdp=True, batch=8, accum=2, muon_kw=dict(offload_state=True)),
+        dict(id="hsdp_fp8_offload", hsdp=True, batch=8, momentum_dtype=FP8, z3=False,
+             muon_kw=dict(momentum_dtype=FP8, offload_state=True))]
+
+
+def _hsdp_worker(rank, world):
+    torch.set_num_threads(1)
+    return {c["id"]: distributed_run(rank, world, c) for c in HSDP}
+
+
+def test_hsdp_2x2():
+    res = run_ranks(_hsdp_worker, 4, timeout=400)
+    ref = reference_run(HSDP[2])
+    for rank in range(4):
+        a, b = res[rank]["hsdp_offload"]["sd"], res[rank]["hsdp_fp32"]["sd"]
+        assert all(torch.equal(a[k], b[k]) for k in b), rank
+        err, where = max_rel_err(res[rank]["hsdp_fp8_offload"]["sd"], ref["sd"])
+        assert err <= 1e-10, (rank, err, where)
+
+
+def _muon(model, **kw):
+    import dmuon
+    return dmuon.Muon(model, lr=HP["lr"], ns_dtype=torch.float64, adamw_lr=HP["adamw_lr"], **kw)
+
+
+def _train(model, opt, rank, world, steps=3):
+    for ids in make_batches(steps, 4):
+        opt.zero_grad()
+        model(ids.chunk(world)[rank]).backward()
+        opt.step()
+
+
+def _worker(rank, world, path):
+    torch.set_num_threads(1)
+    import dmuon
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from dmuon.stateful.optimizer.state_storage import checkpoint_momentum
+    from dmuon.functional.variants import normuon
+
+    out = {}
+    # DDP mode: offload (fp8) bitwise the on-device fp8 run
+    sds = {}
+    for key, kw in (("dev", dict(momentum_dtype=FP8)),
+                    ("off", dict(momentum_dtype=FP8, offload_state=True))):
+        model = make_model()
+        dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), muon_predicate,
+                              data_parallel="ddp")
+        ddp = DDP(model)
+        opt = _muon(ddp, **kw)
+        _train(ddp, opt, rank, world, steps=4)
+        sds[key] = dmuon.get_model_state_dict(model)
+    out["ddp_offload_bitwise"] = all(torch.equal(sds["dev"][k], sds["off"][k]) for k in sds["dev"])
+    # a variant with a non-default storage: refused at construction
+    model = make_model()
+    model, _ = build_dmuon(rank, world, model, model.layers, {})
+    out["variant"] = catch(lambda: _muon(model, transform=normuon(), momentum_dtype=FP8))
+    # sharded (DCP) and dmuon's full format, fp8 + offload
+    notes = []
+    handler = logging.Handler()
+    handler.emit = lambda r: notes.append(r.getMessage())
+    logging.getLogger("dmuon.stateful.optimizer.state_storage").addHandler(handler)
+
+    def fresh(**kw):
+        m = make_model(seed=3)
+        m, o = build_dmuon(rank, world, m, m.layers, dict(muon_kw=kw))
+        return m, o
+
+    model, opt = fresh(momentum_dtype=FP8, offload_state=True)
+    _train(model, opt, rank, world)
+    mom = checkpoint_momentum(opt)
+    dmuon.save_sharded(path, model, opt)
+    full = dmuon.get_optimizer_state_dict(model, opt)
+    for key, kw in (("same", dict(momentum_dtype=FP8, offload_state=True)), ("fp32", {})):
+        notes.clear()
+        m2, o2 = fresh(**kw)
+        _train(m2, o2, rank, world, steps=1)  # live state to be replaced
+        dmuon.load_sharded(path, m2, o2)
+        got = checkpoint_momentum(o2)
+        out[f"sharded_{key}"] = all(torch.equal(mom[n].double(), got[n].double()) for n in mom)
+        out[f"sharded_{key}_notes"] = len(notes)
+        notes.clear()
+        m3, o3 = fresh(**kw)
+        dmuon.set_optimizer_state_dict(m3, o3, full)
+        got = checkpoint_momentum(o3)
+        out[f"full_{key}"] = all(torch.equal(mom[n].double(), got[n].double()) for n in mom)
+        out[f"full_{key}_notes"] = len(notes)
+    # resumed from the sharded checkpoint, training continues exactly as the original
+    m4, o4 = fresh(momentum_dtype=FP8, offload_state=True)
+    dmuon.load_sharded(path, m4, o4)
+    _train(model, opt, rank, world, steps=2)
+    _train(m4, o4, rank, world, steps=2)
+    a, b = dmuon.get_model_state_dict(model), dmuon.get_model_state_dict(m4)
+    out["resume_bitwise"] = all(torch.equal(a[k], b[k]) for k in a)
+    return out
+
+
+def test_ddp_sharded_full_variant(tmp_path):
+    res = run_ranks(_worker, 2, str(tmp_path / "ckpt"), timeout=400)
+    for rank in range(2):
+        r = res[rank]
+        assert r["ddp_offload_bitwise"], r
+        assert r["variant"][0] == "NotImplementedError" and "transform=" in r["variant"][1]
+        assert r["sharded_same"] and r["full_same"], r
+        assert r["sharded_fp32"] and r["full_fp32"], r
+        assert r["sharded_same_notes"] == 0 and r["full_same_notes"] == 0, r
+        assert r["full_fp32_notes"] == 1 and r["sharded_fp32_notes"] == 1, r
+        assert r["resume_bitwise"], r
+
+
+def test_tp_bf16_offload():
+    """TP (dp 2 x tp 2): bf16 momentum, offloaded, == the rounding reference (bf16 rounds per
+    element, so TP slices round as the whole matrix)."""
+    from test_tensor_parallel import _check, _reference, _train as tp_train
+    cfg = {"z3": True, "momentum_dtype": torch.bfloat16,
+           "muon_kw": dict(momentum_dtype=torch.bfloat16, offload_state=True)}
+    ref = _reference(cfg)
+    _check(run_ranks(tp_train, 4, cfg, timeout=300), ref, 4)
