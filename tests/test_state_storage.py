@@ -101,6 +101,11 @@ def _ckpt_checks(rank, world):
         # offload: every step copied each owned momentum in (prefetch) and back (commit)
         out[f"{key}_copies"] = (opt._storage.copies_in, opt._storage.copies_out, 3 * len(stored))
         mom = checkpoint_momentum(opt)
+        # what a user (or torch's tools) reads from opt.state is the momentum's value (fp8:
+        # its data alone is the value divided by the matrix's scale)
+        params = opt.dedicated_state.params
+        out[f"{key}_state_view_equal"] = all(
+            torch.equal(opt.state[params[n]]["momentum_buffer"].to(mom[n]), mom[n]) for n in mom)
         osd = opt.state_dict()
         ckpt_dtypes = {str(e["momentum_buffer"].dtype) for e in osd["state"].values()
                        if "momentum_buffer" in e}
@@ -190,6 +195,8 @@ def test_offload_bitwise_on_device(results):
 def test_checkpoints_store_state_in_its_dtype(results):
     for rank in range(2):
         c = results[rank]["ckpt"]
+        for key in ("fp8", "bf16", "offload", "fp8_offload"):
+            assert c[f"{key}_state_view_equal"], (rank, key)
         for key, dt in (("fp8", "torch.float8_e4m3fn"), ("bf16", "torch.bfloat16"),
                         ("offload", "torch.float32")):
             assert c[f"{key}_stored_dtypes"], key

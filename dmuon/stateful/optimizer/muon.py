@@ -37,8 +37,8 @@ from dmuon.functional import muon as fmuon
 from dmuon.functional import muon_options as fopts
 from dmuon.functional.matrix_view import Batch
 from dmuon.compat.fsdp_patch import check_not_taken_over
-from dmuon.stateful.runtime.guards import make_marker
 from dmuon.stateful.optimizer.ns_hook import NSHook
+from dmuon.stateful.optimizer.state_views import fill_state_views
 from dmuon.stateful.modes.ddp import check_backend, unwrap_model
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
@@ -480,28 +480,5 @@ class Muon(torch.optim.Optimizer):
 
     def refresh_state_views(self) -> None:
         """Rebuild ``self.state[param]`` (torch-style views) from the functional states."""
-        rt = self._rt
         self._state_views_stale = False
-        self._state_views.clear()
-        step_m = torch.tensor(float(self.muon_state.step if self.muon_state is not None
-                                    else self.num_steps))
-        own = ({"momentum_buffer": self.muon_state.momentum if self.muon_state else {}}
-               if self._variant is None else  # a variant: each field by its key
-               {f.key: self._variant.field_values(f.key) for f in self._variant.fields})
-        for n in rt.names:
-            entry = {}
-            for key, vals in own.items():
-                buf = vals.get(n)
-                if buf is None:  # held by its owner: a marker that refuses math (torch's tools
-                    buf = self._momentum_markers.get((n, key))  # read the keys)
-                    if buf is None:
-                        buf = make_marker(rt.params[n], n, None, what="momentum"
-                                          if key == "momentum_buffer" else key)
-                        self._momentum_markers[(n, key)] = buf
-                entry[key] = buf
-            self.state[rt.params[n]] = dict(entry, step=step_m)
-        if self.adamw_state is not None:
-            step = torch.tensor(float(self.adamw_state.step))
-            for n, p in self._adamw_named:
-                self.state[p] = {"step": step, "exp_avg": self.adamw_state.mu[n],
-                                 "exp_avg_sq": self.adamw_state.nu[n]}
+        fill_state_views(self, self._state_views)

@@ -1,0 +1,44 @@
+"""torch-style ``optimizer.state`` of :class:`dmuon.Muon`: ``{param: {"momentum_buffer" (or a
+variant's fields), "step"} | {"step", "exp_avg", "exp_avg_sq"}}`` views of the functional states
+(read by ``state_dict()`` and torch's tools), rebuilt lazily after a step."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dmuon.stateful.runtime.guards import make_marker
+
+__all__ = ["fill_state_views"]
+
+
+def fill_state_views(opt: Any, views: dict) -> None:
+    """Clear ``views`` and fill it from ``opt``'s functional states: the owned matrices' state by
+    key, a marker that refuses math for a matrix held by its owner, AdamW's moments."""
+    rt = opt._rt
+    views.clear()
+    step_m = torch.tensor(float(opt.muon_state.step if opt.muon_state is not None
+                                else opt.num_steps))
+    mom = opt.muon_state.momentum if opt.muon_state else {}
+    if mom and opt._storage.scales:  # 8-bit floats: the data alone is the value / the scale
+        mom = opt._storage.values(mom, opt._rt.owned_masters())  # (a decoded copy, bf16 exact)
+    own = ({"momentum_buffer": mom}
+           if opt._variant is None else  # a variant: each field by its key
+           {f.key: opt._variant.field_values(f.key) for f in opt._variant.fields})
+    for n in rt.names:
+        entry = {}
+        for key, vals in own.items():
+            buf = vals.get(n)
+            if buf is None:  # held by its owner: a marker that refuses math (torch's tools
+                buf = opt._momentum_markers.get((n, key))  # read the keys)
+                if buf is None:
+                    buf = make_marker(rt.params[n], n, None, what="momentum"
+                                      if key == "momentum_buffer" else key)
+                    opt._momentum_markers[(n, key)] = buf
+            entry[key] = buf
+        views[rt.params[n]] = dict(entry, step=step_m)
+    if opt.adamw_state is not None:
+        step = torch.tensor(float(opt.adamw_state.step))
+        for n, p in opt._adamw_named:
+            views[p] = {"step": step, "exp_avg": opt.adamw_state.mu[n],
+                    "exp_avg_sq": opt.adamw_state.nu[n]}
