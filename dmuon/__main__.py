@@ -140,8 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show at most this many ranks in the table (default 64; 0 = all)")
     p.add_argument("--max-split", type=int, default=1,
                    help="split a matrix's Newton-Schulz over up to this many ranks of one node where "
-                        "that lowers the largest rank cost (default 1: never; planned, not yet "
-                        "executed by the optimizer)")
+                        "that lowers the largest rank cost (default 1: never; the plan "
+                        "dedicate_params(..., split_ns=k) builds and dmuon.Muon executes)")
     p.add_argument("--node-size", type=int, default=8, help="ranks per node (default 8)")
     p.add_argument("--json", action="store_true", help="print the summary dict as JSON")
     p.set_defaults(func=_cmd_plan)

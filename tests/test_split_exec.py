@@ -21,7 +21,6 @@ def _unit(shape, members):
                                            for i, s in enumerate(members)))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35: split NS not executed yet")
 @pytest.mark.parametrize("restart", ["auto", None, 1])
 def test_executed_split_equals_single_device_fp64(restart):
     from dmuon.functional.split_exec import simulate_split_step, split_ns_settings, split_step_schedule
@@ -47,7 +46,6 @@ def test_executed_split_equals_single_device_fp64(restart):
         assert sum(t.sent["split"]) == sum(t.received["split"])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35: split NS not executed yet")
 def test_plan_force_split_and_runtime_owners():
     from dmuon.functional.plan import plan_owners
     from dmuon.functional.specs import ParamSpec
@@ -94,12 +92,10 @@ def _check_run(world, cfg):
     return res
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35: split NS not executed yet")
 def test_split_ns_forced_model_run_equals_one_process_gloo4():
     _check_run(4, _cfg())
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 35: split NS not executed yet")
 def test_split_ns_forced_model_run_equals_one_process_gloo8():
     _check_run(8, _cfg(layers=2))
