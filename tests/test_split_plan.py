@@ -70,6 +70,7 @@ def test_split_plan_schedules_and_simulated_ns_are_exact(monkeypatch):
     import dmuon.functional.split_plan as sp_mod
     monkeypatch.setattr(sp_mod, "SPLIT_COLLECTIVE_FLOPS", 0)
     monkeypatch.setattr(sp_mod, "SPLIT_COMM_FLOPS_PER_BYTE", 0)
+    monkeypatch.setattr(sp_mod, "EXEC_FLOPS_PER_BYTE", 0)
     named = [("layers.0.big_a.weight", (96, 24), torch.float64),
              ("layers.0.big_b.weight", (24, 80), torch.float64),
              ("layers.1.small_a.weight", (8, 16), torch.float64),

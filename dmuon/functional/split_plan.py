@@ -62,6 +62,10 @@ __all__ = ["SplitBlock", "SplitUnit", "plan_splits", "block_name", "split_unit_c
 #: share of split traffic assumed exposed, since a rank that holds several pieces computes one
 #: while another's collectives run (benchmarks/NOTES_scale.md).
 SPLIT_COMM_FLOPS_PER_BYTE = 512
+#: Flops-equivalent charged per byte of the executed split's scatter and gather (out of and into
+#: the owner): all of it, 787 TFLOP/s over ~384 GB/s (the assumptions above), since the owner's
+#: runtime waits for them (:mod:`dmuon.functional.split_exec`).
+EXEC_FLOPS_PER_BYTE = 2048
 #: Flops-equivalent of one collective's latency: ~25 us (assumed) at 787 TFLOP/s.
 SPLIT_COLLECTIVE_FLOPS = 2 * 10**10
 #: Targets tried, as multiples of the whole-matrix plan's mean slot cost.
@@ -161,7 +165,7 @@ def split_unit_cost(spec: ParamSpec, k: int, *, ns_steps: int, ns_variant: str, 
         held = whole if i == 0 else nbytes
         moved = 2 * ((whole - nbytes) if i == 0 else nbytes) * 4 // itemsize
         pieces.append((c0, c1, shape, f, f + flops_per_byte * held + math.ceil(comm)
-                       + SPLIT_COMM_FLOPS_PER_BYTE * moved))
+                       + EXEC_FLOPS_PER_BYTE * moved))
     return layout, variant, dim, pieces
 
 
