@@ -237,3 +237,25 @@ def test_projection_prints_its_sensitivity_to_link_constants(capsys):
         assert rows["ib_alpha"][0] <= step <= rows["ib_alpha"][1]
     assert main(["project", "--model", "llama-3.2-1b", "-G", "16", "--max-split", "1"]) == 0
     assert "with each link constant at 1/2x and 2x" in capsys.readouterr().out
+
+
+@pytest.mark.xfail(strict=True, reason="issue 35: calibration rows not printed yet")
+def test_project_prints_its_calibration_rows_with_errors(capsys):
+    """`dmuon project` prints the measured rows its machine constants were fitted on beside their
+    projection now (with any --set applied) and the error: H200's W=1 AdamW row, A800's four."""
+    assert main(["project", "--model", "llama-3.2-1b", "-G", "8", "--max-split", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "calibration" in out and "step_world1_h200.json" in out and "133.1" in out
+    from dmuon.tools.calibration import calibration_rows
+    from dmuon.tools.machine import A800
+    rows = calibration_rows(H200)
+    assert rows and all(abs(r["error"]) <= 0.02 for r in rows if r["phase"] == "step")
+    a800 = calibration_rows(A800)
+    assert len([r for r in a800 if r["phase"] == "step"]) == 4
+    assert all(abs(r["error"]) <= 0.10 for r in a800)
+    # the rows are projected with the constants in use: a wrong MFU shows in the errors
+    worse = calibration_rows(H200.with_values(mfu_fwd=0.4, mfu_bwd=0.4))
+    assert max(abs(r["error"]) for r in worse) > 0.3
+    assert main(["project", "--model", "llama-3.2-1b", "-G", "8", "--max-split", "1", "--json"]) == 0
+    summ = json.loads(capsys.readouterr().out)
+    assert summ["calibration"] and {"measured_ms", "projected_ms", "error"} <= set(summ["calibration"][0])
