@@ -76,6 +76,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _cmd_project(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from dmuon.tools.calibration import calibration_rows, calibration_table
     from dmuon.tools.machine import MACHINES
     from dmuon.tools.presets import get_preset, preset_from_hf_config
     from dmuon.tools.projection import StepSetup, project_step
@@ -100,6 +101,7 @@ def _cmd_project(args: argparse.Namespace) -> int:
     projections = [project_step(setup, machine, d) for d in args.designs.split(",")]
     summ = projection_summary(setup, machine, projections)
     summ["sensitivity"] = sensitivity(setup, machine, projections)
+    summ["calibration"] = calibration_rows(machine)
     if args.png:
         from dmuon.tools.projection_plot import write_timeline_png
         write_timeline_png(args.png, projections, title=f"{preset.name} {setup.world} {machine.name}")
@@ -108,6 +110,7 @@ def _cmd_project(args: argparse.Namespace) -> int:
         print(json.dumps(summ, indent=2))
     else:
         print(projection_table(summ))
+        print(calibration_table(summ["calibration"]))
         if args.png:
             print(f"wrote {args.png}")
     return 0

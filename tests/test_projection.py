@@ -239,7 +239,6 @@ def test_projection_prints_its_sensitivity_to_link_constants(capsys):
     assert "with each link constant at 1/2x and 2x" in capsys.readouterr().out
 
 
-@pytest.mark.xfail(strict=True, reason="issue 35: calibration rows not printed yet")
 def test_project_prints_its_calibration_rows_with_errors(capsys):
     """`dmuon project` prints the measured rows its machine constants were fitted on beside their
     projection now (with any --set applied) and the error: H200's W=1 AdamW row, A800's four."""
