@@ -68,6 +68,26 @@ def test_plan_force_split_and_runtime_owners():
         plan_owners(specs, 4, 1, max_split=4, force_split={"layers.0.b.weight": 5})
 
 
+def test_split_ns_option_and_unsupported_combinations_raise():
+    from types import SimpleNamespace
+
+    import dmuon
+    from dmuon.stateful.optimizer.split_step import check_split_support
+    from dmuon.stateful.runtime.dedicate import _split_args
+    for bad in (0, True, 1.5, "2"):                      # before anything else is looked at
+        with pytest.raises(ValueError, match="split_ns must be an int >= 1"):
+            dmuon.dedicate_params(torch.nn.Linear(2, 2), None, lambda n, p: True, split_ns=bad)
+    assert _split_args(1) == (1, None) and _split_args({"w": 3}) == (3, {"w": 3})
+    rt = SimpleNamespace(plan=SimpleNamespace(splits=(SimpleNamespace(param="w"),)),
+                         names=("w", "v"), hp_mults={})
+    check_split_support(rt, None)
+    with pytest.raises(NotImplementedError, match="variant chain"):
+        check_split_support(rt, object())
+    rt.hp_mults = {"v": (0.5, 1.0)}
+    with pytest.raises(NotImplementedError, match="multipliers"):
+        check_split_support(rt, None)
+
+
 def _cfg(**kw):
     return dict(steps=2, batch=8, dedicate_kw={"split_ns": dict(FORCE)}, **kw)
 
