@@ -119,3 +119,9 @@ def test_split_ns_forced_model_run_equals_one_process_gloo4():
 @pytest.mark.slow
 def test_split_ns_forced_model_run_equals_one_process_gloo8():
     _check_run(8, _cfg(layers=2))
+
+
+@pytest.mark.slow
+def test_split_ns_forced_hsdp_2x2_equals_one_process_gloo4():
+    """HSDP (2 replicas of 2): split groups span the replicas (one node of 4 slots)."""
+    _check_run(4, _cfg(hsdp=True))
