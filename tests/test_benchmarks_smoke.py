@@ -68,3 +68,14 @@ def test_variants_step_tiny_writes_results(tmp_path):
     r = d["results"]["tiny"]
     assert {"ns", "muon", "normuon", "muon_hyperball", "normuon_hyperball"} <= set(r)
     assert all(r[k]["ratio_to_ns"] > 0 for k in r if k != "ns")
+
+
+@pytest.mark.slow
+def test_split_balance_executed_70b_meets_its_target(tmp_path):
+    """Issue 35: the plan dedicate_params(split_ns=8) runs for 70B on 64x8 has max/mean <= 1.2,
+    and the file carries the projector's owners' phase of the same plans beside it."""
+    out = tmp_path / "sb.json"
+    _run("split_balance.py", "--out", str(out))
+    cases = json.loads(out.read_text())["cases"]
+    c = next(c for c in cases if c["model"] == "llama-3.1-70b" and c["R"] == 8 and c["max_split"] == 8)
+    assert c["meets_target"] and c["split_units"] > 0 and c["projected_ns_phase_ms"] > 0
