@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Generator, Optional, Sequence
+from typing import Generator, Optional
 
 import torch
 from torch import Tensor

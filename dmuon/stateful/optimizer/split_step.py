@@ -87,6 +87,8 @@ class SplitStep:
         if rt.program is not None:
             rt.program = dataclasses.replace(rt.program, splits=self.schedules)
         self._ran = False
+        log.debug("dmuon split NS: %d units, rank %d is a member of %d (owner of %d)",
+                  len(self.schedules), mg.rank, len(self.units), len(self.owned))
 
     def begin(self, hparams: Any) -> None:
         """Start a step (``hparams``: its Muon hyper-parameters; their NS settings must be the
