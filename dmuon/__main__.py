@@ -23,7 +23,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dmuon.tools.plan_report import plan_summary, plan_table, strategy_rows, strategy_table
     from dmuon.tools.presets import get_preset, preset_from_hf_config, preset_specs
     from dmuon.tools.step_bytes import step_bytes_per_rank
-    from dmuon.functional.split_plan import owner_entries
+    from dmuon.functional.split_plan import executed_entries
 
     from dmuon.tools.plan_views import hf_config_specs, views_summary
 
@@ -50,8 +50,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_owners(specs, args.shard, args.replicate, ns_steps=args.ns_steps,
                        max_split=args.max_split, node_size=args.node_size)
     seconds = time.perf_counter() - t0
-    entries = owner_entries(plan, specs)
-    comm = step_bytes_per_rank(plan.owners, {n: e[0] for n, e in entries.items()},
+    owners, entries = executed_entries(plan, specs)   # as the optimizer places them
+    comm = step_bytes_per_rank(owners, {n: e[0] for n, e in entries.items()},
                                {n: e[1] for n, e in entries.items()}, args.shard, args.replicate)
     if args.json:
         summ = plan_summary(plan, comm_bytes_per_rank=comm, planning_seconds=seconds)

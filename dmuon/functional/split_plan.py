@@ -54,7 +54,7 @@ from dmuon.functional.split_ns import (SplitLayout, ring_bytes_per_rank, split_l
 
 __all__ = ["SplitBlock", "SplitUnit", "plan_splits", "block_name", "split_unit_cost", "owner_entries",
            "SPLIT_COMM_FLOPS_PER_BYTE", "SPLIT_COLLECTIVE_FLOPS", "TARGET_FACTORS", "SPLIT_NOTE",
-           "runtime_owners"]
+           "runtime_owners", "executed_entries"]
 
 #: Flops-equivalent charged per byte a split piece moves: a quarter of the H200's 787 TFLOP/s
 #: (measured, benchmarks/results/ns_whole_model_h200.json) over ~384 GB/s of NVLink bus bandwidth
@@ -369,7 +369,8 @@ def _assemble_split(specs, base: OwnerPlan, chosen, where, option, settings) -> 
 def owner_entries(plan: OwnerPlan, specs: Sequence[ParamSpec]) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{owner-map name: (shape, dtype)}`` of ``plan``: every whole dedicated param, and every
     block of a split one (its block shape), ready for
-    :func:`~dmuon.functional.buckets.bucket_layout`."""
+    :func:`~dmuon.functional.buckets.bucket_layout`: the planned block layout, which the
+    simulator can run; the optimizer executes :func:`executed_entries`."""
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     split = {sp.param: sp for sp in plan.splits}
     for s in specs:
@@ -391,3 +392,12 @@ def runtime_owners(plan: OwnerPlan) -> dict[str, tuple[int, int]]:
     for sp in plan.splits:
         out[sp.param] = plan.coord_of(sp.blocks[0].slot)
     return dict(sorted(out.items()))
+
+
+def executed_entries(plan: OwnerPlan, specs: Sequence[ParamSpec]
+                     ) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[tuple[int, ...], str]]]:
+    """``(owners, {name: (shape, dtype)})`` of every dedicated param as the optimizer places them
+    (:func:`runtime_owners`: a split matrix whole on its block 0's rank), ready for
+    :func:`~dmuon.functional.program.step_program`."""
+    owners = runtime_owners(plan)
+    return owners, {s.name: (tuple(s.shape), s.dtype) for s in specs if s.name in owners}
