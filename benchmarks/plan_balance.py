@@ -24,7 +24,8 @@ from dmuon.tools.plan_report import plan_summary
 from dmuon.tools.presets import preset_specs
 
 # (model, G, R, balance target or None[, max_split]): max_split > 1 plans split NS units
-# (planned, not yet executed by the optimizer); the issue-25 target is max/mean <= 1.2 for 70B 64x8
+# (executed by dmuon.Muon with dedicate_params(split_ns=k): benchmarks/split_balance.py); the
+# issue-25 target is max/mean <= 1.2 for 70B 64x8
 CASES: tuple[tuple, ...] = (
     ("llama-3.2-1b", 8, 1, 1.02),
     ("llama-3.2-3b", 8, 1, None),

@@ -23,7 +23,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from dmuon.tools.plan_report import plan_summary, plan_table, strategy_rows, strategy_table
     from dmuon.tools.presets import get_preset, preset_from_hf_config, preset_specs
     from dmuon.tools.step_bytes import step_bytes_per_rank
-    from dmuon.functional.split_plan import owner_entries
+    from dmuon.functional.split_plan import executed_entries
 
     from dmuon.tools.plan_views import hf_config_specs, views_summary
 
@@ -50,8 +50,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan = plan_owners(specs, args.shard, args.replicate, ns_steps=args.ns_steps,
                        max_split=args.max_split, node_size=args.node_size)
     seconds = time.perf_counter() - t0
-    entries = owner_entries(plan, specs)
-    comm = step_bytes_per_rank(plan.owners, {n: e[0] for n, e in entries.items()},
+    owners, entries = executed_entries(plan, specs)   # as the optimizer places them
+    comm = step_bytes_per_rank(owners, {n: e[0] for n, e in entries.items()},
                                {n: e[1] for n, e in entries.items()}, args.shard, args.replicate)
     state = _state_per_rank(plan, entries, args)
     if args.json:
@@ -105,6 +105,7 @@ def _state_per_rank(plan, entries, args) -> dict:
 def _cmd_project(args: argparse.Namespace) -> int:
     import dataclasses
 
+    from dmuon.tools.calibration import calibration_rows, calibration_table
     from dmuon.tools.machine import MACHINES
     from dmuon.tools.presets import get_preset, preset_from_hf_config
     from dmuon.tools.projection import StepSetup, project_step
@@ -129,6 +130,7 @@ def _cmd_project(args: argparse.Namespace) -> int:
     projections = [project_step(setup, machine, d) for d in args.designs.split(",")]
     summ = projection_summary(setup, machine, projections)
     summ["sensitivity"] = sensitivity(setup, machine, projections)
+    summ["calibration"] = calibration_rows(machine)
     if args.png:
         from dmuon.tools.projection_plot import write_timeline_png
         write_timeline_png(args.png, projections, title=f"{preset.name} {setup.world} {machine.name}")
@@ -137,6 +139,7 @@ def _cmd_project(args: argparse.Namespace) -> int:
         print(json.dumps(summ, indent=2))
     else:
         print(projection_table(summ))
+        print(calibration_table(summ["calibration"]))
         if args.png:
             print(f"wrote {args.png}")
     return 0
@@ -169,8 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="show at most this many ranks in the table (default 64; 0 = all)")
     p.add_argument("--max-split", type=int, default=1,
                    help="split a matrix's Newton-Schulz over up to this many ranks of one node where "
-                        "that lowers the largest rank cost (default 1: never; planned, not yet "
-                        "executed by the optimizer)")
+                        "that lowers the largest rank cost (default 1: never; the plan "
+                        "dedicate_params(..., split_ns=k) builds and dmuon.Muon executes)")
     p.add_argument("--node-size", type=int, default=8, help="ranks per node (default 8)")
     p.add_argument("--momentum-dtype", default="fp32",
                    help="owners' Muon momentum dtype: fp32 (default), bf16, fp8 (per-rank state "

@@ -143,7 +143,8 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
         boundary = lambda m: type(m).__name__ in ("Attention", "MHAStyleAttention", "MLP")  # noqa
     owners = dedicate_params(model, shard_mesh, muon_predicate, replicate_mesh=rep_mesh,
                              reshard_after_forward=z3, hook_boundary_predicate=boundary,
-                             mp_policy=mp if cfg.get("mp") == "explicit" else None)
+                             mp_policy=mp if cfg.get("mp") == "explicit" else None,
+                             **cfg.get("dedicate_kw", {}))
     if cfg.get("fsdp", True):
         for layer in model.layers:
             fully_shard(layer, mesh=mesh, reshard_after_forward=z3, mp_policy=mp)
@@ -207,6 +208,8 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     groups = sorted(rt.groups)
     return {"sd": sd, "groups": groups, "norms": norms, "losses": losses, "lrs": lrs,
             "owners": sorted(owners.values()), "counters": rt.executor.counters(),
+            "program_counters": rt.program.rank_counters(rt.coord),
+            "split_units": [sp.param for sp in rt.plan.splits],
             "owned": list(rt.owned_names), "layout": layout, "R": R, "ns_modes": ns_modes,
             "seen_dtypes": sorted(set(seen_dtypes)),
             "master_dtypes": sorted({str(m.dtype) for m in rt.masters.values()}),

@@ -85,3 +85,14 @@ def test_state_memory_tiny_writes_results(tmp_path):
         assert r["muon_state_held_bytes"] == r["muon_state_planned_bytes"], r
     assert d["results"]["dmuon_offload"]["muon_state_held_bytes"]["device"] == 0
     assert d["largest"]["adamw"]["layers"] == 1 and d["largest"]["dmuon_fp8"]["capped"]
+
+
+@pytest.mark.slow
+def test_split_balance_executed_70b_meets_its_target(tmp_path):
+    """Issue 35: the plan dedicate_params(split_ns=8) runs for 70B on 64x8 has max/mean <= 1.2,
+    and the file carries the projector's owners' phase of the same plans beside it."""
+    out = tmp_path / "sb.json"
+    _run("split_balance.py", "--out", str(out))
+    cases = json.loads(out.read_text())["cases"]
+    c = next(c for c in cases if c["model"] == "llama-3.1-70b" and c["R"] == 8 and c["max_split"] == 8)
+    assert c["meets_target"] and c["split_units"] > 0 and c["projected_ns_phase_ms"] > 0

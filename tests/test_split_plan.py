@@ -70,13 +70,16 @@ def test_split_plan_schedules_and_simulated_ns_are_exact(monkeypatch):
     import dmuon.functional.split_plan as sp_mod
     monkeypatch.setattr(sp_mod, "SPLIT_COLLECTIVE_FLOPS", 0)
     monkeypatch.setattr(sp_mod, "SPLIT_COMM_FLOPS_PER_BYTE", 0)
+    monkeypatch.setattr(sp_mod, "EXEC_FLOPS_PER_BYTE", 0)
     named = [("layers.0.big_a.weight", (96, 24), torch.float64),
              ("layers.0.big_b.weight", (24, 80), torch.float64),
              ("layers.1.small_a.weight", (8, 16), torch.float64),
              ("layers.1.small_b.weight", (8, 16), torch.float64)]
     specs = specs_from_named_shapes(named)
     plan = plan_owners(specs, 4, 1, max_split=4, node_size=4)
-    assert {sp.param for sp in plan.splits} == {"layers.0.big_a.weight", "layers.0.big_b.weight"}
+    # (block 0 of a split holds the whole master since the optimizer executes splits: big_b,
+    # 24 x 80, then no longer pays for its bytes on that rank)
+    assert "layers.0.big_a.weight" in {sp.param for sp in plan.splits}
     assert plan.imbalance < plan_owners(specs, 4).imbalance
     _check_split_plan(plan, specs, 4)
     entries = owner_entries(plan, specs)

@@ -226,6 +226,7 @@ def plan_owners(
     max_split: int = 1,
     node_size: int = 8,
     split_score: Optional[Callable[["OwnerPlan"], float]] = None,
+    force_split: Optional[dict[str, int]] = None,
 ) -> OwnerPlan:
     """Assign an owner ``(s, r)`` to every ``route == "muon"`` spec (see the module docstring).
 
@@ -239,10 +240,12 @@ def plan_owners(
       local_search_steps: bound on local-search changes (0 disables it).
       max_split: split the Newton–Schulz of a matrix over up to this many ranks of one node where
         that lowers the maximum slot cost (:mod:`dmuon.functional.split_plan`); 1 (default): never.
-        Split units are planned, simulated and projected; the optimizer does not execute them yet.
+        The optimizer executes them (:mod:`dmuon.functional.split_exec`).
       node_size: ranks per node (consecutive global ranks); a split stays inside one node.
       split_score: ranks candidate split plans (lower is better; default: the maximum slot cost),
         e.g. a projected NS-phase time.
+      force_split: ``{param: k}``: split exactly these (whatever they score); needs
+        ``max_split >= 2``.
 
     Returns:
       the :class:`OwnerPlan`; identical (same fingerprint) for the same specs in any order.
@@ -289,9 +292,12 @@ def plan_owners(
     plan = assemble_plan(specs, g, r, units, tuple(chosen.where), strategy=strategy,
                          lpt_max=lpt_max, rr_max=rr_max, layer_collisions=_collisions(chosen),
                          settings=settings)
+    if force_split and max_split < 2:
+        raise ValueError("force_split needs max_split >= 2 (the largest k allowed)")
     if _check_int("max_split", max_split, 1) > 1:
         from dmuon.functional.split_plan import plan_splits
         plan = plan_splits(specs, plan, max_split=max_split,
                            node_size=_check_int("node_size", node_size, 1),
-                           local_search_steps=local_search_steps, score=split_score)
+                           local_search_steps=local_search_steps, score=split_score,
+                           force=dict(force_split) if force_split else None)
     return plan

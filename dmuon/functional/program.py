@@ -94,8 +94,9 @@ class StepProgram:
       groups: ``{key: GroupPhases}`` in forward order.
       tp: tensor parallelism's NS gathers / scatters over the whole world (global ranks), or
         ``None`` without TP.
-      splits: the split-NS units' schedules (lane ``"split"``; planned, counted by
-        :meth:`traffic`, not yet run by the runtime).
+      splits: the split-NS units' schedules (lane ``"split"``, one per unit, in unit order:
+        :func:`dmuon.functional.split_exec.split_step_schedule`; counted by :meth:`traffic`, run
+        by the runtime at each step).
     """
 
     shard_size: int
@@ -227,7 +228,7 @@ def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]
                  reduce_dtypes: Optional[Mapping[str, str]] = None,
                  master_dtypes: Optional[Mapping[str, str]] = None,
                  groups: Optional[HookGroups] = None, reshard_after_forward: bool = True,
-                 tp: Optional[Schedule] = None) -> StepProgram:
+                 tp: Optional[Schedule] = None, splits: Sequence[Schedule] = ()) -> StepProgram:
     """Build the :class:`StepProgram` of one model (pure, deterministic).
 
     Args:
@@ -240,6 +241,7 @@ def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]
       reshard_after_forward: Z3 (True) or Z2 for every group but :data:`ROOT_GROUP` (always Z2:
         gathered for the whole forward).
       tp: tensor parallelism's NS schedule (:func:`dmuon.functional.tp_plan.tp_step_schedule`).
+      splits: the split units' executed NS (:attr:`StepProgram.splits`).
     """
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
@@ -253,13 +255,15 @@ def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]
         bucket_layout(owners, shapes, compute_dtypes, hg, G, R),
         bucket_layout(owners, shapes, rd, hg, G, R, presence=True),
         bucket_layout(owners, shapes, master_dtypes, hg, G, R),
-        owners=owners, groups=hg, reshard_after_forward=reshard_after_forward, tp=tp)
+        owners=owners, groups=hg, reshard_after_forward=reshard_after_forward, tp=tp,
+        splits=splits)
 
 
 def program_from_layouts(unshard: BucketLayout, reduce: BucketLayout, master: BucketLayout, *,
                          owners: Optional[Mapping[str, Coord]] = None,
                          groups: Optional[HookGroups] = None, reshard_after_forward: bool = True,
-                         tp: Optional[Schedule] = None) -> StepProgram:
+                         tp: Optional[Schedule] = None,
+                         splits: Sequence[Schedule] = ()) -> StepProgram:
     """The :class:`StepProgram` of three given layouts (:func:`step_program` builds them; a
     byte count over one layout passes it three times)."""
     G, R = unshard.shard_size, unshard.replicate_size
@@ -276,4 +280,5 @@ def program_from_layouts(unshard: BucketLayout, reduce: BucketLayout, master: Bu
                          publish=publish_schedule(master, key),
                          reshard_after_forward=reshard_after_forward and key != ROOT_GROUP)
         for key in unshard.groups}
-    return StepProgram(G, R, dict(owners), groups, unshard, reduce, master, phases, tp)
+    return StepProgram(G, R, dict(owners), groups, unshard, reduce, master, phases, tp,
+                       tuple(splits))

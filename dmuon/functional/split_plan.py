@@ -30,8 +30,11 @@ loaded slot while that lowers the pair's larger load. The candidate with the low
 (default: its maximum slot cost; ``plan_owners(split_score=...)``, e.g. the projected step time);
 ties keep the earlier candidate, the whole-matrix plan first, so it is kept unless beaten.
 
-Split units are planned, scheduled, simulated and projected; the optimizer (``dmuon.stateful``)
-does not execute them yet.
+The optimizer executes split units (``dedicate_params(..., split_ns=...)``,
+:mod:`dmuon.functional.split_exec`): the matrix stays whole on its owner, block 0's rank
+(:func:`runtime_owners`), which scatters the NS input's blocks to the unit's members and gathers
+the result blocks back. The costs above are of that execution: block 0 also carries the bytes of
+the rest of the matrix, and every piece the scatter and gather of its block.
 """
 from __future__ import annotations
 
@@ -50,7 +53,8 @@ from dmuon.functional.split_ns import (SplitLayout, ring_bytes_per_rank, split_l
                                        split_piece_flops)
 
 __all__ = ["SplitBlock", "SplitUnit", "plan_splits", "block_name", "split_unit_cost", "owner_entries",
-           "SPLIT_COMM_FLOPS_PER_BYTE", "SPLIT_COLLECTIVE_FLOPS", "TARGET_FACTORS", "SPLIT_NOTE"]
+           "SPLIT_COMM_FLOPS_PER_BYTE", "SPLIT_COLLECTIVE_FLOPS", "TARGET_FACTORS", "SPLIT_NOTE",
+           "runtime_owners", "executed_entries"]
 
 #: Flops-equivalent charged per byte a split piece moves: a quarter of the H200's 787 TFLOP/s
 #: (measured, benchmarks/results/ns_whole_model_h200.json) over ~384 GB/s of NVLink bus bandwidth
@@ -58,6 +62,10 @@ __all__ = ["SplitBlock", "SplitUnit", "plan_splits", "block_name", "split_unit_c
 #: share of split traffic assumed exposed, since a rank that holds several pieces computes one
 #: while another's collectives run (benchmarks/NOTES_scale.md).
 SPLIT_COMM_FLOPS_PER_BYTE = 512
+#: Flops-equivalent charged per byte of the executed split's scatter and gather (out of and into
+#: the owner): all of it, 787 TFLOP/s over ~384 GB/s (the assumptions above), since the owner's
+#: runtime waits for them (:mod:`dmuon.functional.split_exec`).
+EXEC_FLOPS_PER_BYTE = 2048
 #: Flops-equivalent of one collective's latency: ~25 us (assumed) at 787 TFLOP/s.
 SPLIT_COLLECTIVE_FLOPS = 2 * 10**10
 #: Targets tried, as multiples of the whole-matrix plan's mean slot cost.
@@ -67,7 +75,9 @@ TARGET_FACTORS = (0.25, 0.3, 0.35, 0.4, 0.45, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1,
 PARTIAL_FACTORS = (2, 3, 4)
 PARTIAL_SHARES = (0.25, 1 / 3, 0.5, 2 / 3, 0.75)
 #: What every plan report says about split units.
-SPLIT_NOTE = "split units are planned but not yet executed by the optimizer"
+SPLIT_NOTE = ("split units are executed by the optimizer with dedicate_params(..., split_ns=k): "
+              "the matrix stays on block 0's rank, which scatters the NS input's blocks and "
+              "gathers the result")
 
 
 def block_name(param: str, index: int, k: int) -> str:
@@ -144,11 +154,18 @@ def split_unit_cost(spec: ParamSpec, k: int, *, ns_steps: int, ns_variant: str, 
             + SPLIT_COLLECTIVE_FLOPS * len(program))
     dim = 0 if rows > cols else 1
     itemsize = spec.itemsize
+    whole = rows * cols * itemsize
     pieces = []
-    for (c0, c1), f in zip(layout.col_ranges, split_piece_flops(layout, ns_steps, variant, restart)):
+    for i, ((c0, c1), f) in enumerate(zip(layout.col_ranges,
+                                          split_piece_flops(layout, ns_steps, variant, restart))):
         shape = (c1 - c0, cols) if dim == 0 else (rows, c1 - c0)
         nbytes = math.prod(shape) * itemsize
-        pieces.append((c0, c1, shape, f, f + flops_per_byte * nbytes + math.ceil(comm)))
+        # executed (split_exec): block 0's rank owns the whole matrix and scatters / gathers the
+        # other blocks (4-byte masters: what the runtime's NS input is)
+        held = whole if i == 0 else nbytes
+        moved = 2 * ((whole - nbytes) if i == 0 else nbytes) * 4 // itemsize
+        pieces.append((c0, c1, shape, f, f + flops_per_byte * held + math.ceil(comm)
+                       + EXEC_FLOPS_PER_BYTE * moved))
     return layout, variant, dim, pieces
 
 
@@ -237,12 +254,14 @@ def _local_search(load: list[int], where: dict[str, tuple[int, ...]], cost: dict
 
 def plan_splits(specs: Sequence[ParamSpec], base: OwnerPlan, *, max_split: int, node_size: int,
                 local_search_steps: int,
-                score: Optional[Callable[[OwnerPlan], float]] = None) -> OwnerPlan:
+                score: Optional[Callable[[OwnerPlan], float]] = None,
+                force: Optional[dict[str, int]] = None) -> OwnerPlan:
     """``base`` (a whole-matrix plan of ``specs``) or, when one scores lower, a plan with split
     units (module docstring). ``score(plan)`` ranks the candidates (default: the maximum slot
     cost; the projector passes the simulated NS-phase time); ties keep the earlier candidate, the
     whole-matrix plan first. Settings ``max_split`` and ``node_size`` enter the fingerprint of the
-    returned plan either way."""
+    returned plan either way. ``force``: ``{param: k}`` splits to take whatever they score (tests
+    and experiments; the only candidate then)."""
     g, r = base.shard_size, base.replicate_size
     n = g * r
     settings = {**dict(base.params), "max_split": max_split, "node_size": node_size}
@@ -270,10 +289,22 @@ def plan_splits(specs: Sequence[ParamSpec], base: OwnerPlan, *, max_split: int, 
         return k
 
     trials: list[dict[str, int]] = []
-    for f in TARGET_FACTORS if kmax > 1 else ():
+    if force:
+        ok = {u.name: u for u in candidates}
+        for name, k in force.items():
+            if name not in ok:
+                raise ValueError(f"split_ns: {name!r} cannot be split: only whole single matrices "
+                                 f"without a matrix view can (candidates: {sorted(ok)[:6]})")
+            _, rows, cols = as_matrix_shape(by_name[name].shape)
+            if isinstance(k, bool) or not isinstance(k, int) or not 2 <= k <= min(node_size, n, rows, cols):
+                raise ValueError(f"split_ns: {name!r} split {k!r} ways: k must be an int in "
+                                 f"[2, min(node_size, ranks, rows, cols) = "
+                                 f"{min(node_size, n, rows, cols)}]")
+        trials.append(dict(force))
+    for f in TARGET_FACTORS if kmax > 1 and not force else ():
         tau = f * mean0
         trials.append({u.name: k_for(u, tau) for u in candidates if u.cost > tau})
-    for k in PARTIAL_FACTORS if kmax > 1 else ():
+    for k in PARTIAL_FACTORS if kmax > 1 and not force else ():
         for q in PARTIAL_SHARES:
             if k <= kmax:
                 top = candidates[:math.ceil(q * len(candidates))]
@@ -297,7 +328,7 @@ def plan_splits(specs: Sequence[ParamSpec], base: OwnerPlan, *, max_split: int, 
         _local_search(load, where, {u.name: u.cost for u in base.units}, whole, local_search_steps)
         plan = _assemble_split(specs, base, chosen, where, option, settings)
         sc = rank(plan)
-        if sc < best_score:
+        if sc < best_score or force:
             best, best_score = plan, sc
     return best
 
@@ -317,8 +348,8 @@ def _assemble_split(specs, base: OwnerPlan, chosen, where, option, settings) -> 
         for i, ((start, stop, shape, fl, c), slot) in enumerate(zip(pieces, where[u.name])):
             name = block_name(u.name, i, k)
             blocks.append(SplitBlock(name, slot, start, stop, shape, fl, c))
-            units.append(AllocationUnit(name, (name,), u.layer_key, fl, math.prod(shape) * spec.itemsize,
-                                        c, 1))
+            held = math.prod(spec.shape) if i == 0 else math.prod(shape)  # block 0: the master
+            units.append(AllocationUnit(name, (name,), u.layer_key, fl, held * spec.itemsize, c, 1))
             slots.append(slot)
         splits.append(SplitUnit(u.name, spec.shape, spec.dtype, spec.layer_key, dim, variant,
                                 DEFAULT_GRAM_RESTART if variant == "gram" else None, layout,
@@ -338,7 +369,8 @@ def _assemble_split(specs, base: OwnerPlan, chosen, where, option, settings) -> 
 def owner_entries(plan: OwnerPlan, specs: Sequence[ParamSpec]) -> dict[str, tuple[tuple[int, ...], str]]:
     """``{owner-map name: (shape, dtype)}`` of ``plan``: every whole dedicated param, and every
     block of a split one (its block shape), ready for
-    :func:`~dmuon.functional.buckets.bucket_layout`."""
+    :func:`~dmuon.functional.buckets.bucket_layout`: the planned block layout, which the
+    simulator can run; the optimizer executes :func:`executed_entries`."""
     out: dict[str, tuple[tuple[int, ...], str]] = {}
     split = {sp.param: sp for sp in plan.splits}
     for s in specs:
@@ -350,3 +382,22 @@ def owner_entries(plan: OwnerPlan, specs: Sequence[ParamSpec]) -> dict[str, tupl
         else:
             out[s.name] = (s.shape, s.dtype)
     return out
+
+
+def runtime_owners(plan: OwnerPlan) -> dict[str, tuple[int, int]]:
+    """``{param: (s, r)}`` as the optimizer runs ``plan``: whole params at their owner, a split
+    param whole at its block 0's rank (:mod:`dmuon.functional.split_exec`)."""
+    blocks = {b.name for sp in plan.splits for b in sp.blocks}
+    out = {n: c for n, c in plan.owners.items() if n not in blocks}
+    for sp in plan.splits:
+        out[sp.param] = plan.coord_of(sp.blocks[0].slot)
+    return dict(sorted(out.items()))
+
+
+def executed_entries(plan: OwnerPlan, specs: Sequence[ParamSpec]
+                     ) -> tuple[dict[str, tuple[int, int]], dict[str, tuple[tuple[int, ...], str]]]:
+    """``(owners, {name: (shape, dtype)})`` of every dedicated param as the optimizer places them
+    (:func:`runtime_owners`: a split matrix whole on its block 0's rank), ready for
+    :func:`~dmuon.functional.program.step_program`."""
+    owners = runtime_owners(plan)
+    return owners, {s.name: (tuple(s.shape), s.dtype) for s in specs if s.name in owners}

@@ -8,7 +8,11 @@ collective starts when every member of its group has finished the segment before
 member's link is free, and lasts :func:`~dmuon.tools.machine.collective_time` (NVLink: a split
 stays in one node). While a piece waits for a collective its rank computes other ready work
 (list scheduling, deterministic priorities: split segments first in unit-name order, then whole
-units by cost), so split communication overlaps other NS work where there is some.
+units by cost), so split communication overlaps other NS work where there is some. As the
+optimizer executes a split (:mod:`dmuon.functional.split_exec`), its chain starts with the owner's
+scatter of the NS input and ends with the gather of the result, and the owner alone runs the
+matrix's element-wise stages. (The runtime runs a rank's split units in unit order and blocks in
+their collectives; the overlap modeled here is an upper bound on what it gets.)
 
 Plus the owner's element-wise Muon work, ``fused_s_per_param`` per owned element (the momentum
 stage before NS and the update after it, one task).
@@ -104,19 +108,23 @@ def ns_phase(plan: OwnerPlan, specs: Sequence[ParamSpec], machine: Machine, *, s
         nodes = len({m // machine.gpus_per_node for m in members})
         per_node = max(1, len(members) // nodes)
         itemsize = 2                                       # fp16 / bf16 compute dtype
-        collectives[sp.param] = [
+        # executed (dmuon.functional.split_exec): the owner scatters the fp32 NS input's blocks
+        # first and gathers the result blocks last ((k-1)/k of the matrix each, timed as a ring)
+        move = (collective_time(machine, "all_gather", lay.m * lay.n * 4, len(members),
+                                members_per_node=per_node, nodes=nodes), members)
+        collectives[sp.param] = [move] + [
             (collective_time(machine, c.kind, c.numel * (4 if c.acc else itemsize), len(members),
-                             members_per_node=per_node, nodes=nodes), members) for c in program]
+                             members_per_node=per_node, nodes=nodes), members)
+            for c in program] + [move]
         whole_s = ns_matrix_seconds(machine, lay.m, lay.n, steps=steps)
         whole_f = sum(sum(split_piece_segments(lay, i, steps, sp.variant, restart))
                       for i in range(lay.k))
         for i, blk in enumerate(sp.blocks):
             segs = split_piece_segments(lay, i, steps, sp.variant, restart)
             cid = f"s:{sp.param}:{i}"
-            chains[cid] = [whole_s * f / whole_f * slowdown for f in segs]
+            chains[cid] = [0.0] + [whole_s * f / whole_f * slowdown for f in segs] + [0.0]
             tasks[blk.slot].append(((0, sp.param, i), cid))
-            owned[blk.slot] += by_name[sp.param].numel * (blk.stop - blk.start) // (
-                by_name[sp.param].shape[sp.dim])
+        owned[sp.blocks[0].slot] += by_name[sp.param].numel   # the owner's element-wise stages
     for r in range(n):
         if owned[r]:
             chains[f"e:{r}"] = [owned[r] * ew]

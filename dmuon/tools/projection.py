@@ -54,7 +54,7 @@ from dmuon.tools.ns_phase import NSPhase, ns_phase, reference_slowdown
 from dmuon.functional.plan import OwnerPlan, plan_owners
 from dmuon.tools.presets import ModelPreset, preset_specs
 from dmuon.functional.program import step_program
-from dmuon.functional.split_plan import owner_entries
+from dmuon.functional.split_plan import executed_entries
 
 __all__ = ["StepSetup", "StepProjection", "TimelineOp", "project_step", "DESIGNS", "LANE_NAMES"]
 
@@ -216,13 +216,13 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
             plan = plan_owners(specs, G, R, ns_steps=setup.ns_steps,
                                max_split=setup.max_split if design == "dmuon" else 1,
                                node_size=machine.gpus_per_node, split_score=score)
-        entries = owner_entries(plan, specs)
+        owners, entries = executed_entries(plan, specs)     # as the optimizer places them
         shapes = {n: e[0] for n, e in entries.items()}
         red_dt = "torch.float32" if setup.reduce_bytes == 4 else "torch.bfloat16"
         bf16 = {n: "torch.bfloat16" for n in shapes}
-        prog = step_program(plan.owners, shapes, bf16, reduce_dtypes={n: red_dt for n in shapes},
+        prog = step_program(owners, shapes, bf16, reduce_dtypes={n: red_dt for n in shapes},
                             master_dtypes=bf16, shard_size=G, replicate_size=R,
-                            groups=hook_groups(sorted(plan.owners)))
+                            groups=hook_groups(sorted(owners)))
         for g, ph in prog.groups.items():
             layer = int(g.rsplit(".", 1)[1])
             groups[layer] = (list(ph.unshard.ops), list(ph.reduce.ops), list(ph.publish.ops))
@@ -380,9 +380,8 @@ def _memory(setup: StepSetup, specs, plan: Optional[OwnerPlan], fsdp_layer, fsdp
         owned = [0] * plan.num_slots
         for u, slot in zip(plan.units, plan.unit_slots):
             owned[slot] += sum(by[n].numel for n in u.params if n in by)
-        for sp in plan.splits:
-            for b in sp.blocks:
-                owned[b.slot] += math.prod(b.shape)
+        for sp in plan.splits:  # executed: the whole matrix on its block 0's rank
+            owned[sp.blocks[0].slot] += math.prod(sp.shape)
         column = [sum(owned[r * G + c] for r in range(setup.replicate)) for c in range(G)]
         dedicated = max(4 * column[k % G] + 8 * owned[k] for k in range(plan.num_slots))
     return fsdp + gathered + dedicated

@@ -31,21 +31,25 @@ def plan_program(plan: OwnerPlan, specs: Sequence[ParamSpec], *, reshard_after_f
       compute_dtype / reduce_dtype: ``str(torch dtype)`` (reduce: default the compute dtype).
       ns_steps, split_dtype: for split units' schedules (compute dtype of their gathers).
     """
-    from dmuon.functional.split_plan import owner_entries
+    from dmuon.functional.split_exec import SplitSettings, split_step_schedule
+    from dmuon.functional.split_plan import executed_entries
+    from dmuon.newton_schulz.coefficients import ns_coefficient_table
     from dmuon.newton_schulz.cost import DEFAULT_GRAM_RESTART
-    from dmuon.functional.split_ns import split_ns_schedule
+    import torch
 
-    entries = owner_entries(plan, specs)
+    owners, entries = executed_entries(plan, specs)     # as the optimizer places them
     shapes = {n: e[0] for n, e in entries.items()}
-    prog = step_program(plan.owners, shapes, {n: compute_dtype for n in shapes},
+    prog = step_program(owners, shapes, {n: compute_dtype for n in shapes},
                         reduce_dtypes={n: reduce_dtype or compute_dtype for n in shapes},
                         shard_size=plan.shard_size, replicate_size=plan.replicate_size,
-                        groups=groups if groups is not None else hook_groups(sorted(plan.owners)),
+                        groups=groups if groups is not None else hook_groups(sorted(owners)),
                         reshard_after_forward=reshard_after_forward)
     G, R = plan.shard_size, plan.replicate_size
-    splits = tuple(split_ns_schedule(
-        sp.param, sp.layout, sp.members, G, R, steps=ns_steps, variant=sp.variant,
-        gram_restart=DEFAULT_GRAM_RESTART if sp.variant == "gram" else None, dtype=split_dtype)
+    table = tuple(ns_coefficient_table("polar_express", ns_steps))
+    cdt = getattr(torch, split_dtype.replace("torch.", ""))
+    splits = tuple(split_step_schedule(       # the executed split: scatter, program, gather
+        sp, G, R, SplitSettings(table, sp.variant, DEFAULT_GRAM_RESTART if sp.variant == "gram"
+                                else None, 1e-7, cdt, torch.float32), torch.float32)
         for sp in plan.splits)
     return dataclasses.replace(prog, splits=splits)
 

@@ -11,7 +11,7 @@ with AdamW's hparams (``lr = adamw_lr``, ``weight_decay = adamw_weight_decay``).
    :class:`~dmuon.stateful.runtime.state.DedicatedState` (``reduced_grads()``: waits for the pending
    reduces; ``None`` for a matrix no rank had a gradient for);
 2. runs :func:`dmuon.functional.muon.update` (``donate=True``) on the masters this rank owns
-   (``owned_masters()``);
+   (``owned_masters()``), the split units' NS on their members (:mod:`.split_step`);
 3. hands the gradients back (``clear_grads()``) and tells the state the masters changed
    (``after_step()``: gathered copies are stale, the next forward broadcasts the new masters; HSDP:
    publishes them to the replicas asynchronously);
@@ -38,7 +38,11 @@ from dmuon.functional import muon_options as fopts
 from dmuon.functional.matrix_view import Batch
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.stateful.optimizer.ns_hook import NSHook
+<<<<<<< HEAD
 from dmuon.stateful.optimizer.state_views import fill_state_views
+=======
+from dmuon.stateful.optimizer.split_step import split_step
+>>>>>>> issue35b
 from dmuon.stateful.modes.ddp import check_backend, unwrap_model
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
@@ -224,6 +228,7 @@ class Muon(torch.optim.Optimizer):
                               ranks=mg.tp_ranks, index=mg.tp_index, executor=rt.executor,
                               all_names=rt.names,
                               control=mg.control, device=rt.device)
+        self._split = split_step(rt, transform, self.muon_hparams())  # split NS: this rank's units
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 
@@ -308,6 +313,13 @@ class Muon(torch.optim.Optimizer):
 
     def _muon_step(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]],
                    zeroed: set[str]) -> list[str]:
+        """:meth:`_owner_step`, and (split NS) this rank's split units, run once per step."""
+        if self._split is None:
+            return self._owner_step(rt, grads, zeroed)
+        return self._split.around(self.muon_hparams(), lambda: self._owner_step(rt, grads, zeroed))
+
+    def _owner_step(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]],
+                    zeroed: set[str]) -> list[str]:
         """Muon on the owned matrices; returns the names stepped (those with a gradient).
 
         ``zeroed``: matrices whose consumed marker the user zeroed since the last step
@@ -353,15 +365,16 @@ class Muon(torch.optim.Optimizer):
         """The variant's chain state on this rank's owned matrices (``transform=``; else None)."""
         return None if self._variant is None else self._variant.state
 
-    def _tp_wrapped(self, ortho: fmuon.Orthogonalize, params: dict[str, torch.Tensor],
-                    grads: dict[str, Optional[torch.Tensor]]) -> fmuon.Orthogonalize:
-        """``ortho``, or (TP) ``ortho`` behind the TP group's gathers and scatters: the update
-        hands it one input per block of each param with a gradient, in ``params``' leaf order."""
-        if self._tp is None:
+    def _tp_wrapped(self, ortho: fmuon.Orthogonalize, params: dict, grads: dict) -> fmuon.Orthogonalize:
+        """``ortho`` behind (TP) the TP group's gathers and scatters or (split NS) this rank's split
+        units: the update hands it one input per block of each param with a gradient, in order."""
+        if self._tp is None and self._split is None:
             return ortho
         views = self._views or {}
         names = [n for n in leaf_paths(params) if grads.get(n) is not None
                  for _ in views.get(n, Batch(0)).blocks(tuple(params[n].shape))]
+        if self._split is not None:
+            return self._split.orthogonalizer(ortho, names)
         return self._tp.orthogonalizer(ortho, names, self._rt.program)
 
     def adamw_local_tensors(self) -> tuple[dict[str, torch.Tensor],

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import datetime
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,7 +47,7 @@ from dmuon.stateful.runtime.param_views import (as_policy, decide_params, dtype_
                                         policy_fingerprint, routing_predicate)
 from dmuon.stateful.modes.meta_init import check_meta_selection, device_of_mesh, replace_meta_params
 from dmuon.stateful.runtime.agree import agree_equal, gather
-from dmuon.stateful.runtime.process_groups import agree_grids, make_process_groups
+from dmuon.stateful.runtime.process_groups import agree_grids, make_process_groups, with_split_groups
 from dmuon.stateful.modes.deferred import (check_materialized, clear_pending, covers_world, defer,
                                      find_pending, should_defer)
 from dmuon.stateful.modes.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
@@ -221,6 +221,7 @@ def dedicate_params(
     policy: Optional[ParamPolicy] = None,
     timeout: Optional[datetime.timedelta] = None,
     data_parallel: str = "fsdp",
+    split_ns: "int | Mapping[str, int]" = 1,
 ) -> dict[nn.Parameter, int]:
     """Dedicate every matrix ``predicate`` selects to one owner rank (collective; before fully_shard).
 
@@ -266,6 +267,14 @@ def dedicate_params(
         every rank keeps every matrix whole, each gradient is averaged to its owner, the owner
         steps it, the new value is broadcast back (:mod:`dmuon.stateful.modes.ddp`);
         ``reshard_after_forward`` does not apply (nothing is gathered).
+      split_ns: split Newton–Schulz (:mod:`dmuon.functional.split_exec`). An int ``k``: the plan
+        may spread the NS of a matrix over up to ``k`` ranks of one node (8 consecutive ranks)
+        where that lowers its largest rank cost (``plan_owners(max_split=k)``; ``dmuon plan
+        --max-split k`` shows its choice and why); 1 (default): never. A mapping ``{name: k}``:
+        split exactly these matrices ``k`` ways (tests, experiments). The matrix stays whole on
+        one rank; its NS input is scattered to the members and the result gathered back, on
+        lane ``"split"``. Not with TP, ``data_parallel="ddp"``, a ``transform=`` chain or lr / wd
+        multipliers on the split matrices (each raises, at setup or at ``dmuon.Muon``).
 
     Returns:
       ``{param: owner global rank}`` for every dedicated param (tied params appear once), a dict
@@ -293,8 +302,20 @@ def dedicate_params(
     kwargs = dict(replicate_mesh=replicate_mesh, hook_boundary_predicate=hook_boundary_predicate,
                   reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                   batch_dims=batch_dims, policy=policy, timeout=timeout,
-                  data_parallel=data_parallel)
+                  data_parallel=data_parallel, split_ns=split_ns)
     return _dedicate(model, mesh, predicate, kwargs)
+
+
+def _split_args(split_ns: Any) -> tuple[int, Optional[dict[str, int]]]:
+    """``(max_split, force_split)`` of ``dedicate_params(split_ns=...)``."""
+    if isinstance(split_ns, Mapping):
+        force = {str(k): v for k, v in split_ns.items()}
+        return max([2, *[v for v in force.values() if isinstance(v, int)]]), force or None
+    if isinstance(split_ns, bool) or not isinstance(split_ns, int) or split_ns < 1:
+        raise ValueError(f"dedicate_params: split_ns must be an int >= 1 (the most ranks one "
+                         f"matrix's Newton–Schulz may be split over; 1: never) or a mapping "
+                         f"{{param name: k}}, got {split_ns!r}")
+    return split_ns, None
 
 
 def finish_deferred(model: nn.Module) -> None:
@@ -317,6 +338,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     reshard_after_forward, mp_policy = kw["reshard_after_forward"], kw["mp_policy"]
     batch_dims, policy, timeout = kw["batch_dims"], kw["policy"], kw["timeout"]
     data_parallel = kw["data_parallel"]
+    max_split, force_split = _split_args(kw.get("split_ns", 1))
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
     if find_state(model) is not None or (find_pending(model) is not None and not finishing):
@@ -374,8 +396,15 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     else:
         grid = ddp_grid(grids[0]) if data_parallel == "ddp" else grids[0]  # raises on all or none
         mesh_groups = make_process_groups(grid=grid, timeout=timeout)
-    plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size)
+    if max_split > 1 and (layouts or data_parallel == "ddp"):
+        raise NotImplementedError(
+            "dedicate_params(split_ns=...): split Newton–Schulz runs with FSDP2 / HSDP only, not "
+            "with tensor parallelism or data_parallel='ddp'; leave split_ns at 1 there")
+    plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size,
+                       max_split=max_split, force_split=force_split)
     _check_fingerprint(policy_fingerprint(plan.fingerprint, pol), mesh_groups)
+    if plan.splits:  # one process group per split unit's members (every rank makes every one)
+        mesh_groups = with_split_groups(mesh_groups, [sp.members for sp in plan.splits])
     _bound_mesh_groups((mesh, replicate_mesh), timeout)
     chosen = localize_tp_params(model, chosen, layouts)  # plain local slices from here on
     meta_shapes = meta_device = None

@@ -22,7 +22,7 @@ CUDA
 
 Participation: shard-axis ops run on every rank (its replica's shard group); replicate-axis ops only
 on the ranks of column ``op.at``; explicit-group ops (lane ``"tp"``: tensor parallelism's NS
-``Gather`` / ``Scatter``) on their ``members``, over this rank's TP group. A rank needs the bucket of
+``Gather`` / ``Scatter``) on their ``members``, over this rank's TP group or (lane ``"split"``) the split unit's group. A rank needs the bucket of
 every op it takes part in.
 
 Semantics caveat (as in the simulator): after a ``Reduce`` only the destination's range is defined;
@@ -45,9 +45,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon.functional.buckets import BucketKey
+<<<<<<< HEAD
 from dmuon.functional.schedule import (LANES, AllReduce, Broadcast, Gather, Op, Reduce, Schedule,
                                        Scatter, op_bytes)
 from dmuon.kernels.streams import side_stream
+=======
+from dmuon.functional.schedule import (LANES, AllGather, AllReduce, Broadcast, Gather, Op, Reduce,
+                                       Schedule, Scatter, op_bytes)
+>>>>>>> issue35b
 from dmuon.stateful.runtime.process_groups import MeshGroups
 
 log = logging.getLogger(__name__)
@@ -127,11 +132,54 @@ def _collective(rec: _Rec) -> Any:
         return dist.all_reduce(rec.view, op=_REDUCE_OPS[op.op], **kw)
     parts = _parts(rec)
     mine = parts[rec.position]
+    # uneven parts (gloo's and NCCL's collectives need equal sizes), or members not in the
+    # group's rank order (the collectives order parts by group rank): explicit peers instead
+    if len({n for _, n in op.parts}) > 1 or list(op.members) != sorted(op.members):
+        return _uneven(rec, parts, mine, kw)
     if isinstance(op, Gather):
         return dist.gather(mine, parts if rec.position == op.root else None, dst=rec.root, **kw)
     if isinstance(op, Scatter):
         return dist.scatter(mine, parts if rec.position == op.root else None, src=rec.root, **kw)
     return dist.all_gather(parts, mine.clone(), **kw)  # AllGather
+
+
+class _Works:
+    """Several work handles as one (an uneven explicit-group op)."""
+
+    def __init__(self, works: list) -> None:
+        self.works = [w for w in works if w is not None]
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> bool:
+        for w in self.works:
+            w.wait()
+        return True
+
+
+def _uneven(rec: _Rec, parts: list, mine: Tensor, kw: dict) -> _Works:
+    """An ``AllGather`` / ``Gather`` / ``Scatter`` with parts of different sizes (or members out of
+    the group's rank order): one broadcast
+    per part (all-gather) or point-to-point sends and receives between the root and each member
+    (gather / scatter): the bytes :func:`~dmuon.functional.schedule.op_bytes` counts."""
+    op, group, me = rec.op, kw["group"], rec.position
+    if isinstance(op, AllGather):
+        return _Works([dist.broadcast(p, src=op.members[j], **kw) for j, p in enumerate(parts)])
+    root = op.root
+    if me != root:
+        fn = dist.isend if isinstance(op, Gather) else dist.irecv
+        peer = {"dst": rec.root} if isinstance(op, Gather) else {"src": rec.root}
+        return _Works([fn(mine, group=group, **peer)])
+    works = []
+    for j, p in enumerate(parts):
+        if j == root or p.numel() == 0:
+            continue
+        if isinstance(op, Gather):
+            works.append(dist.irecv(p, src=op.members[j], group=group))
+        else:
+            works.append(dist.isend(p, dst=op.members[j], group=group))
+    return _Works(works)
 
 
 class Pending:

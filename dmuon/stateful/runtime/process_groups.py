@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -40,7 +41,7 @@ from dmuon.stateful.runtime.agree import gather
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MeshGroups", "make_process_groups", "agree_grid", "agree_grids"]
+__all__ = ["MeshGroups", "make_process_groups", "agree_grid", "agree_grids", "with_split_groups"]
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,8 @@ class MeshGroups:
     #: every TP index's ``grid[r][s]`` (``()`` without TP): the TP group of ``(s, r)`` is
     #: ``[tp_grids[t][r][s] for t]``
     tp_grids: tuple = ()
+    #: split Newton–Schulz: ``{members: group}`` of the split units this rank is a member of
+    split_groups: Mapping[tuple[int, ...], Any] = None  # type: ignore[assignment]
 
     def control_collective(self, what: str, fn: Any) -> Any:
         """Run ``fn(group)`` on the control group; a failure (a timeout: a rank never came)
@@ -108,6 +111,8 @@ class MeshGroups:
         tensor-parallel group."""
         if tuple(members) == tuple(self.tp_ranks) and self.tp_group is not None:
             return self.tp_group
+        if self.split_groups and tuple(members) in self.split_groups:
+            return self.split_groups[tuple(members)]
         raise KeyError(f"no process group for the ranks {list(members)} on rank {self.rank} "
                        f"(its TP group: {list(self.tp_ranks)})")
 
@@ -319,3 +324,20 @@ def _reusable(key: tuple) -> Optional[MeshGroups]:
         del _REUSE[key]
         return None
     return made
+
+
+def with_split_groups(mg: MeshGroups, member_sets: Sequence[Sequence[int]]) -> MeshGroups:
+    """``mg`` plus a process group for each distinct ``members`` tuple of the split units
+    (collective: every rank calls it with the same sets; groups are made in sorted order)."""
+    sets = sorted({tuple(int(x) for x in m) for m in member_sets})
+    if not sets:
+        return mg
+    kw: dict[str, Any] = {}
+    if mg.timeout is not None:
+        kw["timeout"] = mg.timeout
+    made = {}
+    for ranks in sets:
+        pg = dist.new_group(list(ranks), **kw)
+        if mg.rank in ranks:
+            made[ranks] = pg
+    return dataclasses.replace(mg, split_groups=made)

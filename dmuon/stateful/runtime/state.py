@@ -45,6 +45,7 @@ import torch.nn as nn
 from dmuon.functional.buckets import HookGroups
 from dmuon.functional.program import StepProgram, step_program
 from dmuon.functional.schedule import Schedule
+from dmuon.functional.split_plan import runtime_owners
 from dmuon.functional.tp_plan import tp_step_schedule
 from dmuon.functional.policy import resolve_group_dtypes
 from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
@@ -87,17 +88,13 @@ class DedicatedState(PublishMixin):
         self.params: dict[str, nn.Parameter] = dict(params)
         self.names: tuple[str, ...] = tuple(params)
         self.plan = plan
-        self.mesh_groups = mesh_groups
-        self.executor = executor
-        self.hook_groups = groups
-        self.G, self.R = mesh_groups.shard_size, mesh_groups.replicate_size
+        self.mesh_groups, self.executor, self.hook_groups = mesh_groups, executor, groups
+        self.G, self.R, self.rank = mesh_groups.shard_size, mesh_groups.replicate_size, mesh_groups.rank
         self.coord: tuple[int, int] = tuple(mesh_groups.coord)
-        self.rank: int = mesh_groups.rank
-        self.owners: dict[str, tuple[int, int]] = {n: tuple(plan.owner(n)) for n in self.names}
-        self.owner_rank: dict[str, int] = {
-            n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
-        self.owned_names: tuple[str, ...] = tuple(
-            n for n in self.names if self.owners[n] == self.coord)
+        self.owners = {n: tuple(o[n]) for o in [runtime_owners(plan)] for n in self.names}
+        self.split_schedules: tuple[Schedule, ...] = ()  # program.splits (set by dmuon.Muon)
+        self.owner_rank = {n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
+        self.owned_names = tuple(n for n in self.names if self.owners[n] == self.coord)
         self.batch_dims = dict(batch_dims)
         # the policy's decisions (dedicate_params): matrix views (what NS / the lr scale see), where
         # each view came from, and (lr_mult, wd_mult) per param
@@ -250,7 +247,8 @@ class DedicatedState(PublishMixin):
         self.program = step_program(
             self.owners, self.shape, cdt, reduce_dtypes=rdt, master_dtypes=self.master_dtype,
             shard_size=self.G, replicate_size=self.R, groups=self.hook_groups,
-            reshard_after_forward=self.reshard_after_forward, tp=self.tp_schedule())
+            reshard_after_forward=self.reshard_after_forward, tp=self.tp_schedule(),
+            splits=self.split_schedules)
         if self.program.master_layout != self.storage.master_layout:  # pragma: no cover
             raise RuntimeError("dmuon internal error: the step program's master layout differs "
                                "from the storage's")
