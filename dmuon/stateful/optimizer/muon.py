@@ -38,11 +38,8 @@ from dmuon.functional import muon_options as fopts
 from dmuon.functional.matrix_view import Batch
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.stateful.optimizer.ns_hook import NSHook
-<<<<<<< HEAD
-from dmuon.stateful.optimizer.state_views import fill_state_views
-=======
 from dmuon.stateful.optimizer.split_step import split_step
->>>>>>> issue35b
+from dmuon.stateful.optimizer.state_views import fill_state_views
 from dmuon.stateful.modes.ddp import check_backend, unwrap_model
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry

@@ -45,14 +45,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from dmuon.functional.buckets import BucketKey
-<<<<<<< HEAD
-from dmuon.functional.schedule import (LANES, AllReduce, Broadcast, Gather, Op, Reduce, Schedule,
-                                       Scatter, op_bytes)
-from dmuon.kernels.streams import side_stream
-=======
 from dmuon.functional.schedule import (LANES, AllGather, AllReduce, Broadcast, Gather, Op, Reduce,
                                        Schedule, Scatter, op_bytes)
->>>>>>> issue35b
+from dmuon.kernels.streams import side_stream
 from dmuon.stateful.runtime.process_groups import MeshGroups
 
 log = logging.getLogger(__name__)
