@@ -35,6 +35,7 @@ import torch
 from torch import Tensor
 
 from dmuon.functional import state_dtype as sd
+from dmuon.kernels.streams import side_stream
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +68,8 @@ class MomentumStorage:
         """Set the masters' device (and, offloading on CUDA, the side stream of the copies)."""
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
-        self._stream = torch.cuda.Stream(self.device) if (self.offload and self._cuda) else None
+        self._stream = (side_stream(self.device, "state_offload") if (self.offload and self._cuda)
+                        else None)
 
     @property
     def identity(self) -> bool:
