@@ -195,34 +195,6 @@ def test_engine_fp16_range_lift_on_large_rowscaled():
     assert _rel(lifted, ref) < 0.8 * _rel(plain, ref), (_rel(lifted, ref), _rel(plain, ref))
 
 
-def test_a_dropped_engine_collected_during_a_capture_does_not_break_it():
-    """A model rebuilt in one process: the old model's engine (its captured graphs and their
-    private pool) is garbage in a reference cycle, and Python's gc may run at any allocation --
-    also inside the new engine's capture, where freeing a graph's pool tripped torch's
-    allocator (``use_count > 0`` INTERNAL ASSERT, seen in the demo's second model): the capture
-    failed and NS ran eagerly. Now the capture keeps gc off; the new engine captures."""
-    import gc
-    xs = [torch.randn(256, 512, device="cuda") for _ in range(2)]
-    thresholds = gc.get_threshold()
-    try:
-        for _ in range(3):
-            old = NSEngine()
-            old.orthogonalize(xs)
-            assert old.mode(xs) == "graph"
-            cycle = [old]
-            cycle.append(cycle)  # only gc frees it
-            del old, cycle
-            gc.set_threshold(1, 1, 1)  # a collection at (nearly) every allocation
-            new = NSEngine()
-            new.orthogonalize(xs)
-            gc.set_threshold(*thresholds)
-            assert new.mode(xs) == "graph"
-            del new
-    finally:
-        gc.set_threshold(*thresholds)
-        gc.collect()
-
-
 def test_side_streams_are_made_once_per_process():
     """A stream that ran a matmul keeps a cuBLAS workspace (32 MiB on Hopper) for the life of
     the process: engines and executors built for successive models must reuse theirs."""

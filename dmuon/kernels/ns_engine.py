@@ -51,7 +51,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from dmuon.kernels.streams import no_gc, side_stream
+from dmuon.kernels.streams import side_stream
 from dmuon.newton_schulz.coefficients import ns_coefficient_table
 from dmuon.newton_schulz.config import NSConfig
 from dmuon.newton_schulz.iteration import (default_ns_dtype, default_range_lift,
@@ -114,13 +114,12 @@ def _capture(fn, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
     # Python's gc stays off while capturing: a collection would free a dropped model's graphs
     # (their private pools) in the middle of this capture, which torch's allocator asserts on
     # ("use_count > 0", seen when a model was rebuilt in one process)
-    with no_gc():
-        with torch.cuda.stream(stream):
-            g.capture_begin(pool, capture_error_mode="thread_local")
-            try:
-                fn()
-            finally:
-                g.capture_end()
+    with torch.cuda.stream(stream):
+        g.capture_begin(pool, capture_error_mode="thread_local")
+        try:
+            fn()
+        finally:
+            g.capture_end()
     torch.cuda.current_stream(stream.device).wait_stream(stream)
     return g
 

@@ -9,36 +9,15 @@ alive at once may share them; each thread (a rank of a threaded world) has its o
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import threading
-from typing import Iterator, Union
+from typing import Union
 
 import torch
 
-__all__ = ["side_stream", "no_gc"]
+__all__ = ["side_stream"]
 
 _STREAMS: dict[tuple, "torch.cuda.Stream"] = {}
 _LOCK = threading.Lock()
-_NO_GC = [0, False]  # open no_gc() blocks, and whether gc was on before the first
-
-
-@contextlib.contextmanager
-def no_gc() -> Iterator[None]:
-    """Python's gc off inside the block (nested and across threads: on again after the last
-    block ends, if it was on before the first)."""
-    with _LOCK:
-        if _NO_GC[0] == 0:
-            _NO_GC[1] = gc.isenabled()
-            gc.disable()
-        _NO_GC[0] += 1
-    try:
-        yield
-    finally:
-        with _LOCK:
-            _NO_GC[0] -= 1
-            if _NO_GC[0] == 0 and _NO_GC[1]:
-                gc.enable()
 
 
 def side_stream(device: Union[torch.device, int, None], role: str, *,
