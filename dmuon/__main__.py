@@ -88,11 +88,14 @@ def _state_per_rank(plan, entries, args) -> dict:
     from dmuon.functional.specs import dtype_from_str
     from dmuon.functional.state_dtype import check_state_dtype
 
+    from dmuon.functional.split_plan import runtime_owners
+
     dt = check_state_dtype(args.momentum_dtype, "--momentum-dtype")
+    owners = runtime_owners(plan)  # a split matrix's state: whole on its runtime owner
     per: dict = {}
     for n, (shape, dtype) in entries.items():
         work = "torch.float64" if dtype_from_str(dtype).itemsize > 4 else "torch.float32"
-        per.setdefault((plan.owners[n], work), {})[n] = math.prod(shape)
+        per.setdefault((owners[n], work), {})[n] = math.prod(shape)
     by_rank: dict = {}
     for (coord, work), numels in per.items():
         by_rank[coord] = by_rank.get(coord, 0) + owner_state_bytes(numels, dt, working=work)
