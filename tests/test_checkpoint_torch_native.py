@@ -202,6 +202,7 @@ def _load_side(rank, world, cfg, tmp):
     return out
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_optimizer_state_dicts_resume_on_another_topology(tmp_path):
     """4 ranks HSDP 2x2 save, 2 ranks 1-D load; each resume equals the uninterrupted run."""
     want = run_ranks(_save_side, 4, {"hsdp": True}, str(tmp_path), timeout=150)[0]

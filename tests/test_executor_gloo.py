@@ -94,7 +94,8 @@ def _check_equal(got, want, exact):
 
 
 @pytest.mark.parametrize("G,R,seed", [pytest.param(2, 1, 0, marks=pytest.mark.slow),
-                                       pytest.param(4, 1, 1, marks=pytest.mark.slow), (2, 2, 2)])
+                                       pytest.param(4, 1, 1, marks=pytest.mark.slow),
+                                       pytest.param(2, 2, 2, marks=pytest.mark.slow)])
 def test_gloo_executor_matches_simulator(G, R, seed):
     layout, _, _, _ = random_layout(seed, G=G, R=R, n_layers=2)
     W = G * R

@@ -9,6 +9,8 @@
 """
 from __future__ import annotations
 
+import pytest
+
 import importlib.util
 from pathlib import Path
 
@@ -98,6 +100,7 @@ def _reference():
     return model.state_dict()
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_multimodal_boundary_predicate():
     results = run_ranks(_worker, 2, timeout=120)
     vision_blocks = [f"vision_tower.encoder.layers.{s}.blocks.{b}" for s in (0, 1) for b in (0, 1)]

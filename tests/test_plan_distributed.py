@@ -8,6 +8,8 @@ gives every rank the same environment, and the hash seed must differ per rank at
 """
 from __future__ import annotations
 
+import pytest
+
 import datetime
 import os
 import queue as _queue
@@ -58,6 +60,7 @@ def _worker(rank: int, rdzv: str, q) -> None:
         q.put(("error", rank, traceback.format_exc()))
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_plan_identical_across_4_gloo_ranks(tmp_path):
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

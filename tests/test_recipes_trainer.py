@@ -162,6 +162,7 @@ def test_trainer_recipe_clips_saves_and_reloads(preempted, ref):
     assert all("dmuon_ns_ms" in h for h in _steps(run)), run["log_history"]
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_trainer_resume_on_one_process(preempted, ref):
     """2 ranks -> 1 process, global batch kept (4 per micro-batch): Trainer's own resume."""
     import torch

@@ -152,6 +152,7 @@ def test_moe_experts_without_tokens_2_ranks(references):
     _check(run_ranks(_worker, 2, MOE_2, timeout=120), MOE_2, references)
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_moe_experts_without_tokens_4_ranks_and_hsdp(references):
     _check(run_ranks(_worker, 4, MOE_4, timeout=120), MOE_4, references)
 

@@ -245,6 +245,7 @@ def _resume(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_tp_checkpoint_resume_and_unsupported_paths():
     """Full model + optimizer dicts of a TP run (dmuon's API) resume exactly in a fresh model;
     torch's own state-dict protocols and DCP refuse TP-sliced matrices on every rank."""

@@ -22,6 +22,7 @@ def _check(cfg: dict, results: list) -> None:
             assert diff <= 1e-10, (cfg, r, out["norms"], ref["norms"])
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_tp_clip_with_a_dedicated_matrix_without_tp():
     """lm_head selected by the predicate but not parallelized, TP on the blocks, then
     dmuon.clip_grad_norm_ every step: the norm and the weights equal torch's clip of the

@@ -4,6 +4,8 @@ deliberately broken (one owner's master perturbed inside the step, one rank's Ad
 rank-dependent hyper-parameters)."""
 from __future__ import annotations
 
+import pytest
+
 from dist_utils import catch, run_ranks
 
 
@@ -99,6 +101,7 @@ def _worker(rank, world):
     return out
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_verify_step_world2():
     res = run_ranks(_worker, 2, timeout=60)
     for z3 in (True, False):

@@ -72,6 +72,7 @@ def _ref_views(kind):
     return out
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_views_on_two_ranks():
     """One spawned group: MoE experts per expert (tests/test_views_moe.py), a 3-D param outside
     experts raising on every rank, QK-clip on 2 ranks (tests/test_qk_clip.py), per-head / split /
