@@ -398,6 +398,7 @@ def _results(stage, prefix=""):
     return {k: v for k, v in stage[0].items() if isinstance(v, dict) and k.startswith(prefix)}
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_same_topology_resume_is_bitwise(stage_c):
     res = _results(stage_c)
     for key in ("g4->g4:full", "hsdp->hsdp:dcp"):
@@ -412,6 +413,7 @@ def test_resume_on_fewer_ranks(stage_b, key):
     assert r["rel"] <= 1e-12 and r["lrs"] == NEW_LR, r
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 @pytest.mark.parametrize("key", ["hsdp->g4:full", "hsdp->g4:dcp", "g2->g4:dcp", "g4->hsdp:full"])
 def test_resume_on_more_ranks_and_hsdp(stage_c, key):
     r = _results(stage_c)[key]
@@ -431,6 +433,7 @@ def test_rank0_only_keeps_the_dict_on_rank0(stage_a):
     assert all(out["hsdp:rank0_only_empty"] for out in stage_a[1:])
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_sharded_checkpoint_never_gathers(stage_a, stage_b, stage_c):
     for stage, world in ((stage_a, 4), (stage_b, 2)):
         for topo in {k.split(":")[0] for k in stage[0] if k.endswith(":save")}:

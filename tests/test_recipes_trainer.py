@@ -226,6 +226,7 @@ def _seeds_args_worker(rank, world, out_dir):
                                              ex.tiny_llama().double().lm_head.weight.detach())}
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_seeds_arguments_on_cpu_ranks_raise(tmp_path):
     """Before: each rank trained alone on all 4 samples (2 steps each, identical batches), both
     writing checkpoints as process 0. Now: ValueError naming use_cpu=True, on every rank, before

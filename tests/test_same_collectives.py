@@ -167,6 +167,7 @@ def test_the_reference_skips_experts_no_rank_routed_to():
         assert set(expert_routes(rows[:, :-1], E, 1).unique().tolist()) == {r}
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_any_forward_output_world_1(references):
     res = run_ranks(_worker, 1, STACK_1, timeout=120)
     _check(res, STACK_1, references)

@@ -79,8 +79,9 @@ def rank_step_traffic(rt) -> dict:
     return tr.for_rank(r * prog.shard_size + s)
 
 
-@pytest.mark.parametrize("cfg", [{"z3": True, "root_proj": True}, {"hsdp": True, "z3": False}],
-                         ids=["z3-root-group", "hsdp-z2"])
+@pytest.mark.parametrize("cfg", [pytest.param({"z3": True, "root_proj": True}, id="z3-root-group"),
+                                 pytest.param({"hsdp": True, "z3": False}, id="hsdp-z2",
+                                              marks=pytest.mark.slow)])
 def test_runtime_runs_the_program(cfg):
     results = run_ranks(_worker, 4, cfg, timeout=300)
     for r, out in enumerate(results):

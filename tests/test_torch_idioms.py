@@ -182,6 +182,7 @@ def test_nan_names_the_rank_that_computed_it(res2):
         assert "computed by the backward of ranks [1]" in msg, msg
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_step_twice_raises_the_same_error_on_1d_and_hsdp(res2):
     res4 = run_ranks(_worker4, 4, timeout=120)
     msgs = set()

@@ -10,6 +10,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 
 from dmuon.compat import torch_api as compat
 
@@ -85,6 +87,7 @@ def test_newer_torch_warns_and_runs():
     assert "PATCHED True" in out and "STEPPED 2" in out, out
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_newer_torch_without_a_wrapped_private_api_raises_naming_it():
     out = _run("2.99.0", before_import="""
         import torch.distributed.fsdp._fully_shard._fsdp_init as init
@@ -97,6 +100,7 @@ def test_newer_torch_without_a_wrapped_private_api_raises_naming_it():
     assert "2.99.0" in raised and "2.15" in raised, out
 
 
+@pytest.mark.slow  # the default tier's 600 s budget; the slow tier runs it
 def test_older_torch_still_refuses():
     out = _run("2.10.0")
     assert "WARN 1" in out and "PATCHED False" in out, out
