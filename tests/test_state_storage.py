@@ -106,6 +106,13 @@ def _ckpt_checks(rank, world):
         params = opt.dedicated_state.params
         out[f"{key}_state_view_equal"] = all(
             torch.equal(opt.state[params[n]]["momentum_buffer"].to(mom[n]), mom[n]) for n in mom)
+        if key == "fp8" and mom:  # a write into that copy could not reach the fp8 state: raises
+            try:
+                opt.state[params[next(iter(mom))]]["momentum_buffer"].zero_()
+                out["fp8_view_write"] = "silently accepted"
+            except RuntimeError as e:
+                out["fp8_view_write"] = str(e)
+            opt.refresh_state_views()
         osd = opt.state_dict()
         ckpt_dtypes = {str(e["momentum_buffer"].dtype) for e in osd["state"].values()
                        if "momentum_buffer" in e}
@@ -197,6 +204,8 @@ def test_checkpoints_store_state_in_its_dtype(results):
         c = results[rank]["ckpt"]
         for key in ("fp8", "bf16", "offload", "fp8_offload"):
             assert c[f"{key}_state_view_equal"], (rank, key)
+        if "fp8_view_write" in c:  # the rank owns a matrix
+            assert "Inplace update to inference tensor" in c["fp8_view_write"], c["fp8_view_write"]
         for key, dt in (("fp8", "torch.float8_e4m3fn"), ("bf16", "torch.bfloat16"),
                         ("offload", "torch.float32")):
             assert c[f"{key}_stored_dtypes"], key

@@ -21,7 +21,10 @@ def fill_state_views(opt: Any, views: dict) -> None:
                                 else opt.num_steps))
     mom = opt.muon_state.momentum if opt.muon_state else {}
     if mom and opt._storage.scales:  # 8-bit floats: the data alone is the value / the scale
-        mom = opt._storage.values(mom, opt._rt.owned_masters())  # (a decoded copy, bf16 exact)
+        # a decoded copy (bf16, exact), made an inference tensor so that an in-place write to it
+        # (which could never reach the stored fp8 momentum) raises instead of being lost
+        with torch.inference_mode():
+            mom = opt._storage.values(mom, opt._rt.owned_masters())
     own = ({"momentum_buffer": mom}
            if opt._variant is None else  # a variant: each field by its key
            {f.key: opt._variant.field_values(f.key) for f in opt._variant.fields})
