@@ -203,3 +203,21 @@ def test_side_streams_are_made_once_per_process():
     assert NSEngine()._capture_stream(torch.device("cuda", 0)) is a
     assert side_stream(0, "lane:unshard", high_priority=True) is side_stream(
         torch.device("cuda"), "lane:unshard", high_priority=True)
+
+
+def test_capture_after_the_pools_last_graph_was_dropped():
+    """A program evicted from the LRU drops its graph; when that was the shared pool's last graph,
+    the next capture into the pool must still work (a bare ``graph_pool_handle`` made torch's
+    allocator assert ``use_count > 0`` there, and NS ran eagerly for the rest of training)."""
+    eng = NSEngine()
+    eng.max_programs = 1
+    g = torch.Generator(device="cuda").manual_seed(3)
+    modes, kept = [], []  # kept alive: new buffers at new addresses, i.e. new programs
+    for _ in range(3):  # three buffer sets, each captured at its second call, then evicted
+        xs = [torch.randn(2, 64, 128, device="cuda", generator=g)]
+        kept.append(xs)
+        for _ in range(3):
+            eng.orthogonalize_(xs, batch_dims=1)
+        modes.append(eng.last_mode)
+        torch.cuda.synchronize()
+    assert len(eng._inplace) == 1 and modes == ["graph"] * 3, modes

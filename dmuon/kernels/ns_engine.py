@@ -306,6 +306,7 @@ class NSEngine:
         self._pools: dict = {}
         self._programs: dict = {}
         self._inplace: dict = {}          # orthogonalize_ programs by storage key, LRU order
+        self._retired_graphs: list = []   # graphs of evicted programs (:meth:`_retire`)
         self.max_programs = 4
         # Capturing costs about one NS run of host time and its pool holds workspace memory: a
         # bound, whatever the callers' buffers do.
@@ -314,6 +315,17 @@ class NSEngine:
         self.last_mode = "none"           # "graph" / "eager" of the last orthogonalize_ call
         self._last_inplace_key: Optional[tuple] = None
         self.timer: Optional[NSTimer] = None  # where __call__ records its spans, if anywhere
+
+    def _retire(self, prog: "_Program") -> None:
+        """Drop an evicted program but keep its CUDA graph (never replayed again) while the engine
+        lives. The graphs share one memory pool; when a pool's last graph dies while the pool
+        still holds blocks, torch's device and host allocators assert (``use_count > 0``) at the
+        next capture into it, and NS would run eagerly for the rest of training (measured on the
+        H200, torch 2.11). The kept graphs cost no memory of their own (the pool is shared) and are
+        bounded by ``max_inplace_captures``; the program's tensors are released."""
+        if prog.graph is not None:
+            self._retired_graphs.append(prog.graph)
+        prog.graph = None
 
     def _capture_stream(self, device: torch.device) -> torch.cuda.Stream:
         """The process's NS capture stream of ``device`` (:func:`~dmuon.kernels.streams.side_stream`:
@@ -459,7 +471,7 @@ class NSEngine:
             prog()
         self._inplace[key] = prog
         while len(self._inplace) > self.max_programs:
-            self._inplace.pop(next(iter(self._inplace)))
+            self._retire(self._inplace.pop(next(iter(self._inplace))))
         self.last_mode = prog.mode
         return tensors
 
