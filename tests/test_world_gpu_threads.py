@@ -38,7 +38,15 @@ def configs(device: str, world: int) -> list[dict]:
     ]
     if world == 4:
         cfgs.append(dict(id="hsdp", device=device, hsdp=True, batch=8, ns_modes=True))
+        # split Newton-Schulz (issue 35): its explicit-group gathers / scatters on the lane streams
+        cfgs.append(dict(id="split", device=device, steps=2, batch=8,
+                         dedicate_kw={"split_ns": dict(SPLIT_FORCE)}))
     return cfgs
+
+
+#: matrices of the harness model split over 3, 2 and 4 ranks (as ``tests/test_split_exec.py``)
+SPLIT_FORCE = {"layers.0.mlp.gate_proj.weight": 3, "layers.1.mlp.down_proj.weight": 2,
+               "layers.0.self_attn.q_proj.weight": 4}
 
 
 def _worker(rank: int, world: int, cfgs: list) -> dict:
@@ -59,6 +67,10 @@ def check(world: int, device: str) -> dict:
             assert err <= tol, (cfg["id"], rank, err, where)
             for a, b in zip(res["norms"], ref["norms"]):
                 assert abs(a - b) <= 1e-10 * abs(b), (cfg["id"], rank, a, b)
+            if cfg["id"] == "split":  # the split units ran, their bytes as the program says
+                assert res["split_units"] == sorted(SPLIT_FORCE), (rank, res["split_units"])
+                want = res["program_counters"]["split"]
+                assert res["counters"]["split"] == {k: cfg["steps"] * v for k, v in want.items()}
     return results
 
 

@@ -48,7 +48,7 @@ _INSTALLED: list = []
 
 
 def install() -> Any:
-    """Add ``reduce`` and the stream fencing to torch's multi-threaded process group (once)."""
+    """Add ``reduce``, ``send`` / ``recv`` and the stream fencing to torch's multi-threaded process group (once)."""
     from torch.testing._internal.distributed import multi_threaded_pg as mtp
     if _INSTALLED:
         return mtp
@@ -103,7 +103,37 @@ def install() -> Any:
                 torch.cuda.current_stream().wait_event(self._finished)
             return out
 
+    import queue
+    import threading
+    mailboxes: dict = {}
+    boxes_lock = threading.Lock()
+
+    def _box(pg: Any, src: int, dst: int, tag: int) -> "queue.Queue":
+        with boxes_lock:
+            return mailboxes.setdefault((pg.pg_name, src, dst, tag), queue.Queue())
+
+    def send(self, tensors, dst, tag=0):
+        """Point-to-point send: the data is copied now (after the sender's stream reached this
+        point) and queued for the receiver; never blocks."""
+        copies = []
+        for t in tensors:
+            c = t.detach().clone()
+            if c.is_cuda:
+                torch.cuda.current_stream().synchronize()
+            copies.append(c)
+        _box(self, self._rank, dst, tag).put(copies)
+        return mtp.ret_work(tensors)
+
+    def recv(self, tensors, src, tag=0):
+        """Point-to-point receive: blocks until the matching send was made (bounded)."""
+        got = _box(self, src, self._rank, tag).get(timeout=120)
+        for t, c in zip(tensors, got):
+            t.detach().copy_(c.to(t.device))
+        return mtp.ret_work(tensors)
+
     mtp.ProcessLocalGroup.reduce = reduce
+    mtp.ProcessLocalGroup.send = send
+    mtp.ProcessLocalGroup.recv = recv
     mtp.Collective = Fenced
     _INSTALLED.append(True)
     return mtp
