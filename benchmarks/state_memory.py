@@ -7,8 +7,9 @@ step time (median of CUDA-event-timed steps) and peak allocated memory, the stat
 steps (``memory_phases.static_parts``: params, Muon momentum, AdamW moments, on the device), the
 owners' Muon state bytes as the optimizer holds them (device / host) next to the plan's number
 (:func:`dmuon.functional.memory_model.rank_memory`), and (``--largest``) the largest Llama-shaped
-model the config trains at B1 x T2048: the most layers of the 1.1B's width for which two steps
-run without running out of memory (doubling, then bisection; one subprocess per try).
+model the config trains at B1 x T2048: the most layers of the 1.1B's width that run without
+running out of memory (two shallow probes predict it, tries around the prediction find the
+boundary; one subprocess per try).
 
     python benchmarks/state_memory.py --out benchmarks/results/state_memory_h200.json
     python benchmarks/state_memory.py --tiny --out /tmp/sm.json       # CPU smoke test (gloo)
@@ -77,7 +78,13 @@ def child(a) -> dict:
     if a.layers is not None:
         try:
             r = sw.run_config(cfg, kind, device, mesh, 1, 1, 0, a.model, kw)
-            return {"fits": True, "peak_allocated_gib": r.get("peak_allocated_gib")}
+            if device.type == "cuda":
+                total, peak = torch.cuda.mem_get_info(device)[1], r["peak_allocated_gib"]
+            else:  # CPU smoke test: parameter bytes stand in for the peak (no allocator counter)
+                model, _ = sw.build(cfg, kind, device, mesh, a.model, kw)
+                total = a.tiny_capacity_gib * 2**30
+                peak = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+            return {"fits": True, "peak_allocated_gib": peak, "device_total_gib": total / 2**30}
         except torch.OutOfMemoryError as e:
             return {"fits": False, "error": str(e).splitlines()[0]}
     r = sw.run_config(cfg, kind, device, mesh, a.warmup, a.steps, 0, a.model, kw)
@@ -108,24 +115,46 @@ def _spawn(a, config: str, layers: int | None = None) -> dict:
 
 
 def largest(a, config: str) -> dict:
-    """The most layers (of the model's width) that train at B1 x T2048: doubling, then bisection,
-    up to ``--max-layers``."""
-    fits, tries, n = 0, {}, 1
-    while n <= a.max_layers:
-        tries[n] = _spawn(a, config, n)
-        if not tries[n]["fits"]:
+    """The most layers (of the model's width) that train at B1 x T2048, found with few tries: the
+    peak allocated memory of two shallow probes (``--probe-layers``) fits ``peak = a + b * layers``
+    (every layer is the same); the fit predicts the depth at which the peak reaches the device's
+    memory; tries at the prediction and one layer deeper, then steps by one layer (at most
+    ``--max-tries`` tries) until the boundary is seen: deepest fitting depth + first failing one."""
+    lo_l, hi_l = a.probe_layers
+    tries = {n: _spawn(a, config, n) for n in (lo_l, hi_l)}
+    if not all(t["fits"] for t in tries.values()):
+        raise RuntimeError(f"{config}: a probe depth does not fit: {tries}")
+    p0, p1 = tries[lo_l]["peak_allocated_gib"], tries[hi_l]["peak_allocated_gib"]
+    slope = (p1 - p0) / (hi_l - lo_l)
+    cap = tries[hi_l]["device_total_gib"]
+    predicted = int(lo_l + (cap - p0) / slope) if slope > 0 else a.max_layers
+    n = max(hi_l, min(predicted, a.max_layers))
+    fits = None  # deepest depth seen to fit / shallowest seen to fail
+    first_fail = None
+    for _ in range(a.max_tries):
+        if n in tries:
             break
-        fits, n = n, n * 2
-    hi = min(n, a.max_layers + 1)
-    while hi - fits > 1:
-        mid = (fits + hi) // 2
-        tries[mid] = _spawn(a, config, mid)
-        fits, hi = (mid, hi) if tries[mid]["fits"] else (fits, mid)
+        tries[n] = _spawn(a, config, n)
+        if tries[n]["fits"]:
+            fits = n if fits is None else max(fits, n)
+            if first_fail is not None and n + 1 >= first_fail:
+                break
+            n += 1
+        else:
+            first_fail = n if first_fail is None else min(first_fail, n)
+            if fits is not None and fits + 1 >= n:
+                break
+            n -= 1
+    fitting = [k for k, t in tries.items() if t["fits"]]
+    best = max(fitting)
+    failing = [k for k, t in tries.items() if not t["fits"] and k > best]
     c = sw.TINY if a.tiny else sw.Cfg()
     h, kv = c.hidden, c.hidden * c.kv_heads // c.heads
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * c.inter + 2 * h  # q, o; k, v; MLP; norms
-    return {"layers": fits, "capped": fits >= a.max_layers,
-            "params_billion": (fits * per_layer + 2 * c.vocab * h + h) / 1e9,
+    return {"layers": best, "boundary_seen": bool(failing) and min(failing) == best + 1,
+            "capped": best >= a.max_layers, "predicted_layers": predicted,
+            "peak_per_layer_gib": slope, "peak_at_zero_layers_gib": p0 - slope * lo_l,
+            "params_billion": (best * per_layer + 2 * c.vocab * h + h) / 1e9,
             "tries": {str(k): v for k, v in sorted(tries.items())}}
 
 
@@ -140,6 +169,11 @@ def main() -> None:
     ap.add_argument("--largest", action="store_true",
                     help="also search the largest model each config trains at B1 x T2048")
     ap.add_argument("--max-layers", type=int, default=256)
+    ap.add_argument("--probe-layers", type=int, nargs=2, default=(2, 6),
+                    help="--largest: the two shallow depths whose peaks predict the largest")
+    ap.add_argument("--max-tries", type=int, default=5,
+                    help="--largest: tries around the predicted depth")
+    ap.add_argument("--tiny-capacity-gib", type=float, default=1.0, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     ap.add_argument("--layers", type=int, help=argparse.SUPPRESS)

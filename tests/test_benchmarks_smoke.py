@@ -76,15 +76,17 @@ def test_state_memory_tiny_writes_results(tmp_path):
     out = tmp_path / "sm.json"
     _run("state_memory.py", "--tiny", "--model", "llama", "--configs",
          "adamw,dmuon_fp8,dmuon_offload", "--warmup", "1", "--steps", "1", "--largest",
-         "--max-layers", "1", "--out", str(out), timeout=600)
+         "--probe-layers", "1", "2", "--max-layers", "3", "--max-tries", "1", "--out", str(out), timeout=600)
     d = json.loads(out.read_text())
     for key in ("date", "machine", "torch", "results", "largest", "summary"):
         assert key in d, key
     for c in ("dmuon_fp8", "dmuon_offload"):
         r = d["results"][c]
         assert r["muon_state_held_bytes"] == r["muon_state_planned_bytes"], r
+    for c, big in d["largest"].items():  # probes at 1 and 2 layers, the prediction capped at 3
+        assert big["layers"] == 3 and big["capped"] and big["peak_per_layer_gib"] > 0, (c, big)
+        assert sorted(big["tries"]) == ["1", "2", "3"], (c, big["tries"])
     assert d["results"]["dmuon_offload"]["muon_state_held_bytes"]["device"] == 0
-    assert d["largest"]["adamw"]["layers"] == 1 and d["largest"]["dmuon_fp8"]["capped"]
 
 
 @pytest.mark.slow
