@@ -1,0 +1,109 @@
+"""One collective per bucket (``dedicate_params(collectives="per_bucket")``) on real gloo meshes.
+
+A hook group's forward gather is one shard-axis all-gather (each rank contributes its column's
+bucket, padded to the largest) and its gradient reduce one reduce-scatter (padded likewise),
+instead of one broadcast / reduce per owner column. Checked, fp64, in one spawned group per world
+size (several configs each):
+
+* training equals the single-process reference (≤ 1e-10 relative) and the per-owner style;
+* the executor's gloo counters equal the step program's traffic (``op_bytes``: padding counted);
+* the program records the style per hook group;
+* 2 ranks: Z3 (re-gather in the same style), Z2; 4 ranks: HSDP 2 x 2 Z3 (stage-2 replicate
+  reduces after the reduce-scatter), and split NS of one matrix;
+* ``data_parallel="ddp"`` with ``collectives="per_bucket"`` raises on every rank, naming the fix.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from dist_utils import catch, run_ranks
+from stateful_harness import distributed_run, max_rel_err, reference_run
+
+TOL = 1e-10
+STEPS = 3
+
+
+def _worker(rank: int, world: int, cfgs: list) -> dict:
+    out = {}
+    for cfg in cfgs:
+        t = time.perf_counter()
+        if cfg.get("expect_error"):
+            out[cfg["id"]] = {"err": catch(lambda: distributed_run(rank, world, cfg))}
+            continue
+        res = distributed_run(rank, world, cfg)
+        res["seconds"] = time.perf_counter() - t
+        from dmuon.stateful.runtime.state import get_state  # noqa: F401 - imported for workers
+        out[cfg["id"]] = res
+    return out
+
+
+def _styles(res: dict) -> set:
+    return set(res.get("collective_styles", {}).values())
+
+
+def _check(results: list, cfgs: list) -> None:
+    refs: dict = {}
+    for cfg in cfgs:
+        if cfg.get("expect_error"):
+            continue
+        key = tuple(sorted((k, v) for k, v in cfg.items()
+                           if k in ("batch", "steps", "clip", "mha")))
+        if key not in refs:
+            refs[key] = reference_run(cfg)
+        ref = refs[key]
+        for rank, out in enumerate(results):
+            res = out[cfg["id"]]
+            err, where = max_rel_err(res["sd"], ref["sd"])
+            assert err <= TOL, (cfg["id"], rank, err, where)
+            for lane in ("unshard", "reduce", "replicate"):
+                assert res["counters"][lane] == {k: cfg.get("steps", 10) * v for k, v in
+                                                 res["program_counters"][lane].items()}, \
+                    (cfg["id"], rank, lane)
+
+
+CFG_2 = [dict(id="per_owner_z3", steps=STEPS, dedicate_kw={"collectives": "per_owner"}),
+         dict(id="per_bucket_z3", steps=STEPS, clip=0.5,
+              dedicate_kw={"collectives": "per_bucket"}),
+         dict(id="per_bucket_z2", steps=STEPS, z3=False,
+              dedicate_kw={"collectives": "per_bucket"}),
+         dict(id="ddp_per_bucket", steps=1, fsdp=False, expect_error=True,
+              dedicate_kw={"collectives": "per_bucket", "data_parallel": "ddp"})]
+
+
+@pytest.mark.xfail(strict=True, reason="collectives='per_bucket' is not implemented yet")
+def test_per_bucket_two_ranks_equals_reference_and_counts_exact_bytes():
+    results = run_ranks(_worker, 2, CFG_2, timeout=240)
+    _check(results, CFG_2)
+    for out in results:
+        assert _styles(out["per_bucket_z3"]) == {"per_bucket"}
+        assert _styles(out["per_owner_z3"]) == {"per_owner"}
+        # the same values, the same order: the per-bucket run equals the per-owner run bitwise
+        # where the clip does not differ (z3 without clip vs with: compare z2 and z3 to the ref)
+        a, b = out["per_owner_z3"]["sd"], out["per_bucket_z2"]["sd"]
+        assert max_rel_err(b, a)[0] <= TOL
+        kind, msg = out["ddp_per_bucket"]["err"]
+        assert kind == "ValueError", out["ddp_per_bucket"]["err"]
+        assert "per_bucket" in msg and "ddp" in msg
+    # the all-gather moves padded parts: more bytes than the broadcasts whenever columns differ
+    r0 = results[0]
+    pb = r0["per_bucket_z3"]["program_counters"]["unshard"]
+    po = r0["per_owner_z3"]["program_counters"]["unshard"]
+    assert pb["collectives"] < po["collectives"]
+
+
+CFG_4 = [dict(id="hsdp_per_bucket_z3", steps=STEPS, hsdp=True, batch=8,
+              dedicate_kw={"collectives": "per_bucket"}),
+         dict(id="w4_per_bucket_split", steps=STEPS, batch=8,
+              dedicate_kw={"collectives": "per_bucket",
+                           "split_ns": {"layers.0.mlp.up_proj.weight": 2}})]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="collectives='per_bucket' is not implemented yet")
+def test_per_bucket_four_ranks_hsdp_and_split_equal_reference():
+    results = run_ranks(_worker, 4, CFG_4, timeout=300)
+    _check(results, CFG_4)
+    for out in results:
+        assert _styles(out["hsdp_per_bucket_z3"]) == {"per_bucket"}
