@@ -129,7 +129,8 @@ def _cmd_project(args: argparse.Namespace) -> int:
         machine = dataclasses.replace(machine, gpus_per_node=args.gpus_per_node)
     setup = StepSetup(preset, args.shard, args.replicate, micro_batch=args.micro_batch, seq=args.seq,
                       fsdp_reshard=args.fsdp_mode == "z3", dmuon_reshard=args.mode == "z3",
-                      reduce_bytes=args.reduce_bytes, max_split=args.max_split, ns_steps=args.ns_steps)
+                      reduce_bytes=args.reduce_bytes, max_split=args.max_split, ns_steps=args.ns_steps,
+                      collectives=args.collectives)
     projections = [project_step(setup, machine, d) for d in args.designs.split(",")]
     summ = projection_summary(setup, machine, projections)
     summ["sensitivity"] = sensitivity(setup, machine, projections)
@@ -213,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split a matrix's NS over up to this many ranks of a node when it shortens "
                         "the projected step (default 8; 1: never)")
     p.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
+    p.add_argument("--collectives", choices=("per_owner", "per_bucket", "auto"), default="per_owner",
+                   help="dmuon's shard-axis style per hook group: one broadcast / reduce per owner "
+                        "bucket (default), one padded all-gather / reduce-scatter per group, or "
+                        "auto (chosen per group by this machine's collective times)")
     p.add_argument("--designs", default="adamw,dmuon",
                    help="comma-separated: adamw, dmuon, reference (default adamw,dmuon)")
     p.add_argument("--png", metavar="PATH", help="write the timeline PNG here")
