@@ -28,12 +28,14 @@ explicit groups, not run by the stateful executor) and starts after the ops list
 Builders (all pure, built once at setup):
 
 * :func:`unshard_schedule` — forward (and Z3 backward re-) unshard of one hook group: one shard-axis
-  Broadcast per bucket from its owner column ``s``, in every replica.
+  Broadcast per bucket from its owner column ``s``, in every replica (``style="per_bucket"``: one
+  ``ShardAllGather`` of the group's buckets per dtype, :mod:`dmuon.functional.collectives`).
 * :func:`reduce_schedule` — backward gradient reduce of one hook group. Stage 1: shard-axis Reduce
   (average) of the whole bucket to column ``s`` in every replica. Stage 2 (R > 1): for each owner
   replica ``r``'s contiguous range, a replicate-axis Reduce (average) inside column ``s`` to ``r``,
   waiting on stage 1. Net: ``mean over all G*R ranks`` at the global owner ``(s, r)``, because the
-  mean over R of means over G equals the mean over G*R.
+  mean over R of means over G equals the mean over G*R. ``style="per_bucket"``: stage 1 is one
+  ``ShardReduceScatter`` per dtype.
 * :func:`publish_schedule` — post-step HSDP publish: for each range, a replicate-axis Broadcast
   inside column ``s`` from owner ``r``.
 

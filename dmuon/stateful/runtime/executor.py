@@ -20,6 +20,10 @@ CUDA
     recorded. ``Pending.wait()`` makes the caller's current stream wait on those events. Lanes have
     their own process groups (NCCL runs one group's collectives in order on one internal stream).
 
+Per-bucket ops (``ShardAllGather`` / ``ShardReduceScatter``, ``dedicate_params(collectives=
+"per_bucket")``) read and write every column's bucket of their group (``op.keys``) through a padded
+staging tensor (:mod:`dmuon.stateful.runtime.shard_buckets`).
+
 Participation: shard-axis ops run on every rank (its replica's shard group); replicate-axis ops only
 on the ranks of column ``op.at``; explicit-group ops (lane ``"tp"``: tensor parallelism's NS
 ``Gather`` / ``Scatter``) on their ``members``, over this rank's TP group or (lane ``"split"``) the split unit's group. A rank needs the bucket of
