@@ -8,8 +8,8 @@ size (several configs each):
 * training equals the single-process reference (≤ 1e-10 relative) and the per-owner style;
 * the executor's gloo counters equal the step program's traffic (``op_bytes``: padding counted);
 * the program records the style per hook group;
-* 2 ranks: Z3 (re-gather in the same style), Z2; 4 ranks: HSDP 2 x 2 Z3 (stage-2 replicate
-  reduces after the reduce-scatter), and split NS of one matrix;
+* 2 ranks: Z3 (re-gather in the same style), Z2; 4 ranks (slow tier): HSDP 2 x 2 Z3 (stage-2
+  replicate reduces after the reduce-scatter), split NS of one matrix, and ``"auto"`` (Z2);
 * ``data_parallel="ddp"`` with ``collectives="per_bucket"`` raises on every rank, naming the fix.
 """
 from __future__ import annotations
@@ -97,7 +97,9 @@ CFG_4 = [dict(id="hsdp_per_bucket_z3", steps=STEPS, hsdp=True, batch=8,
               dedicate_kw={"collectives": "per_bucket"}),
          dict(id="w4_per_bucket_split", steps=STEPS, batch=8,
               dedicate_kw={"collectives": "per_bucket",
-                           "split_ns": {"layers.0.mlp.up_proj.weight": 2}})]
+                           "split_ns": {"layers.0.mlp.up_proj.weight": 2}}),
+         dict(id="w4_auto_z2", steps=STEPS, batch=8, z3=False,
+              dedicate_kw={"collectives": "auto"})]
 
 
 @pytest.mark.slow
@@ -107,3 +109,8 @@ def test_per_bucket_four_ranks_hsdp_and_split_equal_reference():
     for out in results:
         assert _styles(out["hsdp_per_bucket_z3"]) == {"per_bucket"}
         assert out["w4_per_bucket_split"]["split_units"] == ["layers.0.mlp.up_proj.weight"]
+        # auto: chosen per group by the cost model, the reason recorded (tiny matrices on 4
+        # ranks: latency dominates, one collective per group)
+        auto = out["w4_auto_z2"]
+        assert _styles(auto) == {"per_bucket"}, auto["collective_reasons"]
+        assert all(r.startswith("auto: per_bucket") for r in auto["collective_reasons"].values())
