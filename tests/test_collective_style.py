@@ -161,3 +161,26 @@ def test_the_option_is_checked():
         check_choice("per_bucket", tp=True)
     with pytest.raises(ValueError, match="collectives must be one of"):
         step_program({"a": (0, 0)}, {"a": (2, 2)}, {"a": F64}, shard_size=1, collectives="x")
+
+
+def test_a_group_of_two_dtypes_gets_one_collective_per_dtype():
+    owners = {"layers.0.a": (0, 0), "layers.0.b": (1, 0), "layers.0.c": (1, 0)}
+    shapes = {"layers.0.a": (3, 4), "layers.0.b": (2, 3), "layers.0.c": (4, 4)}
+    dts = {"layers.0.a": F64, "layers.0.b": "torch.float32", "layers.0.c": F64}
+    po = step_program(owners, shapes, dts, shard_size=2)
+    pb = step_program(owners, shapes, dts, shard_size=2, collectives="per_bucket")
+    un = pb.groups["layers.0"].unshard
+    assert [(type(op), op.dtype, op.sizes) for op in un] == [
+        (ShardAllGather, F64, (12, 16)), (ShardAllGather, "torch.float32", (0, 6))]
+    assert len(po.groups["layers.0"].unshard) == 3
+    gen = torch.Generator().manual_seed(1)
+    bufs = [{b.key: torch.randn(b.numel, generator=gen).to(getattr(torch, b.key.dtype[6:]))
+             for b in pb.reduce_layout.buckets} for _ in range(2)]
+    a = simulate(po.groups["layers.0"].reduce, bufs)
+    b = simulate(pb.groups["layers.0"].reduce, bufs)
+    for i in range(2):
+        for bk in pb.reduce_layout.buckets:
+            if bk.key.column == i:   # the owner's reduced bucket; elsewhere NaN in both
+                assert torch.equal(a[i][bk.key], b[i][bk.key])
+            else:
+                assert torch.isnan(b[i][bk.key]).all() and torch.isnan(a[i][bk.key]).all()
