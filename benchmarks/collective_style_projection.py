@@ -54,6 +54,7 @@ def _design(p: StepProjection, base: StepProjection) -> dict:
             "exposed_total_ms": sum(p.exposed.values()) * 1e3,
             "dedicated_shard_collectives": sum(1 for o in p.timeline
                                                if o.lane in ("unshard", "reduce")),
+            "dedicated_shard_gb_sent_per_rank": p.shard_bytes_per_rank / 1e9,
             "hook_groups_per_style": dict(p.collective_styles)}
 
 

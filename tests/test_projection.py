@@ -284,6 +284,8 @@ def test_collective_styles_in_the_timeline_and_auto_takes_the_cheaper(capsys):
         steps = {st: project_step(StepSetup(preset, G, 1, collectives=st), H200, "dmuon")
                  for st in ("per_owner", "per_bucket", "auto")}
         assert steps["auto"].step <= min(steps["per_owner"].step, steps["per_bucket"].step) + 1e-9
+        # the padding is in the bytes: every part is the largest bucket
+        assert steps["per_bucket"].shard_bytes_per_rank > steps["per_owner"].shard_bytes_per_rank
     assert steps["auto"].collective_styles == {"per_bucket": preset.layers}  # mixtral at G = 8
     assert main(["project", "--model", "llama-3.2-1b", "-G", "8", "--max-split", "1",
                  "--collectives", "auto", "--json"]) == 0

@@ -55,7 +55,8 @@ from dmuon.tools.ns_phase import NSPhase, ns_phase, reference_slowdown
 from dmuon.functional.plan import OwnerPlan, plan_owners
 from dmuon.tools.presets import ModelPreset, preset_specs
 from dmuon.functional.program import step_program
-from dmuon.functional.schedule import Broadcast, ShardAllGather, ShardBuckets, ShardReduceScatter
+from dmuon.functional.schedule import (Broadcast, Schedule, ShardAllGather, ShardBuckets,
+                                       ShardReduceScatter)
 from dmuon.functional.split_plan import executed_entries
 
 __all__ = ["StepSetup", "StepProjection", "TimelineOp", "project_step", "DESIGNS", "LANE_NAMES"]
@@ -125,6 +126,8 @@ class StepProjection:
       memory_bytes: model-state bytes on the fullest rank (params, grads, optimizer state, the
       gathered layers in flight; no activations).
       collective_styles: ``{style: hook groups moved in it}`` (dmuon designs).
+      shard_bytes_per_rank: mean bytes a rank sends per step in dmuon's shard-axis gathers and
+        reduces (the program's ``op_bytes``; per-bucket padding included; dmuon designs).
     """
 
     design: str
@@ -137,6 +140,7 @@ class StepProjection:
     timeline: tuple[TimelineOp, ...] = field(repr=False)
     memory_bytes: float = 0.0
     collective_styles: dict = field(default_factory=dict)
+    shard_bytes_per_rank: float = 0.0
 
     @property
     def step(self) -> float:
@@ -223,6 +227,7 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         else:
             fsdp_layer[int(s.layer_key.rsplit(".", 1)[1])] += s.numel
     nsp = None
+    shard_bytes = 0.0
     styles: dict[str, int] = {}
     groups: dict[int, tuple[list, list, list]] = {}
     if dedicated:
@@ -247,6 +252,8 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
             layer = int(g.rsplit(".", 1)[1])
             groups[layer] = (list(ph.unshard.ops), list(ph.reduce.ops), list(ph.publish.ops))
             styles[ph.collectives] = styles.get(ph.collectives, 0) + 1
+        shard_ops = tuple(op for op in prog.step_schedule() if op.axis == "shard")
+        shard_bytes = Schedule(shard_ops, G, 1).traffic().mean_sent(["unshard", "reduce"])
         slow = reference_slowdown(machine, p.hidden) if design == "reference" else 1.0
         ew = machine.adamw_s_per_param if design == "reference" else machine.fused_s_per_param
         nsp = ns_phase(plan, specs, machine, steps=setup.ns_steps, slowdown=slow,
@@ -381,7 +388,7 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         t_opt = nsp.seconds + t_rest
     mem = _memory(setup, specs, plan, fsdp_layer, fsdp_root)
     return StepProjection(design, t_forward, t_backward, t_opt, dict(tl.exposed), nsp, plan,
-                          tuple(tl.ops), mem, styles)
+                          tuple(tl.ops), mem, styles, shard_bytes)
 
 
 def _label(op) -> str:
