@@ -106,3 +106,13 @@ def test_collective_style_projection_writes_results(tmp_path):
     for row in data["rows"]:
         auto = row["auto"]["step_ms"]
         assert auto <= min(row["per_owner"]["step_ms"], row["per_bucket"]["step_ms"]) + 1e-6
+
+
+def test_collective_style_gloo_writes_results(tmp_path):
+    out = tmp_path / "g.json"
+    _run("collective_style_gloo.py", "--ranks", "2", "--iters", "2", "--out", str(out))
+    data = json.loads(out.read_text())
+    small = data["cases"]["small"]
+    assert small["per_bucket"]["counters"]["unshard"]["collectives"] == 1
+    assert small["per_owner"]["counters"]["unshard"]["collectives"] == 2
+    assert data["cases"]["one_owner"]["auto"]["style"] == "per_owner"

@@ -3,7 +3,8 @@
 
 The executor (:mod:`dmuon.stateful.runtime.executor`) issues them through :func:`shard_buckets`:
 every column's bucket is packed into a padded staging tensor of ``G * numel`` elements (gloo's
-``all_gather_into_tensor`` / ``reduce_scatter_tensor`` and NCCL's need equal parts; gloo refuses an
+``all_gather_into_tensor`` / ``reduce_scatter_tensor``, named ``all_gather_single`` /
+``reduce_scatter_single`` from torch 2.13, and NCCL's need equal parts; gloo refuses an
 uneven list all-gather: "invalid tensor size"), one collective runs on it, and the result is copied
 back into the buckets when the work is seen complete or waited (:class:`_Staged`), before any op
 that waits on it is issued. The staging costs one extra copy of the group's buckets and ``G *
@@ -20,6 +21,10 @@ from torch import Tensor
 from dmuon.functional.schedule import ShardAllGather, ShardBuckets
 
 __all__ = ["shard_buckets"]
+
+# torch 2.13 renamed the two (the old names warn "deprecated"); 2.11 / 2.12 have the old ones only
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _Staged:
@@ -70,7 +75,7 @@ def shard_buckets(op: ShardBuckets, me: int, bufs: Sequence[Optional[Tensor]],
         if mine is not None:
             inp.narrow(0, 0, n_me).copy_(mine.narrow(0, 0, n_me))
         inp.narrow(0, n_me, pad - n_me).zero_()  # the padding: zeros, never read
-        work = dist.all_gather_into_tensor(out, inp, **kw)
+        work = _all_gather(out, inp, **kw)
 
         def finish() -> None:
             for j, (b, n) in enumerate(zip(bufs, op.sizes)):
@@ -82,7 +87,7 @@ def shard_buckets(op: ShardBuckets, me: int, bufs: Sequence[Optional[Tensor]],
         if b is not None:
             inp.narrow(0, j * pad, n).copy_(b.narrow(0, 0, n))
     out = torch.empty(pad, dtype=ref.dtype, device=ref.device)
-    work = dist.reduce_scatter_tensor(out, inp, op=reduce_ops[op.op], **kw)
+    work = _reduce_scatter(out, inp, op=reduce_ops[op.op], **kw)
 
     def finish_rs() -> None:
         if mine is not None:
