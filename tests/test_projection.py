@@ -292,3 +292,12 @@ def test_collective_styles_in_the_timeline_and_auto_takes_the_cheaper(capsys):
     summ = json.loads(capsys.readouterr().out)
     assert summ["collectives"] == "auto" and summ["designs"]["dmuon"]["collective_styles"]
     assert project_step(setup, H200, "dmuon").collective_styles == {"per_owner": TINY.layers}
+    # dmuon plan counts the bytes of the style (the program's op_bytes, padding included)
+    comm = {}
+    for st in ("per_owner", "per_bucket"):
+        assert main(["plan", "--model", "llama-3.2-1b", "-G", "8", "--collectives", st,
+                     "--json"]) == 0
+        summ = json.loads(capsys.readouterr().out)
+        assert summ["collectives"] == st
+        comm[st] = summ["comm_bytes_per_rank"]["z3"]
+    assert sum(comm["per_bucket"]) > sum(comm["per_owner"])

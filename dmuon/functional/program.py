@@ -214,21 +214,23 @@ def checkpoint_to_columns(master: BucketLayout, group: str) -> Schedule:
 
 
 def step_traffic(layout: BucketLayout, reshard_after_forward: bool = False, *,
-                 publish: bool = True) -> Traffic:
+                 publish: bool = True, collectives: Union[str, Mapping[str, str]] = "per_owner",
+                 cost: Any = None) -> Traffic:
     """Bytes per lane and rank of one step of ``layout``'s matrices (the layout serves as the
     unshard, reduce and master layout): :meth:`StepProgram.traffic`.
 
     ``reshard_after_forward``: ``False`` (Z2): forward unshard + backward reduce; ``True`` (Z3):
     forward unshard + backward re-unshard + reduce (the root group ``""`` stays Z2, as in the
     runtime). ``publish``: add the post-step HSDP publish (nothing when R == 1). Mean sent (or
-    received) per rank over shard-axis lanes: ``2(G-1)/G * P`` (Z2), ``3(G-1)/G * P`` (Z3).
+    received) per rank over shard-axis lanes: ``2(G-1)/G * P`` (Z2), ``3(G-1)/G * P`` (Z3), per
+    owner; ``collectives``, ``cost``: as :func:`step_program` (per bucket: the padded parts).
     """
     if not isinstance(reshard_after_forward, bool):
         raise TypeError("reshard_after_forward must be a bool (True: Z3, False: Z2), got "
                         f"{reshard_after_forward!r}")
     return program_from_layouts(layout, layout, layout,
-                                reshard_after_forward=reshard_after_forward).traffic(
-                                    publish=publish)
+                                reshard_after_forward=reshard_after_forward,
+                                collectives=collectives, cost=cost).traffic(publish=publish)
 
 
 def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]],
