@@ -77,9 +77,10 @@ class StyleChoice:
 
     Attributes:
       style: ``"per_owner"`` or ``"per_bucket"``.  reason: one readable line.
-      seconds: ``{style: projected seconds of the group's gathers + reduce}`` (``"auto"`` only).
+      seconds: ``{style: projected seconds of the group's gathers + reduce}``.
       collectives: ``{style: shard-axis collectives per step}``.
       wire: ``{style: wire bytes per step}`` (:func:`wire_bytes`).
+      (The three are filled for ``"auto"`` only; an explicit style weighs nothing.)
     """
 
     style: str
@@ -117,6 +118,8 @@ def choose_style(unshard: BucketLayout, reduce: BucketLayout, group: str, choice
     """
     if choice not in CHOICES:
         raise ValueError(f"collectives must be one of {CHOICES}, got {choice!r}")
+    if choice != "auto":  # nothing to weigh (and nothing built)
+        return StyleChoice(choice, f"{choice}: asked for", {}, {}, {})
     G = unshard.shard_size
     fn: OpSeconds = (cost.seconds if isinstance(cost, LinkCost) else cost if cost is not None
                      else LinkCost().seconds)
@@ -125,8 +128,6 @@ def choose_style(unshard: BucketLayout, reduce: BucketLayout, group: str, choice
         u = unshard_schedule(unshard, group, style=style)
         r = reduce_schedule(reduce, group, style=style)
         secs[style], colls[style], wire[style] = _phase_cost([u, u, r] if z3 else [u, r], G, fn)
-    if choice != "auto":
-        return StyleChoice(choice, f"{choice}: asked for", secs, colls, wire)
     if G <= 1:
         return StyleChoice("per_owner", "auto: G = 1, nothing moves on the shard axis", secs,
                            colls, wire)
