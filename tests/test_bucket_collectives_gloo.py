@@ -23,7 +23,7 @@ from dist_utils import catch, run_ranks
 from stateful_harness import distributed_run, max_rel_err, reference_run
 
 TOL = 1e-10
-STEPS = 3
+STEPS = 2
 
 
 def _worker(rank: int, world: int, cfgs: list) -> dict:
