@@ -52,7 +52,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
     owners, entries = executed_entries(plan, specs)   # as the optimizer places them
     comm = step_bytes_per_rank(owners, {n: e[0] for n, e in entries.items()},
-                               {n: e[1] for n, e in entries.items()}, args.shard, args.replicate)
+                               {n: e[1] for n, e in entries.items()}, args.shard, args.replicate,
+                               collectives=args.collectives)
     state = _state_per_rank(plan, entries, args)
     if args.json:
         summ = plan_summary(plan, comm_bytes_per_rank=comm, planning_seconds=seconds)
@@ -61,6 +62,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         summ["views"] = views_summary(specs)
         summ["policy"] = None if policy is None else policy.canonical()
         summ["strategy"] = strategy_rows(plan, specs)
+        summ["collectives"] = args.collectives
         print(json.dumps(summ, indent=2))
     else:
         print(title)
@@ -70,6 +72,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             f"{k}: {v['params']} params, {v['matrices']} matrices"
             for k, v in views_summary(specs).items()))
         print(plan_table(plan, comm_bytes_per_rank=comm, planning_seconds=seconds, max_rows=args.max_rows))
+        if args.collectives != "per_owner":
+            print(f"communication counted with collectives={args.collectives!r} (per bucket: "
+                  "padded parts included; dmuon project --collectives times it)")
         where = "host (offloaded)" if state["offload_state"] else "device"
         from dmuon.tools.plan_report import format_bytes
         print(f"Muon state per rank ({state['momentum_dtype']}, on the {where}): max "
@@ -129,7 +134,8 @@ def _cmd_project(args: argparse.Namespace) -> int:
         machine = dataclasses.replace(machine, gpus_per_node=args.gpus_per_node)
     setup = StepSetup(preset, args.shard, args.replicate, micro_batch=args.micro_batch, seq=args.seq,
                       fsdp_reshard=args.fsdp_mode == "z3", dmuon_reshard=args.mode == "z3",
-                      reduce_bytes=args.reduce_bytes, max_split=args.max_split, ns_steps=args.ns_steps)
+                      reduce_bytes=args.reduce_bytes, max_split=args.max_split, ns_steps=args.ns_steps,
+                      collectives=args.collectives)
     projections = [project_step(setup, machine, d) for d in args.designs.split(",")]
     summ = projection_summary(setup, machine, projections)
     summ["sensitivity"] = sensitivity(setup, machine, projections)
@@ -183,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes as dmuon.Muon(momentum_dtype=...) allocates them)")
     p.add_argument("--offload-state", action="store_true",
                    help="the owners' Muon state in host memory (dmuon.Muon(offload_state=True))")
+    p.add_argument("--collectives", choices=("per_owner", "per_bucket", "auto"), default="per_owner",
+                   help="count the communication with this shard-axis style "
+                        "(dedicate_params(collectives=...); default per_owner)")
     p.add_argument("--json", action="store_true", help="print the summary dict as JSON")
     p.set_defaults(func=_cmd_plan)
 
@@ -213,6 +222,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split a matrix's NS over up to this many ranks of a node when it shortens "
                         "the projected step (default 8; 1: never)")
     p.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
+    p.add_argument("--collectives", choices=("per_owner", "per_bucket", "auto"), default="per_owner",
+                   help="dmuon's shard-axis style per hook group: one broadcast / reduce per owner "
+                        "bucket (default), one padded all-gather / reduce-scatter per group, or "
+                        "auto (chosen per group by this machine's collective times)")
     p.add_argument("--designs", default="adamw,dmuon",
                    help="comma-separated: adamw, dmuon, reference (default adamw,dmuon)")
     p.add_argument("--png", metavar="PATH", help="write the timeline PNG here")

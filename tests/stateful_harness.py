@@ -210,6 +210,10 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
             "owners": sorted(owners.values()), "counters": rt.executor.counters(),
             "program_counters": rt.program.rank_counters(rt.coord),
             "split_units": [sp.param for sp in rt.plan.splits],
+            "collective_styles": {k: getattr(g, "collectives", "per_owner")
+                                  for k, g in rt.program.groups.items()},
+            "collective_reasons": {k: getattr(g, "collectives_reason", "")
+                                   for k, g in rt.program.groups.items()},
             "owned": list(rt.owned_names), "layout": layout, "R": R, "ns_modes": ns_modes,
             "seen_dtypes": sorted(set(seen_dtypes)),
             "master_dtypes": sorted({str(m.dtype) for m in rt.masters.values()}),

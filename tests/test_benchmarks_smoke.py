@@ -98,3 +98,23 @@ def test_split_balance_executed_70b_meets_its_target(tmp_path):
     cases = json.loads(out.read_text())["cases"]
     c = next(c for c in cases if c["model"] == "llama-3.1-70b" and c["R"] == 8 and c["max_split"] == 8)
     assert c["meets_target"] and c["split_units"] > 0 and c["projected_ns_phase_ms"] > 0
+
+
+def test_collective_style_projection_writes_results(tmp_path):
+    out = tmp_path / "c.json"
+    _run("collective_style_projection.py", "--out", str(out))
+    data = json.loads(out.read_text())
+    assert data["torch"] and len(data["rows"]) == 17
+    for row in data["rows"]:
+        auto = row["auto"]["step_ms"]
+        assert auto <= min(row["per_owner"]["step_ms"], row["per_bucket"]["step_ms"]) + 1e-6
+
+
+def test_collective_style_gloo_writes_results(tmp_path):
+    out = tmp_path / "g.json"
+    _run("collective_style_gloo.py", "--ranks", "2", "--iters", "2", "--out", str(out))
+    data = json.loads(out.read_text())
+    small = data["cases"]["small"]
+    assert small["per_bucket"]["counters"]["unshard"]["collectives"] == 1
+    assert small["per_owner"]["counters"]["unshard"]["collectives"] == 2
+    assert data["cases"]["one_owner"]["auto"]["style"] == "per_owner"

@@ -92,3 +92,39 @@ def test_cuda_lanes_streams_and_event_ordering(nccl_one_rank):
     assert c["unshard"]["collectives"] == 2 and c["reduce"]["collectives"] == 2
     assert c["replicate"]["collectives"] == 2
     assert all(v["sent_bytes"] == v["received_bytes"] == 0 for v in c.values())
+
+
+def test_cuda_per_bucket_ops_stage_on_their_lane_and_order_by_events(nccl_one_rank):
+    """A ``ShardAllGather`` and a ``ShardReduceScatter`` (one collective per hook group) on the
+    CUDA lanes: the staging copies run on the lane stream after the producer, the bucket holds the
+    result once ``Pending.wait()`` ordered the consumer, the host is never blocked, and the
+    counters are ``op_bytes``' (a group of one: issued, 0 bytes)."""
+    from dmuon.functional.schedule import ShardAllGather, ShardReduceScatter
+    from dmuon.stateful.runtime.executor import Executor
+    from dmuon.stateful.runtime.process_groups import make_process_groups
+
+    dev = torch.device("cuda", 0)
+    ex = Executor(make_process_groups(shard_size=1), issue_trivial=True)
+    key = BucketKey("layers.0", 0, "torch.float32")
+    kw = dict(axis="shard", at=None, bucket=BucketKey("layers.0", -1, key.dtype), offset=0,
+              numel=1000, dtype=key.dtype, keys=(key,), sizes=(1000,))
+    ag = ShardAllGather(id="ag", lane="unshard", **kw)
+    rs = ShardReduceScatter(id="rs", lane="reduce", op="sum", waits=("ag",), **kw)
+    sched = Schedule((ag, rs), 1, 1)
+    buf = torch.zeros(1000, device=dev)
+    ex.launch(sched, {key: buf}).wait()   # warm up the lanes' communicators
+    torch.cuda.synchronize()
+    ex.reset_counters()
+    torch.cuda._sleep(SPIN)
+    buf.fill_(3.0)
+    pend = ex.launch(sched, {key: buf})
+    events = [rec.event for rec in pend._recs]
+    assert not any(e.query() for e in events), "per-bucket ops ran before their producer"
+    pend.wait()
+    assert not events[-1].query(), "Pending.wait() blocked the host"
+    y = buf * 2
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(y, 6.0))
+    c = ex.counters()
+    assert c["unshard"]["collectives"] == c["reduce"]["collectives"] == 1
+    assert c["unshard"]["sent_bytes"] == c["reduce"]["received_bytes"] == 0

@@ -264,3 +264,40 @@ def test_project_prints_its_calibration_rows_with_errors(capsys):
     assert main(["project", "--model", "llama-3.2-1b", "-G", "8", "--max-split", "1", "--json"]) == 0
     summ = json.loads(capsys.readouterr().out)
     assert summ["calibration"] and {"measured_ms", "projected_ms", "error"} <= set(summ["calibration"][0])
+
+
+def test_collective_styles_in_the_timeline_and_auto_takes_the_cheaper(capsys):
+    """``collectives``: per bucket, one all-gather (twice in Z3) and one reduce-scatter per layer,
+    gated by every column's HSDP publish; ``auto`` never projects a longer step than the two
+    styles (Llama's few matrices per layer stay per owner at G = 64; many equal experts per layer
+    go per bucket)."""
+    setup = StepSetup(TINY, 8, 2, micro_batch=1, seq=512)
+    pb = project_step(StepSetup(TINY, 8, 2, micro_batch=1, seq=512, collectives="per_bucket"),
+                      H200, "dmuon")
+    for layer in range(TINY.layers):
+        assert [o.name for o in pb.timeline if o.lane in ("unshard", "reduce")
+                and o.name.endswith(f" L{layer}")] == [f"all-gather L{layer}",
+                                                       f"all-gather' L{layer}",
+                                                       f"reduce-scatter L{layer}"]
+    assert pb.collective_styles == {"per_bucket": TINY.layers}
+    for preset, G in ((get_preset("llama-3.1-8b"), 64), (get_preset("mixtral-8x7b"), 8)):
+        steps = {st: project_step(StepSetup(preset, G, 1, collectives=st), H200, "dmuon")
+                 for st in ("per_owner", "per_bucket", "auto")}
+        assert steps["auto"].step <= min(steps["per_owner"].step, steps["per_bucket"].step) + 1e-9
+        # the padding is in the bytes: every part is the largest bucket
+        assert steps["per_bucket"].shard_bytes_per_rank > steps["per_owner"].shard_bytes_per_rank
+    assert steps["auto"].collective_styles == {"per_bucket": preset.layers}  # mixtral at G = 8
+    assert main(["project", "--model", "llama-3.2-1b", "-G", "8", "--max-split", "1",
+                 "--collectives", "auto", "--json"]) == 0
+    summ = json.loads(capsys.readouterr().out)
+    assert summ["collectives"] == "auto" and summ["designs"]["dmuon"]["collective_styles"]
+    assert project_step(setup, H200, "dmuon").collective_styles == {"per_owner": TINY.layers}
+    # dmuon plan counts the bytes of the style (the program's op_bytes, padding included)
+    comm = {}
+    for st in ("per_owner", "per_bucket"):
+        assert main(["plan", "--model", "llama-3.2-1b", "-G", "8", "--collectives", st,
+                     "--json"]) == 0
+        summ = json.loads(capsys.readouterr().out)
+        assert summ["collectives"] == st
+        comm[st] = summ["comm_bytes_per_rank"]["z3"]
+    assert sum(comm["per_bucket"]) > sum(comm["per_owner"])

@@ -4,7 +4,8 @@ tests/test_tensor_parallel.py).
 
 4 gloo ranks, a (dp 2, tp 2) mesh: TP applied after ``dedicate_params`` on a mesh over every
 rank (materialized and meta-built); a TP-sharded dim that the TP degree does not divide; a
-replicated 2-D DTensor; a policy view on a TP matrix; ``data_parallel="ddp"`` with TP; a mesh with
+replicated 2-D DTensor; a policy view on a TP matrix; ``data_parallel="ddp"`` with TP;
+``collectives="per_bucket"`` with TP; a mesh with
 two dims besides dp; a dedicated matrix without TP whose gradient differs across the TP group
 (its copies would diverge). After the errors the ranks still meet in a barrier.
 """
@@ -56,6 +57,8 @@ def _worker(rank: int, world: int) -> dict:
     out["view"] = catch(lambda: dmuon.dedicate_params(m, mesh["dp"], muon_predicate, policy=pol))
     out["ddp"] = catch(lambda: dmuon.dedicate_params(m, mesh["dp"], muon_predicate,
                                                      data_parallel="ddp"))
+    out["per_bucket"] = catch(lambda: dmuon.dedicate_params(m, mesh["dp"], muon_predicate,
+                                                            collectives="per_bucket"))
     # two dims besides dp
     m3 = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
     m = make_model()
@@ -100,6 +103,8 @@ def test_tensor_parallel_unsupported_raises_on_every_rank():
     assert_all_ranks(res, "replicated", "TensorParallelUnsupported", "not a row- or column-sharded")
     assert_all_ranks(res, "view", "TensorParallelUnsupported", "default view", "heads(2,rows)")
     assert_all_ranks(res, "ddp", "TensorParallelUnsupported", "data_parallel='ddp'")
+    assert_all_ranks(res, "per_bucket", "NotImplementedError", "collectives='per_bucket'",
+                     "tensor parallelism", "'per_owner' or 'auto'")
     assert_all_ranks(res, "two_dims", "ValueError", "TP index", "context parallel")
     assert_all_ranks(res, "diverging", "TensorParallelUnsupported", "different gradients",
                      "Nothing was updated")

@@ -12,6 +12,8 @@ first use, so that ``import dmuon.functional.muon`` does not load the simulator 
   :func:`unshard_schedule`, :func:`reduce_schedule`, :func:`publish_schedule`,
   :func:`step_program` (:class:`StepProgram`: every phase of a step, one traffic count),
   :func:`step_traffic`, :func:`simulate`; the pure step is :mod:`step` / :mod:`owner_step`;
+  the collective style of a hook group (one per owner or one per bucket) and its cost:
+  :func:`choose_style`, :class:`LinkCost` (:mod:`collectives`);
 * matrix views and the per-param policy: :class:`Batch`, :class:`Heads`, :class:`Split`,
   :class:`Transposed` (:mod:`matrix_view`), :class:`ParamPolicy`, :class:`Rule` (:mod:`policy`),
   :func:`hf_rules`; QK-clip: :mod:`qk_clip`.
@@ -36,6 +38,7 @@ _EXPORTS: dict[str, str] = {
     "Split": "dmuon.functional.matrix_view", "Transposed": "dmuon.functional.matrix_view",
     "ParamPolicy": "dmuon.functional.policy", "Rule": "dmuon.functional.policy",
     "hf_rules": "dmuon.functional.hf_policy", "variants": "dmuon.functional.variants",
+    "choose_style": "dmuon.functional.collectives", "LinkCost": "dmuon.functional.collectives",
 }
 _MODULES = {"adamw", "muon", "transforms", "qk_clip", "variants"}
 
@@ -56,7 +59,7 @@ def __dir__() -> list[str]:
 __all__ = [
     "adamw", "muon", "transforms", "newton_schulz", "plan_owners", "bucket_layout",
     "unshard_schedule", "reduce_schedule", "publish_schedule", "step_traffic", "simulate",
-    "StepProgram", "step_program",
+    "StepProgram", "step_program", "choose_style", "LinkCost",
     "Batch", "Heads", "Split", "Transposed", "ParamPolicy", "Rule", "hf_rules", "qk_clip",
     "variants",
 ]

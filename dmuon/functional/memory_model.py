@@ -13,7 +13,11 @@ not modelled here):
   runs plus the one it prefetches (forward and backward), and the root group for the whole forward;
   Z2 holds every group from its forward until its gradient reduce in backward;
 * **reduce** — the gradient buckets: those of its own column are kept from a group's reduce to the
-  step (the owner's averaged gradients), a group's other buckets only while its reduce runs.
+  step (the owner's averaged gradients), a group's other buckets only while its reduce runs;
+* **staging** — a group moved per bucket (``collectives="per_bucket"``,
+  :mod:`dmuon.functional.collectives`) stages its all-gather in ``G`` padded parts and its
+  reduce-scatter in ``G + 1`` while the collective runs: the largest such staging is added to the
+  forward (all-gather) and backward (all-gather + reduce-scatter) peaks.
 
 :func:`rank_memory` gives the peak of each phase (``between_steps``, ``forward``, ``backward``,
 ``step``); :func:`check_memory` raises :class:`MemoryBudgetError` naming the rank and phase that
@@ -28,6 +32,7 @@ from typing import Any, Optional
 import torch
 
 from dmuon.functional.program import ROOT_GROUP, StepProgram
+from dmuon.functional.schedule import ShardBuckets, ShardReduceScatter
 from dmuon.functional.specs import dtype_from_str
 from dmuon.functional.state_dtype import check_state_dtype, state_nbytes
 
@@ -115,6 +120,8 @@ def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: O
     def held_z3(i: int, ks: list[str]) -> int:  # a Z3 group and the ones it prefetches
         return sum(un[k] for k in ks[i:i + window] if z3[k])
 
+    stage = {k: tuple(sum(_staging(op, program.shard_size) for op in program.phase(ph, k))
+                      for ph in ("unshard", "reduce")) for k in program.forward_order}
     z2_all = sum(un[k] for k in order if not z3[k])
     forward = max((held_z3(i, order) for i in range(len(order))), default=0) + z2_all + root
     back = list(reversed(order))
@@ -124,9 +131,18 @@ def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: O
         gathered = held_z3(i, back) + sum(un[j] for j in back[i:] if not z3[j]) + root
         backward = max(backward, kept + gathered + red_all[k])
     base = masters + state
-    phases = {"between_steps": base, "forward": base + forward,
-              "backward": base + backward, "step": base + sum(red_own.values()) + step_extra}
+    fwd_stage = max((a for a, _ in stage.values()), default=0)
+    bwd_stage = max((a + b for a, b in stage.values()), default=0)
+    phases = {"between_steps": base, "forward": base + forward + fwd_stage,
+              "backward": base + backward + bwd_stage, "step": base + sum(red_own.values()) + step_extra}
     return RankMemory(masters, state, phases, host)
+
+
+def _staging(op: Any, G: int) -> int:
+    """Bytes of the staging tensors of a per-bucket op (0 for the per-owner ops, in place)."""
+    if not isinstance(op, ShardBuckets):
+        return 0
+    return (G + (1 if isinstance(op, ShardReduceScatter) else 0)) * op.nbytes
 
 
 def _itemsize(dtype: Any) -> int:

@@ -9,11 +9,12 @@ FSDP2's dtypes are known, and never re-planned):
 phase            what                                                  schedule
 ===============  ====================================================  =========================
 ``unshard``      forward gather of a hook group (owner column           shard-axis ``Broadcast``
-                 broadcasts its bucket); Z3 groups run it again at       per bucket
-                 the start of their backward
+                 broadcasts its bucket); Z3 groups run it again at       per bucket (or one
+                 the start of their backward                             ``ShardAllGather``)
 ``reduce``       backward gradient reduce, in one fixed order (the      shard-axis ``Reduce``
-                 reverse of the forward order), with one presence        (+ replicate stage)
-                 element per matrix
+                 reverse of the forward order), with one presence        (or one ``ShardReduce
+                 element per matrix                                      Scatter``) + replicate
+                                                                         stage
 ``publish``      post-step HSDP / DDP publish of the new masters to     replicate-axis
                  the replicas of the owner's column                      ``Broadcast``
 ``tp``           tensor parallelism: the owners' NS inputs gathered to   explicit-group
@@ -33,9 +34,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from dmuon.functional.buckets import BucketLayout, HookGroups, bucket_layout, hook_groups
+from dmuon.functional.collectives import resolve_styles
 from dmuon.functional.owner_plan import Coord
 from dmuon.functional.schedule import (Schedule, publish_schedule, reduce_schedule,
                                        unshard_schedule)
@@ -61,6 +63,10 @@ class GroupPhases:
       reduce: the backward gradient reduce (presence elements included).
       publish: the post-step publish to the replicas (empty when R == 1).
       reshard_after_forward: Z3 (freed after forward, re-gathered in backward) or Z2.
+      collectives: the style of its shard-axis gathers (Z3 re-gather included) and reduce:
+        ``"per_owner"`` (one broadcast / reduce per owner column's bucket) or ``"per_bucket"``
+        (one padded all-gather / reduce-scatter per dtype; :mod:`dmuon.functional.collectives`).
+      collectives_reason: why (asked for, or ``"auto"``'s cost comparison).
     """
 
     key: str
@@ -69,6 +75,8 @@ class GroupPhases:
     reduce: Schedule
     publish: Schedule
     reshard_after_forward: bool
+    collectives: str = "per_owner"
+    collectives_reason: str = ""
 
     def phase(self, kind: str) -> Schedule:
         if kind not in PHASES:
@@ -206,21 +214,23 @@ def checkpoint_to_columns(master: BucketLayout, group: str) -> Schedule:
 
 
 def step_traffic(layout: BucketLayout, reshard_after_forward: bool = False, *,
-                 publish: bool = True) -> Traffic:
+                 publish: bool = True, collectives: Union[str, Mapping[str, str]] = "per_owner",
+                 cost: Any = None) -> Traffic:
     """Bytes per lane and rank of one step of ``layout``'s matrices (the layout serves as the
     unshard, reduce and master layout): :meth:`StepProgram.traffic`.
 
     ``reshard_after_forward``: ``False`` (Z2): forward unshard + backward reduce; ``True`` (Z3):
     forward unshard + backward re-unshard + reduce (the root group ``""`` stays Z2, as in the
     runtime). ``publish``: add the post-step HSDP publish (nothing when R == 1). Mean sent (or
-    received) per rank over shard-axis lanes: ``2(G-1)/G * P`` (Z2), ``3(G-1)/G * P`` (Z3).
+    received) per rank over shard-axis lanes: ``2(G-1)/G * P`` (Z2), ``3(G-1)/G * P`` (Z3), per
+    owner; ``collectives``, ``cost``: as :func:`step_program` (per bucket: the padded parts).
     """
     if not isinstance(reshard_after_forward, bool):
         raise TypeError("reshard_after_forward must be a bool (True: Z3, False: Z2), got "
                         f"{reshard_after_forward!r}")
     return program_from_layouts(layout, layout, layout,
-                                reshard_after_forward=reshard_after_forward).traffic(
-                                    publish=publish)
+                                reshard_after_forward=reshard_after_forward,
+                                collectives=collectives, cost=cost).traffic(publish=publish)
 
 
 def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]],
@@ -228,7 +238,9 @@ def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]
                  reduce_dtypes: Optional[Mapping[str, str]] = None,
                  master_dtypes: Optional[Mapping[str, str]] = None,
                  groups: Optional[HookGroups] = None, reshard_after_forward: bool = True,
-                 tp: Optional[Schedule] = None, splits: Sequence[Schedule] = ()) -> StepProgram:
+                 tp: Optional[Schedule] = None, splits: Sequence[Schedule] = (),
+                 collectives: Union[str, Mapping[str, str]] = "per_owner",
+                 cost: Any = None) -> StepProgram:
     """Build the :class:`StepProgram` of one model (pure, deterministic).
 
     Args:
@@ -242,6 +254,11 @@ def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]
         gathered for the whole forward).
       tp: tensor parallelism's NS schedule (:func:`dmuon.functional.tp_plan.tp_step_schedule`).
       splits: the split units' executed NS (:attr:`StepProgram.splits`).
+      collectives: ``"per_owner"`` (default), ``"per_bucket"`` or ``"auto"`` for every group, or
+        ``{group: style}`` (:mod:`dmuon.functional.collectives`; recorded per group in
+        :attr:`GroupPhases.collectives` with its reason).
+      cost: ``"auto"``'s link model (:class:`~dmuon.functional.collectives.LinkCost` or
+        ``seconds(op, n)``).
     """
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
@@ -256,16 +273,19 @@ def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]
         bucket_layout(owners, shapes, rd, hg, G, R, presence=True),
         bucket_layout(owners, shapes, master_dtypes, hg, G, R),
         owners=owners, groups=hg, reshard_after_forward=reshard_after_forward, tp=tp,
-        splits=splits)
+        splits=splits, collectives=collectives, cost=cost)
 
 
 def program_from_layouts(unshard: BucketLayout, reduce: BucketLayout, master: BucketLayout, *,
                          owners: Optional[Mapping[str, Coord]] = None,
                          groups: Optional[HookGroups] = None, reshard_after_forward: bool = True,
                          tp: Optional[Schedule] = None,
-                         splits: Sequence[Schedule] = ()) -> StepProgram:
+                         splits: Sequence[Schedule] = (),
+                         collectives: Union[str, Mapping[str, str]] = "per_owner",
+                         cost: Any = None) -> StepProgram:
     """The :class:`StepProgram` of three given layouts (:func:`step_program` builds them; a
-    byte count over one layout passes it three times)."""
+    byte count over one layout passes it three times). ``collectives``, ``cost``: as
+    :func:`step_program`."""
     G, R = unshard.shard_size, unshard.replicate_size
     if owners is None:
         owners = {e.name: e.owner for b in unshard.buckets for e in b.entries}
@@ -273,12 +293,15 @@ def program_from_layouts(unshard: BucketLayout, reduce: BucketLayout, master: Bu
         groups = HookGroups(order=unshard.groups, members=tuple(
             (k, tuple(sorted(e.name for b in unshard.buckets_of(k) for e in b.entries)))
             for k in unshard.groups))
+    z3 = {key: reshard_after_forward and key != ROOT_GROUP for key in unshard.groups}
+    styles = resolve_styles(unshard, reduce, collectives, z3=z3, cost=cost)
     phases = {
         key: GroupPhases(key=key, names=groups.names(key),
-                         unshard=unshard_schedule(unshard, key),
-                         reduce=reduce_schedule(reduce, key),
+                         unshard=unshard_schedule(unshard, key, style=styles[key].style),
+                         reduce=reduce_schedule(reduce, key, style=styles[key].style),
                          publish=publish_schedule(master, key),
-                         reshard_after_forward=reshard_after_forward and key != ROOT_GROUP)
+                         reshard_after_forward=z3[key], collectives=styles[key].style,
+                         collectives_reason=styles[key].reason)
         for key in unshard.groups}
     return StepProgram(G, R, dict(owners), groups, unshard, reduce, master, phases, tp,
                        tuple(splits))

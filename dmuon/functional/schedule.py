@@ -28,12 +28,14 @@ explicit groups, not run by the stateful executor) and starts after the ops list
 Builders (all pure, built once at setup):
 
 * :func:`unshard_schedule` — forward (and Z3 backward re-) unshard of one hook group: one shard-axis
-  Broadcast per bucket from its owner column ``s``, in every replica.
+  Broadcast per bucket from its owner column ``s``, in every replica (``style="per_bucket"``: one
+  ``ShardAllGather`` of the group's buckets per dtype, :mod:`dmuon.functional.collectives`).
 * :func:`reduce_schedule` — backward gradient reduce of one hook group. Stage 1: shard-axis Reduce
   (average) of the whole bucket to column ``s`` in every replica. Stage 2 (R > 1): for each owner
   replica ``r``'s contiguous range, a replicate-axis Reduce (average) inside column ``s`` to ``r``,
   waiting on stage 1. Net: ``mean over all G*R ranks`` at the global owner ``(s, r)``, because the
-  mean over R of means over G equals the mean over G*R.
+  mean over R of means over G equals the mean over G*R. ``style="per_bucket"``: stage 1 is one
+  ``ShardReduceScatter`` per dtype.
 * :func:`publish_schedule` — post-step HSDP publish: for each range, a replicate-axis Broadcast
   inside column ``s`` from owner ``r``.
 
@@ -50,6 +52,10 @@ Byte-counting convention (logical payload, star model of a collective): for one 
   receives ``(n-1)*P``, every other member sends and receives ``P``;
 * AllGather: member ``j`` sends its part ``P_j`` to each of the others (``(n-1)*P_j``) and receives
   every other part (``P - P_j``, with ``P`` the sum of the parts).
+* ShardAllGather / ShardReduceScatter (one collective per hook group and dtype, every part padded
+  to the largest, ``P`` = the padded part's bytes): every member sends and receives ``(n-1)*P``
+  (the all-gather: its part to each other member; the reduce-scatter: each other member's part of
+  its copy). Padding is payload: it crosses the links.
 
 So for every Broadcast, Reduce and AllGather the totals over ranks are ``sent == received ==
 (n-1)*P`` and for an AllReduce ``2(n-1)*P``. For dedicated params of
@@ -67,12 +73,13 @@ from typing import Iterator, Mapping, Sequence
 from dmuon.functional.buckets import BucketKey, BucketLayout, dtype_itemsize
 from dmuon.functional.schedule_ops import (  # the ops, re-exported here
     GROUP_LANES, LANE_AXIS, AllGather, AllReduce, Axis, Broadcast, Gather, Lane, Op, Reduce, Scatter,
-    op_members, op_root_coord)
+    ShardAllGather, ShardBuckets, ShardReduceScatter, op_members, op_root_coord)
 from dmuon.functional.traffic import LANES, Traffic
 
 __all__ = [
     "Axis", "Lane", "LANES", "LANE_AXIS", "GROUP_LANES", "Broadcast", "Reduce", "AllReduce",
-    "AllGather", "Gather", "Scatter", "Op", "Schedule", "Traffic",
+    "AllGather", "Gather", "Scatter", "ShardAllGather", "ShardReduceScatter", "ShardBuckets",
+    "Op", "Schedule", "Traffic", "STYLES",
     "unshard_schedule", "reduce_schedule", "publish_schedule", "schedule_traffic",
     "op_members", "op_root_coord",
     "op_rank_index", "op_bytes",
@@ -113,6 +120,8 @@ def op_bytes(op: Op, position: int, size: int) -> tuple[int, int]:
             return (0, total - mine) if is_root else (mine, 0)
         return (total - mine, 0) if is_root else (0, mine)  # Scatter: each part out of the root
     P = op.nbytes
+    if isinstance(op, ShardBuckets):  # padded parts: the same both ways for every member
+        return (n - 1) * P, (n - 1) * P
     if isinstance(op, AllReduce):
         k = (n - 1) * P if is_root else P
         return k, k
@@ -216,7 +225,9 @@ class Schedule:
         G, R = self.shard_size, self.replicate_size
         lines = [f"Schedule G={G} R={R} ops={len(self.ops)}"]
         for i, op in enumerate(self.ops):
-            kind = ("broadcast" if isinstance(op, Broadcast) else "all_gather"
+            kind = ("broadcast" if isinstance(op, Broadcast) else "shard_all_gather"
+                    if isinstance(op, ShardAllGather) else f"reduce_scatter[{op.op}]"
+                    if isinstance(op, ShardReduceScatter) else "all_gather"
                     if isinstance(op, AllGather) else "gather" if isinstance(op, Gather)
                     else "scatter" if isinstance(op, Scatter) else f"all_reduce[{op.op}]"
                     if isinstance(op, AllReduce) else f"reduce[{op.op}]")
@@ -244,15 +255,50 @@ def _mk(layout: BucketLayout, ops: list[Op]) -> Schedule:
     return Schedule(tuple(ops), layout.shard_size, layout.replicate_size)
 
 
-def unshard_schedule(layout: BucketLayout, group: str, *, lane: str = "unshard") -> Schedule:
+#: The collective styles of a hook group's shard-axis phases: one broadcast / reduce per owner
+#: column's bucket, or one padded all-gather / reduce-scatter per hook group and dtype.
+STYLES = ("per_owner", "per_bucket")
+
+
+def _check_style(style: str) -> None:
+    if style not in STYLES:
+        raise ValueError(f"collective style must be one of {STYLES}, got {style!r}")
+
+
+def _by_dtype(layout: BucketLayout, group: str) -> dict[str, list]:
+    """``{dtype: [bucket of column s or None for s in range(G)]}`` of one group, dtypes in
+    first-use order."""
+    out: dict[str, list] = {}
+    for b in layout.buckets_of(group):
+        out.setdefault(b.key.dtype, [None] * layout.shard_size)[b.key.column] = b
+    return out
+
+
+def _shard_op(cls: type, prefix: str, group: str, dtype: str, cols: list, **kw) -> ShardBuckets:
+    sizes = tuple(0 if b is None else b.numel for b in cols)
+    return cls(id=f"{prefix}/{group or '<root>'}|all|{dtype.replace('torch.', '')}", axis="shard",
+               at=None, bucket=BucketKey(group, -1, dtype), offset=0, numel=max(sizes),
+               dtype=dtype, keys=tuple(None if b is None else b.key for b in cols), sizes=sizes,
+               **kw)
+
+
+def unshard_schedule(layout: BucketLayout, group: str, *, lane: str = "unshard",
+                     style: str = "per_owner") -> Schedule:
     """Forward unshard of one hook group: per bucket ``(group, s, dtype)`` one shard-axis Broadcast of
-    the whole bucket from ``s``, in every replica (HSDP masters live on all of column ``s``).
+    the whole bucket from ``s``, in every replica (HSDP masters live on all of column ``s``);
+    ``style="per_bucket"``: per dtype one :class:`ShardAllGather` of the group's buckets instead.
 
     Args:
       layout: the bucket layout.  group: hook-group key.
       lane: ``"unshard"`` (default). Must be a shard-axis lane.
+      style: one of :data:`STYLES`.
     """
+    _check_style(style)
     ops: list[Op] = []
+    if style == "per_bucket":
+        for dt, cols in _by_dtype(layout, group).items():
+            ops.append(_shard_op(ShardAllGather, "unshard", group, dt, cols, lane=lane))
+        return _mk(layout, ops)
     for b in layout.buckets_of(group):
         k = b.key
         ops.append(Broadcast(id=f"unshard/{k}", axis="shard", at=None, bucket=k, offset=0,
@@ -261,7 +307,7 @@ def unshard_schedule(layout: BucketLayout, group: str, *, lane: str = "unshard")
 
 
 def reduce_schedule(layout: BucketLayout, group: str, *, op: str = "avg",
-                    replicate: bool = True) -> Schedule:
+                    replicate: bool = True, style: str = "per_owner") -> Schedule:
     """Backward gradient reduce of one hook group (two stages in HSDP, see module doc).
 
     Stage 1 (lane ``"reduce"``): per bucket, shard-axis Reduce of the whole bucket to column ``s`` in
@@ -270,9 +316,23 @@ def reduce_schedule(layout: BucketLayout, group: str, *, op: str = "avg",
     ``s`` to ``r``, waiting on that bucket's stage 1. With ``op="avg"`` the owner ends with the mean
     over G*R ranks; with ``"sum"`` the sum. ``replicate=False``: stage 1 only (every replica's
     column ``s`` ends with its own replica's reduction; a checkpoint load uses it).
+    ``style="per_bucket"``: stage 1 is one :class:`ShardReduceScatter` per dtype of the group's
+    buckets (each stage-2 reduce waits on its dtype's).
     """
+    _check_style(style)
     ops: list[Op] = []
     R = layout.replicate_size
+    if style == "per_bucket":
+        for dt, cols in _by_dtype(layout, group).items():
+            s1 = _shard_op(ShardReduceScatter, "reduce", group, dt, cols, lane="reduce", op=op)
+            ops.append(s1)
+            for b in (c for c in cols if c is not None and R > 1 and replicate):
+                k = b.key
+                for r, off, n in b.ranges:
+                    ops.append(Reduce(id=f"reduce2/{k}/r{r}", axis="replicate", at=k.column,
+                                      bucket=k, offset=off, numel=n, dtype=k.dtype,
+                                      lane="replicate", dst=r, op=op, waits=(s1.id,)))
+        return _mk(layout, ops)
     for b in layout.buckets_of(group):
         k = b.key
         s1 = Reduce(id=f"reduce/{k}", axis="shard", at=None, bucket=k, offset=0, numel=b.numel,

@@ -1,6 +1,8 @@
 """The collective ops of dmuon's communication schedules, as data (pure): lanes and axes,
 ``Broadcast`` / ``Reduce`` on the mesh axes, and the explicit-group ops ``AllReduce`` /
-``AllGather`` (split Newton–Schulz) and ``Gather`` / ``Scatter`` (tensor parallelism's NS).
+``AllGather`` (split Newton–Schulz) and ``Gather`` / ``Scatter`` (tensor parallelism's NS), and the
+per-bucket shard-axis ops ``ShardAllGather`` / ``ShardReduceScatter`` (one collective per hook
+group and dtype instead of one per owner column: :mod:`dmuon.functional.collectives`).
 Their semantics and the byte-counting convention are :mod:`dmuon.functional.schedule`'s docstring;
 the schedule container, builders and accounting live there.
 """
@@ -12,7 +14,8 @@ from typing import Literal, Mapping, Sequence, Union
 from dmuon.functional.buckets import BucketKey, dtype_itemsize
 
 __all__ = ["Axis", "Lane", "LANE_AXIS", "GROUP_LANES", "Broadcast", "Reduce", "AllReduce",
-           "AllGather", "Gather", "Scatter", "Op", "op_members", "op_root_coord"]
+           "AllGather", "Gather", "Scatter", "ShardAllGather", "ShardReduceScatter", "ShardBuckets",
+           "Op", "op_members", "op_root_coord"]
 
 Axis = Literal["shard", "replicate", "group"]
 Lane = Literal["unshard", "reduce", "replicate", "split", "tp"]
@@ -179,7 +182,75 @@ class Scatter(_Parts):
         return self.src
 
 
-Op = Union[Broadcast, Reduce, AllReduce, AllGather, Gather, Scatter]
+@dataclass(frozen=True, kw_only=True)
+class ShardBuckets(_Collective):
+    """A shard-axis op over one hook group's buckets of one dtype, one bucket per shard index.
+
+    ``keys[s]``: the bucket of owner column ``s`` (``None`` where column ``s`` owns nothing in
+    the group: its part is zeros); ``sizes[s]``: its numel (0 for ``None``). Every part is padded
+    to ``numel = max(sizes)`` elements (gloo's and NCCL's all-gather / reduce-scatter need equal
+    parts), and the padding is moved and counted (:func:`dmuon.functional.schedule.op_bytes`).
+    ``bucket`` is ``BucketKey(group, -1, dtype)``, a name for the group's padded buffer (no such
+    bucket exists in the layout); ``offset`` is 0. The executor and the simulator address the
+    per-column buckets through ``keys``.
+    """
+
+    keys: tuple[BucketKey | None, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.axis != "shard":
+            raise ValueError(f"op {self.id}: {type(self).__name__} runs on the shard axis")
+        if len(self.keys) != len(self.sizes) or not self.keys:
+            raise ValueError(f"op {self.id}: keys and sizes need one entry per shard index")
+        for s, (k, n) in enumerate(zip(self.keys, self.sizes)):
+            if (k is None) != (n == 0) or n < 0 or (k is not None and (
+                    k.column != s or k.group != self.bucket.group or k.dtype != self.dtype)):
+                raise ValueError(f"op {self.id}: part {s} ({k}, {n}) is not column {s}'s bucket "
+                                 f"of group {self.bucket.group!r} in {self.dtype}")
+        if self.offset != 0 or self.numel != max(self.sizes):
+            raise ValueError(f"op {self.id}: offset must be 0 and numel the largest part "
+                             f"({max(self.sizes)}), got {self.offset}, {self.numel}")
+
+    @property
+    def root(self) -> int:
+        return 0
+
+    @property
+    def padded_numel(self) -> int:
+        """Elements each member moves per part: the largest part."""
+        return self.numel
+
+    @property
+    def padding(self) -> int:
+        """Padding elements over all parts (``G * numel - sum(sizes)``)."""
+        return len(self.sizes) * self.numel - sum(self.sizes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardAllGather(ShardBuckets):
+    """Forward gather of one hook group in one collective: shard index ``s`` contributes bucket
+    ``keys[s]`` (padded); afterwards every member holds every column's bucket (in every replica)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardReduceScatter(ShardBuckets):
+    """Gradient reduce of one hook group in one collective: afterwards member ``s``'s bucket
+    ``keys[s]`` holds the ``op`` (``"avg"``: mean, ``"sum"``) over the shard group of every
+    member's copy of it (in every replica). The other members' copies of ``keys[s]`` are undefined
+    afterwards, as after a ``Reduce`` (the simulator poisons them)."""
+
+    op: str = "avg"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.op not in ("avg", "sum"):
+            raise ValueError(f"op {self.id}: reduce op must be 'avg' or 'sum', got {self.op!r}")
+
+
+Op = Union[Broadcast, Reduce, AllReduce, AllGather, Gather, Scatter, ShardAllGather,
+           ShardReduceScatter]
 
 
 def op_members(op: Op, shard_size: int, replicate_size: int) -> list[list[tuple[int, int]]]:

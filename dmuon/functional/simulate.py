@@ -16,6 +16,10 @@ topological order). Exact semantics, per group of the op (see :func:`schedule.op
 * ``AllGather``: every member's copy of each part ``parts[j]`` becomes member ``j``'s.
 * ``Gather``: the destination's copy of each part ``parts[j]`` becomes member ``j``'s.
 * ``Scatter``: member ``j``'s part ``parts[j]`` becomes the source's copy of it.
+* ``ShardAllGather``: every member's bucket ``keys[j]`` becomes member ``j``'s (padding moves
+  nothing a rank reads).
+* ``ShardReduceScatter``: member ``j``'s bucket ``keys[j]`` becomes the combination of every
+  member's copy, exactly as a ``Reduce`` of that bucket to ``j`` (same order, same poisoning).
 
 Groups of one rank are no-ops. Only ranks that take part in an op need its bucket; a missing bucket
 on a participating rank raises ``KeyError`` saying which.
@@ -33,7 +37,8 @@ from torch import Tensor
 
 from dmuon.functional.buckets import BucketKey
 from dmuon.functional.schedule import (AllGather, AllReduce, Broadcast, Gather, Reduce, Scatter,
-                                       Schedule, op_members, op_root_coord)
+                                       Schedule, ShardAllGather, ShardBuckets, ShardReduceScatter,
+                                       op_members, op_root_coord)
 
 __all__ = ["simulate"]
 
@@ -76,25 +81,32 @@ def simulate(schedule: Schedule, buffers: Sequence[Mapping[BucketKey, Tensor]], 
     out: list[dict[BucketKey, Tensor]] = [
         {k: (v if donate else v.clone()) for k, v in rank_bufs.items()} for rank_bufs in buffers]
 
-    def view(coord: tuple[int, int], op) -> Tensor:
+    def view(coord: tuple[int, int], op, key: BucketKey | None = None, offset: int | None = None,
+             numel: int | None = None) -> Tensor:
         s, r = coord
         rank = r * G + s
+        key = op.bucket if key is None else key
+        offset = op.offset if offset is None else offset
+        numel = op.numel if numel is None else numel
         try:
-            t = out[rank][op.bucket]
+            t = out[rank][key]
         except KeyError:
             raise KeyError(f"simulate: rank {rank} (s={s}, r={r}) takes part in op {op.id!r} but "
-                           f"holds no bucket {op.bucket}") from None
-        if t.dim() != 1 or t.numel() < op.offset + op.numel:
-            raise ValueError(f"simulate: bucket {op.bucket} on rank {rank} must be 1-D with at "
-                             f"least {op.offset + op.numel} elements, got shape {tuple(t.shape)}")
+                           f"holds no bucket {key}") from None
+        if t.dim() != 1 or t.numel() < offset + numel:
+            raise ValueError(f"simulate: bucket {key} on rank {rank} must be 1-D with at "
+                             f"least {offset + numel} elements, got shape {tuple(t.shape)}")
         if str(t.dtype) != op.dtype:
             raise ValueError(f"simulate: op {op.id!r} expects {op.dtype}, rank {rank} holds "
                              f"{t.dtype}")
-        return t.narrow(0, op.offset, op.numel)
+        return t.narrow(0, offset, numel)
 
     for op in schedule.ops:
         for group in op_members(op, G, R):
             if len(group) == 1:
+                continue
+            if isinstance(op, ShardBuckets):
+                _shard_buckets(op, group, view, poison)
                 continue
             root = op_root_coord(op, group)
             views = [view(c, op) for c in group]
@@ -131,6 +143,27 @@ def simulate(schedule: Schedule, buffers: Sequence[Mapping[BucketKey, Tensor]], 
             else:  # pragma: no cover - the Op union is closed
                 raise TypeError(f"simulate: unknown op type {type(op).__name__}")
     return out
+
+
+def _shard_buckets(op: ShardBuckets, group: list, view, poison: bool) -> None:
+    """One shard group's :class:`ShardAllGather` / :class:`ShardReduceScatter` (module doc)."""
+    for j, (key, n) in enumerate(zip(op.keys, op.sizes)):
+        if key is None:
+            continue
+        views = [view(c, op, key, 0, n) for c in group]
+        if isinstance(op, ShardAllGather):
+            src = views[j].clone()
+            for i, v in enumerate(views):
+                if i != j:
+                    v.copy_(src)
+        elif isinstance(op, ShardReduceScatter):
+            views[j].copy_(_combine(views, op.op))
+            if poison:
+                for i, v in enumerate(views):
+                    if i != j and (v.is_floating_point() or v.is_complex()):
+                        v.fill_(math.nan)
+        else:  # pragma: no cover - the two kinds are all
+            raise TypeError(f"simulate: unknown op type {type(op).__name__}")
 
 
 def zeros_like_layout(layout, world_size: int | None = None, *, device: "torch.device | str" = "cpu"

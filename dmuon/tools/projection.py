@@ -11,7 +11,8 @@ the same program, so one rank's timeline stands for all, except in the owners' p
   machine's MFU), the output head, the optimizer;
 * ``shard`` link: FSDP2's all-gathers (bf16 params) and reduce-scatters of the params it manages
   (all of them for AdamW; the non-dedicated ones for dmuon), dmuon's forward / Z3 backward
-  broadcasts and gradient reduces (one per bucket of the schedule, in schedule order);
+  broadcasts and gradient reduces (one per bucket of the schedule, in schedule order; with
+  ``collectives="per_bucket"`` one all-gather / reduce-scatter of ``G`` padded parts per group);
 * ``replicate`` link (HSDP): FSDP2's replicate all-reduce of each gradient shard, dmuon's stage-2
   reduces and its post-step publish, which runs at the start of the next forward and gates each
   group's broadcast (as the hooks wait for it). Replicate-axis ops of dmuon run per shard column;
@@ -54,6 +55,8 @@ from dmuon.tools.ns_phase import NSPhase, ns_phase, reference_slowdown
 from dmuon.functional.plan import OwnerPlan, plan_owners
 from dmuon.tools.presets import ModelPreset, preset_specs
 from dmuon.functional.program import step_program
+from dmuon.functional.schedule import (Broadcast, Schedule, ShardAllGather, ShardBuckets,
+                                       ShardReduceScatter)
 from dmuon.functional.split_plan import executed_entries
 
 __all__ = ["StepSetup", "StepProjection", "TimelineOp", "project_step", "DESIGNS", "LANE_NAMES"]
@@ -73,6 +76,10 @@ class StepSetup:
       (True: Z3, re-gather in backward); dmuon_reshard: ``reshard_after_forward`` of the dedicated params (True: Z3);
       reduce_bytes: bytes per gradient element in reductions (4: fp32 ``reduce_dtype``, 2: bf16);
       max_split: split NS over up to this many ranks (dmuon design; 1: never); ns_steps.
+      collectives: the dedicated groups' shard-axis style (``dedicate_params(collectives=...)``):
+        ``"per_owner"`` (one broadcast / reduce per owner bucket), ``"per_bucket"`` (one padded
+        all-gather / reduce-scatter per group), ``"auto"`` (per group, by this machine's
+        collective times: :func:`~dmuon.functional.collectives.choose_style`).
     """
 
     preset: ModelPreset
@@ -85,6 +92,7 @@ class StepSetup:
     reduce_bytes: int = 4
     max_split: int = 1
     ns_steps: int = 5
+    collectives: str = "per_owner"
 
     @property
     def world(self) -> int:
@@ -117,6 +125,9 @@ class StepProjection:
       designs) or None; plan: the owner plan (dmuon designs); timeline: every op;
       memory_bytes: model-state bytes on the fullest rank (params, grads, optimizer state, the
       gathered layers in flight; no activations).
+      collective_styles: ``{style: hook groups moved in it}`` (dmuon designs).
+      shard_bytes_per_rank: mean bytes a rank sends per step in dmuon's shard-axis gathers and
+        reduces (the program's ``op_bytes``; per-bucket padding included; dmuon designs).
     """
 
     design: str
@@ -128,6 +139,8 @@ class StepProjection:
     plan: Optional[OwnerPlan]
     timeline: tuple[TimelineOp, ...] = field(repr=False)
     memory_bytes: float = 0.0
+    collective_styles: dict = field(default_factory=dict)
+    shard_bytes_per_rank: float = 0.0
 
     @property
     def step(self) -> float:
@@ -195,6 +208,14 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
             return collective_time(machine, kind, nbytes, G, members_per_node=sh_pn, nodes=sh_nodes)
         return collective_time(machine, kind, nbytes, R, members_per_node=rep_pn, nodes=rep_nodes)
 
+    def op_time(op) -> float:
+        """A dedicated shard-axis op's seconds on this machine (its payload: the op's bytes;
+        a per-bucket op moves ``G`` padded parts)."""
+        if isinstance(op, ShardBuckets):
+            kind = "all_gather" if isinstance(op, ShardAllGather) else "reduce_scatter"
+            return coll(kind, G * op.nbytes, "shard")
+        return coll("broadcast" if isinstance(op, Broadcast) else "reduce", op.nbytes, "shard")
+
     # params FSDP2 manages, per layer and for the root unit
     fsdp_layer = [0] * p.layers
     fsdp_root = 0
@@ -206,6 +227,8 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         else:
             fsdp_layer[int(s.layer_key.rsplit(".", 1)[1])] += s.numel
     nsp = None
+    shard_bytes = 0.0
+    styles: dict[str, int] = {}
     groups: dict[int, tuple[list, list, list]] = {}
     if dedicated:
         if plan is None:
@@ -222,10 +245,15 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         bf16 = {n: "torch.bfloat16" for n in shapes}
         prog = step_program(owners, shapes, bf16, reduce_dtypes={n: red_dt for n in shapes},
                             master_dtypes=bf16, shard_size=G, replicate_size=R,
-                            groups=hook_groups(sorted(owners)))
+                            groups=hook_groups(sorted(owners)),
+                            reshard_after_forward=setup.dmuon_reshard,
+                            collectives=setup.collectives, cost=lambda op, n: op_time(op))
         for g, ph in prog.groups.items():
             layer = int(g.rsplit(".", 1)[1])
             groups[layer] = (list(ph.unshard.ops), list(ph.reduce.ops), list(ph.publish.ops))
+            styles[ph.collectives] = styles.get(ph.collectives, 0) + 1
+        shard_ops = tuple(op for op in prog.step_schedule() if op.axis == "shard")
+        shard_bytes = Schedule(shard_ops, G, 1).traffic().mean_sent(["unshard", "reduce"])
         slow = reference_slowdown(machine, p.hidden) if design == "reference" else 1.0
         ew = machine.adamw_s_per_param if design == "reference" else machine.fused_s_per_param
         nsp = ns_phase(plan, specs, machine, steps=setup.ns_steps, slowdown=slow,
@@ -270,9 +298,10 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
             ops.append(tl.add(f"fsdp AG L{layer}", "shard", "fsdp_all_gather", phase,
                               coll("all_gather", 2 * fsdp_layer[layer], "shard"), (after,)))
         for op in groups.get(layer, ([], [], []))[0]:
-            ops.append(tl.add(f"broadcast L{layer}", "shard", "unshard", phase,
-                              coll("broadcast", op.nbytes, "shard"), (after,),
-                              floor=gate.get((layer, op.bucket.column), 0.0)))
+            cols = ([k.column for k in op.keys if k is not None] if isinstance(op, ShardBuckets)
+                    else [op.bucket.column])  # an all-gather waits for every column's publish
+            ops.append(tl.add(f"{_label(op)} L{layer}", "shard", "unshard", phase, op_time(op),
+                              (after,), floor=max(gate.get((layer, c), 0.0) for c in cols)))
         gathers[layer] = ops
 
     for layer in range(min(2, p.layers)):
@@ -299,8 +328,8 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
                               coll("all_gather", 2 * fsdp_layer[layer], "shard"), (after,)))
         if z3_dmuon:
             for op in groups.get(layer, ([], [], []))[0]:
-                ops.append(tl.add(f"broadcast' L{layer}", "shard", "unshard", "backward",
-                                  coll("broadcast", op.nbytes, "shard"), (after,)))
+                ops.append(tl.add(f"{_label(op)}' L{layer}", "shard", "unshard", "backward",
+                                  op_time(op), (after,)))
         gathers[layer] = ops
 
     last = p.layers - 1
@@ -325,8 +354,8 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
                                         "replicate"), (rs,)))
         for op in groups.get(layer, ([], [], []))[1]:
             if op.lane == "reduce":
-                st1 = tl.add(f"reduce L{layer}", "shard", "reduce", "backward",
-                             coll("reduce", op.nbytes, "shard"), (bwd[layer],))
+                st1 = tl.add(f"{_label(op)} L{layer}", "shard", "reduce", "backward",
+                             op_time(op), (bwd[layer],))
                 tail.append(st1)
             elif op.at == my_col:
                 tail.append(tl.add(f"reduce2 L{layer}", "replicate", "replicate", "backward",
@@ -359,7 +388,12 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         t_opt = nsp.seconds + t_rest
     mem = _memory(setup, specs, plan, fsdp_layer, fsdp_root)
     return StepProjection(design, t_forward, t_backward, t_opt, dict(tl.exposed), nsp, plan,
-                          tuple(tl.ops), mem)
+                          tuple(tl.ops), mem, styles, shard_bytes)
+
+
+def _label(op) -> str:
+    return {ShardAllGather: "all-gather", ShardReduceScatter: "reduce-scatter",
+            Broadcast: "broadcast"}.get(type(op), "reduce")
 
 
 def _memory(setup: StepSetup, specs, plan: Optional[OwnerPlan], fsdp_layer, fsdp_root) -> float:

@@ -63,6 +63,8 @@ def projection_summary(setup: StepSetup, machine: Machine,
         }
         if base is not None and p is not base:
             d["overhead_vs_adamw"] = p.step / base.step - 1.0
+        if p.collective_styles:
+            d["collective_styles"] = dict(p.collective_styles)
         if p.ns is not None:
             d["owners_phase_ms"] = p.ns.seconds * 1e3
             d["ns_imbalance_max_over_mean"] = p.ns.imbalance
@@ -80,7 +82,7 @@ def projection_summary(setup: StepSetup, machine: Machine,
         "global_batch_sequences": setup.micro_batch * setup.world,
         "fsdp_reshard": setup.fsdp_reshard, "dmuon_reshard": setup.dmuon_reshard,
         "reduce_bytes": setup.reduce_bytes, "max_split": setup.max_split,
-        "machine": machine.name, "designs": designs,
+        "collectives": setup.collectives, "machine": machine.name, "designs": designs,
     }
 
 
@@ -90,7 +92,8 @@ def projection_table(summary: Mapping[str, Any]) -> str:
     lines = [f"{s['model']} on {s['gpus']} {s['machine']} GPUs (G={s['shard']} x R={s['replicate']}), "
              f"micro-batch {s['micro_batch']} x seq {s['seq']}: global batch {s['global_batch_sequences']} "
              f"sequences = {s['global_batch_tokens']:,} tokens; FSDP2 "
-             f"{'Z3' if s['fsdp_reshard'] else 'Z2'}, dmuon {'Z3' if s['dmuon_reshard'] else 'Z2'}",
+             f"{'Z3' if s['fsdp_reshard'] else 'Z2'}, dmuon {'Z3' if s['dmuon_reshard'] else 'Z2'}, "
+             f"collectives {s.get('collectives', 'per_owner')}",
              f"{'design':<10} {'forward':>9} {'backward':>9} {'optimizer':>9} {'step':>9} "
              f"{'overhead':>9} {'state GB':>9}"]
     for name, d in s["designs"].items():
@@ -101,6 +104,8 @@ def projection_table(summary: Mapping[str, Any]) -> str:
     for name, d in s["designs"].items():
         ex = ", ".join(f"{k} {v:.1f}" for k, v in d["exposed_ms"].items()) or "none"
         lines.append(f"  {name}: exposed communication (ms): {ex}")
+        if d.get("collective_styles"):
+            lines.append(f"  {name}: hook groups per collective style: {d['collective_styles']}")
         if "owners_phase_ms" in d:
             lines.append(f"  {name}: owners' phase {d['owners_phase_ms']:.2f} ms, NS max/mean "
                          f"{d['ns_imbalance_max_over_mean']:.3f}; plan max/mean "

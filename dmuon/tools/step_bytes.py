@@ -56,11 +56,14 @@ def plan_program(plan: OwnerPlan, specs: Sequence[ParamSpec], *, reshard_after_f
 
 def step_bytes_per_rank(owners: Mapping[str, tuple[int, int]], shapes: Mapping[str, Sequence[int]],
                         dtypes: Mapping[str, str], shard_size: int, replicate_size: int = 1,
-                        modes: Sequence[str] = ("z2", "z3")) -> dict[str, list[int]]:
+                        modes: Sequence[str] = ("z2", "z3"),
+                        collectives: str = "per_owner") -> dict[str, list[int]]:
     """Payload bytes each rank receives in one step, per mode: a view of the step program's count
     (:func:`dmuon.functional.program.step_traffic` over one layout, one hook group per layer key,
     all lanes, the HSDP publish included; no presence elements). The mean over ranks of the
-    shard-axis part is ``2(G-1)/G * P`` (Z2) and ``3(G-1)/G * P`` (Z3).
+    shard-axis part is ``2(G-1)/G * P`` (Z2) and ``3(G-1)/G * P`` (Z3) per owner;
+    ``collectives``: the groups' style (:mod:`dmuon.functional.collectives`; per bucket counts the
+    padded parts).
 
     Returns:
       ``{mode: [bytes received by global rank r*G + s]}``.
@@ -71,6 +74,7 @@ def step_bytes_per_rank(owners: Mapping[str, tuple[int, int]], shapes: Mapping[s
     for mode in modes:
         if mode not in ("z2", "z3"):
             raise ValueError(f"modes are 'z2' and 'z3' (report labels), got {mode!r}")
-        traffic = step_traffic(layout, reshard_after_forward=(mode == "z3"))
+        traffic = step_traffic(layout, reshard_after_forward=(mode == "z3"),
+                               collectives=collectives)
         out[mode] = [traffic.rank_received(rank) for rank in range(layout.world_size)]
     return out

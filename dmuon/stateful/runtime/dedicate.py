@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.functional.buckets import hook_groups
+from dmuon.functional.collectives import check_choice
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
 from dmuon.compat.torch_api import (default_group_timeout, group_timeout, set_group_timeout,
@@ -222,6 +223,7 @@ def dedicate_params(
     timeout: Optional[datetime.timedelta] = None,
     data_parallel: str = "fsdp",
     split_ns: "int | Mapping[str, int]" = 1,
+    collectives: str = "per_owner",
 ) -> dict[nn.Parameter, int]:
     """Dedicate every matrix ``predicate`` selects to one owner rank (collective; before fully_shard).
 
@@ -275,6 +277,15 @@ def dedicate_params(
         one rank; its NS input is scattered to the members and the result gathered back, on
         lane ``"split"``. Not with TP, ``data_parallel="ddp"``, a ``transform=`` chain or lr / wd
         multipliers on the split matrices (each raises, at setup or at ``dmuon.Muon``).
+      collectives: how a hook group's matrices move over the shard axis
+        (:mod:`dmuon.functional.collectives`). ``"per_owner"`` (default): one broadcast (forward
+        gather, Z3 re-gather) and one reduce (gradients) per owner column's bucket.
+        ``"per_bucket"``: one all-gather and one reduce-scatter per hook group (and dtype), every
+        column's part padded to the largest (the padding crosses the links and is counted).
+        ``"auto"``: per group, whichever the α–β cost model projects faster; the choice and its
+        reason are in ``optimizer.dedicated_state.program.groups[key].collectives`` /
+        ``.collectives_reason``. Same results either way (fp64: equal to ≤ 1e-10). ``"auto"``
+        stays per owner under TP and ``data_parallel="ddp"``; ``"per_bucket"`` there raises.
 
     Returns:
       ``{param: owner global rank}`` for every dedicated param (tied params appear once), a dict
@@ -302,7 +313,7 @@ def dedicate_params(
     kwargs = dict(replicate_mesh=replicate_mesh, hook_boundary_predicate=hook_boundary_predicate,
                   reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
                   batch_dims=batch_dims, policy=policy, timeout=timeout,
-                  data_parallel=data_parallel, split_ns=split_ns)
+                  data_parallel=data_parallel, split_ns=split_ns, collectives=collectives)
     return _dedicate(model, mesh, predicate, kwargs)
 
 
@@ -357,8 +368,10 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     routing = None
     deferring = False
     local_err: Optional[Exception] = None
+    collectives = "per_owner"
     try:
         check_mode(data_parallel)
+        collectives = check_choice(kw.get("collectives", "per_owner"), data_parallel)
         pol = as_policy(policy)
         named, chosen = _select(model, routing_predicate(pol, predicate), finishing)
         # the dp sub-mesh of a (dp, tp) mesh before TP, or TP params on meta: later (deferred.py)
@@ -367,6 +380,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
             check_materialized(chosen)
         if not deferring:
             layouts = tp_layouts(model, chosen)  # TP-sharded DTensors (tensor_parallel.py)
+            check_choice(collectives, data_parallel, tp=bool(layouts))
             decisions = _tp_decisions(decide_params(model, chosen, pol, batch_dims), layouts,
                                       data_parallel, any(p.is_meta for p in chosen.values()))
             spec_named = [(n, tuple(p.to_local().shape), p.dtype) if n in layouts else (n, p)
@@ -390,6 +404,10 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
                                             for p in chosen.values()],
                         tp_ranks=tp_mesh_ranks(layouts))
     _agree_mode(data_parallel)
+    agree_equal(collectives, what="dedicate_params collectives agreement", show=repr,
+                error=lambda detail: RuntimeError(
+                    f"dedicate_params: collectives differs across ranks ({detail}); pass the same "
+                    "value on every rank. Nothing was changed."))
     timeout = timeout or default_group_timeout(str(mesh.device_type))
     if len(grids) > 1:  # tensor parallelism: one dp grid per TP index
         mesh_groups = make_process_groups(tp_grids=grids, timeout=timeout)
@@ -452,6 +470,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.runtime.guards)
         p._dmuon_shape = st.shape[n]  # what a placeholder reports as its shape / numel()
+    st.collectives = "per_owner" if (layouts or data_parallel == "ddp") else collectives
     st.shard_mesh = mesh["shard"] if mesh.ndim == 2 else mesh
     if data_parallel == "ddp":
         st.shard_mesh = None  # model.state_dict(): plain full tensors, as DDP's

@@ -20,6 +20,10 @@ CUDA
     recorded. ``Pending.wait()`` makes the caller's current stream wait on those events. Lanes have
     their own process groups (NCCL runs one group's collectives in order on one internal stream).
 
+Per-bucket ops (``ShardAllGather`` / ``ShardReduceScatter``, ``dedicate_params(collectives=
+"per_bucket")``) read and write every column's bucket of their group (``op.keys``) through a padded
+staging tensor (:mod:`dmuon.stateful.runtime.shard_buckets`).
+
 Participation: shard-axis ops run on every rank (its replica's shard group); replicate-axis ops only
 on the ranks of column ``op.at``; explicit-group ops (lane ``"tp"``: tensor parallelism's NS
 ``Gather`` / ``Scatter``) on their ``members``, over this rank's TP group or (lane ``"split"``) the split unit's group. A rank needs the bucket of
@@ -46,9 +50,10 @@ from torch import Tensor
 
 from dmuon.functional.buckets import BucketKey
 from dmuon.functional.schedule import (LANES, AllGather, AllReduce, Broadcast, Gather, Op, Reduce,
-                                       Schedule, Scatter, op_bytes)
+                                       Schedule, Scatter, ShardBuckets, op_bytes)
 from dmuon.kernels.streams import side_stream
 from dmuon.stateful.runtime.process_groups import MeshGroups
+from dmuon.stateful.runtime.shard_buckets import shard_buckets
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,7 @@ class _Rec:
     group_size: int = 1
     position: int = 0               # this rank's index in the op's group
     part_only: bool = False         # a Gather / Scatter member other than the root gave its part
+    bufs: tuple = ()                # a ShardBuckets op: this rank's bucket of every column (or None)
     deps: list["_Rec"] = field(default_factory=list)
     issued: bool = False
     handle: Any = None              # gloo work handle
@@ -119,6 +125,8 @@ def _parts(rec: _Rec) -> list[Tensor]:
 def _collective(rec: _Rec) -> Any:
     """Issue ``rec``'s collective on its view (async); returns the work handle."""
     op, kw = rec.op, dict(group=rec.group, async_op=True)
+    if isinstance(op, ShardBuckets):
+        return shard_buckets(rec.op, rec.position, rec.bufs, _REDUCE_OPS, kw)
     if isinstance(op, Broadcast):
         return dist.broadcast(rec.view, src=rec.root, **kw)
     if isinstance(op, Reduce):
@@ -309,7 +317,12 @@ class Executor:
         rec = _Rec(op=op, seq=self._seq, view=None, root=root, group_size=n, position=pos,
                    deps=deps + after, executor=self)
         self._seq += 1
-        if takes_part and (n > 1 or self.issue_trivial):
+        if takes_part and isinstance(op, ShardBuckets) and (n > 1 or self.issue_trivial):
+            rec.bufs = tuple(None if k is None else self._bucket(op, k, n_, buffers)
+                             for k, n_ in zip(op.keys, op.sizes))
+            rec.view = next(b for b in rec.bufs if b is not None).narrow(0, 0, 0)
+            rec.group = mg.group(op.lane)
+        elif takes_part and (n > 1 or self.issue_trivial):
             try:
                 buf = buffers[op.bucket]
             except KeyError:
@@ -326,6 +339,21 @@ class Executor:
             rec.view = buf if rec.part_only else buf.narrow(0, op.offset, op.numel)
             rec.group = mg.member_group(op.members) if op.axis == "group" else mg.group(op.lane)
         return rec
+
+    def _bucket(self, op: Op, key: BucketKey, numel: int,
+                buffers: Mapping[BucketKey, Tensor]) -> Tensor:
+        """This rank's bucket ``key`` for ``op`` (a :class:`ShardBuckets` part), checked."""
+        mg = self.groups
+        buf = buffers.get(key)
+        if buf is None:
+            raise KeyError(f"rank {mg.rank} {mg.coord} takes part in op {op.id!r} but no buffer "
+                           f"for bucket {key} was given")
+        if buf.dim() != 1 or buf.numel() < numel or not buf.is_contiguous():
+            raise ValueError(f"bucket {key} must be a contiguous 1-D tensor with at least "
+                             f"{numel} elements, got {tuple(buf.shape)}")
+        if str(buf.dtype) != op.dtype:
+            raise ValueError(f"op {op.id!r} expects {op.dtype}, bucket tensor is {buf.dtype}")
+        return buf
 
     def launch(self, ops: "Schedule | Sequence[Op]", buffers: Mapping[BucketKey, Tensor], *,
                after: "Pending | Iterable[Pending] | None" = None) -> Pending:
@@ -408,6 +436,9 @@ class Executor:
                 work = _collective(rec)
                 work.wait()          # lane stream waits on the collective: no host sync
                 rec.view.record_stream(st)
+                for b in rec.bufs:   # a ShardBuckets op touched every column's bucket
+                    if b is not None:
+                        b.record_stream(st)
                 ev = torch.cuda.Event()
                 ev.record(st)
             rec.event = ev

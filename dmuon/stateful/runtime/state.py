@@ -70,6 +70,7 @@ __all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_stat
 
 class DedicatedState(PublishMixin):
     """Root state of the dedicated params of one model (see the module docstring)."""
+    collectives: str = "per_owner"  #: dedicate_params(collectives=...): the program's style
 
     def __init__(self, *, model: nn.Module, params: Mapping[str, nn.Parameter], plan: Any,
                  mesh_groups: MeshGroups, executor: Executor, groups: HookGroups,
@@ -248,7 +249,7 @@ class DedicatedState(PublishMixin):
             self.owners, self.shape, cdt, reduce_dtypes=rdt, master_dtypes=self.master_dtype,
             shard_size=self.G, replicate_size=self.R, groups=self.hook_groups,
             reshard_after_forward=self.reshard_after_forward, tp=self.tp_schedule(),
-            splits=self.split_schedules)
+            splits=self.split_schedules, collectives=self.collectives)
         if self.program.master_layout != self.storage.master_layout:  # pragma: no cover
             raise RuntimeError("dmuon internal error: the step program's master layout differs "
                                "from the storage's")
