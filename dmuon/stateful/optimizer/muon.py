@@ -195,6 +195,8 @@ class Muon(torch.optim.Optimizer):
         self._check_fsdp_usage = bool(self._adamw_named) and not reduce_unused_fsdp_params(model)
         # a newer Muon(model) supersedes this one: stepping both would update twice per step
         self._generation = rt.attach_optimizer()
+        # offload_state: each hook group's momentum copy starts when its reduce is issued
+        rt.on_reduce_issued(self._on_reduce_issued)
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
         # runs its zero-gradient "materializing" step on this optimizer
         self.muon_state: Optional[fmuon.MuonState] = (
@@ -278,8 +280,6 @@ class Muon(torch.optim.Optimizer):
                 "behind the other ranks'.")
         check_outside_grads(self._outside)
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
-        if self.muon_state is not None:  # offload: the copy-in overlaps the pending reduces
-            self._storage.prefetch(self.muon_state.momentum)
         grads = rt.reduced_grads()
         if self._check_fsdp_usage:
             check_same_fsdp_grads(self._adamw_named, rt)
@@ -294,6 +294,14 @@ class Muon(torch.optim.Optimizer):
         self._adamw_step()
         self.num_steps += 1
         return loss
+
+    def _on_reduce_issued(self, names: Any) -> None:
+        """The runtime issued the gradient reduce of a hook group's matrices ``names`` (in
+        backward): offloaded momentum of those this rank owns starts its copy to the device."""
+        ms = self.muon_state
+        if ms is None or not self._storage.offload or not self._rt.is_current(self._generation):
+            return
+        self._storage.prefetch({n: ms.momentum[n] for n in names if n in ms.momentum})
 
     @property
     def elementwise_mode(self) -> str:
@@ -343,12 +351,15 @@ class Muon(torch.optim.Optimizer):
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
         ortho, ew = self._ns.for_step(rt.device.type, hp), self._elementwise(rt)
-        work = self._storage.working_state(self.muon_state, params)
-        _, work = owner_step(
-            grads, work, params, hp, views=self._views, mults=self._hp_mults,
-            donate=True, donate_grads=True, elementwise=ew,
+        # momentum_dtype / offload_state: the momentum stage decodes the stored momentum chunk by
+        # chunk (state_storage.StepIO); Newton-Schulz and the rest never see it (bitwise)
+        io = None if self._storage.identity else self._storage.step_io(
+            self.muon_state.momentum, params)
+        _, self.muon_state = owner_step(
+            grads, self.muon_state, params, hp, views=self._views, mults=self._hp_mults,
+            donate=True, donate_grads=True, elementwise=ew, momentum_io=io,
             orthogonalize_for=lambda p, g: self._tp_wrapped(ortho, p, g))
-        self.muon_state = self._storage.commit_state(self.muon_state, work)
+        self._storage.drop_staged()  # staged but not stepped (no gradient): the host copy holds
         self._state_views_stale = True  # rebuilt when self.state is next read
         return stepped
 
@@ -432,6 +443,7 @@ class Muon(torch.optim.Optimizer):
         """Drop the dedicated matrices' pending grads (and their ``.grad`` markers) and zero
         FSDP2's grads (torch semantics)."""
         self._rt.clear_grads()
+        self._storage.drop_staged()  # a batch skipped after its backward: copies not needed
         # the consumed markers of the last step (dmuon.stateful.runtime.ledger) are zeroed or
         # dropped here like any .grad: set_to_none=False then steps a matrix with no new gradient
         # with zeros, as a single-device optimizer would (momentum and weight decay apply)
