@@ -231,3 +231,63 @@ def test_superseded_optimizer_copies_nothing(results):
     for r in results:
         assert r["superseded_copies"] == 0 and r["newer_copies"] == r["owned"]
         assert r["superseded_freed"]
+
+
+class _BF16IO:
+    """A :class:`~dmuon.functional.stages.momentum.MomentumIO` over bf16-stored momentum, one
+    matrix per chunk, in reverse order; counts the chunks alive at once."""
+
+    def __init__(self):
+        self.live = self.peak = self.loads = 0
+
+    def chunks(self, names):
+        return [[k] for k in reversed(range(len(names)))]
+
+    def load(self, names, stored):
+        self.live += 1
+        self.peak, self.loads = max(self.peak, self.live), self.loads + 1
+        return [s.double() for s in stored]
+
+    def store(self, names, stored, work):
+        for s, w in zip(stored, work):
+            s.copy_(w.to(s.dtype))
+        self.live -= 1
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("tensor_mu", [False, True])
+def test_momentum_io_is_bitwise_the_working_update(nesterov, tensor_mu):
+    """functional ``muon.update(momentum_io=...)``: the momentum stage loads / stores one chunk at
+    a time and the result is bitwise the update on the decoded momentum rounded afterwards (views,
+    lr / wd multiplier groups through owner_step, Nesterov or not, a 0-d tensor momentum)."""
+    from dmuon.functional import muon as fmuon
+    from dmuon.functional.matrix_view import Batch
+    from dmuon.functional.owner_step import owner_step
+
+    g = torch.Generator().manual_seed(0)
+    shapes = {"a": (16, 24), "b": (24, 16), "c": (16, 24), "e": (3, 8, 12)}
+    params = {n: torch.randn(s, generator=g, dtype=torch.float64) for n, s in shapes.items()}
+    mom = {n: torch.randn(s, generator=g, dtype=torch.float64).to(BF16) for n, s in shapes.items()}
+    grads = {n: torch.randn(s, generator=g, dtype=torch.float64) for n, s in shapes.items()}
+    grads["c"] = None  # no gradient: params and stored momentum untouched
+    hp = fmuon.MuonHParams(lr=0.02, momentum=torch.tensor(0.9, dtype=torch.float64)
+                           if tensor_mu else 0.9, nesterov=nesterov, weight_decay=0.1,
+                           ns_dtype=torch.float64)
+    kw = dict(views={"e": Batch(1)}, mults={"b": (0.5, 2.0)})
+    ref_p = {n: p.clone() for n, p in params.items()}
+    ref_s = fmuon.MuonState(torch.tensor(3.0, dtype=torch.float64),
+                            {n: m.double() for n, m in mom.items()})
+    ref_p, ref_s = owner_step({n: None if v is None else v.clone() for n, v in grads.items()},
+                              ref_s, ref_p, hp, donate=True, **kw)
+    io = _BF16IO()
+    st = fmuon.MuonState(torch.tensor(3.0, dtype=torch.float64), dict(mom))
+    new_p, new_s = owner_step(grads, st, params, hp, donate=True, donate_grads=True,
+                              momentum_io=io, **kw)
+    assert io.peak == 1 and io.loads == 3
+    assert float(new_s.step) == float(ref_s.step) == 4.0
+    for n in shapes:
+        assert torch.equal(new_p[n], ref_p[n]), n
+        assert new_s.momentum[n] is mom[n]  # the stored tensors, written in place
+        assert torch.equal(mom[n], ref_s.momentum[n].to(BF16)), n
+    with pytest.raises(ValueError, match="donate=True"):
+        fmuon.update(grads, st, params, hp, momentum_io=io)

@@ -301,7 +301,8 @@ class Muon(torch.optim.Optimizer):
         ms = self.muon_state
         if ms is None or not self._storage.offload or not self._rt.is_current(self._generation):
             return
-        self._storage.prefetch({n: ms.momentum[n] for n in names if n in ms.momentum})
+        self._storage.prefetch({n: ms.momentum[n] for n in names if n in ms.momentum},
+                               ahead=True)
 
     @property
     def elementwise_mode(self) -> str:

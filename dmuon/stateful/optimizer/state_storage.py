@@ -80,6 +80,10 @@ class MomentumStorage:
         #: bytes of working momentum one chunk of the step decodes at most (a larger matrix is a
         #: chunk of its own); see the module docstring
         self.chunk_bytes = CHUNK_BYTES
+        #: offload: bytes of staged (storage-dtype) momentum the backward may copy ahead of the
+        #: step (``None``: every group's, as its reduce is issued); the step copies the rest a
+        #: chunk ahead of its use
+        self.prefetch_bytes: Optional[int] = None
         #: chunks the last step ran (0: the identity storage, no chunking)
         self.last_chunks = 0
         self.bind(device if device is not None else torch.device("cpu"))
@@ -132,24 +136,41 @@ class MomentumStorage:
                 "host": data if self.offload else 0}
 
     # ------------------------------------------------------------------ step
-    def prefetch(self, stored: Mapping[str, Tensor]) -> None:
+    def prefetch(self, stored: Mapping[str, Tensor], *, ahead: bool = False) -> None:
         """Offload: start copying the host momentum ``stored`` (``{name: host tensor}``; names
-        already staged are skipped) into device staging buffers, on the side stream on CUDA (one
-        event for the batch: :meth:`step_io` waits it before the first use), a plain copy on CPU.
+        already staged are skipped) into device staging buffers, a plain copy on CPU. On CUDA the
+        buffers are allocated on the current stream (so they reuse what the backward freed) and
+        filled on the side stream after the work queued so far (one event for the batch, waited
+        before the first use). A no-op on device.
+
         Called per hook group when its gradient reduce is issued in backward
-        (:meth:`dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued`), and by the step
-        for the rest, a chunk ahead. A no-op on device."""
+        (:meth:`dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued`; ``ahead=True``:
+        only while the staged bytes stay within :attr:`prefetch_bytes`) and by the step for the
+        rest, a chunk ahead."""
         todo = {n: t for n, t in stored.items() if n not in self._staged}
         if not self.offload or not todo:
             return
+        if ahead and self.prefetch_bytes is not None:
+            room = self.prefetch_bytes - sum(b.nbytes for b, _ in self._staged.values())
+            keep = {}
+            for n, t in todo.items():
+                if t.nbytes > room:
+                    break
+                keep[n], room = t, room - t.nbytes
+            todo = keep
+            if not todo:
+                return
         self.copies_in += len(todo)
         if self._stream is None:  # CPU: the same path, synchronously
             for n, t in todo.items():
                 self._staged[n] = (torch.empty_like(t, device=self.device).copy_(t), None)
             return
+        bufs = {n: torch.empty_like(t, device=self.device) for n, t in todo.items()}
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks are free
         with torch.cuda.stream(self._stream):
-            bufs = {n: torch.empty_like(t, device=self.device).copy_(t, non_blocking=True)
-                    for n, t in todo.items()}
+            for n, t in todo.items():
+                bufs[n].copy_(t, non_blocking=True)
+                bufs[n].record_stream(self._stream)
             ev = torch.cuda.Event()
             ev.record(self._stream)
         for n, b in bufs.items():
@@ -260,11 +281,9 @@ class StepIO:
         waited, out = set(), []
         for n in names:
             buf, ev = st._staged[n]
-            if ev is not None:
-                if id(ev) not in waited:
-                    cur.wait_event(ev)
-                    waited.add(id(ev))
-                buf.record_stream(cur)  # allocated on the side stream, used on this one
+            if ev is not None and id(ev) not in waited:
+                cur.wait_event(ev)
+                waited.add(id(ev))
             want = self.masters[n].dtype
             if buf.dtype == want and st.dtype == torch.float32:
                 out.append(buf)  # fp32 offload: the staging buffer itself
