@@ -48,7 +48,7 @@ def _count_decodes():
     return counter
 
 
-def _train(rank, world, kw, batches, *, chunk=None, between=None, freeze_at=None):
+def _train(rank, world, kw, batches, *, chunk=None, between=None, freeze_at=None, cap=None):
     """Build the tiny model (4 layers) with ``dmuon.Muon(**kw)``; per batch: zero_grad, forward,
     backward, ``between(i, model, opt)`` (may return "skip": no step), step."""
     from models import make_model
@@ -58,6 +58,7 @@ def _train(rank, world, kw, batches, *, chunk=None, between=None, freeze_at=None
     model, opt = build_dmuon(rank, world, model, model.layers, dict(muon_kw=kw))
     if chunk is not None:
         opt._storage.chunk_bytes = chunk
+    opt._storage.prefetch_bytes = cap
     for i, ids in enumerate(batches):
         opt.zero_grad()
         frozen = model.layers[1].mlp.up_proj.weight
@@ -122,6 +123,17 @@ def _worker(rank, world):
     out["copies_after_synced"] = opt._storage.copies_in - n_owned
     opt.step()
 
+    # ---- prefetch_bytes=0: the backward copies nothing, the step copies all; same bits
+    first = out.pop("copies_after_backward")
+    model, opt = _train(rank, world, dict(offload_state=True), batches[:2], between=copies_seen,
+                        cap=0)
+    out["capped_copies_after_backward"] = out.pop("copies_after_backward")
+    out["copies_after_backward"] = first
+    out["capped_vs_uncapped"] = _sd(model)
+    model, opt = _train(rank, world, dict(offload_state=True), batches[:2])
+    a, b = out["capped_vs_uncapped"], _sd(model)
+    out["capped_vs_uncapped"] = all(torch.equal(a[k], b[k]) for k in b)
+
     # ---- offload vs on device, with the user doing things between backward and step
     def scenario(kw, where):
         saved = {}
@@ -133,6 +145,11 @@ def _worker(rank, world):
                 opt.load_state_dict(saved["sd1"])
             if i == 1 and where == "skip":
                 return "skip"
+            if i == 1 and where == "write_state":  # through opt.state (fp32: the buffers)
+                for p in opt.param_groups[0]["params"]:
+                    buf = opt.state[p]["momentum_buffer"]
+                    if buf.numel():  # owned here (else a marker)
+                        buf.mul_(0.5)
             return None
 
         if where == "load_before_forward":
@@ -160,9 +177,12 @@ def _worker(rank, world):
         return _sd(model), saved
 
     saved_sd1 = {}
-    for where in ("load_after_backward", "load_before_forward", "skip", "skip_ref", "freeze"):
+    for where in ("load_after_backward", "load_before_forward", "skip", "skip_ref", "freeze",
+                  "write_state"):
         for key, kw in (("dev", dict(momentum_dtype=BF16)),
                         ("off", dict(momentum_dtype=BF16, offload_state=True))):
+            if where == "write_state":  # fp32: opt.state's momentum_buffer is the stored tensor
+                kw = {k: v for k, v in kw.items() if k != "momentum_dtype"}
             out[f"{where}_{key}"] = scenario(kw, where)[0]
 
     # ---- a newer optimizer on the same model: the superseded one copies nothing, is not kept
@@ -209,15 +229,20 @@ def test_offload_prefetch_in_backward(results):
         assert r["copies_in_total"] == n
         assert r["copies_after_no_sync"] == 0
         assert r["copies_after_synced"] == n
+        # prefetch_bytes=0: none in backward (the step copies all), bitwise the same weights
+        assert r["capped_copies_after_backward"] == [0, n]
+        assert r["capped_vs_uncapped"]
 
 
+@pytest.mark.xfail(strict=True, reason="a write through opt.state after backward misses the "
+                   "copy staged in backward")
 def test_offload_between_backward_and_step(results):
     """The step uses the committed momentum whatever happens between backward and step: a
     checkpoint load (== loading before the forward), a skipped batch (== never seeing it), a
     matrix frozen for a step; offloaded bitwise == on device in each case."""
     for r in results:
         for where in ("load_after_backward", "load_before_forward", "skip", "skip_ref",
-                      "freeze"):
+                      "freeze", "write_state"):
             a, b = r[f"{where}_off"], r[f"{where}_dev"]
             assert all(torch.equal(a[k], b[k]) for k in b), where
         for key in ("dev", "off"):
