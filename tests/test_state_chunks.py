@@ -234,8 +234,6 @@ def test_offload_prefetch_in_backward(results):
         assert r["capped_vs_uncapped"]
 
 
-@pytest.mark.xfail(strict=True, reason="a write through opt.state after backward misses the "
-                   "copy staged in backward")
 def test_offload_between_backward_and_step(results):
     """The step uses the committed momentum whatever happens between backward and step: a
     checkpoint load (== loading before the forward), a skipped batch (== never seeing it), a

@@ -495,6 +495,10 @@ class Muon(torch.optim.Optimizer):
         marks them stale, so the hot path never rebuilds them."""
         if self._state_views_stale:
             self.refresh_state_views()
+        # offload: what the caller reads here it may write (the host buffers); copies staged
+        # before are then stale, so the step copies again what it needs
+        if getattr(self, "_storage", None) is not None:
+            self._storage.drop_staged()
         return self._state_views
 
     @state.setter
