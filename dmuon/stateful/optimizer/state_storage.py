@@ -54,10 +54,13 @@ from dmuon.kernels.streams import side_stream
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MomentumStorage", "StepIO", "CHUNK_BYTES"]
+__all__ = ["MomentumStorage", "StepIO", "CHUNK_BYTES", "PREFETCH_BYTES"]
 
 #: The step's chunk budget: bytes of working (decoded) momentum alive at once, by default.
 CHUNK_BYTES = 256 * 2**20
+#: Offload: bytes of momentum the backward copies to the device ahead of the step, by default
+#: (``None``: every hook group's, as its reduce is issued).
+PREFETCH_BYTES: Optional[int] = None
 
 
 class MomentumStorage:
@@ -83,7 +86,7 @@ class MomentumStorage:
         #: offload: bytes of staged (storage-dtype) momentum the backward may copy ahead of the
         #: step (``None``: every group's, as its reduce is issued); the step copies the rest a
         #: chunk ahead of its use
-        self.prefetch_bytes: Optional[int] = None
+        self.prefetch_bytes: Optional[int] = PREFETCH_BYTES
         #: chunks the last step ran (0: the identity storage, no chunking)
         self.last_chunks = 0
         self.bind(device if device is not None else torch.device("cpu"))
