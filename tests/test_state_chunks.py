@@ -314,3 +314,28 @@ def test_momentum_io_is_bitwise_the_working_update(nesterov, tensor_mu):
         assert torch.equal(mom[n], ref_s.momentum[n].to(BF16)), n
     with pytest.raises(ValueError, match="donate=True"):
         fmuon.update(grads, st, params, hp, momentum_io=io)
+
+
+def test_memory_model_counts_one_chunk_and_the_backward_copies():
+    """``rank_memory``: a narrow momentum costs the step one chunk of decoded momentum (not all
+    of it); offloaded, the backward holds the copies its reduces started (none with
+    ``prefetch_bytes=0``: the backward then holds no momentum at all), and an fp32 offloaded step
+    starts as the on-device one."""
+    from test_order_check import _program
+    from dmuon.functional.memory_model import rank_memory
+    from dmuon.functional.state_dtype import chunk_peak
+
+    prog = _program(1, 1)  # one rank owns all 17 matrices (4 layers x 4 + a root matrix)
+    sizes = [e.numel * 4 for b in prog.master_layout.buckets for e in b.entries]
+    assert chunk_peak(sizes, 1) == max(sizes) and chunk_peak(sizes, None) == sum(sizes)
+    assert chunk_peak(sizes, 10 ** 9) == sum(sizes) and chunk_peak([], 1) == 0
+    fp32 = rank_memory(prog, (0, 0))
+    one = rank_memory(prog, (0, 0), momentum_dtype=BF16, chunk_bytes=None)
+    small = rank_memory(prog, (0, 0), momentum_dtype=BF16, chunk_bytes=1)
+    assert one.phases["step"] - small.phases["step"] == sum(sizes) - max(sizes)
+    off = rank_memory(prog, (0, 0), offload_state=True, chunk_bytes=1)
+    capped = rank_memory(prog, (0, 0), offload_state=True, chunk_bytes=1, prefetch_bytes=0)
+    assert capped.phases["backward"] == fp32.phases["backward"] - fp32.state
+    assert off.phases["backward"] > capped.phases["backward"]
+    assert off.phases["step"] == fp32.phases["step"]
+    assert capped.phases["step"] == fp32.phases["step"] - fp32.state + 2 * max(sizes)

@@ -33,12 +33,27 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["STATE_DTYPES", "Stored", "check_state_dtype", "encode", "decode", "round_trip",
+__all__ = ["STATE_DTYPES", "STEP_CHUNK_BYTES", "chunk_peak", "Stored", "check_state_dtype", "encode", "decode", "round_trip",
            "state_nbytes", "checkpoint_dtype", "dtype_name"]
 
 #: The storage dtypes offered (``None`` means ``torch.float32``).
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+#: The owner's step decodes a stored momentum in chunks of at most this many bytes of working
+#: (decoded) momentum (a larger matrix is a chunk of its own): ``dmuon.Muon``'s default
+#: (:mod:`dmuon.stateful.optimizer.state_storage`) and the memory model's.
+STEP_CHUNK_BYTES = 256 * 2**20
+
+
+def chunk_peak(sizes: "list[int]", chunk_bytes: Optional[int] = STEP_CHUNK_BYTES) -> int:
+    """The most bytes one chunk can hold when matrices of ``sizes`` bytes are packed into chunks
+    of at most ``chunk_bytes`` (a larger matrix alone; ``None``: one chunk), in any order, as
+    the owner's step packs its working momentum: ``min(total, max(largest, chunk_bytes))``."""
+    total = sum(sizes)
+    if chunk_bytes is None or not sizes:
+        return total
+    return min(total, max(max(sizes), chunk_bytes))
 
 
 class Stored(NamedTuple):

@@ -56,8 +56,9 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["MomentumStorage", "StepIO", "CHUNK_BYTES", "PREFETCH_BYTES"]
 
-#: The step's chunk budget: bytes of working (decoded) momentum alive at once, by default.
-CHUNK_BYTES = 256 * 2**20
+#: The step's chunk budget: bytes of working (decoded) momentum alive at once, by default
+#: (:data:`dmuon.functional.state_dtype.STEP_CHUNK_BYTES`; read when a storage is built).
+CHUNK_BYTES = sd.STEP_CHUNK_BYTES
 #: Offload: bytes of momentum the backward copies to the device ahead of the step, by default
 #: (``None``: every hook group's, as its reduce is issued).
 PREFETCH_BYTES: Optional[int] = None
