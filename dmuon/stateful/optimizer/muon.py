@@ -287,6 +287,7 @@ class Muon(torch.optim.Optimizer):
             if check_finite(self._adamw_named, rt, grads):
                 self._host_syncs += 1  # its verdict waited for the device
         stepped = self._muon_step(rt, grads, rt.ledger.take_zero_next())
+        self._storage.drop_staged()  # offload: copies of matrices not stepped (the host holds)
         rt.clear_grads()
         rt.after_step(replicate_async=self.replicate_async)
         # torch would keep these gradients until zero_grad: their consumed markers stand in
@@ -296,13 +297,10 @@ class Muon(torch.optim.Optimizer):
         return loss
 
     def _on_reduce_issued(self, names: Any) -> None:
-        """The runtime issued the gradient reduce of a hook group's matrices ``names`` (in
-        backward): offloaded momentum of those this rank owns starts its copy to the device."""
-        ms = self.muon_state
-        if ms is None or not self._storage.offload or not self._rt.is_current(self._generation):
-            return
-        self._storage.prefetch({n: ms.momentum[n] for n in names if n in ms.momentum},
-                               ahead=True)
+        """A hook group's gradient reduce was issued (backward): its owned offloaded momentum
+        starts its copy to the device (:meth:`MomentumStorage.prefetch_owned`)."""
+        if self._rt.is_current(self._generation):
+            self._storage.prefetch_owned(self.muon_state, names)
 
     @property
     def elementwise_mode(self) -> str:
@@ -360,7 +358,6 @@ class Muon(torch.optim.Optimizer):
             grads, self.muon_state, params, hp, views=self._views, mults=self._hp_mults,
             donate=True, donate_grads=True, elementwise=ew, momentum_io=io,
             orthogonalize_for=lambda p, g: self._tp_wrapped(ortho, p, g))
-        self._storage.drop_staged()  # staged but not stepped (no gradient): the host copy holds
         self._state_views_stale = True  # rebuilt when self.state is next read
         return stepped
 
@@ -495,10 +492,8 @@ class Muon(torch.optim.Optimizer):
         marks them stale, so the hot path never rebuilds them."""
         if self._state_views_stale:
             self.refresh_state_views()
-        # offload: what the caller reads here it may write (the host buffers); copies staged
-        # before are then stale, so the step copies again what it needs
-        if getattr(self, "_storage", None) is not None:
-            self._storage.drop_staged()
+        if getattr(self, "_storage", None) is not None:  # offload: the caller may write the
+            self._storage.drop_staged()  # host buffers: the step copies what it needs again
         return self._state_views
 
     @state.setter

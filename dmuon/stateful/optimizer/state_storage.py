@@ -180,6 +180,13 @@ class MomentumStorage:
         for n, b in bufs.items():
             self._staged[n] = (b, ev)
 
+    def prefetch_owned(self, ms: Any, names: Any) -> None:
+        """:meth:`prefetch` (``ahead``) of the momentum in ``MuonState`` ``ms`` (``None``: none)
+        of those ``names`` it holds: the optimizer's callback when a hook group's reduce is
+        issued (a no-op on device)."""
+        if ms is not None and self.offload:
+            self.prefetch({n: ms.momentum[n] for n in names if n in ms.momentum}, ahead=True)
+
     def staged_names(self) -> list[str]:
         """The names whose copy to the device was started and not consumed yet, in that order."""
         return list(self._staged)

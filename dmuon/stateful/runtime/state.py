@@ -373,11 +373,9 @@ class DedicatedState(PublishMixin):
         self._launch_due_reduces()
 
     def on_reduce_issued(self, callback: Optional[Any]) -> None:
-        """Call ``callback(names)`` each time the gradient reduce of a hook group is issued (in
-        backward, in the fixed reduce order; never inside ``no_sync``): ``names``, the group's
-        matrices (an optimizer starts the copy of their offloaded state there). One listener:
-        a later call replaces it (``None`` removes it). A bound method is held weakly, so the
-        model does not keep its optimizer alive."""
+        """Call ``callback(names)`` (the group's matrices) each time a hook group's gradient
+        reduce is issued (backward, fixed reduce order; never inside ``no_sync``). One listener:
+        a later call replaces it (``None`` removes it); a bound method is held weakly."""
         if callback is not None and hasattr(callback, "__self__"):
             ref = weakref.WeakMethod(callback)
             callback = lambda names: (ref() or (lambda _: None))(names)  # noqa: E731
