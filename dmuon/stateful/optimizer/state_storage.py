@@ -306,14 +306,12 @@ class StepIO:
               work: Sequence[Tensor]) -> None:
         st = self.st
         enc = []
-        for n, w in zip(names, work):
-            data, scale = sd.encode(w, st.dtype)
+        for n, t, w in zip(names, stored, work):  # on device: encoded into the stored tensor
+            data, scale = sd.encode(w, st.dtype, out=None if st.offload else t)
             if scale is not None:
                 st.scales[n] = scale
             enc.append(data)
         if not st.offload:
-            for t, data in zip(stored, enc):
-                t.copy_(data)
             return
         st.copies_out += len(enc)
         for n in names:
