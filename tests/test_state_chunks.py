@@ -54,7 +54,7 @@ def _train(rank, world, kw, batches, *, chunk=None, between=None, freeze_at=None
     from models import make_model
     from stateful_harness import build_dmuon
 
-    model = make_model(n_layers=4)
+    model = make_model(n_layers=2)
     model, opt = build_dmuon(rank, world, model, model.layers, dict(muon_kw=kw))
     if chunk is not None:
         opt._storage.chunk_bytes = chunk
@@ -155,7 +155,7 @@ def _worker(rank, world):
         if where == "load_before_forward":
             from models import make_model
             from stateful_harness import build_dmuon
-            model = make_model(n_layers=4)
+            model = make_model(n_layers=2)
             model, opt = build_dmuon(rank, world, model, model.layers, dict(muon_kw=kw))
             for i, ids in enumerate(batches[:3]):
                 opt.zero_grad()
