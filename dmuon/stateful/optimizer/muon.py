@@ -195,8 +195,7 @@ class Muon(torch.optim.Optimizer):
         self._check_fsdp_usage = bool(self._adamw_named) and not reduce_unused_fsdp_params(model)
         # a newer Muon(model) supersedes this one: stepping both would update twice per step
         self._generation = rt.attach_optimizer()
-        # offload_state: each hook group's momentum copy starts when its reduce is issued
-        rt.on_reduce_issued(self._on_reduce_issued)
+        ss.follow_reduces(self, rt)  # offload: a group's copy-in starts as its reduce is issued
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
         # runs its zero-gradient "materializing" step on this optimizer
         self.muon_state: Optional[fmuon.MuonState] = (
@@ -296,12 +295,6 @@ class Muon(torch.optim.Optimizer):
         self.num_steps += 1
         return loss
 
-    def _on_reduce_issued(self, names: Any) -> None:
-        """A hook group's gradient reduce was issued (backward): its owned offloaded momentum
-        starts its copy to the device (:meth:`MomentumStorage.prefetch_owned`)."""
-        if self._rt.is_current(self._generation):
-            self._storage.prefetch_owned(self.muon_state, names)
-
     @property
     def elementwise_mode(self) -> str:
         """``"fused"`` (Triton kernels) or ``"foreach"``: how the owner's elementwise Muon stages run."""
@@ -350,8 +343,7 @@ class Muon(torch.optim.Optimizer):
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
         ortho, ew = self._ns.for_step(rt.device.type, hp), self._elementwise(rt)
-        # momentum_dtype / offload_state: the momentum stage decodes the stored momentum chunk by
-        # chunk (state_storage.StepIO); Newton-Schulz and the rest never see it (bitwise)
+        # a stored momentum: read chunk by chunk by the momentum stage (state_storage.StepIO)
         io = None if self._storage.identity else self._storage.step_io(
             self.muon_state.momentum, params)
         _, self.muon_state = owner_step(

@@ -44,6 +44,7 @@ yet -- at most all of them at the end of the backward, when the activations are 
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -54,7 +55,7 @@ from dmuon.kernels.streams import side_stream
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MomentumStorage", "StepIO", "CHUNK_BYTES", "PREFETCH_BYTES"]
+__all__ = ["MomentumStorage", "StepIO", "CHUNK_BYTES", "PREFETCH_BYTES", "follow_reduces"]
 
 #: The step's chunk budget: bytes of working (decoded) momentum alive at once, by default
 #: (:data:`dmuon.functional.state_dtype.STEP_CHUNK_BYTES`; read when a storage is built).
@@ -327,6 +328,22 @@ class StepIO:
                 data.record_stream(st._stream)
             st._copied_out = torch.cuda.Event()
             st._copied_out.record(st._stream)
+
+
+def follow_reduces(optimizer: Any, rt: Any) -> None:
+    """Register ``optimizer`` (held weakly: the model does not keep it alive) with ``rt``'s
+    :meth:`~dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued`: when a hook group's
+    reduce is issued, its owned offloaded momentum starts its copy to the device
+    (:meth:`MomentumStorage.prefetch_owned`), unless a newer optimizer superseded this one (it
+    replaces the listener too)."""
+    ref, generation = weakref.ref(optimizer), optimizer._generation
+
+    def on_reduce(names: Any) -> None:
+        opt = ref()
+        if opt is not None and opt.dedicated_state.is_current(generation):
+            opt._storage.prefetch_owned(opt.muon_state, names)
+
+    rt.on_reduce_issued(on_reduce)
 
 
 def check_storage(storage: MomentumStorage, transform: Any, rt: Any) -> None:

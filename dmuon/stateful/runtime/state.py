@@ -26,9 +26,8 @@ and presence 0 (DDP's ``find_unused_parameters`` semantics): its average counts 
 a param no rank had a gradient for is skipped by the update, as a single-device optimizer skips
 ``grad is None``.
 
-**Step protocol** (the optimizer's narrow interface): :meth:`on_reduce_issued` (a callback per
-hook group as its reduce is issued), :meth:`reduced_grads` (waits, returns the
-owner's averaged gradients, ``None`` for params no rank had one for), :meth:`owned_masters`,
+**Step protocol** (the optimizer's interface): :meth:`on_reduce_issued`, :meth:`reduced_grads`
+(waits, returns the owner's averaged gradients, ``None`` for none), :meth:`owned_masters`,
 :meth:`clear_grads`, :meth:`after_step` (weights version bump, gathered copies freed, HSDP publish),
 :meth:`masters_changed` (a state-dict load), :meth:`attach_optimizer` / :meth:`is_current`, and
 the ledger (``ledger.fresh``, ``ledger.take_zero_next()``, ``ledger.consume(stepped)``).
@@ -58,6 +57,7 @@ from dmuon.stateful.runtime.ledger import GradLedger
 from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState, ReducedGrad
 from dmuon.stateful.runtime.process_groups import MeshGroups
 from dmuon.stateful.runtime.publish import PublishMixin
+from dmuon.stateful.runtime.reduce_listener import ReduceListenerMixin
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool
 
 logger = logging.getLogger(__name__)
@@ -69,7 +69,7 @@ STATE_ATTR = "_dmuon_state"
 __all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_state", "local_tensor"]
 
 
-class DedicatedState(PublishMixin):
+class DedicatedState(PublishMixin, ReduceListenerMixin):
     """Root state of the dedicated params of one model (see the module docstring)."""
 
     def __init__(self, *, model: nn.Module, params: Mapping[str, nn.Parameter], plan: Any,
@@ -140,7 +140,6 @@ class DedicatedState(PublishMixin):
         #: the step program (:mod:`dmuon.functional.program`), built at the first forward
         self.program: Optional[StepProgram] = None
         self._optimizer_generation = 0
-        self._reduce_listener: Optional[Any] = None  # see on_reduce_issued
         #: where every matrix's gradient is on this rank, and its ``.grad`` markers
         self.ledger = GradLedger(self.params, self.owned_names, self.storage.is_placeholder,
                                  self._collect)
@@ -372,21 +371,11 @@ class DedicatedState(PublishMixin):
         self.groups[key].note_grad(name, defer=key in self.reused)
         self._launch_due_reduces()
 
-    def on_reduce_issued(self, callback: Optional[Any]) -> None:
-        """Call ``callback(names)`` (the group's matrices) each time a hook group's gradient
-        reduce is issued (backward, fixed reduce order; never inside ``no_sync``). One listener:
-        a later call replaces it (``None`` removes it); a bound method is held weakly."""
-        if callback is not None and hasattr(callback, "__self__"):
-            ref = weakref.WeakMethod(callback)
-            callback = lambda names: (ref() or (lambda _: None))(names)  # noqa: E731
-        self._reduce_listener = callback
-
     def _launch_reduce(self, key: str) -> None:
         g = self.groups[key]
         self.ledger.take_markers(g.names)  # markers of an earlier no_sync backward: still there?
         g.launch_reduce(self.ledger.send(g.names), self.pool)
-        if self._reduce_listener is not None:
-            self._reduce_listener(g.names)
+        self._reduce_issued(g.names)  # ReduceListenerMixin
         if not self._keep_gathered:
             g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
 
