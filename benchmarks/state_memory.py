@@ -16,6 +16,12 @@ boundary; one subprocess per try).
 
 Targets (issue 38): bf16 momentum's peak allocated <= 23.83 GiB (the reference implementation's
 on this model); offloaded step time within 3 % of on-device.
+
+The chunked step (``state_storage.StepIO``): ``dmuon_bf16`` decodes its momentum in chunks of
+``CHUNK_BYTES`` (256 MiB), ``dmuon_bf16_one_chunk`` all at once (compare their ``opt_peak_gib``,
+the step's own peak, and ``peak_allocated_gib``). Offload copies each hook group's momentum in
+during the backward (``dmuon_offload``); ``dmuon_offload_cap512m`` copies at most 512 MiB ahead
+(compare ``fwd_bwd_peak_gib`` and ``step_ms``).
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import memory_phases as mp  # noqa: E402
 import step_world1 as sw  # noqa: E402
 
-#: config name -> (step_world1 kind, dmuon.Muon options)
+#: config name -> (step_world1 kind, dmuon.Muon options[, state_storage module settings])
 CONFIGS = {
     "adamw": ("adamw", {}),
     "dmuon_fp32": ("dmuon", {}),
@@ -42,6 +48,12 @@ CONFIGS = {
     "dmuon_fp8": ("dmuon", {"momentum_dtype": "fp8"}),
     "dmuon_offload": ("dmuon", {"offload_state": True}),
     "dmuon_bf16_offload": ("dmuon", {"momentum_dtype": "bf16", "offload_state": True}),
+    # the step's momentum decoded in one chunk (the chunking's baseline: all owned momentum in
+    # fp32 at once, as before the chunked step, though freed before Newton-Schulz)
+    "dmuon_bf16_one_chunk": ("dmuon", {"momentum_dtype": "bf16"}, {"CHUNK_BYTES": 1 << 62}),
+    # offload with the backward's copies capped at 512 MiB (the step copies the rest a chunk
+    # ahead): the backward's peak without the momentum, at the cost of copies inside the step
+    "dmuon_offload_cap512m": ("dmuon", {"offload_state": True}, {"PREFETCH_BYTES": 512 << 20}),
 }
 
 
@@ -67,8 +79,11 @@ def state_report(model, opt, kind: str, kw: dict) -> dict:
 
 def child(a) -> dict:
     """One config in this process: step time, peak memory, state (or one ``--largest`` try)."""
-    kind, kw = CONFIGS[a.config]
+    kind, kw, *settings = CONFIGS[a.config]
     kw = _muon_kw(kw)
+    from dmuon.stateful.optimizer import state_storage
+    for name, value in (settings[0] if settings else {}).items():
+        setattr(state_storage, name, value)  # read by each MomentumStorage when it is built
     cfg = sw.TINY if a.tiny else sw.Cfg()
     if a.layers is not None:  # a --largest try: B1 x T2048 (tiny: its own batch) at this depth
         cfg = replace(cfg, layers=a.layers, batch=1 if not a.tiny else cfg.batch)
@@ -87,7 +102,9 @@ def child(a) -> dict:
             return {"fits": True, "peak_allocated_gib": peak, "device_total_gib": total / 2**30}
         except torch.OutOfMemoryError as e:
             return {"fits": False, "error": str(e).splitlines()[0]}
-    r = sw.run_config(cfg, kind, device, mesh, a.warmup, a.steps, 0, a.model, kw)
+    r = sw.run_config(cfg, kind, device, mesh, a.warmup, a.steps, a.stat_steps, a.model, kw)
+    if kind.startswith("dmuon"):
+        r["state_settings"] = settings[0] if settings else {}
     model, opt = sw.build(cfg, kind, device, mesh, a.model, kw)  # untimed: what it holds
     ids = sw.make_batches(cfg, device, 1)[0]
     opt.zero_grad(set_to_none=True)
@@ -103,7 +120,8 @@ def child(a) -> dict:
 def _spawn(a, config: str, layers: int | None = None) -> dict:
     tmp = tempfile.mktemp(suffix=".json")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--config", config, "--out", tmp,
-           "--warmup", str(a.warmup), "--steps", str(a.steps), "--model", a.model] \
+           "--warmup", str(a.warmup), "--steps", str(a.steps), "--model", a.model,
+           "--stat-steps", str(a.stat_steps)] \
         + (["--tiny"] if a.tiny else []) + ([] if layers is None else ["--layers", str(layers)])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0 or not os.path.exists(tmp):
@@ -166,6 +184,9 @@ def main() -> None:
     ap.add_argument("--model", choices=sorted(sw.MODEL), default="hf")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--stat-steps", type=int, default=2,
+                    help="untimed steps measuring the peak of forward+backward and of the step "
+                         "apart (fwd_bwd_peak_gib, opt_peak_gib)")
     ap.add_argument("--largest", action="store_true",
                     help="also search the largest model each config trains at B1 x T2048")
     ap.add_argument("--max-layers", type=int, default=256)
@@ -194,9 +215,10 @@ def main() -> None:
     for c in configs:
         r = _spawn(a, c)
         doc["results"][c] = r
-        print(f"{c:20s} step {r['step_ms']:8.2f} ms  peak alloc "
-              f"{r.get('peak_allocated_gib', 0):6.2f} GiB  state "
-              f"{r.get('muon_state_held_bytes')}", flush=True)
+        print(f"{c:22s} step {r['step_ms']:8.2f} ms (opt {r.get('opt_ms', 0):6.2f})  peak alloc "
+              f"{r.get('peak_allocated_gib', 0):6.2f} GiB (fwd+bwd "
+              f"{r.get('fwd_bwd_peak_gib', 0):6.2f}, step {r.get('opt_peak_gib', 0):6.2f})  "
+              f"state {r.get('muon_state_held_bytes')}", flush=True)
         if a.largest:
             doc["largest"][c] = largest(a, c)
             print(f"{c:20s} largest at B1: {doc['largest'][c]['layers']} layers", flush=True)
@@ -212,6 +234,13 @@ def main() -> None:
     if "dmuon_offload" in res and "dmuon_fp32" in res:
         ratio = res["dmuon_offload"]["step_ms"] / res["dmuon_fp32"]["step_ms"]
         summary.update(offload_step_ratio=ratio, offload_met=ratio <= 1.03)
+    if cuda and "dmuon_bf16" in res and "dmuon_bf16_one_chunk" in res:
+        # the chunked decode: the step's own peak, chunked vs one chunk (same run otherwise)
+        summary.update(bf16_step_peak_gib=res["dmuon_bf16"].get("opt_peak_gib"),
+                       bf16_one_chunk_step_peak_gib=res["dmuon_bf16_one_chunk"].get("opt_peak_gib"))
+    if "dmuon_offload_cap512m" in res and "dmuon_fp32" in res:
+        summary["offload_cap512m_step_ratio"] = (res["dmuon_offload_cap512m"]["step_ms"]
+                                                 / res["dmuon_fp32"]["step_ms"])
     doc["summary"] = summary
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)

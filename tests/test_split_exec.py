@@ -125,3 +125,11 @@ def test_split_ns_forced_model_run_equals_one_process_gloo8():
 def test_split_ns_forced_hsdp_2x2_equals_one_process_gloo4():
     """HSDP (2 replicas of 2): split groups span the replicas (one node of 4 slots)."""
     _check_run(4, _cfg(hsdp=True))
+
+
+@pytest.mark.slow
+def test_split_ns_with_bf16_offloaded_momentum_gloo4():
+    """Issue 38: the chunked momentum stage with split NS (bf16 momentum, offloaded) == the
+    one-process Muon that rounds its momentum to bf16 after each update."""
+    bf16 = torch.bfloat16
+    _check_run(4, _cfg(momentum_dtype=bf16, muon_kw=dict(momentum_dtype=bf16, offload_state=True)))

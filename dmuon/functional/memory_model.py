@@ -8,7 +8,9 @@ not modelled here):
   matrix, in ``momentum_dtype``: :func:`~dmuon.functional.state_dtype.state_nbytes`, e.g. fp32
   4 bytes per element, bf16 2, fp8 1 plus a 4-byte scale per matrix), always; with
   ``offload_state`` it is held in host memory (``host_state``) and counts on the device only
-  during the step (its staging buffers and the working momentum);
+  from its hook group's reduce in backward to the step (its staging buffers: each group's copy
+  starts when its reduce is issued, up to ``prefetch_bytes``), plus, in the step, one chunk of
+  decoded working momentum (``chunk_bytes``; a narrow ``momentum_dtype`` on the device too);
 * **gathered** — the unshard buckets of the hook groups gathered at a time: Z3 holds the group it
   runs plus the one it prefetches (forward and backward), and the root group for the whole forward;
   Z2 holds every group from its forward until its gradient reduce in backward;
@@ -34,7 +36,8 @@ import torch
 from dmuon.functional.program import ROOT_GROUP, StepProgram
 from dmuon.functional.schedule import ShardBuckets, ShardReduceScatter
 from dmuon.functional.specs import dtype_from_str
-from dmuon.functional.state_dtype import check_state_dtype, state_nbytes
+from dmuon.functional.state_dtype import (STEP_CHUNK_BYTES, check_state_dtype, chunk_peak,
+                                          state_nbytes)
 
 __all__ = ["RankMemory", "MemoryBudgetError", "rank_memory", "check_memory",
            "owner_state_bytes"]
@@ -79,7 +82,8 @@ def owner_state_bytes(numels: Mapping[str, int], momentum_dtype: Any = None, *,
 
 def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: Optional[int] = None,
                 prefetch: bool = True, momentum_dtype: Any = None,
-                offload_state: bool = False) -> RankMemory:
+                offload_state: bool = False, chunk_bytes: Optional[int] = STEP_CHUNK_BYTES,
+                prefetch_bytes: Optional[int] = None) -> RankMemory:
     """The per-phase peak bytes of rank ``coord = (s, r)`` (see the module docstring).
 
     Args:
@@ -87,6 +91,8 @@ def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: O
       state_itemsize: bytes per element of the owner's state (overrides ``momentum_dtype``).
       prefetch: the forward / backward prefetch of the next group (the runtime's default).
       momentum_dtype, offload_state: ``dmuon.Muon``'s options of the same names.
+      chunk_bytes, prefetch_bytes: the optimizer's step chunk budget and (offload) cap on the
+        copies the backward starts ahead (``MomentumStorage.chunk_bytes`` / ``prefetch_bytes``).
     """
     s, r = (int(x) for x in coord)
     masters = _bytes(b for b in program.master_layout.buckets if b.key.column == s)
@@ -98,15 +104,31 @@ def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: O
     else:
         state = sum(owner_state_bytes({e.name: e.numel}, momentum_dtype, working=dt)
                     for e, dt in entries)
-    working = sum(e.numel * _itemsize(dt) for e, dt in entries)  # the step's working momentum
-    # during the step only: the offloaded state's staging copy, the decoded working momentum
+    # during the step: one chunk of decoded working momentum (a narrow dtype; fp32 offloaded:
+    # the staging buffer is the working one); offloaded, the staging copies of the data
     narrow = check_state_dtype(momentum_dtype) != torch.float32
-    # offloaded: the data on the host; the 8-bit floats' 4-byte scales stay on the device
-    scales = 0 if state_itemsize is not None else state - sum(
-        state_nbytes(e.numel, momentum_dtype, matrices=0, working=dtype_from_str(dt))
-        for e, dt in entries)
-    step_extra = (state - scales if offload_state else 0) + (working if narrow else 0)
-    host = state - scales if offload_state else 0
+    chunk = chunk_peak([e.numel * _itemsize(dt) for e, dt in entries], chunk_bytes)
+    working = chunk if narrow else 0
+    data = {e.name: (e.numel * state_itemsize if state_itemsize is not None else
+                     state_nbytes(e.numel, momentum_dtype, matrices=0, working=dtype_from_str(dt)))
+            for e, dt in entries}
+    scales = state - sum(data.values())  # the 8-bit floats' scales stay on the device
+    cap = prefetch_bytes if offload_state and prefetch_bytes is not None else None
+    staged_of: dict[str, int] = {}  # per hook group: its owned momentum data (offloaded)
+    if offload_state:
+        for b in program.master_layout.buckets:
+            staged_of[b.key.group] = staged_of.get(b.key.group, 0) + sum(
+                data.get(e.name, 0) for e in b.entries)
+
+    def staged(groups: Sequence[str]) -> int:  # copies started for these groups (capped)
+        total = sum(staged_of.get(k, 0) for k in groups)
+        return total if cap is None else min(total, cap)
+
+    all_data = sum(data.values())
+    # the step starts with what the backward staged (all, or the cap plus a chunk ahead)
+    step_extra = working + ((all_data if cap is None else min(all_data, cap + 2 * chunk))
+                            if offload_state else 0)
+    host = all_data if offload_state else 0
     state = scales if offload_state else state
     order = [k for k in program.forward_order if k != ROOT_GROUP]
     un = {k: _bytes(program.unshard_layout.buckets_of(k)) for k in program.forward_order}
@@ -129,7 +151,7 @@ def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: O
     for i, k in enumerate(back):  # group k's backward: its reduce launches at its end
         kept = sum(red_own[j] for j in back[:i])                      # earlier reduces, held
         gathered = held_z3(i, back) + sum(un[j] for j in back[i:] if not z3[j]) + root
-        backward = max(backward, kept + gathered + red_all[k])
+        backward = max(backward, kept + gathered + red_all[k] + staged(back[:i]))
     base = masters + state
     fwd_stage = max((a for a, _ in stage.values()), default=0)
     bwd_stage = max((a + b for a, b in stage.values()), default=0)

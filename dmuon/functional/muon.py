@@ -245,6 +245,7 @@ def update(
     donate_grads: bool = False,
     orthogonalize: Orthogonalize | None = None,
     elementwise: MuonElementwise | None = None,
+    momentum_io: Any = None,
 ) -> tuple[PyTree, MuonState]:
     """One Muon step on every matrix in ``params``.
 
@@ -347,8 +348,10 @@ def update(
     leaves = Leaves(params, grads, donate=donate, donate_updates=donate_grads, what="grads",
                     names=names)
     leaves.all_views(view, batch_dims, given=views)
+    if momentum_io is not None and not donate:
+        raise ValueError("muon.update(momentum_io=...) writes the stored momentum: pass donate=True")
     chain = transform(hparams, batch_dims=batch_dims, view=view, orthogonalizer=orthogonalize,
-                      elementwise=elementwise)
+                      elementwise=elementwise, momentum_io=momentum_io)
     inner = T.ChainState((T.MomentumState(state.momentum),) + (T.EmptyState(),) * 3)
     new = run_inplace(chain, leaves, inner)
     return leaves.params_tree(), MuonState(step=next_step(state.step),
@@ -364,7 +367,8 @@ def at_step(hparams: MuonHParams, step: Any) -> MuonHParams:
 
 def transform(hparams: MuonHParams = MuonHParams(), *, batch_dims: Any = None,
               view: Any = None, orthogonalizer: Any = None,
-              elementwise: MuonElementwise | None = None) -> T.Transform:
+              elementwise: MuonElementwise | None = None,
+              momentum_io: Any = None) -> T.Transform:
     """Muon as a chain of :mod:`dmuon.functional.transforms` stages, the chain :func:`update` runs
     in place::
 
@@ -379,6 +383,8 @@ def transform(hparams: MuonHParams = MuonHParams(), *, batch_dims: Any = None,
             :data:`~dmuon.functional.transforms.Orthogonalizer` ``xs -> us``.
         elementwise: implementations of the momentum and applying stages
             (:class:`MuonElementwise`; ``None``: :data:`FOREACH_ELEMENTWISE`).
+        momentum_io: the momentum stage's ``io`` (:func:`~dmuon.functional.stages.momentum.
+            trace_momentum`): its state holds stored tensors, decoded chunk by chunk.
 
     Returns:
         A :class:`~dmuon.functional.transforms.Transform`: with
@@ -390,7 +396,7 @@ def transform(hparams: MuonHParams = MuonHParams(), *, batch_dims: Any = None,
     ew = FOREACH_ELEMENTWISE if elementwise is None else elementwise
     ortho = NSConfig.from_hparams(hparams) if orthogonalizer is None else orthogonalizer
     return T.chain(
-        T.trace_momentum(hparams.momentum, hparams.nesterov, impl=ew.momentum),
+        T.trace_momentum(hparams.momentum, hparams.nesterov, impl=ew.momentum, io=momentum_io),
         T.orthogonalize(ortho, batch_dims=batch_dims, view=view),
         T.scale_by_shape(hparams.lr_scale, batch_dims=batch_dims, view=view),
         T.decoupled_apply(hparams.lr, hparams.weight_decay, impl=ew.apply),

@@ -33,12 +33,27 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["STATE_DTYPES", "Stored", "check_state_dtype", "encode", "decode", "round_trip",
+__all__ = ["STATE_DTYPES", "STEP_CHUNK_BYTES", "chunk_peak", "Stored", "check_state_dtype", "encode", "decode", "round_trip",
            "state_nbytes", "checkpoint_dtype", "dtype_name"]
 
 #: The storage dtypes offered (``None`` means ``torch.float32``).
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+#: The owner's step decodes a stored momentum in chunks of at most this many bytes of working
+#: (decoded) momentum (a larger matrix is a chunk of its own): ``dmuon.Muon``'s default
+#: (:mod:`dmuon.stateful.optimizer.state_storage`) and the memory model's.
+STEP_CHUNK_BYTES = 256 * 2**20
+
+
+def chunk_peak(sizes: "list[int]", chunk_bytes: Optional[int] = STEP_CHUNK_BYTES) -> int:
+    """The most bytes one chunk can hold when matrices of ``sizes`` bytes are packed into chunks
+    of at most ``chunk_bytes`` (a larger matrix alone; ``None``: one chunk), in any order, as
+    the owner's step packs its working momentum: ``min(total, max(largest, chunk_bytes))``."""
+    total = sum(sizes)
+    if chunk_bytes is None or not sizes:
+        return total
+    return min(total, max(max(sizes), chunk_bytes))
 
 
 class Stored(NamedTuple):
@@ -80,18 +95,20 @@ def _fmax(dtype: torch.dtype) -> float:
 
 
 @torch.no_grad()
-def encode(x: Tensor, dtype: torch.dtype) -> Stored:
+def encode(x: Tensor, dtype: torch.dtype, out: Optional[Tensor] = None) -> Stored:
     """``x`` stored in ``dtype`` (see the module docstring); ``x`` itself for fp32 (of an fp32 or
     fp64 ``x``).
 
     Args:
       x: the state tensor in its working dtype (fp32 or fp64).
       dtype: one of :data:`STATE_DTYPES`.
+      out: write the data into this tensor (of the storage dtype and ``x``'s shape) and return
+        it as ``data`` (the same rounding: a copy into a narrower dtype rounds as ``.to`` does).
     """
     if dtype == torch.float32 and x.dtype in (torch.float32, torch.float64):
-        return Stored(x, None)  # fp32 means "as the master": never narrower than it
+        return Stored(x if out is None else out.copy_(x), None)  # fp32: "as the master"
     if dtype not in _FP8:
-        return Stored(x.to(dtype), None)
+        return Stored(x.to(dtype) if out is None else out.copy_(x), None)
     # the scale on the device, no host sync: 2**k with k = ceil(log2(amax / fmax)), exactly
     # (frexp: v = m * 2**e, m in [0.5, 1); ceil(log2 v) = e, or e - 1 when v is a power of two)
     fmax = _fmax(dtype)
@@ -100,8 +117,8 @@ def encode(x: Tensor, dtype: torch.dtype) -> Stored:
     k = torch.where(m == 0.5, e - 1, e)
     k = torch.where(amax > 0, k, torch.zeros_like(k)).clamp_(-126, 127)  # an fp32 normal
     scale = torch.ldexp(torch.ones((), dtype=torch.float32, device=x.device), k)
-    data = (x / scale.to(x.dtype)).clamp_(-fmax, fmax).to(dtype)
-    return Stored(data, scale)
+    data = (x / scale.to(x.dtype)).clamp_(-fmax, fmax)
+    return Stored(data.to(dtype) if out is None else out.copy_(data), scale)
 
 
 @torch.no_grad()

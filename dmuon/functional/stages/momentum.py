@@ -19,7 +19,7 @@ References:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
@@ -29,10 +29,30 @@ from dmuon.functional.stages.hparams import Hyper, check_hyper, register_state
 from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves
 from dmuon.functional.tree import PyTree, flatten, zeros_like_tree
 
-__all__ = ["MomentumState", "MomentumImpl", "foreach_momentum_", "momentum_", "trace_momentum"]
+__all__ = ["MomentumState", "MomentumImpl", "MomentumIO", "foreach_momentum_", "momentum_",
+           "trace_momentum"]
 
 #: ``impl(bs, gs, xs, mu)``: the contract of :func:`foreach_momentum_`.
 MomentumImpl = Callable[[list[Tensor], list[Tensor], Optional[list[Tensor]], float], None]
+
+
+class MomentumIO(Protocol):
+    """Where the momentum buffers live when they are not the working tensors (``io=`` of
+    :func:`trace_momentum`): the state's buffers are then *stored* tensors (a narrower dtype, host
+    memory) that only this object reads and writes. The stage runs in chunks of leaves: per chunk
+    ``load`` the working buffers, run the arithmetic, ``store`` them back; the working buffers of
+    a chunk are dropped before the next chunk is loaded. The momentum stage is elementwise, so the
+    chunking changes no bit; the later stages (Newton–Schulz) never see the buffers.
+    """
+
+    def chunks(self, names: Sequence[str]) -> list[list[int]]:
+        """The active leaves (``names``) as chunks of positions, in the order to run them."""
+
+    def load(self, names: Sequence[str], stored: Sequence[Tensor]) -> list[Tensor]:
+        """The working buffers (the params' dtype and device) of ``stored``."""
+
+    def store(self, names: Sequence[str], stored: Sequence[Tensor], work: Sequence[Tensor]) -> None:
+        """Write the updated working buffers ``work`` back into the storage of ``stored``."""
 
 
 @register_state
@@ -95,7 +115,8 @@ def momentum_(bs: list[Tensor], gs: list[Tensor], xs: Optional[list[Tensor]], mu
 
 
 def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
-                   impl: Optional[MomentumImpl] = None) -> Transform:
+                   impl: Optional[MomentumImpl] = None,
+                   io: Optional[MomentumIO] = None) -> Transform:
     """``b ← μ·b + g`` (sum form, ``b₀ = 0``); output ``g + μ·b`` if ``nesterov`` else ``b``.
 
     Args:
@@ -104,6 +125,10 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
         nesterov: output the Nesterov input ``g + μ·b`` (else ``b``).
         impl: the implementation (default :func:`foreach_momentum_`); another one (a fused
             kernel) must keep that contract.
+        io: the state's buffers are stored tensors read and written chunk by chunk through this
+            :class:`MomentumIO` (bitwise the same arithmetic; the output is then never the buffer
+            itself: without Nesterov ``b`` is copied into the gradient's storage where that is
+            scratch, else into a new tensor).
 
     Gradients are first cast to the param's dtype (the math runs there).
     """
@@ -124,6 +149,9 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
             def run(b, g, x, m):
                 momentum_(b, g, x, m, PER_TENSOR if isinstance(m, Tensor) else leaves.ops)
         bs, gs, n = state.momentum, leaves.updates, len(leaves)
+        if io is not None:
+            _run_chunked(io, leaves.names, run, bs, gs, leaves, mu, nesterov)
+            return state
         if nesterov:
             xs = [g if leaves.scratch[k] else torch.empty_like(g) for k, g in enumerate(gs)]
             run(bs, gs, xs, mu)
@@ -135,3 +163,21 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
         return state
 
     return hyper_stage(update_, init, momentum=momentum)
+
+
+def _run_chunked(io: MomentumIO, names: list[str], run: Callable, bs: list[Tensor],
+                 gs: list[Tensor], leaves: Leaves, mu: Any, nesterov: bool) -> None:
+    """:func:`trace_momentum`'s arithmetic on stored buffers, one :meth:`MomentumIO.chunks` chunk
+    at a time (load, run, store; the chunk's working buffers dropped before the next)."""
+    n = len(leaves)
+    xs = [g if leaves.scratch[k] else torch.empty_like(g) for k, g in enumerate(gs)]
+    for ks in io.chunks(names):
+        sub, stored = [names[k] for k in ks], [bs[k] for k in ks]
+        work = io.load(sub, stored)
+        run(work, [gs[k] for k in ks], [xs[k] for k in ks] if nesterov else None, mu)
+        if not nesterov:  # the output is b: a copy (the working buffer goes back to storage)
+            for k, w in zip(ks, work):
+                xs[k].copy_(w)
+        io.store(sub, stored, work)
+        del work
+    leaves.updates, leaves.scratch = xs, [True] * n

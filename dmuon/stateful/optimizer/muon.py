@@ -195,6 +195,7 @@ class Muon(torch.optim.Optimizer):
         self._check_fsdp_usage = bool(self._adamw_named) and not reduce_unused_fsdp_params(model)
         # a newer Muon(model) supersedes this one: stepping both would update twice per step
         self._generation = rt.attach_optimizer()
+        ss.follow_reduces(self, rt)  # offload: a group's copy-in starts as its reduce is issued
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
         # runs its zero-gradient "materializing" step on this optimizer
         self.muon_state: Optional[fmuon.MuonState] = (
@@ -278,8 +279,6 @@ class Muon(torch.optim.Optimizer):
                 "behind the other ranks'.")
         check_outside_grads(self._outside)
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
-        if self.muon_state is not None:  # offload: the copy-in overlaps the pending reduces
-            self._storage.prefetch(self.muon_state.momentum)
         grads = rt.reduced_grads()
         if self._check_fsdp_usage:
             check_same_fsdp_grads(self._adamw_named, rt)
@@ -287,6 +286,7 @@ class Muon(torch.optim.Optimizer):
             if check_finite(self._adamw_named, rt, grads):
                 self._host_syncs += 1  # its verdict waited for the device
         stepped = self._muon_step(rt, grads, rt.ledger.take_zero_next())
+        self._storage.drop_staged()  # offload: copies of matrices not stepped (the host holds)
         rt.clear_grads()
         rt.after_step(replicate_async=self.replicate_async)
         # torch would keep these gradients until zero_grad: their consumed markers stand in
@@ -343,12 +343,13 @@ class Muon(torch.optim.Optimizer):
         # reduced grads are consumed by this step: donate them (NS input formed in place, in the
         # persistent buckets, so the engine's graph replays on the same storage every step)
         ortho, ew = self._ns.for_step(rt.device.type, hp), self._elementwise(rt)
-        work = self._storage.working_state(self.muon_state, params)
-        _, work = owner_step(
-            grads, work, params, hp, views=self._views, mults=self._hp_mults,
-            donate=True, donate_grads=True, elementwise=ew,
+        # a stored momentum: read chunk by chunk by the momentum stage (state_storage.StepIO)
+        io = None if self._storage.identity else self._storage.step_io(
+            self.muon_state.momentum, params)
+        _, self.muon_state = owner_step(
+            grads, self.muon_state, params, hp, views=self._views, mults=self._hp_mults,
+            donate=True, donate_grads=True, elementwise=ew, momentum_io=io,
             orthogonalize_for=lambda p, g: self._tp_wrapped(ortho, p, g))
-        self.muon_state = self._storage.commit_state(self.muon_state, work)
         self._state_views_stale = True  # rebuilt when self.state is next read
         return stepped
 
@@ -432,6 +433,7 @@ class Muon(torch.optim.Optimizer):
         """Drop the dedicated matrices' pending grads (and their ``.grad`` markers) and zero
         FSDP2's grads (torch semantics)."""
         self._rt.clear_grads()
+        self._storage.drop_staged()  # a batch skipped after its backward: copies not needed
         # the consumed markers of the last step (dmuon.stateful.runtime.ledger) are zeroed or
         # dropped here like any .grad: set_to_none=False then steps a matrix with no new gradient
         # with zeros, as a single-device optimizer would (momentum and weight decay apply)
@@ -482,6 +484,8 @@ class Muon(torch.optim.Optimizer):
         marks them stale, so the hot path never rebuilds them."""
         if self._state_views_stale:
             self.refresh_state_views()
+        if getattr(self, "_storage", None) is not None:  # offload: the caller may write the
+            self._storage.drop_staged()  # host buffers: the step copies what it needs again
         return self._state_views
 
     @state.setter

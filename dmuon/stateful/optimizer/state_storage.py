@@ -7,29 +7,45 @@ in ``momentum_dtype`` (fp32, bf16, or an 8-bit float whose per-matrix power-of-t
 here, :mod:`dmuon.functional.state_dtype`), on the device or, with ``offload_state=True``, in
 (pinned, on CUDA) host memory. Each ``step()``:
 
-1. :meth:`MomentumStorage.prefetch` (at the start of the step, before the gradient reduces are
-   waited): offloaded momentum is copied into device staging buffers, on a side stream on CUDA
-   (an event orders the step after it), so the copy overlaps the tail of the backward's reduces;
-2. :meth:`MomentumStorage.working`: the working momentum in the master's dtype (the staging buffer
-   itself for fp32, else :func:`~dmuon.functional.state_dtype.decode` of it);
-3. the owner's update runs on it (Newton–Schulz sees the updated value before it is rounded);
-4. :meth:`MomentumStorage.commit`: :func:`~dmuon.functional.state_dtype.encode` back into the
-   storage dtype, and (offload) copied back to the host buffers on the side stream (the staging
-   buffers are freed once the copy ran; the next prefetch and every read of the host buffers wait
-   for it).
+1. offload: :meth:`MomentumStorage.prefetch` copies each hook group's host momentum into device
+   staging buffers when the runtime issues that group's gradient reduce in backward
+   (:meth:`~dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued`; none during a
+   ``no_sync`` micro-batch): on CUDA on a side stream, one event per group, so the copies overlap
+   the rest of the backward;
+2. the owner's update runs with a :class:`StepIO` (:func:`dmuon.functional.muon.update`'s
+   ``momentum_io``): only Muon's first stage (``b <- mu*b + g`` and the Nesterov input, formed in
+   the gradient's storage) reads the momentum, so that stage runs **chunk by chunk** of owned
+   matrices -- wait for the chunk's copies (offload; the next chunk's copy is started first),
+   decode it to the master's dtype (fp32 offload: the staging buffer itself), update it, encode
+   it back (offload: copy it back to the host buffer on the side stream; the staging buffer is
+   released once the copy ran) -- and Newton-Schulz and the rest run afterwards on all matrices,
+   batched exactly as before;
+3. staging buffers of matrices that were not stepped (no gradient) are dropped (their host copy
+   is current); every read of the host buffers (checkpoints, ``optimizer.state``) and every next
+   copy-in waits for the copies back.
 
-With the defaults (fp32, on device) every call returns its input: bitwise the historical step.
-Exactness: fp32 offload is bitwise the on-device step (copies are exact); bf16 / fp8 are the
-one-process Muon that rounds its momentum the same way after each update
+**Chunks**: a byte budget of working (decoded) momentum, :attr:`MomentumStorage.chunk_bytes`
+(:data:`CHUNK_BYTES`, 256 MiB; a larger matrix is a chunk of its own), packed greedily in the
+order the copies were started (the backward's reduce order, so the first chunk's copy is the
+oldest). A budget rather than one chunk per hook group: a model whose matrices sit in one hook
+group (a root group, a coarse boundary) still gets small chunks. The momentum stage is elementwise,
+so chunking changes no bit, on any device; Newton-Schulz's batching (one batched call per matrix
+shape) is untouched, since the working momentum is gone before it starts.
+
+With the defaults (fp32, on device) the storage is the working momentum: bitwise the historical
+step, no chunking. Exactness: fp32 offload is bitwise the on-device step (copies are exact);
+bf16 / fp8 are the one-process Muon that rounds its momentum the same way after each update
 (:func:`~dmuon.functional.state_dtype.round_trip`), bitwise.
 
-Transient memory: the working fp32 momentum of the owned matrices exists during ``step()`` only
-(forward and backward run without it).
+Transient memory of the step: one chunk of decoded momentum (bf16 / fp8), plus, offloaded, the
+staging buffers (in the storage dtype) of the groups whose copies were started and not consumed
+yet -- at most all of them at the end of the backward, when the activations are gone.
 """
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional
+import weakref
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -39,7 +55,14 @@ from dmuon.kernels.streams import side_stream
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MomentumStorage"]
+__all__ = ["MomentumStorage", "StepIO", "CHUNK_BYTES", "PREFETCH_BYTES", "follow_reduces"]
+
+#: The step's chunk budget: bytes of working (decoded) momentum alive at once, by default
+#: (:data:`dmuon.functional.state_dtype.STEP_CHUNK_BYTES`; read when a storage is built).
+CHUNK_BYTES = sd.STEP_CHUNK_BYTES
+#: Offload: bytes of momentum the backward copies to the device ahead of the step, by default
+#: (``None``: every hook group's, as its reduce is issued).
+PREFETCH_BYTES: Optional[int] = None
 
 
 class MomentumStorage:
@@ -59,10 +82,20 @@ class MomentumStorage:
         self.scales: dict[str, Tensor] = {}
         #: tensors copied host -> device (prefetch) and back (commit) so far (offload)
         self.copies_in = self.copies_out = 0
+        #: bytes of working momentum one chunk of the step decodes at most (a larger matrix is a
+        #: chunk of its own); see the module docstring
+        self.chunk_bytes = CHUNK_BYTES
+        #: offload: bytes of staged (storage-dtype) momentum the backward may copy ahead of the
+        #: step (``None``: every group's, as its reduce is issued); the step copies the rest a
+        #: chunk ahead of its use
+        self.prefetch_bytes: Optional[int] = PREFETCH_BYTES
+        #: chunks the last step ran (0: the identity storage, no chunking)
+        self.last_chunks = 0
         self.bind(device if device is not None else torch.device("cpu"))
-        self._copied_in: Optional[Any] = None   # event: staging buffers filled
-        self._copied_out: Optional[Any] = None  # event: host buffers written back
-        self._staging: Optional[dict[str, Tensor]] = None
+        # offload: {name: (device staging buffer, event of its copy or None)}, in staging order
+        self._staged: dict[str, tuple[Tensor, Optional[Any]]] = {}
+        self._copied_out: Optional[Any] = None  # event: host buffers written back (CUDA; one
+        # stream runs every copy, so the last one's event covers the earlier ones)
 
     def bind(self, device: torch.device) -> None:
         """Set the masters' device (and, offloading on CUDA, the side stream of the copies)."""
@@ -99,14 +132,6 @@ class MomentumStorage:
         """The ``MuonState`` ``ms`` (working momentum) with its momentum as stored."""
         return ms._replace(momentum=self.store(ms.momentum))
 
-    def working_state(self, ms: Any, masters: Mapping[str, Tensor]) -> Any:
-        """The stored ``MuonState`` ``ms`` with its working momentum (:meth:`working`)."""
-        return ms._replace(momentum=self.working(ms.momentum, masters))
-
-    def commit_state(self, ms: Any, work: Any) -> Any:
-        """The updated working state ``work`` stored (:meth:`commit` into ``ms``'s buffers)."""
-        return work._replace(momentum=self.commit(ms.momentum, work.momentum))
-
     def nbytes(self, stored: Mapping[str, Tensor]) -> dict[str, int]:
         """``{"device": bytes, "host": bytes}`` of the stored momentum and its scales (the scales
         stay on the device when the momentum is offloaded)."""
@@ -116,78 +141,69 @@ class MomentumStorage:
                 "host": data if self.offload else 0}
 
     # ------------------------------------------------------------------ step
-    def prefetch(self, stored: Mapping[str, Tensor]) -> None:
-        """Offload: start copying the host momentum into device staging buffers (a side stream on
-        CUDA). A no-op on device."""
-        if not self.offload or self._staging is not None:
+    def prefetch(self, stored: Mapping[str, Tensor], *, ahead: bool = False) -> None:
+        """Offload: start copying the host momentum ``stored`` (``{name: host tensor}``; names
+        already staged are skipped) into device staging buffers, a plain copy on CPU. On CUDA the
+        buffers are allocated on the current stream (so they reuse what the backward freed) and
+        filled on the side stream after the work queued so far (one event for the batch, waited
+        before the first use). A no-op on device.
+
+        Called per hook group when its gradient reduce is issued in backward
+        (:meth:`dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued`; ``ahead=True``:
+        only while the staged bytes stay within :attr:`prefetch_bytes`) and by the step for the
+        rest, a chunk ahead."""
+        todo = {n: t for n, t in stored.items() if n not in self._staged}
+        if not self.offload or not todo:
             return
-        self.copies_in += len(stored)
+        if ahead and self.prefetch_bytes is not None:
+            room = self.prefetch_bytes - sum(b.nbytes for b, _ in self._staged.values())
+            keep = {}
+            for n, t in todo.items():
+                if t.nbytes > room:
+                    break
+                keep[n], room = t, room - t.nbytes
+            todo = keep
+            if not todo:
+                return
+        self.copies_in += len(todo)
         if self._stream is None:  # CPU: the same path, synchronously
-            self._staging = {n: torch.empty_like(t, device=self.device).copy_(t)
-                             for n, t in stored.items()}
+            for n, t in todo.items():
+                self._staged[n] = (torch.empty_like(t, device=self.device).copy_(t), None)
             return
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        bufs = {n: torch.empty_like(t, device=self.device) for n, t in todo.items()}
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks are free
         with torch.cuda.stream(self._stream):
-            self._staging = {n: torch.empty_like(t, device=self.device).copy_(t, non_blocking=True)
-                             for n, t in stored.items()}
-            self._copied_in = torch.cuda.Event()
-            self._copied_in.record(self._stream)
+            for n, t in todo.items():
+                bufs[n].copy_(t, non_blocking=True)
+                bufs[n].record_stream(self._stream)
+            ev = torch.cuda.Event()
+            ev.record(self._stream)
+        for n, b in bufs.items():
+            self._staged[n] = (b, ev)
 
-    def working(self, stored: Mapping[str, Tensor],
-                masters: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """The working momentum (each in its master's dtype, on the device) for this step."""
-        if self.identity:
-            return dict(stored)
-        if self.offload:
-            self.prefetch(stored)
-            if self._copied_in is not None:
-                torch.cuda.current_stream(self.device).wait_event(self._copied_in)
-                for t in self._staging.values():
-                    t.record_stream(torch.cuda.current_stream(self.device))
-            on_dev = self._staging
-        else:
-            on_dev = stored
-        out = {}
-        for n, data in on_dev.items():
-            want = masters[n].dtype
-            if data.dtype == want and self.dtype == torch.float32:
-                out[n] = data  # fp32 offload: the staging buffer itself
-            else:
-                out[n] = sd.decode(sd.Stored(data, self.scales.get(n)), want)
-        return out
+    def prefetch_owned(self, ms: Any, names: Any) -> None:
+        """:meth:`prefetch` (``ahead``) of the momentum in ``MuonState`` ``ms`` (``None``: none)
+        of those ``names`` it holds: the optimizer's callback when a hook group's reduce is
+        issued (a no-op on device)."""
+        if ms is not None and self.offload:
+            self.prefetch({n: ms.momentum[n] for n in names if n in ms.momentum}, ahead=True)
 
-    def commit(self, stored: Mapping[str, Tensor], work: Mapping[str, Tensor]
-               ) -> dict[str, Tensor]:
-        """Store this step's working momentum (encode; offload: copy back to the host buffers)
-        and return the stored tree (the same host tensors when offloaded)."""
-        self._copied_in = None
-        if self.identity:
-            return dict(work)
-        enc = {}
-        for n, w in work.items():
-            data, scale = sd.encode(w, self.dtype)
-            if scale is not None:
-                self.scales[n] = scale
-            enc[n] = data
-        if not self.offload:
-            return enc
-        self._staging = None
-        self.copies_out += len(enc)
-        if self._stream is None:
-            for n, t in enc.items():
-                stored[n].copy_(t)
-            return dict(stored)
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            for n, t in enc.items():
-                stored[n].copy_(t, non_blocking=True)
-                t.record_stream(self._stream)
-            self._copied_out = torch.cuda.Event()
-            self._copied_out.record(self._stream)
-        return dict(stored)
+    def staged_names(self) -> list[str]:
+        """The names whose copy to the device was started and not consumed yet, in that order."""
+        return list(self._staged)
+
+    def drop_staged(self) -> None:
+        """Forget the staging buffers (their momentum was not stepped: the host copy is current;
+        a load replaced the host tensors)."""
+        self._staged.clear()
+
+    def step_io(self, stored: Mapping[str, Tensor], masters: Mapping[str, Tensor]) -> "StepIO":
+        """The :class:`~dmuon.functional.stages.momentum.MomentumIO` of one step over the stored
+        momentum ``stored`` (the step's update reads and writes it chunk by chunk)."""
+        return StepIO(self, stored, masters)
 
     def synchronize(self) -> None:
-        """Wait for the last copy back to the host buffers (before they are read or written)."""
+        """Wait for the copies back to the host buffers (before they are read or written)."""
         if self._copied_out is not None:
             self._copied_out.synchronize()
             self._copied_out = None
@@ -219,8 +235,115 @@ class MomentumStorage:
                            sd.dtype_name(saved), sd.dtype_name(self.dtype))
         self.synchronize()
         self.scales.clear()
-        self._staging = None
+        self.drop_staged()
         return self.store(momentum)
+
+
+class StepIO:
+    """One step's access to the stored momentum, chunk by chunk (the
+    :class:`~dmuon.functional.stages.momentum.MomentumIO` of :func:`dmuon.functional.muon.update`).
+
+    Chunks: the active matrices, those already staged first (in the order their copies were
+    started: the backward's reduce order), greedily packed up to
+    :attr:`MomentumStorage.chunk_bytes` of working momentum (a larger matrix alone). Per chunk:
+    the next chunk's copy-in is started (offload), this chunk's copies are waited (an event per
+    hook group on CUDA), its momentum decoded (fp32 offload: the staging buffer itself), updated,
+    encoded into the stored tensor (on device) or copied back to the host buffer (offload: on the
+    side stream, the staging buffer released once the copy ran).
+    """
+
+    def __init__(self, storage: MomentumStorage, stored: Mapping[str, Tensor],
+                 masters: Mapping[str, Tensor]):
+        self.st, self.stored, self.masters = storage, stored, masters
+        storage.last_chunks = 0
+        self._plan: list[list[str]] = []
+        self._next = 0
+
+    def chunks(self, names: Sequence[str]) -> list[list[int]]:
+        st = self.st
+        pos = {n: i for i, n in enumerate(names)}
+        first = [n for n in st.staged_names() if n in pos]
+        staged = set(first)
+        order = first + [n for n in names if n not in staged]
+        out: list[list[int]] = []
+        size = 0
+        for n in order:
+            b = self.masters[n].nbytes
+            if out and size + b <= st.chunk_bytes:
+                out[-1].append(pos[n])
+                size += b
+            else:
+                out.append([pos[n]])
+                size = b
+        self._plan = [[names[k] for k in ks] for ks in out]
+        self._next = 0
+        st.last_chunks += len(out)
+        return out
+
+    def load(self, names: Sequence[str], stored: Sequence[Tensor]) -> list[Tensor]:
+        st = self.st
+        self._next += 1
+        if not st.offload:
+            return [sd.decode(sd.Stored(t, st.scales.get(n)), self.masters[n].dtype)
+                    for n, t in zip(names, stored)]
+        st.prefetch({n: self.stored[n] for n in names})  # not staged in backward
+        if self._next < len(self._plan):  # the next chunk's copy overlaps this chunk's math
+            st.prefetch({n: self.stored[n] for n in self._plan[self._next]})
+        cur = torch.cuda.current_stream(st.device) if st._cuda else None
+        waited, out = set(), []
+        for n in names:
+            buf, ev = st._staged[n]
+            if ev is not None and id(ev) not in waited:
+                cur.wait_event(ev)
+                waited.add(id(ev))
+            want = self.masters[n].dtype
+            if buf.dtype == want and st.dtype == torch.float32:
+                out.append(buf)  # fp32 offload: the staging buffer itself
+            else:
+                out.append(sd.decode(sd.Stored(buf, st.scales.get(n)), want))
+        return out
+
+    def store(self, names: Sequence[str], stored: Sequence[Tensor],
+              work: Sequence[Tensor]) -> None:
+        st = self.st
+        enc = []
+        for n, t, w in zip(names, stored, work):  # on device: encoded into the stored tensor
+            data, scale = sd.encode(w, st.dtype, out=None if st.offload else t)
+            if scale is not None:
+                st.scales[n] = scale
+            enc.append(data)
+        if not st.offload:
+            return
+        st.copies_out += len(enc)
+        for n in names:
+            st._staged.pop(n, None)
+        if st._stream is None:
+            for t, data in zip(stored, enc):
+                t.copy_(data)
+            return
+        st._stream.wait_stream(torch.cuda.current_stream(st.device))
+        with torch.cuda.stream(st._stream):
+            for t, data in zip(stored, enc):
+                t.copy_(data, non_blocking=True)
+                data.record_stream(st._stream)
+            st._copied_out = torch.cuda.Event()
+            st._copied_out.record(st._stream)
+
+
+def follow_reduces(optimizer: Any, rt: Any) -> None:
+    """Register ``optimizer`` (held weakly: the model does not keep it alive) with ``rt``'s
+    :meth:`~dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued`: when a hook group's
+    reduce is issued, its owned offloaded momentum starts its copy to the device
+    (:meth:`MomentumStorage.prefetch_owned`), unless a newer optimizer superseded this one (it
+    replaces the listener too)."""
+    ref, generation = weakref.ref(optimizer), optimizer._generation
+
+    def on_reduce(names: Any) -> None:
+        opt = ref()
+        if opt is not None and opt.dedicated_state.is_current(generation):
+            opt._storage.prefetch_owned(opt.muon_state, names)
+
+    rt.on_reduce_issued(on_reduce)
 
 
 def check_storage(storage: MomentumStorage, transform: Any, rt: Any) -> None:

@@ -16,6 +16,7 @@ def fill_state_views(opt: Any, views: dict) -> None:
     """Clear ``views`` and fill it from ``opt``'s functional states: the owned matrices' state by
     key, a marker that refuses math for a matrix held by its owner, AdamW's moments."""
     rt = opt._rt
+    opt._storage.synchronize()  # offload: the host buffers hold the last step's values
     views.clear()
     step_m = torch.tensor(float(opt.muon_state.step if opt.muon_state is not None
                                 else opt.num_steps))

@@ -26,8 +26,8 @@ and presence 0 (DDP's ``find_unused_parameters`` semantics): its average counts 
 a param no rank had a gradient for is skipped by the update, as a single-device optimizer skips
 ``grad is None``.
 
-**Step protocol** (the optimizer's narrow interface): :meth:`reduced_grads` (waits, returns the
-owner's averaged gradients, ``None`` for params no rank had one for), :meth:`owned_masters`,
+**Step protocol** (the optimizer's interface): :meth:`on_reduce_issued`, :meth:`reduced_grads`
+(waits, returns the owner's averaged gradients, ``None`` for none), :meth:`owned_masters`,
 :meth:`clear_grads`, :meth:`after_step` (weights version bump, gathered copies freed, HSDP publish),
 :meth:`masters_changed` (a state-dict load), :meth:`attach_optimizer` / :meth:`is_current`, and
 the ledger (``ledger.fresh``, ``ledger.take_zero_next()``, ``ledger.consume(stepped)``).
@@ -57,6 +57,7 @@ from dmuon.stateful.runtime.ledger import GradLedger
 from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState, ReducedGrad
 from dmuon.stateful.runtime.process_groups import MeshGroups
 from dmuon.stateful.runtime.publish import PublishMixin
+from dmuon.stateful.runtime.reduce_listener import ReduceListenerMixin
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool
 
 logger = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ STATE_ATTR = "_dmuon_state"
 __all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_state", "local_tensor"]
 
 
-class DedicatedState(PublishMixin):
+class DedicatedState(PublishMixin, ReduceListenerMixin):
     """Root state of the dedicated params of one model (see the module docstring)."""
     collectives: str = "per_owner"  #: dedicate_params(collectives=...): the program's style
 
@@ -375,6 +376,7 @@ class DedicatedState(PublishMixin):
         g = self.groups[key]
         self.ledger.take_markers(g.names)  # markers of an earlier no_sync backward: still there?
         g.launch_reduce(self.ledger.send(g.names), self.pool)
+        self._reduce_issued(g.names)  # ReduceListenerMixin
         if not self._keep_gathered:
             g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
 
