@@ -27,10 +27,9 @@ a param no rank had a gradient for is skipped by the update, as a single-device 
 ``grad is None``.
 
 **Step protocol** (the optimizer's interface): :meth:`on_reduce_issued`, :meth:`reduced_grads`
-(waits, returns the owner's averaged gradients, ``None`` for none), :meth:`owned_masters`,
-:meth:`clear_grads`, :meth:`after_step` (weights version bump, gathered copies freed, HSDP publish),
-:meth:`masters_changed` (a state-dict load), :meth:`attach_optimizer` / :meth:`is_current`, and
-the ledger (``ledger.fresh``, ``ledger.take_zero_next()``, ``ledger.consume(stepped)``).
+(waits; averaged gradients, ``None`` for none), :meth:`owned_masters`, :meth:`clear_grads`,
+:meth:`after_step` (version bump, gathered copies freed, HSDP publish), :meth:`masters_changed`
+(a state-dict load), :meth:`attach_optimizer` / :meth:`is_current`, and the ledger.
 """
 from __future__ import annotations
 
