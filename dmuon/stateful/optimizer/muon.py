@@ -39,7 +39,7 @@ from dmuon.functional.matrix_view import Batch
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.stateful.optimizer.ns_hook import NSHook
 from dmuon.stateful.optimizer.split_step import split_step
-from dmuon.stateful.optimizer.state_views import fill_state_views
+from dmuon.stateful.optimizer.state_views import StateViewsMixin
 from dmuon.stateful.modes.ddp import check_backend, unwrap_model
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
@@ -63,7 +63,7 @@ def _check_fsdp_mesh(model: nn.Module, rt: DedicatedState) -> None:
         raise ValueError("dmuon.Muon: " + " | ".join(problems))
 
 
-class Muon(torch.optim.Optimizer):
+class Muon(StateViewsMixin, torch.optim.Optimizer):
     """Distributed Muon for dedicated matrices + AdamW for everything else.
 
     Args:
@@ -211,7 +211,9 @@ class Muon(torch.optim.Optimizer):
         self._momentum_markers: dict[str, Any] = {}
         self._name_of = {p: n for n, p in rt.params.items()}
         self._name_of.update({p: n for n, p in self._adamw_named})
-        self.refresh_state_views()
+        self.invalidate_state_views()
+        if not self._storage.scales:  # views alias the live state: build them now
+            self.refresh_state_views()
         # matrix views of the owned matrices (fixed by dedicate_params); None: all plain matrices
         views = {n: rt.views[n] for n in rt.owned_names}
         self._views: Optional[dict[str, Any]] = (
@@ -330,7 +332,7 @@ class Muon(torch.optim.Optimizer):
                  for n, g in grads.items()}
         if self._variant is not None:  # every rank, every step: the chain's counts agree
             self._variant.step(grads, params, self.muon_hparams(), self)
-            self._state_views_stale = True
+            self.invalidate_state_views()
             return [n for n, g in grads.items() if g is not None]
         if not rt.owned_names:
             return []
@@ -350,7 +352,7 @@ class Muon(torch.optim.Optimizer):
             grads, self.muon_state, params, hp, views=self._views, mults=self._hp_mults,
             donate=True, donate_grads=True, elementwise=ew, momentum_io=io,
             orthogonalize_for=lambda p, g: self._tp_wrapped(ortho, p, g))
-        self._state_views_stale = True  # rebuilt when self.state is next read
+        self.invalidate_state_views()  # rebuilt when self.state is next read
         return stepped
 
     def routing_table(self) -> Any:
@@ -419,7 +421,7 @@ class Muon(torch.optim.Optimizer):
         _, work = fadamw.update(grads, store.working_state(self.adamw_state, params), params,
                                 self.adamw_hparams(), donate=True, impl=self._adamw_impl())
         self.adamw_state = store.commit_state(self.adamw_state, work)
-        self._state_views_stale = True  # rebuilt when self.state is next read
+        self.invalidate_state_views()  # rebuilt when self.state is next read
 
     def last_step_stats(self) -> Optional[StepStats]:
         """What the last ``step()`` did on this rank (None before the first): collectives and
@@ -473,26 +475,3 @@ class Muon(torch.optim.Optimizer):
         changes (:func:`dmuon.stateful.checkpoint.optimizer_state_dict.load_optimizer_state`)."""
         from dmuon.stateful.checkpoint.optimizer_state_dict import torch_load_optimizer_state_dict
         torch_load_optimizer_state_dict(self, state_dict)
-
-    #: ``step()`` changed the functional states since ``self.state`` was last built.
-    _state_views_stale = False
-
-    @property
-    def state(self) -> Any:
-        """torch-style ``{param: {"momentum_buffer", "step"} | {"step", "exp_avg", "exp_avg_sq"}}``
-        views of the functional states (read by ``state_dict()``), rebuilt lazily: ``step()`` only
-        marks them stale, so the hot path never rebuilds them."""
-        if self._state_views_stale:
-            self.refresh_state_views()
-        if getattr(self, "_storage", None) is not None:  # offload: the caller may write the
-            self._storage.drop_staged()  # host buffers: the step copies what it needs again
-        return self._state_views
-
-    @state.setter
-    def state(self, value: Any) -> None:  # torch.optim.Optimizer.__init__ assigns it
-        self._state_views = value
-
-    def refresh_state_views(self) -> None:
-        """Rebuild ``self.state[param]`` (torch-style views) from the functional states."""
-        self._state_views_stale = False
-        fill_state_views(self, self._state_views)
