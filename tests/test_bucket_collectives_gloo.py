@@ -49,7 +49,7 @@ def _check(results: list, cfgs: list) -> None:
         if cfg.get("expect_error"):
             continue
         key = tuple(sorted((k, v) for k, v in cfg.items()
-                           if k in ("batch", "steps", "clip", "mha")))
+                           if k in ("batch", "steps", "clip", "mha", "momentum_dtype")))
         if key not in refs:
             refs[key] = reference_run(cfg)
         ref = refs[key]
@@ -99,7 +99,11 @@ CFG_4 = [dict(id="hsdp_per_bucket_z3", steps=STEPS, hsdp=True, batch=8,
               dedicate_kw={"collectives": "per_bucket",
                            "split_ns": {"layers.0.mlp.up_proj.weight": 2}}),
          dict(id="w4_auto_z2", steps=STEPS, batch=8, z3=False,
-              dedicate_kw={"collectives": "auto"})]
+              dedicate_kw={"collectives": "auto"}),
+         # with the state options: the backward's per-group copies start at the reduce-scatter
+         dict(id="hsdp_per_bucket_bf16_offload", steps=STEPS, hsdp=True, batch=8,
+              momentum_dtype=torch.bfloat16, dedicate_kw={"collectives": "per_bucket"},
+              muon_kw=dict(momentum_dtype=torch.bfloat16, offload_state=True))]
 
 
 @pytest.mark.slow
