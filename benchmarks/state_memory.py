@@ -132,45 +132,59 @@ def _spawn(a, config: str, layers: int | None = None) -> dict:
         return json.load(f)
 
 
+def next_depth(tries: dict, cap_gib: float, max_layers: int) -> int | None:
+    """The next depth to try in the search for the deepest model that fits (pure), or ``None``
+    when the boundary is found (deepest fit + 1 failed) or the cap is reached.
+
+    ``tries``: ``{layers: (fits, peak_allocated_gib or None)}``. While no failing depth lies above
+    the deepest fit, extrapolate ``peak = a + b * layers`` from the two deepest fitting tries to the
+    device's memory ``cap_gib`` (every layer is the same, but a shallow model's peak is not yet
+    linear in its depth, so the slope is refitted from the deepest tries at every step); once one
+    does, bisect between them."""
+    fitting = sorted(k for k, (ok, _) in tries.items() if ok)
+    if not fitting:
+        return None
+    best = fitting[-1]
+    above = [k for k, (ok, _) in tries.items() if not ok and k > best]
+    if best >= max_layers or (above and min(above) == best + 1):
+        return None
+    if above:
+        return (best + min(above)) // 2 if min(above) - best > 2 else best + 1
+    if len(fitting) < 2:
+        return min(2 * best, max_layers)
+    k1 = fitting[-2]
+    p1, p2 = tries[k1][1], tries[best][1]
+    slope = (p2 - p1) / (best - k1)
+    n = best + int((cap_gib - p2) / slope) if slope > 0 else 2 * best
+    return max(best + 1, min(n, max_layers))
+
+
 def largest(a, config: str) -> dict:
-    """The most layers (of the model's width) that train at B1 x T2048, found with few tries: the
-    peak allocated memory of two shallow probes (``--probe-layers``) fits ``peak = a + b * layers``
-    (every layer is the same); the fit predicts the depth at which the peak reaches the device's
-    memory; tries at the prediction and one layer deeper, then steps by one layer (at most
-    ``--max-tries`` tries) until the boundary is seen: deepest fitting depth + first failing one."""
+    """The most layers (of the model's width) that train at B1 x T2048, in few tries: two shallow
+    probes (``--probe-layers``), then :func:`next_depth` (extrapolation from the deepest fitting
+    tries, bisection once a failing depth is known), at most ``--max-tries`` more tries."""
     lo_l, hi_l = a.probe_layers
     tries = {n: _spawn(a, config, n) for n in (lo_l, hi_l)}
     if not all(t["fits"] for t in tries.values()):
         raise RuntimeError(f"{config}: a probe depth does not fit: {tries}")
+    cap = tries[hi_l]["device_total_gib"]
     p0, p1 = tries[lo_l]["peak_allocated_gib"], tries[hi_l]["peak_allocated_gib"]
     slope = (p1 - p0) / (hi_l - lo_l)
-    cap = tries[hi_l]["device_total_gib"]
-    predicted = int(lo_l + (cap - p0) / slope) if slope > 0 else a.max_layers
-    n = max(hi_l, min(predicted, a.max_layers))
-    fits = None  # deepest depth seen to fit / shallowest seen to fail
-    first_fail = None
+    first_prediction = None
     for _ in range(a.max_tries):
-        if n in tries:
+        n = next_depth({k: (t["fits"], t.get("peak_allocated_gib")) for k, t in tries.items()},
+                       cap, a.max_layers)
+        if n is None or n in tries:
             break
+        first_prediction = n if first_prediction is None else first_prediction
         tries[n] = _spawn(a, config, n)
-        if tries[n]["fits"]:
-            fits = n if fits is None else max(fits, n)
-            if first_fail is not None and n + 1 >= first_fail:
-                break
-            n += 1
-        else:
-            first_fail = n if first_fail is None else min(first_fail, n)
-            if fits is not None and fits + 1 >= n:
-                break
-            n -= 1
-    fitting = [k for k, t in tries.items() if t["fits"]]
-    best = max(fitting)
+    best = max(k for k, t in tries.items() if t["fits"])
     failing = [k for k, t in tries.items() if not t["fits"] and k > best]
     c = sw.TINY if a.tiny else sw.Cfg()
     h, kv = c.hidden, c.hidden * c.kv_heads // c.heads
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * c.inter + 2 * h  # q, o; k, v; MLP; norms
     return {"layers": best, "boundary_seen": bool(failing) and min(failing) == best + 1,
-            "capped": best >= a.max_layers, "predicted_layers": predicted,
+            "capped": best >= a.max_layers, "predicted_layers": first_prediction,
             "peak_per_layer_gib": slope, "peak_at_zero_layers_gib": p0 - slope * lo_l,
             "params_billion": (best * per_layer + 2 * c.vocab * h + h) / 1e9,
             "tries": {str(k): v for k, v in sorted(tries.items())}}
@@ -192,8 +206,8 @@ def main() -> None:
     ap.add_argument("--max-layers", type=int, default=256)
     ap.add_argument("--probe-layers", type=int, nargs=2, default=(2, 6),
                     help="--largest: the two shallow depths whose peaks predict the largest")
-    ap.add_argument("--max-tries", type=int, default=5,
-                    help="--largest: tries around the predicted depth")
+    ap.add_argument("--max-tries", type=int, default=8,
+                    help="--largest: tries after the two probes")
     ap.add_argument("--tiny-capacity-gib", type=float, default=1.0, help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
