@@ -107,14 +107,16 @@ def train(model, opt, batches, dp_index: int, dp_size: int) -> None:
 
 
 def run_variant(rank: int, world: int, kind: str, mode: str, steps: int,
-                checkpoint: bool = False, keep_model: bool = False) -> dict[str, Any]:
+                checkpoint: bool = False, keep_model: bool = False,
+                **muon_kw: Any) -> dict[str, Any]:
     """Train ``steps`` steps; return the full model state dict and the variant's full state
     (``dmuon.get_optimizer_state_dict``); ``checkpoint``: also round-trip the state through
     ``Muon.state_dict()`` / ``load_state_dict`` and the full format into fresh optimizers
-    (other initial weights) and train 2 more steps on each."""
+    (other initial weights) and train 2 more steps on each. ``muon_kw``: more ``dmuon.Muon``
+    options (``momentum_dtype``, ``offload_state``)."""
     import dmuon
 
-    model, opt, i, n = build(kind, mode, world)
+    model, opt, i, n = build(kind, mode, world, **muon_kw)
     batches = make_batches(steps + 2, BATCH)
     train(model, opt, batches[:steps], i, n)
     out: dict[str, Any] = {"sd": dmuon.get_model_state_dict(model, cpu_offload=True)}
@@ -127,7 +129,7 @@ def run_variant(rank: int, world: int, kind: str, mode: str, steps: int,
         torch_sd = copy.deepcopy(opt.state_dict()) if mode != "tp" else None
         train(model, opt, batches[steps:], i, n)
         out["after"] = dmuon.get_model_state_dict(model, cpu_offload=True)
-        m2, o2, _, _ = build(kind, mode, world, seed=5)  # other weights: all comes from the dicts
+        m2, o2, _, _ = build(kind, mode, world, seed=5, **muon_kw)  # other weights: all comes from the dicts
         for how in ("torch", "full") if torch_sd is not None else ("full",):
             dmuon.set_model_state_dict(m2, msd)
             if how == "torch":
