@@ -6,7 +6,8 @@ momentum_dtype=..., offload_state=...)`` on 2 gloo ranks, fp64 masters, one spaw
 * ``offload_state=True`` (fp32) is bitwise the on-device run;
 * the momentum is stored in its dtype (on the host when offloaded); ``opt.state`` gives its value;
   ``Muon.state_dict()`` and ``dmuon.get/set_optimizer_state_dict`` restore it bitwise into fresh
-  optimizers with the same options, which then train bitwise as the original;
+  optimizers with the same options, which then train bitwise as the original; into another
+  ``momentum_dtype`` it is converted (rounded as a step would) with one logged note;
 * a chain without a momentum stage has nothing these options apply to: it raises on every rank.
 
 Slow tier: NorMuon with fp8 offloaded on HSDP 2x2 and bf16 offloaded on TP dp2 x tp2 (column and
@@ -49,6 +50,21 @@ def _case(rank: int, world: int, key: str, kw: dict) -> dict:
                     full["dedicated"][m]["momentum_buffer"].double()) for m in stored)
     r["ckpt_dtypes"] = sorted({str(e["momentum_buffer"].dtype)
                                for e in full["dedicated"].values()})
+    if key == "bf16":  # into an fp8 variant: rounded as a step would round it, one note
+        import logging
+        from dmuon.functional.state_dtype import round_trip
+        notes: list = []
+        handler = logging.Handler()
+        handler.emit = lambda rec: notes.append(rec.getMessage())
+        log = logging.getLogger("dmuon.stateful.optimizer.state_storage")
+        log.addHandler(handler)
+        m3, o3, _, _ = vw.build("normuon", "fsdp", world, seed=5, momentum_dtype=FP8)
+        dmuon.set_optimizer_state_dict(m3, o3, full)
+        log.removeHandler(handler)
+        got = dmuon.get_optimizer_state_dict(m3, o3, cpu_offload=True)["dedicated"]
+        r["to_fp8"] = (all(torch.equal(got[m]["momentum_buffer"].double(), round_trip(
+            e["momentum_buffer"].double(), FP8)) for m, e in full["dedicated"].items()),
+            [x for x in notes if "converted on load" in x])
     if key in ROUND_TRIPS:
         msd = dmuon.get_model_state_dict(model)
         tsd = copy.deepcopy(opt.state_dict())
@@ -130,6 +146,8 @@ def test_variant_state_options():
                 assert r[key][f"restored_{how}"], (key, how, rank)
                 assert max_rel_err(r[key][f"resumed_{how}"], r[key]["after"])[0] == 0.0, (
                     key, how, rank)
+        rounded, notes = r["bf16"]["to_fp8"]
+        assert rounded and len(notes) == 1, r["bf16"]["to_fp8"]
         kind, msg = r["no_momentum"]
         assert kind == "ValueError" and "momentum" in msg and "transform=" in msg, r["no_momentum"]
 
