@@ -28,7 +28,7 @@ BF16, FP8 = torch.bfloat16, torch.float8_e4m3fn
 STEPS = 3
 CASES = {"fp32": {}, "offload": dict(offload_state=True), "bf16": dict(momentum_dtype=BF16),
          "fp8_offload": dict(momentum_dtype=FP8, offload_state=True)}
-ROUND_TRIPS = ("fp8_offload",)  # (bf16 and fp8 on device: the slow tier's HSDP / TP runs)
+ROUND_TRIPS = ("fp8_offload",)  # (bf16 offloaded: the slow tier's TP run, full format)
 
 
 def _case(rank: int, world: int, key: str, kw: dict) -> dict:
