@@ -1,7 +1,7 @@
 """Issue 38 on CUDA: ``offload_state=True`` (pinned host momentum, copies on the process's
 offload stream ordered by events, each hook group's copy started in backward) is bitwise the
-on-device run, for fp32, bf16 and fp8 momentum, with accumulation and a checkpoint round trip in
-the run (world 1, NCCL; more GPUs: more ranks); the chunked step's peak memory is lower than one
+on-device run, for fp32, bf16 and fp8 momentum (and a NorMuon variant's fp8 momentum), with
+accumulation and a checkpoint round trip in the run (world 1, NCCL; more GPUs: more ranks); the chunked step's peak memory is lower than one
 chunk's, and offload with a capped prefetch keeps the momentum out of the peak (world 1)."""
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch
 
 from dist_utils import run_ranks
 from stateful_harness import distributed_run
+
+from dmuon.functional.variants import normuon
 
 pytestmark = pytest.mark.gpu
 
@@ -21,7 +23,12 @@ CONFIGS = [dict(BASE, id="fp32"),
            dict(BASE, id="bf16", muon_kw=dict(momentum_dtype=torch.bfloat16)),
            dict(BASE, id="bf16_offload", muon_kw=dict(momentum_dtype=torch.bfloat16,
                                                       offload_state=True)),
-           dict(BASE, id="fp8_offload", muon_kw=dict(momentum_dtype=FP8, offload_state=True))]
+           dict(BASE, id="fp8_offload", muon_kw=dict(momentum_dtype=FP8, offload_state=True)),
+           # a variant's momentum field through the same storage (tests/test_variant_state.py)
+           dict(BASE, id="normuon_fp8", muon_kw=dict(transform=normuon(), momentum_dtype=FP8)),
+           dict(BASE, id="normuon_fp8_offload", muon_kw=dict(transform=normuon(),
+                                                             momentum_dtype=FP8,
+                                                             offload_state=True))]
 
 
 def _worker(rank, world, cfgs):
@@ -33,7 +40,7 @@ def test_offload_is_bitwise_the_on_device_run_on_cuda():
     results = run_ranks(_worker, world, CONFIGS, backend="nccl", timeout=300)
     for rank in range(world):
         for a, b in (("fp32_offload", "fp32"), ("fp8_offload", "fp8"),
-                     ("bf16_offload", "bf16")):
+                     ("bf16_offload", "bf16"), ("normuon_fp8_offload", "normuon_fp8")):
             x, y = results[rank][a]["sd"], results[rank][b]["sd"]
             assert set(x) == set(y)
             assert all(torch.equal(x[k], y[k]) for k in y), (rank, a, b)

@@ -25,9 +25,14 @@ def variant(kind: str):
     return getattr(variants, kind)()
 
 
-def reference(kind: str, steps: int) -> dict[str, Any]:
-    """One process, full batch: the chain on the matrices, torch AdamW on the rest."""
+def reference(kind: str, steps: int, momentum_dtype: Any = None) -> dict[str, Any]:
+    """One process, full batch: the chain on the matrices, torch AdamW on the rest;
+    ``momentum_dtype``: the momentum stage's buffers rounded to it after each update
+    (:func:`~dmuon.functional.state_dtype.round_trip`), as ``dmuon.Muon(momentum_dtype=...)``
+    stores them."""
     from dmuon.functional import transforms as T
+    from dmuon.functional.state_dtype import round_trip
+    from dmuon.stateful.optimizer.variant import get_path, state_fields
     model = make_model()
     mats = {n: p for n, p in model.named_parameters() if muon_predicate(n, p)}
     rest = [p for n, p in model.named_parameters() if n not in mats]
@@ -41,12 +46,17 @@ def reference(kind: str, steps: int) -> dict[str, Any]:
         with torch.no_grad():
             _, state = T.update_params(chain, {n: p.grad for n, p in mats.items()}, state,
                                        {n: p.data for n, p in mats.items()}, donate=True)
+            if momentum_dtype is not None:  # stored rounded, as dmuon stores it
+                f = next(f for f in state_fields(state) if f.key == "momentum_buffer")
+                for b in get_path(state, f.path).values():
+                    b.copy_(round_trip(b, momentum_dtype))
         adam.step()
     return {"sd": {k: v.detach().clone() for k, v in model.state_dict().items()}, "state": state}
 
 
-def build(kind: str, mode: str, world: int, seed: int = 0):
-    """``(model, optimizer, data-parallel index, data-parallel size)``."""
+def build(kind: str, mode: str, world: int, seed: int = 0, **muon_kw: Any):
+    """``(model, optimizer, data-parallel index, data-parallel size)``; ``muon_kw``: more (or
+    other) ``dmuon.Muon`` options (``momentum_dtype``, ``offload_state``, ``transform``)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -58,6 +68,7 @@ def build(kind: str, mode: str, world: int, seed: int = 0):
               ns_steps=hp.ns_steps, ns_dtype=torch.float64, adamw_lr=HP["adamw_lr"],
               adamw_betas=HP["adamw_betas"], adamw_eps=HP["adamw_eps"],
               adamw_weight_decay=HP["adamw_weight_decay"], transform=variant(kind))
+    kw.update(muon_kw)
     rank = torch.distributed.get_rank()
     if mode == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -96,14 +107,16 @@ def train(model, opt, batches, dp_index: int, dp_size: int) -> None:
 
 
 def run_variant(rank: int, world: int, kind: str, mode: str, steps: int,
-                checkpoint: bool = False, keep_model: bool = False) -> dict[str, Any]:
+                checkpoint: bool = False, keep_model: bool = False,
+                **muon_kw: Any) -> dict[str, Any]:
     """Train ``steps`` steps; return the full model state dict and the variant's full state
     (``dmuon.get_optimizer_state_dict``); ``checkpoint``: also round-trip the state through
     ``Muon.state_dict()`` / ``load_state_dict`` and the full format into fresh optimizers
-    (other initial weights) and train 2 more steps on each."""
+    (other initial weights) and train 2 more steps on each. ``muon_kw``: more ``dmuon.Muon``
+    options (``momentum_dtype``, ``offload_state``)."""
     import dmuon
 
-    model, opt, i, n = build(kind, mode, world)
+    model, opt, i, n = build(kind, mode, world, **muon_kw)
     batches = make_batches(steps + 2, BATCH)
     train(model, opt, batches[:steps], i, n)
     out: dict[str, Any] = {"sd": dmuon.get_model_state_dict(model, cpu_offload=True)}
@@ -116,7 +129,7 @@ def run_variant(rank: int, world: int, kind: str, mode: str, steps: int,
         torch_sd = copy.deepcopy(opt.state_dict()) if mode != "tp" else None
         train(model, opt, batches[steps:], i, n)
         out["after"] = dmuon.get_model_state_dict(model, cpu_offload=True)
-        m2, o2, _, _ = build(kind, mode, world, seed=5)  # other weights: all comes from the dicts
+        m2, o2, _, _ = build(kind, mode, world, seed=5, **muon_kw)  # other weights: all comes from the dicts
         for how in ("torch", "full") if torch_sd is not None else ("full",):
             dmuon.set_model_state_dict(m2, msd)
             if how == "torch":
@@ -132,8 +145,9 @@ def run_variant(rank: int, world: int, kind: str, mode: str, steps: int,
     return out
 
 
-def check(results: list, kind: str, steps: int, tol: float = 1e-10) -> None:
-    ref = reference(kind, steps)
+def check(results: list, kind: str, steps: int, tol: float = 1e-10,
+          momentum_dtype: Any = None) -> None:
+    ref = reference(kind, steps, momentum_dtype)
     for r, out in enumerate(results):
         err, where = max_rel_err(out["sd"], ref["sd"])
         assert err <= tol, (kind, r, err, where)
@@ -143,7 +157,7 @@ def check(results: list, kind: str, steps: int, tol: float = 1e-10) -> None:
     ded = results[0]["opt"]["dedicated"]
     for f in fields:
         for name, t in get_path(ref["state"], f.path).items():
-            got = ded[name][f.key]
+            got = ded[name][f.key].to(t.dtype)
             err = float((got - t).abs().max() / t.abs().max().clamp_min(1e-30))
             assert err <= tol, (kind, f.key, name, err)
     assert results[0]["opt"]["scalars"] is not None

@@ -303,7 +303,9 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         if st is not None else None
     optimizer.num_steps = int(entries.get("num_steps", 0))
     if var is not None and (staged_fields is not None or entries.get("variant_scalars")):
-        var.load(staged_fields or {}, entries.get("variant_scalars"))
+        saved = (by_name.get("muon") or {}).get("momentum_dtype") if ded else \
+            str(optimizer._storage.dtype)  # the momentum field's (a note if it differs)
+        var.load(staged_fields or {}, entries.get("variant_scalars"), saved, what)
     for n, t in staged_masters.items():
         rt.masters[n].copy_(t)
     if staged_masters:

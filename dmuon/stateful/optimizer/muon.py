@@ -112,8 +112,9 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         ``param_groups[0]`` each step (lr schedulers, ``lr_mult`` / ``wd_mult`` apply), or a fixed
         ``Transform`` (a change of ``param_groups[0]``'s raises at the next step); same
         dedication, hooks, HSDP / TP / DDP modes, clipping; its state saved and restored by name
-        like momentum (:mod:`dmuon.stateful.optimizer.variant`); a quantity a stage needs that an
-        owner lacks raises here. ``None`` (default): Muon, bitwise as without the option.
+        like momentum (:mod:`dmuon.stateful.optimizer.variant`; ``momentum_dtype`` /
+        ``offload_state`` apply to its momentum stage's buffers); a quantity a stage needs that
+        an owner lacks raises here. ``None`` (default): Muon, bitwise as without the option.
       replicate_async: HSDP only. True (default): the publish of the new masters to the replicas
         of each owner's shard column is dispatched at the end of ``step()`` and waited by the next
         forward's pre-hook of each hook group (groups forward did not use: at the end of the next
@@ -205,7 +206,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._variant = None
         if transform is not None:
             from dmuon.stateful.optimizer.variant import VariantRunner
-            self._variant = VariantRunner(transform, self.muon_hparams(), rt)
+            self._variant = VariantRunner(transform, self.muon_hparams(), rt, self._storage)
         self.adamw_state: Optional[fadamw.AdamWState] = self._adamw_storage.stored_state(
             fadamw.init(self.adamw_local_tensors()[0])) if self._adamw_named else None
         self._momentum_markers: dict[str, Any] = {}

@@ -37,6 +37,10 @@ step, no chunking. Exactness: fp32 offload is bitwise the on-device step (copies
 bf16 / fp8 are the one-process Muon that rounds its momentum the same way after each update
 (:func:`~dmuon.functional.state_dtype.round_trip`), bitwise.
 
+A variant (``transform=``) keeps its momentum stage's buffers here too
+(:class:`~dmuon.stateful.optimizer.variant.VariantRunner`: the whole field decoded through one
+:class:`StepIO` per step, not chunked; its other state fields stay in the master's dtype).
+
 Transient memory of the step: one chunk of decoded momentum (bf16 / fp8), plus, offloaded, the
 staging buffers (in the storage dtype) of the groups whose copies were started and not consumed
 yet -- at most all of them at the end of the backward, when the activations are gone.
@@ -181,12 +185,12 @@ class MomentumStorage:
         for n, b in bufs.items():
             self._staged[n] = (b, ev)
 
-    def prefetch_owned(self, ms: Any, names: Any) -> None:
-        """:meth:`prefetch` (``ahead``) of the momentum in ``MuonState`` ``ms`` (``None``: none)
-        of those ``names`` it holds: the optimizer's callback when a hook group's reduce is
-        issued (a no-op on device)."""
-        if ms is not None and self.offload:
-            self.prefetch({n: ms.momentum[n] for n in names if n in ms.momentum}, ahead=True)
+    def prefetch_owned(self, momentum: Optional[Mapping[str, Tensor]], names: Any) -> None:
+        """:meth:`prefetch` (``ahead``) of the stored ``momentum`` (``{name: stored tensor}``,
+        ``None``: none) of those ``names`` it holds: the optimizer's callback when a hook
+        group's reduce is issued (a no-op on device)."""
+        if momentum is not None and self.offload:
+            self.prefetch({n: momentum[n] for n in names if n in momentum}, ahead=True)
 
     def staged_names(self) -> list[str]:
         """The names whose copy to the device was started and not consumed yet, in that order."""
@@ -341,22 +345,28 @@ def follow_reduces(optimizer: Any, rt: Any) -> None:
     def on_reduce(names: Any) -> None:
         opt = ref()
         if opt is not None and opt.dedicated_state.is_current(generation):
-            opt._storage.prefetch_owned(opt.muon_state, names)
+            opt._storage.prefetch_owned(stored_momentum(opt), names)
 
     rt.on_reduce_issued(on_reduce)
 
 
+def stored_momentum(optimizer: Any) -> Optional[dict[str, Tensor]]:
+    """``{owned name: stored momentum}`` of ``optimizer``: plain Muon's ``muon_state.momentum``
+    or a variant's ``"momentum_buffer"`` field (``None``: no Muon state)."""
+    if optimizer.muon_state is not None:
+        return optimizer.muon_state.momentum
+    var = getattr(optimizer, "_variant", None)
+    return var.stored_momentum() if var is not None else None
+
+
 def check_storage(storage: MomentumStorage, transform: Any, rt: Any) -> None:
     """Refuse, at construction, the combinations this storage does not cover (never silently
-    wrong): a variant's chain state (``transform=``), and an 8-bit momentum of tensor-parallel
-    slices (each owner would scale its slice, not the matrix)."""
+    wrong): an 8-bit momentum of tensor-parallel slices (each owner would scale its slice, not
+    the matrix). A variant (``transform=``) stores its momentum stage's buffers here
+    (:class:`~dmuon.stateful.optimizer.variant.VariantRunner`, which raises for a chain without
+    one); ``transform`` is the optimizer's (kept for the signature)."""
     if storage.identity:
         return
-    if transform is not None:
-        raise NotImplementedError(
-            "dmuon.Muon: momentum_dtype other than torch.float32 and offload_state=True apply to "
-            "Muon's momentum; a variant's chain state (transform=) is kept in fp32 on the device. "
-            "Drop transform= or use momentum_dtype=torch.float32, offload_state=False.")
     if getattr(rt, "tp_layouts", None) and storage.dtype not in (torch.float32, torch.bfloat16):
         raise NotImplementedError(
             f"dmuon.Muon: momentum_dtype={storage.dtype} with tensor parallelism: the 8-bit "
@@ -395,10 +405,10 @@ def install_momentum(optimizer: Any, values: Mapping[str, Tensor], saved_dtype: 
 def state_nbytes(optimizer: Any) -> dict[str, int]:
     """``{"device": bytes, "host": bytes}`` this rank's optimizer holds for its owned matrices'
     Muon state (what :func:`dmuon.functional.memory_model.rank_memory` models)."""
-    ms = optimizer.muon_state
-    if ms is None:
+    mom = stored_momentum(optimizer)
+    if mom is None:
         return {"device": 0, "host": 0}
-    return optimizer._storage.nbytes(ms.momentum)
+    return optimizer._storage.nbytes(mom)
 
 
 class AdamWStorage:

@@ -28,7 +28,8 @@ def fill_state_views(opt: Any, views: dict) -> None:
             mom = opt._storage.values(mom, opt._rt.owned_masters())
     own = ({"momentum_buffer": mom}
            if opt._variant is None else  # a variant: each field by its key
-           {f.key: opt._variant.field_values(f.key) for f in opt._variant.fields})
+           {f.key: opt._variant.value_of(f.key, rt.owned_masters(), view=True)  # the stored
+            for f in opt._variant.fields})  # momentum: as plain Muon's (fp8: decoded)
     for n in rt.names:
         entry = {}
         for key, vals in own.items():

@@ -14,6 +14,17 @@ functional, and tensor parallelism's gathers around it) as every ``orthogonalize
 tensor parallelism's partial-sum reduction (:meth:`~dmuon.stateful.modes.tensor_parallel.TPStep.
 sum_partials`) as the stages' ``sum_hook``.
 
+**State options** (``momentum_dtype``, ``offload_state``): they apply to the momentum stage's
+buffers, the field ``"momentum_buffer"`` (layout ``"param"``, the big one), kept between steps as
+the optimizer's :class:`~dmuon.stateful.optimizer.state_storage.MomentumStorage` keeps plain
+Muon's momentum (its encode / decode / offload, one definition). Each step decodes (offloaded:
+copies in) that field to the master's dtype (:meth:`MomentumStorage.step_io`, the whole field at
+once: a variant's step is not chunked), runs the chain on it, and encodes it back (offloaded:
+copies it back), so the variant equals the one-process chain that rounds its momentum after each
+update (:func:`~dmuon.functional.state_dtype.round_trip`). The other fields (a second momentum
+stage's ``"momentum_buffer.1"``, NorMuon's per-row ``"second_moment"``) stay in the master's
+dtype on the device. A chain without a momentum stage and a non-default option raises here.
+
 Checked at construction, the same on every rank: the chain builds from the hyper-parameters; a
 stage's needs (:data:`dmuon.functional.stages.NEEDS`) that an owner of a tensor-parallel slice
 cannot serve raise naming the quantity and the matrices; per-param state fields must be the
@@ -30,6 +41,7 @@ from dmuon.functional import muon as fmuon
 from dmuon.functional import transforms as T
 from dmuon.functional.matrix_view import Batch
 from dmuon.functional.owner_step import owner_step
+from dmuon.functional.state_dtype import checkpoint_dtype
 from dmuon.functional.stages.leaves import default_views
 
 __all__ = ["VariantRunner", "Field", "state_fields", "LAYOUTS"]
@@ -86,6 +98,21 @@ def get_path(state: Any, path: tuple) -> Any:
     return state
 
 
+def replace_path(state: Any, path: tuple, value: Any) -> Any:
+    """``state`` with the value at ``path`` (as :func:`get_path` walks it) replaced by ``value``
+    (new NamedTuples / tuples / dicts along the path; nothing is written)."""
+    if not path:
+        return value
+    p, rest = path[0], path[1:]
+    if isinstance(state, dict):
+        return {**state, p: replace_path(state[p], rest, value)}
+    if isinstance(p, str):
+        return state._replace(**{p: replace_path(getattr(state, p), rest, value)})
+    items = list(state)
+    items[p] = replace_path(state[p], rest, value)
+    return tuple(items)
+
+
 def scalar_leaves(state: Any, fields: list[Field]) -> list[torch.Tensor]:
     """The tensors of ``state`` outside its per-param fields (step counts), in walk order."""
     skip = {f.path for f in fields}
@@ -139,9 +166,15 @@ class VariantRunner:
         are its own) or a function ``MuonHParams -> Transform``.
       hparams: the optimizer's Muon hyper-parameters at construction.
       rt: the model's :class:`~dmuon.stateful.runtime.state.DedicatedState`.
+      storage: the optimizer's momentum storage (``momentum_dtype``, ``offload_state``; ``None``
+        or the identity storage: every field in the master's dtype on the device).
+
+    Raises:
+      ValueError: a non-default ``storage`` and a chain without a momentum stage.
     """
 
-    def __init__(self, transform: Any, hparams: fmuon.MuonHParams, rt: Any):
+    def __init__(self, transform: Any, hparams: fmuon.MuonHParams, rt: Any,
+                 storage: Any = None):
         if not (isinstance(transform, T.Transform) or callable(transform)):
             raise TypeError(f"dmuon.Muon: transform must be a dmuon.functional.transforms."
                             f"Transform or a function MuonHParams -> Transform (e.g. dmuon."
@@ -184,8 +217,23 @@ class VariantRunner:
                 full_state = chain.init(full)
             self.full_shapes = {f.key: {n: tuple(t.shape) for n, t in
                                         get_path(full_state, f.path).items()} for f in self.fields}
+        #: the storage of the ``"momentum_buffer"`` field (``None``: fp32 on the device)
+        self.master_dtype = {n: rt.master_dtype[n] for n in rt.names}
+        self.storage = storage if storage is not None and not storage.identity else None
+        self.stored_field = next((f for f in self.fields if f.key == "momentum_buffer"
+                                  and f.layout == "param"), None)
+        if self.storage is not None and self.stored_field is None:
+            raise ValueError(
+                f"dmuon.Muon: momentum_dtype={self.storage.dtype}, offload_state="
+                f"{self.storage.offload} apply to the momentum stage's buffers, and this "
+                "transform= has no momentum stage (no 'momentum_buffer' state field); nothing "
+                "would be stored differently. Drop those options, or add T.trace_momentum(...) "
+                "to the chain.")
         with default_views(self.views):
             self.state = chain.init(rt.owned_masters())
+        if self.storage is not None:  # the momentum as stored (encoded; offloaded)
+            self.state = replace_path(self.state, self.stored_field.path,
+                                      self.storage.store(self.stored_momentum()))
 
     def chain(self, hparams: fmuon.MuonHParams) -> T.Transform:
         """The chain for ``hparams`` (a fixed Transform: itself)."""
@@ -237,11 +285,52 @@ class VariantRunner:
                 "normuon()) so the chain is built from param_groups[0] each step, or schedule "
                 "inside the chain.")
         update = self.transform if self.fixed else hparams
-        _, self.state = owner_step(
-            grads, self.state, params, update, transform=None if self.fixed else self.transform,
+        state, io, stored = self.state, None, {}
+        if self.storage is not None and self.stored_field is not None:
+            # the stored momentum decoded (offloaded: copied in) to the masters' dtype, whole
+            stored = self.stored_momentum()
+            io = self.storage.step_io(stored, params)
+            names = list(stored)
+            state = replace_path(state, self.stored_field.path,
+                                 dict(zip(names, io.load(names, [stored[n] for n in names]))))
+        _, state = owner_step(
+            grads, state, params, update, transform=None if self.fixed else self.transform,
             views=opt._views, mults=None if self.fixed else opt._hp_mults, donate=True,
             donate_grads=True, orthogonalizer_for=orthogonalizer_for,
             sum_hook=tp.sum_partials if tp is not None else None)
+        if io is not None:  # encoded back (offloaded: copied back): those that stepped
+            work = get_path(state, self.stored_field.path)
+            done = [n for n in stored if grads.get(n) is not None]
+            io.store(done, [stored[n] for n in done], [work[n] for n in done])
+            state = replace_path(state, self.stored_field.path, stored)
+        self.state = state
+
+    def stored_momentum(self) -> dict[str, torch.Tensor]:
+        """``{owned name: tensor}`` of the ``"momentum_buffer"`` field as stored (``{}``: no
+        momentum stage)."""
+        f = self.stored_field
+        return {} if f is None else dict(get_path(self.state, f.path))
+
+    def value_of(self, key: str, masters: Mapping[str, torch.Tensor], *, view: bool = False,
+                 names: Optional[Any] = None) -> dict[str, torch.Tensor]:
+        """``{owned name: value}`` of field ``key``: the live buffers, except the stored momentum
+        (``momentum_dtype`` / ``offload_state``), which is given exactly in its checkpoint dtype
+        on the device (:meth:`MomentumStorage.values`); ``view=True`` (``optimizer.state``): as
+        plain Muon's view, the stored tensors themselves unless they hold an 8-bit float's data
+        (then a decoded copy, an inference tensor: a write to it raises). ``names``: only those."""
+        f = self.stored_field
+        if self.storage is None or f is None or key != f.key:
+            vals = self.field_values(key)
+        elif view and not self.storage.scales:
+            self.storage.synchronize()
+            vals = self.stored_momentum()
+        else:
+            st = self.stored_momentum()
+            if names is not None:
+                st = {n: st[n] for n in names if n in st}
+            with torch.inference_mode(view):
+                return self.storage.values(st, masters)
+        return vals if names is None else {n: vals[n] for n in names if n in vals}
 
     def field_values(self, key: str) -> dict[str, torch.Tensor]:
         """``{owned name: tensor}`` of field ``key`` (the live buffers)."""
@@ -253,11 +342,24 @@ class VariantRunner:
         return [float(t) for t in scalar_leaves(self.state, self.fields)]
 
     def load(self, values: Mapping[str, Mapping[str, torch.Tensor]],
-             scalars: Optional[list]) -> None:
-        """Install staged ``{key: {owned name: tensor}}`` and counts (copies into the buffers)."""
+             scalars: Optional[list], saved_dtype: Optional[str] = None,
+             what: str = "load") -> None:
+        """Install staged ``{key: {owned name: tensor}}`` and counts (copies into the buffers;
+        the stored momentum re-stored from its values, converted from ``saved_dtype``, the
+        checkpoint's ``momentum_dtype``, with a logged note when it differs)."""
         for f in self.fields:
+            got = values.get(f.key, {})
+            if f is self.stored_field and self.storage is not None and got:
+                names = list(self.stored_momentum())
+                if set(got) != set(names):  # stage_fields stages every owned matrix
+                    raise ValueError(f"variant state {f.key!r}: {sorted(set(names) - set(got))[:3]}"
+                                     " missing from the staged values")
+                work = {n: got[n].to(dtype=self.master_dtype[n], copy=True) for n in names}
+                self.state = replace_path(self.state, f.path,
+                                          self.storage.load(work, saved_dtype, what))
+                continue
             live = get_path(self.state, f.path)
-            for n, t in values.get(f.key, {}).items():
+            for n, t in got.items():
                 live[n].copy_(t)
         if scalars is not None:
             ts = scalar_leaves(self.state, self.fields)
@@ -295,8 +397,9 @@ def gather_fields(optimizer: Any, group: str) -> dict[str, dict[str, torch.Tenso
     var, rt = optimizer._variant, optimizer.dedicated_state
     tr = rt.checkpoint_transfer
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for f in var.fields:
-        mine = var.field_values(f.key)
+    masters = rt.owned_masters()
+    for f in var.fields:  # the stored momentum: its exact values (checkpoint dtype)
+        mine = var.value_of(f.key, masters, names=rt.hook_groups.names(group))
         got = tr.to_every_rank(group, mine, owner_only=True)
         for n, t in got.items():
             shape = var.local_shapes[f.key][n]
@@ -309,6 +412,8 @@ def gather_fields(optimizer: Any, group: str) -> dict[str, dict[str, torch.Tenso
                 parts = [torch.empty_like(v) for _ in range(rt.tp_layouts[n].parts)]
                 dist.all_gather(parts, v.contiguous(), group=rt.mesh_groups.tp_group)
                 v = torch.cat(parts, dim=rule)
+            if f is var.stored_field and var.storage is not None:  # bf16 for bf16 / 8-bit
+                v = v.to(checkpoint_dtype(var.storage.dtype, v.dtype))
             out.setdefault(n, {})[f.key] = v
     return out
 
