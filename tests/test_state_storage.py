@@ -245,10 +245,11 @@ def test_unsupported_combinations_raise():
     st = MomentumStorage(BF16, False, torch.device("cpu"))
     with pytest.raises(NotImplementedError, match="transform="):
         check_storage(st, object(), None)
+    # an 8-bit momentum with TP is covered now (each slice takes its whole matrix's scale:
+    # tests/test_state_tp_scale.py, slow tier tests/test_state_storage_modes.py::test_tp_fp8)
     from types import SimpleNamespace
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        check_storage(MomentumStorage(FP8, False, torch.device("cpu")), None,
-                      SimpleNamespace(tp_layouts={"w": None}))
+    check_storage(MomentumStorage(FP8, False, torch.device("cpu")), None,
+                  SimpleNamespace(tp_layouts={"w": None}))
     with pytest.raises(TypeError, match="offload_state"):
         MomentumStorage(None, "yes", torch.device("cpu"))
 

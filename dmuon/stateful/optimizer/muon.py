@@ -228,6 +228,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
                               ranks=mg.tp_ranks, index=mg.tp_index, executor=rt.executor,
                               all_names=rt.names,
                               control=mg.control, device=rt.device)
+            # an 8-bit momentum: each slice's scale is its matrix's (one MAX over the TP group)
+            self._storage.share_scales(self._tp.names, self._tp.max_over_group)
         self._split = split_step(rt, transform, self.muon_hparams())  # split NS: this rank's units
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)

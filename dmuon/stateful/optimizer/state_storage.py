@@ -35,7 +35,9 @@ shape) is untouched, since the working momentum is gone before it starts.
 With the defaults (fp32, on device) the storage is the working momentum: bitwise the historical
 step, no chunking. Exactness: fp32 offload is bitwise the on-device step (copies are exact);
 bf16 / fp8 are the one-process Muon that rounds its momentum the same way after each update
-(:func:`~dmuon.functional.state_dtype.round_trip`), bitwise.
+(:func:`~dmuon.functional.state_dtype.round_trip`), bitwise. A TP slice of an 8-bit momentum
+encodes with its whole matrix's scale: the momentum stage's first pass measures the slices'
+updated absmaxes, one MAX all-reduce over the TP group per step (``share_scales``).
 
 Transient memory of the step: one chunk of decoded momentum (bf16 / fp8), plus, offloaded, the
 staging buffers (in the storage dtype) of the groups whose copies were started and not consumed
@@ -45,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -80,6 +82,9 @@ class MomentumStorage:
             raise TypeError(f"dmuon.Muon offload_state must be True or False, got {offload!r}")
         self.offload = offload
         self.scales: dict[str, Tensor] = {}
+        #: TP (:meth:`share_scales`): the TP slices' names; the MAX of absmaxes over the TP group
+        self.shared_names: frozenset = frozenset()
+        self._max_reduce: Optional[Callable[[Tensor], Tensor]] = None
         #: tensors copied host -> device (prefetch) and back (commit) so far (offload)
         self.copies_in = self.copies_out = 0
         #: bytes of working momentum one chunk of the step decodes at most (a larger matrix is a
@@ -109,15 +114,37 @@ class MomentumStorage:
         """fp32 on the device: the storage is the working momentum (no copy, no rounding)."""
         return self.dtype == torch.float32 and not self.offload
 
+    def share_scales(self, names: Sequence[str], max_reduce: Callable[[Tensor], Tensor]) -> None:
+        """TP: the 8-bit scale of each of ``names`` (this rank's TP slices, the same names on
+        every rank of its TP group) is its whole matrix's: ``max_reduce`` (``TPStep.
+        max_over_group``, a collective) maps the slices' absmaxes to the matrices', once per step
+        or load."""
+        self.shared_names, self._max_reduce = frozenset(names), max_reduce
+
+    def shares(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` whose scale is shared (8-bit floats only), in order."""
+        if self.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return []
+        return [n for n in names if n in self.shared_names]
+
+    def whole_absmax(self, names: Sequence[str], amaxes: Sequence[Tensor]) -> dict[str, Tensor]:
+        """``{name: the whole matrix's absmax}`` from this slice's ``amaxes``: one collective
+        (every rank of the TP group calls it with the same names, in the same order)."""
+        if not names:
+            return {}
+        return dict(zip(names, self._max_reduce(torch.stack(list(amaxes))).unbind()))
+
     # ------------------------------------------------------------------ layout
     def store(self, momentum: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """``{name: stored data}`` of working-dtype ``momentum`` (encoded, offloaded); the scales
-        are kept in :attr:`scales`. The identity by default."""
+        are kept in :attr:`scales` (TP slices: their matrices', one collective). Or the identity."""
         if self.identity:
             return dict(momentum)
+        shared = self.shares(list(momentum))
+        amax = self.whole_absmax(shared, [sd.absmax(momentum[n]) for n in shared])
         out = {}
         for n, m in momentum.items():
-            data, scale = sd.encode(m, self.dtype)
+            data, scale = sd.encode(m, self.dtype, amax=amax.get(n))
             if scale is not None:
                 self.scales[n] = scale
             if self.offload:
@@ -256,6 +283,8 @@ class StepIO:
                  masters: Mapping[str, Tensor]):
         self.st, self.stored, self.masters = storage, stored, masters
         storage.last_chunks = 0
+        self._amax: dict[str, Tensor] = {}  # TP slices: their matrices' absmax this step
+        self._measuring = False  # in the momentum stage's first pass (the TP slices' absmax)
         self._plan: list[list[str]] = []
         self._next = 0
 
@@ -280,6 +309,20 @@ class StepIO:
         st.last_chunks += len(out)
         return out
 
+    def shared(self, names: Sequence[str]) -> list[int]:
+        """Positions of the TP slices among ``names`` (8-bit floats): the momentum stage measures
+        their updated absmax in a first pass and hands it to :meth:`share_absmax` (offload with
+        a ``prefetch_bytes`` cap: the first pass drops each chunk's staged copies, as a step
+        would, so the cap holds; without a cap they stay for the storing pass)."""
+        mine = set(self.st.shares(names))
+        self._measuring = bool(mine)
+        return [k for k, n in enumerate(names) if n in mine]
+
+    def share_absmax(self, names: Sequence[str], amaxes: Sequence[Tensor]) -> None:
+        """The matrices' absmaxes (one MAX all-reduce over the TP group for all of ``names``):
+        each slice then encodes with its whole matrix's scale in :meth:`store`."""
+        self._amax, self._measuring = self.st.whole_absmax(names, amaxes), False
+
     def load(self, names: Sequence[str], stored: Sequence[Tensor]) -> list[Tensor]:
         st = self.st
         self._next += 1
@@ -301,6 +344,8 @@ class StepIO:
                 out.append(buf)  # fp32 offload: the staging buffer itself
             else:
                 out.append(sd.decode(sd.Stored(buf, st.scales.get(n)), want))
+            if self._measuring and st.prefetch_bytes is not None:
+                st._staged.pop(n)  # the decoded copy is all the first pass reads
         return out
 
     def store(self, names: Sequence[str], stored: Sequence[Tensor],
@@ -308,7 +353,10 @@ class StepIO:
         st = self.st
         enc = []
         for n, t, w in zip(names, stored, work):  # on device: encoded into the stored tensor
-            data, scale = sd.encode(w, st.dtype, out=None if st.offload else t)
+            if n in st.shared_names and n not in self._amax and st.shares([n]):
+                raise RuntimeError(f"dmuon: TP slice {n!r} without its matrix's absmax (internal)")
+            data, scale = sd.encode(w, st.dtype, out=None if st.offload else t,
+                                    amax=self._amax.get(n))
             if scale is not None:
                 st.scales[n] = scale
             enc.append(data)
@@ -348,8 +396,8 @@ def follow_reduces(optimizer: Any, rt: Any) -> None:
 
 def check_storage(storage: MomentumStorage, transform: Any, rt: Any) -> None:
     """Refuse, at construction, the combinations this storage does not cover (never silently
-    wrong): a variant's chain state (``transform=``), and an 8-bit momentum of tensor-parallel
-    slices (each owner would scale its slice, not the matrix)."""
+    wrong): a variant's chain state (``transform=``). An 8-bit momentum of TP slices is covered:
+    the optimizer calls :meth:`MomentumStorage.share_scales` with its TP group's MAX."""
     if storage.identity:
         return
     if transform is not None:
@@ -357,11 +405,6 @@ def check_storage(storage: MomentumStorage, transform: Any, rt: Any) -> None:
             "dmuon.Muon: momentum_dtype other than torch.float32 and offload_state=True apply to "
             "Muon's momentum; a variant's chain state (transform=) is kept in fp32 on the device. "
             "Drop transform= or use momentum_dtype=torch.float32, offload_state=False.")
-    if getattr(rt, "tp_layouts", None) and storage.dtype not in (torch.float32, torch.bfloat16):
-        raise NotImplementedError(
-            f"dmuon.Muon: momentum_dtype={storage.dtype} with tensor parallelism: the 8-bit "
-            "momentum's per-matrix scale would be taken per TP slice. Use torch.bfloat16 (exact "
-            "per element) or torch.float32 with TP.")
 
 
 def checkpoint_momentum(optimizer: Any) -> dict[str, Tensor]:
