@@ -13,7 +13,10 @@ value (Newton–Schulz sees the updated value before it is rounded again), and e
   with one fp32 **power-of-two** scale per matrix (1 byte per element + 4 bytes per matrix),
   ``scale = 2**ceil(log2(amax / fmax))``. A power of two makes the decoded value ``data·scale``
   exact in bf16 and fp32, so a checkpoint carries it exactly in bf16 and re-encoding it gives the
-  same decoded values (a lossless round trip through any checkpoint, any topology).
+  same decoded values (a lossless round trip through any checkpoint, any topology). The scale
+  is :func:`scale_from_absmax` of the matrix's :func:`absmax`; a matrix cut into tensor-parallel
+  slices takes the MAX of its slices' absmaxes (the caller's collective), so every slice encodes
+  with the whole matrix's scale (``encode(..., amax=)``).
 
 Per matrix or per row (measured on the momentum of the demo's Llama-shaped model after 30 Muon
 steps, all 14 projections, fp8 e4m3fn, mean relative Frobenius error of one round trip
@@ -33,8 +36,9 @@ from typing import NamedTuple, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["STATE_DTYPES", "STEP_CHUNK_BYTES", "chunk_peak", "Stored", "check_state_dtype", "encode", "decode", "round_trip",
-           "state_nbytes", "checkpoint_dtype", "dtype_name"]
+__all__ = ["STATE_DTYPES", "STEP_CHUNK_BYTES", "chunk_peak", "Stored", "check_state_dtype",
+           "absmax", "scale_from_absmax", "encode", "decode", "round_trip", "state_nbytes",
+           "checkpoint_dtype", "dtype_name"]
 
 #: The storage dtypes offered (``None`` means ``torch.float32``).
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
@@ -95,7 +99,36 @@ def _fmax(dtype: torch.dtype) -> float:
 
 
 @torch.no_grad()
-def encode(x: Tensor, dtype: torch.dtype, out: Optional[Tensor] = None) -> Stored:
+def absmax(x: Tensor) -> Tensor:
+    """``max |x|`` as a 0-d fp32 tensor on ``x``'s device (0 for an empty ``x``): what
+    :func:`scale_from_absmax` takes. A matrix cut into slices (tensor parallelism) has the MAX
+    of its slices' absmaxes (exact), so every slice can encode with the whole matrix's scale."""
+    return x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+
+
+@torch.no_grad()
+def scale_from_absmax(amax: Tensor, dtype: torch.dtype) -> Tensor:
+    """The fp32 power-of-two scale of a matrix whose absolute max is ``amax`` (a 0-d tensor, or a
+    vector: one scale per entry) stored in the 8-bit float ``dtype``: ``2**ceil(log2(amax /
+    fmax))`` exactly, clamped to an fp32 normal, 1 where ``amax`` is 0; on the device, no host
+    sync (frexp: ``v = m * 2**e`` with ``m`` in ``[0.5, 1)``: ``ceil(log2 v) = e``, or ``e - 1``
+    when ``v`` is a power of two). The one definition :func:`encode` uses.
+
+    Raises:
+      ValueError: ``dtype`` is not an 8-bit float.
+    """
+    if dtype not in _FP8:
+        raise ValueError(f"scale_from_absmax: {dtype} has no scale (only {list(map(str, _FP8))})")
+    amax = amax.float()
+    m, e = torch.frexp(amax / _fmax(dtype))
+    k = torch.where(m == 0.5, e - 1, e)
+    k = torch.where(amax > 0, k, torch.zeros_like(k)).clamp_(-126, 127)  # an fp32 normal
+    return torch.ldexp(torch.ones_like(amax), k)
+
+
+@torch.no_grad()
+def encode(x: Tensor, dtype: torch.dtype, out: Optional[Tensor] = None,
+           amax: Optional[Tensor] = None) -> Stored:
     """``x`` stored in ``dtype`` (see the module docstring); ``x`` itself for fp32 (of an fp32 or
     fp64 ``x``).
 
@@ -104,19 +137,16 @@ def encode(x: Tensor, dtype: torch.dtype, out: Optional[Tensor] = None) -> Store
       dtype: one of :data:`STATE_DTYPES`.
       out: write the data into this tensor (of the storage dtype and ``x``'s shape) and return
         it as ``data`` (the same rounding: a copy into a narrower dtype rounds as ``.to`` does).
+      amax: the 8-bit floats: the absolute max the scale is taken from (default ``absmax(x)``).
+        A slice of a matrix passes the whole matrix's (``>= absmax(x)``), so that it encodes as
+        its part of the whole matrix's encoding, bitwise.
     """
     if dtype == torch.float32 and x.dtype in (torch.float32, torch.float64):
         return Stored(x if out is None else out.copy_(x), None)  # fp32: "as the master"
     if dtype not in _FP8:
         return Stored(x.to(dtype) if out is None else out.copy_(x), None)
-    # the scale on the device, no host sync: 2**k with k = ceil(log2(amax / fmax)), exactly
-    # (frexp: v = m * 2**e, m in [0.5, 1); ceil(log2 v) = e, or e - 1 when v is a power of two)
     fmax = _fmax(dtype)
-    amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
-    m, e = torch.frexp(amax / fmax)
-    k = torch.where(m == 0.5, e - 1, e)
-    k = torch.where(amax > 0, k, torch.zeros_like(k)).clamp_(-126, 127)  # an fp32 normal
-    scale = torch.ldexp(torch.ones((), dtype=torch.float32, device=x.device), k)
+    scale = scale_from_absmax(absmax(x) if amax is None else amax.to(x.device), dtype)
     data = (x / scale.to(x.dtype)).clamp_(-fmax, fmax)
     return Stored(data.to(dtype) if out is None else out.copy_(data), scale)
 

@@ -27,6 +27,7 @@ from torch import Tensor
 from dmuon.functional.stages.base import Transform, hyper_stage
 from dmuon.functional.stages.hparams import Hyper, check_hyper, register_state
 from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves
+from dmuon.functional.state_dtype import absmax
 from dmuon.functional.tree import PyTree, flatten, zeros_like_tree
 
 __all__ = ["MomentumState", "MomentumImpl", "MomentumIO", "foreach_momentum_", "momentum_",
@@ -53,6 +54,13 @@ class MomentumIO(Protocol):
 
     def store(self, names: Sequence[str], stored: Sequence[Tensor], work: Sequence[Tensor]) -> None:
         """Write the updated working buffers ``work`` back into the storage of ``stored``."""
+
+    # Optional (an io without them has no shared scales):
+    # ``shared(names) -> list[int]``: the positions of the leaves whose stored scale is shared
+    # with other processes (a tensor-parallel slice takes its whole matrix's scale); the stage
+    # then runs a first pass over them, chunk by chunk, that forms the updated momentum without
+    # writing anything and hands its absmaxes to ``share_absmax(names, amaxes)`` (one call, a
+    # list of 0-d fp32 tensors in ``names``' order), before the pass that stores.
 
 
 @register_state
@@ -168,8 +176,22 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
 def _run_chunked(io: MomentumIO, names: list[str], run: Callable, bs: list[Tensor],
                  gs: list[Tensor], leaves: Leaves, mu: Any, nesterov: bool) -> None:
     """:func:`trace_momentum`'s arithmetic on stored buffers, one :meth:`MomentumIO.chunks` chunk
-    at a time (load, run, store; the chunk's working buffers dropped before the next)."""
+    at a time (load, run, store; the chunk's working buffers dropped before the next). Leaves
+    whose scale is shared (``io.shared``) get a first pass that only measures their updated
+    momentum's absmax (``b`` only: ``run`` computes ``b`` the same with or without the Nesterov
+    output), so one exchange per step precedes the storing pass and a chunk stays the bound."""
     n = len(leaves)
+    shared = list(io.shared(names)) if hasattr(io, "shared") else []
+    if shared:  # a first pass: the updated momentum's absmax of leaves with a shared scale
+        sub = [names[k] for k in shared]
+        amax: dict[str, Tensor] = {}
+        for js in io.chunks(sub):
+            ks = [shared[j] for j in js]
+            work = io.load([names[k] for k in ks], [bs[k] for k in ks])
+            run(work, [gs[k] for k in ks], None, mu)  # the same b as the storing pass, bitwise
+            amax.update((names[k], absmax(w)) for k, w in zip(ks, work))
+            del work
+        io.share_absmax(sub, [amax[x] for x in sub])
     xs = [g if leaves.scratch[k] else torch.empty_like(g) for k, g in enumerate(gs)]
     for ks in io.chunks(names):
         sub, stored = [names[k] for k in ks], [bs[k] for k in ks]

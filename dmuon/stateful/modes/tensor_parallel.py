@@ -348,6 +348,21 @@ class TPStep:
             return result
         return run
 
+    def max_over_group(self, values: torch.Tensor) -> torch.Tensor:
+        """The MAX of the vector ``values`` over this rank's TP group (one all-reduce; every rank
+        of the group passes the same length, in the same order): the whole matrices' absmaxes of
+        an 8-bit momentum from the slices' (:meth:`~dmuon.stateful.optimizer.state_storage.
+        MomentumStorage.share_scales`), like :meth:`sum_partials` on the group directly (a few
+        scalars per step; the executor runs the schedules' buffers). A NaN travels as a flag (a
+        MAX all-reduce may drop it): a NaN slice makes its matrix's absmax NaN, as one process."""
+        v = values.detach().to(device=self.device, dtype=torch.float32)
+        nan = torch.isnan(v)
+        vec = torch.cat([torch.where(nan, torch.zeros_like(v), v), nan.float()])
+        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
+        k = v.numel()
+        out = torch.where(vec[k:] > 0, torch.full_like(v, float("nan")), vec[:k])
+        return out.to(values.device)
+
     def sum_partials(self, names: Sequence[str], partials: list, dims: Sequence[int]) -> list:
         """The ``sum_hook`` of a variant's stages (:meth:`dmuon.functional.stages.leaves.Leaves.
         sum_partials`): the partial sums of each TP slice over block dims ``dims`` added over the

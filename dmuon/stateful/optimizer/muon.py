@@ -152,7 +152,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         # every option is checked before anything changes (a bad value raises here, not at step())
         muon_hp, adamw_hp = fopts.check_options(positional, locals())
         from dmuon.stateful.optimizer import state_storage as ss
-        self._adamw_storage = ss.AdamWStorage(adamw_state_dtype)  # checked before any change
+        from dmuon.stateful.optimizer.adamw_storage import AdamWStorage
+        self._adamw_storage = AdamWStorage(adamw_state_dtype)  # checked before any change
         self._storage = ss.MomentumStorage(momentum_dtype, offload_state, None)
         NSHook.check(ns_engine)  # a bad ns_engine raises here, before anything changes
         model = unwrap_model(model)
@@ -229,6 +230,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
                               ranks=mg.tp_ranks, index=mg.tp_index, executor=rt.executor,
                               all_names=rt.names,
                               control=mg.control, device=rt.device)
+            # an 8-bit momentum: each slice's scale is its matrix's (one MAX over the TP group)
+            self._storage.share_scales(self._tp.names, self._tp.max_over_group)
         self._split = split_step(rt, transform, self.muon_hparams())  # split NS: this rank's units
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)

@@ -1,6 +1,6 @@
 """Where and in what dtype an owner keeps its Muon momentum: ``dmuon.Muon(momentum_dtype=...,
-offload_state=...)`` (:class:`MomentumStorage`); and the dtype of FSDP2's AdamW moments,
-``adamw_state_dtype`` (:class:`AdamWStorage`: fp32 or bf16, rounded after each update).
+offload_state=...)`` (:class:`MomentumStorage`); the dtype of FSDP2's AdamW moments is
+:mod:`dmuon.stateful.optimizer.adamw_storage`'s.
 
 The optimizer's ``muon_state.momentum[name]`` holds each owned matrix's momentum **as stored**:
 in ``momentum_dtype`` (fp32, bf16, or an 8-bit float whose per-matrix power-of-two scale is kept
@@ -35,7 +35,9 @@ shape) is untouched, since the working momentum is gone before it starts.
 With the defaults (fp32, on device) the storage is the working momentum: bitwise the historical
 step, no chunking. Exactness: fp32 offload is bitwise the on-device step (copies are exact);
 bf16 / fp8 are the one-process Muon that rounds its momentum the same way after each update
-(:func:`~dmuon.functional.state_dtype.round_trip`), bitwise.
+(:func:`~dmuon.functional.state_dtype.round_trip`), bitwise. A TP slice of an 8-bit momentum
+encodes with its whole matrix's scale: the momentum stage's first pass measures the slices'
+updated absmaxes, one MAX all-reduce over the TP group per step (``share_scales``).
 
 A variant (``transform=``) keeps its momentum stage's buffers here too
 (:class:`~dmuon.stateful.optimizer.variant.VariantRunner`: the whole field decoded through one
@@ -49,7 +51,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -84,6 +86,9 @@ class MomentumStorage:
             raise TypeError(f"dmuon.Muon offload_state must be True or False, got {offload!r}")
         self.offload = offload
         self.scales: dict[str, Tensor] = {}
+        #: TP (:meth:`share_scales`): the TP slices' names; the MAX of absmaxes over the TP group
+        self.shared_names: frozenset = frozenset()
+        self._max_reduce: Optional[Callable[[Tensor], Tensor]] = None
         #: tensors copied host -> device (prefetch) and back (commit) so far (offload)
         self.copies_in = self.copies_out = 0
         #: bytes of working momentum one chunk of the step decodes at most (a larger matrix is a
@@ -113,15 +118,37 @@ class MomentumStorage:
         """fp32 on the device: the storage is the working momentum (no copy, no rounding)."""
         return self.dtype == torch.float32 and not self.offload
 
+    def share_scales(self, names: Sequence[str], max_reduce: Callable[[Tensor], Tensor]) -> None:
+        """TP: the 8-bit scale of each of ``names`` (this rank's TP slices, the same names on
+        every rank of its TP group) is its whole matrix's: ``max_reduce`` (``TPStep.
+        max_over_group``, a collective) maps the slices' absmaxes to the matrices', once per step
+        or load."""
+        self.shared_names, self._max_reduce = frozenset(names), max_reduce
+
+    def shares(self, names: Sequence[str]) -> list[str]:
+        """Those of ``names`` whose scale is shared (8-bit floats only), in order."""
+        if self.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+            return []
+        return [n for n in names if n in self.shared_names]
+
+    def whole_absmax(self, names: Sequence[str], amaxes: Sequence[Tensor]) -> dict[str, Tensor]:
+        """``{name: the whole matrix's absmax}`` from this slice's ``amaxes``: one collective
+        (every rank of the TP group calls it with the same names, in the same order)."""
+        if not names:
+            return {}
+        return dict(zip(names, self._max_reduce(torch.stack(list(amaxes))).unbind()))
+
     # ------------------------------------------------------------------ layout
     def store(self, momentum: Mapping[str, Tensor]) -> dict[str, Tensor]:
         """``{name: stored data}`` of working-dtype ``momentum`` (encoded, offloaded); the scales
-        are kept in :attr:`scales`. The identity by default."""
+        are kept in :attr:`scales` (TP slices: their matrices', one collective). Or the identity."""
         if self.identity:
             return dict(momentum)
+        shared = self.shares(list(momentum))
+        amax = self.whole_absmax(shared, [sd.absmax(momentum[n]) for n in shared])
         out = {}
         for n, m in momentum.items():
-            data, scale = sd.encode(m, self.dtype)
+            data, scale = sd.encode(m, self.dtype, amax=amax.get(n))
             if scale is not None:
                 self.scales[n] = scale
             if self.offload:
@@ -260,6 +287,8 @@ class StepIO:
                  masters: Mapping[str, Tensor]):
         self.st, self.stored, self.masters = storage, stored, masters
         storage.last_chunks = 0
+        self._amax: dict[str, Tensor] = {}  # TP slices: their matrices' absmax this step
+        self._measuring = False  # in the momentum stage's first pass (the TP slices' absmax)
         self._plan: list[list[str]] = []
         self._next = 0
 
@@ -284,6 +313,20 @@ class StepIO:
         st.last_chunks += len(out)
         return out
 
+    def shared(self, names: Sequence[str]) -> list[int]:
+        """Positions of the TP slices among ``names`` (8-bit floats): the momentum stage measures
+        their updated absmax in a first pass and hands it to :meth:`share_absmax` (offload with
+        a ``prefetch_bytes`` cap: the first pass drops each chunk's staged copies, as a step
+        would, so the cap holds; without a cap they stay for the storing pass)."""
+        mine = set(self.st.shares(names))
+        self._measuring = bool(mine)
+        return [k for k, n in enumerate(names) if n in mine]
+
+    def share_absmax(self, names: Sequence[str], amaxes: Sequence[Tensor]) -> None:
+        """The matrices' absmaxes (one MAX all-reduce over the TP group for all of ``names``):
+        each slice then encodes with its whole matrix's scale in :meth:`store`."""
+        self._amax, self._measuring = self.st.whole_absmax(names, amaxes), False
+
     def load(self, names: Sequence[str], stored: Sequence[Tensor]) -> list[Tensor]:
         st = self.st
         self._next += 1
@@ -305,6 +348,8 @@ class StepIO:
                 out.append(buf)  # fp32 offload: the staging buffer itself
             else:
                 out.append(sd.decode(sd.Stored(buf, st.scales.get(n)), want))
+            if self._measuring and st.prefetch_bytes is not None:
+                st._staged.pop(n)  # the decoded copy is all the first pass reads
         return out
 
     def store(self, names: Sequence[str], stored: Sequence[Tensor],
@@ -312,7 +357,10 @@ class StepIO:
         st = self.st
         enc = []
         for n, t, w in zip(names, stored, work):  # on device: encoded into the stored tensor
-            data, scale = sd.encode(w, st.dtype, out=None if st.offload else t)
+            if n in st.shared_names and n not in self._amax and st.shares([n]):
+                raise RuntimeError(f"dmuon: TP slice {n!r} without its matrix's absmax (internal)")
+            data, scale = sd.encode(w, st.dtype, out=None if st.offload else t,
+                                    amax=self._amax.get(n))
             if scale is not None:
                 st.scales[n] = scale
             enc.append(data)
@@ -361,17 +409,18 @@ def stored_momentum(optimizer: Any) -> Optional[dict[str, Tensor]]:
 
 def check_storage(storage: MomentumStorage, transform: Any, rt: Any) -> None:
     """Refuse, at construction, the combinations this storage does not cover (never silently
-    wrong): an 8-bit momentum of tensor-parallel slices (each owner would scale its slice, not
-    the matrix). A variant (``transform=``) stores its momentum stage's buffers here
-    (:class:`~dmuon.stateful.optimizer.variant.VariantRunner`, which raises for a chain without
-    one); ``transform`` is the optimizer's (kept for the signature)."""
+    wrong): a variant's chain (``transform=``) with an 8-bit momentum of tensor-parallel slices
+    (the variant's step stores its field at once, without the TP group's shared whole-matrix
+    scale that plain Muon's chunked step takes, :meth:`MomentumStorage.share_scales`)."""
     if storage.identity:
         return
-    if getattr(rt, "tp_layouts", None) and storage.dtype not in (torch.float32, torch.bfloat16):
+    if (transform is not None and getattr(rt, "tp_layouts", None)
+            and storage.dtype not in (torch.float32, torch.bfloat16)):
         raise NotImplementedError(
-            f"dmuon.Muon: momentum_dtype={storage.dtype} with tensor parallelism: the 8-bit "
-            "momentum's per-matrix scale would be taken per TP slice. Use torch.bfloat16 (exact "
-            "per element) or torch.float32 with TP.")
+            f"dmuon.Muon: momentum_dtype={storage.dtype} with tensor parallelism and a variant "
+            "(transform=): each TP slice would take its own 8-bit scale, not its matrix's. Use "
+            "torch.bfloat16 (exact per element) with a variant under TP, or plain Muon "
+            "(no transform=) with the 8-bit momentum.")
 
 
 def checkpoint_momentum(optimizer: Any) -> dict[str, Tensor]:
@@ -409,58 +458,3 @@ def state_nbytes(optimizer: Any) -> dict[str, int]:
     if mom is None:
         return {"device": 0, "host": 0}
     return optimizer._storage.nbytes(mom)
-
-
-class AdamWStorage:
-    """FSDP2's AdamW moments (``exp_avg``, ``exp_avg_sq`` of the local shards) stored in
-    ``adamw_state_dtype``: ``torch.float32`` (default: as the params, bitwise as before) or
-    ``torch.bfloat16`` (round to nearest even after each update; the update runs on the decoded
-    values in the params' dtype, as torch's AdamW would, then rounds). 8-bit floats are refused:
-    the second moment spans more binades than one scale per shard keeps.
-    """
-
-    def __init__(self, dtype: Any):
-        self.dtype = sd.check_state_dtype(dtype, "adamw_state_dtype")
-        if self.dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"dmuon.Muon adamw_state_dtype must be torch.float32 or "
-                             f"torch.bfloat16, got {self.dtype}: AdamW's second moment spans "
-                             "too many binades for an 8-bit float with one scale")
-
-    @property
-    def identity(self) -> bool:
-        return self.dtype == torch.float32
-
-    def _tree(self, tree: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        return {n: sd.encode(t, self.dtype).data for n, t in tree.items()}
-
-    def stored_state(self, st: Any) -> Any:
-        """The ``AdamWState`` ``st`` (working moments) with its moments as stored."""
-        if self.identity:
-            return st
-        return st._replace(mu=self._tree(st.mu), nu=self._tree(st.nu))
-
-    def working_state(self, st: Any, params: Mapping[str, Tensor]) -> Any:
-        """The stored ``st`` with its moments decoded into the params' dtype (new tensors)."""
-        if self.identity:
-            return st
-        return st._replace(**{k: {n: sd.decode(sd.Stored(t, None), params[n].dtype)
-                                  for n, t in getattr(st, k).items()} for k in ("mu", "nu")})
-
-    def commit_state(self, stored: Any, work: Any) -> Any:
-        """The updated working state rounded back into ``stored``'s buffers."""
-        if self.identity:
-            return work
-        for k in ("mu", "nu"):
-            for n, t in getattr(work, k).items():
-                getattr(stored, k)[n].copy_(sd.encode(t, self.dtype).data)
-        return work._replace(mu=stored.mu, nu=stored.nu)
-
-    def load(self, st: Any, saved_dtype: Optional[str], what: str) -> Any:
-        """``stored_state`` of staged working moments read from a checkpoint whose AdamW moments
-        were stored in ``saved_dtype`` (``None``: fp32); a note if that differs."""
-        saved = sd.check_state_dtype(saved_dtype)
-        if saved != self.dtype:
-            logger.warning("%s: the checkpoint's AdamW moments were stored in %s; this optimizer "
-                           "stores them in %s (adamw_state_dtype): converted on load", what,
-                           sd.dtype_name(saved), sd.dtype_name(self.dtype))
-        return self.stored_state(st)
