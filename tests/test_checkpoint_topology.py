@@ -406,8 +406,6 @@ def test_same_topology_resume_is_bitwise(stage_c):
         assert res[key]["step"] == HALF and res[key]["lrs"] == NEW_LR
 
 
-@pytest.mark.slow  # the default tier's 600 s budget (test_checkpoint_torch_native's HSDP 2x2 ->
-#                    2-rank resume and test_resume_in_one_process stay in it); the slow tier runs it
 @pytest.mark.parametrize("key", ["g4->g2:full", "g4->g2:dcp", "hsdp->g2:full_rank0",
                                  "hsdp->g2:dcp"])
 def test_resume_on_fewer_ranks(stage_b, key):
