@@ -54,10 +54,15 @@ CONFIGS = {
     # offload with the backward's copies capped at 512 MiB (the step copies the rest a chunk
     # ahead): the backward's peak without the momentum, at the cost of copies inside the step
     "dmuon_offload_cap512m": ("dmuon", {"offload_state": True}, {"PREFETCH_BYTES": 512 << 20}),
+    # the reference implementation (X-Square-Robot/dmuon 0.2.0; its source tree given by
+    # --reference-src): dedicate_params(compute_dtype=bf16), so its momentum is bf16
+    "reference": ("reference", {}),
 }
 
 
 def _muon_kw(kw: dict) -> dict:
+    if "momentum_dtype" not in kw:
+        return dict(kw)
     from dmuon.functional.state_dtype import check_state_dtype
     return {**kw, **({"momentum_dtype": check_state_dtype(kw["momentum_dtype"])}
                      if "momentum_dtype" in kw else {})}
@@ -81,9 +86,10 @@ def child(a) -> dict:
     """One config in this process: step time, peak memory, state (or one ``--largest`` try)."""
     kind, kw, *settings = CONFIGS[a.config]
     kw = _muon_kw(kw)
-    from dmuon.stateful.optimizer import state_storage
-    for name, value in (settings[0] if settings else {}).items():
-        setattr(state_storage, name, value)  # read by each MomentumStorage when it is built
+    if settings:
+        from dmuon.stateful.optimizer import state_storage
+        for name, value in settings[0].items():
+            setattr(state_storage, name, value)  # read by each MomentumStorage when it is built
     cfg = sw.TINY if a.tiny else sw.Cfg()
     if a.layers is not None:  # a --largest try: B1 x T2048 (tiny: its own batch) at this depth
         cfg = replace(cfg, layers=a.layers, batch=1 if not a.tiny else cfg.batch)
@@ -95,11 +101,14 @@ def child(a) -> dict:
             r = sw.run_config(cfg, kind, device, mesh, 1, 1, 0, a.model, kw)
             if device.type == "cuda":
                 total, peak = torch.cuda.mem_get_info(device)[1], r["peak_allocated_gib"]
+                reserved = r["peak_reserved_gib"]
             else:  # CPU smoke test: parameter bytes stand in for the peak (no allocator counter)
                 model, _ = sw.build(cfg, kind, device, mesh, a.model, kw)
                 total = a.tiny_capacity_gib * 2**30
-                peak = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
-            return {"fits": True, "peak_allocated_gib": peak, "device_total_gib": total / 2**30}
+                peak = reserved = sum(p.numel() * p.element_size()
+                                      for p in model.parameters()) / 2**30
+            return {"fits": True, "peak_allocated_gib": peak, "peak_reserved_gib": reserved,
+                    "device_total_gib": total / 2**30}
         except torch.OutOfMemoryError as e:
             return {"fits": False, "error": str(e).splitlines()[0]}
     r = sw.run_config(cfg, kind, device, mesh, a.warmup, a.steps, a.stat_steps, a.model, kw)
@@ -108,11 +117,21 @@ def child(a) -> dict:
     model, opt = sw.build(cfg, kind, device, mesh, a.model, kw)  # untimed: what it holds
     ids = sw.make_batches(cfg, device, 1)[0]
     opt.zero_grad(set_to_none=True)
-    sw.lm_loss(model, ids, cfg.vocab)[0].backward()
+    loss, logits = sw.lm_loss(model, ids, cfg.vocab)
+    logits_gib = logits.nbytes / 2**30
+    del logits
+    loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     r.update(config=a.config, muon_kw={k: str(v) for k, v in kw.items()},
              **state_report(model, opt, kind, kw))
+    if "fwd_bwd_peak_gib" in r:
+        # the timed steps hold the logits through backward and step (a loop that keeps the
+        # model's output); the untimed ones free them before backward: their peak is the whole
+        # step's with the logits freed (the convention of the planning round's 23.83 / 28.97 /
+        # 25.38 GiB, which equal the AdamW and fp32 rows' fwd_bwd_peak_gib)
+        r.update(logits_gib=logits_gib,
+                 peak_logits_freed_gib=max(r["fwd_bwd_peak_gib"], r["opt_peak_gib"]))
     r.pop("step_times", None)
     return r
 
@@ -123,7 +142,17 @@ def _spawn(a, config: str, layers: int | None = None) -> dict:
            "--warmup", str(a.warmup), "--steps", str(a.steps), "--model", a.model,
            "--stat-steps", str(a.stat_steps)] \
         + (["--tiny"] if a.tiny else []) + ([] if layers is None else ["--layers", str(layers)])
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    env = None
+    if CONFIGS[config][0] == "reference":  # its ``dmuon`` on the path instead of ours
+        if not a.reference_src:
+            raise SystemExit("--configs reference needs --reference-src (a source tree of "
+                             "X-Square-Robot/dmuon holding its dmuon/ package)")
+        keep = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                if p and not os.path.isdir(os.path.join(p, "dmuon"))]
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.abspath(a.reference_src)]
+                                                          + keep))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=tempfile.gettempdir()
+                          if env is not None else None)
     if proc.returncode != 0 or not os.path.exists(tmp):
         if layers is not None and "OutOfMemoryError" in proc.stderr:
             return {"fits": False, "error": "out of memory"}
@@ -132,11 +161,13 @@ def _spawn(a, config: str, layers: int | None = None) -> dict:
         return json.load(f)
 
 
-def next_depth(tries: dict, cap_gib: float, max_layers: int) -> int | None:
+def next_depth(tries: dict, cap_gib: float, max_layers: int, bracket: int = 1) -> int | None:
     """The next depth to try in the search for the deepest model that fits (pure), or ``None``
-    when the boundary is found (deepest fit + 1 failed) or the cap is reached.
+    when the boundary is found (a failing depth at most ``bracket`` above the deepest fit; 1: the
+    exact boundary) or the cap is reached.
 
-    ``tries``: ``{layers: (fits, peak_allocated_gib or None)}``. While no failing depth lies above
+    ``tries``: ``{layers: (fits, peak memory in GiB or None)}`` (the search passes the peak
+    reserved memory: what must fit in the device's ``cap_gib``). While no failing depth lies above
     the deepest fit, extrapolate ``peak = a + b * layers`` from the two deepest fitting tries to the
     device's memory ``cap_gib`` (every layer is the same, but a shallow model's peak is not yet
     linear in its depth, so the slope is refitted from the deepest tries at every step); once one
@@ -146,7 +177,7 @@ def next_depth(tries: dict, cap_gib: float, max_layers: int) -> int | None:
         return None
     best = fitting[-1]
     above = [k for k, (ok, _) in tries.items() if not ok and k > best]
-    if best >= max_layers or (above and min(above) == best + 1):
+    if best >= max_layers or (above and min(above) - best <= max(1, bracket)):
         return None
     if above:
         return (best + min(above)) // 2 if min(above) - best > 2 else best + 1
@@ -172,8 +203,8 @@ def largest(a, config: str) -> dict:
     slope = (p1 - p0) / (hi_l - lo_l)
     first_prediction = None
     for _ in range(a.max_tries):
-        n = next_depth({k: (t["fits"], t.get("peak_allocated_gib")) for k, t in tries.items()},
-                       cap, a.max_layers)
+        n = next_depth({k: (t["fits"], t.get("peak_reserved_gib", t.get("peak_allocated_gib")))
+                        for k, t in tries.items()}, cap, a.max_layers, a.bracket)
         if n is None or n in tries:
             break
         first_prediction = n if first_prediction is None else first_prediction
@@ -184,6 +215,7 @@ def largest(a, config: str) -> dict:
     h, kv = c.hidden, c.hidden * c.kv_heads // c.heads
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * c.inter + 2 * h  # q, o; k, v; MLP; norms
     return {"layers": best, "boundary_seen": bool(failing) and min(failing) == best + 1,
+            "first_failing": min(failing) if failing else None,
             "capped": best >= a.max_layers, "predicted_layers": first_prediction,
             "peak_per_layer_gib": slope, "peak_at_zero_layers_gib": p0 - slope * lo_l,
             "params_billion": (best * per_layer + 2 * c.vocab * h + h) / 1e9,
@@ -203,7 +235,14 @@ def main() -> None:
                          "apart (fwd_bwd_peak_gib, opt_peak_gib)")
     ap.add_argument("--largest", action="store_true",
                     help="also search the largest model each config trains at B1 x T2048")
+    ap.add_argument("--reference-src", default=None,
+                    help="config 'reference': the reference implementation's source tree")
+    ap.add_argument("--only-largest", action="store_true",
+                    help="--largest without the timed run of each config")
     ap.add_argument("--max-layers", type=int, default=256)
+    ap.add_argument("--bracket", type=int, default=1,
+                    help="--largest: stop once a failing depth is at most this many layers above "
+                         "the deepest fit (1: the exact boundary)")
     ap.add_argument("--probe-layers", type=int, nargs=2, default=(2, 6),
                     help="--largest: the two shallow depths whose peaks predict the largest")
     ap.add_argument("--max-tries", type=int, default=8,
@@ -227,9 +266,9 @@ def main() -> None:
            "torch": torch.__version__, "model": a.model,
            "config": asdict(sw.TINY if a.tiny else sw.Cfg()), "results": {}, "largest": {}}
     for c in configs:
-        r = _spawn(a, c)
+        r = {} if a.only_largest else _spawn(a, c)
         doc["results"][c] = r
-        print(f"{c:22s} step {r['step_ms']:8.2f} ms (opt {r.get('opt_ms', 0):6.2f})  peak alloc "
+        print(f"{c:22s} step {r.get('step_ms', 0):8.2f} ms (opt {r.get('opt_ms', 0):6.2f})  peak alloc "
               f"{r.get('peak_allocated_gib', 0):6.2f} GiB (fwd+bwd "
               f"{r.get('fwd_bwd_peak_gib', 0):6.2f}, step {r.get('opt_peak_gib', 0):6.2f})  "
               f"state {r.get('muon_state_held_bytes')}", flush=True)
@@ -239,12 +278,17 @@ def main() -> None:
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
         with open(a.out, "w") as f:  # after every config: a run cut short keeps what it measured
             json.dump(doc, f, indent=1)
-    res = doc["results"]
+    res = {} if a.only_largest else doc["results"]
     summary = {}
     if cuda and "dmuon_bf16" in res:
         summary["bf16_peak_allocated_gib"] = res["dmuon_bf16"]["peak_allocated_gib"]
         summary["bf16_target_gib"] = 23.83
         summary["bf16_met"] = summary["bf16_peak_allocated_gib"] <= 23.83
+        summary["bf16_peak_logits_freed_gib"] = res["dmuon_bf16"].get("peak_logits_freed_gib")
+    if cuda and "dmuon_bf16" in res and "reference" in res:  # the same run, both conventions
+        for key in ("peak_allocated_gib", "peak_logits_freed_gib"):
+            summary[f"bf16_vs_reference_{key}"] = (res["dmuon_bf16"].get(key),
+                                                   res["reference"].get(key))
     if "dmuon_offload" in res and "dmuon_fp32" in res:
         ratio = res["dmuon_offload"]["step_ms"] / res["dmuon_fp32"]["step_ms"]
         summary.update(offload_step_ratio=ratio, offload_met=ratio <= 1.03)

@@ -190,10 +190,17 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh, model_kind: str = "ll
     if kind.startswith("dmuon"):
         from dmuon.stateful.runtime.dedicate import dedicate_params
         dedicate_params(model, mesh, muon_predicate)
+    elif kind == "reference":  # the reference implementation (whichever ``dmuon`` is importable:
+        import dmuon as reference  # state_memory.py puts its source first on the path)
+        reference.dedicate_params(model, mesh, predicate=muon_predicate,
+                                  compute_dtype=torch.bfloat16)
     for layer in model.layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
     fully_shard(model, mesh=mesh, mp_policy=mp)
-    if kind.startswith("adamw"):
+    if kind == "reference":  # its public API, with the dmuon config's hyperparameters
+        opt = reference.Muon(model, lr=0.02, momentum=0.95, weight_decay=0.01, adamw_lr=1e-4,
+                             adamw_weight_decay=0.01)
+    elif kind.startswith("adamw"):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
                                 fused=device.type == "cuda")
         if kind.startswith("adamw_heat") and device.type == "cuda":

@@ -40,3 +40,13 @@ def test_stops_at_the_cap_and_when_nothing_fails():
     tries = _search(lambda n: 0.01 * n, 139.8, probes=(1, 2), max_layers=3)
     assert sorted(tries) == [1, 2, 3]
     assert next_depth({1: (True, 1.0), 2: (False, None)}, 10.0, 64) is None
+
+
+def test_a_bracket_stops_the_search_early():
+    """``--bracket 3``: a failing depth at most 3 layers above the deepest fit ends the search."""
+    assert next_depth({72: (True, 50.0), 150: (True, 110.0), 153: (False, None)}, 139.8, 256,
+                      bracket=3) is None
+    assert next_depth({72: (True, 50.0), 150: (True, 110.0), 153: (False, None)}, 139.8,
+                      256) == 151
+    assert next_depth({72: (True, 50.0), 150: (True, 110.0), 160: (False, None)}, 139.8, 256,
+                      bracket=3) == 155
