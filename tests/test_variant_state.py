@@ -8,7 +8,9 @@ momentum_dtype=..., offload_state=...)`` on 2 gloo ranks, fp64 masters, one spaw
   ``Muon.state_dict()`` and ``dmuon.get/set_optimizer_state_dict`` restore it bitwise into fresh
   optimizers with the same options, which then train bitwise as the original; into another
   ``momentum_dtype`` it is converted (rounded as a step would) with one logged note;
-* a chain without a momentum stage has nothing these options apply to: it raises on every rank.
+* a chain without a momentum stage has nothing these options apply to: it raises on every rank;
+* DDP mode (``data_parallel="ddp"``) with fp8 offloaded equals the same rounding reference and
+  resumes bitwise through both state dicts.
 
 Slow tier: NorMuon with fp8 offloaded on HSDP 2x2 and bf16 offloaded on TP dp2 x tp2 (column and
 row slices), each against the rounding reference and resumed bitwise through the state dicts.
@@ -98,6 +100,12 @@ def _worker(rank: int, world: int) -> dict:
         except Exception as e:  # noqa: BLE001 (the parent reports it)
             out[key] = repr(e)
 
+    try:  # DDP mode: the owners' offloaded fp8 field, resumed through both state dicts
+        out["ddp"] = vw.run_variant(rank, world, "normuon", "ddp", STEPS, checkpoint=True,
+                                    momentum_dtype=FP8, offload_state=True)
+    except Exception as e:  # noqa: BLE001
+        out["ddp"] = repr(e)
+
     def no_momentum(hp):  # NS of the raw gradient: no momentum buffers to store
         return T.chain(T.orthogonalize(NSConfig.from_hparams(hp)), T.scale_by_shape(hp.lr_scale),
                        T.decoupled_apply(hp.lr, hp.weight_decay))
@@ -115,6 +123,13 @@ def test_variant_state_options():
     # bf16 / fp8: the one-process chain rounding its momentum the same way after each update
     for key, dt in (("bf16", BF16), ("fp8_offload", FP8)):
         vw.check([r[key] for r in res], "normuon", STEPS, momentum_dtype=dt)
+    # DDP mode (replicated model, owner-only NS, update broadcast), fp8 offloaded: the same
+    # reference, and training resumed through either state dict is bitwise the uninterrupted run
+    assert all(isinstance(r["ddp"], dict) for r in res), [r["ddp"] for r in res]
+    vw.check([r["ddp"] for r in res], "normuon", STEPS, momentum_dtype=FP8)
+    for r in res:
+        for how in ("torch", "full"):
+            assert max_rel_err(r["ddp"][f"resumed_{how}"], r["ddp"]["after"])[0] == 0.0, how
     # (fp32 on device == the plain chain: tests/test_variants_distributed.py)
     for rank in range(2):
         r = res[rank]
