@@ -60,3 +60,18 @@ def test_phases_gaps_and_the_copy_that_waited():
     assert s["call"] == "cudaStreamSynchronize" and s["inside"].endswith("aten::item")
     side = out["copies"][f"Memcpy DtoH (Device -> Pinned) stream {SIDE}"]
     assert side["count"] == 2 and abs(side["gib"] - 1.5) < 1e-9
+
+
+def test_copies_back_budget():
+    """``next_out_budget`` (pure): copies that ran past the step's end are held back next step;
+    when held-back copies exist and the copies ended early, the room is given back; else as is."""
+    from dmuon.stateful.optimizer.offload_copies import next_out_budget
+    gib = 1 << 30
+    # 3.62 GiB in 71 ms, ending 19 ms after the step: next step starts what 52 ms move
+    b = next_out_budget(None, int(3.62 * gib), False, 71.0, 19.0)
+    assert abs(b - 3.62 * gib * 52 / 71) < 1e-3 * gib
+    assert next_out_budget(b, b, True, 52.0, 0.0) == b  # on the end exactly: unchanged
+    assert next_out_budget(b, b, True, 52.0, -5.2) == int(b * 1.1)  # 5.2 ms early: 10 % more
+    assert next_out_budget(None, gib, False, 20.0, -30.0) is None  # fits: no limit
+    assert next_out_budget(123, 0, False, 0.0, 0.0) == 123  # nothing measured
+    assert next_out_budget(None, gib, False, 10.0, 50.0) == 0  # all of it past the end

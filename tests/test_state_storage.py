@@ -82,6 +82,17 @@ def _ckpt_checks(rank, world):
                     ("offload", dict(offload_state=True)),
                     ("fp8_offload", dict(momentum_dtype=FP8, offload_state=True))]:
         model, opt = train(kw)
+        if key == "offload":  # the copies back wait (on CPU all of them) for the next forward's
+            # first hook group, which starts them (offload_copies.py): before it the host buffers
+            # are stale, after it they hold the stepped momentum
+            copies = opt._storage.copies
+            waiting = [(h, d.clone()) for hs, ds, _, _ in copies._pending for h, d in zip(hs, ds)]
+            out["offload_stale_before_forward"] = (
+                len(waiting), sum(not torch.equal(h, d) for h, d in waiting))
+            with torch.no_grad():
+                model(make_batches(1, 4)[0].chunk(world)[rank])
+            out["offload_after_forward"] = (len(copies._pending),
+                                            all(torch.equal(h, d) for h, d in waiting))
         if key == "fp8":  # opt.state's decoded copies exist only while someone reads it (they
             # were built at construction and held for the whole training: a bf16 momentum's bytes)
             import gc
@@ -195,6 +206,15 @@ def test_momentum_dtype_equals_rounding_reference(results):
         err, where = max_rel_err(results[0][cid]["sd"], fp32["sd"])
         print(f"{cid} vs fp32 momentum after 10 steps: max rel err {err:.3g} at {where}")
         assert 0 < err <= tol, (cid, err)
+
+
+def test_offload_copies_back_start_at_the_next_forward(results):
+    for rank, r in enumerate(res["ckpt"] for res in results):
+        assert isinstance(r, dict), r
+        waiting, stale = r["offload_stale_before_forward"]
+        assert waiting == r["offload_copies"][2] // 3 > 0, (rank, waiting)  # each owned matrix
+        assert stale == waiting, (rank, stale, waiting)  # not copied yet
+        assert r["offload_after_forward"] == (0, True), (rank, r["offload_after_forward"])
 
 
 def test_offload_bitwise_on_device(results):

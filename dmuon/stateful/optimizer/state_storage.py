@@ -8,7 +8,8 @@ here, :mod:`dmuon.functional.state_dtype`), on the device or, with ``offload_sta
 (pinned, on CUDA) host memory. Each ``step()``:
 
 1. offload: :meth:`MomentumStorage.prefetch` copies each hook group's host momentum into device
-   staging buffers when the runtime issues that group's gradient reduce in backward
+   staging buffers (:class:`~dmuon.stateful.optimizer.offload_copies.OffloadCopies`) when the
+   runtime issues that group's gradient reduce in backward
    (:meth:`~dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued`; none during a
    ``no_sync`` micro-batch): on CUDA on a side stream, one event per group, so the copies overlap
    the rest of the backward;
@@ -17,12 +18,13 @@ here, :mod:`dmuon.functional.state_dtype`), on the device or, with ``offload_sta
    the gradient's storage) reads the momentum, so that stage runs **chunk by chunk** of owned
    matrices -- wait for the chunk's copies (offload; the next chunk's copy is started first),
    decode it to the master's dtype (fp32 offload: the staging buffer itself), update it, encode
-   it back (offload: copy it back to the host buffer on the side stream; the staging buffer is
-   released once the copy ran) -- and Newton-Schulz and the rest run afterwards on all matrices,
-   batched exactly as before;
+   it back (offload: copy it back to the host buffer on a second side stream, the staging buffer
+   released once the copy ran; copies back that would outlast the step start at the next
+   forward's first hook group, :mod:`dmuon.stateful.optimizer.offload_copies`) -- and
+   Newton-Schulz and the rest run afterwards on all matrices, batched exactly as before;
 3. staging buffers of matrices that were not stepped (no gradient) are dropped (their host copy
    is current); every read of the host buffers (checkpoints, ``optimizer.state``) and every next
-   copy-in waits for the copies back.
+   copy-in starts the deferred copies back and waits for them.
 
 **Chunks**: a byte budget of working (decoded) momentum, :attr:`MomentumStorage.chunk_bytes`
 (:data:`CHUNK_BYTES`, 256 MiB; a larger matrix is a chunk of its own), packed greedily in the
@@ -57,7 +59,7 @@ import torch
 from torch import Tensor
 
 from dmuon.functional import state_dtype as sd
-from dmuon.kernels.streams import side_stream
+from dmuon.stateful.optimizer.offload_copies import OffloadCopies
 
 logger = logging.getLogger(__name__)
 
@@ -89,8 +91,6 @@ class MomentumStorage:
         #: TP (:meth:`share_scales`): the TP slices' names; the MAX of absmaxes over the TP group
         self.shared_names: frozenset = frozenset()
         self._max_reduce: Optional[Callable[[Tensor], Tensor]] = None
-        #: tensors copied host -> device (prefetch) and back (commit) so far (offload)
-        self.copies_in = self.copies_out = 0
         #: bytes of working momentum one chunk of the step decodes at most (a larger matrix is a
         #: chunk of its own); see the module docstring
         self.chunk_bytes = CHUNK_BYTES
@@ -101,17 +101,22 @@ class MomentumStorage:
         #: chunks the last step ran (0: the identity storage, no chunking)
         self.last_chunks = 0
         self.bind(device if device is not None else torch.device("cpu"))
-        # offload: {name: (device staging buffer, event of its copy or None)}, in staging order
-        self._staged: dict[str, tuple[Tensor, Optional[Any]]] = {}
-        self._copied_out: Optional[Any] = None  # event: host buffers written back (CUDA; one
-        # stream runs every copy, so the last one's event covers the earlier ones)
 
     def bind(self, device: torch.device) -> None:
-        """Set the masters' device (and, offloading on CUDA, the side stream of the copies)."""
+        """Set the masters' device (and, offloading, the copies' :class:`OffloadCopies`)."""
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
-        self._stream = (side_stream(self.device, "state_offload") if (self.offload and self._cuda)
-                        else None)
+        self.copies = OffloadCopies(self.device) if self.offload else None
+
+    @property
+    def copies_in(self) -> int:
+        """Tensors copied host -> device so far (offload; 0 on device)."""
+        return self.copies.copies_in if self.copies is not None else 0
+
+    @property
+    def copies_out(self) -> int:
+        """Tensors copied (or queued to copy) device -> host so far (offload; 0 on device)."""
+        return self.copies.copies_out if self.copies is not None else 0
 
     @property
     def identity(self) -> bool:
@@ -183,11 +188,14 @@ class MomentumStorage:
         (:meth:`dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued`; ``ahead=True``:
         only while the staged bytes stay within :attr:`prefetch_bytes`) and by the step for the
         rest, a chunk ahead."""
-        todo = {n: t for n, t in stored.items() if n not in self._staged}
-        if not self.offload or not todo:
+        if not self.offload:
+            return
+        staged = self.copies.staged
+        todo = {n: t for n, t in stored.items() if n not in staged}
+        if not todo:
             return
         if ahead and self.prefetch_bytes is not None:
-            room = self.prefetch_bytes - sum(b.nbytes for b, _ in self._staged.values())
+            room = self.prefetch_bytes - sum(b.nbytes for b, _ in staged.values())
             keep = {}
             for n, t in todo.items():
                 if t.nbytes > room:
@@ -196,21 +204,7 @@ class MomentumStorage:
             todo = keep
             if not todo:
                 return
-        self.copies_in += len(todo)
-        if self._stream is None:  # CPU: the same path, synchronously
-            for n, t in todo.items():
-                self._staged[n] = (torch.empty_like(t, device=self.device).copy_(t), None)
-            return
-        bufs = {n: torch.empty_like(t, device=self.device) for n, t in todo.items()}
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the blocks are free
-        with torch.cuda.stream(self._stream):
-            for n, t in todo.items():
-                bufs[n].copy_(t, non_blocking=True)
-                bufs[n].record_stream(self._stream)
-            ev = torch.cuda.Event()
-            ev.record(self._stream)
-        for n, b in bufs.items():
-            self._staged[n] = (b, ev)
+        self.copies.copy_in(todo)
 
     def prefetch_owned(self, momentum: Optional[Mapping[str, Tensor]], names: Any) -> None:
         """:meth:`prefetch` (``ahead``) of the stored ``momentum`` (``{name: stored tensor}``,
@@ -221,12 +215,13 @@ class MomentumStorage:
 
     def staged_names(self) -> list[str]:
         """The names whose copy to the device was started and not consumed yet, in that order."""
-        return list(self._staged)
+        return list(self.copies.staged) if self.copies is not None else []
 
     def drop_staged(self) -> None:
         """Forget the staging buffers (their momentum was not stepped: the host copy is current;
         a load replaced the host tensors)."""
-        self._staged.clear()
+        if self.copies is not None:
+            self.copies.staged.clear()
 
     def step_io(self, stored: Mapping[str, Tensor], masters: Mapping[str, Tensor]) -> "StepIO":
         """The :class:`~dmuon.functional.stages.momentum.MomentumIO` of one step over the stored
@@ -235,9 +230,20 @@ class MomentumStorage:
 
     def synchronize(self) -> None:
         """Wait for the copies back to the host buffers (before they are read or written)."""
-        if self._copied_out is not None:
-            self._copied_out.synchronize()
-            self._copied_out = None
+        if self.copies is not None:
+            self.copies.synchronize()
+
+    def flush(self) -> None:
+        """Offload: start the copies back the last step deferred (a no-op on device): the
+        optimizer's callback when the next forward reaches its first hook group
+        (:mod:`dmuon.stateful.optimizer.offload_copies`)."""
+        if self.copies is not None:
+            self.copies.flush()
+
+    def end_step(self) -> None:
+        """The step's work is queued (offload: its end is recorded for the copies' budget)."""
+        if self.copies is not None:
+            self.copies.end_step()
 
     # ------------------------------------------------------------------ checkpoints
     def values(self, stored: Mapping[str, Tensor], masters: Mapping[str, Tensor]
@@ -336,20 +342,15 @@ class StepIO:
         st.prefetch({n: self.stored[n] for n in names})  # not staged in backward
         if self._next < len(self._plan):  # the next chunk's copy overlaps this chunk's math
             st.prefetch({n: self.stored[n] for n in self._plan[self._next]})
-        cur = torch.cuda.current_stream(st.device) if st._cuda else None
-        waited, out = set(), []
-        for n in names:
-            buf, ev = st._staged[n]
-            if ev is not None and id(ev) not in waited:
-                cur.wait_event(ev)
-                waited.add(id(ev))
+        out = []
+        for n, buf in zip(names, st.copies.wait(names)):
             want = self.masters[n].dtype
             if buf.dtype == want and st.dtype == torch.float32:
                 out.append(buf)  # fp32 offload: the staging buffer itself
             else:
                 out.append(sd.decode(sd.Stored(buf, st.scales.get(n)), want))
             if self._measuring and st.prefetch_bytes is not None:
-                st._staged.pop(n)  # the decoded copy is all the first pass reads
+                st.copies.staged.pop(n)  # the decoded copy is all the first pass reads
         return out
 
     def store(self, names: Sequence[str], stored: Sequence[Tensor],
@@ -366,36 +367,36 @@ class StepIO:
             enc.append(data)
         if not st.offload:
             return
-        st.copies_out += len(enc)
-        for n in names:
-            st._staged.pop(n, None)
-        if st._stream is None:
-            for t, data in zip(stored, enc):
-                t.copy_(data)
-            return
-        st._stream.wait_stream(torch.cuda.current_stream(st.device))
-        with torch.cuda.stream(st._stream):
-            for t, data in zip(stored, enc):
-                t.copy_(data, non_blocking=True)
-                data.record_stream(st._stream)
-            st._copied_out = torch.cuda.Event()
-            st._copied_out.record(st._stream)
+        st.copies.copy_out(names, stored, enc)  # now or, past the step's budget, at the next
+        # forward (offload_copies.py)
 
 
 def follow_reduces(optimizer: Any, rt: Any) -> None:
     """Register ``optimizer`` (held weakly: the model does not keep it alive) with ``rt``'s
-    :meth:`~dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued`: when a hook group's
+    listeners, unless a newer optimizer superseded this one (it replaces them too):
+    :meth:`~dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued` -- when a hook group's
     reduce is issued, its owned offloaded momentum starts its copy to the device
-    (:meth:`MomentumStorage.prefetch_owned`), unless a newer optimizer superseded this one (it
-    replaces the listener too)."""
+    (:meth:`MomentumStorage.prefetch_owned`) -- and
+    :meth:`~dmuon.stateful.runtime.state.DedicatedState.on_group_forward` -- the first hook
+    group's forward starts the copies back the last step deferred (:meth:`MomentumStorage.flush`)."""
     ref, generation = weakref.ref(optimizer), optimizer._generation
 
-    def on_reduce(names: Any) -> None:
+    def current() -> Any:
         opt = ref()
-        if opt is not None and opt.dedicated_state.is_current(generation):
+        return opt if opt is not None and opt.dedicated_state.is_current(generation) else None
+
+    def on_reduce(names: Any) -> None:
+        opt = current()
+        if opt is not None:
             opt._storage.prefetch_owned(stored_momentum(opt), names)
 
+    def on_forward() -> None:
+        opt = current()
+        if opt is not None:
+            opt._storage.flush()
+
     rt.on_reduce_issued(on_reduce)
+    rt.on_group_forward(on_forward)
 
 
 def stored_momentum(optimizer: Any) -> Optional[dict[str, Tensor]]:

@@ -180,6 +180,7 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
                     st.unshard(key)
                     return
                 st.note_forward(key)
+                st.notify_group_forward()  # the optimizer's listener (offload: deferred copies back)
                 st.unshard(key)
                 nxt = st.next_group(key)
                 if nxt is not None:

@@ -278,6 +278,7 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
     def begin_forward(self) -> None:
         """A forward of the model starts (not a checkpoint recomputation)."""
         self._calls.clear()
+        self._forward_began()  # ReduceListenerMixin
 
     def note_forward(self, key: str) -> None:
         """Record the order in which groups run forward (the first forward; used to prefetch) and

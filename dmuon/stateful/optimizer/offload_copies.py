@@ -1,0 +1,212 @@
+"""The host <-> device copies of offloaded Muon state (``dmuon.Muon(offload_state=True)``):
+:class:`OffloadCopies`, used by :class:`~dmuon.stateful.optimizer.state_storage.MomentumStorage`.
+
+* **In** (:meth:`OffloadCopies.copy_in`): host momentum into device staging buffers, on CUDA on
+  the ``state_offload`` side stream, one event per batch (the step waits for it before the first
+  use). Called per hook group when its gradient reduce is issued in backward, and by the step for
+  the rest.
+* **Out** (:meth:`OffloadCopies.copy_out`): the updated momentum back into its host buffer, on CUDA
+  on a second side stream (``state_offload_out``), so that copies of the two directions run at
+  once (PCIe is full duplex). A copy in of a matrix waits for the event of that matrix's last copy
+  out.
+
+**Copies back that outlast the step are started at the next forward.** Copies of one direction
+share a copy engine in launch order, whatever their stream. When the copies back take longer than
+the step (fp32 momentum: bytes / ~51 GB/s on an H200 against a step of tens of ms), the
+remainder runs into the next forward, and any read of a tensor on the host there (HF's Llama reads
+one at the start of every forward, in its mask code; a ``loss.item()`` for logging) waits behind
+all of them in the copy engine; the host-bound forward and backward then start that much later
+(measured: 14 % on a 1.1B HF Llama step, ``benchmarks/offload_profile.py``). So the step starts at
+once only the copies the copy engine finishes within the step -- :attr:`OffloadCopies.out_budget`
+bytes, learned from the last measured step (its copies' bandwidth and how far they ran past the
+step's end, from timing events read only once complete: no host sync) -- and the rest waits,
+recorded behind an event of the step, until the first hook group's forward of the next forward
+(:meth:`flush`, called through the runtime's
+:meth:`~dmuon.stateful.runtime.state.DedicatedState.on_group_forward`), or any earlier copy in or
+read of the host buffers (:meth:`synchronize`). The staging buffers of those copies live until
+their copy ran, as they did when the copies queued behind the step's. On CPU every copy back waits
+for a flush (the same ordering, exercised by every gloo test).
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from dmuon.kernels.streams import side_stream
+
+__all__ = ["OffloadCopies", "next_out_budget"]
+
+
+def next_out_budget(budget: Optional[int], nbytes: int, deferred: bool, copy_ms: float,
+                    past_end_ms: float) -> Optional[int]:
+    """The bytes of copies back the next step starts at once (pure): the last step started
+    ``nbytes`` at once (``budget`` allowed; ``deferred``: it held some back), whose copies took
+    ``copy_ms`` from the first one's start and ended ``past_end_ms`` after the step's end
+    (negative: before it). Copies that ran past the end are held back next time; when the copies
+    ended early and some were held back, the room left is given to them. ``None``: no limit."""
+    if copy_ms <= 0.0 or nbytes <= 0:
+        return budget
+    rate = nbytes / copy_ms  # bytes per ms
+    if past_end_ms > 0.0:
+        return max(0, int(nbytes - past_end_ms * rate))
+    if deferred:
+        return int(nbytes - past_end_ms * rate)
+    return budget
+
+
+class OffloadCopies:
+    """The copies of one optimizer's offloaded momentum (see the module docstring).
+
+    Args:
+      device: the masters' device.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.in_stream = side_stream(self.device, "state_offload") if self.cuda else None
+        self.out_stream = side_stream(self.device, "state_offload_out") if self.cuda else None
+        #: {name: (device staging buffer, event of its copy in or None)}, in staging order
+        self.staged: dict[str, tuple[Tensor, Optional[Any]]] = {}
+        #: tensors copied host -> device and device -> host (requested) so far
+        self.copies_in = self.copies_out = 0
+        #: bytes of copies back the step starts at once (``None``: all; CPU: none, see above)
+        self.out_budget: Optional[int] = None if self.cuda else 0
+        # copies back not started yet: (host tensors, device data, names, event of the data)
+        self._pending: list[tuple[list[Tensor], list[Tensor], list[str], Optional[Any]]] = []
+        self._out_events: dict[str, Any] = {}  # name -> event after its last copy out
+        self._last_out: Optional[Any] = None  # the out stream's last event (covers all before)
+        self._last_timed: Optional[Any] = None  # timing event after this step's last copy
+        self._step_bytes = 0  # bytes started at once in this step
+        self._deferred = 0  # bytes deferred in this step
+        self._first_ev: Optional[Any] = None  # timing: out stream before this step's first copy
+        self._measure: Optional[tuple] = None  # the last step's (end, first, last, bytes, deferred)
+
+    # ------------------------------------------------------------------ in
+    def copy_in(self, todo: Mapping[str, Tensor]) -> None:
+        """Start copying the host tensors ``todo`` (``{name: host tensor}``) into new device
+        staging buffers (:attr:`staged`), after every copy back of those names."""
+        self.flush()  # the copies back of these names are on the out stream before the reads
+        self.copies_in += len(todo)
+        if not self.cuda:  # CPU: the same path, synchronously
+            for n, t in todo.items():
+                self.staged[n] = (torch.empty_like(t, device=self.device).copy_(t), None)
+            return
+        # allocated on the current stream, so they reuse what the backward freed
+        bufs = {n: torch.empty_like(t, device=self.device) for n, t in todo.items()}
+        st = self.in_stream
+        st.wait_stream(torch.cuda.current_stream(self.device))  # the blocks are free
+        for ev in {id(e): e for e in (self._out_events.get(n) for n in todo) if e}.values():
+            st.wait_event(ev)  # the host buffers hold the last step's values
+        with torch.cuda.stream(st):
+            for n, t in todo.items():
+                bufs[n].copy_(t, non_blocking=True)
+                bufs[n].record_stream(st)
+            ev = torch.cuda.Event()
+            ev.record(st)
+        for n, b in bufs.items():
+            self.staged[n] = (b, ev)
+
+    def wait(self, names: Sequence[str]) -> list[Tensor]:
+        """The staging buffers of ``names`` (staged), the current stream waiting for their
+        copies."""
+        cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        waited, out = set(), []
+        for n in names:
+            buf, ev = self.staged[n]
+            if ev is not None and id(ev) not in waited:
+                cur.wait_event(ev)
+                waited.add(id(ev))
+            out.append(buf)
+        return out
+
+    # ------------------------------------------------------------------ out
+    def copy_out(self, names: Sequence[str], hosts: Sequence[Tensor],
+                 datas: Sequence[Tensor]) -> None:
+        """Copy the device tensors ``datas`` (written by the current stream) into the host
+        tensors ``hosts``: now, while the step's :attr:`out_budget` lasts (on CUDA the step's
+        first copy always, so that its time is measured), else at the next :meth:`flush`."""
+        for n in names:
+            self.staged.pop(n, None)
+        self.copies_out += len(names)
+        nbytes = sum(d.nbytes for d in datas)
+        # once the step defers a copy, the rest of its copies wait too (one order)
+        now = self.cuda and self._deferred == 0 and (
+            self._step_bytes == 0 or self.out_budget is None
+            or self._step_bytes + nbytes <= self.out_budget)
+        ready = None
+        if self.cuda:
+            if self._step_bytes == 0 and self._deferred == 0:
+                self._learn()  # the last step's measurement, if its events completed
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+        item = (list(hosts), list(datas), list(names), ready)
+        if not now:
+            self._deferred += nbytes
+            self._pending.append(item)
+            return
+        self.flush()  # earlier deferred copies first (one order on the out stream)
+        if self._first_ev is None:
+            self._first_ev = torch.cuda.Event(enable_timing=True)
+            self.out_stream.wait_event(ready)
+            self._first_ev.record(self.out_stream)
+        self._step_bytes += nbytes
+        self._submit(item, timing=True)
+
+    def _submit(self, item: tuple, timing: bool = False) -> None:
+        hosts, datas, names, ready = item
+        if not self.cuda:
+            for t, d in zip(hosts, datas):
+                t.copy_(d)
+            return
+        st = self.out_stream
+        st.wait_event(ready)
+        with torch.cuda.stream(st):
+            for t, d in zip(hosts, datas):
+                t.copy_(d, non_blocking=True)
+                d.record_stream(st)
+            ev = torch.cuda.Event(enable_timing=timing)
+            ev.record(st)
+        for n in names:
+            self._out_events[n] = ev
+        self._last_out = ev
+        if timing:
+            self._last_timed = ev
+
+    def end_step(self) -> None:
+        """The step's work is queued: record its end (CUDA, for :attr:`out_budget`)."""
+        if self.cuda and self._first_ev is not None and self._last_timed is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record(torch.cuda.current_stream(self.device))
+            self._measure = (end, self._first_ev, self._last_timed, self._step_bytes,
+                             self._deferred)
+        self._first_ev, self._last_timed, self._step_bytes, self._deferred = None, None, 0, 0
+
+    def _learn(self) -> None:
+        """Set :attr:`out_budget` from the last measured step, once its events completed: the
+        bytes its copy engine moved by the step's end (more when it finished early and some
+        were deferred)."""
+        m = self._measure
+        if m is None or not all(e.query() for e in m[:3]):
+            return
+        self._measure = None
+        end, first, last, nbytes, deferred = m
+        self.out_budget = next_out_budget(self.out_budget, nbytes, bool(deferred),
+                                          first.elapsed_time(last), end.elapsed_time(last))
+
+    def flush(self) -> None:
+        """Start every deferred copy back, in order (see the module docstring)."""
+        pending, self._pending = self._pending, []
+        for item in pending:
+            self._submit(item)
+
+    def synchronize(self) -> None:
+        """Start the deferred copies back and wait for all of them (before the host buffers are
+        read or written)."""
+        self.flush()
+        if self._last_out is not None:
+            self._last_out.synchronize()
+        self._last_out = None
+        self._out_events.clear()
