@@ -93,6 +93,26 @@ def _ckpt_checks(rank, world):
                 model(make_batches(1, 4)[0].chunk(world)[rank])
             out["offload_after_forward"] = (len(copies._pending),
                                             all(torch.equal(h, d) for h, d in waiting))
+            # every matrix in the root hook group (no block boundary): the root's forward is the
+            # first hook group's; and a newer optimizer starts what the superseded one deferred
+            m1 = make_model()
+            m1, o1 = build_dmuon(rank, world, m1, m1.layers, dict(muon_kw=kw),
+                                 hook_boundary_predicate=lambda m: False)
+            ids = make_batches(1, 4)[0].chunk(world)[rank]
+            o1.zero_grad()
+            m1(ids).backward()
+            o1.step()
+            before = len(o1._storage.copies._pending)
+            with torch.no_grad():
+                m1(ids)
+            out["offload_root_only"] = (before, len(o1._storage.copies._pending))
+            o1.zero_grad()
+            m1(ids).backward()
+            o1.step()
+            before = len(o1._storage.copies._pending)
+            import dmuon
+            dmuon.Muon(m1, offload_state=True)
+            out["offload_superseded"] = (before, len(o1._storage.copies._pending))
         if key == "fp8":  # opt.state's decoded copies exist only while someone reads it (they
             # were built at construction and held for the whole training: a bf16 momentum's bytes)
             import gc
@@ -215,6 +235,9 @@ def test_offload_copies_back_start_at_the_next_forward(results):
         assert waiting == r["offload_copies"][2] // 3 > 0, (rank, waiting)  # each owned matrix
         assert stale == waiting, (rank, stale, waiting)  # not copied yet
         assert r["offload_after_forward"] == (0, True), (rank, r["offload_after_forward"])
+        owns = waiting > 0
+        assert r["offload_root_only"][1] == 0 and (r["offload_root_only"][0] > 0 or not owns), r
+        assert r["offload_superseded"][1] == 0 and (r["offload_superseded"][0] > 0 or not owns), r
 
 
 def test_offload_bitwise_on_device(results):

@@ -292,13 +292,13 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             if check_finite(self._adamw_named, rt, grads):
                 self._host_syncs += 1  # its verdict waited for the device
         stepped = self._muon_step(rt, grads, rt.ledger.take_zero_next())
-        self._storage.end_step()  # offload: the copies back's budget measures the step's end
         self._storage.drop_staged()  # offload: copies of matrices not stepped (the host holds)
         rt.clear_grads()
         rt.after_step(replicate_async=self.replicate_async)
         # torch would keep these gradients until zero_grad: their consumed markers stand in
         rt.ledger.consume(stepped)
         self._adamw_step()
+        self._storage.end_step()  # offload: the copies back's budget measures the step's end
         self.num_steps += 1
         return loss
 

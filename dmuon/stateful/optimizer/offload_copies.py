@@ -88,7 +88,7 @@ class OffloadCopies:
     def copy_in(self, todo: Mapping[str, Tensor]) -> None:
         """Start copying the host tensors ``todo`` (``{name: host tensor}``) into new device
         staging buffers (:attr:`staged`), after every copy back of those names."""
-        self.flush()  # the copies back of these names are on the out stream before the reads
+        self.flush(todo)  # the copies back of these names are on the out stream before the reads
         self.copies_in += len(todo)
         if not self.cuda:  # CPU: the same path, synchronously
             for n, t in todo.items():
@@ -196,10 +196,15 @@ class OffloadCopies:
         self.out_budget = next_out_budget(self.out_budget, nbytes, bool(deferred),
                                           first.elapsed_time(last), end.elapsed_time(last))
 
-    def flush(self) -> None:
-        """Start every deferred copy back, in order (see the module docstring)."""
-        pending, self._pending = self._pending, []
-        for item in pending:
+    def flush(self, names: Optional[Mapping[str, Any]] = None) -> None:
+        """Start the deferred copies back, in order (see the module docstring): all of them, or
+        (``names``) those up to the last one that holds one of ``names`` (a step's own chunk
+        copies in then leave its deferred copies back deferred)."""
+        last = len(self._pending) if names is None else max(
+            (i + 1 for i, item in enumerate(self._pending) if any(n in names for n in item[2])),
+            default=0)
+        todo, self._pending = self._pending[:last], self._pending[last:]
+        for item in todo:
             self._submit(item)
 
     def synchronize(self) -> None:

@@ -373,7 +373,7 @@ class StepIO:
 
 def follow_reduces(optimizer: Any, rt: Any) -> None:
     """Register ``optimizer`` (held weakly: the model does not keep it alive) with ``rt``'s
-    listeners, unless a newer optimizer superseded this one (it replaces them too):
+    listeners (a newer optimizer replaces them; the replaced forward listener runs once):
     :meth:`~dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued` -- when a hook group's
     reduce is issued, its owned offloaded momentum starts its copy to the device
     (:meth:`MomentumStorage.prefetch_owned`) -- and
@@ -381,17 +381,13 @@ def follow_reduces(optimizer: Any, rt: Any) -> None:
     group's forward starts the copies back the last step deferred (:meth:`MomentumStorage.flush`)."""
     ref, generation = weakref.ref(optimizer), optimizer._generation
 
-    def current() -> Any:
-        opt = ref()
-        return opt if opt is not None and opt.dedicated_state.is_current(generation) else None
-
     def on_reduce(names: Any) -> None:
-        opt = current()
-        if opt is not None:
+        opt = ref()
+        if opt is not None and opt.dedicated_state.is_current(generation):
             opt._storage.prefetch_owned(stored_momentum(opt), names)
 
-    def on_forward() -> None:
-        opt = current()
+    def on_forward() -> None:  # also once when a newer optimizer replaces this listener
+        opt = ref()
         if opt is not None:
             opt._storage.flush()
 

@@ -145,6 +145,7 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
     """Register every dmuon hook on ``model`` (boundary modules, the model, the params)."""
     handles: list[Any] = []
     has_root = ROOT_GROUP in st.groups
+    root_only = not any(k != ROOT_GROUP for k in st.groups)
 
     def root_pre(module: nn.Module, args: Any) -> None:
         st.lazy_init()
@@ -155,6 +156,8 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
         with record_function("dmuon::pre_forward (<root>)"):
             if not in_backward():
                 st.note_forward(ROOT_GROUP)
+                if root_only:  # the root group is the first (and only) hook group
+                    st.notify_group_forward()
             st.unshard(ROOT_GROUP)
 
     def root_post(module: nn.Module, args: Any, output: Any) -> Any:

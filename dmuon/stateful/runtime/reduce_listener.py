@@ -29,8 +29,11 @@ class ReduceListenerMixin:
     def on_group_forward(self, callback: Optional[Callable[[], Any]]) -> None:
         """Call ``callback()`` when a forward of the model reaches its first hook group (after the
         model's own code before its first block, e.g. an HF model's mask), once per forward, not
-        in an activation-checkpoint recomputation. One listener: a later call replaces it."""
-        self._forward_listener = callback
+        in an activation-checkpoint recomputation. One listener: a later call replaces it, and
+        calls the replaced one once first (a superseded optimizer starts what it deferred)."""
+        old, self._forward_listener = self._forward_listener, callback
+        if old is not None:
+            old()
 
     def _reduce_issued(self, names: Sequence[str]) -> None:
         if self._reduce_listener is not None:
