@@ -39,9 +39,6 @@ class ReduceListenerMixin:
         if self._reduce_listener is not None:
             self._reduce_listener(names)
 
-    def _forward_began(self) -> None:
-        self._group_forward_seen = False
-
     def notify_group_forward(self) -> None:
         """A hook group's forward starts (the hooks call it): the first of a forward calls the
         listener."""

@@ -47,11 +47,11 @@ from dmuon.functional.schedule import Schedule
 from dmuon.functional.split_plan import runtime_owners
 from dmuon.functional.tp_plan import tp_step_schedule
 from dmuon.functional.policy import resolve_group_dtypes
-from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
 from dmuon.compat.fsdp_info import find_fsdp_state, fsdp_holders, mean_to_fsdp_scale
+from dmuon.compat.fsdp_patch import check_not_taken_over
+from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
 from dmuon.stateful.runtime.executor import Executor
 from dmuon.stateful.runtime.guards import check_not_written, keep_dmuon_hook_last
-from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.stateful.runtime.ledger import GradLedger
 from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState, ReducedGrad
 from dmuon.stateful.runtime.process_groups import MeshGroups
@@ -278,7 +278,7 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
     def begin_forward(self) -> None:
         """A forward of the model starts (not a checkpoint recomputation)."""
         self._calls.clear()
-        self._forward_began()  # ReduceListenerMixin
+        self._group_forward_seen = False  # ReduceListenerMixin: notify_group_forward's flag
 
     def note_forward(self, key: str) -> None:
         """Record the order in which groups run forward (the first forward; used to prefetch) and
@@ -301,8 +301,7 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         rest = [k for k in self.order if k not in self._seen_order]
         mine = tuple(self._seen_order + rest)
         from dmuon.stateful.runtime.agree import gather  # local: this file is being rewritten
-        orders = gather(mine, what="forward-order agreement (first forward)",
-                        via=self.mesh_groups)
+        orders = gather(mine, what="forward-order agreement (first forward)", via=self.mesh_groups)
         if len(set(orders)) == 1:
             self.order = list(mine)
         else:
