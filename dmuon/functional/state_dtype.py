@@ -38,11 +38,16 @@ from torch import Tensor
 
 __all__ = ["STATE_DTYPES", "STEP_CHUNK_BYTES", "chunk_peak", "Stored", "check_state_dtype",
            "absmax", "scale_from_absmax", "encode", "decode", "round_trip", "state_nbytes",
-           "checkpoint_dtype", "dtype_name"]
+           "checkpoint_dtype", "dtype_name", "is_scaled"]
 
 #: The storage dtypes offered (``None`` means ``torch.float32``).
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.float8_e5m2)
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_scaled(dtype: object) -> bool:
+    """Whether a state stored in ``dtype`` carries a per-matrix scale (the 8-bit floats)."""
+    return dtype in _FP8
 
 #: The owner's step decodes a stored momentum in chunks of at most this many bytes of working
 #: (decoded) momentum (a larger matrix is a chunk of its own): ``dmuon.Muon``'s default

@@ -26,7 +26,7 @@ class AdamWStorage:
 
     def __init__(self, dtype: Any):
         self.dtype = sd.check_state_dtype(dtype, "adamw_state_dtype")
-        if self.dtype not in (torch.float32, torch.bfloat16):
+        if sd.is_scaled(self.dtype):
             raise ValueError(f"dmuon.Muon adamw_state_dtype must be torch.float32 or "
                              f"torch.bfloat16, got {self.dtype}: AdamW's second moment spans "
                              "too many binades for an 8-bit float with one scale")

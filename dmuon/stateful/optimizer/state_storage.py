@@ -132,7 +132,7 @@ class MomentumStorage:
 
     def shares(self, names: Sequence[str]) -> list[str]:
         """Those of ``names`` whose scale is shared (8-bit floats only), in order."""
-        if self.dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if not sd.is_scaled(self.dtype):
             return []
         return [n for n in names if n in self.shared_names]
 
@@ -411,8 +411,7 @@ def check_storage(storage: MomentumStorage, transform: Any, rt: Any) -> None:
     scale that plain Muon's chunked step takes, :meth:`MomentumStorage.share_scales`)."""
     if storage.identity:
         return
-    if (transform is not None and getattr(rt, "tp_layouts", None)
-            and storage.dtype not in (torch.float32, torch.bfloat16)):
+    if transform is not None and getattr(rt, "tp_layouts", None) and sd.is_scaled(storage.dtype):
         raise NotImplementedError(
             f"dmuon.Muon: momentum_dtype={storage.dtype} with tensor parallelism and a variant "
             "(transform=): each TP slice would take its own 8-bit scale, not its matrix's. Use "
