@@ -52,7 +52,7 @@ import torch.nn as nn
 
 from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.tp_plan import tp_roots
-from dmuon.stateful.runtime.agree import rank_flags
+from dmuon.stateful.runtime.agree import max_over_ranks, rank_flags
 from dmuon.stateful.modes.tp_errors import (TP_FIX, TensorParallelUnsupported, from_dtensor_api,  # noqa: F401
                                       refuse_tp, tp_error)
 
@@ -354,14 +354,11 @@ class TPStep:
         an 8-bit momentum from the slices' (:meth:`~dmuon.stateful.optimizer.state_storage.
         MomentumStorage.share_scales`), like :meth:`sum_partials` on the group directly (a few
         scalars per step; the executor runs the schedules' buffers). A NaN travels as a flag (a
-        MAX all-reduce may drop it): a NaN slice makes its matrix's absmax NaN, as one process."""
+        MAX all-reduce may drop it): a NaN slice makes its matrix's absmax NaN, as one process
+        (:func:`~dmuon.stateful.runtime.agree.max_over_ranks`)."""
         v = values.detach().to(device=self.device, dtype=torch.float32)
-        nan = torch.isnan(v)
-        vec = torch.cat([torch.where(nan, torch.zeros_like(v), v), nan.float()])
-        dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
-        k = v.numel()
-        out = torch.where(vec[k:] > 0, torch.full_like(v, float("nan")), vec[:k])
-        return out.to(values.device)
+        return max_over_ranks(v, what="TP momentum absmax (8-bit scale)",
+                              via=self.group).to(values.device)
 
     def sum_partials(self, names: Sequence[str], partials: list, dims: Sequence[int]) -> list:
         """The ``sum_hook`` of a variant's stages (:meth:`dmuon.functional.stages.leaves.Leaves.
