@@ -4,14 +4,17 @@ device timeline of a few back-to-back steps of one ``state_memory.py`` config, f
 
     python benchmarks/offload_profile.py --config dmuon_offload --out /tmp/off.json [--trace t.json.gz]
     python benchmarks/offload_profile.py --config dmuon_fp32 --tiny --out /tmp/p.json  # CPU smoke
+    python benchmarks/offload_profile.py --config dmuon_offload --from-trace t.json.gz \
+        --run-json /tmp/off.json --out benchmarks/results/offload_profile_h200_dmuon_offload.json
 
 Builds the config's model and optimizer (``step_world1.build``, HF Llama 1.1B, B4 x T2048), runs
 warm-up steps, then profiles ``--steps`` steps queued back to back exactly as ``run_config`` times
 them (zero_grad + forward + backward inside ``record_function("fwd_bwd")``, the step inside
 ``record_function("opt_step")``). Per profiled step it reports, from the trace's device events:
 each phase's span on the device, the busy time and the idle gaps of the stream that runs most
-kernels (the compute stream), the kernel time per kernel name, every memcpy's kind, bytes and time,
-and the host time of each phase; so that a longer backward is attributed to slower kernels
+kernels (the compute stream) split into host gaps and wait gaps, every memcpy's kind, bytes and
+time, the host syncs, how long each compute-stream copy to the host waited behind other streams'
+copies, and the host time of each phase; so that a longer backward is attributed to slower kernels
 (contention), to gaps (the device waiting on the host or on another stream), or to neither.
 """
 from __future__ import annotations
@@ -146,22 +149,25 @@ def main() -> None:
     ap.add_argument("--tiny", action="store_true", help="tiny model on CPU (smoke test)")
     ap.add_argument("--from-trace", default=None,
                     help="analyse a trace written by --trace (no run; --config names it)")
+    ap.add_argument("--run-json", default=None,
+                    help="--from-trace: the --out of the run that wrote the trace (its date, "
+                         "machine, torch and settings are carried over)")
     a = ap.parse_args()
     if a.from_trace:
+        run = {}
+        if a.run_json:
+            with open(a.run_json) as f:
+                run = {k: v for k, v in json.load(f).items()
+                       if k in ("date", "machine", "torch", "muon_kw", "warmup", "steps")}
         with gzip.open(a.from_trace, "rt") as f:
-            out = dict(config=a.config, trace=os.path.basename(a.from_trace),
-                       **analyse(json.load(f)))
+            out = dict(run, config=a.config, analysed_with="offload_profile.py --from-trace "
+                       + os.path.basename(a.from_trace), **analyse(json.load(f)))
         _report(out)
         with open(a.out, "w") as f:
             json.dump(out, f, indent=1)
         return
     from torch.profiler import ProfilerActivity, profile, record_function
-    kind, kw, *settings = sm.CONFIGS[a.config]
-    kw = sm._muon_kw(kw)
-    if settings:
-        from dmuon.stateful.optimizer import state_storage
-        for name, value in settings[0].items():
-            setattr(state_storage, name, value)
+    kind, kw, _ = sm.apply_config(a.config)
     cfg = sw.TINY if a.tiny else sw.Cfg()
     cuda = torch.cuda.is_available() and not a.tiny
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")

@@ -60,17 +60,26 @@ CONFIGS = {
 }
 
 
-def _muon_kw(kw: dict) -> dict:
-    if "momentum_dtype" not in kw:
-        return dict(kw)
-    from dmuon.functional.state_dtype import check_state_dtype
-    return {**kw, **({"momentum_dtype": check_state_dtype(kw["momentum_dtype"])}
-                     if "momentum_dtype" in kw else {})}
+def apply_config(name: str) -> tuple[str, dict, dict]:
+    """Config ``name`` in this process: ``(step_world1 kind, dmuon.Muon options, state_storage
+    settings)``, the settings applied (read by each ``MomentumStorage`` when it is built)."""
+    kind, kw, *settings = CONFIGS[name]
+    kw = dict(kw)
+    if "momentum_dtype" in kw:
+        from dmuon.functional.state_dtype import check_state_dtype
+        kw["momentum_dtype"] = check_state_dtype(kw["momentum_dtype"])
+    settings = settings[0] if settings else {}
+    if settings:
+        from dmuon.stateful.optimizer import state_storage
+        for key, value in settings.items():
+            setattr(state_storage, key, value)
+    return kind, kw, settings
 
 
 def state_report(model, opt, kind: str, kw: dict) -> dict:
     """Between-steps state (GiB on the device) and the owners' Muon state bytes: held vs planned."""
-    out = dict(static_parts=mp.static_parts(model, opt, kind))
+    # (the reference's own structures are not what static_parts reads: left out)
+    out = {} if kind == "reference" else dict(static_parts=mp.static_parts(model, opt, kind))
     if kind.startswith("dmuon"):
         from dmuon.functional.memory_model import rank_memory
         from dmuon.stateful.optimizer.state_storage import state_nbytes
@@ -84,12 +93,7 @@ def state_report(model, opt, kind: str, kw: dict) -> dict:
 
 def child(a) -> dict:
     """One config in this process: step time, peak memory, state (or one ``--largest`` try)."""
-    kind, kw, *settings = CONFIGS[a.config]
-    kw = _muon_kw(kw)
-    if settings:
-        from dmuon.stateful.optimizer import state_storage
-        for name, value in settings[0].items():
-            setattr(state_storage, name, value)  # read by each MomentumStorage when it is built
+    kind, kw, settings = apply_config(a.config)
     cfg = sw.TINY if a.tiny else sw.Cfg()
     if a.layers is not None:  # a --largest try: B1 x T2048 (tiny: its own batch) at this depth
         cfg = replace(cfg, layers=a.layers, batch=1 if not a.tiny else cfg.batch)
@@ -113,7 +117,7 @@ def child(a) -> dict:
             return {"fits": False, "error": str(e).splitlines()[0]}
     r = sw.run_config(cfg, kind, device, mesh, a.warmup, a.steps, a.stat_steps, a.model, kw)
     if kind.startswith("dmuon"):
-        r["state_settings"] = settings[0] if settings else {}
+        r["state_settings"] = settings
     model, opt = sw.build(cfg, kind, device, mesh, a.model, kw)  # untimed: what it holds
     ids = sw.make_batches(cfg, device, 1)[0]
     opt.zero_grad(set_to_none=True)
@@ -203,8 +207,8 @@ def largest(a, config: str) -> dict:
     slope = (p1 - p0) / (hi_l - lo_l)
     first_prediction = None
     for _ in range(a.max_tries):
-        n = next_depth({k: (t["fits"], t.get("peak_reserved_gib", t.get("peak_allocated_gib")))
-                        for k, t in tries.items()}, cap, a.max_layers, a.bracket)
+        n = next_depth({k: (t["fits"], t.get("peak_reserved_gib")) for k, t in tries.items()},
+                       cap, a.max_layers, a.bracket)
         if n is None or n in tries:
             break
         first_prediction = n if first_prediction is None else first_prediction
@@ -238,7 +242,7 @@ def main() -> None:
     ap.add_argument("--reference-src", default=None,
                     help="config 'reference': the reference implementation's source tree")
     ap.add_argument("--only-largest", action="store_true",
-                    help="--largest without the timed run of each config")
+                    help="--largest (implied) without the timed run of each config")
     ap.add_argument("--max-layers", type=int, default=256)
     ap.add_argument("--bracket", type=int, default=1,
                     help="--largest: stop once a failing depth is at most this many layers above "
@@ -272,7 +276,7 @@ def main() -> None:
               f"{r.get('peak_allocated_gib', 0):6.2f} GiB (fwd+bwd "
               f"{r.get('fwd_bwd_peak_gib', 0):6.2f}, step {r.get('opt_peak_gib', 0):6.2f})  "
               f"state {r.get('muon_state_held_bytes')}", flush=True)
-        if a.largest:
+        if a.largest or a.only_largest:
             doc["largest"][c] = largest(a, c)
             print(f"{c:20s} largest at B1: {doc['largest'][c]['layers']} layers", flush=True)
         os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)

@@ -30,10 +30,9 @@ def test_finds_the_boundary_in_a_few_tries(per_layer, start):
     # shallow models pay more per layer (workspace, buffers that stop growing), as measured
     peak = lambda n: start + per_layer * n + 1.1 * (1 - math.exp(-n / 4))  # noqa: E731
     want = max(n for n in range(1, 400) if peak(n) <= cap)
-    tries = _search(peak, cap)
+    tries = _search(peak, cap, max_tries=4)  # the two probes, then at most 4 tries (it takes 3)
     best = max(k for k, (ok, _) in tries.items() if ok)
     assert best == want and not tries[want + 1][0], (want, sorted(tries))
-    assert len(tries) <= 2 + 8
 
 
 def test_stops_at_the_cap_and_when_nothing_fails():
