@@ -113,6 +113,25 @@ def _ckpt_checks(rank, world):
             import dmuon
             dmuon.Muon(m1, offload_state=True)
             out["offload_superseded"] = (before, len(o1._storage.copies._pending))
+            # a tensor read from opt.state before a step holds the value before it: a write
+            # through it after the step (before the copy back) is refused, not lost
+            m5 = make_model()
+            m5, o5 = build_dmuon(rank, world, m5, m5.layers, dict(muon_kw=kw))
+            held = None
+            for k in range(2):
+                o5.zero_grad()
+                m5(ids).backward()
+                o5.step()
+                if k == 0:
+                    params = o5.dedicated_state.params
+                    held = [o5.state[params[n]]["momentum_buffer"] for n in o5.muon_state.momentum]
+            held[0].mul_(0.5)
+            try:
+                with torch.no_grad():
+                    m5(ids)
+                out["offload_held_write"] = "accepted"
+            except RuntimeError as e:
+                out["offload_held_write"] = str(e)
         if key == "fp8":  # opt.state's decoded copies exist only while someone reads it (they
             # were built at construction and held for the whole training: a bf16 momentum's bytes)
             import gc
@@ -165,6 +184,10 @@ def _ckpt_checks(rank, world):
         if key == "fp8":
             out["fp8_scales_equal"] = all(torch.equal(opt._storage.scales[n],
                                                       opt2._storage.scales[n]) for n in mom)
+            # a load leaves no decoded copy of the momentum in the loaded optimizer's views
+            out["fp8_decoded_bytes_after_load"] = sum(
+                v.untyped_storage().nbytes() for e in opt2._state_views.values()
+                for v in e.values() if isinstance(v, torch.Tensor) and v.is_inference())
         # into fp32 (default): exact values, one note
         notes.clear()
         _, opt3 = train({}, steps=0, opt_sd=osd)
@@ -238,6 +261,7 @@ def test_offload_copies_back_start_at_the_next_forward(results):
         owns = waiting > 0
         assert r["offload_root_only"][1] == 0 and (r["offload_root_only"][0] > 0 or not owns), r
         assert r["offload_superseded"][1] == 0 and (r["offload_superseded"][0] > 0 or not owns), r
+        assert "written after step()" in r["offload_held_write"], r["offload_held_write"]
 
 
 def test_offload_bitwise_on_device(results):
@@ -255,6 +279,7 @@ def test_checkpoints_store_state_in_its_dtype(results):
         for key in ("fp8", "bf16", "offload", "fp8_offload"):
             assert c[f"{key}_state_view_equal"], (rank, key)
         assert c["fp8_decoded_bytes"] == 0, c["fp8_decoded_bytes"]
+        assert c["fp8_decoded_bytes_after_load"] == 0, c["fp8_decoded_bytes_after_load"]
         if "fp8_view_write" in c:  # the rank owns a matrix
             assert "Inplace update to inference tensor" in c["fp8_view_write"], c["fp8_view_write"]
         for key, dt in (("fp8", "torch.float8_e4m3fn"), ("bf16", "torch.bfloat16"),

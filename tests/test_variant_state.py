@@ -62,6 +62,8 @@ def _case(rank: int, world: int, key: str, kw: dict) -> dict:
         log.addHandler(handler)
         m3, o3, _, _ = vw.build("normuon", "fsdp", world, seed=5, momentum_dtype=FP8)
         dmuon.set_optimizer_state_dict(m3, o3, full)
+        m4, o4, _, _ = vw.build("normuon", "fsdp", world, seed=5)  # the default storage: a note
+        dmuon.set_optimizer_state_dict(m4, o4, full)
         log.removeHandler(handler)
         got = dmuon.get_optimizer_state_dict(m3, o3, cpu_offload=True)["dedicated"]
         r["to_fp8"] = (all(torch.equal(got[m]["momentum_buffer"].double(), round_trip(
@@ -162,7 +164,7 @@ def test_variant_state_options():
                 assert max_rel_err(r[key][f"resumed_{how}"], r[key]["after"])[0] == 0.0, (
                     key, how, rank)
         rounded, notes = r["bf16"]["to_fp8"]
-        assert rounded and len(notes) == 1, r["bf16"]["to_fp8"]
+        assert rounded and len(notes) == 2, r["bf16"]["to_fp8"]  # into fp8, into fp32
         kind, msg = r["no_momentum"]
         assert kind == "ValueError" and "momentum" in msg and "transform=" in msg, r["no_momentum"]
 

@@ -86,7 +86,8 @@ def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, tor
             mom = gather_fields(optimizer, group)
             out.update(mom)
         else:
-            mom = tr.to_every_rank(group, checkpoint_momentum(optimizer), owner_only=True)
+            mom = tr.to_every_rank(group, checkpoint_momentum(optimizer, rt.groups[group].names),
+                                   owner_only=True)
             if rt.tp_layouts:  # TP slices -> full (an all-gather per matrix over the TP group)
                 mom = assemble_tp_slices(rt.tp_layouts, mom, rt.mesh_groups.tp_group)
             for n, t in mom.items():  # in its exact checkpoint dtype (state_dtype)
@@ -310,7 +311,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         rt.masters[n].copy_(t)
     if staged_masters:
         rt.masters_changed()
-    optimizer.refresh_state_views()
+    optimizer.invalidate_state_views()  # rebuilt when read (fp8: no decoded copies held)
 
 
 def entry_shape(optimizer: Any, n: str, key: str) -> tuple[int, ...]:

@@ -3,15 +3,12 @@
 :mod:`dmuon.stateful.optimizer.state_storage`)."""
 from __future__ import annotations
 
-import logging
 from typing import Any, Mapping, Optional
 
 import torch
 from torch import Tensor
 
 from dmuon.functional import state_dtype as sd
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["AdamWStorage"]
 
@@ -57,15 +54,12 @@ class AdamWStorage:
             return work
         for k in ("mu", "nu"):
             for n, t in getattr(work, k).items():
-                getattr(stored, k)[n].copy_(sd.encode(t, self.dtype).data)
+                sd.encode(t, self.dtype, out=getattr(stored, k)[n])  # rounded into the buffer
         return work._replace(mu=stored.mu, nu=stored.nu)
 
     def load(self, st: Any, saved_dtype: Optional[str], what: str) -> Any:
         """``stored_state`` of staged working moments read from a checkpoint whose AdamW moments
         were stored in ``saved_dtype`` (``None``: fp32); a note if that differs."""
-        saved = sd.check_state_dtype(saved_dtype)
-        if saved != self.dtype:
-            logger.warning("%s: the checkpoint's AdamW moments were stored in %s; this optimizer "
-                           "stores them in %s (adamw_state_dtype): converted on load", what,
-                           sd.dtype_name(saved), sd.dtype_name(self.dtype))
+        from dmuon.stateful.optimizer.state_storage import note_conversion
+        note_conversion(saved_dtype, self.dtype, what, "AdamW moments", "adamw_state_dtype")
         return self.stored_state(st)

@@ -35,6 +35,7 @@ import torch.nn as nn
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.functional import muon_options as fopts
+from dmuon.functional import state_dtype as sd
 from dmuon.functional.matrix_view import Batch
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.stateful.optimizer.ns_hook import NSHook
@@ -214,7 +215,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._name_of = {p: n for n, p in rt.params.items()}
         self._name_of.update({p: n for n, p in self._adamw_named})
         self.invalidate_state_views()
-        if not self._storage.scales:  # views alias the live state: build them now
+        if not sd.is_scaled(self._storage.dtype):  # views alias the live state: build them now
             self.refresh_state_views()
         # matrix views of the owned matrices (fixed by dedicate_params); None: all plain matrices
         views = {n: rt.views[n] for n in rt.owned_names}

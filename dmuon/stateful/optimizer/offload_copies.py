@@ -77,6 +77,9 @@ class OffloadCopies:
         # copies back not started yet: (host tensors, device data, names, event of the data)
         self._pending: list[tuple[list[Tensor], list[Tensor], list[str], Optional[Any]]] = []
         self._out_events: dict[str, Any] = {}  # name -> event after its last copy out
+        # host tensors whose copy back was deferred or issued since the last synchronize:
+        # id -> (name, tensor, its version then); a write by anyone else in between is refused
+        self._versions: dict[int, tuple[str, Tensor, int]] = {}
         self._last_out: Optional[Any] = None  # the out stream's last event (covers all before)
         self._last_timed: Optional[Any] = None  # timing event after this step's last copy
         self._step_bytes = 0  # bytes started at once in this step
@@ -146,6 +149,7 @@ class OffloadCopies:
         if not now:
             self._deferred += nbytes
             self._pending.append(item)
+            self._versions.update({id(t): (n, t, t._version) for n, t in zip(names, hosts)})
             return
         self.flush()  # earlier deferred copies first (one order on the out stream)
         if self._first_ev is None:
@@ -160,6 +164,7 @@ class OffloadCopies:
         if not self.cuda:
             for t, d in zip(hosts, datas):
                 t.copy_(d)
+            self._versions.update({id(t): (n, t, t._version) for n, t in zip(names, hosts)})
             return
         st = self.out_stream
         st.wait_event(ready)
@@ -171,6 +176,7 @@ class OffloadCopies:
             ev.record(st)
         for n in names:
             self._out_events[n] = ev
+        self._versions.update({id(t): (n, t, t._version) for n, t in zip(names, hosts)})
         self._last_out = ev
         if timing:
             self._last_timed = ev
@@ -200,6 +206,7 @@ class OffloadCopies:
         """Start the deferred copies back, in order (see the module docstring): all of them, or
         (``names``) those up to the last one that holds one of ``names`` (a step's own chunk
         copies in then leave its deferred copies back deferred)."""
+        self._check_unwritten()
         last = len(self._pending) if names is None else max(
             (i + 1 for i, item in enumerate(self._pending) if any(n in names for n in item[2])),
             default=0)
@@ -215,3 +222,18 @@ class OffloadCopies:
             self._last_out.synchronize()
         self._last_out = None
         self._out_events.clear()
+        self._versions.clear()  # current from here on: a read may be written through
+
+    def _check_unwritten(self) -> None:
+        """Raise if a host tensor was written while its copy back was deferred or running: a
+        tensor read from ``optimizer.state`` before a ``step()`` and written after it (its
+        value was the step's input, and the copy back would overwrite the write)."""
+        bad = [n for n, t, v in self._versions.values() if t._version != v]
+        if bad:
+            self._versions.clear()
+            raise RuntimeError(
+                f"dmuon.Muon (offload_state=True): the host momentum of {bad[:3]} was written "
+                "after step() while the step's copy back to the host was pending, through a "
+                "tensor read from optimizer.state before that step (it held the value before the "
+                "step, and the write would be lost). Read optimizer.state again after step() and "
+                "write through what it returns.")

@@ -63,7 +63,8 @@ from dmuon.stateful.optimizer.offload_copies import OffloadCopies
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MomentumStorage", "StepIO", "CHUNK_BYTES", "PREFETCH_BYTES", "follow_reduces"]
+__all__ = ["MomentumStorage", "StepIO", "CHUNK_BYTES", "PREFETCH_BYTES", "follow_reduces",
+           "note_conversion"]
 
 #: The step's chunk budget: bytes of working (decoded) momentum alive at once, by default
 #: (:data:`dmuon.functional.state_dtype.STEP_CHUNK_BYTES`; read when a storage is built).
@@ -265,11 +266,7 @@ class MomentumStorage:
         """``store`` of working-dtype ``momentum`` read from a checkpoint saved with
         ``momentum_dtype = saved_dtype`` (``None``: fp32); one ``logging`` note if that differs
         from this optimizer's."""
-        saved = sd.check_state_dtype(saved_dtype)
-        if saved != self.dtype:
-            logger.warning("%s: the checkpoint's Muon momentum was stored in %s; this optimizer "
-                           "stores it in %s (momentum_dtype): converted on load", what,
-                           sd.dtype_name(saved), sd.dtype_name(self.dtype))
+        note_conversion(saved_dtype, self.dtype, what)
         self.synchronize()
         self.scales.clear()
         self.drop_staged()
@@ -371,6 +368,17 @@ class StepIO:
         # forward (offload_copies.py)
 
 
+def note_conversion(saved_dtype: Optional[str], dtype: torch.dtype, what: str,
+                    state: str = "Muon momentum", option: str = "momentum_dtype") -> None:
+    """The one logged note of a load that converts a state saved in ``saved_dtype`` (``None``:
+    fp32) into this optimizer's ``dtype``."""
+    saved = sd.check_state_dtype(saved_dtype)
+    if saved != dtype:
+        logger.warning("%s: the checkpoint's %s was stored in %s; this optimizer stores it in %s "
+                       "(%s): converted on load", what, state, sd.dtype_name(saved),
+                       sd.dtype_name(dtype), option)
+
+
 def follow_reduces(optimizer: Any, rt: Any) -> None:
     """Register ``optimizer`` (held weakly: the model does not keep it alive) with ``rt``'s
     listeners (a newer optimizer replaces them; the replaced forward listener runs once):
@@ -419,13 +427,15 @@ def check_storage(storage: MomentumStorage, transform: Any, rt: Any) -> None:
             "(no transform=) with the 8-bit momentum.")
 
 
-def checkpoint_momentum(optimizer: Any) -> dict[str, Tensor]:
-    """``{name: momentum}`` of the owned matrices for a checkpoint (exact; see
-    :meth:`MomentumStorage.values`); ``{}`` without Muon state."""
+def checkpoint_momentum(optimizer: Any, names: Optional[Any] = None) -> dict[str, Tensor]:
+    """``{name: momentum}`` of the owned matrices (``names``: of those only) for a checkpoint
+    (exact; see :meth:`MomentumStorage.values`); ``{}`` without Muon state."""
     ms = optimizer.muon_state
     if ms is None:
         return {}
-    return optimizer._storage.values(ms.momentum, optimizer.dedicated_state.owned_masters())
+    mom = ms.momentum if names is None else {n: ms.momentum[n] for n in names
+                                              if n in ms.momentum}
+    return optimizer._storage.values(mom, optimizer.dedicated_state.owned_masters())
 
 
 def install_momentum(optimizer: Any, values: Mapping[str, Tensor], saved_dtype: Optional[str],
@@ -442,7 +452,8 @@ def install_momentum(optimizer: Any, values: Mapping[str, Tensor], saved_dtype: 
             ms.momentum[n].copy_(t)
         return
     masters = optimizer.dedicated_state.owned_masters()
-    work = {n: (values[n] if n in values else store.values(ms.momentum, masters)[n])
+    kept = store.values({n: t for n, t in ms.momentum.items() if n not in values}, masters)
+    work = {n: (values[n] if n in values else kept[n])
             .to(device=masters[n].device, dtype=masters[n].dtype, copy=True) for n in ms.momentum}
     optimizer.muon_state = ms._replace(momentum=store.load(work, saved_dtype, what))
 

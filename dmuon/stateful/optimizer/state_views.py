@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from dmuon.functional import state_dtype as sd
 from dmuon.stateful.runtime.guards import make_marker
 
 __all__ = ["StateViewsMixin", "fill_state_views"]
@@ -21,7 +22,7 @@ def fill_state_views(opt: Any, views: dict) -> None:
     step_m = torch.tensor(float(opt.muon_state.step if opt.muon_state is not None
                                 else opt.num_steps))
     mom = opt.muon_state.momentum if opt.muon_state else {}
-    if mom and opt._storage.scales:  # 8-bit floats: the data alone is the value / the scale
+    if mom and sd.is_scaled(opt._storage.dtype):  # 8-bit floats: the data alone is the value / the scale
         # a decoded copy (bf16, exact), made an inference tensor so that an in-place write to it
         # (which could never reach the stored fp8 momentum) raises instead of being lost
         with torch.inference_mode():
@@ -77,7 +78,7 @@ class StateViewsMixin:
         tools) does not keep a copy of every owned momentum alive for the rest of training (a bf16
         copy: 1.8 GiB on the H200's 1.1B model, held from construction before this)."""
         self._state_views_stale = True
-        if getattr(self, "_storage", None) is not None and self._storage.scales:
+        if getattr(self, "_storage", None) is not None and sd.is_scaled(self._storage.dtype):
             self._state_views.clear()
 
     def refresh_state_views(self) -> None:

@@ -41,6 +41,7 @@ from dmuon.functional import muon as fmuon
 from dmuon.functional import transforms as T
 from dmuon.functional.matrix_view import Batch
 from dmuon.functional.owner_step import owner_step
+from dmuon.functional import state_dtype as sd
 from dmuon.functional.state_dtype import checkpoint_dtype
 from dmuon.functional.stages.leaves import default_views
 
@@ -321,7 +322,7 @@ class VariantRunner:
         f = self.stored_field
         if self.storage is None or f is None or key != f.key:
             vals = self.field_values(key)
-        elif view and not self.storage.scales:
+        elif view and not sd.is_scaled(self.storage.dtype):
             self.storage.synchronize()
             vals = self.stored_momentum()
         else:
@@ -358,6 +359,9 @@ class VariantRunner:
                 self.state = replace_path(self.state, f.path,
                                           self.storage.load(work, saved_dtype, what))
                 continue
+            if f is self.stored_field and got:  # the default storage: converted as it copies in
+                from dmuon.stateful.optimizer.state_storage import note_conversion
+                note_conversion(saved_dtype, torch.float32, what)
             live = get_path(self.state, f.path)
             for n, t in got.items():
                 live[n].copy_(t)
