@@ -292,6 +292,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         if self.check_finite:
             if check_finite(self._adamw_named, rt, grads):
                 self._host_syncs += 1  # its verdict waited for the device
+        self.invalidate_state_views()  # the states change from here: views rebuilt when read
         stepped = self._muon_step(rt, grads, rt.ledger.take_zero_next())
         self._storage.drop_staged()  # offload: copies of matrices not stepped (the host holds)
         rt.clear_grads()
@@ -338,7 +339,6 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
                  for n, g in grads.items()}
         if self._variant is not None:  # every rank, every step: the chain's counts agree
             self._variant.step(grads, params, self.muon_hparams(), self)
-            self.invalidate_state_views()
             return [n for n, g in grads.items() if g is not None]
         if not rt.owned_names:
             return []
@@ -358,7 +358,6 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             grads, self.muon_state, params, hp, views=self._views, mults=self._hp_mults,
             donate=True, donate_grads=True, elementwise=ew, momentum_io=io,
             orthogonalize_for=lambda p, g: self._tp_wrapped(ortho, p, g))
-        self.invalidate_state_views()  # rebuilt when self.state is next read
         return stepped
 
     def routing_table(self) -> Any:
@@ -427,7 +426,6 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         _, work = fadamw.update(grads, store.working_state(self.adamw_state, params), params,
                                 self.adamw_hparams(), donate=True, impl=self._adamw_impl())
         self.adamw_state = store.commit_state(self.adamw_state, work)
-        self.invalidate_state_views()  # rebuilt when self.state is next read
 
     def last_step_stats(self) -> Optional[StepStats]:
         """What the last ``step()`` did on this rank (None before the first): collectives and
