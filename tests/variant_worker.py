@@ -32,7 +32,8 @@ def reference(kind: str, steps: int, momentum_dtype: Any = None) -> dict[str, An
     stores them."""
     from dmuon.functional import transforms as T
     from dmuon.functional.state_dtype import round_trip
-    from dmuon.stateful.optimizer.variant import get_path, state_fields
+    from dmuon.functional.tree import get_path
+    from dmuon.stateful.optimizer.variant import state_fields
     model = make_model()
     mats = {n: p for n, p in model.named_parameters() if muon_predicate(n, p)}
     rest = [p for n, p in model.named_parameters() if n not in mats]
@@ -152,7 +153,8 @@ def check(results: list, kind: str, steps: int, tol: float = 1e-10,
         err, where = max_rel_err(out["sd"], ref["sd"])
         assert err <= tol, (kind, r, err, where)
     # the variant's per-param state, gathered by name: the reference's
-    from dmuon.stateful.optimizer.variant import get_path, state_fields
+    from dmuon.functional.tree import get_path
+    from dmuon.stateful.optimizer.variant import state_fields
     fields = state_fields(ref["state"])
     ded = results[0]["opt"]["dedicated"]
     for f in fields:

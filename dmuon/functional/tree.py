@@ -22,6 +22,8 @@ __all__ = [
     "flatten",
     "flatten_like",
     "leaf_paths",
+    "get_path",
+    "replace_path",
     "path_name",
     "per_leaf_option",
     "check_tensor_leaves",
@@ -121,3 +123,24 @@ def zeros_like_tree(leaves: list[Tensor], treedef: optree.PyTreeSpec) -> PyTree:
     return treedef.unflatten(
         [torch.zeros_like(x, memory_format=torch.preserve_format) for x in leaves]
     )
+
+
+def get_path(state: Any, path: tuple) -> Any:
+    """The node of ``state`` at ``path``: a ``str`` step is a (NamedTuple) attribute, an ``int``
+    step an index."""
+    for p in path:
+        state = getattr(state, p) if isinstance(p, str) else state[p]
+    return state
+
+
+def replace_path(state: Any, path: tuple, value: Any) -> Any:
+    """``state`` with the node at ``path`` (as :func:`get_path` walks it) replaced by ``value``:
+    new NamedTuples / tuples along the path, nothing written."""
+    if not path:
+        return value
+    p, rest = path[0], path[1:]
+    if isinstance(p, str):
+        return state._replace(**{p: replace_path(getattr(state, p), rest, value)})
+    items = list(state)
+    items[p] = replace_path(state[p], rest, value)
+    return tuple(items)

@@ -39,6 +39,7 @@ import torch
 
 from dmuon.functional import muon as fmuon
 from dmuon.functional import transforms as T
+from dmuon.functional.tree import get_path, replace_path
 from dmuon.functional.matrix_view import Batch
 from dmuon.functional.owner_step import owner_step
 from dmuon.functional import state_dtype as sd
@@ -91,27 +92,6 @@ def state_fields(state: Any) -> list[Field]:
         seen[key] = j + 1
         out.append(Field(key if j == 0 else f"{key}.{j}", path, lay))
     return out
-
-
-def get_path(state: Any, path: tuple) -> Any:
-    for p in path:
-        state = getattr(state, p) if isinstance(p, str) else state[p]
-    return state
-
-
-def replace_path(state: Any, path: tuple, value: Any) -> Any:
-    """``state`` with the value at ``path`` (as :func:`get_path` walks it) replaced by ``value``
-    (new NamedTuples / tuples / dicts along the path; nothing is written)."""
-    if not path:
-        return value
-    p, rest = path[0], path[1:]
-    if isinstance(state, dict):
-        return {**state, p: replace_path(state[p], rest, value)}
-    if isinstance(p, str):
-        return state._replace(**{p: replace_path(getattr(state, p), rest, value)})
-    items = list(state)
-    items[p] = replace_path(state[p], rest, value)
-    return tuple(items)
 
 
 def scalar_leaves(state: Any, fields: list[Field]) -> list[torch.Tensor]:
