@@ -3,7 +3,8 @@
 The GPU benchmarks (``ns_whole_model``, ``ns_accuracy``, ``ns_breakdown``, ``syrk_bench``) need a
 CUDA device and run on the H200; here the CPU-capable ones run end to end in small configurations:
 ``step_world1 --tiny`` and ``step_profile --tiny`` (gloo, world size 1), ``plan_balance`` and
-``validate_projection --skip-gloo`` (the projector's prediction errors), ``variants_step --tiny``.
+``validate_projection --skip-gloo`` (the projector's prediction errors), ``variants_step --tiny``,
+``bitwise_zoo --only z3`` (and its ``--compare``).
 """
 from __future__ import annotations
 
@@ -118,3 +119,31 @@ def test_collective_style_gloo_writes_results(tmp_path):
     assert small["per_bucket"]["counters"]["unshard"]["collectives"] == 1
     assert small["per_owner"]["counters"]["unshard"]["collectives"] == 2
     assert data["cases"]["one_owner"]["auto"]["style"] == "per_owner"
+
+
+def test_bitwise_zoo_records_and_compare_catches_a_change(tmp_path):
+    """The bitwise zoo (issue 45's check of a refactor): one scenario runs on 2 gloo ranks and
+    records every category; ``--compare`` of a file with itself exits 0, and with one tensor's
+    digest changed exits 1 naming that tensor."""
+    out = tmp_path / "z.json"
+    _run("bitwise_zoo.py", "--out", str(out), "--only", "z3")
+    data = json.loads(out.read_text())
+    ranks = data["scenarios"]["z3"]["ranks"]
+    assert len(ranks) == 2 and not any(r["error"] for r in ranks)
+    recs = ranks[0]["records"]
+    assert set(recs) == {"model", "optim_full", "optim_torch", "traffic", "trace"}
+    key = "layers.0.mlp.up_proj.weight"
+    assert len(recs["model"][key]["sha256"]) == 64
+    assert recs["traffic"]["unshard/collectives"]["value"] != "0"
+
+    def compare(a, b):
+        return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bitwise_zoo.py"),
+                               "--compare", str(a), str(b)], capture_output=True, text=True,
+                              timeout=120, cwd=ROOT)
+
+    assert compare(out, out).returncode == 0
+    recs["model"][key]["sha256"] = "0" * 64
+    changed = tmp_path / "changed.json"
+    changed.write_text(json.dumps(data))
+    proc = compare(out, changed)
+    assert proc.returncode == 1 and f"model/{key}" in proc.stdout, proc.stdout[-2000:]
