@@ -309,19 +309,10 @@ def test_checkpoints_store_state_in_its_dtype(results):
 
 
 def test_unsupported_combinations_raise():
-    from dmuon.stateful.optimizer.state_storage import MomentumStorage, check_storage
-    # a variant (transform=) stores its momentum stage's buffers: no longer refused here (a
-    # chain without a momentum stage raises in VariantRunner; tests/test_variant_state.py); an
-    # 8-bit momentum with TP is covered for plain Muon (each slice takes its whole matrix's scale:
-    # tests/test_state_tp_scale.py, slow tier test_state_storage_modes.py::test_tp_fp8), refused
-    # with a variant (whose step stores its field without the shared scale)
-    check_storage(MomentumStorage(BF16, True, torch.device("cpu")), object(), None)
-    from types import SimpleNamespace
-    with pytest.raises(NotImplementedError, match="variant"):
-        check_storage(MomentumStorage(FP8, False, torch.device("cpu")), object(),
-                      SimpleNamespace(tp_layouts={"w": None}))
-    check_storage(MomentumStorage(FP8, False, torch.device("cpu")), None,
-                  SimpleNamespace(tp_layouts={"w": None}))
+    from dmuon.stateful.optimizer.state_storage import MomentumStorage
+    # every chain (Muon and the variants) now stores its momentum stage's buffers through the
+    # one chunked path, so an 8-bit momentum with TP takes each slice's whole-matrix scale for a
+    # variant too (tests/test_state_tp_scale.py): nothing left to refuse there
     with pytest.raises(TypeError, match="offload_state"):
         MomentumStorage(None, "yes", torch.device("cpu"))
 

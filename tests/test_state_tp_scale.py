@@ -60,12 +60,16 @@ class _Threads:
         return run
 
 
+@pytest.mark.parametrize("path", ["muon_state", "chain"])
 @pytest.mark.parametrize("offload", [False, True, "capped"])
-def test_tp_slices_encode_with_the_whole_matrix_scale(offload):
+def test_tp_slices_encode_with_the_whole_matrix_scale(offload, path):
     """Two column slices of ``w`` and ``v`` (and a matrix ``u`` each holds whole) stepped with
     ``StepIO`` in chunks of one matrix: a step's first pass hands the slices' updated absmaxes to
     one MAX per step; the stored slices decode to the whole matrix's fp8 round trip, bitwise, with
-    the whole matrix's scale (also the initial store, as a checkpoint load stores)."""
+    the whole matrix's scale (also the initial store, as a checkpoint load stores). ``path``:
+    ``muon.update``'s ``momentum_io``, or a chain's (``dmuon.Muon``'s one owner path for Muon and
+    every variant: the io handed to the leaves serves the momentum stage whose buffers it
+    stores)."""
     from dmuon.functional import muon as fmuon
     from dmuon.functional.owner_step import owner_step
     from dmuon.stateful.optimizer.state_storage import MomentumStorage
@@ -100,9 +104,16 @@ def test_tp_slices_encode_with_the_whole_matrix_scale(offload):
                       for n, t in stored.items()}
             p = {n: cut(params[n], n, k) for n in shapes}
             io = st.step_io(stored, p)
-            owner_step({n: cut(grads[n], n, k) for n in shapes},
-                       fmuon.MuonState(torch.tensor(0.0), stored), p, hp, donate=True,
-                       donate_grads=True, momentum_io=io)
+            g_k = {n: cut(grads[n], n, k) for n in shapes}
+            if path == "chain":
+                from dmuon.functional import transforms as T
+                from dmuon.functional import variants
+                state = T.ChainState((T.MomentumState(stored),) + (T.EmptyState(),) * 3)
+                owner_step(g_k, state, p, hp, transform=variants.muon(), donate=True,
+                           donate_grads=True, momentum_io=io)
+            else:
+                owner_step(g_k, fmuon.MuonState(torch.tensor(0.0), stored), p, hp, donate=True,
+                           donate_grads=True, momentum_io=io)
             st.synchronize()  # offload: the host buffers are current once the copies back ran
             out[k] = (loaded, {n: sd.decode(sd.Stored(t, st.scales[n]), torch.float64)
                                for n, t in stored.items()}, dict(st.scales), st.last_chunks,

@@ -43,7 +43,7 @@ def _case(rank: int, world: int, key: str, kw: dict) -> dict:
     r: dict = {"sd": dmuon.get_model_state_dict(model, cpu_offload=True)}
     full = dmuon.get_optimizer_state_dict(model, opt, cpu_offload=True)
     r["opt"] = {"dedicated": full["dedicated"], "scalars": full.get("variant_scalars")}
-    stored = opt._variant.field_values("momentum_buffer")
+    stored = opt._owner.field_values("momentum_buffer")
     r["stored"] = sorted({(str(t.dtype), t.device.type) for t in stored.values()})
     r["nbytes"] = (state_nbytes(opt), sum(t.nbytes for t in stored.values()))
     params = opt.dedicated_state.params

@@ -200,7 +200,7 @@ def test_an_owner_without_a_quantity_raises_at_construction():
     """A stage needing the whole matrix cannot run on a tensor-parallel slice's owner."""
     from types import SimpleNamespace
 
-    from dmuon.stateful.optimizer.variant import VariantRunner
+    from dmuon.stateful.optimizer.owner import OwnerDriver as VariantRunner
 
     def whole(hp):
         spectral = stage(lambda leaves, st: st, needs=("whole_matrix",))

@@ -33,7 +33,7 @@ def reference(kind: str, steps: int, momentum_dtype: Any = None) -> dict[str, An
     from dmuon.functional import transforms as T
     from dmuon.functional.state_dtype import round_trip
     from dmuon.functional.tree import get_path
-    from dmuon.stateful.optimizer.variant import state_fields
+    from dmuon.functional.state_fields import state_fields
     model = make_model()
     mats = {n: p for n, p in model.named_parameters() if muon_predicate(n, p)}
     rest = [p for n, p in model.named_parameters() if n not in mats]
@@ -154,7 +154,7 @@ def check(results: list, kind: str, steps: int, tol: float = 1e-10,
         assert err <= tol, (kind, r, err, where)
     # the variant's per-param state, gathered by name: the reference's
     from dmuon.functional.tree import get_path
-    from dmuon.stateful.optimizer.variant import state_fields
+    from dmuon.functional.state_fields import state_fields
     fields = state_fields(ref["state"])
     ded = results[0]["opt"]["dedicated"]
     for f in fields:

@@ -62,8 +62,9 @@ def owner_step(grads: Mapping[str, Optional[Tensor]], state: Any, params: Mappin
         ``donate_grads``, ``orthogonalize``, ``elementwise``); ``orthogonalize_for(params,
         grads)`` instead of ``orthogonalize``: the orthogonalizer of each update's sub-trees
         (one that must know which matrices its inputs are, e.g. tensor parallelism's gathers).
-        A chain: ``donate``, ``donate_grads``, ``orthogonalizer_for(spec, names)`` and
-        ``sum_hook(names, partials, dims)`` (:class:`~dmuon.functional.stages.leaves.Leaves`).
+        A chain: ``donate``, ``donate_grads``, ``orthogonalizer_for(spec, names)``,
+        ``sum_hook(names, partials, dims)``, ``elementwise`` and ``momentum_io``
+        (:class:`~dmuon.functional.stages.leaves.Leaves`).
         A chain runs in place (:func:`~dmuon.functional.stages.leaves.run_inplace`): without
         ``donate`` on copies, so no input changes.
 
@@ -115,11 +116,12 @@ def _chain_step(grads: dict, state: Any, params: dict, update: Update, transform
                 views: Optional[Mapping[str, Any]], mults: Any, kw: dict) -> tuple[dict, Any]:
     """:func:`owner_step` for a chain: in place, per ``(lr_mult, wd_mult)`` group."""
     donate, donate_grads = kw.pop("donate", False), kw.pop("donate_grads", False)
-    ortho_for, sum_hook = kw.pop("orthogonalizer_for", None), kw.pop("sum_hook", None)
+    hooks = {k: kw.pop(k, None) for k in ("orthogonalizer_for", "sum_hook", "elementwise",
+                                          "momentum_io")}
     if kw:
-        raise TypeError(f"owner_step: a chain takes donate, donate_grads, orthogonalizer_for and "
-                        f"sum_hook; got {sorted(kw)}")
-    groups = lr_wd_groups(list(params), mults)
+        raise TypeError(f"owner_step: a chain takes donate, donate_grads, {sorted(hooks)}; got "
+                        f"{sorted(kw)}")
+    groups = lr_wd_groups(list(params), mults) or {(1.0, 1.0): []}  # (an owner of nothing)
     if transform is None:
         if len(groups) > 1 or (1.0, 1.0) not in groups:
             raise ValueError("owner_step: lr / wd multipliers apply to Muon's hyper-parameters; "
@@ -140,7 +142,7 @@ def _chain_step(grads: dict, state: Any, params: dict, update: Update, transform
         with default_views(views):
             state = first.init(params)
     leaves = Leaves(params, grads, donate=donate, donate_updates=donate_grads, what="grads",
-                    names=names, default_views=vs, orthogonalizer_for=ortho_for, sum_hook=sum_hook)
+                    names=names, default_views=vs, **hooks)
     active = [names[i] for i in leaves.index]
     parts = [([k for k, n in enumerate(active) if n in set(ns)], chains[key])
              for key, ns in groups.items()]

@@ -106,9 +106,10 @@ def decoupled_apply(lr: Hyper, weight_decay: Hyper = 0.0, *,
         decay = 1.0 if _is_zero(wd) else (1 - lr * wd)
         alphas = [(-lr * c) / d for c, d in zip(leaves.scale, leaves.divisor)]
         ps = leaves.written_params()
-        if impl not in (None, foreach_apply_) and all(d is None for d in leaves.denom) \
+        fused = impl if impl is not None else getattr(leaves.elementwise, "apply", None)
+        if fused not in (None, foreach_apply_) and all(d is None for d in leaves.denom) \
                 and not any(isinstance(a, Tensor) for a in [decay] + alphas):
-            impl(ps, leaves.updates, decay, alphas)
+            fused(ps, leaves.updates, decay, alphas)
         else:
             decoupled_apply_(ps, leaves.updates, decay, alphas, leaves.denom, leaves.ops)
         leaves.params, leaves.applied = ps, True

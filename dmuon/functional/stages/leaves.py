@@ -35,7 +35,11 @@ What the caller who runs a chain may add (the owner of distributed matrices does
 where a stage names none), ``orthogonalizer_for(spec, names) -> xs -> us`` (the orthogonalizer
 an ``orthogonalize`` stage runs instead of its own: an NS engine, or tensor parallelism's gathers
 around it) and ``sum_hook(names, partials, dims)`` (adds each matrix's partial sums over the
-owners of its slices; :meth:`Leaves.sum_partials`).
+owners of its slices; :meth:`Leaves.sum_partials`); ``elementwise`` (implementations of the
+momentum and applying stages, :class:`dmuon.functional.muon.MuonElementwise`: fused kernels, used
+by stages built without an ``impl`` of their own) and ``momentum_io`` (the
+:class:`~dmuon.functional.stages.momentum.MomentumIO` of the stored momentum: the momentum stage
+whose buffers it holds reads and writes them through it, chunk by chunk).
 """
 from __future__ import annotations
 
@@ -126,14 +130,15 @@ class Leaves:
         names: the params' leaf path names, if the caller has them.
         default_views: the matrix view of every leaf (params' leaf order) for stages that name
             none (``None``: ``Batch(0)``).
-        orthogonalizer_for, sum_hook: see the module docstring.
+        orthogonalizer_for, sum_hook, elementwise, momentum_io: see the module docstring.
     """
 
     def __init__(self, params: PyTree, updates: PyTree, *, donate: bool = False,
                  donate_updates: bool = False, ops: Any = FOREACH, what: str = "updates",
                  names: Optional[list[str]] = None, default_views: Optional[list] = None,
                  orthogonalizer_for: Optional[Callable] = None,
-                 sum_hook: Optional[Callable] = None):
+                 sum_hook: Optional[Callable] = None, elementwise: Any = None,
+                 momentum_io: Any = None):
         self.all_params, self.treedef = flatten(params)
         self.tree = params
         u_all = flatten_like(self.treedef, updates, what)
@@ -154,6 +159,7 @@ class Leaves:
         self._views: dict = {}
         self.default_views = default_views
         self.orthogonalizer_for, self.sum_hook = orthogonalizer_for, sum_hook
+        self.elementwise, self.momentum_io = elementwise, momentum_io
 
     def __len__(self) -> int:
         return len(self.index)
@@ -197,6 +203,13 @@ class Leaves:
                 u = u / den
             self.updates[k], self.scratch[k] = u, True
             self.scale[k], self.divisor[k], self.denom[k] = 1.0, 1.0, None
+
+    def momentum_io_of(self, buffers: Sequence[Tensor]) -> Any:
+        """The caller's ``momentum_io`` if it stores exactly ``buffers`` (the active leaves'
+        momentum buffers of one stage), else ``None``: the io serves the one momentum stage whose
+        state holds its stored tensors, never a second one."""
+        io = self.momentum_io
+        return io if io is not None and io.holds(self.names, buffers) else None
 
     def sum_partials(self, partials: list[Tensor], dims: tuple[int, ...]) -> list[Tensor]:
         """Per active leaf ``k``, ``partials[k]`` holds sums of ``k``'s view blocks ``(B, m, n)``

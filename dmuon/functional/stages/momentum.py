@@ -55,6 +55,10 @@ class MomentumIO(Protocol):
     def store(self, names: Sequence[str], stored: Sequence[Tensor], work: Sequence[Tensor]) -> None:
         """Write the updated working buffers ``work`` back into the storage of ``stored``."""
 
+    def holds(self, names: Sequence[str], buffers: Sequence[Tensor]) -> bool:
+        """Whether ``buffers`` are the stored tensors of ``names`` (an io handed to the leaves,
+        ``Leaves(momentum_io=...)``, serves the momentum stage whose state they are)."""
+
     # Optional (an io without them has no shared scales):
     # ``shared(names) -> list[int]``: the positions of the leaves whose stored scale is shared
     # with other processes (a tensor-parallel slice takes its whole matrix's scale); the stage
@@ -149,16 +153,18 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
     def update_(leaves: Leaves, state: Any, momentum: Any) -> Any:
         leaves.materialize()
         mu = momentum
-        if impl not in (None, foreach_momentum_) and not isinstance(mu, Tensor):
-            run = impl
+        fused = impl if impl is not None else getattr(leaves.elementwise, "momentum", None)
+        if fused not in (None, foreach_momentum_) and not isinstance(mu, Tensor):
+            run = fused
         elif leaves.ops is FOREACH and not isinstance(mu, Tensor):
             run = foreach_momentum_
         else:  # per-tensor ops (inside vmap), or a tensor μ (traced, batched)
             def run(b, g, x, m):
                 momentum_(b, g, x, m, PER_TENSOR if isinstance(m, Tensor) else leaves.ops)
         bs, gs, n = state.momentum, leaves.updates, len(leaves)
-        if io is not None:
-            _run_chunked(io, leaves.names, run, bs, gs, leaves, mu, nesterov)
+        stored = io if io is not None else leaves.momentum_io_of(bs)
+        if stored is not None:
+            _run_chunked(stored, leaves.names, run, bs, gs, leaves, mu, nesterov)
             return state
         if nesterov:
             xs = [g if leaves.scratch[k] else torch.empty_like(g) for k, g in enumerate(gs)]

@@ -33,15 +33,12 @@ import torch.nn as nn
 
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional import adamw as fadamw
-from dmuon.functional import muon as fmuon
 from dmuon.functional.stages.hparams import as_step
 from dmuon.stateful.runtime.state import get_state, local_tensor
 from dmuon.stateful.checkpoint.state_dict import agree, from_rank0, full_copy, local_shard
 from dmuon.stateful.checkpoint.torch_state_dict import StateDictError, check_entry, dtensor_rows
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part, refuse_tp
-from dmuon.stateful.optimizer.variant import layout_of
-from dmuon.stateful.optimizer.state_storage import checkpoint_momentum
-from dmuon.functional.state_dtype import checkpoint_dtype
+from dmuon.stateful.checkpoint.owner_fields import gather_fields, layout_of, stage_fields
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "load_optimizer_state",
            "torch_optimizer_state_dict", "torch_load_optimizer_state_dict"]
@@ -74,26 +71,16 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
 
 
 def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """Collective: ``{name: {"momentum_buffer": full[, "master": full]}}`` on every rank, bucketed
-    (momentum from its owner; a master wider than the param from its column)."""
+    """Collective: ``{name: {field key: full[, "master": full]}}`` on every rank, bucketed (each
+    field from its owner, :func:`gather_fields`; a master wider than the param from its
+    column)."""
     rt = optimizer.dedicated_state
     tr = rt.checkpoint_transfer
-    ms = optimizer.muon_state
     out: dict[str, dict[str, torch.Tensor]] = {}
     for group in tr.each_group():
-        if getattr(optimizer, "_variant", None) is not None:  # a variant: each field by name
-            from dmuon.stateful.optimizer.variant import gather_fields
-            mom = gather_fields(optimizer, group)
-            out.update(mom)
-        else:
-            mom = tr.to_every_rank(group, checkpoint_momentum(optimizer, rt.groups[group].names),
-                                   owner_only=True)
-            if rt.tp_layouts:  # TP slices -> full (an all-gather per matrix over the TP group)
-                mom = assemble_tp_slices(rt.tp_layouts, mom, rt.mesh_groups.tp_group)
-            for n, t in mom.items():  # in its exact checkpoint dtype (state_dtype)
-                out[n] = {"momentum_buffer": t.to(checkpoint_dtype(
-                    optimizer._storage.dtype, t.dtype), copy=True)}
-        if masters and any(rt.master_dtype[n] != rt.orig_dtype[n] for n in mom):
+        fields = gather_fields(optimizer, group)
+        out.update(fields)
+        if masters and any(rt.master_dtype[n] != rt.orig_dtype[n] for n in fields):
             got = tr.to_every_rank(group, rt.masters)
             if rt.tp_layouts:
                 got = assemble_tp_slices(rt.tp_layouts, got, rt.mesh_groups.tp_group)
@@ -101,6 +88,13 @@ def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, tor
                 if rt.master_dtype[n] != rt.orig_dtype[n]:
                     out[n]["master"] = t.clone()
     return out
+
+
+def muon_step(optimizer: Any) -> int:
+    """The owner's step count of the full format (``num_steps`` on a rank that owns nothing)."""
+    owner = optimizer._owner
+    return int(owner.step_count) if optimizer.dedicated_state.owned_names \
+        else int(optimizer.num_steps)
 
 
 # ---------------------------------------------------------------------------------- torch's
@@ -114,7 +108,7 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     rt.drain()
     ded = _full_dedicated(optimizer, masters=True)
     mesh = rt.shard_mesh
-    ms, st = optimizer.muon_state, optimizer.adamw_state
+    st, owner = optimizer.adamw_state, optimizer._owner
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
@@ -125,9 +119,7 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
             if n in rt.params:  # a variant's smaller fields: plain full tensors
                 entry = {k: dtensor_rows(v, mesh) if layout_of(optimizer, k) == "param" else v
                          for k, v in ded[n].items()}
-                entry["step"] = torch.tensor(float(ms.step if ms is not None else
-                                                   optimizer.num_steps if optimizer._variant
-                                                   is not None else 0))
+                entry["step"] = torch.tensor(float(owner.step_count))
             else:
                 entry = {k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
                 entry["step"] = torch.tensor(float(st.step))
@@ -140,8 +132,8 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
         group.update(params=ids, param_names=names)
         groups.append(group)
     groups[0]["num_steps"] = int(optimizer.num_steps)
-    if optimizer._variant is not None:  # the chain's counts (the same on every rank)
-        groups[0]["variant_scalars"] = optimizer._variant.scalars()
+    if owner.custom:  # the chain's counts (the same on every rank)
+        groups[0]["variant_scalars"] = owner.scalars()
     return {"state": state, "param_groups": groups}
 
 
@@ -216,9 +208,8 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     rt.drain()
     problems: list[str] = []
     ded = entries.get("dedicated") or {}
-    var = optimizer._variant
-    keys = ("momentum_buffer", "master") if var is None else \
-        tuple(f.key for f in var.fields) + ("master",)
+    owner = optimizer._owner
+    keys = tuple(f.key for f in owner.fields) + ("master",)
     fsdp = entries.get("fsdp2") or {}
     if has_dict:
         for n, s in ded.items():
@@ -253,7 +244,6 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
                             f"{sorted(set(adamw) - set(fsdp))[:3]}")
     agree(rt, problems, what)
     # stage: new functional states filled from the entries (nothing live changes yet)
-    ms = fmuon.init(rt.owned_masters()) if rt.owned_names and var is None else None
     st = fadamw.init(optimizer.adamw_local_tensors()[0]) if optimizer.adamw_named_params else None
     if st is not None and fsdp:
         for n, p in optimizer.adamw_named_params:
@@ -261,20 +251,12 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
                 dst.copy_(_local_piece(fsdp[n][k], p).to(dtype=dst.dtype))
     staged_masters: dict[str, torch.Tensor] = {}
     tr = rt.checkpoint_transfer
-    staged_fields = None
-    if ded and var is not None:  # a variant: every field by name
-        from dmuon.stateful.optimizer.variant import stage_fields
-        staged_fields = stage_fields(optimizer, ded,
-                                     lambda n, v: _rows(local_part(rt, n, v), rt, n))
+    # every field of the chain by name (an empty section: the state before the first step)
+    staged_fields = stage_fields(optimizer, ded, lambda n, v: _rows(local_part(rt, n, v), rt, n)) \
+        if ded else None
     if ded:
         for group in tr.each_group():
-            names = rt.hook_groups.names(group)
-            full = {} if var is not None else tr.to_columns(
-                group, lambda n: _rows(local_part(rt, n, ded[n]["momentum_buffer"]), rt, n))
-            for n, t in full.items():
-                if ms is not None and n in ms.momentum:
-                    ms.momentum[n].copy_(t)
-            if any("master" in ded[n] for n in names):
+            if any("master" in ded[n] for n in rt.hook_groups.names(group)):
                 full = tr.to_columns(
                     group, lambda n: _rows(local_part(rt, n, ded[n].get("master")), rt, n))
                 for n, t in full.items():
@@ -294,19 +276,17 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         saved = (by_name.get("adamw") or {}).get("adamw_state_dtype") if fsdp else \
             str(optimizer._adamw_storage.dtype)
         st = optimizer._adamw_storage.load(st, saved, what)
-    if ms is not None:  # stored in this optimizer's momentum_dtype (a note if the saved differs)
-        saved = (by_name.get("muon") or {}).get("momentum_dtype") if ded else \
-            str(optimizer._storage.dtype)
-        ms = ms._replace(momentum=optimizer._storage.load(ms.momentum, saved, what))
-    optimizer.muon_state = ms._replace(step=as_step(entries.get("muon_step", 0))) \
-        if ms is not None else None
     optimizer.adamw_state = st._replace(step=as_step(entries.get("adamw_step", 0))) \
         if st is not None else None
     optimizer.num_steps = int(entries.get("num_steps", 0))
-    if var is not None and (staged_fields is not None or entries.get("variant_scalars")):
-        saved = (by_name.get("muon") or {}).get("momentum_dtype") if ded else \
-            str(optimizer._storage.dtype)  # the momentum field's (a note if it differs)
-        var.load(staged_fields or {}, entries.get("variant_scalars"), saved, what)
+    saved = (by_name.get("muon") or {}).get("momentum_dtype") if ded else \
+        str(optimizer._storage.dtype)  # the momentum field's (a note if it differs)
+    if staged_fields is None:
+        owner.reset()
+    if staged_fields is not None or entries.get("variant_scalars"):
+        owner.load(staged_fields or {}, entries.get("variant_scalars"), saved, what)
+    if rt.owned_names:
+        owner.step_count = as_step(entries.get("muon_step", 0))
     for n, t in staged_masters.items():
         rt.masters[n].copy_(t)
     if staged_masters:
@@ -316,23 +296,21 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
 
 def entry_shape(optimizer: Any, n: str, key: str) -> tuple[int, ...]:
     """The single-device shape of dedicated entry ``key`` of matrix ``n``."""
-    var = optimizer._variant
-    if var is None or key == "master":
+    if key == "master":
         return full_shape(optimizer.dedicated_state, n)
-    return var.full_shapes[key][n]
+    return optimizer._owner.full_shapes[key][n]
 
 
 def check_fields(optimizer: Any, n: str, entry: Mapping[str, Any]) -> list[str]:
-    """A variant's fields missing from a dedicated entry, or state keys this optimizer does
-    not have (a variant's checkpoint into plain Muon): each a problem, never silently dropped."""
-    var = optimizer._variant
-    want = ("momentum_buffer",) if var is None else tuple(f.key for f in var.fields)
+    """The chain's fields missing from a dedicated entry, or state keys this optimizer does not
+    have (a variant's checkpoint into plain Muon): each a problem, never silently dropped."""
+    want = tuple(f.key for f in optimizer._owner.fields)
     if not isinstance(entry, Mapping):
         return [f"dedicated[{n!r}]: not a dict"]
     missing = [k for k in want if k not in entry]
     extra = [k for k in entry if k not in want + ("master", "step")]
     out = [f"dedicated[{n!r}]: no {k!r} (saved by another transform= than this optimizer's?)"
-           for k in missing if var is not None]
+           for k in missing]
     out += [f"dedicated[{n!r}][{k!r}]: not a state of this optimizer (saved with another "
             "transform=? pass the same one)" for k in extra]
     return out
@@ -400,12 +378,11 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool
             fsdp2[n] = {k: mv(v) for k, v in entry.items()}
     ded = _full_dedicated(optimizer, masters=True)
     dedicated = {n: {k: mv(v) for k, v in e.items()} for n, e in ded.items()} if keep else {}
-    ms = optimizer.muon_state
     return {"fsdp2": fsdp2, "dedicated": dedicated,
             "adamw_step": int(st.step) if st is not None else 0,
-            "muon_step": int(ms.step) if ms is not None else int(optimizer.num_steps),
+            "muon_step": muon_step(optimizer),
             "num_steps": int(optimizer.num_steps), "param_groups": hparam_groups(optimizer),
-            **({"variant_scalars": optimizer._variant.scalars()} if optimizer._variant is not None
+            **({"variant_scalars": optimizer._owner.scalars()} if optimizer._owner.custom
                else {})}
 
 
@@ -467,3 +444,14 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
                           entry_shape(optimizer, n, k), rt.master_dtype[n], rt) for k in keys}
         for n, keys in meta["dedicated"].items() if n in rt.params}
     load_optimizer_state(optimizer, entries, what=what, check_finite=check_finite)
+
+
+def refuse_variant(optimizer: Any, what: str) -> None:
+    """Raise ``NotImplementedError`` (the same on every rank: every rank builds the optimizer with
+    the same ``transform``) where a path carries Muon's momentum only, not a variant's fields."""
+    if getattr(optimizer, "_owner", None) is not None and optimizer._owner.custom:
+        raise NotImplementedError(
+            f"{what} does not carry the state of a dmuon.Muon(transform=...) variant yet; nothing "
+            "was changed. Use Muon.state_dict() / load_state_dict (torch's protocol, DCP) or "
+            "dmuon.get_optimizer_state_dict / set_optimizer_state_dict, which save and restore "
+            "the variant's state by name at any topology.")

@@ -53,7 +53,6 @@ import torch.nn as nn
 
 import torch.distributed as dist
 
-from dmuon.stateful.optimizer.variant import refuse_variant
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise,
@@ -63,7 +62,8 @@ from dmuon.stateful.checkpoint.save_safety import (agree_failure, discard_partia
                                                    sweep_partials, target_problems)
 from dmuon.stateful.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.stateful.checkpoint.optimizer_state_dict import (
-    _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state,
+    _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state, muon_step,
+    refuse_variant,
 )
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
 from dmuon.stateful.runtime.state import get_state, local_tensor
@@ -171,7 +171,7 @@ def _save_entries(model: nn.Module, rt, optimizer) -> dict[str, Any]:
     out: dict[str, Any] = {"model": model_sd}
     if optimizer is None:
         return out
-    st, ms = optimizer.adamw_state, optimizer.muon_state
+    st = optimizer.adamw_state
     fsdp2 = {n: {k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
              for n, p in optimizer.adamw_named_params}
     dedicated: dict[str, dict[str, torch.Tensor]] = {}
@@ -183,7 +183,7 @@ def _save_entries(model: nn.Module, rt, optimizer) -> dict[str, Any]:
             dedicated[n]["master"] = rt.masters[n]
     out["optim"] = {"fsdp2": fsdp2, "dedicated": dedicated,
                     "adamw_step": int(st.step) if st is not None else 0,
-                    "muon_step": int(ms.step) if ms is not None else int(optimizer.num_steps),
+                    "muon_step": muon_step(optimizer),
                     "num_steps": int(optimizer.num_steps),
                     # a tuple is one DCP object (a list of dicts would be split into leaves)
                     "param_groups": tuple(hparam_groups(optimizer))}

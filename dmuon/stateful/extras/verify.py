@@ -45,7 +45,6 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from dmuon.stateful.optimizer.variant import refuse_variant
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
 from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.modes.ddp import unwrapping_model
@@ -55,7 +54,7 @@ from dmuon.functional.owner_step import owner_step
 from dmuon.newton_schulz.iteration import default_ns_dtype
 from dmuon.stateful.optimizer.muon import Muon
 from dmuon.stateful.checkpoint.optimizer_state_dict import (check_optimizer, get_optimizer_state_dict,
-                                                 hparam_groups)
+                                                 hparam_groups, refuse_variant)
 from dmuon.stateful.checkpoint.state_dict import (dedicated_names_by_key, from_owner, full_copy,
                                        get_model_state_dict)
 

@@ -36,7 +36,6 @@ from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.functional import muon_options as fopts
 from dmuon.functional import state_dtype as sd
-from dmuon.functional.matrix_view import Batch
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.stateful.optimizer.ns_hook import NSHook
 from dmuon.stateful.optimizer.split_step import split_step
@@ -47,8 +46,6 @@ from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
 from dmuon.stateful.optimizer.step_checks import check_finite, check_outside_grads, check_same_fsdp_grads
 from dmuon.stateful.modes.tensor_parallel import TPStep
 from dmuon.stateful.runtime.dedicate import finish_deferred
-from dmuon.functional.owner_step import owner_step
-from dmuon.functional.tree import leaf_paths
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +110,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         ``param_groups[0]`` each step (lr schedulers, ``lr_mult`` / ``wd_mult`` apply), or a fixed
         ``Transform`` (a change of ``param_groups[0]``'s raises at the next step); same
         dedication, hooks, HSDP / TP / DDP modes, clipping; its state saved and restored by name
-        like momentum (:mod:`dmuon.stateful.optimizer.variant`; ``momentum_dtype`` /
+        like momentum (:mod:`dmuon.stateful.optimizer.owner`; ``momentum_dtype`` /
         ``offload_state`` apply to its momentum stage's buffers); a quantity a stage needs that
         an owner lacks raises here. ``None`` (default): Muon, bitwise as without the option.
       replicate_async: HSDP only. True (default): the publish of the new masters to the replicas
@@ -165,7 +162,6 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         check_backend(model, rt, "dmuon.Muon(model)")
         _check_fsdp_mesh(model, rt)
         self._storage.bind(rt.device)
-        ss.check_storage(self._storage, transform, rt)
         dedicated = set(rt.params.values())
         self._adamw_named = tuple((n, p) for n, p in model.named_parameters()
                                   if p.requires_grad and p not in dedicated)
@@ -200,15 +196,10 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._generation = rt.attach_optimizer()
         ss.follow_reduces(self, rt)  # offload: a group's copy-in starts as its reduce is issued
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
-        # runs its zero-gradient "materializing" step on this optimizer
-        self.muon_state: Optional[fmuon.MuonState] = (
-            self._storage.stored_state(fmuon.init(rt.owned_masters()))
-            if rt.owned_names and transform is None else None)
-        # a variant: its chain and state (the truth; muon_state stays None)
-        self._variant = None
-        if transform is not None:
-            from dmuon.stateful.optimizer.variant import VariantRunner
-            self._variant = VariantRunner(transform, self.muon_hparams(), rt, self._storage)
+        # runs its zero-gradient "materializing" step on this optimizer. One driver for Muon
+        # (transform=None: variants.muon()) and every variant: its chain, state and fields
+        from dmuon.stateful.optimizer.owner import OwnerDriver
+        self._owner = OwnerDriver(transform, self.muon_hparams(), rt, self._storage)
         self.adamw_state: Optional[fadamw.AdamWState] = self._adamw_storage.stored_state(
             fadamw.init(self.adamw_local_tensors()[0])) if self._adamw_named else None
         self._momentum_markers: dict[str, Any] = {}
@@ -217,12 +208,6 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self.invalidate_state_views()
         if not sd.is_scaled(self._storage.dtype):  # views alias the live state: build them now
             self.refresh_state_views()
-        # matrix views of the owned matrices (fixed by dedicate_params); None: all plain matrices
-        views = {n: rt.views[n] for n in rt.owned_names}
-        self._views: Optional[dict[str, Any]] = (
-            views if any(v != Batch(0) for v in views.values()) else None)
-        # the policy's (lr_mult, wd_mult) of the owned matrices (owner_step groups them)
-        self._hp_mults = {n: rt.hp_mults[n] for n in rt.owned_names if n in rt.hp_mults}
         # tensor parallelism: the owners' gathers / scatters of the TP-sliced matrices' NS
         self._tp: Optional[TPStep] = None
         if rt.tp_layouts:
@@ -319,46 +304,42 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
 
     def _muon_step(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]],
                    zeroed: set[str]) -> list[str]:
-        """:meth:`_owner_step`, and (split NS) this rank's split units, run once per step."""
-        if self._split is None:
-            return self._owner_step(rt, grads, zeroed)
-        return self._split.around(self.muon_hparams(), lambda: self._owner_step(rt, grads, zeroed))
-
-    def _owner_step(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]],
-                    zeroed: set[str]) -> list[str]:
-        """Muon on the owned matrices; returns the names stepped (those with a gradient).
+        """The owners' update of this step (:class:`~dmuon.stateful.optimizer.owner.OwnerDriver`,
+        one path for Muon and every variant; split NS: this rank's units run once per step);
+        returns the names stepped (those with a gradient).
 
         ``zeroed``: matrices whose consumed marker the user zeroed since the last step
         (:mod:`dmuon.stateful.runtime.ledger`); with no gradient this step, they step with zeros.
         """
+        hp = self.muon_hparams()
+        if self._split is not None:
+            self._split.begin(hp)
         params = rt.owned_masters()
         if self._tp is not None:  # TP: the TP group agrees on its gradients (every rank joins)
             grads = self._tp.agree_grads(grads, params)
         # a zeroed (not dropped) gradient kept by torch since the last step: step with zeros
         grads = {n: torch.zeros_like(params[n]) if g is None and n in zeroed else g
                  for n, g in grads.items()}
-        if self._variant is not None:  # every rank, every step: the chain's counts agree
-            self._variant.step(grads, params, self.muon_hparams(), self)
-            return [n for n, g in grads.items() if g is not None]
-        if not rt.owned_names:
-            return []
-        if self.muon_state is None:
-            self.muon_state = self._storage.stored_state(fmuon.init(params))
-        stepped = [n for n, g in grads.items() if g is not None]
-        if not stepped:
-            return []
-        hp = self.muon_hparams()
-        # reduced grads are consumed by this step: donate them (NS input formed in place, in the
-        # persistent buckets, so the engine's graph replays on the same storage every step)
-        ortho, ew = self._ns.for_step(rt.device.type, hp), self._elementwise(rt)
-        # a stored momentum: read chunk by chunk by the momentum stage (state_storage.StepIO)
-        io = None if self._storage.identity else self._storage.step_io(
-            self.muon_state.momentum, params)
-        _, self.muon_state = owner_step(
-            grads, self.muon_state, params, hp, views=self._views, mults=self._hp_mults,
-            donate=True, donate_grads=True, elementwise=ew, momentum_io=io,
-            orthogonalize_for=lambda p, g: self._tp_wrapped(ortho, p, g))
+        stepped = self._owner.step(grads, params, hp, orthogonalizer=self._orthogonalizer,
+                                   elementwise=self._elementwise(rt),
+                                   sum_hook=self._tp.sum_partials if self._tp else None)
+        if self._split is not None:
+            self._split.finish()
         return stepped
+
+    def _orthogonalizer(self, spec: Any, names: list) -> Callable:
+        """The NS an ``orthogonalize`` stage runs (``spec``: the ``NSConfig`` or callable it was
+        built with; ``names``: the matrix of each input): the optimizer's (engine or functional)
+        for an ``NSConfig``, the stage's own callable otherwise; behind TP's gathers or split
+        NS's units."""
+        from dmuon.newton_schulz.config import NSConfig
+        base = self._ns.for_config(self._rt.device.type, spec) if isinstance(spec, NSConfig) \
+            else spec
+        if self._split is not None:
+            return self._split.orthogonalizer(base, names)
+        if self._tp is not None:
+            return self._tp.orthogonalizer(base, names, self._rt.program)
+        return base
 
     def routing_table(self) -> Any:
         """Where every param went (Muon with its view and owner / AdamW / frozen) and what decided
@@ -366,21 +347,20 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         return getattr(self._rt, "routing", None)
 
     @property
-    def variant_state(self) -> Any:
-        """The variant's chain state on this rank's owned matrices (``transform=``; else None)."""
-        return None if self._variant is None else self._variant.state
+    def muon_state(self) -> Optional[fmuon.MuonState]:
+        """The owned matrices' Muon state as :class:`~dmuon.functional.muon.MuonState`
+        ``(step, momentum as stored)``: views of the chain state (``None`` on a rank that owns
+        no matrix, or for a chain without a momentum stage)."""
+        o = self._owner
+        if not self._rt.owned_names or o.stored_field is None:
+            return None
+        return fmuon.MuonState(o.step_count, o.stored_momentum())
 
-    def _tp_wrapped(self, ortho: fmuon.Orthogonalize, params: dict, grads: dict) -> fmuon.Orthogonalize:
-        """``ortho`` behind (TP) the TP group's gathers and scatters or (split NS) this rank's split
-        units: the update hands it one input per block of each param with a gradient, in order."""
-        if self._tp is None and self._split is None:
-            return ortho
-        views = self._views or {}
-        names = [n for n in leaf_paths(params) if grads.get(n) is not None
-                 for _ in views.get(n, Batch(0)).blocks(tuple(params[n].shape))]
-        if self._split is not None:
-            return self._split.orthogonalizer(ortho, names)
-        return self._tp.orthogonalizer(ortho, names, self._rt.program)
+    @property
+    def variant_state(self) -> Any:
+        """The chain state of ``transform=`` on this rank's owned matrices (``None`` without
+        one: Muon's state is :attr:`muon_state`)."""
+        return self._owner.state if self._owner.custom else None
 
     def adamw_local_tensors(self) -> tuple[dict[str, torch.Tensor],
                                            dict[str, Optional[torch.Tensor]]]:

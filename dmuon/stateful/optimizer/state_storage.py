@@ -41,9 +41,9 @@ bf16 / fp8 are the one-process Muon that rounds its momentum the same way after 
 encodes with its whole matrix's scale: the momentum stage's first pass measures the slices'
 updated absmaxes, one MAX all-reduce over the TP group per step (``share_scales``).
 
-A variant (``transform=``) keeps its momentum stage's buffers here too
-(:class:`~dmuon.stateful.optimizer.variant.VariantRunner`: the whole field decoded through one
-:class:`StepIO` per step, not chunked; its other state fields stay in the master's dtype).
+Every chain (Muon, a variant: ``transform=``) keeps its momentum stage's buffers here
+(:class:`~dmuon.stateful.optimizer.owner.OwnerDriver`: the field ``"momentum_buffer"``; its other
+state fields stay in the master's dtype).
 
 Transient memory of the step: one chunk of decoded momentum (bf16 / fp8), plus, offloaded, the
 staging buffers (in the storage dtype) of the groups whose copies were started and not consumed
@@ -350,6 +350,10 @@ class StepIO:
                 st.copies.staged.pop(n)  # the decoded copy is all the first pass reads
         return out
 
+    def holds(self, names: Sequence[str], buffers: Sequence[Tensor]) -> bool:
+        return len(names) == len(buffers) and all(
+            self.stored.get(n) is b for n, b in zip(names, buffers))
+
     def store(self, names: Sequence[str], stored: Sequence[Tensor],
               work: Sequence[Tensor]) -> None:
         st = self.st
@@ -404,58 +408,29 @@ def follow_reduces(optimizer: Any, rt: Any) -> None:
 
 
 def stored_momentum(optimizer: Any) -> Optional[dict[str, Tensor]]:
-    """``{owned name: stored momentum}`` of ``optimizer``: plain Muon's ``muon_state.momentum``
-    or a variant's ``"momentum_buffer"`` field (``None``: no Muon state)."""
-    if optimizer.muon_state is not None:
-        return optimizer.muon_state.momentum
-    var = getattr(optimizer, "_variant", None)
-    return var.stored_momentum() if var is not None else None
-
-
-def check_storage(storage: MomentumStorage, transform: Any, rt: Any) -> None:
-    """Refuse, at construction, the combinations this storage does not cover (never silently
-    wrong): a variant's chain (``transform=``) with an 8-bit momentum of tensor-parallel slices
-    (the variant's step stores its field at once, without the TP group's shared whole-matrix
-    scale that plain Muon's chunked step takes, :meth:`MomentumStorage.share_scales`)."""
-    if storage.identity:
-        return
-    if transform is not None and getattr(rt, "tp_layouts", None) and sd.is_scaled(storage.dtype):
-        raise NotImplementedError(
-            f"dmuon.Muon: momentum_dtype={storage.dtype} with tensor parallelism and a variant "
-            "(transform=): each TP slice would take its own 8-bit scale, not its matrix's. Use "
-            "torch.bfloat16 (exact per element) with a variant under TP, or plain Muon "
-            "(no transform=) with the 8-bit momentum.")
+    """``{owned name: stored momentum}`` of ``optimizer``'s chain (its ``"momentum_buffer"``
+    field; ``None``: no momentum stage)."""
+    owner = optimizer._owner
+    return owner.stored_momentum() if owner.stored_field is not None else None
 
 
 def checkpoint_momentum(optimizer: Any, names: Optional[Any] = None) -> dict[str, Tensor]:
     """``{name: momentum}`` of the owned matrices (``names``: of those only) for a checkpoint
-    (exact; see :meth:`MomentumStorage.values`); ``{}`` without Muon state."""
-    ms = optimizer.muon_state
-    if ms is None:
+    (exact; see :meth:`MomentumStorage.values`); ``{}`` without a momentum stage."""
+    owner = optimizer._owner
+    if owner.stored_field is None:
         return {}
-    mom = ms.momentum if names is None else {n: ms.momentum[n] for n in names
-                                              if n in ms.momentum}
-    return optimizer._storage.values(mom, optimizer.dedicated_state.owned_masters())
+    return owner.value_of("momentum_buffer", optimizer.dedicated_state.owned_masters(),
+                          names=names)
 
 
 def install_momentum(optimizer: Any, values: Mapping[str, Tensor], saved_dtype: Optional[str],
                      what: str) -> None:
     """Install checkpoint momentum ``values`` (full matrices this rank owns, any float dtype)
-    into ``optimizer.muon_state`` (converted to its ``momentum_dtype``, with a logged note when the
-    checkpoint's differs)."""
-    ms = optimizer.muon_state
-    if ms is None:
-        return
-    store = optimizer._storage
-    if store.identity and sd.check_state_dtype(saved_dtype) == torch.float32:
-        for n, t in values.items():
-            ms.momentum[n].copy_(t)
-        return
-    masters = optimizer.dedicated_state.owned_masters()
-    kept = store.values({n: t for n, t in ms.momentum.items() if n not in values}, masters)
-    work = {n: (values[n] if n in values else kept[n])
-            .to(device=masters[n].device, dtype=masters[n].dtype, copy=True) for n in ms.momentum}
-    optimizer.muon_state = ms._replace(momentum=store.load(work, saved_dtype, what))
+    into the optimizer's chain state (converted to its ``momentum_dtype``, with a logged note when
+    the checkpoint's differs)."""
+    if optimizer._owner.stored_field is not None:
+        optimizer._owner.load({"momentum_buffer": dict(values)}, None, saved_dtype, what)
 
 
 def state_nbytes(optimizer: Any) -> dict[str, int]:

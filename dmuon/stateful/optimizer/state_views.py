@@ -19,18 +19,10 @@ def fill_state_views(opt: Any, views: dict) -> None:
     rt = opt._rt
     opt._storage.synchronize()  # offload: the host buffers hold the last step's values
     views.clear()
-    step_m = torch.tensor(float(opt.muon_state.step if opt.muon_state is not None
-                                else opt.num_steps))
-    mom = opt.muon_state.momentum if opt.muon_state else {}
-    if mom and sd.is_scaled(opt._storage.dtype):  # 8-bit floats: the data alone is the value / the scale
-        # a decoded copy (bf16, exact), made an inference tensor so that an in-place write to it
-        # (which could never reach the stored fp8 momentum) raises instead of being lost
-        with torch.inference_mode():
-            mom = opt._storage.values(mom, opt._rt.owned_masters())
-    own = ({"momentum_buffer": mom}
-           if opt._variant is None else  # a variant: each field by its key
-           {f.key: opt._variant.value_of(f.key, rt.owned_masters(), view=True)  # the stored
-            for f in opt._variant.fields})  # momentum: as plain Muon's (fp8: decoded)
+    owner = opt._owner
+    step_m = torch.tensor(float(owner.step_count if rt.owned_names else opt.num_steps))
+    own = {f.key: owner.value_of(f.key, rt.owned_masters(), view=True)  # the stored momentum:
+           for f in owner.fields}  # its stored tensors (fp8: decoded, inference tensors)
     for n in rt.names:
         entry = {}
         for key, vals in own.items():

@@ -1,0 +1,88 @@
+"""The per-param fields of a chain state, by name (pure): what a distributed optimizer saves,
+restores and shows for each matrix.
+
+A stage state (a NamedTuple) names its per-param pytrees in ``per_param`` (and their layouts in
+``layouts``). :func:`state_fields` walks a chain state and names each such field: a
+:class:`~dmuon.functional.transforms.MomentumState`'s buffers are ``"momentum_buffer"`` (torch's
+name, the same for Muon and every variant), any other field its own name; a name met twice gets
+``".1"``, ``".2"``... :func:`scalar_leaves` lists what is not per param (step counts).
+
+Layouts: ``"param"`` (the param's shape), ``"rows"`` / ``"matrices"`` (1-D, one value per row /
+per matrix of the param's view, no larger than the param).
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["Field", "LAYOUTS", "state_fields", "scalar_leaves"]
+
+#: per-param state layouts: the param's shape; one value per row / per matrix of its view (1-D)
+LAYOUTS = ("param", "rows", "matrices")
+
+
+class Field(NamedTuple):
+    """One per-param field of a chain state: its state-dict ``key``, its ``path`` in the state
+    (tuple indices and field names), its ``layout`` (:data:`LAYOUTS`)."""
+
+    key: str
+    path: tuple
+    layout: str
+
+
+def state_fields(state: Any) -> list[Field]:
+    """The per-param fields of ``state``, in walk order (see the module docstring)."""
+    from dmuon.functional.stages.momentum import MomentumState
+
+    found: list[tuple[str, tuple, str]] = []
+
+    def walk(s: Any, path: tuple) -> None:
+        if isinstance(s, tuple) and hasattr(s, "_fields"):
+            per = getattr(type(s), "per_param", ())
+            lay = getattr(type(s), "layouts", {})
+            for name in s._fields:
+                if name in per:
+                    key = "momentum_buffer" if isinstance(s, MomentumState) else name
+                    found.append((key, path + (name,), lay.get(name, "param")))
+                else:
+                    walk(getattr(s, name), path + (name,))
+        elif type(s) is tuple:
+            for j, x in enumerate(s):
+                walk(x, path + (j,))
+        elif isinstance(s, dict) and not any(isinstance(v, torch.Tensor) for v in s.values()):
+            for k in sorted(s):
+                walk(s[k], path + (k,))
+
+    walk(state, ())
+    seen: dict[str, int] = {}
+    out = []
+    for key, path, lay in found:
+        j = seen.get(key, 0)
+        seen[key] = j + 1
+        out.append(Field(key if j == 0 else f"{key}.{j}", path, lay))
+    return out
+
+
+def scalar_leaves(state: Any, fields: list[Field]) -> list[torch.Tensor]:
+    """The tensors of ``state`` outside its per-param ``fields`` (step counts), in walk order."""
+    skip = {f.path for f in fields}
+    out: list[torch.Tensor] = []
+
+    def walk(s: Any, path: tuple) -> None:
+        if path in skip:
+            return
+        if isinstance(s, torch.Tensor):
+            out.append(s)
+        elif isinstance(s, tuple) and hasattr(s, "_fields"):
+            for name in s._fields:
+                walk(getattr(s, name), path + (name,))
+        elif isinstance(s, tuple):
+            for j, x in enumerate(s):
+                walk(x, path + (j,))
+        elif isinstance(s, dict):
+            for k in sorted(s):
+                walk(s[k], path + (k,))
+
+    walk(state, ())
+    return out

@@ -1,0 +1,96 @@
+"""The owners' chain state across ranks, field by field (:class:`~dmuon.stateful.optimizer.owner.
+OwnerDriver`'s fields: ``"momentum_buffer"``, a variant's ``"second_moment"``...): gathered to
+every rank for a checkpoint (:func:`gather_fields`) and staged back onto the owners
+(:func:`stage_fields`), through the model's bucketed checkpoint transfer (the step program's
+checkpoint moves); TP slices assembled from and cut into their matrices (:func:`local_field`)."""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from dmuon.functional.state_dtype import checkpoint_dtype
+
+__all__ = ["layout_of", "gather_fields", "local_field", "stage_fields"]
+
+
+def _tp_rule(layout: str, lay: Any) -> Optional[int]:
+    """How a TP slice's field makes the full one: the dim to concatenate along, or ``None`` (every
+    TP rank holds the full field: a per-matrix value, or the rows of a column slice)."""
+    if lay is None or layout == "matrices" or (layout == "rows" and lay.dim == 1):
+        return None
+    return lay.dim if layout == "param" else 0
+
+
+def layout_of(optimizer: Any, key: str) -> str:
+    """The layout of state-dict key ``key`` of a dedicated matrix (``"param"`` for Muon's
+    ``momentum_buffer`` and a ``master``)."""
+    return next((f.layout for f in optimizer._owner.fields if f.key == key), "param")
+
+
+def gather_fields(optimizer: Any, group: str) -> dict[str, dict[str, torch.Tensor]]:
+    """Collective: ``{name: {key: full tensor}}`` of every field of the matrices of hook group
+    ``group``, on every rank (the owners' values through the checkpoint transfer's buckets, a
+    field smaller than its param in the first elements of the param's entry; TP slices
+    assembled)."""
+    import torch.distributed as dist
+
+    var, rt = optimizer._owner, optimizer.dedicated_state
+    tr = rt.checkpoint_transfer
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    masters = rt.owned_masters()
+    for f in var.fields:  # the stored momentum: its exact values (checkpoint dtype)
+        mine = var.value_of(f.key, masters, names=rt.hook_groups.names(group))
+        got = tr.to_every_rank(group, mine, owner_only=True)
+        for n, t in got.items():
+            shape = var.local_shapes[f.key][n]
+            numel = 1
+            for d in shape:
+                numel *= d
+            v = t.reshape(-1)[:numel].view(shape).clone()
+            rule = _tp_rule(f.layout, rt.tp_layouts.get(n))
+            if rule is not None:
+                parts = [torch.empty_like(v) for _ in range(rt.tp_layouts[n].parts)]
+                dist.all_gather(parts, v.contiguous(), group=rt.mesh_groups.tp_group)
+                v = torch.cat(parts, dim=rule)
+            if f is var.stored_field and var.storage is not None:  # bf16 for bf16 / 8-bit
+                v = v.to(checkpoint_dtype(var.storage.dtype, v.dtype))
+            out.setdefault(n, {})[f.key] = v
+    return out
+
+
+def local_field(rt: Any, layout: str, n: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a full field value of matrix ``n`` (its TP slice's)."""
+    lay = rt.tp_layouts.get(n)
+    rule = _tp_rule(layout, lay)
+    if rule is None:
+        return full
+    return full.chunk(lay.parts, dim=rule)[rt.mesh_groups.tp_index]
+
+
+def stage_fields(optimizer: Any, ded: Mapping[str, Mapping[str, Any]],
+                 rows: Callable) -> dict[str, dict[str, torch.Tensor]]:
+    """Collective: ``{key: {owned name: tensor}}`` staged from the dedicated entries ``ded``
+    (validated): ``"param"`` fields (full tensors or ``Shard(0)`` rows) through the checkpoint
+    transfer's reduce to the owner columns (``rows(n, value)``: this rank's ``(first row, rows)``),
+    the others (full tensors on every rank) taken by their owner."""
+    var, rt = optimizer._owner, optimizer.dedicated_state
+    tr = rt.checkpoint_transfer
+    owned = set(rt.owned_names)
+    out: dict[str, dict[str, torch.Tensor]] = {f.key: {} for f in var.fields}
+    for f in var.fields:
+        if f.layout == "param":
+            for group in tr.each_group():
+                full = tr.to_columns(group, lambda n: rows(n, ded[n][f.key]))
+                for n, t in full.items():
+                    if n in owned:
+                        out[f.key][n] = t.clone()
+            continue
+        for n in rt.names:
+            v = ded[n][f.key]
+            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            if n in owned:
+                out[f.key][n] = local_field(rt, f.layout, n, v).to(
+                    device=rt.device, dtype=var.field_values(f.key)[n].dtype)
+    return out

@@ -1,0 +1,299 @@
+"""The owners' update of ``dmuon.Muon``: one chain of stages, one state, one path for Muon and
+every variant.
+
+:class:`OwnerDriver` holds the chain (``transform=``: a function ``MuonHParams -> Transform``
+such as :mod:`dmuon.functional.variants`' ``normuon()``, rebuilt from ``param_groups[0]`` every
+step, or a fixed ``Transform``; default ``variants.muon()``, Muon itself), its state on this
+rank's owned matrices (the truth; ``optimizer.muon_state`` / ``variant_state`` are views of it),
+the per-param fields of that state by name (:func:`dmuon.functional.state_fields.state_fields`:
+``"momentum_buffer"`` for a momentum stage's buffers, a field's own name otherwise), which state
+views and state dicts carry, and the owner's step count (``muon_step``: steps in which this owner
+updated a matrix; schedules in ``param_groups[0]`` are evaluated at it).
+
+Each step runs :func:`dmuon.functional.owner_step.owner_step` once with the chain, the policy's
+views and ``(lr_mult, wd_mult)``, donated masters and gradients, and the implementations the
+runtime chose: the optimizer's Newton–Schulz (:class:`~dmuon.stateful.optimizer.ns_hook.NSHook`;
+behind tensor parallelism's gathers or split NS's units), the fused elementwise kernels
+(``elementwise``), the stored momentum's chunked io
+(:class:`~dmuon.stateful.optimizer.state_storage.StepIO`, ``momentum_dtype`` / ``offload_state``:
+the momentum stage whose buffers it stores reads and writes them chunk by chunk) and tensor
+parallelism's partial sums (a variant's row norms).
+
+Checked at construction, the same on every rank: the chain builds from the hyper-parameters and
+runs in place; a stage's needs (:data:`dmuon.functional.stages.NEEDS`) that an owner of a
+tensor-parallel slice cannot serve raise naming the quantity and the matrices; per-param state
+fields are the param's shape (``"param"``) or 1-D no larger than it (``"rows"``, ``"matrices"``),
+floating, in a dtype the master holds exactly; a non-default momentum storage needs a momentum
+stage.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from dmuon.functional import muon as fmuon
+from dmuon.functional import state_dtype as sd
+from dmuon.functional import transforms as T
+from dmuon.functional import variants
+from dmuon.functional.matrix_view import Batch
+from dmuon.functional.owner_step import owner_step
+from dmuon.functional.stages.hparams import new_step, next_step
+from dmuon.functional.stages.leaves import default_views
+from dmuon.functional.state_fields import LAYOUTS, scalar_leaves, state_fields
+from dmuon.functional.tree import get_path, replace_path
+
+__all__ = ["OwnerDriver"]
+
+
+def _tp_lacks(layouts: Mapping[str, Any]) -> dict[str, list[str]]:
+    """``{quantity: [matrices]}`` an owner of a TP slice cannot serve (module docstring)."""
+    lacks: dict[str, list[str]] = {}
+    for n, lay in layouts.items():
+        lacks.setdefault("whole_matrix", []).append(n)
+        if lay.dim == 1:
+            lacks.setdefault("whole_rows", []).append(n)
+    return lacks
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - incomparable: not the same
+        return False
+
+
+def _shapes(state: Any, fields: list) -> dict[str, dict[str, tuple[int, ...]]]:
+    return {f.key: {n: tuple(t.shape) for n, t in get_path(state, f.path).items()}
+            for f in fields}
+
+
+class OwnerDriver:
+    """The owners' chain, its state, its fields and its step (see the module docstring).
+
+    Args:
+      transform: ``None`` (Muon: ``variants.muon()``), a function ``MuonHParams -> Transform`` or
+        a fixed :class:`~dmuon.functional.transforms.Transform`.
+      hparams: the optimizer's Muon hyper-parameters at construction.
+      rt: the model's :class:`~dmuon.stateful.runtime.state.DedicatedState`.
+      storage: the optimizer's momentum storage (``None`` or the identity storage: every field in
+        the master's dtype on the device).
+
+    Raises:
+      TypeError, ValueError: see the module docstring.
+    """
+
+    def __init__(self, transform: Any, hparams: fmuon.MuonHParams, rt: Any,
+                 storage: Any = None):
+        #: ``transform=`` was given (a variant or the user's chain; else Muon itself)
+        self.custom = transform is not None
+        transform = transform if self.custom else variants.muon()
+        if not (isinstance(transform, T.Transform) or callable(transform)):
+            raise TypeError(f"dmuon.Muon: transform must be a dmuon.functional.transforms."
+                            f"Transform or a function MuonHParams -> Transform (e.g. dmuon."
+                            f"functional.variants.normuon()), got {type(transform).__name__}")
+        self.transform, self.fixed = transform, isinstance(transform, T.Transform)
+        self.hp0 = hparams
+        self.rt = rt
+        chain = self.chain(hparams)
+        if chain.update_ is None:
+            raise TypeError("dmuon.Muon: the transform has no in-place form (a stage without "
+                            "update_); the owners run chains in place")
+        if self.fixed and any(m != (1.0, 1.0) for m in rt.hp_mults.values()):
+            raise ValueError("dmuon.Muon: the policy sets lr_mult / wd_mult, but a fixed Transform "
+                             "carries its own learning rate; pass a function hparams -> Transform")
+        lacks = _tp_lacks(rt.tp_layouts)
+        bad = {q: lacks[q] for q in chain.needs if q in lacks}
+        if bad:
+            q, ns = next(iter(bad.items()))
+            raise ValueError(
+                f"dmuon.Muon: the transform needs {q!r} of each matrix, which the owner of a "
+                f"tensor-parallel slice does not hold ({len(ns)} matrices, e.g. {ns[:3]}: "
+                f"{'row and column' if q == 'whole_matrix' else 'column'} slices). Leave those "
+                "matrices out of TP, or use a stage that works on sums "
+                "(Leaves.sum_partials: 'row_sums', 'matrix_sums').")
+        self.views = {n: rt.views[n] for n in rt.names}
+        with default_views(self.views):
+            meta_state = chain.init({n: torch.empty(rt.shape[n], dtype=rt.master_dtype[n],
+                                                    device="meta") for n in rt.names})
+        self.fields = state_fields(meta_state)
+        self.local_shapes = _shapes(meta_state, self.fields)
+        self._check_fields(meta_state, rt)
+        self.full_shapes = self.local_shapes
+        if rt.tp_layouts:  # the single-device shapes (the full matrices, their default views)
+            from dmuon.stateful.modes.tensor_parallel import full_shape
+            views = {n: (Batch(0) if n in rt.tp_layouts else v) for n, v in self.views.items()}
+            with default_views(views):
+                full_state = chain.init({n: torch.empty(full_shape(rt, n), device="meta",
+                                                        dtype=rt.master_dtype[n])
+                                         for n in rt.names})
+            self.full_shapes = _shapes(full_state, self.fields)
+        self.master_dtype = {n: rt.master_dtype[n] for n in rt.names}
+        #: the storage of the ``"momentum_buffer"`` field (``None``: fp32 on the device)
+        self.storage = storage if storage is not None and not storage.identity else None
+        self.stored_field = next((f for f in self.fields if f.key == "momentum_buffer"
+                                  and f.layout == "param"), None)
+        if self.storage is not None and self.stored_field is None:
+            raise ValueError(
+                f"dmuon.Muon: momentum_dtype={self.storage.dtype}, offload_state="
+                f"{self.storage.offload} apply to the momentum stage's buffers, and this "
+                "transform= has no momentum stage (no 'momentum_buffer' state field); nothing "
+                "would be stored differently. Drop those options, or add T.trace_momentum(...) "
+                "to the chain.")
+        self.state = self._fresh(chain, first=True)
+        #: steps in which this owner updated a matrix (``muon_step``; schedules are read at it)
+        self.step_count = new_step()
+        owned = {n: rt.views[n] for n in rt.owned_names}
+        #: the owned matrices' views (``None``: all plain matrices) and ``(lr_mult, wd_mult)``
+        self.owned_views: Optional[dict[str, Any]] = (
+            owned if any(v != Batch(0) for v in owned.values()) else None)
+        self.mults = {n: rt.hp_mults[n] for n in rt.owned_names if n in rt.hp_mults}
+
+    def _fresh(self, chain: T.Transform, first: bool = False) -> Any:
+        """The chain's state before the first step, its momentum as stored (encoded;
+        offloaded)."""
+        with default_views(self.views):
+            state = chain.init(self.rt.owned_masters())
+        if self.storage is None:
+            return state
+        fresh = dict(get_path(state, self.stored_field.path))
+        return replace_path(state, self.stored_field.path, self.storage.store(fresh) if first
+                            else self.storage.load(fresh, str(self.storage.dtype), "reset"))
+
+    def reset(self) -> None:
+        """Back to the state before the first step (a load whose dedicated section is empty:
+        a checkpoint taken before the first step)."""
+        self.state = self._fresh(self.chain(self.hp0))
+
+    def chain(self, hparams: fmuon.MuonHParams) -> T.Transform:
+        """The chain for ``hparams`` (a fixed Transform: itself)."""
+        chain = self.transform if self.fixed else self.transform(hparams)
+        if not isinstance(chain, T.Transform):
+            raise TypeError(f"dmuon.Muon: transform(hparams) must return a Transform, got "
+                            f"{type(chain).__name__}")
+        return chain
+
+    def _check_fields(self, state: Any, rt: Any) -> None:
+        for f in self.fields:
+            if f.layout not in LAYOUTS:
+                raise ValueError(f"dmuon.Muon: state field {f.key!r} has layout {f.layout!r}; "
+                                 f"one of {LAYOUTS}")
+            for n, t in get_path(state, f.path).items():
+                shape, numel = tuple(rt.shape[n]), 1
+                for d in shape:
+                    numel *= d
+                ok = tuple(t.shape) == shape if f.layout == "param" else \
+                    (t.ndim == 1 and t.numel() <= numel)
+                wide = rt.master_dtype[n]
+                fits = t.dtype.is_floating_point and (t.dtype == wide or torch.finfo(
+                    t.dtype).bits < torch.finfo(wide).bits)
+                if not (ok and fits):
+                    raise ValueError(
+                        f"dmuon.Muon: state field {f.key!r} of {n!r} is {tuple(t.shape)} "
+                        f"{t.dtype}; a {f.layout!r} field must be "
+                        + ("the param's shape " + str(shape) if f.layout == "param"
+                           else f"1-D with at most {numel} values")
+                        + f", floating, in a dtype the master ({wide}) holds")
+
+    # ------------------------------------------------------------------ step
+    def step(self, grads: dict, params: dict, hparams: fmuon.MuonHParams, *,
+             orthogonalizer: Callable[[Any], Any], elementwise: Any = None,
+             sum_hook: Optional[Callable] = None) -> list[str]:
+        """One step of the chain on this rank's owned matrices (donated); returns the names
+        stepped (those with a gradient). ``orthogonalizer(spec, names)``: the NS each
+        ``orthogonalize`` stage runs (the optimizer's, behind TP's gathers or split NS);
+        ``elementwise``: fused momentum / apply implementations; ``sum_hook``: TP's partial
+        sums. Runs on every rank every step (a chain's counts advance alike everywhere)."""
+        if self.fixed and not all(_same(a, b) for a, b in zip(hparams, self.hp0)):
+            raise RuntimeError(
+                "dmuon.Muon.step: param_groups[0]'s Muon hyper-parameters changed (an lr "
+                "scheduler?), but the transform is a fixed Transform with its own; nothing was "
+                "updated. Pass a function hparams -> Transform (e.g. dmuon.functional.variants."
+                "normuon()) so the chain is built from param_groups[0] each step, or schedule "
+                "inside the chain.")
+        stepped = [n for n, g in grads.items() if g is not None]
+        io = None
+        if self.storage is not None and stepped:  # the stored momentum, chunk by chunk
+            io = self.storage.step_io(self.stored_momentum(), params)
+        _, self.state = owner_step(
+            grads, self.state, params,
+            self.transform if self.fixed else fmuon.at_step(hparams, self.step_count),
+            transform=None if self.fixed else self.transform, views=self.owned_views,
+            mults=None if self.fixed else self.mults, donate=True, donate_grads=True,
+            orthogonalizer_for=orthogonalizer, sum_hook=sum_hook, elementwise=elementwise,
+            momentum_io=io)
+        if stepped:
+            self.step_count = next_step(self.step_count)
+        return stepped
+
+    # ------------------------------------------------------------------ fields
+    def stored_momentum(self) -> dict[str, torch.Tensor]:
+        """``{owned name: tensor}`` of the ``"momentum_buffer"`` field as stored (``{}``: no
+        momentum stage)."""
+        f = self.stored_field
+        return {} if f is None else dict(get_path(self.state, f.path))
+
+    def field_values(self, key: str) -> dict[str, torch.Tensor]:
+        """``{owned name: tensor}`` of field ``key`` (the live buffers)."""
+        f = next(f for f in self.fields if f.key == key)
+        return dict(get_path(self.state, f.path))
+
+    def value_of(self, key: str, masters: Mapping[str, torch.Tensor], *, view: bool = False,
+                 names: Optional[Any] = None) -> dict[str, torch.Tensor]:
+        """``{owned name: value}`` of field ``key``: the live buffers, except the stored momentum
+        (``momentum_dtype`` / ``offload_state``), which is given exactly in its checkpoint dtype
+        on the device (:meth:`MomentumStorage.values`); ``view=True`` (``optimizer.state``): the
+        stored tensors themselves unless they hold an 8-bit float's data (then a decoded copy, an
+        inference tensor: a write to it raises). ``names``: only those."""
+        f = self.stored_field
+        if self.storage is None or f is None or key != f.key:
+            vals = self.field_values(key)
+        elif view and not sd.is_scaled(self.storage.dtype):
+            self.storage.synchronize()
+            vals = self.stored_momentum()
+        else:
+            st = self.stored_momentum()
+            if names is not None:
+                st = {n: st[n] for n in names if n in st}
+            with torch.inference_mode(view):
+                return self.storage.values(st, masters)
+        return vals if names is None else {n: vals[n] for n in names if n in vals}
+
+    def scalars(self) -> list[float]:
+        """The chain state's counts (non-per-param tensors), as Python numbers."""
+        return [float(t) for t in scalar_leaves(self.state, self.fields)]
+
+    def load(self, values: Mapping[str, Mapping[str, torch.Tensor]],
+             scalars: Optional[list], saved_dtype: Optional[str] = None,
+             what: str = "load") -> None:
+        """Install staged ``{key: {owned name: tensor}}`` and counts (copies into the buffers;
+        the stored momentum re-stored from its values, converted from ``saved_dtype``, the
+        checkpoint's ``momentum_dtype``, with a logged note when it differs). A stored momentum
+        given for some owned matrices keeps its current values for the others."""
+        for f in self.fields:
+            got = values.get(f.key, {})
+            if f is self.stored_field and self.storage is not None and got:
+                stored = self.stored_momentum()
+                kept = self.storage.values({n: t for n, t in stored.items() if n not in got},
+                                           self.rt.owned_masters())
+                work = {n: (got[n] if n in got else kept[n]).to(dtype=self.master_dtype[n],
+                                                                copy=True) for n in stored}
+                self.state = replace_path(self.state, f.path,
+                                          self.storage.load(work, saved_dtype, what))
+                continue
+            if f is self.stored_field and got:  # the default storage: converted as it copies in
+                from dmuon.stateful.optimizer.state_storage import note_conversion
+                note_conversion(saved_dtype, torch.float32, what)
+            live = get_path(self.state, f.path)
+            for n, t in got.items():
+                live[n].copy_(t)
+        if scalars is not None:
+            ts = scalar_leaves(self.state, self.fields)
+            if len(ts) != len(scalars):
+                raise ValueError(f"owner state counts: {len(scalars)} saved, {len(ts)} expected")
+            for t, v in zip(ts, scalars):
+                t.fill_(v)
