@@ -17,12 +17,11 @@ buffers.
 ``rank0_only=True`` keeps the full dict on rank 0 only (get: other ranks return ``{}``; set: only
 rank 0 needs a dict, tensors are broadcast one at a time), for memory.
 
-:func:`read_state_dict` reads ``torch.save`` files and HuggingFace ``save_pretrained`` folders
-(safetensors or bin, sharded or not) into the flat dict ``set_model_state_dict`` takes.
+Reading such a dict from disk (``torch.save`` files, HuggingFace ``save_pretrained`` folders) is
+:func:`dmuon.checkpoint.state_dict_files.read_state_dict`'s, outside the training path.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
@@ -35,10 +34,9 @@ from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.state import DedicatedState, get_state
 from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, check_entry,
                                                        log_dtype_changes)
-from dmuon.stateful.checkpoint.trust import index_targets, read_torch_file
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part
 
-__all__ = ["get_model_state_dict", "set_model_state_dict", "read_state_dict", "LoadResult"]
+__all__ = ["get_model_state_dict", "set_model_state_dict", "LoadResult"]
 
 
 class LoadResult(NamedTuple):
@@ -306,54 +304,3 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
             target.copy_(v.to(device=target.device, dtype=target.dtype))
     rt.masters_changed()
     return LoadResult(list(missing), list(unexpected))
-
-
-_HF_FILES = ("model.safetensors.index.json", "model.safetensors",
-             "pytorch_model.bin.index.json", "pytorch_model.bin")
-
-
-def read_state_dict(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:
-    """Read a full state dict from disk onto the CPU (no process group needed), running no code
-    from the file (:mod:`dmuon.stateful.checkpoint.trust`).
-
-    Args:
-      path: a ``torch.save`` file (``.pt``/``.pth``/``.bin``; e.g. ``torch.save(model.state_dict())``
-        or a ``{"model": ..., "optim": ...}`` checkpoint: any ``weights_only`` content), a
-        ``.safetensors`` file, a sharded-checkpoint index (``*.index.json``), or a HuggingFace
-        ``save_pretrained`` folder (``model.safetensors[.index.json]`` or
-        ``pytorch_model.bin[.index.json]``).
-      verify: check every record of a ``torch.save`` file against the CRC-32 the zip format stores
-        for it (one extra read of the file; ``torch.load`` never checks them), and refuse the
-        legacy non-zip format. ``False`` skips both.
-
-    Returns:
-      what the file holds: ``{name: tensor}`` ready for :func:`set_model_state_dict` (tied names HF
-      dropped stay absent; ``set_model_state_dict`` fills them from their alias).
-
-    Raises:
-      FileNotFoundError: the folder holds none of the files above.
-      dmuon.stateful.checkpoint.files.CheckpointError: a pickle that names anything
-        ``torch.load(weights_only=True)`` does not allow (it would run code), a compressed record
-        (``torch.save`` never compresses; a zip bomb), a record that fails its CRC-32, an index
-        naming a file outside its folder, another index or a folder.
-    """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        for name in _HF_FILES:
-            if os.path.exists(os.path.join(path, name)):
-                return read_state_dict(os.path.join(path, name), verify=verify)
-        raise FileNotFoundError(f"read_state_dict: {path!r} has none of {list(_HF_FILES)} "
-                                "(is it a save_pretrained folder?)")
-    if path.endswith(".index.json"):
-        out: dict[str, torch.Tensor] = {}
-        for shard in index_targets(path):
-            out.update(_read_file(shard, verify))
-        return out
-    return _read_file(path, verify)
-
-
-def _read_file(path: str, verify: bool) -> Any:
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-        return load_file(path, device="cpu")
-    return read_torch_file(path, verify=verify)
