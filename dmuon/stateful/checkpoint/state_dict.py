@@ -15,7 +15,9 @@ the masters of its owner column, the local shards of FSDP2 params (re-sharded fo
 buffers.
 
 ``rank0_only=True`` keeps the full dict on rank 0 only (get: other ranks return ``{}``; set: only
-rank 0 needs a dict, tensors are broadcast one at a time), for memory.
+rank 0 needs a dict), for memory: the dedicated matrices move through the step program's
+checkpoint moves, one hook group at a time (:meth:`~dmuon.stateful.checkpoint.transfer.
+CheckpointTransfer.from_rank0`), FSDP2's params and buffers are broadcast one at a time.
 
 Reading such a dict from disk (``torch.save`` files, HuggingFace ``save_pretrained`` folders) is
 :func:`dmuon.checkpoint.state_dict_files.read_state_dict`'s, outside the training path.
@@ -128,7 +130,9 @@ def from_rank0(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
                rt: DedicatedState) -> torch.Tensor:
     """Collective: rank 0's full tensor ``t`` (ignored elsewhere, may be ``None``) on every rank,
     on ``rt.device`` in ``dtype`` (broadcast). ``shape``: that of ``t``, for the receiving
-    buffers."""
+    buffers. For FSDP2's params, buffers and AdamW moments of a ``rank0_only`` load; the
+    dedicated matrices move through the program's checkpoint moves
+    (:meth:`~dmuon.stateful.checkpoint.transfer.CheckpointTransfer.from_rank0`)."""
     buf = (t.to(device=rt.device, dtype=dtype).contiguous() if rt.rank == 0
            else torch.empty(shape, dtype=dtype, device=rt.device))
     rt.mesh_groups.control_collective(
@@ -230,7 +234,8 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
         With ``rank0_only``, only rank 0's dict is read (others may pass ``None``).
       strict: missing or unexpected keys are errors (default). ``False`` skips them (wrong shapes
         still raise) and reports them in the return value.
-      rank0_only: rank 0 holds the dict; each tensor is broadcast from it, one at a time.
+      rank0_only: rank 0 holds the dict (the dedicated matrices move bucketed, one hook group
+        at a time; the other tensors are broadcast one at a time).
       check_finite: refuse NaN / Inf values (default); ``False`` loads them.
 
     Returns:
@@ -280,6 +285,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     live = dict(model.named_parameters(remove_duplicate=False))
     live.update(dict(model.named_buffers(remove_duplicate=False)))
     done: set[int] = set()
+    held: dict[str, str] = {}  # rank0_only: dedicated name -> rank 0's key (moved below)
     for k, (shape, dtype) in exp.items():
         src = source.get(k)
         if src is None:
@@ -289,7 +295,10 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
         if target is None or id(target) in done:  # unreachable buffer, or a tied alias done
             continue
         done.add(id(target))
-        if rank0_only:
+        if rank0_only and n is not None:
+            held[n] = src
+            continue
+        if rank0_only:  # FSDP2 params and buffers: broadcast, then this rank's shard
             v = from_rank0(state_dict[src] if rt.rank == 0 else None, shape, dtype, rt)
         else:
             v = state_dict[src]
@@ -302,5 +311,15 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
             local.copy_(local_shard(v.to(device=local.device, dtype=target.dtype), target))
         else:
             target.copy_(v.to(device=target.device, dtype=target.dtype))
+    if held:  # the dedicated matrices: rank 0's values through the program's checkpoint moves
+        tr = rt.checkpoint_transfer
+        shapes = {n: full_shape(rt, n) for n in held}
+        for group in tr.each_group():
+            got = tr.from_rank0(group, shapes, lambda n: state_dict[held[n]].to(  # as the param
+                device=rt.device, dtype=rt.orig_dtype[n]).to(rt.master_dtype[n]),
+                lambda n, v: local_part(rt, n, v))
+            for n, t in got.items():
+                if n in held and n in rt.masters:
+                    rt.masters[n].copy_(t)
     rt.masters_changed()
     return LoadResult(list(missing), list(unexpected))
