@@ -19,7 +19,9 @@ loads no module of :mod:`dmuon.stateful`):
   ``clip_grad_value_``, ``verify_step`` (checks one step against single-device Muon/AdamW on the
   real mesh), ``release`` (frees dmuon's part of a model the caller keeps; a discarded model needs
   no call).
-The pure core is ``dmuon.functional``; offline tools (projector, plan reports) are ``dmuon.tools``.
+The pure core is ``dmuon.functional``; offline tools (projector, plan reports) are ``dmuon.tools``;
+the file-level checkpoint manager (``save_sharded`` / ``load_sharded``, ``read_state_dict``) is
+``dmuon.checkpoint``, which training never imports.
 """
 from __future__ import annotations
 
@@ -38,19 +40,19 @@ _PUBLIC: dict[str, str] = {
     "clip_grad_value_": "dmuon.stateful.extras.grad_clip",
     "get_optimizer_state_dict": "dmuon.stateful.checkpoint.optimizer_state_dict",
     "set_optimizer_state_dict": "dmuon.stateful.checkpoint.optimizer_state_dict",
-    "save_sharded": "dmuon.stateful.checkpoint.sharded",
-    "load_sharded": "dmuon.stateful.checkpoint.sharded",
+    "save_sharded": "dmuon.checkpoint.sharded",
+    "load_sharded": "dmuon.checkpoint.sharded",
     "verify_step": "dmuon.stateful.extras.verify",
     "VerificationError": "dmuon.stateful.extras.verify",
     "VerifyReport": "dmuon.stateful.extras.verify",
     "get_model_state_dict": "dmuon.stateful.checkpoint.state_dict",
     "set_model_state_dict": "dmuon.stateful.checkpoint.state_dict",
-    "read_state_dict": "dmuon.stateful.checkpoint.state_dict",
+    "read_state_dict": "dmuon.checkpoint.state_dict_files",
     "LoadResult": "dmuon.stateful.checkpoint.state_dict",
     "release": "dmuon.stateful.runtime.release",
 }
-_SUBPACKAGES = ("functional", "tools", "stateful", "newton_schulz", "kernels", "integrations",
-                "compat", "launch", "demo")
+_SUBPACKAGES = ("functional", "tools", "stateful", "checkpoint", "newton_schulz", "kernels",
+                "integrations", "compat", "launch", "demo")
 
 
 def __getattr__(name: str) -> Any:

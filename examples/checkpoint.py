@@ -27,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 import dmuon
 from dmuon.launch import run
-from dmuon.stateful.checkpoint.sharded import load_sharded, save_sharded
+from dmuon.checkpoint.sharded import load_sharded, save_sharded
 
 VOCAB, DIM, SEQ = 64, 32, 16
 

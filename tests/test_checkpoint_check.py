@@ -58,7 +58,7 @@ def test_functional_states_round_trip_through_the_full_format():
 def test_read_state_dict_formats(tmp_path):
     from safetensors.torch import save_file
 
-    from dmuon.stateful.checkpoint.state_dict import read_state_dict
+    from dmuon.checkpoint.state_dict_files import read_state_dict
 
     sd = {"a": torch.arange(6.0).view(2, 3), "b": torch.ones(2, dtype=torch.float64)}
     torch.save(sd, tmp_path / "m.pt")

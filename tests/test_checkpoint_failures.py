@@ -83,7 +83,7 @@ def _failures(rank: int, world: int, tmp: str) -> dict:
     import torch.distributed as dist
 
     import dmuon
-    import dmuon.stateful.checkpoint.sharded as cs
+    import dmuon.checkpoint.sharded as cs
     model, opt = _setup(rank, world)
     path = f"{tmp}/ckpt"
     dmuon.save_sharded(path, model, opt, extra={"step": 1})
@@ -264,7 +264,7 @@ def test_a_full_checkpoint_with_flipped_bytes_is_refused(tmp_path):
     import zipfile
 
     import dmuon
-    from dmuon.stateful.checkpoint.files import CheckpointError
+    from dmuon.checkpoint.files import CheckpointError
     path = tmp_path / "checkpoint.pt"
     good = {"model": {"w": torch.randn(256, 64)}, "optim": {"step": 3}}
     torch.save(good, path)

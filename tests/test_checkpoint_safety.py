@@ -50,7 +50,7 @@ def _same(a, b):
 def _kill_during_save(rank, world, path, where):
     """A good checkpoint at ``path``, then a second save killed at ``where``."""
     import dmuon
-    import dmuon.stateful.checkpoint.sharded as cs
+    import dmuon.checkpoint.sharded as cs
 
     model, opt = _setup(rank, world, 1)
     dmuon.save_sharded(path, model, opt, extra={"step": 1})
@@ -129,7 +129,7 @@ def _corruptions(rank, world, tmp):
     dmuon.save_sharded(good, model, opt, extra={"step": 3}, keep_last=2)
     out["rotated"] = os.path.isdir(good + ".1") and os.path.isdir(good)
     # an int-typed and a NaN-holding checkpoint, written through dmuon (valid markers)
-    import dmuon.stateful.checkpoint.sharded as cs
+    import dmuon.checkpoint.sharded as cs
     orig = cs._save_entries
     name = "layers.0.self_attn.q_proj.weight"
     rt = get_state(model)

@@ -106,7 +106,7 @@ def _save(rank, world, root, topo, out):
     import torch
     import torch.distributed as dist
 
-    from dmuon.stateful.checkpoint.sharded import save_sharded
+    from dmuon.checkpoint.sharded import save_sharded
     from dmuon.stateful.checkpoint.optimizer_state_dict import get_optimizer_state_dict
     from dmuon.stateful.checkpoint.state_dict import get_model_state_dict
 
@@ -133,7 +133,7 @@ def _save(rank, world, root, topo, out):
 def _resume(rank, world, root, src, dst, mode, out, built):
     import torch
 
-    from dmuon.stateful.checkpoint.sharded import load_sharded
+    from dmuon.checkpoint.sharded import load_sharded
     from dmuon.stateful.checkpoint.optimizer_state_dict import set_optimizer_state_dict
     from dmuon.stateful.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     from stateful_harness import max_rel_err
@@ -219,7 +219,7 @@ def _bf16_masters(rank, world, root, out):
     restore them (and the momentum) bitwise."""
     import torch
 
-    from dmuon.stateful.checkpoint.sharded import load_sharded, save_sharded
+    from dmuon.checkpoint.sharded import load_sharded, save_sharded
     from dmuon.stateful.runtime.dedicate import dedicate_params
     from dmuon.stateful.optimizer.muon import Muon
     from dmuon.stateful.checkpoint.optimizer_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
@@ -320,7 +320,8 @@ def _hf(rank, world, root, out):
     from torch.distributed.fsdp import fully_shard
 
     from dmuon.stateful.runtime.dedicate import dedicate_params
-    from dmuon.stateful.checkpoint.state_dict import get_model_state_dict, read_state_dict, set_model_state_dict
+    from dmuon.checkpoint.state_dict_files import read_state_dict
+    from dmuon.stateful.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
     st_dir, bin_dir = os.path.join(root, "hf_st"), os.path.join(root, "hf_bin")

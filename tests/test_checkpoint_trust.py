@@ -47,7 +47,7 @@ def _safetensors(path, **tensors) -> None:
 
 
 def test_read_state_dict_stays_inside_its_folder(tmp_path):
-    from dmuon.stateful.checkpoint.files import CheckpointError
+    from dmuon.checkpoint.files import CheckpointError
     import dmuon
     outside, folder = tmp_path / "outside", tmp_path / "model"
     outside.mkdir()
@@ -69,7 +69,7 @@ def test_read_state_dict_stays_inside_its_folder(tmp_path):
 
 
 def test_read_state_dict_refuses_compressed_records_and_code(tmp_path):
-    from dmuon.stateful.checkpoint.files import CheckpointError
+    from dmuon.checkpoint.files import CheckpointError
     import dmuon
     plain = tmp_path / "plain.pt"
     torch.save({"w": torch.zeros(1024, 1024)}, plain)  # 4 MiB of zeros
@@ -98,8 +98,8 @@ def test_dcp_items_compressed_or_transformed_are_refused(tmp_path):
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
-    from dmuon.stateful.checkpoint import trust
-    from dmuon.stateful.checkpoint.files import CheckpointError
+    from dmuon.checkpoint import trust
+    from dmuon.checkpoint.files import CheckpointError
     raw = io.BytesIO()
     torch.save(torch.zeros(512, 512), raw)
     bomb = io.BytesIO()
@@ -126,7 +126,7 @@ def _forge(model, opt, path: str, extra: dict) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from dmuon.stateful.checkpoint import files, sharded
+    from dmuon.checkpoint import files, sharded
     from dmuon.stateful.runtime.state import get_state
     sd = sharded._save_entries(model, get_state(model), opt)
     sd["extra"] = extra
@@ -138,7 +138,7 @@ def _forge(model, opt, path: str, extra: dict) -> None:
 
 
 def _rewrite_metadata(path: str, edit) -> None:
-    from dmuon.stateful.checkpoint import files
+    from dmuon.checkpoint import files
     with open(os.path.join(path, ".metadata"), "rb") as f:
         md = pickle.load(f)  # our own good file
     edit(md)

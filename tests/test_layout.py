@@ -6,7 +6,10 @@ fresh interpreter's ``sys.modules``.
   (:mod:`dmuon.compat`), the device kernels (:mod:`dmuon.kernels`) or the offline tools
   (:mod:`dmuon.tools`);
 * nothing the training path imports (:mod:`dmuon.stateful`, :mod:`dmuon.compat`,
-  :mod:`dmuon.kernels`, :mod:`dmuon.integrations`) imports the offline tools;
+  :mod:`dmuon.kernels`, :mod:`dmuon.integrations`) imports the offline tools or the file-level
+  checkpoint manager (:mod:`dmuon.checkpoint`: it sits above the stateful layer), lazy imports
+  included; a fresh interpreter that imports every module of :mod:`dmuon.stateful` and runs a
+  training step (and torch's state-dict protocol) loads no module of :mod:`dmuon.checkpoint`;
 * ``import dmuon.functional`` loads no module of :mod:`dmuon.stateful` or :mod:`dmuon.tools`;
   ``import dmuon`` still installs the ``fully_shard`` patch (the seeds' contract);
 * no file of the package is longer than 500 lines.
@@ -24,8 +27,17 @@ PKG = Path(__file__).resolve().parents[1] / "dmuon"
 
 
 def _imports(path: Path) -> set[str]:
-    """Every module name ``path`` imports (top level and inside functions)."""
-    tree = ast.parse(path.read_text(encoding="utf-8"))
+    return _imports_in(path.read_text(encoding="utf-8"))
+
+
+def _imports_in(source: str) -> set[str]:
+    """Every module name ``source`` imports (top level and inside functions), by an import
+    statement, ``importlib.import_module("...")`` / ``__import__("...")`` with a literal name, or
+    an attribute of ``dmuon`` that loads a module on first use (``dmuon.save_sharded``: the module
+    :data:`dmuon._PUBLIC` names; ``dmuon.checkpoint``: the subpackage)."""
+    import dmuon
+
+    tree = ast.parse(source)
     out: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -33,6 +45,17 @@ def _imports(path: Path) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             out.add(node.module)
             out.update(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant) \
+                and isinstance(node.args[0].value, str) and (
+                    getattr(node.func, "attr", None) == "import_module"
+                    or getattr(node.func, "id", None) in ("import_module", "__import__")):
+            out.add(node.args[0].value)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "dmuon":
+            if node.attr in dmuon._PUBLIC:
+                out.add(dmuon._PUBLIC[node.attr])
+            elif node.attr in dmuon._SUBPACKAGES:
+                out.add(f"dmuon.{node.attr}")
     return out
 
 
@@ -60,6 +83,25 @@ def test_pure_core_imports_nothing_that_acts():
 def test_training_path_never_imports_the_offline_tools():
     files = _files("stateful", "compat", "kernels", "integrations", "functional", "newton_schulz")
     assert _offenders(files, ("dmuon.tools",)) == []
+
+
+#: the packages a training step reaches (``dedicate_params``, the hooks, ``Muon.step``, torch's
+#: state-dict protocol); :mod:`dmuon.checkpoint` (save_sharded / load_sharded, read_state_dict)
+#: builds on them and is never imported by them
+TRAINING_PATH = ("stateful", "compat", "kernels", "integrations", "functional", "newton_schulz")
+
+
+def test_training_path_never_imports_the_checkpoint_manager():
+    files = _files(*TRAINING_PATH)
+    assert len(files) > 100
+    assert _offenders(files, ("dmuon.checkpoint",)) == []
+    # the check sees lazy imports: the checkpoint manager's own modules import dmuon.stateful
+    # inside and outside functions, and dmuon's PEP 562 names resolve to their modules
+    assert _offenders(_files("checkpoint"), ("dmuon.stateful",)) != []
+    lazy = ("def f():\n    import dmuon\n    dmuon.save_sharded\n    dmuon.checkpoint\n"
+            "    importlib.import_module('dmuon.checkpoint.files')\n")
+    assert {"dmuon.checkpoint.sharded", "dmuon.checkpoint", "dmuon.checkpoint.files"} <= \
+        _imports_in(lazy)
 
 
 def test_compat_imports_only_torch():
@@ -90,6 +132,44 @@ def test_import_dmuon_installs_the_patch_and_loads_the_api_on_use():
     assert [m for m in mods if m.startswith("dmuon.stateful")] == []
     mods = _fresh_modules("import dmuon\nassert dmuon.Muon.__name__ == 'Muon'")
     assert "dmuon.stateful.optimizer.muon" in mods
+
+
+_TRAINING_STEP = """
+import importlib, os, pkgutil, sys, tempfile
+import torch, torch.distributed as dist, torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+import dmuon, dmuon.stateful
+for info in pkgutil.walk_packages(dmuon.stateful.__path__, "dmuon.stateful."):
+    importlib.import_module(info.name)
+with tempfile.TemporaryDirectory() as d:
+    dist.init_process_group("gloo", init_method=f"file://{d}/rdzv", rank=0, world_size=1)
+    mesh = init_device_mesh("cpu", (1,))
+    model = nn.Sequential(nn.Linear(8, 16, bias=False), nn.LayerNorm(16), nn.Linear(16, 4))
+    dmuon.dedicate_params(model, mesh, predicate=lambda n, p: p.ndim == 2)
+    fully_shard(model, mesh=mesh)
+    opt = dmuon.Muon(model, lr=0.02)
+    for _ in range(2):
+        opt.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+    full = dmuon.get_model_state_dict(model)
+    dmuon.set_model_state_dict(model, full)
+    dmuon.set_optimizer_state_dict(model, opt, dmuon.get_optimizer_state_dict(model, opt))
+    model.load_state_dict(model.state_dict())
+    opt.load_state_dict(opt.state_dict())
+    dist.destroy_process_group()
+"""
+
+
+def test_a_training_step_loads_no_checkpoint_module():
+    mods = _fresh_modules(_TRAINING_STEP)
+    assert {"dmuon.stateful.optimizer.muon", "dmuon.stateful.checkpoint.transfer",
+            "dmuon.stateful.checkpoint.optimizer_state_dict"} <= set(mods)
+    assert [m for m in mods if m == "dmuon.checkpoint" or m.startswith("dmuon.checkpoint.")] == []
+    mods = _fresh_modules("import dmuon\nassert dmuon.save_sharded.__module__ == "
+                          "'dmuon.checkpoint.sharded'")
+    assert "dmuon.checkpoint.sharded" in mods
 
 
 @pytest.mark.parametrize("limit", [500])

@@ -170,3 +170,31 @@ def test_checkpoint_moves_are_program_phases():
     assert {op.lane for op in every} == {"replicate", "unshard"}
     cols = prog.to_columns(k)
     assert all(op.op == "sum" and op.axis == "shard" for op in cols)
+
+
+def test_a_load_from_one_rank_is_a_program_phase():
+    """A rank-0-only load: the shard-axis sums, then per bucket a replicate-axis copy from the
+    holder's replica waiting on its sum (none when R == 1); under TP a sum over the holder's TP
+    group first (:func:`checkpoint_over_tp`)."""
+    from dmuon.functional.program import checkpoint_over_tp
+    from dmuon.functional.schedule import AllReduce, Broadcast
+
+    owners, shapes = _model(11, 2, 2)
+    prog = _program(owners, shapes, 2, 2)
+    k = prog.forward_order[0]
+    sums = prog.to_columns(k).ops
+    one = prog.to_columns(k, from_replica=1).ops
+    assert one[:len(sums)] == sums
+    copies = one[len(sums):]
+    assert len(copies) == len(sums) and all(
+        isinstance(c, Broadcast) and c.axis == "replicate" and c.src == 1 and c.at == s.dst
+        and c.bucket == s.bucket and c.numel == s.numel and c.waits == (s.id,)
+        for c, s in zip(copies, sums))
+    with pytest.raises(ValueError, match="replica index"):
+        prog.to_columns(k, from_replica=2)
+    o1, s1 = _model(11, 2, 1)
+    flat = _program(o1, s1, 2, 1)
+    assert flat.to_columns(k, from_replica=0).ops == flat.to_columns(k).ops
+    tp = checkpoint_over_tp(k, {"torch.float64": 10, "torch.float32": 4}, (4, 5), world_size=8)
+    assert [(type(op), op.lane, op.members, op.numel, op.op) for op in tp] == [
+        (AllReduce, "tp", (4, 5), 4, "sum"), (AllReduce, "tp", (4, 5), 10, "sum")]

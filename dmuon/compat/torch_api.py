@@ -42,7 +42,7 @@ Private APIs and what they are for:
 * :data:`DCP_METADATA_CLASSES` — the classes (``_StorageInfo``, ``_MEM_FORMAT_ENCODING`` and
   ``torch.serialization._get_layout`` among them) a ``torch.distributed.checkpoint`` ``.metadata``
   pickle names: the allow-list with which dmuon reads that file without running code
-  (:mod:`dmuon.stateful.checkpoint.trust`).
+  (:mod:`dmuon.checkpoint.trust`).
 * ``Module._parameters``, ``Module._state_dict_hooks``, ``Module._load_state_dict_pre_hooks`` — a
   module's param slots (a slot may hold a plain tensor or DTensor, set without ``__setattr__``'s
   checks) and its state-dict hooks (a foreign hook that rewrites dedicated entries is named; a

@@ -21,11 +21,12 @@ phase            what                                                  schedule
                  the matrix's root and the result scattered back         ``Gather`` / ``Scatter``
 ===============  ====================================================  =========================
 
-plus the checkpoint moves (:meth:`StepProgram.to_every_rank`, :meth:`StepProgram.to_columns`) over
-the master layout. :meth:`StepProgram.traffic` is **the** byte count of a step: the runtime's
-executor counts with the same per-op function (:func:`dmuon.functional.schedule.op_bytes`) and
-equals it (``tests/test_step_program_gloo.py``); every other figure (the demo's summary, the CLI,
-the DDP comparison, the projector: :mod:`dmuon.tools.step_bytes`) is a view of it.
+plus the checkpoint moves (:meth:`StepProgram.to_every_rank`, :meth:`StepProgram.to_columns`;
+:func:`checkpoint_over_tp` for a one-rank dict under TP) over the master layout.
+:meth:`StepProgram.traffic` is **the** byte count of a step: the runtime's executor counts with
+the same per-op function (:func:`dmuon.functional.schedule.op_bytes`) and equals it
+(``tests/test_step_program_gloo.py``); every other figure (the demo's summary, the CLI, the DDP
+comparison, the projector: :mod:`dmuon.tools.step_bytes`) is a view of it.
 
 The runtime interprets the program (its hooks ask for "phase X of group g"); the pure step
 (:mod:`dmuon.functional.step`) runs the same phases on per-rank pytrees in the simulator.
@@ -36,16 +37,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from dmuon.functional.buckets import BucketLayout, HookGroups, bucket_layout, hook_groups
+from dmuon.functional.buckets import (BucketKey, BucketLayout, HookGroups, bucket_layout,
+                                      hook_groups)
 from dmuon.functional.collectives import resolve_styles
 from dmuon.functional.owner_plan import Coord
-from dmuon.functional.schedule import (Schedule, publish_schedule, reduce_schedule,
-                                       unshard_schedule)
+from dmuon.functional.schedule import (AllReduce, Broadcast, Schedule, publish_schedule,
+                                       reduce_schedule, unshard_schedule)
 from dmuon.functional.traffic import Traffic
 
 __all__ = ["PHASES", "GroupPhases", "StepProgram", "step_program", "program_from_layouts",
            "step_traffic", "checkpoint_to_every_rank", "checkpoint_to_columns",
-           "ROOT_GROUP"]
+           "checkpoint_over_tp", "ROOT_GROUP"]
 
 #: The hook group of params under no boundary module (gathered for the whole forward: never Z3).
 ROOT_GROUP = ""
@@ -188,9 +190,9 @@ class StepProgram:
         """:func:`checkpoint_to_every_rank` of this program's master layout."""
         return checkpoint_to_every_rank(self.master_layout, group, owner_only=owner_only)
 
-    def to_columns(self, group: str) -> Schedule:
+    def to_columns(self, group: str, *, from_replica: Optional[int] = None) -> Schedule:
         """:func:`checkpoint_to_columns` of this program's master layout."""
-        return checkpoint_to_columns(self.master_layout, group)
+        return checkpoint_to_columns(self.master_layout, group, from_replica=from_replica)
 
 
 def checkpoint_to_every_rank(master: BucketLayout, group: str, *,
@@ -206,11 +208,40 @@ def checkpoint_to_every_rank(master: BucketLayout, group: str, *,
     return Schedule(head + body, master.shard_size, master.replicate_size)
 
 
-def checkpoint_to_columns(master: BucketLayout, group: str) -> Schedule:
+def checkpoint_over_tp(group: str, numels: Mapping[str, int], members: Sequence[int], *,
+                       world_size: int) -> Schedule:
+    """Checkpoint move of a load from one rank's dict under tensor parallelism, before
+    :func:`checkpoint_to_columns`: the full values of ``group``'s matrices (per dtype one flat
+    buffer, ``BucketKey(group, -1, dtype)`` of ``numels[dtype]`` elements) summed over the TP group
+    ``members`` of the rank that holds them (its values plus zeros: a copy to its TP peers, each
+    of which then cuts its slice). Run by ``members`` only (lane ``"tp"``; global ranks of a
+    world of ``world_size``, as :func:`~dmuon.functional.tp_plan.tp_step_schedule`'s)."""
+    ops = tuple(AllReduce(id=f"ckpt:tp/{BucketKey(group, -1, dt)}", axis="group", at=None,
+                          bucket=BucketKey(group, -1, dt), offset=0, numel=int(n), dtype=dt,
+                          lane="tp", members=tuple(int(m) for m in members), op="sum")
+                for dt, n in sorted(numels.items()))
+    return Schedule(ops, int(world_size), 1)
+
+
+def checkpoint_to_columns(master: BucketLayout, group: str, *,
+                          from_replica: Optional[int] = None) -> Schedule:
     """Checkpoint write of ``group``'s full matrices to their owner column in every replica: a
-    shard-axis sum of the rows each rank holds (zeros elsewhere)."""
-    return Schedule(_renamed(reduce_schedule(master, group, op="sum", replicate=False), "ckpt:"),
-                    master.shard_size, master.replicate_size)
+    shard-axis sum of the rows each rank holds (zeros elsewhere).
+
+    ``from_replica``: only the ranks of this replica hold values (a load from one rank's dict:
+    that rank contributes whole matrices, every other rank zeros); each bucket's sum is then
+    broadcast from that replica to the others within its column (replicate axis, waiting on the
+    sum; nothing more when R == 1). Exact: every element is one value plus zeros, then copied."""
+    R = master.replicate_size
+    if from_replica is not None and not 0 <= int(from_replica) < R:
+        raise ValueError(f"from_replica must be a replica index in [0, {R}), got {from_replica!r}")
+    ops = _renamed(reduce_schedule(master, group, op="sum", replicate=False), "ckpt:")
+    if from_replica is not None and R > 1:
+        ops += tuple(Broadcast(id=f"ckpt:copy/{op.bucket}", axis="replicate", at=op.bucket.column,
+                               bucket=op.bucket, offset=0, numel=op.numel, dtype=op.dtype,
+                               lane="replicate", src=int(from_replica), waits=(op.id,))
+                     for op in ops)
+    return Schedule(ops, master.shard_size, R)
 
 
 def step_traffic(layout: BucketLayout, reshard_after_forward: bool = False, *,

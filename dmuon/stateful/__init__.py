@@ -7,7 +7,9 @@
   hook, telemetry);
 * :mod:`~dmuon.stateful.modes` — DDP mode, tensor parallelism, deferred dedication, meta-device
   init;
-* :mod:`~dmuon.stateful.checkpoint` — state dicts (dmuon's and torch's) and sharded checkpoints;
+* :mod:`~dmuon.stateful.checkpoint` — state dicts (dmuon's full dicts and torch's protocol) and
+  their bucketed transfers (the file-level manager, ``save_sharded`` / ``load_sharded``, is
+  :mod:`dmuon.checkpoint`, above this layer: nothing here imports it);
 * :mod:`~dmuon.stateful.extras` — clipping, QK-clip, ``verify_step``.
 
 Torch compatibility (private torch names, the ``fully_shard`` patch) is :mod:`dmuon.compat`.

@@ -1,1 +1,2 @@
-"""State dicts (dmuon's flat full dicts and torch's DTensor protocol), sharded DCP checkpoints, their bucketed transfers."""
+"""State dicts (dmuon's flat full dicts and torch's DTensor protocol) and their bucketed transfers
+(the file-level manager is :mod:`dmuon.checkpoint`, which imports this, never the reverse)."""

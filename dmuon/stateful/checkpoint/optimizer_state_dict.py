@@ -192,7 +192,8 @@ def _from_full(sd: Mapping[str, Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------- one load path
 @torch.no_grad()
 def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: str,
-                         check_finite: bool = True, has_dict: bool = True) -> None:
+                         check_finite: bool = True, has_dict: bool = True,
+                         rank0: bool = False) -> None:
     """Collective: validate, stage and install an optimizer state (see the module docstring).
 
     Args:
@@ -203,6 +204,9 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         local piece (``dmuon.load_sharded``). An empty section keeps zeros (a checkpoint taken
         before the first step).
       has_dict: this rank holds ``entries`` (``False``: it takes part only).
+      rank0: only global rank 0 holds the dedicated values (``rank0_only``; elsewhere
+        ``entries["dedicated"]`` names the same keys with ``None`` values): they move from it
+        through :meth:`~dmuon.stateful.checkpoint.transfer.CheckpointTransfer.from_rank0`.
     """
     rt = optimizer.dedicated_state
     rt.drain()
@@ -251,14 +255,22 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
                 dst.copy_(_local_piece(fsdp[n][k], p).to(dtype=dst.dtype))
     staged_masters: dict[str, torch.Tensor] = {}
     tr = rt.checkpoint_transfer
+
+    def move(group: str, key: str, part: Any = None) -> dict[str, torch.Tensor]:
+        """Entry ``key`` of ``group``'s matrices on their owner columns (``part(n, full)``: this
+        rank's piece of a full value; default: its TP slice)."""
+        if rank0:
+            return tr.from_rank0(group, {n: entry_shape(optimizer, n, key) for n, e in ded.items()
+                                         if key in e}, lambda n: ded[n][key],
+                                 part or (lambda n, v: local_part(rt, n, v)))
+        return tr.to_columns(group, lambda n: _rows(local_part(rt, n, ded[n].get(key)), rt, n))
+
     # every field of the chain by name (an empty section: the state before the first step)
-    staged_fields = stage_fields(optimizer, ded, lambda n, v: _rows(local_part(rt, n, v), rt, n)) \
-        if ded else None
+    staged_fields = stage_fields(optimizer, ded, move, rank0=rank0) if ded else None
     if ded:
         for group in tr.each_group():
             if any("master" in ded[n] for n in rt.hook_groups.names(group)):
-                full = tr.to_columns(
-                    group, lambda n: _rows(local_part(rt, n, ded[n].get("master")), rt, n))
+                full = move(group, "master")
                 for n, t in full.items():
                     if "master" in ded[n]:
                         staged_masters[n] = t.clone()
@@ -398,7 +410,8 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
     Args:
       model, optimizer: the model and its ``dmuon.Muon``.
       state_dict: the full dict (every rank, or only rank 0 with ``rank0_only``).
-      rank0_only: only rank 0's dict is read; its tensors are broadcast from rank 0.
+      rank0_only: only rank 0's dict is read; the dedicated matrices' state moves from it
+        bucketed, one hook group at a time; AdamW's moments are broadcast one at a time.
       check_finite: refuse NaN / Inf values (default).
 
     Raises:
@@ -421,7 +434,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
     if not rank0_only:
         return load_optimizer_state(optimizer, _from_full(state_dict), what=what,
                                     check_finite=check_finite)
-    # rank 0 holds the dict: broadcast its structure, then its tensors, one by one (bounded)
+    # rank 0 holds the dict: broadcast its structure, then AdamW's tensors, one by one (bounded)
     meta: list = [None]
     if rt.rank == 0:
         meta[0] = {"dedicated": {n: sorted(s) for n, s in state_dict["dedicated"].items()},
@@ -439,11 +452,19 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
         n: {k: from_rank0(state_dict["fsdp2"][n][k] if rt.rank == 0 else None,
                           tuple(adamw[n].shape), adamw[n].dtype, rt) for k in _MOMENTS}
         for n in meta["fsdp2"] if n in adamw}
+    # the dedicated entries stay on rank 0 (in the master dtype on the device, checked there):
+    # they move bucketed, through the step program's checkpoint moves
     entries["dedicated"] = {
-        n: {k: from_rank0(state_dict["dedicated"][n][k] if rt.rank == 0 else None,
-                          entry_shape(optimizer, n, k), rt.master_dtype[n], rt) for k in keys}
+        n: {k: (_on_device(state_dict["dedicated"][n][k], rt, n) if rt.rank == 0 else None)
+            for k in keys}
         for n, keys in meta["dedicated"].items() if n in rt.params}
-    load_optimizer_state(optimizer, entries, what=what, check_finite=check_finite)
+    load_optimizer_state(optimizer, entries, what=what, check_finite=check_finite,
+                         has_dict=rt.rank == 0, rank0=True)
+
+
+def _on_device(v: Any, rt, n: str) -> Any:
+    """A tensor ``v`` in dedicated matrix ``n``'s master dtype on this device (else as it is)."""
+    return v.to(device=rt.device, dtype=rt.master_dtype[n]) if isinstance(v, torch.Tensor) else v
 
 
 def refuse_variant(optimizer: Any, what: str) -> None:

@@ -69,23 +69,31 @@ def local_field(rt: Any, layout: str, n: str, full: torch.Tensor) -> torch.Tenso
     return full.chunk(lay.parts, dim=rule)[rt.mesh_groups.tp_index]
 
 
-def stage_fields(optimizer: Any, ded: Mapping[str, Mapping[str, Any]],
-                 rows: Callable) -> dict[str, dict[str, torch.Tensor]]:
+def stage_fields(optimizer: Any, ded: Mapping[str, Mapping[str, Any]], move: Callable, *,
+                 rank0: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """Collective: ``{key: {owned name: tensor}}`` staged from the dedicated entries ``ded``
     (validated): ``"param"`` fields (full tensors or ``Shard(0)`` rows) through the checkpoint
-    transfer's reduce to the owner columns (``rows(n, value)``: this rank's ``(first row, rows)``),
-    the others (full tensors on every rank) taken by their owner."""
+    transfer to the owner columns (``move(group, key, part)`` -> ``{name: value}`` of this
+    rank's column; ``part``: this rank's piece of a full value, ``None``: its TP slice), the
+    others (full tensors on every rank) taken by their owner. ``rank0``: only rank 0 holds the
+    values; the others move too (each rank's piece, 1-D, in the first elements of its matrix)."""
     var, rt = optimizer._owner, optimizer.dedicated_state
     tr = rt.checkpoint_transfer
     owned = set(rt.owned_names)
     out: dict[str, dict[str, torch.Tensor]] = {f.key: {} for f in var.fields}
     for f in var.fields:
-        if f.layout == "param":
+        if f.layout == "param" or rank0:
+            part = None if f.layout == "param" else \
+                (lambda n, v, lay=f.layout: local_field(rt, lay, n, v).reshape(-1))
             for group in tr.each_group():
-                full = tr.to_columns(group, lambda n: rows(n, ded[n][f.key]))
+                full = move(group, f.key, part)
                 for n, t in full.items():
-                    if n in owned:
+                    if n in owned and f.layout == "param":
                         out[f.key][n] = t.clone()
+                    elif n in owned:  # a smaller field: its first elements
+                        live = var.field_values(f.key)[n]
+                        out[f.key][n] = t.reshape(-1)[:live.numel()].view(live.shape).to(
+                            dtype=live.dtype, copy=True)
             continue
         for n in rt.names:
             v = ded[n][f.key]

@@ -15,14 +15,15 @@ the masters of its owner column, the local shards of FSDP2 params (re-sharded fo
 buffers.
 
 ``rank0_only=True`` keeps the full dict on rank 0 only (get: other ranks return ``{}``; set: only
-rank 0 needs a dict, tensors are broadcast one at a time), for memory.
+rank 0 needs a dict), for memory: the dedicated matrices move through the step program's
+checkpoint moves, one hook group at a time (:meth:`~dmuon.stateful.checkpoint.transfer.
+CheckpointTransfer.from_rank0`), FSDP2's params and buffers are broadcast one at a time.
 
-:func:`read_state_dict` reads ``torch.save`` files and HuggingFace ``save_pretrained`` folders
-(safetensors or bin, sharded or not) into the flat dict ``set_model_state_dict`` takes.
+Reading such a dict from disk (``torch.save`` files, HuggingFace ``save_pretrained`` folders) is
+:func:`dmuon.checkpoint.state_dict_files.read_state_dict`'s, outside the training path.
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Mapping, NamedTuple, Optional
 
 import torch
@@ -35,10 +36,9 @@ from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.state import DedicatedState, get_state
 from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, check_entry,
                                                        log_dtype_changes)
-from dmuon.stateful.checkpoint.trust import index_targets, read_torch_file
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part
 
-__all__ = ["get_model_state_dict", "set_model_state_dict", "read_state_dict", "LoadResult"]
+__all__ = ["get_model_state_dict", "set_model_state_dict", "LoadResult"]
 
 
 class LoadResult(NamedTuple):
@@ -130,7 +130,9 @@ def from_rank0(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
                rt: DedicatedState) -> torch.Tensor:
     """Collective: rank 0's full tensor ``t`` (ignored elsewhere, may be ``None``) on every rank,
     on ``rt.device`` in ``dtype`` (broadcast). ``shape``: that of ``t``, for the receiving
-    buffers."""
+    buffers. For FSDP2's params, buffers and AdamW moments of a ``rank0_only`` load; the
+    dedicated matrices move through the program's checkpoint moves
+    (:meth:`~dmuon.stateful.checkpoint.transfer.CheckpointTransfer.from_rank0`)."""
     buf = (t.to(device=rt.device, dtype=dtype).contiguous() if rt.rank == 0
            else torch.empty(shape, dtype=dtype, device=rt.device))
     rt.mesh_groups.control_collective(
@@ -232,7 +234,8 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
         With ``rank0_only``, only rank 0's dict is read (others may pass ``None``).
       strict: missing or unexpected keys are errors (default). ``False`` skips them (wrong shapes
         still raise) and reports them in the return value.
-      rank0_only: rank 0 holds the dict; each tensor is broadcast from it, one at a time.
+      rank0_only: rank 0 holds the dict (the dedicated matrices move bucketed, one hook group
+        at a time; the other tensors are broadcast one at a time).
       check_finite: refuse NaN / Inf values (default); ``False`` loads them.
 
     Returns:
@@ -282,6 +285,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     live = dict(model.named_parameters(remove_duplicate=False))
     live.update(dict(model.named_buffers(remove_duplicate=False)))
     done: set[int] = set()
+    held: dict[str, str] = {}  # rank0_only: dedicated name -> rank 0's key (moved below)
     for k, (shape, dtype) in exp.items():
         src = source.get(k)
         if src is None:
@@ -291,7 +295,10 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
         if target is None or id(target) in done:  # unreachable buffer, or a tied alias done
             continue
         done.add(id(target))
-        if rank0_only:
+        if rank0_only and n is not None:
+            held[n] = src
+            continue
+        if rank0_only:  # FSDP2 params and buffers: broadcast, then this rank's shard
             v = from_rank0(state_dict[src] if rt.rank == 0 else None, shape, dtype, rt)
         else:
             v = state_dict[src]
@@ -304,56 +311,15 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
             local.copy_(local_shard(v.to(device=local.device, dtype=target.dtype), target))
         else:
             target.copy_(v.to(device=target.device, dtype=target.dtype))
+    if held:  # the dedicated matrices: rank 0's values through the program's checkpoint moves
+        tr = rt.checkpoint_transfer
+        shapes = {n: full_shape(rt, n) for n in held}
+        for group in tr.each_group():
+            got = tr.from_rank0(group, shapes, lambda n: state_dict[held[n]].to(  # as the param
+                device=rt.device, dtype=rt.orig_dtype[n]).to(rt.master_dtype[n]),
+                lambda n, v: local_part(rt, n, v))
+            for n, t in got.items():
+                if n in held and n in rt.masters:
+                    rt.masters[n].copy_(t)
     rt.masters_changed()
     return LoadResult(list(missing), list(unexpected))
-
-
-_HF_FILES = ("model.safetensors.index.json", "model.safetensors",
-             "pytorch_model.bin.index.json", "pytorch_model.bin")
-
-
-def read_state_dict(path: str | os.PathLike, *, verify: bool = True) -> dict[str, torch.Tensor]:
-    """Read a full state dict from disk onto the CPU (no process group needed), running no code
-    from the file (:mod:`dmuon.stateful.checkpoint.trust`).
-
-    Args:
-      path: a ``torch.save`` file (``.pt``/``.pth``/``.bin``; e.g. ``torch.save(model.state_dict())``
-        or a ``{"model": ..., "optim": ...}`` checkpoint: any ``weights_only`` content), a
-        ``.safetensors`` file, a sharded-checkpoint index (``*.index.json``), or a HuggingFace
-        ``save_pretrained`` folder (``model.safetensors[.index.json]`` or
-        ``pytorch_model.bin[.index.json]``).
-      verify: check every record of a ``torch.save`` file against the CRC-32 the zip format stores
-        for it (one extra read of the file; ``torch.load`` never checks them), and refuse the
-        legacy non-zip format. ``False`` skips both.
-
-    Returns:
-      what the file holds: ``{name: tensor}`` ready for :func:`set_model_state_dict` (tied names HF
-      dropped stay absent; ``set_model_state_dict`` fills them from their alias).
-
-    Raises:
-      FileNotFoundError: the folder holds none of the files above.
-      dmuon.stateful.checkpoint.files.CheckpointError: a pickle that names anything
-        ``torch.load(weights_only=True)`` does not allow (it would run code), a compressed record
-        (``torch.save`` never compresses; a zip bomb), a record that fails its CRC-32, an index
-        naming a file outside its folder, another index or a folder.
-    """
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        for name in _HF_FILES:
-            if os.path.exists(os.path.join(path, name)):
-                return read_state_dict(os.path.join(path, name), verify=verify)
-        raise FileNotFoundError(f"read_state_dict: {path!r} has none of {list(_HF_FILES)} "
-                                "(is it a save_pretrained folder?)")
-    if path.endswith(".index.json"):
-        out: dict[str, torch.Tensor] = {}
-        for shard in index_targets(path):
-            out.update(_read_file(shard, verify))
-        return out
-    return _read_file(path, verify)
-
-
-def _read_file(path: str, verify: bool) -> Any:
-    if path.endswith(".safetensors"):
-        from safetensors.torch import load_file
-        return load_file(path, device="cpu")
-    return read_torch_file(path, verify=verify)

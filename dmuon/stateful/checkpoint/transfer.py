@@ -16,18 +16,26 @@ from the training step's telemetry). Callers drain the training collectives firs
 * :meth:`CheckpointTransfer.to_columns` — the reverse for loads: each rank contributes the rows it
   holds (a DTensor chunk; zeros elsewhere), one shard-axis reduce (sum) per bucket delivers the full
   matrices to their owner column in every replica. Exact: each element is one value plus zeros.
+* :meth:`CheckpointTransfer.from_rank0` — the same for a rank-0-only load
+  (``set_model_state_dict`` / ``set_optimizer_state_dict`` with ``rank0_only=True``): rank 0
+  contributes whole matrices; in HSDP the program's replicate-axis step copies its replica's sums
+  to the other replicas; under TP, a sum over rank 0's TP group first gives its TP peers the full
+  values, each contributing its slice. The dedicated matrices and their optimizer state move
+  between ranks only through these schedules.
 
 Memory: one group's buckets at a time (the largest hook group's dedicated matrices, in the master
 dtype), freed before the next group.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
 from dmuon.functional.buckets import BucketKey, to_torch_dtype
-from dmuon.functional.program import checkpoint_to_columns, checkpoint_to_every_rank
+from dmuon.functional.program import (checkpoint_over_tp, checkpoint_to_columns,
+                                      checkpoint_to_every_rank)
 from dmuon.stateful.runtime.executor import Executor
 
 __all__ = ["CheckpointTransfer", "row_chunks"]
@@ -94,11 +102,17 @@ class CheckpointTransfer:
                 for b in self.layout.buckets_of(group) for e in b.entries}
 
     def to_columns(self, group: str,
-                   rows: Callable[[str], Optional[tuple[int, torch.Tensor]]]
-                   ) -> dict[str, torch.Tensor]:
+                   rows: Callable[[str], Optional[tuple[int, torch.Tensor]]], *,
+                   from_replica: Optional[int] = None) -> dict[str, torch.Tensor]:
         """Collective: the full matrices of ``group`` on their owner column (every replica), from
         the rows each rank holds: ``rows(name) -> (first row, tensor of rows)`` or ``None``.
-        Returns ``{name: full tensor}`` for the matrices of this rank's column."""
+        Returns ``{name: full tensor}`` for the matrices of this rank's column.
+
+        A 1-D ``tensor`` for a matrix (a variant's per-row state, smaller than the matrix) with
+        first row 0 travels in the first elements of the matrix's entry (read back with
+        ``reshape(-1)[:numel]``). ``from_replica``: only that replica's ranks hold values (a
+        rank-0-only load: :meth:`from_rank0`); the program's replicate step carries them to
+        the other replicas (:func:`~dmuon.functional.program.checkpoint_to_columns`)."""
         bufs = self._buffers(group)
         with torch.no_grad():
             for b in self.layout.buckets_of(group):
@@ -107,13 +121,76 @@ class CheckpointTransfer:
                     if got is None:
                         continue
                     start, t = got
-                    if t.numel():
+                    if t.numel() and t.dim() == 1 and len(e.shape) > 1:  # a smaller value
+                        bufs[b.key][e.offset:e.offset + t.numel()].copy_(t)
+                    elif t.numel():
                         full = bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)
                         full[start:start + t.shape[0]].copy_(t)
-        self.executor.launch(checkpoint_to_columns(self.layout, group), bufs).wait()
+        self.executor.launch(checkpoint_to_columns(self.layout, group, from_replica=from_replica),
+                             bufs).wait()
         s, _ = self.st.coord
         return {e.name: bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)
                 for b in self.layout.buckets_of(group) if b.key.column == s for e in b.entries}
+
+    def from_rank0(self, group: str, shapes: Mapping[str, tuple[int, ...]],
+                   value: Callable[[str], torch.Tensor],
+                   part: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Collective: :meth:`to_columns` of values only global rank 0 holds (a ``rank0_only``
+        load). Rank 0 contributes whole matrices, the others zeros; in HSDP the program's
+        replicate step copies rank 0's replica's sums to the other replicas; under tensor
+        parallelism rank 0's TP peers (the same ``(s, r)`` in their grids) first get the full
+        values over their TP group (:func:`~dmuon.functional.program.checkpoint_over_tp`) and
+        each contributes its slice.
+
+        Args:
+          shapes: ``{name: full shape}`` of the values sent (the same on every rank; names of
+            other groups are ignored).
+          value: ``value(name)`` (called on rank 0 only): the full single-device value, in the
+            master dtype on this device (a matrix, or a smaller 1-D value).
+          part: ``part(name, full)``: this rank's piece of a full value (its TP slice).
+        """
+        mg, st = self.st.mesh_groups, self.st
+        at = next((s, r) for g in (mg.tp_grids or (mg.grid,)) for r, row in enumerate(g)
+                  for s, x in enumerate(row) if x == 0)
+        hold = st.coord == at  # rank 0 (and, under TP, its TP peers)
+        shared: dict[str, torch.Tensor] = {}
+        if hold and mg.tp_size > 1:
+            shared = self._over_tp(group, [e.name for b in self.layout.buckets_of(group)
+                                           for e in b.entries if e.name in shapes], shapes, value)
+
+        def rows(n: str) -> Optional[tuple[int, torch.Tensor]]:
+            if not hold or n not in shapes:
+                return None
+            if mg.tp_size > 1:
+                return 0, part(n, shared[n])
+            return (0, part(n, value(n))) if st.rank == 0 else None
+        return self.to_columns(group, rows, from_replica=at[1])
+
+    def _over_tp(self, group: str, names: list[str], shapes: Mapping[str, tuple[int, ...]],
+                 value: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rank 0's full values (``value(name)``, called on rank 0) on every rank of its TP
+        group, one flat buffer per master dtype."""
+        st = self.st
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for n in names:
+            by_dtype.setdefault(st.master_dtype[n], []).append(n)
+        bufs, out = {}, {}
+        for dt, ns in by_dtype.items():
+            key = BucketKey(group, -1, str(dt))
+            bufs[key] = torch.zeros(sum(math.prod(shapes[n]) for n in ns), dtype=dt,
+                                    device=st.device)
+            off = 0
+            for n in ns:
+                k = math.prod(shapes[n])
+                out[n] = bufs[key][off:off + k].view(shapes[n])
+                if st.rank == 0:
+                    out[n].copy_(value(n))
+                off += k
+        sched = checkpoint_over_tp(group, {k.dtype: b.numel() for k, b in bufs.items()},
+                                   st.mesh_groups.tp_ranks,
+                                   world_size=st.G * st.R * st.mesh_groups.tp_size)
+        self.executor.launch(sched, bufs).wait()
+        return out
 
     def each_group(self) -> Iterator[str]:
         """The hook groups that hold dedicated matrices, in the static order (every rank)."""

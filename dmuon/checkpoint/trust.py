@@ -36,7 +36,7 @@ from typing import Any, Mapping
 import torch
 
 from dmuon.compat.torch_api import dcp_metadata_global
-from dmuon.stateful.checkpoint.files import CheckpointError, plain_name
+from dmuon.checkpoint.files import CheckpointError, plain_name
 
 __all__ = ["plain_name", "MetadataUnpickler", "read_metadata", "safe_reader", "load_bytes",
            "value_problems", "read_torch_file", "index_targets"]

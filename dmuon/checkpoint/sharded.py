@@ -53,14 +53,14 @@ import torch.nn as nn
 
 import torch.distributed as dist
 
-from dmuon.stateful.modes.ddp import unwrapping_model
+from dmuon.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise, publish,
+                                    verify_files, write_marker)
+from dmuon.checkpoint.save_safety import (agree_failure, discard_partial, run_step, sweep_partials,
+                                          target_problems)
+from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.functional.state_dict_check import check_state_dict
-from dmuon.stateful.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise,
-                                             publish, verify_files, write_marker)
+from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.stateful.checkpoint.torch_state_dict import log_dtype_changes
-from dmuon.stateful.checkpoint.save_safety import (agree_failure, discard_partial, run_step,
-                                                   sweep_partials, target_problems)
-from dmuon.stateful.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.stateful.checkpoint.optimizer_state_dict import (
     _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state, muon_step,
     refuse_variant,
@@ -73,9 +73,6 @@ from dmuon.stateful.checkpoint.state_dict import (
 
 __all__ = ["save_sharded", "load_sharded", "ShardedSaveResult", "ShardedLoadResult",
            "CheckpointError"]
-
-
-
 
 
 class ShardedSaveResult(NamedTuple):
@@ -190,21 +187,11 @@ def _save_entries(model: nn.Module, rt, optimizer) -> dict[str, Any]:
     return out
 
 
-
-
-
-
 def _bcast(rt, obj: Any, what: str) -> Any:
     box = [obj]
     rt.mesh_groups.control_collective(what, lambda g: dist.broadcast_object_list(box, src=0,
                                                                                  group=g))
     return box[0]
-
-
-
-
-
-
 
 
 @torch.no_grad()
@@ -274,10 +261,6 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
             discard_partial(tmp, path)
         raise err
     return ShardedSaveResult(planner.bytes_written, _local_bytes(sd))
-
-
-
-
 
 
 def _read_metadata(rt, checkpoint_id: str, marker: dict, storage_reader):

@@ -5,7 +5,7 @@ the OS cause, nothing left behind, nothing replaced that was not a checkpoint.
   symbolic link (a publish renames ``<path>``: it would replace the link, not its target), a file,
   or a non-empty folder that is not a dmuon checkpoint (a publish would delete what it holds).
 * **Each step agreed**: DCP's write (every rank), then rank 0's marker and publish; a failure on
-  any rank raises :class:`~dmuon.stateful.checkpoint.files.CheckpointError` on every rank
+  any rank raises :class:`~dmuon.checkpoint.files.CheckpointError` on every rank
   (:func:`agree_failure`, one small all-gather on dmuon's bounded control group), naming each
   failed rank and its own exception, not DCP's traceback dump. When an ``OSError`` caused it,
   ``CheckpointError.errno`` is its errno on every rank (``ENOSPC`` disk full, ``EDQUOT`` quota,
@@ -30,8 +30,7 @@ import re
 import shutil
 from typing import Any, Callable, NamedTuple, Optional
 
-from dmuon.stateful.checkpoint.files import (MARKER, CheckpointError, describe_exception,
-                                             failures_of)
+from dmuon.checkpoint.files import MARKER, CheckpointError, describe_exception, failures_of
 from dmuon.stateful.runtime.agree import describe_problems, gather
 
 logger = logging.getLogger(__name__)
