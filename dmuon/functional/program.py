@@ -33,7 +33,7 @@ The runtime interprets the program (its hooks ask for "phase X of group g"); the
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from dmuon.functional.buckets import BucketLayout, HookGroups, bucket_layout, hook_groups
@@ -67,6 +67,9 @@ class GroupPhases:
         ``"per_owner"`` (one broadcast / reduce per owner column's bucket) or ``"per_bucket"``
         (one padded all-gather / reduce-scatter per dtype; :mod:`dmuon.functional.collectives`).
       collectives_reason: why (asked for, or ``"auto"``'s cost comparison).
+      regather: the backward re-gather: ``unshard`` with every op renamed ``regather:<id>``
+        (derived; a Z3 group runs it at the start of its backward, and so may any group gathered
+        again in a backward, e.g. under activation checkpointing).
     """
 
     key: str
@@ -77,6 +80,13 @@ class GroupPhases:
     reshard_after_forward: bool
     collectives: str = "per_owner"
     collectives_reason: str = ""
+    regather: Schedule = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.regather is None:
+            object.__setattr__(self, "regather", Schedule(
+                _renamed(self.unshard, "regather:"), self.unshard.shard_size,
+                self.unshard.replicate_size))
 
     def phase(self, kind: str) -> Schedule:
         if kind not in PHASES:
@@ -141,6 +151,11 @@ class StepProgram:
         c = tuple(coord)
         return tuple(n for g in self.groups.values() for n in g.names if tuple(self.owners[n]) == c)
 
+    def column(self, s: int) -> tuple[str, ...]:
+        """The matrices whose masters shard column ``s`` holds (every rank ``(s, r)``: those whose
+        owner is ``(s, r')`` for any ``r'``), in hook-group order."""
+        return tuple(n for g in self.groups.values() for n in g.names if self.owners[n][0] == s)
+
     # ------------------------------------------------------------------ the whole step
     def step_schedule(self) -> Schedule:
         """One step's collectives in issue order on every rank: the forward gathers (forward
@@ -148,7 +163,7 @@ class StepProgram:
         publishes (static order). TP's ops are :attr:`tp` (global ranks)."""
         fwd = tuple(op for k in self.forward_order for op in self.groups[k].unshard)
         re = tuple(op for k in self.reduce_order if self.groups[k].reshard_after_forward
-                   for op in _renamed(self.groups[k].unshard, "regather:"))
+                   for op in self.groups[k].regather)
         red = tuple(op for k in self.reduce_order for op in self.groups[k].reduce)
         return Schedule(fwd + re + red + self.publish_all().ops, self.shard_size,
                         self.replicate_size)
