@@ -42,7 +42,6 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.functional.buckets import HookGroups
-from dmuon.functional.phases import ReducedGrad
 from dmuon.functional.program import StepProgram, step_program
 from dmuon.functional.schedule import Schedule
 from dmuon.functional.split_plan import runtime_owners
@@ -418,15 +417,12 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
 
     # ------------------------------------------------------------------ step protocol
     def _collect(self) -> None:
-        """Wait for every in-flight reduce (in launch order) and accumulate the owner's grads."""
+        """Wait for every in-flight reduce (in launch order) and add the owner's grads to the
+        ledger, each scaled by FSDP2's set_gradient_divide_factor of the module holding it."""
         for key in self._reduce_order:
             for rg in self.groups[key].wait_reduces():
-                self._accumulate(rg)
-
-    def _accumulate(self, rg: ReducedGrad) -> None:
-        # FSDP2's set_gradient_divide_factor on the module holding the param, as a scale
-        self.ledger.add_reduced(rg, mean_to_fsdp_scale(self._fsdp_states.get(rg.name),
-                                                       self.G * self.R))
+                self.ledger.add_reduced(rg, mean_to_fsdp_scale(self._fsdp_states.get(rg.name),
+                                                               self.G * self.R))
 
     def reduced_grads(self) -> dict[str, Optional[torch.Tensor]]:
         """Wait for the pending reduces; ``{owned name: averaged gradient, or None}`` (``None``:
