@@ -27,8 +27,9 @@ executor counts with the same per-op function (:func:`dmuon.functional.schedule.
 equals it (``tests/test_step_program_gloo.py``); every other figure (the demo's summary, the CLI,
 the DDP comparison, the projector: :mod:`dmuon.tools.step_bytes`) is a view of it.
 
-The runtime interprets the program (its hooks ask for "phase X of group g"); the pure step
-(:mod:`dmuon.functional.step`) runs the same phases on per-rank pytrees in the simulator.
+Both drivers run it through the same phase functions (:mod:`dmuon.functional.phases`: each packs
+a group's buffers and returns the schedule of its phase): the runtime's hooks at the moments
+FSDP2's overlap needs, the pure step (:mod:`dmuon.functional.step`) on per-rank pytrees.
 """
 from __future__ import annotations
 

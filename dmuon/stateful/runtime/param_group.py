@@ -15,6 +15,9 @@ Every collective the group has in flight is one :class:`Inflight` record (the ex
 number of reduces (several synced backwards before a step), at most one HSDP publish.
 
 The group never decides ordering or timing; the root state (:mod:`dmuon.stateful.runtime.state`) calls it.
+What moves and how is decided by the pure phases (:mod:`dmuon.functional.phases`: ``gather`` /
+``gathered``, ``reduce`` / ``reduced``, ``publish``), which the group calls on its buffers; it runs
+the schedules they return on the executor's streams and keeps the storage and the handles.
 Its methods that run inside hooks are labelled for the profiler (``record_function``:
 ``dmuon::<op> (<group>)``).
 """
