@@ -18,7 +18,8 @@ loads no module of :mod:`dmuon.stateful`):
   (torch.distributed.checkpoint, never gathered, any topology), ``clip_grad_norm_``,
   ``clip_grad_value_``, ``verify_step`` (checks one step against single-device Muon/AdamW on the
   real mesh), ``release`` (frees dmuon's part of a model the caller keeps; a discarded model needs
-  no call).
+  no call), ``mesh_executor`` (the executor of the runtime over ``G x R`` ranks: its ``run`` is the
+  runner a functional step takes, :func:`dmuon.functional.step.rank_step`).
 The pure core is ``dmuon.functional``; offline tools (projector, plan reports) are ``dmuon.tools``;
 the file-level checkpoint manager (``save_sharded`` / ``load_sharded``, ``read_state_dict``) is
 ``dmuon.checkpoint``, which training never imports.
@@ -50,6 +51,7 @@ _PUBLIC: dict[str, str] = {
     "read_state_dict": "dmuon.checkpoint.state_dict_files",
     "LoadResult": "dmuon.stateful.checkpoint.state_dict",
     "release": "dmuon.stateful.runtime.release",
+    "mesh_executor": "dmuon.stateful.runtime.executor",
 }
 _SUBPACKAGES = ("functional", "tools", "stateful", "checkpoint", "newton_schulz", "kernels",
                 "integrations", "compat", "launch", "demo")

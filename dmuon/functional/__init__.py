@@ -8,10 +8,16 @@ first use, so that ``import dmuon.functional.muon`` does not load the simulator 
   ``chain``, ``partition`` and the stages); Muon's variants as chains (:mod:`variants`: NorMuon,
   Muon-Hyperball);
 * :func:`newton_schulz` (the iteration itself lives in :mod:`dmuon.newton_schulz`);
-* the owner plan and the communication as data: :func:`plan_owners`, :func:`bucket_layout`,
+* the owner plan and the communication as data: :func:`specs_from_named_shapes`,
+  :func:`plan_owners`, :func:`bucket_layout`,
   :func:`unshard_schedule`, :func:`reduce_schedule`, :func:`publish_schedule`,
   :func:`step_program` (:class:`StepProgram`: every phase of a step, one traffic count),
-  :func:`step_traffic`, :func:`simulate`; the pure step is :mod:`step` / :mod:`owner_step`;
+  :func:`step_traffic`, :func:`simulate`; the step as pure phases (:mod:`phases`: gather,
+  reduce, the owner's accounting, publish; the runtime calls them too), their compositions
+  (:mod:`step`: ``rank_step``, ``world_step``, ``forward_gather``), the owner's update
+  (:mod:`owner_step`), trees in and out of buckets (:mod:`packing`), vector params' replicated
+  path (:mod:`replicated`), the simulator's checks (:mod:`order_check`, :mod:`memory_model`),
+  split Newton–Schulz (:mod:`split_ns`) and the stages (:mod:`stages`);
   the collective style of a hook group (one per owner or one per bucket) and its cost:
   :func:`choose_style`, :class:`LinkCost` (:mod:`collectives`);
 * matrix views and the per-param policy: :class:`Batch`, :class:`Heads`, :class:`Split`,
@@ -39,8 +45,19 @@ _EXPORTS: dict[str, str] = {
     "ParamPolicy": "dmuon.functional.policy", "Rule": "dmuon.functional.policy",
     "hf_rules": "dmuon.functional.hf_policy", "variants": "dmuon.functional.variants",
     "choose_style": "dmuon.functional.collectives", "LinkCost": "dmuon.functional.collectives",
+    "collectives": "dmuon.functional.collectives", "phases": "dmuon.functional.phases",
+    "step": "dmuon.functional.step", "owner_step": "dmuon.functional.owner_step",
+    "packing": "dmuon.functional.packing", "replicated": "dmuon.functional.replicated",
+    "order_check": "dmuon.functional.order_check",
+    "memory_model": "dmuon.functional.memory_model", "split_ns": "dmuon.functional.split_ns",
+    "stages": "dmuon.functional.stages",
+    "specs_from_named_shapes": "dmuon.functional.specs",
 }
-_MODULES = {"adamw", "muon", "transforms", "qk_clip", "variants"}
+#: names that are modules (``owner_step`` is the module: importing ``dmuon.functional.owner_step``
+#: binds the package attribute to it, so a function of that name could not stay exported)
+_MODULES = {"adamw", "muon", "transforms", "qk_clip", "variants", "collectives", "phases", "step",
+            "owner_step", "packing", "replicated", "order_check", "memory_model", "split_ns",
+            "stages"}
 
 
 def __getattr__(name: str) -> Any:
@@ -61,5 +78,6 @@ __all__ = [
     "unshard_schedule", "reduce_schedule", "publish_schedule", "step_traffic", "simulate",
     "StepProgram", "step_program", "choose_style", "LinkCost",
     "Batch", "Heads", "Split", "Transposed", "ParamPolicy", "Rule", "hf_rules", "qk_clip",
-    "variants",
+    "variants", "collectives", "phases", "step", "owner_step", "packing", "replicated",
+    "order_check", "memory_model", "split_ns", "stages", "specs_from_named_shapes",
 ]

@@ -28,13 +28,14 @@ the same per-op function (:func:`dmuon.functional.schedule.op_bytes`) and equals
 (``tests/test_step_program_gloo.py``); every other figure (the demo's summary, the CLI, the DDP
 comparison, the projector: :mod:`dmuon.tools.step_bytes`) is a view of it.
 
-The runtime interprets the program (its hooks ask for "phase X of group g"); the pure step
-(:mod:`dmuon.functional.step`) runs the same phases on per-rank pytrees in the simulator.
+Both drivers run it through the same phase functions (:mod:`dmuon.functional.phases`: each packs
+a group's buffers and returns the schedule of its phase): the runtime's hooks at the moments
+FSDP2's overlap needs, the pure step (:mod:`dmuon.functional.step`) on per-rank pytrees.
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from dmuon.functional.buckets import (BucketKey, BucketLayout, HookGroups, bucket_layout,
@@ -69,6 +70,9 @@ class GroupPhases:
         ``"per_owner"`` (one broadcast / reduce per owner column's bucket) or ``"per_bucket"``
         (one padded all-gather / reduce-scatter per dtype; :mod:`dmuon.functional.collectives`).
       collectives_reason: why (asked for, or ``"auto"``'s cost comparison).
+      regather: the backward re-gather: ``unshard`` with every op renamed ``regather:<id>``
+        (derived; a Z3 group runs it at the start of its backward, and so may any group gathered
+        again in a backward, e.g. under activation checkpointing).
     """
 
     key: str
@@ -79,6 +83,13 @@ class GroupPhases:
     reshard_after_forward: bool
     collectives: str = "per_owner"
     collectives_reason: str = ""
+    regather: Schedule = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.regather is None:
+            object.__setattr__(self, "regather", Schedule(
+                _renamed(self.unshard, "regather:"), self.unshard.shard_size,
+                self.unshard.replicate_size))
 
     def phase(self, kind: str) -> Schedule:
         if kind not in PHASES:
@@ -143,6 +154,11 @@ class StepProgram:
         c = tuple(coord)
         return tuple(n for g in self.groups.values() for n in g.names if tuple(self.owners[n]) == c)
 
+    def column(self, s: int) -> tuple[str, ...]:
+        """The matrices whose masters shard column ``s`` holds (every rank ``(s, r)``: those whose
+        owner is ``(s, r')`` for any ``r'``), in hook-group order."""
+        return tuple(n for g in self.groups.values() for n in g.names if self.owners[n][0] == s)
+
     # ------------------------------------------------------------------ the whole step
     def step_schedule(self) -> Schedule:
         """One step's collectives in issue order on every rank: the forward gathers (forward
@@ -150,7 +166,7 @@ class StepProgram:
         publishes (static order). TP's ops are :attr:`tp` (global ranks)."""
         fwd = tuple(op for k in self.forward_order for op in self.groups[k].unshard)
         re = tuple(op for k in self.reduce_order if self.groups[k].reshard_after_forward
-                   for op in _renamed(self.groups[k].unshard, "regather:"))
+                   for op in self.groups[k].regather)
         red = tuple(op for k in self.reduce_order for op in self.groups[k].reduce)
         return Schedule(fwd + re + red + self.publish_all().ops, self.shard_size,
                         self.replicate_size)

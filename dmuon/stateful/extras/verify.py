@@ -9,11 +9,13 @@ single-device update (SPEC §4). A composition of existing pieces; no new math.
    :func:`dmuon.stateful.checkpoint.state_dict.from_owner`) and the full optimizer state;
 2. runs ``optimizer.step()``;
 3. gathers the new full params and state the same way;
-4. computes the single-device reference on the gathered tensors: the owners' step
-   (:func:`dmuon.functional.owner_step.owner_step`, the function ``dmuon.Muon.step`` runs) over every
-   matrix in one process, with the optimizer's Muon hparams (``ns_dtype`` as configured; and once
-   more with ``ns_dtype=float64``, reported only) and :func:`dmuon.functional.adamw.update` (``impl="reference"``,
-   i.e. ``torch.optim.AdamW(foreach=False)`` math) with its AdamW hparams;
+4. computes the single-device reference on the gathered tensors: the pure distributed step
+   (:func:`dmuon.functional.step.world_step`, the composition of the phases the runtime runs, with
+   :func:`~dmuon.functional.owner_step.owner_step`, the function ``dmuon.Muon.step`` runs) over a
+   world of one rank that owns every matrix, with the optimizer's Muon hparams (``ns_dtype`` as
+   configured; and once more with ``ns_dtype=float64``, reported only) and
+   :func:`dmuon.functional.adamw.update` (``impl="reference"``, i.e.
+   ``torch.optim.AdamW(foreach=False)`` math) with its AdamW hparams;
 5. compares each param and each state tensor (momentum, ``exp_avg``, ``exp_avg_sq``) by the max
    relative error ``max|dist - ref| / max|ref|`` and takes the max of every error over ranks (one
    small object all-gather), so the verdict and the report are the same on every rank.
@@ -50,7 +52,8 @@ from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
-from dmuon.functional.owner_step import owner_step
+from dmuon.functional.program import step_program
+from dmuon.functional.step import world_step
 from dmuon.newton_schulz.iteration import default_ns_dtype
 from dmuon.stateful.optimizer.muon import Muon
 from dmuon.stateful.checkpoint.optimizer_state_dict import (check_optimizer, get_optimizer_state_dict,
@@ -189,8 +192,9 @@ def _reference(optimizer: Muon, params, grads, osd, ns_dtype_override=None):
         ms = fmuon.MuonState(step=int(osd["muon_step"]),
                              momentum={n: osd["dedicated"][n]["momentum_buffer"] for n in ded})
         mg = {n: grads[n] for n in ded}
-        if any(g is not None for g in mg.values()):  # the optimizer's owner step, in one process
-            mp, ms = owner_step(mg, ms, mp, hp, views=rt.views, mults=rt.hp_mults)
+        if any(g is not None for g in mg.values()):  # the pure step, one rank owning everything
+            (mp,), (ms,), _ = world_step([mp], [mg], _one_rank_program(rt, mg), [ms], hp,
+                                         views=rt.views, mults=rt.hp_mults)
         out_p.update(mp)
         mom = dict(ms.momentum)
     names = [n for n, _ in optimizer.adamw_named_params]
@@ -207,6 +211,17 @@ def _reference(optimizer: Muon, params, grads, osd, ns_dtype_override=None):
         out_p.update(ap)
         mu, nu = dict(st.mu), dict(st.nu)
     return out_p, mom, mu, nu
+
+
+def _one_rank_program(rt: Any, grads: Mapping[str, Optional[torch.Tensor]]) -> Any:
+    """The step program of the dedicated matrices on one rank (the single-device reference):
+    rank ``(0, 0)`` owns every matrix; gradients move in their own dtypes, masters in theirs."""
+    master = {n: str(rt.master_dtype[n]) for n in rt.names}
+    return step_program({n: (0, 0) for n in rt.names}, rt.shape,
+                        {n: str(g.dtype) if (g := grads.get(n)) is not None else master[n]
+                         for n in rt.names},
+                        master_dtypes=master, shard_size=1, groups=rt.hook_groups,
+                        reshard_after_forward=False)
 
 
 def _max_over_ranks(rt: Any, d: dict[str, float]) -> dict[str, float]:

@@ -109,23 +109,23 @@ class DDPParamGroup(DedicatedParamGroup):
     def setup(self, program: Any) -> None:
         super().setup(program)
         self.zero_copy = all(str(self.storage.master_dtype[e.name]) == b.key.dtype
-                             for b in self._unshard_buckets for e in b.entries)
+                             for b in program.unshard_layout.buckets_of(self.key)
+                             for e in b.entries)
         if self.zero_copy:
             self.unshard_buffers = {}
-            self._unshard_buckets = ()
 
-    def launch_unshard(self, version: int) -> None:
+    def launch_unshard(self, version: int, regather: bool = False) -> None:
         if not self.zero_copy:
-            return super().launch_unshard(version)
+            return super().launch_unshard(version, regather)
         if self.state is GroupState.UNSHARDED and self.gathered_version == version:
             return
         self.wait_publish()
         self.state = GroupState.UNSHARDED
         self.gathered_version = version
 
-    def unshard(self, version: int) -> None:
+    def unshard(self, version: int, regather: bool = False) -> None:
         if not self.zero_copy:
-            return super().unshard(version)
+            return super().unshard(version, regather)
         self.launch_unshard(version)
         for n in self.names:
             self.storage.point(n, self.storage.masters[n])

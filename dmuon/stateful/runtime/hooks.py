@@ -109,10 +109,10 @@ def _register_pre_backward(st: DedicatedState, key: str | None, output: Any) -> 
         with record_function(f"dmuon::pre_backward ({key or '<root>'})"):
             st.on_backward_start()
             if key is not None:
-                st.unshard(key)
+                st.unshard(key, regather=True)
                 prev = st.next_group(key, backward=True)
                 if prev is not None and st.groups[prev].reshard_after_forward:
-                    st.launch_unshard(prev)
+                    st.launch_unshard(prev, regather=True)
 
     torch.autograd.graph.register_multi_grad_hook(tensors, _eager(pre_backward), mode="any")
     return True
@@ -180,7 +180,7 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
             st.lazy_init()
             with record_function(f"dmuon::pre_forward ({key})"):
                 if in_backward():  # activation-checkpoint recomputation
-                    st.unshard(key)
+                    st.unshard(key, regather=True)
                     return
                 st.note_forward(key)
                 st.notify_group_forward()  # the optimizer's listener (offload: deferred copies back)

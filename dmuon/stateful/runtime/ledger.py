@@ -29,20 +29,24 @@ one makes the next step use a zero gradient if none arrives (torch's ``zero_grad
 False)``), replacing it leaves no record. Markers are checked and taken off before the param is
 gathered, its gradient sent, or a clip or step reads it (:meth:`GradLedger.take_markers`).
 
-Presence: the owner knows some rank had a gradient when it had one itself (``present``); otherwise
-the reduces' presence elements (``flags``) are read on the host, in one batch, when a step asks
-(:meth:`GradLedger.resolve`) — dense models never sync for it.
+The owner's accounting is pure and defined once (:mod:`dmuon.functional.phases`): each waited
+reduce is added with :func:`~dmuon.functional.phases.accumulate` (several synced backwards before a
+step sum; FSDP2's divide factor is the scale the caller passes), and
+:func:`~dmuon.functional.phases.resolve` decides presence — known without a host read where the
+owner had a local gradient itself, otherwise the reduces' presence elements read in one batch when
+a step asks (:meth:`GradLedger.resolve`): dense models never sync for it.
 """
 from __future__ import annotations
 
 import enum
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 import torch.nn as nn
 
+from dmuon.functional.phases import OwnerGrad, ReducedGrad, accumulate, resolve
 from dmuon.stateful.runtime.guards import DedicatedGradMarker, make_marker
 
 __all__ = ["Held", "GradRecord", "GradLedger"]
@@ -64,9 +68,8 @@ class GradRecord:
 
     Attributes:
       state: :class:`Held`.  local: the local gradient not sent yet (any state).
-      reduced: the owner's sum of averaged gradients (``REDUCED``).
-      present: the owner had a local gradient in one of them (some rank had one, for sure).
-      flags: otherwise, their presence elements (0-d; > 0 iff a rank had one).
+      reduced: the owner's sum of averaged gradients and their presence (``REDUCED``;
+        :class:`~dmuon.functional.phases.OwnerGrad`).
       marker: the reused marker object.  shown: the marker is ``.grad`` now.
       zeroed: a shown consumed marker was zeroed.  zero_next: the next step steps with a zero
         gradient when none arrives.
@@ -74,9 +77,7 @@ class GradRecord:
 
     state: Held = Held.NONE
     local: Optional[torch.Tensor] = None
-    reduced: Optional[torch.Tensor] = None
-    present: bool = False
-    flags: list = field(default_factory=list)
+    reduced: Optional[OwnerGrad] = None
     marker: Optional[DedicatedGradMarker] = None
     shown: bool = False
     zeroed: bool = False
@@ -86,8 +87,6 @@ class GradRecord:
         """Hold nothing (the consumed-marker record stays)."""
         self.state = Held.NONE
         self.local = self.reduced = None
-        self.present = False
-        self.flags = []
 
 
 def _on_zero(ref: "weakref.ref[GradLedger]", name: str) -> None:
@@ -111,6 +110,7 @@ class GradLedger:
         self.params = dict(params)
         self.owned = frozenset(owned)
         self.records = {n: GradRecord() for n in self.params}
+        self._owned_order = tuple(n for n in self.params if n in self.owned)
         self._is_placeholder = is_placeholder
         self._collect = collect
         self._resolved: Optional[dict[str, Optional[torch.Tensor]]] = None
@@ -152,15 +152,11 @@ class GradLedger:
         self._resolved = None
         return out
 
-    def add_reduced(self, name: str, grad: torch.Tensor, present_here: bool,
-                    flag: Optional[torch.Tensor]) -> None:
-        """The owner's averaged gradient of one waited reduce (summed over several)."""
-        rec = self.records[name]
-        rec.reduced = grad if rec.reduced is None else rec.reduced.add_(grad)
-        if present_here:
-            rec.present = True
-        elif flag is not None:
-            rec.flags.append(flag)
+    def add_reduced(self, rg: ReducedGrad, scale: Optional[float] = None) -> None:
+        """The owner's averaged gradient of one waited reduce (summed over several, in place;
+        ``scale``: FSDP2's divide factor, :func:`dmuon.functional.phases.accumulate`)."""
+        rec = self.records[rg.name]
+        rec.reduced = accumulate(rec.reduced, rg, scale, donate=True)
         self._resolved = None
 
     # ------------------------------------------------------------------ step
@@ -168,16 +164,9 @@ class GradLedger:
         """``{owned name: averaged gradient, or None}`` (``None``: no rank had one since the last
         clear, or no reduce ran); one batched host read of the presence elements where needed.
         The caller collects the reduces first."""
-        if self._resolved is not None:
-            return self._resolved
-        held = {n: r for n, r in self.records.items() if r.reduced is not None}
-        unsure = [n for n, r in held.items() if not r.present]
-        absent: set[str] = set()
-        if unsure:
-            got = torch.stack([torch.stack(held[n].flags).amax() for n in unsure]).tolist()
-            absent = {n for n, f in zip(unsure, got) if not f > 0}
-        self._resolved = {n: (held[n].reduced if n in held and n not in absent else None)
-                          for n in self.params if n in self.owned}
+        if self._resolved is None:
+            self._resolved = resolve({n: r.reduced for n, r in self.records.items()},
+                                     self._owned_order)
         return self._resolved
 
     def take_zero_next(self) -> set[str]:
@@ -280,7 +269,7 @@ class GradLedger:
         ``zero_grad(set_to_none=False)``: stepped with zeros unless a later backward adds)."""
         self._collect()
         rec = self.records[name]
-        for held in (rec.local, rec.reduced):
+        for held in (rec.local, None if rec.reduced is None else rec.reduced.grad):
             if held is not None:
                 held.zero_()
 

@@ -15,6 +15,9 @@ Every collective the group has in flight is one :class:`Inflight` record (the ex
 number of reduces (several synced backwards before a step), at most one HSDP publish.
 
 The group never decides ordering or timing; the root state (:mod:`dmuon.stateful.runtime.state`) calls it.
+What moves and how is decided by the pure phases (:mod:`dmuon.functional.phases`: ``gather`` /
+``gathered``, ``reduce`` / ``reduced``, ``publish``), which the group calls on its buffers; it runs
+the schedules they return on the executor's streams and keeps the storage and the handles.
 Its methods that run inside hooks are labelled for the profiler (``record_function``:
 ``dmuon::<op> (<group>)``).
 """
@@ -22,19 +25,20 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Mapping, NamedTuple, Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.nn as nn
 from torch.autograd.profiler import record_function
 
+from dmuon.functional import phases as P
 from dmuon.functional.buckets import BucketKey, to_torch_dtype
-from dmuon.functional.packing import pack_, presence, unpack
+from dmuon.functional.phases import ReducedGrad
 from dmuon.functional.program import GroupPhases, StepProgram
 from dmuon.stateful.runtime.executor import Executor, Pending
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool, alloc_storage, free_storage
 
-__all__ = ["GroupState", "GradState", "Inflight", "ReducedGrad", "DedicatedParamGroup"]
+__all__ = ["GroupState", "GradState", "Inflight", "DedicatedParamGroup"]
 
 
 class GroupState(enum.Enum):
@@ -74,20 +78,6 @@ class Inflight:
         self.pending.wait()
 
 
-class ReducedGrad(NamedTuple):
-    """An averaged gradient this rank owns, after its reduce.
-
-    ``present_here``: the owner itself had a local gradient (then some rank had one for sure).
-    ``flag``: otherwise, the 0-d presence element of the reduce (> 0 iff any rank had one); read
-    on the host only in that case, so dense models never sync for it.
-    """
-
-    name: str
-    grad: torch.Tensor
-    present_here: bool
-    flag: Optional[torch.Tensor]
-
-
 def _label(group: "DedicatedParamGroup", op: str) -> record_function:
     return record_function(f"dmuon::{op} ({group.key or '<root>'})")
 
@@ -121,9 +111,9 @@ class DedicatedParamGroup:
         self.inflight_publish: Optional[Inflight] = None
         # built by ``setup`` at the first forward (the dtypes come from FSDP2's policy)
         self.unshard_buffers: dict[BucketKey, torch.Tensor] = {}
-        self._unshard_buckets: tuple = ()
         self._reduce_buckets: tuple = ()
-        #: this group's phases of the step program (``setup``, at the first forward)
+        #: the step program and this group's phases of it (``setup``, at the first forward)
+        self.program: Optional[StepProgram] = None
         self.phases: Optional[GroupPhases] = None
 
     # ------------------------------------------------------------------ setup
@@ -134,33 +124,31 @@ class DedicatedParamGroup:
         if phases.reshard_after_forward != self.reshard_after_forward:  # pragma: no cover
             raise RuntimeError(f"dmuon internal error: hook group {self.key!r}'s mode differs "
                                "from the step program's")
-        self.phases = phases
-        self._unshard_buckets = program.unshard_layout.buckets_of(self.key)
+        self.program, self.phases = program, phases
         self._reduce_buckets = program.reduce_layout.buckets_of(self.key)
-        for b in self._unshard_buckets:
+        for b in program.unshard_layout.buckets_of(self.key):
             buf = torch.empty(b.numel, dtype=to_torch_dtype(b.key.dtype),
                               device=self.storage.device)
             free_storage(buf)
             self.unshard_buffers[b.key] = buf
 
     # ------------------------------------------------------------------ unshard / reshard
-    def launch_unshard(self, version: int) -> None:
-        """Start gathering (no-op if gathered for ``version`` or a gather is in flight). An HSDP
-        publish of this group is waited first: this rank may be a source, and its master must be
-        the published one."""
+    def launch_unshard(self, version: int, regather: bool = False) -> None:
+        """Start gathering (no-op if gathered for ``version`` or a gather is in flight; ``regather``:
+        in a backward, :func:`dmuon.functional.phases.gather`'s re-gather). An HSDP publish of
+        this group is waited first: this rank may be a source, and its master must be the
+        published one."""
         if self.inflight_unshard is not None:
             return
         if self.state is GroupState.UNSHARDED and self.gathered_version == version:
             return
         with _label(self, "unshard"):
             self.wait_publish()
-            s = self.storage.coord[0]
             for buf in self.unshard_buffers.values():
                 alloc_storage(buf)
-            # this rank is the broadcast source of its column's bucket
-            pack_(self._unshard_buckets, self.unshard_buffers, self.storage.masters,
-                  where=lambda b, e: b.key.column == s)
-            pending = self.executor.launch(self.phases.unshard, self.unshard_buffers)
+            sched = P.gather(self.program, self.key, self.storage.coord, self.storage.masters,
+                             self.unshard_buffers, regather=regather)
+            pending = self.executor.launch(sched, self.unshard_buffers)
             self.inflight_unshard = Inflight("unshard", self.key, pending, self.unshard_buffers)
             self.state = GroupState.UNSHARDING
             self.gathered_version = version
@@ -171,12 +159,12 @@ class DedicatedParamGroup:
             inflight.wait()
             self.state = GroupState.UNSHARDED
 
-    def unshard(self, version: int) -> None:
+    def unshard(self, version: int, regather: bool = False) -> None:
         """Make the params valid full tensors in the compute dtype for ``version`` (waits)."""
-        self.launch_unshard(version)
+        self.launch_unshard(version, regather)
         with _label(self, "wait_unshard"):
             self._wait_unshard()
-            for name, view in unpack(self._unshard_buckets, self.unshard_buffers).items():
+            for name, view in P.gathered(self.program, self.key, self.unshard_buffers).items():
                 self.storage.point(name, view)
 
     def reshard(self) -> None:
@@ -221,12 +209,10 @@ class DedicatedParamGroup:
         with _label(self, "reduce"):
             buffers = {b.key: pool.acquire(b.key, b.numel, to_torch_dtype(b.key.dtype))
                        for b in self._reduce_buckets}  # one dtype per bucket
-            sent = pack_(self._reduce_buckets, buffers,
-                         {n: local_grads.pop(n) for n in self.names if n in local_grads})
-            coord = self.storage.coord
-            owned_here = {e.name: sent[e.name] for b in self._reduce_buckets for e in b.entries
-                          if e.owner == coord}
-            pending = self.executor.launch(self.phases.reduce, buffers)
+            sched, owned_here = P.reduce(
+                self.program, self.key, self.storage.coord,
+                {n: local_grads.pop(n) for n in self.names if n in local_grads}, buffers)
+            pending = self.executor.launch(sched, buffers)
             self.inflight_reduces.append(Inflight("reduce", self.key, pending, buffers, owned_here))
             self.grad_state = GradState.REDUCED
 
@@ -235,14 +221,11 @@ class DedicatedParamGroup:
         owns, per reduce in launch order."""
         out: list[ReducedGrad] = []
         inflight, self.inflight_reduces = self.inflight_reduces, []
-        coord = self.storage.coord
-        mine = lambda b, e: e.owner == coord  # noqa: E731
         for rec in inflight:
             with _label(self, "wait_reduce"):
                 rec.wait()
-            flags = presence(self._reduce_buckets, rec.buffers, where=mine)
-            for name, view in unpack(self._reduce_buckets, rec.buffers, where=mine).items():
-                out.append(ReducedGrad(name, view, rec.owned_here[name], flags.get(name)))
+            out += P.reduced(self.program, self.key, self.storage.coord, rec.buffers,
+                             rec.owned_here)
         return out
 
     def reset_backward(self) -> None:
@@ -256,7 +239,8 @@ class DedicatedParamGroup:
         shard column (no-op when the schedule is empty: R == 1)."""
         if self.phases is None or len(self.phases.publish) == 0:
             return
-        pending = self.executor.launch(self.phases.publish, master_buffers)
+        sched = P.publish(self.program, self.storage.coord, master_buffers, key=self.key)
+        pending = self.executor.launch(sched, master_buffers)
         self.inflight_publish = Inflight("publish", self.key, pending, master_buffers)
 
     def wait_publish(self) -> None:

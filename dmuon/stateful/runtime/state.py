@@ -53,7 +53,7 @@ from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
 from dmuon.stateful.runtime.executor import Executor
 from dmuon.stateful.runtime.guards import check_not_written, keep_dmuon_hook_last
 from dmuon.stateful.runtime.ledger import GradLedger
-from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState, ReducedGrad
+from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState
 from dmuon.stateful.runtime.process_groups import MeshGroups
 from dmuon.stateful.runtime.publish import PublishMixin
 from dmuon.stateful.runtime.reduce_listener import ReduceListenerMixin
@@ -316,13 +316,14 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         return self.order[j] if 0 <= j < len(self.order) else None
 
     # ------------------------------------------------------------------ gather / free
-    def unshard(self, key: str) -> None:
+    def unshard(self, key: str, regather: bool = False) -> None:
+        """Gather group ``key`` (``regather``: again, in a backward) and wait."""
         self.ledger.take_markers(self.groups[key].names)
-        self.groups[key].unshard(self.version)
+        self.groups[key].unshard(self.version, regather)
 
-    def launch_unshard(self, key: str) -> None:
+    def launch_unshard(self, key: str, regather: bool = False) -> None:
         self.ledger.take_markers(self.groups[key].names)
-        self.groups[key].launch_unshard(self.version)
+        self.groups[key].launch_unshard(self.version, regather)
 
     def reshard_all(self) -> None:
         if self.ready:
@@ -416,16 +417,12 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
 
     # ------------------------------------------------------------------ step protocol
     def _collect(self) -> None:
-        """Wait for every in-flight reduce (in launch order) and accumulate the owner's grads."""
+        """Wait for every in-flight reduce (in launch order) and add the owner's grads to the
+        ledger, each scaled by FSDP2's set_gradient_divide_factor of the module holding it."""
         for key in self._reduce_order:
             for rg in self.groups[key].wait_reduces():
-                self._accumulate(rg)
-
-    def _accumulate(self, rg: ReducedGrad) -> None:
-        k = mean_to_fsdp_scale(self._fsdp_states.get(rg.name), self.G * self.R)
-        if k is not None:  # FSDP2's set_gradient_divide_factor on the module holding the param
-            rg.grad.mul_(k)
-        self.ledger.add_reduced(rg.name, rg.grad, rg.present_here, rg.flag)
+                self.ledger.add_reduced(rg, mean_to_fsdp_scale(self._fsdp_states.get(rg.name),
+                                                               self.G * self.R))
 
     def reduced_grads(self) -> dict[str, Optional[torch.Tensor]]:
         """Wait for the pending reduces; ``{owned name: averaged gradient, or None}`` (``None``:

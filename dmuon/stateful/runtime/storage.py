@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from dmuon.functional.buckets import BucketKey, BucketLayout, HookGroups, bucket_layout
+from dmuon.functional.packing import empty_buffers, pack_, unpack
 from dmuon.stateful.runtime.guards import to_placeholder, to_plain
 
 __all__ = ["master_dtype_for", "free_storage", "alloc_storage", "DedicatedStorage",
@@ -85,21 +86,11 @@ class DedicatedStorage:
         self.device = device if device is not None else next(iter(self.params.values())).device
         self.master_layout: BucketLayout = bucket_layout(
             owners, self.shape, self.master_dtype, groups, shard_size, replicate_size)
-        self.master_buffers: dict[BucketKey, torch.Tensor] = {}
-        self.masters: dict[str, torch.Tensor] = {}
-        s = coord[0]
-        for b in self.master_layout.buckets:
-            if b.key.column != s:
-                continue
-            buf = torch.empty(b.numel, dtype=self.master_dtype[b.entries[0].name],
-                              device=self.device)
-            self.master_buffers[b.key] = buf
-            for e in b.entries:
-                view = buf[e.offset:e.offset + e.numel].view(e.shape)
-                if not self.uninitialized:
-                    with torch.no_grad():
-                        view.copy_(self.params[e.name].detach())
-                self.masters[e.name] = view
+        mine = tuple(b for b in self.master_layout.buckets if b.key.column == coord[0])
+        self.master_buffers: dict[BucketKey, torch.Tensor] = empty_buffers(mine, self.device)
+        self.masters: dict[str, torch.Tensor] = unpack(mine, self.master_buffers)
+        if not self.uninitialized:
+            pack_(mine, self.master_buffers, {n: p.detach() for n, p in self.params.items()})
         #: the masters this rank runs Muon on (owner == coord), in the params' order
         self.owned_masters: dict[str, torch.Tensor] = {
             n: self.masters[n] for n in self.params if tuple(owners[n]) == tuple(coord)}
