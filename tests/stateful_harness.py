@@ -208,7 +208,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     groups = sorted(rt.groups)
     return {"sd": sd, "groups": groups, "norms": norms, "losses": losses, "lrs": lrs,
             "owners": sorted(owners.values()), "counters": rt.executor.counters(),
-            "program_counters": rt.program.rank_counters(rt.coord),
+            "program_counters": opt.program.rank_counters(rt.coord),
             "split_units": [sp.param for sp in rt.plan.splits],
             "collective_styles": {k: getattr(g, "collectives", "per_owner")
                                   for k, g in rt.program.groups.items()},

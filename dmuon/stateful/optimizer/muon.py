@@ -26,6 +26,7 @@ them torch-style (``momentum_buffer``; ``step``, ``exp_avg``, ``exp_avg_sq``) fo
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any, Callable, Optional
 
@@ -194,7 +195,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._check_fsdp_usage = bool(self._adamw_named) and not reduce_unused_fsdp_params(model)
         # a newer Muon(model) supersedes this one: stepping both would update twice per step
         self._generation = rt.attach_optimizer()
-        ss.follow_reduces(self, rt)  # offload: a group's copy-in starts as its reduce is issued
+        rt.set_listener(ss.StorageListener(self))  # offload: copies follow the reduces
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
         # runs its zero-gradient "materializing" step on this optimizer. One driver for Muon
         # (transform=None: variants.muon()) and every variant: its chain, state and fields
@@ -219,6 +220,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             # an 8-bit momentum: each slice's scale is its matrix's (one MAX over the TP group)
             self._storage.share_scales(self._tp.names, self._tp.max_over_group)
         self._split = split_step(rt, transform, self.muon_hparams())  # split NS: this rank's units
+        self._program_of = self._program = None
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 
@@ -228,6 +230,20 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         """The :class:`~dmuon.stateful.runtime.state.DedicatedState` of the model this optimizer steps
         (the one ``dedicate_params`` attached; see :func:`dmuon.stateful.runtime.state.get_state`)."""
         return self._rt
+
+    @property
+    def program(self) -> Any:
+        """The step program as this optimizer runs it: the model's
+        (:attr:`~dmuon.stateful.runtime.state.DedicatedState.program`, built at the first forward;
+        ``None`` before it) with this optimizer's split NS schedules (its NS settings decide their
+        ops). A derived value: the model's program is never rewritten."""
+        prog = self._rt.program
+        if prog is None or self._split is None:
+            return prog
+        if self._program_of is not prog:
+            self._program_of, self._program = prog, dataclasses.replace(
+                prog, splits=self._split.schedules)
+        return self._program
 
     @property
     def adamw_named_params(self) -> tuple[tuple[str, nn.Parameter], ...]:

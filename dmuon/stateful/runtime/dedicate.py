@@ -46,7 +46,8 @@ from dmuon.functional.policy import ParamPolicy
 from dmuon.functional.routing import Dedication, routing_table
 from dmuon.stateful.runtime.param_views import (as_policy, decide_params, dtype_overrides,
                                         policy_fingerprint, routing_predicate)
-from dmuon.stateful.modes.meta_init import check_meta_selection, device_of_mesh, replace_meta_params
+from dmuon.stateful.modes.meta_init import (MetaInit, check_meta_selection, device_of_mesh,
+                                            replace_meta_params)
 from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.runtime.process_groups import agree_grids, make_process_groups, with_split_groups
 from dmuon.stateful.modes.deferred import (check_materialized, clear_pending, covers_world, defer,
@@ -466,6 +467,8 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
         view_sources={n: d.source for n, d in decisions.items()},
         hp_mults={n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()},
         tp_layouts=layouts)
+    if meta_shapes is not None:  # the masters have no values yet: the init writes them
+        st.meta_init = MetaInit.open(st)
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.runtime.guards)

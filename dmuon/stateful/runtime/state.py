@@ -26,7 +26,7 @@ and presence 0 (DDP's ``find_unused_parameters`` semantics): its average counts 
 a param no rank had a gradient for is skipped by the update, as a single-device optimizer skips
 ``grad is None``.
 
-**Step protocol** (the optimizer's interface): :meth:`on_reduce_issued`, :meth:`reduced_grads`
+**Step protocol** (the optimizer's interface): :meth:`set_listener`, :meth:`reduced_grads`
 (waits; averaged gradients, ``None`` for none), :meth:`owned_masters`, :meth:`clear_grads`,
 :meth:`after_step` (version bump, gathered copies freed, HSDP publish), :meth:`masters_changed`
 (a state-dict load), :meth:`attach_optimizer` / :meth:`is_current`, and the ledger.
@@ -56,7 +56,6 @@ from dmuon.stateful.runtime.ledger import GradLedger
 from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState
 from dmuon.stateful.runtime.process_groups import MeshGroups
 from dmuon.stateful.runtime.publish import PublishMixin
-from dmuon.stateful.runtime.reduce_listener import ReduceListenerMixin
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool
 
 logger = logging.getLogger(__name__)
@@ -68,7 +67,7 @@ STATE_ATTR = "_dmuon_state"
 __all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_state", "local_tensor"]
 
 
-class DedicatedState(PublishMixin, ReduceListenerMixin):
+class DedicatedState(PublishMixin):
     """Root state of the dedicated params of one model (see the module docstring)."""
     collectives: str = "per_owner"  #: dedicate_params(collectives=...): the program's style
 
@@ -93,7 +92,6 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         self.G, self.R, self.rank = mesh_groups.shard_size, mesh_groups.replicate_size, mesh_groups.rank
         self.coord: tuple[int, int] = tuple(mesh_groups.coord)
         self.owners = {n: tuple(o[n]) for o in [runtime_owners(plan)] for n in self.names}
-        self.split_schedules: tuple[Schedule, ...] = ()  # program.splits (set by dmuon.Muon)
         self.owner_rank = {n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
         self.owned_names = tuple(n for n in self.names if self.owners[n] == self.coord)
         self.batch_dims = dict(batch_dims)
@@ -136,6 +134,7 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         self._callback_queued = False
         self._deferred_grads: dict[str, nn.Parameter] = {}  # on_grad: taken at the backward's end
         self._keep_gathered = False  # this backward has create_graph=True (on_backward_start)
+        self.listener: Any = None  # set_listener
         self.ready = False
         #: the step program (:mod:`dmuon.functional.program`), built at the first forward
         self.program: Optional[StepProgram] = None
@@ -151,11 +150,9 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         self._fsdp_states: dict[str, Any] = {}  # {name: innermost FSDP2 state} (lazy init)
         # "fsdp" or "ddp" (dedicate_params(data_parallel=...); DDP mode: dmuon.stateful.modes.ddp)
         self.data_parallel = "fsdp"
-        #: the open init window of a meta-built model (:mod:`dmuon.stateful.modes.meta_init`), or None
+        #: the open init window of a meta-built model (:mod:`dmuon.stateful.modes.meta_init`,
+        #: opened by dedicate_params), or None
         self.meta_init: Any = None
-        if meta_shapes is not None:
-            from dmuon.stateful.modes.meta_init import MetaInit
-            self.meta_init = MetaInit.open(self)
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -190,10 +187,9 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
 
     def finish_meta_init(self, what: str) -> None:
         """Close the init window of a meta-built model (collective; no-op when none is open;
-        see :func:`dmuon.stateful.modes.meta_init.finish_meta_init`)."""
+        see :meth:`dmuon.stateful.modes.meta_init.MetaInit.finish`)."""
         if self.meta_init is not None:
-            from dmuon.stateful.modes.meta_init import finish_meta_init
-            finish_meta_init(self, what)
+            self.meta_init.finish(self, what)
 
     def join(self, what: str, *, always: bool = False) -> None:
         """Before a state-dict / checkpoint call with collectives: every rank must make it
@@ -249,7 +245,7 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
             self.owners, self.shape, cdt, reduce_dtypes=rdt, master_dtypes=self.master_dtype,
             shard_size=self.G, replicate_size=self.R, groups=self.hook_groups,
             reshard_after_forward=self.reshard_after_forward, tp=self.tp_schedule(),
-            splits=self.split_schedules, collectives=self.collectives)
+            collectives=self.collectives)
         if self.program.master_layout != self.storage.master_layout:  # pragma: no cover
             raise RuntimeError("dmuon internal error: the step program's master layout differs "
                                "from the storage's")
@@ -274,11 +270,32 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
             {n: str(self.master_dtype[n]) for n in self.tp_layouts},
             world_size=dist.get_world_size())
 
+    # ------------------------------------------------------------------ the listener
+    def set_listener(self, listener: Any) -> None:
+        """The one listener of this model's runtime (an optimizer's policy, e.g. offloaded
+        momentum): ``listener.reduce_issued(names)`` whenever a hook group's gradient reduce is
+        issued (in backward, in the fixed reduce order, the rest at the end of the backward;
+        never inside ``no_sync``), ``listener.group_forward()`` when a forward reaches its first
+        hook group (after the model's own code before it, e.g. an HF model's mask; once per
+        forward, not in a recomputation). A later call replaces it, calling the replaced one's
+        ``group_forward()`` once first (a superseded optimizer starts what it deferred)."""
+        old, self.listener = self.listener, listener
+        if old is not None:
+            old.group_forward()
+
+    def notify_group_forward(self) -> None:
+        """A hook group's forward starts (the hooks call it): the first of a forward tells the
+        listener."""
+        if not self._group_forward_seen:
+            self._group_forward_seen = True
+            if self.listener is not None:
+                self.listener.group_forward()
+
     # ------------------------------------------------------------------ forward order
     def begin_forward(self) -> None:
         """A forward of the model starts (not a checkpoint recomputation)."""
         self._calls.clear()
-        self._group_forward_seen = False  # ReduceListenerMixin: notify_group_forward's flag
+        self._group_forward_seen = False  # notify_group_forward's flag
 
     def note_forward(self, key: str) -> None:
         """Record the order in which groups run forward (the first forward; used to prefetch) and
@@ -376,7 +393,8 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         g = self.groups[key]
         self.ledger.take_markers(g.names)  # markers of an earlier no_sync backward: still there?
         g.launch_reduce(self.ledger.send(g.names), self.pool)
-        self._reduce_issued(g.names)  # ReduceListenerMixin
+        if self.listener is not None:  # the optimizer's policy (offload: the copies in start)
+            self.listener.reduce_issued(g.names)
         if not self._keep_gathered:
             g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
 
