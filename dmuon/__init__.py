@@ -12,7 +12,7 @@ what is missing and installs nothing; ``dedicate_params`` then raises, and the p
 
 Public API (the stateful wrapper, see SPEC §2), loaded on first use (``import dmuon.functional``
 loads no module of :mod:`dmuon.stateful`):
-  ``dedicate_params``, ``Muon``, ``no_sync``, ``wait_all_replicate_broadcasts``,
+  ``dedicate_params`` (its options: ``DedicateOptions``), ``Muon``, ``no_sync``, ``wait_all_replicate_broadcasts``,
   ``get_model_state_dict`` / ``set_model_state_dict``, ``get_optimizer_state_dict`` /
   ``set_optimizer_state_dict``, ``read_state_dict``, ``save_sharded`` / ``load_sharded``
   (torch.distributed.checkpoint, never gathered, any topology), ``clip_grad_norm_``,
@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 #: public name -> the module that defines it (imported on first access, PEP 562)
 _PUBLIC: dict[str, str] = {
     "dedicate_params": "dmuon.stateful.runtime.dedicate",
+    "DedicateOptions": "dmuon.functional.dedicate_options",
     "Muon": "dmuon.stateful.optimizer.muon",
     "no_sync": "dmuon.stateful.runtime.no_sync",
     "wait_all_replicate_broadcasts": "dmuon.stateful.runtime.no_sync",

@@ -33,6 +33,7 @@ import torch.nn as nn
 
 from dmuon.stateful.modes.ddp import unwrapping_model
 from dmuon.functional import adamw as fadamw
+from dmuon.functional.muon_options import group_of_saved
 from dmuon.functional.stages.hparams import as_step
 from dmuon.stateful.runtime.state import get_state, local_tensor
 from dmuon.stateful.checkpoint.state_dict import agree, from_rank0, full_copy, local_shard
@@ -280,6 +281,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     for g in optimizer.param_groups:
         theirs = by_name.get(g.get("name"))
         if theirs is not None:
+            theirs = group_of_saved(theirs)  # dmuon's former names (older checkpoints)
             g.update({k: _decode(k, v) for k, v in theirs.items()
                       if k not in ("params", "param_names", "name", "num_steps",
                                    "variant_scalars", "momentum_dtype", "offload_state",
