@@ -33,7 +33,7 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it (imported on first access, PEP 562)
 _PUBLIC: dict[str, str] = {
-    "dedicate_params": "dmuon.stateful.runtime.dedicate",
+    "dedicate_params": "dmuon.stateful.setup.dedicate",
     "DedicateOptions": "dmuon.functional.dedicate_options",
     "Muon": "dmuon.stateful.optimizer.muon",
     "no_sync": "dmuon.stateful.runtime.no_sync",
@@ -51,7 +51,7 @@ _PUBLIC: dict[str, str] = {
     "set_model_state_dict": "dmuon.stateful.checkpoint.state_dict",
     "read_state_dict": "dmuon.checkpoint.state_dict_files",
     "LoadResult": "dmuon.stateful.checkpoint.state_dict",
-    "release": "dmuon.stateful.runtime.release",
+    "release": "dmuon.stateful.setup.release",
     "mesh_executor": "dmuon.stateful.runtime.executor",
 }
 _SUBPACKAGES = ("functional", "tools", "stateful", "checkpoint", "newton_schulz", "kernels",

@@ -114,7 +114,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.setup.dedicate import dedicate_params
     from dmuon.stateful.extras.grad_clip import clip_grad_norm_
     from dmuon.stateful.runtime.no_sync import no_sync
     from dmuon.stateful.optimizer.muon import Muon

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.stateful.modes.ddp import unwrapping_model
+from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.muon_options import group_of_saved
 from dmuon.functional.stages.hparams import as_step
@@ -40,6 +40,7 @@ from dmuon.stateful.checkpoint.state_dict import agree, from_rank0, full_copy, l
 from dmuon.stateful.checkpoint.torch_state_dict import StateDictError, check_entry, dtensor_rows
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part, refuse_tp
 from dmuon.stateful.checkpoint.owner_fields import gather_fields, layout_of, stage_fields
+from dmuon.stateful.checkpoint.transfer import transfer_of
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "load_optimizer_state",
            "torch_optimizer_state_dict", "torch_load_optimizer_state_dict"]
@@ -76,7 +77,7 @@ def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, tor
     field from its owner, :func:`gather_fields`; a master wider than the param from its
     column)."""
     rt = optimizer.dedicated_state
-    tr = rt.checkpoint_transfer
+    tr = transfer_of(rt)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for group in tr.each_group():
         fields = gather_fields(optimizer, group)
@@ -255,7 +256,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
             for k, dst in zip(_MOMENTS, (st.mu[n], st.nu[n])):
                 dst.copy_(_local_piece(fsdp[n][k], p).to(dtype=dst.dtype))
     staged_masters: dict[str, torch.Tensor] = {}
-    tr = rt.checkpoint_transfer
+    tr = transfer_of(rt)
 
     def move(group: str, key: str, part: Any = None) -> dict[str, torch.Tensor]:
         """Entry ``key`` of ``group``'s matrices on their owner columns (``part(n, full)``: this

@@ -54,7 +54,7 @@ import torch.nn as nn
 from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.schedule import publish_schedule
 from dmuon.stateful.runtime.agree import agree
-from dmuon.stateful.runtime.errors import DedicatedParamError
+from dmuon.stateful.runtime.errors import DedicatedParamError, from_dtensor_api, tp_error
 from dmuon.stateful.runtime.guard_base import (ATTRIBUTE_CALLS, PASS_ON, TorchGuard, call_plain,
                                                full_shape_query)
 
@@ -123,7 +123,6 @@ class DedicatedUninit(TorchGuard, nn.Parameter):
         if info is None:  # pragma: no cover - a stray subclass instance
             return call_plain(func, args, kwargs)
         if name not in cls._guard_allowed:
-            from dmuon.stateful.modes.tp_errors import from_dtensor_api, tp_error
             if from_dtensor_api():  # TP after dedicate_params: raise on holders and others alike
                 raise tp_error(info.name, info.owner)
         if name == "empty_like" and args and args[0] is me and _from_to_empty():

@@ -54,7 +54,7 @@ from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.tp_plan import tp_roots
 from dmuon.functional.tp_step import group_max, tp_orthogonalizer, tp_sum_partials
 from dmuon.stateful.runtime.agree import rank_flags
-from dmuon.stateful.modes.tp_errors import (TP_FIX, TensorParallelUnsupported, from_dtensor_api,  # noqa: F401
+from dmuon.stateful.runtime.errors import (TP_FIX, TensorParallelUnsupported, from_dtensor_api,  # noqa: F401
                                       refuse_tp, tp_error)
 
 __all__ = ["TensorParallelUnsupported", "TP_FIX", "TPLayout", "TPForward", "TPStep",

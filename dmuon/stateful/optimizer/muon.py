@@ -42,12 +42,13 @@ from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.stateful.optimizer.ns_hook import NSHook
 from dmuon.stateful.optimizer.split_step import split_step
 from dmuon.stateful.optimizer.state_views import StateViewsMixin
-from dmuon.stateful.modes.ddp import check_backend, unwrap_model
+from dmuon.stateful.modes.ddp import check_backend
+from dmuon.stateful.runtime.state import unwrap_model
+from dmuon.stateful.modes.deferred import finish_pending
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
 from dmuon.stateful.optimizer.step_checks import check_finite, check_outside_grads, check_same_fsdp_grads
 from dmuon.stateful.modes.tensor_parallel import TPStep
-from dmuon.stateful.runtime.dedicate import finish_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._storage = ss.MomentumStorage(mu_dtype, offload_state, None)
         NSHook.check(knobs["ns_engine"])  # a bad ns_engine raises here, before anything changes
         model = unwrap_model(model)
-        finish_deferred(model)  # dedicate_params before TP: the dedication completes here
+        finish_pending(model)  # dedicate_params before TP: the dedication completes here
         rt = get_state(model, "dmuon.Muon(model)")
         rt.finish_meta_init("dmuon.Muon(model)")  # meta-built model: close its init window
         check_not_taken_over(model, rt.params, "dmuon.Muon(model)")

@@ -47,7 +47,7 @@ from dmuon.compat.fsdp_info import has_fsdp_state
 from dmuon.stateful.runtime.guards import guard_module_apply
 from dmuon.functional.policy import ParamPolicy
 from dmuon.functional.routing import Dedication, routing_table
-from dmuon.stateful.runtime.param_views import (as_policy, decide_params, dtype_overrides,
+from dmuon.stateful.setup.param_views import (as_policy, decide_params, dtype_overrides,
                                         policy_fingerprint, routing_predicate)
 from dmuon.stateful.modes.meta_init import (MetaInit, check_meta_selection, device_of_mesh,
                                             replace_meta_params)
@@ -356,7 +356,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     if not finishing and _agree_deferral(local_err, mesh, replicate_mesh, deferring):
         # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
         _agree_mode(data_parallel)
-        defer(model, chosen, dict(kw, mesh=mesh))
+        defer(model, chosen, dict(kw, mesh=mesh), finish_deferred)
         logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
                     "dedicate_params)", len(chosen))
         return Dedication()
@@ -426,17 +426,18 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
         views={n: spec_by_name[n].matrix_view for n in chosen},
         view_sources={n: d.source for n, d in decisions.items()},
         hp_mults={n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()},
-        tp_layouts=layouts)
+        tp_layouts=layouts, data_parallel=data_parallel,
+        collectives="per_owner" if (layouts or data_parallel == "ddp") else collectives,
+        # model.state_dict()'s DTensor rows: over the 1-D shard mesh (DDP mode: plain tensors)
+        shard_mesh=None if data_parallel == "ddp" else (mesh["shard"] if mesh.ndim == 2
+                                                         else mesh))
     if meta_shapes is not None:  # the masters have no values yet: the init writes them
         st.meta_init = MetaInit.open(st)
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.runtime.guards)
         p._dmuon_shape = st.shape[n]  # what a placeholder reports as its shape / numel()
-    st.collectives = "per_owner" if (layouts or data_parallel == "ddp") else collectives
-    st.shard_mesh = mesh["shard"] if mesh.ndim == 2 else mesh
     if data_parallel == "ddp":
-        st.shard_mesh = None  # model.state_dict(): plain full tensors, as DDP's
         install_ddp_mode(model, st)
     else:
         guard_fsdp_mode(model)
