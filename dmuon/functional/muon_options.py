@@ -39,7 +39,7 @@ from dmuon.functional.lr_scale import ADJUST_LR_FN, LR_SCALE_RULES
 from dmuon.functional.muon import MuonHParams, validate_hparams
 
 __all__ = ["GROUP_KEYS", "OLD_NAMES", "KNOBS", "ADJUST_LR_FN", "ELEMENTWISE", "hparams_of_group",
-           "group_of_saved", "check_flag", "check_options", "check_knob"]
+           "group_of_saved", "group_for_saving", "check_flag", "check_options", "check_knob"]
 
 #: ``param_groups[0]``'s Muon hyper-parameters (torch.optim.Muon's names where it has them)
 GROUP_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "eps",
@@ -86,9 +86,21 @@ def hparams_of_group(group: Mapping[str, Any]) -> MuonHParams:
     return MuonHParams(**kw)
 
 
+def group_for_saving(group: Mapping[str, Any]) -> dict[str, Any]:
+    """``param_groups[0]`` as checkpoints store it: under the functional core's names
+    (``ns_eps``, ``lr_scale``: the format every dmuon has written, so torch's state-dict tools
+    and DCP, which load into the current optimizer's ``state_dict()`` keys, read older and newer
+    checkpoints alike); :func:`group_of_saved` is its inverse."""
+    out = dict(group)
+    if "eps" in out and "adjust_lr_fn" in out:
+        out["ns_eps"] = out.pop("eps")
+        out["lr_scale"] = _lr_scale(out.pop("adjust_lr_fn"))
+    return out
+
+
 def group_of_saved(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """A saved ``param_groups[0]`` with dmuon's former names (checkpoints written before the
-    rename) under torch's names."""
+    """A saved ``param_groups[0]`` (the functional core's names, :func:`group_for_saving`) under
+    torch's names."""
     out = dict(saved)
     if "ns_eps" in out:
         out.setdefault("eps", out.pop("ns_eps"))
