@@ -188,7 +188,7 @@ def build(cfg: Cfg, kind: str, device: torch.device, mesh, model_kind: str = "ll
         model = MODEL[model_kind](cfg)
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if kind.startswith("dmuon"):
-        from dmuon.stateful.runtime.dedicate import dedicate_params
+        from dmuon.stateful.setup.dedicate import dedicate_params
         dedicate_params(model, mesh, muon_predicate)
     elif kind == "reference":  # the reference implementation (whichever ``dmuon`` is importable:
         import dmuon as reference  # state_memory.py puts its source first on the path)

@@ -12,7 +12,7 @@ what is missing and installs nothing; ``dedicate_params`` then raises, and the p
 
 Public API (the stateful wrapper, see SPEC §2), loaded on first use (``import dmuon.functional``
 loads no module of :mod:`dmuon.stateful`):
-  ``dedicate_params``, ``Muon``, ``no_sync``, ``wait_all_replicate_broadcasts``,
+  ``dedicate_params`` (its options: ``DedicateOptions``), ``Muon``, ``no_sync``, ``wait_all_replicate_broadcasts``,
   ``get_model_state_dict`` / ``set_model_state_dict``, ``get_optimizer_state_dict`` /
   ``set_optimizer_state_dict``, ``read_state_dict``, ``save_sharded`` / ``load_sharded``
   (torch.distributed.checkpoint, never gathered, any topology), ``clip_grad_norm_``,
@@ -33,7 +33,8 @@ __version__ = "0.1.0"
 
 #: public name -> the module that defines it (imported on first access, PEP 562)
 _PUBLIC: dict[str, str] = {
-    "dedicate_params": "dmuon.stateful.runtime.dedicate",
+    "dedicate_params": "dmuon.stateful.setup.dedicate",
+    "DedicateOptions": "dmuon.functional.dedicate_options",
     "Muon": "dmuon.stateful.optimizer.muon",
     "no_sync": "dmuon.stateful.runtime.no_sync",
     "wait_all_replicate_broadcasts": "dmuon.stateful.runtime.no_sync",
@@ -50,7 +51,7 @@ _PUBLIC: dict[str, str] = {
     "set_model_state_dict": "dmuon.stateful.checkpoint.state_dict",
     "read_state_dict": "dmuon.checkpoint.state_dict_files",
     "LoadResult": "dmuon.stateful.checkpoint.state_dict",
-    "release": "dmuon.stateful.runtime.release",
+    "release": "dmuon.stateful.setup.release",
     "mesh_executor": "dmuon.stateful.runtime.executor",
 }
 _SUBPACKAGES = ("functional", "tools", "stateful", "checkpoint", "newton_schulz", "kernels",

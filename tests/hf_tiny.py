@@ -109,7 +109,7 @@ def dmuon_run(rank: int, world: int, kind: str, predicate: Any, muon_kw: Optiona
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.setup.dedicate import dedicate_params
     from dmuon.stateful.optimizer.muon import Muon
     from dmuon.stateful.checkpoint.state_dict import get_model_state_dict
 

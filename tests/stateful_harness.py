@@ -114,7 +114,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.setup.dedicate import dedicate_params
     from dmuon.stateful.extras.grad_clip import clip_grad_norm_
     from dmuon.stateful.runtime.no_sync import no_sync
     from dmuon.stateful.optimizer.muon import Muon
@@ -208,7 +208,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     groups = sorted(rt.groups)
     return {"sd": sd, "groups": groups, "norms": norms, "losses": losses, "lrs": lrs,
             "owners": sorted(owners.values()), "counters": rt.executor.counters(),
-            "program_counters": rt.program.rank_counters(rt.coord),
+            "program_counters": opt.program.rank_counters(rt.coord),
             "split_units": [sp.param for sp in rt.plan.splits],
             "collective_styles": {k: getattr(g, "collectives", "per_owner")
                                   for k, g in rt.program.groups.items()},

@@ -51,7 +51,10 @@ def _rank0_loads(rank: int, world: int, mode: str, kinds: tuple) -> dict:
         msd = dmuon.get_model_state_dict(model)
         osd = dmuon.get_optimizer_state_dict(model, opt)
         fresh, fopt, _, _ = vw.build("normuon" if plain else kind, mode, world, seed=5, **plain)
-        ex = fopt.dedicated_state.checkpoint_transfer.executor
+        # (the model's transfer: transfer_of(state) since the runtime stopped importing the
+        # checkpoint wing; it was the state's checkpoint_transfer property)
+        from dmuon.stateful.checkpoint.transfer import transfer_of
+        ex = transfer_of(fopt.dedicated_state).executor
         before = {lane: c["collectives"] for lane, c in ex.counters().items()}
         calls.clear()
         dmuon.set_model_state_dict(fresh, msd if rank == 0 else None, rank0_only=True)

@@ -37,7 +37,7 @@ def _build(topo, rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.setup.dedicate import dedicate_params
     from dmuon.stateful.optimizer.muon import Muon
     from models import make_model, muon_predicate
 
@@ -220,7 +220,7 @@ def _bf16_masters(rank, world, root, out):
     import torch
 
     from dmuon.checkpoint.sharded import load_sharded, save_sharded
-    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.setup.dedicate import dedicate_params
     from dmuon.stateful.optimizer.muon import Muon
     from dmuon.stateful.checkpoint.optimizer_state_dict import get_optimizer_state_dict, set_optimizer_state_dict
     from dmuon.stateful.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -319,7 +319,7 @@ def _hf(rank, world, root, out):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.setup.dedicate import dedicate_params
     from dmuon.checkpoint.state_dict_files import read_state_dict
     from dmuon.stateful.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 

@@ -36,7 +36,7 @@ def _worker(rank, world):
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.setup.dedicate import dedicate_params
     from dmuon.compat.fsdp_patch import install_fully_shard_patch
     from dmuon.stateful.optimizer.muon import Muon
     from dmuon.stateful.checkpoint.state_dict import get_model_state_dict

@@ -59,7 +59,7 @@ def qk_worker(rank, world):
     from torch.distributed.fsdp import fully_shard
 
     from models import make_model, muon_predicate
-    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.setup.dedicate import dedicate_params
     from dmuon.stateful.extras.qk_clip import qk_clip_
     from dmuon.stateful.checkpoint.state_dict import get_model_state_dict
 

@@ -115,7 +115,7 @@ def _worker(rank, world, cfgs):
     import logging
     torch.set_num_threads(1)
     log = io.StringIO()  # dedicate_params' INFO lines (how it grouped the matrices)
-    logger = logging.getLogger("dmuon.stateful.runtime.dedicate")
+    logger = logging.getLogger("dmuon.stateful.setup.dedicate")
     logger.addHandler(logging.StreamHandler(log))
     logger.setLevel(logging.INFO)
     out = {cfg["id"]: _train(rank, world, cfg) for cfg in cfgs}

@@ -73,7 +73,7 @@ def test_split_ns_option_and_unsupported_combinations_raise():
 
     import dmuon
     from dmuon.stateful.optimizer.split_step import check_split_support
-    from dmuon.stateful.runtime.dedicate import _split_args
+    from dmuon.stateful.setup.dedicate import _split_args
     for bad in (0, True, 1.5, "2"):                      # before anything else is looked at
         with pytest.raises(ValueError, match="split_ns must be an int >= 1"):
             dmuon.dedicate_params(torch.nn.Linear(2, 2), None, lambda n, p: True, split_ns=bad)

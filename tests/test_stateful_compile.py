@@ -71,7 +71,7 @@ def _run(rank, world, how, when, z3, backend):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.setup.dedicate import dedicate_params
     from dmuon.stateful.optimizer.muon import Muon
     from dmuon.stateful.checkpoint.state_dict import get_model_state_dict
     from models import make_batches, make_model, muon_predicate

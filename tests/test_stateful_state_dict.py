@@ -14,7 +14,7 @@ def _build(world, tie=False):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.setup.dedicate import dedicate_params
     from dmuon.stateful.optimizer.muon import Muon
     from models import make_model, muon_predicate
 

@@ -11,7 +11,7 @@ def _train(rank, world, ns_engine, steps=3):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.setup.dedicate import dedicate_params
     from dmuon.stateful.optimizer.muon import Muon
     from dmuon.stateful.checkpoint.state_dict import get_model_state_dict
 

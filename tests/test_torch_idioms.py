@@ -205,7 +205,7 @@ def _hung_rank(rank, world, hsdp, sleep_s):
     log = []
     handler = logging.Handler()
     handler.emit = lambda rec: log.append(rec.getMessage())
-    logging.getLogger("dmuon.stateful.runtime.dedicate").addHandler(handler)
+    logging.getLogger("dmuon.stateful.setup.dedicate").addHandler(handler)
     model = make_model()
     model, opt = build_dmuon(rank, world, model, model.layers, {"hsdp": hsdp},
                              timeout=datetime.timedelta(seconds=5))

@@ -68,7 +68,7 @@ def raise_worker(rank, world):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
 
-    from dmuon.stateful.runtime.dedicate import dedicate_params
+    from dmuon.stateful.setup.dedicate import dedicate_params
 
     class Odd(torch.nn.Module):
         def __init__(self):

@@ -59,7 +59,7 @@ from dmuon.checkpoint.save_safety import (agree_failure, discard_partial, run_st
                                           target_problems)
 from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.functional.state_dict_check import check_state_dict
-from dmuon.stateful.modes.ddp import unwrapping_model
+from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.stateful.checkpoint.torch_state_dict import log_dtype_changes
 from dmuon.stateful.checkpoint.optimizer_state_dict import (
     _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state, muon_step,

@@ -1,12 +1,13 @@
-"""``torch.optim.Muon``'s spellings of dmuon's Muon options, and the check of every option of
-``dmuon.Muon(...)`` before it changes anything (pure: no process group, nothing stateful).
+"""The options of ``dmuon.Muon(...)``: torch's names, the deprecated spellings, and the check of
+every option before it changes anything (pure: no process group, nothing stateful).
 
-One spelling per option inside dmuon: where ``torch.optim.Muon`` names an option that means what
-dmuon's means, :func:`resolve_torch_names` folds torch's name into dmuon's when ``dmuon.Muon(...)``
-is built, and only dmuon's name reaches ``param_groups``, state dicts and the step.
+One spelling per option, torch's where ``torch.optim.Muon`` has the option: ``dmuon.Muon(...)``
+and ``param_groups[0]`` name Muon's hyper-parameters as torch does (:data:`GROUP_KEYS`);
+:func:`hparams_of_group` reads them into the functional core's
+:class:`~dmuon.functional.muon.MuonHParams` (whose fields keep the functional API's names).
 
 =============================  ===============================  ===============================
-torch.optim.Muon               dmuon                            same math?
+``dmuon.Muon`` / torch         ``MuonHParams``                  same math?
 =============================  ===============================  ===============================
 ``eps``                        ``ns_eps``                       ε of NS's Frobenius normalization:
                                                                 torch ``X / max(‖X‖, ε)``, dmuon
@@ -15,11 +16,19 @@ torch.optim.Muon               dmuon                            same math?
 ``adjust_lr_fn="original"``    ``lr_scale="jordan"``            ``sqrt(max(1, m/n))``: yes
 ``adjust_lr_fn=None``          ``lr_scale="jordan"``            torch's default is "original"
 ``"match_rms_adamw"``          ``lr_scale="moonlight"``         ``0.2·sqrt(max(m, n))``: yes
+                                                                (dmuon's default)
 ``"spectral_unclamped"``       ``lr_scale="spectral"``          ``sqrt(m/n)`` (torch 2.15): yes
+``"none"`` (dmuon only)        ``lr_scale="none"``              ``1``
 ``ns_coefficients=(a, b, c)``  the same value                   one triple every iteration: yes
 =============================  ===============================  ===============================
 
 (``m = shape[0]``, ``n = shape[1]`` for the 2-D params torch takes; dmuon's views extend both.)
+
+Deprecated (one release; a ``DeprecationWarning`` names the new spelling): ``ns_eps`` and
+``lr_scale`` (:data:`OLD_NAMES`), ``momentum_dtype`` (now a stage option:
+``transform=variants.muon(momentum_dtype=...)``) and the execution knobs ``replicate_async``,
+``adamw_impl``, ``ns_engine``, ``elementwise``, ``persistent_grad_buffers`` (now setters,
+``optimizer.set_<knob>(...)``, as FSDP2's ``set_*``).
 """
 from __future__ import annotations
 
@@ -29,78 +38,75 @@ from dmuon.functional import adamw as fadamw
 from dmuon.functional.lr_scale import ADJUST_LR_FN, LR_SCALE_RULES
 from dmuon.functional.muon import MuonHParams, validate_hparams
 
-__all__ = ["NOT_GIVEN", "TORCH_ALIASES", "ADJUST_LR_FN", "ELEMENTWISE", "resolve_torch_names",
-           "check_flag", "check_options"]
+__all__ = ["GROUP_KEYS", "OLD_NAMES", "KNOBS", "ADJUST_LR_FN", "ELEMENTWISE", "hparams_of_group",
+           "group_of_saved", "group_for_saving", "check_flag", "check_options", "check_knob"]
 
-
-class _NotGiven:
-    """The default of a torch-named alias: the caller did not pass it."""
-
-    def __repr__(self) -> str:
-        return "NOT_GIVEN"
-
-
-NOT_GIVEN: Any = _NotGiven()
-
-#: torch.optim.Muon's option name -> dmuon's
-TORCH_ALIASES: Mapping[str, str] = {"eps": "ns_eps", "adjust_lr_fn": "lr_scale"}
-
+#: ``param_groups[0]``'s Muon hyper-parameters (torch.optim.Muon's names where it has them)
+GROUP_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "eps",
+              "ns_dtype", "adjust_lr_fn")
+#: the deprecated spellings of two of them
+OLD_NAMES: Mapping[str, str] = {"ns_eps": "eps", "lr_scale": "adjust_lr_fn"}
+#: ``adjust_lr_fn``'s values -> ``MuonHParams.lr_scale`` (torch's, and dmuon's ``"none"``: s = 1)
+_ADJUST = {**ADJUST_LR_FN, "none": "none"}
+#: ``lr_scale`` -> the ``adjust_lr_fn`` spelling of the same rule
+_FROM_LR_SCALE = {"moonlight": "match_rms_adamw", "jordan": "original",
+                  "spectral": "spectral_unclamped", "none": "none"}
+#: the execution knobs (setters now) and their defaults
+KNOBS: Mapping[str, Any] = {"replicate_async": True, "adamw_impl": "auto", "ns_engine": "auto",
+                            "elementwise": "auto", "persistent_grad_buffers": False}
 
 #: ``dmuon.Muon``'s ``elementwise=`` choices
 ELEMENTWISE = ("auto", "fused", "foreach")
 
-#: dmuon's defaults (a value of an aliased option equal to its default counts as not given)
-_DEFAULTS = MuonHParams._field_defaults
 
-
-def _translate(torch_name: str, value: Any) -> Any:
-    if torch_name != "adjust_lr_fn":
-        return value
-    if isinstance(value, str) and value in LR_SCALE_RULES:
-        raise ValueError(
-            f"dmuon.Muon: adjust_lr_fn={value!r} is dmuon's lr_scale value under torch's name; pass "
-            f"lr_scale={value!r}, or one of torch.optim.Muon's adjust_lr_fn values "
-            f"{sorted(k for k in ADJUST_LR_FN if k)} (or None, its default 'original')")
+def _lr_scale(value: Any, where: str = "adjust_lr_fn") -> str:
+    """``MuonHParams.lr_scale`` of an ``adjust_lr_fn`` value (``ValueError`` naming the choices)."""
     try:
-        return ADJUST_LR_FN[value]
+        return _ADJUST[value]
     except (KeyError, TypeError):
+        hint = (f" ({value!r} is the deprecated lr_scale's name for adjust_lr_fn="
+                f"{_FROM_LR_SCALE[value]!r})") if value in _FROM_LR_SCALE else ""
         raise ValueError(
-            f"dmuon.Muon: adjust_lr_fn={value!r} is not one of torch.optim.Muon's values: "
-            + ", ".join(f"{k!r} (= lr_scale={v!r})" for k, v in ADJUST_LR_FN.items())
-            + f". dmuon's own name is lr_scale, one of {LR_SCALE_RULES}.") from None
+            f"dmuon.Muon: {where}={value!r} is not one of "
+            + ", ".join(f"{k!r} (s = {v})" for k, v in _ADJUST.items()) + hint) from None
 
 
-def resolve_torch_names(hparams: Mapping[str, Any], **torch_names: Any) -> dict[str, Any]:
-    """``hparams`` (dmuon's names) with torch's aliases folded in: the one spelling dmuon keeps.
+def hparams_of_group(group: Mapping[str, Any]) -> MuonHParams:
+    """The :class:`MuonHParams` of ``param_groups[0]`` (torch's names; an old name there, e.g.
+    a loop that writes ``group["lr_scale"]``, raises: it would silently change nothing)."""
+    stale = [k for k in OLD_NAMES if k in group]
+    if stale:
+        raise ValueError(
+            f"dmuon.Muon: param_groups[0] has {stale} (dmuon's former names), which nothing reads: "
+            "its options are spelled as torch.optim.Muon's now: "
+            + ", ".join(f"{k} -> {OLD_NAMES[k]}" for k in stale) + ". Set those instead (and "
+            "delete the old keys); lr_scale values map as " + repr(_FROM_LR_SCALE) + ".")
+    kw = {k: group[k] for k in GROUP_KEYS}
+    kw["ns_eps"], kw["lr_scale"] = kw.pop("eps"), _lr_scale(kw.pop("adjust_lr_fn"))
+    return MuonHParams(**kw)
 
-    Args:
-      hparams: Muon hyper-parameters under dmuon's names (``MuonHParams``'s fields).
-      **torch_names: ``eps`` / ``adjust_lr_fn`` as ``torch.optim.Muon`` takes them; the value
-        :data:`NOT_GIVEN` means not passed.
 
-    Returns:
-      A new dict of dmuon's names only.
+def group_for_saving(group: Mapping[str, Any]) -> dict[str, Any]:
+    """``param_groups[0]`` as checkpoints store it: under the functional core's names
+    (``ns_eps``, ``lr_scale``: the format every dmuon has written, so torch's state-dict tools
+    and DCP, which load into the current optimizer's ``state_dict()`` keys, read older and newer
+    checkpoints alike); :func:`group_of_saved` is its inverse."""
+    out = dict(group)
+    if "eps" in out and "adjust_lr_fn" in out:
+        out["ns_eps"] = out.pop("eps")
+        out["lr_scale"] = _lr_scale(out.pop("adjust_lr_fn"))
+    return out
 
-    Raises:
-      TypeError: a name that is not one of :data:`TORCH_ALIASES`.
-      ValueError: an ``adjust_lr_fn`` value torch does not define; or both spellings of one option
-        given with different values (dmuon's counts as given when it is not its default).
-    """
-    out = dict(hparams)
-    for name, value in torch_names.items():
-        if name not in TORCH_ALIASES:
-            raise TypeError(f"dmuon.Muon: unknown option {name!r}; torch.optim.Muon names dmuon "
-                            f"accepts: {dict(TORCH_ALIASES)}")
-        if value is NOT_GIVEN:
-            continue
-        ours = TORCH_ALIASES[name]
-        mapped = _translate(name, value)
-        if out[ours] != _DEFAULTS[ours] and out[ours] != mapped:
-            raise ValueError(
-                f"dmuon.Muon: {name}={value!r} (torch.optim.Muon's name) and {ours}={out[ours]!r} "
-                f"set the same option to different values; pass one of them ({name} is {ours} "
-                f"here{'' if mapped == value else f', {value!r} meaning {mapped!r}'}).")
-        out[ours] = mapped
+
+def group_of_saved(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved ``param_groups[0]`` (the functional core's names, :func:`group_for_saving`) under
+    torch's names."""
+    out = dict(saved)
+    if "ns_eps" in out:
+        out.setdefault("eps", out.pop("ns_eps"))
+    if "lr_scale" in out:
+        rule = out.pop("lr_scale")
+        out.setdefault("adjust_lr_fn", _FROM_LR_SCALE.get(rule, rule))
     return out
 
 
@@ -111,16 +117,31 @@ def check_flag(name: str, value: Any) -> bool:
     return value
 
 
-def check_options(positional: tuple, given: Mapping[str, Any]) -> tuple[dict, dict]:
+def check_knob(name: str, value: Any) -> Any:
+    """Validate one execution knob (``ns_engine`` is the optimizer's to check); returns it."""
+    if name == "adamw_impl" and value not in ("auto",) + fadamw.IMPLS:
+        raise ValueError(f"adamw_impl must be 'auto' or one of {fadamw.IMPLS}, got {value!r}")
+    if name == "elementwise" and value not in ELEMENTWISE:
+        raise ValueError(f"elementwise must be one of {ELEMENTWISE}, got {value!r}")
+    if name in ("replicate_async", "persistent_grad_buffers"):
+        check_flag(name, value)
+    return value
+
+
+def check_options(positional: tuple, given: Mapping[str, Any],
+                  deprecated: Mapping[str, Any]) -> tuple[dict, dict, dict, Any, list[str]]:
     """Check every option of ``dmuon.Muon(model, lr, *positional, **options)`` (``given``: its
-    arguments by name; ``ns_engine`` is the optimizer's to check) and fold torch's names into
-    dmuon's.
+    arguments by name; ``deprecated``: the former spellings passed).
 
     Returns:
-      ``(muon_hp, adamw_hp)``: the two param groups' hyper-parameters under dmuon's names.
+      ``(muon_group, adamw_hp, knobs, momentum_dtype, notes)``: ``param_groups[0]``'s
+      hyper-parameters (:data:`GROUP_KEYS`), AdamW's, the execution knobs (:data:`KNOBS`, from
+      the deprecated arguments or their defaults), the deprecated ``momentum_dtype`` (``None``:
+      not given), and one deprecation message per former spelling used.
 
     Raises:
-      TypeError, ValueError: naming the option and what it accepts.
+      TypeError, ValueError: naming the option and what it accepts (an unknown option; both
+        spellings of one option with different values).
     """
     if positional:
         raise TypeError(
@@ -129,24 +150,41 @@ def check_options(positional: tuple, given: Mapping[str, Any]) -> tuple[dict, di
             "torch.optim.Muon's positional order (lr, weight_decay, momentum, nesterov, ...) is not "
             "followed: dmuon's AdamW options sit beside Muon's, so a value by position could "
             "silently set another option.")
-    muon_hp = resolve_torch_names({k: given[k] for k in MuonHParams._fields},
-                                  eps=given["eps"], adjust_lr_fn=given["adjust_lr_fn"])
+    unknown = sorted(set(deprecated) - set(OLD_NAMES) - set(KNOBS) - {"momentum_dtype"})
+    if unknown:
+        raise TypeError(f"dmuon.Muon: unknown option(s) {unknown}")
+    notes = []
+    group = {k: given[k] for k in GROUP_KEYS}
+    for old, new in OLD_NAMES.items():
+        if old not in deprecated:
+            continue
+        value = deprecated[old] if old == "ns_eps" else _FROM_LR_SCALE.get(deprecated[old],
+                                                                             deprecated[old])
+        if old == "lr_scale" and deprecated[old] not in LR_SCALE_RULES:
+            raise ValueError(f"Muon lr_scale must be one of {LR_SCALE_RULES}, got "
+                             f"{deprecated[old]!r} (lr_scale is deprecated: pass adjust_lr_fn)")
+        default = MUON_DEFAULTS[new]
+        if group[new] != default and group[new] != value:
+            raise ValueError(
+                f"dmuon.Muon: {new}={group[new]!r} and {old}={deprecated[old]!r} (its deprecated "
+                f"spelling) set the same option to different values; pass {new} only.")
+        group[new] = value
+        notes.append(f"dmuon.Muon({old}=...) is deprecated: pass {new}="
+                     f"{value!r} (torch.optim.Muon's name)")
     for k in ("lr", "momentum", "weight_decay"):  # param_groups hold values (schedulers set them)
-        v = muon_hp[k]
+        v = group[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise TypeError(
                 f"dmuon.Muon: {k} must be a float, got {type(v).__name__}; param_groups hold "
                 "values, which torch.optim.lr_scheduler (or your loop) updates between steps. "
                 "0-d tensors and functions of the step are for the functional API "
                 "(dmuon.functional.muon.MuonHParams, the transforms' stages).")
+    hp = hparams_of_group(group)
     try:
-        validate_hparams(MuonHParams(**muon_hp))
+        validate_hparams(hp)
     except ValueError as e:
-        aliases = [f"{t} is torch.optim.Muon's name for {o}" for t, o in TORCH_ALIASES.items()
-                   if given[t] is not NOT_GIVEN and o in str(e)]
-        if not aliases:
-            raise
-        raise ValueError(f"dmuon.Muon: {e} ({'; '.join(aliases)})") from None
+        raise ValueError(str(e).replace("Muon ns_eps", "Muon eps (ns_eps)").replace(
+            "Muon lr_scale", "Muon adjust_lr_fn (lr_scale)")) from None
     betas = given["adamw_betas"]
     adamw_hp = dict(lr=given["adamw_lr"], eps=given["adamw_eps"],
                     weight_decay=given["adamw_weight_decay"],
@@ -155,11 +193,20 @@ def check_options(positional: tuple, given: Mapping[str, Any]) -> tuple[dict, di
     check_finite = given["check_finite"]
     if not (check_finite == "auto" or isinstance(check_finite, bool)):
         raise ValueError(f"check_finite must be 'auto', True or False, got {check_finite!r}")
-    if given["adamw_impl"] not in ("auto",) + fadamw.IMPLS:
-        raise ValueError(f"adamw_impl must be 'auto' or one of {fadamw.IMPLS}, got "
-                         f"{given['adamw_impl']!r}")
-    if given["elementwise"] not in ELEMENTWISE:
-        raise ValueError(f"elementwise must be one of {ELEMENTWISE}, got {given['elementwise']!r}")
-    for flag in ("replicate_async", "persistent_grad_buffers"):
-        check_flag(flag, given[flag])
-    return muon_hp, adamw_hp
+    knobs = dict(KNOBS)
+    for k in KNOBS:
+        if k in deprecated:
+            knobs[k] = check_knob(k, deprecated[k])
+            notes.append(f"dmuon.Muon({k}=...) is deprecated: call optimizer.set_{k}(...) after "
+                         "building it")
+    if "momentum_dtype" in deprecated:
+        notes.append("dmuon.Muon(momentum_dtype=...) is deprecated: the momentum dtype is the "
+                     "momentum stage's option, transform=dmuon.functional.variants.muon("
+                     "momentum_dtype=...) (or normuon(momentum_dtype=...), ...)")
+    return group, adamw_hp, knobs, deprecated.get("momentum_dtype"), notes
+
+
+#: the constructor's defaults of :data:`GROUP_KEYS` (torch's names)
+MUON_DEFAULTS: Mapping[str, Any] = {
+    **{k: v for k, v in MuonHParams._field_defaults.items() if k in GROUP_KEYS},
+    "eps": MuonHParams._field_defaults["ns_eps"], "adjust_lr_fn": "match_rms_adamw"}

@@ -70,6 +70,8 @@ class GroupPhases:
         ``"per_owner"`` (one broadcast / reduce per owner column's bucket) or ``"per_bucket"``
         (one padded all-gather / reduce-scatter per dtype; :mod:`dmuon.functional.collectives`).
       collectives_reason: why (asked for, or ``"auto"``'s cost comparison).
+      zero_copy: DDP mode (``G = 1``) with every compute dtype the master's: "gathering" points
+        each param at its master (no copy, no op; only a pending publish is waited).
       regather: the backward re-gather: ``unshard`` with every op renamed ``regather:<id>``
         (derived; a Z3 group runs it at the start of its backward, and so may any group gathered
         again in a backward, e.g. under activation checkpointing).
@@ -83,6 +85,7 @@ class GroupPhases:
     reshard_after_forward: bool
     collectives: str = "per_owner"
     collectives_reason: str = ""
+    zero_copy: bool = False
     regather: Schedule = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
 
     def __post_init__(self) -> None:
@@ -130,6 +133,7 @@ class StepProgram:
     groups: Mapping[str, GroupPhases]
     tp: Optional[Schedule] = None
     splits: tuple[Schedule, ...] = ()
+    data_parallel: str = "fsdp"
 
     @property
     def world_size(self) -> int:
@@ -287,7 +291,7 @@ def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]
                  groups: Optional[HookGroups] = None, reshard_after_forward: bool = True,
                  tp: Optional[Schedule] = None, splits: Sequence[Schedule] = (),
                  collectives: Union[str, Mapping[str, str]] = "per_owner",
-                 cost: Any = None) -> StepProgram:
+                 cost: Any = None, data_parallel: str = "fsdp") -> StepProgram:
     """Build the :class:`StepProgram` of one model (pure, deterministic).
 
     Args:
@@ -301,6 +305,8 @@ def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]
         gathered for the whole forward).
       tp: tensor parallelism's NS schedule (:func:`dmuon.functional.tp_plan.tp_step_schedule`).
       splits: the split units' executed NS (:attr:`StepProgram.splits`).
+      data_parallel: ``"fsdp"`` or ``"ddp"`` (the mode; DDP groups whose compute dtypes are the
+        masters' gather nothing: :attr:`GroupPhases.zero_copy`).
       collectives: ``"per_owner"`` (default), ``"per_bucket"`` or ``"auto"`` for every group, or
         ``{group: style}`` (:mod:`dmuon.functional.collectives`; recorded per group in
         :attr:`GroupPhases.collectives` with its reason).
@@ -320,7 +326,7 @@ def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]
         bucket_layout(owners, shapes, rd, hg, G, R, presence=True),
         bucket_layout(owners, shapes, master_dtypes, hg, G, R),
         owners=owners, groups=hg, reshard_after_forward=reshard_after_forward, tp=tp,
-        splits=splits, collectives=collectives, cost=cost)
+        splits=splits, collectives=collectives, cost=cost, data_parallel=data_parallel)
 
 
 def program_from_layouts(unshard: BucketLayout, reduce: BucketLayout, master: BucketLayout, *,
@@ -329,10 +335,10 @@ def program_from_layouts(unshard: BucketLayout, reduce: BucketLayout, master: Bu
                          tp: Optional[Schedule] = None,
                          splits: Sequence[Schedule] = (),
                          collectives: Union[str, Mapping[str, str]] = "per_owner",
-                         cost: Any = None) -> StepProgram:
+                         cost: Any = None, data_parallel: str = "fsdp") -> StepProgram:
     """The :class:`StepProgram` of three given layouts (:func:`step_program` builds them; a
-    byte count over one layout passes it three times). ``collectives``, ``cost``: as
-    :func:`step_program`."""
+    byte count over one layout passes it three times). ``collectives``, ``cost``,
+    ``data_parallel``: as :func:`step_program`."""
     G, R = unshard.shard_size, unshard.replicate_size
     if owners is None:
         owners = {e.name: e.owner for b in unshard.buckets for e in b.entries}
@@ -341,6 +347,7 @@ def program_from_layouts(unshard: BucketLayout, reduce: BucketLayout, master: Bu
             (k, tuple(sorted(e.name for b in unshard.buckets_of(k) for e in b.entries)))
             for k in unshard.groups))
     z3 = {key: reshard_after_forward and key != ROOT_GROUP for key in unshard.groups}
+    mdt = {e.name: b.key.dtype for b in master.buckets for e in b.entries}
     styles = resolve_styles(unshard, reduce, collectives, z3=z3, cost=cost)
     phases = {
         key: GroupPhases(key=key, names=groups.names(key),
@@ -348,7 +355,10 @@ def program_from_layouts(unshard: BucketLayout, reduce: BucketLayout, master: Bu
                          reduce=reduce_schedule(reduce, key, style=styles[key].style),
                          publish=publish_schedule(master, key),
                          reshard_after_forward=z3[key], collectives=styles[key].style,
-                         collectives_reason=styles[key].reason)
+                         collectives_reason=styles[key].reason,
+                         zero_copy=data_parallel == "ddp" and G == 1 and all(
+                             mdt[e.name] == b.key.dtype for b in unshard.buckets_of(key)
+                             for e in b.entries))
         for key in unshard.groups}
     return StepProgram(G, R, dict(owners), groups, unshard, reduce, master, phases, tp,
-                       tuple(splits))
+                       tuple(splits), data_parallel)

@@ -104,8 +104,9 @@ class Reduce(_Collective):
 
 @dataclass(frozen=True, kw_only=True)
 class AllReduce(_Collective):
-    """Every member's ``bucket[offset:offset+numel]`` becomes the sum (``op="sum"``) or mean
-    (``"avg"``) over the members (explicit group: ``axis="group"``, lane ``"split"``).
+    """Every member's ``bucket[offset:offset+numel]`` becomes the sum (``op="sum"``), mean
+    (``"avg"``) or elementwise maximum (``"max"``) over the members (explicit group:
+    ``axis="group"``, lane ``"split"`` or ``"tp"``).
 
     Bytes are counted as a reduce to ``members[0]`` followed by a broadcast from it (module doc).
     """
@@ -116,8 +117,9 @@ class AllReduce(_Collective):
         super().__post_init__()
         if self.axis != "group":
             raise ValueError(f"op {self.id}: AllReduce runs on an explicit group (axis='group')")
-        if self.op not in ("avg", "sum"):
-            raise ValueError(f"op {self.id}: reduce op must be 'avg' or 'sum', got {self.op!r}")
+        if self.op not in ("avg", "sum", "max"):
+            raise ValueError(f"op {self.id}: reduce op must be 'avg', 'sum' or 'max', got "
+                             f"{self.op!r}")
 
     @property
     def root(self) -> int:

@@ -12,7 +12,8 @@ topological order). Exact semantics, per group of the op (see :func:`schedule.op
   reads them fails in tests.
 
 * ``AllReduce``: every member's range becomes the sum over the members in ``members`` order
-  (``avg``: divided by their number), accumulated in the buffer dtype.
+  (``avg``: divided by their number; ``max``: the elementwise maximum), accumulated in the buffer
+  dtype.
 * ``AllGather``: every member's copy of each part ``parts[j]`` becomes member ``j``'s.
 * ``Gather``: the destination's copy of each part ``parts[j]`` becomes member ``j``'s.
 * ``Scatter``: member ``j``'s part ``parts[j]`` becomes the source's copy of it.
@@ -46,6 +47,8 @@ __all__ = ["simulate"]
 def _combine(views: Sequence[Tensor], how: str) -> Tensor:
     """Sum of ``views`` in order (``how="avg"``: divided by their number; floor for integers)."""
     acc = views[0].clone()
+    if how == "max":
+        return torch.stack(list(views)).amax(0)
     for v in views[1:]:
         acc += v
     if how == "avg":

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Generator, Optional
+from typing import Callable, Generator, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -41,7 +41,8 @@ from dmuon.newton_schulz.cost import choose_ns_variant
 from dmuon.newton_schulz.iteration import default_ns_dtype, resolve_gram_restart
 
 __all__ = ["SplitSettings", "split_ns_settings", "split_step_schedule", "split_unit_rank",
-           "simulate_split_step", "SplitStepRank"]
+           "simulate_split_step", "SplitStepRank", "SplitMember", "split_member", "run_split_units",
+           "split_orthogonalizer"]
 
 
 @dataclass(frozen=True)
@@ -210,3 +211,82 @@ def simulate_split_step(unit: object, x: Tensor, settings: SplitSettings, *,
     if result is None:
         raise ValueError("the owner's split NS returned no result")
     return result
+
+
+class SplitMember(NamedTuple):
+    """One split unit as this rank runs it: ``unit`` (its blocks' slots as global ranks),
+    ``index`` (this rank's block; 0: the owner), ``schedule`` (:func:`split_step_schedule`),
+    ``settings``, the NS input dtype ``dtype`` and ``singles`` (each op of the schedule as a
+    schedule of its own, built once: :func:`split_member`)."""
+
+    unit: object
+    index: int
+    schedule: Schedule
+    settings: SplitSettings
+    dtype: torch.dtype
+    singles: Mapping[str, Schedule]
+
+
+def split_member(unit: object, index: int, schedule: Schedule, settings: SplitSettings,
+                 dtype: torch.dtype) -> SplitMember:
+    """The :class:`SplitMember` of ``unit`` for this rank's block ``index``."""
+    singles = {op.id: Schedule((dataclasses.replace(op, waits=()),), schedule.shard_size,
+                               schedule.replicate_size) for op in schedule}
+    return SplitMember(unit, index, schedule, settings, dtype, singles)
+
+
+def run_split_units(members: Sequence[SplitMember], inputs: Mapping[str, Tensor], run: Callable,
+                    device: "torch.device | str") -> dict[str, Tensor]:
+    """Run every split unit this rank is a member of, in unit order, each op through ``run``
+    (``run(schedule, buffers)``, collective: every member runs its units in the plan's order).
+    ``inputs``: the owner's 2-D NS inputs by param name (an owner whose matrix has no input this
+    step sends zeros, the members cannot know; its result is dropped). Returns the owner's
+    results for the names in ``inputs``."""
+    out: dict[str, Tensor] = {}
+    for m in members:
+        x = None
+        if m.index == 0:
+            x = inputs.get(m.unit.param)
+            if x is None:
+                x = torch.zeros(m.unit.shape, dtype=m.dtype, device=device)
+        gen = split_unit_rank(m.unit, m.schedule, m.index, x, m.settings, input_dtype=m.dtype,
+                              device=device)
+        try:
+            op, buf = next(gen)
+            while True:
+                run(m.singles[op.id], {op.bucket: buf})
+                op, buf = gen.send(None)
+        except StopIteration as stop:
+            if m.index == 0 and m.unit.param in inputs:
+                out[m.unit.param] = stop.value
+    return out
+
+
+def split_orthogonalizer(inner: Callable[[list], Sequence[Tensor]], input_names: Sequence[str],
+                         owned: Iterable[str], run_units: Callable[[dict], dict]
+                         ) -> Callable[[list], list]:
+    """``inner`` with the NS inputs of this rank's split matrices (``owned``; named by
+    ``input_names``, one per input) taken out and run through ``run_units`` (``{name: 2-D input}
+    -> {name: result}``, e.g. :func:`run_split_units` bound to this rank's units) first."""
+    owned = set(owned)
+
+    def orthogonalize(xs: list) -> list:
+        if len(xs) != len(input_names):
+            raise RuntimeError(f"dmuon split NS: {len(xs)} NS inputs for {len(input_names)} "
+                               "names (internal error)")
+        split = {n: i for i, n in enumerate(input_names) if n in owned}
+        for n, i in split.items():
+            if xs[i].dim() != 3 or xs[i].shape[0] != 1:
+                raise RuntimeError(f"dmuon split NS: {n!r} has NS input {tuple(xs[i].shape)}, "
+                                   "not one matrix (internal error)")
+        got = run_units({n: xs[i][0] for n, i in split.items()})
+        plain = [i for i in range(len(xs)) if input_names[i] not in split]
+        outs = list(inner([xs[i] for i in plain])) if plain else []
+        result: list = [None] * len(xs)
+        for k, i in enumerate(plain):
+            result[i] = outs[k]
+        for n, i in split.items():
+            result[i] = got[n].unsqueeze(0)
+        return result
+
+    return orthogonalize

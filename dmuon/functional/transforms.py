@@ -133,7 +133,9 @@ def chain(*stages: Transform) -> Transform:
 
     in_place = all(t.update_ is not None for t in stages)
     needs = tuple(dict.fromkeys(n for t in stages for n in t.needs))
-    return Transform(init, torch.no_grad()(update), update_ if in_place else None, needs)
+    mu_dtype = next((t.momentum_dtype for t in stages if t.momentum_dtype is not None), None)
+    return Transform(init, torch.no_grad()(update), update_ if in_place else None, needs,
+                     mu_dtype)
 
 
 def _labels_of(labels: Any, params: PyTree) -> list[Any]:

@@ -57,20 +57,20 @@ class Variant(NamedTuple):
         return f"variants.{self.name}({opts})"
 
 
-def _front(hp: fmuon.MuonHParams, view: Any, bd: Any) -> list[T.Transform]:
-    """Momentum and Newton–Schulz: the stages every variant starts with."""
-    return [T.trace_momentum(hp.momentum, hp.nesterov),
+def _front(hp: fmuon.MuonHParams, view: Any, bd: Any, mu_dtype: Any) -> list[T.Transform]:
+    """Momentum (kept in ``mu_dtype``) and Newton–Schulz: the stages every variant starts with."""
+    return [T.trace_momentum(hp.momentum, hp.nesterov, dtype=mu_dtype),
             T.orthogonalize(NSConfig.from_hparams(hp), view=view, batch_dims=bd)]
 
 
-def _muon(hp, view, bd) -> T.Transform:
-    return T.chain(*_front(hp, view, bd),
+def _muon(hp, view, bd, momentum_dtype=None) -> T.Transform:
+    return T.chain(*_front(hp, view, bd, momentum_dtype),
                    T.scale_by_shape(hp.lr_scale, view=view, batch_dims=bd),
                    T.decoupled_apply(hp.lr, hp.weight_decay))
 
 
-def _normuon(hp, view, bd, beta2, eps) -> T.Transform:
-    return T.chain(*_front(hp, view, bd),
+def _normuon(hp, view, bd, beta2, eps, momentum_dtype=None) -> T.Transform:
+    return T.chain(*_front(hp, view, bd, momentum_dtype),
                    scale_by_row_norm(beta2, eps, view=view, batch_dims=bd),
                    T.scale_by_shape(hp.lr_scale, view=view, batch_dims=bd),
                    T.decoupled_apply(hp.lr, hp.weight_decay))
@@ -84,25 +84,39 @@ def _no_decay(hp: fmuon.MuonHParams, name: str) -> None:
                          f"fixed); pass weight_decay=0, got {wd!r}")
 
 
-def _hyperball(hp, view, bd, radius, eps) -> T.Transform:
+def _hyperball(hp, view, bd, radius, eps, momentum_dtype=None) -> T.Transform:
     _no_decay(hp, "muon_hyperball")
-    return T.chain(*_front(hp, view, bd),
+    return T.chain(*_front(hp, view, bd, momentum_dtype),
                    hyperball_apply(hp.lr, radius, eps, view=view, batch_dims=bd))
 
 
-def _normuon_hyperball(hp, view, bd, beta2, eps, radius, hyperball_eps) -> T.Transform:
+def _normuon_hyperball(hp, view, bd, beta2, eps, radius, hyperball_eps,
+                       momentum_dtype=None) -> T.Transform:
     _no_decay(hp, "normuon_hyperball")
-    return T.chain(*_front(hp, view, bd),
+    return T.chain(*_front(hp, view, bd, momentum_dtype),
                    scale_by_row_norm(beta2, eps, view=view, batch_dims=bd),
                    hyperball_apply(hp.lr, radius, hyperball_eps, view=view, batch_dims=bd))
 
 
-def muon() -> Variant:
-    """Muon itself as a variant (the chain :func:`dmuon.functional.muon.update` runs)."""
-    return Variant("muon", _muon, {})
+def _mu(momentum_dtype: Any) -> dict:
+    """The ``momentum_dtype`` option as a Variant keeps it (absent when the default, so the
+    variant's repr and equality stay what they were)."""
+    return {} if momentum_dtype is None else {"momentum_dtype": momentum_dtype}
 
 
-def normuon(beta2: Any = 0.95, eps: float = 1e-10) -> Variant:
+def muon(momentum_dtype: Any = None) -> Variant:
+    """Muon itself as a variant (the chain :func:`dmuon.functional.muon.update` runs).
+
+    Args:
+        momentum_dtype: the dtype the momentum is kept in between steps (optax's ``mu_dtype``;
+            ``None``: fp32; ``torch.bfloat16``; an 8-bit float with a per-matrix scale,
+            ``torch.float8_e4m3fn`` / ``torch.float8_e5m2``): rounded to it after each update
+            in one process, stored in it by ``dmuon.Muon``'s owners (every variant takes it).
+    """
+    return Variant("muon", _muon, _mu(momentum_dtype))
+
+
+def normuon(beta2: Any = 0.95, eps: float = 1e-10, momentum_dtype: Any = None) -> Variant:
     """NorMuon (Li et al. 2025, arXiv:2510.05491): Muon with each row of the orthogonalized update
     normalized by its running second moment, the matrix's Frobenius norm kept.
 
@@ -110,11 +124,13 @@ def normuon(beta2: Any = 0.95, eps: float = 1e-10) -> Variant:
         beta2: decay of the per-row second moment (default 0.95, the paper's); a float, a 0-d
             tensor or a function of the step.
         eps: ``ε`` (default 1e-10, the reference implementation's).
+        momentum_dtype: as :func:`muon`'s.
     """
-    return Variant("normuon", _normuon, dict(beta2=beta2, eps=eps))
+    return Variant("normuon", _normuon, dict(beta2=beta2, eps=eps, **_mu(momentum_dtype)))
 
 
-def muon_hyperball(radius: Optional[float] = None, eps: float = 1e-8) -> Variant:
+def muon_hyperball(radius: Optional[float] = None, eps: float = 1e-8,
+                   momentum_dtype: Any = None) -> Variant:
     """Muon-Hyperball (MuonH; Wen et al. 2025, NVIDIA Emerging-Optimizers 0.5's
     ``MuonHyperball``): Muon's direction, each matrix kept at a fixed Frobenius norm and moved by
     a fixed fraction ``lr`` of it; no weight decay (``weight_decay`` must be 0).
@@ -122,12 +138,16 @@ def muon_hyperball(radius: Optional[float] = None, eps: float = 1e-8) -> Variant
     Args:
         radius: the norm every matrix is kept at (default ``None``: its norm at its first step).
         eps: ``ε`` of the normalizations (default 1e-8, Emerging-Optimizers').
+        momentum_dtype: as :func:`muon`'s.
     """
-    return Variant("muon_hyperball", _hyperball, dict(radius=radius, eps=eps))
+    return Variant("muon_hyperball", _hyperball, dict(radius=radius, eps=eps,
+                                                      **_mu(momentum_dtype)))
 
 
 def normuon_hyperball(beta2: Any = 0.95, eps: float = 1e-10, radius: Optional[float] = None,
-                      hyperball_eps: float = 1e-8) -> Variant:
-    """NorMuonH: NorMuon's row normalization, then the hyperball step (the chain of the two)."""
+                      hyperball_eps: float = 1e-8, momentum_dtype: Any = None) -> Variant:
+    """NorMuonH: NorMuon's row normalization, then the hyperball step (the chain of the two;
+    ``momentum_dtype`` as :func:`muon`'s)."""
     return Variant("normuon_hyperball", _normuon_hyperball,
-                   dict(beta2=beta2, eps=eps, radius=radius, hyperball_eps=hyperball_eps))
+                   dict(beta2=beta2, eps=eps, radius=radius, hyperball_eps=hyperball_eps,
+                        **_mu(momentum_dtype)))

@@ -44,13 +44,16 @@ NEEDS = ("params", "row_sums", "matrix_sums", "whole_rows", "whole_matrix")
 class Transform(NamedTuple):
     """A gradient transformation: ``init(params) -> state``;
     ``update(updates, state, params) -> (updates, state)``; optionally ``update_(leaves, state)
-    -> state``, the same arithmetic in place (``None``: the transform has no in-place form), and
-    ``needs``: the quantities of :data:`NEEDS` its arithmetic uses (a chain: its stages')."""
+    -> state``, the same arithmetic in place (``None``: the transform has no in-place form),
+    ``needs``: the quantities of :data:`NEEDS` its arithmetic uses (a chain: its stages'), and
+    ``momentum_dtype``: the dtype its momentum stage keeps the buffers in between updates
+    (optax's ``mu_dtype``; ``None``: the param's; a chain: its first momentum stage's)."""
 
     init: Callable[[PyTree], Any]
     update: Callable[[PyTree, Any, PyTree], tuple[PyTree, Any]]
     update_: Optional[Callable[[Leaves, Any], Any]] = None
     needs: tuple = ()
+    momentum_dtype: Any = None
 
 
 @register_state

@@ -27,11 +27,11 @@ from torch import Tensor
 from dmuon.functional.stages.base import Transform, hyper_stage
 from dmuon.functional.stages.hparams import Hyper, check_hyper, register_state
 from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves
-from dmuon.functional.state_dtype import absmax
+from dmuon.functional.state_dtype import absmax, check_state_dtype, round_trip
 from dmuon.functional.tree import PyTree, flatten, zeros_like_tree
 
-__all__ = ["MomentumState", "MomentumImpl", "MomentumIO", "foreach_momentum_", "momentum_",
-           "trace_momentum"]
+__all__ = ["MomentumState", "MomentumImpl", "MomentumIO", "RoundingIO", "foreach_momentum_",
+           "momentum_", "trace_momentum"]
 
 #: ``impl(bs, gs, xs, mu)``: the contract of :func:`foreach_momentum_`.
 MomentumImpl = Callable[[list[Tensor], list[Tensor], Optional[list[Tensor]], float], None]
@@ -126,9 +126,33 @@ def momentum_(bs: list[Tensor], gs: list[Tensor], xs: Optional[list[Tensor]], mu
             xs[k].copy_(x)
 
 
+class RoundingIO:
+    """The :class:`MomentumIO` of a stage that keeps its momentum in ``dtype`` in one process
+    (:func:`trace_momentum`'s ``dtype=``): the buffers stay in the param's dtype and, after each
+    update, hold what storing them in ``dtype`` leaves of them
+    (:func:`~dmuon.functional.state_dtype.round_trip`: bf16, or an 8-bit float with a per-matrix
+    scale), exactly what a distributed owner's stored momentum decodes to."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+    def chunks(self, names: Sequence[str]) -> list[list[int]]:
+        return [list(range(len(names)))] if names else []
+
+    def load(self, names: Sequence[str], stored: Sequence[Tensor]) -> list[Tensor]:
+        return list(stored)
+
+    def store(self, names: Sequence[str], stored: Sequence[Tensor], work: Sequence[Tensor]) -> None:
+        for s in stored:
+            s.copy_(round_trip(s, self.dtype))
+
+    def holds(self, names: Sequence[str], buffers: Sequence[Tensor]) -> bool:
+        return False
+
+
 def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
-                   impl: Optional[MomentumImpl] = None,
-                   io: Optional[MomentumIO] = None) -> Transform:
+                   impl: Optional[MomentumImpl] = None, io: Optional[MomentumIO] = None,
+                   dtype: Optional[torch.dtype] = None) -> Transform:
     """``b ← μ·b + g`` (sum form, ``b₀ = 0``); output ``g + μ·b`` if ``nesterov`` else ``b``.
 
     Args:
@@ -141,10 +165,18 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
             :class:`MomentumIO` (bitwise the same arithmetic; the output is then never the buffer
             itself: without Nesterov ``b`` is copied into the gradient's storage where that is
             scratch, else into a new tensor).
+        dtype: the dtype the momentum is kept in between updates (optax's ``mu_dtype``):
+            ``None`` / fp32 (the param's), ``torch.bfloat16``, or an 8-bit float
+            (``float8_e4m3fn`` / ``float8_e5m2``, with a per-matrix scale). In one process the
+            buffers are rounded to it after each update (:class:`RoundingIO`); a distributed
+            owner (``dmuon.Muon(transform=...)``) stores them in it (and may offload them),
+            bitwise the same values.
 
     Gradients are first cast to the param's dtype (the math runs there).
     """
     momentum = check_hyper("momentum", momentum, hi=1.0, where="trace_momentum")
+    dtype = check_state_dtype(dtype)
+    rounding = None if dtype == torch.float32 else RoundingIO(dtype)
 
     def init(params: PyTree) -> MomentumState:
         leaves, treedef = flatten(params)
@@ -162,7 +194,7 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
             def run(b, g, x, m):
                 momentum_(b, g, x, m, PER_TENSOR if isinstance(m, Tensor) else leaves.ops)
         bs, gs, n = state.momentum, leaves.updates, len(leaves)
-        stored = io if io is not None else leaves.momentum_io_of(bs)
+        stored = io if io is not None else (leaves.momentum_io_of(bs) or rounding)
         if stored is not None:
             _run_chunked(stored, leaves.names, run, bs, gs, leaves, mu, nesterov)
             return state
@@ -176,7 +208,8 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
             leaves.updates, leaves.scratch = list(bs), [False] * n
         return state
 
-    return hyper_stage(update_, init, momentum=momentum)
+    stage_ = hyper_stage(update_, init, momentum=momentum)
+    return stage_._replace(momentum_dtype=None if rounding is None else dtype)
 
 
 def _run_chunked(io: MomentumIO, names: list[str], run: Callable, bs: list[Tensor],

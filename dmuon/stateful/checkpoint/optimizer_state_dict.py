@@ -31,14 +31,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.stateful.modes.ddp import unwrapping_model
+from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional import adamw as fadamw
+from dmuon.functional.muon_options import group_for_saving, group_of_saved
 from dmuon.functional.stages.hparams import as_step
 from dmuon.stateful.runtime.state import get_state, local_tensor
 from dmuon.stateful.checkpoint.state_dict import agree, from_rank0, full_copy, local_shard
 from dmuon.stateful.checkpoint.torch_state_dict import StateDictError, check_entry, dtensor_rows
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part, refuse_tp
 from dmuon.stateful.checkpoint.owner_fields import gather_fields, layout_of, stage_fields
+from dmuon.stateful.checkpoint.transfer import transfer_of
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "load_optimizer_state",
            "torch_optimizer_state_dict", "torch_load_optimizer_state_dict"]
@@ -56,7 +58,9 @@ def check_optimizer(model: nn.Module, optimizer: Any, what: str):
 
 
 def hparam_groups(optimizer: Any) -> list[dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k not in ("params", "param_names")}
+    """The hyper-parameters of ``optimizer``'s groups as checkpoints store them
+    (:func:`~dmuon.functional.muon_options.group_for_saving`)."""
+    return [group_for_saving({k: v for k, v in g.items() if k not in ("params", "param_names")})
             for g in optimizer.param_groups]
 
 
@@ -75,7 +79,7 @@ def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, tor
     field from its owner, :func:`gather_fields`; a master wider than the param from its
     column)."""
     rt = optimizer.dedicated_state
-    tr = rt.checkpoint_transfer
+    tr = transfer_of(rt)
     out: dict[str, dict[str, torch.Tensor]] = {}
     for group in tr.each_group():
         fields = gather_fields(optimizer, group)
@@ -128,7 +132,7 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
             ids.append(index)
             index += 1
         group = {k: (str(v) if isinstance(v, torch.dtype) else v)  # torch's tools: no dtypes
-                 for k, v in g.items() if k not in ("params", "param_names")}
+                 for k, v in group_for_saving(g).items() if k not in ("params", "param_names")}
         group.update(params=ids, param_names=names)
         groups.append(group)
     groups[0]["num_steps"] = int(optimizer.num_steps)
@@ -254,7 +258,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
             for k, dst in zip(_MOMENTS, (st.mu[n], st.nu[n])):
                 dst.copy_(_local_piece(fsdp[n][k], p).to(dtype=dst.dtype))
     staged_masters: dict[str, torch.Tensor] = {}
-    tr = rt.checkpoint_transfer
+    tr = transfer_of(rt)
 
     def move(group: str, key: str, part: Any = None) -> dict[str, torch.Tensor]:
         """Entry ``key`` of ``group``'s matrices on their owner columns (``part(n, full)``: this
@@ -280,6 +284,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     for g in optimizer.param_groups:
         theirs = by_name.get(g.get("name"))
         if theirs is not None:
+            theirs = group_of_saved(theirs)  # dmuon's former names (older checkpoints)
             g.update({k: _decode(k, v) for k, v in theirs.items()
                       if k not in ("params", "param_names", "name", "num_steps",
                                    "variant_scalars", "momentum_dtype", "offload_state",

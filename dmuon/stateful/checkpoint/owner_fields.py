@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.functional.state_dtype import checkpoint_dtype
+from dmuon.stateful.checkpoint.transfer import transfer_of
 
 __all__ = ["layout_of", "gather_fields", "local_field", "stage_fields"]
 
@@ -37,7 +38,7 @@ def gather_fields(optimizer: Any, group: str) -> dict[str, dict[str, torch.Tenso
     import torch.distributed as dist
 
     var, rt = optimizer._owner, optimizer.dedicated_state
-    tr = rt.checkpoint_transfer
+    tr = transfer_of(rt)
     out: dict[str, dict[str, torch.Tensor]] = {}
     masters = rt.owned_masters()
     for f in var.fields:  # the stored momentum: its exact values (checkpoint dtype)
@@ -78,7 +79,7 @@ def stage_fields(optimizer: Any, ded: Mapping[str, Mapping[str, Any]], move: Cal
     others (full tensors on every rank) taken by their owner. ``rank0``: only rank 0 holds the
     values; the others move too (each rank's piece, 1-D, in the first elements of its matrix)."""
     var, rt = optimizer._owner, optimizer.dedicated_state
-    tr = rt.checkpoint_transfer
+    tr = transfer_of(rt)
     owned = set(rt.owned_names)
     out: dict[str, dict[str, torch.Tensor]] = {f.key: {} for f in var.fields}
     for f in var.fields:

@@ -30,13 +30,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.stateful.modes.ddp import unwrapping_model
+from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.state import DedicatedState, get_state
 from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, check_entry,
                                                        log_dtype_changes)
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part
+from dmuon.stateful.checkpoint.transfer import transfer_of
 
 __all__ = ["get_model_state_dict", "set_model_state_dict", "LoadResult"]
 
@@ -184,7 +185,7 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
     keep = not rank0_only or rt.rank == 0
     mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
     full: dict[str, torch.Tensor] = {}
-    tr = rt.checkpoint_transfer
+    tr = transfer_of(rt)
     for group in tr.each_group():
         got = tr.to_every_rank(group, rt.masters)
         if rt.tp_layouts:  # TP slices -> full matrices (an all-gather per matrix, TP group)
@@ -312,7 +313,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
         else:
             target.copy_(v.to(device=target.device, dtype=target.dtype))
     if held:  # the dedicated matrices: rank 0's values through the program's checkpoint moves
-        tr = rt.checkpoint_transfer
+        tr = transfer_of(rt)
         shapes = {n: full_shape(rt, n) for n in held}
         for group in tr.each_group():
             got = tr.from_rank0(group, shapes, lambda n: state_dict[held[n]].to(  # as the param

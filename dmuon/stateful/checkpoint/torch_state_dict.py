@@ -53,6 +53,7 @@ from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
 from dmuon.stateful.runtime.agree import agree
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
+from dmuon.stateful.checkpoint.transfer import transfer_of
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +161,7 @@ class _Hooks:
 
     def __init__(self, model: nn.Module, st):
         self.st = st
-        self.transfer = st.checkpoint_transfer
+        self.transfer = transfer_of(st)
         self.model = model
         self.keys = {}  # state-dict key -> dedicated name (every alias of a tied matrix)
         canon = {id(p): n for n, p in st.params.items()}

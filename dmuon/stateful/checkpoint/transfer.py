@@ -38,7 +38,7 @@ from dmuon.functional.program import (checkpoint_over_tp, checkpoint_to_columns,
                                       checkpoint_to_every_rank)
 from dmuon.stateful.runtime.executor import Executor
 
-__all__ = ["CheckpointTransfer", "row_chunks"]
+__all__ = ["CheckpointTransfer", "row_chunks", "transfer_of"]
 
 
 def row_chunks(rows: int, parts: int) -> list[tuple[int, int]]:
@@ -195,3 +195,11 @@ class CheckpointTransfer:
     def each_group(self) -> Iterator[str]:
         """The hook groups that hold dedicated matrices, in the static order (every rank)."""
         return iter(self.layout.groups)
+
+
+def transfer_of(state: Any) -> CheckpointTransfer:
+    """The :class:`CheckpointTransfer` of ``state``'s model (bucketed state-dict and checkpoint
+    transfers; built at first use and kept on the state)."""
+    if getattr(state, "_transfer", None) is None:
+        state._transfer = CheckpointTransfer(state)
+    return state._transfer

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.stateful.modes.ddp import unwrapping_model
+from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.stateful.runtime.agree import max_over_ranks
 from dmuon.stateful.runtime.state import get_state, local_tensor
 

@@ -47,16 +47,15 @@ import torch
 import torch.nn as nn
 
 from dmuon.compat.torch_api import DDP_IGNORE_ATTR, composable_replicate_applied
-from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GroupState
+from dmuon.functional.dedicate_options import DATA_PARALLEL_MODES
+from dmuon.stateful.runtime.state import unwrap_model
 
 logger = logging.getLogger(__name__)
 
-#: the values of ``dedicate_params(data_parallel=...)``
-DATA_PARALLEL_MODES = ("fsdp", "ddp")
 #: the attribute DDP reads the names to skip from
 
-__all__ = ["DATA_PARALLEL_MODES", "check_mode", "ddp_grid", "DDPParamGroup", "install_ddp_mode",
-           "guard_fsdp_mode", "check_backend", "unwrap_model"]
+__all__ = ["DATA_PARALLEL_MODES", "check_mode", "ddp_grid", "install_ddp_mode",
+           "guard_fsdp_mode", "check_backend"]
 
 
 def check_mode(data_parallel: Any) -> str:
@@ -83,59 +82,6 @@ def ddp_grid(grid: tuple) -> tuple:
             "(init_device_mesh(device, (world,))) and no replicate_mesh; got a 2-D / HSDP layout "
             f"of {len(grid)} x {len(grid[0])}. For HSDP use data_parallel=\"fsdp\" (the default).")
     return tuple((int(x),) for x in grid[0])
-
-
-def unwrap_model(model: Any) -> Any:
-    """The module ``dedicate_params`` prepared, inside a ``DistributedDataParallel`` wrapper
-    (``model`` itself when it is not such a wrapper)."""
-    from torch.nn.parallel import DistributedDataParallel
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    return model
-
-
-class DDPParamGroup(DedicatedParamGroup):
-    """A hook group in DDP mode (``G = 1``): every rank holds every master of the group.
-
-    When every param's compute dtype is its master dtype (fp32 / fp64 params, no
-    ``mp_policy``), "unshard" makes each param a view of its master (no copy, no traffic: only
-    the pending post-step publish is waited) and "reshard" makes it a placeholder again (nothing
-    is freed). Otherwise (e.g. bf16 params, fp32 masters) it is the base class's gather, which with
-    ``G = 1`` is a local cast-copy into the group's buffer.
-    """
-
-    zero_copy = False
-
-    def setup(self, program: Any) -> None:
-        super().setup(program)
-        self.zero_copy = all(str(self.storage.master_dtype[e.name]) == b.key.dtype
-                             for b in program.unshard_layout.buckets_of(self.key)
-                             for e in b.entries)
-        if self.zero_copy:
-            self.unshard_buffers = {}
-
-    def launch_unshard(self, version: int, regather: bool = False) -> None:
-        if not self.zero_copy:
-            return super().launch_unshard(version, regather)
-        if self.state is GroupState.UNSHARDED and self.gathered_version == version:
-            return
-        self.wait_publish()
-        self.state = GroupState.UNSHARDED
-        self.gathered_version = version
-
-    def unshard(self, version: int, regather: bool = False) -> None:
-        if not self.zero_copy:
-            return super().unshard(version, regather)
-        self.launch_unshard(version)
-        for n in self.names:
-            self.storage.point(n, self.storage.masters[n])
-
-    def reshard(self) -> None:
-        if not self.zero_copy:
-            return super().reshard()
-        for n in self.names:
-            self.storage.release(n)
-        self.state = GroupState.RESHARDED
 
 
 class _NotForDDP(list):
@@ -209,15 +155,10 @@ def _active_ddp(model: nn.Module) -> Optional[Any]:
 
 
 def install_ddp_mode(model: nn.Module, st: Any) -> None:
-    """Turn a freshly built :class:`~dmuon.stateful.runtime.state.DedicatedState` of grid ``G = 1``
-    into DDP mode: DDP groups (:class:`DDPParamGroup`, no reshard after forward), DDP's ignore
-    list, and a root pre-forward hook that follows the wrapping DDP's ``no_sync``."""
-    st.data_parallel = "ddp"
-    st.reshard_after_forward = False  # nothing is gathered: the groups keep their params
-    for key, g in list(st.groups.items()):
-        st.groups[key] = DDPParamGroup(key=key, module=g.module, names=g.names,
-                                       storage=g.storage, executor=g.executor,
-                                       reshard_after_forward=False)
+    """The model side of DDP mode (its state was built in it: ``G = 1``, no reshard after
+    forward, zero-copy groups where the compute dtypes are the masters', the step program's
+    :attr:`~dmuon.functional.program.GroupPhases.zero_copy`): DDP's ignore list, and a root
+    pre-forward hook that follows the wrapping DDP's ``no_sync``."""
     names = list(st.params)
     prev = getattr(model, DDP_IGNORE_ATTR, None)
     prev = [] if prev is None or isinstance(prev, _NotForDDP) else list(prev)
@@ -251,22 +192,3 @@ def install_ddp_mode(model: nn.Module, st: Any) -> None:
 
     st.ddp_hook = model.register_forward_pre_hook(
         torch.compiler.disable(follow_ddp_no_sync, recursive=True))
-
-
-def unwrapping_model(fn: Any) -> Any:
-    """Decorator of a public dmuon function taking ``model``: a ``DistributedDataParallel``
-    wrapper is replaced by the module it wraps (so names are the single-device names, the same
-    as an FSDP2 run's: checkpoints move between the backends)."""
-    import functools
-    import inspect
-
-    sig = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        bound = sig.bind_partial(*args, **kwargs)
-        if "model" in bound.arguments:
-            bound.arguments["model"] = unwrap_model(bound.arguments["model"])
-        return fn(*bound.args, **bound.kwargs)
-
-    return wrapper

@@ -16,7 +16,7 @@ meta), it *defers*:
    matrices are ordinary TP DTensors meanwhile (each rank holds its TP slice of every one of them:
    TP's own footprint, until step 3), and TP's own init gives them their values;
 3. ``dmuon.Muon(model)`` finishes the dedication exactly as ``dedicate_params`` would have on the
-   TP-applied model (:func:`dmuon.stateful.runtime.dedicate.finish_deferred`): every slice moves to its
+   TP-applied model (:func:`finish_pending`): every slice moves to its
    owner's master and the other ranks free theirs.
 
 A forward before ``dmuon.Muon(model)`` raises (the matrices are not dedicated yet), before any
@@ -35,18 +35,21 @@ from dmuon.compat.fsdp_patch import PENDING_SLOTS_ATTR
 from dmuon.compat.torch_api import mesh_root
 
 __all__ = ["PENDING_ATTR", "PendingDedication", "covers_world", "should_defer", "defer",
-           "check_materialized", "find_pending", "clear_pending"]
+           "check_materialized", "find_pending", "finish_pending", "clear_pending"]
 
 PENDING_ATTR = "_dmuon_pending"
 
 
 @dataclass
 class PendingDedication:
-    """What a deferred ``dedicate_params`` call recorded: the selected ``names`` and the keyword
-    arguments of the call (``mesh`` included)."""
+    """What a deferred ``dedicate_params`` call recorded: the selected ``names``, the keyword
+    arguments of the call (``mesh`` included) and ``finish(model)``, the dedication itself (set
+    by ``dedicate_params``: the optimizer completes it through :func:`finish_pending` without
+    importing the setup wing)."""
 
     names: tuple[str, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
+    finish: Any = None
 
 
 def covers_world(mesh: Any, replicate_mesh: Any = None) -> bool:
@@ -109,15 +112,17 @@ def _global_guard(module: nn.Module, args: Any) -> None:
         _forward_guard(module, args)
 
 
-def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], kwargs: dict) -> None:
-    """Record a deferred dedication on ``model`` (see the module docstring)."""
+def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], kwargs: dict,
+          finish: Any) -> None:
+    """Record a deferred dedication on ``model`` (see the module docstring); ``finish(model)``
+    completes it."""
     for n in chosen:
         mod_name, _, leaf = n.rpartition(".")
         module = model.get_submodule(mod_name) if mod_name else model
         slots = set(getattr(module, PENDING_SLOTS_ATTR, ()))
         slots.add(leaf)
         setattr(module, PENDING_SLOTS_ATTR, frozenset(slots))
-    pending = PendingDedication(tuple(chosen), dict(kwargs))
+    pending = PendingDedication(tuple(chosen), dict(kwargs), finish)
     _PENDING_MODELS.add(model)
     if not _GLOBAL_HOOK:
         _GLOBAL_HOOK.append(register_module_forward_pre_hook(_global_guard))
@@ -126,6 +131,14 @@ def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], kwargs: dict) ->
 
 def find_pending(model: nn.Module) -> Optional[PendingDedication]:
     return getattr(model, PENDING_ATTR, None)
+
+
+def finish_pending(model: nn.Module) -> None:
+    """Complete a deferred ``dedicate_params`` (collective; ``dmuon.Muon(model)`` calls it; no-op
+    without one): the same dedication, on the model TP, ``fully_shard`` and the init made."""
+    pending = find_pending(model)
+    if pending is not None:
+        pending.finish(model)
 
 
 def clear_pending(model: nn.Module) -> None:

@@ -54,14 +54,14 @@ import torch.nn as nn
 from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.schedule import publish_schedule
 from dmuon.stateful.runtime.agree import agree
-from dmuon.stateful.runtime.errors import DedicatedParamError
+from dmuon.stateful.runtime.errors import DedicatedParamError, from_dtensor_api, tp_error
 from dmuon.stateful.runtime.guard_base import (ATTRIBUTE_CALLS, PASS_ON, TorchGuard, call_plain,
                                                full_shape_query)
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["DedicatedUninit", "MetaInit", "check_meta_selection", "replace_meta_params",
-           "device_of_mesh", "finish_meta_init"]
+           "device_of_mesh"]
 
 #: metadata reads answered with the full (logical) shape on a rank without the matrix
 
@@ -123,7 +123,6 @@ class DedicatedUninit(TorchGuard, nn.Parameter):
         if info is None:  # pragma: no cover - a stray subclass instance
             return call_plain(func, args, kwargs)
         if name not in cls._guard_allowed:
-            from dmuon.stateful.modes.tp_errors import from_dtensor_api, tp_error
             if from_dtensor_api():  # TP after dedicate_params: raise on holders and others alike
                 raise tp_error(info.name, info.owner)
         if name == "empty_like" and args and args[0] is me and _from_to_empty():
@@ -275,6 +274,28 @@ class MetaInit:
                        f"{' ...' if len(left) > 4 else ''}")
         return out
 
+    def finish(self, st: Any, what: str) -> None:
+        """Close ``st``'s init window (collective on every rank).
+
+        Raises:
+          RuntimeError: on every rank, when any rank has a param or buffer left on meta or a
+            dedicated param ``to_empty`` never reached; nothing changes then (the window stays
+            open).
+        """
+        model = st.model_ref()
+        mine = self.problems(model, set(st.params.values())) if model is not None else []
+        agree(mine, what="meta-init close agreement", via=st.mesh_groups, error=lambda detail: (
+            RuntimeError(
+                f"{what}: the model was built on the meta device and is not materialized "
+                f"({detail}). After dedicate_params and fully_shard, call model.to_empty("
+                "device=...) and the model's init (model.init_weights(), or each module's "
+                "reset_parameters()) on every rank, before dmuon.Muon(model), the first forward "
+                "or a state-dict call.")))
+        self.close(st)
+        st.meta_init = None
+        logger.info("dmuon: meta-device init closed; %d dedicated masters held here",
+                    len(st.masters))
+
     def close(self, st: Any) -> None:
         """Copy temporaries into masters, publish over each column (HSDP), make placeholders."""
         with torch.no_grad():
@@ -291,27 +312,3 @@ class MetaInit:
             p.__dict__.pop("_dmuon_uninit", None)
             p.__class__ = nn.Parameter
         st.storage.set_placeholder_dtypes(st.orig_dtype)
-
-
-def finish_meta_init(st: Any, what: str) -> None:
-    """Close ``st``'s init window if it is open (collective on every rank; no-op otherwise).
-
-    Raises:
-      RuntimeError: on every rank, when any rank has a param or buffer left on meta or a
-        dedicated param ``to_empty`` never reached; nothing changes then (the window stays open).
-    """
-    mi = getattr(st, "meta_init", None)
-    if mi is None:
-        return
-    model = st.model_ref()
-    mine = mi.problems(model, set(st.params.values())) if model is not None else []
-    agree(mine, what="meta-init close agreement", via=st.mesh_groups, error=lambda detail: (
-        RuntimeError(
-            f"{what}: the model was built on the meta device and is not materialized ({detail}). "
-            "After dedicate_params and fully_shard, call model.to_empty(device=...) and the "
-            "model's init (model.init_weights(), or each module's reset_parameters()) on every "
-            "rank, before dmuon.Muon(model), the first forward or a state-dict call.")))
-    mi.close(st)
-    st.meta_init = None
-    logger.info("dmuon: meta-device init closed; %d dedicated masters held here",
-                len(st.masters))

@@ -52,8 +52,9 @@ import torch.nn as nn
 
 from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.tp_plan import tp_roots
-from dmuon.stateful.runtime.agree import max_over_ranks, rank_flags
-from dmuon.stateful.modes.tp_errors import (TP_FIX, TensorParallelUnsupported, from_dtensor_api,  # noqa: F401
+from dmuon.functional.tp_step import group_max, tp_orthogonalizer, tp_sum_partials
+from dmuon.stateful.runtime.agree import rank_flags
+from dmuon.stateful.runtime.errors import (TP_FIX, TensorParallelUnsupported, from_dtensor_api,  # noqa: F401
                                       refuse_tp, tp_error)
 
 __all__ = ["TensorParallelUnsupported", "TP_FIX", "TPLayout", "TPForward", "TPStep",
@@ -246,6 +247,8 @@ class TPStep:
         # the NS root of each matrix (the plan's: dmuon.functional.tp_plan)
         self.root: dict[str, int] = tp_roots({n: self.layouts[n].shape for n in self.names},
                                              self.T)
+        self.dims = {n: lay.dim for n, lay in self.layouts.items()}  # the sliced dim of each
+        self.world = dist.get_world_size()
 
     def agree_grads(self, grads: dict[str, Optional[torch.Tensor]],
                     masters: Mapping[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
@@ -302,112 +305,27 @@ class TPStep:
 
     def orthogonalizer(self, inner: Callable[[list], Sequence[torch.Tensor]],
                        input_names: Sequence[str], program: Any) -> Callable[[list], list]:
-        """``inner`` (an orthogonalizer of full matrices) wrapped so that the inputs of TP slices
-        (named by ``input_names``, one per input, in order) are gathered to their root, NS-ed
-        there with the other inputs, and scattered back as this slice of ``NS(full)``: the step
-        program's ``tp`` phase (``program.tp``), run by the executor."""
-        def run(xs: list) -> list:
-            if len(xs) != len(input_names):
-                raise RuntimeError(f"dmuon TP step: {len(xs)} NS inputs for {len(input_names)} "
-                                   "names (internal error)")
-            slots = {input_names[i]: i for i, n in enumerate(input_names) if n in self.layouts}
-            gathers, scatters = self._phase(program, slots)
-            bufs: dict = {}
-            for op in gathers:  # a root holds every part; the others their own part
-                n = op.bucket.group[len("tp:"):]
-                x = xs[slots[n]].contiguous()
-                if self.root[n] == self.index:
-                    bufs[op.bucket] = torch.empty(op.numel, dtype=x.dtype, device=x.device)
-                    bufs[op.bucket][self._span(op)].copy_(x.view(-1))
-                else:
-                    bufs[op.bucket] = x.view(-1)
-            self.executor.run(gathers, bufs)
-            mine = [op for op in gathers if self.root[op.bucket.group[len("tp:"):]] == self.index]
-            full = [self._assemble(op, bufs[op.bucket], xs[slots[op.bucket.group[3:]]])
-                    for op in mine]
-            plain = [i for i, n in enumerate(input_names) if n not in self.layouts]
-            outs = list(inner([xs[i] for i in plain] + full)) if plain or full else []
-            result: list = [None] * len(xs)
-            for k, i in enumerate(plain):
-                result[i] = outs[k]
-            for op, out in zip(mine, outs[len(plain):]):  # the root's parts of NS(full)
-                n = op.bucket.group[3:]
-                dim = 1 + self.layouts[n].dim
-                for j, c in enumerate(out.chunk(self.T, dim=dim)):
-                    o, k = op.parts[j]
-                    bufs[op.bucket][o:o + k].copy_(c.reshape(-1))
-            for op in scatters:
-                n = op.bucket.group[3:]
-                if self.root[n] != self.index:
-                    bufs[op.bucket] = torch.empty_like(xs[slots[n]]).view(-1)
-            self.executor.run(scatters, bufs)
-            for op in scatters:
-                n = op.bucket.group[3:]
-                result[slots[n]] = bufs[op.bucket][self._span(op)].view(xs[slots[n]].shape) \
-                    if self.root[n] == self.index else bufs[op.bucket].view(xs[slots[n]].shape)
-            return result
-        return run
+        """``inner`` (an orthogonalizer of full matrices) behind the TP group's gathers and
+        scatters of the step program's ``tp`` phase, run by the executor
+        (:func:`dmuon.functional.tp_step.tp_orthogonalizer`)."""
+        return tp_orthogonalizer(inner, input_names, tp=program.tp, ranks=self.ranks,
+                                 index=self.index, roots=self.root, dims=self.dims,
+                                 run=self.executor.run)
 
     def max_over_group(self, values: torch.Tensor) -> torch.Tensor:
-        """The MAX of the vector ``values`` over this rank's TP group (one all-reduce; every rank
-        of the group passes the same length, in the same order): the whole matrices' absmaxes of
-        an 8-bit momentum from the slices' (:meth:`~dmuon.stateful.optimizer.state_storage.
-        MomentumStorage.share_scales`), like :meth:`sum_partials` on the group directly (a few
-        scalars per step; the executor runs the schedules' buffers). A NaN travels as a flag (a
-        MAX all-reduce may drop it): a NaN slice makes its matrix's absmax NaN, as one process
-        (:func:`~dmuon.stateful.runtime.agree.max_over_ranks`)."""
+        """The MAX of the vector ``values`` over this rank's TP group (one ``AllReduce`` op on
+        lane ``"tp"``; every rank of the group passes the same length, in the same order): the
+        whole matrices' absmaxes of an 8-bit momentum from the slices' (:meth:`~dmuon.stateful.
+        optimizer.state_storage.MomentumStorage.share_scales`); a NaN slice makes its matrix's
+        absmax NaN, as one process (:func:`dmuon.functional.tp_step.group_max`)."""
         v = values.detach().to(device=self.device, dtype=torch.float32)
-        return max_over_ranks(v, what="TP momentum absmax (8-bit scale)",
-                              via=self.group).to(values.device)
+        return group_max(v, self.ranks, self.world, self.executor.run).to(values.device)
 
     def sum_partials(self, names: Sequence[str], partials: list, dims: Sequence[int]) -> list:
-        """The ``sum_hook`` of a variant's stages (:meth:`dmuon.functional.stages.leaves.Leaves.
-        sum_partials`): the partial sums of each TP slice over block dims ``dims`` added over the
-        TP group where the slice misses part of what they sum (a row slice, ``Shard(0)``, misses
-        rows: block dim -2; a column slice misses columns: block dim -1); one SUM all-reduce per
-        dtype, in the leaves' order (the same on every rank of the group: its owned names and
-        active matrices agree). Matrices without TP are whole here: their sums pass through."""
-        out = list(partials)
-        want = {-2 if lay.dim == 0 else -1 for lay in self.layouts.values()}
-        if not want & {d if d < 0 else d - 3 for d in dims}:
-            return out
-        picks = [k for k, n in enumerate(names) if n in self.layouts
-                 and (-2 if self.layouts[n].dim == 0 else -1) in
-                 {d if d < 0 else d - 3 for d in dims}]
-        by: dict = {}
-        for k in picks:
-            by.setdefault(out[k].dtype, []).append(k)
-        for dtype, ks in by.items():
-            flat = torch.cat([out[k].reshape(-1) for k in ks])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
-            at = 0
-            for k in ks:
-                n = out[k].numel()
-                out[k] = flat[at:at + n].view(out[k].shape)
-                at += n
-        return out
-
-    def _phase(self, program: Any, active: Mapping[str, int]) -> tuple[Any, Any]:
-        """The ``tp`` phase's gathers and scatters of this rank's TP group for the matrices with
-        an NS input this step (the same on every rank of the group: :meth:`agree_grads`)."""
-        from dmuon.functional.schedule import Gather, Schedule
-        ops = [op for op in program.tp if self.ranks == tuple(op.members)
-               and op.bucket.group[3:] in active]
-        world = program.tp.shard_size
-        gathers = Schedule(tuple(op for op in ops if isinstance(op, Gather)), world, 1)
-        scatters = Schedule(tuple(dataclasses.replace(op, waits=()) for op in ops
-                                  if not isinstance(op, Gather)), world, 1)
-        return gathers, scatters
-
-    def _span(self, op: Any) -> slice:
-        o, k = op.parts[self.index]
-        return slice(o, o + k)
-
-    def _assemble(self, op: Any, buf: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """The full NS input on the root: the parts, each of the slice's shape, concatenated
-        along the sliced dim."""
-        dim = 1 + self.layouts[op.bucket.group[3:]].dim
-        return torch.cat([buf[o:o + k].view(x.shape) for o, k in op.parts], dim=dim)
+        """The ``sum_hook`` of a variant's stages (:func:`dmuon.functional.tp_step.
+        tp_sum_partials`, through the executor)."""
+        return tp_sum_partials(names, partials, dims, self.dims, self.ranks, self.world,
+                               self.executor.run)
 
 
 def assemble_tp_slices(layouts: Mapping[str, TPLayout], values: Mapping[str, torch.Tensor],

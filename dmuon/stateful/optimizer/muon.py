@@ -26,7 +26,9 @@ them torch-style (``momentum_buffer``; ``step``, ``exp_avg``, ``exp_avg_sq``) fo
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -40,12 +42,13 @@ from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.stateful.optimizer.ns_hook import NSHook
 from dmuon.stateful.optimizer.split_step import split_step
 from dmuon.stateful.optimizer.state_views import StateViewsMixin
-from dmuon.stateful.modes.ddp import check_backend, unwrap_model
+from dmuon.stateful.modes.ddp import check_backend
+from dmuon.stateful.runtime.state import unwrap_model
+from dmuon.stateful.modes.deferred import finish_pending
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
 from dmuon.stateful.optimizer.step_checks import check_finite, check_outside_grads, check_same_fsdp_grads
 from dmuon.stateful.modes.tensor_parallel import TPStep
-from dmuon.stateful.runtime.dedicate import finish_deferred
 
 logger = logging.getLogger(__name__)
 
@@ -61,68 +64,62 @@ def _check_fsdp_mesh(model: nn.Module, rt: DedicatedState) -> None:
         raise ValueError("dmuon.Muon: " + " | ".join(problems))
 
 
+def momentum_dtype_of(transform: Any, old: Any, hparams: fmuon.MuonHParams) -> tuple[Any, Any]:
+    """``(transform, momentum dtype)``: the chain's momentum stage's ``momentum_dtype`` (the one
+    spelling), or the deprecated ``dmuon.Muon(momentum_dtype=...)`` (default transform: folded
+    into ``variants.muon(momentum_dtype=...)``; another: the storage of its momentum field)."""
+    from dmuon.functional import transforms as T
+    from dmuon.functional import variants
+    if transform is None:
+        return (None, None) if old is None else (variants.muon(momentum_dtype=old), old)
+    chain = transform if isinstance(transform, T.Transform) else \
+        (transform(hparams) if callable(transform) else None)
+    mine = getattr(chain, "momentum_dtype", None)
+    if old is not None and mine is not None and str(mine) != str(old):
+        raise ValueError(f"dmuon.Muon: momentum_dtype={old} (deprecated) and the transform's "
+                         f"momentum stage's momentum_dtype={mine} differ; pass the stage's only")
+    return transform, (mine if old is None else old)
+
+
 class Muon(StateViewsMixin, torch.optim.Optimizer):
     """Distributed Muon for dedicated matrices + AdamW for everything else.
 
     Args:
       model: a model on which ``dmuon.dedicate_params`` ran (then ``fully_shard``).
-      lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, ns_eps, ns_dtype, lr_scale:
-        Muon hyper-parameters (see :class:`dmuon.functional.muon.MuonHParams`). ``lr`` may be
-        given by position, as torch's optimizers take it (``dmuon.Muon(model, 0.02)``); every
-        other option by name (a further positional value raises ``TypeError`` saying why).
-      eps, adjust_lr_fn: ``torch.optim.Muon``'s names for ``ns_eps`` and ``lr_scale``
-        (``"original"`` / ``None`` = ``"jordan"``, ``"match_rms_adamw"`` = ``"moonlight"``,
-        ``"spectral_unclamped"`` = ``"spectral"``), folded into those at construction
-        (:mod:`dmuon.functional.muon_options`): ``param_groups`` carry dmuon's names only. Both
-        spellings with different values raise. ``ns_coefficients`` also takes torch's flat
-        ``(a, b, c)`` (the same triple every iteration).
+      lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, ns_dtype,
+      adjust_lr_fn: Muon's hyper-parameters, under ``torch.optim.Muon``'s names
+        (:mod:`dmuon.functional.muon_options`: ``eps`` is ε of NS's normalization;
+        ``adjust_lr_fn`` the shape scale: ``"match_rms_adamw"`` (default, ``0.2·sqrt(max(m,
+        n))``), ``"original"`` / ``None`` (``sqrt(max(1, m/n))``), ``"spectral_unclamped"``,
+        ``"none"`` (dmuon's: 1); ``ns_coefficients`` a named schedule, a table or torch's flat
+        ``(a, b, c)``); ``param_groups[0]`` holds them under the same names. ``lr`` may be given
+        by position, as torch's optimizers take it; every other option by name.
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters for every
         trainable param the predicate rejected.
+      transform: the chain the owners run: ``None`` (default) is Muon itself
+        (``dmuon.functional.variants.muon()``); a function ``MuonHParams -> Transform``
+        (:mod:`dmuon.functional.variants`' ``normuon()``, ``muon_hyperball()``,
+        ``normuon_hyperball()``, or your own chain of stages) built from ``param_groups[0]``
+        each step (lr schedulers, ``lr_mult`` / ``wd_mult`` apply), or a fixed ``Transform`` (a
+        change of ``param_groups[0]``'s raises at the next step). One driver for every chain
+        (:mod:`dmuon.stateful.optimizer.owner`): same dedication, hooks, modes, clipping, state
+        saved and restored by name. Its momentum stage's ``momentum_dtype`` (e.g.
+        ``variants.muon(momentum_dtype=torch.bfloat16)``) is how the owners store the momentum
+        (fp32 / bf16 / fp8: :mod:`dmuon.stateful.optimizer.state_storage`).
+      offload_state: keep the owners' momentum in host memory between steps.
+      adamw_state_dtype: the dtype of FSDP2's AdamW moments (fp32 / bf16).
       check_finite: before updating anything, check every gradient (one small all-reduce per
         step); NaN/Inf raises ``FloatingPointError`` on every rank and leaves params, state and
         gradients untouched (``zero_grad()`` then skips the batch). Raising needs the flag on the
-        host, so on CUDA the check costs one host synchronization per step (the CPU waits for
-        the backward to finish before it can queue the step): ``"auto"`` (default) means on for
-        CPU params, off on CUDA, where it is opt-in (``True``; ``last_step_stats().host_syncs``
-        shows it). Without it a NaN gradient propagates into the weights.
-      adamw_impl: the ``impl`` of :func:`dmuon.functional.adamw.update` for FSDP2's local shards;
-        ``"auto"`` (default): ``"fused"`` (``torch._fused_adamw_``) on CUDA, ``"reference"``
-        (bitwise ``torch.optim.AdamW(foreach=False)``) elsewhere.
-      ns_engine: who runs the owner's Newton–Schulz. ``"auto"`` (default): on CUDA a
-        :class:`dmuon.kernels.ns_engine.NSEngine` (batched per shape, CUDA-graph replay on the
-        gradient buckets), elsewhere the functional core's batched NS (bitwise the functional
-        Muon); ``"engine"``: that engine on any device; ``"functional"``: always the functional
-        core; an ``NSEngine``: that one (its execution settings; what it computes must be this
-        optimizer's ``ns_*`` hyper-parameters, checked at every step). The NS settings have one
-        source: ``param_groups[0]``'s ``ns_*`` values, as :class:`dmuon.newton_schulz.NSConfig`.
-      elementwise: Muon's elementwise stages (momentum + Nesterov input; weight decay + update).
-        ``"auto"`` (default): fused Triton passes (:mod:`dmuon.kernels.muon_elementwise`, 28
-        instead of 52 bytes per fp32 element) on CUDA when Triton imports, else the functional
-        core's foreach stages (bitwise); ``"foreach"``: always foreach; ``"fused"``: fused
-        where it can run.
-      persistent_grad_buffers: keep the owners' gradient buckets allocated between steps
-        (stable addresses: the engine's graph replays every step; peak memory = FSDP2 + AdamW's)
-        instead of giving their memory back after each step (default ``False``: forward runs
-        without them, 3.6 GiB less peak on the 1B H200 benchmark).
-      transform: a Muon variant run on the owners instead of Muon's fused update: a function
-        ``MuonHParams -> Transform`` (:mod:`dmuon.functional.variants`' ``normuon()``,
-        ``muon_hyperball()``, ``normuon_hyperball()``, or your own chain of stages) built from
-        ``param_groups[0]`` each step (lr schedulers, ``lr_mult`` / ``wd_mult`` apply), or a fixed
-        ``Transform`` (a change of ``param_groups[0]``'s raises at the next step); same
-        dedication, hooks, HSDP / TP / DDP modes, clipping; its state saved and restored by name
-        like momentum (:mod:`dmuon.stateful.optimizer.owner`; ``momentum_dtype`` /
-        ``offload_state`` apply to its momentum stage's buffers); a quantity a stage needs that
-        an owner lacks raises here. ``None`` (default): Muon, bitwise as without the option.
-      replicate_async: HSDP only. True (default): the publish of the new masters to the replicas
-        of each owner's shard column is dispatched at the end of ``step()`` and waited by the next
-        forward's pre-hook of each hook group (groups forward did not use: at the end of the next
-        backward). False: the publish runs and is waited inside ``step()``. Both give bitwise the
-        same weights. A ``step()`` while the previous step's publish is still pending (no
-        forward/backward since) raises ``RuntimeError``; ``dmuon.wait_all_replicate_broadcasts``
-        drains it.
-      momentum_dtype, offload_state, adamw_state_dtype: how the owners keep Muon's momentum (fp32
-        default / bf16 / fp8; in host memory) and FSDP2's AdamW moments (fp32 / bf16) between
-        steps: :mod:`dmuon.stateful.optimizer.state_storage`.
+        host, so on CUDA the check costs one host synchronization per step: ``"auto"`` (default)
+        means on for CPU params, off on CUDA, where it is opt-in (``True``;
+        ``last_step_stats().host_syncs`` shows it).
+
+    Execution knobs are setters (as FSDP2's ``set_*``): :meth:`set_replicate_async`,
+    :meth:`set_ns_engine`, :meth:`set_elementwise`, :meth:`set_adamw_impl`,
+    :meth:`set_persistent_grad_buffers`. The former spellings (``ns_eps``, ``lr_scale``,
+    ``momentum_dtype`` and those knobs as constructor options) work for one release with a
+    ``DeprecationWarning``.
 
     Raises:
       RuntimeError: ``dedicate_params`` was not called on ``model``; ``step()`` of an optimizer
@@ -134,28 +131,29 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
 
     def __init__(self, model: nn.Module, lr: float = 0.02, *positional: Any,
                  momentum: float = 0.95, nesterov: bool = True, weight_decay: float = 0.0,
-                 ns_steps: int = 5, ns_coefficients: Any = "polar_express", ns_eps: float = 1e-7,
-                 ns_dtype: Optional[torch.dtype] = None, lr_scale: str = "moonlight",
+                 ns_steps: int = 5, ns_coefficients: Any = "polar_express", eps: float = 1e-7,
+                 adjust_lr_fn: Any = "match_rms_adamw", ns_dtype: Optional[torch.dtype] = None,
                  adamw_lr: float = 1e-3, adamw_betas: tuple[float, float] = (0.9, 0.999),
                  adamw_eps: float = 1e-8, adamw_weight_decay: float = 0.01,
-                 check_finite: Any = "auto", replicate_async: bool = True,
-                 adamw_impl: str = "auto", ns_engine: Any = "auto", elementwise: str = "auto",
-                 persistent_grad_buffers: bool = False, eps: Any = fopts.NOT_GIVEN,
-                 adjust_lr_fn: Any = fopts.NOT_GIVEN, transform: Any = None,
-                 momentum_dtype: Any = None, offload_state: bool = False,
-                 adamw_state_dtype: Any = None):
+                 transform: Any = None, offload_state: bool = False,
+                 adamw_state_dtype: Any = None, check_finite: Any = "auto", **deprecated: Any):
         if not isinstance(model, nn.Module):
             raise TypeError("dmuon.Muon(model, ...) takes the model (after dedicate_params and "
                             f"fully_shard), not {type(model).__name__}")
         # every option is checked before anything changes (a bad value raises here, not at step())
-        muon_hp, adamw_hp = fopts.check_options(positional, locals())
+        muon_group, adamw_hp, knobs, old_mu_dtype, notes = fopts.check_options(
+            positional, locals(), deprecated)
+        for note in notes:
+            warnings.warn(note, DeprecationWarning, stacklevel=2)
+        transform, mu_dtype = momentum_dtype_of(transform, old_mu_dtype,
+                                                fopts.hparams_of_group(muon_group))
         from dmuon.stateful.optimizer import state_storage as ss
         from dmuon.stateful.optimizer.adamw_storage import AdamWStorage
         self._adamw_storage = AdamWStorage(adamw_state_dtype)  # checked before any change
-        self._storage = ss.MomentumStorage(momentum_dtype, offload_state, None)
-        NSHook.check(ns_engine)  # a bad ns_engine raises here, before anything changes
+        self._storage = ss.MomentumStorage(mu_dtype, offload_state, None)
+        NSHook.check(knobs["ns_engine"])  # a bad ns_engine raises here, before anything changes
         model = unwrap_model(model)
-        finish_deferred(model)  # dedicate_params before TP: the dedication completes here
+        finish_pending(model)  # dedicate_params before TP: the dedication completes here
         rt = get_state(model, "dmuon.Muon(model)")
         rt.finish_meta_init("dmuon.Muon(model)")  # meta-built model: close its init window
         check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
@@ -169,7 +167,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._outside = tuple((n, p) for n, p in model.named_parameters()
                               if not p.requires_grad and p not in dedicated)
         groups = [
-            dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_hp,
+            dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_group,
                  momentum_dtype=str(self._storage.dtype), offload_state=offload_state),
             dict(params=[p for _, p in self._adamw_named], name="adamw", **adamw_hp,
                  adamw_state_dtype=str(self._adamw_storage.dtype)),
@@ -180,13 +178,12 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self.check_finite = (rt.device.type != "cuda") if check_finite == "auto" \
             else check_finite
         rt.ledger.track_finite = self.check_finite
-        self.adamw_impl = adamw_impl
-        self.elementwise = elementwise
-        rt.pool.persistent = persistent_grad_buffers
+        self.adamw_impl, self.elementwise = knobs["adamw_impl"], knobs["elementwise"]
+        rt.pool.persistent = knobs["persistent_grad_buffers"]
         self._host_syncs = 0
         self.telemetry = StepTelemetry(rt.executor, rt.device)
-        self._ns = NSHook(ns_engine, self.telemetry)
-        self.replicate_async = replicate_async
+        self._ns = NSHook(knobs["ns_engine"], self.telemetry)
+        self.replicate_async = knobs["replicate_async"]
         self.num_steps = 0  # completed step() calls (the same on every rank)
         # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;
         # else every step checks that each FSDP2 param has a gradient on all ranks or on none
@@ -194,7 +191,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._check_fsdp_usage = bool(self._adamw_named) and not reduce_unused_fsdp_params(model)
         # a newer Muon(model) supersedes this one: stepping both would update twice per step
         self._generation = rt.attach_optimizer()
-        ss.follow_reduces(self, rt)  # offload: a group's copy-in starts as its reduce is issued
+        rt.set_listener(ss.StorageListener(self))  # offload: copies follow the reduces
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
         # runs its zero-gradient "materializing" step on this optimizer. One driver for Muon
         # (transform=None: variants.muon()) and every variant: its chain, state and fields
@@ -218,7 +215,9 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
                               control=mg.control, device=rt.device)
             # an 8-bit momentum: each slice's scale is its matrix's (one MAX over the TP group)
             self._storage.share_scales(self._tp.names, self._tp.max_over_group)
-        self._split = split_step(rt, transform, self.muon_hparams())  # split NS: this rank's units
+        self._split = split_step(rt, transform if self._owner.custom else None,
+                                 self.muon_hparams())  # split NS: this rank's units
+        self._program_of = self._program = None
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 
@@ -230,6 +229,20 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         return self._rt
 
     @property
+    def program(self) -> Any:
+        """The step program as this optimizer runs it: the model's
+        (:attr:`~dmuon.stateful.runtime.state.DedicatedState.program`, built at the first forward;
+        ``None`` before it) with this optimizer's split NS schedules (its NS settings decide their
+        ops). A derived value: the model's program is never rewritten."""
+        prog = self._rt.program
+        if prog is None or self._split is None:
+            return prog
+        if self._program_of is not prog:
+            self._program_of, self._program = prog, dataclasses.replace(
+                prog, splits=self._split.schedules)
+        return self._program
+
+    @property
     def adamw_named_params(self) -> tuple[tuple[str, nn.Parameter], ...]:
         """``(name, param)`` of every param AdamW updates (``param_groups[1]``: the trainable
         params the predicate rejected, FSDP2's DTensors), in ``model.named_parameters()`` order."""
@@ -238,14 +251,52 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
     # ------------------------------------------------------------------ hparams
     def muon_hparams(self) -> fmuon.MuonHParams:
         """The Muon hyper-parameters the next ``step()`` uses (read from ``param_groups[0]``)."""
-        g = self.param_groups[0]
-        return fmuon.MuonHParams(**{k: g[k] for k in fmuon.MuonHParams._fields})
+        return fopts.hparams_of_group(self.param_groups[0])
 
     def adamw_hparams(self) -> fadamw.AdamWHParams:
         """The AdamW hyper-parameters the next ``step()`` uses (read from ``param_groups[1]``)."""
         g = self.param_groups[1]
         return fadamw.AdamWHParams(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
                                    weight_decay=g["weight_decay"])
+
+    # ------------------------------------------------------------------ execution knobs
+    def set_replicate_async(self, enabled: bool) -> None:
+        """HSDP / DDP mode: ``True`` (default): the publish of the new masters to the replicas of
+        each owner's shard column is dispatched at the end of ``step()`` and waited by the next
+        forward's pre-hook of each hook group (groups forward did not use: at the end of the next
+        backward); ``False``: it runs and is waited inside ``step()``. Bitwise the same weights.
+        A ``step()`` while the previous step's publish is pending (no forward/backward since)
+        raises; ``dmuon.wait_all_replicate_broadcasts`` drains it."""
+        self.replicate_async = fopts.check_knob("replicate_async", enabled)
+
+    def set_ns_engine(self, engine: Any) -> None:
+        """Who runs the owners' Newton–Schulz: ``"auto"`` (default: on CUDA a
+        :class:`dmuon.kernels.ns_engine.NSEngine`, batched per shape with CUDA-graph replay;
+        elsewhere the functional core's batched NS, bitwise the functional Muon), ``"engine"``
+        (that engine on any device), ``"functional"``, or an ``NSEngine`` (its execution
+        settings; what it computes must be this optimizer's NS hyper-parameters, checked at
+        every step)."""
+        NSHook.check(engine)
+        self._ns = NSHook(engine, self.telemetry)
+
+    def set_elementwise(self, mode: str) -> None:
+        """Muon's elementwise stages (momentum + Nesterov input; weight decay + update):
+        ``"auto"`` (default: fused Triton passes, :mod:`dmuon.kernels.muon_elementwise`, on
+        CUDA when Triton imports, else foreach), ``"foreach"``, ``"fused"``."""
+        self.elementwise = fopts.check_knob("elementwise", mode)
+
+    def set_adamw_impl(self, impl: str) -> None:
+        """The ``impl`` of :func:`dmuon.functional.adamw.update` for FSDP2's local shards:
+        ``"auto"`` (default: ``"fused"`` on CUDA, ``"reference"`` (bitwise
+        ``torch.optim.AdamW(foreach=False)``) elsewhere) or one of
+        :data:`dmuon.functional.adamw.IMPLS`."""
+        self.adamw_impl = fopts.check_knob("adamw_impl", impl)
+
+    def set_persistent_grad_buffers(self, enabled: bool) -> None:
+        """Keep the owners' gradient buckets allocated between steps (stable addresses: the NS
+        engine's graph replays every step) instead of giving their memory back after each step
+        (default ``False``: forward runs without them)."""
+        self._rt.pool.persistent = fopts.check_knob("persistent_grad_buffers", enabled)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()

@@ -22,7 +22,7 @@ bytes, learned from the last measured step (its copies' bandwidth and how far th
 step's end, from timing events read only once complete: no host sync) -- and the rest waits,
 recorded behind an event of the step, until the first hook group's forward of the next forward
 (:meth:`flush`, called through the runtime's
-:meth:`~dmuon.stateful.runtime.state.DedicatedState.on_group_forward`), or any earlier copy in or
+:class:`~dmuon.stateful.optimizer.state_storage.StorageListener`), or any earlier copy in or
 read of the host buffers (:meth:`synchronize`). The staging buffers of those copies live until
 their copy ran, as they did when the copies queued behind the step's. On CPU every copy back waits
 for a flush (the same ordering, exercised by every gloo test).

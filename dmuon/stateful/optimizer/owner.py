@@ -43,7 +43,13 @@ from dmuon.functional.stages.leaves import default_views
 from dmuon.functional.state_fields import LAYOUTS, scalar_leaves, state_fields
 from dmuon.functional.tree import get_path, replace_path
 
-__all__ = ["OwnerDriver"]
+__all__ = ["OwnerDriver", "is_muon"]
+
+
+def is_muon(transform: Any) -> bool:
+    """Whether ``transform`` is Muon itself (``None``, the default, or ``variants.muon(...)``)."""
+    return transform is None or (isinstance(transform, variants.Variant)
+                                 and transform.name == "muon")
 
 
 def _tp_lacks(layouts: Mapping[str, Any]) -> dict[str, list[str]]:
@@ -89,9 +95,9 @@ class OwnerDriver:
 
     def __init__(self, transform: Any, hparams: fmuon.MuonHParams, rt: Any,
                  storage: Any = None):
-        #: ``transform=`` was given (a variant or the user's chain; else Muon itself)
-        self.custom = transform is not None
-        transform = transform if self.custom else variants.muon()
+        #: another chain than Muon itself (a variant, or the user's chain)
+        self.custom = not is_muon(transform)
+        transform = variants.muon() if transform is None else transform
         if not (isinstance(transform, T.Transform) or callable(transform)):
             raise TypeError(f"dmuon.Muon: transform must be a dmuon.functional.transforms."
                             f"Transform or a function MuonHParams -> Transform (e.g. dmuon."

@@ -15,8 +15,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from dmuon.functional.schedule import Schedule
-from dmuon.functional.split_exec import split_ns_settings, split_step_schedule, split_unit_rank
+from dmuon.functional.split_exec import (run_split_units, split_member, split_ns_settings,
+                                         split_orthogonalizer, split_step_schedule)
 from dmuon.newton_schulz.config import NSConfig
 
 log = logging.getLogger(__name__)
@@ -70,7 +70,7 @@ class SplitStep:
         mg = rt.mesh_groups
         self.rt, self.executor, self.config = rt, rt.executor, config
         self.device = rt.device
-        self.units, schedules = [], []
+        self.members, schedules = [], []
         for sp in rt.plan.splits:
             unit = global_unit(sp, rt.plan, mg)
             xdt = _dtype(rt.master_dtype[sp.param])
@@ -78,17 +78,13 @@ class SplitStep:
             sched = split_step_schedule(unit, rt.G, rt.R, settings, xdt)
             schedules.append(sched)
             if mg.rank in unit.members:
-                one = {op.id: Schedule((dataclasses.replace(op, waits=()),), rt.G, rt.R)
-                       for op in sched}
-                self.units.append((unit, unit.members.index(mg.rank), sched, settings, xdt, one))
+                self.members.append(split_member(unit, unit.members.index(mg.rank), sched,
+                                                 settings, xdt))
         self.schedules = tuple(schedules)
-        self.owned = {u.param for u, i, *_ in self.units if i == 0}
-        rt.split_schedules = self.schedules  # the step program's split phases
-        if rt.program is not None:
-            rt.program = dataclasses.replace(rt.program, splits=self.schedules)
+        self.owned = {m.unit.param for m in self.members if m.index == 0}
         self._ran = False
         log.debug("dmuon split NS: %d units, rank %d is a member of %d (owner of %d)",
-                  len(self.schedules), mg.rank, len(self.units), len(self.owned))
+                  len(self.schedules), mg.rank, len(self.members), len(self.owned))
 
     def begin(self, hparams: Any) -> None:
         """Start a step (``hparams``: its Muon hyper-parameters; their NS settings must be the
@@ -101,65 +97,22 @@ class SplitStep:
                 "first. Keep ns_* fixed with split NS, or build a new dmuon.Muon")
         self._ran = False
 
-    def around(self, hparams: Any, owner_step: Callable[[], Any]) -> Any:
-        """``owner_step()`` (the owner's Muon update, whose NS call runs the split units) as one
-        step with split NS: :meth:`begin`, the step, :meth:`finish`."""
-        self.begin(hparams)
-        out = owner_step()
-        self.finish()
-        return out
-
     def finish(self) -> None:
         """Run this rank's units if no NS call of this step did (a member with no NS of its own)."""
         if not self._ran:
             self.run({})
 
     def run(self, inputs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Run every unit this rank is a member of, in unit order; ``inputs``: the owner's 2-D NS
-        inputs by param name. Returns the owner's results for the names in ``inputs``."""
+        """Run every unit this rank is a member of, in unit order, through the executor
+        (:func:`dmuon.functional.split_exec.run_split_units`)."""
         self._ran = True
-        out: dict[str, torch.Tensor] = {}
-        for unit, index, sched, settings, xdt, one in self.units:
-            x = None
-            if index == 0:
-                x = inputs.get(unit.param)
-                if x is None:  # no gradient this step: the members still run the program
-                    x = torch.zeros(unit.shape, dtype=xdt, device=self.device)
-            gen = split_unit_rank(unit, sched, index, x, settings, input_dtype=xdt,
-                                  device=self.device)
-            try:
-                op, buf = next(gen)
-                while True:
-                    self.executor.run(one[op.id], {op.bucket: buf})
-                    op, buf = gen.send(None)
-            except StopIteration as stop:
-                if index == 0 and unit.param in inputs:
-                    out[unit.param] = stop.value
-        return out
+        return run_split_units(self.members, inputs, self.executor.run, self.device)
 
     def orthogonalizer(self, inner: Callable[[list], Sequence[torch.Tensor]],
                        input_names: Sequence[str]) -> Callable[[list], list]:
-        """``inner`` with the inputs of this rank's split matrices (named by ``input_names``, one
-        per input) taken out and run through the split units first."""
-        def run(xs: list) -> list:
-            if len(xs) != len(input_names):
-                raise RuntimeError(f"dmuon split NS: {len(xs)} NS inputs for {len(input_names)} "
-                                   "names (internal error)")
-            split = {n: i for i, n in enumerate(input_names) if n in self.owned}
-            for n, i in split.items():
-                if xs[i].dim() != 3 or xs[i].shape[0] != 1:
-                    raise RuntimeError(f"dmuon split NS: {n!r} has NS input {tuple(xs[i].shape)}, "
-                                       "not one matrix (internal error)")
-            got = self.run({n: xs[i][0] for n, i in split.items()})
-            plain = [i for i in range(len(xs)) if input_names[i] not in split]
-            outs = list(inner([xs[i] for i in plain])) if plain else []
-            result: list = [None] * len(xs)
-            for k, i in enumerate(plain):
-                result[i] = outs[k]
-            for n, i in split.items():
-                result[i] = got[n].unsqueeze(0)
-            return result
-        return run
+        """``inner`` with the inputs of this rank's split matrices run through the split units
+        first (:func:`dmuon.functional.split_exec.split_orthogonalizer`)."""
+        return split_orthogonalizer(inner, input_names, self.owned, self.run)
 
 
 def _dtype(d: Any) -> torch.dtype:

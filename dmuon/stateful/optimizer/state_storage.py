@@ -10,7 +10,7 @@ here, :mod:`dmuon.functional.state_dtype`), on the device or, with ``offload_sta
 1. offload: :meth:`MomentumStorage.prefetch` copies each hook group's host momentum into device
    staging buffers (:class:`~dmuon.stateful.optimizer.offload_copies.OffloadCopies`) when the
    runtime issues that group's gradient reduce in backward
-   (:meth:`~dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued`; none during a
+   (:class:`StorageListener`; none during a
    ``no_sync`` micro-batch): on CUDA on a side stream, one event per group, so the copies overlap
    the rest of the backward;
 2. the owner's update runs with a :class:`StepIO` (:func:`dmuon.functional.muon.update`'s
@@ -63,7 +63,7 @@ from dmuon.stateful.optimizer.offload_copies import OffloadCopies
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MomentumStorage", "StepIO", "CHUNK_BYTES", "PREFETCH_BYTES", "follow_reduces",
+__all__ = ["MomentumStorage", "StepIO", "CHUNK_BYTES", "PREFETCH_BYTES", "StorageListener",
            "note_conversion"]
 
 #: The step's chunk budget: bytes of working (decoded) momentum alive at once, by default
@@ -186,7 +186,7 @@ class MomentumStorage:
         before the first use). A no-op on device.
 
         Called per hook group when its gradient reduce is issued in backward
-        (:meth:`dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued`; ``ahead=True``:
+        (:class:`StorageListener`; ``ahead=True``:
         only while the staged bytes stay within :attr:`prefetch_bytes`) and by the step for the
         rest, a chunk ahead."""
         if not self.offload:
@@ -383,28 +383,25 @@ def note_conversion(saved_dtype: Optional[str], dtype: torch.dtype, what: str,
                        sd.dtype_name(dtype), option)
 
 
-def follow_reduces(optimizer: Any, rt: Any) -> None:
-    """Register ``optimizer`` (held weakly: the model does not keep it alive) with ``rt``'s
-    listeners (a newer optimizer replaces them; the replaced forward listener runs once):
-    :meth:`~dmuon.stateful.runtime.state.DedicatedState.on_reduce_issued` -- when a hook group's
-    reduce is issued, its owned offloaded momentum starts its copy to the device
-    (:meth:`MomentumStorage.prefetch_owned`) -- and
-    :meth:`~dmuon.stateful.runtime.state.DedicatedState.on_group_forward` -- the first hook
-    group's forward starts the copies back the last step deferred (:meth:`MomentumStorage.flush`)."""
-    ref, generation = weakref.ref(optimizer), optimizer._generation
+class StorageListener:
+    """The runtime's listener (:meth:`~dmuon.stateful.runtime.state.DedicatedState.set_listener`)
+    of one optimizer (held weakly: the model does not keep it alive): when a hook group's reduce
+    is issued, its owned offloaded momentum starts its copy to the device
+    (:meth:`MomentumStorage.prefetch_owned`); when a forward reaches its first hook group, the
+    copies back the last step deferred start (:meth:`MomentumStorage.flush`). No-ops on device."""
 
-    def on_reduce(names: Any) -> None:
-        opt = ref()
-        if opt is not None and opt.dedicated_state.is_current(generation):
+    def __init__(self, optimizer: Any):
+        self.ref, self.generation = weakref.ref(optimizer), optimizer._generation
+
+    def reduce_issued(self, names: Any) -> None:
+        opt = self.ref()
+        if opt is not None and opt.dedicated_state.is_current(self.generation):
             opt._storage.prefetch_owned(stored_momentum(opt), names)
 
-    def on_forward() -> None:  # also once when a newer optimizer replaces this listener
-        opt = ref()
+    def group_forward(self) -> None:  # also once when a newer optimizer replaces this listener
+        opt = self.ref()
         if opt is not None:
             opt._storage.flush()
-
-    rt.on_reduce_issued(on_reduce)
-    rt.on_group_forward(on_forward)
 
 
 def stored_momentum(optimizer: Any) -> Optional[dict[str, Tensor]]:

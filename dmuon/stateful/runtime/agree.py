@@ -42,6 +42,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 
+from dmuon.functional.tp_step import max_keeping_nan
+
 __all__ = ["gather", "agree", "agree_equal", "rank_flags", "max_over_ranks", "join",
            "NotOnEveryRankError", "describe_problems", "describe_values"]
 
@@ -151,13 +153,10 @@ def rank_flags(local: torch.Tensor, *, what: str, via: Any = None) -> torch.Tens
 
 def max_over_ranks(values: torch.Tensor, *, what: str, via: Any = None) -> torch.Tensor:
     """Collective: the elementwise maximum of ``values`` (floating) over ranks, NaN wherever any
-    rank holds a NaN (a MAX all-reduce alone may drop it). Same shape and dtype as ``values``."""
-    v = values.reshape(-1)
-    both = torch.stack([torch.nan_to_num(v, nan=0.0, posinf=math.inf, neginf=-math.inf),
-                        torch.isnan(v).to(v.dtype)])
-    _run(via, what, lambda g: dist.all_reduce(both, op=dist.ReduceOp.MAX, group=g))
-    out = torch.where(both[1] > 0, torch.full_like(both[0], math.nan), both[0])
-    return out.reshape(values.shape)
+    rank holds a NaN (:func:`dmuon.functional.tp_step.max_keeping_nan`). Same shape and dtype as
+    ``values``."""
+    return max_keeping_nan(values, lambda t: _run(
+        via, what, lambda g: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)))
 
 
 #: the environment variable that sets :func:`join`'s bound (seconds), and its default

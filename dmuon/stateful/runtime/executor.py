@@ -59,7 +59,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["Executor", "Pending", "mesh_executor"]
 
-_REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM}
+_REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
 
 @dataclass(eq=False)

@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from dmuon.compat.torch_api import make_tensor_subclass, torch_function_disabled
-from dmuon.stateful.runtime.errors import DedicatedParamError
+from dmuon.stateful.runtime.errors import DedicatedParamError, from_dtensor_api, tp_error
 from dmuon.stateful.runtime.guard_base import (CONVERSIONS, PASS_ON, TorchGuard, call_plain,
                                                first_instance, full_shape_query)
 
@@ -138,7 +138,6 @@ class DedicatedPlaceholder(TorchGuard, nn.Parameter):
         p = first_instance(DedicatedPlaceholder, args, kwargs)
         pname = getattr(p, "_dmuon_name", "?")
         owner = getattr(p, "_dedicated_owner_rank", "?")
-        from dmuon.stateful.modes.tp_errors import from_dtensor_api, tp_error
         if from_dtensor_api():
             return tp_error(pname, owner)
         from dmuon.compat.fsdp_patch import is_installed

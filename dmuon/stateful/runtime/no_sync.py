@@ -6,7 +6,7 @@ from typing import Iterator
 
 import torch.nn as nn
 
-from dmuon.stateful.modes.ddp import unwrapping_model
+from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.stateful.runtime.state import get_state
 
 

@@ -126,6 +126,8 @@ class DedicatedParamGroup:
                                "from the step program's")
         self.program, self.phases = program, phases
         self._reduce_buckets = program.reduce_layout.buckets_of(self.key)
+        if phases.zero_copy:  # DDP mode, compute dtype = master dtype: the masters themselves
+            return
         for b in program.unshard_layout.buckets_of(self.key):
             buf = torch.empty(b.numel, dtype=to_torch_dtype(b.key.dtype),
                               device=self.storage.device)
@@ -141,6 +143,10 @@ class DedicatedParamGroup:
         if self.inflight_unshard is not None:
             return
         if self.state is GroupState.UNSHARDED and self.gathered_version == version:
+            return
+        if self.phases.zero_copy:  # nothing to move: the new masters once any publish landed
+            self.wait_publish()
+            self.state, self.gathered_version = GroupState.UNSHARDED, version
             return
         with _label(self, "unshard"):
             self.wait_publish()
@@ -164,8 +170,10 @@ class DedicatedParamGroup:
         self.launch_unshard(version, regather)
         with _label(self, "wait_unshard"):
             self._wait_unshard()
-            for name, view in P.gathered(self.program, self.key, self.unshard_buffers).items():
-                self.storage.point(name, view)
+            views = self.storage.masters if self.phases.zero_copy else \
+                P.gathered(self.program, self.key, self.unshard_buffers)
+            for name in self.names:
+                self.storage.point(name, views[name])
 
     def reshard(self) -> None:
         """Free the gathered copy (never under an in-flight gather); params become placeholders."""
@@ -176,6 +184,12 @@ class DedicatedParamGroup:
             for buf in self.unshard_buffers.values():
                 free_storage(buf)
             self.state = GroupState.RESHARDED
+
+    @property
+    def zero_copy(self) -> bool:
+        """DDP mode with the masters' dtypes: the params are the masters themselves while
+        "gathered" (:attr:`dmuon.functional.program.GroupPhases.zero_copy`)."""
+        return self.phases is not None and self.phases.zero_copy
 
     @property
     def holds_gathered(self) -> bool:

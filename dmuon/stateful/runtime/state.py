@@ -26,7 +26,7 @@ and presence 0 (DDP's ``find_unused_parameters`` semantics): its average counts 
 a param no rank had a gradient for is skipped by the update, as a single-device optimizer skips
 ``grad is None``.
 
-**Step protocol** (the optimizer's interface): :meth:`on_reduce_issued`, :meth:`reduced_grads`
+**Step protocol** (the optimizer's interface): :meth:`set_listener`, :meth:`reduced_grads`
 (waits; averaged gradients, ``None`` for none), :meth:`owned_masters`, :meth:`clear_grads`,
 :meth:`after_step` (version bump, gathered copies freed, HSDP publish), :meth:`masters_changed`
 (a state-dict load), :meth:`attach_optimizer` / :meth:`is_current`, and the ledger.
@@ -55,8 +55,6 @@ from dmuon.stateful.runtime.guards import check_not_written, keep_dmuon_hook_las
 from dmuon.stateful.runtime.ledger import GradLedger
 from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState
 from dmuon.stateful.runtime.process_groups import MeshGroups
-from dmuon.stateful.runtime.publish import PublishMixin
-from dmuon.stateful.runtime.reduce_listener import ReduceListenerMixin
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool
 
 logger = logging.getLogger(__name__)
@@ -65,12 +63,15 @@ ROOT_GROUP = ""
 #: the model attribute ``dedicate_params`` stores the state in (read it with :func:`get_state`)
 STATE_ATTR = "_dmuon_state"
 
-__all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_state", "local_tensor"]
+__all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_state", "local_tensor",
+           "unwrap_model", "unwrapping_model"]
 
 
-class DedicatedState(PublishMixin, ReduceListenerMixin):
-    """Root state of the dedicated params of one model (see the module docstring)."""
-    collectives: str = "per_owner"  #: dedicate_params(collectives=...): the program's style
+class DedicatedState:
+    """Root state of the dedicated params of one model (see the module docstring). Its mode is
+    fixed here (``dedicate_params`` decides it): Z2 / Z3 (``reshard_after_forward``),
+    ``data_parallel``, the collective style, tensor parallelism (``tp_layouts`` and the ``tp``
+    schedule); the step program built at the first forward holds them."""
 
     def __init__(self, *, model: nn.Module, params: Mapping[str, nn.Parameter], plan: Any,
                  mesh_groups: MeshGroups, executor: Executor, groups: HookGroups,
@@ -84,7 +85,9 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
                  views: Optional[Mapping[str, Any]] = None,
                  view_sources: Optional[Mapping[str, str]] = None,
                  hp_mults: Optional[Mapping[str, tuple[float, float]]] = None,
-                 tp_layouts: Optional[Mapping[str, Any]] = None):
+                 tp_layouts: Optional[Mapping[str, Any]] = None,
+                 data_parallel: str = "fsdp", collectives: str = "per_owner",
+                 shard_mesh: Any = None):
         self.model_ref = weakref.ref(model)
         self.params: dict[str, nn.Parameter] = dict(params)
         self.names: tuple[str, ...] = tuple(params)
@@ -93,7 +96,6 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         self.G, self.R, self.rank = mesh_groups.shard_size, mesh_groups.replicate_size, mesh_groups.rank
         self.coord: tuple[int, int] = tuple(mesh_groups.coord)
         self.owners = {n: tuple(o[n]) for o in [runtime_owners(plan)] for n in self.names}
-        self.split_schedules: tuple[Schedule, ...] = ()  # program.splits (set by dmuon.Muon)
         self.owner_rank = {n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
         self.owned_names = tuple(n for n in self.names if self.owners[n] == self.coord)
         self.batch_dims = dict(batch_dims)
@@ -102,7 +104,8 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         self.views: dict[str, Any] = dict(views or {})
         self.view_sources: dict[str, str] = dict(view_sources or {})
         self.hp_mults: dict[str, tuple[float, float]] = dict(hp_mults or {})
-        # TP: {name: TPLayout} of the TP-sliced matrices and their forward hooks (tensor_parallel)
+        # TP: {name: TPLayout} of the TP-sliced matrices, the program's tp schedule (the owners'
+        # NS gathers / scatters) and their forward hooks (tensor_parallel)
         self.tp_layouts: dict[str, Any] = dict(tp_layouts or {})
         self.tp_forward: Any = None
         #: the handles of every hook dedicate_params registered (:func:`dmuon.release` removes them)
@@ -113,11 +116,15 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         self.rule_reduce_dtype = dict(reduce_dtypes or {})
         self.compute_dtype: dict[str, torch.dtype] = {}  # {name: gathered-copy dtype}
         self.reduce_dtype: dict[str, torch.dtype] = {}   # {name: reduce dtype}
-        self.reshard_after_forward = reshard_after_forward
+        #: "fsdp" or "ddp" (DDP mode: nothing is resharded, :mod:`dmuon.stateful.modes.ddp`)
+        self.data_parallel, self.collectives = data_parallel, collectives
+        self.reshard_after_forward = reshard_after_forward and data_parallel != "ddp"
+        reshard_after_forward = self.reshard_after_forward
         self.storage = DedicatedStorage(self.params, self.owners, groups, self.G, self.R,
                                         self.coord, shapes=meta_shapes, device=meta_device,
                                         master_dtypes=master_dtypes)
         self.pool = GradBufferPool(self.coord[0], self.storage.device)
+        self.tp_schedule = self._tp_schedule()
         self.groups: dict[str, DedicatedParamGroup] = {
             key: DedicatedParamGroup(
                 key=key, module=group_modules[key], names=groups.names(key), storage=self.storage,
@@ -136,6 +143,7 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         self._callback_queued = False
         self._deferred_grads: dict[str, nn.Parameter] = {}  # on_grad: taken at the backward's end
         self._keep_gathered = False  # this backward has create_graph=True (on_backward_start)
+        self.listener: Any = None  # set_listener
         self.ready = False
         #: the step program (:mod:`dmuon.functional.program`), built at the first forward
         self.program: Optional[StepProgram] = None
@@ -143,19 +151,15 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         #: where every matrix's gradient is on this rank, and its ``.grad`` markers
         self.ledger = GradLedger(self.params, self.owned_names, self.storage.is_placeholder,
                                  self._collect)
-        # the 1-D shard mesh (DTensor rows of model.state_dict(), see torch_state_dict.py), set by
-        # dedicate_params; raw_state_dict: model.state_dict() keeps placeholders (dmuon's reads)
-        self.shard_mesh: Any = None
+        # the 1-D shard mesh (DTensor rows of model.state_dict(), see torch_state_dict.py; None in
+        # DDP mode: plain full tensors); raw_state_dict: model.state_dict() keeps placeholders
+        self.shard_mesh: Any = shard_mesh
         self.raw_state_dict = False
         self._transfer: Any = None
         self._fsdp_states: dict[str, Any] = {}  # {name: innermost FSDP2 state} (lazy init)
-        # "fsdp" or "ddp" (dedicate_params(data_parallel=...); DDP mode: dmuon.stateful.modes.ddp)
-        self.data_parallel = "fsdp"
-        #: the open init window of a meta-built model (:mod:`dmuon.stateful.modes.meta_init`), or None
+        #: the open init window of a meta-built model (:mod:`dmuon.stateful.modes.meta_init`,
+        #: opened by dedicate_params), or None
         self.meta_init: Any = None
-        if meta_shapes is not None:
-            from dmuon.stateful.modes.meta_init import MetaInit
-            self.meta_init = MetaInit.open(self)
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -179,21 +183,11 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
     def master_dtype(self) -> dict[str, torch.dtype]:
         return self.storage.master_dtype
 
-    @property
-    def checkpoint_transfer(self) -> Any:
-        """The :class:`~dmuon.stateful.checkpoint.transfer.CheckpointTransfer` of this model
-        (bucketed state-dict and checkpoint transfers; built at first use)."""
-        if self._transfer is None:
-            from dmuon.stateful.checkpoint.transfer import CheckpointTransfer
-            self._transfer = CheckpointTransfer(self)
-        return self._transfer
-
     def finish_meta_init(self, what: str) -> None:
         """Close the init window of a meta-built model (collective; no-op when none is open;
-        see :func:`dmuon.stateful.modes.meta_init.finish_meta_init`)."""
+        see :meth:`dmuon.stateful.modes.meta_init.MetaInit.finish`)."""
         if self.meta_init is not None:
-            from dmuon.stateful.modes.meta_init import finish_meta_init
-            finish_meta_init(self, what)
+            self.meta_init.finish(self, what)
 
     def join(self, what: str, *, always: bool = False) -> None:
         """Before a state-dict / checkpoint call with collectives: every rank must make it
@@ -248,8 +242,8 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         self.program = step_program(
             self.owners, self.shape, cdt, reduce_dtypes=rdt, master_dtypes=self.master_dtype,
             shard_size=self.G, replicate_size=self.R, groups=self.hook_groups,
-            reshard_after_forward=self.reshard_after_forward, tp=self.tp_schedule(),
-            splits=self.split_schedules, collectives=self.collectives)
+            reshard_after_forward=self.reshard_after_forward, tp=self.tp_schedule,
+            collectives=self.collectives, data_parallel=self.data_parallel)
         if self.program.master_layout != self.storage.master_layout:  # pragma: no cover
             raise RuntimeError("dmuon internal error: the step program's master layout differs "
                                "from the storage's")
@@ -258,7 +252,7 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         self.storage.set_placeholder_dtypes(cdt)
         self.ready = True
 
-    def tp_schedule(self) -> Optional[Schedule]:
+    def _tp_schedule(self) -> Optional[Schedule]:
         """Tensor parallelism's NS gathers / scatters over the world (the step program's ``tp``
         phase), or ``None`` without TP: one TP group per dp coordinate ``(s, r)``, each gathering
         the TP-sliced matrices that coordinate owns (:func:`~dmuon.functional.tp_plan.
@@ -274,11 +268,32 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
             {n: str(self.master_dtype[n]) for n in self.tp_layouts},
             world_size=dist.get_world_size())
 
+    # ------------------------------------------------------------------ the listener
+    def set_listener(self, listener: Any) -> None:
+        """The one listener of this model's runtime (an optimizer's policy, e.g. offloaded
+        momentum): ``listener.reduce_issued(names)`` whenever a hook group's gradient reduce is
+        issued (in backward, in the fixed reduce order, the rest at the end of the backward;
+        never inside ``no_sync``), ``listener.group_forward()`` when a forward reaches its first
+        hook group (after the model's own code before it, e.g. an HF model's mask; once per
+        forward, not in a recomputation). A later call replaces it, calling the replaced one's
+        ``group_forward()`` once first (a superseded optimizer starts what it deferred)."""
+        old, self.listener = self.listener, listener
+        if old is not None:
+            old.group_forward()
+
+    def notify_group_forward(self) -> None:
+        """A hook group's forward starts (the hooks call it): the first of a forward tells the
+        listener."""
+        if not self._group_forward_seen:
+            self._group_forward_seen = True
+            if self.listener is not None:
+                self.listener.group_forward()
+
     # ------------------------------------------------------------------ forward order
     def begin_forward(self) -> None:
         """A forward of the model starts (not a checkpoint recomputation)."""
         self._calls.clear()
-        self._group_forward_seen = False  # ReduceListenerMixin: notify_group_forward's flag
+        self._group_forward_seen = False  # notify_group_forward's flag
 
     def note_forward(self, key: str) -> None:
         """Record the order in which groups run forward (the first forward; used to prefetch) and
@@ -376,7 +391,8 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
         g = self.groups[key]
         self.ledger.take_markers(g.names)  # markers of an earlier no_sync backward: still there?
         g.launch_reduce(self.ledger.send(g.names), self.pool)
-        self._reduce_issued(g.names)  # ReduceListenerMixin
+        if self.listener is not None:  # the optimizer's policy (offload: the copies in start)
+            self.listener.reduce_issued(g.names)
         if not self._keep_gathered:
             g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
 
@@ -414,6 +430,53 @@ class DedicatedState(PublishMixin, ReduceListenerMixin):
                 g.reshard()
             g.reset_backward()
             self.ledger.show_markers(g.names)
+
+    # ------------------------------------------------------------------ the publish
+    @property
+    def pending_publish(self) -> list[str]:
+        """Hook groups whose post-step publish has not been waited yet."""
+        return [k for k, g in self.groups.items() if g.inflight_publish is not None]
+
+    def publish(self, *, replicate_async: bool = True) -> None:
+        """HSDP: broadcast each new master from its global owner ``(s, r_o)`` to the other ranks of
+        column ``s`` (the forward broadcast sources of the other replicas). No-op when R == 1.
+
+        ``replicate_async=True``: one launch per hook group, in the static group order (the same
+        on every rank), left pending; the group's next gather waits it first; publishes of groups
+        no forward used are waited at the end of the next backward; :meth:`wait_publish`
+        (``dmuon.wait_all_replicate_broadcasts``) waits them all. ``False``: wait here.
+
+        Raises:
+          RuntimeError: a publish of an earlier step is still pending (see
+            :meth:`check_publish_consumed`).
+        """
+        if self.R == 1:
+            return
+        self.check_publish_consumed()
+        for key in self.hook_groups.order:
+            self.groups[key].launch_publish(self.storage.master_buffers)
+        if not replicate_async:
+            self.wait_publish()
+
+    def check_publish_consumed(self, what: str = "optimizer.step()") -> None:
+        """Raise if a publish is still pending: the owners would overwrite masters that are still
+        being broadcast, and the replicas would miss a step. Deterministic (the same decision on
+        every rank): "pending" means not yet waited, never "not yet finished"."""
+        groups = [k or "<root>" for k in self.pending_publish]
+        if not groups:
+            return
+        raise RuntimeError(
+            f"dmuon: {what} would publish new HSDP weights while the previous step's publish is "
+            f"still pending for hook groups {groups[:6]}{' ...' if len(groups) > 6 else ''} (no "
+            "forward/backward ran since that step). Nothing was updated. Run a forward and "
+            "backward before the next step, or call dmuon.wait_all_replicate_broadcasts(model) "
+            "first (or build the optimizer with dmuon.Muon(..., replicate_async=False)).")
+
+    def wait_publish(self, key: Optional[str] = None) -> None:
+        """Wait for the pending HSDP publish of group ``key`` (``None``: of every group; this is
+        ``dmuon.wait_all_replicate_broadcasts``). Idempotent, local (no new collective)."""
+        for g in (self.groups.values() if key is None else (self.groups[key],)):
+            g.wait_publish()
 
     # ------------------------------------------------------------------ step protocol
     def _collect(self) -> None:
@@ -477,7 +540,6 @@ def local_tensor(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
 def find_state(model: Any) -> Optional[DedicatedState]:
     """The state ``dedicate_params`` attached to ``model`` (``None`` if it has none); through a
     ``DistributedDataParallel`` wrapper (DDP mode), the wrapped module's."""
-    from dmuon.stateful.modes.ddp import unwrap_model
     return getattr(unwrap_model(model), STATE_ATTR, None)
 
 
@@ -495,3 +557,31 @@ def get_state(model: nn.Module, what: str = "this call") -> DedicatedState:
             f"{what} needs a model prepared by dmuon.dedicate_params(model, mesh, predicate) "
             "(call it before fully_shard), but this model has no dedicated parameters.")
     return st
+
+
+def unwrap_model(model: Any) -> Any:
+    """The module ``dedicate_params`` prepared, inside a ``DistributedDataParallel`` wrapper
+    (``model`` itself when it is not such a wrapper)."""
+    from torch.nn.parallel import DistributedDataParallel
+    while isinstance(model, DistributedDataParallel):
+        model = model.module
+    return model
+
+
+def unwrapping_model(fn: Any) -> Any:
+    """Decorator of a public dmuon function taking ``model``: a ``DistributedDataParallel``
+    wrapper is replaced by the module it wraps (so names are the single-device names, the same
+    as an FSDP2 run's: checkpoints move between the backends)."""
+    import functools
+    import inspect
+
+    sig = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        bound = sig.bind_partial(*args, **kwargs)
+        if "model" in bound.arguments:
+            bound.arguments["model"] = unwrap_model(bound.arguments["model"])
+        return fn(*bound.args, **bound.kwargs)
+
+    return wrapper

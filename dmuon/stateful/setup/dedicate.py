@@ -22,8 +22,10 @@ forward/backward hooks; attaches the root state as ``model._dmuon_state``
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
+import warnings
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -32,6 +34,7 @@ import torch.nn as nn
 
 from dmuon.functional.buckets import hook_groups
 from dmuon.functional.collectives import check_choice
+from dmuon.functional.dedicate_options import DedicateOptions, fold_deprecated
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
 from dmuon.compat.torch_api import (default_group_timeout, group_timeout, set_group_timeout,
@@ -44,9 +47,10 @@ from dmuon.compat.fsdp_info import has_fsdp_state
 from dmuon.stateful.runtime.guards import guard_module_apply
 from dmuon.functional.policy import ParamPolicy
 from dmuon.functional.routing import Dedication, routing_table
-from dmuon.stateful.runtime.param_views import (as_policy, decide_params, dtype_overrides,
+from dmuon.stateful.setup.param_views import (as_policy, decide_params, dtype_overrides,
                                         policy_fingerprint, routing_predicate)
-from dmuon.stateful.modes.meta_init import check_meta_selection, device_of_mesh, replace_meta_params
+from dmuon.stateful.modes.meta_init import (MetaInit, check_meta_selection, device_of_mesh,
+                                            replace_meta_params)
 from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.runtime.process_groups import agree_grids, make_process_groups, with_split_groups
 from dmuon.stateful.modes.deferred import (check_materialized, clear_pending, covers_world, defer,
@@ -217,13 +221,8 @@ def dedicate_params(
     replicate_mesh: Any = None,
     hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
     reshard_after_forward: bool = True,
-    mp_policy: Any = None,
-    batch_dims: Optional[Callable[[str, tuple[int, ...]], int]] = None,
-    policy: Optional[ParamPolicy] = None,
-    timeout: Optional[datetime.timedelta] = None,
-    data_parallel: str = "fsdp",
-    split_ns: "int | Mapping[str, int]" = 1,
-    collectives: str = "per_owner",
+    options: Optional[DedicateOptions] = None,
+    **deprecated: Any,
 ) -> dict[nn.Parameter, int]:
     """Dedicate every matrix ``predicate`` selects to one owner rank (collective; before fully_shard).
 
@@ -242,50 +241,9 @@ def dedicate_params(
         boundary go to a root group moved by the model's own hooks.
       reshard_after_forward: True (Z3): free gathered copies after forward, re-gather in backward;
         False (Z2): keep them from forward to the end of backward.
-      mp_policy: a ``MixedPrecisionPolicy`` for the dedicated params (``param_dtype`` = dtype of the
-        gathered copies, ``reduce_dtype`` = dtype of the gradient reduce). Default: the policy
-        ``fully_shard`` got for the innermost module holding each param (found at the first
-        forward: a nested ``fully_shard(layer.self_attn, mp_policy=...)`` applies to its own
-        matrices, as FSDP2 casts that module's inputs); none: the
-        param's dtype. A ``policy`` rule's ``param_dtype`` / ``reduce_dtype`` overrides it for
-        the params it matches.
-      batch_dims: ``(name, shape) -> int`` leading batch dims of a matrix: ``k > 0`` is the view
-        ``Batch(k)`` (a ``0`` keeps the default view of a 2-D param, flattens a >=3-D one).
-      policy: a :class:`dmuon.functional.policy.ParamPolicy`: per-name rules (first match wins)
-        that override the predicate's route, the matrix view, the lr / weight-decay multipliers
-        and the param / reduce / master dtypes (:class:`dmuon.functional.policy.Rule`); what no
-        rule sets keeps the
-        defaults (``batch_dims``, then :func:`dmuon.functional.policy.default_view`: MoE expert
-        stacks per expert, GPT-2 ``Conv1D`` transposed, conv kernels flattened, other >=3-D
-        Muon params an error). Its rules join the plan fingerprint (the same on every rank).
-      timeout: collective timeout of the process groups that move the dedicated params (default:
-        the default group's). A rank that never reaches one of their collectives (it skipped a
-        forward, backward or step) makes the waiting ranks raise ``RuntimeError`` naming the dmuon
-        operation, hook group and ranks after at most this long (gloo; NCCL: its watchdog).
-        Setup's own all-gathers use the default group and its timeout.
-      data_parallel: how the rest of the model is made data parallel afterwards. ``"fsdp"``
-        (default): ``fully_shard`` (FSDP2; HSDP with a 2-D mesh or ``replicate_mesh``).
-        ``"ddp"``: ``DistributedDataParallel(model)``; ``mesh`` is the 1-D mesh of the DDP ranks,
-        every rank keeps every matrix whole, each gradient is averaged to its owner, the owner
-        steps it, the new value is broadcast back (:mod:`dmuon.stateful.modes.ddp`);
-        ``reshard_after_forward`` does not apply (nothing is gathered).
-      split_ns: split Newton–Schulz (:mod:`dmuon.functional.split_exec`). An int ``k``: the plan
-        may spread the NS of a matrix over up to ``k`` ranks of one node (8 consecutive ranks)
-        where that lowers its largest rank cost (``plan_owners(max_split=k)``; ``dmuon plan
-        --max-split k`` shows its choice and why); 1 (default): never. A mapping ``{name: k}``:
-        split exactly these matrices ``k`` ways (tests, experiments). The matrix stays whole on
-        one rank; its NS input is scattered to the members and the result gathered back, on
-        lane ``"split"``. Not with TP, ``data_parallel="ddp"``, a ``transform=`` chain or lr / wd
-        multipliers on the split matrices (each raises, at setup or at ``dmuon.Muon``).
-      collectives: how a hook group's matrices move over the shard axis
-        (:mod:`dmuon.functional.collectives`). ``"per_owner"`` (default): one broadcast (forward
-        gather, Z3 re-gather) and one reduce (gradients) per owner column's bucket.
-        ``"per_bucket"``: one all-gather and one reduce-scatter per hook group (and dtype), every
-        column's part padded to the largest (the padding crosses the links and is counted).
-        ``"auto"``: per group, whichever the α–β cost model projects faster; the choice and its
-        reason are in ``optimizer.dedicated_state.program.groups[key].collectives`` /
-        ``.collectives_reason``. Same results either way (fp64: equal to ≤ 1e-10). ``"auto"``
-        stays per owner under TP and ``data_parallel="ddp"``; ``"per_bucket"`` there raises.
+      options: :class:`dmuon.DedicateOptions` (the per-param ``policy``, ``mp_policy``,
+        ``batch_dims``, ``data_parallel``, ``timeout``, ``split_ns``, ``collectives``); their
+        former spelling as keyword arguments here works for one release (``DeprecationWarning``).
 
     Returns:
       ``{param: owner global rank}`` for every dedicated param (tied params appear once), a dict
@@ -310,10 +268,13 @@ def dedicate_params(
       ValueError: ``data_parallel`` is not ``"fsdp"`` / ``"ddp"``, or ``"ddp"`` with a 2-D / HSDP
         mesh; RuntimeError: ranks passed different ``data_parallel``.
     """
-    kwargs = dict(replicate_mesh=replicate_mesh, hook_boundary_predicate=hook_boundary_predicate,
-                  reshard_after_forward=reshard_after_forward, mp_policy=mp_policy,
-                  batch_dims=batch_dims, policy=policy, timeout=timeout,
-                  data_parallel=data_parallel, split_ns=split_ns, collectives=collectives)
+    options, notes = fold_deprecated(options, deprecated)
+    for note in notes:
+        warnings.warn(note, DeprecationWarning, stacklevel=2)
+    kwargs = dict({f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
+                  replicate_mesh=replicate_mesh,
+                  hook_boundary_predicate=hook_boundary_predicate,
+                  reshard_after_forward=reshard_after_forward)
     return _dedicate(model, mesh, predicate, kwargs)
 
 
@@ -395,7 +356,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     if not finishing and _agree_deferral(local_err, mesh, replicate_mesh, deferring):
         # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
         _agree_mode(data_parallel)
-        defer(model, chosen, dict(kw, mesh=mesh))
+        defer(model, chosen, dict(kw, mesh=mesh), finish_deferred)
         logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
                     "dedicate_params)", len(chosen))
         return Dedication()
@@ -465,15 +426,18 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
         views={n: spec_by_name[n].matrix_view for n in chosen},
         view_sources={n: d.source for n, d in decisions.items()},
         hp_mults={n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()},
-        tp_layouts=layouts)
+        tp_layouts=layouts, data_parallel=data_parallel,
+        collectives="per_owner" if (layouts or data_parallel == "ddp") else collectives,
+        # model.state_dict()'s DTensor rows: over the 1-D shard mesh (DDP mode: plain tensors)
+        shard_mesh=None if data_parallel == "ddp" else (mesh["shard"] if mesh.ndim == 2
+                                                         else mesh))
+    if meta_shapes is not None:  # the masters have no values yet: the init writes them
+        st.meta_init = MetaInit.open(st)
     for n, p in chosen.items():
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.runtime.guards)
         p._dmuon_shape = st.shape[n]  # what a placeholder reports as its shape / numel()
-    st.collectives = "per_owner" if (layouts or data_parallel == "ddp") else collectives
-    st.shard_mesh = mesh["shard"] if mesh.ndim == 2 else mesh
     if data_parallel == "ddp":
-        st.shard_mesh = None  # model.state_dict(): plain full tensors, as DDP's
         install_ddp_mode(model, st)
     else:
         guard_fsdp_mode(model)

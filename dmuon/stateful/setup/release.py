@@ -65,7 +65,7 @@ def release(model: nn.Module) -> None:
     Raises:
       RuntimeError: ``model`` was never prepared by ``dedicate_params``.
     """
-    from dmuon.stateful.modes.ddp import unwrap_model
+    from dmuon.stateful.runtime.state import unwrap_model
     model = unwrap_model(model)
     st = find_state(model)
     if isinstance(st, ReleasedState):
