@@ -172,7 +172,10 @@ def test_update_with_real_ns_close_to_reference():
 def test_stateful_optimizer_picks_fused_on_cuda():
     import inspect
 
+    from dmuon.functional.muon_options import KNOBS
     from dmuon.stateful.optimizer import muon as opt_mod
-    # default: fused on CUDA when Triton imports
-    assert inspect.signature(opt_mod.Muon.__init__).parameters["elementwise"].default == "auto"
+    # default: fused on CUDA when Triton imports (an execution knob since issue 45: its default
+    # is KNOBS', optimizer.set_elementwise changes it; it is no constructor option any more)
+    assert KNOBS["elementwise"] == "auto" and "elementwise" not in inspect.signature(
+        opt_mod.Muon.__init__).parameters
     assert ew_mod.fused_elementwise() is not None
