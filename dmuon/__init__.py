@@ -44,9 +44,9 @@ _PUBLIC: dict[str, str] = {
     "set_optimizer_state_dict": "dmuon.stateful.checkpoint.optimizer_state_dict",
     "save_sharded": "dmuon.checkpoint.sharded",
     "load_sharded": "dmuon.checkpoint.sharded",
-    "verify_step": "dmuon.stateful.extras.verify",
-    "VerificationError": "dmuon.stateful.extras.verify",
-    "VerifyReport": "dmuon.stateful.extras.verify",
+    "verify_step": "dmuon.verify",
+    "VerificationError": "dmuon.verify",
+    "VerifyReport": "dmuon.verify",
     "get_model_state_dict": "dmuon.stateful.checkpoint.state_dict",
     "set_model_state_dict": "dmuon.stateful.checkpoint.state_dict",
     "read_state_dict": "dmuon.checkpoint.state_dict_files",
@@ -54,7 +54,7 @@ _PUBLIC: dict[str, str] = {
     "release": "dmuon.stateful.setup.release",
     "mesh_executor": "dmuon.stateful.runtime.executor",
 }
-_SUBPACKAGES = ("functional", "tools", "stateful", "checkpoint", "newton_schulz", "kernels",
+_SUBPACKAGES = ("functional", "tools", "stateful", "checkpoint", "verify", "newton_schulz", "kernels",
                 "integrations", "compat", "launch", "demo")
 
 

@@ -6,7 +6,8 @@ Prints three measurements (CPU, seeded, a few seconds) that the README quotes:
 
 1. weights after 10 steps of ``torch.optim.Muon`` (as shipped: its NS casts to bf16) vs the
    functional ``dmuon.functional.muon`` with the same convention (Jordan's coefficients,
-   ``lr_scale="moonlight"`` = torch's ``adjust_lr_fn="match_rms_adamw"``, Nesterov, weight decay),
+   ``lr_scale="moonlight"`` (``dmuon.Muon``'s ``adjust_lr_fn="match_rms_adamw"``, torch's name),
+   Nesterov, weight decay),
    NS in bf16 and in fp64: max |difference| / max |weights moved|;
 2. the same with torch's NS run in fp64 (its ``_zeropower_via_newtonschulz`` replaced, for this
    measurement only, by dmuon's fp64 direct NS with torch's coefficients): what remains is the rest

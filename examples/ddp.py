@@ -3,8 +3,9 @@
     torchrun --nproc_per_node 2 examples/ddp.py     # or
     python examples/ddp.py                           # spawns 2 local ranks itself
 
-The natural call order: ``dedicate_params(..., data_parallel="ddp")`` on the 1-D mesh of the DDP
-ranks, then ``DistributedDataParallel(model)`` (it skips the dedicated matrices), then
+The natural call order: ``dedicate_params(..., options=dmuon.DedicateOptions(data_parallel="ddp"))``
+on the 1-D mesh of the DDP ranks, then ``DistributedDataParallel(model)`` (it skips the dedicated
+matrices), then
 ``dmuon.Muon(model)``. Every rank holds every matrix whole; per step each matrix's gradient is
 averaged to its owner only, only the owner runs momentum + Newton–Schulz + update, and the new
 value is broadcast back (async, waited by the next forward). Gradient accumulation uses DDP's own
@@ -68,7 +69,8 @@ def main(steps: int = 40, accum: int = 2, verbose: bool = True) -> dict:
     torch.manual_seed(0)  # same init on every rank
     model = Model()
     dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)),
-                          lambda n, p: p.ndim == 2 and "proj" in n, data_parallel="ddp")
+                          lambda n, p: p.ndim == 2 and "proj" in n,
+                          options=dmuon.DedicateOptions(data_parallel="ddp"))
     model = DistributedDataParallel(model)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=3e-3)
 

@@ -1,4 +1,4 @@
-"""``dmuon.stateful.extras.verify.verify_step`` on 2 gloo ranks (fp64): passes on correct setups (Z3, Z2)
+"""``dmuon.verify.verify_step`` on 2 gloo ranks (fp64): passes on correct setups (Z3, Z2)
 with errors at rounding level, and fails loudly, on every rank, when the distributed step is
 deliberately broken (one owner's master perturbed inside the step, one rank's AdamW shard skipped,
 rank-dependent hyper-parameters)."""
@@ -35,7 +35,7 @@ def _backward(model, opt, ids, rank, world):
 
 
 def _worker(rank, world):
-    from dmuon.stateful.extras.verify import VerificationError, verify_step
+    from dmuon.verify import VerificationError, verify_step
     from models import make_batches
 
     out = {}

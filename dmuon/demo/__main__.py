@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--optimizers", default="dmuon,adamw",
       help="comma list of optimizers to run: dmuon (Muon), normuon, muonh, normuonh (Muon's "
            "variants through dmuon.Muon(transform=...)), dmuon_bf16, dmuon_fp8 (Muon with its "
-           "momentum stored in bf16 / fp8: momentum_dtype=), adamw (default dmuon,adamw)")
+           "momentum stored in bf16 / fp8: variants.muon(momentum_dtype=)), adamw (default dmuon,adamw)")
     a("--out-dir", default=None,
       help="output folder (default ./dmuon-demo-out, with --fast ./dmuon-demo-out-fast, so a "
            "smoke run never overwrites a full run's outputs)")

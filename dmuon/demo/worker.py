@@ -31,7 +31,7 @@ import torch
 __all__ = ["RunConfig", "launch", "train_rank", "DemoWorkerError", "ProgressBar", "MUON_KINDS"]
 
 #: the demo's dmuon optimizers: Muon, its variants run through dmuon.Muon(transform=...), and
-#: Muon with its momentum stored in bf16 / fp8 (dmuon.Muon(momentum_dtype=...), issue 38)
+#: Muon with its momentum stored in bf16 / fp8 (variants.muon(momentum_dtype=...), issue 38)
 MUON_KINDS = ("dmuon", "normuon", "muonh", "normuonh", "dmuon_bf16", "dmuon_fp8")
 _MOMENTUM_DTYPE = {"dmuon_bf16": torch.bfloat16, "dmuon_fp8": torch.float8_e4m3fn}
 
@@ -158,13 +158,15 @@ def _build(kind: str, cfg: RunConfig, mesh: Any, device: torch.device) -> tuple[
         fully_shard(model, mesh=mesh)
         # a variant (NorMuon, Muon-Hyperball, their chain) runs the same way, on the owners
         radius = cfg.hyperball_radius
-        transform = {"dmuon": None, "dmuon_bf16": None, "dmuon_fp8": None,
+        # bf16 / fp8 momentum: the momentum stage's option (variants.muon(momentum_dtype=...))
+        mu = _MOMENTUM_DTYPE.get(kind)
+        transform = {"dmuon": None, "dmuon_bf16": variants.muon(momentum_dtype=mu),
+                     "dmuon_fp8": variants.muon(momentum_dtype=mu),
                      "normuon": variants.normuon(),
                      "muonh": variants.muon_hyperball(radius=radius),
                      "normuonh": variants.normuon_hyperball(radius=radius)}[kind]
         lr = cfg.hyperball_lr if kind in ("muonh", "normuonh") else cfg.lr
-        opt = dmuon.Muon(model, lr=lr, adamw_lr=cfg.adamw_lr, transform=transform,
-                         momentum_dtype=_MOMENTUM_DTYPE.get(kind))
+        opt = dmuon.Muon(model, lr=lr, adamw_lr=cfg.adamw_lr, transform=transform)
         runtime = opt.dedicated_state
     elif kind == "adamw":
         for layer in model.layers:

@@ -39,7 +39,8 @@ from dmuon.functional.lr_scale import ADJUST_LR_FN, LR_SCALE_RULES
 from dmuon.functional.muon import MuonHParams, validate_hparams
 
 __all__ = ["GROUP_KEYS", "OLD_NAMES", "KNOBS", "ADJUST_LR_FN", "ELEMENTWISE", "hparams_of_group",
-           "group_of_saved", "group_for_saving", "check_flag", "check_options", "check_knob"]
+           "group_of_saved", "group_for_saving", "check_flag", "check_options", "check_knob",
+           "momentum_dtype_of"]
 
 #: ``param_groups[0]``'s Muon hyper-parameters (torch.optim.Muon's names where it has them)
 GROUP_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "eps",
@@ -204,6 +205,23 @@ def check_options(positional: tuple, given: Mapping[str, Any],
                      "momentum stage's option, transform=dmuon.functional.variants.muon("
                      "momentum_dtype=...) (or normuon(momentum_dtype=...), ...)")
     return group, adamw_hp, knobs, deprecated.get("momentum_dtype"), notes
+
+
+def momentum_dtype_of(transform: Any, old: Any, hparams: MuonHParams) -> tuple[Any, Any]:
+    """``(transform, momentum dtype)``: the chain's momentum stage's ``momentum_dtype`` (the one
+    spelling), or the deprecated ``dmuon.Muon(momentum_dtype=...)`` (default transform: folded
+    into ``variants.muon(momentum_dtype=...)``; another: the storage of its momentum field)."""
+    from dmuon.functional import transforms as T
+    from dmuon.functional import variants
+    if transform is None:
+        return (None, None) if old is None else (variants.muon(momentum_dtype=old), old)
+    chain = transform if isinstance(transform, T.Transform) else \
+        (transform(hparams) if callable(transform) else None)
+    mine = getattr(chain, "momentum_dtype", None)
+    if old is not None and mine is not None and str(mine) != str(old):
+        raise ValueError(f"dmuon.Muon: momentum_dtype={old} (deprecated) and the transform's "
+                         f"momentum stage's momentum_dtype={mine} differ; pass the stage's only")
+    return transform, (mine if old is None else old)
 
 
 #: the constructor's defaults of :data:`GROUP_KEYS` (torch's names)

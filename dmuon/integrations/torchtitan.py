@@ -67,7 +67,7 @@ class DMuonOptimizersContainer(OptimizersContainer):
         adamw_eps: float = 1e-8
         adamw_weight_decay: float = 0.1
         muon_kwargs: dict[str, Any] = field(default_factory=dict)
-        """Further keyword arguments of ``dmuon.Muon`` (e.g. ``ns_dtype``, ``lr_scale``)."""
+        """Further keyword arguments of ``dmuon.Muon`` (e.g. ``ns_dtype``, ``adjust_lr_fn``)."""
 
     def __init__(self, config: Config, *, model_parts: list[nn.Module]) -> None:
         if len(model_parts) != 1:

@@ -1,1 +1,1 @@
-"""Extras on a dedicated model: gradient clipping, QK-clip, ``verify_step``."""
+"""Extras on a dedicated model: gradient clipping, QK-clip."""

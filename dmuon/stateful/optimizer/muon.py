@@ -1,29 +1,8 @@
-"""``dmuon.Muon``: a ``torch.optim.Optimizer`` over a model prepared by ``dedicate_params``.
-
-Two param groups, both read at every ``step`` (so ``torch.optim.lr_scheduler`` and HF ``Trainer``
-work): ``param_groups[0]`` (``name="muon"``) holds the dedicated matrices and Muon's hparams;
-``param_groups[1]`` (``name="adamw"``) holds every other trainable param (FSDP2's sharded params)
-with AdamW's hparams (``lr = adamw_lr``, ``weight_decay = adamw_weight_decay``).
-
-``step()``:
-
-1. takes the averaged gradients of the matrices this rank owns from the model's
-   :class:`~dmuon.stateful.runtime.state.DedicatedState` (``reduced_grads()``: waits for the pending
-   reduces; ``None`` for a matrix no rank had a gradient for);
-2. runs :func:`dmuon.functional.muon.update` (``donate=True``) on the masters this rank owns
-   (``owned_masters()``), the split units' NS on their members (:mod:`.split_step`);
-3. hands the gradients back (``clear_grads()``) and tells the state the masters changed
-   (``after_step()``: gathered copies are stale, the next forward broadcasts the new masters; HSDP:
-   publishes them to the replicas asynchronously);
-4. runs :func:`dmuon.functional.adamw.update` (``donate=True``) on FSDP2's local shards
-   (``DTensor.to_local()``, updated in place).
-
-Those calls (and ``attach_optimizer`` / ``is_current``, ``check_publish_consumed``) are the whole
-interface between the optimizer and the stateful layer.
-
-The functional states (``MuonState``, ``AdamWState``) are the truth; ``self.state[param]`` exposes
-them torch-style (``momentum_buffer``; ``step``, ``exp_avg``, ``exp_avg_sq``) for ``state_dict()``.
-"""
+"""``dmuon.Muon``: a ``torch.optim.Optimizer`` over a model prepared by ``dedicate_params``:
+``param_groups[0]`` the dedicated matrices (Muon, run by the owner driver), ``param_groups[1]``
+every other trainable param (AdamW on FSDP2's local shards). ``step()`` checks before it changes
+anything, then owners' update, publish, AdamW. Design notes: docs/design/optimizer.md, "`dmuon.Muon`
+and its step"."""
 from __future__ import annotations
 
 import dataclasses
@@ -62,23 +41,6 @@ def _check_fsdp_mesh(model: nn.Module, rt: DedicatedState) -> None:
     problems = check_fsdp_meshes(rt.mesh_groups.grid, rt.device.type, fsdp_meshes(model))
     if problems:
         raise ValueError("dmuon.Muon: " + " | ".join(problems))
-
-
-def momentum_dtype_of(transform: Any, old: Any, hparams: fmuon.MuonHParams) -> tuple[Any, Any]:
-    """``(transform, momentum dtype)``: the chain's momentum stage's ``momentum_dtype`` (the one
-    spelling), or the deprecated ``dmuon.Muon(momentum_dtype=...)`` (default transform: folded
-    into ``variants.muon(momentum_dtype=...)``; another: the storage of its momentum field)."""
-    from dmuon.functional import transforms as T
-    from dmuon.functional import variants
-    if transform is None:
-        return (None, None) if old is None else (variants.muon(momentum_dtype=old), old)
-    chain = transform if isinstance(transform, T.Transform) else \
-        (transform(hparams) if callable(transform) else None)
-    mine = getattr(chain, "momentum_dtype", None)
-    if old is not None and mine is not None and str(mine) != str(old):
-        raise ValueError(f"dmuon.Muon: momentum_dtype={old} (deprecated) and the transform's "
-                         f"momentum stage's momentum_dtype={mine} differ; pass the stage's only")
-    return transform, (mine if old is None else old)
 
 
 class Muon(StateViewsMixin, torch.optim.Optimizer):
@@ -145,7 +107,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             positional, locals(), deprecated)
         for note in notes:
             warnings.warn(note, DeprecationWarning, stacklevel=2)
-        transform, mu_dtype = momentum_dtype_of(transform, old_mu_dtype,
+        transform, mu_dtype = fopts.momentum_dtype_of(transform, old_mu_dtype,
                                                 fopts.hparams_of_group(muon_group))
         from dmuon.stateful.optimizer import state_storage as ss
         from dmuon.stateful.optimizer.adamw_storage import AdamWStorage

@@ -1,16 +1,6 @@
-"""The ``orthogonalize`` hook of ``dmuon.Muon.step``: which Newton–Schulz runs the owners' matrices.
-
-``ns_engine="functional"`` (or ``"auto"`` off CUDA): the functional core's batched NS, as the
-object :class:`dmuon.newton_schulz.batched.BatchedNS`. Otherwise an
-:class:`~dmuon.kernels.ns_engine.NSEngine` (the user's, checked against the optimizer's NS
-hyper-parameters, or one built and kept for as long as they do not change), itself the hook, in
-place on the donated gradient buckets. Either way the hook handed to
-:func:`dmuon.functional.muon.update` is a core or kernels object that records its own calls into
-this hook's :class:`~dmuon.newton_schulz.timing.NSTimer` (CUDA events; host clock off CUDA), which
-the step's telemetry reads afterwards: the math never calls back into this layer.
-:attr:`NSHook.mode` says how the last call ran (``"functional"``, ``"graph"``, ``"eager"``;
-``"none"`` before any).
-"""
+"""Which Newton–Schulz runs the owners' matrices (:class:`NSHook`: the functional core's batched
+NS, or an :class:`~dmuon.kernels.ns_engine.NSEngine`), recording its calls for telemetry. Design
+notes: docs/design/optimizer.md, "The Newton–Schulz hook"."""
 from __future__ import annotations
 
 from typing import Any, Optional

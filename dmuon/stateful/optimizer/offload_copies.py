@@ -1,32 +1,7 @@
-"""The host <-> device copies of offloaded Muon state (``dmuon.Muon(offload_state=True)``):
-:class:`OffloadCopies`, used by :class:`~dmuon.stateful.optimizer.state_storage.MomentumStorage`.
-
-* **In** (:meth:`OffloadCopies.copy_in`): host momentum into device staging buffers, on CUDA on
-  the ``state_offload`` side stream, one event per batch (the step waits for it before the first
-  use). Called per hook group when its gradient reduce is issued in backward, and by the step for
-  the rest.
-* **Out** (:meth:`OffloadCopies.copy_out`): the updated momentum back into its host buffer, on CUDA
-  on a second side stream (``state_offload_out``), so that copies of the two directions run at
-  once (PCIe is full duplex). A copy in of a matrix waits for the event of that matrix's last copy
-  out.
-
-**Copies back that outlast the step are started at the next forward.** Copies of one direction
-share a copy engine in launch order, whatever their stream. When the copies back take longer than
-the step (fp32 momentum: bytes / ~51 GB/s on an H200 against a step of tens of ms), the
-remainder runs into the next forward, and any read of a tensor on the host there (HF's Llama reads
-one at the start of every forward, in its mask code; a ``loss.item()`` for logging) waits behind
-all of them in the copy engine; the host-bound forward and backward then start that much later
-(measured: 14 % on a 1.1B HF Llama step, ``benchmarks/offload_profile.py``). So the step starts at
-once only the copies the copy engine finishes within the step -- :attr:`OffloadCopies.out_budget`
-bytes, learned from the last measured step (its copies' bandwidth and how far they ran past the
-step's end, from timing events read only once complete: no host sync) -- and the rest waits,
-recorded behind an event of the step, until the first hook group's forward of the next forward
-(:meth:`flush`, called through the runtime's
-:class:`~dmuon.stateful.optimizer.state_storage.StorageListener`), or any earlier copy in or
-read of the host buffers (:meth:`synchronize`). The staging buffers of those copies live until
-their copy ran, as they did when the copies queued behind the step's. On CPU every copy back waits
-for a flush (the same ordering, exercised by every gloo test).
-"""
+"""The host <-> device copies of offloaded Muon state (:class:`OffloadCopies`): copies in on one
+side stream, copies back on another; copies back that would outlast the step start at the next
+forward's first hook group (:func:`next_out_budget` learns the step's budget from timing events).
+Design notes: docs/design/optimizer.md, "Offload copies and their timing"."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence

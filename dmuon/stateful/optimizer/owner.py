@@ -1,31 +1,7 @@
-"""The owners' update of ``dmuon.Muon``: one chain of stages, one state, one path for Muon and
-every variant.
-
-:class:`OwnerDriver` holds the chain (``transform=``: a function ``MuonHParams -> Transform``
-such as :mod:`dmuon.functional.variants`' ``normuon()``, rebuilt from ``param_groups[0]`` every
-step, or a fixed ``Transform``; default ``variants.muon()``, Muon itself), its state on this
-rank's owned matrices (the truth; ``optimizer.muon_state`` / ``variant_state`` are views of it),
-the per-param fields of that state by name (:func:`dmuon.functional.state_fields.state_fields`:
-``"momentum_buffer"`` for a momentum stage's buffers, a field's own name otherwise), which state
-views and state dicts carry, and the owner's step count (``muon_step``: steps in which this owner
-updated a matrix; schedules in ``param_groups[0]`` are evaluated at it).
-
-Each step runs :func:`dmuon.functional.owner_step.owner_step` once with the chain, the policy's
-views and ``(lr_mult, wd_mult)``, donated masters and gradients, and the implementations the
-runtime chose: the optimizer's Newton–Schulz (:class:`~dmuon.stateful.optimizer.ns_hook.NSHook`;
-behind tensor parallelism's gathers or split NS's units), the fused elementwise kernels
-(``elementwise``), the stored momentum's chunked io
-(:class:`~dmuon.stateful.optimizer.state_storage.StepIO`, ``momentum_dtype`` / ``offload_state``:
-the momentum stage whose buffers it stores reads and writes them chunk by chunk) and tensor
-parallelism's partial sums (a variant's row norms).
-
-Checked at construction, the same on every rank: the chain builds from the hyper-parameters and
-runs in place; a stage's needs (:data:`dmuon.functional.stages.NEEDS`) that an owner of a
-tensor-parallel slice cannot serve raise naming the quantity and the matrices; per-param state
-fields are the param's shape (``"param"``) or 1-D no larger than it (``"rows"``, ``"matrices"``),
-floating, in a dtype the master holds exactly; a non-default momentum storage needs a momentum
-stage.
-"""
+"""The owners' update of ``dmuon.Muon``: :class:`OwnerDriver`, one chain of stages (default
+``variants.muon()``), one state, one step for Muon and every variant, run through
+:func:`~dmuon.functional.owner_step.owner_step` with the implementations the runtime chose.
+Design notes: docs/design/optimizer.md, "The owner driver"."""
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional

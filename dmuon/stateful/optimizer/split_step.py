@@ -1,12 +1,7 @@
-"""The optimizer's side of split Newton–Schulz: every rank runs, once per step and in the plan's
-unit order, the split units it is a member of (:mod:`dmuon.functional.split_exec` holds the math
-and the schedule; this module only feeds the executor).
-
-The owner of a split matrix hands its NS input to :meth:`SplitStep.orthogonalizer` (the wrapper
-of the optimizer's NS hook); the other members join in the same call or, when they have no NS of
-their own this step, in :meth:`SplitStep.finish`. An owner whose split matrix has no gradient
-this step sends zeros and drops the result (the members cannot know).
-"""
+"""This rank's split Newton–Schulz units (:class:`SplitStep`): built once from the plan and the
+optimizer's NS settings, run through the executor by the pure
+:mod:`dmuon.functional.split_exec`. Design notes: docs/design/optimizer.md, "Split
+Newton–Schulz on the owners"."""
 from __future__ import annotations
 
 import dataclasses

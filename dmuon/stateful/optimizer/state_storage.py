@@ -1,54 +1,9 @@
-"""Where and in what dtype an owner keeps its Muon momentum: ``dmuon.Muon(momentum_dtype=...,
-offload_state=...)`` (:class:`MomentumStorage`); the dtype of FSDP2's AdamW moments is
-:mod:`dmuon.stateful.optimizer.adamw_storage`'s.
-
-The optimizer's ``muon_state.momentum[name]`` holds each owned matrix's momentum **as stored**:
-in ``momentum_dtype`` (fp32, bf16, or an 8-bit float whose per-matrix power-of-two scale is kept
-here, :mod:`dmuon.functional.state_dtype`), on the device or, with ``offload_state=True``, in
-(pinned, on CUDA) host memory. Each ``step()``:
-
-1. offload: :meth:`MomentumStorage.prefetch` copies each hook group's host momentum into device
-   staging buffers (:class:`~dmuon.stateful.optimizer.offload_copies.OffloadCopies`) when the
-   runtime issues that group's gradient reduce in backward
-   (:class:`StorageListener`; none during a
-   ``no_sync`` micro-batch): on CUDA on a side stream, one event per group, so the copies overlap
-   the rest of the backward;
-2. the owner's update runs with a :class:`StepIO` (:func:`dmuon.functional.muon.update`'s
-   ``momentum_io``): only Muon's first stage (``b <- mu*b + g`` and the Nesterov input, formed in
-   the gradient's storage) reads the momentum, so that stage runs **chunk by chunk** of owned
-   matrices -- wait for the chunk's copies (offload; the next chunk's copy is started first),
-   decode it to the master's dtype (fp32 offload: the staging buffer itself), update it, encode
-   it back (offload: copy it back to the host buffer on a second side stream, the staging buffer
-   released once the copy ran; copies back that would outlast the step start at the next
-   forward's first hook group, :mod:`dmuon.stateful.optimizer.offload_copies`) -- and
-   Newton-Schulz and the rest run afterwards on all matrices, batched exactly as before;
-3. staging buffers of matrices that were not stepped (no gradient) are dropped (their host copy
-   is current); every read of the host buffers (checkpoints, ``optimizer.state``) and every next
-   copy-in starts the deferred copies back and waits for them.
-
-**Chunks**: a byte budget of working (decoded) momentum, :attr:`MomentumStorage.chunk_bytes`
-(:data:`CHUNK_BYTES`, 256 MiB; a larger matrix is a chunk of its own), packed greedily in the
-order the copies were started (the backward's reduce order, so the first chunk's copy is the
-oldest). A budget rather than one chunk per hook group: a model whose matrices sit in one hook
-group (a root group, a coarse boundary) still gets small chunks. The momentum stage is elementwise,
-so chunking changes no bit, on any device; Newton-Schulz's batching (one batched call per matrix
-shape) is untouched, since the working momentum is gone before it starts.
-
-With the defaults (fp32, on device) the storage is the working momentum: bitwise the historical
-step, no chunking. Exactness: fp32 offload is bitwise the on-device step (copies are exact);
-bf16 / fp8 are the one-process Muon that rounds its momentum the same way after each update
-(:func:`~dmuon.functional.state_dtype.round_trip`), bitwise. A TP slice of an 8-bit momentum
-encodes with its whole matrix's scale: the momentum stage's first pass measures the slices'
-updated absmaxes, one MAX all-reduce over the TP group per step (``share_scales``).
-
-Every chain (Muon, a variant: ``transform=``) keeps its momentum stage's buffers here
-(:class:`~dmuon.stateful.optimizer.owner.OwnerDriver`: the field ``"momentum_buffer"``; its other
-state fields stay in the master's dtype).
-
-Transient memory of the step: one chunk of decoded momentum (bf16 / fp8), plus, offloaded, the
-staging buffers (in the storage dtype) of the groups whose copies were started and not consumed
-yet -- at most all of them at the end of the backward, when the activations are gone.
-"""
+"""Where and in what dtype the owners keep the momentum field of their chain
+(:class:`MomentumStorage`: fp32 / bf16 / 8-bit floats with per-matrix scales, on the device or
+offloaded), the step's chunked access to it (:class:`StepIO`, the momentum stage's io) and the
+runtime listener that starts offloaded copies with the backward (:class:`StorageListener`).
+With fp32 on the device the storage is the working momentum (bitwise the historical step).
+Design notes: docs/design/optimizer.md, "Momentum storage"."""
 from __future__ import annotations
 
 import logging

@@ -1,11 +1,5 @@
-"""The checks ``dmuon.Muon.step`` runs before anything changes, each raising on every rank.
-
-* :func:`check_same_fsdp_grads` — torch without FSDP2's ``set_reduce_scatter_unused_params``:
-  an FSDP2 param with a gradient on some ranks only;
-* :func:`check_finite` — non-finite gradients (``Muon(check_finite=...)``), naming the ranks;
-* :func:`check_outside_grads` — a gradient on a param frozen when ``dmuon.Muon`` was built (in
-  none of its param groups: unfrozen later, it would silently never be updated).
-"""
+"""The checks ``dmuon.Muon.step`` runs before anything changes, each raising on every rank: FSDP2
+gradients on some ranks only, non-finite gradients, a gradient on a param frozen at construction."""
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence

@@ -1,25 +1,6 @@
-"""Per-step telemetry of ``dmuon.Muon``: collectives and payload bytes per lane, NS time, ownership.
-
-Cheap enough to leave on: per step it takes one snapshot of the executor's counters (a few dict
-copies), takes the spans the Newton–Schulz orthogonalizer recorded of its own calls (two CUDA
-events per call, on CPU two ``perf_counter`` reads; :class:`dmuon.newton_schulz.timing.NSTimer`,
-given to the orthogonalizer by :mod:`dmuon.stateful.optimizer.ns_hook`) and stores a small record. Nothing synchronizes the host while training; the CUDA events
-are resolved only when :meth:`StepTelemetry.last` is called, which then waits for *that* step's NS
-to finish (``Event.synchronize``: call it after ``step()`` when a host sync is acceptable, e.g.
-when logging).
-
-What a :class:`StepStats` counts:
-
-* ``lanes``: per lane (``unshard``, ``reduce``, ``replicate``) the collectives this rank issued
-  and the logical payload bytes it sent and received (the convention of
-  :mod:`dmuon.functional.schedule`) since the previous ``step()`` returned -- i.e. the forward
-  gathers, the backward reduces and this step's HSDP publish;
-* ``ns_ms``: wall time of the owner's Newton–Schulz inside ``step()`` (CUDA events on the
-  compute stream; on CPU the host clock), ``ns_mode`` (``"graph"``: one CUDA-graph replay,
-  ``"eager"``, ``"functional"``: the functional core's batched NS, ``"none"``: nothing owned);
-* ``owned_matrices`` / ``owned_elements``: the dedicated matrices this rank runs Muon on;
-* ``host_syncs``: host synchronizations ``step()`` itself made (the CUDA ``check_finite``).
-"""
+"""What the last ``step()`` did on this rank (:class:`StepStats`: collectives and bytes per lane,
+NS time from CUDA events read lazily, owned matrices, host syncs). Design notes:
+docs/design/optimizer.md, "Step telemetry"."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field

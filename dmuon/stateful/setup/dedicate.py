@@ -1,25 +1,6 @@
-"""``dedicate_params``: take Muon's matrices away from FSDP2 and give each, whole, to one owner rank.
-
-Call order (SPEC §2)::
-
-    import dmuon
-    dmuon.dedicate_params(model, mesh, predicate)   # before fully_shard
-    for layer in model.layers: fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    optimizer = dmuon.Muon(model, ...)
-
-A model built under ``torch.device("meta")`` works too (torchtitan's order: dedicate_params,
-fully_shard, ``model.to_empty(device=...)``, the model's init, ``dmuon.Muon``): only the owners'
-masters are allocated, and the init writes them (:mod:`dmuon.stateful.modes.meta_init`).
-
-What it does, in order: validates the model and the predicate; builds the param specs and the
-owner plan (pure, :mod:`dmuon.functional.plan`); compares the plan's fingerprint across all ranks;
-creates the lane process groups and the executor; groups the dedicated params by hook boundary;
-moves each dedicated matrix into its owner's master storage (zero-size placeholder elsewhere);
-marks each with ``_dedicated_owner_rank`` (so every later ``fully_shard`` skips it); registers the
-forward/backward hooks; attaches the root state as ``model._dmuon_state``
-(:class:`dmuon.stateful.runtime.state.DedicatedState`).
-"""
+"""``dedicate_params``: take Muon's matrices away from FSDP2 and give each, whole, to one owner
+rank (collective; before ``fully_shard``). Every check runs on every rank with the verdict agreed
+before any process group is made. Design notes: docs/design/setup.md, "`dedicate_params`"."""
 from __future__ import annotations
 
 import dataclasses

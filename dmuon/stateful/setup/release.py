@@ -1,23 +1,5 @@
-"""``dmuon.release(model)``: free what dmuon holds for a model now, while the caller still holds it.
-
-A discarded model needs no call: ``del model, optimizer`` (and Python's ``gc.collect()`` or its next
-automatic collection) frees the model, its optimizer and dmuon's state, like a plain FSDP2 model.
-No reference cycle runs through objects only C++ holds: the dedicated params' post-accumulate-grad
-hooks and the ``.grad`` markers' zero callbacks hold the state and the gradient ledger weakly
-(:mod:`dmuon.stateful.runtime.hooks`, :mod:`dmuon.stateful.runtime.ledger`), and the process groups
-are made once per process and set of arguments and reused by later models
-(:mod:`dmuon.stateful.runtime.process_groups`), so a rebuild adds no group, thread or socket.
-
-:func:`release` is for a caller that keeps the model object (a notebook cell, a framework holding
-it, an eval copy kept for its FSDP2 params): it waits for dmuon's collectives in flight, removes
-every hook ``dedicate_params`` registered, drops the ``.grad`` markers and frees the state (the
-dedicated masters, gathered copies, gradient buffers, the step program). The model's FSDP2 params
-stay (they are the model's); its dedicated matrices are gone, so the model and its ``dmuon.Muon``
-then refuse forward, ``state_dict`` / ``load_state_dict``, ``step`` and every dmuon call with a
-``RuntimeError`` naming ``dmuon.release``, instead of running on empty placeholders. Local (no
-collective); calling it again is a no-op. The optimizer's own state (momentum, AdamW moments) is
-the optimizer's: ``del optimizer`` frees it.
-"""
+"""``dmuon.release(model)``: free dmuon's part of a model the caller keeps (hooks, state, storage,
+groups); a discarded model needs no call. Design notes: docs/design/setup.md, "`dmuon.release`"."""
 from __future__ import annotations
 
 import logging
