@@ -1,8 +1,5 @@
 """torch.optim.Muon's names where they mean what dmuon's mean, and every option checked when
-``dmuon.Muon(...)`` is built (issue 36). Issue 45 made torch's names the one spelling
-(``dmuon.Muon(eps=, adjust_lr_fn=)`` and ``param_groups[0]``), dmuon's former ``ns_eps`` /
-``lr_scale`` deprecated: the checks below read them from the new module functions and assert the
-new names in ``param_groups`` (what they check is unchanged: one spelling, the same math).
+``dmuon.Muon(...)`` is built (issue 36).
 
 Before: torch's flat coefficient triple ``ns_coefficients=(3.4445, -4.775, 2.0315)`` was accepted
 at construction and failed on every rank at the first ``step()`` (so did ``"you"`` with
@@ -56,7 +53,7 @@ def test_validate_hparams_catches_what_step_would(bad, needle):
 
 
 def test_torch_adjust_lr_fn_values_map_where_the_math_is_the_same():
-    from dmuon.functional.muon_options import ADJUST_LR_FN, GROUP_KEYS, hparams_of_group
+    from dmuon.functional.muon_options import ADJUST_LR_FN, resolve_torch_names
 
     # torch.optim.Muon's _adjust_lr (2.15), for 2-D shapes (A, B) = shape
     torch_scale = {None: lambda A, B: math.sqrt(max(1, A / B)),
@@ -68,13 +65,14 @@ def test_torch_adjust_lr_fn_values_map_where_the_math_is_the_same():
         for shape in [(64, 16), (16, 64), (32, 32), (3, 7)]:
             ours = lr_scale_factor(shape, ADJUST_LR_FN[value])
             assert math.isclose(ours, fn(*shape), rel_tol=1e-15), (value, shape)
-    hp = {k: v for k, v in fmuon.MuonHParams()._asdict().items() if k in GROUP_KEYS}
-    out = hparams_of_group(dict(hp, eps=1e-8, adjust_lr_fn="match_rms_adamw"))
-    assert out.ns_eps == 1e-8 and out.lr_scale == "moonlight"
+    hp = fmuon.MuonHParams()._asdict()
+    out = resolve_torch_names(hp, eps=1e-8, adjust_lr_fn="match_rms_adamw")
+    assert out["ns_eps"] == 1e-8 and out["lr_scale"] == "moonlight" and "eps" not in out
     with pytest.raises(ValueError, match="adjust_lr_fn"):
-        hparams_of_group(dict(hp, eps=1e-8, adjust_lr_fn="sqrt"))
-    with pytest.raises(ValueError, match="ns_eps"):  # a former name left in the group
-        hparams_of_group(dict(hp, eps=1e-8, adjust_lr_fn=None, ns_eps=1e-6))
+        resolve_torch_names(hp, adjust_lr_fn="sqrt")
+    with pytest.raises(ValueError, match="ns_eps"):  # two spellings, two values
+        resolve_torch_names(dict(hp, ns_eps=1e-6), eps=1e-8)
+    assert resolve_torch_names(dict(hp, ns_eps=1e-8), eps=1e-8)["ns_eps"] == 1e-8
 
 
 # ----------------------------------------------------------------------------- dmuon.Muon
@@ -125,10 +123,10 @@ def _worker(rank, world):
             out[key] = catch(lambda: dmuon.Muon(model, 0.02, 0.1))
         else:
             out[key] = catch(lambda: dmuon.Muon(model, **kw))
-    # positional lr and torch's names: one spelling in param_groups (torch's)
+    # positional lr and torch's names: one spelling in param_groups
     def groups():
         g = dmuon.Muon(model, 0.03, eps=1e-8, adjust_lr_fn="original").param_groups[0]
-        return (g["lr"], g["eps"], g["adjust_lr_fn"], "ns_eps" in g, "lr_scale" in g)
+        return (g["lr"], g["ns_eps"], g["lr_scale"], "eps" in g, "adjust_lr_fn" in g)
     out["groups"] = _result(groups)
     # the flat triple trains exactly like the named schedule it spells
     hp = dict(ns_dtype=torch.float64, ns_steps=5)
@@ -167,7 +165,7 @@ def test_a_bad_option_raises_at_construction_on_every_rank(results, key):
 
 def test_positional_lr_and_torch_names(results):
     for r in results:
-        assert r["groups"] == (0.03, 1e-8, "original", False, False)
+        assert r["groups"] == (0.03, 1e-8, "jordan", False, False)
 
 
 def test_flat_triple_trains_like_the_named_schedule(results):
@@ -185,7 +183,7 @@ def test_torch_names_give_torch_optim_muons_update(adjust_lr_fn):
     and the momentum conventions (torch's EMA buffer, dmuon's sum) give the same update."""
     import torch.optim._muon as torch_muon
 
-    from dmuon.functional.muon_options import GROUP_KEYS, hparams_of_group
+    from dmuon.functional.muon_options import resolve_torch_names
     if adjust_lr_fn == "spectral_unclamped" and "spectral_unclamped" not in open(
             torch_muon.__file__).read():
         pytest.skip(f"torch {torch.__version__} has no adjust_lr_fn='spectral_unclamped' (2.15 has)")
@@ -218,13 +216,13 @@ def test_torch_names_give_torch_optim_muons_update(adjust_lr_fn):
     finally:
         torch_muon._zeropower_via_newtonschulz = orig
     # torch's defaults where dmuon's differ, passed under torch's names where they have them
-    base = {k: v for k, v in fmuon.MuonHParams()._asdict().items() if k in GROUP_KEYS}
-    hp = hparams_of_group(dict(base, lr=1e-2, weight_decay=0.1, ns_coefficients=TORCH_TRIPLE,
-                               ns_dtype=torch.float64, eps=0.0, adjust_lr_fn=adjust_lr_fn))
+    hp = resolve_torch_names(dict(fmuon.MuonHParams()._asdict(), lr=1e-2, weight_decay=0.1,
+                                  ns_coefficients=TORCH_TRIPLE, ns_dtype=torch.float64),
+                             eps=0.0, adjust_lr_fn=adjust_lr_fn)
     ours, state = {k: v.clone() for k, v in init.items()}, None
     state = fmuon.init(ours)
     for gr in grads:
-        ours, state = fmuon.update(gr, state, ours, hp)
+        ours, state = fmuon.update(gr, state, ours, fmuon.MuonHParams(**hp))
     for k in shapes:
         moved = (theirs[k].detach() - init[k]).abs().max()
         assert (ours[k] - theirs[k].detach()).abs().max() <= 1e-12 * moved, k

@@ -73,9 +73,7 @@ def _hparams(model, opt, batches, env):
             g0.update(momentum=0.8, weight_decay=0.1)
             g1.update(betas=(0.7, 0.9), weight_decay=0.3, eps=1e-3)
         if i == 1:
-            # (torch's name of the shape scale since issue 45: adjust_lr_fn; "original" is the
-            # rule formerly spelled lr_scale="jordan")
-            g0.update(nesterov=False, ns_steps=3, adjust_lr_fn="original")
+            g0.update(nesterov=False, ns_steps=3, lr_scale="jordan")
             g1["lr"] = 1e-2
 
 

@@ -23,8 +23,8 @@ class RefMuon(torch.optim.Optimizer):
         self.rest = {n: p for n, p in model.named_parameters() if n not in self.mats}
         muon = dict(lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
                     weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"],
-                    ns_coefficients="polar_express", eps=1e-7, ns_dtype=torch.float64,
-                    adjust_lr_fn="match_rms_adamw")  # dmuon.Muon's group keys: torch's names
+                    ns_coefficients="polar_express", ns_eps=1e-7, ns_dtype=torch.float64,
+                    lr_scale="moonlight")
         adamw = dict(lr=HP["adamw_lr"], betas=HP["adamw_betas"], eps=HP["adamw_eps"],
                      weight_decay=HP["adamw_weight_decay"])
         super().__init__([dict(params=list(self.mats.values()), name="muon", **muon),
@@ -40,8 +40,7 @@ class RefMuon(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         g0, g1 = self.param_groups
-        from dmuon.functional.muon_options import hparams_of_group
-        hp = hparams_of_group(g0)
+        hp = self.fm.MuonHParams(**{k: g0[k] for k in self.fm.MuonHParams._fields})
         _, self.ms = self.fm.update({n: p.grad for n, p in self.mats.items()}, self.ms,
                                     {n: p.data for n, p in self.mats.items()}, hp, donate=True)
         ahp = self.fa.AdamWHParams(lr=g1["lr"], betas=tuple(g1["betas"]), eps=g1["eps"],

@@ -1,13 +1,16 @@
 """The options of ``dmuon.Muon(...)``: torch's names, the deprecated spellings, and the check of
 every option before it changes anything (pure: no process group, nothing stateful).
 
-One spelling per option, torch's where ``torch.optim.Muon`` has the option: ``dmuon.Muon(...)``
-and ``param_groups[0]`` name Muon's hyper-parameters as torch does (:data:`GROUP_KEYS`);
-:func:`hparams_of_group` reads them into the functional core's
-:class:`~dmuon.functional.muon.MuonHParams` (whose fields keep the functional API's names).
+``dmuon.Muon(...)`` spells Muon's hyper-parameters as ``torch.optim.Muon`` does where torch has
+the option (``eps``, ``adjust_lr_fn``); ``param_groups[0]`` holds them under the functional core's
+names (:class:`~dmuon.functional.muon.MuonHParams`' fields, :data:`GROUP_KEYS`): the format every
+dmuon has saved, which torch's state-dict tools and DCP need to equal the in-memory keys (they
+load into the current optimizer's keys, and their flattened format reads ``param_groups``
+directly), so older checkpoints load. A group key spelled as the constructor's raises at the next
+step (it would silently change nothing): :func:`hparams_of_group`.
 
 =============================  ===============================  ===============================
-``dmuon.Muon`` / torch         ``MuonHParams``                  same math?
+``dmuon.Muon`` / torch         ``param_groups`` / MuonHParams   same math?
 =============================  ===============================  ===============================
 ``eps``                        ``ns_eps``                       ε of NS's Frobenius normalization:
                                                                 torch ``X / max(‖X‖, ε)``, dmuon
@@ -24,8 +27,8 @@ and ``param_groups[0]`` name Muon's hyper-parameters as torch does (:data:`GROUP
 
 (``m = shape[0]``, ``n = shape[1]`` for the 2-D params torch takes; dmuon's views extend both.)
 
-Deprecated (one release; a ``DeprecationWarning`` names the new spelling): ``ns_eps`` and
-``lr_scale`` (:data:`OLD_NAMES`), ``momentum_dtype`` (now a stage option:
+Deprecated as constructor options (one release; a ``DeprecationWarning`` names the new spelling):
+``ns_eps`` and ``lr_scale`` (:data:`OLD_NAMES`), ``momentum_dtype`` (now a stage option:
 ``transform=variants.muon(momentum_dtype=...)``) and the execution knobs ``replicate_async``,
 ``adamw_impl``, ``ns_engine``, ``elementwise``, ``persistent_grad_buffers`` (now setters,
 ``optimizer.set_<knob>(...)``, as FSDP2's ``set_*``).
@@ -38,14 +41,13 @@ from dmuon.functional import adamw as fadamw
 from dmuon.functional.lr_scale import ADJUST_LR_FN, LR_SCALE_RULES
 from dmuon.functional.muon import MuonHParams, validate_hparams
 
-__all__ = ["GROUP_KEYS", "OLD_NAMES", "KNOBS", "ADJUST_LR_FN", "ELEMENTWISE", "hparams_of_group",
-           "group_of_saved", "group_for_saving", "check_flag", "check_options", "check_knob",
+__all__ = ["GROUP_KEYS", "OLD_NAMES", "KNOBS", "ADJUST_LR_FN", "ELEMENTWISE", "NOT_GIVEN",
+           "hparams_of_group", "resolve_torch_names", "check_flag", "check_options", "check_knob",
            "momentum_dtype_of"]
 
-#: ``param_groups[0]``'s Muon hyper-parameters (torch.optim.Muon's names where it has them)
-GROUP_KEYS = ("lr", "momentum", "nesterov", "weight_decay", "ns_steps", "ns_coefficients", "eps",
-              "ns_dtype", "adjust_lr_fn")
-#: the deprecated spellings of two of them
+#: ``param_groups[0]``'s Muon hyper-parameters: ``MuonHParams``' fields
+GROUP_KEYS = MuonHParams._fields
+#: the constructor's former spellings -> torch's (the constructor's one spelling)
 OLD_NAMES: Mapping[str, str] = {"ns_eps": "eps", "lr_scale": "adjust_lr_fn"}
 #: ``adjust_lr_fn``'s values -> ``MuonHParams.lr_scale`` (torch's, and dmuon's ``"none"``: s = 1)
 _ADJUST = {**ADJUST_LR_FN, "none": "none"}
@@ -73,41 +75,56 @@ def _lr_scale(value: Any, where: str = "adjust_lr_fn") -> str:
 
 
 def hparams_of_group(group: Mapping[str, Any]) -> MuonHParams:
-    """The :class:`MuonHParams` of ``param_groups[0]`` (torch's names; an old name there, e.g.
-    a loop that writes ``group["lr_scale"]``, raises: it would silently change nothing)."""
-    stale = [k for k in OLD_NAMES if k in group]
-    if stale:
+    """The :class:`MuonHParams` of ``param_groups[0]`` (a key spelled as the constructor's, e.g.
+    a loop that writes ``group["eps"]``, raises: nothing reads it, it would silently change
+    nothing)."""
+    wrong = [k for k in OLD_NAMES.values() if k in group]
+    if wrong:
+        inverse = {v: k for k, v in OLD_NAMES.items()}
         raise ValueError(
-            f"dmuon.Muon: param_groups[0] has {stale} (dmuon's former names), which nothing reads: "
-            "its options are spelled as torch.optim.Muon's now: "
-            + ", ".join(f"{k} -> {OLD_NAMES[k]}" for k in stale) + ". Set those instead (and "
-            "delete the old keys); lr_scale values map as " + repr(_FROM_LR_SCALE) + ".")
-    kw = {k: group[k] for k in GROUP_KEYS}
-    kw["ns_eps"], kw["lr_scale"] = kw.pop("eps"), _lr_scale(kw.pop("adjust_lr_fn"))
-    return MuonHParams(**kw)
+            f"dmuon.Muon: param_groups[0] has {wrong}, which nothing reads: the group holds Muon's "
+            "hyper-parameters under the functional core's names (the checkpoint format): "
+            + ", ".join(f"{k} -> {inverse[k]}" for k in wrong) + " (adjust_lr_fn values map to "
+            f"lr_scale as {dict(_ADJUST)}). Set those instead and delete the key.")
+    return MuonHParams(**{k: group[k] for k in GROUP_KEYS})
 
 
-def group_for_saving(group: Mapping[str, Any]) -> dict[str, Any]:
-    """``param_groups[0]`` as checkpoints store it: under the functional core's names
-    (``ns_eps``, ``lr_scale``: the format every dmuon has written, so torch's state-dict tools
-    and DCP, which load into the current optimizer's ``state_dict()`` keys, read older and newer
-    checkpoints alike); :func:`group_of_saved` is its inverse."""
-    out = dict(group)
-    if "eps" in out and "adjust_lr_fn" in out:
-        out["ns_eps"] = out.pop("eps")
-        out["lr_scale"] = _lr_scale(out.pop("adjust_lr_fn"))
-    return out
+class _NotGiven:
+    """A torch-named option the caller did not pass (or passed at its default)."""
+
+    def __repr__(self) -> str:
+        return "NOT_GIVEN"
 
 
-def group_of_saved(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """A saved ``param_groups[0]`` (the functional core's names, :func:`group_for_saving`) under
-    torch's names."""
-    out = dict(saved)
-    if "ns_eps" in out:
-        out.setdefault("eps", out.pop("ns_eps"))
-    if "lr_scale" in out:
-        rule = out.pop("lr_scale")
-        out.setdefault("adjust_lr_fn", _FROM_LR_SCALE.get(rule, rule))
+NOT_GIVEN: Any = _NotGiven()
+
+
+def resolve_torch_names(hparams: Mapping[str, Any], **torch_names: Any) -> dict[str, Any]:
+    """``hparams`` (``MuonHParams``' names) with torch's names folded in (``eps``,
+    ``adjust_lr_fn``; :data:`NOT_GIVEN`: not passed): the group ``param_groups[0]`` holds.
+
+    Raises:
+      TypeError: a name that is not torch's spelling of a Muon option.
+      ValueError: an ``adjust_lr_fn`` value torch does not define (nor dmuon's ``"none"``); or
+        both spellings of one option given with different values (the functional core's counts
+        as given when it is not its default).
+    """
+    out = dict(hparams)
+    inverse = {v: k for k, v in OLD_NAMES.items()}
+    for name, value in torch_names.items():
+        if name not in inverse:
+            raise TypeError(f"dmuon.Muon: unknown option {name!r}; torch.optim.Muon names dmuon "
+                            f"accepts: {sorted(inverse)}")
+        if value is NOT_GIVEN:
+            continue
+        ours = inverse[name]
+        mapped = value if name == "eps" else _lr_scale(value)
+        if out[ours] != MuonHParams._field_defaults[ours] and out[ours] != mapped:
+            raise ValueError(
+                f"dmuon.Muon: {name}={value!r} (torch.optim.Muon's name) and {ours}={out[ours]!r} "
+                f"set the same option to different values; pass one of them ({name} is {ours} "
+                f"here{'' if mapped == value else f', {value!r} meaning {mapped!r}'}).")
+        out[ours] = mapped
     return out
 
 
@@ -136,7 +153,7 @@ def check_options(positional: tuple, given: Mapping[str, Any],
 
     Returns:
       ``(muon_group, adamw_hp, knobs, momentum_dtype, notes)``: ``param_groups[0]``'s
-      hyper-parameters (:data:`GROUP_KEYS`), AdamW's, the execution knobs (:data:`KNOBS`, from
+      hyper-parameters (:data:`GROUP_KEYS`, the functional core's names), AdamW's, the execution knobs (:data:`KNOBS`, from
       the deprecated arguments or their defaults), the deprecated ``momentum_dtype`` (``None``:
       not given), and one deprecation message per former spelling used.
 
@@ -155,23 +172,17 @@ def check_options(positional: tuple, given: Mapping[str, Any],
     if unknown:
         raise TypeError(f"dmuon.Muon: unknown option(s) {unknown}")
     notes = []
-    group = {k: given[k] for k in GROUP_KEYS}
     for old, new in OLD_NAMES.items():
-        if old not in deprecated:
-            continue
-        value = deprecated[old] if old == "ns_eps" else _FROM_LR_SCALE.get(deprecated[old],
-                                                                             deprecated[old])
-        if old == "lr_scale" and deprecated[old] not in LR_SCALE_RULES:
-            raise ValueError(f"Muon lr_scale must be one of {LR_SCALE_RULES}, got "
-                             f"{deprecated[old]!r} (lr_scale is deprecated: pass adjust_lr_fn)")
-        default = MUON_DEFAULTS[new]
-        if group[new] != default and group[new] != value:
-            raise ValueError(
-                f"dmuon.Muon: {new}={group[new]!r} and {old}={deprecated[old]!r} (its deprecated "
-                f"spelling) set the same option to different values; pass {new} only.")
-        group[new] = value
-        notes.append(f"dmuon.Muon({old}=...) is deprecated: pass {new}="
-                     f"{value!r} (torch.optim.Muon's name)")
+        if old in deprecated:
+            notes.append(f"dmuon.Muon({old}=...) is deprecated: pass {new}=... "
+                         "(torch.optim.Muon's name)")
+    if "lr_scale" in deprecated and deprecated["lr_scale"] not in LR_SCALE_RULES:
+        raise ValueError(f"Muon lr_scale must be one of {LR_SCALE_RULES}, got "
+                         f"{deprecated['lr_scale']!r} (lr_scale is deprecated: pass adjust_lr_fn)")
+    defaults = MuonHParams._field_defaults
+    group = resolve_torch_names(
+        {k: deprecated.get(k, defaults[k]) if k in OLD_NAMES else given[k] for k in GROUP_KEYS},
+        **{n: NOT_GIVEN if given[n] == MUON_DEFAULTS[n] else given[n] for n in OLD_NAMES.values()})
     for k in ("lr", "momentum", "weight_decay"):  # param_groups hold values (schedulers set them)
         v = group[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)):
@@ -224,7 +235,6 @@ def momentum_dtype_of(transform: Any, old: Any, hparams: MuonHParams) -> tuple[A
     return transform, (mine if old is None else old)
 
 
-#: the constructor's defaults of :data:`GROUP_KEYS` (torch's names)
-MUON_DEFAULTS: Mapping[str, Any] = {
-    **{k: v for k, v in MuonHParams._field_defaults.items() if k in GROUP_KEYS},
-    "eps": MuonHParams._field_defaults["ns_eps"], "adjust_lr_fn": "match_rms_adamw"}
+#: the constructor's defaults of its torch-named options
+MUON_DEFAULTS: Mapping[str, Any] = {"eps": MuonHParams._field_defaults["ns_eps"],
+                                    "adjust_lr_fn": "match_rms_adamw"}

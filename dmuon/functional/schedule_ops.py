@@ -18,12 +18,14 @@ __all__ = ["Axis", "Lane", "LANE_AXIS", "GROUP_LANES", "Broadcast", "Reduce", "A
            "Op", "op_members", "op_root_coord"]
 
 Axis = Literal["shard", "replicate", "group"]
-Lane = Literal["unshard", "reduce", "replicate", "split", "tp"]
+Lane = Literal["unshard", "reduce", "replicate", "split", "tp", "tp_reduce"]
 LANE_AXIS: Mapping[str, str] = {"unshard": "shard", "reduce": "shard", "replicate": "replicate"}
 #: Lanes of explicit-group ops: ``"tp"`` (the TP group's NS gather / scatter,
-#: :mod:`dmuon.functional.tp_plan`; the runtime's executor runs them) and ``"split"`` (split
-#: Newton–Schulz: planned and simulated, not run yet).
-GROUP_LANES: Mapping[str, str] = {"split": "group", "tp": "group"}
+#: :mod:`dmuon.functional.tp_plan`), ``"tp_reduce"`` (the TP group's small all-reduces of an
+#: owner's step: an 8-bit momentum's whole-matrix absmax, a variant's row sums,
+#: :mod:`dmuon.functional.tp_step`) and ``"split"`` (split Newton–Schulz's units); the runtime's
+#: executor runs them all.
+GROUP_LANES: Mapping[str, str] = {"split": "group", "tp": "group", "tp_reduce": "group"}
 _ALL_LANE_AXIS: Mapping[str, str] = {**LANE_AXIS, **GROUP_LANES}
 
 

@@ -10,8 +10,9 @@ TP group calls the same functions with the same names, in the same order).
 * :func:`tp_sum_partials` — the partial sums a variant's stage takes over each slice (row norms),
   added over the TP group where the slice misses part of what they sum.
 
-The last two are ``AllReduce`` ops on lane ``"tp"`` over the group's members, counted like every
-other op (:func:`dmuon.functional.schedule.op_bytes`).
+The last two are ``AllReduce`` ops on lane ``"tp_reduce"`` over the group's members, counted like
+every other op (:func:`dmuon.functional.schedule.op_bytes`), apart from the ``"tp"`` lane of the
+step program's gathers and scatters.
 """
 from __future__ import annotations
 
@@ -111,10 +112,10 @@ def tp_orthogonalizer(inner: Callable[[list], Sequence[Tensor]], input_names: Se
 def group_sum(flat: Tensor, ranks: Sequence[int], world: int, run: Runner, *,
               op: str = "sum", name: str = "sum") -> Tensor:
     """``flat`` (1-D) reduced over the group ``ranks`` with ``op`` in place (one ``AllReduce`` on
-    lane ``"tp"``, run by ``run``); returns it."""
+    lane ``"tp_reduce"``, run by ``run``); returns it."""
     key = BucketKey(f"tp-{name}", 0, str(flat.dtype))
     ar = AllReduce(id=f"tp-{name}", axis="group", at=None, bucket=key, offset=0,
-                   numel=flat.numel(), dtype=str(flat.dtype), lane="tp",
+                   numel=flat.numel(), dtype=str(flat.dtype), lane="tp_reduce",
                    members=tuple(int(r) for r in ranks), op=op)
     run(Schedule((ar,), int(world), 1), {key: flat})
     return flat
@@ -135,7 +136,7 @@ def max_keeping_nan(values: Tensor, all_reduce_max: Callable[[Tensor], None]) ->
 
 def group_max(values: Tensor, ranks: Sequence[int], world: int, run: Runner) -> Tensor:
     """:func:`max_keeping_nan` over the group ``ranks``: one ``AllReduce`` (``"max"``) op on lane
-    ``"tp"``, run by ``run``."""
+    ``"tp_reduce"``, run by ``run``."""
     return max_keeping_nan(values, lambda t: group_sum(t, ranks, world, run, op="max",
                                                        name="max"))
 

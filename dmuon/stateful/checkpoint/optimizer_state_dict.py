@@ -33,7 +33,6 @@ import torch.nn as nn
 
 from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional import adamw as fadamw
-from dmuon.functional.muon_options import group_for_saving, group_of_saved
 from dmuon.functional.stages.hparams import as_step
 from dmuon.stateful.runtime.state import get_state, local_tensor
 from dmuon.stateful.checkpoint.state_dict import agree, from_rank0, full_copy, local_shard
@@ -58,9 +57,7 @@ def check_optimizer(model: nn.Module, optimizer: Any, what: str):
 
 
 def hparam_groups(optimizer: Any) -> list[dict[str, Any]]:
-    """The hyper-parameters of ``optimizer``'s groups as checkpoints store them
-    (:func:`~dmuon.functional.muon_options.group_for_saving`)."""
-    return [group_for_saving({k: v for k, v in g.items() if k not in ("params", "param_names")})
+    return [{k: v for k, v in g.items() if k not in ("params", "param_names")}
             for g in optimizer.param_groups]
 
 
@@ -132,7 +129,7 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
             ids.append(index)
             index += 1
         group = {k: (str(v) if isinstance(v, torch.dtype) else v)  # torch's tools: no dtypes
-                 for k, v in group_for_saving(g).items() if k not in ("params", "param_names")}
+                 for k, v in g.items() if k not in ("params", "param_names")}
         group.update(params=ids, param_names=names)
         groups.append(group)
     groups[0]["num_steps"] = int(optimizer.num_steps)
@@ -284,7 +281,6 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     for g in optimizer.param_groups:
         theirs = by_name.get(g.get("name"))
         if theirs is not None:
-            theirs = group_of_saved(theirs)  # dmuon's former names (older checkpoints)
             g.update({k: _decode(k, v) for k, v in theirs.items()
                       if k not in ("params", "param_names", "name", "num_steps",
                                    "variant_scalars", "momentum_dtype", "offload_state",

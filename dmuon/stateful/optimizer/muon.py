@@ -54,8 +54,10 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         ``adjust_lr_fn`` the shape scale: ``"match_rms_adamw"`` (default, ``0.2·sqrt(max(m,
         n))``), ``"original"`` / ``None`` (``sqrt(max(1, m/n))``), ``"spectral_unclamped"``,
         ``"none"`` (dmuon's: 1); ``ns_coefficients`` a named schedule, a table or torch's flat
-        ``(a, b, c)``); ``param_groups[0]`` holds them under the same names. ``lr`` may be given
-        by position, as torch's optimizers take it; every other option by name.
+        ``(a, b, c)``); ``param_groups[0]`` holds them under the functional core's names
+        (``ns_eps``, ``lr_scale``: the checkpoint format; a group key spelled ``eps`` /
+        ``adjust_lr_fn`` raises at the next step). ``lr`` may be given by position, as torch's
+        optimizers take it; every other option by name.
       adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW hyper-parameters for every
         trainable param the predicate rejected.
       transform: the chain the owners run: ``None`` (default) is Muon itself
