@@ -1,27 +1,9 @@
-"""Optimizer state dicts of ``dmuon.Muon``: torch's protocol, dmuon's full format, one load path.
+"""Optimizer state dicts of ``dmuon.Muon``: torch's protocol (``Muon.state_dict()``, DCP), dmuon's
+full format (:func:`get_optimizer_state_dict`), both topology-free, and one load path
+(:func:`load_optimizer_state`) that checks every value on every rank and agrees the verdict before
+anything changes.
 
-Two formats, both topology-free (names, never ranks):
-
-* **torch's protocol** — ``Muon.state_dict()`` (collective): ``{"state": {index: {...}},
-  "param_groups": [{hparams, "params": [index, ...], "param_names": [name, ...]}, ...]}``, as any
-  ``torch.optim.Optimizer`` built over named params writes it. Each dedicated matrix's
-  ``"momentum_buffer"`` (and its fp32 ``"master"`` where wider than the param) is a ``Shard(0)``
-  DTensor on the shard mesh, like the model's entries (:mod:`dmuon.stateful.checkpoint.torch_state_dict`);
-  AdamW's ``"exp_avg"`` / ``"exp_avg_sq"`` are DTensors laid out like FSDP2's params. So torch's
-  ``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` (sharded, full, flattened), DCP and
-  the checkpointers built on them (torchtitan's, Lightning's) round-trip it. Counters ride in the
-  groups (``"step"`` of each state entry; ``"num_steps"`` in the first group).
-* **dmuon's full format** (the seeds') — :func:`get_optimizer_state_dict`:
-  ``{"fsdp2": {fqn: {"exp_avg", "exp_avg_sq"}}, "dedicated": {fqn: {"momentum_buffer"[,
-  "master"]}}, "adamw_step", "muon_step", "num_steps", "param_groups"}``, plain full tensors.
-
-**One load path** (:func:`load_optimizer_state`), used by ``Muon.load_state_dict`` (either
-format: full tensors, dmuon's rows, FSDP2-like DTensors), :func:`set_optimizer_state_dict` and
-``dmuon.load_sharded``: every value is checked on every rank (shape, floating dtype, finite
-values) into staged copies, the verdict is agreed across ranks, and only then do the optimizer's
-states (and, for a ``"master"``, the model's masters) change; a bad dict raises
-:class:`~dmuon.stateful.checkpoint.torch_state_dict.StateDictError` on every rank and changes nothing.
-Staging costs one copy of this rank's optimizer state (its owned momentum and AdamW shards).
+Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.optimizer_state_dict".
 """
 from __future__ import annotations
 
@@ -72,9 +54,7 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
 
 
 def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, torch.Tensor]]:
-    """Collective: ``{name: {field key: full[, "master": full]}}`` on every rank, bucketed (each
-    field from its owner, :func:`gather_fields`; a master wider than the param from its
-    column)."""
+    """Collective: ``{name: {field key: full[, "master": full]}}`` on every rank, bucketed."""
     rt = optimizer.dedicated_state
     tr = transfer_of(rt)
     out: dict[str, dict[str, torch.Tensor]] = {}
@@ -101,7 +81,7 @@ def muon_step(optimizer: Any) -> int:
 # ---------------------------------------------------------------------------------- torch's
 @torch.no_grad()
 def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
-    """Collective: ``Muon.state_dict()`` in torch's protocol (see the module docstring)."""
+    """Collective: ``Muon.state_dict()`` in torch's protocol (design notes)."""
     refuse_tp(optimizer.dedicated_state, "Muon.state_dict() (torch's protocol; use "
               "dmuon.get_optimizer_state_dict)")
     rt = optimizer.dedicated_state
@@ -195,7 +175,7 @@ def _from_full(sd: Mapping[str, Any]) -> dict[str, Any]:
 def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: str,
                          check_finite: bool = True, has_dict: bool = True,
                          rank0: bool = False) -> None:
-    """Collective: validate, stage and install an optimizer state (see the module docstring).
+    """Collective: validate, stage and install an optimizer state (design notes: "One load path").
 
     Args:
       entries: ``{"dedicated": {name: {"momentum_buffer": v[, "master": v]}}, "fsdp2": {name:
@@ -315,8 +295,8 @@ def entry_shape(optimizer: Any, n: str, key: str) -> tuple[int, ...]:
 
 
 def check_fields(optimizer: Any, n: str, entry: Mapping[str, Any]) -> list[str]:
-    """The chain's fields missing from a dedicated entry, or state keys this optimizer does not
-    have (a variant's checkpoint into plain Muon): each a problem, never silently dropped."""
+    """The chain's fields missing from a dedicated entry, and state keys this optimizer does not
+    have: each a problem, never silently dropped."""
     want = tuple(f.key for f in optimizer._owner.fields)
     if not isinstance(entry, Mapping):
         return [f"dedicated[{n!r}]: not a dict"]
@@ -366,7 +346,7 @@ def _rows(v: Any, rt, n: str) -> Optional[tuple[int, torch.Tensor]]:
 @unwrapping_model
 def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool = False, *,
                              rank0_only: bool = False) -> dict[str, Any]:
-    """Collective: dmuon's full optimizer state (see the module docstring). Every rank calls it.
+    """Collective: dmuon's full optimizer state (design notes). Every rank calls it.
 
     Args:
       model, optimizer: the model and its ``dmuon.Muon``.
@@ -435,7 +415,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
     if not rank0_only:
         return load_optimizer_state(optimizer, _from_full(state_dict), what=what,
                                     check_finite=check_finite)
-    # rank 0 holds the dict: broadcast its structure, then AdamW's tensors, one by one (bounded)
+    # rank 0 holds the dict: broadcast its structure, then AdamW's tensors one by one
     meta: list = [None]
     if rt.rank == 0:
         meta[0] = {"dedicated": {n: sorted(s) for n, s in state_dict["dedicated"].items()},
@@ -453,8 +433,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
         n: {k: from_rank0(state_dict["fsdp2"][n][k] if rt.rank == 0 else None,
                           tuple(adamw[n].shape), adamw[n].dtype, rt) for k in _MOMENTS}
         for n in meta["fsdp2"] if n in adamw}
-    # the dedicated entries stay on rank 0 (in the master dtype on the device, checked there):
-    # they move bucketed, through the step program's checkpoint moves
+    # the dedicated entries stay on rank 0 (master dtype, on the device) and move bucketed
     entries["dedicated"] = {
         n: {k: (_on_device(state_dict["dedicated"][n][k], rt, n) if rt.rank == 0 else None)
             for k in keys}

@@ -1,8 +1,9 @@
-"""The owners' chain state across ranks, field by field (:class:`~dmuon.stateful.optimizer.owner.
-OwnerDriver`'s fields: ``"momentum_buffer"``, a variant's ``"second_moment"``...): gathered to
-every rank for a checkpoint (:func:`gather_fields`) and staged back onto the owners
-(:func:`stage_fields`), through the model's bucketed checkpoint transfer (the step program's
-checkpoint moves); TP slices assembled from and cut into their matrices (:func:`local_field`)."""
+"""The owners' chain state across ranks, field by field: gathered to every rank for a checkpoint
+(:func:`gather_fields`) and staged back onto the owners (:func:`stage_fields`) through the bucketed
+checkpoint transfer; TP slices assembled and cut (:func:`local_field`).
+
+Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.owner_fields".
+"""
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Optional

@@ -1,26 +1,8 @@
-"""Full (single-device style) model state dicts for a dedicated + FSDP2 model, at any topology.
+"""Full (single-device style) model state dicts for a dedicated + FSDP2 model, at any topology:
+:func:`get_model_state_dict` / :func:`set_model_state_dict`. A dict names no rank, shard or mesh;
+a load is checked on every rank and the verdict agreed before anything changes.
 
-``get_model_state_dict`` returns exactly the keys, shapes and dtypes of a single-device
-``model.state_dict()`` as plain tensors: FSDP2 params via ``full_tensor()``, dedicated matrices
-from their owners' masters (cast back to the param's dtype). The dict names no rank, shard or
-mesh, so it loads into a plain model, into a dmuon model of any ``(shard, replicate)`` shape, or
-into one process.
-
-``set_model_state_dict`` checks the dict on every rank *before any collective*
-(:func:`dmuon.functional.state_dict_check.check_state_dict`: missing, unexpected, wrong-shape
-entries; a tied parameter is satisfied by any one of its names, as in HuggingFace
-``save_pretrained`` output without ``lm_head.weight``), agrees on the verdict with one small object
-all-gather (so a bad dict raises on every rank instead of hanging), then writes each rank's part:
-the masters of its owner column, the local shards of FSDP2 params (re-sharded for this mesh),
-buffers.
-
-``rank0_only=True`` keeps the full dict on rank 0 only (get: other ranks return ``{}``; set: only
-rank 0 needs a dict), for memory: the dedicated matrices move through the step program's
-checkpoint moves, one hook group at a time (:meth:`~dmuon.stateful.checkpoint.transfer.
-CheckpointTransfer.from_rank0`), FSDP2's params and buffers are broadcast one at a time.
-
-Reading such a dict from disk (``torch.save`` files, HuggingFace ``save_pretrained`` folders) is
-:func:`dmuon.checkpoint.state_dict_files.read_state_dict`'s, outside the training path.
+Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.state_dict".
 """
 from __future__ import annotations
 
@@ -62,9 +44,8 @@ def dedicated_names_by_key(model: nn.Module, rt: DedicatedState) -> dict[str, st
 
 
 def module_entries(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` without reading a dedicated param's values (its placeholder is kept
-    as the entry; torch's own ``state_dict`` would ``detach()`` it, which dmuon's placeholder
-    guard refuses). Other entries are detached as torch does."""
+    """``model.state_dict()`` with each dedicated param's placeholder kept as its entry (never
+    read); other entries detached as torch does."""
     from dmuon.compat.fsdp_patch import is_dedicated
     st = get_state(model)
     prev, st.raw_state_dict = st.raw_state_dict, True
@@ -129,11 +110,9 @@ def from_owner(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.d
 
 def from_rank0(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
                rt: DedicatedState) -> torch.Tensor:
-    """Collective: rank 0's full tensor ``t`` (ignored elsewhere, may be ``None``) on every rank,
-    on ``rt.device`` in ``dtype`` (broadcast). ``shape``: that of ``t``, for the receiving
-    buffers. For FSDP2's params, buffers and AdamW moments of a ``rank0_only`` load; the
-    dedicated matrices move through the program's checkpoint moves
-    (:meth:`~dmuon.stateful.checkpoint.transfer.CheckpointTransfer.from_rank0`)."""
+    """Collective: rank 0's full tensor ``t`` (ignored elsewhere) broadcast to every rank, on
+    ``rt.device`` in ``dtype`` (``shape``: ``t``'s); for FSDP2's params, buffers and AdamW moments
+    of a ``rank0_only`` load."""
     buf = (t.to(device=rt.device, dtype=dtype).contiguous() if rt.rank == 0
            else torch.empty(shape, dtype=dtype, device=rt.device))
     rt.mesh_groups.control_collective(
@@ -148,10 +127,8 @@ def full_copy(t: torch.Tensor) -> torch.Tensor:
 
 
 def local_shard(full: torch.Tensor, like: Any) -> torch.Tensor:
-    """This rank's piece of ``full`` (the full tensor, held by every rank) laid out like the param
-    ``like``: an FSDP2 DTensor's local shard, cut from this rank's own copy
-    (``distribute_tensor(..., src_data_rank=None)``); ``full`` itself when ``like`` is a plain
-    tensor."""
+    """This rank's piece of ``full`` (held by every rank) laid out like the param ``like`` (no
+    communication); ``full`` itself when ``like`` is a plain tensor."""
     if not hasattr(like, "device_mesh"):
         return full
     from torch.distributed.tensor import distribute_tensor
@@ -164,10 +141,7 @@ def local_shard(full: torch.Tensor, like: Any) -> torch.Tensor:
 def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
                          rank0_only: bool = False) -> dict[str, torch.Tensor]:
     """Collective: ``{fully-qualified name: full tensor}`` like a single-device ``state_dict()``.
-
-    Drains dmuon's pending collectives first. Every rank must call it. The dedicated matrices
-    travel one hook group at a time, bucketed: each owner column broadcasts its masters over its
-    shard group (:mod:`dmuon.stateful.checkpoint.transfer`).
+    Every rank must call it (it drains dmuon's pending collectives first).
 
     Args:
       model: a model prepared by ``dedicate_params`` (and ``fully_shard``).

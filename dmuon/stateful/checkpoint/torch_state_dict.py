@@ -1,43 +1,9 @@
-"""torch's own ``model.state_dict()`` / ``model.load_state_dict()`` on a dmuon model: true.
+"""torch's own ``model.state_dict()`` / ``model.load_state_dict()`` on a dmuon model: true. Each
+dedicated matrix is a ``Shard(0)`` DTensor on the shard mesh (as FSDP2 shows its params), so DCP
+and torch's checkpoint tools work; both calls are collective, and a load is checked on every rank
+before anything is written (:class:`StateDictError` on every rank otherwise).
 
-**Representation.** In ``model.state_dict()`` every dedicated matrix is a ``DTensor`` on the
-shard mesh given to ``dedicate_params``, placement ``Shard(0)`` — exactly how FSDP2 presents its
-own params. So every tool built on torch's state dicts handles it as it handles FSDP2's:
-``torch.distributed.checkpoint.state_dict.get_model_state_dict`` (sharded, or full through
-``full_tensor()``), ``dcp.save`` / ``dcp.load`` (each rank writes and reads its rows; HSDP replicas
-hold identical chunks, which DCP's planner writes once; loading into another topology re-shards
-as for FSDP2), torchtitan's and Lightning's checkpointers. Why not the owner's whole matrix as the
-only chunk (no traffic at save)? DTensor has no such placement, and torch's ShardedTensor, which
-could express it, is deprecated; every rank must describe the same global tensor.
-
-**Cost.** ``model.state_dict()`` is therefore collective on a dmuon model (every rank calls it, as
-DCP requires anyway): per hook group, each owner column broadcasts its masters over its shard group
-(bucketed, :mod:`dmuon.stateful.checkpoint.transfer`), each rank keeps its rows, cast to the
-param's dtype. Bytes moved per save: ``(G-1) P`` per replica, ``P`` = the dedicated matrices'
-bytes in the master dtype. ``model.state_dict(keep_vars=True)`` works the same.
-
-**Loading** (``model.load_state_dict(sd)``, and everything built on it: torch's
-``set_model_state_dict``, ``dcp.load`` then ``load_state_dict``): a dedicated entry may be that
-DTensor (the rows of this rank) or a plain full tensor (every rank holds the whole dict, e.g. a
-single-device ``torch.save`` file); an FSDP2 param may be a DTensor or a plain full tensor too
-(dmuon slices this rank's shard out of it, as ``distribute_tensor`` would). Before anything is
-written, every entry is checked on every rank (full shape, a floating dtype for floating params,
-finite values) and the verdict agreed across ranks, so a bad dict raises
-:class:`StateDictError` on every rank and leaves the model exactly as it was. Then the other
-entries load as torch loads them, and the dedicated ones reach their owner column (plain: a local
-copy; DTensor rows: one bucketed reduce per group). Loading is collective too.
-
-**Entries a submodule's own hooks rewrite** (torchtitan's ``FusedQKVLinear`` saves its fused
-``wqkv`` as ``wq`` / ``wk`` / ``wv`` in a post-hook and merges them back in a load pre-hook; torch
-runs a submodule's save post-hooks before the root's, and its load pre-hooks after the root's):
-the root's pre-save hook moves the matrices, and each module holding a dedicated param puts its
-entries in with a post-hook of its own, before any ancestor's post-hook reads them. On load, the
-root runs the load pre-hooks of the modules between it and each dedicated param whose entry is
-absent once more, on a shallow copy of the dict, and checks what they produce with every other
-entry before anything is written; the owning module's pre-hook stages the real entry. A
-``Replicate()`` DTensor entry (what such a merge gives from DCP's replicated parts) counts as a
-full tensor. dmuon's own by-name state-dict functions cannot follow such a rewrite: they raise
-:class:`StateDictError` naming the module.
+Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.torch_state_dict".
 """
 from __future__ import annotations
 
@@ -157,7 +123,7 @@ def log_dtype_changes(what: str, notes: list) -> None:
 
 
 class _Hooks:
-    """The state-dict hooks of one dedicated model (see the module docstring)."""
+    """The state-dict hooks of one dedicated model (the root's, and each owning module's)."""
 
     def __init__(self, model: nn.Module, st):
         self.st = st
@@ -169,8 +135,7 @@ class _Hooks:
             if id(p) in canon:
                 self.keys[k] = canon[id(p)]
         self.staged: Optional[dict[str, Any]] = None
-        # filled by the root pre-save hook, put in by each owning module's post-hook (before an
-        # ancestor's post-hook, e.g. torchtitan's FusedQKVLinear split, reads the entry)
+        # filled by the root pre-save hook, put in by each owning module's post-hook
         self.rows: Optional[dict[str, Any]] = None
         self.stand_ins: dict[str, torch.Tensor] = {}  # raw pass: key -> meta stand-in
         self.late: set[str] = set()  # load: keys an ancestor's pre-hook produces (checked early)
@@ -201,9 +166,8 @@ class _Hooks:
         saving_state_dict(+1)
 
     def owner_post_save(self, module, state_dict, prefix, local_metadata, path: str) -> None:
-        """Post-hook of a module holding dedicated params: put their entries in (the rows, or
-        in dmuon's raw pass a meta stand-in of the full shape) before any ancestor's post-hook
-        reads them. Outside a root ``model.state_dict()`` (no pre-save ran) it does nothing."""
+        """Post-hook of a module holding dedicated params: put their entries in (the rows, or a
+        meta stand-in in dmuon's raw pass) before any ancestor's post-hook reads them."""
         for attr, n in self.owned_by[path]:
             key = prefix + attr
             if key not in state_dict:
@@ -227,9 +191,8 @@ class _Hooks:
                 state_dict[prefix + k] = rows[n]
 
     def _restore_placeholders(self, state_dict, prefix: str, stand_ins: dict) -> None:
-        """dmuon's raw pass (its own full / sharded state-dict functions): the placeholders back
-        in; an entry that a submodule's state-dict hook rewrote (renamed, split, replaced) cannot
-        be read by param name: :class:`StateDictError` (the same on every rank)."""
+        """dmuon's raw pass: the placeholders back in; raise :class:`StateDictError` (the same on
+        every rank) where a submodule's state-dict hook rewrote an entry."""
         lost = []
         for k, n in self.keys.items():
             key = prefix + k
@@ -310,11 +273,8 @@ class _Hooks:
         self.staged = staged
 
     def _dry_run(self, root, state_dict, prefix: str, absent: list[str]) -> dict[str, Any]:
-        """``{key: value}`` for each dedicated key absent from the dict that the load pre-hooks
-        of the modules between the root and its owner (torchtitan's ``FusedQKVLinear`` merges
-        ``wq``/``wk``/``wv`` into ``wqkv``) produce: those hooks run here, top-down as torch
-        runs them, on a shallow copy of the dict, so the produced entry is checked with all the
-        others before anything loads. The real load runs them again."""
+        """``{key: value}`` for each absent dedicated key that the load pre-hooks of the modules
+        between the root and its owner produce, run here on a shallow copy of the dict."""
         chains = {}
         for k in absent:
             parts = k.split(".")[:-1]
@@ -333,9 +293,8 @@ class _Hooks:
         return {k: trial[prefix + k] for k in absent if prefix + k in trial}
 
     def owner_pre_load(self, module, state_dict, prefix, *rest, path: str) -> None:
-        """Load pre-hook of a module holding dedicated params: an entry an ancestor's pre-hook
-        produced (checked by the root's dry run) is staged for the owner column and replaced by
-        the placeholder, as the root does for the entries it sees."""
+        """Load pre-hook of a module holding dedicated params: stage an entry an ancestor's
+        pre-hook produced (checked by the root's dry run) and put the placeholder in its place."""
         if self.staged is None:
             return
         for attr, n in self.owned_by[path]:
@@ -386,7 +345,7 @@ def _agree(st, problems: list[str]) -> None:
 
 
 def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:
-    """Install the save and load hooks on ``model`` (the root; see the module docstring)."""
+    """Install the save and load hooks on ``model`` (the root) and its owning modules."""
     h = _Hooks(model, st)
     # torch marks public hooks with an attribute: plain functions, not bound methods
     h.handles = [model.register_state_dict_pre_hook(lambda *a: h.pre_save(*a)),

@@ -1,30 +1,9 @@
-"""Moving dedicated matrices (and their momentum) for state dicts and checkpoints, bucketed, through
-the schedules and the executor.
+"""Moving dedicated matrices (and their optimizer state) for state dicts and checkpoints, bucketed,
+one hook group at a time, through the step program's checkpoint phases on a second executor
+(:class:`CheckpointTransfer`). Callers drain the training collectives first; the dedicated matrices
+move between ranks only through these schedules.
 
-Every transfer runs one hook group at a time on the master layout's buckets (one flat buffer per
-``(group, owner column, master dtype)``), with the step program's checkpoint phases
-(:func:`~dmuon.functional.program.checkpoint_to_every_rank`, :func:`~dmuon.functional.program.
-checkpoint_to_columns`),
-on a second :class:`~dmuon.stateful.runtime.executor.Executor` over dmuon's lane groups (bounded by
-dmuon's timeout, failures named; its counters, :attr:`CheckpointTransfer.executor`, are kept apart
-from the training step's telemetry). Callers drain the training collectives first.
-
-* :meth:`CheckpointTransfer.to_every_rank` — the full values of a group's matrices on every rank:
-  each owner column broadcasts its bucket over the shard axis (the forward unshard, in the master
-  dtype). Values held only by the global owner (momentum in HSDP) are first published to the
-  owner's column over the replicate axis. Moves ``(G-1) P`` per replica, plus ``(R-1) P_owner``.
-* :meth:`CheckpointTransfer.to_columns` — the reverse for loads: each rank contributes the rows it
-  holds (a DTensor chunk; zeros elsewhere), one shard-axis reduce (sum) per bucket delivers the full
-  matrices to their owner column in every replica. Exact: each element is one value plus zeros.
-* :meth:`CheckpointTransfer.from_rank0` — the same for a rank-0-only load
-  (``set_model_state_dict`` / ``set_optimizer_state_dict`` with ``rank0_only=True``): rank 0
-  contributes whole matrices; in HSDP the program's replicate-axis step copies its replica's sums
-  to the other replicas; under TP, a sum over rank 0's TP group first gives its TP peers the full
-  values, each contributing its slice. The dedicated matrices and their optimizer state move
-  between ranks only through these schedules.
-
-Memory: one group's buckets at a time (the largest hook group's dedicated matrices, in the master
-dtype), freed before the next group.
+Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.transfer".
 """
 from __future__ import annotations
 
@@ -54,7 +33,7 @@ def row_chunks(rows: int, parts: int) -> list[tuple[int, int]]:
 
 
 class CheckpointTransfer:
-    """Bucketed transfers of one model's dedicated matrices (see the module docstring).
+    """Bucketed transfers of one model's dedicated matrices.
 
     Args:
       state: the model's :class:`~dmuon.stateful.runtime.state.DedicatedState`.
@@ -136,11 +115,7 @@ class CheckpointTransfer:
                    value: Callable[[str], torch.Tensor],
                    part: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
         """Collective: :meth:`to_columns` of values only global rank 0 holds (a ``rank0_only``
-        load). Rank 0 contributes whole matrices, the others zeros; in HSDP the program's
-        replicate step copies rank 0's replica's sums to the other replicas; under tensor
-        parallelism rank 0's TP peers (the same ``(s, r)`` in their grids) first get the full
-        values over their TP group (:func:`~dmuon.functional.program.checkpoint_over_tp`) and
-        each contributes its slice.
+        load); under TP its TP peers first get the full values and each contributes its slice.
 
         Args:
           shapes: ``{name: full shape}`` of the values sent (the same on every rank; names of

@@ -1,42 +1,9 @@
-"""DDP mode: dedicated matrices on a data-parallel (replicated) model.
+"""DDP mode (``dedicate_params(..., data_parallel="ddp")``, then ``DistributedDataParallel``):
+``R = world`` replicas of one shard, DDP skips the dedicated matrices, their owners step them and
+publish the new values. A mode mismatch (FSDP-mode dedication under DDP, DDP mode under
+``fully_shard``, composable ``replicate``) raises with the fix.
 
-Spelling (one option of :func:`dmuon.dedicate_params`)::
-
-    import dmuon
-    mesh = init_device_mesh("cpu", (world,))                  # the ranks DDP spans
-    dmuon.dedicate_params(model, mesh, predicate, data_parallel="ddp")
-    model = DistributedDataParallel(model)                    # skips the dedicated matrices
-    optimizer = dmuon.Muon(model, ...)
-
-Why an option and not detection: what ``dedicate_params`` builds (where the masters live, which
-ranks reduce to whom) is fixed before ``DistributedDataParallel`` / ``fully_shard`` ever sees the
-model, so the mode must be known then; and a mismatch must raise, not silently pick a mode.
-
-**What runs.** The mesh is read as ``R = world`` replicas of one shard (``G = 1``): the owner plan
-spreads the matrices over all ranks; every rank holds every matrix whole (its master, in the
-param's dtype when that is fp32/fp64: the param *is* its master, no second copy, DDP's memory
-model). Backward averages each dedicated gradient to its owner (the existing reduce schedule,
-stage 2 over the replicate axis, with presence flags); only the owner runs momentum +
-Newton–Schulz + update (the functional update); ``step()`` then broadcasts the new value from the
-owner to every rank (the HSDP publish, async by default), which each hook group's next forward
-waits. Bytes per rank per step: the same as DDP's all-reduce of these matrices (see README);
-Newton–Schulz work per rank: ``1/world`` of it.
-
-Between a backward and the next forward the dedicated params show dmuon's placeholders, as in
-FSDP mode (torch tools that would silently miss their gradients raise; read values with
-``dmuon.get_model_state_dict``); during forward and backward they are the full matrices.
-
-**DDP integration.** ``dedicate_params`` adds the dedicated names to the model's
-``_ddp_params_and_buffers_to_ignore`` (the attribute
-``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` sets), so DDP neither
-broadcasts nor all-reduces them. DDP's own ``no_sync()`` is honoured: a forward run while the
-wrapping DDP has ``require_backward_grad_sync=False`` makes its backward accumulate locally, as
-``dmuon.no_sync`` does. Mismatches raise with the fix: FSDP-mode dedication then
-``DistributedDataParallel(model)`` (at DDP's construction), DDP-mode dedication then ``fully_shard``
-(at ``dmuon.Muon`` and at the first forward); torch's composable (DDP-based) ``replicate`` raises
-(use ``DistributedDataParallel``); a training forward (grad enabled) outside the DDP wrapper
-raises (the other params would never be all-reduced); evaluation under ``torch.no_grad()`` may
-call the inner module.
+Design notes: docs/design/modes.md, "dmuon.stateful.modes.ddp".
 """
 from __future__ import annotations
 
@@ -51,8 +18,6 @@ from dmuon.functional.dedicate_options import DATA_PARALLEL_MODES
 from dmuon.stateful.runtime.state import unwrap_model
 
 logger = logging.getLogger(__name__)
-
-#: the attribute DDP reads the names to skip from
 
 __all__ = ["DATA_PARALLEL_MODES", "check_mode", "ddp_grid", "install_ddp_mode",
            "guard_fsdp_mode", "check_backend"]
@@ -85,10 +50,8 @@ def ddp_grid(grid: tuple) -> tuple:
 
 
 class _NotForDDP(list):
-    """``model._ddp_params_and_buffers_to_ignore`` of an FSDP-mode model: DDP's constructor
-    iterates it, which raises with the fix (FSDP-mode dedication then DDP). ``copy.deepcopy`` /
-    pickling the model reaches it first too (before any placeholder): that raises with the fix for
-    copies."""
+    """DDP's ignore list of an FSDP-mode model: iterating it (DDP's constructor) or pickling it
+    (``copy.deepcopy`` of the model) raises with the fix."""
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise RuntimeError(
@@ -110,15 +73,15 @@ class _NotForDDP(list):
 
 
 def guard_fsdp_mode(model: nn.Module) -> None:
-    """FSDP mode: make a later ``DistributedDataParallel(model)`` raise (see :class:`_NotForDDP`).
-    A model that already names params for DDP to ignore keeps its list (not guarded)."""
+    """FSDP mode: make a later ``DistributedDataParallel(model)`` raise (unless the model already
+    names params for DDP to ignore)."""
     if not hasattr(model, DDP_IGNORE_ATTR):
         object.__setattr__(model, DDP_IGNORE_ATTR, _NotForDDP())
 
 
 def check_backend(model: nn.Module, st: Any, what: str) -> None:
-    """Raise if the data parallelism applied to ``model`` does not fit the mode it was dedicated
-    for (the same verdict on every rank: it depends only on the model's structure).
+    """Raise if the data parallelism applied to ``model`` does not fit its dedication mode (the
+    same verdict on every rank).
 
     Raises:
       RuntimeError: DDP mode and a ``fully_shard`` that shards params; composable ``replicate``.
@@ -155,10 +118,8 @@ def _active_ddp(model: nn.Module) -> Optional[Any]:
 
 
 def install_ddp_mode(model: nn.Module, st: Any) -> None:
-    """The model side of DDP mode (its state was built in it: ``G = 1``, no reshard after
-    forward, zero-copy groups where the compute dtypes are the masters', the step program's
-    :attr:`~dmuon.functional.program.GroupPhases.zero_copy`): DDP's ignore list, and a root
-    pre-forward hook that follows the wrapping DDP's ``no_sync``."""
+    """The model side of DDP mode: DDP's ignore list, and a root pre-forward hook that follows the
+    wrapping DDP's ``no_sync`` (and refuses a training forward outside it)."""
     names = list(st.params)
     prev = getattr(model, DDP_IGNORE_ATTR, None)
     prev = [] if prev is None or isinstance(prev, _NotForDDP) else list(prev)

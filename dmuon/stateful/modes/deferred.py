@@ -1,26 +1,8 @@
-"""Deferred dedication: ``dedicate_params`` before tensor parallelism (the seeds' torchtitan order).
+"""Deferred dedication: ``dedicate_params`` before tensor parallelism (the seeds' torchtitan
+order). It records the selection and marks the params' slots (``fully_shard`` skips them);
+``dmuon.Muon(model)`` finishes the dedication on the TP-applied model. A forward before that raises.
 
-torchtitan's recipe calls ``dmuon.dedicate_params(model, mesh["dp"], predicate)`` *before*
-``parallelize_model`` applies TP and ``fully_shard``, often on a model built on the meta device
-that ``to_empty`` + ``init_weights`` materialize afterwards. How TP slices a matrix (rows or
-columns, over which ranks) is only known once TP ran, and a meta-built model has no values yet.
-So when ``dedicate_params`` is given the dp sub-mesh of a larger mesh (or TP DTensors still on
-meta), it *defers*:
-
-1. it checks its arguments and the meshes on every rank (the same checks, raising on all ranks),
-   records the selected names and arguments (:class:`PendingDedication`, ``model._dmuon_pending``),
-   and marks each selected param's *slot* (module + attribute name), so that every later
-   ``fully_shard`` skips whatever param sits there, also the new DTensor objects TP puts there
-   (:data:`dmuon.compat.fsdp_patch.PENDING_SLOTS_ATTR`);
-2. TP, ``fully_shard``, ``to_empty`` and the model's init then run as without dmuon: the selected
-   matrices are ordinary TP DTensors meanwhile (each rank holds its TP slice of every one of them:
-   TP's own footprint, until step 3), and TP's own init gives them their values;
-3. ``dmuon.Muon(model)`` finishes the dedication exactly as ``dedicate_params`` would have on the
-   TP-applied model (:func:`finish_pending`): every slice moves to its
-   owner's master and the other ranks free theirs.
-
-A forward before ``dmuon.Muon(model)`` raises (the matrices are not dedicated yet), before any
-hook of the model runs (a global forward pre-hook while a dedication is pending).
+Design notes: docs/design/modes.md, "dmuon.stateful.modes.deferred".
 """
 from __future__ import annotations
 
@@ -42,10 +24,8 @@ PENDING_ATTR = "_dmuon_pending"
 
 @dataclass
 class PendingDedication:
-    """What a deferred ``dedicate_params`` call recorded: the selected ``names``, the keyword
-    arguments of the call (``mesh`` included) and ``finish(model)``, the dedication itself (set
-    by ``dedicate_params``: the optimizer completes it through :func:`finish_pending` without
-    importing the setup wing)."""
+    """What a deferred ``dedicate_params`` call recorded: the selected ``names``, the call's keyword
+    arguments and ``finish(model)``, the dedication itself (run by :func:`finish_pending`)."""
 
     names: tuple[str, ...]
     kwargs: dict[str, Any] = field(default_factory=dict)
@@ -53,8 +33,8 @@ class PendingDedication:
 
 
 def covers_world(mesh: Any, replicate_mesh: Any = None) -> bool:
-    """Whether ``mesh`` (times ``replicate_mesh``) has as many ranks as the world (else it is a
-    sub-mesh, e.g. the dp part of a (dp, tp) mesh; checked in full when dedicating)."""
+    """Whether ``mesh`` (times ``replicate_mesh``) spans the world (else a sub-mesh, e.g. the dp
+    part of a (dp, tp) mesh)."""
     import torch.distributed as dist
     try:
         size = mesh.size() * (replicate_mesh.size() if replicate_mesh is not None else 1)
@@ -62,15 +42,14 @@ def covers_world(mesh: Any, replicate_mesh: Any = None) -> bool:
         return True
     if size >= dist.get_world_size():
         return True
-    # a slice of dmuon's own HSDP mesh (replicate, shard) passed without replicate_mesh is an
-    # HSDP mistake, not TP: the setup check names it at once
+    # a slice of dmuon's own HSDP mesh: an HSDP mistake, not TP (the setup check names it)
     root = mesh_root(mesh)
     return root is not None and set(root.mesh_dim_names or ()) == {"replicate", "shard"}
 
 
 def should_defer(chosen: Mapping[str, Any], sub_mesh: bool) -> bool:
-    """Defer when TP is not applied yet to a dp sub-mesh's model (no selected param is a DTensor),
-    or when the selected TP DTensors are still on meta (their values come after ``fully_shard``)."""
+    """Defer when TP is not applied yet to a dp sub-mesh's model, or when the selected TP DTensors
+    are still on meta."""
     from torch.distributed.tensor import DTensor
     dts = [p for p in chosen.values() if isinstance(p, DTensor)]
     if sub_mesh and not dts:
@@ -101,8 +80,7 @@ def _forward_guard(module: nn.Module, args: Any) -> None:
         "first forward (after fully_shard, to_empty and the model's init).")
 
 
-#: models with a pending dedication; one global forward pre-hook (it runs before every module's
-#: own hooks, FSDP2's included, so a refused forward leaves FSDP2's state untouched) while any
+#: models with a pending dedication; one global forward pre-hook while any (before FSDP2's hooks)
 _PENDING_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _GLOBAL_HOOK: list = []
 
@@ -114,8 +92,7 @@ def _global_guard(module: nn.Module, args: Any) -> None:
 
 def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], kwargs: dict,
           finish: Any) -> None:
-    """Record a deferred dedication on ``model`` (see the module docstring); ``finish(model)``
-    completes it."""
+    """Record a deferred dedication on ``model``; ``finish(model)`` completes it."""
     for n in chosen:
         mod_name, _, leaf = n.rpartition(".")
         module = model.get_submodule(mod_name) if mod_name else model

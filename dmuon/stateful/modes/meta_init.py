@@ -1,45 +1,10 @@
 """Meta-device construction: ``dedicate_params`` on a model built under ``torch.device("meta")``.
+Until the init window closes (collective: ``dmuon.Muon(model)``, the first forward or a state-dict
+call) every dedicated param is a :class:`DedicatedUninit`: the master itself on its owner column,
+storage-less elsewhere (writes are no-ops there, reads raise). The owner's values are *the* initial
+values.
 
-Call order (torchtitan's)::
-
-    with torch.device("meta"):
-        model = build_model(config)
-    dmuon.dedicate_params(model, mesh, predicate)    # plans owners; allocates only owned masters
-    fully_shard(...)                                  # FSDP2 keeps its params on meta too
-    model.to_empty(device=...)                        # FSDP2's shards get storage
-    model.init_weights()                              # or each module's reset_parameters()
-    optimizer = dmuon.Muon(model, ...)                # closes the init window (collective)
-
-**Between ``dedicate_params`` and the close of the init window**, every dedicated param is a
-:class:`DedicatedUninit` (a new ``nn.Parameter`` object on the mesh's device, put in place of the
-meta one in every module that held it, so tied weights stay tied):
-
-* on a rank of the owner's shard column (the rank that holds its master: the owner; in HSDP every
-  replica of that column) its data *is* the master (a view into the master bucket; a temporary of
-  the param's dtype when the master is wider, copied in at the close): ``to_empty`` keeps it (no
-  new allocation) and the init functions write the master directly;
-* on every other rank it has no storage at all. It reports the full shape and ``is_meta=True``,
-  so the init code runs unchanged: ``torch.nn.init`` functions (``kaiming_uniform_``,
-  ``trunc_normal_``, ``normal_``, ...) and in-place writes (``w.normal_()``, ``w.data.zero_()``,
-  ``copy_``) are no-ops there, tensors made from it (``w.new_empty(...)``, ``zeros_like(w)``)
-  are meta tensors (torchtitan's fused-QKV init builds q/k/v that way, then ``copy_``-s them in),
-  and fan-in computations such as ``nn.Linear.reset_parameters``' bias bound read the full
-  shape. An op that would *read* its values raises
-  :class:`~dmuon.stateful.runtime.guards.DedicatedParamError` (the values do not exist on this rank).
-
-**The close** (:func:`finish_meta_init`; the first of ``dmuon.Muon(model)``, the first forward, or
-a model state-dict call, every rank at the same point) is collective: it checks on every rank that
-no param or buffer is left on meta and that ``to_empty`` reached every dedicated param, agreeing
-the verdict (one small all-gather) so a problem raises on every rank; it copies wide-master
-temporaries in; in HSDP it broadcasts each master from its owner to the other replicas of its
-column (their own init drew different random numbers), so every rank of the column ends with the
-owner's values; then every dedicated param becomes a placeholder, as after a materialized
-``dedicate_params``.
-
-**RNG.** A rank that does not hold a matrix draws no random numbers for it, and FSDP2's sharded
-params draw per shard, so the init values are not those of a single-process init with the same
-seed. The contract is: the owner's values are *the* initial values; read them with
-:func:`dmuon.get_model_state_dict` right after init (that is what the tests compare against).
+Design notes: docs/design/modes.md, "dmuon.stateful.modes.meta_init".
 """
 from __future__ import annotations
 
@@ -62,9 +27,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["DedicatedUninit", "MetaInit", "check_meta_selection", "replace_meta_params",
            "device_of_mesh"]
-
-#: metadata reads answered with the full (logical) shape on a rank without the matrix
-
 
 #: tensors made from one (shape / dtype only): on meta on a rank without the matrix, so that init
 #: code building a scratch (torchtitan's fused-QKV init: new_empty, init, cat, copy_) stays free
@@ -107,10 +69,9 @@ def _same_device(want: Any, have: torch.device) -> bool:
 
 
 class DedicatedUninit(TorchGuard, nn.Parameter):
-    """The class of a dedicated param of a meta-built model until the init window closes (see the
-    module docstring). On a rank that holds the matrix every call runs on it; elsewhere the
-    allow-list is :data:`~dmuon.stateful.runtime.guard_base.ATTRIBUTE_CALLS` (shape queries
-    answer the full shape here) and no conversion passes."""
+    """The class of a dedicated param of a meta-built model until the init window closes: every
+    call runs on a rank that holds the matrix; elsewhere shape queries answer the full shape,
+    writes are no-ops and value reads raise."""
 
     _guard_allowed = ATTRIBUTE_CALLS
     _guard_no_op_conversions = False
@@ -196,10 +157,8 @@ def device_of_mesh(mesh: Any) -> torch.device:
 
 def replace_meta_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
                         device: torch.device) -> dict[str, nn.Parameter]:
-    """Put a new ``nn.Parameter`` (zero-size, on ``device``) in place of every selected meta
-    param, in every module that holds it (tied params stay one object). Returns the new
-    ``{name: param}``. A meta tensor's data cannot later be swapped for a real one in place, so
-    the objects themselves change; nothing outside the model can hold them yet."""
+    """Put a new zero-size ``nn.Parameter`` on ``device`` in place of every selected meta param,
+    in every module that holds it (tied params stay one object); returns ``{name: new param}``."""
     new: dict[int, nn.Parameter] = {}
     out: dict[str, nn.Parameter] = {}
     for n, p in chosen.items():
@@ -234,7 +193,7 @@ class MetaInit:
 
     @classmethod
     def open(cls, st: Any) -> "MetaInit":
-        """Make every dedicated param of ``st`` a :class:`DedicatedUninit` (see module docs)."""
+        """Make every dedicated param of ``st`` a :class:`DedicatedUninit`."""
         infos: dict[str, _Info] = {}
         temps: dict[str, torch.Tensor] = {}
         for n, p in st.params.items():

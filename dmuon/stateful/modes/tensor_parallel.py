@@ -1,42 +1,9 @@
-"""Tensor parallelism (DTensor ``parallelize_module``) with dedicated ownership.
+"""Tensor parallelism (DTensor ``parallelize_module``) with dedicated ownership: each TP slice is
+dedicated inside its own dp grid, so a matrix's ``T`` slice owners form one TP group; they run the
+elementwise stages on their slices and gather / scatter only Newton–Schulz's input and output
+(:class:`TPStep`). Unsupported layouts raise :class:`TensorParallelUnsupported` on every rank.
 
-**What moves where** (a matrix ``W`` of ``P`` bytes, TP degree ``T``, dp grid ``R x G``). TP
-splits ``W`` into ``T`` equal slices along one dim (``ColwiseParallel``: rows, ``Shard(0)``;
-``RowwiseParallel``: columns, ``Shard(1)``); the ranks of TP index ``t`` form one dp grid. dmuon
-dedicates *each slice inside its own dp grid*: every grid uses the same owner plan (planned on the
-full matrices, :class:`dmuon.functional.matrix_view.Sliced`), so the ``T`` owners of ``W``'s slices
-are the ranks of one dp coordinate ``(s, r)``, which form one TP group.
-
-* forward: the owner of slice ``t`` broadcasts it (``P/T``) over its shard group, as without TP;
-  the module sees ``DTensor.from_local(slice)`` with TP's own placements during its forward
-  (:class:`TPForward`), so TP's input / output redistributions run unchanged;
-* backward: the slice's gradient (TP's backward made it the gradient of this slice) is reduced to
-  the slice's owner (``P/T``), as without TP;
-* step, on the ``T`` owners: momentum and weight decay are elementwise, so each owner runs them on
-  its slice; Newton–Schulz needs the full matrix: the owners gather their NS inputs to one of them
-  (``W``'s *root*, chosen to balance NS work over the TP group), which runs NS on the assembled
-  matrix and scatters each owner its slice of the result (:class:`TPStep`). The shape scale is the
-  full matrix's. Per step and matrix: ``(T-1)/T P`` into the root and ``(T-1)/T P`` out of it
-  (the plan: :func:`dmuon.functional.tp_plan.tp_roots`; the ops as a schedule on lane ``"tp"``,
-  simulated and byte-counted like dmuon's others: :func:`~dmuon.functional.tp_plan.tp_step_schedule`,
-  the step program's ``tp`` phase; :class:`TPStep` runs them through the executor, on the TP
-  group).
-
-Moving the full matrix to one owner that hands TP ranks their slices in the forward broadcast
-instead would send ``~G P`` over the owner's link per forward (``G T - 1`` slice transfers) and
-receive as much in gradients: ``G`` times the traffic of the route above, which keeps dmuon's
-schedules per dp grid and moves ``(T-1)/T P`` twice per step on the TP group's (fast) links.
-
-Non-TP dedicated matrices (e.g. an unsharded ``lm_head``) are dedicated in every TP index's grid:
-replicated across the TP group like FSDP2's non-TP params, updated identically.
-
-**Call order.** TP first (``parallelize_module`` on the TP mesh), then
-``dedicate_params(model, mesh["dp"], predicate)``, then ``fully_shard(..., mesh=mesh["dp"])``,
-then ``dmuon.Muon``. What is not supported raises :class:`TensorParallelUnsupported` on every
-rank: TP applied to an already dedicated param (the placeholder's first read by DTensor's API),
-placements other than one ``Shard(0)`` / ``Shard(1)`` of a 2-D param on a 1-D TP mesh, a sharded
-dim that ``T`` does not divide, a policy view other than the default one, tied TP params, and the
-features that do not handle slices yet (see :func:`refuse_tp`).
+Design notes: docs/design/modes.md, "dmuon.stateful.modes.tensor_parallel".
 """
 from __future__ import annotations
 
@@ -94,7 +61,7 @@ def tp_layouts(model: nn.Module, chosen: Mapping[str, Any]) -> dict[str, TPLayou
     """The :class:`TPLayout` of every chosen param that is a TP ``DTensor`` (validated).
 
     Raises:
-      TensorParallelUnsupported: a layout dmuon does not support (module docstring), naming it.
+      TensorParallelUnsupported: a layout dmuon does not support (design notes), naming it.
     """
     aliases: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
@@ -159,16 +126,9 @@ def localize_tp_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
 
 
 class TPForward:
-    """Hooks that show each TP-sliced dedicated param as the DTensor TP made
-    (``DTensor.from_local`` of its gathered slice; differentiable, so the slice's gradient
-    arrives at the plain param) for the whole forward of its *hook group's* module, so code
-    anywhere in that forward (the module's own, or an ancestor inside the boundary reading
-    ``self.mlp.up_proj.weight``) sees TP's DTensor. After that forward the module holds the
-    plain param again; a gathered slice there (Z2, the root group) is a
-    :class:`~dmuon.stateful.runtime.guards.TPSliceGuard`, whose value reads raise.
-
-    Registered after dmuon's group hooks (so the group is gathered first, and the swap is undone
-    after the group's own post-forward)."""
+    """Hooks that show each TP-sliced dedicated param as TP's DTensor (``DTensor.from_local`` of
+    its gathered slice) for the whole forward of its hook group's module; registered after
+    dmuon's group hooks. Afterwards a gathered slice is a ``TPSliceGuard``."""
 
     def __init__(self, model: nn.Module, layouts: Mapping[str, TPLayout],
                  group_of: Mapping[str, str], group_modules: Mapping[str, nn.Module]):
@@ -218,7 +178,7 @@ class TPForward:
 
 
 class TPStep:
-    """The owners' side of a step with TP-sliced matrices (see the module docstring).
+    """The owners' side of a step with TP-sliced matrices.
 
     Args:
       layouts: ``{name: TPLayout}`` of this model's TP-sliced dedicated params.
@@ -235,8 +195,7 @@ class TPStep:
                  control: Any = None, device: Any = "cpu"):
         self.layouts = dict(layouts)
         self.names = tuple(n for n in owned if n in self.layouts)
-        # matrices without TP, dedicated in every TP index's grid: their gradients must agree
-        # across the TP group (checked each step; the control group makes every rank raise)
+        # matrices without TP: their gradients must agree across the TP group (checked each step)
         self.replicated = tuple(n for n in owned if n not in self.layouts)
         self.check_replicated = any(n not in self.layouts for n in all_names)
         self.control = control
@@ -252,17 +211,15 @@ class TPStep:
 
     def agree_grads(self, grads: dict[str, Optional[torch.Tensor]],
                     masters: Mapping[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
-        """Make the TP group agree on which of its matrices have a gradient this step (one small
-        all-reduce): a slice without one, where another slice has one, gets zeros (its part of
-        the full gradient), so every owner joins the same gathers."""
+        """Make the TP group agree on which matrices have a gradient this step (a missing slice
+        gets zeros) and check the non-TP matrices' gradients agree (one small all-reduce)."""
         out = dict(grads)
         if self.names or self.replicated:
             dev = self.device
             sums = [(-1.0 if grads.get(n) is None else
                      float(grads[n].detach().abs().sum(dtype=torch.float64)))
                     for n in self.replicated]
-            # a MAX all-reduce may drop a NaN (gloo keeps the other operand): NaN sums travel as
-            # flags, so one rank's NaN gradient is a disagreement, not a match
+            # a MAX all-reduce may drop a NaN: NaN sums travel as flags (a disagreement)
             nans = [float(math.isnan(x)) for x in sums]
             sums = [0.0 if math.isnan(x) else x for x in sums]
             vec = torch.tensor([float(grads.get(n) is not None) for n in self.names] + sums
@@ -285,8 +242,7 @@ class TPStep:
         return out
 
     def _agree_replicated(self, bad: list[str]) -> None:
-        """Raise on every rank if any TP group's ranks hold different gradients of a matrix
-        without TP (its inputs differ across the TP group: it would be updated differently)."""
+        """Raise on every rank if any TP group's ranks hold different gradients of a non-TP matrix."""
         mine = torch.tensor([float(bool(bad))], dtype=torch.float32, device=self.device)
         if bool(rank_flags(mine, what="TP replicated-gradient agreement", via=self.control).any()):
             here = f" (here: {bad[:4]})" if bad else ""
@@ -313,11 +269,9 @@ class TPStep:
                                  run=self.executor.run)
 
     def max_over_group(self, values: torch.Tensor) -> torch.Tensor:
-        """The MAX of the vector ``values`` over this rank's TP group (one ``AllReduce`` op on
-        lane ``"tp"``; every rank of the group passes the same length, in the same order): the
-        whole matrices' absmaxes of an 8-bit momentum from the slices' (:meth:`~dmuon.stateful.
-        optimizer.state_storage.MomentumStorage.share_scales`); a NaN slice makes its matrix's
-        absmax NaN, as one process (:func:`dmuon.functional.tp_step.group_max`)."""
+        """The MAX of the vector ``values`` over this rank's TP group (one ``AllReduce`` op on lane
+        ``"tp"``; same length and order on every rank; NaN kept): an 8-bit momentum's whole-matrix
+        absmaxes (:meth:`~dmuon.stateful.optimizer.state_storage.MomentumStorage.share_scales`)."""
         v = values.detach().to(device=self.device, dtype=torch.float32)
         return group_max(v, self.ranks, self.world, self.executor.run).to(values.device)
 

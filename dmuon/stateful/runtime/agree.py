@@ -1,36 +1,11 @@
-"""Decide on every rank, raise on every rank: dmuon's one agreement helper.
+"""Decide on every rank, raise on every rank: dmuon's one agreement helper. A local check that may
+fail on some ranks only ends in one small collective (:func:`gather`, :func:`agree`,
+:func:`agree_equal`, :func:`rank_flags`, :func:`max_over_ranks`), so every rank raises the same
+error or none does; :func:`join` refuses a collective call made on some ranks only. ``via``: a
+:class:`~dmuon.stateful.runtime.process_groups.MeshGroups` (its bounded control group), a process
+group, or ``None`` (the default group).
 
-Many of dmuon's checks are local and may fail on some ranks only (a rank's state dict, its mesh
-arguments, its model's init, its gradients). A rank that raised alone would leave the others
-waiting in the next collective until the timeout, and a rank that went on alone would compute
-something the others do not. So every such check ends in one small collective that tells every
-rank what every rank found, and then every rank raises the same error, or none does:
-
-* :func:`gather` -- every rank's value in rank order (one ``all_gather_object``): the collective
-  the others are built on, also used for plain exchanges of small metadata;
-* :func:`agree` -- every rank's list of problems; when any rank has one, raises ``error(detail)``
-  on every rank, ``detail`` naming the ranks and their messages (:func:`describe_problems`);
-* :func:`agree_equal` -- one value that must be the same on every rank (the plan fingerprint, the
-  data-parallel mode, the hyper-parameters); raises ``error(detail)`` on every rank when it is not
-  (:func:`describe_values`);
-* :func:`rank_flags` -- device flags of every rank (one SUM all-reduce of a ``(k, world)``
-  matrix), built without reading anything back to the host before the collective;
-* :func:`max_over_ranks` -- an elementwise MAX over ranks that keeps a NaN: gloo's MAX may drop
-  one (it keeps the other operand), so a NaN flag travels beside the values.
-
-* :func:`join` -- before a collective call that a user might make on some ranks only (a state
-  dict, a save: ``if rank == 0: model.save_pretrained(...)``): every rank that enters waits, on
-  the rendezvous store and not in any collective, for all ranks to enter, within
-  ``DMUON_JOIN_TIMEOUT_S`` seconds (default 30); otherwise the ranks that entered raise
-  :class:`NotOnEveryRankError` naming the ranks that did not, and a rank that comes later
-  raises at once. Nothing was sent, and the call can be made again on every rank.
-
-Where the collective runs (``via``): a
-:class:`~dmuon.stateful.runtime.process_groups.MeshGroups` (its control group, bounded by dmuon's
-timeout; a failure raises an error naming ``what``: :meth:`MeshGroups.control_collective`), a
-process group (used as it is), or ``None`` (the default group: setup, before dmuon's groups
-exist). Ranks are named by their index in that group; every group used here spans the world, so
-that is the global rank.
+Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.agree".
 """
 from __future__ import annotations
 
@@ -185,17 +160,16 @@ def _join_error(what: str, fix: str, detail: str) -> NotOnEveryRankError:
 
 
 def join(what: str, *, fix: str = SAVE_FIX) -> None:
-    """Collective entry check: return once every rank of the world has entered a :func:`join`
-    (the same count of them on every rank); raise :class:`NotOnEveryRankError` on the ranks that
-    entered when some rank does not come within ``DMUON_JOIN_TIMEOUT_S`` seconds (default 30),
-    and at once on a rank that comes after another gave up. No collective is used: the ranks
-    meet on the default group's rendezvous store (a counter per call), so a rank that never
-    comes leaves nothing half-sent. A failed join is not counted: the next call on every rank
-    is the same join again (a fresh attempt).
+    """Collective entry check, on the rendezvous store (no collective): return once every rank has
+    entered this :func:`join`; a failed join is not counted (the next call is a fresh attempt).
 
     Args:
       what: the call, as the user wrote it (``"model.state_dict()"``).
       fix: what to do instead (appended to the message).
+
+    Raises:
+      NotOnEveryRankError: some rank did not come within ``DMUON_JOIN_TIMEOUT_S`` seconds
+        (default 30), on the ranks that entered; at once on a rank that comes after another gave up.
     """
     import torch.distributed as dist
 

@@ -1,41 +1,10 @@
-"""Runs :mod:`dmuon.functional.schedule` ops with ``torch.distributed`` (gloo on CPU, NCCL on CUDA).
+"""Runs :mod:`dmuon.functional.schedule` ops with ``torch.distributed`` (gloo on CPU, NCCL on CUDA):
+``Executor.launch(ops, buffers)`` is non-blocking and returns a :class:`Pending`; ``wait()`` makes
+the results usable. Each lane keeps its ops in launch order on its own process groups (CPU: one
+FIFO per lane; CUDA: one stream per lane), so ranks that interleave lanes differently cannot
+deadlock.
 
-The same op objects the simulator runs. ``Executor.launch(ops, buffers)`` is non-blocking and
-returns a :class:`Pending`; ``Pending.wait()`` makes the results usable:
-
-CPU (gloo and any backend with async work handles)
-    Ops are issued with ``async_op=True`` in **one FIFO per lane**, in launch order. An op whose
-    ``waits`` (or ``after``) are not complete yet stays queued — and so do the ops of its lane
-    launched after it — until a later ``launch``, ``poll()`` or ``wait()`` finds them complete
-    (``wait`` issues only its own ops' lanes, blocking on their dependencies' work handles). Each
-    lane has its own process groups, so every group sees its collectives in its lane's launch
-    order, which callers keep identical on every rank; lanes never wait on each other's queues, so
-    ranks that interleave lanes differently (one rank's gradient reduce launched before a backward
-    re-gather, another's after it) cannot deadlock.
-CUDA
-    One stream per lane (``"unshard"`` and ``"reduce"`` high priority, ``"replicate"`` default). At
-    launch an event is recorded on the current (producer / compute) stream; each op is issued on its
-    lane's stream after that stream waits on the producer event and on the end events of the ops it
-    waits for; the collective's work is waited *by the lane stream* (no host sync) and an end event is
-    recorded. ``Pending.wait()`` makes the caller's current stream wait on those events. Lanes have
-    their own process groups (NCCL runs one group's collectives in order on one internal stream).
-
-Per-bucket ops (``ShardAllGather`` / ``ShardReduceScatter``, ``dedicate_params(collectives=
-"per_bucket")``) read and write every column's bucket of their group (``op.keys``) through a padded
-staging tensor (:mod:`dmuon.stateful.runtime.shard_buckets`).
-
-Participation: shard-axis ops run on every rank (its replica's shard group); replicate-axis ops only
-on the ranks of column ``op.at``; explicit-group ops (lane ``"tp"``: tensor parallelism's NS
-``Gather`` / ``Scatter``) on their ``members``, over this rank's TP group or (lane ``"split"``) the split unit's group. A rank needs the bucket of
-every op it takes part in.
-
-Semantics caveat (as in the simulator): after a ``Reduce`` only the destination's range is defined;
-gloo overwrites the range on the other ranks. Callers must not read it (the simulator poisons it).
-
-Counters (per lane, this rank): collectives issued, logical payload bytes sent and received, counted
-by :func:`dmuon.functional.schedule.op_bytes` (the one byte count: they equal the step program's
-traffic, ``tests/test_step_program_gloo.py``). Groups of one rank issue nothing unless
-``issue_trivial=True`` (then they are issued and counted as collectives with 0 bytes).
+Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.executor".
 """
 from __future__ import annotations
 
@@ -83,8 +52,7 @@ class _Rec:
 
 
     def complete(self) -> bool:
-        """Finished on this rank. An op this rank skips (not a participant, or a group of one)
-        completes when its own dependencies do, so dependencies stay transitive through it."""
+        """Finished on this rank (a skipped op: when its own dependencies are)."""
         if not self.issued:
             return False
         if self.handle is not None:
@@ -162,10 +130,8 @@ class _Works:
 
 
 def _uneven(rec: _Rec, parts: list, mine: Tensor, kw: dict) -> _Works:
-    """An ``AllGather`` / ``Gather`` / ``Scatter`` with parts of different sizes (or members out of
-    the group's rank order): one broadcast
-    per part (all-gather) or point-to-point sends and receives between the root and each member
-    (gather / scatter): the bytes :func:`~dmuon.functional.schedule.op_bytes` counts."""
+    """An explicit-group op with uneven parts (or members out of rank order): one broadcast per
+    part (all-gather) or point-to-point sends / receives with the root (gather / scatter)."""
     op, group, me = rec.op, kw["group"], rec.position
     if isinstance(op, AllGather):
         return _Works([dist.broadcast(p, src=op.members[j], **kw) for j, p in enumerate(parts)])
@@ -250,8 +216,7 @@ class Executor:
                           for lane in LANES}
 
     def _count(self, rec: _Rec) -> None:
-        """Count ``rec`` on this rank (:func:`~dmuon.functional.schedule.op_bytes`, the one byte
-        count: the counters equal the step program's traffic)."""
+        """Count ``rec`` on this rank (:func:`~dmuon.functional.schedule.op_bytes`)."""
         c = self._counters.setdefault(rec.op.lane, {"collectives": 0, "sent_bytes": 0,
                                                     "received_bytes": 0})
         sent, received = op_bytes(rec.op, rec.position, rec.group_size)
@@ -449,8 +414,7 @@ class Executor:
 def mesh_executor(shard_size: int, replicate_size: int = 1, *, timeout: Any = None) -> Executor:
     """An :class:`Executor` over the world as ``replicate_size`` replicas of ``shard_size`` ranks
     (``r * G + s``; collective: every rank calls it). ``executor.run`` is the runner a pure step
-    takes (:func:`dmuon.functional.step.rank_step`): a research loop on the functional API runs
-    the step program's schedules with it."""
+    takes (:func:`dmuon.functional.step.rank_step`)."""
     from dmuon.stateful.runtime.process_groups import make_process_groups
     return Executor(make_process_groups(shard_size=shard_size, replicate_size=replicate_size,
                                         timeout=timeout), timeout=timeout)

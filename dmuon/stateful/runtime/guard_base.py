@@ -1,26 +1,8 @@
-"""One dispatch for dmuon's ``__torch_function__`` guards, and their one allow-list.
+"""One dispatch for dmuon's ``__torch_function__`` guards (:class:`TorchGuard`), and their one
+allow-list (:data:`ALLOWED`). Order: the subclass's special cases, the allow-list, a conversion
+that changes nothing, else :class:`~dmuon.stateful.runtime.errors.DedicatedParamError`.
 
-At times a dedicated param, or its gradient, is a tensor whose values are not here: a zero-size
-placeholder between uses (the matrix lives whole on its owner), a marker standing for a gradient
-dmuon holds, a TP slice outside its group's forward, a meta-built param on a rank without the
-matrix. Torch code that read or wrote such a tensor would silently compute on nothing. Each guard
-is a tensor subclass (dmuon switches the object's ``__class__``) whose ``__torch_function__``
-lets harmless calls through and refuses the rest. :class:`TorchGuard` is that dispatch, in order:
-
-1. :meth:`TorchGuard._guard_special` -- what the subclass handles itself (it returns
-   :data:`PASS_ON` for everything else);
-2. a name in the allow-list ``_guard_allowed`` runs as on a plain tensor;
-3. where ``_guard_no_op_conversions``: a dtype / device conversion that changes nothing
-   (``model.to(its own device)``, as HF Trainer does) returns its result;
-4. anything else raises :meth:`TorchGuard._guard_error` (a
-   :class:`~dmuon.stateful.runtime.errors.DedicatedParamError` with the subclass's message).
-
-The allow-list is :data:`ALLOWED`, in two parts: :data:`ATTRIBUTE_CALLS` (attribute get / set,
-hooks, ``repr``, hashing, dtype / layout facts: harmless on any guard) and :data:`LOCAL_METADATA`
-(``size()``, ``numel()``, ``stride()``, ``len()``, truth value, ...: facts of the local tensor,
-right where that tensor is what the guard stands for, a zero-size placeholder or marker; a
-meta-built param on a rank without its matrix stands for the full matrix and answers the shape
-queries itself, so it allows :data:`ATTRIBUTE_CALLS` only).
+Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.guard_base".
 """
 from __future__ import annotations
 
@@ -127,10 +109,9 @@ def no_op_conversion(name: str, func: Callable, args: tuple, kwargs: dict) -> tu
 
 
 class TorchGuard:
-    """The shared ``__torch_function__`` of dmuon's guards (see the module docstring); a mixin
-    before ``nn.Parameter`` / ``torch.Tensor``. A subclass sets what differs: its allow-list
-    (default :data:`ALLOWED`), whether no-op conversions pass (default yes), its special cases
-    and its error."""
+    """The shared ``__torch_function__`` of dmuon's guards; a mixin before ``nn.Parameter`` /
+    ``torch.Tensor``. A subclass sets its allow-list, whether no-op conversions pass, its special
+    cases and its error."""
 
     __slots__ = ()
 

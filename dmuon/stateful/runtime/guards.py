@@ -1,40 +1,9 @@
-"""Torch's own tools on a dmuon model: right, or a clear error naming the dmuon call.
+"""Torch's own tools on a dmuon model: right, or a clear error naming the dmuon call. The guards
+(:class:`DedicatedPlaceholder`, :class:`DedicatedGradMarker`, :class:`TPSliceGuard`,
+:func:`guard_module_apply`) refuse, with :class:`DedicatedParamError`, any op on values that are
+not on this rank, where a tool written for local tensors would silently see nothing.
 
-Between uses a dedicated param is a zero-size placeholder (its values live whole on its owner), and
-its gradient lives in dmuon's buckets, not in ``.grad``. Tools written for local tensors would
-silently see nothing: ``torch.nn.utils.clip_grad_norm_`` would clip without the matrices (and return
-a smaller norm), ``torch.optim.AdamW(model.parameters())`` would never update them,
-``parameters_to_vector`` would leave them out. These guards make every such use loud:
-
-* :class:`DedicatedPlaceholder` — the class of a dedicated param while it is a placeholder (dmuon
-  switches ``param.__class__`` between it and ``nn.Parameter`` when it frees / gathers the param, so
-  forward and backward run on plain parameters at no cost). Metadata, attribute access and hook
-  registration work (``shape``, ``size()``, ``numel()``, ``dim()`` answer the matrix's full shape,
-  as FSDP2's DTensors do; the storage stays empty, which torch's C++ checks see); any op that
-  reads or writes its values raises :class:`DedicatedParamError`, naming the param, its owner
-  rank and the dmuon call to use. A post-accumulate-grad hook registered on it is put before
-  dmuon's own (:func:`keep_dmuon_hook_last`).
-* :func:`guard_module_apply` — ``model.to(dtype)`` / ``model.cuda()`` / ``model.half()`` after
-  ``dedicate_params`` would convert FSDP2's params one by one and then fail at the first
-  placeholder, leaving a half-converted model; the root module's ``_apply`` first tries the
-  conversion on one placeholder, so it raises before anything changes (a no-op conversion, such
-  as HF Trainer's ``model.to(its device)``, passes).
-* :class:`DedicatedGradMarker` — after a synced backward, each dedicated param whose gradient dmuon
-  holds gets a zero-size marker as ``.grad``. Math on it raises (``clip_grad_norm_`` ->
-  ``dmuon.clip_grad_norm_``, ``clip_grad_value_`` -> ``dmuon.clip_grad_value_``, an optimizer's
-  update -> ``dmuon.Muon``). Zeroing it (``model.zero_grad(set_to_none=False)``) zeroes dmuon's
-  gradient for that param and dropping it (``model.zero_grad()``, ``p.grad = None``) drops it,
-  exactly as torch would a local one; dmuon notices a dropped marker before the next reduce, clip
-  or step. After a step, the owners' stepped matrices carry *consumed* markers
-  (:mod:`dmuon.stateful.runtime.ledger`).
-* :class:`TPSliceGuard` — a tensor-parallel dedicated param holding its gathered TP slice outside
-  the forward of its hook group.
-
-The guard classes (and the meta-init :class:`~dmuon.stateful.modes.meta_init.DedicatedUninit`)
-share one dispatch and one allow-list (:mod:`dmuon.stateful.runtime.guard_base`): attribute get
-/ set (``.grad``, ``.data``, ``.requires_grad``, ``.shape``, ...), metadata (``size()``, ``dim()``,
-``numel()``, ``dtype``, ...), ``repr``, hashing, hook registration pass; so does a conversion that
-changes nothing (placeholders and markers); anything else raises :class:`DedicatedParamError`.
+Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.guards".
 """
 from __future__ import annotations
 
@@ -112,7 +81,8 @@ def _hint(name: str, func: Any) -> str:
 
 
 class DedicatedPlaceholder(TorchGuard, nn.Parameter):
-    """The class of a dedicated param while it is a zero-size placeholder (see module docstring)."""
+    """The class of a dedicated param while it is a zero-size placeholder (shape queries answer
+    the full shape)."""
 
     @classmethod
     def _guard_special(cls, name: str, func: Callable, args: tuple, kwargs: dict) -> Any:
@@ -153,10 +123,8 @@ class DedicatedPlaceholder(TorchGuard, nn.Parameter):
 
 
 class TPSliceGuard(TorchGuard, nn.Parameter):
-    """The class of a tensor-parallel dedicated param that holds its gathered TP slice outside
-    the forward of its hook group (Z2, the root group): ops on its values raise, since TP code
-    there would silently compute on the local slice instead of TP's DTensor
-    (:mod:`dmuon.stateful.modes.tensor_parallel`). Even a no-op conversion raises."""
+    """The class of a TP dedicated param holding its gathered slice outside its hook group's
+    forward: ops on its values raise, even a no-op conversion."""
 
     _guard_no_op_conversions = False
 
@@ -174,7 +142,7 @@ class TPSliceGuard(TorchGuard, nn.Parameter):
 
 
 class DedicatedGradMarker(TorchGuard, torch.Tensor):
-    """The ``.grad`` of a dedicated param whose gradient dmuon holds (see module docstring)."""
+    """The ``.grad`` of a dedicated param whose gradient dmuon holds (zeroing it zeroes that)."""
 
     _dmuon_name: str = "?"
     _dmuon_on_zero: Optional[Callable[[], None]] = None
@@ -208,16 +176,13 @@ class DedicatedGradMarker(TorchGuard, torch.Tensor):
 
 
 def keep_dmuon_hook_last(p: nn.Parameter) -> bool:
-    """Move dmuon's post-accumulate-grad hook of ``p`` (``p._dmuon_grad_hook``) behind the hooks
-    registered after it, so that theirs see ``.grad`` before dmuon takes it; True when it was not
-    last (torch calls the hooks in registration order). Records the param's version, so that
-    :func:`check_not_written` can tell a write by such a hook."""
+    """Move dmuon's post-accumulate-grad hook of ``p`` last, so that hooks registered after it
+    see ``.grad``; True when it was not last. Records the version :func:`check_not_written` reads."""
     hooks, hid = p._post_accumulate_grad_hooks, getattr(p, "_dmuon_grad_hook", None)
     p._dmuon_version = p._version
     if hooks is None or hid not in hooks or next(reversed(hooks)) == hid:
         return False
-    # torch calls them in the order of the underlying dict, which OrderedDict.move_to_end leaves
-    # as it is: insert them anew (handles keep working: they remove by id)
+    # move_to_end leaves torch's (dict) order as it is: insert anew (handles remove by id)
     items = [(k, v) for k, v in hooks.items() if k != hid] + [(hid, hooks[hid])]
     hooks.clear()
     hooks.update(items)
@@ -225,10 +190,8 @@ def keep_dmuon_hook_last(p: nn.Parameter) -> bool:
 
 
 def check_not_written(name: str, p: nn.Parameter, owner: Any) -> None:
-    """Raise if the gathered dedicated param ``p`` was written in place since
-    :func:`keep_dmuon_hook_last` last looked (its version moved): e.g. an optimizer step inside a
-    post-accumulate-grad hook (optimizer-in-backward). The gathered copy is discarded after use,
-    so the write would be lost silently."""
+    """Raise :class:`DedicatedParamError` if the gathered param ``p`` was written in place since
+    :func:`keep_dmuon_hook_last` looked (e.g. optimizer-in-backward: the write would be lost)."""
     seen = getattr(p, "_dmuon_version", None)
     if seen is not None and p._version != seen:
         raise DedicatedParamError(

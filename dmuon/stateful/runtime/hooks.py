@@ -1,38 +1,9 @@
-"""Forward / backward hooks that move the dedicated params of each hook group.
+"""Forward / backward hooks that move the dedicated params of each hook group (pre/post-forward on
+the boundary modules and the model, a pre-backward hook on the outputs' tensors, a
+post-accumulate-grad hook on every dedicated param). Every hook runs eagerly (outside any
+``torch.compile`` graph), and every dedicated param gets its gradient, whatever forward returns.
 
-Per hook-boundary module (a ``layers.N`` block by default — never a leaf, since a module such as
-``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling ``out_proj``):
-
-* pre-forward: gather the group (broadcast owner -> shard group, compute dtype) and launch the
-  gather of the next group in forward order (prefetch);
-* post-forward: register the pre-backward hook on the outputs' tensors; Z3 frees the gathered copy;
-* pre-backward (a multi-grad hook on those tensors, fires before the block's backward): queue the
-  end-of-backward callback once per backward, re-gather (Z3), prefetch the previous group;
-* post-accumulate-grad on every dedicated param: the state collects the local grad (and queues the
-  end-of-backward callback, should no pre-backward hook have fired) and launches the reduces that
-  are due, in the one order every rank uses (:mod:`dmuon.stateful.runtime.state`). It runs after
-  the user's own post-accumulate-grad hooks on the param, whenever they were registered, so they
-  see the local gradient as torch gives it (:meth:`~dmuon.stateful.runtime.state.DedicatedState.
-  on_grad`).
-
-**Any forward output.** The pre-backward hook needs the tensors of the output. Like FSDP2, dmuon
-looks for them with torch's pytree (tensors, tuples, lists, dicts, HF ``ModelOutput``), and beyond
-it through dataclass fields and the attributes of any other object (:func:`grad_tensors`). If an
-output holds no tensor that requires grad (or hides them from both), a Z3 group keeps its gathered
-copy through the backward instead of freeing it after forward (as Z2 does), so its backward never
-needs a re-gather; the end-of-backward callback is then queued by the params' grad hooks. Either
-way every dedicated param gets its gradient, whatever forward returns.
-
-Activation checkpointing (non-reentrant) re-runs a block's forward *inside* backward: the hooks see
-:func:`~dmuon.compat.torch_api.in_backward` and then only make sure the group is gathered (no
-prefetch, no free, no new backward hook), so recomputation neither re-reduces nor double-counts.
-The model itself gets hooks too: pre-forward runs the state's lazy init (dtypes, layouts),
-post-forward fixes the prefetch order after the first forward. HSDP: a group's gather first waits
-that group's pending post-step publish; the end-of-backward callback waits the rest.
-
-``torch.compile``: every hook is wrapped in ``torch.compiler.disable`` (as FSDP2 does with its
-own), so when a user compiles a block or the model, the hooks run eagerly as graph breaks:
-collectives, ``.data`` swaps and storage resizes never enter a graph.
+Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.hooks".
 """
 from __future__ import annotations
 
@@ -89,9 +60,8 @@ def _collect(obj: Any, out: list[torch.Tensor], seen: set[int], depth: int) -> N
 
 
 def grad_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors requiring grad in a forward output: pytree leaves (tensors, tuples, lists,
-    dicts, HF ``ModelOutput``), dataclass fields, and the attributes of other objects (``__dict__``
-    or ``__slots__``), up to 6 levels deep; modules and classes are not entered."""
+    """The tensors requiring grad in a forward output: pytree leaves, dataclass fields and other
+    objects' attributes, up to 6 levels deep (modules and classes are not entered)."""
     found: list[torch.Tensor] = []
     _collect(output, found, set(), 0)
     uniq = {id(t): t for t in found if t.requires_grad}
@@ -120,10 +90,8 @@ def _register_pre_backward(st: DedicatedState, key: str | None, output: Any) -> 
 
 def check_fsdp_sees_output(model: nn.Module, output: Any) -> None:
     """Raise when FSDP2 would silently leave its own params untrained: ``model`` is the only
-    ``fully_shard``-ed module, it holds FSDP2 params, and its forward output hides every tensor
-    from FSDP2 (a plain object: dmuon finds the tensors in its attributes, FSDP2 does not). FSDP2's
-    backward work (reducing the gradients of every param it manages) starts from a pre-backward
-    hook on the output's tensors, or from another ``fully_shard`` module's: here none runs."""
+    ``fully_shard``-ed module, holds FSDP2 params, and its output hides every tensor from FSDP2's
+    pytree (so FSDP2's pre-backward hook never runs)."""
     root = fsdp_state(model)
     if root is None or not fsdp_param_groups(root) or fsdp_output_grad_tensors(output):
         return
@@ -203,9 +171,7 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
         handles.append(g.module.register_forward_pre_hook(_eager(pre)))
         handles.append(g.module.register_forward_hook(_eager(post)))
 
-    # a param's grad hook is held by C++ (its AccumulateGrad), which Python's gc cannot traverse:
-    # holding the state there would keep the state, FSDP2's states and the model alive forever
-    # (a cycle through C++); a weak reference breaks it (the model holds the state)
+    # held by C++ (AccumulateGrad), out of gc's reach: a weak reference, or the model never dies
     st_ref = weakref.ref(st)
 
     def on_grad(param: nn.Parameter, name: str) -> None:

@@ -1,40 +1,9 @@
-"""The gradient ledger: one record per dedicated matrix, one explicit state, what torch's ``.grad``
-would show.
+"""The gradient ledger (:class:`GradLedger`): one record per dedicated matrix on this rank, in one
+explicit state (:class:`Held`), and the ``.grad`` markers that keep torch's semantics on the
+placeholders (zeroing a marker zeroes the held gradient, replacing it drops it). The owner's
+accounting (accumulate, presence) is the pure phases' (:mod:`dmuon.functional.phases`).
 
-A dedicated matrix's gradient does not live in ``.grad``: a rank's local gradient is moved aside
-by the post-accumulate-grad hook, sent in its hook group's reduce, and the owner holds the average
-until ``step()`` consumes it. The ledger is the one place that knows, per matrix on this rank,
-where its gradient is (:class:`Held`), and it keeps torch's semantics on the placeholder's
-``.grad``:
-
-=============  =======================================================  ==========================
-state          this rank holds                                          ``.grad`` after backward
-=============  =======================================================  ==========================
-``NONE``       nothing (never had one, dropped, or stepped and cleared)  ``None``
-``LOCAL``      a local gradient not sent yet (this backward, or          a *held* marker
-               ``no_sync`` micro-batches)
-``SENT``       its local gradient went into a launched reduce (another   a *held* marker
-               rank owns the matrix)
-``REDUCED``    the owner: the average of launched reduces (in flight or  a *held* marker
-               waited); also without a local gradient of its own
-``CONSUMED``   the owner, after ``step()``: it stepped with it           a *consumed* marker
-=============  =======================================================  ==========================
-
-A later local gradient adds to ``local`` in any state (``REDUCED`` / ``SENT`` then carry a local
-part for the next reduce). Markers (:func:`dmuon.stateful.runtime.guards.make_marker`) are zero-size
-tensors shown as ``.grad`` of placeholders: math on one raises (torch's tools would silently see
-nothing); zeroing a held one zeroes what is held (the matrix is stepped with zeros unless a later
-backward adds), replacing it (``model.zero_grad()``, ``p.grad = None``) drops it; zeroing a consumed
-one makes the next step use a zero gradient if none arrives (torch's ``zero_grad(set_to_none=
-False)``), replacing it leaves no record. Markers are checked and taken off before the param is
-gathered, its gradient sent, or a clip or step reads it (:meth:`GradLedger.take_markers`).
-
-The owner's accounting is pure and defined once (:mod:`dmuon.functional.phases`): each waited
-reduce is added with :func:`~dmuon.functional.phases.accumulate` (several synced backwards before a
-step sum; FSDP2's divide factor is the scale the caller passes), and
-:func:`~dmuon.functional.phases.resolve` decides presence — known without a host read where the
-owner had a local gradient itself, otherwise the reduces' presence elements read in one batch when
-a step asks (:meth:`GradLedger.resolve`): dense models never sync for it.
+Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.ledger".
 """
 from __future__ import annotations
 
@@ -53,7 +22,7 @@ __all__ = ["Held", "GradRecord", "GradLedger"]
 
 
 class Held(enum.Enum):
-    """Where a matrix's gradient is on this rank (see the module docstring)."""
+    """Where a matrix's gradient is on this rank (the table in the design notes)."""
 
     NONE = "none"
     LOCAL = "local"
@@ -96,7 +65,7 @@ def _on_zero(ref: "weakref.ref[GradLedger]", name: str) -> None:
 
 
 class GradLedger:
-    """The gradient records of one model's dedicated matrices on this rank (module docstring).
+    """The gradient records of one model's dedicated matrices on this rank.
 
     Args:
       params: ``{name: param}``.  owned: the names this rank owns.
@@ -194,7 +163,7 @@ class GradLedger:
         self._resolved = None
 
     def consume(self, stepped: Iterable[str]) -> None:
-        """After a step: each stepped placeholder shows a consumed marker (module docstring)."""
+        """After a step: each stepped placeholder shows a consumed marker."""
         for n in stepped:
             if not self._is_placeholder(n):
                 continue

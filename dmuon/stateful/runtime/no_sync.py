@@ -1,4 +1,7 @@
-"""Gradient accumulation without communication, and draining async HSDP publishes."""
+"""Gradient accumulation without communication, and draining async HSDP publishes.
+
+Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.no_sync".
+"""
 from __future__ import annotations
 
 import contextlib
@@ -51,19 +54,13 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 
 def wait_all_replicate_broadcasts(model: nn.Module) -> None:
-    """Wait for every pending asynchronous post-step HSDP publish of ``model`` (no-op without HSDP).
+    """Wait for every pending asynchronous post-step HSDP publish of ``model`` (no-op without HSDP;
+    ``step()`` leaves one per hook group with ``replicate_async=True``, the default). Afterwards
+    every rank of a shard column holds bit-identical masters.
 
-    With ``dmuon.Muon(..., replicate_async=True)`` (the default), ``step()`` leaves one publish per
-    hook group in flight: the owner ``(s, r_o)`` of each matrix broadcasts its new master to the
-    other ranks ``(s, r)`` of its shard column. The next forward waits each group's publish in that
-    group's pre-hook, and the end of the next backward waits the groups forward did not use; this
-    call waits all of them now. Afterwards every rank of a column holds bit-identical masters.
-
-    Call it before reading weights outside dmuon (e.g. a foreign checkpointer such as torchtitan's
-    DCP save), or before a second ``step()`` with no forward/backward in between (which otherwise
-    raises). ``get_model_state_dict`` / ``get_optimizer_state_dict`` (and the setters) call it
-    themselves. Local: it waits on collectives every rank already issued, so ranks may call it at
-    different times; idempotent.
+    Call it before reading weights outside dmuon (e.g. torchtitan's DCP save), or before a second
+    ``step()`` with no forward/backward in between (which otherwise raises); dmuon's state-dict
+    functions call it themselves. Local (ranks may call it at different times); idempotent.
 
     Args:
       model: a model prepared by ``dmuon.dedicate_params``.

@@ -1,25 +1,9 @@
-"""One hook group of dedicated params: its buckets, schedules, state, and in-flight collectives.
+"""One hook group of dedicated params (:class:`DedicatedParamGroup`): its buckets, its explicit
+:class:`GroupState` / :class:`GradState`, and its in-flight collectives. It runs the schedules the
+pure phases (:mod:`dmuon.functional.phases`) return; it never decides ordering or timing (the root
+state calls it).
 
-A hook group is the set of dedicated params one boundary module moves (a ``layers.N`` block by
-default). Like FSDP2's ``FSDPParamGroup`` it carries an explicit state:
-
-* :class:`GroupState` — where the params' values are: ``RESHARDED`` (placeholders; the gathered
-  buckets hold no storage), ``UNSHARDING`` (a gather is in flight into them), ``UNSHARDED`` (the
-  params are views into the gathered buckets, valid for weights version :attr:`gathered_version`).
-* :class:`GradState` — this backward's gradients: ``IDLE`` (none yet), ``ACCUMULATING`` (some
-  arrived), ``COMPLETE`` (every param's local gradient arrived), ``REDUCED`` (this backward's
-  reduce was issued; the root state decides *when*, in one order on every rank).
-
-Every collective the group has in flight is one :class:`Inflight` record (the executor's
-:class:`~dmuon.stateful.runtime.executor.Pending` plus the buffers it uses): at most one gather, any
-number of reduces (several synced backwards before a step), at most one HSDP publish.
-
-The group never decides ordering or timing; the root state (:mod:`dmuon.stateful.runtime.state`) calls it.
-What moves and how is decided by the pure phases (:mod:`dmuon.functional.phases`: ``gather`` /
-``gathered``, ``reduce`` / ``reduced``, ``publish``), which the group calls on its buffers; it runs
-the schedules they return on the executor's streams and keeps the storage and the handles.
-Its methods that run inside hooks are labelled for the profiler (``record_function``:
-``dmuon::<op> (<group>)``).
+Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.param_group".
 """
 from __future__ import annotations
 
@@ -42,7 +26,7 @@ __all__ = ["GroupState", "GradState", "Inflight", "DedicatedParamGroup"]
 
 
 class GroupState(enum.Enum):
-    """Where a group's param values are (see the module docstring)."""
+    """Where a group's param values are (placeholders, gathering, gathered views)."""
 
     RESHARDED = "resharded"
     UNSHARDING = "unsharding"
@@ -50,7 +34,7 @@ class GroupState(enum.Enum):
 
 
 class GradState(enum.Enum):
-    """A group's gradients in the current backward (see the module docstring)."""
+    """A group's gradients in the current backward (``REDUCED``: its reduce was issued)."""
 
     IDLE = "idle"
     ACCUMULATING = "accumulating"
@@ -83,7 +67,7 @@ def _label(group: "DedicatedParamGroup", op: str) -> record_function:
 
 
 class DedicatedParamGroup:
-    """The dedicated params of one hook-boundary module (see the module docstring).
+    """The dedicated params of one hook-boundary module.
 
     Args:
       key: the hook-group key (module path; ``""``: the model itself).
@@ -137,9 +121,7 @@ class DedicatedParamGroup:
     # ------------------------------------------------------------------ unshard / reshard
     def launch_unshard(self, version: int, regather: bool = False) -> None:
         """Start gathering (no-op if gathered for ``version`` or a gather is in flight; ``regather``:
-        in a backward, :func:`dmuon.functional.phases.gather`'s re-gather). An HSDP publish of
-        this group is waited first: this rank may be a source, and its master must be the
-        published one."""
+        in a backward). Waits the group's pending HSDP publish first."""
         if self.inflight_unshard is not None:
             return
         if self.state is GroupState.UNSHARDED and self.gathered_version == version:

@@ -1,29 +1,9 @@
-"""Per-axis, per-lane process groups for dedicated-param schedules, created once at setup.
+"""Per-axis, per-lane process groups for dedicated-param schedules, created once at setup
+(:func:`make_process_groups`; ``grid[r][s]`` is the global rank of ``(s, r)``). ``new_group`` is
+collective over the world: every rank creates every group in one order; groups are reused by later
+models with the same arguments, never leaked.
 
-Mesh model: G = shard size, R = replicate size, coordinates ``(s, r)``. ``grid[r][s]`` is the global
-rank of ``(s, r)``; for a standard ``init_device_mesh(..., (R, G), mesh_dim_names=("replicate",
-"shard"))`` that is ``r * G + s``, but a DeviceMesh's own rank arrangement is honoured.
-
-Lanes and their groups (see :mod:`dmuon.functional.schedule`):
-
-* ``"unshard"`` and ``"reduce"``: the shard axis; R groups each (one per replica ``r``:
-  ``grid[r][0..G-1]``). Two lanes = two sets of groups, so that on NCCL (one internal stream per
-  process group, collectives of one group run in order) a backward reduce can overlap the next
-  unshard. On NCCL these groups are created high priority
-  (``ProcessGroupNCCL.Options().is_high_priority_stream = True``).
-* ``"replicate"``: the replicate axis; G groups (one per column ``s``: ``grid[0..R-1][s]``).
-
-``torch.distributed.new_group`` is collective over the whole world: every rank calls it for every
-group, in the same order (lane order ``unshard, reduce, replicate``, then ``r`` or ``s`` ascending),
-which :func:`make_process_groups` guarantees. Groups of one rank are created too (cheap; lets an
-executor run its lanes even at world size 1).
-
-**Reused, never leaked.** A group cannot be freed while another model may use it, and each new one
-holds threads and sockets (gloo) or a communicator (NCCL) until ``destroy_process_group``. So the
-groups made for one set of arguments (grids, backend, timeout, options, lanes) are made once per
-process and reused by every later model with the same arguments (models never run collectives
-concurrently: every rank issues them in program order); all ranks agree to reuse them (one small
-all-gather) or all make new ones. Groups a ``destroy_process_group()`` removed are never reused.
+Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.process_groups".
 """
 from __future__ import annotations
 
@@ -139,11 +119,8 @@ def agree_grid(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Seq
 def agree_grids(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Sequence[str] = (),
                 local_err: Optional[Exception] = None, what: str = "dedicate_params",
                 tp_ranks: Optional[Sequence[int]] = None) -> tuple[Grid, ...]:
-    """The ``grid[r][s]`` of global ranks the meshes describe, agreed by every rank (collective).
-
-    Every rank all-gathers a :class:`~dmuon.functional.setup_check.RankSetup` of its arguments and
-    runs :func:`~dmuon.functional.setup_check.check_setups` on the same list, so a problem on one
-    rank raises on every rank instead of leaving the others waiting in a later collective.
+    """The ``grid[r][s]`` of global ranks the meshes describe, agreed by every rank (collective:
+    :func:`~dmuon.functional.setup_check.check_setups` on every rank's arguments).
 
     Args:
       mesh: a 2-D DeviceMesh with dims ``("replicate", "shard")`` (any order), or a 1-D shard mesh.
@@ -303,9 +280,8 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
     return made
 
 
-#: the groups made so far, by (grids, backend, timeout, options, lanes, rank): a process that
-#: builds model after model (a sweep, an eval model, a restart loop) reuses them instead of
-#: adding groups (and their threads and sockets) that nothing could free
+#: the groups made so far, by (grids, backend, timeout, options, lanes, rank): reused by later
+#: models instead of adding groups that nothing could free
 _REUSE: dict[tuple, MeshGroups] = {}
 
 

@@ -1,14 +1,9 @@
 """One collective per hook group and dtype (:class:`~dmuon.functional.schedule.ShardAllGather` /
-:class:`~dmuon.functional.schedule.ShardReduceScatter`) with ``torch.distributed``.
+:class:`~dmuon.functional.schedule.ShardReduceScatter`) with ``torch.distributed``, through a padded
+staging tensor of ``G * numel`` elements whose result is copied back into the buckets before any
+op that waits on it is issued.
 
-The executor (:mod:`dmuon.stateful.runtime.executor`) issues them through :func:`shard_buckets`:
-every column's bucket is packed into a padded staging tensor of ``G * numel`` elements (gloo's
-``all_gather_into_tensor`` / ``reduce_scatter_tensor``, named ``all_gather_single`` /
-``reduce_scatter_single`` from torch 2.13, and NCCL's need equal parts; gloo refuses an
-uneven list all-gather: "invalid tensor size"), one collective runs on it, and the result is copied
-back into the buckets when the work is seen complete or waited (:class:`_Staged`), before any op
-that waits on it is issued. The staging costs one extra copy of the group's buckets and ``G *
-numel`` elements while the collective runs (not in the memory model).
+Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.shard_buckets".
 """
 from __future__ import annotations
 
@@ -28,9 +23,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 class _Staged:
-    """The work handle of a :class:`ShardBuckets` op: the collective ran on a padded staging
-    buffer; ``finish`` copies its result into the buckets, once, as soon as the collective is
-    seen complete (before any op that depends on it is issued) or waited."""
+    """The work handle of a :class:`ShardBuckets` op: ``finish`` copies the staging buffer's
+    result into the buckets, once, when the collective is seen complete or waited."""
 
     def __init__(self, work: Any, finish: Any) -> None:
         self.work, self._finish = work, finish
@@ -54,11 +48,8 @@ class _Staged:
 
 def shard_buckets(op: ShardBuckets, me: int, bufs: Sequence[Optional[Tensor]],
                   reduce_ops: Mapping[str, Any], kw: dict) -> _Staged:
-    """A :class:`ShardAllGather` / :class:`ShardReduceScatter`: every column's bucket packed into
-    equal padded parts (zeros where a column has none), one ``all_gather_into_tensor`` /
-    ``reduce_scatter_tensor``, the parts copied back out (the all-gather: every other column's
-    bucket; the reduce-scatter: this rank's column). Moves ``G * numel`` elements per member, as
-    :func:`~dmuon.functional.schedule.op_bytes` counts.
+    """Issue a :class:`ShardAllGather` / :class:`ShardReduceScatter` on equal padded parts (zeros
+    where a column has none); ``G * numel`` elements per member, as ``op_bytes`` counts.
 
     Args:
       op: the op.  me: this rank's shard index.  bufs: this rank's bucket of every column

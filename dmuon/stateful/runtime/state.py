@@ -1,35 +1,8 @@
-"""The root state of a dedicated model: groups, forward order, weights version, the backward and
-step protocols, the HSDP publish.
+"""The root state of a dedicated model (:class:`DedicatedState`): its storage, hook groups, ledger,
+forward order, weights version, and the backward, step and HSDP-publish protocols. Every rank issues
+the same collectives in the same order (reduces in one fixed order, whatever arrives when).
 
-One :class:`DedicatedState` is attached to a model by :func:`dmuon.dedicate_params`
-(``model._dmuon_state``; read it with :func:`get_state`). It is the only object the hooks, the
-optimizer and the state-dict functions talk to, as FSDP2's ``FSDPState`` is for its param groups.
-It owns:
-
-* the :class:`~dmuon.stateful.runtime.storage.DedicatedStorage` (masters, placeholders) and the
-  :class:`~dmuon.stateful.runtime.storage.GradBufferPool`;
-* one :class:`~dmuon.stateful.runtime.param_group.DedicatedParamGroup` per hook group, in forward
-  order: each runs its phases of the step program;
-* the plan, the lane process groups and the executor (built by ``dedicate_params``), and the
-  :class:`~dmuon.functional.program.StepProgram` (built once, at the first forward, when FSDP2's
-  dtypes are known): every collective of a step as data, which the hooks ask the groups to run;
-* the :class:`~dmuon.stateful.runtime.ledger.GradLedger`: where each matrix's gradient is on this
-  rank (one record and one state per matrix) and its ``.grad`` markers.
-
-**Same collectives on every rank.** Every collective a rank issues must come in the same order on
-every rank of its process group, whatever arrives when. Gathers follow the forward order (agreed
-across ranks once, at the end of the first forward). Gradient reduces are issued in one fixed
-order, the reverse of the static group order, the same on every rank: a group whose local
-gradients are all in may launch its reduce as soon as every group before it in that order has;
-the end of the backward launches the rest, in order. A param with no local gradient sends zeros
-and presence 0 (DDP's ``find_unused_parameters`` semantics): its average counts it as zero, and
-a param no rank had a gradient for is skipped by the update, as a single-device optimizer skips
-``grad is None``.
-
-**Step protocol** (the optimizer's interface): :meth:`set_listener`, :meth:`reduced_grads`
-(waits; averaged gradients, ``None`` for none), :meth:`owned_masters`, :meth:`clear_grads`,
-:meth:`after_step` (version bump, gathered copies freed, HSDP publish), :meth:`masters_changed`
-(a state-dict load), :meth:`attach_optimizer` / :meth:`is_current`, and the ledger.
+Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.state".
 """
 from __future__ import annotations
 
@@ -68,10 +41,8 @@ __all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_stat
 
 
 class DedicatedState:
-    """Root state of the dedicated params of one model (see the module docstring). Its mode is
-    fixed here (``dedicate_params`` decides it): Z2 / Z3 (``reshard_after_forward``),
-    ``data_parallel``, the collective style, tensor parallelism (``tp_layouts`` and the ``tp``
-    schedule); the step program built at the first forward holds them."""
+    """Root state of the dedicated params of one model; its mode (Z2 / Z3, ``data_parallel``, the
+    collective style, TP) is fixed here by ``dedicate_params``."""
 
     def __init__(self, *, model: nn.Module, params: Mapping[str, nn.Parameter], plan: Any,
                  mesh_groups: MeshGroups, executor: Executor, groups: HookGroups,
@@ -203,12 +174,8 @@ class DedicatedState:
 
     # ------------------------------------------------------------------ lazy init
     def lazy_init(self) -> None:
-        """Resolve dtypes, build the gather / reduce layouts, schedules and buffers (the first
-        forward, once: the compute and reduce dtypes come from FSDP2's policy).
-
-        Per param, :func:`dmuon.functional.policy.resolve_group_dtypes` (policy rules over the
-        ``MixedPrecisionPolicy`` of the innermost ``fully_shard`` module holding the param,
-        :func:`~dmuon.compat.fsdp_info.fsdp_holders`); a bucket holds one dtype (layouts are keyed by it)."""
+        """Resolve dtypes (FSDP2's policy), build the step program, layouts and buffers; the first
+        forward, once."""
         if self.ready:
             return
         self.finish_meta_init("dmuon (first forward)")
@@ -253,10 +220,7 @@ class DedicatedState:
         self.ready = True
 
     def _tp_schedule(self) -> Optional[Schedule]:
-        """Tensor parallelism's NS gathers / scatters over the world (the step program's ``tp``
-        phase), or ``None`` without TP: one TP group per dp coordinate ``(s, r)``, each gathering
-        the TP-sliced matrices that coordinate owns (:func:`~dmuon.functional.tp_plan.
-        tp_step_schedule`)."""
+        """The step program's ``tp`` phase (TP's NS gathers / scatters), or ``None`` without TP."""
         if not self.tp_layouts:
             return None
         grids = self.mesh_groups.tp_grids
@@ -270,13 +234,9 @@ class DedicatedState:
 
     # ------------------------------------------------------------------ the listener
     def set_listener(self, listener: Any) -> None:
-        """The one listener of this model's runtime (an optimizer's policy, e.g. offloaded
-        momentum): ``listener.reduce_issued(names)`` whenever a hook group's gradient reduce is
-        issued (in backward, in the fixed reduce order, the rest at the end of the backward;
-        never inside ``no_sync``), ``listener.group_forward()`` when a forward reaches its first
-        hook group (after the model's own code before it, e.g. an HF model's mask; once per
-        forward, not in a recomputation). A later call replaces it, calling the replaced one's
-        ``group_forward()`` once first (a superseded optimizer starts what it deferred)."""
+        """Set the model's one listener: ``listener.reduce_issued(names)`` at each gradient reduce
+        issued, ``listener.group_forward()`` once per forward at its first hook group. A replaced
+        listener gets one ``group_forward()`` first (design notes: "The listener")."""
         old, self.listener = self.listener, listener
         if old is not None:
             old.group_forward()
@@ -296,10 +256,8 @@ class DedicatedState:
         self._group_forward_seen = False  # notify_group_forward's flag
 
     def note_forward(self, key: str) -> None:
-        """Record the order in which groups run forward (the first forward; used to prefetch) and
-        groups called more than once in one forward (:attr:`reused`: under reentrant activation
-        checkpointing their params get one gradient per call, so their reduce waits for the end
-        of backward)."""
+        """Record the forward order (first forward) and groups called twice in one forward
+        (:attr:`reused`: their reduce waits for the end of backward)."""
         self._calls[key] = self._calls.get(key, 0) + 1
         if self._calls[key] > 1:
             self.reused.add(key)
@@ -307,9 +265,8 @@ class DedicatedState:
             self._seen_order.append(key)
 
     def finalize_order(self) -> None:
-        """End of the first forward: the forward order, agreed across ranks (one all-gather,
-        once). Ranks whose forwards ran the groups in different orders fall back, all of them,
-        to the static group order (prefetching the same group on every rank)."""
+        """End of the first forward: agree the forward order across ranks (one all-gather, once);
+        on a mismatch every rank falls back to the static group order."""
         if self._order_final or not self._seen_order:
             return
         self._order_final = True
@@ -347,9 +304,8 @@ class DedicatedState:
 
     # ------------------------------------------------------------------ backward protocol
     def on_backward_start(self) -> None:
-        """The first dmuon hook of a backward: queue :meth:`on_backward_end` once. A backward
-        with ``create_graph=True`` (grad mode on inside it) keeps the gathered copies its graph
-        holds until a backward without it ends, or the step (a gradient penalty's)."""
+        """The first dmuon hook of a backward: queue :meth:`on_backward_end` once (``create_graph``:
+        keep the gathered copies until a backward without it ends)."""
         if not self._callback_queued:
             self._callback_queued = True
             queue_backward_callback(self.on_backward_end)
@@ -357,13 +313,12 @@ class DedicatedState:
             self._keep_gathered = True
 
     def on_grad(self, name: str, param: nn.Parameter) -> None:
-        """Post-accumulate-grad of a dedicated param: move the local grad aside; launch the
-        reduces that are due (:meth:`_launch_due_reduces`).
+        """Post-accumulate-grad of a dedicated param: move the local grad aside and launch the
+        reduces that are due; user hooks registered later still see ``.grad`` (taken at the end).
 
-        The user's post-accumulate-grad hooks see ``.grad`` (the local gradient): dmuon's is kept
-        last (:func:`keep_dmuon_hook_last`); one registered while gathered runs after it in this
-        backward, so ``.grad`` stays for it and is taken at the end. A hook that wrote the
-        gathered copy raises (:func:`check_not_written`)."""
+        Raises:
+          DedicatedParamError: a user hook wrote the gathered copy (:func:`check_not_written`).
+        """
         if param.grad is None:
             return
         hooks = param._post_accumulate_grad_hooks
@@ -397,8 +352,7 @@ class DedicatedState:
             g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
 
     def _launch_due_reduces(self) -> None:
-        """Launch, in the fixed reduce order, every reduce whose group's gradients are complete
-        and whose predecessors in that order are launched (the same sequence on every rank)."""
+        """Launch, in the fixed reduce order, each complete group whose predecessors are launched."""
         order = self._reduce_order
         while self._reduce_next < len(order):
             key = order[self._reduce_next]
@@ -438,13 +392,8 @@ class DedicatedState:
         return [k for k, g in self.groups.items() if g.inflight_publish is not None]
 
     def publish(self, *, replicate_async: bool = True) -> None:
-        """HSDP: broadcast each new master from its global owner ``(s, r_o)`` to the other ranks of
-        column ``s`` (the forward broadcast sources of the other replicas). No-op when R == 1.
-
-        ``replicate_async=True``: one launch per hook group, in the static group order (the same
-        on every rank), left pending; the group's next gather waits it first; publishes of groups
-        no forward used are waited at the end of the next backward; :meth:`wait_publish`
-        (``dmuon.wait_all_replicate_broadcasts``) waits them all. ``False``: wait here.
+        """HSDP: broadcast each new master from its owner to its column (no-op when R == 1);
+        ``replicate_async``: leave the launches pending (design notes: "The HSDP publish").
 
         Raises:
           RuntimeError: a publish of an earlier step is still pending (see
@@ -459,9 +408,7 @@ class DedicatedState:
             self.wait_publish()
 
     def check_publish_consumed(self, what: str = "optimizer.step()") -> None:
-        """Raise if a publish is still pending: the owners would overwrite masters that are still
-        being broadcast, and the replicas would miss a step. Deterministic (the same decision on
-        every rank): "pending" means not yet waited, never "not yet finished"."""
+        """Raise if a publish is still pending (not yet waited: the same decision on every rank)."""
         groups = [k or "<root>" for k in self.pending_publish]
         if not groups:
             return
@@ -480,8 +427,8 @@ class DedicatedState:
 
     # ------------------------------------------------------------------ step protocol
     def _collect(self) -> None:
-        """Wait for every in-flight reduce (in launch order) and add the owner's grads to the
-        ledger, each scaled by FSDP2's set_gradient_divide_factor of the module holding it."""
+        """Wait for the in-flight reduces; add the owner's grads to the ledger (FSDP2's divide
+        factor applied)."""
         for key in self._reduce_order:
             for rg in self.groups[key].wait_reduces():
                 self.ledger.add_reduced(rg, mean_to_fsdp_scale(self._fsdp_states.get(rg.name),
@@ -489,11 +436,7 @@ class DedicatedState:
 
     def reduced_grads(self) -> dict[str, Optional[torch.Tensor]]:
         """Wait for the pending reduces; ``{owned name: averaged gradient, or None}`` (``None``:
-        no rank had a gradient for it since the last :meth:`clear_grads`, or no backward ran).
-
-        Whether any rank had one is known without a host sync when the owner had a local gradient
-        itself (every param of a dense model); otherwise the reduces' presence elements are read
-        in one batch (one host sync on CUDA, in steps where that happens)."""
+        no rank had a gradient for it since the last :meth:`clear_grads`, or no backward ran)."""
         self.ledger.take_markers(self.ledger.held_markers(), remove=False)
         self._collect()
         return self.ledger.resolve()
@@ -570,8 +513,7 @@ def unwrap_model(model: Any) -> Any:
 
 def unwrapping_model(fn: Any) -> Any:
     """Decorator of a public dmuon function taking ``model``: a ``DistributedDataParallel``
-    wrapper is replaced by the module it wraps (so names are the single-device names, the same
-    as an FSDP2 run's: checkpoints move between the backends)."""
+    wrapper is replaced by the module it wraps (single-device names)."""
     import functools
     import inspect
 

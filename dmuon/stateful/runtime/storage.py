@@ -1,20 +1,8 @@
-"""Where the dedicated matrices live on this rank: masters, placeholders, the gradient-buffer pool.
+"""Where the dedicated matrices live on this rank: masters (views into flat master buckets of this
+rank's column; they never move after setup), zero-size placeholders between uses, and the reused
+gradient-buffer pool.
 
-Per rank ``(s, r)`` of the ``(R, G)`` mesh:
-
-* **masters** — for every dedicated matrix whose owner column is ``s`` (all of them when
-  ``G == 1``): the authoritative copy, in the wider of the param's dtype and fp32
-  (:func:`master_dtype_for`), as a view into a flat *master bucket* (one per ``(group, column,
-  master dtype)`` of the plan's layout), so that the HSDP publish broadcasts whole ranges. Only the
-  owner ``(s, r_o)`` runs Muon on it (:attr:`DedicatedStorage.owned_masters`); the other ranks of
-  column ``s`` receive the publish. Masters never move after setup.
-* **placeholders** — between uses every dedicated param's ``.data`` is a zero-size tensor of the
-  group's compute dtype (torch's own ``model.state_dict()`` sees them as empty: use
-  :func:`dmuon.get_model_state_dict`).
-* **gradient buffers** (:class:`GradBufferPool`) — the own column's reduce buckets, allocated once and
-  reused every step (stable addresses for the optimizer's graph-replayed NS, which uses them as
-  donated scratch); between steps their storage is given back (resized to 0 bytes) unless
-  ``persistent``. Other columns' buckets (send only) and a second synced backward's are transient.
+Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.storage".
 """
 from __future__ import annotations
 
@@ -124,14 +112,9 @@ class DedicatedStorage:
 
 
 class GradBufferPool:
-    """The reduce buckets of this rank's own column: allocated once, reused every step.
-
-    ``acquire`` hands out the persistent buffer of a bucket while it is free, else a transient one
-    (another column's bucket, or a second synced backward before ``step``). ``release_all`` marks
-    every buffer free and, unless ``persistent``, gives its storage back until the next
-    ``acquire`` (forward then runs without it: H200, 1B Llama: peak -3.6 GiB, below FSDP2 + AdamW;
-    the addresses may change between steps, so a graph-replayed NS replays less often).
-    """
+    """The reduce buckets of this rank's own column: allocated once, reused every step (a bucket
+    already in use, or another column's, gets a transient buffer); unless ``persistent``, their
+    storage is given back between steps."""
 
     def __init__(self, column: int, device: torch.device, *, persistent: bool = False):
         self.column = column
