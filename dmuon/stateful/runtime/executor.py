@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -22,7 +22,7 @@ from dmuon.functional.schedule import (LANES, AllGather, AllReduce, Broadcast, G
                                        Schedule, Scatter, ShardBuckets, op_bytes)
 from dmuon.kernels.streams import side_stream
 from dmuon.stateful.runtime.process_groups import MeshGroups
-from dmuon.stateful.runtime.shard_buckets import shard_buckets
+from dmuon.stateful.runtime.shard_buckets import Works, shard_buckets
 
 log = logging.getLogger(__name__)
 
@@ -114,32 +114,17 @@ def _collective(rec: _Rec) -> Any:
     return dist.all_gather(parts, mine.clone(), **kw)  # AllGather
 
 
-class _Works:
-    """Several work handles as one (an uneven explicit-group op)."""
-
-    def __init__(self, works: list) -> None:
-        self.works = [w for w in works if w is not None]
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        return True
-
-
-def _uneven(rec: _Rec, parts: list, mine: Tensor, kw: dict) -> _Works:
+def _uneven(rec: _Rec, parts: list, mine: Tensor, kw: dict) -> Works:
     """An explicit-group op with uneven parts (or members out of rank order): one broadcast per
     part (all-gather) or point-to-point sends / receives with the root (gather / scatter)."""
     op, group, me = rec.op, kw["group"], rec.position
     if isinstance(op, AllGather):
-        return _Works([dist.broadcast(p, src=op.members[j], **kw) for j, p in enumerate(parts)])
+        return Works([dist.broadcast(p, src=op.members[j], **kw) for j, p in enumerate(parts)])
     root = op.root
     if me != root:
         fn = dist.isend if isinstance(op, Gather) else dist.irecv
         peer = {"dst": rec.root} if isinstance(op, Gather) else {"src": rec.root}
-        return _Works([fn(mine, group=group, **peer)])
+        return Works([fn(mine, group=group, **peer)])
     works = []
     for j, p in enumerate(parts):
         if j == root or p.numel() == 0:
@@ -148,7 +133,7 @@ def _uneven(rec: _Rec, parts: list, mine: Tensor, kw: dict) -> _Works:
             works.append(dist.irecv(p, src=op.members[j], group=group))
         else:
             works.append(dist.isend(p, dst=op.members[j], group=group))
-    return _Works(works)
+    return Works(works)
 
 
 class Pending:
@@ -233,12 +218,7 @@ class Executor:
         """The error raised when waiting on ``rec``'s collective fails: which dmuon operation,
         hook group, ranks and timeout, and what usually causes it."""
         op, mg = rec.op, self.groups
-        if op.axis == "shard":
-            ranks = mg.axis_ranks("shard")
-        elif op.axis == "group":
-            ranks = list(op.members)
-        else:
-            ranks = [mg.global_rank(op.at, r) for r in range(mg.replicate_size)]
+        ranks = mg.op_ranks(op)
         bound = f" (timeout {self.timeout})" if self.timeout is not None else ""
         return RuntimeError(
             f"dmuon: the {self._LANE_WHAT.get(op.lane, op.lane)} collective {op.id!r} "
@@ -264,15 +244,9 @@ class Executor:
     def _record(self, op: Op, buffers: Mapping[BucketKey, Tensor], by_id: dict[str, _Rec],
                 after: list[_Rec]) -> _Rec:
         mg = self.groups
-        s, r = mg.coord
-        if op.axis == "shard":
-            takes_part, root, n, pos = True, mg.global_rank(op.root, r), mg.shard_size, s
-        elif op.axis == "group":  # an explicit group of global ranks (tensor parallelism's lane)
-            takes_part, n, root = mg.rank in op.members, len(op.members), op.members[op.root]
-            pos = op.members.index(mg.rank) if takes_part else -1
-        else:
-            takes_part, root, n, pos = ((s == op.at), mg.global_rank(op.at, op.root),
-                                        mg.replicate_size, r)
+        ranks = mg.op_ranks(op)
+        takes_part, root, n = mg.rank in ranks, ranks[op.root], len(ranks)
+        pos = ranks.index(mg.rank) if takes_part else -1
         deps = []
         for w in op.waits:
             if w not in by_id:
@@ -288,32 +262,25 @@ class Executor:
             rec.view = next(b for b in rec.bufs if b is not None).narrow(0, 0, 0)
             rec.group = mg.group(op.lane)
         elif takes_part and (n > 1 or self.issue_trivial):
-            try:
-                buf = buffers[op.bucket]
-            except KeyError:
-                raise KeyError(f"rank {mg.rank} {mg.coord} takes part in op {op.id!r} but no "
-                               f"buffer for bucket {op.bucket} was given") from None
-            if (isinstance(op, (Gather, Scatter)) and pos != op.root and buf.dim() == 1
-                    and buf.numel() == op.parts[pos][1] and buf.is_contiguous()):
-                rec.part_only = True  # a member's own part is all a gather / scatter needs of it
-            elif buf.dim() != 1 or buf.numel() < op.offset + op.numel or not buf.is_contiguous():
-                raise ValueError(f"bucket {op.bucket} must be a contiguous 1-D tensor with at least "
-                                 f"{op.offset + op.numel} elements, got {tuple(buf.shape)}")
-            if str(buf.dtype) != op.dtype:
-                raise ValueError(f"op {op.id!r} expects {op.dtype}, bucket tensor is {buf.dtype}")
+            # a member's own part is all a gather / scatter needs of it
+            part = (op.parts[pos][1] if isinstance(op, (Gather, Scatter)) and pos != op.root
+                    else None)
+            buf = self._bucket(op, op.bucket, op.offset + op.numel, buffers, part)
+            rec.part_only = part is not None and buf.numel() == part
             rec.view = buf if rec.part_only else buf.narrow(0, op.offset, op.numel)
             rec.group = mg.member_group(op.members) if op.axis == "group" else mg.group(op.lane)
         return rec
 
-    def _bucket(self, op: Op, key: BucketKey, numel: int,
-                buffers: Mapping[BucketKey, Tensor]) -> Tensor:
-        """This rank's bucket ``key`` for ``op`` (a :class:`ShardBuckets` part), checked."""
+    def _bucket(self, op: Op, key: BucketKey, numel: int, buffers: Mapping[BucketKey, Tensor],
+                part: Optional[int] = None) -> Tensor:
+        """This rank's bucket ``key`` for ``op``, checked: a contiguous 1-D tensor of at least
+        ``numel`` elements, or of exactly ``part`` (a gather / scatter member's own part)."""
         mg = self.groups
         buf = buffers.get(key)
         if buf is None:
             raise KeyError(f"rank {mg.rank} {mg.coord} takes part in op {op.id!r} but no buffer "
                            f"for bucket {key} was given")
-        if buf.dim() != 1 or buf.numel() < numel or not buf.is_contiguous():
+        if buf.dim() != 1 or not buf.is_contiguous() or (buf.numel() < numel and buf.numel() != part):
             raise ValueError(f"bucket {key} must be a contiguous 1-D tensor with at least "
                              f"{numel} elements, got {tuple(buf.shape)}")
         if str(buf.dtype) != op.dtype:
