@@ -29,6 +29,8 @@ log = logging.getLogger(__name__)
 __all__ = ["Executor", "Pending", "mesh_executor"]
 
 _REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+#: a lane's counters (:meth:`Executor.counters`)
+_COUNTS = ("collectives", "sent_bytes", "received_bytes")
 
 
 @dataclass(eq=False)
@@ -49,7 +51,6 @@ class _Rec:
     handle: Any = None              # gloo work handle
     event: Any = None               # CUDA end event
     executor: Any = None            # for the context of a failed wait
-
 
     def complete(self) -> bool:
         """Finished on this rank (a skipped op: when its own dependencies are)."""
@@ -117,23 +118,14 @@ def _collective(rec: _Rec) -> Any:
 def _uneven(rec: _Rec, parts: list, mine: Tensor, kw: dict) -> Works:
     """An explicit-group op with uneven parts (or members out of rank order): one broadcast per
     part (all-gather) or point-to-point sends / receives with the root (gather / scatter)."""
-    op, group, me = rec.op, kw["group"], rec.position
+    op, group = rec.op, kw["group"]
     if isinstance(op, AllGather):
         return Works([dist.broadcast(p, src=op.members[j], **kw) for j, p in enumerate(parts)])
-    root = op.root
-    if me != root:
-        fn = dist.isend if isinstance(op, Gather) else dist.irecv
-        peer = {"dst": rec.root} if isinstance(op, Gather) else {"src": rec.root}
-        return Works([fn(mine, group=group, **peer)])
-    works = []
-    for j, p in enumerate(parts):
-        if j == root or p.numel() == 0:
-            continue
-        if isinstance(op, Gather):
-            works.append(dist.irecv(p, src=op.members[j], group=group))
-        else:
-            works.append(dist.isend(p, dst=op.members[j], group=group))
-    return Works(works)
+    to_root = isinstance(op, Gather)  # a gather's parts go to the root, a scatter's come from it
+    if rec.position != op.root:
+        return Works([(dist.isend if to_root else dist.irecv)(mine, rec.root, group=group)])
+    return Works([(dist.irecv if to_root else dist.isend)(p, op.members[j], group=group)
+                  for j, p in enumerate(parts) if j != op.root and p.numel() > 0])
 
 
 class Pending:
@@ -197,17 +189,13 @@ class Executor:
         return {lane: dict(c) for lane, c in self._counters.items()}
 
     def reset_counters(self) -> None:
-        self._counters = {lane: {"collectives": 0, "sent_bytes": 0, "received_bytes": 0}
-                          for lane in LANES}
+        self._counters = {lane: dict.fromkeys(_COUNTS, 0) for lane in LANES}
 
     def _count(self, rec: _Rec) -> None:
         """Count ``rec`` on this rank (:func:`~dmuon.functional.schedule.op_bytes`)."""
-        c = self._counters.setdefault(rec.op.lane, {"collectives": 0, "sent_bytes": 0,
-                                                    "received_bytes": 0})
-        sent, received = op_bytes(rec.op, rec.position, rec.group_size)
-        c["collectives"] += 1
-        c["sent_bytes"] += sent
-        c["received_bytes"] += received
+        c = self._counters.setdefault(rec.op.lane, dict.fromkeys(_COUNTS, 0))
+        for k, v in zip(_COUNTS, (1, *op_bytes(rec.op, rec.position, rec.group_size))):
+            c[k] += v
 
     _LANE_WHAT = {"unshard": "weight gather (forward / backward pre-hook)",
                   "reduce": "gradient reduce (backward)",
