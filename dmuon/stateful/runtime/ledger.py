@@ -89,9 +89,6 @@ class GradLedger:
         self.track_finite = False
         self.nonfinite: Optional[torch.Tensor] = None
 
-    def state(self, name: str) -> Held:
-        return self.records[name].state
-
     # ------------------------------------------------------------------ backward
     def add_local(self, name: str, grad: torch.Tensor) -> None:
         """A local gradient arrived (accumulated onto one not sent yet)."""

@@ -19,7 +19,7 @@ from dmuon.functional.program import StepProgram, step_program
 from dmuon.functional.schedule import Schedule
 from dmuon.functional.split_plan import runtime_owners
 from dmuon.functional.tp_plan import tp_step_schedule
-from dmuon.functional.policy import resolve_group_dtypes
+from dmuon.functional.policy import resolve_model_dtypes
 from dmuon.compat.fsdp_info import find_fsdp_state, fsdp_holders, mean_to_fsdp_scale
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
@@ -94,7 +94,11 @@ class DedicatedState:
         self.storage = DedicatedStorage(self.params, self.owners, groups, self.G, self.R,
                                         self.coord, shapes=meta_shapes, device=meta_device,
                                         master_dtypes=master_dtypes)
-        self.pool = GradBufferPool(self.coord[0], self.storage.device)
+        # the storage's facts, read-only (masters: this rank's column's; HSDP: the owner's column)
+        st = self.storage
+        self.device, self.masters, self.shape = st.device, st.masters, st.shape
+        self.orig_dtype, self.master_dtype = st.orig_dtype, st.master_dtype
+        self.pool = GradBufferPool(self.coord[0], self.device)
         self.tp_schedule = self._tp_schedule()
         self.groups: dict[str, DedicatedParamGroup] = {
             key: DedicatedParamGroup(
@@ -132,28 +136,6 @@ class DedicatedState:
         #: opened by dedicate_params), or None
         self.meta_init: Any = None
 
-    # ------------------------------------------------------------------ read-only views
-    @property
-    def device(self) -> torch.device:
-        return self.storage.device
-
-    @property
-    def masters(self) -> dict[str, torch.Tensor]:
-        """``{name: master}`` of this rank's column (HSDP: every rank of the owner's column)."""
-        return self.storage.masters
-
-    @property
-    def shape(self) -> dict[str, tuple[int, ...]]:
-        return self.storage.shape
-
-    @property
-    def orig_dtype(self) -> dict[str, torch.dtype]:
-        return self.storage.orig_dtype
-
-    @property
-    def master_dtype(self) -> dict[str, torch.dtype]:
-        return self.storage.master_dtype
-
     def finish_meta_init(self, what: str) -> None:
         """Close the init window of a meta-built model (collective; no-op when none is open;
         see :meth:`dmuon.stateful.modes.meta_init.MetaInit.finish`)."""
@@ -186,25 +168,19 @@ class DedicatedState:
             if renamed_params(self, model):
                 raise renamed_error(self, model, "dmuon (first forward)")
         holders = fsdp_holders(model, self.names, lambda n: self.groups[self.group_of[n]].module)
-        for g in self.groups.values():
-            own = find_fsdp_state(model, g.module)
-            parts: dict[int, list[str]] = {}
-            for n in g.names:  # each matrix follows the fully_shard module that holds it
-                parts.setdefault(id(holders[n]), []).append(n)
-            for names in parts.values():
-                fsdp = holders[names[0]]
-                pol = self.mp_policy if self.mp_policy is not None else fsdp_mp_policy(fsdp)
-                c, r, cd, rd = resolve_group_dtypes(
-                    g.key or "<root>", {n: self.orig_dtype[n] for n in names},
-                    group_param_dtype=getattr(pol, "param_dtype", None),
-                    group_reduce_dtype=getattr(pol, "reduce_dtype", None),
-                    rule_param_dtype=self.rule_param_dtype,
-                    rule_reduce_dtype=self.rule_reduce_dtype)
-                if fsdp is own or g.compute_dtype is None:
-                    g.compute_dtype, g.reduce_dtype = c, r
-                self.compute_dtype.update(cd)
-                self.reduce_dtype.update(rd)
-                self._fsdp_states.update(dict.fromkeys(names, fsdp))
+        pols = {id(h): self.mp_policy if self.mp_policy is not None else fsdp_mp_policy(h)
+                for h in holders.values()}  # each matrix follows the fully_shard module holding it
+        defaults, gathered, reduce = resolve_model_dtypes(
+            {k: g.names for k, g in self.groups.items()}, {n: id(h) for n, h in holders.items()},
+            {k: id(find_fsdp_state(model, g.module)) for k, g in self.groups.items()},
+            {h: (getattr(p, "param_dtype", None), getattr(p, "reduce_dtype", None))
+             for h, p in pols.items()}, self.orig_dtype,
+            rule_param_dtype=self.rule_param_dtype, rule_reduce_dtype=self.rule_reduce_dtype)
+        for k, g in self.groups.items():
+            g.compute_dtype, g.reduce_dtype = defaults.get(k, (None, None))
+        self.compute_dtype.update(gathered)
+        self.reduce_dtype.update(reduce)
+        self._fsdp_states.update(holders)
         cdt, rdt = self.compute_dtype, self.reduce_dtype
         self.program = step_program(
             self.owners, self.shape, cdt, reduce_dtypes=rdt, master_dtypes=self.master_dtype,
@@ -446,9 +422,6 @@ class DedicatedState:
         caller can issue its own collectives (state dicts, checkpoints). Local."""
         self._collect()
         self.wait_publish()
-
-    def has_pending_reduces(self) -> bool:
-        return any(g.inflight_reduces for g in self.groups.values())
 
     def clear_grads(self) -> None:
         """Drop local and reduced grads (``Muon.zero_grad``, ``step``); buffers back to the pool."""
