@@ -244,19 +244,19 @@ class Executor:
         rec = _Rec(op=op, seq=self._seq, view=None, root=root, group_size=n, position=pos,
                    deps=deps + after, executor=self)
         self._seq += 1
-        if takes_part and isinstance(op, ShardBuckets) and (n > 1 or self.issue_trivial):
+        if not takes_part or (n <= 1 and not self.issue_trivial):
+            return rec
+        rec.group = mg.member_group(op.members) if op.axis == "group" else mg.group(op.lane)
+        if isinstance(op, ShardBuckets):
             rec.bufs = tuple(None if k is None else self._bucket(op, k, n_, buffers)
                              for k, n_ in zip(op.keys, op.sizes))
             rec.view = next(b for b in rec.bufs if b is not None).narrow(0, 0, 0)
-            rec.group = mg.group(op.lane)
-        elif takes_part and (n > 1 or self.issue_trivial):
-            # a member's own part is all a gather / scatter needs of it
-            part = (op.parts[pos][1] if isinstance(op, (Gather, Scatter)) and pos != op.root
-                    else None)
-            buf = self._bucket(op, op.bucket, op.offset + op.numel, buffers, part)
-            rec.part_only = part is not None and buf.numel() == part
-            rec.view = buf if rec.part_only else buf.narrow(0, op.offset, op.numel)
-            rec.group = mg.member_group(op.members) if op.axis == "group" else mg.group(op.lane)
+            return rec
+        # a member's own part is all a gather / scatter needs of it
+        part = op.parts[pos][1] if isinstance(op, (Gather, Scatter)) and pos != op.root else None
+        buf = self._bucket(op, op.bucket, op.offset + op.numel, buffers, part)
+        rec.part_only = part is not None and buf.numel() == part
+        rec.view = buf if rec.part_only else buf.narrow(0, op.offset, op.numel)
         return rec
 
     def _bucket(self, op: Op, key: BucketKey, numel: int, buffers: Mapping[BucketKey, Tensor],
@@ -268,7 +268,8 @@ class Executor:
         if buf is None:
             raise KeyError(f"rank {mg.rank} {mg.coord} takes part in op {op.id!r} but no buffer "
                            f"for bucket {key} was given")
-        if buf.dim() != 1 or not buf.is_contiguous() or (buf.numel() < numel and buf.numel() != part):
+        if buf.dim() != 1 or not buf.is_contiguous() or (
+                buf.numel() < numel and buf.numel() != part):
             raise ValueError(f"bucket {key} must be a contiguous 1-D tensor with at least "
                              f"{numel} elements, got {tuple(buf.shape)}")
         if str(buf.dtype) != op.dtype:
@@ -340,29 +341,22 @@ class Executor:
         dev = next(r.view.device for r in recs if r.view is not None)
         producer = torch.cuda.Event()
         producer.record(torch.cuda.current_stream(dev))
-        waited: set[str] = set()
+        for lane in dict.fromkeys(r.op.lane for r in recs if r.view is not None):
+            self.lane_stream(lane, dev).wait_event(producer)
         for rec in recs:
+            rec.issued = True
             if rec.view is None:
-                rec.issued = True
                 continue
-            op = rec.op
-            st = self.lane_stream(op.lane, dev)
-            if op.lane not in waited:
-                st.wait_event(producer)
-                waited.add(op.lane)
+            st = self.lane_stream(rec.op.lane, dev)
             for ev in {id(e): e for d in rec.deps for e in d.events()}.values():
                 st.wait_event(ev)
             with torch.cuda.stream(st):
-                work = _collective(rec)
-                work.wait()          # lane stream waits on the collective: no host sync
-                rec.view.record_stream(st)
-                for b in rec.bufs:   # a ShardBuckets op touched every column's bucket
+                _collective(rec).wait()  # the lane stream waits on the collective: no host sync
+                for b in (rec.view, *rec.bufs):  # a ShardBuckets op: every column's bucket
                     if b is not None:
                         b.record_stream(st)
-                ev = torch.cuda.Event()
-                ev.record(st)
-            rec.event = ev
-            rec.issued = True
+                rec.event = torch.cuda.Event()
+                rec.event.record(st)
             self._count(rec)
 
 
