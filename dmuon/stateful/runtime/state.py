@@ -18,7 +18,7 @@ from dmuon.functional.buckets import HookGroups
 from dmuon.functional.program import StepProgram, step_program
 from dmuon.functional.schedule import Schedule
 from dmuon.functional.split_plan import runtime_owners
-from dmuon.functional.tp_plan import tp_step_schedule
+from dmuon.functional.tp_plan import grid_tp_schedule
 from dmuon.functional.policy import resolve_model_dtypes
 from dmuon.compat.fsdp_info import find_fsdp_state, fsdp_holders, mean_to_fsdp_scale
 from dmuon.compat.fsdp_patch import check_not_taken_over
@@ -99,7 +99,11 @@ class DedicatedState:
         self.device, self.masters, self.shape = st.device, st.masters, st.shape
         self.orig_dtype, self.master_dtype = st.orig_dtype, st.master_dtype
         self.pool = GradBufferPool(self.coord[0], self.device)
-        self.tp_schedule = self._tp_schedule()
+        # the step program's ``tp`` phase (TP's NS gathers / scatters), or None without TP
+        self.tp_schedule: Optional[Schedule] = None if not self.tp_layouts else grid_tp_schedule(
+            mesh_groups.tp_grids, self.owners,
+            {n: self.tp_layouts[n].shape for n in self.names if n in self.tp_layouts},
+            {n: str(self.master_dtype[n]) for n in self.tp_layouts}, dist.get_world_size())
         self.groups: dict[str, DedicatedParamGroup] = {
             key: DedicatedParamGroup(
                 key=key, module=group_modules[key], names=groups.names(key), storage=self.storage,
@@ -194,19 +198,6 @@ class DedicatedState:
             g.setup(self.program)
         self.storage.set_placeholder_dtypes(cdt)
         self.ready = True
-
-    def _tp_schedule(self) -> Optional[Schedule]:
-        """The step program's ``tp`` phase (TP's NS gathers / scatters), or ``None`` without TP."""
-        if not self.tp_layouts:
-            return None
-        grids = self.mesh_groups.tp_grids
-        coords = [(s, r) for r in range(self.R) for s in range(self.G)]
-        return tp_step_schedule(
-            [[tg[r][s] for tg in grids] for s, r in coords],
-            [{n: self.tp_layouts[n].shape for n in self.names
-              if n in self.tp_layouts and self.owners[n] == c} for c in coords],
-            {n: str(self.master_dtype[n]) for n in self.tp_layouts},
-            world_size=dist.get_world_size())
 
     # ------------------------------------------------------------------ the listener
     def set_listener(self, listener: Any) -> None:
