@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from dmuon.functional.group_layout import check_grids, grid_position, group_ranks, standard_grid
 from dmuon.functional.schedule import LANE_AXIS, LANES
-from dmuon.functional.setup_check import Grid, RankSetup, check_setups
+from dmuon.functional.setup_check import Grid, RankSetup, check_setups, error_type
 from dmuon.stateful.runtime.agree import gather
 
 log = logging.getLogger(__name__)
@@ -156,11 +156,8 @@ def agree_grids(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Se
         return verdict.grids
     if local_err is not None:
         raise local_err
-    kinds = {s.error[0] for s in setups if s.error is not None}
-    exc = {"RuntimeError": RuntimeError, "TypeError": TypeError,
-           "NotImplementedError": NotImplementedError}.get(kinds.pop() if len(kinds) == 1 else "",
-                                                           ValueError)
-    raise exc(f"{what} failed (nothing was changed on any rank): " + " | ".join(verdict.problems))
+    raise error_type(setups)(f"{what} failed (nothing was changed on any rank): "
+                             + " | ".join(verdict.problems))
 
 
 def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | None = None,
