@@ -21,7 +21,7 @@ from dmuon.functional.buckets import BucketKey
 from dmuon.functional.schedule import (LANES, AllGather, AllReduce, Broadcast, Gather, Op, Reduce,
                                        Schedule, Scatter, ShardBuckets, op_bytes)
 from dmuon.kernels.streams import side_stream
-from dmuon.stateful.runtime.process_groups import MeshGroups
+from dmuon.stateful.runtime.process_groups import MeshGroups, make_process_groups
 from dmuon.stateful.runtime.shard_buckets import Works, shard_buckets
 
 log = logging.getLogger(__name__)
@@ -364,6 +364,5 @@ def mesh_executor(shard_size: int, replicate_size: int = 1, *, timeout: Any = No
     """An :class:`Executor` over the world as ``replicate_size`` replicas of ``shard_size`` ranks
     (``r * G + s``; collective: every rank calls it). ``executor.run`` is the runner a pure step
     takes (:func:`dmuon.functional.step.rank_step`)."""
-    from dmuon.stateful.runtime.process_groups import make_process_groups
     return Executor(make_process_groups(shard_size=shard_size, replicate_size=replicate_size,
                                         timeout=timeout), timeout=timeout)

@@ -23,6 +23,7 @@ from dmuon.functional.policy import resolve_model_dtypes
 from dmuon.compat.fsdp_info import find_fsdp_state, fsdp_holders, mean_to_fsdp_scale
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
+from dmuon.stateful.runtime.agree import gather, join as join_ranks
 from dmuon.stateful.runtime.executor import Executor
 from dmuon.stateful.runtime.guards import check_not_written, keep_dmuon_hook_last
 from dmuon.stateful.runtime.ledger import GradLedger
@@ -111,7 +112,7 @@ class DedicatedState:
             for key in groups.order}
         self.group_of = groups.as_mapping()
         self.order: list[str] = list(groups.order)  # forward order; agreed at the first forward
-        self._seen_order: list[str] = []
+        self._seen_order: dict[str, None] = {}  # the first forward's order (an ordered set)
         self._order_final = False
         self._calls: dict[str, int] = {}   # calls of each group in the current forward
         self.reused: set[str] = set()      # groups once called twice in a forward: reduce at the end
@@ -151,8 +152,7 @@ class DedicatedState:
         (:func:`dmuon.stateful.runtime.agree.join`). ``always=False``: only when the call moves
         dedicated matrices (``G > 1``, TP, meta init; DDP mode's saves are local)."""
         if always or self.G > 1 or self.tp_layouts or self.meta_init is not None:
-            from dmuon.stateful.runtime.agree import join
-            join(what)
+            join_ranks(what)
 
     def owned_masters(self) -> dict[str, torch.Tensor]:
         """``{name: master}`` of the matrices this rank runs Muon on (fixed at setup)."""
@@ -228,8 +228,8 @@ class DedicatedState:
         self._calls[key] = self._calls.get(key, 0) + 1
         if self._calls[key] > 1:
             self.reused.add(key)
-        if not self._order_final and key not in self._seen_order:
-            self._seen_order.append(key)
+        if not self._order_final:
+            self._seen_order.setdefault(key)
 
     def finalize_order(self) -> None:
         """End of the first forward: agree the forward order across ranks (one all-gather, once);
@@ -237,9 +237,7 @@ class DedicatedState:
         if self._order_final or not self._seen_order:
             return
         self._order_final = True
-        rest = [k for k in self.order if k not in self._seen_order]
-        mine = tuple(self._seen_order + rest)
-        from dmuon.stateful.runtime.agree import gather  # local: this file is being rewritten
+        mine = (*self._seen_order, *(k for k in self.order if k not in self._seen_order))
         orders = gather(mine, what="forward-order agreement (first forward)", via=self.mesh_groups)
         if len(set(orders)) == 1:
             self.order = list(mine)
