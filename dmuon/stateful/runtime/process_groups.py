@@ -34,7 +34,6 @@ class MeshGroups:
       grid: ``grid[r][s]`` = global rank of ``(s, r)``.
       rank: this process's global rank.  coord: its ``(s, r)``.
       groups: ``lane -> the process group of that lane containing this rank``.
-      backend: backend name of the groups (``"gloo"``, ``"nccl"``, ...).
       control: a group of the whole world with dmuon's timeout, for dmuon's own small collectives
         outside the schedules (finiteness and usage checks, the forward-order agreement, clipping,
         state dicts), so that none of them waits on the default group's bound.
@@ -47,7 +46,6 @@ class MeshGroups:
     rank: int
     coord: tuple[int, int]
     groups: Mapping[str, Any]
-    backend: str
     control: Any = None
     timeout: Optional[datetime.timedelta] = None
     #: tensor parallelism: the group of the ranks holding the other slices of this rank's
@@ -229,7 +227,7 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
     G, R, T = len(all_grids[0][0]), len(all_grids[0]), len(all_grids)
     log.debug("dmuon process groups: G=%d R=%d T=%d rank=%d coord=%s lanes=%s", G, R, T, me,
               coord, list(groups))
-    made = MeshGroups(G, R, all_grids[tp_index], me, coord, groups, be, control=mine["control"][0],
+    made = MeshGroups(G, R, all_grids[tp_index], me, coord, groups, control=mine["control"][0],
                       timeout=timeout, tp_group=tp_group, tp_size=T, tp_index=tp_index,
                       tp_ranks=tp_ranks, tp_grids=all_grids if T > 1 else ())
     _REUSE[key] = made

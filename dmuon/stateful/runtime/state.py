@@ -316,12 +316,13 @@ class DedicatedState:
         if not self._keep_gathered:
             g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
 
-    def _launch_due_reduces(self) -> None:
-        """Launch, in the fixed reduce order, each complete group whose predecessors are launched."""
+    def _launch_due_reduces(self, every: bool = False) -> None:
+        """Launch, in the fixed reduce order, each complete group whose predecessors are launched
+        (``every``: complete or not, at the end of a backward)."""
         order = self._reduce_order
         while self._reduce_next < len(order):
             key = order[self._reduce_next]
-            if self.groups[key].grad_state is not GradState.COMPLETE:
+            if not every and self.groups[key].grad_state is not GradState.COMPLETE:
                 return
             self._launch_reduce(key)
             self._reduce_next += 1
@@ -336,11 +337,9 @@ class DedicatedState:
         self._callback_queued = False
         self.wait_publish()  # publishes of groups this forward did not use
         if self.require_grad_sync:
-            for key in self._reduce_order[self._reduce_next:]:
-                self._launch_reduce(key)
-        self._reduce_next = 0
-        if self.require_grad_sync:
+            self._launch_due_reduces(every=True)
             self.ledger.fresh = True
+        self._reduce_next = 0
         create_graph, self._keep_gathered = self._keep_gathered, False
         for g in self.groups.values():
             # Z2 keeps its copy across no_sync micro-batches; create_graph: on_backward_start
