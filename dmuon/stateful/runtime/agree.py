@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from dmuon.compat.torch_api import default_store
 from dmuon.functional.rank_report import describe_problems, describe_values
 from dmuon.functional.tp_step import max_keeping_nan
 
@@ -120,7 +121,8 @@ class NotOnEveryRankError(RuntimeError):
 
 def _join_error(what: str, fix: str, detail: str) -> NotOnEveryRankError:
     return NotOnEveryRankError(
-        f"dmuon: {what} is collective on a dmuon model: {detail}. {fix} Nothing was sent; "
+        f"dmuon: {what} is collective on a dmuon model: {detail}: state_dict / save is "
+        f"collective: call it on every rank. {fix} Nothing was sent; "
         f"the call can be made again on every rank. (A rank that is only slow to get here "
         f"can be given longer: {JOIN_ENV}=seconds.)")
 
@@ -137,9 +139,6 @@ def join(what: str, *, fix: str = SAVE_FIX) -> None:
       NotOnEveryRankError: some rank did not come within ``DMUON_JOIN_TIMEOUT_S`` seconds
         (default 30), on the ranks that entered; at once on a rank that comes after another gave up.
     """
-    import torch.distributed as dist
-
-    from dmuon.compat.torch_api import default_store
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     store = default_store()
@@ -157,8 +156,7 @@ def join(what: str, *, fix: str = SAVE_FIX) -> None:
     n = store.add(key + "/n", 1)
     if n >= _POISON:
         raise _join_error(what, fix, f"another rank gave up waiting for this one at this call "
-                          f"after {bound:g} s (this is rank {rank}): state_dict / save is "
-                          "collective: call it on every rank")
+                          f"after {bound:g} s (this is rank {rank})")
     if n == world:
         store.set(key + "/go", "ok")
     deadline, nap = time.monotonic() + bound, 0.001
@@ -180,5 +178,5 @@ def join(what: str, *, fix: str = SAVE_FIX) -> None:
         except Exception:  # noqa: BLE001
             missing = "some rank(s)"
         raise _join_error(what, fix, f"{missing} did not reach it within {bound:g} s (this is "
-                          f"rank {rank}): state_dict / save is collective: call it on every rank")
+                          f"rank {rank})")
     _join_done[id(store)] = seq
