@@ -181,6 +181,9 @@ def test_check_setups_pure():
     assert dup.grid is None and "covers ranks [0, 0]" in dup.problems[0]
     err = check_setups([S(0, (0, 1), error=("ValueError", "x")), S(1, (0, 1))], 2)
     assert err.problems == ("on ranks [0]: ValueError: x",)
+    from dmuon.functional.setup_check import error_type  # the type every rank raises it as
+    assert error_type([S(0, (0, 1), error=("TypeError", "x")), S(1, (0, 1))]) is TypeError
+    assert error_type([S(0, error=("TypeError", "x")), S(1, error=("KeyError", "y"))]) is ValueError
     assert check_fsdp_meshes(((0, 1),), "cpu", [("", (1, 0), "cpu")]) == ()
     (msg,) = check_fsdp_meshes(((0, 1),), "cpu", [("", (0, 1), "cuda"), ("l", (0, 1), "cuda")])
     assert "['<root>', 'l']" in msg and "'cuda'" in msg

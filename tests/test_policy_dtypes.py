@@ -266,3 +266,24 @@ def test_resolve_group_dtypes_precedence():
     with pytest.raises(ValueError, match="mixes param dtypes"):
         resolve_group_dtypes("g", orig, group_param_dtype=None, group_reduce_dtype=None,
                              rule_param_dtype={}, rule_reduce_dtype={})
+
+
+def test_resolve_model_dtypes_each_param_follows_its_holder():
+    """A param follows the fully_shard module holding it; a group's defaults are its own
+    module's part's (else its first part's)."""
+    from dmuon.functional.policy import resolve_model_dtypes
+    bf, f32 = torch.bfloat16, torch.float32
+    orig = {"x.a": f32, "x.y.b": f32, "z.c": f32}
+    groups = {"x": ["x.a", "x.y.b"], "z": ["z.c"], "": []}
+    holder = {"x.a": "X", "x.y.b": "Y", "z.c": "R"}  # x.y is fully_shard-ed inside x
+    policy = {"X": (None, None), "Y": (bf, f32), "R": (bf, None)}
+    defaults, c, r = resolve_model_dtypes(groups, holder, {"x": "Y", "z": "X", "": "R"}, policy,
+                                          orig, rule_param_dtype={}, rule_reduce_dtype={})
+    assert c == {"x.a": f32, "x.y.b": bf, "z.c": bf} and r == {"x.a": f32, "x.y.b": f32, "z.c": bf}
+    assert defaults == {"x": (bf, f32), "z": (bf, bf)}  # z: its first (only) part's
+
+
+def test_master_dtype_for_is_the_wider_of_the_param_dtype_and_fp32():
+    from dmuon.functional.policy import master_dtype_for
+    assert [master_dtype_for(d) for d in (torch.bfloat16, torch.float32, torch.float64)] == [
+        torch.float32, torch.float32, torch.float64]

@@ -75,3 +75,16 @@ def test_schedule_simulates_gather_ns_scatter():
     # bytes: per matrix, (T-1)/T P into the root and P/T into the other member
     tr = sched.traffic()
     assert sum(tr.rank_received(r) for r in range(4)) == 2 * 2 * (24 + 16) * 8 // 2
+
+
+def test_grid_tp_schedule_one_tp_group_per_dp_coordinate():
+    """Over one dp grid per TP index, each (s, r)'s TP group runs the NS of the matrices owned
+    at (s, r): the same schedule as tp_step_schedule given those groups."""
+    from dmuon.functional.tp_plan import grid_tp_schedule, tp_step_schedule
+    grids = [((0, 2),), ((1, 3),)]  # T=2, R=1, G=2: TP groups [0, 1] at s=0 and [2, 3] at s=1
+    shapes = {"a": (4, 6), "b": (8, 2), "c": (2, 2)}
+    owners = {"a": (1, 0), "b": (0, 0), "c": (1, 0)}
+    dtypes = {n: "torch.float32" for n in shapes}
+    got = grid_tp_schedule(grids, owners, shapes, dtypes, 4)
+    assert got == tp_step_schedule([[0, 1], [2, 3]], [{"b": (8, 2)}, {"a": (4, 6), "c": (2, 2)}],
+                                   dtypes, world_size=4)

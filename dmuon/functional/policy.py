@@ -36,14 +36,15 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 
 import torch
 
 from dmuon.functional.matrix_view import Batch, MatrixView, Split, Transposed, VIEW_RULES, as_view
 
 __all__ = ["Rule", "ParamPolicy", "Decision", "default_view", "module_kind", "MODULE_KINDS",
-           "DTYPE_FIELDS", "RULE_DTYPES", "resolve_group_dtypes"]
+           "DTYPE_FIELDS", "RULE_DTYPES", "master_dtype_for", "resolve_group_dtypes",
+           "resolve_model_dtypes"]
 
 #: What :func:`module_kind` reports about the module owning a param.
 MODULE_KINDS = ("experts", "experts_interleaved", "experts_transposed", "conv", "conv1d", "other")
@@ -176,6 +177,13 @@ class Decision:
     master_dtype: Optional[torch.dtype] = None
 
 
+def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """The master dtype of a param: the wider of its dtype and fp32 (fp64 stays fp64)."""
+    if dtype.is_floating_point and torch.finfo(dtype).bits > 32:
+        return dtype
+    return torch.float32
+
+
 def resolve_group_dtypes(
         group: str, orig_dtype: Mapping[str, torch.dtype], *,
         group_param_dtype: Optional[torch.dtype], group_reduce_dtype: Optional[torch.dtype],
@@ -208,6 +216,47 @@ def resolve_group_dtypes(
     gathered = {n: rule_param_dtype.get(n, group_param_dtype or d) for n, d in orig_dtype.items()}
     reduce = {n: rule_reduce_dtype.get(n, group_reduce_dtype or gathered[n]) for n in orig_dtype}
     return default_c, group_reduce_dtype or default_c, gathered, reduce
+
+
+def resolve_model_dtypes(
+        groups: Mapping[str, Sequence[str]], holder: Mapping[str, Hashable],
+        own: Mapping[str, Hashable],
+        policy: Mapping[Hashable, tuple[Optional[torch.dtype], Optional[torch.dtype]]],
+        orig_dtype: Mapping[str, torch.dtype], *, rule_param_dtype: Mapping[str, torch.dtype],
+        rule_reduce_dtype: Mapping[str, torch.dtype],
+) -> tuple[dict[str, tuple[torch.dtype, torch.dtype]], dict[str, torch.dtype],
+           dict[str, torch.dtype]]:
+    """Every hook group's and every param's gathered-copy and reduce dtypes (pure): each param
+    follows the ``fully_shard`` module that holds it (``holder[name]``; its ``policy``:
+    ``(param_dtype, reduce_dtype)``), through :func:`resolve_group_dtypes` once per group and
+    holder.
+
+    Args:
+      groups: ``{hook-group key: its param names}``.  own: ``{key: the holder of the group's own
+        module}``.  orig_dtype, rule_param_dtype, rule_reduce_dtype: as
+        :func:`resolve_group_dtypes`'s.
+
+    Returns:
+      ``({key: (default gathered, default reduce)}, {name: gathered}, {name: reduce})``: a group's
+      defaults are its own module's part's, else its first part's.
+    """
+    defaults: dict[str, tuple[torch.dtype, torch.dtype]] = {}
+    gathered: dict[str, torch.dtype] = {}
+    reduce: dict[str, torch.dtype] = {}
+    for key, names in groups.items():
+        parts: dict[Hashable, list[str]] = {}
+        for n in names:
+            parts.setdefault(holder[n], []).append(n)
+        for h, part in parts.items():
+            c, r, cd, rd = resolve_group_dtypes(
+                key or "<root>", {n: orig_dtype[n] for n in part}, group_param_dtype=policy[h][0],
+                group_reduce_dtype=policy[h][1], rule_param_dtype=rule_param_dtype,
+                rule_reduce_dtype=rule_reduce_dtype)
+            if h == own[key] or key not in defaults:
+                defaults[key] = (c, r)
+            gathered.update(cd)
+            reduce.update(rd)
+    return defaults, gathered, reduce
 
 
 def module_kind(module: Any) -> str:

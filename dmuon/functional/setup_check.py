@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "check_setups"]
+__all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "check_setups", "error_type"]
 
 Grid = tuple[tuple[int, ...], ...]
 
@@ -137,6 +137,18 @@ def check_setups(setups: Sequence[RankSetup], world_size: int) -> SetupCheck:
     ok = not problems
     return SetupCheck(tuple(problems), grid if ok else None, (grid,) if ok else None)
 
+
+
+#: the exception types a failed check raises as (:func:`error_type`)
+_ERROR_TYPES = {"RuntimeError": RuntimeError, "TypeError": TypeError,
+                "NotImplementedError": NotImplementedError}
+
+
+def error_type(setups: Sequence[RankSetup]) -> type[Exception]:
+    """The type to raise a failed :func:`check_setups` as: the ranks' one kind of local error
+    (a ``RuntimeError``, ``TypeError`` or ``NotImplementedError``), else ``ValueError``."""
+    kinds = {su.error[0] for su in setups if su.error is not None}
+    return _ERROR_TYPES.get(kinds.pop() if len(kinds) == 1 else "", ValueError)
 
 def _check_tp_setups(setups: Sequence[RankSetup], world_size: int) -> SetupCheck:
     """:func:`check_setups` with tensor parallelism: one dp grid per TP index, aligned so that

@@ -13,7 +13,7 @@ from typing import Mapping, Optional, Sequence
 from dmuon.functional.buckets import BucketKey
 from dmuon.functional.schedule import Gather, Scatter, Schedule
 
-__all__ = ["ns_cost", "tp_roots", "tp_step_schedule", "tp_step_bytes"]
+__all__ = ["ns_cost", "tp_roots", "tp_step_schedule", "grid_tp_schedule", "tp_step_bytes"]
 
 
 def ns_cost(shape: Sequence[int]) -> int:
@@ -81,6 +81,20 @@ def tp_step_schedule(groups: Sequence[Sequence[int]],
             ops.append(Scatter(id=f"tp-scatter|{k}|{n}", src=root[n], waits=(gid,), **common))
     return Schedule(ops=tuple(ops), shard_size=int(world_size), replicate_size=1)
 
+
+
+def grid_tp_schedule(tp_grids: Sequence[Sequence[Sequence[int]]],
+                     owners: Mapping[str, Sequence[int]], shapes: Mapping[str, Sequence[int]],
+                     dtypes: Mapping[str, str], world_size: int) -> Schedule:
+    """:func:`tp_step_schedule` over one dp grid per TP index (``tp_grids[t][r][s]``): the TP
+    group of each ``(s, r)`` (its ranks in TP order) runs the NS of the TP-sliced matrices of
+    ``shapes`` (full shapes, in model order) whose owner is ``(s, r)``."""
+    R, G = len(tp_grids[0]), len(tp_grids[0][0])
+    coords = [(s, r) for r in range(R) for s in range(G)]
+    return tp_step_schedule(
+        [[tg[r][s] for tg in tp_grids] for s, r in coords],
+        [{n: sh for n, sh in shapes.items() if tuple(owners[n]) == c} for c in coords],
+        dtypes, world_size=world_size)
 
 def tp_step_bytes(shapes: Mapping[str, Sequence[int]], roots: Mapping[str, int], parts: int,
                   dtypes: Mapping[str, str]) -> list[int]:

@@ -12,19 +12,17 @@ from __future__ import annotations
 import math
 import os
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from dmuon.compat.torch_api import default_store
+from dmuon.functional.rank_report import describe_problems, describe_values
 from dmuon.functional.tp_step import max_keeping_nan
 
 __all__ = ["gather", "agree", "agree_equal", "rank_flags", "max_over_ranks", "join",
            "NotOnEveryRankError", "describe_problems", "describe_values"]
-
-#: at most this many groups of ranks, and this many messages per group, in a detail
-MAX_GROUPS = 8
-MAX_MESSAGES = 12
 
 
 def _group(via: Any) -> Any:
@@ -49,37 +47,6 @@ def gather(value: Any, *, what: str, via: Any = None) -> list[Any]:
     got: list[Any] = [None] * dist.get_world_size(_group(via))
     _run(via, what, lambda g: dist.all_gather_object(got, value, group=g))
     return got
-
-
-def describe_problems(problems: Mapping[int, Sequence[str]]) -> str:
-    """``"rank(s) [0, 2]: a; b | rank(s) [1]: c"``: each problem once, under the ranks that have
-    it (ranks with the same problems share one entry); ``""`` when no rank has one."""
-    ranks_of: dict[str, list[int]] = {}
-    for r in sorted(problems):
-        for p in dict.fromkeys(problems[r]):
-            ranks_of.setdefault(str(p), []).append(r)
-    by_ranks: dict[tuple[int, ...], list[str]] = {}
-    for p, rs in ranks_of.items():
-        by_ranks.setdefault(tuple(rs), []).append(p)
-    parts = []
-    for rs, ps in list(by_ranks.items())[:MAX_GROUPS]:
-        more = f"; ... ({len(ps) - MAX_MESSAGES} more)" if len(ps) > MAX_MESSAGES else ""
-        parts.append(f"rank(s) {list(rs)}: " + "; ".join(ps[:MAX_MESSAGES]) + more)
-    if len(by_ranks) > MAX_GROUPS:
-        parts.append(f"... ({len(by_ranks) - MAX_GROUPS} more groups of ranks)")
-    return " | ".join(parts)
-
-
-def describe_values(values: Sequence[Any], show: Callable[[Any], str] = str) -> str:
-    """``"ranks [0, 2]: x | ranks [1]: y"``: each distinct value (hashable) under the ranks that
-    hold it."""
-    ranks_of: dict[Any, list[int]] = {}
-    for r, v in enumerate(values):
-        ranks_of.setdefault(v, []).append(r)
-    parts = [f"ranks {rs}: {show(v)}" for v, rs in list(ranks_of.items())[:MAX_GROUPS]]
-    if len(ranks_of) > MAX_GROUPS:
-        parts.append(f"... ({len(ranks_of) - MAX_GROUPS} more values)")
-    return " | ".join(parts)
 
 
 def agree(problems: Sequence[str], *, what: str, error: Callable[[str], BaseException],
@@ -154,7 +121,8 @@ class NotOnEveryRankError(RuntimeError):
 
 def _join_error(what: str, fix: str, detail: str) -> NotOnEveryRankError:
     return NotOnEveryRankError(
-        f"dmuon: {what} is collective on a dmuon model: {detail}. {fix} Nothing was sent; "
+        f"dmuon: {what} is collective on a dmuon model: {detail}: state_dict / save is "
+        f"collective: call it on every rank. {fix} Nothing was sent; "
         f"the call can be made again on every rank. (A rank that is only slow to get here "
         f"can be given longer: {JOIN_ENV}=seconds.)")
 
@@ -171,9 +139,6 @@ def join(what: str, *, fix: str = SAVE_FIX) -> None:
       NotOnEveryRankError: some rank did not come within ``DMUON_JOIN_TIMEOUT_S`` seconds
         (default 30), on the ranks that entered; at once on a rank that comes after another gave up.
     """
-    import torch.distributed as dist
-
-    from dmuon.compat.torch_api import default_store
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     store = default_store()
@@ -191,8 +156,7 @@ def join(what: str, *, fix: str = SAVE_FIX) -> None:
     n = store.add(key + "/n", 1)
     if n >= _POISON:
         raise _join_error(what, fix, f"another rank gave up waiting for this one at this call "
-                          f"after {bound:g} s (this is rank {rank}): state_dict / save is "
-                          "collective: call it on every rank")
+                          f"after {bound:g} s (this is rank {rank})")
     if n == world:
         store.set(key + "/go", "ok")
     deadline, nap = time.monotonic() + bound, 0.001
@@ -214,5 +178,5 @@ def join(what: str, *, fix: str = SAVE_FIX) -> None:
         except Exception:  # noqa: BLE001
             missing = "some rank(s)"
         raise _join_error(what, fix, f"{missing} did not reach it within {bound:g} s (this is "
-                          f"rank {rank}): state_dict / save is collective: call it on every rank")
+                          f"rank {rank})")
     _join_done[id(store)] = seq

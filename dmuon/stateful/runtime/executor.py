@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -21,14 +21,16 @@ from dmuon.functional.buckets import BucketKey
 from dmuon.functional.schedule import (LANES, AllGather, AllReduce, Broadcast, Gather, Op, Reduce,
                                        Schedule, Scatter, ShardBuckets, op_bytes)
 from dmuon.kernels.streams import side_stream
-from dmuon.stateful.runtime.process_groups import MeshGroups
-from dmuon.stateful.runtime.shard_buckets import shard_buckets
+from dmuon.stateful.runtime.process_groups import MeshGroups, make_process_groups
+from dmuon.stateful.runtime.shard_buckets import Works, shard_buckets
 
 log = logging.getLogger(__name__)
 
 __all__ = ["Executor", "Pending", "mesh_executor"]
 
 _REDUCE_OPS = {"avg": dist.ReduceOp.AVG, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+#: a lane's counters (:meth:`Executor.counters`)
+_COUNTS = ("collectives", "sent_bytes", "received_bytes")
 
 
 @dataclass(eq=False)
@@ -49,7 +51,6 @@ class _Rec:
     handle: Any = None              # gloo work handle
     event: Any = None               # CUDA end event
     executor: Any = None            # for the context of a failed wait
-
 
     def complete(self) -> bool:
         """Finished on this rank (a skipped op: when its own dependencies are)."""
@@ -114,41 +115,17 @@ def _collective(rec: _Rec) -> Any:
     return dist.all_gather(parts, mine.clone(), **kw)  # AllGather
 
 
-class _Works:
-    """Several work handles as one (an uneven explicit-group op)."""
-
-    def __init__(self, works: list) -> None:
-        self.works = [w for w in works if w is not None]
-
-    def is_completed(self) -> bool:
-        return all(w.is_completed() for w in self.works)
-
-    def wait(self) -> bool:
-        for w in self.works:
-            w.wait()
-        return True
-
-
-def _uneven(rec: _Rec, parts: list, mine: Tensor, kw: dict) -> _Works:
+def _uneven(rec: _Rec, parts: list, mine: Tensor, kw: dict) -> Works:
     """An explicit-group op with uneven parts (or members out of rank order): one broadcast per
     part (all-gather) or point-to-point sends / receives with the root (gather / scatter)."""
-    op, group, me = rec.op, kw["group"], rec.position
+    op, group = rec.op, kw["group"]
     if isinstance(op, AllGather):
-        return _Works([dist.broadcast(p, src=op.members[j], **kw) for j, p in enumerate(parts)])
-    root = op.root
-    if me != root:
-        fn = dist.isend if isinstance(op, Gather) else dist.irecv
-        peer = {"dst": rec.root} if isinstance(op, Gather) else {"src": rec.root}
-        return _Works([fn(mine, group=group, **peer)])
-    works = []
-    for j, p in enumerate(parts):
-        if j == root or p.numel() == 0:
-            continue
-        if isinstance(op, Gather):
-            works.append(dist.irecv(p, src=op.members[j], group=group))
-        else:
-            works.append(dist.isend(p, dst=op.members[j], group=group))
-    return _Works(works)
+        return Works([dist.broadcast(p, src=op.members[j], **kw) for j, p in enumerate(parts)])
+    to_root = isinstance(op, Gather)  # a gather's parts go to the root, a scatter's come from it
+    if rec.position != op.root:
+        return Works([(dist.isend if to_root else dist.irecv)(mine, rec.root, group=group)])
+    return Works([(dist.irecv if to_root else dist.isend)(p, op.members[j], group=group)
+                  for j, p in enumerate(parts) if j != op.root and p.numel() > 0])
 
 
 class Pending:
@@ -212,17 +189,13 @@ class Executor:
         return {lane: dict(c) for lane, c in self._counters.items()}
 
     def reset_counters(self) -> None:
-        self._counters = {lane: {"collectives": 0, "sent_bytes": 0, "received_bytes": 0}
-                          for lane in LANES}
+        self._counters = {lane: dict.fromkeys(_COUNTS, 0) for lane in LANES}
 
     def _count(self, rec: _Rec) -> None:
         """Count ``rec`` on this rank (:func:`~dmuon.functional.schedule.op_bytes`)."""
-        c = self._counters.setdefault(rec.op.lane, {"collectives": 0, "sent_bytes": 0,
-                                                    "received_bytes": 0})
-        sent, received = op_bytes(rec.op, rec.position, rec.group_size)
-        c["collectives"] += 1
-        c["sent_bytes"] += sent
-        c["received_bytes"] += received
+        c = self._counters.setdefault(rec.op.lane, dict.fromkeys(_COUNTS, 0))
+        for k, v in zip(_COUNTS, (1, *op_bytes(rec.op, rec.position, rec.group_size))):
+            c[k] += v
 
     _LANE_WHAT = {"unshard": "weight gather (forward / backward pre-hook)",
                   "reduce": "gradient reduce (backward)",
@@ -233,12 +206,7 @@ class Executor:
         """The error raised when waiting on ``rec``'s collective fails: which dmuon operation,
         hook group, ranks and timeout, and what usually causes it."""
         op, mg = rec.op, self.groups
-        if op.axis == "shard":
-            ranks = mg.axis_ranks("shard")
-        elif op.axis == "group":
-            ranks = list(op.members)
-        else:
-            ranks = [mg.global_rank(op.at, r) for r in range(mg.replicate_size)]
+        ranks = mg.op_ranks(op)
         bound = f" (timeout {self.timeout})" if self.timeout is not None else ""
         return RuntimeError(
             f"dmuon: the {self._LANE_WHAT.get(op.lane, op.lane)} collective {op.id!r} "
@@ -264,15 +232,9 @@ class Executor:
     def _record(self, op: Op, buffers: Mapping[BucketKey, Tensor], by_id: dict[str, _Rec],
                 after: list[_Rec]) -> _Rec:
         mg = self.groups
-        s, r = mg.coord
-        if op.axis == "shard":
-            takes_part, root, n, pos = True, mg.global_rank(op.root, r), mg.shard_size, s
-        elif op.axis == "group":  # an explicit group of global ranks (tensor parallelism's lane)
-            takes_part, n, root = mg.rank in op.members, len(op.members), op.members[op.root]
-            pos = op.members.index(mg.rank) if takes_part else -1
-        else:
-            takes_part, root, n, pos = ((s == op.at), mg.global_rank(op.at, op.root),
-                                        mg.replicate_size, r)
+        ranks = mg.op_ranks(op)
+        takes_part, root, n = mg.rank in ranks, ranks[op.root], len(ranks)
+        pos = ranks.index(mg.rank) if takes_part else -1
         deps = []
         for w in op.waits:
             if w not in by_id:
@@ -282,38 +244,32 @@ class Executor:
         rec = _Rec(op=op, seq=self._seq, view=None, root=root, group_size=n, position=pos,
                    deps=deps + after, executor=self)
         self._seq += 1
-        if takes_part and isinstance(op, ShardBuckets) and (n > 1 or self.issue_trivial):
+        if not takes_part or (n <= 1 and not self.issue_trivial):
+            return rec
+        rec.group = mg.member_group(op.members) if op.axis == "group" else mg.group(op.lane)
+        if isinstance(op, ShardBuckets):
             rec.bufs = tuple(None if k is None else self._bucket(op, k, n_, buffers)
                              for k, n_ in zip(op.keys, op.sizes))
             rec.view = next(b for b in rec.bufs if b is not None).narrow(0, 0, 0)
-            rec.group = mg.group(op.lane)
-        elif takes_part and (n > 1 or self.issue_trivial):
-            try:
-                buf = buffers[op.bucket]
-            except KeyError:
-                raise KeyError(f"rank {mg.rank} {mg.coord} takes part in op {op.id!r} but no "
-                               f"buffer for bucket {op.bucket} was given") from None
-            if (isinstance(op, (Gather, Scatter)) and pos != op.root and buf.dim() == 1
-                    and buf.numel() == op.parts[pos][1] and buf.is_contiguous()):
-                rec.part_only = True  # a member's own part is all a gather / scatter needs of it
-            elif buf.dim() != 1 or buf.numel() < op.offset + op.numel or not buf.is_contiguous():
-                raise ValueError(f"bucket {op.bucket} must be a contiguous 1-D tensor with at least "
-                                 f"{op.offset + op.numel} elements, got {tuple(buf.shape)}")
-            if str(buf.dtype) != op.dtype:
-                raise ValueError(f"op {op.id!r} expects {op.dtype}, bucket tensor is {buf.dtype}")
-            rec.view = buf if rec.part_only else buf.narrow(0, op.offset, op.numel)
-            rec.group = mg.member_group(op.members) if op.axis == "group" else mg.group(op.lane)
+            return rec
+        # a member's own part is all a gather / scatter needs of it
+        part = op.parts[pos][1] if isinstance(op, (Gather, Scatter)) and pos != op.root else None
+        buf = self._bucket(op, op.bucket, op.offset + op.numel, buffers, part)
+        rec.part_only = part is not None and buf.numel() == part
+        rec.view = buf if rec.part_only else buf.narrow(0, op.offset, op.numel)
         return rec
 
-    def _bucket(self, op: Op, key: BucketKey, numel: int,
-                buffers: Mapping[BucketKey, Tensor]) -> Tensor:
-        """This rank's bucket ``key`` for ``op`` (a :class:`ShardBuckets` part), checked."""
+    def _bucket(self, op: Op, key: BucketKey, numel: int, buffers: Mapping[BucketKey, Tensor],
+                part: Optional[int] = None) -> Tensor:
+        """This rank's bucket ``key`` for ``op``, checked: a contiguous 1-D tensor of at least
+        ``numel`` elements, or of exactly ``part`` (a gather / scatter member's own part)."""
         mg = self.groups
         buf = buffers.get(key)
         if buf is None:
             raise KeyError(f"rank {mg.rank} {mg.coord} takes part in op {op.id!r} but no buffer "
                            f"for bucket {key} was given")
-        if buf.dim() != 1 or buf.numel() < numel or not buf.is_contiguous():
+        if buf.dim() != 1 or not buf.is_contiguous() or (
+                buf.numel() < numel and buf.numel() != part):
             raise ValueError(f"bucket {key} must be a contiguous 1-D tensor with at least "
                              f"{numel} elements, got {tuple(buf.shape)}")
         if str(buf.dtype) != op.dtype:
@@ -385,29 +341,22 @@ class Executor:
         dev = next(r.view.device for r in recs if r.view is not None)
         producer = torch.cuda.Event()
         producer.record(torch.cuda.current_stream(dev))
-        waited: set[str] = set()
+        for lane in dict.fromkeys(r.op.lane for r in recs if r.view is not None):
+            self.lane_stream(lane, dev).wait_event(producer)
         for rec in recs:
+            rec.issued = True
             if rec.view is None:
-                rec.issued = True
                 continue
-            op = rec.op
-            st = self.lane_stream(op.lane, dev)
-            if op.lane not in waited:
-                st.wait_event(producer)
-                waited.add(op.lane)
+            st = self.lane_stream(rec.op.lane, dev)
             for ev in {id(e): e for d in rec.deps for e in d.events()}.values():
                 st.wait_event(ev)
             with torch.cuda.stream(st):
-                work = _collective(rec)
-                work.wait()          # lane stream waits on the collective: no host sync
-                rec.view.record_stream(st)
-                for b in rec.bufs:   # a ShardBuckets op touched every column's bucket
+                _collective(rec).wait()  # the lane stream waits on the collective: no host sync
+                for b in (rec.view, *rec.bufs):  # a ShardBuckets op: every column's bucket
                     if b is not None:
                         b.record_stream(st)
-                ev = torch.cuda.Event()
-                ev.record(st)
-            rec.event = ev
-            rec.issued = True
+                rec.event = torch.cuda.Event()
+                rec.event.record(st)
             self._count(rec)
 
 
@@ -415,6 +364,5 @@ def mesh_executor(shard_size: int, replicate_size: int = 1, *, timeout: Any = No
     """An :class:`Executor` over the world as ``replicate_size`` replicas of ``shard_size`` ranks
     (``r * G + s``; collective: every rank calls it). ``executor.run`` is the runner a pure step
     takes (:func:`dmuon.functional.step.rank_step`)."""
-    from dmuon.stateful.runtime.process_groups import make_process_groups
     return Executor(make_process_groups(shard_size=shard_size, replicate_size=replicate_size,
                                         timeout=timeout), timeout=timeout)

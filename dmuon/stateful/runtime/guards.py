@@ -22,12 +22,12 @@ __all__ = ["DedicatedParamError", "saving_state_dict", "DedicatedPlaceholder", "
            "TPSliceGuard", "to_placeholder", "to_plain", "to_tp_slice_guard", "make_marker",
            "guard_module_apply"]
 
+_NORM_HINT = ("dmuon.clip_grad_norm_(model, max_norm) (torch's clip_grad_norm_ cannot see "
+              "gradients held by their owner ranks)")
 #: what dmuon offers instead, by the name of the torch function that was refused
 _HINTS = {
-    "linalg_vector_norm": "dmuon.clip_grad_norm_(model, max_norm) (torch's clip_grad_norm_ "
-                          "cannot see gradients held by their owner ranks)",
-    "_foreach_norm": "dmuon.clip_grad_norm_(model, max_norm) (torch's clip_grad_norm_ cannot see "
-                     "gradients held by their owner ranks)",
+    "linalg_vector_norm": _NORM_HINT,
+    "_foreach_norm": _NORM_HINT,
     "norm": "dmuon.clip_grad_norm_(model, max_norm)",
     "clamp_": "dmuon.clip_grad_value_(model, clip_value) (torch's clip_grad_value_ may have "
               "clamped FSDP2's gradients before this one: call optimizer.zero_grad() and redo the "

@@ -7,7 +7,6 @@ Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.hooks".
 """
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from typing import Any
 
@@ -17,11 +16,10 @@ from torch.autograd.profiler import record_function
 
 from dmuon.compat.torch_api import (fsdp_output_grad_tensors, fsdp_param_groups, fsdp_state,
                                    in_backward, tree_leaves)
+from dmuon.functional.output_tensors import grad_tensors
 from dmuon.stateful.runtime.state import ROOT_GROUP, DedicatedState
 
-__all__ = ["grad_tensors", "register_hooks", "check_fsdp_sees_output"]
-
-_MAX_DEPTH = 6
+__all__ = ["register_hooks", "check_fsdp_sees_output"]
 
 
 def _eager(fn: Any) -> Any:
@@ -29,49 +27,10 @@ def _eager(fn: Any) -> Any:
     return torch.compiler.disable(fn, recursive=True)
 
 
-def _collect(obj: Any, out: list[torch.Tensor], seen: set[int], depth: int) -> None:
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-        return
-    if depth > _MAX_DEPTH or id(obj) in seen or obj is None or isinstance(obj, (str, bytes, int,
-                                                                             float, bool)):
-        return
-    seen.add(id(obj))
-    try:
-        leaves = tree_leaves(obj)
-    except Exception:  # noqa: BLE001 - an exotic container pytree cannot flatten
-        leaves = [obj]
-    if len(leaves) != 1 or leaves[0] is not obj:  # pytree knew the container (ModelOutput too)
-        for leaf in leaves:
-            _collect(leaf, out, seen, depth + 1)
-        return
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        children = [getattr(obj, f.name, None) for f in dataclasses.fields(obj)]
-    elif isinstance(obj, dict):
-        children = list(obj.values())
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        children = list(obj)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
-        children = list(vars(obj).values())
-    else:
-        children = [getattr(obj, s, None) for s in getattr(type(obj), "__slots__", ())]
-    for child in children:
-        _collect(child, out, seen, depth + 1)
-
-
-def grad_tensors(output: Any) -> list[torch.Tensor]:
-    """The tensors requiring grad in a forward output: pytree leaves, dataclass fields and other
-    objects' attributes, up to 6 levels deep (modules and classes are not entered)."""
-    found: list[torch.Tensor] = []
-    _collect(output, found, set(), 0)
-    uniq = {id(t): t for t in found if t.requires_grad}
-    return list(uniq.values())
-
-
 def _register_pre_backward(st: DedicatedState, key: str | None, output: Any) -> bool:
     """Hook the output's tensors so that the backward of ``key`` starts with dmuon's pre-backward;
     False when the output has none (the caller then keeps the group gathered)."""
-    tensors = grad_tensors(output)
+    tensors = grad_tensors(output, tree_leaves)
     if not tensors:
         return False
 

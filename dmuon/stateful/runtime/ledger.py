@@ -58,12 +58,6 @@ class GradRecord:
         self.local = self.reduced = None
 
 
-def _on_zero(ref: "weakref.ref[GradLedger]", name: str) -> None:
-    ledger = ref()
-    if ledger is not None:
-        ledger._on_zero(name)
-
-
 class GradLedger:
     """The gradient records of one model's dedicated matrices on this rank.
 
@@ -88,9 +82,6 @@ class GradLedger:
         #: ``Muon(check_finite=True)``: whether a local gradient this rank sent was non-finite
         self.track_finite = False
         self.nonfinite: Optional[torch.Tensor] = None
-
-    def state(self, name: str) -> Held:
-        return self.records[name].state
 
     # ------------------------------------------------------------------ backward
     def add_local(self, name: str, grad: torch.Tensor) -> None:
@@ -177,8 +168,8 @@ class GradLedger:
         p = self.params[name]
         if rec.marker is None or rec.marker.dtype != p.dtype or rec.marker.device != p.device:
             # C++ holds a marker (``.grad``): a weak reference, or ledger and model never die
-            ref = weakref.ref(self)
-            rec.marker = make_marker(p, name, lambda n=name: _on_zero(ref, n))
+            ref = weakref.WeakMethod(self._on_zero)
+            rec.marker = make_marker(p, name, lambda n=name: (m := ref()) is not None and m(n))
         p.grad = rec.marker
         rec.shown = True
 

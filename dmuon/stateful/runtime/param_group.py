@@ -8,8 +8,7 @@ Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.param_group".
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -22,7 +21,7 @@ from dmuon.functional.program import GroupPhases, StepProgram
 from dmuon.stateful.runtime.executor import Executor, Pending
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool, alloc_storage, free_storage
 
-__all__ = ["GroupState", "GradState", "Inflight", "DedicatedParamGroup"]
+__all__ = ["GroupState", "GradState", "InflightReduce", "DedicatedParamGroup"]
 
 
 class GroupState(enum.Enum):
@@ -42,24 +41,13 @@ class GradState(enum.Enum):
     REDUCED = "reduced"
 
 
-@dataclass(eq=False)
-class Inflight:
-    """One launch of a group's schedule that has not been waited yet.
+class InflightReduce(NamedTuple):
+    """A launched reduce not waited yet: the executor's handle, the bucket tensors it reads and
+    writes, and ``{owned name: this rank (the owner) had a local gradient}``."""
 
-    Attributes:
-      kind: ``"unshard"``, ``"reduce"`` or ``"publish"``.  group: the hook-group key.
-      pending: the executor's handle.  buffers: the bucket tensors the launch reads and writes.
-    """
-
-    kind: str
-    group: str
     pending: Pending
     buffers: Mapping[BucketKey, torch.Tensor]
-    #: reduces: ``{owned name: this rank (the owner) had a local gradient}``
-    owned_here: Optional[dict[str, bool]] = None
-
-    def wait(self) -> None:
-        self.pending.wait()
+    owned_here: dict[str, bool]
 
 
 def _label(group: "DedicatedParamGroup", op: str) -> record_function:
@@ -90,9 +78,10 @@ class DedicatedParamGroup:
         self.grad_state = GradState.IDLE
         self.gathered_version = -1
         self._arrived: set[str] = set()
-        self.inflight_unshard: Optional[Inflight] = None
-        self.inflight_reduces: list[Inflight] = []
-        self.inflight_publish: Optional[Inflight] = None
+        #: the launches not waited yet: at most one gather and one publish, any number of reduces
+        self.inflight_unshard: Optional[Pending] = None
+        self.inflight_reduces: list[InflightReduce] = []
+        self.inflight_publish: Optional[Pending] = None
         # built by ``setup`` at the first forward (the dtypes come from FSDP2's policy)
         self.unshard_buffers: dict[BucketKey, torch.Tensor] = {}
         self._reduce_buckets: tuple = ()
@@ -136,8 +125,7 @@ class DedicatedParamGroup:
                 alloc_storage(buf)
             sched = P.gather(self.program, self.key, self.storage.coord, self.storage.masters,
                              self.unshard_buffers, regather=regather)
-            pending = self.executor.launch(sched, self.unshard_buffers)
-            self.inflight_unshard = Inflight("unshard", self.key, pending, self.unshard_buffers)
+            self.inflight_unshard = self.executor.launch(sched, self.unshard_buffers)
             self.state = GroupState.UNSHARDING
             self.gathered_version = version
 
@@ -208,8 +196,8 @@ class DedicatedParamGroup:
             sched, owned_here = P.reduce(
                 self.program, self.key, self.storage.coord,
                 {n: local_grads.pop(n) for n in self.names if n in local_grads}, buffers)
-            pending = self.executor.launch(sched, buffers)
-            self.inflight_reduces.append(Inflight("reduce", self.key, pending, buffers, owned_here))
+            self.inflight_reduces.append(
+                InflightReduce(self.executor.launch(sched, buffers), buffers, owned_here))
             self.grad_state = GradState.REDUCED
 
     def wait_reduces(self) -> list[ReducedGrad]:
@@ -219,7 +207,7 @@ class DedicatedParamGroup:
         inflight, self.inflight_reduces = self.inflight_reduces, []
         for rec in inflight:
             with _label(self, "wait_reduce"):
-                rec.wait()
+                rec.pending.wait()
             out += P.reduced(self.program, self.key, self.storage.coord, rec.buffers,
                              rec.owned_here)
         return out
@@ -236,8 +224,7 @@ class DedicatedParamGroup:
         if self.phases is None or len(self.phases.publish) == 0:
             return
         sched = P.publish(self.program, self.storage.coord, master_buffers, key=self.key)
-        pending = self.executor.launch(sched, master_buffers)
-        self.inflight_publish = Inflight("publish", self.key, pending, master_buffers)
+        self.inflight_publish = self.executor.launch(sched, master_buffers)
 
     def wait_publish(self) -> None:
         """Wait for the group's pending publish, if any (local: no new collective)."""

@@ -15,13 +15,14 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
+from dmuon.functional.group_layout import check_grids, grid_position, group_ranks, standard_grid
 from dmuon.functional.schedule import LANE_AXIS, LANES
-from dmuon.functional.setup_check import Grid, RankSetup, check_setups
+from dmuon.functional.setup_check import Grid, RankSetup, check_setups, error_type
 from dmuon.stateful.runtime.agree import gather
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MeshGroups", "make_process_groups", "agree_grid", "agree_grids", "with_split_groups"]
+__all__ = ["MeshGroups", "make_process_groups", "agree_grids", "with_split_groups"]
 
 
 @dataclass(frozen=True)
@@ -33,7 +34,6 @@ class MeshGroups:
       grid: ``grid[r][s]`` = global rank of ``(s, r)``.
       rank: this process's global rank.  coord: its ``(s, r)``.
       groups: ``lane -> the process group of that lane containing this rank``.
-      backend: backend name of the groups (``"gloo"``, ``"nccl"``, ...).
       control: a group of the whole world with dmuon's timeout, for dmuon's own small collectives
         outside the schedules (finiteness and usage checks, the forward-order agreement, clipping,
         state dicts), so that none of them waits on the default group's bound.
@@ -46,7 +46,6 @@ class MeshGroups:
     rank: int
     coord: tuple[int, int]
     groups: Mapping[str, Any]
-    backend: str
     control: Any = None
     timeout: Optional[datetime.timedelta] = None
     #: tensor parallelism: the group of the ranks holding the other slices of this rank's
@@ -96,24 +95,18 @@ class MeshGroups:
         raise KeyError(f"no process group for the ranks {list(members)} on rank {self.rank} "
                        f"(its TP group: {list(self.tp_ranks)})")
 
-    def axis_ranks(self, axis: str) -> list[int]:
-        """Global ranks of this rank's group along ``axis``, in axis order."""
-        s, r = self.coord
-        if axis == "shard":
-            return list(self.grid[r])
-        return [self.grid[rr][s] for rr in range(self.replicate_size)]
+    def op_ranks(self, op: Any) -> list[int]:
+        """Global ranks of the group that runs schedule op ``op`` on this rank's row (shard axis)
+        or on ``op.at``'s column (replicate axis), in axis order; an explicit group's members."""
+        if op.axis == "group":
+            return list(op.members)
+        if op.axis == "shard":
+            return list(self.grid[self.coord[1]])
+        return [row[op.at] for row in self.grid]
 
 
 def _nested_tuple(x: Any) -> Any:
     return tuple(_nested_tuple(v) for v in x) if isinstance(x, list) else int(x)
-
-
-def agree_grid(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Sequence[str] = (),
-               local_err: Optional[Exception] = None,
-               what: str = "dedicate_params") -> Grid:
-    """:func:`agree_grids` without tensor parallelism: the one grid over the world."""
-    return agree_grids(mesh, replicate_mesh, param_device_types=param_device_types,
-                       local_err=local_err, what=what)[0]
 
 
 def agree_grids(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Sequence[str] = (),
@@ -161,11 +154,8 @@ def agree_grids(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Se
         return verdict.grids
     if local_err is not None:
         raise local_err
-    kinds = {s.error[0] for s in setups if s.error is not None}
-    exc = {"RuntimeError": RuntimeError, "TypeError": TypeError,
-           "NotImplementedError": NotImplementedError}.get(kinds.pop() if len(kinds) == 1 else "",
-                                                           ValueError)
-    raise exc(f"{what} failed (nothing was changed on any rank): " + " | ".join(verdict.problems))
+    raise error_type(setups)(f"{what} failed (nothing was changed on any rank): "
+                             + " | ".join(verdict.problems))
 
 
 def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | None = None,
@@ -178,7 +168,7 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
     """Create every lane's process groups once (collective: every rank calls this, same args).
 
     Give exactly one of: ``mesh`` (DeviceMesh, 2-D or 1-D shard mesh, plus optional 1-D
-    ``replicate_mesh``; checked on every rank by :func:`agree_grid`), ``grid`` (``grid[r][s]``
+    ``replicate_mesh``; checked on every rank by :func:`agree_grids`), ``grid`` (``grid[r][s]``
     global ranks), or ``shard_size`` (and optional ``replicate_size``, default 1) for the standard
     ``r * G + s`` layout over the world.
 
@@ -205,77 +195,41 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
         raise ValueError("make_process_groups: give exactly one of mesh, grid, tp_grids, "
                          "shard_size")
     if mesh is not None:
-        g = agree_grid(mesh, replicate_mesh, what="make_process_groups")
-    elif grid is not None:
-        g = tuple(tuple(int(x) for x in row) for row in grid)
-    elif tp_grids is None:
-        G, R = int(shard_size), int(replicate_size or 1)
-        g = tuple(tuple(r * G + s for s in range(G)) for r in range(R))
-    all_grids = ((g,) if tp_grids is None
-                 else tuple(tuple(tuple(int(x) for x in row) for row in tg) for tg in tp_grids))
-    g = all_grids[0]
-    R, G = len(g), len(g[0])
-    world = dist.get_world_size()
-    flat = sorted(x for tg in all_grids for row in tg for x in row)
-    if any(len(tg) != R or any(len(row) != G for row in tg) for tg in all_grids) \
-            or flat != list(range(world)):
-        what = f"grid {g}" if len(all_grids) == 1 else f"grids {all_grids}"
-        raise ValueError(f"{what} must be an R x G arrangement (one per TP index) of all {world} "
-                         f"world ranks (G*R*T = world size)")
-    me = dist.get_rank()
-    tp_index = next(t for t, tg in enumerate(all_grids) if any(me in row for row in tg))
-    g = all_grids[tp_index]
-    coord = next((s, r) for r in range(R) for s in range(G) if g[r][s] == me)
+        grids = agree_grids(mesh, replicate_mesh, what="make_process_groups")
+    elif tp_grids is not None:
+        grids = tp_grids
+    else:
+        grids = [grid if grid is not None else standard_grid(shard_size, replicate_size)]
+    world, me = dist.get_world_size(), dist.get_rank()
+    all_grids = check_grids(grids, world)
+    tp_index, coord = grid_position(all_grids, me)
+    to_make = group_ranks(all_grids, lanes)
     be = backend or str(dist.get_backend())
-    for lane in lanes:
-        if lane not in LANE_AXIS:
-            raise ValueError(f"unknown lane {lane!r}; lanes: {list(LANES)}")
-
-    def options(axis: str):
-        if not (high_priority and axis == "shard" and "nccl" in be):
-            return None
-        opts = dist.ProcessGroupNCCL.Options()
-        opts.is_high_priority_stream = True
-        return opts
-
     key = (all_grids, be, backend, timeout, bool(high_priority), tuple(lanes), me)
     cached = _reusable(key)
     # reuse only when every rank can: new_group is collective over the world
     if all(gather(cached is not None, what="process-group reuse agreement")):
         return cached
-    groups: dict[str, Any] = {}
     kw0: dict[str, Any] = {"backend": backend}
     if timeout is not None:
         kw0["timeout"] = timeout
-    for tg in all_grids:  # every rank creates every group, in one order
-        for lane in LANES:  # fixed global order, whatever `lanes` order was given
-            if lane not in lanes:
-                continue
-            axis = LANE_AXIS[lane]
-            members = ([list(tg[r]) for r in range(R)] if axis == "shard"
-                       else [[tg[r][s] for r in range(R)] for s in range(G)])
-            for ranks in members:
-                kw = dict(kw0)
-                opts = options(axis)
-                if opts is not None:
-                    kw["pg_options"] = opts
-                pg = dist.new_group(ranks, **kw)
-                if me in ranks:
-                    groups[lane] = pg
-    tp_group, tp_ranks = None, (me,)
-    if len(all_grids) > 1:  # the ranks of one (s, r) across the TP indices
-        for r in range(R):
-            for s in range(G):
-                ranks = [tg[r][s] for tg in all_grids]
-                pg = dist.new_group(ranks, **kw0)
-                if me in ranks:
-                    tp_group, tp_ranks = pg, tuple(ranks)
-    control = dist.new_group(list(range(world)), **kw0)
-    log.debug("dmuon process groups: G=%d R=%d T=%d rank=%d coord=%s lanes=%s", G, R,
-              len(all_grids), me, coord, list(groups))
-    made = MeshGroups(G, R, g, me, coord, groups, be, control=control, timeout=timeout,
-                      tp_group=tp_group, tp_size=len(all_grids), tp_index=tp_index,
-                      tp_ranks=tp_ranks, tp_grids=all_grids if len(all_grids) > 1 else ())
+    mine: dict[str, tuple[Any, tuple[int, ...]]] = {}
+    for kind, ranks in to_make:  # every rank creates every group, in one order
+        kw = dict(kw0)
+        if high_priority and LANE_AXIS.get(kind) == "shard" and "nccl" in be:
+            kw["pg_options"] = opts = dist.ProcessGroupNCCL.Options()
+            opts.is_high_priority_stream = True
+        pg = dist.new_group(list(ranks), **kw)
+        if me in ranks:
+            mine[kind] = (pg, ranks)
+    tp_group, tp_ranks = mine.get("tp", (None, (me,)))
+    groups = {lane: pg for lane, (pg, _) in mine.items() if lane in LANE_AXIS}
+    G, R, T = len(all_grids[0][0]), len(all_grids[0]), len(all_grids)
+    log.debug("dmuon process groups: G=%d R=%d T=%d rank=%d coord=%s lanes=%s", G, R, T, me,
+              coord, list(groups))
+    made = MeshGroups(G, R, all_grids[tp_index], me, coord, groups, control=mine["control"][0],
+                      timeout=timeout, tp_group=tp_group, tp_size=T, tp_index=tp_index,
+                      tp_ranks=tp_ranks, tp_grids=all_grids if T > 1 else ())
     _REUSE[key] = made
     return made
 

@@ -8,17 +8,9 @@ from typing import Any
 
 import torch.nn as nn
 
+from dmuon.functional.renames import renamed
+
 __all__ = ["renamed_params", "renamed_error"]
-
-
-#: module names wrappers insert that do not change what a param is (torch.compile, activation
-#: checkpointing, FSDP1 / DDP wrappers)
-_WRAPPER_SEGMENTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module",
-                               "module"})
-
-
-def _plain_name(name: str) -> str:
-    return ".".join(s for s in name.split(".") if s not in _WRAPPER_SEGMENTS)
 
 
 def renamed_params(st: Any, root: nn.Module) -> list[tuple[str, str]]:
@@ -27,12 +19,7 @@ def renamed_params(st: Any, root: nn.Module) -> list[tuple[str, str]]:
     now: dict[int, list[str]] = {}
     for n, p in root.named_parameters(remove_duplicate=False):
         now.setdefault(id(p), []).append(n)
-    out = []
-    for n, p in st.params.items():
-        names = now.get(id(p), [])
-        if not any(_plain_name(a).endswith(_plain_name(n)) for a in names):
-            out.append((n, names[0] if names else "<gone>"))
-    return out
+    return renamed({n: id(p) for n, p in st.params.items()}, now)
 
 
 def renamed_error(st: Any, root: nn.Module, what: str, inner: str = "") -> RuntimeError:

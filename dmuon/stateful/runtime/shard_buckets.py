@@ -15,19 +15,20 @@ from torch import Tensor
 
 from dmuon.functional.schedule import ShardAllGather, ShardBuckets
 
-__all__ = ["shard_buckets"]
+__all__ = ["Works", "shard_buckets"]
 
 # torch 2.13 renamed the two (the old names warn "deprecated"); 2.11 / 2.12 have the old ones only
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class _Staged:
-    """The work handle of a :class:`ShardBuckets` op: ``finish`` copies the staging buffer's
-    result into the buckets, once, when the collective is seen complete or waited."""
+class Works:
+    """Several work handles as one (also an uneven explicit-group op's sends / receives);
+    ``finish`` (a :class:`ShardBuckets` op: copy the staging buffer's result into the buckets)
+    runs once, when they are seen complete or waited."""
 
-    def __init__(self, work: Any, finish: Any) -> None:
-        self.work, self._finish = work, finish
+    def __init__(self, works: Sequence[Any], finish: Any = None) -> None:
+        self.works, self._finish = [w for w in works if w is not None], finish
 
     def _done(self) -> None:
         if self._finish is not None:
@@ -35,19 +36,20 @@ class _Staged:
             fn()
 
     def is_completed(self) -> bool:
-        if self.work.is_completed():
+        if all(w.is_completed() for w in self.works):
             self._done()
             return True
         return False
 
     def wait(self) -> bool:
-        self.work.wait()
+        for w in self.works:
+            w.wait()
         self._done()
         return True
 
 
 def shard_buckets(op: ShardBuckets, me: int, bufs: Sequence[Optional[Tensor]],
-                  reduce_ops: Mapping[str, Any], kw: dict) -> _Staged:
+                  reduce_ops: Mapping[str, Any], kw: dict) -> Works:
     """Issue a :class:`ShardAllGather` / :class:`ShardReduceScatter` on equal padded parts (zeros
     where a column has none); ``G * numel`` elements per member, as ``op_bytes`` counts.
 
@@ -72,7 +74,7 @@ def shard_buckets(op: ShardBuckets, me: int, bufs: Sequence[Optional[Tensor]],
             for j, (b, n) in enumerate(zip(bufs, op.sizes)):
                 if b is not None and j != me:
                     b.narrow(0, 0, n).copy_(out.narrow(0, j * pad, n))
-        return _Staged(work, finish)
+        return Works([work], finish)
     inp = torch.zeros(len(op.sizes) * pad, dtype=ref.dtype, device=ref.device)
     for j, (b, n) in enumerate(zip(bufs, op.sizes)):
         if b is not None:
@@ -83,4 +85,4 @@ def shard_buckets(op: ShardBuckets, me: int, bufs: Sequence[Optional[Tensor]],
     def finish_rs() -> None:
         if mine is not None:
             mine.narrow(0, 0, op.sizes[me]).copy_(out.narrow(0, 0, op.sizes[me]))
-    return _Staged(work, finish_rs)
+    return Works([work], finish_rs)

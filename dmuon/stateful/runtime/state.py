@@ -18,11 +18,12 @@ from dmuon.functional.buckets import HookGroups
 from dmuon.functional.program import StepProgram, step_program
 from dmuon.functional.schedule import Schedule
 from dmuon.functional.split_plan import runtime_owners
-from dmuon.functional.tp_plan import tp_step_schedule
-from dmuon.functional.policy import resolve_group_dtypes
+from dmuon.functional.tp_plan import grid_tp_schedule
+from dmuon.functional.policy import resolve_model_dtypes
 from dmuon.compat.fsdp_info import find_fsdp_state, fsdp_holders, mean_to_fsdp_scale
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
+from dmuon.stateful.runtime.agree import gather, join as join_ranks
 from dmuon.stateful.runtime.executor import Executor
 from dmuon.stateful.runtime.guards import check_not_written, keep_dmuon_hook_last
 from dmuon.stateful.runtime.ledger import GradLedger
@@ -94,8 +95,16 @@ class DedicatedState:
         self.storage = DedicatedStorage(self.params, self.owners, groups, self.G, self.R,
                                         self.coord, shapes=meta_shapes, device=meta_device,
                                         master_dtypes=master_dtypes)
-        self.pool = GradBufferPool(self.coord[0], self.storage.device)
-        self.tp_schedule = self._tp_schedule()
+        # the storage's facts, read-only (masters: this rank's column's; HSDP: the owner's column)
+        st = self.storage
+        self.device, self.masters, self.shape = st.device, st.masters, st.shape
+        self.orig_dtype, self.master_dtype = st.orig_dtype, st.master_dtype
+        self.pool = GradBufferPool(self.coord[0], self.device)
+        # the step program's ``tp`` phase (TP's NS gathers / scatters), or None without TP
+        self.tp_schedule: Optional[Schedule] = None if not self.tp_layouts else grid_tp_schedule(
+            mesh_groups.tp_grids, self.owners,
+            {n: self.tp_layouts[n].shape for n in self.names if n in self.tp_layouts},
+            {n: str(self.master_dtype[n]) for n in self.tp_layouts}, dist.get_world_size())
         self.groups: dict[str, DedicatedParamGroup] = {
             key: DedicatedParamGroup(
                 key=key, module=group_modules[key], names=groups.names(key), storage=self.storage,
@@ -103,7 +112,7 @@ class DedicatedState:
             for key in groups.order}
         self.group_of = groups.as_mapping()
         self.order: list[str] = list(groups.order)  # forward order; agreed at the first forward
-        self._seen_order: list[str] = []
+        self._seen_order: dict[str, None] = {}  # the first forward's order (an ordered set)
         self._order_final = False
         self._calls: dict[str, int] = {}   # calls of each group in the current forward
         self.reused: set[str] = set()      # groups once called twice in a forward: reduce at the end
@@ -132,28 +141,6 @@ class DedicatedState:
         #: opened by dedicate_params), or None
         self.meta_init: Any = None
 
-    # ------------------------------------------------------------------ read-only views
-    @property
-    def device(self) -> torch.device:
-        return self.storage.device
-
-    @property
-    def masters(self) -> dict[str, torch.Tensor]:
-        """``{name: master}`` of this rank's column (HSDP: every rank of the owner's column)."""
-        return self.storage.masters
-
-    @property
-    def shape(self) -> dict[str, tuple[int, ...]]:
-        return self.storage.shape
-
-    @property
-    def orig_dtype(self) -> dict[str, torch.dtype]:
-        return self.storage.orig_dtype
-
-    @property
-    def master_dtype(self) -> dict[str, torch.dtype]:
-        return self.storage.master_dtype
-
     def finish_meta_init(self, what: str) -> None:
         """Close the init window of a meta-built model (collective; no-op when none is open;
         see :meth:`dmuon.stateful.modes.meta_init.MetaInit.finish`)."""
@@ -165,8 +152,7 @@ class DedicatedState:
         (:func:`dmuon.stateful.runtime.agree.join`). ``always=False``: only when the call moves
         dedicated matrices (``G > 1``, TP, meta init; DDP mode's saves are local)."""
         if always or self.G > 1 or self.tp_layouts or self.meta_init is not None:
-            from dmuon.stateful.runtime.agree import join
-            join(what)
+            join_ranks(what)
 
     def owned_masters(self) -> dict[str, torch.Tensor]:
         """``{name: master}`` of the matrices this rank runs Muon on (fixed at setup)."""
@@ -186,25 +172,19 @@ class DedicatedState:
             if renamed_params(self, model):
                 raise renamed_error(self, model, "dmuon (first forward)")
         holders = fsdp_holders(model, self.names, lambda n: self.groups[self.group_of[n]].module)
-        for g in self.groups.values():
-            own = find_fsdp_state(model, g.module)
-            parts: dict[int, list[str]] = {}
-            for n in g.names:  # each matrix follows the fully_shard module that holds it
-                parts.setdefault(id(holders[n]), []).append(n)
-            for names in parts.values():
-                fsdp = holders[names[0]]
-                pol = self.mp_policy if self.mp_policy is not None else fsdp_mp_policy(fsdp)
-                c, r, cd, rd = resolve_group_dtypes(
-                    g.key or "<root>", {n: self.orig_dtype[n] for n in names},
-                    group_param_dtype=getattr(pol, "param_dtype", None),
-                    group_reduce_dtype=getattr(pol, "reduce_dtype", None),
-                    rule_param_dtype=self.rule_param_dtype,
-                    rule_reduce_dtype=self.rule_reduce_dtype)
-                if fsdp is own or g.compute_dtype is None:
-                    g.compute_dtype, g.reduce_dtype = c, r
-                self.compute_dtype.update(cd)
-                self.reduce_dtype.update(rd)
-                self._fsdp_states.update(dict.fromkeys(names, fsdp))
+        pols = {id(h): self.mp_policy if self.mp_policy is not None else fsdp_mp_policy(h)
+                for h in holders.values()}  # each matrix follows the fully_shard module holding it
+        defaults, gathered, reduce = resolve_model_dtypes(
+            {k: g.names for k, g in self.groups.items()}, {n: id(h) for n, h in holders.items()},
+            {k: id(find_fsdp_state(model, g.module)) for k, g in self.groups.items()},
+            {h: (getattr(p, "param_dtype", None), getattr(p, "reduce_dtype", None))
+             for h, p in pols.items()}, self.orig_dtype,
+            rule_param_dtype=self.rule_param_dtype, rule_reduce_dtype=self.rule_reduce_dtype)
+        for k, g in self.groups.items():
+            g.compute_dtype, g.reduce_dtype = defaults.get(k, (None, None))
+        self.compute_dtype.update(gathered)
+        self.reduce_dtype.update(reduce)
+        self._fsdp_states.update(holders)
         cdt, rdt = self.compute_dtype, self.reduce_dtype
         self.program = step_program(
             self.owners, self.shape, cdt, reduce_dtypes=rdt, master_dtypes=self.master_dtype,
@@ -218,19 +198,6 @@ class DedicatedState:
             g.setup(self.program)
         self.storage.set_placeholder_dtypes(cdt)
         self.ready = True
-
-    def _tp_schedule(self) -> Optional[Schedule]:
-        """The step program's ``tp`` phase (TP's NS gathers / scatters), or ``None`` without TP."""
-        if not self.tp_layouts:
-            return None
-        grids = self.mesh_groups.tp_grids
-        coords = [(s, r) for r in range(self.R) for s in range(self.G)]
-        return tp_step_schedule(
-            [[tg[r][s] for tg in grids] for s, r in coords],
-            [{n: self.tp_layouts[n].shape for n in self.names
-              if n in self.tp_layouts and self.owners[n] == c} for c in coords],
-            {n: str(self.master_dtype[n]) for n in self.tp_layouts},
-            world_size=dist.get_world_size())
 
     # ------------------------------------------------------------------ the listener
     def set_listener(self, listener: Any) -> None:
@@ -261,8 +228,8 @@ class DedicatedState:
         self._calls[key] = self._calls.get(key, 0) + 1
         if self._calls[key] > 1:
             self.reused.add(key)
-        if not self._order_final and key not in self._seen_order:
-            self._seen_order.append(key)
+        if not self._order_final:
+            self._seen_order.setdefault(key)
 
     def finalize_order(self) -> None:
         """End of the first forward: agree the forward order across ranks (one all-gather, once);
@@ -270,9 +237,7 @@ class DedicatedState:
         if self._order_final or not self._seen_order:
             return
         self._order_final = True
-        rest = [k for k in self.order if k not in self._seen_order]
-        mine = tuple(self._seen_order + rest)
-        from dmuon.stateful.runtime.agree import gather  # local: this file is being rewritten
+        mine = (*self._seen_order, *(k for k in self.order if k not in self._seen_order))
         orders = gather(mine, what="forward-order agreement (first forward)", via=self.mesh_groups)
         if len(set(orders)) == 1:
             self.order = list(mine)
@@ -351,12 +316,13 @@ class DedicatedState:
         if not self._keep_gathered:
             g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
 
-    def _launch_due_reduces(self) -> None:
-        """Launch, in the fixed reduce order, each complete group whose predecessors are launched."""
+    def _launch_due_reduces(self, every: bool = False) -> None:
+        """Launch, in the fixed reduce order, each complete group whose predecessors are launched
+        (``every``: complete or not, at the end of a backward)."""
         order = self._reduce_order
         while self._reduce_next < len(order):
             key = order[self._reduce_next]
-            if self.groups[key].grad_state is not GradState.COMPLETE:
+            if not every and self.groups[key].grad_state is not GradState.COMPLETE:
                 return
             self._launch_reduce(key)
             self._reduce_next += 1
@@ -371,11 +337,9 @@ class DedicatedState:
         self._callback_queued = False
         self.wait_publish()  # publishes of groups this forward did not use
         if self.require_grad_sync:
-            for key in self._reduce_order[self._reduce_next:]:
-                self._launch_reduce(key)
-        self._reduce_next = 0
-        if self.require_grad_sync:
+            self._launch_due_reduces(every=True)
             self.ledger.fresh = True
+        self._reduce_next = 0
         create_graph, self._keep_gathered = self._keep_gathered, False
         for g in self.groups.values():
             # Z2 keeps its copy across no_sync micro-batches; create_graph: on_backward_start
@@ -446,9 +410,6 @@ class DedicatedState:
         caller can issue its own collectives (state dicts, checkpoints). Local."""
         self._collect()
         self.wait_publish()
-
-    def has_pending_reduces(self) -> bool:
-        return any(g.inflight_reduces for g in self.groups.values())
 
     def clear_grads(self) -> None:
         """Drop local and reduced grads (``Muon.zero_grad``, ``step``); buffers back to the pool."""

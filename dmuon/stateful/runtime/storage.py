@@ -13,17 +13,10 @@ import torch.nn as nn
 
 from dmuon.functional.buckets import BucketKey, BucketLayout, HookGroups, bucket_layout
 from dmuon.functional.packing import empty_buffers, pack_, unpack
+from dmuon.functional.policy import master_dtype_for
 from dmuon.stateful.runtime.guards import to_placeholder, to_plain
 
-__all__ = ["master_dtype_for", "free_storage", "alloc_storage", "DedicatedStorage",
-           "GradBufferPool"]
-
-
-def master_dtype_for(dtype: torch.dtype) -> torch.dtype:
-    """The master dtype of a param: the wider of its dtype and fp32 (fp64 stays fp64)."""
-    if dtype.is_floating_point and torch.finfo(dtype).bits > 32:
-        return dtype
-    return torch.float32
+__all__ = ["free_storage", "alloc_storage", "DedicatedStorage", "GradBufferPool"]
 
 
 def free_storage(t: torch.Tensor) -> None:
@@ -51,8 +44,9 @@ class DedicatedStorage:
         (the masters are left uninitialized; :mod:`dmuon.stateful.modes.meta_init` fills them).
       owners: ``{name: (s, r)}`` from the owner plan.  groups: the hook groups.
       shard_size, replicate_size: G, R.  coord: this rank's ``(s, r)``.
-      master_dtypes: ``{name: dtype}`` overriding :func:`master_dtype_for` (a policy rule's
-        ``master_dtype``, validated by :class:`dmuon.functional.policy.Rule`).
+      master_dtypes: ``{name: dtype}`` overriding
+        :func:`~dmuon.functional.policy.master_dtype_for` (a policy rule's ``master_dtype``,
+        validated by :class:`dmuon.functional.policy.Rule`).
     """
 
     def __init__(self, params: Mapping[str, nn.Parameter], owners: Mapping[str, tuple[int, int]],
@@ -62,9 +56,6 @@ class DedicatedStorage:
                  master_dtypes: Optional[Mapping[str, torch.dtype]] = None):
         self.params = dict(params)
         self.coord = coord
-        #: meta-device init (:mod:`dmuon.stateful.modes.meta_init`): the params hold no values yet; the
-        #: masters are allocated (uninitialized) on ``device`` and the init writes them
-        self.uninitialized = shapes is not None
         self.shape = ({n: tuple(shapes[n]) for n in self.params} if shapes is not None
                       else {n: tuple(p.shape) for n, p in self.params.items()})
         self.orig_dtype = {n: p.dtype for n, p in self.params.items()}
@@ -77,7 +68,7 @@ class DedicatedStorage:
         mine = tuple(b for b in self.master_layout.buckets if b.key.column == coord[0])
         self.master_buffers: dict[BucketKey, torch.Tensor] = empty_buffers(mine, self.device)
         self.masters: dict[str, torch.Tensor] = unpack(mine, self.master_buffers)
-        if not self.uninitialized:
+        if shapes is None:  # (meta-device init leaves them uninitialized: its init writes them)
             pack_(mine, self.master_buffers, {n: p.detach() for n, p in self.params.items()})
         #: the masters this rank runs Muon on (owner == coord), in the params' order
         self.owned_masters: dict[str, torch.Tensor] = {

@@ -1,0 +1,43 @@
+"""Messages that name ranks (pure): each problem or value once, under the ranks that have it, so
+that an error raised on every rank (:mod:`dmuon.stateful.runtime.agree`) stays short at any world
+size."""
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+__all__ = ["MAX_GROUPS", "MAX_MESSAGES", "describe_problems", "describe_values"]
+
+#: at most this many groups of ranks, and this many messages per group, in a detail
+MAX_GROUPS = 8
+MAX_MESSAGES = 12
+
+
+def describe_problems(problems: Mapping[int, Sequence[str]]) -> str:
+    """``"rank(s) [0, 2]: a; b | rank(s) [1]: c"``: each problem once, under the ranks that have
+    it (ranks with the same problems share one entry); ``""`` when no rank has one."""
+    ranks_of: dict[str, list[int]] = {}
+    for r in sorted(problems):
+        for p in dict.fromkeys(problems[r]):
+            ranks_of.setdefault(str(p), []).append(r)
+    by_ranks: dict[tuple[int, ...], list[str]] = {}
+    for p, rs in ranks_of.items():
+        by_ranks.setdefault(tuple(rs), []).append(p)
+    parts = []
+    for rs, ps in list(by_ranks.items())[:MAX_GROUPS]:
+        more = f"; ... ({len(ps) - MAX_MESSAGES} more)" if len(ps) > MAX_MESSAGES else ""
+        parts.append(f"rank(s) {list(rs)}: " + "; ".join(ps[:MAX_MESSAGES]) + more)
+    if len(by_ranks) > MAX_GROUPS:
+        parts.append(f"... ({len(by_ranks) - MAX_GROUPS} more groups of ranks)")
+    return " | ".join(parts)
+
+
+def describe_values(values: Sequence[Any], show: Callable[[Any], str] = str) -> str:
+    """``"ranks [0, 2]: x | ranks [1]: y"``: each distinct value (hashable) under the ranks that
+    hold it."""
+    ranks_of: dict[Any, list[int]] = {}
+    for r, v in enumerate(values):
+        ranks_of.setdefault(v, []).append(r)
+    parts = [f"ranks {rs}: {show(v)}" for v, rs in list(ranks_of.items())[:MAX_GROUPS]]
+    if len(ranks_of) > MAX_GROUPS:
+        parts.append(f"... ({len(ranks_of) - MAX_GROUPS} more values)")
+    return " | ".join(parts)
