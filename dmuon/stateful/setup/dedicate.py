@@ -26,10 +26,9 @@ from dmuon.compat.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
 from dmuon.stateful.runtime.hooks import register_hooks
 from dmuon.compat.fsdp_info import has_fsdp_state
 from dmuon.stateful.runtime.guards import guard_module_apply
-from dmuon.functional.policy import ParamPolicy
+from dmuon.functional.policy import (as_policy, decide_params, dtype_overrides,
+                                     policy_fingerprint, routing_predicate)
 from dmuon.functional.routing import Dedication, routing_table
-from dmuon.stateful.setup.param_views import (as_policy, decide_params, dtype_overrides,
-                                        policy_fingerprint, routing_predicate)
 from dmuon.stateful.modes.meta_init import (MetaInit, check_meta_selection, device_of_mesh,
                                             replace_meta_params)
 from dmuon.stateful.runtime.agree import agree_equal, gather
