@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-__all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "check_setups"]
+__all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "check_setups", "ddp_grid"]
 
 Grid = tuple[tuple[int, ...], ...]
 
@@ -302,3 +302,17 @@ def check_fsdp_meshes(grid: Grid, device_type: str,
         "different ranks. Pass fully_shard the same mesh (for HSDP the 2-D mesh) as "
         "dedicate_params (its 1-D shard mesh plus replicate_mesh, or the same 2-D mesh)."
         for (mr, dev), names in bad.items())
+
+
+def ddp_grid(grid: Grid) -> Grid:
+    """The ``grid[r][s]`` of DDP mode: the 1-D mesh's ranks as ``R = world`` replicas of one
+    shard (``G = 1``).
+
+    Raises:
+      ValueError: ``grid`` is not one row (a 2-D or HSDP mesh was given)."""
+    if len(grid) != 1:
+        raise ValueError(
+            "dedicate_params(data_parallel=\"ddp\") takes the 1-D mesh of the ranks DDP spans "
+            "(init_device_mesh(device, (world,))) and no replicate_mesh; got a 2-D / HSDP layout "
+            f"of {len(grid)} x {len(grid[0])}. For HSDP use data_parallel=\"fsdp\" (the default).")
+    return tuple((int(x),) for x in grid[0])

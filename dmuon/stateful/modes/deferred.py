@@ -17,7 +17,7 @@ from dmuon.compat.fsdp_patch import PENDING_SLOTS_ATTR
 from dmuon.compat.torch_api import mesh_root
 
 __all__ = ["PENDING_ATTR", "PendingDedication", "covers_world", "should_defer", "defer",
-           "check_materialized", "find_pending", "finish_pending", "clear_pending"]
+           "find_pending", "finish_pending", "clear_pending"]
 
 PENDING_ATTR = "_dmuon_pending"
 
@@ -55,21 +55,6 @@ def should_defer(chosen: Mapping[str, Any], sub_mesh: bool) -> bool:
     if sub_mesh and not dts:
         return True
     return bool(dts) and any(p.is_meta for p in chosen.values())
-
-
-def check_materialized(chosen: Mapping[str, Any]) -> None:
-    """Finishing a deferred dedication: every selected param must hold values by now.
-
-    Raises:
-      RuntimeError: some are still on the meta device, naming them and the fix.
-    """
-    meta = [n for n, p in chosen.items() if p.is_meta]
-    if meta:
-        raise RuntimeError(
-            f"dmuon.Muon(model): the selected matrices {meta[:4]}{' ...' if len(meta) > 4 else ''} "
-            "are still on the meta device. With a deferred dedication (dedicate_params before "
-            "tensor parallelism, or on a meta-device model) call model.to_empty(device=...) and the "
-            "model's init (e.g. init_weights()) after fully_shard and before dmuon.Muon(model).")
 
 
 def _forward_guard(module: nn.Module, args: Any) -> None:

@@ -15,12 +15,14 @@ import torch.nn as nn
 
 from dmuon.functional.buckets import hook_groups
 from dmuon.functional.collectives import check_choice
-from dmuon.functional.dedicate_options import DedicateOptions, fold_deprecated
+from dmuon.functional.dedicate_options import (DedicateOptions, check_data_parallel,
+                                              fold_deprecated, split_settings)
+from dmuon.functional.setup_check import ddp_grid
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
 from dmuon.compat.torch_api import (default_group_timeout, group_timeout, set_group_timeout,
                                    torch_supported, unsupported_torch_message)
-from dmuon.stateful.modes.ddp import check_mode, ddp_grid, guard_fsdp_mode, install_ddp_mode
+from dmuon.stateful.modes.ddp import guard_fsdp_mode, install_ddp_mode
 from dmuon.stateful.runtime.executor import Executor
 from dmuon.compat.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
 from dmuon.stateful.runtime.hooks import register_hooks
@@ -29,12 +31,12 @@ from dmuon.stateful.runtime.guards import guard_module_apply
 from dmuon.functional.policy import (as_policy, decide_params, dtype_overrides,
                                      policy_fingerprint, routing_predicate)
 from dmuon.functional.routing import Dedication, routing_table
-from dmuon.stateful.modes.meta_init import (MetaInit, check_meta_selection, device_of_mesh,
-                                            replace_meta_params)
+from dmuon.functional.selection import check_materialized, select_params
+from dmuon.stateful.modes.meta_init import MetaInit, device_of_mesh, replace_meta_params
 from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.runtime.process_groups import agree_grids, make_process_groups, with_split_groups
-from dmuon.stateful.modes.deferred import (check_materialized, clear_pending, covers_world, defer,
-                                     find_pending, should_defer)
+from dmuon.stateful.modes.deferred import (clear_pending, covers_world, defer, find_pending,
+                                           should_defer)
 from dmuon.stateful.modes.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
                                             localize_tp_params, tp_layouts, tp_mesh_ranks)
 from dmuon.stateful.runtime.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
@@ -55,33 +57,8 @@ def _select(model: nn.Module, predicate: Predicate,
             "dedicate_params must run before fully_shard, but these modules already have FSDP2 "
             f"state: {fsdp_mods[:5]}{' ...' if len(fsdp_mods) > 5 else ''}. Call "
             "dmuon.dedicate_params(model, mesh, predicate) first, then fully_shard.")
-    if not callable(predicate):
-        raise TypeError("predicate must be a callable (name, param) -> bool")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # dedups tied params
-    chosen: dict[str, nn.Parameter] = {}
-    for n, p in named:
-        try:
-            picked = bool(predicate(n, p))
-        except Exception as e:
-            raise RuntimeError(
-                f"dedicate_params: the predicate raised {type(e).__name__}: {e} for param {n!r} "
-                f"(shape {tuple(p.shape)}, {p.dtype}). It is called as predicate(name, param) for "
-                "every trainable parameter and must return a bool for each; fix it.") from e
-        if not picked:
-            continue
-        if p.ndim < 2:
-            raise ValueError(
-                f"dedicate_params: the predicate selected {n!r} of shape {tuple(p.shape)}, which is "
-                "not a matrix; Muon needs ndim >= 2. Add `p.ndim >= 2` (or `p.ndim == 2`) to the "
-                "predicate so vectors stay with AdamW.")
-        chosen[n] = p
-    if not chosen:
-        raise ValueError(
-            f"dedicate_params: the predicate matched no trainable parameter of {type(model).__name__} "
-            f"({len(named)} candidates, e.g. {[n for n, _ in named[:4]]}). Check the names it tests, "
-            "e.g. predicate=lambda n, p: p.ndim == 2 and 'proj' in n.")
-    check_meta_selection(chosen)  # all on meta (meta-device init) or none
-    return named, chosen
+    return named, select_params(named, predicate, type(model).__name__)
 
 
 def _check_fingerprint(fingerprint: str, mesh_groups: Any) -> None:
@@ -258,18 +235,6 @@ def dedicate_params(
     return _dedicate(model, mesh, predicate, kwargs)
 
 
-def _split_args(split_ns: Any) -> tuple[int, Optional[dict[str, int]]]:
-    """``(max_split, force_split)`` of ``dedicate_params(split_ns=...)``."""
-    if isinstance(split_ns, Mapping):
-        force = {str(k): v for k, v in split_ns.items()}
-        return max([2, *[v for v in force.values() if isinstance(v, int)]]), force or None
-    if isinstance(split_ns, bool) or not isinstance(split_ns, int) or split_ns < 1:
-        raise ValueError(f"dedicate_params: split_ns must be an int >= 1 (the most ranks one "
-                         f"matrix's Newton–Schulz may be split over; 1: never) or a mapping "
-                         f"{{param name: k}}, got {split_ns!r}")
-    return split_ns, None
-
-
 def finish_deferred(model: nn.Module) -> None:
     """Complete a deferred ``dedicate_params`` (collective; ``dmuon.Muon(model)`` calls it; no-op
     without one): the same dedication, on the model TP, ``fully_shard`` and the init made."""
@@ -290,7 +255,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     reshard_after_forward, mp_policy = kw["reshard_after_forward"], kw["mp_policy"]
     batch_dims, policy, timeout = kw["batch_dims"], kw["policy"], kw["timeout"]
     data_parallel = kw["data_parallel"]
-    max_split, force_split = _split_args(kw.get("split_ns", 1))
+    max_split, force_split = split_settings(kw.get("split_ns", 1))
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
     if find_state(model) is not None or (find_pending(model) is not None and not finishing):
@@ -311,7 +276,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     local_err: Optional[Exception] = None
     collectives = "per_owner"
     try:
-        check_mode(data_parallel)
+        check_data_parallel(data_parallel)
         collectives = check_choice(kw.get("collectives", "per_owner"), data_parallel)
         pol = as_policy(policy)
         named, chosen = _select(model, routing_predicate(pol, predicate), finishing)
