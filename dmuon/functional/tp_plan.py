@@ -8,12 +8,15 @@ coordinate) gather their NS inputs to one of them, the *root*, which runs NS on 
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+import dataclasses
+from typing import Callable, Mapping, Optional, Sequence
 
 from dmuon.functional.buckets import BucketKey
+from dmuon.functional.matrix_view import Batch, Sliced
+from dmuon.functional.policy import Decision
 from dmuon.functional.schedule import Gather, Scatter, Schedule
 
-__all__ = ["ns_cost", "tp_roots", "tp_step_schedule", "tp_step_bytes"]
+__all__ = ["ns_cost", "tp_roots", "tp_step_schedule", "tp_step_bytes", "with_tp_views"]
 
 
 def ns_cost(shape: Sequence[int]) -> int:
@@ -98,3 +101,24 @@ def tp_step_bytes(shapes: Mapping[str, Sequence[int]], roots: Mapping[str, int],
     """
     tr = tp_step_schedule([list(range(parts))], [shapes], dtypes, parts, roots=[roots]).traffic()
     return [tr.rank_received(t) for t in range(parts)]
+
+
+def with_tp_views(decisions: Mapping[str, Decision], views: Mapping[str, Sliced], *,
+                  error: Callable[[str], Exception] = NotImplementedError) -> dict[str, Decision]:
+    """The policy's ``decisions`` with the :class:`~dmuon.functional.matrix_view.Sliced` view
+    (``views``) of each TP-sliced matrix.
+
+    Raises:
+      ``error``: a TP-sliced matrix whose decided view is not the default ``Batch(0)`` (a rule or
+        ``batch_dims`` would need the full matrix before TP).
+    """
+    out = dict(decisions)
+    for n, view in views.items():
+        d = decisions[n]
+        if d.view != Batch(0):
+            raise error(
+                f"dedicate_params: {n!r} is tensor-parallel, and its matrix view {d.view} (from "
+                f"{d.source}) would need the full matrix before TP; dmuon supports the default "
+                "view of TP-sliced matrices only. Drop its view rule / batch_dims for it.")
+        out[n] = dataclasses.replace(d, view=view, source="tensor parallel")
+    return out

@@ -13,13 +13,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.functional.buckets import hook_groups
+from dmuon.functional.buckets import ROOT_GROUP, boundary_groups
 from dmuon.functional.collectives import check_choice
 from dmuon.functional.dedicate_options import (DedicateOptions, check_data_parallel,
                                               fold_deprecated, split_settings)
-from dmuon.functional.setup_check import ddp_grid
+from dmuon.functional.setup_check import ddp_grid, deferral_agreed
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
+from dmuon.functional.tp_plan import with_tp_views
 from dmuon.compat.torch_api import (default_group_timeout, group_timeout, set_group_timeout,
                                    torch_supported, unsupported_torch_message)
 from dmuon.stateful.modes.ddp import guard_fsdp_mode, install_ddp_mode
@@ -39,7 +40,7 @@ from dmuon.stateful.modes.deferred import (clear_pending, covers_world, defer, f
                                            should_defer)
 from dmuon.stateful.modes.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
                                             localize_tp_params, tp_layouts, tp_mesh_ranks)
-from dmuon.stateful.runtime.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
+from dmuon.stateful.runtime.state import STATE_ATTR, DedicatedState, find_state
 from dmuon.stateful.checkpoint.torch_state_dict import register_state_dict_hooks
 
 logger = logging.getLogger(__name__)
@@ -73,36 +74,22 @@ def _check_fingerprint(fingerprint: str, mesh_groups: Any) -> None:
 def _tp_decisions(decisions: dict, layouts: dict, data_parallel: str, on_meta: bool) -> dict:
     """The policy's decisions with the :class:`~dmuon.functional.matrix_view.Sliced` view of each
     TP-sliced matrix (raises for what TP does not support yet)."""
-    import dataclasses
-
-    from dmuon.functional.matrix_view import Batch
-    if not layouts:
-        return decisions
-    if data_parallel != "fsdp" or on_meta:
+    if layouts and (data_parallel != "fsdp" or on_meta):
         raise TensorParallelUnsupported(
             "dedicate_params: tensor-parallel dedicated matrices "
             + ("with data_parallel='ddp'" if data_parallel != "fsdp" else
                "on the meta device (meta-device init)")
             + " are not supported yet. Use data_parallel='fsdp' with a materialized model "
             f"(TP, then dedicate_params, then fully_shard). {TP_FIX}.")
-    out = dict(decisions)
-    for n in layouts:
-        d = decisions[n]
-        if d.view != Batch(0):
-            raise TensorParallelUnsupported(
-                f"dedicate_params: {n!r} is tensor-parallel, and its matrix view {d.view} (from "
-                f"{d.source}) would need the full matrix before TP; dmuon supports the default "
-                "view of TP-sliced matrices only. Drop its view rule / batch_dims for it.")
-        out[n] = dataclasses.replace(d, view=layouts[n].view(), source="tensor parallel")
-    return out
+    return with_tp_views(decisions, {n: lay.view() for n, lay in layouts.items()},
+                         error=TensorParallelUnsupported)
 
 
 def _agree_deferral(local_err: Optional[Exception], mesh: Any, replicate_mesh: Any,
                     wants: bool) -> bool:
-    """Collective: whether every rank defers (:mod:`dmuon.stateful.modes.deferred`): only when no rank's
-    local checks failed, every rank wants to, and the ranks' dp meshes split the world into equal
-    disjoint groups, each holding its own rank (a (dp, tp) layout). Otherwise the setup check
-    that follows raises on every rank, naming what is wrong."""
+    """Collective: whether every rank defers (:mod:`dmuon.stateful.modes.deferred`;
+    :func:`dmuon.functional.setup_check.deferral_agreed`). Otherwise the setup check that follows
+    raises on every rank, naming what is wrong."""
     try:
         mine = tuple(sorted(int(x) for x in mesh.mesh.flatten().tolist())) if replicate_mesh is None \
             else tuple(sorted(int(x) for m in (mesh, replicate_mesh)
@@ -110,13 +97,8 @@ def _agree_deferral(local_err: Optional[Exception], mesh: Any, replicate_mesh: A
     except AttributeError:
         mine = ()
     err = None if local_err is None else (type(local_err).__name__, str(local_err))
-    got = gather((err, mine, bool(wants)), what="dedicate_params deferral agreement")
-    if any(e is not None for e, _, _ in got) or not all(w for _, _, w in got):
-        return False
-    groups = {ranks for _, ranks, _ in got}
-    flat = sorted(x for g in groups for x in g)
-    return (flat == list(range(len(got))) and len({len(g) for g in groups}) == 1
-            and all(r in ranks for r, (_, ranks, _) in enumerate(got)))
+    return deferral_agreed(gather((err, mine, bool(wants)),
+                                  what="dedicate_params deferral agreement"))
 
 
 def _agree_mode(data_parallel: str) -> None:
@@ -154,20 +136,6 @@ def _bound_mesh_groups(meshes: tuple, timeout: Optional[datetime.timedelta]) -> 
                 logger.warning("dmuon: could not lower the timeout (%s) of a mesh group to "
                                "dedicate_params(timeout=%s) on torch %s", cur, timeout,
                                torch.__version__)
-
-
-def _boundary_of(model: nn.Module, name: str,
-                 hook_boundary_predicate: Optional[Callable[[nn.Module], bool]]) -> str:
-    """Module path of the hook boundary that moves param ``name`` (``""``: the model itself)."""
-    parts = name.split(".")[:-1]
-    if hook_boundary_predicate is None:
-        key = layer_key_from_name(name)
-        return key if key is not None else ROOT_GROUP
-    for i in range(len(parts), 0, -1):  # lowest (deepest) accepted ancestor first
-        path = ".".join(parts[:i])
-        if hook_boundary_predicate(model.get_submodule(path)):
-            return path
-    return ROOT_GROUP
 
 
 def dedicate_params(
@@ -337,27 +305,24 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
         meta_shapes = {n: tuple(p.shape) for n, p in chosen.items()}
         chosen = replace_meta_params(model, chosen, meta_device)
 
-    # a param shared by several modules (tied weights) is moved by the boundary of all its uses:
-    # if its names fall under different boundaries, the root group (gathered for the whole forward)
-    aliases: dict[int, list[str]] = {}
+    # a param shared by several modules (tied weights) is moved by the boundary of all its uses
+    by_id: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(n)
-    keys = {}
-    for n, p in chosen.items():
-        bounds = {_boundary_of(model, a, hook_boundary_predicate) for a in aliases[id(p)]}
-        keys[n] = bounds.pop() if len(bounds) == 1 else ROOT_GROUP
-    module_order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    order = sorted(set(keys.values()), key=lambda k: module_order.get(k, -1))
-    groups = hook_groups(list(chosen), keys, order=order)
-    group_modules = {k: (model if k == ROOT_GROUP else model.get_submodule(k)) for k in order}
+        by_id.setdefault(id(p), []).append(n)
+    aliases = {n: by_id[id(p)] for n, p in chosen.items()}
+    accepts = None if hook_boundary_predicate is None else (
+        lambda path: hook_boundary_predicate(model.get_submodule(path)))
+    groups = boundary_groups(aliases, accepts, [m for m, _ in model.named_modules()])
+    group_modules = {k: (model if k == ROOT_GROUP else model.get_submodule(k))
+                     for k in groups.order}
 
     if hook_boundary_predicate is None and all(
-            layer_key_from_name(a) is None for n in chosen for a in aliases[id(chosen[n])]):
+            layer_key_from_name(a) is None for names in aliases.values() for a in names):
         logger.info(
             "dmuon: no dedicated param lies under a layers.N / blocks.N module, so all %d are in "
             "one root hook group, gathered for the whole forward (groups: %s). Pass "
             "hook_boundary_predicate=lambda m: ... to dedicate_params to move them per block.",
-            len(chosen), [k or "<root>" for k in order])
+            len(chosen), [k or "<root>" for k in groups.order])
     executor = Executor(mesh_groups, timeout=timeout)
     spec_by_name = {s.name: s for s in specs}
     st = DedicatedState(
@@ -394,7 +359,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     guard_module_apply(model, list(chosen.values()))
     setattr(model, STATE_ATTR, st)
     logger.info("dmuon: dedicated %d params in %d hook groups over G=%d R=%d (plan %s)",
-                len(chosen), len(order), st.G, st.R, plan.fingerprint[:12])
+                len(chosen), len(groups.order), st.G, st.R, plan.fingerprint[:12])
     st.routing = routing.with_owners(st.owner_rank)  # Muon.routing_table(); recipes log it
     out = Dedication({chosen[n]: st.owner_rank[n] for n in chosen})
     out.routing = st.routing
