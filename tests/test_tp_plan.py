@@ -75,3 +75,21 @@ def test_schedule_simulates_gather_ns_scatter():
     # bytes: per matrix, (T-1)/T P into the root and P/T into the other member
     tr = sched.traffic()
     assert sum(tr.rank_received(r) for r in range(4)) == 2 * 2 * (24 + 16) * 8 // 2
+
+
+def test_grad_agreement_finds_missing_slices_and_diverging_replicated_gradients():
+    import math
+
+    import torch
+
+    from dmuon.functional.tp_step import grad_agreement_vector, grad_agreement_verdict
+    sliced, rep = ["s0", "s1"], ["r0", "r1", "r2"]
+    one = torch.ones(2, 2, dtype=torch.float64)
+    a = grad_agreement_vector({"s0": one, "r0": one, "r1": one, "r2": None}, sliced, rep)
+    b = grad_agreement_vector({"r0": one, "r1": 2 * one, "r2": None}, sliced, rep)
+    assert a[:2] == [1.0, 0.0] and a[2:5] == [4.0, 4.0, -1.0]
+    got = [max(x, y) for x, y in zip(a, b)]   # the MAX all-reduce of two members
+    assert grad_agreement_verdict(got, sliced, rep) == (["s0"], ["r1"])
+    nan = grad_agreement_vector({"r0": one * math.nan, "r1": one, "r2": None}, sliced, rep)
+    assert grad_agreement_verdict([max(x, y) for x, y in zip(a, nan)], sliced, rep)[1] == ["r0"]
+    assert grad_agreement_verdict(a, sliced, rep) == (["s0"], [])

@@ -7,9 +7,6 @@ Design notes: docs/design/modes.md, "dmuon.stateful.modes.tensor_parallel".
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -19,7 +16,8 @@ import torch.nn as nn
 
 from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.tp_plan import tp_roots
-from dmuon.functional.tp_step import group_max, tp_orthogonalizer, tp_sum_partials
+from dmuon.functional.tp_step import (grad_agreement_verdict, grad_agreement_vector, group_max,
+                                      tp_orthogonalizer, tp_sum_partials)
 from dmuon.stateful.runtime.agree import rank_flags
 from dmuon.stateful.runtime.errors import (TP_FIX, TensorParallelUnsupported, from_dtensor_api,  # noqa: F401
                                       refuse_tp, tp_error)
@@ -213,30 +211,15 @@ class TPStep:
                     masters: Mapping[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
         """Make the TP group agree on which matrices have a gradient this step (a missing slice
         gets zeros) and check the non-TP matrices' gradients agree (one small all-reduce)."""
-        out = dict(grads)
+        out, bad = dict(grads), []
         if self.names or self.replicated:
-            dev = self.device
-            sums = [(-1.0 if grads.get(n) is None else
-                     float(grads[n].detach().abs().sum(dtype=torch.float64)))
-                    for n in self.replicated]
-            # a MAX all-reduce may drop a NaN: NaN sums travel as flags (a disagreement)
-            nans = [float(math.isnan(x)) for x in sums]
-            sums = [0.0 if math.isnan(x) else x for x in sums]
-            vec = torch.tensor([float(grads.get(n) is not None) for n in self.names] + sums
-                               + [-x for x in sums] + nans + [-x for x in nans],
-                               dtype=torch.float64, device=dev)
+            vec = torch.tensor(grad_agreement_vector(grads, self.names, self.replicated),
+                               dtype=torch.float64, device=self.device)
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
-            got = vec.tolist()
-            k, r = len(self.names), len(self.replicated)
-            for n, h in zip(self.names, got[:k]):
-                if h and out.get(n) is None:
+            present, bad = grad_agreement_verdict(vec.tolist(), self.names, self.replicated)
+            for n in present:
+                if out.get(n) is None:
                     out[n] = torch.zeros_like(masters[n])
-            hi, lo = got[k:k + r], [-x for x in got[k + r:k + 2 * r]]
-            nan_hi, nan_lo = got[k + 2 * r:k + 3 * r], [-x for x in got[k + 3 * r:]]
-            bad = [n for n, a, b, na, nb in zip(self.replicated, hi, lo, nan_hi, nan_lo)
-                   if na != nb or a - b > 1e-6 * max(abs(a), abs(b), 1e-30)]
-        else:
-            bad = []
         if self.check_replicated:
             self._agree_replicated(bad)
         return out

@@ -101,12 +101,13 @@ def _agree_deferral(local_err: Optional[Exception], mesh: Any, replicate_mesh: A
                                   what="dedicate_params deferral agreement"))
 
 
-def _agree_mode(data_parallel: str) -> None:
-    """All-gather ``data_parallel``; raise on every rank if the ranks passed different ones."""
-    agree_equal(data_parallel, what="dedicate_params data_parallel agreement", show=repr,
+def _agree_setting(name: str, value: Any) -> None:
+    """All-gather the setting ``name``'s ``value``; raise on every rank if the ranks passed
+    different ones."""
+    agree_equal(value, what=f"dedicate_params {name} agreement", show=repr,
                 error=lambda detail: RuntimeError(
-                    f"dedicate_params: data_parallel differs across ranks ({detail}); pass the "
-                    "same value on every rank. Nothing was changed."))
+                    f"dedicate_params: {name} differs across ranks ({detail}); pass the same "
+                    "value on every rank. Nothing was changed."))
 
 
 def _bound_mesh_groups(meshes: tuple, timeout: Optional[datetime.timedelta]) -> None:
@@ -268,7 +269,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     on_meta = bool(chosen) and all(p.is_meta for p in chosen.values())
     if not finishing and _agree_deferral(local_err, mesh, replicate_mesh, deferring):
         # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
-        _agree_mode(data_parallel)
+        _agree_setting("data_parallel", data_parallel)
         defer(model, chosen, dict(kw, mesh=mesh), finish_deferred)
         logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
                     "dedicate_params)", len(chosen))
@@ -277,11 +278,8 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
                         param_device_types=[str(mesh.device_type) if p.is_meta else p.device.type
                                             for p in chosen.values()],
                         tp_ranks=tp_mesh_ranks(layouts))
-    _agree_mode(data_parallel)
-    agree_equal(collectives, what="dedicate_params collectives agreement", show=repr,
-                error=lambda detail: RuntimeError(
-                    f"dedicate_params: collectives differs across ranks ({detail}); pass the same "
-                    "value on every rank. Nothing was changed."))
+    _agree_setting("data_parallel", data_parallel)
+    _agree_setting("collectives", collectives)
     timeout = timeout or default_group_timeout(str(mesh.device_type))
     if len(grids) > 1:  # tensor parallelism: one dp grid per TP index
         mesh_groups = make_process_groups(tp_grids=grids, timeout=timeout)
