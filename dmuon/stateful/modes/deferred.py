@@ -57,14 +57,6 @@ def should_defer(chosen: Mapping[str, Any], sub_mesh: bool) -> bool:
     return bool(dts) and any(p.is_meta for p in chosen.values())
 
 
-def _forward_guard(module: nn.Module, args: Any) -> None:
-    raise RuntimeError(
-        "dmuon: this model's Muon matrices are not dedicated yet: dedicate_params ran before "
-        "tensor parallelism (or on a meta-device model), so the dedication completes in "
-        "dmuon.Muon(model). Build the optimizer (dmuon.Muon(model, ...)) on every rank before the "
-        "first forward (after fully_shard, to_empty and the model's init).")
-
-
 #: models with a pending dedication; one global forward pre-hook while any (before FSDP2's hooks)
 _PENDING_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _GLOBAL_HOOK: list = []
@@ -72,7 +64,11 @@ _GLOBAL_HOOK: list = []
 
 def _global_guard(module: nn.Module, args: Any) -> None:
     if module in _PENDING_MODELS:
-        _forward_guard(module, args)
+        raise RuntimeError(
+            "dmuon: this model's Muon matrices are not dedicated yet: dedicate_params ran before "
+            "tensor parallelism (or on a meta-device model), so the dedication completes in "
+            "dmuon.Muon(model). Build the optimizer (dmuon.Muon(model, ...)) on every rank before "
+            "the first forward (after fully_shard, to_empty and the model's init).")
 
 
 def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], kwargs: dict,

@@ -3,7 +3,6 @@ rank (collective; before ``fully_shard``). Every check runs on every rank with t
 before any process group is made. Design notes: docs/design/setup.md, "`dedicate_params`"."""
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import warnings
@@ -91,9 +90,8 @@ def _agree_deferral(local_err: Optional[Exception], mesh: Any, replicate_mesh: A
     :func:`dmuon.functional.setup_check.deferral_agreed`). Otherwise the setup check that follows
     raises on every rank, naming what is wrong."""
     try:
-        mine = tuple(sorted(int(x) for x in mesh.mesh.flatten().tolist())) if replicate_mesh is None \
-            else tuple(sorted(int(x) for m in (mesh, replicate_mesh)
-                              for x in m.mesh.flatten().tolist()))
+        meshes = (mesh,) if replicate_mesh is None else (mesh, replicate_mesh)
+        mine = tuple(sorted(int(x) for m in meshes for x in m.mesh.flatten().tolist()))
     except AttributeError:
         mine = ()
     err = None if local_err is None else (type(local_err).__name__, str(local_err))
@@ -197,11 +195,9 @@ def dedicate_params(
     options, notes = fold_deprecated(options, deprecated)
     for note in notes:
         warnings.warn(note, DeprecationWarning, stacklevel=2)
-    kwargs = dict({f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
-                  replicate_mesh=replicate_mesh,
-                  hook_boundary_predicate=hook_boundary_predicate,
-                  reshard_after_forward=reshard_after_forward)
-    return _dedicate(model, mesh, predicate, kwargs)
+    seeds = dict(replicate_mesh=replicate_mesh, hook_boundary_predicate=hook_boundary_predicate,
+                 reshard_after_forward=reshard_after_forward)
+    return _dedicate(model, mesh, predicate, options, seeds)
 
 
 def finish_deferred(model: nn.Module) -> None:
@@ -211,20 +207,18 @@ def finish_deferred(model: nn.Module) -> None:
     if pending is None:
         return
     names = set(pending.names)
-    kw = dict(pending.kwargs)
-    mesh = kw.pop("mesh")
-    _dedicate(model, mesh, lambda n, p: n in names, kw, finishing=True)
+    _dedicate(model, predicate=lambda n, p: n in names, finishing=True, **pending.kwargs)
     clear_pending(model)
 
 
-def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
-              finishing: bool = False) -> dict[nn.Parameter, int]:
-    """:func:`dedicate_params` (``kw``: its keyword arguments); ``finishing``: a deferred one."""
-    replicate_mesh, hook_boundary_predicate = kw["replicate_mesh"], kw["hook_boundary_predicate"]
-    reshard_after_forward, mp_policy = kw["reshard_after_forward"], kw["mp_policy"]
-    batch_dims, policy, timeout = kw["batch_dims"], kw["policy"], kw["timeout"]
-    data_parallel = kw["data_parallel"]
-    max_split, force_split = split_settings(kw.get("split_ns", 1))
+def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: DedicateOptions,
+              seeds: dict, *, finishing: bool = False) -> dict[nn.Parameter, int]:
+    """:func:`dedicate_params` (``seeds``: its other keyword arguments); ``finishing``: a
+    deferred one."""
+    replicate_mesh = seeds["replicate_mesh"]
+    hook_boundary_predicate = seeds["hook_boundary_predicate"]
+    data_parallel, timeout = options.data_parallel, options.timeout
+    max_split, force_split = split_settings(options.split_ns)
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
     if find_state(model) is not None or (find_pending(model) is not None and not finishing):
@@ -246,8 +240,8 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     collectives = "per_owner"
     try:
         check_data_parallel(data_parallel)
-        collectives = check_choice(kw.get("collectives", "per_owner"), data_parallel)
-        pol = as_policy(policy)
+        collectives = check_choice(options.collectives, data_parallel)
+        pol = as_policy(options.policy)
         named, chosen = _select(model, routing_predicate(pol, predicate), finishing)
         # the dp sub-mesh of a (dp, tp) mesh before TP, or TP params on meta: later (deferred.py)
         deferring = not finishing and should_defer(chosen, not covers_world(mesh, replicate_mesh))
@@ -256,7 +250,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
         if not deferring:
             layouts = tp_layouts(model, chosen)  # TP-sharded DTensors (tensor_parallel.py)
             check_choice(collectives, data_parallel, tp=bool(layouts))
-            decisions = _tp_decisions(decide_params(model, chosen, pol, batch_dims), layouts,
+            decisions = _tp_decisions(decide_params(model, chosen, pol, options.batch_dims), layouts,
                                       data_parallel, any(p.is_meta for p in chosen.values()))
             spec_named = [(n, tuple(p.to_local().shape), p.dtype) if n in layouts else (n, p)
                           for n, p in named]
@@ -270,7 +264,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     if not finishing and _agree_deferral(local_err, mesh, replicate_mesh, deferring):
         # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
         _agree_setting("data_parallel", data_parallel)
-        defer(model, chosen, dict(kw, mesh=mesh), finish_deferred)
+        defer(model, chosen, dict(mesh=mesh, options=options, seeds=seeds), finish_deferred)
         logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
                     "dedicate_params)", len(chosen))
         return Dedication()
@@ -325,8 +319,9 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     spec_by_name = {s.name: s for s in specs}
     st = DedicatedState(
         model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
-        groups=groups, group_modules=group_modules, reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen},
+        groups=groups, group_modules=group_modules,
+        reshard_after_forward=seeds["reshard_after_forward"], mp_policy=options.mp_policy,
+        batch_dims={n: spec_by_name[n].batch_dims for n in chosen},
         meta_shapes=meta_shapes, meta_device=meta_device,
         param_dtypes=dtype_overrides(decisions, "param_dtype"),
         reduce_dtypes=dtype_overrides(decisions, "reduce_dtype"),
