@@ -93,3 +93,28 @@ def test_grad_agreement_finds_missing_slices_and_diverging_replicated_gradients(
     nan = grad_agreement_vector({"r0": one * math.nan, "r1": one, "r2": None}, sliced, rep)
     assert grad_agreement_verdict([max(x, y) for x, y in zip(a, nan)], sliced, rep)[1] == ["r0"]
     assert grad_agreement_verdict(a, sliced, rep) == (["s0"], [])
+
+
+def test_tp_slicing_problem_names_what_dmuon_cannot_dedicate():
+    from dmuon.functional.matrix_view import Sliced
+    from dmuon.functional.tp_plan import TPLayout, tp_slicing_problem
+
+    class Shard:  # the duck type of a DTensor placement
+        def __init__(self, dim, shard=True):
+            self.dim, self._shard = dim, shard
+
+        def is_shard(self):
+            return self._shard
+
+    ok = dict(contiguous=True, tied=False)
+    assert tp_slicing_problem((8, 6), (Shard(0),), 1, 2, **ok) is None
+    assert tp_slicing_problem((8, 6), (Shard(-1),), 1, 3, **ok) is None   # dim -1: columns
+    assert "1-D TP mesh" in tp_slicing_problem((8, 6), (Shard(0), Shard(1)), 2, 4, **ok)
+    assert "2-D matrix" in tp_slicing_problem((8, 6, 2), (Shard(0),), 1, 2, **ok)
+    assert "2-D matrix" in tp_slicing_problem((8, 6), (Shard(0, False),), 1, 2, **ok)
+    assert "Shard interleaves" in tp_slicing_problem((8, 6), (Shard(0),), 1, 2, contiguous=False,
+                                                     tied=False)
+    assert "dim 1 (6) is not divisible by the TP degree 4" in tp_slicing_problem(
+        (8, 6), (Shard(1),), 1, 4, **ok)
+    assert "tied" in tp_slicing_problem((8, 6), (Shard(0),), 1, 2, contiguous=True, tied=True)
+    assert TPLayout(None, (), (8, 6), (6, 1), 1, 2).view() == Sliced(1, 2)
