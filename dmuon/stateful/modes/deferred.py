@@ -7,7 +7,7 @@ Design notes: docs/design/modes.md, "dmuon.stateful.modes.deferred".
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch.nn as nn
@@ -24,11 +24,11 @@ PENDING_ATTR = "_dmuon_pending"
 
 @dataclass
 class PendingDedication:
-    """What a deferred ``dedicate_params`` call recorded: the selected ``names``, the call's keyword
-    arguments and ``finish(model)``, the dedication itself (run by :func:`finish_pending`)."""
+    """What a deferred ``dedicate_params`` call recorded: the selected ``names`` and
+    ``finish(model)``, the dedication itself with the call's arguments (run by
+    :func:`finish_pending`)."""
 
     names: tuple[str, ...]
-    kwargs: dict[str, Any] = field(default_factory=dict)
     finish: Any = None
 
 
@@ -71,8 +71,7 @@ def _global_guard(module: nn.Module, args: Any) -> None:
             "the first forward (after fully_shard, to_empty and the model's init).")
 
 
-def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], kwargs: dict,
-          finish: Any) -> None:
+def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], finish: Any) -> None:
     """Record a deferred dedication on ``model``; ``finish(model)`` completes it."""
     for n in chosen:
         mod_name, _, leaf = n.rpartition(".")
@@ -80,7 +79,7 @@ def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], kwargs: dict,
         slots = set(getattr(module, PENDING_SLOTS_ATTR, ()))
         slots.add(leaf)
         setattr(module, PENDING_SLOTS_ATTR, frozenset(slots))
-    pending = PendingDedication(tuple(chosen), dict(kwargs), finish)
+    pending = PendingDedication(tuple(chosen), finish)
     _PENDING_MODELS.add(model)
     if not _GLOBAL_HOOK:
         _GLOBAL_HOOK.append(register_module_forward_pre_hook(_global_guard))
@@ -97,6 +96,7 @@ def finish_pending(model: nn.Module) -> None:
     pending = find_pending(model)
     if pending is not None:
         pending.finish(model)
+        clear_pending(model)
 
 
 def clear_pending(model: nn.Module) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import datetime
 import logging
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,8 +35,7 @@ from dmuon.functional.selection import check_materialized, select_params
 from dmuon.stateful.modes.meta_init import MetaInit, device_of_mesh, replace_meta_params
 from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.runtime.process_groups import agree_grids, make_process_groups, with_split_groups
-from dmuon.stateful.modes.deferred import (clear_pending, covers_world, defer, find_pending,
-                                           should_defer)
+from dmuon.stateful.modes.deferred import covers_world, defer, find_pending, should_defer
 from dmuon.stateful.modes.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
                                             localize_tp_params, tp_layouts, tp_mesh_ranks)
 from dmuon.stateful.runtime.state import STATE_ATTR, DedicatedState, find_state
@@ -200,17 +199,6 @@ def dedicate_params(
     return _dedicate(model, mesh, predicate, options, seeds)
 
 
-def finish_deferred(model: nn.Module) -> None:
-    """Complete a deferred ``dedicate_params`` (collective; ``dmuon.Muon(model)`` calls it; no-op
-    without one): the same dedication, on the model TP, ``fully_shard`` and the init made."""
-    pending = find_pending(model)
-    if pending is None:
-        return
-    names = set(pending.names)
-    _dedicate(model, predicate=lambda n, p: n in names, finishing=True, **pending.kwargs)
-    clear_pending(model)
-
-
 def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: DedicateOptions,
               seeds: dict, *, finishing: bool = False) -> dict[nn.Parameter, int]:
     """:func:`dedicate_params` (``seeds``: its other keyword arguments); ``finishing``: a
@@ -264,7 +252,9 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
     if not finishing and _agree_deferral(local_err, mesh, replicate_mesh, deferring):
         # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
         _agree_setting("data_parallel", data_parallel)
-        defer(model, chosen, dict(mesh=mesh, options=options, seeds=seeds), finish_deferred)
+        names = set(chosen)
+        defer(model, chosen, lambda m: _dedicate(m, mesh, lambda n, p: n in names, options, seeds,
+                                                 finishing=True))
         logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
                     "dedicate_params)", len(chosen))
         return Dedication()
