@@ -255,7 +255,7 @@ def test_meta_init_hsdp_2x2():
 
 
 def test_meta_selection_mixed_raises():
-    from dmuon.stateful.modes.meta_init import check_meta_selection
+    from dmuon.functional.selection import check_meta_selection
     a = nn.Parameter(torch.empty(2, 2, device="meta"))
     b = nn.Parameter(torch.empty(2, 2))
     assert check_meta_selection({"a": a}) is True

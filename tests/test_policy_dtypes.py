@@ -232,7 +232,7 @@ def test_invalid_rule_dtypes_raise(kw):
 
 def test_dtype_rules_decide_fingerprint_describe():
     from dmuon.functional.policy import ParamPolicy, Rule
-    from dmuon.stateful.setup.param_views import policy_fingerprint
+    from dmuon.functional.policy import policy_fingerprint
     pol = ParamPolicy(rules=(Rule("a", param_dtype=torch.bfloat16, master_dtype=torch.float64),))
     d = pol.decide("a", (4, 4), predicate_says_muon=True, dtype=torch.float32)
     assert (d.param_dtype, d.reduce_dtype, d.master_dtype) == (torch.bfloat16, None, torch.float64)

@@ -54,6 +54,28 @@ def test_clip_caps_each_head_at_tau(hq, hkv):
         clip_factors(s, hkv, QKClipConfig(tau=0.0))
 
 
+def test_layers_pack_for_one_all_reduce_and_give_the_weights_to_rescale():
+    from dmuon.functional.qk_clip import (check_layers, pack_max_logits, unpack_max_logits,
+                                          weight_factors)
+    layers = {"b": ("b.q", "b.k", 1), "a": ("a.q", "a.k", 2)}
+    local = {"b": torch.tensor([5.0]), "a": torch.tensor([300.0, 10.0], dtype=F64)}
+    check_layers(local, layers, {"a.q", "a.k", "b.q", "b.k"})
+    with pytest.raises(ValueError, match="'b.k' \\(layer 'b'\\) is not a dedicated param"):
+        check_layers(local, layers, {"a.q", "a.k", "b.q"})
+    with pytest.raises(ValueError, match="give both for the same layers"):
+        check_layers({"a": local["a"]}, layers, {"a.q", "a.k", "b.q", "b.k"})
+    flat = pack_max_logits(local, torch.device("cpu"))
+    assert flat.tolist() == [300.0, 10.0, 5.0, 0.0] and flat.dtype == F64   # sorted, flag last
+    got = unpack_max_logits(flat, local)
+    assert list(got) == ["a", "b"] and got["a"].tolist() == [300.0, 10.0]
+    bad = pack_max_logits({"a": torch.tensor([-math.inf, 1.0]), "b": local["b"]}, "cpu")
+    with pytest.raises(ValueError, match="NaN or Inf on some rank"):
+        unpack_max_logits(bad, local)
+    f = weight_factors(got, layers, QKClipConfig(tau=100.0))   # layer b stays under tau
+    qf, kf = clip_factors(got["a"], 2, QKClipConfig(tau=100.0))
+    assert list(f) == ["a.q", "a.k"] and torch.equal(f["a.q"], qf) and torch.equal(f["a.k"], kf)
+
+
 def qk_worker(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

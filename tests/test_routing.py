@@ -12,7 +12,7 @@ from dmuon.functional.hf_policy import hf_rules
 from dmuon.functional.matrix_view import Heads
 from dmuon.functional.policy import ParamPolicy, Rule
 from dmuon.functional.routing import routing_table
-from dmuon.stateful.setup.param_views import decide_params, routing_predicate
+from dmuon.functional.policy import decide_params, routing_predicate
 from models import make_model, muon_predicate
 
 

@@ -73,11 +73,11 @@ def test_split_ns_option_and_unsupported_combinations_raise():
 
     import dmuon
     from dmuon.stateful.optimizer.split_step import check_split_support
-    from dmuon.stateful.setup.dedicate import _split_args
+    from dmuon.functional.dedicate_options import split_settings
     for bad in (0, True, 1.5, "2"):                      # before anything else is looked at
         with pytest.raises(ValueError, match="split_ns must be an int >= 1"):
             dmuon.dedicate_params(torch.nn.Linear(2, 2), None, lambda n, p: True, split_ns=bad)
-    assert _split_args(1) == (1, None) and _split_args({"w": 3}) == (3, {"w": 3})
+    assert split_settings(1) == (1, None) and split_settings({"w": 3}) == (3, {"w": 3})
     rt = SimpleNamespace(plan=SimpleNamespace(splits=(SimpleNamespace(param="w"),)),
                          names=("w", "v"), hp_mults={})
     check_split_support(rt, None)

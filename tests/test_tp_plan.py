@@ -88,3 +88,46 @@ def test_grid_tp_schedule_one_tp_group_per_dp_coordinate():
     got = grid_tp_schedule(grids, owners, shapes, dtypes, 4)
     assert got == tp_step_schedule([[0, 1], [2, 3]], [{"b": (8, 2)}, {"a": (4, 6), "c": (2, 2)}],
                                    dtypes, world_size=4)
+
+
+def test_grad_agreement_finds_missing_slices_and_diverging_replicated_gradients():
+    import math
+
+    import torch
+
+    from dmuon.functional.tp_step import grad_agreement_vector, grad_agreement_verdict
+    sliced, rep = ["s0", "s1"], ["r0", "r1", "r2"]
+    one = torch.ones(2, 2, dtype=torch.float64)
+    a = grad_agreement_vector({"s0": one, "r0": one, "r1": one, "r2": None}, sliced, rep)
+    b = grad_agreement_vector({"r0": one, "r1": 2 * one, "r2": None}, sliced, rep)
+    assert a[:2] == [1.0, 0.0] and a[2:5] == [4.0, 4.0, -1.0]
+    got = [max(x, y) for x, y in zip(a, b)]   # the MAX all-reduce of two members
+    assert grad_agreement_verdict(got, sliced, rep) == (["s0"], ["r1"])
+    nan = grad_agreement_vector({"r0": one * math.nan, "r1": one, "r2": None}, sliced, rep)
+    assert grad_agreement_verdict([max(x, y) for x, y in zip(a, nan)], sliced, rep)[1] == ["r0"]
+    assert grad_agreement_verdict(a, sliced, rep) == (["s0"], [])
+
+
+def test_tp_slicing_problem_names_what_dmuon_cannot_dedicate():
+    from dmuon.functional.matrix_view import Sliced
+    from dmuon.functional.tp_plan import TPLayout, tp_slicing_problem
+
+    class Shard:  # the duck type of a DTensor placement
+        def __init__(self, dim, shard=True):
+            self.dim, self._shard = dim, shard
+
+        def is_shard(self):
+            return self._shard
+
+    ok = dict(contiguous=True, tied=False)
+    assert tp_slicing_problem((8, 6), (Shard(0),), 1, 2, **ok) is None
+    assert tp_slicing_problem((8, 6), (Shard(-1),), 1, 3, **ok) is None   # dim -1: columns
+    assert "1-D TP mesh" in tp_slicing_problem((8, 6), (Shard(0), Shard(1)), 2, 4, **ok)
+    assert "2-D matrix" in tp_slicing_problem((8, 6, 2), (Shard(0),), 1, 2, **ok)
+    assert "2-D matrix" in tp_slicing_problem((8, 6), (Shard(0, False),), 1, 2, **ok)
+    assert "Shard interleaves" in tp_slicing_problem((8, 6), (Shard(0),), 1, 2, contiguous=False,
+                                                     tied=False)
+    assert "dim 1 (6) is not divisible by the TP degree 4" in tp_slicing_problem(
+        (8, 6), (Shard(1),), 1, 4, **ok)
+    assert "tied" in tp_slicing_problem((8, 6), (Shard(0),), 1, 2, contiguous=True, tied=True)
+    assert TPLayout(None, (), (8, 6), (6, 1), 1, 2).view() == Sliced(1, 2)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, NamedTuple, Sequence, Union
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -45,9 +45,14 @@ from dmuon.functional.specs import dtype_from_str, layer_key_from_name
 GroupKeySpec = Union[Callable[[str], "str | None"], Mapping[str, str], None]
 
 __all__ = [
-    "Coord", "HookGroups", "hook_groups", "default_group_key", "BucketKey", "BucketEntry", "Bucket",
+    "Coord", "HookGroups", "hook_groups", "default_group_key", "ROOT_GROUP", "boundary_groups",
+    "BucketKey", "BucketEntry", "Bucket",
     "BucketLayout", "bucket_layout", "dtype_str", "to_torch_dtype", "dtype_itemsize",
 ]
+
+
+#: The hook group of params under no boundary module (gathered for the whole forward: never Z3).
+ROOT_GROUP = ""
 
 
 def default_group_key(name: str) -> str:
@@ -143,6 +148,40 @@ def hook_groups(names: Sequence[str], key: GroupKeySpec = None, *,
         ordered = sorted(groups, key=pos.__getitem__)
     return HookGroups(order=tuple(ordered),
                       members=tuple((g, tuple(sorted(groups[g]))) for g in ordered))
+
+
+def boundary_groups(aliases: Mapping[str, Sequence[str]],
+                    accepts: Optional[Callable[[str], bool]],
+                    module_order: Sequence[str]) -> HookGroups:
+    """The hook groups of ``dedicate_params``: each param is moved by the hooks of its hook
+    boundary, the lowest (deepest) module path above it that ``accepts`` (``None``: its layer key,
+    :func:`dmuon.functional.specs.layer_key_from_name`), else the root group (:data:`ROOT_GROUP`).
+
+    Args:
+      aliases: ``{name: every name of that param}`` of the dedicated params, in order (a tied param,
+        shared by several modules, has several: under different boundaries it goes to the root
+        group, gathered for the whole forward).
+      accepts: ``module path -> bool``, the hook-boundary predicate on the module at that path.
+      module_order: the model's module paths in ``named_modules()`` order (the groups' order).
+    """
+    def boundary(name: str) -> str:
+        if accepts is None:
+            key = layer_key_from_name(name)
+            return key if key is not None else ROOT_GROUP
+        parts = name.split(".")[:-1]
+        for i in range(len(parts), 0, -1):  # lowest (deepest) accepted ancestor first
+            path = ".".join(parts[:i])
+            if accepts(path):
+                return path
+        return ROOT_GROUP
+
+    keys = {}
+    for n, names in aliases.items():
+        bounds = {boundary(a) for a in names}
+        keys[n] = bounds.pop() if len(bounds) == 1 else ROOT_GROUP
+    pos = {m: i for i, m in enumerate(module_order)}
+    return hook_groups(list(aliases), keys,
+                       order=sorted(set(keys.values()), key=lambda k: pos.get(k, -1)))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,8 +6,10 @@ reshard_after_forward, options)``: the per-param policy, the dtypes, the data-pa
 the collectives' timeout, split Newton–Schulz and the collective style are options of one object,
 so the call the seeds show stays the call users write. Their former spelling as keyword arguments
 of ``dedicate_params`` works for one release with a ``DeprecationWarning``
-(:func:`fold_deprecated`). The values are checked by ``dedicate_params`` on every rank, with the
-verdict agreed (a bad value on one rank raises on all, never a hang).
+(:func:`fold_deprecated`). The values are checked here (:func:`check_data_parallel`,
+:func:`split_settings`; the collectives by :func:`dmuon.functional.collectives.check_choice`),
+called by ``dedicate_params`` on every rank with the verdict agreed (a bad value on one rank
+raises on all, never a hang).
 """
 from __future__ import annotations
 
@@ -16,7 +18,8 @@ import datetime
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
-__all__ = ["DedicateOptions", "DATA_PARALLEL_MODES", "fold_deprecated"]
+__all__ = ["DedicateOptions", "DATA_PARALLEL_MODES", "fold_deprecated", "check_data_parallel",
+           "split_settings"]
 
 #: the values of ``DedicateOptions(data_parallel=...)``
 DATA_PARALLEL_MODES = ("fsdp", "ddp")
@@ -103,3 +106,31 @@ def fold_deprecated(options: Optional[DedicateOptions],
         notes.append(f"dedicate_params({k}=...) is deprecated: pass "
                      f"options=dmuon.DedicateOptions({k}=...)")
     return (dataclasses.replace(options, **change) if change else options), notes
+
+
+def check_data_parallel(data_parallel: Any) -> str:
+    """Validate ``DedicateOptions(data_parallel=...)``.
+
+    Raises:
+      ValueError: not one of :data:`DATA_PARALLEL_MODES`."""
+    if data_parallel not in DATA_PARALLEL_MODES:
+        raise ValueError(f"dedicate_params: data_parallel must be one of {DATA_PARALLEL_MODES} "
+                         f"(\"fsdp\": the model is then fully_shard-ed, FSDP2 / HSDP; \"ddp\": it is "
+                         f"then wrapped in DistributedDataParallel), got {data_parallel!r}")
+    return data_parallel
+
+
+def split_settings(split_ns: Any) -> tuple[int, Optional[dict[str, int]]]:
+    """``(max_split, force_split)`` of ``DedicateOptions(split_ns=...)`` (``plan_owners``'
+    arguments).
+
+    Raises:
+      ValueError: neither an int >= 1 nor a mapping."""
+    if isinstance(split_ns, Mapping):
+        force = {str(k): v for k, v in split_ns.items()}
+        return max([2, *[v for v in force.values() if isinstance(v, int)]]), force or None
+    if isinstance(split_ns, bool) or not isinstance(split_ns, int) or split_ns < 1:
+        raise ValueError(f"dedicate_params: split_ns must be an int >= 1 (the most ranks one "
+                         f"matrix's Newton–Schulz may be split over; 1: never) or a mapping "
+                         f"{{param name: k}}, got {split_ns!r}")
+    return split_ns, None

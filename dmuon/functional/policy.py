@@ -34,6 +34,8 @@ Defaults for Hugging Face decoders (``default_muon_predicate`` + no rules): the 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
@@ -44,7 +46,8 @@ from dmuon.functional.matrix_view import Batch, MatrixView, Split, Transposed, V
 
 __all__ = ["Rule", "ParamPolicy", "Decision", "default_view", "module_kind", "MODULE_KINDS",
            "DTYPE_FIELDS", "RULE_DTYPES", "master_dtype_for", "resolve_group_dtypes",
-           "resolve_model_dtypes"]
+           "resolve_model_dtypes", "as_policy", "routing_predicate", "decide_params",
+           "dtype_overrides", "policy_fingerprint"]
 
 #: What :func:`module_kind` reports about the module owning a param.
 MODULE_KINDS = ("experts", "experts_interleaved", "experts_transposed", "conv", "conv1d", "other")
@@ -426,3 +429,61 @@ class ParamPolicy:
                          + "".join(f"  {f}={str(getattr(r, f)).replace('torch.', '')}"
                                    for f in r.dtypes_set()))
         return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# the policy applied by ``dedicate_params``: its routing predicate, every chosen param's decision,
+# the rules' dtypes and the plan fingerprint every rank compares
+
+def as_policy(policy: Optional[ParamPolicy]) -> ParamPolicy:
+    """``policy`` itself, or the empty policy for ``None`` (``TypeError`` for anything else)."""
+    if policy is None:
+        return ParamPolicy()
+    if not isinstance(policy, ParamPolicy):
+        raise TypeError(f"dedicate_params: policy must be a dmuon.functional.policy.ParamPolicy or "
+                        f"None, got {type(policy).__name__}")
+    return policy
+
+
+def routing_predicate(policy: ParamPolicy, predicate: Any) -> Any:
+    """The predicate ``dedicate_params`` selects with: the user's, overridden by the first
+    matching rule that sets a route (the user's object itself when no rule sets one)."""
+    if not callable(predicate) or not any(r.route is not None for r in policy.rules):
+        return predicate
+
+    def routed(name: str, p: Any) -> bool:
+        _, r = policy.rule_for(name)
+        if r is not None and r.route is not None:
+            return r.route == "muon"
+        return bool(predicate(name, p))
+    return routed
+
+
+def decide_params(model: Any, chosen: Mapping[str, Any], policy: ParamPolicy,
+                  batch_dims: Optional[Callable[[str, tuple[int, ...]], int]]) -> dict[str, Decision]:
+    """The policy's :class:`Decision` (route ``"muon"``, view, source) for every chosen param of
+    the ``nn.Module`` ``model`` (its AdamW params are checked: rules may not set multipliers)."""
+    for n, p in model.named_parameters():
+        if p.requires_grad and n not in chosen:
+            policy.decide(n, tuple(p.shape), predicate_says_muon=False)
+    out = {}
+    for n, p in chosen.items():
+        owner = model.get_submodule(n.rsplit(".", 1)[0]) if "." in n else model
+        out[n] = policy.decide(n, tuple(p.shape), predicate_says_muon=True,
+                               kind=module_kind(owner), batch_dims=batch_dims, dtype=p.dtype)
+    return out
+
+
+def dtype_overrides(decisions: Mapping[str, Decision], attr: str) -> dict[str, Any]:
+    """``{name: dtype}`` of the params whose rule sets ``attr`` (``"param_dtype"``,
+    ``"reduce_dtype"`` or ``"master_dtype"``); the others follow the group's / default rule."""
+    return {n: getattr(d, attr) for n, d in decisions.items() if getattr(d, attr) is not None}
+
+
+def policy_fingerprint(plan_fingerprint: str, policy: ParamPolicy) -> str:
+    """The plan's fingerprint, extended by the policy's rules when it has any (unchanged
+    otherwise, so plans without a policy keep their fingerprints)."""
+    if not policy.rules:
+        return plan_fingerprint
+    blob = json.dumps([plan_fingerprint, policy.canonical()], separators=(",", ":"))
+    return hashlib.sha256(blob.encode()).hexdigest()

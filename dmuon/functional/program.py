@@ -38,8 +38,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from dmuon.functional.buckets import (BucketKey, BucketLayout, HookGroups, bucket_layout,
-                                      hook_groups)
+from dmuon.functional.buckets import (ROOT_GROUP, BucketKey, BucketLayout, HookGroups,
+                                      bucket_layout, hook_groups)
 from dmuon.functional.collectives import resolve_styles
 from dmuon.functional.owner_plan import Coord
 from dmuon.functional.schedule import (AllReduce, Broadcast, Schedule, publish_schedule,
@@ -50,8 +50,6 @@ __all__ = ["PHASES", "GroupPhases", "StepProgram", "step_program", "program_from
            "step_traffic", "checkpoint_to_every_rank", "checkpoint_to_columns",
            "checkpoint_over_tp", "ROOT_GROUP"]
 
-#: The hook group of params under no boundary module (gathered for the whole forward: never Z3).
-ROOT_GROUP = ""
 #: The per-group phases, in the order a step runs them.
 PHASES = ("unshard", "reduce", "publish")
 

@@ -17,12 +17,13 @@ when present, scale with their rows.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import Collection, Mapping, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["QKClipConfig", "max_logits", "clip_factors", "scale_head_rows", "apply_qk_clip"]
+__all__ = ["QKClipConfig", "max_logits", "clip_factors", "scale_head_rows", "apply_qk_clip",
+           "check_layers", "pack_max_logits", "unpack_max_logits", "weight_factors"]
 
 
 class QKClipConfig(NamedTuple):
@@ -100,3 +101,66 @@ def apply_qk_clip(w_q: Tensor, w_k: Tensor, q_factors: Tensor, k_factors: Tensor
     ``h``'s rows of W_q times ``q_factors[h]`` and k head ``g``'s rows of W_k times
     ``k_factors[g]``; inputs are not modified."""
     return scale_head_rows(w_q, q_factors), scale_head_rows(w_k, k_factors)
+
+
+# ---------------------------------------------------------------------------------------------
+# the layers of a model: their max logits packed for one MAX all-reduce over the ranks, the
+# factors of their weights
+
+#: ``{layer: (q weight name, k weight name, number of kv heads)}``
+Layers = Mapping[str, tuple[str, str, int]]
+
+
+def check_layers(max_logit: Mapping[str, Tensor], layers: Layers, weights: Collection[str]) -> None:
+    """Raise ``ValueError`` if ``max_logit`` and ``layers`` name different layers, or a q / k
+    weight is not in ``weights`` (the dedicated params: W_q and W_k must be routed to Muon)."""
+    if set(max_logit) != set(layers):
+        raise ValueError(f"qk_clip_: max_logit has layers {sorted(max_logit)} but layers has "
+                         f"{sorted(layers)}; give both for the same layers")
+    for lay, (qn, kn, _) in layers.items():
+        for n in (qn, kn):
+            if n not in weights:
+                raise ValueError(f"qk_clip_: {n!r} (layer {lay!r}) is not a dedicated param; "
+                                 "route W_q and W_k to Muon (dedicate them)")
+
+
+def pack_max_logits(max_logit: Mapping[str, Tensor], device: torch.device) -> Tensor:
+    """The layers' max logits (sorted by layer) as one fp64 vector on ``device``, with a
+    non-finite flag at the end: under a (NaN-safe) MAX all-reduce one rank's NaN or Inf (even a
+    -Inf that other ranks' maxima would hide) is seen on every rank."""
+    flat = torch.cat([max_logit[k].detach().reshape(-1).to(torch.float64)
+                      for k in sorted(max_logit)]).to(device)
+    return torch.cat([flat, (~torch.isfinite(flat)).any().to(flat.dtype).reshape(1)])
+
+
+def unpack_max_logits(flat: Tensor, max_logit: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """``{layer: (H_q,) max logit}`` (CPU) of :func:`pack_max_logits`' vector after the
+    all-reduce (``max_logit``: the layers and head counts it was packed from).
+
+    Raises:
+      ValueError: the non-finite flag is set (nothing should be rescaled)."""
+    if flat[-1].item() > 0:
+        raise ValueError(
+            "qk_clip_: a max logit is NaN or Inf on some rank (this step's attention overflowed "
+            "or its loss is non-finite); nothing was rescaled. Check the loss and inputs "
+            "(Muon(check_finite=True) stops the step itself on non-finite gradients).")
+    out, at = {}, 0
+    for k in sorted(max_logit):
+        h = max_logit[k].numel()
+        out[k] = flat[at:at + h].cpu()
+        at += h
+    return out
+
+
+def weight_factors(max_logit: Mapping[str, Tensor], layers: Layers,
+                   config: QKClipConfig = QKClipConfig()) -> dict[str, Tensor]:
+    """``{weight name: per-head factors}`` of the q / k weights to rescale (layers sorted, q then
+    k; a layer whose heads all stay under ``config.tau`` is left out), from the global
+    ``max_logit`` per layer (:func:`clip_factors`)."""
+    out = {}
+    for k in sorted(layers):
+        qn, kn, nkv = layers[k]
+        q_f, k_f = clip_factors(max_logit[k], nkv, config)
+        if not (bool((q_f == 1).all()) and bool((k_f == 1).all())):
+            out[qn], out[kn] = q_f, k_f
+    return out

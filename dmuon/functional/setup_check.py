@@ -12,9 +12,10 @@ of shard index ``s`` in replica ``r``; it must be an ``R x G`` arrangement of al
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-__all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "check_setups", "error_type"]
+__all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "check_setups", "ddp_grid",
+           "deferral_agreed", "error_type"]
 
 Grid = tuple[tuple[int, ...], ...]
 
@@ -314,3 +315,30 @@ def check_fsdp_meshes(grid: Grid, device_type: str,
         "different ranks. Pass fully_shard the same mesh (for HSDP the 2-D mesh) as "
         "dedicate_params (its 1-D shard mesh plus replicate_mesh, or the same 2-D mesh)."
         for (mr, dev), names in bad.items())
+
+
+def ddp_grid(grid: Grid) -> Grid:
+    """The ``grid[r][s]`` of DDP mode: the 1-D mesh's ranks as ``R = world`` replicas of one
+    shard (``G = 1``).
+
+    Raises:
+      ValueError: ``grid`` is not one row (a 2-D or HSDP mesh was given)."""
+    if len(grid) != 1:
+        raise ValueError(
+            "dedicate_params(data_parallel=\"ddp\") takes the 1-D mesh of the ranks DDP spans "
+            "(init_device_mesh(device, (world,))) and no replicate_mesh; got a 2-D / HSDP layout "
+            f"of {len(grid)} x {len(grid[0])}. For HSDP use data_parallel=\"fsdp\" (the default).")
+    return tuple((int(x),) for x in grid[0])
+
+
+def deferral_agreed(votes: Sequence[tuple[Any, tuple[int, ...], bool]]) -> bool:
+    """Whether every rank defers its dedication to ``dmuon.Muon(model)``: ``votes[r]`` is rank
+    ``r``'s (local error or ``None``, the sorted ranks of its dp mesh(es), whether it wants to).
+    Only when no rank's local checks failed, every rank wants to, and the ranks' dp meshes split
+    the world into equal disjoint groups, each holding its own rank (a (dp, tp) layout)."""
+    if any(e is not None for e, _, _ in votes) or not all(w for _, _, w in votes):
+        return False
+    groups = {ranks for _, ranks, _ in votes}
+    flat = sorted(x for g in groups for x in g)
+    return (flat == list(range(len(votes))) and len({len(g) for g in groups}) == 1
+            and all(r in ranks for r, (_, ranks, _) in enumerate(votes)))

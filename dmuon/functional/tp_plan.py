@@ -8,12 +8,17 @@ coordinate) gather their NS inputs to one of them, the *root*, which runs NS on 
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 from dmuon.functional.buckets import BucketKey
+from dmuon.functional.matrix_view import Batch, Sliced
+from dmuon.functional.policy import Decision
 from dmuon.functional.schedule import Gather, Scatter, Schedule
 
-__all__ = ["ns_cost", "tp_roots", "tp_step_schedule", "grid_tp_schedule", "tp_step_bytes"]
+__all__ = ["ns_cost", "tp_roots", "tp_step_schedule", "grid_tp_schedule", "tp_step_bytes",
+           "with_tp_views", "TPLayout", "tp_slicing_problem"]
 
 
 def ns_cost(shape: Sequence[int]) -> int:
@@ -112,3 +117,68 @@ def tp_step_bytes(shapes: Mapping[str, Sequence[int]], roots: Mapping[str, int],
     """
     tr = tp_step_schedule([list(range(parts))], [shapes], dtypes, parts, roots=[roots]).traffic()
     return [tr.rank_received(t) for t in range(parts)]
+
+
+def with_tp_views(decisions: Mapping[str, Decision], views: Mapping[str, Sliced], *,
+                  error: Callable[[str], Exception] = NotImplementedError) -> dict[str, Decision]:
+    """The policy's ``decisions`` with the :class:`~dmuon.functional.matrix_view.Sliced` view
+    (``views``) of each TP-sliced matrix.
+
+    Raises:
+      ``error``: a TP-sliced matrix whose decided view is not the default ``Batch(0)`` (a rule or
+        ``batch_dims`` would need the full matrix before TP).
+    """
+    out = dict(decisions)
+    for n, view in views.items():
+        d = decisions[n]
+        if d.view != Batch(0):
+            raise error(
+                f"dedicate_params: {n!r} is tensor-parallel, and its matrix view {d.view} (from "
+                f"{d.source}) would need the full matrix before TP; dmuon supports the default "
+                "view of TP-sliced matrices only. Drop its view rule / batch_dims for it.")
+        out[n] = dataclasses.replace(d, view=view, source="tensor parallel")
+    return out
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How tensor parallelism splits one dedicated matrix.
+
+    Attributes:
+      mesh: the 1-D TP ``DeviceMesh``.  placements: the DTensor's placements (``(Shard(dim),)``).
+      shape, stride: the full matrix's.  dim: the sharded dim (0: rows, 1: columns).
+      parts: ``T``, the TP degree.
+    """
+
+    mesh: Any
+    placements: tuple
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dim: int
+    parts: int
+
+    def view(self) -> Sliced:
+        """The matrix view NS and the shape scale see
+        (:class:`~dmuon.functional.matrix_view.Sliced`)."""
+        return Sliced(self.dim, self.parts)
+
+
+
+def tp_slicing_problem(shape: Sequence[int], placements: tuple, mesh_ndim: int, parts: int, *,
+                       contiguous: bool, tied: bool) -> Optional[str]:
+    """Why dmuon cannot dedicate a TP ``DTensor`` of (full) ``shape`` with ``placements`` on a
+    ``mesh_ndim``-D mesh of ``parts`` ranks (``None``: it can). ``contiguous``: its placement is a
+    plain ``Shard`` (the slices one after the other); ``tied``: shared by several modules."""
+    if mesh_ndim != 1 or len(placements) != 1:
+        return "the mesh is not the 1-D TP mesh (was fully_shard applied before dedicate_params?)"
+    if len(shape) != 2 or not placements[0].is_shard():
+        return "not a row- or column-sharded 2-D matrix"
+    if not contiguous:  # e.g. _StridedShard (a fused qkv): slices interleave
+        return (f"{type(placements[0]).__name__} interleaves the slices (a fused weight's TP "
+                "layout); dmuon assembles contiguous Shard slices only")
+    dim = placements[0].dim % 2
+    if shape[dim] % parts:
+        return f"its dim {dim} ({shape[dim]}) is not divisible by the TP degree {parts}"
+    if tied:
+        return "it is tied (shared by several modules)"
+    return None

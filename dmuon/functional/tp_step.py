@@ -26,7 +26,8 @@ from torch import Tensor
 from dmuon.functional.buckets import BucketKey
 from dmuon.functional.schedule import AllReduce, Gather, Schedule
 
-__all__ = ["tp_orthogonalizer", "max_keeping_nan", "group_max", "group_sum", "tp_sum_partials"]
+__all__ = ["tp_orthogonalizer", "max_keeping_nan", "group_max", "group_sum", "tp_sum_partials",
+           "grad_agreement_vector", "grad_agreement_verdict"]
 
 #: ``run(schedule, buffers)``: executes a schedule on this rank's buffers (collective)
 Runner = Callable[[Schedule, dict], None]
@@ -164,3 +165,32 @@ def tp_sum_partials(names: Sequence[str], partials: list, block_dims: Sequence[i
             out[k] = flat[at:at + n].view(out[k].shape)
             at += n
     return out
+
+
+def grad_agreement_vector(grads: Mapping[str, "Tensor | None"], sliced: Sequence[str],
+                          replicated: Sequence[str]) -> list[float]:
+    """What a TP group's members agree on before a step, as one vector for a MAX all-reduce: per
+    TP-sliced matrix whether this member has its gradient; per matrix TP does not shard (whose
+    gradients must be the same on every member) the fp64 sum of its gradient's absolute values
+    (-1: none) and its negation (the MAX of both gives the max and the min), and a NaN flag and
+    its negation (a MAX all-reduce may drop a NaN: it travels as a flag)."""
+    sums = [(-1.0 if grads.get(n) is None else
+             float(grads[n].detach().abs().sum(dtype=torch.float64))) for n in replicated]
+    nans = [float(math.isnan(x)) for x in sums]
+    sums = [0.0 if math.isnan(x) else x for x in sums]
+    return ([float(grads.get(n) is not None) for n in sliced] + sums + [-x for x in sums]
+            + nans + [-x for x in nans])
+
+
+def grad_agreement_verdict(got: Sequence[float], sliced: Sequence[str],
+                           replicated: Sequence[str]) -> tuple[list[str], list[str]]:
+    """From :func:`grad_agreement_vector`'s MAX over the group: ``(the TP-sliced matrices some
+    member has a gradient of (a member without one steps zeros), the unsharded matrices whose
+    gradients differ across the members (beyond a relative 1e-6, or NaN on some only))``."""
+    k, r = len(sliced), len(replicated)
+    present = [n for n, h in zip(sliced, got[:k]) if h]
+    hi, lo = got[k:k + r], [-x for x in got[k + r:k + 2 * r]]
+    nan_hi, nan_lo = got[k + 2 * r:k + 3 * r], [-x for x in got[k + 3 * r:]]
+    bad = [n for n, a, b, na, nb in zip(replicated, hi, lo, nan_hi, nan_lo)
+           if na != nb or a - b > 1e-6 * max(abs(a), abs(b), 1e-30)]
+    return present, bad

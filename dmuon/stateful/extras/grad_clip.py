@@ -2,14 +2,16 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.stateful.runtime.state import unwrapping_model
+from dmuon.functional.grad_norm import (check_norm_type, local_norm_term, norm_buckets,
+                                         scale_buckets_, total_norm)
 from dmuon.stateful.runtime.agree import max_over_ranks
-from dmuon.stateful.runtime.state import get_state, local_tensor
+from dmuon.stateful.runtime.state import get_state, local_tensor, unwrapping_model
 
 
 def _replication(t: torch.Tensor) -> int:
@@ -24,6 +26,18 @@ def _replication(t: torch.Tensor) -> int:
             k *= mesh.size(i)
     # ranks outside the DTensor's mesh hold nothing of it; the mesh covers the world here
     return k * (dist.get_world_size() // mesh.size())
+
+
+def _grads(rt: Any, model: nn.Module) -> list[tuple[torch.Tensor, int]]:
+    """Every trainable param's gradient held here, once, with its replication
+    (:mod:`dmuon.functional.grad_norm`): the owners' reduced matrix gradients, then FSDP2's."""
+    # with TP, a matrix TP does not shard is owned once in every TP index's grid: count it once
+    tp = rt.mesh_groups.tp_size
+    out = [(g, tp if tp > 1 and n not in rt.tp_layouts else 1)
+           for n, g in rt.reduced_grads().items() if g is not None]
+    dedicated = set(rt.params.values())
+    return out + [(local_tensor(p.grad), _replication(p.grad)) for p in model.parameters()
+                  if p not in dedicated and p.grad is not None]
 
 
 @unwrapping_model
@@ -50,53 +64,22 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
       RuntimeError: ``error_if_nonfinite`` and the total norm is NaN or Inf (on every rank).
     """
     rt = get_state(model, "dmuon.clip_grad_norm_(model, ...)")
-    p = float(norm_type)
-    if not p > 0:  # -inf (torch: the smallest entry), 0 (torch: a count), NaN
-        raise ValueError(f"dmuon.clip_grad_norm_: norm_type must be > 0 (a p-norm) or inf, got "
-                         f"{norm_type!r}")
-    reduced = rt.reduced_grads()
-    dedicated = set(rt.params.values())
-    pieces: list[tuple[torch.Tensor, int]] = []
-    # with TP, a matrix TP does not shard is owned once in every TP index's grid: count it once
-    tp = rt.mesh_groups.tp_size
-    for n, g in reduced.items():
-        if g is not None:
-            pieces.append((g, tp if tp > 1 and n not in rt.tp_layouts else 1))
-    for prm in model.parameters():
-        if prm in dedicated or prm.grad is None:
-            continue
-        g = prm.grad
-        pieces.append((local_tensor(g), _replication(g)))
-    # one foreach norm per (replication, device, dtype) bucket: a handful of kernels, not one
-    # per tensor (a model of many small matrices spent milliseconds here)
-    buckets: dict[tuple[int, torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for g, k in pieces:
-        if g.numel() > 0:
-            buckets.setdefault((k, g.device, g.dtype), []).append(g.detach())
-    acc = torch.zeros((), dtype=torch.float64, device=rt.device)
-    with torch.no_grad():
-        for (k, _, _), ts in buckets.items():
-            norms = torch.stack(torch._foreach_norm(ts, p)).to(torch.float64).to(rt.device)
-            if math.isinf(p):
-                acc = torch.maximum(acc, norms.max())
-            else:
-                acc = acc + (norms ** p).sum() / k
+    p = check_norm_type(norm_type)
+    buckets = norm_buckets(_grads(rt, model))
+    acc = local_norm_term(buckets, p, rt.device)
     if math.isinf(p):
         # NaN-safe (a MAX all-reduce alone may drop a NaN): every rank sees the NaN that one
         # rank's gradients hold
-        total = max_over_ranks(acc, what="clip_grad_norm_ all-reduce", via=rt.mesh_groups)
+        acc = max_over_ranks(acc, what="clip_grad_norm_ all-reduce", via=rt.mesh_groups)
     else:
         rt.mesh_groups.control_collective(
             "clip_grad_norm_ all-reduce",
             lambda g: dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=g))
-        total = acc ** (1.0 / p)
+    total = total_norm(acc, p)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total gradient norm of order {norm_type} is non-finite ({total}); "
                            "check the loss and inputs, or pass error_if_nonfinite=False")
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    with torch.no_grad():
-        for (_, dev, dt), ts in buckets.items():
-            torch._foreach_mul_(ts, coef.to(device=dev, dtype=dt))
+    scale_buckets_(buckets, max_norm, total)
     return total
 
 
@@ -114,11 +97,6 @@ def clip_grad_value_(model: nn.Module, clip_value: float) -> None:
     v = float(clip_value)
     if not v > 0:
         raise ValueError(f"dmuon.clip_grad_value_: clip_value must be > 0, got {clip_value!r}")
-    dedicated = set(rt.params.values())
     with torch.no_grad():
-        for g in rt.reduced_grads().values():
-            if g is not None:
-                g.clamp_(-v, v)
-        for prm in model.parameters():
-            if prm not in dedicated and prm.grad is not None:
-                local_tensor(prm.grad).clamp_(-v, v)
+        for g, _ in _grads(rt, model):
+            g.clamp_(-v, v)

@@ -13,7 +13,8 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from dmuon.functional.qk_clip import QKClipConfig, clip_factors, scale_head_rows
+from dmuon.functional.qk_clip import (QKClipConfig, check_layers, pack_max_logits,
+                                      scale_head_rows, unpack_max_logits, weight_factors)
 from dmuon.stateful.runtime.agree import max_over_ranks
 from dmuon.stateful.runtime.state import get_state
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
@@ -43,41 +44,16 @@ def qk_clip_(model: nn.Module, max_logit: Mapping[str, torch.Tensor],
     config.validate()
     rt = get_state(model)
     refuse_tp(rt, "dmuon qk_clip_ (per-head rows of TP-sliced q / k matrices)")
-    if set(max_logit) != set(layers):
-        raise ValueError(f"qk_clip_: max_logit has layers {sorted(max_logit)} but layers has "
-                         f"{sorted(layers)}; give both for the same layers")
-    for lay, (qn, kn, _) in layers.items():
-        for n in (qn, kn):
-            if n not in rt.params:
-                raise ValueError(f"qk_clip_: {n!r} (layer {lay!r}) is not a dedicated param; "
-                                 "route W_q and W_k to Muon (dedicate them)")
+    check_layers(max_logit, layers, rt.params)
     if rt.R > 1:
         raise NotImplementedError("qk_clip_ on HSDP (replicate_mesh) is not supported yet: the "
                                   "step's replica publish is already in flight when it runs")
-    keys = sorted(layers)
-    flat = torch.cat([max_logit[k].detach().reshape(-1).to(torch.float64) for k in keys]).to(rt.device)
-    # a non-finite flag travels beside the logits (NaN-safe MAX), so one rank's NaN or Inf
-    # (even a -Inf that other ranks' maxima would hide) is seen on every rank
-    flat = torch.cat([flat, (~torch.isfinite(flat)).any().to(flat.dtype).reshape(1)])
-    flat = max_over_ranks(flat, what="QK-clip max-logit all-reduce", via=rt.mesh_groups)
-    if flat[-1].item() > 0:
-        raise ValueError(
-            "qk_clip_: a max logit is NaN or Inf on some rank (this step's attention overflowed "
-            "or its loss is non-finite); nothing was rescaled. Check the loss and inputs "
-            "(Muon(check_finite=True) stops the step itself on non-finite gradients).")
-    flat = flat[:-1]
-    out, at = {}, 0
+    flat = max_over_ranks(pack_max_logits(max_logit, rt.device),
+                          what="QK-clip max-logit all-reduce", via=rt.mesh_groups)
+    out = unpack_max_logits(flat, max_logit)
     owned = set(rt.owned_names)
-    for k in keys:
-        qn, kn, nkv = layers[k]
-        h = max_logit[k].numel()
-        out[k] = flat[at:at + h].cpu()
-        at += h
-        q_f, k_f = clip_factors(out[k], nkv, config)
-        if bool((q_f == 1).all()) and bool((k_f == 1).all()):
-            continue
-        for n, f in ((qn, q_f), (kn, k_f)):
-            if n in owned:
-                m = rt.masters[n]
-                m.copy_(scale_head_rows(m, f))
+    for n, f in weight_factors(out, layers, config).items():
+        if n in owned:
+            m = rt.masters[n]
+            m.copy_(scale_head_rows(m, f))
     return out

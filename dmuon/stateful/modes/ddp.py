@@ -14,39 +14,11 @@ import torch
 import torch.nn as nn
 
 from dmuon.compat.torch_api import DDP_IGNORE_ATTR, composable_replicate_applied
-from dmuon.functional.dedicate_options import DATA_PARALLEL_MODES
 from dmuon.stateful.runtime.state import unwrap_model
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DATA_PARALLEL_MODES", "check_mode", "ddp_grid", "install_ddp_mode",
-           "guard_fsdp_mode", "check_backend"]
-
-
-def check_mode(data_parallel: Any) -> str:
-    """Validate ``dedicate_params(data_parallel=...)``.
-
-    Raises:
-      ValueError: not one of :data:`DATA_PARALLEL_MODES`."""
-    if data_parallel not in DATA_PARALLEL_MODES:
-        raise ValueError(f"dedicate_params: data_parallel must be one of {DATA_PARALLEL_MODES} "
-                         f"(\"fsdp\": the model is then fully_shard-ed, FSDP2 / HSDP; \"ddp\": it is "
-                         f"then wrapped in DistributedDataParallel), got {data_parallel!r}")
-    return data_parallel
-
-
-def ddp_grid(grid: tuple) -> tuple:
-    """The ``grid[r][s]`` of DDP mode: the 1-D mesh's ranks as ``R = world`` replicas of one
-    shard (``G = 1``).
-
-    Raises:
-      ValueError: ``grid`` is not one row (a 2-D or HSDP mesh was given)."""
-    if len(grid) != 1:
-        raise ValueError(
-            "dedicate_params(data_parallel=\"ddp\") takes the 1-D mesh of the ranks DDP spans "
-            "(init_device_mesh(device, (world,))) and no replicate_mesh; got a 2-D / HSDP layout "
-            f"of {len(grid)} x {len(grid[0])}. For HSDP use data_parallel=\"fsdp\" (the default).")
-    return tuple((int(x),) for x in grid[0])
+__all__ = ["install_ddp_mode", "guard_fsdp_mode", "check_backend"]
 
 
 class _NotForDDP(list):

@@ -7,7 +7,7 @@ Design notes: docs/design/modes.md, "dmuon.stateful.modes.deferred".
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch.nn as nn
@@ -17,18 +17,18 @@ from dmuon.compat.fsdp_patch import PENDING_SLOTS_ATTR
 from dmuon.compat.torch_api import mesh_root
 
 __all__ = ["PENDING_ATTR", "PendingDedication", "covers_world", "should_defer", "defer",
-           "check_materialized", "find_pending", "finish_pending", "clear_pending"]
+           "find_pending", "finish_pending", "clear_pending"]
 
 PENDING_ATTR = "_dmuon_pending"
 
 
 @dataclass
 class PendingDedication:
-    """What a deferred ``dedicate_params`` call recorded: the selected ``names``, the call's keyword
-    arguments and ``finish(model)``, the dedication itself (run by :func:`finish_pending`)."""
+    """What a deferred ``dedicate_params`` call recorded: the selected ``names`` and
+    ``finish(model)``, the dedication itself with the call's arguments (run by
+    :func:`finish_pending`)."""
 
     names: tuple[str, ...]
-    kwargs: dict[str, Any] = field(default_factory=dict)
     finish: Any = None
 
 
@@ -57,29 +57,6 @@ def should_defer(chosen: Mapping[str, Any], sub_mesh: bool) -> bool:
     return bool(dts) and any(p.is_meta for p in chosen.values())
 
 
-def check_materialized(chosen: Mapping[str, Any]) -> None:
-    """Finishing a deferred dedication: every selected param must hold values by now.
-
-    Raises:
-      RuntimeError: some are still on the meta device, naming them and the fix.
-    """
-    meta = [n for n, p in chosen.items() if p.is_meta]
-    if meta:
-        raise RuntimeError(
-            f"dmuon.Muon(model): the selected matrices {meta[:4]}{' ...' if len(meta) > 4 else ''} "
-            "are still on the meta device. With a deferred dedication (dedicate_params before "
-            "tensor parallelism, or on a meta-device model) call model.to_empty(device=...) and the "
-            "model's init (e.g. init_weights()) after fully_shard and before dmuon.Muon(model).")
-
-
-def _forward_guard(module: nn.Module, args: Any) -> None:
-    raise RuntimeError(
-        "dmuon: this model's Muon matrices are not dedicated yet: dedicate_params ran before "
-        "tensor parallelism (or on a meta-device model), so the dedication completes in "
-        "dmuon.Muon(model). Build the optimizer (dmuon.Muon(model, ...)) on every rank before the "
-        "first forward (after fully_shard, to_empty and the model's init).")
-
-
 #: models with a pending dedication; one global forward pre-hook while any (before FSDP2's hooks)
 _PENDING_MODELS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _GLOBAL_HOOK: list = []
@@ -87,11 +64,14 @@ _GLOBAL_HOOK: list = []
 
 def _global_guard(module: nn.Module, args: Any) -> None:
     if module in _PENDING_MODELS:
-        _forward_guard(module, args)
+        raise RuntimeError(
+            "dmuon: this model's Muon matrices are not dedicated yet: dedicate_params ran before "
+            "tensor parallelism (or on a meta-device model), so the dedication completes in "
+            "dmuon.Muon(model). Build the optimizer (dmuon.Muon(model, ...)) on every rank before "
+            "the first forward (after fully_shard, to_empty and the model's init).")
 
 
-def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], kwargs: dict,
-          finish: Any) -> None:
+def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], finish: Any) -> None:
     """Record a deferred dedication on ``model``; ``finish(model)`` completes it."""
     for n in chosen:
         mod_name, _, leaf = n.rpartition(".")
@@ -99,7 +79,7 @@ def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], kwargs: dict,
         slots = set(getattr(module, PENDING_SLOTS_ATTR, ()))
         slots.add(leaf)
         setattr(module, PENDING_SLOTS_ATTR, frozenset(slots))
-    pending = PendingDedication(tuple(chosen), dict(kwargs), finish)
+    pending = PendingDedication(tuple(chosen), finish)
     _PENDING_MODELS.add(model)
     if not _GLOBAL_HOOK:
         _GLOBAL_HOOK.append(register_module_forward_pre_hook(_global_guard))
@@ -116,6 +96,7 @@ def finish_pending(model: nn.Module) -> None:
     pending = find_pending(model)
     if pending is not None:
         pending.finish(model)
+        clear_pending(model)
 
 
 def clear_pending(model: nn.Module) -> None:

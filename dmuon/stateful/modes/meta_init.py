@@ -25,8 +25,7 @@ from dmuon.stateful.runtime.guard_base import (ATTRIBUTE_CALLS, PASS_ON, TorchGu
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DedicatedUninit", "MetaInit", "check_meta_selection", "replace_meta_params",
-           "device_of_mesh"]
+__all__ = ["DedicatedUninit", "MetaInit", "replace_meta_params", "device_of_mesh"]
 
 #: tensors made from one (shape / dtype only): on meta on a rank without the matrix, so that init
 #: code building a scratch (torchtitan's fused-QKV init: new_empty, init, cat, copy_) stays free
@@ -126,23 +125,6 @@ class DedicatedUninit(TorchGuard, nn.Parameter):
             "values exist only on the owner's shard column). Init code may write dedicated "
             "params (torch.nn.init functions, in-place ops: no-ops here) but not read them; "
             "derive such values after dmuon.Muon(model), from dmuon.get_model_state_dict.")
-
-
-def check_meta_selection(chosen: Mapping[str, nn.Parameter]) -> bool:
-    """Whether the dedicated params are on meta (all of them: True; none: False).
-
-    Raises:
-      ValueError: some are on meta and others not.
-    """
-    meta = [n for n, p in chosen.items() if p.is_meta]
-    if meta and len(meta) != len(chosen):
-        real = [n for n in chosen if n not in set(meta)]
-        raise ValueError(
-            f"dedicate_params: some selected params are on the meta device ({meta[:3]}) and "
-            f"others are not ({real[:3]}). Build the whole model under torch.device('meta') "
-            "(then dedicate_params, fully_shard, model.to_empty(...), init), or materialize it "
-            "whole before dedicate_params.")
-    return bool(meta)
 
 
 def device_of_mesh(mesh: Any) -> torch.device:

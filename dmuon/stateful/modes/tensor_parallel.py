@@ -7,10 +7,6 @@ Design notes: docs/design/modes.md, "dmuon.stateful.modes.tensor_parallel".
 """
 from __future__ import annotations
 
-import dataclasses
-import math
-
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -18,8 +14,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.compat.torch_api import module_param_slots
-from dmuon.functional.tp_plan import tp_roots
-from dmuon.functional.tp_step import group_max, tp_orthogonalizer, tp_sum_partials
+from dmuon.functional.tp_plan import TPLayout, tp_roots, tp_slicing_problem
+from dmuon.functional.tp_step import (grad_agreement_verdict, grad_agreement_vector, group_max,
+                                      tp_orthogonalizer, tp_sum_partials)
 from dmuon.stateful.runtime.agree import rank_flags
 from dmuon.stateful.runtime.errors import (TP_FIX, TensorParallelUnsupported, from_dtensor_api,  # noqa: F401
                                       refuse_tp, tp_error)
@@ -28,28 +25,6 @@ __all__ = ["TensorParallelUnsupported", "TP_FIX", "TPLayout", "TPForward", "TPSt
            "from_dtensor_api", "tp_error", "tp_layouts", "localize_tp_params", "refuse_tp",
            "tp_mesh_ranks", "assemble_tp_slices", "full_shape", "local_part"]
 
-@dataclass(frozen=True)
-class TPLayout:
-    """How tensor parallelism splits one dedicated matrix.
-
-    Attributes:
-      mesh: the 1-D TP ``DeviceMesh``.  placements: the DTensor's placements (``(Shard(dim),)``).
-      shape, stride: the full matrix's.  dim: the sharded dim (0: rows, 1: columns).
-      parts: ``T``, the TP degree.
-    """
-
-    mesh: Any
-    placements: tuple
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dim: int
-    parts: int
-
-    def view(self):
-        """The matrix view NS and the shape scale see (:class:`~dmuon.functional.matrix_view.Sliced`)."""
-        from dmuon.functional.matrix_view import Sliced
-        return Sliced(self.dim, self.parts)
-
 
 def _is_dtensor(p: Any) -> bool:
     from torch.distributed.tensor import DTensor
@@ -57,12 +32,13 @@ def _is_dtensor(p: Any) -> bool:
 
 
 def tp_layouts(model: nn.Module, chosen: Mapping[str, Any]) -> dict[str, TPLayout]:
-    from torch.distributed.tensor import Shard
-    """The :class:`TPLayout` of every chosen param that is a TP ``DTensor`` (validated).
+    """The :class:`TPLayout` of every chosen param that is a TP ``DTensor`` (validated:
+    :func:`dmuon.functional.tp_plan.tp_slicing_problem`).
 
     Raises:
       TensorParallelUnsupported: a layout dmuon does not support (design notes), naming it.
     """
+    from torch.distributed.tensor import Shard
     aliases: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         aliases[id(p)] = aliases.get(id(p), 0) + 1
@@ -71,31 +47,18 @@ def tp_layouts(model: nn.Module, chosen: Mapping[str, Any]) -> dict[str, TPLayou
     for n, p in chosen.items():
         if not _is_dtensor(p):
             continue
-        pl = tuple(p.placements)
-        mesh = p.device_mesh
-
-        def bad(why: str) -> TensorParallelUnsupported:
-            return TensorParallelUnsupported(
+        pl, mesh = tuple(p.placements), p.device_mesh
+        why = tp_slicing_problem(tuple(p.shape), pl, mesh.ndim, mesh.size(),
+                                 contiguous=bool(pl) and type(pl[0]) is Shard,
+                                 tied=aliases.get(id(p), 1) > 1)
+        if why is not None:
+            raise TensorParallelUnsupported(
                 f"dedicate_params: param {n!r} is a DTensor of shape {tuple(p.shape)} with "
                 f"placements {pl} on a {mesh.ndim}-D mesh: {why}. dmuon dedicates 2-D matrices "
                 "that TP shards with one Shard(0) (ColwiseParallel) or Shard(1) (RowwiseParallel) "
                 f"on a 1-D TP mesh. {TP_FIX}.")
-        if mesh.ndim != 1 or len(pl) != 1:
-            raise bad("the mesh is not the 1-D TP mesh (was fully_shard applied before "
-                      "dedicate_params?)")
-        if p.ndim != 2 or not pl[0].is_shard():
-            raise bad("not a row- or column-sharded 2-D matrix")
-        if type(pl[0]) is not Shard:  # e.g. _StridedShard (a fused qkv): slices interleave
-            raise bad(f"{type(pl[0]).__name__} interleaves the slices (a fused weight's TP "
-                      "layout); dmuon assembles contiguous Shard slices only")
-        dim = pl[0].dim % 2
-        T = mesh.size()
-        if p.shape[dim] % T:
-            raise bad(f"its dim {dim} ({p.shape[dim]}) is not divisible by the TP degree {T}")
-        if aliases.get(id(p), 1) > 1:
-            raise bad("it is tied (shared by several modules)")
         meshes.add(tuple(mesh.mesh.flatten().tolist()))
-        out[n] = TPLayout(mesh, pl, tuple(p.shape), tuple(p.stride()), dim, T)
+        out[n] = TPLayout(mesh, pl, tuple(p.shape), tuple(p.stride()), pl[0].dim % 2, mesh.size())
     if len(meshes) > 1:
         raise TensorParallelUnsupported(
             f"dedicate_params: the TP-sharded params live on different TP meshes {sorted(meshes)}; "
@@ -213,30 +176,15 @@ class TPStep:
                     masters: Mapping[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
         """Make the TP group agree on which matrices have a gradient this step (a missing slice
         gets zeros) and check the non-TP matrices' gradients agree (one small all-reduce)."""
-        out = dict(grads)
+        out, bad = dict(grads), []
         if self.names or self.replicated:
-            dev = self.device
-            sums = [(-1.0 if grads.get(n) is None else
-                     float(grads[n].detach().abs().sum(dtype=torch.float64)))
-                    for n in self.replicated]
-            # a MAX all-reduce may drop a NaN: NaN sums travel as flags (a disagreement)
-            nans = [float(math.isnan(x)) for x in sums]
-            sums = [0.0 if math.isnan(x) else x for x in sums]
-            vec = torch.tensor([float(grads.get(n) is not None) for n in self.names] + sums
-                               + [-x for x in sums] + nans + [-x for x in nans],
-                               dtype=torch.float64, device=dev)
+            vec = torch.tensor(grad_agreement_vector(grads, self.names, self.replicated),
+                               dtype=torch.float64, device=self.device)
             dist.all_reduce(vec, op=dist.ReduceOp.MAX, group=self.group)
-            got = vec.tolist()
-            k, r = len(self.names), len(self.replicated)
-            for n, h in zip(self.names, got[:k]):
-                if h and out.get(n) is None:
+            present, bad = grad_agreement_verdict(vec.tolist(), self.names, self.replicated)
+            for n in present:
+                if out.get(n) is None:
                     out[n] = torch.zeros_like(masters[n])
-            hi, lo = got[k:k + r], [-x for x in got[k + r:k + 2 * r]]
-            nan_hi, nan_lo = got[k + 2 * r:k + 3 * r], [-x for x in got[k + 3 * r:]]
-            bad = [n for n, a, b, na, nb in zip(self.replicated, hi, lo, nan_hi, nan_lo)
-                   if na != nb or a - b > 1e-6 * max(abs(a), abs(b), 1e-30)]
-        else:
-            bad = []
         if self.check_replicated:
             self._agree_replicated(bad)
         return out

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.functional.buckets import HookGroups
+from dmuon.functional.buckets import ROOT_GROUP, HookGroups
 from dmuon.functional.program import StepProgram, step_program
 from dmuon.functional.schedule import Schedule
 from dmuon.functional.split_plan import runtime_owners
@@ -33,7 +33,6 @@ from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool
 
 logger = logging.getLogger(__name__)
 
-ROOT_GROUP = ""
 #: the model attribute ``dedicate_params`` stores the state in (read it with :func:`get_state`)
 STATE_ATTR = "_dmuon_state"
 

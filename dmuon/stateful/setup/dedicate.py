@@ -3,42 +3,42 @@ rank (collective; before ``fully_shard``). Every check runs on every rank with t
 before any process group is made. Design notes: docs/design/setup.md, "`dedicate_params`"."""
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import logging
 import warnings
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.functional.buckets import hook_groups
+from dmuon.functional.buckets import ROOT_GROUP, boundary_groups
 from dmuon.functional.collectives import check_choice
-from dmuon.functional.dedicate_options import DedicateOptions, fold_deprecated
+from dmuon.functional.dedicate_options import (DedicateOptions, check_data_parallel,
+                                              fold_deprecated, split_settings)
+from dmuon.functional.setup_check import ddp_grid, deferral_agreed
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
+from dmuon.functional.tp_plan import with_tp_views
 from dmuon.compat.torch_api import (default_group_timeout, group_timeout, set_group_timeout,
                                    torch_supported, unsupported_torch_message)
-from dmuon.stateful.modes.ddp import check_mode, ddp_grid, guard_fsdp_mode, install_ddp_mode
+from dmuon.stateful.modes.ddp import guard_fsdp_mode, install_ddp_mode
 from dmuon.stateful.runtime.executor import Executor
 from dmuon.compat.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
 from dmuon.stateful.runtime.hooks import register_hooks
 from dmuon.compat.fsdp_info import has_fsdp_state
 from dmuon.stateful.runtime.guards import guard_module_apply
-from dmuon.functional.policy import ParamPolicy
+from dmuon.functional.policy import (as_policy, decide_params, dtype_overrides,
+                                     policy_fingerprint, routing_predicate)
 from dmuon.functional.routing import Dedication, routing_table
-from dmuon.stateful.setup.param_views import (as_policy, decide_params, dtype_overrides,
-                                        policy_fingerprint, routing_predicate)
-from dmuon.stateful.modes.meta_init import (MetaInit, check_meta_selection, device_of_mesh,
-                                            replace_meta_params)
+from dmuon.functional.selection import check_materialized, select_params
+from dmuon.stateful.modes.meta_init import MetaInit, device_of_mesh, replace_meta_params
 from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.runtime.process_groups import agree_grids, make_process_groups, with_split_groups
-from dmuon.stateful.modes.deferred import (check_materialized, clear_pending, covers_world, defer,
-                                     find_pending, should_defer)
+from dmuon.stateful.modes.deferred import covers_world, defer, find_pending, should_defer
 from dmuon.stateful.modes.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
                                             localize_tp_params, tp_layouts, tp_mesh_ranks)
-from dmuon.stateful.runtime.state import ROOT_GROUP, STATE_ATTR, DedicatedState, find_state
+from dmuon.stateful.runtime.state import STATE_ATTR, DedicatedState, find_state
 from dmuon.stateful.checkpoint.torch_state_dict import register_state_dict_hooks
 
 logger = logging.getLogger(__name__)
@@ -56,33 +56,8 @@ def _select(model: nn.Module, predicate: Predicate,
             "dedicate_params must run before fully_shard, but these modules already have FSDP2 "
             f"state: {fsdp_mods[:5]}{' ...' if len(fsdp_mods) > 5 else ''}. Call "
             "dmuon.dedicate_params(model, mesh, predicate) first, then fully_shard.")
-    if not callable(predicate):
-        raise TypeError("predicate must be a callable (name, param) -> bool")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # dedups tied params
-    chosen: dict[str, nn.Parameter] = {}
-    for n, p in named:
-        try:
-            picked = bool(predicate(n, p))
-        except Exception as e:
-            raise RuntimeError(
-                f"dedicate_params: the predicate raised {type(e).__name__}: {e} for param {n!r} "
-                f"(shape {tuple(p.shape)}, {p.dtype}). It is called as predicate(name, param) for "
-                "every trainable parameter and must return a bool for each; fix it.") from e
-        if not picked:
-            continue
-        if p.ndim < 2:
-            raise ValueError(
-                f"dedicate_params: the predicate selected {n!r} of shape {tuple(p.shape)}, which is "
-                "not a matrix; Muon needs ndim >= 2. Add `p.ndim >= 2` (or `p.ndim == 2`) to the "
-                "predicate so vectors stay with AdamW.")
-        chosen[n] = p
-    if not chosen:
-        raise ValueError(
-            f"dedicate_params: the predicate matched no trainable parameter of {type(model).__name__} "
-            f"({len(named)} candidates, e.g. {[n for n, _ in named[:4]]}). Check the names it tests, "
-            "e.g. predicate=lambda n, p: p.ndim == 2 and 'proj' in n.")
-    check_meta_selection(chosen)  # all on meta (meta-device init) or none
-    return named, chosen
+    return named, select_params(named, predicate, type(model).__name__)
 
 
 def _check_fingerprint(fingerprint: str, mesh_groups: Any) -> None:
@@ -97,58 +72,39 @@ def _check_fingerprint(fingerprint: str, mesh_groups: Any) -> None:
 def _tp_decisions(decisions: dict, layouts: dict, data_parallel: str, on_meta: bool) -> dict:
     """The policy's decisions with the :class:`~dmuon.functional.matrix_view.Sliced` view of each
     TP-sliced matrix (raises for what TP does not support yet)."""
-    import dataclasses
-
-    from dmuon.functional.matrix_view import Batch
-    if not layouts:
-        return decisions
-    if data_parallel != "fsdp" or on_meta:
+    if layouts and (data_parallel != "fsdp" or on_meta):
         raise TensorParallelUnsupported(
             "dedicate_params: tensor-parallel dedicated matrices "
             + ("with data_parallel='ddp'" if data_parallel != "fsdp" else
                "on the meta device (meta-device init)")
             + " are not supported yet. Use data_parallel='fsdp' with a materialized model "
             f"(TP, then dedicate_params, then fully_shard). {TP_FIX}.")
-    out = dict(decisions)
-    for n in layouts:
-        d = decisions[n]
-        if d.view != Batch(0):
-            raise TensorParallelUnsupported(
-                f"dedicate_params: {n!r} is tensor-parallel, and its matrix view {d.view} (from "
-                f"{d.source}) would need the full matrix before TP; dmuon supports the default "
-                "view of TP-sliced matrices only. Drop its view rule / batch_dims for it.")
-        out[n] = dataclasses.replace(d, view=layouts[n].view(), source="tensor parallel")
-    return out
+    return with_tp_views(decisions, {n: lay.view() for n, lay in layouts.items()},
+                         error=TensorParallelUnsupported)
 
 
 def _agree_deferral(local_err: Optional[Exception], mesh: Any, replicate_mesh: Any,
                     wants: bool) -> bool:
-    """Collective: whether every rank defers (:mod:`dmuon.stateful.modes.deferred`): only when no rank's
-    local checks failed, every rank wants to, and the ranks' dp meshes split the world into equal
-    disjoint groups, each holding its own rank (a (dp, tp) layout). Otherwise the setup check
-    that follows raises on every rank, naming what is wrong."""
+    """Collective: whether every rank defers (:mod:`dmuon.stateful.modes.deferred`;
+    :func:`dmuon.functional.setup_check.deferral_agreed`). Otherwise the setup check that follows
+    raises on every rank, naming what is wrong."""
     try:
-        mine = tuple(sorted(int(x) for x in mesh.mesh.flatten().tolist())) if replicate_mesh is None \
-            else tuple(sorted(int(x) for m in (mesh, replicate_mesh)
-                              for x in m.mesh.flatten().tolist()))
+        meshes = (mesh,) if replicate_mesh is None else (mesh, replicate_mesh)
+        mine = tuple(sorted(int(x) for m in meshes for x in m.mesh.flatten().tolist()))
     except AttributeError:
         mine = ()
     err = None if local_err is None else (type(local_err).__name__, str(local_err))
-    got = gather((err, mine, bool(wants)), what="dedicate_params deferral agreement")
-    if any(e is not None for e, _, _ in got) or not all(w for _, _, w in got):
-        return False
-    groups = {ranks for _, ranks, _ in got}
-    flat = sorted(x for g in groups for x in g)
-    return (flat == list(range(len(got))) and len({len(g) for g in groups}) == 1
-            and all(r in ranks for r, (_, ranks, _) in enumerate(got)))
+    return deferral_agreed(gather((err, mine, bool(wants)),
+                                  what="dedicate_params deferral agreement"))
 
 
-def _agree_mode(data_parallel: str) -> None:
-    """All-gather ``data_parallel``; raise on every rank if the ranks passed different ones."""
-    agree_equal(data_parallel, what="dedicate_params data_parallel agreement", show=repr,
+def _agree_setting(name: str, value: Any) -> None:
+    """All-gather the setting ``name``'s ``value``; raise on every rank if the ranks passed
+    different ones."""
+    agree_equal(value, what=f"dedicate_params {name} agreement", show=repr,
                 error=lambda detail: RuntimeError(
-                    f"dedicate_params: data_parallel differs across ranks ({detail}); pass the "
-                    "same value on every rank. Nothing was changed."))
+                    f"dedicate_params: {name} differs across ranks ({detail}); pass the same "
+                    "value on every rank. Nothing was changed."))
 
 
 def _bound_mesh_groups(meshes: tuple, timeout: Optional[datetime.timedelta]) -> None:
@@ -178,20 +134,6 @@ def _bound_mesh_groups(meshes: tuple, timeout: Optional[datetime.timedelta]) -> 
                 logger.warning("dmuon: could not lower the timeout (%s) of a mesh group to "
                                "dedicate_params(timeout=%s) on torch %s", cur, timeout,
                                torch.__version__)
-
-
-def _boundary_of(model: nn.Module, name: str,
-                 hook_boundary_predicate: Optional[Callable[[nn.Module], bool]]) -> str:
-    """Module path of the hook boundary that moves param ``name`` (``""``: the model itself)."""
-    parts = name.split(".")[:-1]
-    if hook_boundary_predicate is None:
-        key = layer_key_from_name(name)
-        return key if key is not None else ROOT_GROUP
-    for i in range(len(parts), 0, -1):  # lowest (deepest) accepted ancestor first
-        path = ".".join(parts[:i])
-        if hook_boundary_predicate(model.get_submodule(path)):
-            return path
-    return ROOT_GROUP
 
 
 def dedicate_params(
@@ -252,46 +194,19 @@ def dedicate_params(
     options, notes = fold_deprecated(options, deprecated)
     for note in notes:
         warnings.warn(note, DeprecationWarning, stacklevel=2)
-    kwargs = dict({f.name: getattr(options, f.name) for f in dataclasses.fields(options)},
-                  replicate_mesh=replicate_mesh,
-                  hook_boundary_predicate=hook_boundary_predicate,
-                  reshard_after_forward=reshard_after_forward)
-    return _dedicate(model, mesh, predicate, kwargs)
+    seeds = dict(replicate_mesh=replicate_mesh, hook_boundary_predicate=hook_boundary_predicate,
+                 reshard_after_forward=reshard_after_forward)
+    return _dedicate(model, mesh, predicate, options, seeds)
 
 
-def _split_args(split_ns: Any) -> tuple[int, Optional[dict[str, int]]]:
-    """``(max_split, force_split)`` of ``dedicate_params(split_ns=...)``."""
-    if isinstance(split_ns, Mapping):
-        force = {str(k): v for k, v in split_ns.items()}
-        return max([2, *[v for v in force.values() if isinstance(v, int)]]), force or None
-    if isinstance(split_ns, bool) or not isinstance(split_ns, int) or split_ns < 1:
-        raise ValueError(f"dedicate_params: split_ns must be an int >= 1 (the most ranks one "
-                         f"matrix's Newton–Schulz may be split over; 1: never) or a mapping "
-                         f"{{param name: k}}, got {split_ns!r}")
-    return split_ns, None
-
-
-def finish_deferred(model: nn.Module) -> None:
-    """Complete a deferred ``dedicate_params`` (collective; ``dmuon.Muon(model)`` calls it; no-op
-    without one): the same dedication, on the model TP, ``fully_shard`` and the init made."""
-    pending = find_pending(model)
-    if pending is None:
-        return
-    names = set(pending.names)
-    kw = dict(pending.kwargs)
-    mesh = kw.pop("mesh")
-    _dedicate(model, mesh, lambda n, p: n in names, kw, finishing=True)
-    clear_pending(model)
-
-
-def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
-              finishing: bool = False) -> dict[nn.Parameter, int]:
-    """:func:`dedicate_params` (``kw``: its keyword arguments); ``finishing``: a deferred one."""
-    replicate_mesh, hook_boundary_predicate = kw["replicate_mesh"], kw["hook_boundary_predicate"]
-    reshard_after_forward, mp_policy = kw["reshard_after_forward"], kw["mp_policy"]
-    batch_dims, policy, timeout = kw["batch_dims"], kw["policy"], kw["timeout"]
-    data_parallel = kw["data_parallel"]
-    max_split, force_split = _split_args(kw.get("split_ns", 1))
+def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: DedicateOptions,
+              seeds: dict, *, finishing: bool = False) -> dict[nn.Parameter, int]:
+    """:func:`dedicate_params` (``seeds``: its other keyword arguments); ``finishing``: a
+    deferred one."""
+    replicate_mesh = seeds["replicate_mesh"]
+    hook_boundary_predicate = seeds["hook_boundary_predicate"]
+    data_parallel, timeout = options.data_parallel, options.timeout
+    max_split, force_split = split_settings(options.split_ns)
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
     if find_state(model) is not None or (find_pending(model) is not None and not finishing):
@@ -312,9 +227,9 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     local_err: Optional[Exception] = None
     collectives = "per_owner"
     try:
-        check_mode(data_parallel)
-        collectives = check_choice(kw.get("collectives", "per_owner"), data_parallel)
-        pol = as_policy(policy)
+        check_data_parallel(data_parallel)
+        collectives = check_choice(options.collectives, data_parallel)
+        pol = as_policy(options.policy)
         named, chosen = _select(model, routing_predicate(pol, predicate), finishing)
         # the dp sub-mesh of a (dp, tp) mesh before TP, or TP params on meta: later (deferred.py)
         deferring = not finishing and should_defer(chosen, not covers_world(mesh, replicate_mesh))
@@ -323,7 +238,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
         if not deferring:
             layouts = tp_layouts(model, chosen)  # TP-sharded DTensors (tensor_parallel.py)
             check_choice(collectives, data_parallel, tp=bool(layouts))
-            decisions = _tp_decisions(decide_params(model, chosen, pol, batch_dims), layouts,
+            decisions = _tp_decisions(decide_params(model, chosen, pol, options.batch_dims), layouts,
                                       data_parallel, any(p.is_meta for p in chosen.values()))
             spec_named = [(n, tuple(p.to_local().shape), p.dtype) if n in layouts else (n, p)
                           for n, p in named]
@@ -336,8 +251,10 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     on_meta = bool(chosen) and all(p.is_meta for p in chosen.values())
     if not finishing and _agree_deferral(local_err, mesh, replicate_mesh, deferring):
         # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
-        _agree_mode(data_parallel)
-        defer(model, chosen, dict(kw, mesh=mesh), finish_deferred)
+        _agree_setting("data_parallel", data_parallel)
+        names = set(chosen)
+        defer(model, chosen, lambda m: _dedicate(m, mesh, lambda n, p: n in names, options, seeds,
+                                                 finishing=True))
         logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
                     "dedicate_params)", len(chosen))
         return Dedication()
@@ -345,11 +262,8 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
                         param_device_types=[str(mesh.device_type) if p.is_meta else p.device.type
                                             for p in chosen.values()],
                         tp_ranks=tp_mesh_ranks(layouts))
-    _agree_mode(data_parallel)
-    agree_equal(collectives, what="dedicate_params collectives agreement", show=repr,
-                error=lambda detail: RuntimeError(
-                    f"dedicate_params: collectives differs across ranks ({detail}); pass the same "
-                    "value on every rank. Nothing was changed."))
+    _agree_setting("data_parallel", data_parallel)
+    _agree_setting("collectives", collectives)
     timeout = timeout or default_group_timeout(str(mesh.device_type))
     if len(grids) > 1:  # tensor parallelism: one dp grid per TP index
         mesh_groups = make_process_groups(tp_grids=grids, timeout=timeout)
@@ -373,33 +287,31 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
         meta_shapes = {n: tuple(p.shape) for n, p in chosen.items()}
         chosen = replace_meta_params(model, chosen, meta_device)
 
-    # a param shared by several modules (tied weights) is moved by the boundary of all its uses:
-    # if its names fall under different boundaries, the root group (gathered for the whole forward)
-    aliases: dict[int, list[str]] = {}
+    # a param shared by several modules (tied weights) is moved by the boundary of all its uses
+    by_id: dict[int, list[str]] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
-        aliases.setdefault(id(p), []).append(n)
-    keys = {}
-    for n, p in chosen.items():
-        bounds = {_boundary_of(model, a, hook_boundary_predicate) for a in aliases[id(p)]}
-        keys[n] = bounds.pop() if len(bounds) == 1 else ROOT_GROUP
-    module_order = {name: i for i, (name, _) in enumerate(model.named_modules())}
-    order = sorted(set(keys.values()), key=lambda k: module_order.get(k, -1))
-    groups = hook_groups(list(chosen), keys, order=order)
-    group_modules = {k: (model if k == ROOT_GROUP else model.get_submodule(k)) for k in order}
+        by_id.setdefault(id(p), []).append(n)
+    aliases = {n: by_id[id(p)] for n, p in chosen.items()}
+    accepts = None if hook_boundary_predicate is None else (
+        lambda path: hook_boundary_predicate(model.get_submodule(path)))
+    groups = boundary_groups(aliases, accepts, [m for m, _ in model.named_modules()])
+    group_modules = {k: (model if k == ROOT_GROUP else model.get_submodule(k))
+                     for k in groups.order}
 
     if hook_boundary_predicate is None and all(
-            layer_key_from_name(a) is None for n in chosen for a in aliases[id(chosen[n])]):
+            layer_key_from_name(a) is None for names in aliases.values() for a in names):
         logger.info(
             "dmuon: no dedicated param lies under a layers.N / blocks.N module, so all %d are in "
             "one root hook group, gathered for the whole forward (groups: %s). Pass "
             "hook_boundary_predicate=lambda m: ... to dedicate_params to move them per block.",
-            len(chosen), [k or "<root>" for k in order])
+            len(chosen), [k or "<root>" for k in groups.order])
     executor = Executor(mesh_groups, timeout=timeout)
     spec_by_name = {s.name: s for s in specs}
     st = DedicatedState(
         model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
-        groups=groups, group_modules=group_modules, reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy, batch_dims={n: spec_by_name[n].batch_dims for n in chosen},
+        groups=groups, group_modules=group_modules,
+        reshard_after_forward=seeds["reshard_after_forward"], mp_policy=options.mp_policy,
+        batch_dims={n: spec_by_name[n].batch_dims for n in chosen},
         meta_shapes=meta_shapes, meta_device=meta_device,
         param_dtypes=dtype_overrides(decisions, "param_dtype"),
         reduce_dtypes=dtype_overrides(decisions, "reduce_dtype"),
@@ -430,7 +342,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, kw: dict, *,
     guard_module_apply(model, list(chosen.values()))
     setattr(model, STATE_ATTR, st)
     logger.info("dmuon: dedicated %d params in %d hook groups over G=%d R=%d (plan %s)",
-                len(chosen), len(order), st.G, st.R, plan.fingerprint[:12])
+                len(chosen), len(groups.order), st.G, st.R, plan.fingerprint[:12])
     st.routing = routing.with_owners(st.owner_rank)  # Muon.routing_table(); recipes log it
     out = Dedication({chosen[n]: st.owner_rank[n] for n in chosen})
     out.routing = st.routing

@@ -1,0 +1,68 @@
+"""The arithmetic of global gradient-norm clipping over gradient pieces held by several ranks (pure).
+
+Each rank holds pieces of the model's gradients, each with its *replication* ``k``: how many ranks
+hold the same piece (a replicated DTensor's, or a matrix every TP index's grid owns). A p-norm sums
+``|g|_p^p / k`` over a rank's pieces; the ranks' sums add up (one SUM all-reduce, the caller's) to
+``total^p``, each piece counted once. ``p = inf`` takes maxima instead (a MAX all-reduce). The
+gradients are then scaled by ``min(1, max_norm / (total + 1e-6))``, as
+``torch.nn.utils.clip_grad_norm_`` does. One foreach norm per (replication, device, dtype) bucket.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import Tensor
+
+__all__ = ["check_norm_type", "norm_buckets", "local_norm_term", "total_norm", "scale_buckets_"]
+
+Buckets = dict[tuple[int, torch.device, torch.dtype], list[Tensor]]
+
+
+def check_norm_type(norm_type: float) -> float:
+    """``norm_type`` as a float: a p-norm's ``p > 0`` or ``inf``.
+
+    Raises:
+      ValueError: ``-inf`` (torch: the smallest entry), ``0`` (torch: a count), NaN, ``p < 0``."""
+    p = float(norm_type)
+    if not p > 0:
+        raise ValueError(f"dmuon.clip_grad_norm_: norm_type must be > 0 (a p-norm) or inf, got "
+                         f"{norm_type!r}")
+    return p
+
+
+def norm_buckets(pieces: Iterable[tuple[Tensor, int]]) -> Buckets:
+    """The non-empty ``(gradient, replication)`` pieces, detached, bucketed by (replication,
+    device, dtype): a handful of foreach kernels, not one per tensor."""
+    buckets: Buckets = {}
+    for g, k in pieces:
+        if g.numel() > 0:
+            buckets.setdefault((k, g.device, g.dtype), []).append(g.detach())
+    return buckets
+
+
+def local_norm_term(buckets: Buckets, p: float, device: torch.device) -> Tensor:
+    """This rank's share of ``total^p`` (``p = inf``: its max), fp64 on ``device``."""
+    acc = torch.zeros((), dtype=torch.float64, device=device)
+    with torch.no_grad():
+        for (k, _, _), ts in buckets.items():
+            norms = torch.stack(torch._foreach_norm(ts, p)).to(torch.float64).to(device)
+            if math.isinf(p):
+                acc = torch.maximum(acc, norms.max())
+            else:
+                acc = acc + (norms ** p).sum() / k
+    return acc
+
+
+def total_norm(term: Tensor, p: float) -> Tensor:
+    """The total norm from the ranks' summed terms (``p = inf``: the max itself)."""
+    return term if math.isinf(p) else term ** (1.0 / p)
+
+
+def scale_buckets_(buckets: Buckets, max_norm: float, total: Tensor) -> None:
+    """Multiply every bucketed gradient in place by ``min(1, max_norm / (total + 1e-6))``."""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for (_, dev, dt), ts in buckets.items():
+            torch._foreach_mul_(ts, coef.to(device=dev, dtype=dt))

@@ -1,0 +1,94 @@
+"""The pure decisions ``dedicate_params`` and the modes take (no process group): the selection and
+its checks, the options' values, DDP mode's grid."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmuon.functional.dedicate_options import check_data_parallel, split_settings
+from dmuon.functional.selection import check_materialized, select_params
+from dmuon.functional.setup_check import ddp_grid
+
+
+def _named():
+    return [("w", torch.zeros(4, 3)), ("b", torch.zeros(4)), ("v", torch.zeros(2, 2))]
+
+
+def test_select_params_picks_matrices_and_refuses_bad_predicates():
+    got = select_params(_named(), lambda n, p: p.ndim == 2, "Net")
+    assert list(got) == ["w", "v"]
+    with pytest.raises(TypeError, match="predicate must be a callable"):
+        select_params(_named(), None, "Net")
+    with pytest.raises(ValueError, match="'b' of shape \\(4,\\), which is not a matrix"):
+        select_params(_named(), lambda n, p: True, "Net")
+    with pytest.raises(ValueError, match="matched no trainable parameter of Net"):
+        select_params(_named(), lambda n, p: False, "Net")
+    with pytest.raises(RuntimeError, match="predicate raised KeyError: 'x' for param 'w'"):
+        select_params(_named(), lambda n, p: {}["x"], "Net")
+    mixed = [("w", torch.zeros(4, 3)), ("m", torch.zeros(4, 3, device="meta"))]
+    with pytest.raises(ValueError, match="some selected params are on the meta device"):
+        select_params(mixed, lambda n, p: True, "Net")
+
+
+def test_check_materialized_names_meta_params():
+    check_materialized({"w": torch.zeros(2, 2)})
+    with pytest.raises(RuntimeError, match="\\['m'\\] are still on the meta device"):
+        check_materialized({"w": torch.zeros(2, 2), "m": torch.zeros(2, 2, device="meta")})
+
+
+def test_option_values():
+    assert check_data_parallel("ddp") == "ddp"
+    with pytest.raises(ValueError, match="data_parallel must be one of"):
+        check_data_parallel("DDP")
+    assert split_settings(3) == (3, None) and split_settings({}) == (2, None)
+    assert split_settings({"a": 4, "b": 2}) == (4, {"a": 4, "b": 2})
+    with pytest.raises(ValueError, match="split_ns must be an int >= 1"):
+        split_settings(0)
+
+
+def test_ddp_grid_is_one_shard_of_world_replicas():
+    assert ddp_grid(((0, 1, 2),)) == ((0,), (1,), (2,))
+    with pytest.raises(ValueError, match="2-D / HSDP layout of 2 x 2"):
+        ddp_grid(((0, 1), (2, 3)))
+
+
+def test_boundary_groups_put_tied_params_across_boundaries_in_the_root_group():
+    from dmuon.functional.buckets import ROOT_GROUP, boundary_groups
+    aliases = {"layers.0.a.weight": ["layers.0.a.weight"],
+               "layers.1.b.weight": ["layers.1.b.weight"],
+               "embed.weight": ["embed.weight", "layers.1.head.weight"],   # tied across layers
+               "top.weight": ["top.weight"]}
+    order = ["", "embed", "layers", "layers.0", "layers.0.a", "layers.1", "layers.1.b", "top"]
+    g = boundary_groups(aliases, None, order)
+    assert g.order == (ROOT_GROUP, "layers.0", "layers.1")
+    assert g.names(ROOT_GROUP) == ("embed.weight", "top.weight")
+    # a boundary predicate on module paths: the lowest accepted ancestor
+    g = boundary_groups(aliases, lambda path: path in ("layers.1", "layers.0.a", "layers"), order)
+    assert g.as_mapping() == {"layers.0.a.weight": "layers.0.a", "layers.1.b.weight": "layers.1",
+                              "embed.weight": ROOT_GROUP, "top.weight": ROOT_GROUP}
+    assert g.order == (ROOT_GROUP, "layers.0.a", "layers.1")
+
+
+def test_deferral_needs_every_rank_and_disjoint_equal_dp_groups():
+    from dmuon.functional.setup_check import deferral_agreed
+    ok = [(None, (0, 2), True), (None, (1, 3), True), (None, (0, 2), True), (None, (1, 3), True)]
+    assert deferral_agreed(ok)
+    assert not deferral_agreed([*ok[:3], (None, (1, 3), False)])             # one rank won't
+    assert not deferral_agreed([*ok[:3], (("ValueError", "x"), (1, 3), True)])  # one failed
+    assert not deferral_agreed([(None, (0, 1), True), (None, (0, 1), True),
+                                (None, (0, 1), True), (None, (0, 1), True)])  # not a split
+    assert not deferral_agreed([(None, (1, 3), True), (None, (0, 2), True),
+                                (None, (1, 3), True), (None, (0, 2), True)])  # own rank missing
+
+
+def test_tp_views_replace_the_default_view_only():
+    from dmuon.functional.matrix_view import Batch, Heads, Sliced
+    from dmuon.functional.policy import Decision
+    from dmuon.functional.tp_plan import with_tp_views
+    dec = {"a": Decision("muon", Batch(0), "default"), "b": Decision("muon", Batch(0), "default")}
+    out = with_tp_views(dec, {"a": Sliced(0, 2)})
+    assert out["a"].view == Sliced(0, 2) and out["a"].source == "tensor parallel"
+    assert out["b"] == dec["b"] and dec["a"].view == Batch(0)
+    dec["a"] = Decision("muon", Heads(2, "rows"), "rule 0: a")
+    with pytest.raises(NotImplementedError, match="'a' is tensor-parallel, and its matrix view"):
+        with_tp_views(dec, {"a": Sliced(0, 2)})
