@@ -84,30 +84,6 @@ def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
     return [tuple(g) for g in by_id.values() if len(g) > 1]
 
 
-def from_owner(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, src: int,
-               rt: DedicatedState, rank0_only: bool) -> Optional[torch.Tensor]:
-    """Collective: the full tensor ``t`` held by global rank ``src`` (``None`` elsewhere) as a copy
-    on every rank (broadcast), or with ``rank0_only`` on rank 0 only (point to point; other ranks
-    get ``None``). ``shape`` / ``dtype``: those of ``t``, for the receiving buffers."""
-    me = rt.rank
-    if not rank0_only:
-        buf = t.detach().clone() if me == src else torch.empty(shape, dtype=dtype, device=rt.device)
-        rt.mesh_groups.control_collective(
-            "state-dict broadcast", lambda g: dist.broadcast(buf, src=src, group=g))
-        return buf
-    if me == src:
-        if me == 0:
-            return t.detach().clone()
-        rt.mesh_groups.control_collective(
-            "state-dict send", lambda g: dist.send(t.detach().contiguous(), dst=0, group=g))
-    elif me == 0:
-        buf = torch.empty(shape, dtype=dtype, device=rt.device)
-        rt.mesh_groups.control_collective(
-            "state-dict receive", lambda g: dist.recv(buf, src=src, group=g))
-        return buf
-    return None
-
-
 def from_rank0(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
                rt: DedicatedState) -> torch.Tensor:
     """Collective: rank 0's full tensor ``t`` (ignored elsewhere) broadcast to every rank, on
