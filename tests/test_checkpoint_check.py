@@ -9,7 +9,8 @@ import torch
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.functional.state_dict_check import (
-    check_state_dict, full_from_functional_states, functional_states_from_full,
+    check_state_dict, field_problems, from_torch_protocol, full_from_functional_states,
+    functional_states_from_full, loadable_hparams, to_torch_protocol,
 )
 
 EXP = {"embed.weight": (8, 4), "layers.0.w": (4, 4), "norm.weight": (4,), "lm_head.weight": (8, 4)}
@@ -53,6 +54,36 @@ def test_functional_states_round_trip_through_the_full_format():
     assert ms2.step == 3 and st2.step == 3 and full["num_steps"] == 3
     assert torch.equal(ms2.momentum["a.w"], ms.momentum["a.w"])
     assert torch.equal(st2.nu["b"], st.nu["b"])
+
+
+def test_torch_protocol_round_trips_to_the_load_entries():
+    mom, mu = torch.ones(2, 2), torch.zeros(3)
+    entries = {"a.w": {"momentum_buffer": mom, "step": torch.tensor(4.0)},
+               "b": {"exp_avg": mu, "exp_avg_sq": mu, "step": torch.tensor(4.0)}}
+    groups = [({"name": "muon", "lr": 0.02, "ns_dtype": torch.float64}, ["a.w"]),
+              ({"name": "adamw", "lr": 3e-3}, ["b"])]
+    sd = to_torch_protocol(groups, entries, num_steps=5)
+    assert sd["param_groups"][0] == {"name": "muon", "lr": 0.02, "ns_dtype": "torch.float64",
+                                     "params": [0], "param_names": ["a.w"], "num_steps": 5}
+    assert sd["param_groups"][1]["params"] == [1] and sd["state"][1] is entries["b"]
+    back = from_torch_protocol(sd, ["x", "y"], {"a.w"})  # by the groups' param_names
+    assert back["dedicated"] == {"a.w": {"momentum_buffer": mom}}
+    assert set(back["fsdp2"]) == {"b"} and (back["muon_step"], back["adamw_step"]) == (4, 4)
+    assert back["num_steps"] == 5 and back["param_groups"][1] == {"name": "adamw", "lr": 3e-3}
+    for g in sd["param_groups"]:
+        del g["param_names"]
+    by_position = from_torch_protocol(sd, ["m", "v"], {"m"})
+    assert set(by_position["dedicated"]) == {"m"} and set(by_position["fsdp2"]) == {"v"}
+    assert from_torch_protocol({"state": {}}, [], ()) is None
+    assert loadable_hparams(sd["param_groups"][0]) == {"lr": 0.02, "ns_dtype": torch.float64}
+
+
+def test_field_problems_name_missing_and_foreign_fields():
+    assert field_problems("w", {"momentum_buffer": 1, "master": 2, "step": 3},
+                          ["momentum_buffer"]) == []
+    msg = " ".join(field_problems("w", {"momentum_buffer": 1, "v": 2}, ["momentum_buffer", "u"]))
+    assert "no 'u'" in msg and "['v']: not a state of this optimizer" in msg
+    assert field_problems("w", 3, ["momentum_buffer"]) == ["dedicated['w']: not a dict"]
 
 
 def test_read_state_dict_formats(tmp_path):

@@ -11,6 +11,11 @@ Two concerns, both free of ``torch.distributed`` and of any module:
   functional states :class:`~dmuon.functional.muon.MuonState` /
   :class:`~dmuon.functional.adamw.AdamWState`, so a checkpoint written by N ranks resumes in one
   process with :mod:`dmuon.functional` alone, and the other way round.
+* :func:`to_torch_protocol` / :func:`from_torch_protocol` convert between torch's optimizer
+  protocol (``{"state": {index: entry}, "param_groups": [...]}``) and that format's sections and
+  counters, so ``Muon.state_dict()`` / ``load_state_dict`` and dmuon's full format share one load
+  path; :func:`field_problems` and :func:`loadable_hparams` check a dedicated entry's fields and
+  pick a saved group's hyper-parameters for it.
 
 The optimizer format (every tensor full, keyed by fully-qualified parameter name)::
 
@@ -23,17 +28,29 @@ The optimizer format (every tensor full, keyed by fully-qualified parameter name
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Collection, Iterable, Mapping, NamedTuple, Optional, Sequence
+
+import torch
 
 from dmuon.functional.adamw import AdamWState
 from dmuon.functional.muon import MuonState
+from dmuon.functional.specs import dtype_from_str
 
 __all__ = [
     "StateDictCheck",
     "check_state_dict",
     "functional_states_from_full",
     "full_from_functional_states",
+    "hparams",
+    "full_entries",
+    "to_torch_protocol",
+    "from_torch_protocol",
+    "field_problems",
+    "loadable_hparams",
 ]
+
+#: the full format's counters
+_COUNTERS = ("adamw_step", "muon_step", "num_steps")
 
 Shape = tuple[int, ...]
 
@@ -153,3 +170,104 @@ def full_from_functional_states(muon_state: MuonState, adamw_state: AdamWState,
             "adamw_step": int(adamw_state.step), "muon_step": int(muon_state.step),
             "num_steps": max(int(adamw_state.step), int(muon_state.step)),
             "param_groups": [dict(g) for g in param_groups]}
+
+
+def hparams(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's hyper-parameters: the group without its ``params`` / ``param_names``."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def full_entries(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """The load entries of a full dmuon optimizer state dict (its sections copied, its counters
+    as ints, a missing counter 0)."""
+    return {"dedicated": dict(sd["dedicated"]), "fsdp2": dict(sd["fsdp2"]),
+            **{k: int(sd.get(k, 0)) for k in _COUNTERS}, "param_groups": sd.get("param_groups"),
+            "variant_scalars": sd.get("variant_scalars")}
+
+
+def to_torch_protocol(groups: Sequence[tuple[Mapping[str, Any], Sequence[str]]],
+                      entries: Mapping[str, Mapping[str, Any]],
+                      **first_group: Any) -> dict[str, Any]:
+    """torch's optimizer protocol of named param ``groups`` (``(hyper-parameters, names)``) and
+    their state ``entries`` (``{name: entry}``): params indexed in group order, each group with
+    its ``params`` (indices) and ``param_names``, dtypes as strings (torch's tools take no
+    dtypes); ``first_group``'s items (counters) end the first group."""
+    state: dict[int, Mapping[str, Any]] = {}
+    out = []
+    index = 0
+    for hp, names in groups:
+        ids = list(range(index, index + len(names)))
+        index += len(names)
+        state.update(zip(ids, (entries[n] for n in names)))
+        out.append({**{k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in hp.items()},
+                    "params": ids, "param_names": list(names)})
+    out[0].update(first_group)
+    return {"state": state, "param_groups": out}
+
+
+def from_torch_protocol(sd: Any, names: Sequence[str],
+                        dedicated: Collection[str]) -> Optional[dict[str, Any]]:
+    """The load entries (as :func:`full_entries`') of a dict in torch's optimizer protocol, or
+    ``None`` when ``sd`` is not one. Params are matched by the groups' ``param_names`` where they
+    carry them, else by position in ``names`` (the loading optimizer's params in group order);
+    ``dedicated``: the names of the dedicated matrices (the others are AdamW's)."""
+    groups, st = (sd.get("param_groups"), sd.get("state")) if isinstance(sd, Mapping) \
+        else (None, None)
+    if groups is None or st is None:
+        return None
+    by_index: dict[Any, str] = {}
+    flat = 0
+    for g in groups:
+        given = g.get("param_names")
+        for j, i in enumerate(g.get("params", ())):
+            if given is not None:
+                by_index[i] = given[j]
+            elif flat < len(names):
+                by_index[i] = names[flat]
+            flat += 1
+    sections: dict[str, dict[str, Any]] = {"dedicated": {}, "fsdp2": {}}
+    steps = {"muon_step": 0, "adamw_step": 0}
+    for i, s in st.items():
+        n = by_index.get(i, i if isinstance(i, str) else None)
+        if n is None or not isinstance(s, Mapping):
+            continue
+        section, step = ("dedicated", "muon_step") if n in dedicated else ("fsdp2", "adamw_step")
+        sections[section][n] = {k: v for k, v in s.items() if k != "step"}
+        steps[step] = int(float(s.get("step", 0)))
+    return {**sections, **steps,
+            "num_steps": int(groups[0].get("num_steps", steps["muon_step"])) if groups else 0,
+            "param_groups": [hparams(g) for g in groups],
+            "variant_scalars": groups[0].get("variant_scalars") if groups else None}
+
+
+def field_problems(name: str, entry: Any, fields: Sequence[str]) -> list[str]:
+    """The chain's ``fields`` missing from the dedicated entry of matrix ``name``, and state keys
+    the optimizer does not have: each a problem, never silently dropped."""
+    if not isinstance(entry, Mapping):
+        return [f"dedicated[{name!r}]: not a dict"]
+    want = tuple(fields)
+    out = [f"dedicated[{name!r}]: no {k!r} (saved by another transform= than this optimizer's?)"
+           for k in want if k not in entry]
+    out += [f"dedicated[{name!r}][{k!r}]: not a state of this optimizer (saved with another "
+            "transform=? pass the same one)" for k in entry if k not in want + ("master", "step")]
+    return out
+
+
+#: keys of a saved param group a load never installs: structure, counters, and the storage dtypes
+#: (each optimizer keeps its own; the state converts on load)
+_NOT_LOADED = ("params", "param_names", "name", "num_steps", "variant_scalars", "momentum_dtype",
+               "offload_state", "adamw_state_dtype")
+
+
+def loadable_hparams(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The hyper-parameters of a saved param group that a load installs (:data:`_NOT_LOADED`
+    left out), dtypes saved as strings (``"torch.float64"``) decoded."""
+    def decoded(key: str, v: Any) -> Any:
+        if key.endswith("dtype") and isinstance(v, str) and v.startswith("torch."):
+            try:
+                return dtype_from_str(v)
+            except ValueError:
+                return v
+        return v
+
+    return {k: decoded(k, v) for k, v in saved.items() if k not in _NOT_LOADED}
