@@ -18,8 +18,9 @@ from dmuon.functional.stages.hparams import as_step
 from dmuon.functional.state_dict_check import (field_problems, from_torch_protocol, full_entries,
                                                hparams, loadable_hparams, to_torch_protocol)
 from dmuon.stateful.runtime.state import get_state, local_tensor
-from dmuon.stateful.checkpoint.state_dict import agree, from_rank0, full_copy, local_shard
-from dmuon.stateful.checkpoint.torch_state_dict import StateDictError, check_entry, dtensor_rows
+from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
+from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, agree, check_entry,
+                                                       distribute_like, dtensor_rows, rows_of)
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part, refuse_tp
 from dmuon.stateful.checkpoint.owner_fields import gather_fields, layout_of, stage_fields
 from dmuon.stateful.checkpoint.transfer import transfer_of
@@ -52,7 +53,7 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
                               shape=like.shape, stride=like.stride())
 
 
-def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, torch.Tensor]]:
+def _full_dedicated(optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Collective: ``{name: {field key: full[, "master": full]}}`` on every rank, bucketed."""
     rt = optimizer.dedicated_state
     tr = transfer_of(rt)
@@ -60,7 +61,7 @@ def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, tor
     for group in tr.each_group():
         fields = gather_fields(optimizer, group)
         out.update(fields)
-        if masters and any(rt.master_dtype[n] != rt.orig_dtype[n] for n in fields):
+        if any(rt.master_dtype[n] != rt.orig_dtype[n] for n in fields):
             got = tr.to_every_rank(group, rt.masters)
             if rt.tp_layouts:
                 got = assemble_tp_slices(rt.tp_layouts, got, rt.mesh_groups.tp_group)
@@ -90,7 +91,7 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     entries = {n: {**{k: dtensor_rows(v, rt.shard_mesh) if layout_of(optimizer, k) == "param"
                       else v for k, v in e.items()},  # a variant's smaller fields: full tensors
                    "step": torch.tensor(float(owner.step_count))}
-               for n, e in _full_dedicated(optimizer, masters=True).items()}
+               for n, e in _full_dedicated(optimizer).items()}
     for n, p in optimizer.adamw_named_params:
         entries[n] = {**{k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))},
                       "step": torch.tensor(float(st.step))}
@@ -192,7 +193,8 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
             return tr.from_rank0(group, {n: entry_shape(optimizer, n, key) for n, e in ded.items()
                                          if key in e}, lambda n: ded[n][key],
                                  part or (lambda n, v: local_part(rt, n, v)))
-        return tr.to_columns(group, lambda n: _rows(local_part(rt, n, ded[n].get(key)), rt, n))
+        return tr.to_columns(group, lambda n: rows_of(local_part(rt, n, ded[n].get(key)), rt,
+                                                      rt.shape[n]))
 
     # every field of the chain by name (an empty section: the state before the first step)
     staged_fields = stage_fields(optimizer, ded, move, rank0=rank0) if ded else None
@@ -249,17 +251,8 @@ def _local_piece(v: Any, p: Any) -> torch.Tensor:
     if hasattr(v, "to_local"):
         return v.to_local()
     if tuple(v.shape) == tuple(p.shape):
-        return local_shard(v.to(device=p.device), p)
+        return local_tensor(distribute_like(v.to(device=p.device), p))
     return v.to(device=p.device)
-
-
-def _rows(v: Any, rt, n: str) -> Optional[tuple[int, torch.Tensor]]:
-    if v is None:
-        return None
-    from dmuon.stateful.checkpoint.transfer import row_chunks
-    start, size = row_chunks(rt.shape[n][0], rt.G)[rt.coord[0]]
-    local = v.to_local() if hasattr(v, "to_local") else v[start:start + size]
-    return start, local.to(device=rt.device, dtype=rt.master_dtype[n])
 
 
 # ---------------------------------------------------------------------------------- dmuon's format
@@ -290,7 +283,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool
         entry = {k: full_copy(dtensor_like(src[n], p)) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
         if keep:
             fsdp2[n] = {k: mv(v) for k, v in entry.items()}
-    ded = _full_dedicated(optimizer, masters=True)
+    ded = _full_dedicated(optimizer)
     dedicated = {n: {k: mv(v) for k, v in e.items()} for n, e in ded.items()} if keep else {}
     return {"fsdp2": fsdp2, "dedicated": dedicated,
             "adamw_step": int(st.step) if st is not None else 0,

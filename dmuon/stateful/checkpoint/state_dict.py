@@ -14,10 +14,9 @@ import torch.nn as nn
 
 from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional.state_dict_check import check_state_dict
-from dmuon.stateful.runtime.agree import agree as agree_problems
-from dmuon.stateful.runtime.state import DedicatedState, get_state
-from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, check_entry,
-                                                       log_dtype_changes)
+from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
+from dmuon.stateful.checkpoint.torch_state_dict import (agree, check_entry, dedicated_names_by_key,
+                                                       distribute_like, log_dtype_changes)
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part
 from dmuon.stateful.checkpoint.transfer import transfer_of
 
@@ -30,17 +29,6 @@ class LoadResult(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
-
-
-def dedicated_names_by_key(model: nn.Module, rt: DedicatedState) -> dict[str, str]:
-    """``{state_dict key: dedicated canonical name}`` for every key that is a dedicated param (a
-    tied matrix appears under each of its keys)."""
-    canon = {p: n for n, p in rt.params.items()}
-    out = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if p in canon:
-            out[n] = canon[p]
-    return out
 
 
 def module_entries(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -102,16 +90,6 @@ def full_copy(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
 
 
-def local_shard(full: torch.Tensor, like: Any) -> torch.Tensor:
-    """This rank's piece of ``full`` (held by every rank) laid out like the param ``like`` (no
-    communication); ``full`` itself when ``like`` is a plain tensor."""
-    if not hasattr(like, "device_mesh"):
-        return full
-    from torch.distributed.tensor import distribute_tensor
-    return distribute_tensor(full, like.device_mesh, like.placements,
-                             src_data_rank=None).to_local()
-
-
 @torch.no_grad()
 @unwrapping_model
 def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
@@ -154,20 +132,6 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
 
 def _shape_of(v: Any):
     return tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-
-
-def agree(rt: DedicatedState, problems: list[str], what: str, payload: Any = None) -> list[Any]:
-    """Raise :class:`StateDictError` (a ``ValueError``) on every rank if any rank has a problem
-    (the message names the ranks and lists the problems; :func:`dmuon.stateful.runtime.agree.agree`).
-    Returns every rank's ``payload``."""
-    def error(detail: str) -> StateDictError:
-        return StateDictError(
-            f"{what}: the state dict does not match the model ({detail}). Nothing was changed on "
-            "any rank. Load a dict saved from the same architecture (names and full shapes as in "
-            "the single-device model.state_dict(), floating values, finite unless "
-            "check_finite=False), or pass strict=False to allow missing / unexpected keys.")
-    return agree_problems(problems, what=f"{what} agreement", via=rt.mesh_groups,
-                          payload=payload, error=error)
 
 
 @torch.no_grad()
@@ -259,7 +223,8 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
                                                             dtype=rt.masters[n].dtype))
         elif hasattr(target, "device_mesh"):
             local = target.to_local()
-            local.copy_(local_shard(v.to(device=local.device, dtype=target.dtype), target))
+            local.copy_(local_tensor(distribute_like(v.to(device=local.device,
+                                                          dtype=target.dtype), target)))
         else:
             target.copy_(v.to(device=target.device, dtype=target.dtype))
     if held:  # the dedicated matrices: rank 0's values through the program's checkpoint moves

@@ -16,16 +16,15 @@ import torch.nn as nn
 from dmuon.stateful.checkpoint.transfer import row_chunks
 from dmuon.compat.fsdp_patch import is_dedicated
 from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
-from dmuon.stateful.runtime.agree import agree
+from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
 from dmuon.stateful.checkpoint.transfer import transfer_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StateDictError", "register_state_dict_hooks", "dtensor_rows", "shard_mesh_rank",
-           "check_entry"]
-
+__all__ = ["StateDictError", "register_state_dict_hooks", "dtensor_rows", "distribute_like",
+           "rows_of", "check_entry", "agree", "dedicated_names_by_key"]
 
 
 class StateDictError(ValueError):
@@ -33,8 +32,28 @@ class StateDictError(ValueError):
     before anything changed."""
 
 
-def shard_mesh_rank(st) -> int:
-    return st.coord[0]
+#: what to do about a dict that does not fit (the end of :func:`agree`'s error)
+LOAD_FIX = ("Load a dict saved from the same architecture (names and full shapes as in the "
+            "single-device model.state_dict(), floating values, finite unless "
+            "check_finite=False), or pass strict=False to allow missing / unexpected keys.")
+
+
+def agree(st, problems: list[str], what: str, payload: Any = None, *,
+          fix: str = LOAD_FIX) -> list[Any]:
+    """Collective: raise :class:`StateDictError` on every rank if any rank's dict does not fit
+    (the message names the ranks, lists the problems and ends with ``fix``;
+    :func:`dmuon.stateful.runtime.agree.agree`). Returns every rank's ``payload``."""
+    return agree_problems(problems, what=f"{what} agreement", via=st.mesh_groups, payload=payload,
+                          error=lambda detail: StateDictError(
+                              f"{what}: the state dict does not match the model ({detail}). "
+                              f"Nothing was changed on any rank. {fix}"))
+
+
+def dedicated_names_by_key(model: nn.Module, st) -> dict[str, str]:
+    """``{state_dict key: dedicated canonical name}`` for every key that is a dedicated param (a
+    tied matrix appears under each of its keys)."""
+    canon = {p: n for n, p in st.params.items()}
+    return {k: canon[p] for k, p in model.named_parameters(remove_duplicate=False) if p in canon}
 
 
 def dtensor_rows(full: torch.Tensor, mesh: Any) -> Any:
@@ -47,10 +66,22 @@ def dtensor_rows(full: torch.Tensor, mesh: Any) -> Any:
     return distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
 
 
-def _rows_of(value: Any, st, shape: tuple[int, ...]) -> tuple[int, torch.Tensor]:
+def distribute_like(full: torch.Tensor, like: Any) -> Any:
+    """``full`` (the same on every rank) as a DTensor laid out like the FSDP2 param ``like``, as
+    ``distribute_tensor`` slices it (no communication); ``full`` itself when ``like`` is a plain
+    tensor."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def rows_of(value: Any, st, shape: tuple[int, ...]) -> Optional[tuple[int, torch.Tensor]]:
     """``(first row, local rows)`` of a dedicated entry: a DTensor of dmuon's spec, or a full
-    plain tensor (this rank's rows of it)."""
-    start, n = row_chunks(shape[0], st.G)[shard_mesh_rank(st)]
+    plain tensor (this rank's rows of it); ``None`` for ``None``."""
+    if value is None:
+        return None
+    start, n = row_chunks(shape[0], st.G)[st.coord[0]]
     if hasattr(value, "to_local"):
         if not _replicated(value):
             return start, value.to_local()
@@ -129,11 +160,7 @@ class _Hooks:
         self.st = st
         self.transfer = transfer_of(st)
         self.model = model
-        self.keys = {}  # state-dict key -> dedicated name (every alias of a tied matrix)
-        canon = {id(p): n for n, p in st.params.items()}
-        for k, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in canon:
-                self.keys[k] = canon[id(p)]
+        self.keys = dedicated_names_by_key(model, st)  # every alias of a tied matrix
         self.staged: Optional[dict[str, Any]] = None
         # filled by the root pre-save hook, put in by each owning module's post-hook
         self.rows: Optional[dict[str, Any]] = None
@@ -261,14 +288,16 @@ class _Hooks:
             mine = check_entry(key, v, tuple(p.shape), p.dtype, notes=notes)
             problems += mine
             if not mine and hasattr(p, "to_local") and not hasattr(v, "to_local"):
-                state_dict[key] = _slice_for(p, v)
+                state_dict[key] = distribute_like(v.to(device=p.device, dtype=p.dtype), p)
         for name, b in module.named_buffers(remove_duplicate=False):
             key = prefix + name
             if key in state_dict and isinstance(state_dict[key], torch.Tensor) and \
                     tuple(state_dict[key].shape) != tuple(b.shape):
                 problems.append(f"{key}: shape {tuple(state_dict[key].shape)}, expected "
                                 f"{tuple(b.shape)}")
-        _agree(st, problems)
+        agree(st, problems, "model.load_state_dict on a dmuon model",
+              fix="Load a dict saved from the same architecture (names and full shapes as in the "
+                  "single-device model.state_dict(), floating values, finite).")
         log_dtype_changes("model.load_state_dict", notes)
         self.staged = staged
 
@@ -320,28 +349,12 @@ class _Hooks:
             if not any(n in staged for n in names):
                 continue
             full = self.transfer.to_columns(
-                group, lambda n: _rows_of(staged[n], st, st.shape[n]) if n in staged else None)
+                group, lambda n: rows_of(staged.get(n), st, st.shape[n]))
             with torch.no_grad():
                 for n, t in full.items():
                     if n in staged:
                         st.masters[n].copy_(t)
         st.masters_changed()
-
-
-def _slice_for(param: Any, full: torch.Tensor) -> Any:
-    """A plain full tensor for FSDP2's DTensor ``param``: this rank's shard of it (no
-    communication: every rank has the full tensor), as ``distribute_tensor`` slices it."""
-    from torch.distributed.tensor import distribute_tensor
-    return distribute_tensor(full.to(device=param.device, dtype=param.dtype), param.device_mesh,
-                             param.placements, src_data_rank=None)
-
-
-def _agree(st, problems: list[str]) -> None:
-    """Raise :class:`StateDictError` on every rank if any rank's dict does not fit (collective)."""
-    agree(problems, what="load_state_dict check agreement", via=st.mesh_groups,
-          error=lambda detail: StateDictError(
-              f"model.load_state_dict on a dmuon model: the state dict does not fit the model: "
-              f"{detail}. Nothing was loaded on any rank."))
 
 
 def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:

@@ -49,9 +49,6 @@ class CheckpointTransfer:
                                    device=self.st.device)
                 for b in self.layout.buckets_of(group)}
 
-    def groups(self) -> tuple[str, ...]:
-        return self.layout.groups
-
     def to_every_rank(self, group: str, values: Mapping[str, torch.Tensor], *,
                       owner_only: bool = False) -> dict[str, torch.Tensor]:
         """Collective: ``{name: full tensor}`` for every matrix of ``group``, on every rank (views
