@@ -9,9 +9,11 @@ import torch
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.functional.state_dict_check import (
-    check_state_dict, field_problems, from_torch_protocol, full_from_functional_states,
-    functional_states_from_full, loadable_hparams, to_torch_protocol,
+    check_state_dict, dtype_changes, field_problems, from_torch_protocol,
+    full_from_functional_states, functional_states_from_full, loadable_hparams, row_chunks,
+    to_torch_protocol, value_problems,
 )
+from dmuon.functional.state_fields import tp_concat_dim
 
 EXP = {"embed.weight": (8, 4), "layers.0.w": (4, 4), "norm.weight": (4,), "lm_head.weight": (8, 4)}
 TIED = [("embed.weight", "lm_head.weight")]
@@ -84,6 +86,36 @@ def test_field_problems_name_missing_and_foreign_fields():
     msg = " ".join(field_problems("w", {"momentum_buffer": 1, "v": 2}, ["momentum_buffer", "u"]))
     assert "no 'u'" in msg and "['v']: not a state of this optimizer" in msg
     assert field_problems("w", 3, ["momentum_buffer"]) == ["dedicated['w']: not a dict"]
+
+
+def test_value_problems_and_the_precision_notes():
+    notes: list = []
+    ok = value_problems("w", torch.ones(2, 3, dtype=torch.float16), (2, 3), torch.float32,
+                        notes=notes)
+    assert ok == [] and notes == [("w", torch.float16, torch.float32)]
+    assert value_problems("w", 3, (2,), torch.float32) == ["w: a int, not a tensor"]
+    assert "shape (3,), expected (2,)" in value_problems("w", torch.ones(3), (2,), torch.float32)[0]
+    assert "int64 cannot load" in value_problems("w", torch.ones(2, dtype=torch.int64), (2,),
+                                                 torch.float32)[0]
+    assert value_problems("w", torch.ones(2), (2,), torch.float32, layout="bad") == ["w: bad"]
+    nan = torch.tensor([1.0, float("nan")])
+    assert value_problems("w", nan, (2,), torch.float32) == ["w: non-finite values (NaN/Inf)"]
+    assert value_problems("w", nan, (2,), torch.float32, finite=False) == []
+    lines = dtype_changes("load", notes + [("v", torch.float64, torch.float32)])
+    assert [w for w, _ in lines] == [True, False]
+    assert "1 value(s) hold a narrower float" in lines[0][1] and "(e.g. w)" in lines[0][1]
+    assert "torch.float64 into torch.float32" in lines[1][1]
+
+
+def test_row_chunks_split_as_torch_chunk_and_tp_concat_dims():
+    for rows, parts in ((10, 4), (3, 4), (0, 2), (8, 2)):
+        sizes = [len(c) for c in torch.arange(rows).chunk(parts)]
+        sizes += [0] * (parts - len(sizes))
+        assert [n for _, n in row_chunks(rows, parts)] == sizes, (rows, parts)
+    assert row_chunks(10, 4)[3] == (9, 1)
+    assert tp_concat_dim("param", 1) == 1 and tp_concat_dim("rows", 0) == 0
+    assert tp_concat_dim("rows", 1) is None and tp_concat_dim("matrices", 0) is None
+    assert tp_concat_dim("param", None) is None
 
 
 def test_read_state_dict_formats(tmp_path):

@@ -11,6 +11,9 @@ Two concerns, both free of ``torch.distributed`` and of any module:
   functional states :class:`~dmuon.functional.muon.MuonState` /
   :class:`~dmuon.functional.adamw.AdamWState`, so a checkpoint written by N ranks resumes in one
   process with :mod:`dmuon.functional` alone, and the other way round.
+* :func:`value_problems` checks one value (a tensor of the expected shape, a float for a float,
+  finite) and notes a precision change, which :func:`dtype_changes` words for the log;
+  :func:`row_chunks` is the rows of each rank in dmuon's ``Shard(0)`` entries.
 * :func:`to_torch_protocol` / :func:`from_torch_protocol` convert between torch's optimizer
   protocol (``{"state": {index: entry}, "param_groups": [...]}``) and that format's sections and
   counters, so ``Muon.state_dict()`` / ``load_state_dict`` and dmuon's full format share one load
@@ -41,6 +44,9 @@ __all__ = [
     "check_state_dict",
     "functional_states_from_full",
     "full_from_functional_states",
+    "value_problems",
+    "dtype_changes",
+    "row_chunks",
     "hparams",
     "full_entries",
     "to_torch_protocol",
@@ -122,6 +128,67 @@ def check_state_dict(given: Mapping[str, Optional[Shape]], expected: Mapping[str
             missing.append(k)
     unexpected = tuple(k for k in given if k not in expected)
     return StateDictCheck(tuple(missing), unexpected, tuple(wrong), source)
+
+
+def value_problems(key: str, value: Any, shape: Shape, dtype: torch.dtype, *,
+                   finite: bool = True, layout: Optional[str] = None,
+                   notes: Optional[list] = None) -> list[str]:
+    """Problems of one state-dict value for a tensor of ``shape`` / ``dtype``: not a tensor, a
+    wrong shape, a non-floating value for a floating tensor, ``layout`` (the caller's verdict on
+    a DTensor's placements, when they do not fit), non-finite values (``finite``; a DTensor's
+    local piece). A floating value of another precision loads (cast): ``notes`` collects
+    ``(key, value dtype, dtype)`` for it (:func:`dtype_changes`)."""
+    if not isinstance(value, torch.Tensor):
+        return [f"{key}: a {type(value).__name__}, not a tensor"]
+    if tuple(value.shape) != tuple(shape):
+        return [f"{key}: shape {tuple(value.shape)}, expected {tuple(shape)}"]
+    if dtype.is_floating_point and not (value.dtype.is_floating_point or value.is_complex()):
+        return [f"{key}: dtype {value.dtype} cannot load into a {dtype} param (an integer or bool "
+                "tensor is not a weight)"]
+    if layout is not None:
+        return [f"{key}: {layout}"]
+    local = value.to_local() if hasattr(value, "to_local") else value
+    problems = []
+    if finite and local.dtype.is_floating_point and local.numel() and \
+            not bool(torch.isfinite(local).all()):
+        problems.append(f"{key}: non-finite values (NaN/Inf)")
+    if notes is not None and dtype.is_floating_point and local.dtype.is_floating_point and \
+            local.dtype != dtype:
+        notes.append((key, local.dtype, dtype))
+    return problems
+
+
+def dtype_changes(what: str, notes: Sequence[tuple[str, torch.dtype, torch.dtype]]
+                  ) -> list[tuple[bool, str]]:
+    """The log lines of a load's precision changes (``notes`` of :func:`value_problems`), one per
+    kind, as ``(warning, line)``: values narrower than their param (or of another 16-bit format)
+    load at their own precision, a warning (the README's promise: allowed, and said); wider
+    values are rounded, info."""
+    def bits(d: torch.dtype) -> int:
+        return torch.finfo(d).bits
+
+    out = []
+    for warn, words in ((True, "hold a narrower float than their param and load at their own "
+                               "precision (the param's extra bits are zero)"),
+                        (False, "are rounded to their param's narrower dtype")):
+        entries = [n for n in notes if (bits(n[1]) <= bits(n[2])) == warn]
+        if entries:
+            kinds = ", ".join(sorted({f"{a} into {b}" for _, a, b in entries}))
+            out.append((warn, f"dmuon: {what}: {len(entries)} value(s) {words}: {kinds} "
+                              f"(e.g. {entries[0][0]})"))
+    return out
+
+
+def row_chunks(rows: int, parts: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of each part's rows when ``rows`` are split as DTensor's ``Shard(0)``
+    splits them over ``parts`` ranks (``torch.chunk``: equal chunks of ``ceil(rows / parts)``, the
+    last ones shorter or empty)."""
+    size = -(-rows // parts) if rows else 0
+    out = []
+    for i in range(parts):
+        start = min(i * size, rows)
+        out.append((start, max(0, min(size, rows - start))))
+    return out
 
 
 def functional_states_from_full(osd: Mapping[str, Any]) -> tuple[MuonState, AdamWState]:

@@ -13,9 +13,9 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from dmuon.stateful.checkpoint.transfer import row_chunks
 from dmuon.compat.fsdp_patch import is_dedicated
 from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
+from dmuon.functional.state_dict_check import dtype_changes, row_chunks, value_problems
 from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
@@ -98,59 +98,36 @@ def _replicated(value: Any) -> bool:
 
 def check_entry(key: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype, st=None,
                 *, finite: bool = True, notes: Optional[list] = None) -> list[str]:
-    """Problems of one state-dict value for a tensor of ``shape`` / ``dtype`` (no collective):
-    wrong shape, a non-floating value for a floating tensor, non-finite values (``finite``), a
-    DTensor of another spec than dmuon's (``st`` given: the dedicated ``Shard(0)`` rows, or a
-    DTensor replicated on every mesh dim). ``notes`` collects ``(key, value dtype, dtype)`` of a
-    floating value of another precision, for one :func:`log_dtype_changes` per load (without
-    ``notes``: a rounding to a narrower ``dtype`` is logged here)."""
-    if not isinstance(value, torch.Tensor):
-        return [f"{key}: a {type(value).__name__}, not a tensor"]
-    problems = []
-    if tuple(value.shape) != tuple(shape):
-        problems.append(f"{key}: shape {tuple(value.shape)}, expected {tuple(shape)}")
-        return problems
-    if dtype.is_floating_point and not (value.dtype.is_floating_point or value.is_complex()):
-        problems.append(f"{key}: dtype {value.dtype} cannot load into a {dtype} param (an integer "
-                        "or bool tensor is not a weight)")
-        return problems
-    local = value.to_local() if hasattr(value, "to_local") else value
-    if st is not None and hasattr(value, "to_local") and not _replicated(value):
-        from torch.distributed.tensor import Shard
-        if tuple(value.placements) != (Shard(0),) or value.device_mesh.size() != st.G:
-            problems.append(f"{key}: a DTensor with placements {tuple(value.placements)} on a "
-                            f"mesh of {value.device_mesh.size()} ranks; dmuon expects the rows "
-                            f"of its own state_dict() (Shard(0) over {st.G} ranks), a "
-                            "replicated DTensor or a plain full tensor")
-            return problems
-    if finite and local.dtype.is_floating_point and local.numel() and \
-            not bool(torch.isfinite(local).all()):
-        problems.append(f"{key}: non-finite values (NaN/Inf)")
-    if dtype.is_floating_point and local.dtype.is_floating_point and local.dtype != dtype:
-        if notes is not None:
-            notes.append((key, local.dtype, dtype))
-        elif torch.finfo(local.dtype).bits > torch.finfo(dtype).bits:
-            logger.info("dmuon: %s narrows from %s to %s on load", key, local.dtype, dtype)
+    """:func:`~dmuon.functional.state_dict_check.value_problems` of one state-dict value (no
+    collective), a DTensor of another spec than dmuon's one of them with ``st`` given (the
+    dedicated ``Shard(0)`` rows, or a DTensor replicated on every mesh dim). Without ``notes``,
+    a rounding to a narrower ``dtype`` is logged here."""
+    mine: list = [] if notes is None else notes
+    problems = value_problems(key, value, shape, dtype, finite=finite,
+                              layout=_layout_problem(value, st), notes=mine)
+    if notes is None and mine and torch.finfo(mine[0][1]).bits > torch.finfo(dtype).bits:
+        logger.info("dmuon: %s narrows from %s to %s on load", key, mine[0][1], dtype)
     return problems
 
 
-def log_dtype_changes(what: str, notes: list) -> None:
-    """One log line per kind of precision change of a load (``notes`` of :func:`check_entry`):
-    values narrower than their param (or of another 16-bit format) load at their own precision,
-    a warning (the README's promise: allowed, and said); wider values are rounded, info."""
-    def bits(d: torch.dtype) -> int:
-        return torch.finfo(d).bits
+def _layout_problem(value: Any, st) -> Optional[str]:
+    """With ``st``: what is wrong with a DTensor ``value`` that holds neither dmuon's rows nor the
+    whole tensor on every rank (``None``: nothing)."""
+    if st is None or not hasattr(value, "to_local") or _replicated(value):
+        return None
+    from torch.distributed.tensor import Shard
+    if tuple(value.placements) == (Shard(0),) and value.device_mesh.size() == st.G:
+        return None
+    return (f"a DTensor with placements {tuple(value.placements)} on a mesh of "
+            f"{value.device_mesh.size()} ranks; dmuon expects the rows of its own state_dict() "
+            f"(Shard(0) over {st.G} ranks), a replicated DTensor or a plain full tensor")
 
-    narrower = [n for n in notes if bits(n[1]) < bits(n[2]) or bits(n[1]) == bits(n[2])]
-    wider = [n for n in notes if bits(n[1]) > bits(n[2])]
-    for entries, log, words in (
-            (narrower, logger.warning, "hold a narrower float than their param and load at their "
-                                       "own precision (the param's extra bits are zero)"),
-            (wider, logger.info, "are rounded to their param's narrower dtype")):
-        if entries:
-            kinds = sorted({f"{a} into {b}" for _, a, b in entries})
-            log("dmuon: %s: %d value(s) %s: %s (e.g. %s)", what, len(entries), words,
-                ", ".join(kinds), entries[0][0])
+
+def log_dtype_changes(what: str, notes: list) -> None:
+    """One log line per kind of precision change of a load (``notes`` of :func:`check_entry`;
+    :func:`~dmuon.functional.state_dict_check.dtype_changes`)."""
+    for warn, line in dtype_changes(what, notes):
+        (logger.warning if warn else logger.info)(line)
 
 
 class _Hooks:

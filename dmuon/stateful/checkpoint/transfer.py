@@ -17,19 +17,7 @@ from dmuon.functional.program import (checkpoint_over_tp, checkpoint_to_columns,
                                       checkpoint_to_every_rank)
 from dmuon.stateful.runtime.executor import Executor
 
-__all__ = ["CheckpointTransfer", "row_chunks", "transfer_of"]
-
-
-def row_chunks(rows: int, parts: int) -> list[tuple[int, int]]:
-    """``(start, size)`` of each part's rows when ``rows`` are split as DTensor's ``Shard(0)``
-    splits them over ``parts`` ranks (``torch.chunk``: equal chunks of ``ceil(rows / parts)``, the
-    last ones shorter or empty)."""
-    size = -(-rows // parts) if rows else 0
-    out = []
-    for i in range(parts):
-        start = min(i * size, rows)
-        out.append((start, max(0, min(size, rows - start))))
-    return out
+__all__ = ["CheckpointTransfer", "transfer_of"]
 
 
 class CheckpointTransfer:
