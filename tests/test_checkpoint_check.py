@@ -10,8 +10,8 @@ from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.functional.state_dict_check import (
     check_state_dict, dtype_changes, field_problems, from_torch_protocol,
-    full_from_functional_states, functional_states_from_full, loadable_hparams, row_chunks,
-    to_torch_protocol, value_problems,
+    full_from_functional_states, functional_states_from_full, loadable_hparams,
+    model_state_problems, optimizer_state_problems, row_chunks, to_torch_protocol, value_problems,
 )
 from dmuon.functional.state_fields import tp_concat_dim
 
@@ -105,6 +105,43 @@ def test_value_problems_and_the_precision_notes():
     assert [w for w, _ in lines] == [True, False]
     assert "1 value(s) hold a narrower float" in lines[0][1] and "(e.g. w)" in lines[0][1]
     assert "torch.float64 into torch.float32" in lines[1][1]
+
+
+def test_model_state_problems_check_keys_then_values():
+    exp = {k: (shape, torch.float32) for k, shape in EXP.items()}
+    sd = {k: torch.zeros(shape) for k, shape in EXP.items() if k != "lm_head.weight"}
+    check, problems = model_state_problems(sd, exp, TIED)
+    assert problems == [] and check.source["lm_head.weight"] == "embed.weight"
+    assert model_state_problems([1], exp)[1] == ["expected a mapping {name: tensor}, got list"]
+    sd["norm.weight"] = torch.full((4,), float("inf"))
+    assert model_state_problems(sd, exp, TIED)[1] == ["'norm.weight': non-finite values (NaN/Inf)"]
+    assert model_state_problems(sd, exp, TIED, finite=False)[1] == []
+    sd["extra"] = torch.zeros(1)
+    _, problems = model_state_problems(sd, exp, TIED)  # a key problem: values not read yet
+    assert problems == ["unexpected keys ['extra']"]
+
+
+def test_optimizer_state_problems_name_every_mismatch():
+    spec = dict(matrices={"w": {"momentum_buffer": ((4, 2), torch.float32),
+                                "master": ((4, 2), torch.float32)}},
+                fields=["momentum_buffer"], adamw={"b": ((4,), (2,), torch.float32)})
+    ok = {"w": {"momentum_buffer": torch.zeros(4, 2)}}
+    assert optimizer_state_problems(ok, {}, **spec) == []  # an empty section: zeros
+    piece = {"b": {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(4)}}  # piece or full
+    assert optimizer_state_problems(ok, piece, **spec) == []
+    bad = optimizer_state_problems({"w": {"momentum_buffer": torch.zeros(2, 4)}, "x": {}},
+                                   {"b": {"exp_avg": torch.zeros(3)}, "c": {}}, **spec)
+    msg = " | ".join(bad)
+    for needle in ("dedicated['x']: no such dedicated matrix", "shape (2, 4), expected (4, 2)",
+                   "fsdp2['b']['exp_avg']: shape (3,), expected (2,)", "no 'exp_avg_sq'",
+                   "fsdp2['c']: no such AdamW param"):
+        assert needle in msg, msg
+    assert optimizer_state_problems({"w": 3}, {}, **spec) == ["dedicated['w']: not a dict"]
+    assert optimizer_state_problems(ok, {}, layout=lambda v: "spec", **spec) == [
+        "dedicated['w']['momentum_buffer']: spec"]
+    spec["matrices"] = dict(spec["matrices"], v=spec["matrices"]["w"])
+    assert optimizer_state_problems(ok, {}, **spec) == [
+        "dedicated: 1 matrices missing, e.g. ['v']"]
 
 
 def test_row_chunks_split_as_torch_chunk_and_tp_concat_dims():

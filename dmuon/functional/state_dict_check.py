@@ -11,14 +11,17 @@ Two concerns, both free of ``torch.distributed`` and of any module:
   functional states :class:`~dmuon.functional.muon.MuonState` /
   :class:`~dmuon.functional.adamw.AdamWState`, so a checkpoint written by N ranks resumes in one
   process with :mod:`dmuon.functional` alone, and the other way round.
-* :func:`value_problems` checks one value (a tensor of the expected shape, a float for a float,
+* :func:`model_state_problems` checks a full model state dict against the model's expected
+  entries (its keys with :func:`check_state_dict`, then each value); :func:`value_problems`
+  checks one value (a tensor of the expected shape, a float for a float,
   finite) and notes a precision change, which :func:`dtype_changes` words for the log;
   :func:`row_chunks` is the rows of each rank in dmuon's ``Shard(0)`` entries.
 * :func:`to_torch_protocol` / :func:`from_torch_protocol` convert between torch's optimizer
   protocol (``{"state": {index: entry}, "param_groups": [...]}``) and that format's sections and
   counters, so ``Muon.state_dict()`` / ``load_state_dict`` and dmuon's full format share one load
-  path; :func:`field_problems` and :func:`loadable_hparams` check a dedicated entry's fields and
-  pick a saved group's hyper-parameters for it.
+  path; :func:`optimizer_state_problems` checks that format's sections against an optimizer
+  (:func:`field_problems`: a dedicated entry's fields), and :func:`loadable_hparams` picks a
+  saved group's hyper-parameters for it.
 
 The optimizer format (every tensor full, keyed by fully-qualified parameter name)::
 
@@ -31,7 +34,7 @@ The optimizer format (every tensor full, keyed by fully-qualified parameter name
 """
 from __future__ import annotations
 
-from typing import Any, Collection, Iterable, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -42,6 +45,7 @@ from dmuon.functional.specs import dtype_from_str
 __all__ = [
     "StateDictCheck",
     "check_state_dict",
+    "model_state_problems",
     "functional_states_from_full",
     "full_from_functional_states",
     "value_problems",
@@ -52,9 +56,12 @@ __all__ = [
     "to_torch_protocol",
     "from_torch_protocol",
     "field_problems",
+    "optimizer_state_problems",
     "loadable_hparams",
 ]
 
+#: AdamW's moments in a state entry
+MOMENTS = ("exp_avg", "exp_avg_sq")
 #: the full format's counters
 _COUNTERS = ("adamw_step", "muon_step", "num_steps")
 
@@ -128,6 +135,33 @@ def check_state_dict(given: Mapping[str, Optional[Shape]], expected: Mapping[str
             missing.append(k)
     unexpected = tuple(k for k in given if k not in expected)
     return StateDictCheck(tuple(missing), unexpected, tuple(wrong), source)
+
+
+def model_state_problems(sd: Any, expected: Mapping[str, tuple[Shape, torch.dtype]],
+                         tied: Iterable[Sequence[str]] = (), *, strict: bool = True,
+                         finite: bool = True, notes: Optional[list] = None,
+                         ) -> tuple[Optional[StateDictCheck], list[str]]:
+    """The :class:`StateDictCheck` of a full model state dict ``sd`` (``None`` if it is not a
+    mapping) and its problems: not a mapping; wrong entries, and missing / unexpected keys
+    (``strict``); once those pass, each value's (:func:`value_problems`, read from its source).
+
+    Args:
+      expected: ``{key: (full shape, dtype)}`` of the model (single-device spelling).
+      tied, strict: as for :func:`check_state_dict` and :meth:`StateDictCheck.problems`.
+      finite, notes: as for :func:`value_problems`.
+    """
+    if not isinstance(sd, Mapping):
+        return None, [f"expected a mapping {{name: tensor}}, got {type(sd).__name__}"]
+    check = check_state_dict({k: tuple(v.shape) if isinstance(v, torch.Tensor) else
+                              type(v).__name__ for k, v in sd.items()},
+                             {k: s for k, (s, _) in expected.items()}, tied)
+    problems = check.problems(strict)
+    if not problems:  # values: dtype kinds, finiteness (before anything changes)
+        for k, src in check.source.items():
+            shape, dtype = expected[k]
+            problems += value_problems(f"{src!r}", sd[src], shape, dtype, finite=finite,
+                                       notes=notes)
+    return check, problems
 
 
 def value_problems(key: str, value: Any, shape: Shape, dtype: torch.dtype, *,
@@ -318,6 +352,59 @@ def field_problems(name: str, entry: Any, fields: Sequence[str]) -> list[str]:
     out += [f"dedicated[{name!r}][{k!r}]: not a state of this optimizer (saved with another "
             "transform=? pass the same one)" for k in entry if k not in want + ("master", "step")]
     return out
+
+
+def optimizer_state_problems(dedicated: Mapping[str, Any], fsdp2: Mapping[str, Any], *,
+                             matrices: Mapping[str, Mapping[str, tuple[Shape, torch.dtype]]],
+                             fields: Sequence[str],
+                             adamw: Mapping[str, tuple[Shape, Shape, torch.dtype]],
+                             finite: bool = True,
+                             layout: Callable[[Any], Optional[str]] = lambda v: None,
+                             notes: Optional[list] = None) -> list[str]:
+    """Problems of an optimizer state's sections (the full format's) for one optimizer: unknown
+    names, a dedicated entry's missing or foreign fields (:func:`field_problems`), each value
+    (:func:`value_problems`), names missing from a non-empty section (an empty one: the state
+    before the first step).
+
+    Args:
+      matrices: ``{name: {key: (full shape, dtype)}}`` of each dedicated matrix's state keys.
+      fields: the chain's field keys (every dedicated entry holds them all).
+      adamw: ``{name: (full shape, this rank's shape, dtype)}`` of AdamW's params: a moment is
+        checked against the full shape unless it is a plain tensor of another (this rank's piece).
+      layout: ``layout(value)``: a dedicated value's layout problem (a DTensor's), or ``None``.
+      finite, notes: as for :func:`value_problems`.
+    """
+    problems: list[str] = []
+    for n, s in dedicated.items():
+        if n not in matrices:
+            problems.append(f"dedicated[{n!r}]: no such dedicated matrix")
+            continue
+        problems += field_problems(n, s, fields)
+        for k, v in (s.items() if isinstance(s, Mapping) else ()):
+            if k in matrices[n]:
+                shape, dtype = matrices[n][k]
+                problems += value_problems(f"dedicated[{n!r}][{k!r}]", v, shape, dtype,
+                                           finite=finite, layout=layout(v), notes=notes)
+    for n, s in fsdp2.items():
+        if n not in adamw:
+            problems.append(f"fsdp2[{n!r}]: no such AdamW param")
+            continue
+        full, local, dtype = adamw[n]
+        for k in MOMENTS:
+            v = s.get(k) if isinstance(s, Mapping) else None
+            if v is None:
+                problems.append(f"fsdp2[{n!r}]: no {k!r}")
+                continue
+            piece = isinstance(v, torch.Tensor) and not hasattr(v, "to_local") and \
+                tuple(v.shape) != tuple(full)
+            problems += value_problems(f"fsdp2[{n!r}][{k!r}]", v, local if piece else full,
+                                       dtype, finite=finite, notes=notes)
+    for section, given, want, kind in (("dedicated", dedicated, matrices, "matrices"),
+                                       ("fsdp2", fsdp2, adamw, "params")):
+        if given and set(given) != set(want):
+            gone = sorted(set(want) - set(given))
+            problems.append(f"{section}: {len(gone)} {kind} missing, e.g. {gone[:3]}")
+    return problems
 
 
 #: keys of a saved param group a load never installs: structure, counters, and the storage dtypes

@@ -15,21 +15,21 @@ import torch.nn as nn
 from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.stages.hparams import as_step
-from dmuon.functional.state_dict_check import (field_problems, from_torch_protocol, full_entries,
-                                               hparams, loadable_hparams, to_torch_protocol)
+from dmuon.functional.state_dict_check import MOMENTS as _MOMENTS
+from dmuon.functional.state_dict_check import (from_torch_protocol, full_entries, hparams,
+                                               loadable_hparams, optimizer_state_problems,
+                                               to_torch_protocol)
 from dmuon.stateful.runtime.state import get_state, local_tensor
 from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
-from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, agree, check_entry,
-                                                       distribute_like, dtensor_rows, rows_of)
+from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, agree, distribute_like,
+                                                       dtensor_rows, layout_problem,
+                                                       log_narrowing, rows_of)
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part, refuse_tp
 from dmuon.stateful.checkpoint.owner_fields import gather_fields, layout_of, stage_fields
 from dmuon.stateful.checkpoint.transfer import transfer_of
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "load_optimizer_state",
            "torch_optimizer_state_dict", "torch_load_optimizer_state_dict"]
-
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-
 
 def check_optimizer(model: nn.Module, optimizer: Any, what: str):
     """The model's state; ``TypeError`` unless ``optimizer`` is ``model``'s ``dmuon.Muon``."""
@@ -140,42 +140,20 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     rt = optimizer.dedicated_state
     has_dict = not rank0 or rt.rank == 0
     rt.drain()
-    problems: list[str] = []
+    problems, notes = [], []
     ded = entries.get("dedicated") or {}
     owner = optimizer._owner
-    keys = tuple(f.key for f in owner.fields) + ("master",)
     fsdp = entries.get("fsdp2") or {}
     if has_dict:
-        for n, s in ded.items():
-            if n not in rt.params:
-                problems.append(f"dedicated[{n!r}]: no such dedicated matrix")
-                continue
-            problems += field_problems(n, s, [f.key for f in owner.fields])
-            for k, v in s.items():
-                if k not in keys:
-                    continue
-                problems += check_entry(f"dedicated[{n!r}][{k!r}]", v, entry_shape(optimizer, n, k),
-                                        rt.master_dtype[n], rt, finite=check_finite)
-        adamw = dict(optimizer.adamw_named_params)
-        for n, s in fsdp.items():
-            p = adamw.get(n)
-            if p is None:
-                problems.append(f"fsdp2[{n!r}]: no such AdamW param")
-                continue
-            for k in _MOMENTS:
-                v = s.get(k) if isinstance(s, Mapping) else None
-                if v is None:
-                    problems.append(f"fsdp2[{n!r}]: no {k!r}")
-                    continue
-                shape = tuple(p.shape) if _is_full_or_dtensor(v, p) else tuple(local_tensor(p).shape)
-                problems += check_entry(f"fsdp2[{n!r}][{k!r}]", v, shape, p.dtype,
-                                        finite=check_finite)
-        if ded and set(ded) != set(rt.params):
-            problems.append(f"dedicated: {len(set(rt.params) - set(ded))} matrices missing, e.g. "
-                            f"{sorted(set(rt.params) - set(ded))[:3]}")
-        if fsdp and set(fsdp) != set(adamw):
-            problems.append(f"fsdp2: {len(set(adamw) - set(fsdp))} params missing, e.g. "
-                            f"{sorted(set(adamw) - set(fsdp))[:3]}")
+        keys = [f.key for f in owner.fields]
+        problems = optimizer_state_problems(
+            ded, fsdp, fields=keys, finite=check_finite, notes=notes,
+            matrices={n: {k: (entry_shape(optimizer, n, k), rt.master_dtype[n])
+                          for k in keys + ["master"]} for n in rt.params},
+            adamw={n: (tuple(p.shape), tuple(local_tensor(p).shape), p.dtype)
+                   for n, p in optimizer.adamw_named_params},
+            layout=lambda v: layout_problem(v, rt))
+        log_narrowing(notes)
     agree(rt, problems, what)
     # stage: new functional states filled from the entries (nothing live changes yet)
     st = fadamw.init(optimizer.adamw_local_tensors()[0]) if optimizer.adamw_named_params else None
@@ -239,10 +217,6 @@ def entry_shape(optimizer: Any, n: str, key: str) -> tuple[int, ...]:
     if key == "master":
         return full_shape(optimizer.dedicated_state, n)
     return optimizer._owner.full_shapes[key][n]
-
-
-def _is_full_or_dtensor(v: Any, p: Any) -> bool:
-    return hasattr(v, "to_local") or tuple(v.shape) == tuple(p.shape)
 
 
 def _local_piece(v: Any, p: Any) -> torch.Tensor:

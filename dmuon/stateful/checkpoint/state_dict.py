@@ -6,16 +6,16 @@ Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.state_dict".
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.stateful.runtime.state import unwrapping_model
-from dmuon.functional.state_dict_check import check_state_dict
+from dmuon.functional.state_dict_check import model_state_problems
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
-from dmuon.stateful.checkpoint.torch_state_dict import (agree, check_entry, dedicated_names_by_key,
+from dmuon.stateful.checkpoint.torch_state_dict import (agree, dedicated_names_by_key,
                                                        distribute_like, log_dtype_changes)
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part
 from dmuon.stateful.checkpoint.transfer import transfer_of
@@ -50,16 +50,9 @@ def expected_entries(model: nn.Module, rt: DedicatedState,
     """``{key: (full shape, dtype)}`` of the single-device ``model.state_dict()``, in its order
     (the same on every rank): dedicated matrices by their full shape and the param's dtype.
     ``ded``: :func:`dedicated_names_by_key` when the caller has it already (else computed)."""
-    if ded is None:
-        ded = dedicated_names_by_key(model, rt)
-    exp = {}
-    for k, v in module_entries(model).items():
-        if k in ded:
-            n = ded[k]
-            exp[k] = (full_shape(rt, n), rt.orig_dtype[n])
-        else:
-            exp[k] = (tuple(v.shape), v.dtype)
-    return exp
+    ded = dedicated_names_by_key(model, rt) if ded is None else ded
+    return {k: (full_shape(rt, ded[k]), rt.orig_dtype[ded[k]]) if k in ded
+            else (tuple(v.shape), v.dtype) for k, v in module_entries(model).items()}
 
 
 def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
@@ -130,10 +123,6 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
     return out
 
 
-def _shape_of(v: Any):
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-
-
 @torch.no_grad()
 @unwrapping_model
 def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]], *,
@@ -170,32 +159,16 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     rt.wait_publish()
     ded = dedicated_names_by_key(model, rt)
     exp = expected_entries(model, rt, ded)
-    has_dict = not rank0_only or rt.rank == 0
-    check = None
     notes: list = []
-    if has_dict:
-        if not isinstance(state_dict, Mapping):
-            problems = [f"expected a mapping {{name: tensor}}, got {type(state_dict).__name__}"]
-        else:
-            check = check_state_dict({k: _shape_of(v) for k, v in state_dict.items()},
-                                     {k: s for k, (s, _) in exp.items()}, tied_groups(model))
-            problems = check.problems(strict)
-            if not problems:  # values: dtype kinds, finiteness (before anything changes)
-                for k, src in check.source.items():
-                    shape, dtype = exp[k]
-                    problems += check_entry(f"{src!r}", state_dict[src], shape, dtype,
-                                            finite=check_finite, notes=notes)
-    else:
-        problems = []
-    payload = None
-    if rank0_only and check is not None:
-        payload = (dict(check.source), list(check.missing), list(check.unexpected))
-    payloads = agree(rt, problems, what, payload)
+    check, problems = None, []
+    if not rank0_only or rt.rank == 0:
+        check, problems = model_state_problems(state_dict, exp, tied_groups(model), strict=strict,
+                                               finite=check_finite, notes=notes)
+    mine = None if check is None else (dict(check.source), list(check.missing),
+                                       list(check.unexpected))
+    payloads = agree(rt, problems, what, mine if rank0_only else None)
     log_dtype_changes(what, notes)
-    if rank0_only:
-        source, missing, unexpected = payloads[0]
-    else:
-        source, missing, unexpected = check.source, list(check.missing), list(check.unexpected)
+    source, missing, unexpected = payloads[0] if rank0_only else mine
 
     live = dict(model.named_parameters(remove_duplicate=False))
     live.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -221,12 +194,10 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
             if n in rt.masters:  # (TP: this rank's slice of the full value)
                 rt.masters[n].copy_(local_part(rt, n, v).to(device=rt.device,
                                                             dtype=rt.masters[n].dtype))
-        elif hasattr(target, "device_mesh"):
-            local = target.to_local()
-            local.copy_(local_tensor(distribute_like(v.to(device=local.device,
-                                                          dtype=target.dtype), target)))
-        else:
-            target.copy_(v.to(device=target.device, dtype=target.dtype))
+        else:  # an FSDP2 param (this rank's shard of the full value) or a plain tensor
+            dst = local_tensor(target)
+            dst.copy_(local_tensor(distribute_like(v.to(device=dst.device, dtype=target.dtype),
+                                                   target)))
     if held:  # the dedicated matrices: rank 0's values through the program's checkpoint moves
         tr = transfer_of(rt)
         shapes = {n: full_shape(rt, n) for n in held}

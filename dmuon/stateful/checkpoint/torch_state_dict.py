@@ -24,7 +24,8 @@ from dmuon.stateful.checkpoint.transfer import transfer_of
 logger = logging.getLogger(__name__)
 
 __all__ = ["StateDictError", "register_state_dict_hooks", "dtensor_rows", "distribute_like",
-           "rows_of", "check_entry", "agree", "dedicated_names_by_key"]
+           "rows_of", "check_entry", "layout_problem", "log_narrowing", "agree",
+           "dedicated_names_by_key"]
 
 
 class StateDictError(ValueError):
@@ -104,13 +105,20 @@ def check_entry(key: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype
     a rounding to a narrower ``dtype`` is logged here."""
     mine: list = [] if notes is None else notes
     problems = value_problems(key, value, shape, dtype, finite=finite,
-                              layout=_layout_problem(value, st), notes=mine)
-    if notes is None and mine and torch.finfo(mine[0][1]).bits > torch.finfo(dtype).bits:
-        logger.info("dmuon: %s narrows from %s to %s on load", key, mine[0][1], dtype)
+                              layout=layout_problem(value, st), notes=mine)
+    if notes is None:
+        log_narrowing(mine)
     return problems
 
 
-def _layout_problem(value: Any, st) -> Optional[str]:
+def log_narrowing(notes: list) -> None:
+    """Log (info) each value of ``notes`` (:func:`check_entry`'s) rounded to a narrower dtype."""
+    for key, have, want in notes:
+        if torch.finfo(have).bits > torch.finfo(want).bits:
+            logger.info("dmuon: %s narrows from %s to %s on load", key, have, want)
+
+
+def layout_problem(value: Any, st) -> Optional[str]:
     """With ``st``: what is wrong with a DTensor ``value`` that holds neither dmuon's rows nor the
     whole tensor on every rank (``None``: nothing)."""
     if st is None or not hasattr(value, "to_local") or _replicated(value):
