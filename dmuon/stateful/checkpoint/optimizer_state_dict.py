@@ -24,7 +24,8 @@ from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
 from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, agree, distribute_like,
                                                        dtensor_rows, layout_problem,
                                                        log_narrowing, rows_of)
-from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part, refuse_tp
+from dmuon.stateful.modes.tensor_parallel import (assemble_tp_slices, full_shape, local_part,
+                                                  refuse_tp)
 from dmuon.stateful.checkpoint.owner_fields import gather_fields, layout_of, stage_fields
 from dmuon.stateful.checkpoint.transfer import transfer_of
 
@@ -73,18 +74,16 @@ def _full_dedicated(optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
 
 def muon_step(optimizer: Any) -> int:
     """The owner's step count of the full format (``num_steps`` on a rank that owns nothing)."""
-    owner = optimizer._owner
-    return int(owner.step_count) if optimizer.dedicated_state.owned_names \
-        else int(optimizer.num_steps)
+    return int(optimizer._owner.step_count if optimizer.dedicated_state.owned_names
+               else optimizer.num_steps)
 
 
 # ---------------------------------------------------------------------------------- torch's
 @torch.no_grad()
 def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     """Collective: ``Muon.state_dict()`` in torch's protocol (design notes)."""
-    refuse_tp(optimizer.dedicated_state, "Muon.state_dict() (torch's protocol; use "
-              "dmuon.get_optimizer_state_dict)")
     rt = optimizer.dedicated_state
+    refuse_tp(rt, "Muon.state_dict() (torch's protocol; use dmuon.get_optimizer_state_dict)")
     rt.join("optimizer.state_dict()", always=True)  # torch.save(opt.state_dict()) on rank 0
     rt.drain()
     st, owner = optimizer.adamw_state, optimizer._owner

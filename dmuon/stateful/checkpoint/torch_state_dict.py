@@ -15,7 +15,8 @@ import torch.nn as nn
 
 from dmuon.compat.fsdp_patch import is_dedicated
 from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
-from dmuon.functional.state_dict_check import dtype_changes, row_chunks, value_problems
+from dmuon.functional.state_dict_check import (check_state_dict, dtype_changes, row_chunks,
+                                               value_problems)
 from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
@@ -168,13 +169,9 @@ class _Hooks:
             st.join("model.state_dict()")
             st.finish_meta_init("model.state_dict()")
             st.drain()
-            mesh = st.shard_mesh
-            rows: dict[str, Any] = {}
-            for group in self.transfer.each_group():
-                full = self.transfer.to_every_rank(group, st.masters)
-                for n, t in full.items():
-                    rows[n] = dtensor_rows(t.to(st.orig_dtype[n]).clone(), mesh)
-            self.rows = rows
+            self.rows = {n: dtensor_rows(t.to(st.orig_dtype[n]).clone(), st.shard_mesh)
+                         for group in self.transfer.each_group()  # (views: each copied at once)
+                         for n, t in self.transfer.to_every_rank(group, st.masters).items()}
         saving_state_dict(+1)
 
     def owner_post_save(self, module, state_dict, prefix, local_metadata, path: str) -> None:
@@ -274,12 +271,10 @@ class _Hooks:
             problems += mine
             if not mine and hasattr(p, "to_local") and not hasattr(v, "to_local"):
                 state_dict[key] = distribute_like(v.to(device=p.device, dtype=p.dtype), p)
-        for name, b in module.named_buffers(remove_duplicate=False):
-            key = prefix + name
-            if key in state_dict and isinstance(state_dict[key], torch.Tensor) and \
-                    tuple(state_dict[key].shape) != tuple(b.shape):
-                problems.append(f"{key}: shape {tuple(state_dict[key].shape)}, expected "
-                                f"{tuple(b.shape)}")
+        buffers = {prefix + k: tuple(b.shape)
+                   for k, b in module.named_buffers(remove_duplicate=False)}
+        problems += check_state_dict({k: tuple(v.shape) for k, v in state_dict.items() if
+                                      k in buffers and isinstance(v, torch.Tensor)}, buffers).wrong
         agree(st, problems, "model.load_state_dict on a dmuon model",
               fix="Load a dict saved from the same architecture (names and full shapes as in the "
                   "single-device model.state_dict(), floating values, finite).")
