@@ -15,10 +15,9 @@ import torch.nn as nn
 from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.stages.hparams import as_step
-from dmuon.functional.state_dict_check import MOMENTS as _MOMENTS
-from dmuon.functional.state_dict_check import (from_torch_protocol, full_entries, hparams,
-                                               loadable_hparams, optimizer_state_problems,
-                                               to_torch_protocol)
+from dmuon.functional.state_dict_check import (MOMENTS as _MOMENTS, from_torch_protocol,
+                                               full_entries, hparams, loadable_hparams,
+                                               optimizer_state_problems, to_torch_protocol)
 from dmuon.stateful.runtime.state import get_state, local_tensor
 from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
 from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, agree, distribute_like,
@@ -31,6 +30,7 @@ from dmuon.stateful.checkpoint.transfer import transfer_of
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "load_optimizer_state",
            "torch_optimizer_state_dict", "torch_load_optimizer_state_dict"]
+
 
 def check_optimizer(model: nn.Module, optimizer: Any, what: str):
     """The model's state; ``TypeError`` unless ``optimizer`` is ``model``'s ``dmuon.Muon``."""

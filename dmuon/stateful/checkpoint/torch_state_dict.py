@@ -101,9 +101,9 @@ def _replicated(value: Any) -> bool:
 def check_entry(key: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype, st=None,
                 *, finite: bool = True, notes: Optional[list] = None) -> list[str]:
     """:func:`~dmuon.functional.state_dict_check.value_problems` of one state-dict value (no
-    collective), a DTensor of another spec than dmuon's one of them with ``st`` given (the
-    dedicated ``Shard(0)`` rows, or a DTensor replicated on every mesh dim). Without ``notes``,
-    a rounding to a narrower ``dtype`` is logged here."""
+    collective); with ``st`` given, a DTensor of another spec than dmuon's is one of them (dmuon's:
+    the dedicated ``Shard(0)`` rows, or a DTensor replicated on every mesh dim). Without
+    ``notes``, a rounding to a narrower ``dtype`` is logged here."""
     mine: list = [] if notes is None else notes
     problems = value_problems(key, value, shape, dtype, finite=finite,
                               layout=layout_problem(value, st), notes=mine)
