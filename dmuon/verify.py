@@ -6,7 +6,7 @@ single-device update (SPEC §4). A composition of existing pieces; no new math.
 1. gathers, on every rank, the full params (:func:`dmuon.get_model_state_dict`, with the owners'
    wider masters from :func:`dmuon.get_optimizer_state_dict`), the full gradients (FSDP2's via
    ``full_tensor()``, the dedicated matrices' reduced gradients broadcast from their owners with
-   :func:`dmuon.stateful.checkpoint.state_dict.from_owner`) and the full optimizer state;
+   :func:`_from_owner`) and the full optimizer state;
 2. runs ``optimizer.step()``;
 3. gathers the new full params and state the same way;
 4. computes the single-device reference on the gathered tensors: the pure distributed step
@@ -45,6 +45,7 @@ import logging
 from typing import Any, Callable, Mapping, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
@@ -58,7 +59,7 @@ from dmuon.newton_schulz.iteration import default_ns_dtype
 from dmuon.stateful.optimizer.muon import Muon
 from dmuon.stateful.checkpoint.optimizer_state_dict import (check_optimizer, get_optimizer_state_dict,
                                                  hparam_groups, refuse_variant)
-from dmuon.stateful.checkpoint.state_dict import (dedicated_names_by_key, from_owner, full_copy,
+from dmuon.stateful.checkpoint.state_dict import (dedicated_names_by_key, full_copy,
                                        get_model_state_dict)
 
 __all__ = ["verify_step", "VerifyReport", "VerificationError", "default_rtol"]
@@ -159,11 +160,22 @@ def _gather_grads(optimizer: Muon) -> dict[str, Optional[torch.Tensor]]:
             continue
         src = rt.owner_rank[n]
         g = reduced[n] if rt.rank == src else None
-        grads[n] = from_owner(g, rt.shape[n], getattr(torch, meta[n]), src, rt, False)
+        grads[n] = _from_owner(g, rt.shape[n], getattr(torch, meta[n]), src, rt)
     for n, p in optimizer.adamw_named_params:
         g = p.grad
         grads[n] = None if g is None else full_copy(g)
     return grads
+
+
+def _from_owner(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, src: int,
+                rt: Any) -> torch.Tensor:
+    """Collective: the full tensor ``t`` held by global rank ``src`` (``None`` elsewhere) as a copy
+    on every rank (broadcast). ``shape`` / ``dtype``: those of ``t``, for the receiving buffers."""
+    buf = (t.detach().clone() if rt.rank == src
+           else torch.empty(shape, dtype=dtype, device=rt.device))
+    rt.mesh_groups.control_collective(
+        "state-dict broadcast", lambda g: dist.broadcast(buf, src=src, group=g))
+    return buf
 
 
 def _check_hparams(optimizer: Muon) -> None:

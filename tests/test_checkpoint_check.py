@@ -9,8 +9,11 @@ import torch
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.functional.state_dict_check import (
-    check_state_dict, full_from_functional_states, functional_states_from_full,
+    check_state_dict, dtype_changes, field_problems, from_torch_protocol,
+    full_from_functional_states, functional_states_from_full, loadable_hparams,
+    model_state_problems, optimizer_state_problems, row_chunks, to_torch_protocol, value_problems,
 )
+from dmuon.functional.state_fields import tp_concat_dim
 
 EXP = {"embed.weight": (8, 4), "layers.0.w": (4, 4), "norm.weight": (4,), "lm_head.weight": (8, 4)}
 TIED = [("embed.weight", "lm_head.weight")]
@@ -53,6 +56,103 @@ def test_functional_states_round_trip_through_the_full_format():
     assert ms2.step == 3 and st2.step == 3 and full["num_steps"] == 3
     assert torch.equal(ms2.momentum["a.w"], ms.momentum["a.w"])
     assert torch.equal(st2.nu["b"], st.nu["b"])
+
+
+def test_torch_protocol_round_trips_to_the_load_entries():
+    mom, mu = torch.ones(2, 2), torch.zeros(3)
+    entries = {"a.w": {"momentum_buffer": mom, "step": torch.tensor(4.0)},
+               "b": {"exp_avg": mu, "exp_avg_sq": mu, "step": torch.tensor(4.0)}}
+    groups = [({"name": "muon", "lr": 0.02, "ns_dtype": torch.float64}, ["a.w"]),
+              ({"name": "adamw", "lr": 3e-3}, ["b"])]
+    sd = to_torch_protocol(groups, entries, num_steps=5)
+    assert sd["param_groups"][0] == {"name": "muon", "lr": 0.02, "ns_dtype": "torch.float64",
+                                     "params": [0], "param_names": ["a.w"], "num_steps": 5}
+    assert sd["param_groups"][1]["params"] == [1] and sd["state"][1] is entries["b"]
+    back = from_torch_protocol(sd, ["x", "y"], {"a.w"})  # by the groups' param_names
+    assert back["dedicated"] == {"a.w": {"momentum_buffer": mom}}
+    assert set(back["fsdp2"]) == {"b"} and (back["muon_step"], back["adamw_step"]) == (4, 4)
+    assert back["num_steps"] == 5 and back["param_groups"][1] == {"name": "adamw", "lr": 3e-3}
+    for g in sd["param_groups"]:
+        del g["param_names"]
+    by_position = from_torch_protocol(sd, ["m", "v"], {"m"})
+    assert set(by_position["dedicated"]) == {"m"} and set(by_position["fsdp2"]) == {"v"}
+    assert from_torch_protocol({"state": {}}, [], ()) is None
+    assert loadable_hparams(sd["param_groups"][0]) == {"lr": 0.02, "ns_dtype": torch.float64}
+
+
+def test_field_problems_name_missing_and_foreign_fields():
+    assert field_problems("w", {"momentum_buffer": 1, "master": 2, "step": 3},
+                          ["momentum_buffer"]) == []
+    msg = " ".join(field_problems("w", {"momentum_buffer": 1, "v": 2}, ["momentum_buffer", "u"]))
+    assert "no 'u'" in msg and "['v']: not a state of this optimizer" in msg
+    assert field_problems("w", 3, ["momentum_buffer"]) == ["dedicated['w']: not a dict"]
+
+
+def test_value_problems_and_the_precision_notes():
+    notes: list = []
+    ok = value_problems("w", torch.ones(2, 3, dtype=torch.float16), (2, 3), torch.float32,
+                        notes=notes)
+    assert ok == [] and notes == [("w", torch.float16, torch.float32)]
+    assert value_problems("w", 3, (2,), torch.float32) == ["w: a int, not a tensor"]
+    assert "shape (3,), expected (2,)" in value_problems("w", torch.ones(3), (2,), torch.float32)[0]
+    assert "int64 cannot load" in value_problems("w", torch.ones(2, dtype=torch.int64), (2,),
+                                                 torch.float32)[0]
+    assert value_problems("w", torch.ones(2), (2,), torch.float32, layout="bad") == ["w: bad"]
+    nan = torch.tensor([1.0, float("nan")])
+    assert value_problems("w", nan, (2,), torch.float32) == ["w: non-finite values (NaN/Inf)"]
+    assert value_problems("w", nan, (2,), torch.float32, finite=False) == []
+    lines = dtype_changes("load", notes + [("v", torch.float64, torch.float32)])
+    assert [w for w, _ in lines] == [True, False]
+    assert "1 value(s) hold a narrower float" in lines[0][1] and "(e.g. w)" in lines[0][1]
+    assert "torch.float64 into torch.float32" in lines[1][1]
+
+
+def test_model_state_problems_check_keys_then_values():
+    exp = {k: (shape, torch.float32) for k, shape in EXP.items()}
+    sd = {k: torch.zeros(shape) for k, shape in EXP.items() if k != "lm_head.weight"}
+    check, problems = model_state_problems(sd, exp, TIED)
+    assert problems == [] and check.source["lm_head.weight"] == "embed.weight"
+    assert model_state_problems([1], exp)[1] == ["expected a mapping {name: tensor}, got list"]
+    sd["norm.weight"] = torch.full((4,), float("inf"))
+    assert model_state_problems(sd, exp, TIED)[1] == ["'norm.weight': non-finite values (NaN/Inf)"]
+    assert model_state_problems(sd, exp, TIED, finite=False)[1] == []
+    sd["extra"] = torch.zeros(1)
+    _, problems = model_state_problems(sd, exp, TIED)  # a key problem: values not read yet
+    assert problems == ["unexpected keys ['extra']"]
+
+
+def test_optimizer_state_problems_name_every_mismatch():
+    spec = dict(matrices={"w": {"momentum_buffer": ((4, 2), torch.float32),
+                                "master": ((4, 2), torch.float32)}},
+                fields=["momentum_buffer"], adamw={"b": ((4,), (2,), torch.float32)})
+    ok = {"w": {"momentum_buffer": torch.zeros(4, 2)}}
+    assert optimizer_state_problems(ok, {}, **spec) == []  # an empty section: zeros
+    piece = {"b": {"exp_avg": torch.zeros(2), "exp_avg_sq": torch.zeros(4)}}  # piece or full
+    assert optimizer_state_problems(ok, piece, **spec) == []
+    bad = optimizer_state_problems({"w": {"momentum_buffer": torch.zeros(2, 4)}, "x": {}},
+                                   {"b": {"exp_avg": torch.zeros(3)}, "c": {}}, **spec)
+    msg = " | ".join(bad)
+    for needle in ("dedicated['x']: no such dedicated matrix", "shape (2, 4), expected (4, 2)",
+                   "fsdp2['b']['exp_avg']: shape (3,), expected (2,)", "no 'exp_avg_sq'",
+                   "fsdp2['c']: no such AdamW param"):
+        assert needle in msg, msg
+    assert optimizer_state_problems({"w": 3}, {}, **spec) == ["dedicated['w']: not a dict"]
+    assert optimizer_state_problems(ok, {}, layout=lambda v: "spec", **spec) == [
+        "dedicated['w']['momentum_buffer']: spec"]
+    spec["matrices"] = dict(spec["matrices"], v=spec["matrices"]["w"])
+    assert optimizer_state_problems(ok, {}, **spec) == [
+        "dedicated: 1 matrices missing, e.g. ['v']"]
+
+
+def test_row_chunks_split_as_torch_chunk_and_tp_concat_dims():
+    for rows, parts in ((10, 4), (3, 4), (0, 2), (8, 2)):
+        sizes = [len(c) for c in torch.arange(rows).chunk(parts)]
+        sizes += [0] * (parts - len(sizes))
+        assert [n for _, n in row_chunks(rows, parts)] == sizes, (rows, parts)
+    assert row_chunks(10, 4)[3] == (9, 1)
+    assert tp_concat_dim("param", 1) == 1 and tp_concat_dim("rows", 0) == 0
+    assert tp_concat_dim("rows", 1) is None and tp_concat_dim("matrices", 0) is None
+    assert tp_concat_dim("param", None) is None
 
 
 def test_read_state_dict_formats(tmp_path):

@@ -11,6 +11,17 @@ Two concerns, both free of ``torch.distributed`` and of any module:
   functional states :class:`~dmuon.functional.muon.MuonState` /
   :class:`~dmuon.functional.adamw.AdamWState`, so a checkpoint written by N ranks resumes in one
   process with :mod:`dmuon.functional` alone, and the other way round.
+* :func:`model_state_problems` checks a full model state dict against the model's expected
+  entries (its keys with :func:`check_state_dict`, then each value); :func:`value_problems`
+  checks one value (a tensor of the expected shape, a float for a float,
+  finite) and notes a precision change, which :func:`dtype_changes` words for the log;
+  :func:`row_chunks` is the rows of each rank in dmuon's ``Shard(0)`` entries.
+* :func:`to_torch_protocol` / :func:`from_torch_protocol` convert between torch's optimizer
+  protocol (``{"state": {index: entry}, "param_groups": [...]}``) and that format's sections and
+  counters, so ``Muon.state_dict()`` / ``load_state_dict`` and dmuon's full format share one load
+  path; :func:`optimizer_state_problems` checks that format's sections against an optimizer
+  (:func:`field_problems`: a dedicated entry's fields), and :func:`loadable_hparams` picks a
+  saved group's hyper-parameters for it.
 
 The optimizer format (every tensor full, keyed by fully-qualified parameter name)::
 
@@ -23,17 +34,36 @@ The optimizer format (every tensor full, keyed by fully-qualified parameter name
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, NamedTuple, Optional, Sequence
+
+import torch
 
 from dmuon.functional.adamw import AdamWState
 from dmuon.functional.muon import MuonState
+from dmuon.functional.specs import dtype_from_str
 
 __all__ = [
     "StateDictCheck",
     "check_state_dict",
+    "model_state_problems",
     "functional_states_from_full",
     "full_from_functional_states",
+    "value_problems",
+    "dtype_changes",
+    "row_chunks",
+    "hparams",
+    "full_entries",
+    "to_torch_protocol",
+    "from_torch_protocol",
+    "field_problems",
+    "optimizer_state_problems",
+    "loadable_hparams",
 ]
+
+#: AdamW's moments in a state entry
+MOMENTS = ("exp_avg", "exp_avg_sq")
+#: the full format's counters
+_COUNTERS = ("adamw_step", "muon_step", "num_steps")
 
 Shape = tuple[int, ...]
 
@@ -107,6 +137,94 @@ def check_state_dict(given: Mapping[str, Optional[Shape]], expected: Mapping[str
     return StateDictCheck(tuple(missing), unexpected, tuple(wrong), source)
 
 
+def model_state_problems(sd: Any, expected: Mapping[str, tuple[Shape, torch.dtype]],
+                         tied: Iterable[Sequence[str]] = (), *, strict: bool = True,
+                         finite: bool = True, notes: Optional[list] = None,
+                         ) -> tuple[Optional[StateDictCheck], list[str]]:
+    """The :class:`StateDictCheck` of a full model state dict ``sd`` (``None`` if it is not a
+    mapping) and its problems: not a mapping; wrong entries, and missing / unexpected keys
+    (``strict``); once those pass, each value's (:func:`value_problems`, read from its source).
+
+    Args:
+      expected: ``{key: (full shape, dtype)}`` of the model (single-device spelling).
+      tied, strict: as for :func:`check_state_dict` and :meth:`StateDictCheck.problems`.
+      finite, notes: as for :func:`value_problems`.
+    """
+    if not isinstance(sd, Mapping):
+        return None, [f"expected a mapping {{name: tensor}}, got {type(sd).__name__}"]
+    check = check_state_dict({k: tuple(v.shape) if isinstance(v, torch.Tensor) else
+                              type(v).__name__ for k, v in sd.items()},
+                             {k: s for k, (s, _) in expected.items()}, tied)
+    problems = check.problems(strict)
+    if not problems:  # values: dtype kinds, finiteness (before anything changes)
+        for k, src in check.source.items():
+            shape, dtype = expected[k]
+            problems += value_problems(f"{src!r}", sd[src], shape, dtype, finite=finite,
+                                       notes=notes)
+    return check, problems
+
+
+def value_problems(key: str, value: Any, shape: Shape, dtype: torch.dtype, *,
+                   finite: bool = True, layout: Optional[str] = None,
+                   notes: Optional[list] = None) -> list[str]:
+    """Problems of one state-dict value for a tensor of ``shape`` / ``dtype``: not a tensor, a
+    wrong shape, a non-floating value for a floating tensor, ``layout`` (the caller's verdict on
+    a DTensor's placements, when they do not fit), non-finite values (``finite``; a DTensor's
+    local piece). A floating value of another precision loads (cast): ``notes`` collects
+    ``(key, value dtype, dtype)`` for it (:func:`dtype_changes`)."""
+    if not isinstance(value, torch.Tensor):
+        return [f"{key}: a {type(value).__name__}, not a tensor"]
+    if tuple(value.shape) != tuple(shape):
+        return [f"{key}: shape {tuple(value.shape)}, expected {tuple(shape)}"]
+    if dtype.is_floating_point and not (value.dtype.is_floating_point or value.is_complex()):
+        return [f"{key}: dtype {value.dtype} cannot load into a {dtype} param (an integer or bool "
+                "tensor is not a weight)"]
+    if layout is not None:
+        return [f"{key}: {layout}"]
+    local = value.to_local() if hasattr(value, "to_local") else value
+    problems = []
+    if finite and local.dtype.is_floating_point and local.numel() and \
+            not bool(torch.isfinite(local).all()):
+        problems.append(f"{key}: non-finite values (NaN/Inf)")
+    if notes is not None and dtype.is_floating_point and local.dtype.is_floating_point and \
+            local.dtype != dtype:
+        notes.append((key, local.dtype, dtype))
+    return problems
+
+
+def dtype_changes(what: str, notes: Sequence[tuple[str, torch.dtype, torch.dtype]]
+                  ) -> list[tuple[bool, str]]:
+    """The log lines of a load's precision changes (``notes`` of :func:`value_problems`), one per
+    kind, as ``(warning, line)``: values narrower than their param (or of another 16-bit format)
+    load at their own precision, a warning (the README's promise: allowed, and said); wider
+    values are rounded, info."""
+    def bits(d: torch.dtype) -> int:
+        return torch.finfo(d).bits
+
+    out = []
+    for warn, words in ((True, "hold a narrower float than their param and load at their own "
+                               "precision (the param's extra bits are zero)"),
+                        (False, "are rounded to their param's narrower dtype")):
+        entries = [n for n in notes if (bits(n[1]) <= bits(n[2])) == warn]
+        if entries:
+            kinds = ", ".join(sorted({f"{a} into {b}" for _, a, b in entries}))
+            out.append((warn, f"dmuon: {what}: {len(entries)} value(s) {words}: {kinds} "
+                              f"(e.g. {entries[0][0]})"))
+    return out
+
+
+def row_chunks(rows: int, parts: int) -> list[tuple[int, int]]:
+    """``(start, size)`` of each part's rows when ``rows`` are split as DTensor's ``Shard(0)``
+    splits them over ``parts`` ranks (``torch.chunk``: equal chunks of ``ceil(rows / parts)``, the
+    last ones shorter or empty)."""
+    size = -(-rows // parts) if rows else 0
+    out = []
+    for i in range(parts):
+        start = min(i * size, rows)
+        out.append((start, max(0, min(size, rows - start))))
+    return out
+
+
 def functional_states_from_full(osd: Mapping[str, Any]) -> tuple[MuonState, AdamWState]:
     """Functional optimizer states from a full dmuon optimizer state dict (any topology).
 
@@ -153,3 +271,157 @@ def full_from_functional_states(muon_state: MuonState, adamw_state: AdamWState,
             "adamw_step": int(adamw_state.step), "muon_step": int(muon_state.step),
             "num_steps": max(int(adamw_state.step), int(muon_state.step)),
             "param_groups": [dict(g) for g in param_groups]}
+
+
+def hparams(group: Mapping[str, Any]) -> dict[str, Any]:
+    """A param group's hyper-parameters: the group without its ``params`` / ``param_names``."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def full_entries(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """The load entries of a full dmuon optimizer state dict (its sections copied, its counters
+    as ints, a missing counter 0)."""
+    return {"dedicated": dict(sd["dedicated"]), "fsdp2": dict(sd["fsdp2"]),
+            **{k: int(sd.get(k, 0)) for k in _COUNTERS}, "param_groups": sd.get("param_groups"),
+            "variant_scalars": sd.get("variant_scalars")}
+
+
+def to_torch_protocol(groups: Sequence[tuple[Mapping[str, Any], Sequence[str]]],
+                      entries: Mapping[str, Mapping[str, Any]],
+                      **first_group: Any) -> dict[str, Any]:
+    """torch's optimizer protocol of named param ``groups`` (``(hyper-parameters, names)``) and
+    their state ``entries`` (``{name: entry}``): params indexed in group order, each group with
+    its ``params`` (indices) and ``param_names``, dtypes as strings (torch's tools take no
+    dtypes); ``first_group``'s items (counters) end the first group."""
+    state: dict[int, Mapping[str, Any]] = {}
+    out = []
+    index = 0
+    for hp, names in groups:
+        ids = list(range(index, index + len(names)))
+        index += len(names)
+        state.update(zip(ids, (entries[n] for n in names)))
+        out.append({**{k: (str(v) if isinstance(v, torch.dtype) else v) for k, v in hp.items()},
+                    "params": ids, "param_names": list(names)})
+    out[0].update(first_group)
+    return {"state": state, "param_groups": out}
+
+
+def from_torch_protocol(sd: Any, names: Sequence[str],
+                        dedicated: Collection[str]) -> Optional[dict[str, Any]]:
+    """The load entries (as :func:`full_entries`') of a dict in torch's optimizer protocol, or
+    ``None`` when ``sd`` is not one. Params are matched by the groups' ``param_names`` where they
+    carry them, else by position in ``names`` (the loading optimizer's params in group order);
+    ``dedicated``: the names of the dedicated matrices (the others are AdamW's)."""
+    groups, st = (sd.get("param_groups"), sd.get("state")) if isinstance(sd, Mapping) \
+        else (None, None)
+    if groups is None or st is None:
+        return None
+    by_index: dict[Any, str] = {}
+    flat = 0
+    for g in groups:
+        given = g.get("param_names")
+        for j, i in enumerate(g.get("params", ())):
+            if given is not None:
+                by_index[i] = given[j]
+            elif flat < len(names):
+                by_index[i] = names[flat]
+            flat += 1
+    sections: dict[str, dict[str, Any]] = {"dedicated": {}, "fsdp2": {}}
+    steps = {"muon_step": 0, "adamw_step": 0}
+    for i, s in st.items():
+        n = by_index.get(i, i if isinstance(i, str) else None)
+        if n is None or not isinstance(s, Mapping):
+            continue
+        section, step = ("dedicated", "muon_step") if n in dedicated else ("fsdp2", "adamw_step")
+        sections[section][n] = {k: v for k, v in s.items() if k != "step"}
+        steps[step] = int(float(s.get("step", 0)))
+    return {**sections, **steps,
+            "num_steps": int(groups[0].get("num_steps", steps["muon_step"])) if groups else 0,
+            "param_groups": [hparams(g) for g in groups],
+            "variant_scalars": groups[0].get("variant_scalars") if groups else None}
+
+
+def field_problems(name: str, entry: Any, fields: Sequence[str]) -> list[str]:
+    """The chain's ``fields`` missing from the dedicated entry of matrix ``name``, and state keys
+    the optimizer does not have: each a problem, never silently dropped."""
+    if not isinstance(entry, Mapping):
+        return [f"dedicated[{name!r}]: not a dict"]
+    want = tuple(fields)
+    out = [f"dedicated[{name!r}]: no {k!r} (saved by another transform= than this optimizer's?)"
+           for k in want if k not in entry]
+    out += [f"dedicated[{name!r}][{k!r}]: not a state of this optimizer (saved with another "
+            "transform=? pass the same one)" for k in entry if k not in want + ("master", "step")]
+    return out
+
+
+def optimizer_state_problems(dedicated: Mapping[str, Any], fsdp2: Mapping[str, Any], *,
+                             matrices: Mapping[str, Mapping[str, tuple[Shape, torch.dtype]]],
+                             fields: Sequence[str],
+                             adamw: Mapping[str, tuple[Shape, Shape, torch.dtype]],
+                             finite: bool = True,
+                             layout: Callable[[Any], Optional[str]] = lambda v: None,
+                             notes: Optional[list] = None) -> list[str]:
+    """Problems of an optimizer state's sections (the full format's) for one optimizer: unknown
+    names, a dedicated entry's missing or foreign fields (:func:`field_problems`), each value
+    (:func:`value_problems`), names missing from a non-empty section (an empty one: the state
+    before the first step).
+
+    Args:
+      matrices: ``{name: {key: (full shape, dtype)}}`` of each dedicated matrix's state keys.
+      fields: the chain's field keys (every dedicated entry holds them all).
+      adamw: ``{name: (full shape, this rank's shape, dtype)}`` of AdamW's params: a moment is
+        checked against the full shape unless it is a plain tensor of another (this rank's piece).
+      layout: ``layout(value)``: a dedicated value's layout problem (a DTensor's), or ``None``.
+      finite, notes: as for :func:`value_problems`.
+    """
+    problems: list[str] = []
+    for n, s in dedicated.items():
+        if n not in matrices:
+            problems.append(f"dedicated[{n!r}]: no such dedicated matrix")
+            continue
+        problems += field_problems(n, s, fields)
+        for k, v in (s.items() if isinstance(s, Mapping) else ()):
+            if k in matrices[n]:
+                shape, dtype = matrices[n][k]
+                problems += value_problems(f"dedicated[{n!r}][{k!r}]", v, shape, dtype,
+                                           finite=finite, layout=layout(v), notes=notes)
+    for n, s in fsdp2.items():
+        if n not in adamw:
+            problems.append(f"fsdp2[{n!r}]: no such AdamW param")
+            continue
+        full, local, dtype = adamw[n]
+        for k in MOMENTS:
+            v = s.get(k) if isinstance(s, Mapping) else None
+            if v is None:
+                problems.append(f"fsdp2[{n!r}]: no {k!r}")
+                continue
+            piece = isinstance(v, torch.Tensor) and not hasattr(v, "to_local") and \
+                tuple(v.shape) != tuple(full)
+            problems += value_problems(f"fsdp2[{n!r}][{k!r}]", v, local if piece else full,
+                                       dtype, finite=finite, notes=notes)
+    for section, given, want, kind in (("dedicated", dedicated, matrices, "matrices"),
+                                       ("fsdp2", fsdp2, adamw, "params")):
+        if given and set(given) != set(want):
+            gone = sorted(set(want) - set(given))
+            problems.append(f"{section}: {len(gone)} {kind} missing, e.g. {gone[:3]}")
+    return problems
+
+
+#: keys of a saved param group a load never installs: structure, counters, and the storage dtypes
+#: (each optimizer keeps its own; the state converts on load)
+_NOT_LOADED = ("params", "param_names", "name", "num_steps", "variant_scalars", "momentum_dtype",
+               "offload_state", "adamw_state_dtype")
+
+
+def loadable_hparams(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """The hyper-parameters of a saved param group that a load installs (:data:`_NOT_LOADED`
+    left out), dtypes saved as strings (``"torch.float64"``) decoded."""
+    def decoded(key: str, v: Any) -> Any:
+        if key.endswith("dtype") and isinstance(v, str) and v.startswith("torch."):
+            try:
+                return dtype_from_str(v)
+            except ValueError:
+                return v
+        return v
+
+    return {k: decoded(k, v) for k, v in saved.items() if k not in _NOT_LOADED}

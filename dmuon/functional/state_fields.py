@@ -8,15 +8,16 @@ name, the same for Muon and every variant), any other field its own name; a name
 ``".1"``, ``".2"``... :func:`scalar_leaves` lists what is not per param (step counts).
 
 Layouts: ``"param"`` (the param's shape), ``"rows"`` / ``"matrices"`` (1-D, one value per row /
-per matrix of the param's view, no larger than the param).
+per matrix of the param's view, no larger than the param). :func:`tp_concat_dim`: how the fields
+of a tensor-parallel slice make the full param's.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import torch
 
-__all__ = ["Field", "LAYOUTS", "state_fields", "scalar_leaves"]
+__all__ = ["Field", "LAYOUTS", "state_fields", "scalar_leaves", "tp_concat_dim"]
 
 #: per-param state layouts: the param's shape; one value per row / per matrix of its view (1-D)
 LAYOUTS = ("param", "rows", "matrices")
@@ -86,3 +87,13 @@ def scalar_leaves(state: Any, fields: list[Field]) -> list[torch.Tensor]:
 
     walk(state, ())
     return out
+
+
+def tp_concat_dim(layout: str, sliced_dim: Optional[int]) -> Optional[int]:
+    """The dim along which the TP slices' values of a field of ``layout`` concatenate into the
+    full param's field (the param sliced along ``sliced_dim``; ``None``: not sliced), or ``None``
+    where every TP rank holds the full field (a per-matrix value, or the rows of a column
+    slice)."""
+    if sliced_dim is None or layout == "matrices" or (layout == "rows" and sliced_dim == 1):
+        return None
+    return sliced_dim if layout == "param" else 0

@@ -10,24 +10,26 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.stages.hparams import as_step
+from dmuon.functional.state_dict_check import (MOMENTS as _MOMENTS, from_torch_protocol,
+                                               full_entries, hparams, loadable_hparams,
+                                               optimizer_state_problems, to_torch_protocol)
 from dmuon.stateful.runtime.state import get_state, local_tensor
-from dmuon.stateful.checkpoint.state_dict import agree, from_rank0, full_copy, local_shard
-from dmuon.stateful.checkpoint.torch_state_dict import StateDictError, check_entry, dtensor_rows
-from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part, refuse_tp
+from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
+from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, agree, distribute_like,
+                                                       dtensor_rows, layout_problem,
+                                                       log_narrowing, rows_of)
+from dmuon.stateful.modes.tensor_parallel import (assemble_tp_slices, full_shape, local_part,
+                                                  refuse_tp)
 from dmuon.stateful.checkpoint.owner_fields import gather_fields, layout_of, stage_fields
 from dmuon.stateful.checkpoint.transfer import transfer_of
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "load_optimizer_state",
            "torch_optimizer_state_dict", "torch_load_optimizer_state_dict"]
-
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-_COUNTERS = ("adamw_step", "muon_step", "num_steps")
 
 
 def check_optimizer(model: nn.Module, optimizer: Any, what: str):
@@ -39,8 +41,7 @@ def check_optimizer(model: nn.Module, optimizer: Any, what: str):
 
 
 def hparam_groups(optimizer: Any) -> list[dict[str, Any]]:
-    return [{k: v for k, v in g.items() if k not in ("params", "param_names")}
-            for g in optimizer.param_groups]
+    return [hparams(g) for g in optimizer.param_groups]
 
 
 def dtensor_like(local: torch.Tensor, like: Any) -> Any:
@@ -53,7 +54,7 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
                               shape=like.shape, stride=like.stride())
 
 
-def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, torch.Tensor]]:
+def _full_dedicated(optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
     """Collective: ``{name: {field key: full[, "master": full]}}`` on every rank, bucketed."""
     rt = optimizer.dedicated_state
     tr = transfer_of(rt)
@@ -61,7 +62,7 @@ def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, tor
     for group in tr.each_group():
         fields = gather_fields(optimizer, group)
         out.update(fields)
-        if masters and any(rt.master_dtype[n] != rt.orig_dtype[n] for n in fields):
+        if any(rt.master_dtype[n] != rt.orig_dtype[n] for n in fields):
             got = tr.to_every_rank(group, rt.masters)
             if rt.tp_layouts:
                 got = assemble_tp_slices(rt.tp_layouts, got, rt.mesh_groups.tp_group)
@@ -73,49 +74,30 @@ def _full_dedicated(optimizer: Any, *, masters: bool) -> dict[str, dict[str, tor
 
 def muon_step(optimizer: Any) -> int:
     """The owner's step count of the full format (``num_steps`` on a rank that owns nothing)."""
-    owner = optimizer._owner
-    return int(owner.step_count) if optimizer.dedicated_state.owned_names \
-        else int(optimizer.num_steps)
+    return int(optimizer._owner.step_count if optimizer.dedicated_state.owned_names
+               else optimizer.num_steps)
 
 
 # ---------------------------------------------------------------------------------- torch's
 @torch.no_grad()
 def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     """Collective: ``Muon.state_dict()`` in torch's protocol (design notes)."""
-    refuse_tp(optimizer.dedicated_state, "Muon.state_dict() (torch's protocol; use "
-              "dmuon.get_optimizer_state_dict)")
     rt = optimizer.dedicated_state
+    refuse_tp(rt, "Muon.state_dict() (torch's protocol; use dmuon.get_optimizer_state_dict)")
     rt.join("optimizer.state_dict()", always=True)  # torch.save(opt.state_dict()) on rank 0
     rt.drain()
-    ded = _full_dedicated(optimizer, masters=True)
-    mesh = rt.shard_mesh
     st, owner = optimizer.adamw_state, optimizer._owner
-    state: dict[int, dict[str, Any]] = {}
-    groups = []
-    index = 0
-    for g in optimizer.param_groups:
-        names, ids = [], []
-        for p in g["params"]:
-            n = optimizer.param_name(p)
-            if n in rt.params:  # a variant's smaller fields: plain full tensors
-                entry = {k: dtensor_rows(v, mesh) if layout_of(optimizer, k) == "param" else v
-                         for k, v in ded[n].items()}
-                entry["step"] = torch.tensor(float(owner.step_count))
-            else:
-                entry = {k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
-                entry["step"] = torch.tensor(float(st.step))
-            state[index] = entry
-            names.append(n)
-            ids.append(index)
-            index += 1
-        group = {k: (str(v) if isinstance(v, torch.dtype) else v)  # torch's tools: no dtypes
-                 for k, v in g.items() if k not in ("params", "param_names")}
-        group.update(params=ids, param_names=names)
-        groups.append(group)
-    groups[0]["num_steps"] = int(optimizer.num_steps)
-    if owner.custom:  # the chain's counts (the same on every rank)
-        groups[0]["variant_scalars"] = owner.scalars()
-    return {"state": state, "param_groups": groups}
+    entries = {n: {**{k: dtensor_rows(v, rt.shard_mesh) if layout_of(optimizer, k) == "param"
+                      else v for k, v in e.items()},  # a variant's smaller fields: full tensors
+                   "step": torch.tensor(float(owner.step_count))}
+               for n, e in _full_dedicated(optimizer).items()}
+    for n, p in optimizer.adamw_named_params:
+        entries[n] = {**{k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))},
+                      "step": torch.tensor(float(st.step))}
+    groups = [(hparams(g), [optimizer.param_name(p) for p in g["params"]])
+              for g in optimizer.param_groups]
+    scalars = {"variant_scalars": owner.scalars()} if owner.custom else {}  # the chain's counts
+    return to_torch_protocol(groups, entries, num_steps=int(optimizer.num_steps), **scalars)
 
 
 def torch_load_optimizer_state_dict(optimizer: Any, state_dict: Mapping[str, Any]) -> None:
@@ -123,58 +105,23 @@ def torch_load_optimizer_state_dict(optimizer: Any, state_dict: Mapping[str, Any
     ``param_names`` where the groups carry them, else by position), or dmuon's full format."""
     optimizer.dedicated_state.join("optimizer.load_state_dict(sd)", always=True)
     if isinstance(state_dict, Mapping) and "fsdp2" in state_dict and "dedicated" in state_dict:
-        return load_optimizer_state(optimizer, _from_full(state_dict), what="Muon.load_state_dict")
+        return load_optimizer_state(optimizer, full_entries(state_dict),
+                                    what="Muon.load_state_dict")
     refuse_tp(optimizer.dedicated_state, "Muon.load_state_dict with torch's protocol (load "
               "dmuon.get_optimizer_state_dict's dict instead)")
-    groups, st = (state_dict.get("param_groups"), state_dict.get("state")) \
-        if isinstance(state_dict, Mapping) else (None, None)
-    if groups is None or st is None:
+    mine = [optimizer.param_name(p) for g in optimizer.param_groups for p in g["params"]]
+    entries = from_torch_protocol(state_dict, mine, optimizer.dedicated_state.params)
+    if entries is None:
         raise StateDictError("Muon.load_state_dict: expected {'state', 'param_groups'} (from "
                              "Muon.state_dict() or torch's get_optimizer_state_dict) or dmuon's "
                              "{'fsdp2', 'dedicated', ...} (dmuon.get_optimizer_state_dict)")
-    mine = [optimizer.param_name(p) for g in optimizer.param_groups for p in g["params"]]
-    by_index: dict[Any, str] = {}
-    flat = 0
-    for g in groups:
-        names = g.get("param_names")
-        for j, i in enumerate(g.get("params", ())):
-            if names is not None:
-                by_index[i] = names[j]
-            elif flat < len(mine):
-                by_index[i] = mine[flat]
-            flat += 1
-    entries: dict[str, Any] = {"dedicated": {}, "fsdp2": {}, "param_groups": [], "num_steps": 0}
-    rt = optimizer.dedicated_state
-    steps = {"muon_step": 0, "adamw_step": 0}
-    for i, s in st.items():
-        n = by_index.get(i, i if isinstance(i, str) else None)
-        if n is None or not isinstance(s, Mapping):
-            continue
-        if n in rt.params:
-            entries["dedicated"][n] = {k: v for k, v in s.items() if k != "step"}
-            steps["muon_step"] = int(float(s.get("step", 0)))
-        else:
-            entries["fsdp2"][n] = {k: v for k, v in s.items() if k != "step"}
-            steps["adamw_step"] = int(float(s.get("step", 0)))
-    entries.update(steps)
-    entries["num_steps"] = int(groups[0].get("num_steps", steps["muon_step"])) if groups else 0
-    entries["param_groups"] = [{k: v for k, v in g.items() if k not in ("params", "param_names")}
-                               for g in groups]
-    entries["variant_scalars"] = groups[0].get("variant_scalars") if groups else None
     load_optimizer_state(optimizer, entries, what="Muon.load_state_dict")
-
-
-def _from_full(sd: Mapping[str, Any]) -> dict[str, Any]:
-    return {"dedicated": dict(sd["dedicated"]), "fsdp2": dict(sd["fsdp2"]),
-            **{k: int(sd.get(k, 0)) for k in _COUNTERS}, "param_groups": sd.get("param_groups"),
-            "variant_scalars": sd.get("variant_scalars")}
 
 
 # ---------------------------------------------------------------------------------- one load path
 @torch.no_grad()
 def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: str,
-                         check_finite: bool = True, has_dict: bool = True,
-                         rank0: bool = False) -> None:
+                         check_finite: bool = True, rank0: bool = False) -> None:
     """Collective: validate, stage and install an optimizer state (design notes: "One load path").
 
     Args:
@@ -184,49 +131,28 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         rows. An FSDP2 ``v``: a full tensor, a DTensor laid out like the param, or this rank's
         local piece (``dmuon.load_sharded``). An empty section keeps zeros (a checkpoint taken
         before the first step).
-      has_dict: this rank holds ``entries`` (``False``: it takes part only).
-      rank0: only global rank 0 holds the dedicated values (``rank0_only``; elsewhere
-        ``entries["dedicated"]`` names the same keys with ``None`` values): they move from it
-        through :meth:`~dmuon.stateful.checkpoint.transfer.CheckpointTransfer.from_rank0`.
+      rank0: only global rank 0 holds the dict's values (``rank0_only``; elsewhere
+        ``entries["dedicated"]`` names the same keys with ``None`` values, and only rank 0 checks
+        them): the dedicated ones move from it through
+        :meth:`~dmuon.stateful.checkpoint.transfer.CheckpointTransfer.from_rank0`.
     """
     rt = optimizer.dedicated_state
+    has_dict = not rank0 or rt.rank == 0
     rt.drain()
-    problems: list[str] = []
+    problems, notes = [], []
     ded = entries.get("dedicated") or {}
     owner = optimizer._owner
-    keys = tuple(f.key for f in owner.fields) + ("master",)
     fsdp = entries.get("fsdp2") or {}
     if has_dict:
-        for n, s in ded.items():
-            if n not in rt.params:
-                problems.append(f"dedicated[{n!r}]: no such dedicated matrix")
-                continue
-            problems += check_fields(optimizer, n, s)
-            for k, v in s.items():
-                if k not in keys:
-                    continue
-                problems += check_entry(f"dedicated[{n!r}][{k!r}]", v, entry_shape(optimizer, n, k),
-                                        rt.master_dtype[n], rt, finite=check_finite)
-        adamw = dict(optimizer.adamw_named_params)
-        for n, s in fsdp.items():
-            p = adamw.get(n)
-            if p is None:
-                problems.append(f"fsdp2[{n!r}]: no such AdamW param")
-                continue
-            for k in _MOMENTS:
-                v = s.get(k) if isinstance(s, Mapping) else None
-                if v is None:
-                    problems.append(f"fsdp2[{n!r}]: no {k!r}")
-                    continue
-                shape = tuple(p.shape) if _is_full_or_dtensor(v, p) else tuple(local_tensor(p).shape)
-                problems += check_entry(f"fsdp2[{n!r}][{k!r}]", v, shape, p.dtype,
-                                        finite=check_finite)
-        if ded and set(ded) != set(rt.params):
-            problems.append(f"dedicated: {len(set(rt.params) - set(ded))} matrices missing, e.g. "
-                            f"{sorted(set(rt.params) - set(ded))[:3]}")
-        if fsdp and set(fsdp) != set(adamw):
-            problems.append(f"fsdp2: {len(set(adamw) - set(fsdp))} params missing, e.g. "
-                            f"{sorted(set(adamw) - set(fsdp))[:3]}")
+        keys = [f.key for f in owner.fields]
+        problems = optimizer_state_problems(
+            ded, fsdp, fields=keys, finite=check_finite, notes=notes,
+            matrices={n: {k: (entry_shape(optimizer, n, k), rt.master_dtype[n])
+                          for k in keys + ["master"]} for n in rt.params},
+            adamw={n: (tuple(p.shape), tuple(local_tensor(p).shape), p.dtype)
+                   for n, p in optimizer.adamw_named_params},
+            layout=lambda v: layout_problem(v, rt))
+        log_narrowing(notes)
     agree(rt, problems, what)
     # stage: new functional states filled from the entries (nothing live changes yet)
     st = fadamw.init(optimizer.adamw_local_tensors()[0]) if optimizer.adamw_named_params else None
@@ -244,7 +170,8 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
             return tr.from_rank0(group, {n: entry_shape(optimizer, n, key) for n, e in ded.items()
                                          if key in e}, lambda n: ded[n][key],
                                  part or (lambda n, v: local_part(rt, n, v)))
-        return tr.to_columns(group, lambda n: _rows(local_part(rt, n, ded[n].get(key)), rt, n))
+        return tr.to_columns(group, lambda n: rows_of(local_part(rt, n, ded[n].get(key)), rt,
+                                                      rt.shape[n]))
 
     # every field of the chain by name (an empty section: the state before the first step)
     staged_fields = stage_fields(optimizer, ded, move, rank0=rank0) if ded else None
@@ -261,10 +188,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     for g in optimizer.param_groups:
         theirs = by_name.get(g.get("name"))
         if theirs is not None:
-            g.update({k: _decode(k, v) for k, v in theirs.items()
-                      if k not in ("params", "param_names", "name", "num_steps",
-                                   "variant_scalars", "momentum_dtype", "offload_state",
-                                   "adamw_state_dtype")})
+            g.update(loadable_hparams(theirs))
     if st is not None:  # stored in this optimizer's adamw_state_dtype (a note if the saved differs)
         saved = (by_name.get("adamw") or {}).get("adamw_state_dtype") if fsdp else \
             str(optimizer._adamw_storage.dtype)
@@ -294,51 +218,14 @@ def entry_shape(optimizer: Any, n: str, key: str) -> tuple[int, ...]:
     return optimizer._owner.full_shapes[key][n]
 
 
-def check_fields(optimizer: Any, n: str, entry: Mapping[str, Any]) -> list[str]:
-    """The chain's fields missing from a dedicated entry, and state keys this optimizer does not
-    have: each a problem, never silently dropped."""
-    want = tuple(f.key for f in optimizer._owner.fields)
-    if not isinstance(entry, Mapping):
-        return [f"dedicated[{n!r}]: not a dict"]
-    missing = [k for k in want if k not in entry]
-    extra = [k for k in entry if k not in want + ("master", "step")]
-    out = [f"dedicated[{n!r}]: no {k!r} (saved by another transform= than this optimizer's?)"
-           for k in missing]
-    out += [f"dedicated[{n!r}][{k!r}]: not a state of this optimizer (saved with another "
-            "transform=? pass the same one)" for k in extra]
-    return out
-
-
-def _decode(key: str, v: Any) -> Any:
-    """A hyper-parameter as saved: dtypes travel as strings (``"torch.float64"``)."""
-    if key.endswith("dtype") and isinstance(v, str) and v.startswith("torch."):
-        dt = getattr(torch, v[len("torch."):], None)
-        if isinstance(dt, torch.dtype):
-            return dt
-    return v
-
-
-def _is_full_or_dtensor(v: Any, p: Any) -> bool:
-    return hasattr(v, "to_local") or tuple(v.shape) == tuple(p.shape)
-
-
 def _local_piece(v: Any, p: Any) -> torch.Tensor:
     """This rank's piece of an AdamW moment: a DTensor (its local tensor), a full tensor (sliced
     like ``p``), or already this rank's piece."""
     if hasattr(v, "to_local"):
         return v.to_local()
     if tuple(v.shape) == tuple(p.shape):
-        return local_shard(v.to(device=p.device), p)
+        return local_tensor(distribute_like(v.to(device=p.device), p))
     return v.to(device=p.device)
-
-
-def _rows(v: Any, rt, n: str) -> Optional[tuple[int, torch.Tensor]]:
-    if v is None:
-        return None
-    from dmuon.stateful.checkpoint.transfer import row_chunks
-    start, size = row_chunks(rt.shape[n][0], rt.G)[rt.coord[0]]
-    local = v.to_local() if hasattr(v, "to_local") else v[start:start + size]
-    return start, local.to(device=rt.device, dtype=rt.master_dtype[n])
 
 
 # ---------------------------------------------------------------------------------- dmuon's format
@@ -369,7 +256,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool
         entry = {k: full_copy(dtensor_like(src[n], p)) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
         if keep:
             fsdp2[n] = {k: mv(v) for k, v in entry.items()}
-    ded = _full_dedicated(optimizer, masters=True)
+    ded = _full_dedicated(optimizer)
     dedicated = {n: {k: mv(v) for k, v in e.items()} for n, e in ded.items()} if keep else {}
     return {"fsdp2": fsdp2, "dedicated": dedicated,
             "adamw_step": int(st.step) if st is not None else 0,
@@ -404,31 +291,22 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
     rt.join(f"{what}(model, optimizer, sd)", always=True)
     rt.drain()
     has_dict = not rank0_only or rt.rank == 0
+    problems, meta = [], None
     if has_dict and not (isinstance(state_dict, Mapping) and isinstance(state_dict.get("fsdp2"),
                                                                          Mapping)
                          and isinstance(state_dict.get("dedicated"), Mapping)):
         problems = [f"expected dmuon.get_optimizer_state_dict's dict, got "
                     f"{type(state_dict).__name__}"]
-    else:
-        problems = []
-    agree(rt, problems, what)
+    elif rank0_only and has_dict:  # rank 0's structure, to every rank with the verdict
+        meta = {**full_entries(state_dict), "fsdp2": sorted(state_dict["fsdp2"]),
+                "dedicated": {n: sorted(s) for n, s in state_dict["dedicated"].items()}}
+    meta = agree(rt, problems, what, meta)[0]
     if not rank0_only:
-        return load_optimizer_state(optimizer, _from_full(state_dict), what=what,
+        return load_optimizer_state(optimizer, full_entries(state_dict), what=what,
                                     check_finite=check_finite)
-    # rank 0 holds the dict: broadcast its structure, then AdamW's tensors one by one
-    meta: list = [None]
-    if rt.rank == 0:
-        meta[0] = {"dedicated": {n: sorted(s) for n, s in state_dict["dedicated"].items()},
-                   "fsdp2": sorted(state_dict["fsdp2"]),
-                   **{k: int(state_dict.get(k, 0)) for k in _COUNTERS},
-                   "param_groups": state_dict.get("param_groups"),
-                   "variant_scalars": state_dict.get("variant_scalars")}
-    rt.mesh_groups.control_collective(
-        f"{what} structure", lambda g: dist.broadcast_object_list(meta, src=0, group=g))
-    meta = meta[0]
+    # rank 0 holds the dict: AdamW's tensors broadcast one by one
     adamw = dict(optimizer.adamw_named_params)
-    entries: dict[str, Any] = {k: meta[k] for k in (*_COUNTERS, "param_groups",
-                                                    "variant_scalars")}
+    entries = dict(meta)
     entries["fsdp2"] = {
         n: {k: from_rank0(state_dict["fsdp2"][n][k] if rt.rank == 0 else None,
                           tuple(adamw[n].shape), adamw[n].dtype, rt) for k in _MOMENTS}
@@ -438,8 +316,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
         n: {k: (_on_device(state_dict["dedicated"][n][k], rt, n) if rt.rank == 0 else None)
             for k in keys}
         for n, keys in meta["dedicated"].items() if n in rt.params}
-    load_optimizer_state(optimizer, entries, what=what, check_finite=check_finite,
-                         has_dict=rt.rank == 0, rank0=True)
+    load_optimizer_state(optimizer, entries, what=what, check_finite=check_finite, rank0=True)
 
 
 def _on_device(v: Any, rt, n: str) -> Any:

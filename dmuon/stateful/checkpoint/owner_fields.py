@@ -6,23 +6,17 @@ Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.owner_fields
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+import math
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
 
 from dmuon.functional.state_dtype import checkpoint_dtype
+from dmuon.functional.state_fields import tp_concat_dim
 from dmuon.stateful.checkpoint.transfer import transfer_of
 
 __all__ = ["layout_of", "gather_fields", "local_field", "stage_fields"]
-
-
-def _tp_rule(layout: str, lay: Any) -> Optional[int]:
-    """How a TP slice's field makes the full one: the dim to concatenate along, or ``None`` (every
-    TP rank holds the full field: a per-matrix value, or the rows of a column slice)."""
-    if lay is None or layout == "matrices" or (layout == "rows" and lay.dim == 1):
-        return None
-    return lay.dim if layout == "param" else 0
 
 
 def layout_of(optimizer: Any, key: str) -> str:
@@ -36,8 +30,6 @@ def gather_fields(optimizer: Any, group: str) -> dict[str, dict[str, torch.Tenso
     ``group``, on every rank (the owners' values through the checkpoint transfer's buckets, a
     field smaller than its param in the first elements of the param's entry; TP slices
     assembled)."""
-    import torch.distributed as dist
-
     var, rt = optimizer._owner, optimizer.dedicated_state
     tr = transfer_of(rt)
     out: dict[str, dict[str, torch.Tensor]] = {}
@@ -47,11 +39,8 @@ def gather_fields(optimizer: Any, group: str) -> dict[str, dict[str, torch.Tenso
         got = tr.to_every_rank(group, mine, owner_only=True)
         for n, t in got.items():
             shape = var.local_shapes[f.key][n]
-            numel = 1
-            for d in shape:
-                numel *= d
-            v = t.reshape(-1)[:numel].view(shape).clone()
-            rule = _tp_rule(f.layout, rt.tp_layouts.get(n))
+            v = t.reshape(-1)[:math.prod(shape)].view(shape).clone()
+            rule = tp_concat_dim(f.layout, getattr(rt.tp_layouts.get(n), "dim", None))
             if rule is not None:
                 parts = [torch.empty_like(v) for _ in range(rt.tp_layouts[n].parts)]
                 dist.all_gather(parts, v.contiguous(), group=rt.mesh_groups.tp_group)
@@ -65,7 +54,7 @@ def gather_fields(optimizer: Any, group: str) -> dict[str, dict[str, torch.Tenso
 def local_field(rt: Any, layout: str, n: str, full: torch.Tensor) -> torch.Tensor:
     """This rank's part of a full field value of matrix ``n`` (its TP slice's)."""
     lay = rt.tp_layouts.get(n)
-    rule = _tp_rule(layout, lay)
+    rule = tp_concat_dim(layout, getattr(lay, "dim", None))
     if rule is None:
         return full
     return full.chunk(lay.parts, dim=rule)[rt.mesh_groups.tp_index]

@@ -6,18 +6,17 @@ Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.state_dict".
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.stateful.runtime.state import unwrapping_model
-from dmuon.functional.state_dict_check import check_state_dict
-from dmuon.stateful.runtime.agree import agree as agree_problems
-from dmuon.stateful.runtime.state import DedicatedState, get_state
-from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, check_entry,
-                                                       log_dtype_changes)
+from dmuon.functional.state_dict_check import model_state_problems
+from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
+from dmuon.stateful.checkpoint.torch_state_dict import (agree, dedicated_names_by_key,
+                                                       distribute_like, log_dtype_changes)
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part
 from dmuon.stateful.checkpoint.transfer import transfer_of
 
@@ -30,17 +29,6 @@ class LoadResult(NamedTuple):
 
     missing_keys: list[str]
     unexpected_keys: list[str]
-
-
-def dedicated_names_by_key(model: nn.Module, rt: DedicatedState) -> dict[str, str]:
-    """``{state_dict key: dedicated canonical name}`` for every key that is a dedicated param (a
-    tied matrix appears under each of its keys)."""
-    canon = {p: n for n, p in rt.params.items()}
-    out = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if p in canon:
-            out[n] = canon[p]
-    return out
 
 
 def module_entries(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -62,16 +50,9 @@ def expected_entries(model: nn.Module, rt: DedicatedState,
     """``{key: (full shape, dtype)}`` of the single-device ``model.state_dict()``, in its order
     (the same on every rank): dedicated matrices by their full shape and the param's dtype.
     ``ded``: :func:`dedicated_names_by_key` when the caller has it already (else computed)."""
-    if ded is None:
-        ded = dedicated_names_by_key(model, rt)
-    exp = {}
-    for k, v in module_entries(model).items():
-        if k in ded:
-            n = ded[k]
-            exp[k] = (full_shape(rt, n), rt.orig_dtype[n])
-        else:
-            exp[k] = (tuple(v.shape), v.dtype)
-    return exp
+    ded = dedicated_names_by_key(model, rt) if ded is None else ded
+    return {k: (full_shape(rt, ded[k]), rt.orig_dtype[ded[k]]) if k in ded
+            else (tuple(v.shape), v.dtype) for k, v in module_entries(model).items()}
 
 
 def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
@@ -82,30 +63,6 @@ def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
     for n, b in model.named_buffers(remove_duplicate=False):
         by_id.setdefault(id(b), []).append(n)
     return [tuple(g) for g in by_id.values() if len(g) > 1]
-
-
-def from_owner(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype, src: int,
-               rt: DedicatedState, rank0_only: bool) -> Optional[torch.Tensor]:
-    """Collective: the full tensor ``t`` held by global rank ``src`` (``None`` elsewhere) as a copy
-    on every rank (broadcast), or with ``rank0_only`` on rank 0 only (point to point; other ranks
-    get ``None``). ``shape`` / ``dtype``: those of ``t``, for the receiving buffers."""
-    me = rt.rank
-    if not rank0_only:
-        buf = t.detach().clone() if me == src else torch.empty(shape, dtype=dtype, device=rt.device)
-        rt.mesh_groups.control_collective(
-            "state-dict broadcast", lambda g: dist.broadcast(buf, src=src, group=g))
-        return buf
-    if me == src:
-        if me == 0:
-            return t.detach().clone()
-        rt.mesh_groups.control_collective(
-            "state-dict send", lambda g: dist.send(t.detach().contiguous(), dst=0, group=g))
-    elif me == 0:
-        buf = torch.empty(shape, dtype=dtype, device=rt.device)
-        rt.mesh_groups.control_collective(
-            "state-dict receive", lambda g: dist.recv(buf, src=src, group=g))
-        return buf
-    return None
 
 
 def from_rank0(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
@@ -124,16 +81,6 @@ def full_copy(t: torch.Tensor) -> torch.Tensor:
     """Collective for a DTensor ``t`` (every rank of its mesh calls it): its full tensor
     (``full_tensor()``); a plain tensor: a detached copy."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
-
-
-def local_shard(full: torch.Tensor, like: Any) -> torch.Tensor:
-    """This rank's piece of ``full`` (held by every rank) laid out like the param ``like`` (no
-    communication); ``full`` itself when ``like`` is a plain tensor."""
-    if not hasattr(like, "device_mesh"):
-        return full
-    from torch.distributed.tensor import distribute_tensor
-    return distribute_tensor(full, like.device_mesh, like.placements,
-                             src_data_rank=None).to_local()
 
 
 @torch.no_grad()
@@ -176,24 +123,6 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
     return out
 
 
-def _shape_of(v: Any):
-    return tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-
-
-def agree(rt: DedicatedState, problems: list[str], what: str, payload: Any = None) -> list[Any]:
-    """Raise :class:`StateDictError` (a ``ValueError``) on every rank if any rank has a problem
-    (the message names the ranks and lists the problems; :func:`dmuon.stateful.runtime.agree.agree`).
-    Returns every rank's ``payload``."""
-    def error(detail: str) -> StateDictError:
-        return StateDictError(
-            f"{what}: the state dict does not match the model ({detail}). Nothing was changed on "
-            "any rank. Load a dict saved from the same architecture (names and full shapes as in "
-            "the single-device model.state_dict(), floating values, finite unless "
-            "check_finite=False), or pass strict=False to allow missing / unexpected keys.")
-    return agree_problems(problems, what=f"{what} agreement", via=rt.mesh_groups,
-                          payload=payload, error=error)
-
-
 @torch.no_grad()
 @unwrapping_model
 def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, torch.Tensor]], *,
@@ -230,32 +159,16 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     rt.wait_publish()
     ded = dedicated_names_by_key(model, rt)
     exp = expected_entries(model, rt, ded)
-    has_dict = not rank0_only or rt.rank == 0
-    check = None
     notes: list = []
-    if has_dict:
-        if not isinstance(state_dict, Mapping):
-            problems = [f"expected a mapping {{name: tensor}}, got {type(state_dict).__name__}"]
-        else:
-            check = check_state_dict({k: _shape_of(v) for k, v in state_dict.items()},
-                                     {k: s for k, (s, _) in exp.items()}, tied_groups(model))
-            problems = check.problems(strict)
-            if not problems:  # values: dtype kinds, finiteness (before anything changes)
-                for k, src in check.source.items():
-                    shape, dtype = exp[k]
-                    problems += check_entry(f"{src!r}", state_dict[src], shape, dtype,
-                                            finite=check_finite, notes=notes)
-    else:
-        problems = []
-    payload = None
-    if rank0_only and check is not None:
-        payload = (dict(check.source), list(check.missing), list(check.unexpected))
-    payloads = agree(rt, problems, what, payload)
+    check, problems = None, []
+    if not rank0_only or rt.rank == 0:
+        check, problems = model_state_problems(state_dict, exp, tied_groups(model), strict=strict,
+                                               finite=check_finite, notes=notes)
+    mine = None if check is None else (dict(check.source), list(check.missing),
+                                       list(check.unexpected))
+    payloads = agree(rt, problems, what, mine if rank0_only else None)
     log_dtype_changes(what, notes)
-    if rank0_only:
-        source, missing, unexpected = payloads[0]
-    else:
-        source, missing, unexpected = check.source, list(check.missing), list(check.unexpected)
+    source, missing, unexpected = payloads[0] if rank0_only else mine
 
     live = dict(model.named_parameters(remove_duplicate=False))
     live.update(dict(model.named_buffers(remove_duplicate=False)))
@@ -281,11 +194,10 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
             if n in rt.masters:  # (TP: this rank's slice of the full value)
                 rt.masters[n].copy_(local_part(rt, n, v).to(device=rt.device,
                                                             dtype=rt.masters[n].dtype))
-        elif hasattr(target, "device_mesh"):
-            local = target.to_local()
-            local.copy_(local_shard(v.to(device=local.device, dtype=target.dtype), target))
-        else:
-            target.copy_(v.to(device=target.device, dtype=target.dtype))
+        else:  # an FSDP2 param (this rank's shard of the full value) or a plain tensor
+            dst = local_tensor(target)
+            dst.copy_(local_tensor(distribute_like(v.to(device=dst.device, dtype=target.dtype),
+                                                   target)))
     if held:  # the dedicated matrices: rank 0's values through the program's checkpoint moves
         tr = transfer_of(rt)
         shapes = {n: full_shape(rt, n) for n in held}

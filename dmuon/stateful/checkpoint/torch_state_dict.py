@@ -13,19 +13,20 @@ from typing import Any, Optional
 import torch
 import torch.nn as nn
 
-from dmuon.stateful.checkpoint.transfer import row_chunks
 from dmuon.compat.fsdp_patch import is_dedicated
 from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
-from dmuon.stateful.runtime.agree import agree
+from dmuon.functional.state_dict_check import (check_state_dict, dtype_changes, row_chunks,
+                                               value_problems)
+from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
 from dmuon.stateful.checkpoint.transfer import transfer_of
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StateDictError", "register_state_dict_hooks", "dtensor_rows", "shard_mesh_rank",
-           "check_entry"]
-
+__all__ = ["StateDictError", "register_state_dict_hooks", "dtensor_rows", "distribute_like",
+           "rows_of", "check_entry", "layout_problem", "log_narrowing", "agree",
+           "dedicated_names_by_key"]
 
 
 class StateDictError(ValueError):
@@ -33,8 +34,28 @@ class StateDictError(ValueError):
     before anything changed."""
 
 
-def shard_mesh_rank(st) -> int:
-    return st.coord[0]
+#: what to do about a dict that does not fit (the end of :func:`agree`'s error)
+LOAD_FIX = ("Load a dict saved from the same architecture (names and full shapes as in the "
+            "single-device model.state_dict(), floating values, finite unless "
+            "check_finite=False), or pass strict=False to allow missing / unexpected keys.")
+
+
+def agree(st, problems: list[str], what: str, payload: Any = None, *,
+          fix: str = LOAD_FIX) -> list[Any]:
+    """Collective: raise :class:`StateDictError` on every rank if any rank's dict does not fit
+    (the message names the ranks, lists the problems and ends with ``fix``;
+    :func:`dmuon.stateful.runtime.agree.agree`). Returns every rank's ``payload``."""
+    return agree_problems(problems, what=f"{what} agreement", via=st.mesh_groups, payload=payload,
+                          error=lambda detail: StateDictError(
+                              f"{what}: the state dict does not match the model ({detail}). "
+                              f"Nothing was changed on any rank. {fix}"))
+
+
+def dedicated_names_by_key(model: nn.Module, st) -> dict[str, str]:
+    """``{state_dict key: dedicated canonical name}`` for every key that is a dedicated param (a
+    tied matrix appears under each of its keys)."""
+    canon = {p: n for n, p in st.params.items()}
+    return {k: canon[p] for k, p in model.named_parameters(remove_duplicate=False) if p in canon}
 
 
 def dtensor_rows(full: torch.Tensor, mesh: Any) -> Any:
@@ -47,10 +68,22 @@ def dtensor_rows(full: torch.Tensor, mesh: Any) -> Any:
     return distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
 
 
-def _rows_of(value: Any, st, shape: tuple[int, ...]) -> tuple[int, torch.Tensor]:
+def distribute_like(full: torch.Tensor, like: Any) -> Any:
+    """``full`` (the same on every rank) as a DTensor laid out like the FSDP2 param ``like``, as
+    ``distribute_tensor`` slices it (no communication); ``full`` itself when ``like`` is a plain
+    tensor."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def rows_of(value: Any, st, shape: tuple[int, ...]) -> Optional[tuple[int, torch.Tensor]]:
     """``(first row, local rows)`` of a dedicated entry: a DTensor of dmuon's spec, or a full
-    plain tensor (this rank's rows of it)."""
-    start, n = row_chunks(shape[0], st.G)[shard_mesh_rank(st)]
+    plain tensor (this rank's rows of it); ``None`` for ``None``."""
+    if value is None:
+        return None
+    start, n = row_chunks(shape[0], st.G)[st.coord[0]]
     if hasattr(value, "to_local"):
         if not _replicated(value):
             return start, value.to_local()
@@ -67,59 +100,43 @@ def _replicated(value: Any) -> bool:
 
 def check_entry(key: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype, st=None,
                 *, finite: bool = True, notes: Optional[list] = None) -> list[str]:
-    """Problems of one state-dict value for a tensor of ``shape`` / ``dtype`` (no collective):
-    wrong shape, a non-floating value for a floating tensor, non-finite values (``finite``), a
-    DTensor of another spec than dmuon's (``st`` given: the dedicated ``Shard(0)`` rows, or a
-    DTensor replicated on every mesh dim). ``notes`` collects ``(key, value dtype, dtype)`` of a
-    floating value of another precision, for one :func:`log_dtype_changes` per load (without
-    ``notes``: a rounding to a narrower ``dtype`` is logged here)."""
-    if not isinstance(value, torch.Tensor):
-        return [f"{key}: a {type(value).__name__}, not a tensor"]
-    problems = []
-    if tuple(value.shape) != tuple(shape):
-        problems.append(f"{key}: shape {tuple(value.shape)}, expected {tuple(shape)}")
-        return problems
-    if dtype.is_floating_point and not (value.dtype.is_floating_point or value.is_complex()):
-        problems.append(f"{key}: dtype {value.dtype} cannot load into a {dtype} param (an integer "
-                        "or bool tensor is not a weight)")
-        return problems
-    local = value.to_local() if hasattr(value, "to_local") else value
-    if st is not None and hasattr(value, "to_local") and not _replicated(value):
-        from torch.distributed.tensor import Shard
-        if tuple(value.placements) != (Shard(0),) or value.device_mesh.size() != st.G:
-            problems.append(f"{key}: a DTensor with placements {tuple(value.placements)} on a "
-                            f"mesh of {value.device_mesh.size()} ranks; dmuon expects the rows "
-                            f"of its own state_dict() (Shard(0) over {st.G} ranks), a "
-                            "replicated DTensor or a plain full tensor")
-            return problems
-    if finite and local.dtype.is_floating_point and local.numel() and \
-            not bool(torch.isfinite(local).all()):
-        problems.append(f"{key}: non-finite values (NaN/Inf)")
-    if dtype.is_floating_point and local.dtype.is_floating_point and local.dtype != dtype:
-        if notes is not None:
-            notes.append((key, local.dtype, dtype))
-        elif torch.finfo(local.dtype).bits > torch.finfo(dtype).bits:
-            logger.info("dmuon: %s narrows from %s to %s on load", key, local.dtype, dtype)
+    """:func:`~dmuon.functional.state_dict_check.value_problems` of one state-dict value (no
+    collective); with ``st`` given, a DTensor of another spec than dmuon's is one of them (dmuon's:
+    the dedicated ``Shard(0)`` rows, or a DTensor replicated on every mesh dim). Without
+    ``notes``, a rounding to a narrower ``dtype`` is logged here."""
+    mine: list = [] if notes is None else notes
+    problems = value_problems(key, value, shape, dtype, finite=finite,
+                              layout=layout_problem(value, st), notes=mine)
+    if notes is None:
+        log_narrowing(mine)
     return problems
 
 
-def log_dtype_changes(what: str, notes: list) -> None:
-    """One log line per kind of precision change of a load (``notes`` of :func:`check_entry`):
-    values narrower than their param (or of another 16-bit format) load at their own precision,
-    a warning (the README's promise: allowed, and said); wider values are rounded, info."""
-    def bits(d: torch.dtype) -> int:
-        return torch.finfo(d).bits
+def log_narrowing(notes: list) -> None:
+    """Log (info) each value of ``notes`` (:func:`check_entry`'s) rounded to a narrower dtype."""
+    for key, have, want in notes:
+        if torch.finfo(have).bits > torch.finfo(want).bits:
+            logger.info("dmuon: %s narrows from %s to %s on load", key, have, want)
 
-    narrower = [n for n in notes if bits(n[1]) < bits(n[2]) or bits(n[1]) == bits(n[2])]
-    wider = [n for n in notes if bits(n[1]) > bits(n[2])]
-    for entries, log, words in (
-            (narrower, logger.warning, "hold a narrower float than their param and load at their "
-                                       "own precision (the param's extra bits are zero)"),
-            (wider, logger.info, "are rounded to their param's narrower dtype")):
-        if entries:
-            kinds = sorted({f"{a} into {b}" for _, a, b in entries})
-            log("dmuon: %s: %d value(s) %s: %s (e.g. %s)", what, len(entries), words,
-                ", ".join(kinds), entries[0][0])
+
+def layout_problem(value: Any, st) -> Optional[str]:
+    """With ``st``: what is wrong with a DTensor ``value`` that holds neither dmuon's rows nor the
+    whole tensor on every rank (``None``: nothing)."""
+    if st is None or not hasattr(value, "to_local") or _replicated(value):
+        return None
+    from torch.distributed.tensor import Shard
+    if tuple(value.placements) == (Shard(0),) and value.device_mesh.size() == st.G:
+        return None
+    return (f"a DTensor with placements {tuple(value.placements)} on a mesh of "
+            f"{value.device_mesh.size()} ranks; dmuon expects the rows of its own state_dict() "
+            f"(Shard(0) over {st.G} ranks), a replicated DTensor or a plain full tensor")
+
+
+def log_dtype_changes(what: str, notes: list) -> None:
+    """One log line per kind of precision change of a load (``notes`` of :func:`check_entry`;
+    :func:`~dmuon.functional.state_dict_check.dtype_changes`)."""
+    for warn, line in dtype_changes(what, notes):
+        (logger.warning if warn else logger.info)(line)
 
 
 class _Hooks:
@@ -129,11 +146,7 @@ class _Hooks:
         self.st = st
         self.transfer = transfer_of(st)
         self.model = model
-        self.keys = {}  # state-dict key -> dedicated name (every alias of a tied matrix)
-        canon = {id(p): n for n, p in st.params.items()}
-        for k, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in canon:
-                self.keys[k] = canon[id(p)]
+        self.keys = dedicated_names_by_key(model, st)  # every alias of a tied matrix
         self.staged: Optional[dict[str, Any]] = None
         # filled by the root pre-save hook, put in by each owning module's post-hook
         self.rows: Optional[dict[str, Any]] = None
@@ -156,13 +169,9 @@ class _Hooks:
             st.join("model.state_dict()")
             st.finish_meta_init("model.state_dict()")
             st.drain()
-            mesh = st.shard_mesh
-            rows: dict[str, Any] = {}
-            for group in self.transfer.each_group():
-                full = self.transfer.to_every_rank(group, st.masters)
-                for n, t in full.items():
-                    rows[n] = dtensor_rows(t.to(st.orig_dtype[n]).clone(), mesh)
-            self.rows = rows
+            self.rows = {n: dtensor_rows(t.to(st.orig_dtype[n]).clone(), st.shard_mesh)
+                         for group in self.transfer.each_group()  # (views: each copied at once)
+                         for n, t in self.transfer.to_every_rank(group, st.masters).items()}
         saving_state_dict(+1)
 
     def owner_post_save(self, module, state_dict, prefix, local_metadata, path: str) -> None:
@@ -261,14 +270,14 @@ class _Hooks:
             mine = check_entry(key, v, tuple(p.shape), p.dtype, notes=notes)
             problems += mine
             if not mine and hasattr(p, "to_local") and not hasattr(v, "to_local"):
-                state_dict[key] = _slice_for(p, v)
-        for name, b in module.named_buffers(remove_duplicate=False):
-            key = prefix + name
-            if key in state_dict and isinstance(state_dict[key], torch.Tensor) and \
-                    tuple(state_dict[key].shape) != tuple(b.shape):
-                problems.append(f"{key}: shape {tuple(state_dict[key].shape)}, expected "
-                                f"{tuple(b.shape)}")
-        _agree(st, problems)
+                state_dict[key] = distribute_like(v.to(device=p.device, dtype=p.dtype), p)
+        buffers = {prefix + k: tuple(b.shape)
+                   for k, b in module.named_buffers(remove_duplicate=False)}
+        problems += check_state_dict({k: tuple(v.shape) for k, v in state_dict.items() if
+                                      k in buffers and isinstance(v, torch.Tensor)}, buffers).wrong
+        agree(st, problems, "model.load_state_dict on a dmuon model",
+              fix="Load a dict saved from the same architecture (names and full shapes as in the "
+                  "single-device model.state_dict(), floating values, finite).")
         log_dtype_changes("model.load_state_dict", notes)
         self.staged = staged
 
@@ -320,28 +329,12 @@ class _Hooks:
             if not any(n in staged for n in names):
                 continue
             full = self.transfer.to_columns(
-                group, lambda n: _rows_of(staged[n], st, st.shape[n]) if n in staged else None)
+                group, lambda n: rows_of(staged.get(n), st, st.shape[n]))
             with torch.no_grad():
                 for n, t in full.items():
                     if n in staged:
                         st.masters[n].copy_(t)
         st.masters_changed()
-
-
-def _slice_for(param: Any, full: torch.Tensor) -> Any:
-    """A plain full tensor for FSDP2's DTensor ``param``: this rank's shard of it (no
-    communication: every rank has the full tensor), as ``distribute_tensor`` slices it."""
-    from torch.distributed.tensor import distribute_tensor
-    return distribute_tensor(full.to(device=param.device, dtype=param.dtype), param.device_mesh,
-                             param.placements, src_data_rank=None)
-
-
-def _agree(st, problems: list[str]) -> None:
-    """Raise :class:`StateDictError` on every rank if any rank's dict does not fit (collective)."""
-    agree(problems, what="load_state_dict check agreement", via=st.mesh_groups,
-          error=lambda detail: StateDictError(
-              f"model.load_state_dict on a dmuon model: the state dict does not fit the model: "
-              f"{detail}. Nothing was loaded on any rank."))
 
 
 def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:

@@ -12,24 +12,13 @@ from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
-from dmuon.functional.buckets import BucketKey, to_torch_dtype
+from dmuon.functional.buckets import BucketKey
+from dmuon.functional.packing import entries, unpack, zero_buffers
 from dmuon.functional.program import (checkpoint_over_tp, checkpoint_to_columns,
                                       checkpoint_to_every_rank)
 from dmuon.stateful.runtime.executor import Executor
 
-__all__ = ["CheckpointTransfer", "row_chunks", "transfer_of"]
-
-
-def row_chunks(rows: int, parts: int) -> list[tuple[int, int]]:
-    """``(start, size)`` of each part's rows when ``rows`` are split as DTensor's ``Shard(0)``
-    splits them over ``parts`` ranks (``torch.chunk``: equal chunks of ``ceil(rows / parts)``, the
-    last ones shorter or empty)."""
-    size = -(-rows // parts) if rows else 0
-    out = []
-    for i in range(parts):
-        start = min(i * size, rows)
-        out.append((start, max(0, min(size, rows - start))))
-    return out
+__all__ = ["CheckpointTransfer", "transfer_of"]
 
 
 class CheckpointTransfer:
@@ -44,14 +33,6 @@ class CheckpointTransfer:
         self.layout = state.storage.master_layout
         self.executor = Executor(state.mesh_groups, timeout=state.mesh_groups.timeout)
 
-    def _buffers(self, group: str) -> dict[BucketKey, torch.Tensor]:
-        return {b.key: torch.zeros(b.numel, dtype=to_torch_dtype(b.key.dtype),
-                                   device=self.st.device)
-                for b in self.layout.buckets_of(group)}
-
-    def groups(self) -> tuple[str, ...]:
-        return self.layout.groups
-
     def to_every_rank(self, group: str, values: Mapping[str, torch.Tensor], *,
                       owner_only: bool = False) -> dict[str, torch.Tensor]:
         """Collective: ``{name: full tensor}`` for every matrix of ``group``, on every rank (views
@@ -63,22 +44,19 @@ class CheckpointTransfer:
             with fewer elements than its matrix (a variant's per-row state) travels in the first
             elements of the matrix's entry (read back with ``reshape(-1)[:numel]``).
         """
-        bufs = self._buffers(group)
+        buckets = self.layout.buckets_of(group)
+        bufs = zero_buffers(buckets, self.st.device)
         s, _ = self.st.coord
         with torch.no_grad():
-            for b in self.layout.buckets_of(group):
-                if b.key.column != s:
-                    continue
-                for e in b.entries:
-                    v = values.get(e.name)
-                    if v is not None and tuple(v.shape) == tuple(e.shape):
-                        bufs[b.key][e.offset:e.offset + e.numel].view(e.shape).copy_(v)
-                    elif v is not None:  # a smaller value (a variant's per-row state): its first
-                        bufs[b.key][e.offset:e.offset + v.numel()].copy_(v.reshape(-1))  # elems
+            for b, e in entries(buckets, lambda b, e: b.key.column == s):
+                v = values.get(e.name)
+                if v is not None and tuple(v.shape) == tuple(e.shape):
+                    bufs[b.key][e.offset:e.offset + e.numel].view(e.shape).copy_(v)
+                elif v is not None:  # a smaller value (a variant's per-row state): its first
+                    bufs[b.key][e.offset:e.offset + v.numel()].copy_(v.reshape(-1))  # elements
         self.executor.launch(checkpoint_to_every_rank(self.layout, group,
                                                       owner_only=owner_only), bufs).wait()
-        return {e.name: bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)
-                for b in self.layout.buckets_of(group) for e in b.entries}
+        return unpack(buckets, bufs)
 
     def to_columns(self, group: str,
                    rows: Callable[[str], Optional[tuple[int, torch.Tensor]]], *,
@@ -92,24 +70,23 @@ class CheckpointTransfer:
         ``reshape(-1)[:numel]``). ``from_replica``: only that replica's ranks hold values (a
         rank-0-only load: :meth:`from_rank0`); the program's replicate step carries them to
         the other replicas (:func:`~dmuon.functional.program.checkpoint_to_columns`)."""
-        bufs = self._buffers(group)
+        buckets = self.layout.buckets_of(group)
+        bufs = zero_buffers(buckets, self.st.device)
         with torch.no_grad():
-            for b in self.layout.buckets_of(group):
-                for e in b.entries:
-                    got = rows(e.name)
-                    if got is None:
-                        continue
-                    start, t = got
-                    if t.numel() and t.dim() == 1 and len(e.shape) > 1:  # a smaller value
-                        bufs[b.key][e.offset:e.offset + t.numel()].copy_(t)
-                    elif t.numel():
-                        full = bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)
-                        full[start:start + t.shape[0]].copy_(t)
+            for b, e in entries(buckets):
+                got = rows(e.name)
+                if got is None:
+                    continue
+                start, t = got
+                if t.numel() and t.dim() == 1 and len(e.shape) > 1:  # a smaller value
+                    bufs[b.key][e.offset:e.offset + t.numel()].copy_(t)
+                elif t.numel():
+                    full = bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)
+                    full[start:start + t.shape[0]].copy_(t)
         self.executor.launch(checkpoint_to_columns(self.layout, group, from_replica=from_replica),
                              bufs).wait()
         s, _ = self.st.coord
-        return {e.name: bufs[b.key][e.offset:e.offset + e.numel].view(e.shape)
-                for b in self.layout.buckets_of(group) if b.key.column == s for e in b.entries}
+        return unpack(buckets, bufs, where=lambda b, e: b.key.column == s)
 
     def from_rank0(self, group: str, shapes: Mapping[str, tuple[int, ...]],
                    value: Callable[[str], torch.Tensor],
