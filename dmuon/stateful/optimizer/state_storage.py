@@ -120,10 +120,6 @@ class MomentumStorage:
             out[n] = data
         return out
 
-    def stored_state(self, ms: Any) -> Any:
-        """The ``MuonState`` ``ms`` (working momentum) with its momentum as stored."""
-        return ms._replace(momentum=self.store(ms.momentum))
-
     def nbytes(self, stored: Mapping[str, Tensor]) -> dict[str, int]:
         """``{"device": bytes, "host": bytes}`` of the stored momentum and its scales (the scales
         stay on the device when the momentum is offloaded)."""
