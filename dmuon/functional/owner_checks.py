@@ -1,8 +1,9 @@
 """What the owners' driver (``dmuon.Muon(transform=...)``) refuses in a chain, decided before
-anything changes (pure): a transform that is neither a ``Transform`` nor a function of the
-hyper-parameters, a chain with no in-place form, a quantity a tensor-parallel slice's owner cannot
-serve, a state field of a shape or dtype the checkpoint formats cannot hold, a stored momentum
-option without a momentum stage, a fixed chain whose hyper-parameters changed."""
+anything changes (pure), on the chain's state over meta tensors (:func:`meta_state`): a transform
+that is neither a ``Transform`` nor a function of the hyper-parameters, a chain with no in-place
+form, a quantity a tensor-parallel slice's owner cannot serve, a state field of a shape or dtype
+the checkpoint formats cannot hold, a stored momentum option without a momentum stage, a fixed
+chain whose hyper-parameters changed."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
@@ -11,17 +12,27 @@ import torch
 
 from dmuon.functional import transforms as T
 from dmuon.functional import variants
+from dmuon.functional.stages.leaves import default_views
 from dmuon.functional.state_fields import LAYOUTS
 from dmuon.functional.tree import get_path
 
-__all__ = ["is_muon", "check_transform", "check_built_chain", "check_chain", "check_fields",
-           "check_stored_field", "check_fixed_hparams"]
+__all__ = ["is_muon", "meta_state", "check_transform", "check_built_chain", "check_chain",
+           "check_fields", "check_stored_field", "check_fixed_hparams"]
 
 
 def is_muon(transform: Any) -> bool:
     """Whether ``transform`` is Muon itself (``None``, the default, or ``variants.muon(...)``)."""
     return transform is None or (isinstance(transform, variants.Variant)
                                  and transform.name == "muon")
+
+
+def meta_state(chain: Any, views: Mapping[str, Any], shapes: Mapping[str, Sequence[int]],
+               dtypes: Mapping[str, torch.dtype]) -> Any:
+    """``chain``'s initial state over meta tensors (no memory) of ``shapes`` / ``dtypes``, in
+    ``shapes``' order, under the default ``views``: its fields' shapes and dtypes."""
+    with default_views(views):
+        return chain.init({n: torch.empty(tuple(s), dtype=dtypes[n], device="meta")
+                           for n, s in shapes.items()})
 
 
 def check_transform(transform: Any) -> None:

@@ -40,7 +40,7 @@ class OwnerDriver:
         the master's dtype on the device).
 
     Raises:
-      TypeError, ValueError: see the module docstring.
+      TypeError, ValueError: see :mod:`dmuon.functional.owner_checks`.
     """
 
     def __init__(self, transform: Any, hparams: fmuon.MuonHParams, rt: Any,
@@ -55,22 +55,18 @@ class OwnerDriver:
         chain = self.chain(hparams)
         oc.check_chain(chain, self.fixed, rt.hp_mults, rt.tp_layouts)
         self.views = {n: rt.views[n] for n in rt.names}
-        with default_views(self.views):
-            meta_state = chain.init({n: torch.empty(rt.shape[n], dtype=rt.master_dtype[n],
-                                                    device="meta") for n in rt.names})
-        self.fields = state_fields(meta_state)
-        self.local_shapes = _shapes(meta_state, self.fields)
-        oc.check_fields(self.fields, meta_state, rt.shape, rt.master_dtype)
+        meta = oc.meta_state(chain, self.views, {n: rt.shape[n] for n in rt.names},
+                             rt.master_dtype)
+        self.fields = state_fields(meta)
+        self.local_shapes = _shapes(meta, self.fields)
+        oc.check_fields(self.fields, meta, rt.shape, rt.master_dtype)
         self.full_shapes = self.local_shapes
         if rt.tp_layouts:  # the single-device shapes (the full matrices, their default views)
             from dmuon.stateful.modes.tensor_parallel import full_shape
             views = {n: (Batch(0) if n in rt.tp_layouts else v) for n, v in self.views.items()}
-            with default_views(views):
-                full_state = chain.init({n: torch.empty(full_shape(rt, n), device="meta",
-                                                        dtype=rt.master_dtype[n])
-                                         for n in rt.names})
-            self.full_shapes = _shapes(full_state, self.fields)
-        self.master_dtype = {n: rt.master_dtype[n] for n in rt.names}
+            full = oc.meta_state(chain, views, {n: full_shape(rt, n) for n in rt.names},
+                                 rt.master_dtype)
+            self.full_shapes = _shapes(full, self.fields)
         #: the storage of the ``"momentum_buffer"`` field (``None``: fp32 on the device)
         self.storage = storage if storage is not None and not storage.identity else None
         self.stored_field = next((f for f in self.fields if f.key == "momentum_buffer"
@@ -184,7 +180,7 @@ class OwnerDriver:
                 stored = self.stored_momentum()
                 kept = self.storage.values({n: t for n, t in stored.items() if n not in got},
                                            self.rt.owned_masters())
-                work = {n: (got[n] if n in got else kept[n]).to(dtype=self.master_dtype[n],
+                work = {n: (got[n] if n in got else kept[n]).to(dtype=self.rt.master_dtype[n],
                                                                 copy=True) for n in stored}
                 self.state = replace_path(self.state, f.path,
                                           self.storage.load(work, saved_dtype, what))

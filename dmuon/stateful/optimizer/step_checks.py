@@ -1,5 +1,6 @@
-"""The checks ``dmuon.Muon.step`` runs before anything changes, each raising on every rank: FSDP2
-gradients on some ranks only, non-finite gradients, a gradient on a param frozen at construction."""
+"""The collective checks ``dmuon.Muon.step`` runs before anything changes, each raising on every
+rank: FSDP2 gradients on some ranks only, non-finite gradients (the verdicts, and the checks that
+need no collective, are :mod:`dmuon.functional.step_checks`')."""
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -7,13 +8,12 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon.functional.grad_checks import (check_finite_flags, check_grads_on_all_ranks,
-                                          check_outside_grads)
+from dmuon.functional.step_checks import check_finite_flags, check_grads_on_all_ranks
 from dmuon.kernels.streams import side_stream
 from dmuon.stateful.runtime.agree import rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
-__all__ = ["check_same_fsdp_grads", "check_finite", "check_outside_grads", "host_all_reduce"]
+__all__ = ["check_same_fsdp_grads", "check_finite", "host_all_reduce"]
 
 
 def host_all_reduce(values: Sequence[int], group: Any, device: torch.device) -> list[int]:

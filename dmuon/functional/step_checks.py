@@ -1,14 +1,33 @@
-"""The verdicts of the gradient checks ``dmuon.Muon.step`` runs before anything changes (pure:
-the stateful layer gathers what every rank holds, these decide and raise): a gradient on a param
-frozen at construction, an FSDP2 param with a gradient on some ranks only, a non-finite
-gradient."""
+"""The verdicts of the checks ``dmuon.Muon.step`` runs before anything changes (pure: the
+stateful layer gathers what every rank holds, these decide and raise): a superseded optimizer or
+no fresh gradient, a gradient on a param frozen at construction, an FSDP2 param with a gradient
+on some ranks only, a non-finite gradient."""
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["check_outside_grads", "check_grads_on_all_ranks", "check_finite_flags"]
+__all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks",
+           "check_finite_flags"]
+
+
+def check_step_ready(current: bool, fresh: bool) -> None:
+    """Raise ``RuntimeError`` unless this optimizer is the newest on its model (``current``) and
+    a backward reached the dedicated matrices since the last step (``fresh``)."""
+    if not current:
+        raise RuntimeError(
+            "dmuon.Muon.step: a newer dmuon.Muon was built on this model, which supersedes "
+            "this one (two optimizers would both update every matrix each step). Nothing was "
+            "updated. Step only the newest optimizer (build one dmuon.Muon per model).")
+    if not fresh:
+        raise RuntimeError(
+            "dmuon.Muon.step: no backward pass reached the dedicated matrices since the last "
+            "step() (or zero_grad()), so there is no fresh gradient to apply; nothing was "
+            "updated. Run forward and loss.backward() (the last micro-batch outside "
+            "dmuon.no_sync) before every step(). A step() on one rank only, or twice in a row, "
+            "would update that rank's FSDP2 shards again and leave its dedicated matrices "
+            "behind the other ranks'.")
 
 
 def check_outside_grads(outside: Sequence[tuple[str, Any]]) -> None:
