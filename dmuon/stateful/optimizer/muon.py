@@ -22,11 +22,11 @@ from dmuon.stateful.optimizer.ns_hook import NSHook
 from dmuon.stateful.optimizer.split_step import split_step
 from dmuon.stateful.optimizer.state_views import StateViewsMixin
 from dmuon.stateful.modes.ddp import check_backend
-from dmuon.stateful.runtime.state import unwrap_model
 from dmuon.stateful.modes.deferred import finish_pending
-from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
+from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor, unwrap_model
 from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
-from dmuon.stateful.optimizer.step_checks import check_finite, check_outside_grads, check_same_fsdp_grads
+from dmuon.functional.step_checks import check_outside_grads, check_step_ready
+from dmuon.stateful.optimizer.step_checks import check_finite, check_same_fsdp_grads
 from dmuon.stateful.modes.tensor_parallel import TPStep
 
 logger = logging.getLogger(__name__)
@@ -240,8 +240,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         (that engine on any device), ``"functional"``, or an ``NSEngine`` (its execution
         settings; what it computes must be this optimizer's NS hyper-parameters, checked at
         every step)."""
-        NSHook.check(engine)
-        self._ns = NSHook(engine, self.telemetry)
+        self._ns = NSHook(engine, self.telemetry)  # checks engine first
 
     def set_elementwise(self, mode: str) -> None:
         """Muon's elementwise stages (momentum + Nesterov input; weight decay + update):
@@ -271,19 +270,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rt = self._rt
-        if not rt.is_current(self._generation):
-            raise RuntimeError(
-                "dmuon.Muon.step: a newer dmuon.Muon was built on this model, which supersedes "
-                "this one (two optimizers would both update every matrix each step). Nothing was "
-                "updated. Step only the newest optimizer (build one dmuon.Muon per model).")
-        if not rt.ledger.fresh:
-            raise RuntimeError(
-                "dmuon.Muon.step: no backward pass reached the dedicated matrices since the last "
-                "step() (or zero_grad()), so there is no fresh gradient to apply; nothing was "
-                "updated. Run forward and loss.backward() (the last micro-batch outside "
-                "dmuon.no_sync) before every step(). A step() on one rank only, or twice in a row, "
-                "would update that rank's FSDP2 shards again and leave its dedicated matrices "
-                "behind the other ranks'.")
+        check_step_ready(rt.is_current(self._generation), rt.ledger.fresh)
         check_outside_grads(self._outside)
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         grads = rt.reduced_grads()
@@ -307,12 +294,12 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
     @property
     def elementwise_mode(self) -> str:
         """``"fused"`` (Triton kernels) or ``"foreach"``: how the owner's elementwise Muon stages run."""
-        return "foreach" if self._elementwise(self._rt) is None else "fused"
+        return "foreach" if self._elementwise() is None else "fused"
 
-    def _elementwise(self, rt: DedicatedState) -> Optional[fmuon.MuonElementwise]:
+    def _elementwise(self) -> Optional[fmuon.MuonElementwise]:
         """The ``elementwise=`` hook for this step (see the ``elementwise`` argument)."""
         if self.elementwise == "foreach" or (self.elementwise == "auto"
-                                             and rt.device.type != "cuda"):
+                                             and self._rt.device.type != "cuda"):
             return None
         from dmuon.kernels.muon_elementwise import fused_elementwise
         return fused_elementwise()
@@ -336,7 +323,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         grads = {n: torch.zeros_like(params[n]) if g is None and n in zeroed else g
                  for n, g in grads.items()}
         stepped = self._owner.step(grads, params, hp, orthogonalizer=self._orthogonalizer,
-                                   elementwise=self._elementwise(rt),
+                                   elementwise=self._elementwise(),
                                    sum_hook=self._tp.sum_partials if self._tp else None)
         if self._split is not None:
             self._split.finish()

@@ -1,6 +1,7 @@
 """The host <-> device copies of offloaded Muon state (:class:`OffloadCopies`): copies in on one
 side stream, copies back on another; copies back that would outlast the step start at the next
-forward's first hook group (:func:`next_out_budget` learns the step's budget from timing events).
+forward's first hook group (:func:`~dmuon.functional.momentum_chunks.next_out_budget` learns the
+step's budget from timing events).
 Design notes: docs/design/optimizer.md, "Offload copies and their timing"."""
 from __future__ import annotations
 
@@ -9,26 +10,10 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from dmuon.functional.momentum_chunks import next_out_budget
 from dmuon.kernels.streams import side_stream
 
 __all__ = ["OffloadCopies", "next_out_budget"]
-
-
-def next_out_budget(budget: Optional[int], nbytes: int, deferred: bool, copy_ms: float,
-                    past_end_ms: float) -> Optional[int]:
-    """The bytes of copies back the next step starts at once (pure): the last step started
-    ``nbytes`` at once (``budget`` allowed; ``deferred``: it held some back), whose copies took
-    ``copy_ms`` from the first one's start and ended ``past_end_ms`` after the step's end
-    (negative: before it). Copies that ran past the end are held back next time; when the copies
-    ended early and some were held back, the room left is given to them. ``None``: no limit."""
-    if copy_ms <= 0.0 or nbytes <= 0:
-        return budget
-    rate = nbytes / copy_ms  # bytes per ms
-    if past_end_ms > 0.0:
-        return max(0, int(nbytes - past_end_ms * rate))
-    if deferred:
-        return int(nbytes - past_end_ms * rate)
-    return budget
 
 
 class OffloadCopies:

@@ -10,43 +10,17 @@ import torch
 
 from dmuon.functional import muon as fmuon
 from dmuon.functional import state_dtype as sd
+from dmuon.functional import owner_checks as oc
 from dmuon.functional import transforms as T
 from dmuon.functional import variants
 from dmuon.functional.matrix_view import Batch
 from dmuon.functional.owner_step import owner_step
 from dmuon.functional.stages.hparams import new_step, next_step
 from dmuon.functional.stages.leaves import default_views
-from dmuon.functional.state_fields import LAYOUTS, scalar_leaves, state_fields
+from dmuon.functional.state_fields import scalar_leaves, state_fields
 from dmuon.functional.tree import get_path, replace_path
 
-__all__ = ["OwnerDriver", "is_muon"]
-
-
-def is_muon(transform: Any) -> bool:
-    """Whether ``transform`` is Muon itself (``None``, the default, or ``variants.muon(...)``)."""
-    return transform is None or (isinstance(transform, variants.Variant)
-                                 and transform.name == "muon")
-
-
-def _tp_lacks(layouts: Mapping[str, Any]) -> dict[str, list[str]]:
-    """``{quantity: [matrices]}`` an owner of a TP slice cannot serve (module docstring)."""
-    lacks: dict[str, list[str]] = {}
-    for n, lay in layouts.items():
-        lacks.setdefault("whole_matrix", []).append(n)
-        if lay.dim == 1:
-            lacks.setdefault("whole_rows", []).append(n)
-    return lacks
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return False
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - incomparable: not the same
-        return False
+__all__ = ["OwnerDriver"]
 
 
 def _shapes(state: Any, fields: list) -> dict[str, dict[str, tuple[int, ...]]]:
@@ -66,66 +40,39 @@ class OwnerDriver:
         the master's dtype on the device).
 
     Raises:
-      TypeError, ValueError: see the module docstring.
+      TypeError, ValueError: see :mod:`dmuon.functional.owner_checks`.
     """
 
     def __init__(self, transform: Any, hparams: fmuon.MuonHParams, rt: Any,
                  storage: Any = None):
         #: another chain than Muon itself (a variant, or the user's chain)
-        self.custom = not is_muon(transform)
+        self.custom = not oc.is_muon(transform)
         transform = variants.muon() if transform is None else transform
-        if not (isinstance(transform, T.Transform) or callable(transform)):
-            raise TypeError(f"dmuon.Muon: transform must be a dmuon.functional.transforms."
-                            f"Transform or a function MuonHParams -> Transform (e.g. dmuon."
-                            f"functional.variants.normuon()), got {type(transform).__name__}")
+        oc.check_transform(transform)
         self.transform, self.fixed = transform, isinstance(transform, T.Transform)
         self.hp0 = hparams
         self.rt = rt
         chain = self.chain(hparams)
-        if chain.update_ is None:
-            raise TypeError("dmuon.Muon: the transform has no in-place form (a stage without "
-                            "update_); the owners run chains in place")
-        if self.fixed and any(m != (1.0, 1.0) for m in rt.hp_mults.values()):
-            raise ValueError("dmuon.Muon: the policy sets lr_mult / wd_mult, but a fixed Transform "
-                             "carries its own learning rate; pass a function hparams -> Transform")
-        lacks = _tp_lacks(rt.tp_layouts)
-        bad = {q: lacks[q] for q in chain.needs if q in lacks}
-        if bad:
-            q, ns = next(iter(bad.items()))
-            raise ValueError(
-                f"dmuon.Muon: the transform needs {q!r} of each matrix, which the owner of a "
-                f"tensor-parallel slice does not hold ({len(ns)} matrices, e.g. {ns[:3]}: "
-                f"{'row and column' if q == 'whole_matrix' else 'column'} slices). Leave those "
-                "matrices out of TP, or use a stage that works on sums "
-                "(Leaves.sum_partials: 'row_sums', 'matrix_sums').")
+        oc.check_chain(chain, self.fixed, rt.hp_mults, rt.tp_layouts)
         self.views = {n: rt.views[n] for n in rt.names}
-        with default_views(self.views):
-            meta_state = chain.init({n: torch.empty(rt.shape[n], dtype=rt.master_dtype[n],
-                                                    device="meta") for n in rt.names})
-        self.fields = state_fields(meta_state)
-        self.local_shapes = _shapes(meta_state, self.fields)
-        self._check_fields(meta_state, rt)
+        meta = oc.meta_state(chain, self.views, {n: rt.shape[n] for n in rt.names},
+                             rt.master_dtype)
+        self.fields = state_fields(meta)
+        self.local_shapes = _shapes(meta, self.fields)
+        oc.check_fields(self.fields, meta, rt.shape, rt.master_dtype)
         self.full_shapes = self.local_shapes
         if rt.tp_layouts:  # the single-device shapes (the full matrices, their default views)
             from dmuon.stateful.modes.tensor_parallel import full_shape
             views = {n: (Batch(0) if n in rt.tp_layouts else v) for n, v in self.views.items()}
-            with default_views(views):
-                full_state = chain.init({n: torch.empty(full_shape(rt, n), device="meta",
-                                                        dtype=rt.master_dtype[n])
-                                         for n in rt.names})
-            self.full_shapes = _shapes(full_state, self.fields)
-        self.master_dtype = {n: rt.master_dtype[n] for n in rt.names}
+            full = oc.meta_state(chain, views, {n: full_shape(rt, n) for n in rt.names},
+                                 rt.master_dtype)
+            self.full_shapes = _shapes(full, self.fields)
         #: the storage of the ``"momentum_buffer"`` field (``None``: fp32 on the device)
         self.storage = storage if storage is not None and not storage.identity else None
         self.stored_field = next((f for f in self.fields if f.key == "momentum_buffer"
                                   and f.layout == "param"), None)
-        if self.storage is not None and self.stored_field is None:
-            raise ValueError(
-                f"dmuon.Muon: momentum_dtype={self.storage.dtype}, offload_state="
-                f"{self.storage.offload} apply to the momentum stage's buffers, and this "
-                "transform= has no momentum stage (no 'momentum_buffer' state field); nothing "
-                "would be stored differently. Drop those options, or add T.trace_momentum(...) "
-                "to the chain.")
+        if self.storage is not None:
+            oc.check_stored_field(self.stored_field, self.storage.dtype, self.storage.offload)
         self.state = self._fresh(chain, first=True)
         #: steps in which this owner updated a matrix (``muon_step``; schedules are read at it)
         self.step_count = new_step()
@@ -154,32 +101,8 @@ class OwnerDriver:
     def chain(self, hparams: fmuon.MuonHParams) -> T.Transform:
         """The chain for ``hparams`` (a fixed Transform: itself)."""
         chain = self.transform if self.fixed else self.transform(hparams)
-        if not isinstance(chain, T.Transform):
-            raise TypeError(f"dmuon.Muon: transform(hparams) must return a Transform, got "
-                            f"{type(chain).__name__}")
+        oc.check_built_chain(chain)
         return chain
-
-    def _check_fields(self, state: Any, rt: Any) -> None:
-        for f in self.fields:
-            if f.layout not in LAYOUTS:
-                raise ValueError(f"dmuon.Muon: state field {f.key!r} has layout {f.layout!r}; "
-                                 f"one of {LAYOUTS}")
-            for n, t in get_path(state, f.path).items():
-                shape, numel = tuple(rt.shape[n]), 1
-                for d in shape:
-                    numel *= d
-                ok = tuple(t.shape) == shape if f.layout == "param" else \
-                    (t.ndim == 1 and t.numel() <= numel)
-                wide = rt.master_dtype[n]
-                fits = t.dtype.is_floating_point and (t.dtype == wide or torch.finfo(
-                    t.dtype).bits < torch.finfo(wide).bits)
-                if not (ok and fits):
-                    raise ValueError(
-                        f"dmuon.Muon: state field {f.key!r} of {n!r} is {tuple(t.shape)} "
-                        f"{t.dtype}; a {f.layout!r} field must be "
-                        + ("the param's shape " + str(shape) if f.layout == "param"
-                           else f"1-D with at most {numel} values")
-                        + f", floating, in a dtype the master ({wide}) holds")
 
     # ------------------------------------------------------------------ step
     def step(self, grads: dict, params: dict, hparams: fmuon.MuonHParams, *,
@@ -190,13 +113,8 @@ class OwnerDriver:
         ``orthogonalize`` stage runs (the optimizer's, behind TP's gathers or split NS);
         ``elementwise``: fused momentum / apply implementations; ``sum_hook``: TP's partial
         sums. Runs on every rank every step (a chain's counts advance alike everywhere)."""
-        if self.fixed and not all(_same(a, b) for a, b in zip(hparams, self.hp0)):
-            raise RuntimeError(
-                "dmuon.Muon.step: param_groups[0]'s Muon hyper-parameters changed (an lr "
-                "scheduler?), but the transform is a fixed Transform with its own; nothing was "
-                "updated. Pass a function hparams -> Transform (e.g. dmuon.functional.variants."
-                "normuon()) so the chain is built from param_groups[0] each step, or schedule "
-                "inside the chain.")
+        if self.fixed:
+            oc.check_fixed_hparams(hparams, self.hp0)
         stepped = [n for n, g in grads.items() if g is not None]
         io = None
         if self.storage is not None and stepped:  # the stored momentum, chunk by chunk
@@ -262,7 +180,7 @@ class OwnerDriver:
                 stored = self.stored_momentum()
                 kept = self.storage.values({n: t for n, t in stored.items() if n not in got},
                                            self.rt.owned_masters())
-                work = {n: (got[n] if n in got else kept[n]).to(dtype=self.master_dtype[n],
+                work = {n: (got[n] if n in got else kept[n]).to(dtype=self.rt.master_dtype[n],
                                                                 copy=True) for n in stored}
                 self.state = replace_path(self.state, f.path,
                                           self.storage.load(work, saved_dtype, what))

@@ -4,44 +4,18 @@ optimizer's NS settings, run through the executor by the pure
 Newton–Schulz on the owners"."""
 from __future__ import annotations
 
-import dataclasses
 import logging
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
-from dmuon.functional.split_exec import (run_split_units, split_member, split_ns_settings,
-                                         split_orthogonalizer, split_step_schedule)
+from dmuon.functional.split_exec import run_split_units, split_orthogonalizer
+from dmuon.functional.split_units import check_split_support, split_units
 from dmuon.newton_schulz.config import NSConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SplitStep", "global_unit", "check_split_support", "split_step"]
-
-
-def global_unit(unit: Any, plan: Any, mesh_groups: Any) -> Any:
-    """``unit`` with its blocks' slots (``r * G + s``) as the global ranks of those coordinates."""
-    blocks = tuple(dataclasses.replace(b, slot=mesh_groups.global_rank(*plan.coord_of(b.slot)))
-                   for b in unit.blocks)
-    return dataclasses.replace(unit, blocks=blocks)
-
-
-def check_split_support(rt: Any, transform: Any) -> None:
-    """Raise (on every rank alike: everything checked is the same everywhere) for what split NS
-    does not run with."""
-    if not rt.plan.splits:
-        return
-    names = [sp.param for sp in rt.plan.splits]
-    if transform is not None:
-        raise NotImplementedError(
-            f"dmuon.Muon(transform=...): the plan splits the Newton–Schulz of {names[:3]}, which "
-            "only the built-in Muon update runs; dedicate_params(split_ns=1) for a variant chain")
-    mults = {tuple(rt.hp_mults.get(n, (1.0, 1.0))) for n in rt.names}
-    if len(mults) > 1:
-        raise NotImplementedError(
-            f"dmuon.Muon: split Newton–Schulz ({names[:3]}) with per-param lr / weight-decay "
-            f"multipliers {sorted(mults)} is not supported; drop the multipliers or "
-            "dedicate_params(split_ns=1)")
+__all__ = ["SplitStep", "check_split_support", "split_step"]
 
 
 def split_step(rt: Any, transform: Any, hparams: Any) -> Optional["SplitStep"]:
@@ -63,19 +37,9 @@ class SplitStep:
 
     def __init__(self, rt: Any, config: NSConfig):
         mg = rt.mesh_groups
-        self.rt, self.executor, self.config = rt, rt.executor, config
-        self.device = rt.device
-        self.members, schedules = [], []
-        for sp in rt.plan.splits:
-            unit = global_unit(sp, rt.plan, mg)
-            xdt = _dtype(rt.master_dtype[sp.param])
-            settings = split_ns_settings(config, sp.layout.m, sp.layout.n, xdt, self.device.type)
-            sched = split_step_schedule(unit, rt.G, rt.R, settings, xdt)
-            schedules.append(sched)
-            if mg.rank in unit.members:
-                self.members.append(split_member(unit, unit.members.index(mg.rank), sched,
-                                                 settings, xdt))
-        self.schedules = tuple(schedules)
+        self.executor, self.config, self.device = rt.executor, config, rt.device
+        self.schedules, self.members = split_units(rt.plan, rt.G, rt.R, config, rt.master_dtype,
+                                                   self.device.type, mg.rank, mg.global_rank)
         self.owned = {m.unit.param for m in self.members if m.index == 0}
         self._ran = False
         log.debug("dmuon split NS: %d units, rank %d is a member of %d (owner of %d)",
@@ -109,8 +73,3 @@ class SplitStep:
         first (:func:`dmuon.functional.split_exec.split_orthogonalizer`)."""
         return split_orthogonalizer(inner, input_names, self.owned, self.run)
 
-
-def _dtype(d: Any) -> torch.dtype:
-    if isinstance(d, torch.dtype):
-        return d
-    return getattr(torch, str(d).replace("torch.", ""))

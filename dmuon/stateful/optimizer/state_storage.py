@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from dmuon.functional import state_dtype as sd
+from dmuon.functional.momentum_chunks import step_chunks
 from dmuon.stateful.optimizer.offload_copies import OffloadCopies
 
 logger = logging.getLogger(__name__)
@@ -137,7 +138,7 @@ class MomentumStorage:
         before the first use). A no-op on device.
 
         Called per hook group when its gradient reduce is issued in backward
-        (:class:`StorageListener`; ``ahead=True``:
+        (:class:`StorageListener`, for the owned names of the group; ``ahead=True``:
         only while the staged bytes stay within :attr:`prefetch_bytes`) and by the step for the
         rest, a chunk ahead."""
         if not self.offload:
@@ -157,13 +158,6 @@ class MomentumStorage:
             if not todo:
                 return
         self.copies.copy_in(todo)
-
-    def prefetch_owned(self, momentum: Optional[Mapping[str, Tensor]], names: Any) -> None:
-        """:meth:`prefetch` (``ahead``) of the stored ``momentum`` (``{name: stored tensor}``,
-        ``None``: none) of those ``names`` it holds: the optimizer's callback when a hook
-        group's reduce is issued (a no-op on device)."""
-        if momentum is not None and self.offload:
-            self.prefetch({n: momentum[n] for n in names if n in momentum}, ahead=True)
 
     def staged_names(self) -> list[str]:
         """The names whose copy to the device was started and not consumed yet, in that order."""
@@ -248,20 +242,8 @@ class StepIO:
 
     def chunks(self, names: Sequence[str]) -> list[list[int]]:
         st = self.st
-        pos = {n: i for i, n in enumerate(names)}
-        first = [n for n in st.staged_names() if n in pos]
-        staged = set(first)
-        order = first + [n for n in names if n not in staged]
-        out: list[list[int]] = []
-        size = 0
-        for n in order:
-            b = self.masters[n].nbytes
-            if out and size + b <= st.chunk_bytes:
-                out[-1].append(pos[n])
-                size += b
-            else:
-                out.append([pos[n]])
-                size = b
+        nbytes = {n: self.masters[n].nbytes for n in names}
+        out = step_chunks(names, st.staged_names(), nbytes, st.chunk_bytes)
         self._plan = [[names[k] for k in ks] for ks in out]
         self._next = 0
         st.last_chunks += len(out)
@@ -338,7 +320,7 @@ class StorageListener:
     """The runtime's listener (:meth:`~dmuon.stateful.runtime.state.DedicatedState.set_listener`)
     of one optimizer (held weakly: the model does not keep it alive): when a hook group's reduce
     is issued, its owned offloaded momentum starts its copy to the device
-    (:meth:`MomentumStorage.prefetch_owned`); when a forward reaches its first hook group, the
+    (:meth:`MomentumStorage.prefetch`, ``ahead``); when a forward reaches its first hook group, the
     copies back the last step deferred start (:meth:`MomentumStorage.flush`). No-ops on device."""
 
     def __init__(self, optimizer: Any):
@@ -346,20 +328,15 @@ class StorageListener:
 
     def reduce_issued(self, names: Any) -> None:
         opt = self.ref()
-        if opt is not None and opt.dedicated_state.is_current(self.generation):
-            opt._storage.prefetch_owned(stored_momentum(opt), names)
+        if opt is not None and opt.dedicated_state.is_current(self.generation) \
+                and opt._storage.offload:
+            mom = opt._owner.stored_momentum()
+            opt._storage.prefetch({n: mom[n] for n in names if n in mom}, ahead=True)
 
     def group_forward(self) -> None:  # also once when a newer optimizer replaces this listener
         opt = self.ref()
         if opt is not None:
             opt._storage.flush()
-
-
-def stored_momentum(optimizer: Any) -> Optional[dict[str, Tensor]]:
-    """``{owned name: stored momentum}`` of ``optimizer``'s chain (its ``"momentum_buffer"``
-    field; ``None``: no momentum stage)."""
-    owner = optimizer._owner
-    return owner.stored_momentum() if owner.stored_field is not None else None
 
 
 def checkpoint_momentum(optimizer: Any, names: Optional[Any] = None) -> dict[str, Tensor]:
@@ -384,7 +361,4 @@ def install_momentum(optimizer: Any, values: Mapping[str, Tensor], saved_dtype: 
 def state_nbytes(optimizer: Any) -> dict[str, int]:
     """``{"device": bytes, "host": bytes}`` this rank's optimizer holds for its owned matrices'
     Muon state (what :func:`dmuon.functional.memory_model.rank_memory` models)."""
-    mom = stored_momentum(optimizer)
-    if mom is None:
-        return {"device": 0, "host": 0}
-    return optimizer._storage.nbytes(mom)
+    return optimizer._storage.nbytes(optimizer._owner.stored_momentum())

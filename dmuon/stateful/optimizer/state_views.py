@@ -10,41 +10,12 @@ import torch
 from dmuon.functional import state_dtype as sd
 from dmuon.stateful.runtime.guards import make_marker
 
-__all__ = ["StateViewsMixin", "fill_state_views"]
-
-
-def fill_state_views(opt: Any, views: dict) -> None:
-    """Clear ``views`` and fill it from ``opt``'s functional states: the owned matrices' state by
-    key, a marker that refuses math for a matrix held by its owner, AdamW's moments."""
-    rt = opt._rt
-    opt._storage.synchronize()  # offload: the host buffers hold the last step's values
-    views.clear()
-    owner = opt._owner
-    step_m = torch.tensor(float(owner.step_count if rt.owned_names else opt.num_steps))
-    own = {f.key: owner.value_of(f.key, rt.owned_masters(), view=True)  # the stored momentum:
-           for f in owner.fields}  # its stored tensors (fp8: decoded, inference tensors)
-    for n in rt.names:
-        entry = {}
-        for key, vals in own.items():
-            buf = vals.get(n)
-            if buf is None:  # held by its owner: a marker that refuses math (torch's tools
-                buf = opt._momentum_markers.get((n, key))  # read the keys)
-                if buf is None:
-                    buf = make_marker(rt.params[n], n, None, what="momentum"
-                                      if key == "momentum_buffer" else key)
-                    opt._momentum_markers[(n, key)] = buf
-            entry[key] = buf
-        views[rt.params[n]] = dict(entry, step=step_m)
-    if opt.adamw_state is not None:
-        step = torch.tensor(float(opt.adamw_state.step))
-        for n, p in opt._adamw_named:
-            views[p] = {"step": step, "exp_avg": opt.adamw_state.mu[n],
-                    "exp_avg_sq": opt.adamw_state.nu[n]}
+__all__ = ["StateViewsMixin"]
 
 
 class StateViewsMixin:
-    """``optimizer.state`` of :class:`dmuon.Muon`: views built by :func:`fill_state_views` when read
-    after a change (the hot path only marks them stale)."""
+    """``optimizer.state`` of :class:`dmuon.Muon`: views built by :meth:`refresh_state_views` when
+    read after a change (the hot path only marks them stale)."""
 
     #: ``step()`` changed the functional states since ``self.state`` was last built.
     _state_views_stale = False
@@ -74,6 +45,32 @@ class StateViewsMixin:
             self._state_views.clear()
 
     def refresh_state_views(self) -> None:
-        """Rebuild ``self.state[param]`` (torch-style views) from the functional states."""
+        """Rebuild ``self.state[param]`` (torch-style views) from the functional states: the owned
+        matrices' state by key, a marker that refuses math for a matrix held by its owner,
+        AdamW's moments."""
         self._state_views_stale = False
-        fill_state_views(self, self._state_views)
+        rt = self._rt
+        self._storage.synchronize()  # offload: the host buffers hold the last step's values
+        views = self._state_views
+        views.clear()
+        owner = self._owner
+        step_m = torch.tensor(float(owner.step_count if rt.owned_names else self.num_steps))
+        own = {f.key: owner.value_of(f.key, rt.owned_masters(), view=True)  # the stored momentum:
+               for f in owner.fields}  # its stored tensors (fp8: decoded, inference tensors)
+        for n in rt.names:
+            entry = {}
+            for key, vals in own.items():
+                buf = vals.get(n)
+                if buf is None:  # held by its owner: a marker that refuses math (torch's tools
+                    buf = self._momentum_markers.get((n, key))  # read the keys)
+                    if buf is None:
+                        buf = make_marker(rt.params[n], n, None, what="momentum"
+                                          if key == "momentum_buffer" else key)
+                        self._momentum_markers[(n, key)] = buf
+                entry[key] = buf
+            views[rt.params[n]] = dict(entry, step=step_m)
+        if self.adamw_state is not None:
+            step = torch.tensor(float(self.adamw_state.step))
+            for n, p in self._adamw_named:
+                views[p] = {"step": step, "exp_avg": self.adamw_state.mu[n],
+                            "exp_avg_sq": self.adamw_state.nu[n]}

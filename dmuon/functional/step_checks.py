@@ -1,0 +1,86 @@
+"""The verdicts of the checks ``dmuon.Muon.step`` runs before anything changes (pure: the
+stateful layer gathers what every rank holds, these decide and raise): a superseded optimizer or
+no fresh gradient, a gradient on a param frozen at construction, an FSDP2 param with a gradient
+on some ranks only, a non-finite gradient."""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks",
+           "check_finite_flags"]
+
+
+def check_step_ready(current: bool, fresh: bool) -> None:
+    """Raise ``RuntimeError`` unless this optimizer is the newest on its model (``current``) and
+    a backward reached the dedicated matrices since the last step (``fresh``)."""
+    if not current:
+        raise RuntimeError(
+            "dmuon.Muon.step: a newer dmuon.Muon was built on this model, which supersedes "
+            "this one (two optimizers would both update every matrix each step). Nothing was "
+            "updated. Step only the newest optimizer (build one dmuon.Muon per model).")
+    if not fresh:
+        raise RuntimeError(
+            "dmuon.Muon.step: no backward pass reached the dedicated matrices since the last "
+            "step() (or zero_grad()), so there is no fresh gradient to apply; nothing was "
+            "updated. Run forward and loss.backward() (the last micro-batch outside "
+            "dmuon.no_sync) before every step(). A step() on one rank only, or twice in a row, "
+            "would update that rank's FSDP2 shards again and leave its dedicated matrices "
+            "behind the other ranks'.")
+
+
+def check_outside_grads(outside: Sequence[tuple[str, Any]]) -> None:
+    """Raise if a param in none of the optimizer's groups (``requires_grad=False`` when
+    ``dmuon.Muon`` was built, so neither dedicated nor AdamW's) has a gradient: it was unfrozen
+    since, and no optimizer would apply its gradient. No collective: every rank computes the same
+    verdict, since FSDP2 gives each rank a gradient of a param any rank used (a param unfrozen on
+    some ranks only already breaks FSDP2's reduce-scatter)."""
+    bad = [n for n, p in outside if p.grad is not None]
+    if bad:
+        raise RuntimeError(
+            f"dmuon.Muon.step: params {bad[:6]}{' ...' if len(bad) > 6 else ''} were frozen "
+            "(requires_grad=False) when dmuon.Muon(model) was built, so they are in none of its "
+            "param groups (dmuon.dedicate_params skips frozen matrices too), yet they have a "
+            "gradient now: they were unfrozen and would silently never be updated. Nothing was "
+            "updated. To train them later, keep them trainable through dedicate_params and "
+            "dmuon.Muon and freeze them afterwards with requires_grad_(False) (a param with no "
+            "gradient is skipped, as torch skips it); to keep them frozen, set "
+            "requires_grad_(False) again and drop their gradients (model.zero_grad()).")
+
+
+def check_grads_on_all_ranks(names: Sequence[str], counts: Sequence[int], world: int) -> None:
+    """Raise if an FSDP2 param of ``names`` has a gradient on some of the ``world`` ranks only
+    (``counts``: on how many ranks each has one), for a torch whose FSDP2 has no
+    ``set_reduce_scatter_unused_params``."""
+    bad = [n for n, c in zip(names, counts) if 0 < c < world]
+    if bad:
+        raise RuntimeError(
+            f"dmuon.Muon.step: FSDP2 params {bad[:6]}{' ...' if len(bad) > 6 else ''} have a "
+            "gradient on some ranks only (e.g. parts of MoE experts that got no token on some "
+            "ranks), so FSDP2's reduce-scatter mixed different params' gradients across ranks. "
+            f"Nothing was updated. torch {torch.__version__}'s FSDP2 has no "
+            "set_reduce_scatter_unused_params (torch 2.13's has it, and dmuon.Muon turns it "
+            "on); upgrade torch, make every rank use every FSDP2 param each step, or move "
+            "those params to dmuon (dedicate them), which handles it.")
+
+
+def check_finite_flags(flags: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]]) -> None:
+    """Raise ``FloatingPointError`` if a rank flagged a non-finite gradient (``flags[0, r]``: its
+    backward computed one among the dedicated matrices' local gradients; ``flags[1, r]``: it
+    holds one among the reduced gradients, FSDP2's shards or the owners' averages), naming the
+    ranks and this rank's non-finite gradients among ``named``."""
+    if bool(flags.any()):
+        world = flags.shape[1]
+        computed = [r for r in range(world) if flags[0, r] > 0]
+        reduced = [r for r in range(world) if flags[1, r] > 0]
+        local = [n for n, g in named if not torch.isfinite(g).all()]
+        raise FloatingPointError(
+            "dmuon.Muon.step: non-finite (NaN/Inf) gradients"
+            + (f"; computed by the backward of ranks {computed} (dedicated matrices' local "
+               "gradients)" if computed else "")
+            + (f"; in the reduced gradients held by ranks {reduced} (FSDP2 shards or owners' "
+               "averages)" if reduced else "")
+            + (f" (here: {local[:8]})" if local else "")
+            + ". Nothing was updated; call optimizer.zero_grad() to skip this batch, lower the "
+            "learning rate or check the loss and inputs (or pass check_finite=False).")

@@ -1,0 +1,92 @@
+"""The optimizer's pure decisions (no process group): the owner driver's chain checks
+(:mod:`dmuon.functional.owner_checks`), the step's verdicts (:mod:`dmuon.functional.step_checks`),
+the momentum step's chunks (:mod:`dmuon.functional.momentum_chunks`), a step's lane counts
+(:mod:`dmuon.functional.step_stats`) and the AdamW moments' storage
+(:mod:`dmuon.functional.adamw_storage`)."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+
+def test_owner_checks():
+    from dmuon.functional import owner_checks as oc
+    from dmuon.functional import variants
+    from dmuon.functional.matrix_view import Batch
+    from dmuon.functional.muon import MuonHParams
+    from dmuon.functional.state_fields import state_fields
+
+    assert oc.is_muon(None) and oc.is_muon(variants.muon()) and not oc.is_muon(variants.normuon())
+    with pytest.raises(TypeError, match="transform must be"):
+        oc.check_transform(3)
+    chain = variants.muon()(MuonHParams())
+    meta = oc.meta_state(chain, {"w": Batch(0)}, {"w": (4, 3)}, {"w": torch.float32})
+    fields = state_fields(meta)
+    assert [f.key for f in fields] == ["momentum_buffer"]
+    oc.check_fields(fields, meta, {"w": (4, 3)}, {"w": torch.float32})
+    with pytest.raises(ValueError, match="the param's shape"):
+        oc.check_fields(fields, meta, {"w": (4, 4)}, {"w": torch.float32})
+    with pytest.raises(ValueError, match="fixed Transform"):
+        oc.check_chain(chain, True, {"w": (0.5, 1.0)}, {})
+    oc.check_chain(chain, False, {"w": (0.5, 1.0)}, {"w": SimpleNamespace(dim=1)})  # Muon: sums
+    with pytest.raises(ValueError, match="no momentum stage"):
+        oc.check_stored_field(None, torch.bfloat16, False)
+    oc.check_fixed_hparams((1.0, 2), (1.0, 2))
+    with pytest.raises(RuntimeError, match="hyper-parameters changed"):
+        oc.check_fixed_hparams((1.0, torch.ones(1)), (1.0, torch.ones(1)))
+
+
+def test_step_verdicts():
+    from dmuon.functional import step_checks as sc
+
+    sc.check_step_ready(True, True)
+    with pytest.raises(RuntimeError, match="newer dmuon.Muon"):
+        sc.check_step_ready(False, True)
+    with pytest.raises(RuntimeError, match="no fresh gradient"):
+        sc.check_step_ready(True, False)
+    sc.check_grads_on_all_ranks(["a", "b"], [0, 2], 2)
+    with pytest.raises(RuntimeError, match=r"\['b'\] have a gradient on some ranks only"):
+        sc.check_grads_on_all_ranks(["a", "b"], [2, 1], 2)
+    sc.check_finite_flags(torch.zeros(2, 3), [])
+    flags = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    with pytest.raises(FloatingPointError, match=r"ranks \[1\].*ranks \[2\].*here: \['g'\]"):
+        sc.check_finite_flags(flags, [("g", torch.tensor([float("nan")])), ("h", torch.ones(1))])
+    p = SimpleNamespace(grad=torch.ones(1))
+    with pytest.raises(RuntimeError, match=r"params \['x'\] were frozen"):
+        sc.check_outside_grads([("x", p), ("y", SimpleNamespace(grad=None))])
+
+
+def test_step_chunks_and_lane_delta():
+    from dmuon.functional.momentum_chunks import step_chunks
+    from dmuon.functional.step_stats import lane_delta
+
+    nbytes = {"a": 4, "b": 4, "c": 10, "d": 2}
+    # staged first (in staging order), then the rest in order; a larger matrix alone
+    assert step_chunks(["a", "b", "c", "d"], ["d", "x"], nbytes, 8) == [[3, 0], [1], [2]]
+    assert step_chunks(["a", "b"], [], nbytes, 100) == [[0, 1]]
+    now = {"reduce": {"collectives": 5, "sent_bytes": 10}, "tp": {"collectives": 1}}
+    prev = {"reduce": {"collectives": 2, "sent_bytes": 4}}
+    assert lane_delta(now, prev) == {"reduce": {"collectives": 3, "sent_bytes": 6},
+                                     "tp": {"collectives": 1}}
+
+
+def test_adamw_storage_rounds_into_its_buffers():
+    from dmuon.functional import adamw as fadamw
+    from dmuon.functional.adamw_storage import AdamWStorage
+
+    with pytest.raises(ValueError, match="8-bit float"):
+        AdamWStorage(torch.float8_e4m3fn)
+    params = {"w": torch.zeros(3)}
+    st = AdamWStorage(torch.bfloat16)
+    stored = st.stored_state(fadamw.init(params))
+    assert stored.mu["w"].dtype == torch.bfloat16
+    work = st.working_state(stored, params)
+    assert work.mu["w"].dtype == torch.float32
+    work = work._replace(mu={"w": torch.tensor([1.0 + 2 ** -10, 2.0, 3.0])})
+    out = st.commit_state(stored, work)
+    assert out.mu["w"] is stored.mu["w"] and out.mu["w"].tolist() == [1.0, 2.0, 3.0]
+    fp32 = AdamWStorage(None)
+    s32 = fadamw.init(params)
+    assert fp32.stored_state(s32) is s32 and fp32.working_state(s32, params) is s32
