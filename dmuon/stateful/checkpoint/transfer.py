@@ -8,7 +8,7 @@ Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.transfer".
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 
@@ -16,6 +16,7 @@ from dmuon.functional.buckets import BucketKey
 from dmuon.functional.packing import entries, unpack, zero_buffers
 from dmuon.functional.program import (checkpoint_over_tp, checkpoint_to_columns,
                                       checkpoint_to_every_rank)
+from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices
 from dmuon.stateful.runtime.executor import Executor
 
 __all__ = ["CheckpointTransfer", "transfer_of"]
@@ -88,6 +89,16 @@ class CheckpointTransfer:
         s, _ = self.st.coord
         return unpack(buckets, bufs, where=lambda b, e: b.key.column == s)
 
+    def full_masters(self, groups: Optional[Iterable[str]] = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: ``(name, full master)`` of every dedicated matrix of ``groups`` (default:
+        every hook group that holds some, in the static order), on every rank, TP slices
+        assembled (an all-gather per matrix, TP group); views: copy each before the next group."""
+        for group in self.layout.groups if groups is None else groups:
+            got = self.to_every_rank(group, self.st.masters)
+            yield from assemble_tp_slices(self.st.tp_layouts, got,
+                                          self.st.mesh_groups.tp_group).items()
+
     def from_rank0(self, group: str, shapes: Mapping[str, tuple[int, ...]],
                    value: Callable[[str], torch.Tensor],
                    part: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -111,11 +122,9 @@ class CheckpointTransfer:
                                            for e in b.entries if e.name in shapes], shapes, value)
 
         def rows(n: str) -> Optional[tuple[int, torch.Tensor]]:
-            if not hold or n not in shapes:
+            if not hold or n not in shapes:  # (without TP: hold on rank 0 only)
                 return None
-            if mg.tp_size > 1:
-                return 0, part(n, shared[n])
-            return (0, part(n, value(n))) if st.rank == 0 else None
+            return 0, part(n, shared[n] if mg.tp_size > 1 else value(n))
         return self.to_columns(group, rows, from_replica=at[1])
 
     def _over_tp(self, group: str, names: list[str], shapes: Mapping[str, tuple[int, ...]],
@@ -143,10 +152,6 @@ class CheckpointTransfer:
                                    world_size=st.G * st.R * st.mesh_groups.tp_size)
         self.executor.launch(sched, bufs).wait()
         return out
-
-    def each_group(self) -> Iterator[str]:
-        """The hook groups that hold dedicated matrices, in the static order (every rank)."""
-        return iter(self.layout.groups)
 
 
 def transfer_of(state: Any) -> CheckpointTransfer:
