@@ -16,6 +16,7 @@ from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.stages.hparams import as_step
 from dmuon.functional.state_dict_check import (MOMENTS as _MOMENTS, from_torch_protocol,
+                                               full_dict_problems, full_dict_structure,
                                                full_entries, hparams, loadable_hparams,
                                                optimizer_state_problems, to_torch_protocol)
 from dmuon.stateful.runtime.state import get_state, local_tensor
@@ -246,16 +247,9 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
     rt.join(f"{what}(model, optimizer, sd)", always=True)
     rt.drain()
     has_dict = not rank0_only or rt.rank == 0
-    problems, meta = [], None
-    if has_dict and not (isinstance(state_dict, Mapping) and isinstance(state_dict.get("fsdp2"),
-                                                                         Mapping)
-                         and isinstance(state_dict.get("dedicated"), Mapping)):
-        problems = [f"expected dmuon.get_optimizer_state_dict's dict, got "
-                    f"{type(state_dict).__name__}"]
-    elif rank0_only and has_dict:  # rank 0's structure, to every rank with the verdict
-        meta = {**full_entries(state_dict), "fsdp2": sorted(state_dict["fsdp2"]),
-                "dedicated": {n: sorted(s) for n, s in state_dict["dedicated"].items()}}
-    meta = agree(rt, problems, what, meta)[0]
+    problems = full_dict_problems(state_dict) if has_dict else []
+    mine = full_dict_structure(state_dict) if rank0_only and has_dict and not problems else None
+    meta = agree(rt, problems, what, mine)[0]  # rank 0's structure, with the verdict
     if not rank0_only:
         return load_optimizer_state(optimizer, full_entries(state_dict), what=what,
                                     check_finite=check_finite)

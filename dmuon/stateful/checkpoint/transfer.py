@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 import torch
 
 from dmuon.functional.buckets import BucketKey
+from dmuon.functional.group_layout import grid_position
 from dmuon.functional.packing import entries, unpack, zero_buffers
 from dmuon.functional.program import (checkpoint_over_tp, checkpoint_to_columns,
                                       checkpoint_to_every_rank)
@@ -113,8 +114,7 @@ class CheckpointTransfer:
           part: ``part(name, full)``: this rank's piece of a full value (its TP slice).
         """
         mg, st = self.st.mesh_groups, self.st
-        at = next((s, r) for g in (mg.tp_grids or (mg.grid,)) for r, row in enumerate(g)
-                  for s, x in enumerate(row) if x == 0)
+        at = grid_position(mg.tp_grids or (mg.grid,), 0)[1]
         hold = st.coord == at  # rank 0 (and, under TP, its TP peers)
         shared: dict[str, torch.Tensor] = {}
         if hold and mg.tp_size > 1:
@@ -136,17 +136,12 @@ class CheckpointTransfer:
         for n in names:
             by_dtype.setdefault(st.master_dtype[n], []).append(n)
         bufs, out = {}, {}
-        for dt, ns in by_dtype.items():
+        for dt, ns in by_dtype.items():  # rank 0's values (in dt, on the device), else zeros
             key = BucketKey(group, -1, str(dt))
-            bufs[key] = torch.zeros(sum(math.prod(shapes[n]) for n in ns), dtype=dt,
-                                    device=st.device)
-            off = 0
-            for n in ns:
-                k = math.prod(shapes[n])
-                out[n] = bufs[key][off:off + k].view(shapes[n])
-                if st.rank == 0:
-                    out[n].copy_(value(n))
-                off += k
+            sizes = [math.prod(shapes[n]) for n in ns]
+            bufs[key] = (torch.cat([value(n).reshape(-1) for n in ns]) if st.rank == 0 else
+                         torch.zeros(sum(sizes), dtype=dt, device=st.device))
+            out.update({n: v.view(shapes[n]) for n, v in zip(ns, bufs[key].split(sizes))})
         sched = checkpoint_over_tp(group, {k.dtype: b.numel() for k, b in bufs.items()},
                                    st.mesh_groups.tp_ranks,
                                    world_size=st.G * st.R * st.mesh_groups.tp_size)
