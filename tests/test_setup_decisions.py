@@ -92,3 +92,25 @@ def test_tp_views_replace_the_default_view_only():
     dec["a"] = Decision("muon", Heads(2, "rows"), "rule 0: a")
     with pytest.raises(NotImplementedError, match="'a' is tensor-parallel, and its matrix view"):
         with_tp_views(dec, {"a": Sliced(0, 2)})
+
+
+def test_tp_decisions_refuse_ddp_and_meta_with_tp_slices_only():
+    from dmuon.functional.matrix_view import Batch, Sliced
+    from dmuon.functional.policy import Decision
+    from dmuon.functional.tp_setup import tp_decisions
+    dec = {"a": Decision("muon", Batch(0), "default")}
+    kw = dict(fix="FIX", error=NotImplementedError)
+    out = tp_decisions(dec, {"a": Sliced(1, 2)}, data_parallel="fsdp", on_meta=False, **kw)
+    assert out["a"].view == Sliced(1, 2) and out["a"].source == "tensor parallel"
+    assert tp_decisions(dec, {}, data_parallel="ddp", on_meta=True, **kw) == dec  # no TP slice
+    with pytest.raises(NotImplementedError, match="with data_parallel='ddp' are not .* FIX"):
+        tp_decisions(dec, {"a": Sliced(1, 2)}, data_parallel="ddp", on_meta=False, **kw)
+    with pytest.raises(NotImplementedError, match="on the meta device"):
+        tp_decisions(dec, {"a": Sliced(1, 2)}, data_parallel="fsdp", on_meta=True, **kw)
+
+
+def test_names_by_object_groups_a_tied_params_names():
+    from dmuon.functional.selection import names_by_object
+    a, b = object(), object()
+    got = names_by_object([("x.w", a), ("y", b), ("z.w", a)])
+    assert got == {id(a): ["x.w", "z.w"], id(b): ["y"]}

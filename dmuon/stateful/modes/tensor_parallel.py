@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.compat.torch_api import module_param_slots
+from dmuon.functional.selection import names_by_object
 from dmuon.functional.tp_plan import TPLayout, tp_roots, tp_slicing_problem
 from dmuon.functional.tp_step import (grad_agreement_verdict, grad_agreement_vector, group_max,
                                       tp_orthogonalizer, tp_sum_partials)
@@ -39,9 +40,7 @@ def tp_layouts(model: nn.Module, chosen: Mapping[str, Any]) -> dict[str, TPLayou
       TensorParallelUnsupported: a layout dmuon does not support (design notes), naming it.
     """
     from torch.distributed.tensor import Shard
-    aliases: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        aliases[id(p)] = aliases.get(id(p), 0) + 1
+    aliases = names_by_object(model.named_parameters(remove_duplicate=False))
     out: dict[str, TPLayout] = {}
     meshes = set()
     for n, p in chosen.items():
@@ -50,7 +49,7 @@ def tp_layouts(model: nn.Module, chosen: Mapping[str, Any]) -> dict[str, TPLayou
         pl, mesh = tuple(p.placements), p.device_mesh
         why = tp_slicing_problem(tuple(p.shape), pl, mesh.ndim, mesh.size(),
                                  contiguous=bool(pl) and type(pl[0]) is Shard,
-                                 tied=aliases.get(id(p), 1) > 1)
+                                 tied=len(aliases.get(id(p), ())) > 1)
         if why is not None:
             raise TensorParallelUnsupported(
                 f"dedicate_params: param {n!r} is a DTensor of shape {tuple(p.shape)} with "
