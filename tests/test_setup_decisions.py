@@ -114,3 +114,15 @@ def test_names_by_object_groups_a_tied_params_names():
     a, b = object(), object()
     got = names_by_object([("x.w", a), ("y", b), ("z.w", a)])
     assert got == {id(a): ["x.w", "z.w"], id(b): ["y"]}
+
+
+def test_meta_init_window_checks():
+    from dmuon.functional.meta_init_check import init_window_problems, same_device
+    cpu = torch.device("cpu")
+    assert same_device(None, cpu) and same_device("cpu", cpu) and not same_device("meta", cpu)
+    assert same_device("cuda", torch.device("cuda", 1))
+    assert not same_device("cuda:0", torch.device("cuda", 1))
+    assert init_window_problems([], []) == []
+    got = init_window_problems(["a", "b", "c", "d", "e"], ["buf"])
+    assert got == ["dedicated params never reached by model.to_empty(device=...): "
+                   "['a', 'b', 'c', 'd'] ...", "params / buffers still on the meta device: ['buf']"]

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from dmuon.compat.torch_api import module_param_slots
+from dmuon.functional.meta_init_check import init_window_problems, same_device
 from dmuon.functional.schedule import publish_schedule
 from dmuon.stateful.runtime.agree import agree
 from dmuon.stateful.runtime.errors import DedicatedParamError, from_dtensor_api, tp_error
@@ -59,14 +60,6 @@ class _Info:
     materialized: bool = False       # to_empty reached it
 
 
-def _same_device(want: Any, have: torch.device) -> bool:
-    if want is None:
-        return True
-    want = torch.device(want)
-    return want.type == have.type and (want.index is None or have.index is None
-                                       or want.index == have.index)
-
-
 class DedicatedUninit(TorchGuard, nn.Parameter):
     """The class of a dedicated param of a meta-built model until the init window closes: every
     call runs on a rank that holds the matrix; elsewhere shape queries answer the full shape,
@@ -86,7 +79,7 @@ class DedicatedUninit(TorchGuard, nn.Parameter):
             if from_dtensor_api():  # TP after dedicate_params: raise on holders and others alike
                 raise tp_error(info.name, info.owner)
         if name == "empty_like" and args and args[0] is me and _from_to_empty():
-            if not _same_device(kwargs.get("device"), info.device) or \
+            if not same_device(kwargs.get("device"), info.device) or \
                     kwargs.get("dtype", me.dtype) != me.dtype:
                 raise DedicatedParamError(
                     f"dmuon: model.to_empty(device={kwargs.get('device')}) would move the "
@@ -197,23 +190,11 @@ class MetaInit:
 
     def problems(self, model: nn.Module, dedicated: set) -> list[str]:
         """This rank's reasons the window cannot close (no collective)."""
-        out = []
         late = [n for n, i in self.infos.items() if not i.materialized]
-        if late:
-            out.append(f"dedicated params never reached by model.to_empty(device=...): "
-                       f"{late[:4]}{' ...' if len(late) > 4 else ''}")
-        left = []
-        for n, p in model.named_parameters():
-            if p in dedicated:
-                continue
-            local = p.to_local() if hasattr(p, "to_local") else p
-            if local.is_meta:
-                left.append(n)
+        left = [n for n, p in model.named_parameters() if p not in dedicated
+                and (p.to_local() if hasattr(p, "to_local") else p).is_meta]
         left += [n for n, b in model.named_buffers() if b is not None and b.is_meta]
-        if left:
-            out.append(f"params / buffers still on the meta device: {left[:4]}"
-                       f"{' ...' if len(left) > 4 else ''}")
-        return out
+        return init_window_problems(late, left)
 
     def finish(self, st: Any, what: str) -> None:
         """Close ``st``'s init window (collective on every rank).
