@@ -26,7 +26,7 @@ from dmuon.stateful.runtime.guard_base import (ATTRIBUTE_CALLS, PASS_ON, TorchGu
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DedicatedUninit", "MetaInit", "replace_meta_params", "device_of_mesh"]
+__all__ = ["DedicatedUninit", "MetaInit", "replace_params", "empty_param", "device_of_mesh"]
 
 #: tensors made from one (shape / dtype only): on meta on a rank without the matrix, so that init
 #: code building a scratch (torchtitan's fused-QKV init: new_empty, init, cat, copy_) stays free
@@ -130,21 +130,17 @@ def device_of_mesh(mesh: Any) -> torch.device:
     return torch.device(kind, index)
 
 
-def replace_meta_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
-                        device: torch.device) -> dict[str, nn.Parameter]:
-    """Put a new zero-size ``nn.Parameter`` on ``device`` in place of every selected meta param,
-    in every module that holds it (tied params stay one object); returns ``{name: new param}``."""
+def replace_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
+                   make: Callable[[nn.Parameter], nn.Parameter]) -> dict[str, nn.Parameter]:
+    """Put ``make(p)`` in place of every param ``p`` of ``chosen``, in every module that holds it
+    (tied params stay one object); returns ``{name: new param}``. Meta-device init: ``make`` is
+    :func:`empty_param`; tensor parallelism: a ``DTensor``'s local slice."""
     new: dict[int, nn.Parameter] = {}
     out: dict[str, nn.Parameter] = {}
     for n, p in chosen.items():
-        q = new.get(id(p))
-        if q is None:
-            q = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device),
-                             requires_grad=p.requires_grad)
-            for k, v in vars(p).items():  # user attributes on the param (torchtitan sets none)
-                setattr(q, k, v)
-            new[id(p)] = q
-        out[n] = q
+        if id(p) not in new:
+            new[id(p)] = make(p)
+        out[n] = new[id(p)]
     old = {id(p): p for p in chosen.values()}
     for mod in model.modules():
         slots = module_param_slots(mod)
@@ -152,6 +148,15 @@ def replace_meta_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
             if v is not None and id(v) in new and v is old[id(v)]:
                 slots[k] = new[id(v)]
     return out
+
+
+def empty_param(p: nn.Parameter, device: torch.device) -> nn.Parameter:
+    """A new zero-size ``nn.Parameter`` on ``device`` for the meta param ``p`` (its dtype,
+    ``requires_grad`` and user attributes; torchtitan sets none)."""
+    q = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+    for k, v in vars(p).items():
+        setattr(q, k, v)
+    return q
 
 
 @dataclass(eq=False)

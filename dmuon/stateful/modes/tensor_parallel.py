@@ -23,7 +23,7 @@ from dmuon.stateful.runtime.errors import (TP_FIX, TensorParallelUnsupported, fr
                                       refuse_tp, tp_error)
 
 __all__ = ["TensorParallelUnsupported", "TP_FIX", "TPLayout", "TPForward", "TPStep",
-           "from_dtensor_api", "tp_error", "tp_layouts", "localize_tp_params", "refuse_tp",
+           "from_dtensor_api", "tp_error", "tp_layouts", "refuse_tp",
            "tp_mesh_ranks", "assemble_tp_slices", "full_shape", "local_part"]
 
 
@@ -70,21 +70,6 @@ def tp_mesh_ranks(layouts: Mapping[str, TPLayout]) -> Optional[tuple[int, ...]]:
     for lay in layouts.values():
         return tuple(int(x) for x in lay.mesh.mesh.flatten().tolist())
     return None
-
-
-def localize_tp_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
-                       layouts: Mapping[str, TPLayout]) -> dict[str, nn.Parameter]:
-    """Replace every TP ``DTensor`` param in ``layouts`` by a plain ``nn.Parameter`` of its local
-    slice (sharing its storage); returns ``chosen`` with the new objects."""
-    out = dict(chosen)
-    for n in layouts:
-        mod_name, _, leaf = n.rpartition(".")
-        module = model.get_submodule(mod_name) if mod_name else model
-        old = chosen[n]
-        new = nn.Parameter(old.to_local().detach(), requires_grad=old.requires_grad)
-        module_param_slots(module)[leaf] = new
-        out[n] = new
-    return out
 
 
 class TPForward:

@@ -32,12 +32,12 @@ from dmuon.functional.policy import (as_policy, decide_params, dtype_overrides,
                                      policy_fingerprint, routing_predicate)
 from dmuon.functional.routing import Dedication, routing_table
 from dmuon.functional.selection import check_materialized, names_by_object, select_params
-from dmuon.stateful.modes.meta_init import MetaInit, device_of_mesh, replace_meta_params
+from dmuon.stateful.modes.meta_init import MetaInit, device_of_mesh, empty_param, replace_params
 from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.runtime.process_groups import agree_grids, make_process_groups, with_split_groups
 from dmuon.stateful.modes.deferred import covers_world, defer, find_pending, should_defer
 from dmuon.stateful.modes.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
-                                            localize_tp_params, tp_layouts, tp_mesh_ranks)
+                                                  tp_layouts, tp_mesh_ranks)
 from dmuon.stateful.runtime.state import STATE_ATTR, DedicatedState, find_state
 from dmuon.stateful.checkpoint.torch_state_dict import register_state_dict_hooks
 
@@ -267,12 +267,14 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
     if plan.splits:  # one process group per split unit's members (every rank makes every one)
         mesh_groups = with_split_groups(mesh_groups, [sp.members for sp in plan.splits])
     _bound_mesh_groups((mesh, replicate_mesh), timeout)
-    chosen = localize_tp_params(model, chosen, layouts)  # plain local slices from here on
+    chosen = {**chosen, **replace_params(  # TP: plain local slices from here on
+        model, {n: chosen[n] for n in layouts},
+        lambda p: nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad))}
     meta_shapes = meta_device = None
     if on_meta:  # meta-device init: new real-device param objects, no values (meta_init.py)
         meta_device = device_of_mesh(mesh)
         meta_shapes = {n: tuple(p.shape) for n, p in chosen.items()}
-        chosen = replace_meta_params(model, chosen, meta_device)
+        chosen = replace_params(model, chosen, lambda p: empty_param(p, meta_device))
 
     # a param shared by several modules (tied weights) is moved by the boundary of all its uses
     by_id = names_by_object(model.named_parameters(remove_duplicate=False))
