@@ -66,11 +66,8 @@ def check_backend(model: nn.Module, st: Any, what: str) -> None:
             "model = DistributedDataParallel(model).")
     if getattr(st, "data_parallel", "fsdp") != "ddp":
         return
-    sharded = []
-    for n, p in model.named_parameters():
-        placements = getattr(p, "placements", None)
-        if placements is not None and any(pl.is_shard() for pl in placements):
-            sharded.append(n)
+    sharded = [n for n, p in model.named_parameters()
+               if any(pl.is_shard() for pl in getattr(p, "placements", None) or ())]
     if sharded:
         raise RuntimeError(
             f"{what}: the model was dedicated with data_parallel=\"ddp\" but fully_shard sharded "
@@ -123,5 +120,5 @@ def install_ddp_mode(model: nn.Module, st: Any) -> None:
             st.require_grad_sync = True
             paused["by_ddp"] = False
 
-    st.ddp_hook = model.register_forward_pre_hook(
-        torch.compiler.disable(follow_ddp_no_sync, recursive=True))
+    st.hook_handles.append(model.register_forward_pre_hook(  # dmuon.release removes it
+        torch.compiler.disable(follow_ddp_no_sync, recursive=True)))

@@ -202,7 +202,6 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
                            "torch.distributed.init_process_group(...) first")
     # local checks may fail on some ranks only: agree first (one all-gather), so every rank
     # raises and none is left waiting in a collective the others never reach
-    named: list = []
     chosen: dict[str, nn.Parameter] = {}
     layouts: dict = {}
     routing = None
@@ -321,10 +320,10 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
         install_ddp_mode(model, st)
     else:
         guard_fsdp_mode(model)
-    st.hook_handles = register_hooks(model, st)  # kept: dmuon.release removes them
-    if layouts:  # after the group hooks: a module sees its gathered slice as TP's DTensor
-        st.tp_forward = TPForward(model, layouts, st.group_of, group_modules)
-    st.hook_handles += register_state_dict_hooks(model, st).handles
+    st.hook_handles += register_hooks(model, st)  # kept: dmuon.release removes them
+    # after the group hooks: a module sees its gathered TP slice as TP's DTensor; state-dict hooks
+    st.hook_handles += (TPForward(model, layouts, st.group_of, group_modules).handles
+                        + register_state_dict_hooks(model, st).handles)
     guard_module_apply(model, list(chosen.values()))
     setattr(model, STATE_ATTR, st)
     logger.info("dmuon: dedicated %d params in %d hook groups over G=%d R=%d (plan %s)",

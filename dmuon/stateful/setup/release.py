@@ -64,11 +64,7 @@ def release(model: nn.Module) -> None:
     except Exception as e:  # noqa: BLE001 - a dead peer: release anyway, the buffers go with it
         logger.warning("dmuon.release: waiting for dmuon's collectives in flight failed (%s); "
                        "releasing anyway", e)
-    handles = list(st.hook_handles)
-    for extra in (getattr(st, "ddp_hook", None), getattr(st, "tp_forward", None)):
-        if extra is not None:
-            handles += getattr(extra, "handles", [extra])
-    for h in handles:
+    for h in st.hook_handles:  # the group, DDP-mode, TP-forward and state-dict hooks
         h.remove()
     for p in st.params.values():
         if isinstance(p.grad, DedicatedGradMarker):
