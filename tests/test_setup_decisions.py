@@ -126,3 +126,36 @@ def test_meta_init_window_checks():
     got = init_window_problems(["a", "b", "c", "d", "e"], ["buf"])
     assert got == ["dedicated params never reached by model.to_empty(device=...): "
                    "['a', 'b', 'c', 'd'] ...", "params / buffers still on the meta device: ['buf']"]
+
+
+def test_tp_layouts_of_reads_dtensor_metadata_and_refuses_bad_layouts():
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    from dmuon.functional.tp_setup import tp_layouts_of, tp_mesh_ranks
+
+    class _Shard(Shard):  # a subclass (as _StridedShard): interleaved slices
+        pass
+
+    def mesh(ranks):
+        return SimpleNamespace(ndim=1, size=lambda: len(ranks), mesh=torch.tensor(ranks))
+
+    def dt(shape, pl, m):
+        return SimpleNamespace(placements=pl, device_mesh=m, shape=torch.Size(shape),
+                               stride=lambda: (shape[1], 1))
+
+    m = mesh([1, 3])
+    a, b = dt((4, 6), (Shard(1),), m), dt((8, 2), (Shard(0),), m)
+    kw = dict(shard_type=Shard, fix="FIX", error=NotImplementedError)
+    got = tp_layouts_of({"a": a, "b": b}, {}, **kw)
+    assert (got["a"].dim, got["a"].parts, got["a"].shape, got["b"].dim) == (1, 2, (4, 6), 0)
+    assert tp_mesh_ranks(got) == (1, 3) and tp_mesh_ranks({}) is None
+    with pytest.raises(NotImplementedError, match="'a' is a DTensor .* it is tied.* FIX"):
+        tp_layouts_of({"a": a}, {id(a): ["a", "c"]}, **kw)
+    with pytest.raises(NotImplementedError, match="interleaves the slices"):
+        tp_layouts_of({"a": dt((4, 6), (_Shard(1),), m)}, {}, **kw)
+    with pytest.raises(NotImplementedError, match="not a row- or column-sharded"):
+        tp_layouts_of({"a": dt((4, 6), (Replicate(),), m)}, {}, **kw)
+    with pytest.raises(NotImplementedError, match="different TP meshes"):
+        tp_layouts_of({"a": a, "b": dt((8, 2), (Shard(0),), mesh([0, 2]))}, {}, **kw)

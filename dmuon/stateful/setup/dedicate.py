@@ -19,7 +19,7 @@ from dmuon.functional.dedicate_options import (DedicateOptions, check_data_paral
 from dmuon.functional.setup_check import ddp_grid, deferral_agreed
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
-from dmuon.functional.tp_setup import tp_decisions
+from dmuon.functional.tp_setup import tp_decisions, tp_mesh_ranks
 from dmuon.compat.torch_api import (default_group_timeout, group_timeout, set_group_timeout,
                                    torch_supported, unsupported_torch_message)
 from dmuon.stateful.modes.ddp import guard_fsdp_mode, install_ddp_mode
@@ -37,7 +37,7 @@ from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.runtime.process_groups import agree_grids, make_process_groups, with_split_groups
 from dmuon.stateful.modes.deferred import covers_world, defer, find_pending, should_defer
 from dmuon.stateful.modes.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
-                                                  tp_layouts, tp_mesh_ranks)
+                                                  tp_layouts)
 from dmuon.stateful.runtime.state import STATE_ATTR, DedicatedState, find_state
 from dmuon.stateful.checkpoint.torch_state_dict import register_state_dict_hooks
 
