@@ -159,3 +159,21 @@ def test_tp_layouts_of_reads_dtensor_metadata_and_refuses_bad_layouts():
         tp_layouts_of({"a": dt((4, 6), (Replicate(),), m)}, {}, **kw)
     with pytest.raises(NotImplementedError, match="different TP meshes"):
         tp_layouts_of({"a": a, "b": dt((8, 2), (Shard(0),), mesh([0, 2]))}, {}, **kw)
+
+
+def test_matrix_settings_collect_the_specs_and_decisions_per_matrix():
+    from dmuon.functional.matrix_settings import matrix_settings
+    from dmuon.functional.matrix_view import Batch
+    from dmuon.functional.policy import Decision
+    from dmuon.functional.specs import specs_from_named_shapes
+    named = [("e", (2, 4, 3), torch.float32), ("w", (4, 3), torch.float32)]
+    specs = specs_from_named_shapes(named, lambda n, p: True,
+                                    view_fn=lambda n, shape: Batch(int(n == "e")))
+    dec = {"e": Decision("muon", Batch(1), "rule 0: e", lr_mult=0.5),
+           "w": Decision("muon", Batch(0), "default", master_dtype=torch.float64)}
+    got = matrix_settings(dec, specs, ["e", "w"])
+    assert got["batch_dims"] == {"e": 1, "w": 0}
+    assert got["views"] == {"e": Batch(1), "w": Batch(0)}
+    assert got["master_dtypes"] == {"w": torch.float64} and got["param_dtypes"] == {}
+    assert got["view_sources"] == {"e": "rule 0: e", "w": "default"}
+    assert got["hp_mults"] == {"e": (0.5, 1.0), "w": (1.0, 1.0)}

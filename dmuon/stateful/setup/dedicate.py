@@ -28,8 +28,9 @@ from dmuon.compat.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
 from dmuon.stateful.runtime.hooks import register_hooks
 from dmuon.compat.fsdp_info import has_fsdp_state
 from dmuon.stateful.runtime.guards import guard_module_apply
-from dmuon.functional.policy import (as_policy, decide_params, dtype_overrides,
-                                     policy_fingerprint, routing_predicate)
+from dmuon.functional.policy import (as_policy, decide_params, policy_fingerprint,
+                                     routing_predicate)
+from dmuon.functional.matrix_settings import matrix_settings
 from dmuon.functional.routing import Dedication, routing_table
 from dmuon.functional.selection import check_materialized, names_by_object, select_params
 from dmuon.stateful.modes.meta_init import MetaInit, device_of_mesh, empty_param, replace_params
@@ -58,15 +59,6 @@ def _select(model: nn.Module, predicate: Predicate,
             "dmuon.dedicate_params(model, mesh, predicate) first, then fully_shard.")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # dedups tied params
     return named, select_params(named, predicate, type(model).__name__)
-
-
-def _check_fingerprint(fingerprint: str, mesh_groups: Any) -> None:
-    """All-gather the owner plan's fingerprint; raise on every rank if any rank's differs."""
-    agree_equal(fingerprint, what="owner-plan fingerprint all-gather", via=mesh_groups,
-                show=lambda fp: fp[:12], error=lambda detail: RuntimeError(
-                    "dedicate_params: the owner plan differs across ranks (" + detail + "). Every "
-                    "rank must build the same model (same names, shapes, dtypes) and pass the same "
-                    "predicate, policy (its rules, dtypes included), mesh and settings."))
 
 
 def _agree_deferral(local_err: Optional[Exception], mesh: Any, replicate_mesh: Any,
@@ -262,7 +254,12 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
             "with tensor parallelism or data_parallel='ddp'; leave split_ns at 1 there")
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size,
                        max_split=max_split, force_split=force_split)
-    _check_fingerprint(policy_fingerprint(plan.fingerprint, pol), mesh_groups)
+    # every rank's owner plan (and policy) the same: else raise on every rank
+    agree_equal(policy_fingerprint(plan.fingerprint, pol), what="owner-plan fingerprint all-gather",
+                via=mesh_groups, show=lambda fp: fp[:12], error=lambda detail: RuntimeError(
+                    "dedicate_params: the owner plan differs across ranks (" + detail + "). Every "
+                    "rank must build the same model (same names, shapes, dtypes) and pass the same "
+                    "predicate, policy (its rules, dtypes included), mesh and settings."))
     if plan.splits:  # one process group per split unit's members (every rank makes every one)
         mesh_groups = with_split_groups(mesh_groups, [sp.members for sp in plan.splits])
     _bound_mesh_groups((mesh, replicate_mesh), timeout)
@@ -292,19 +289,12 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
             "hook_boundary_predicate=lambda m: ... to dedicate_params to move them per block.",
             len(chosen), [k or "<root>" for k in groups.order])
     executor = Executor(mesh_groups, timeout=timeout)
-    spec_by_name = {s.name: s for s in specs}
     st = DedicatedState(
         model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
         groups=groups, group_modules=group_modules,
         reshard_after_forward=reshard_after_forward, mp_policy=options.mp_policy,
-        batch_dims={n: spec_by_name[n].batch_dims for n in chosen},
         meta_shapes=meta_shapes, meta_device=meta_device,
-        param_dtypes=dtype_overrides(decisions, "param_dtype"),
-        reduce_dtypes=dtype_overrides(decisions, "reduce_dtype"),
-        master_dtypes=dtype_overrides(decisions, "master_dtype"),
-        views={n: spec_by_name[n].matrix_view for n in chosen},
-        view_sources={n: d.source for n, d in decisions.items()},
-        hp_mults={n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()},
+        **matrix_settings(decisions, specs, chosen),
         tp_layouts=layouts, data_parallel=data_parallel,
         collectives="per_owner" if (layouts or data_parallel == "ddp") else collectives,
         # model.state_dict()'s DTensor rows: over the 1-D shard mesh (DDP mode: plain tensors)
