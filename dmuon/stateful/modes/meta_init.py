@@ -202,7 +202,8 @@ class MetaInit:
         return init_window_problems(late, left)
 
     def finish(self, st: Any, what: str) -> None:
-        """Close ``st``'s init window (collective on every rank).
+        """Close ``st``'s init window (collective on every rank): the init's values into the
+        masters (each replica's too), the params back to placeholders.
 
         Raises:
           RuntimeError: on every rank, when any rank has a param or buffer left on meta or a
@@ -218,13 +219,7 @@ class MetaInit:
                 "device=...) and the model's init (model.init_weights(), or each module's "
                 "reset_parameters()) on every rank, before dmuon.Muon(model), the first forward "
                 "or a state-dict call.")))
-        self.close(st)
-        st.meta_init = None
-        logger.info("dmuon: meta-device init closed; %d dedicated masters held here",
-                    len(st.masters))
-
-    def close(self, st: Any) -> None:
-        """Copy temporaries into masters, publish over each column (HSDP), make placeholders."""
+        # temporaries into the masters, published over each column (HSDP); then placeholders
         with torch.no_grad():
             for n, t in self.temps.items():
                 st.masters[n].copy_(t)
@@ -239,3 +234,6 @@ class MetaInit:
             p.__dict__.pop("_dmuon_uninit", None)
             p.__class__ = nn.Parameter
         st.storage.set_placeholder_dtypes(st.orig_dtype)
+        st.meta_init = None
+        logger.info("dmuon: meta-device init closed; %d dedicated masters held here",
+                    len(st.masters))
