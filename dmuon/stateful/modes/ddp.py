@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from dmuon.compat.torch_api import DDP_IGNORE_ATTR, composable_replicate_applied
+from dmuon.compat.torch_api import DDP_IGNORE_ATTR, composable_replicate_applied, in_backward
 from dmuon.stateful.runtime.state import unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,6 @@ def install_ddp_mode(model: nn.Module, st: Any) -> None:
     paused = {"by_ddp": False}
 
     def follow_ddp_no_sync(module: nn.Module, args: Any) -> None:
-        from dmuon.compat.torch_api import in_backward
         if in_backward():
             return
         st.lazy_init()

@@ -22,6 +22,7 @@ from dmuon.functional.tp_step import (grad_agreement_verdict, grad_agreement_vec
 from dmuon.stateful.runtime.agree import rank_flags
 from dmuon.stateful.runtime.errors import (TP_FIX, TensorParallelUnsupported, from_dtensor_api,  # noqa: F401
                                       refuse_tp, tp_error)
+from dmuon.stateful.runtime.guards import to_plain, to_tp_slice_guard
 
 __all__ = ["TensorParallelUnsupported", "TP_FIX", "TPLayout", "TPForward", "TPStep",
            "from_dtensor_api", "tp_error", "tp_layouts", "refuse_tp", "assemble_tp_slices",
@@ -68,8 +69,6 @@ class TPForward:
     def _pre(self, slots: list[tuple[nn.Module, str, str]]) -> Callable:
         from torch.distributed.tensor import DTensor
 
-        from dmuon.stateful.runtime.guards import to_plain
-
         @torch.compiler.disable
         def hook(module: nn.Module, args: Any) -> None:
             for owner, leaf, n in slots:
@@ -85,8 +84,6 @@ class TPForward:
         return hook
 
     def _post(self, slots: list[tuple[nn.Module, str, str]]) -> Callable:
-        from dmuon.stateful.runtime.guards import to_tp_slice_guard
-
         @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             for owner, leaf, _ in slots:

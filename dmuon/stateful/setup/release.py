@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from dmuon.stateful.modes.deferred import clear_pending, find_pending
 from dmuon.stateful.runtime.guards import DedicatedGradMarker
-from dmuon.stateful.runtime.state import STATE_ATTR, find_state
+from dmuon.stateful.runtime.state import STATE_ATTR, find_state, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ def release(model: nn.Module) -> None:
     Raises:
       RuntimeError: ``model`` was never prepared by ``dedicate_params``.
     """
-    from dmuon.stateful.runtime.state import unwrap_model
     model = unwrap_model(model)
     st = find_state(model)
     if isinstance(st, ReleasedState):
