@@ -61,3 +61,11 @@ def test_replication_counts_the_ranks_holding_one_piece():
     assert replication(hsdp, 8) == 2                                  # the replicate dim's size
     sub = SimpleNamespace(placements=(shard,), device_mesh=_Mesh(4))
     assert replication(sub, 8) == 2                                   # two copies of its mesh
+
+
+def test_clip_value_must_be_positive():
+    from dmuon.functional.grad_norm import check_clip_value
+    assert check_clip_value(1) == 1.0
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="clip_value must be > 0"):
+            check_clip_value(bad)

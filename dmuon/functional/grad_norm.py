@@ -15,8 +15,8 @@ from typing import Any, Iterable
 import torch
 from torch import Tensor
 
-__all__ = ["check_norm_type", "replication", "norm_buckets", "local_norm_term", "total_norm",
-           "scale_buckets_"]
+__all__ = ["check_norm_type", "check_clip_value", "replication", "norm_buckets", "local_norm_term",
+           "total_norm", "scale_buckets_"]
 
 Buckets = dict[tuple[int, torch.device, torch.dtype], list[Tensor]]
 
@@ -31,6 +31,17 @@ def check_norm_type(norm_type: float) -> float:
         raise ValueError(f"dmuon.clip_grad_norm_: norm_type must be > 0 (a p-norm) or inf, got "
                          f"{norm_type!r}")
     return p
+
+
+def check_clip_value(clip_value: float) -> float:
+    """``dmuon.clip_grad_value_``'s bound as a float.
+
+    Raises:
+      ValueError: not > 0 (NaN included)."""
+    v = float(clip_value)
+    if not v > 0:
+        raise ValueError(f"dmuon.clip_grad_value_: clip_value must be > 0, got {clip_value!r}")
+    return v
 
 
 def replication(t: Any, world_size: int) -> int:

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.functional.grad_norm import (check_norm_type, local_norm_term, norm_buckets,
-                                         replication, scale_buckets_, total_norm)
+from dmuon.functional.grad_norm import (check_clip_value, check_norm_type, local_norm_term,
+                                         norm_buckets, replication, scale_buckets_, total_norm)
 from dmuon.stateful.runtime.agree import max_over_ranks
 from dmuon.stateful.runtime.state import get_state, local_tensor, unwrapping_model
 
@@ -81,9 +81,7 @@ def clip_grad_value_(model: nn.Module, clip_value: float) -> None:
       model: a model prepared by ``dedicate_params``.  clip_value: the bound (> 0).
     """
     rt = get_state(model, "dmuon.clip_grad_value_(model, ...)")
-    v = float(clip_value)
-    if not v > 0:
-        raise ValueError(f"dmuon.clip_grad_value_: clip_value must be > 0, got {clip_value!r}")
+    v = check_clip_value(clip_value)
     with torch.no_grad():
         for g, _ in _grads(rt, model):
             g.clamp_(-v, v)
