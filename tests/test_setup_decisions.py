@@ -177,3 +177,12 @@ def test_matrix_settings_collect_the_specs_and_decisions_per_matrix():
     assert got["master_dtypes"] == {"w": torch.float64} and got["param_dtypes"] == {}
     assert got["view_sources"] == {"e": "rule 0: e", "w": "default"}
     assert got["hp_mults"] == {"e": (0.5, 1.0), "w": (1.0, 1.0)}
+
+
+def test_ddp_mode_follows_ddps_no_sync_without_undoing_dmuons():
+    from dmuon.functional.ddp_sync import follow_ddp_sync
+    assert follow_ddp_sync(False, True, False) == (False, True)    # DDP's no_sync pauses
+    assert follow_ddp_sync(True, False, True) == (True, False)     # and DDP resumes its pause
+    assert follow_ddp_sync(True, False, False) == (False, False)   # dmuon.no_sync's pause stays
+    assert follow_ddp_sync(False, False, False) == (False, False)  # both paused: dmuon's
+    assert follow_ddp_sync(True, True, False) == (True, False)     # both syncing: unchanged

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from dmuon.compat.torch_api import DDP_IGNORE_ATTR, composable_replicate_applied, in_backward
+from dmuon.functional.ddp_sync import follow_ddp_sync
 from dmuon.stateful.runtime.state import unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -112,12 +113,8 @@ def install_ddp_mode(model: nn.Module, st: Any) -> None:
                 "torch.no_grad() may call the inner module). DDP's python reducer (compiled "
                 "autograd) is not supported.")
         want = True if ddp is None else bool(ddp.require_backward_grad_sync)
-        if not want and st.require_grad_sync:
-            st.require_grad_sync = False
-            paused["by_ddp"] = True
-        elif want and paused["by_ddp"]:
-            st.require_grad_sync = True
-            paused["by_ddp"] = False
+        st.require_grad_sync, paused["by_ddp"] = follow_ddp_sync(want, st.require_grad_sync,
+                                                                 paused["by_ddp"])
 
     st.hook_handles.append(model.register_forward_pre_hook(  # dmuon.release removes it
         torch.compiler.disable(follow_ddp_no_sync, recursive=True)))
