@@ -162,9 +162,7 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
                         replicate_size: int | None = None,
                         grid: Sequence[Sequence[int]] | None = None,
                         tp_grids: Sequence[Sequence[Sequence[int]]] | None = None,
-                        backend: str | None = None,
-                        timeout: datetime.timedelta | None = None, high_priority: bool = True,
-                        lanes: Sequence[str] = LANES) -> MeshGroups:
+                        timeout: datetime.timedelta | None = None) -> MeshGroups:
     """Create every lane's process groups once (collective: every rank calls this, same args).
 
     Give exactly one of: ``mesh`` (DeviceMesh, 2-D or 1-D shard mesh, plus optional 1-D
@@ -176,10 +174,8 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
       tp_grids: tensor parallelism, instead of ``grid``: one ``grid[r][s]`` per TP index (from
         :func:`agree_grids`); this rank's lanes are those of the grid that holds it, and a ``tp``
         group joins the ranks of one ``(s, r)`` across the grids.
-      backend: backend of the new groups (default: the default group's).
-      timeout: collective timeout of the new groups (default: the default group's).
-      high_priority: on NCCL, make the shard-axis lanes' groups high-priority streams.
-      lanes: which lanes to create (default all three).
+      timeout: collective timeout of the new groups (default: the default group's); the groups
+        use the default group's backend (on NCCL the shard-axis lanes' are high-priority streams).
 
     Returns:
       :class:`MeshGroups` for this rank.
@@ -203,23 +199,16 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
     world, me = dist.get_world_size(), dist.get_rank()
     all_grids = check_grids(grids, world)
     tp_index, coord = grid_position(all_grids, me)
-    to_make = group_ranks(all_grids, lanes)
-    be = backend or str(dist.get_backend())
-    key = (all_grids, be, backend, timeout, bool(high_priority), tuple(lanes), me)
+    to_make = group_ranks(all_grids, LANES)
+    be = str(dist.get_backend())
+    key = (all_grids, be, timeout, me)
     cached = _reusable(key)
     # reuse only when every rank can: new_group is collective over the world
     if all(gather(cached is not None, what="process-group reuse agreement")):
         return cached
-    kw0: dict[str, Any] = {"backend": backend}
-    if timeout is not None:
-        kw0["timeout"] = timeout
     mine: dict[str, tuple[Any, tuple[int, ...]]] = {}
     for kind, ranks in to_make:  # every rank creates every group, in one order
-        kw = dict(kw0)
-        if high_priority and LANE_AXIS.get(kind) == "shard" and "nccl" in be:
-            kw["pg_options"] = opts = dist.ProcessGroupNCCL.Options()
-            opts.is_high_priority_stream = True
-        pg = dist.new_group(list(ranks), **kw)
+        pg = _new_group(ranks, timeout, LANE_AXIS.get(kind) == "shard" and "nccl" in be)
         if me in ranks:
             mine[kind] = (pg, ranks)
     tp_group, tp_ranks = mine.get("tp", (None, (me,)))
@@ -234,8 +223,8 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
     return made
 
 
-#: the groups made so far, by (grids, backend, timeout, options, lanes, rank): reused by later
-#: models instead of adding groups that nothing could free
+#: the groups made so far, by (grids, backend, timeout, rank): reused by later models instead of
+#: adding groups that nothing could free
 _REUSE: dict[tuple, MeshGroups] = {}
 
 
@@ -262,12 +251,20 @@ def with_split_groups(mg: MeshGroups, member_sets: Sequence[Sequence[int]]) -> M
     sets = sorted({tuple(int(x) for x in m) for m in member_sets})
     if not sets:
         return mg
-    kw: dict[str, Any] = {}
-    if mg.timeout is not None:
-        kw["timeout"] = mg.timeout
     made = {}
     for ranks in sets:
-        pg = dist.new_group(list(ranks), **kw)
+        pg = _new_group(ranks, mg.timeout)
         if mg.rank in ranks:
             made[ranks] = pg
     return dataclasses.replace(mg, split_groups=made)
+
+
+def _new_group(ranks: Sequence[int], timeout: Optional[datetime.timedelta],
+               high_priority: bool = False) -> Any:
+    """``dist.new_group(ranks)`` with ``timeout`` (where given) and, ``high_priority``, NCCL's
+    high-priority streams (collective over the world)."""
+    kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    if high_priority:
+        kw["pg_options"] = opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+    return dist.new_group(list(ranks), **kw)

@@ -16,7 +16,6 @@ import torch.nn as nn
 
 from dmuon.functional.buckets import ROOT_GROUP, HookGroups
 from dmuon.functional.program import StepProgram, step_program
-from dmuon.functional.schedule import Schedule
 from dmuon.functional.split_plan import runtime_owners
 from dmuon.functional.tp_plan import grid_tp_schedule
 from dmuon.functional.policy import resolve_model_dtypes
@@ -99,11 +98,6 @@ class DedicatedState:
         self.device, self.masters, self.shape = st.device, st.masters, st.shape
         self.orig_dtype, self.master_dtype = st.orig_dtype, st.master_dtype
         self.pool = GradBufferPool(self.coord[0], self.device)
-        # the step program's ``tp`` phase (TP's NS gathers / scatters), or None without TP
-        self.tp_schedule: Optional[Schedule] = None if not self.tp_layouts else grid_tp_schedule(
-            mesh_groups.tp_grids, self.owners,
-            {n: self.tp_layouts[n].shape for n in self.names if n in self.tp_layouts},
-            {n: str(self.master_dtype[n]) for n in self.tp_layouts}, dist.get_world_size())
         self.groups: dict[str, DedicatedParamGroup] = {
             key: DedicatedParamGroup(
                 key=key, module=group_modules[key], names=groups.names(key), storage=self.storage,
@@ -184,11 +178,15 @@ class DedicatedState:
         self.compute_dtype.update(gathered)
         self.reduce_dtype.update(reduce)
         self._fsdp_states.update(holders)
-        cdt, rdt = self.compute_dtype, self.reduce_dtype
+        cdt, rdt, lay = self.compute_dtype, self.reduce_dtype, self.tp_layouts
+        tp = None if not lay else grid_tp_schedule(  # TP's NS gathers / scatters
+            self.mesh_groups.tp_grids, self.owners,
+            {n: lay[n].shape for n in self.names if n in lay},
+            {n: str(self.master_dtype[n]) for n in lay}, dist.get_world_size())
         self.program = step_program(
             self.owners, self.shape, cdt, reduce_dtypes=rdt, master_dtypes=self.master_dtype,
             shard_size=self.G, replicate_size=self.R, groups=self.hook_groups,
-            reshard_after_forward=self.reshard_after_forward, tp=self.tp_schedule,
+            reshard_after_forward=self.reshard_after_forward, tp=tp,
             collectives=self.collectives, data_parallel=self.data_parallel)
         if self.program.master_layout != self.storage.master_layout:  # pragma: no cover
             raise RuntimeError("dmuon internal error: the step program's master layout differs "
