@@ -89,7 +89,6 @@ class DedicatedState:
         #: "fsdp" or "ddp" (DDP mode: nothing is resharded, :mod:`dmuon.stateful.modes.ddp`)
         self.data_parallel, self.collectives = data_parallel, collectives
         self.reshard_after_forward = reshard_after_forward and data_parallel != "ddp"
-        reshard_after_forward = self.reshard_after_forward
         self.storage = DedicatedStorage(self.params, self.owners, groups, self.G, self.R,
                                         self.coord, shapes=meta_shapes, device=meta_device,
                                         master_dtypes=master_dtypes)
@@ -101,7 +100,8 @@ class DedicatedState:
         self.groups: dict[str, DedicatedParamGroup] = {
             key: DedicatedParamGroup(
                 key=key, module=group_modules[key], names=groups.names(key), storage=self.storage,
-                executor=executor, reshard_after_forward=reshard_after_forward and key != ROOT_GROUP)
+                executor=executor,
+                reshard_after_forward=self.reshard_after_forward and key != ROOT_GROUP)
             for key in groups.order}
         self.group_of = groups.as_mapping()
         self.order: list[str] = list(groups.order)  # forward order; agreed at the first forward
@@ -304,24 +304,20 @@ class DedicatedState:
         self.groups[key].note_grad(name, defer=key in self.reused)
         self._launch_due_reduces()
 
-    def _launch_reduce(self, key: str) -> None:
-        g = self.groups[key]
-        self.ledger.take_markers(g.names)  # markers of an earlier no_sync backward: still there?
-        g.launch_reduce(self.ledger.send(g.names), self.pool)
-        if self.listener is not None:  # the optimizer's policy (offload: the copies in start)
-            self.listener.reduce_issued(g.names)
-        if not self._keep_gathered:
-            g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
-
     def _launch_due_reduces(self, every: bool = False) -> None:
         """Launch, in the fixed reduce order, each complete group whose predecessors are launched
         (``every``: complete or not, at the end of a backward)."""
         order = self._reduce_order
         while self._reduce_next < len(order):
-            key = order[self._reduce_next]
-            if not every and self.groups[key].grad_state is not GradState.COMPLETE:
+            g = self.groups[order[self._reduce_next]]
+            if not every and g.grad_state is not GradState.COMPLETE:
                 return
-            self._launch_reduce(key)
+            self.ledger.take_markers(g.names)  # markers of an earlier no_sync backward: there?
+            g.launch_reduce(self.ledger.send(g.names), self.pool)
+            if self.listener is not None:  # the optimizer's policy (offload: the copies in start)
+                self.listener.reduce_issued(g.names)
+            if not self._keep_gathered:
+                g.reshard()  # its gradients are out: no need for its gathered copy in this backward
             self._reduce_next += 1
 
     def on_backward_end(self) -> None:
@@ -352,22 +348,6 @@ class DedicatedState:
         """Hook groups whose post-step publish has not been waited yet."""
         return [k for k, g in self.groups.items() if g.inflight_publish is not None]
 
-    def publish(self, *, replicate_async: bool = True) -> None:
-        """HSDP: broadcast each new master from its owner to its column (no-op when R == 1);
-        ``replicate_async``: leave the launches pending (design notes: "The HSDP publish").
-
-        Raises:
-          RuntimeError: a publish of an earlier step is still pending (see
-            :meth:`check_publish_consumed`).
-        """
-        if self.R == 1:
-            return
-        self.check_publish_consumed()
-        for key in self.hook_groups.order:
-            self.groups[key].launch_publish(self.storage.master_buffers)
-        if not replicate_async:
-            self.wait_publish()
-
     def check_publish_consumed(self, what: str = "optimizer.step()") -> None:
         """Raise if a publish is still pending (not yet waited: the same decision on every rank)."""
         groups = [k or "<root>" for k in self.pending_publish]
@@ -380,10 +360,10 @@ class DedicatedState:
             "backward before the next step, or call dmuon.wait_all_replicate_broadcasts(model) "
             "first (or build the optimizer with dmuon.Muon(..., replicate_async=False)).")
 
-    def wait_publish(self, key: Optional[str] = None) -> None:
-        """Wait for the pending HSDP publish of group ``key`` (``None``: of every group; this is
+    def wait_publish(self) -> None:
+        """Wait for the pending HSDP publish of every group (this is
         ``dmuon.wait_all_replicate_broadcasts``). Idempotent, local (no new collective)."""
-        for g in (self.groups.values() if key is None else (self.groups[key],)):
+        for g in self.groups.values():
             g.wait_publish()
 
     # ------------------------------------------------------------------ step protocol
@@ -420,9 +400,22 @@ class DedicatedState:
         self.reshard_all()
 
     def after_step(self, *, replicate_async: bool = True) -> None:
-        """After the owners updated their masters: :meth:`masters_changed`, then publish (HSDP)."""
+        """After the owners updated their masters: :meth:`masters_changed`, then (HSDP, R > 1)
+        broadcast each new master from its owner to its column; ``replicate_async``: leave the
+        launches pending (design notes: "The HSDP publish").
+
+        Raises:
+          RuntimeError: a publish of an earlier step is still pending (see
+            :meth:`check_publish_consumed`).
+        """
         self.masters_changed()
-        self.publish(replicate_async=replicate_async)
+        if self.R == 1:
+            return
+        self.check_publish_consumed()
+        for key in self.hook_groups.order:
+            self.groups[key].launch_publish(self.storage.master_buffers)
+        if not replicate_async:
+            self.wait_publish()
 
     def attach_optimizer(self) -> int:
         """A new ``dmuon.Muon`` on this model: returns its generation (it supersedes older ones)."""
