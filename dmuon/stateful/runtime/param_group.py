@@ -103,9 +103,7 @@ class DedicatedParamGroup:
     def launch_unshard(self, version: int, regather: bool = False) -> None:
         """Start gathering (no-op if gathered for ``version`` or a gather is in flight; ``regather``:
         in a backward). Waits the group's pending HSDP publish first."""
-        if self.inflight_unshard is not None:
-            return
-        if self.gathered_version == version:
+        if self.inflight_unshard is not None or self.gathered_version == version:
             return
         if self.phases.zero_copy:  # nothing to move: the new masters once any publish landed
             self.wait_publish()

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from dmuon.functional.group_layout import check_grids, grid_position, group_ranks, standard_grid
 from dmuon.functional.schedule import LANE_AXIS, LANES
-from dmuon.functional.setup_check import Grid, RankSetup, check_setups, error_type
+from dmuon.functional.setup_check import Grid, check_setups, error_type, rank_setup
 from dmuon.stateful.runtime.agree import gather
 
 log = logging.getLogger(__name__)
@@ -78,13 +78,6 @@ class MeshGroups:
     def global_rank(self, s: int, r: int) -> int:
         return self.grid[r][s]
 
-    def group(self, lane: str):
-        """The process group of ``lane`` that contains this rank."""
-        try:
-            return self.groups[lane]
-        except KeyError:
-            raise KeyError(f"no process group for lane {lane!r}; lanes: {list(self.groups)}") from None
-
     def member_group(self, members: Sequence[int]) -> Any:
         """The process group of an explicit-group op's ``members`` (global ranks): this rank's
         tensor-parallel group."""
@@ -103,10 +96,6 @@ class MeshGroups:
         if op.axis == "shard":
             return list(self.grid[self.coord[1]])
         return [row[op.at] for row in self.grid]
-
-
-def _nested_tuple(x: Any) -> Any:
-    return tuple(_nested_tuple(v) for v in x) if isinstance(x, list) else int(x)
 
 
 def agree_grids(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Sequence[str] = (),
@@ -132,22 +121,8 @@ def agree_grids(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Se
       ``local_err`` where given; elsewhere, when any rank has a problem, the type of that rank's
       error (``ValueError`` for problems of the meshes) naming every problem.
     """
-    err = None if local_err is None else (type(local_err).__name__, str(local_err))
-    try:
-        su = RankSetup(
-            rank=dist.get_rank(), mesh=_nested_tuple(mesh.mesh.tolist()),
-            mesh_dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-            mesh_device_type=str(mesh.device_type),
-            replicate=(None if replicate_mesh is None
-                       else _nested_tuple(replicate_mesh.mesh.flatten().tolist())),
-            replicate_device_type=(None if replicate_mesh is None
-                                   else str(replicate_mesh.device_type)),
-            param_device_types=tuple(sorted(set(param_device_types))), error=err,
-            tp=None if tp_ranks is None else tuple(int(x) for x in tp_ranks))
-    except AttributeError:
-        su = RankSetup(rank=dist.get_rank(), error=err or (
-            "TypeError", f"mesh / replicate_mesh must be DeviceMesh objects (init_device_mesh), got "
-            f"{type(mesh).__name__} / {type(replicate_mesh).__name__}"))
+    su = rank_setup(dist.get_rank(), mesh, replicate_mesh, param_device_types=param_device_types,
+                    local_err=local_err, tp_ranks=tp_ranks)
     setups = gather(su, what=f"{what} setup agreement")
     verdict = check_setups(setups, dist.get_world_size())
     if not verdict.problems:
