@@ -74,8 +74,7 @@ class DedicatedState:
         self.views: dict[str, Any] = dict(views or {})
         self.view_sources: dict[str, str] = dict(view_sources or {})
         self.hp_mults: dict[str, tuple[float, float]] = dict(hp_mults or {})
-        # TP: {name: TPLayout} of the TP-sliced matrices, the program's tp schedule (the owners'
-        # NS gathers / scatters) and their forward hooks (tensor_parallel)
+        # TP: {name: TPLayout} of the TP-sliced matrices and their forward hooks (tensor_parallel)
         self.tp_layouts: dict[str, Any] = dict(tp_layouts or {})
         self.tp_forward: Any = None
         #: the handles of every hook dedicate_params registered (:func:`dmuon.release` removes them)
