@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from dmuon.functional.buckets import ROOT_GROUP, HookGroups
 from dmuon.functional.program import StepProgram, step_program
+from dmuon.functional.renames import renamed
 from dmuon.functional.split_plan import runtime_owners
 from dmuon.functional.tp_plan import grid_tp_schedule
 from dmuon.functional.policy import resolve_model_dtypes
@@ -160,9 +161,8 @@ class DedicatedState:
         model = self.model_ref()
         if model is not None:
             check_not_taken_over(model, self.params, "dmuon (first forward)")
-            from dmuon.stateful.runtime.renames import renamed_error, renamed_params
-            if renamed_params(self, model):
-                raise renamed_error(self, model, "dmuon (first forward)")
+            if _renamed_params(self, model):
+                raise _renamed_error(self, model, "dmuon (first forward)")
         holders = fsdp_holders(model, self.names, lambda n: self.groups[self.group_of[n]].module)
         pols = {id(h): self.mp_policy if self.mp_policy is not None else fsdp_mp_policy(h)
                 for h in holders.values()}  # each matrix follows the fully_shard module holding it
@@ -444,12 +444,36 @@ def get_state(model: nn.Module, what: str = "this call") -> DedicatedState:
         for path, m in model.named_modules():
             inner = getattr(m, STATE_ATTR, None) if path else None
             if inner is not None:
-                from dmuon.stateful.runtime.renames import renamed_error
-                raise renamed_error(inner, model, what, path)
+                raise _renamed_error(inner, model, what, path)
         raise RuntimeError(
             f"{what} needs a model prepared by dmuon.dedicate_params(model, mesh, predicate) "
             "(call it before fully_shard), but this model has no dedicated parameters.")
     return st
+
+
+def _renamed_params(st: DedicatedState, root: nn.Module) -> list[tuple[str, str]]:
+    """``(name at dedicate_params, name in root now)`` of the dedicated params that ``root`` now
+    names otherwise (beyond compile / checkpoint / DDP wrapper segments), or does not hold."""
+    now: dict[int, list[str]] = {}
+    for n, p in root.named_parameters(remove_duplicate=False):
+        now.setdefault(id(p), []).append(n)
+    return renamed({n: id(p) for n, p in st.params.items()}, now)
+
+
+def _renamed_error(st: DedicatedState, root: nn.Module, what: str, inner: str = "") -> RuntimeError:
+    """The error for a model wrapped or renamed after ``dedicate_params`` (PEFT's
+    ``get_peft_model`` is the usual cause)."""
+    moved = _renamed_params(st, root)
+    eg = (f" (e.g. {moved[0][0]!r} is now {moved[0][1]!r}, {len(moved)} dedicated params "
+          "renamed)") if moved else ""
+    where = f" wraps the model dmuon.dedicate_params prepared (at {inner!r}) and" if inner else ""
+    return RuntimeError(
+        f"{what}: this model{where} had its modules wrapped or renamed after "
+        f"dmuon.dedicate_params{eg}, as PEFT's get_peft_model (LoRA) does: dmuon's hooks, groups "
+        "and state-dict names refer to the modules as they were. Apply PEFT (get_peft_model) "
+        "before dmuon.dedicate_params: dmuon.dedicate_params(peft_model, mesh, predicate), then "
+        "fully_shard "
+        "(its frozen base weights are left out; the trainable ones are dedicated).")
 
 
 def unwrap_model(model: Any) -> Any:
