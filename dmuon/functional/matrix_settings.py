@@ -14,16 +14,13 @@ def matrix_settings(decisions: Mapping[str, Decision], specs: Sequence[ParamSpec
                     names: Iterable[str]) -> dict[str, Any]:
     """The per-matrix keyword arguments of the state
     (:class:`~dmuon.stateful.runtime.state.DedicatedState`) of the dedicated ``names``:
-    ``batch_dims`` and ``views`` (their specs'), and from the decisions the rule-set
-    ``param_dtypes`` / ``reduce_dtypes`` / ``master_dtypes``, ``view_sources`` and ``hp_mults``
-    (``(lr_mult, wd_mult)``)."""
+    ``views`` (their specs'), and from the decisions the rule-set ``param_dtypes`` /
+    ``reduce_dtypes`` / ``master_dtypes`` and ``hp_mults`` (``(lr_mult, wd_mult)``)."""
     spec = {s.name: s for s in specs}
     names = list(names)
     return dict(
-        batch_dims={n: spec[n].batch_dims for n in names},
         param_dtypes=dtype_overrides(decisions, "param_dtype"),
         reduce_dtypes=dtype_overrides(decisions, "reduce_dtype"),
         master_dtypes=dtype_overrides(decisions, "master_dtype"),
         views={n: spec[n].matrix_view for n in names},
-        view_sources={n: d.source for n, d in decisions.items()},
         hp_mults={n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()})

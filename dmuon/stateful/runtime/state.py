@@ -47,14 +47,13 @@ class DedicatedState:
     def __init__(self, *, model: nn.Module, params: Mapping[str, nn.Parameter], plan: Any,
                  mesh_groups: MeshGroups, executor: Executor, groups: HookGroups,
                  group_modules: Mapping[str, nn.Module], reshard_after_forward: bool,
-                 mp_policy: Any, batch_dims: Mapping[str, int],
+                 mp_policy: Any,
                  meta_shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
                  meta_device: Optional[torch.device] = None,
                  param_dtypes: Optional[Mapping[str, Any]] = None,
                  reduce_dtypes: Optional[Mapping[str, Any]] = None,
                  master_dtypes: Optional[Mapping[str, Any]] = None,
                  views: Optional[Mapping[str, Any]] = None,
-                 view_sources: Optional[Mapping[str, str]] = None,
                  hp_mults: Optional[Mapping[str, tuple[float, float]]] = None,
                  tp_layouts: Optional[Mapping[str, Any]] = None,
                  data_parallel: str = "fsdp", collectives: str = "per_owner",
@@ -69,15 +68,12 @@ class DedicatedState:
         self.owners = {n: tuple(o[n]) for o in [runtime_owners(plan)] for n in self.names}
         self.owner_rank = {n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
         self.owned_names = tuple(n for n in self.names if self.owners[n] == self.coord)
-        self.batch_dims = dict(batch_dims)
-        # the policy's decisions (dedicate_params): matrix views (what NS / the lr scale see), where
-        # each view came from, and (lr_mult, wd_mult) per param
+        # the policy's decisions (dedicate_params): matrix views (what NS / the lr scale see) and
+        # (lr_mult, wd_mult) per param
         self.views: dict[str, Any] = dict(views or {})
-        self.view_sources: dict[str, str] = dict(view_sources or {})
         self.hp_mults: dict[str, tuple[float, float]] = dict(hp_mults or {})
-        # TP: {name: TPLayout} of the TP-sliced matrices and their forward hooks (tensor_parallel)
+        # TP: {name: TPLayout} of the TP-sliced matrices (tensor_parallel)
         self.tp_layouts: dict[str, Any] = dict(tp_layouts or {})
-        self.tp_forward: Any = None
         #: the handles of every hook dedicate_params registered (:func:`dmuon.release` removes them)
         self.hook_handles: list[Any] = []
         self.mp_policy = mp_policy
