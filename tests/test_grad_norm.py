@@ -40,3 +40,32 @@ def test_norm_type_must_be_a_p_norm():
     for bad in (0, -math.inf, float("nan"), -1.0):
         with pytest.raises(ValueError, match="norm_type must be > 0"):
             check_norm_type(bad)
+
+
+def test_replication_counts_the_ranks_holding_one_piece():
+    from types import SimpleNamespace
+
+    from dmuon.functional.grad_norm import replication
+
+    class _Mesh:
+        def __init__(self, *sizes):
+            self.sizes = sizes
+
+        def size(self, i=None):
+            return math.prod(self.sizes) if i is None else self.sizes[i]
+
+    shard = SimpleNamespace(is_replicate=lambda: False)
+    rep = SimpleNamespace(is_replicate=lambda: True)
+    assert replication(torch.zeros(2), 8) == 8                        # a plain tensor: everyone
+    hsdp = SimpleNamespace(placements=(rep, shard), device_mesh=_Mesh(2, 4))
+    assert replication(hsdp, 8) == 2                                  # the replicate dim's size
+    sub = SimpleNamespace(placements=(shard,), device_mesh=_Mesh(4))
+    assert replication(sub, 8) == 2                                   # two copies of its mesh
+
+
+def test_clip_value_must_be_positive():
+    from dmuon.functional.grad_norm import check_clip_value
+    assert check_clip_value(1) == 1.0
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="clip_value must be > 0"):
+            check_clip_value(bad)

@@ -10,12 +10,13 @@ gradients are then scaled by ``min(1, max_norm / (total + 1e-6))``, as
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import Tensor
 
-__all__ = ["check_norm_type", "norm_buckets", "local_norm_term", "total_norm", "scale_buckets_"]
+__all__ = ["check_norm_type", "check_clip_value", "replication", "norm_buckets", "local_norm_term",
+           "total_norm", "scale_buckets_"]
 
 Buckets = dict[tuple[int, torch.device, torch.dtype], list[Tensor]]
 
@@ -30,6 +31,33 @@ def check_norm_type(norm_type: float) -> float:
         raise ValueError(f"dmuon.clip_grad_norm_: norm_type must be > 0 (a p-norm) or inf, got "
                          f"{norm_type!r}")
     return p
+
+
+def check_clip_value(clip_value: float) -> float:
+    """``dmuon.clip_grad_value_``'s bound as a float.
+
+    Raises:
+      ValueError: not > 0 (NaN included)."""
+    v = float(clip_value)
+    if not v > 0:
+        raise ValueError(f"dmuon.clip_grad_value_: clip_value must be > 0, got {clip_value!r}")
+    return v
+
+
+def replication(t: Any, world_size: int) -> int:
+    """How many of the ``world_size`` ranks hold the same local piece of gradient ``t`` (so that
+    it is counted once): every rank for a plain tensor; for a DTensor (read by its ``placements``
+    and ``device_mesh``) the sizes of its replicated mesh dims, times the copies of its mesh in
+    the world (ranks outside the DTensor's mesh hold nothing of it; the mesh covers the world)."""
+    placements = getattr(t, "placements", None)
+    if placements is None:
+        return world_size
+    mesh = t.device_mesh
+    k = 1
+    for i, pl in enumerate(placements):
+        if pl.is_replicate():
+            k *= mesh.size(i)
+    return k * (world_size // mesh.size())
 
 
 def norm_buckets(pieces: Iterable[tuple[Tensor, int]]) -> Buckets:

@@ -1,6 +1,6 @@
 """Which dedicated params a model now names otherwise (pure): a model wrapped or renamed after
 ``dedicate_params`` (PEFT's ``get_peft_model`` is the usual cause) is found by comparing names
-beyond the segments wrappers insert (:mod:`dmuon.stateful.runtime.renames` explains it)."""
+beyond the segments wrappers insert (:mod:`dmuon.stateful.runtime.state` explains it)."""
 from __future__ import annotations
 
 from typing import Hashable, Mapping, Sequence

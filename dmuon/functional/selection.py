@@ -2,9 +2,9 @@
 the checks of that selection (pure; the stateful setup agrees the verdict across ranks and acts)."""
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
-__all__ = ["select_params", "check_meta_selection", "check_materialized"]
+__all__ = ["select_params", "check_meta_selection", "check_materialized", "names_by_object"]
 
 
 def select_params(named: Sequence[tuple[str, Any]], predicate: Callable[[str, Any], bool],
@@ -75,3 +75,12 @@ def check_materialized(chosen: Mapping[str, Any]) -> None:
             "are still on the meta device. With a deferred dedication (dedicate_params before "
             "tensor parallelism, or on a meta-device model) call model.to_empty(device=...) and the "
             "model's init (e.g. init_weights()) after fully_shard and before dmuon.Muon(model).")
+
+
+def names_by_object(named: Iterable[tuple[str, Any]]) -> dict[int, list[str]]:
+    """``{id(param): its names}`` of ``named`` (``named_parameters(remove_duplicate=False)``: a
+    param tied across modules has several names, in module order)."""
+    out: dict[int, list[str]] = {}
+    for n, p in named:
+        out.setdefault(id(p), []).append(n)
+    return out

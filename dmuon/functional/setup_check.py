@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 __all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "check_setups", "ddp_grid",
-           "deferral_agreed", "error_type"]
+           "deferral_agreed", "error_type", "rank_setup"]
 
 Grid = tuple[tuple[int, ...], ...]
 
@@ -51,6 +51,33 @@ class RankSetup:
     param_device_types: tuple[str, ...] = ()
     error: Optional[tuple[str, str]] = None
     tp: Optional[tuple[int, ...]] = None
+
+
+def _nested_tuple(x: Any) -> Any:
+    return tuple(_nested_tuple(v) for v in x) if isinstance(x, list) else int(x)
+
+
+def rank_setup(rank: int, mesh: Any, replicate_mesh: Any = None, *,
+               param_device_types: Sequence[str] = (), local_err: Optional[Exception] = None,
+               tp_ranks: Optional[Sequence[int]] = None) -> RankSetup:
+    """This rank's :class:`RankSetup`, read from its DeviceMesh objects (``mesh``, optional
+    ``replicate_mesh``; anything else becomes a ``TypeError`` problem) and its local error."""
+    err = None if local_err is None else (type(local_err).__name__, str(local_err))
+    try:
+        return RankSetup(
+            rank=rank, mesh=_nested_tuple(mesh.mesh.tolist()),
+            mesh_dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+            mesh_device_type=str(mesh.device_type),
+            replicate=(None if replicate_mesh is None
+                       else _nested_tuple(replicate_mesh.mesh.flatten().tolist())),
+            replicate_device_type=(None if replicate_mesh is None
+                                   else str(replicate_mesh.device_type)),
+            param_device_types=tuple(sorted(set(param_device_types))), error=err,
+            tp=None if tp_ranks is None else tuple(int(x) for x in tp_ranks))
+    except AttributeError:
+        return RankSetup(rank=rank, error=err or (
+            "TypeError", f"mesh / replicate_mesh must be DeviceMesh objects (init_device_mesh), got "
+            f"{type(mesh).__name__} / {type(replicate_mesh).__name__}"))
 
 
 @dataclass(frozen=True)

@@ -8,24 +8,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.functional.grad_norm import (check_norm_type, local_norm_term, norm_buckets,
-                                         scale_buckets_, total_norm)
+from dmuon.functional.grad_norm import (check_clip_value, check_norm_type, local_norm_term,
+                                         norm_buckets, replication, scale_buckets_, total_norm)
 from dmuon.stateful.runtime.agree import max_over_ranks
 from dmuon.stateful.runtime.state import get_state, local_tensor, unwrapping_model
-
-
-def _replication(t: torch.Tensor) -> int:
-    """How many ranks hold the same local piece of ``t`` (so that it is counted once)."""
-    placements = getattr(t, "placements", None)
-    if placements is None:
-        return dist.get_world_size()
-    mesh = t.device_mesh
-    k = 1
-    for i, pl in enumerate(placements):
-        if pl.is_replicate():
-            k *= mesh.size(i)
-    # ranks outside the DTensor's mesh hold nothing of it; the mesh covers the world here
-    return k * (dist.get_world_size() // mesh.size())
 
 
 def _grads(rt: Any, model: nn.Module) -> list[tuple[torch.Tensor, int]]:
@@ -36,7 +22,8 @@ def _grads(rt: Any, model: nn.Module) -> list[tuple[torch.Tensor, int]]:
     out = [(g, tp if tp > 1 and n not in rt.tp_layouts else 1)
            for n, g in rt.reduced_grads().items() if g is not None]
     dedicated = set(rt.params.values())
-    return out + [(local_tensor(p.grad), _replication(p.grad)) for p in model.parameters()
+    world = dist.get_world_size()
+    return out + [(local_tensor(p.grad), replication(p.grad, world)) for p in model.parameters()
                   if p not in dedicated and p.grad is not None]
 
 
@@ -94,9 +81,7 @@ def clip_grad_value_(model: nn.Module, clip_value: float) -> None:
       model: a model prepared by ``dedicate_params``.  clip_value: the bound (> 0).
     """
     rt = get_state(model, "dmuon.clip_grad_value_(model, ...)")
-    v = float(clip_value)
-    if not v > 0:
-        raise ValueError(f"dmuon.clip_grad_value_: clip_value must be > 0, got {clip_value!r}")
+    v = check_clip_value(clip_value)
     with torch.no_grad():
         for g, _ in _grads(rt, model):
             g.clamp_(-v, v)

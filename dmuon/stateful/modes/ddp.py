@@ -13,7 +13,8 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.nn as nn
 
-from dmuon.compat.torch_api import DDP_IGNORE_ATTR, composable_replicate_applied
+from dmuon.compat.torch_api import DDP_IGNORE_ATTR, composable_replicate_applied, in_backward
+from dmuon.functional.ddp_sync import follow_ddp_sync
 from dmuon.stateful.runtime.state import unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -66,11 +67,8 @@ def check_backend(model: nn.Module, st: Any, what: str) -> None:
             "model = DistributedDataParallel(model).")
     if getattr(st, "data_parallel", "fsdp") != "ddp":
         return
-    sharded = []
-    for n, p in model.named_parameters():
-        placements = getattr(p, "placements", None)
-        if placements is not None and any(pl.is_shard() for pl in placements):
-            sharded.append(n)
+    sharded = [n for n, p in model.named_parameters()
+               if any(pl.is_shard() for pl in getattr(p, "placements", None) or ())]
     if sharded:
         raise RuntimeError(
             f"{what}: the model was dedicated with data_parallel=\"ddp\" but fully_shard sharded "
@@ -99,7 +97,6 @@ def install_ddp_mode(model: nn.Module, st: Any) -> None:
     paused = {"by_ddp": False}
 
     def follow_ddp_no_sync(module: nn.Module, args: Any) -> None:
-        from dmuon.compat.torch_api import in_backward
         if in_backward():
             return
         st.lazy_init()
@@ -116,12 +113,8 @@ def install_ddp_mode(model: nn.Module, st: Any) -> None:
                 "torch.no_grad() may call the inner module). DDP's python reducer (compiled "
                 "autograd) is not supported.")
         want = True if ddp is None else bool(ddp.require_backward_grad_sync)
-        if not want and st.require_grad_sync:
-            st.require_grad_sync = False
-            paused["by_ddp"] = True
-        elif want and paused["by_ddp"]:
-            st.require_grad_sync = True
-            paused["by_ddp"] = False
+        st.require_grad_sync, paused["by_ddp"] = follow_ddp_sync(want, st.require_grad_sync,
+                                                                 paused["by_ddp"])
 
-    st.ddp_hook = model.register_forward_pre_hook(
-        torch.compiler.disable(follow_ddp_no_sync, recursive=True))
+    st.hook_handles.append(model.register_forward_pre_hook(  # dmuon.release removes it
+        torch.compiler.disable(follow_ddp_no_sync, recursive=True)))

@@ -7,8 +7,7 @@ Design notes: docs/design/modes.md, "dmuon.stateful.modes.deferred".
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch.nn as nn
 from torch.nn.modules.module import register_module_forward_pre_hook
@@ -16,20 +15,12 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from dmuon.compat.fsdp_patch import PENDING_SLOTS_ATTR
 from dmuon.compat.torch_api import mesh_root
 
-__all__ = ["PENDING_ATTR", "PendingDedication", "covers_world", "should_defer", "defer",
-           "find_pending", "finish_pending", "clear_pending"]
+__all__ = ["PENDING_ATTR", "covers_world", "should_defer", "defer", "find_pending",
+           "finish_pending", "clear_pending"]
 
+#: a deferred ``dedicate_params`` call's record: ``finish(model)``, the dedication itself with the
+#: call's arguments (run by :func:`finish_pending`)
 PENDING_ATTR = "_dmuon_pending"
-
-
-@dataclass
-class PendingDedication:
-    """What a deferred ``dedicate_params`` call recorded: the selected ``names`` and
-    ``finish(model)``, the dedication itself with the call's arguments (run by
-    :func:`finish_pending`)."""
-
-    names: tuple[str, ...]
-    finish: Any = None
 
 
 def covers_world(mesh: Any, replicate_mesh: Any = None) -> bool:
@@ -71,7 +62,8 @@ def _global_guard(module: nn.Module, args: Any) -> None:
             "the first forward (after fully_shard, to_empty and the model's init).")
 
 
-def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], finish: Any) -> None:
+def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter],
+          finish: Callable[[nn.Module], None]) -> None:
     """Record a deferred dedication on ``model``; ``finish(model)`` completes it."""
     for n in chosen:
         mod_name, _, leaf = n.rpartition(".")
@@ -79,30 +71,28 @@ def defer(model: nn.Module, chosen: Mapping[str, nn.Parameter], finish: Any) -> 
         slots = set(getattr(module, PENDING_SLOTS_ATTR, ()))
         slots.add(leaf)
         setattr(module, PENDING_SLOTS_ATTR, frozenset(slots))
-    pending = PendingDedication(tuple(chosen), finish)
     _PENDING_MODELS.add(model)
     if not _GLOBAL_HOOK:
         _GLOBAL_HOOK.append(register_module_forward_pre_hook(_global_guard))
-    setattr(model, PENDING_ATTR, pending)
+    setattr(model, PENDING_ATTR, finish)
 
 
-def find_pending(model: nn.Module) -> Optional[PendingDedication]:
+def find_pending(model: nn.Module) -> Optional[Callable[[nn.Module], None]]:
     return getattr(model, PENDING_ATTR, None)
 
 
 def finish_pending(model: nn.Module) -> None:
     """Complete a deferred ``dedicate_params`` (collective; ``dmuon.Muon(model)`` calls it; no-op
     without one): the same dedication, on the model TP, ``fully_shard`` and the init made."""
-    pending = find_pending(model)
-    if pending is not None:
-        pending.finish(model)
+    finish = find_pending(model)
+    if finish is not None:
+        finish(model)
         clear_pending(model)
 
 
 def clear_pending(model: nn.Module) -> None:
     """Drop the record, the slot marks and the forward guard (the dedication is done)."""
-    pending = find_pending(model)
-    if pending is None:
+    if find_pending(model) is None:
         return
     _PENDING_MODELS.discard(model)
     if not _PENDING_MODELS and _GLOBAL_HOOK:

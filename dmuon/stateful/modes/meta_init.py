@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from dmuon.compat.torch_api import module_param_slots
+from dmuon.functional.meta_init_check import init_window_problems, same_device
 from dmuon.functional.schedule import publish_schedule
 from dmuon.stateful.runtime.agree import agree
 from dmuon.stateful.runtime.errors import DedicatedParamError, from_dtensor_api, tp_error
@@ -25,7 +26,7 @@ from dmuon.stateful.runtime.guard_base import (ATTRIBUTE_CALLS, PASS_ON, TorchGu
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DedicatedUninit", "MetaInit", "replace_meta_params", "device_of_mesh"]
+__all__ = ["DedicatedUninit", "MetaInit", "replace_params", "empty_param", "device_of_mesh"]
 
 #: tensors made from one (shape / dtype only): on meta on a rank without the matrix, so that init
 #: code building a scratch (torchtitan's fused-QKV init: new_empty, init, cat, copy_) stays free
@@ -59,14 +60,6 @@ class _Info:
     materialized: bool = False       # to_empty reached it
 
 
-def _same_device(want: Any, have: torch.device) -> bool:
-    if want is None:
-        return True
-    want = torch.device(want)
-    return want.type == have.type and (want.index is None or have.index is None
-                                       or want.index == have.index)
-
-
 class DedicatedUninit(TorchGuard, nn.Parameter):
     """The class of a dedicated param of a meta-built model until the init window closes: every
     call runs on a rank that holds the matrix; elsewhere shape queries answer the full shape,
@@ -86,7 +79,7 @@ class DedicatedUninit(TorchGuard, nn.Parameter):
             if from_dtensor_api():  # TP after dedicate_params: raise on holders and others alike
                 raise tp_error(info.name, info.owner)
         if name == "empty_like" and args and args[0] is me and _from_to_empty():
-            if not _same_device(kwargs.get("device"), info.device) or \
+            if not same_device(kwargs.get("device"), info.device) or \
                     kwargs.get("dtype", me.dtype) != me.dtype:
                 raise DedicatedParamError(
                     f"dmuon: model.to_empty(device={kwargs.get('device')}) would move the "
@@ -137,21 +130,17 @@ def device_of_mesh(mesh: Any) -> torch.device:
     return torch.device(kind, index)
 
 
-def replace_meta_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
-                        device: torch.device) -> dict[str, nn.Parameter]:
-    """Put a new zero-size ``nn.Parameter`` on ``device`` in place of every selected meta param,
-    in every module that holds it (tied params stay one object); returns ``{name: new param}``."""
+def replace_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
+                   make: Callable[[nn.Parameter], nn.Parameter]) -> dict[str, nn.Parameter]:
+    """Put ``make(p)`` in place of every param ``p`` of ``chosen``, in every module that holds it
+    (tied params stay one object); returns ``{name: new param}``. Meta-device init: ``make`` is
+    :func:`empty_param`; tensor parallelism: a ``DTensor``'s local slice."""
     new: dict[int, nn.Parameter] = {}
     out: dict[str, nn.Parameter] = {}
     for n, p in chosen.items():
-        q = new.get(id(p))
-        if q is None:
-            q = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device),
-                             requires_grad=p.requires_grad)
-            for k, v in vars(p).items():  # user attributes on the param (torchtitan sets none)
-                setattr(q, k, v)
-            new[id(p)] = q
-        out[n] = q
+        if id(p) not in new:
+            new[id(p)] = make(p)
+        out[n] = new[id(p)]
     old = {id(p): p for p in chosen.values()}
     for mod in model.modules():
         slots = module_param_slots(mod)
@@ -159,6 +148,15 @@ def replace_meta_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
             if v is not None and id(v) in new and v is old[id(v)]:
                 slots[k] = new[id(v)]
     return out
+
+
+def empty_param(p: nn.Parameter, device: torch.device) -> nn.Parameter:
+    """A new zero-size ``nn.Parameter`` on ``device`` for the meta param ``p`` (its dtype,
+    ``requires_grad`` and user attributes; torchtitan sets none)."""
+    q = nn.Parameter(torch.empty(0, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
+    for k, v in vars(p).items():
+        setattr(q, k, v)
+    return q
 
 
 @dataclass(eq=False)
@@ -197,26 +195,15 @@ class MetaInit:
 
     def problems(self, model: nn.Module, dedicated: set) -> list[str]:
         """This rank's reasons the window cannot close (no collective)."""
-        out = []
         late = [n for n, i in self.infos.items() if not i.materialized]
-        if late:
-            out.append(f"dedicated params never reached by model.to_empty(device=...): "
-                       f"{late[:4]}{' ...' if len(late) > 4 else ''}")
-        left = []
-        for n, p in model.named_parameters():
-            if p in dedicated:
-                continue
-            local = p.to_local() if hasattr(p, "to_local") else p
-            if local.is_meta:
-                left.append(n)
+        left = [n for n, p in model.named_parameters() if p not in dedicated
+                and (p.to_local() if hasattr(p, "to_local") else p).is_meta]
         left += [n for n, b in model.named_buffers() if b is not None and b.is_meta]
-        if left:
-            out.append(f"params / buffers still on the meta device: {left[:4]}"
-                       f"{' ...' if len(left) > 4 else ''}")
-        return out
+        return init_window_problems(late, left)
 
     def finish(self, st: Any, what: str) -> None:
-        """Close ``st``'s init window (collective on every rank).
+        """Close ``st``'s init window (collective on every rank): the init's values into the
+        masters (each replica's too), the params back to placeholders.
 
         Raises:
           RuntimeError: on every rank, when any rank has a param or buffer left on meta or a
@@ -232,13 +219,7 @@ class MetaInit:
                 "device=...) and the model's init (model.init_weights(), or each module's "
                 "reset_parameters()) on every rank, before dmuon.Muon(model), the first forward "
                 "or a state-dict call.")))
-        self.close(st)
-        st.meta_init = None
-        logger.info("dmuon: meta-device init closed; %d dedicated masters held here",
-                    len(st.masters))
-
-    def close(self, st: Any) -> None:
-        """Copy temporaries into masters, publish over each column (HSDP), make placeholders."""
+        # temporaries into the masters, published over each column (HSDP); then placeholders
         with torch.no_grad():
             for n, t in self.temps.items():
                 st.masters[n].copy_(t)
@@ -253,3 +234,6 @@ class MetaInit:
             p.__dict__.pop("_dmuon_uninit", None)
             p.__class__ = nn.Parameter
         st.storage.set_placeholder_dtypes(st.orig_dtype)
+        st.meta_init = None
+        logger.info("dmuon: meta-device init closed; %d dedicated masters held here",
+                    len(st.masters))

@@ -14,16 +14,19 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.compat.torch_api import module_param_slots
-from dmuon.functional.tp_plan import TPLayout, tp_roots, tp_slicing_problem
+from dmuon.functional.selection import names_by_object
+from dmuon.functional.tp_plan import TPLayout, tp_roots
+from dmuon.functional.tp_setup import tp_layouts_of
 from dmuon.functional.tp_step import (grad_agreement_verdict, grad_agreement_vector, group_max,
                                       tp_orthogonalizer, tp_sum_partials)
 from dmuon.stateful.runtime.agree import rank_flags
 from dmuon.stateful.runtime.errors import (TP_FIX, TensorParallelUnsupported, from_dtensor_api,  # noqa: F401
                                       refuse_tp, tp_error)
+from dmuon.stateful.runtime.guards import to_plain, to_tp_slice_guard
 
 __all__ = ["TensorParallelUnsupported", "TP_FIX", "TPLayout", "TPForward", "TPStep",
-           "from_dtensor_api", "tp_error", "tp_layouts", "localize_tp_params", "refuse_tp",
-           "tp_mesh_ranks", "assemble_tp_slices", "full_shape", "local_part"]
+           "from_dtensor_api", "tp_error", "tp_layouts", "refuse_tp", "assemble_tp_slices",
+           "full_shape", "local_part"]
 
 
 def _is_dtensor(p: Any) -> bool:
@@ -33,59 +36,15 @@ def _is_dtensor(p: Any) -> bool:
 
 def tp_layouts(model: nn.Module, chosen: Mapping[str, Any]) -> dict[str, TPLayout]:
     """The :class:`TPLayout` of every chosen param that is a TP ``DTensor`` (validated:
-    :func:`dmuon.functional.tp_plan.tp_slicing_problem`).
+    :func:`dmuon.functional.tp_setup.tp_layouts_of`).
 
     Raises:
       TensorParallelUnsupported: a layout dmuon does not support (design notes), naming it.
     """
     from torch.distributed.tensor import Shard
-    aliases: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        aliases[id(p)] = aliases.get(id(p), 0) + 1
-    out: dict[str, TPLayout] = {}
-    meshes = set()
-    for n, p in chosen.items():
-        if not _is_dtensor(p):
-            continue
-        pl, mesh = tuple(p.placements), p.device_mesh
-        why = tp_slicing_problem(tuple(p.shape), pl, mesh.ndim, mesh.size(),
-                                 contiguous=bool(pl) and type(pl[0]) is Shard,
-                                 tied=aliases.get(id(p), 1) > 1)
-        if why is not None:
-            raise TensorParallelUnsupported(
-                f"dedicate_params: param {n!r} is a DTensor of shape {tuple(p.shape)} with "
-                f"placements {pl} on a {mesh.ndim}-D mesh: {why}. dmuon dedicates 2-D matrices "
-                "that TP shards with one Shard(0) (ColwiseParallel) or Shard(1) (RowwiseParallel) "
-                f"on a 1-D TP mesh. {TP_FIX}.")
-        meshes.add(tuple(mesh.mesh.flatten().tolist()))
-        out[n] = TPLayout(mesh, pl, tuple(p.shape), tuple(p.stride()), pl[0].dim % 2, mesh.size())
-    if len(meshes) > 1:
-        raise TensorParallelUnsupported(
-            f"dedicate_params: the TP-sharded params live on different TP meshes {sorted(meshes)}; "
-            f"dmuon needs one TP mesh. {TP_FIX}.")
-    return out
-
-
-def tp_mesh_ranks(layouts: Mapping[str, TPLayout]) -> Optional[tuple[int, ...]]:
-    """The global ranks of this rank's TP group in TP order (``None`` without TP layouts)."""
-    for lay in layouts.values():
-        return tuple(int(x) for x in lay.mesh.mesh.flatten().tolist())
-    return None
-
-
-def localize_tp_params(model: nn.Module, chosen: Mapping[str, nn.Parameter],
-                       layouts: Mapping[str, TPLayout]) -> dict[str, nn.Parameter]:
-    """Replace every TP ``DTensor`` param in ``layouts`` by a plain ``nn.Parameter`` of its local
-    slice (sharing its storage); returns ``chosen`` with the new objects."""
-    out = dict(chosen)
-    for n in layouts:
-        mod_name, _, leaf = n.rpartition(".")
-        module = model.get_submodule(mod_name) if mod_name else model
-        old = chosen[n]
-        new = nn.Parameter(old.to_local().detach(), requires_grad=old.requires_grad)
-        module_param_slots(module)[leaf] = new
-        out[n] = new
-    return out
+    return tp_layouts_of({n: p for n, p in chosen.items() if _is_dtensor(p)},
+                         names_by_object(model.named_parameters(remove_duplicate=False)),
+                         shard_type=Shard, fix=TP_FIX, error=TensorParallelUnsupported)
 
 
 class TPForward:
@@ -110,8 +69,6 @@ class TPForward:
     def _pre(self, slots: list[tuple[nn.Module, str, str]]) -> Callable:
         from torch.distributed.tensor import DTensor
 
-        from dmuon.stateful.runtime.guards import to_plain
-
         @torch.compiler.disable
         def hook(module: nn.Module, args: Any) -> None:
             for owner, leaf, n in slots:
@@ -127,8 +84,6 @@ class TPForward:
         return hook
 
     def _post(self, slots: list[tuple[nn.Module, str, str]]) -> Callable:
-        from dmuon.stateful.runtime.guards import to_tp_slice_guard
-
         @torch.compiler.disable
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             for owner, leaf, _ in slots:

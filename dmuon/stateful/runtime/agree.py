@@ -119,21 +119,21 @@ class NotOnEveryRankError(RuntimeError):
     made it, before anything was sent."""
 
 
-def _join_error(what: str, fix: str, detail: str) -> NotOnEveryRankError:
+def _join_error(what: str, detail: str) -> NotOnEveryRankError:
     return NotOnEveryRankError(
         f"dmuon: {what} is collective on a dmuon model: {detail}: state_dict / save is "
-        f"collective: call it on every rank. {fix} Nothing was sent; "
+        f"collective: call it on every rank. {SAVE_FIX} Nothing was sent; "
         f"the call can be made again on every rank. (A rank that is only slow to get here "
         f"can be given longer: {JOIN_ENV}=seconds.)")
 
 
-def join(what: str, *, fix: str = SAVE_FIX) -> None:
+def join(what: str) -> None:
     """Collective entry check, on the rendezvous store (no collective): return once every rank has
     entered this :func:`join`; a failed join is not counted (the next call is a fresh attempt).
 
     Args:
-      what: the call, as the user wrote it (``"model.state_dict()"``).
-      fix: what to do instead (appended to the message).
+      what: the call, as the user wrote it (``"model.state_dict()"``); the message says what to do
+        instead (:data:`SAVE_FIX`).
 
     Raises:
       NotOnEveryRankError: some rank did not come within ``DMUON_JOIN_TIMEOUT_S`` seconds
@@ -155,7 +155,7 @@ def join(what: str, *, fix: str = SAVE_FIX) -> None:
         pass
     n = store.add(key + "/n", 1)
     if n >= _POISON:
-        raise _join_error(what, fix, f"another rank gave up waiting for this one at this call "
+        raise _join_error(what, f"another rank gave up waiting for this one at this call "
                           f"after {bound:g} s (this is rank {rank})")
     if n == world:
         store.set(key + "/go", "ok")
@@ -177,6 +177,6 @@ def join(what: str, *, fix: str = SAVE_FIX) -> None:
             missing = f"rank(s) {sorted(set(range(world)) - came)}"
         except Exception:  # noqa: BLE001
             missing = "some rank(s)"
-        raise _join_error(what, fix, f"{missing} did not reach it within {bound:g} s (this is "
+        raise _join_error(what, f"{missing} did not reach it within {bound:g} s (this is "
                           f"rank {rank})")
     _join_done[id(store)] = seq

@@ -246,7 +246,7 @@ class Executor:
         self._seq += 1
         if not takes_part or (n <= 1 and not self.issue_trivial):
             return rec
-        rec.group = mg.member_group(op.members) if op.axis == "group" else mg.group(op.lane)
+        rec.group = mg.member_group(op.members) if op.axis == "group" else mg.groups[op.lane]
         if isinstance(op, ShardBuckets):
             rec.bufs = tuple(None if k is None else self._bucket(op, k, n_, buffers)
                              for k, n_ in zip(op.keys, op.sizes))

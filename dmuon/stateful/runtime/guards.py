@@ -14,42 +14,14 @@ import torch
 import torch.nn as nn
 
 from dmuon.compat.torch_api import make_tensor_subclass, torch_function_disabled
+from dmuon.functional.guard_rules import (FP16_LOSS_SCALING, PASS_ON, first_instance,
+                                          full_shape_query, refusal_hint)
 from dmuon.stateful.runtime.errors import DedicatedParamError, from_dtensor_api, tp_error
-from dmuon.stateful.runtime.guard_base import (CONVERSIONS, PASS_ON, TorchGuard, call_plain,
-                                               first_instance, full_shape_query)
+from dmuon.stateful.runtime.guard_base import TorchGuard, call_plain
 
 __all__ = ["DedicatedParamError", "saving_state_dict", "DedicatedPlaceholder", "DedicatedGradMarker",
            "TPSliceGuard", "to_placeholder", "to_plain", "to_tp_slice_guard", "make_marker",
            "guard_module_apply"]
-
-_NORM_HINT = ("dmuon.clip_grad_norm_(model, max_norm) (torch's clip_grad_norm_ cannot see "
-              "gradients held by their owner ranks)")
-#: what dmuon offers instead, by the name of the torch function that was refused
-_HINTS = {
-    "linalg_vector_norm": _NORM_HINT,
-    "_foreach_norm": _NORM_HINT,
-    "norm": "dmuon.clip_grad_norm_(model, max_norm)",
-    "clamp_": "dmuon.clip_grad_value_(model, clip_value) (torch's clip_grad_value_ may have "
-              "clamped FSDP2's gradients before this one: call optimizer.zero_grad() and redo the "
-              "step)",
-    "_foreach_clamp_min_": "dmuon.clip_grad_value_(model, clip_value)",
-    "_foreach_clamp_max_": "dmuon.clip_grad_value_(model, clip_value)",
-    "clamp": "dmuon.clip_grad_value_(model, clip_value)",
-}
-_DEFAULT_HINT = ("dmuon.Muon(model, ...) to update the model, dmuon.clip_grad_norm_ / "
-                 "dmuon.clip_grad_value_ to clip, dmuon.get_model_state_dict(model) to read weights"
-                 " (a tool that goes param by param may have changed FSDP2's params before this "
-                 "one: call optimizer.zero_grad() and redo the step)")
-
-
-#: torch.amp.GradScaler on a dmuon model (its unscale_ reaches a gradient marker)
-FP16_LOSS_SCALING = (
-    "dmuon: torch.amp.GradScaler (fp16 loss scaling) is not supported on a dmuon model: fp16 "
-    "loss scaling is not supported; use bf16 (a MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
-    "or torch.autocast(dtype=torch.bfloat16): no scaler needed) or fp32. The scaler cannot see "
-    "the dedicated matrices' gradients (they live on their owner ranks), so it could neither "
-    "unscale them nor detect their overflows. Call optimizer.zero_grad() before going on "
-    "(FSDP2's gradients of another dtype may have been unscaled already).")
 
 _SAVING = threading.local()
 
@@ -61,23 +33,6 @@ def saving_state_dict(delta: int = 0) -> bool:
     depth = max(0, getattr(_SAVING, "depth", 0) + delta)
     _SAVING.depth = depth
     return depth > 0
-
-
-_MOVE_HINT = ("move or cast the model (model.to(device / dtype)) before dmuon.dedicate_params: "
-              "afterwards the masters stay where dedicate_params put them")
-
-
-_INIT_HINT = ("the model's init before dmuon.dedicate_params (its values are copied to the owner "
-              "there), or build the model under torch.device('meta') and run its init after "
-              "fully_shard and model.to_empty(device=...) (README: meta-device init)")
-
-
-def _hint(name: str, func: Any) -> str:
-    if name in CONVERSIONS:
-        return _MOVE_HINT
-    if getattr(func, "__module__", "") == "torch.nn.init":
-        return _INIT_HINT
-    return _HINTS.get(name, _DEFAULT_HINT)
 
 
 class DedicatedPlaceholder(TorchGuard, nn.Parameter):
@@ -119,7 +74,7 @@ class DedicatedPlaceholder(TorchGuard, nn.Parameter):
             f"dmuon: torch's {name!r} was applied to the dedicated param {pname!r}, whose values "
             f"live whole on owner rank {owner} (here it is an empty placeholder between forward "
             f"passes), so it would silently see nothing. Use "
-            f"{_hint(name, func)}." + patch)
+            f"{refusal_hint(name, func)}." + patch)
 
 
 class TPSliceGuard(TorchGuard, nn.Parameter):
@@ -172,7 +127,7 @@ class DedicatedGradMarker(TorchGuard, torch.Tensor):
             f"{getattr(m, '_dmuon_name', '?')!r}, which dmuon holds on its owner rank (here it "
             "is only a marker). Use "
             + ("optimizer.state_dict() (or dmuon.get_optimizer_state_dict) to read it"
-               if what != "gradient" else _HINTS.get(name, _DEFAULT_HINT)) + ".")
+               if what != "gradient" else refusal_hint(name)) + ".")
 
 
 def keep_dmuon_hook_last(p: nn.Parameter) -> bool:

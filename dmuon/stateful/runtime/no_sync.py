@@ -9,16 +9,7 @@ from typing import Iterator
 
 import torch.nn as nn
 
-from dmuon.stateful.runtime.state import unwrapping_model
-from dmuon.stateful.runtime.state import get_state
-
-
-def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover
-        return []
-    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+from dmuon.stateful.runtime.state import get_state, unwrapping_model
 
 
 @contextlib.contextmanager
@@ -39,8 +30,9 @@ def no_sync(model: nn.Module) -> Iterator[None]:
             if (i + 1) % accum == 0:
                 optimizer.step(); optimizer.zero_grad()
     """
+    from torch.distributed.fsdp import FSDPModule  # torch >= 2.11 (pyproject) has FSDP2
     rt = get_state(model, "dmuon.no_sync(model)")
-    fsdp = _fsdp_modules(model)
+    fsdp = [m for m in model.modules() if isinstance(m, FSDPModule)]
     prev = rt.require_grad_sync
     rt.require_grad_sync = False
     for m in fsdp:

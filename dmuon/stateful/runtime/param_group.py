@@ -1,7 +1,7 @@
 """One hook group of dedicated params (:class:`DedicatedParamGroup`): its buckets, its explicit
-:class:`GroupState` / :class:`GradState`, and its in-flight collectives. It runs the schedules the
-pure phases (:mod:`dmuon.functional.phases`) return; it never decides ordering or timing (the root
-state calls it).
+:class:`GradState`, the weights version it holds gathered, and its in-flight collectives. It runs
+the schedules the pure phases (:mod:`dmuon.functional.phases`) return; it never decides ordering or
+timing (the root state calls it).
 
 Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.param_group".
 """
@@ -21,15 +21,7 @@ from dmuon.functional.program import GroupPhases, StepProgram
 from dmuon.stateful.runtime.executor import Executor, Pending
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool, alloc_storage, free_storage
 
-__all__ = ["GroupState", "GradState", "InflightReduce", "DedicatedParamGroup"]
-
-
-class GroupState(enum.Enum):
-    """Where a group's param values are (placeholders, gathering, gathered views)."""
-
-    RESHARDED = "resharded"
-    UNSHARDING = "unsharding"
-    UNSHARDED = "unsharded"
+__all__ = ["GradState", "InflightReduce", "DedicatedParamGroup"]
 
 
 class GradState(enum.Enum):
@@ -74,8 +66,8 @@ class DedicatedParamGroup:
         self.reshard_after_forward = reshard_after_forward
         self.compute_dtype: Optional[torch.dtype] = None
         self.reduce_dtype: Optional[torch.dtype] = None
-        self.state = GroupState.RESHARDED
         self.grad_state = GradState.IDLE
+        #: the weights version gathered (or gathering: :attr:`inflight_unshard`); -1: placeholders
         self.gathered_version = -1
         self._arrived: set[str] = set()
         #: the launches not waited yet: at most one gather and one publish, any number of reduces
@@ -111,13 +103,11 @@ class DedicatedParamGroup:
     def launch_unshard(self, version: int, regather: bool = False) -> None:
         """Start gathering (no-op if gathered for ``version`` or a gather is in flight; ``regather``:
         in a backward). Waits the group's pending HSDP publish first."""
-        if self.inflight_unshard is not None:
-            return
-        if self.state is GroupState.UNSHARDED and self.gathered_version == version:
+        if self.inflight_unshard is not None or self.gathered_version == version:
             return
         if self.phases.zero_copy:  # nothing to move: the new masters once any publish landed
             self.wait_publish()
-            self.state, self.gathered_version = GroupState.UNSHARDED, version
+            self.gathered_version = version
             return
         with _label(self, "unshard"):
             self.wait_publish()
@@ -126,14 +116,12 @@ class DedicatedParamGroup:
             sched = P.gather(self.program, self.key, self.storage.coord, self.storage.masters,
                              self.unshard_buffers, regather=regather)
             self.inflight_unshard = self.executor.launch(sched, self.unshard_buffers)
-            self.state = GroupState.UNSHARDING
             self.gathered_version = version
 
     def _wait_unshard(self) -> None:
         inflight, self.inflight_unshard = self.inflight_unshard, None
         if inflight is not None:
             inflight.wait()
-            self.state = GroupState.UNSHARDED
 
     def unshard(self, version: int, regather: bool = False) -> None:
         """Make the params valid full tensors in the compute dtype for ``version`` (waits)."""
@@ -153,7 +141,7 @@ class DedicatedParamGroup:
                 self.storage.release(n)
             for buf in self.unshard_buffers.values():
                 free_storage(buf)
-            self.state = GroupState.RESHARDED
+            self.gathered_version = -1
 
     @property
     def zero_copy(self) -> bool:
@@ -164,7 +152,7 @@ class DedicatedParamGroup:
     @property
     def holds_gathered(self) -> bool:
         """Gathered or gathering (something to free at the end of a backward)."""
-        return self.state is not GroupState.RESHARDED
+        return self.gathered_version != -1
 
     # ------------------------------------------------------------------ gradients
     def note_grad(self, name: str, *, defer: bool = False) -> None:
@@ -235,4 +223,4 @@ class DedicatedParamGroup:
 
     def __repr__(self) -> str:
         return (f"DedicatedParamGroup({self.key or '<root>'!r}, {len(self.names)} params, "
-                f"{self.state.value}, grads {self.grad_state.value})")
+                f"gathered version {self.gathered_version}, grads {self.grad_state.value})")

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from dmuon.functional.group_layout import check_grids, grid_position, group_ranks, standard_grid
 from dmuon.functional.schedule import LANE_AXIS, LANES
-from dmuon.functional.setup_check import Grid, RankSetup, check_setups, error_type
+from dmuon.functional.setup_check import Grid, check_setups, error_type, rank_setup
 from dmuon.stateful.runtime.agree import gather
 
 log = logging.getLogger(__name__)
@@ -78,13 +78,6 @@ class MeshGroups:
     def global_rank(self, s: int, r: int) -> int:
         return self.grid[r][s]
 
-    def group(self, lane: str):
-        """The process group of ``lane`` that contains this rank."""
-        try:
-            return self.groups[lane]
-        except KeyError:
-            raise KeyError(f"no process group for lane {lane!r}; lanes: {list(self.groups)}") from None
-
     def member_group(self, members: Sequence[int]) -> Any:
         """The process group of an explicit-group op's ``members`` (global ranks): this rank's
         tensor-parallel group."""
@@ -103,10 +96,6 @@ class MeshGroups:
         if op.axis == "shard":
             return list(self.grid[self.coord[1]])
         return [row[op.at] for row in self.grid]
-
-
-def _nested_tuple(x: Any) -> Any:
-    return tuple(_nested_tuple(v) for v in x) if isinstance(x, list) else int(x)
 
 
 def agree_grids(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Sequence[str] = (),
@@ -132,22 +121,8 @@ def agree_grids(mesh: Any, replicate_mesh: Any = None, *, param_device_types: Se
       ``local_err`` where given; elsewhere, when any rank has a problem, the type of that rank's
       error (``ValueError`` for problems of the meshes) naming every problem.
     """
-    err = None if local_err is None else (type(local_err).__name__, str(local_err))
-    try:
-        su = RankSetup(
-            rank=dist.get_rank(), mesh=_nested_tuple(mesh.mesh.tolist()),
-            mesh_dim_names=tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-            mesh_device_type=str(mesh.device_type),
-            replicate=(None if replicate_mesh is None
-                       else _nested_tuple(replicate_mesh.mesh.flatten().tolist())),
-            replicate_device_type=(None if replicate_mesh is None
-                                   else str(replicate_mesh.device_type)),
-            param_device_types=tuple(sorted(set(param_device_types))), error=err,
-            tp=None if tp_ranks is None else tuple(int(x) for x in tp_ranks))
-    except AttributeError:
-        su = RankSetup(rank=dist.get_rank(), error=err or (
-            "TypeError", f"mesh / replicate_mesh must be DeviceMesh objects (init_device_mesh), got "
-            f"{type(mesh).__name__} / {type(replicate_mesh).__name__}"))
+    su = rank_setup(dist.get_rank(), mesh, replicate_mesh, param_device_types=param_device_types,
+                    local_err=local_err, tp_ranks=tp_ranks)
     setups = gather(su, what=f"{what} setup agreement")
     verdict = check_setups(setups, dist.get_world_size())
     if not verdict.problems:
@@ -162,9 +137,7 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
                         replicate_size: int | None = None,
                         grid: Sequence[Sequence[int]] | None = None,
                         tp_grids: Sequence[Sequence[Sequence[int]]] | None = None,
-                        backend: str | None = None,
-                        timeout: datetime.timedelta | None = None, high_priority: bool = True,
-                        lanes: Sequence[str] = LANES) -> MeshGroups:
+                        timeout: datetime.timedelta | None = None) -> MeshGroups:
     """Create every lane's process groups once (collective: every rank calls this, same args).
 
     Give exactly one of: ``mesh`` (DeviceMesh, 2-D or 1-D shard mesh, plus optional 1-D
@@ -176,10 +149,8 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
       tp_grids: tensor parallelism, instead of ``grid``: one ``grid[r][s]`` per TP index (from
         :func:`agree_grids`); this rank's lanes are those of the grid that holds it, and a ``tp``
         group joins the ranks of one ``(s, r)`` across the grids.
-      backend: backend of the new groups (default: the default group's).
-      timeout: collective timeout of the new groups (default: the default group's).
-      high_priority: on NCCL, make the shard-axis lanes' groups high-priority streams.
-      lanes: which lanes to create (default all three).
+      timeout: collective timeout of the new groups (default: the default group's); the groups
+        use the default group's backend (on NCCL the shard-axis lanes' are high-priority streams).
 
     Returns:
       :class:`MeshGroups` for this rank.
@@ -203,23 +174,16 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
     world, me = dist.get_world_size(), dist.get_rank()
     all_grids = check_grids(grids, world)
     tp_index, coord = grid_position(all_grids, me)
-    to_make = group_ranks(all_grids, lanes)
-    be = backend or str(dist.get_backend())
-    key = (all_grids, be, backend, timeout, bool(high_priority), tuple(lanes), me)
+    to_make = group_ranks(all_grids, LANES)
+    be = str(dist.get_backend())
+    key = (all_grids, be, timeout, me)
     cached = _reusable(key)
     # reuse only when every rank can: new_group is collective over the world
     if all(gather(cached is not None, what="process-group reuse agreement")):
         return cached
-    kw0: dict[str, Any] = {"backend": backend}
-    if timeout is not None:
-        kw0["timeout"] = timeout
     mine: dict[str, tuple[Any, tuple[int, ...]]] = {}
     for kind, ranks in to_make:  # every rank creates every group, in one order
-        kw = dict(kw0)
-        if high_priority and LANE_AXIS.get(kind) == "shard" and "nccl" in be:
-            kw["pg_options"] = opts = dist.ProcessGroupNCCL.Options()
-            opts.is_high_priority_stream = True
-        pg = dist.new_group(list(ranks), **kw)
+        pg = _new_group(ranks, timeout, LANE_AXIS.get(kind) == "shard" and "nccl" in be)
         if me in ranks:
             mine[kind] = (pg, ranks)
     tp_group, tp_ranks = mine.get("tp", (None, (me,)))
@@ -234,8 +198,8 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
     return made
 
 
-#: the groups made so far, by (grids, backend, timeout, options, lanes, rank): reused by later
-#: models instead of adding groups that nothing could free
+#: the groups made so far, by (grids, backend, timeout, rank): reused by later models instead of
+#: adding groups that nothing could free
 _REUSE: dict[tuple, MeshGroups] = {}
 
 
@@ -262,12 +226,20 @@ def with_split_groups(mg: MeshGroups, member_sets: Sequence[Sequence[int]]) -> M
     sets = sorted({tuple(int(x) for x in m) for m in member_sets})
     if not sets:
         return mg
-    kw: dict[str, Any] = {}
-    if mg.timeout is not None:
-        kw["timeout"] = mg.timeout
     made = {}
     for ranks in sets:
-        pg = dist.new_group(list(ranks), **kw)
+        pg = _new_group(ranks, mg.timeout)
         if mg.rank in ranks:
             made[ranks] = pg
     return dataclasses.replace(mg, split_groups=made)
+
+
+def _new_group(ranks: Sequence[int], timeout: Optional[datetime.timedelta],
+               high_priority: bool = False) -> Any:
+    """``dist.new_group(ranks)`` with ``timeout`` (where given) and, ``high_priority``, NCCL's
+    high-priority streams (collective over the world)."""
+    kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    if high_priority:
+        kw["pg_options"] = opts = dist.ProcessGroupNCCL.Options()
+        opts.is_high_priority_stream = True
+    return dist.new_group(list(ranks), **kw)

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from dmuon.functional.buckets import ROOT_GROUP, HookGroups
 from dmuon.functional.program import StepProgram, step_program
-from dmuon.functional.schedule import Schedule
+from dmuon.functional.renames import renamed
 from dmuon.functional.split_plan import runtime_owners
 from dmuon.functional.tp_plan import grid_tp_schedule
 from dmuon.functional.policy import resolve_model_dtypes
@@ -47,14 +47,13 @@ class DedicatedState:
     def __init__(self, *, model: nn.Module, params: Mapping[str, nn.Parameter], plan: Any,
                  mesh_groups: MeshGroups, executor: Executor, groups: HookGroups,
                  group_modules: Mapping[str, nn.Module], reshard_after_forward: bool,
-                 mp_policy: Any, batch_dims: Mapping[str, int],
+                 mp_policy: Any,
                  meta_shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
                  meta_device: Optional[torch.device] = None,
                  param_dtypes: Optional[Mapping[str, Any]] = None,
                  reduce_dtypes: Optional[Mapping[str, Any]] = None,
                  master_dtypes: Optional[Mapping[str, Any]] = None,
                  views: Optional[Mapping[str, Any]] = None,
-                 view_sources: Optional[Mapping[str, str]] = None,
                  hp_mults: Optional[Mapping[str, tuple[float, float]]] = None,
                  tp_layouts: Optional[Mapping[str, Any]] = None,
                  data_parallel: str = "fsdp", collectives: str = "per_owner",
@@ -69,16 +68,12 @@ class DedicatedState:
         self.owners = {n: tuple(o[n]) for o in [runtime_owners(plan)] for n in self.names}
         self.owner_rank = {n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
         self.owned_names = tuple(n for n in self.names if self.owners[n] == self.coord)
-        self.batch_dims = dict(batch_dims)
-        # the policy's decisions (dedicate_params): matrix views (what NS / the lr scale see), where
-        # each view came from, and (lr_mult, wd_mult) per param
+        # the policy's decisions (dedicate_params): matrix views (what NS / the lr scale see) and
+        # (lr_mult, wd_mult) per param
         self.views: dict[str, Any] = dict(views or {})
-        self.view_sources: dict[str, str] = dict(view_sources or {})
         self.hp_mults: dict[str, tuple[float, float]] = dict(hp_mults or {})
-        # TP: {name: TPLayout} of the TP-sliced matrices, the program's tp schedule (the owners'
-        # NS gathers / scatters) and their forward hooks (tensor_parallel)
+        # TP: {name: TPLayout} of the TP-sliced matrices (tensor_parallel)
         self.tp_layouts: dict[str, Any] = dict(tp_layouts or {})
-        self.tp_forward: Any = None
         #: the handles of every hook dedicate_params registered (:func:`dmuon.release` removes them)
         self.hook_handles: list[Any] = []
         self.mp_policy = mp_policy
@@ -90,7 +85,6 @@ class DedicatedState:
         #: "fsdp" or "ddp" (DDP mode: nothing is resharded, :mod:`dmuon.stateful.modes.ddp`)
         self.data_parallel, self.collectives = data_parallel, collectives
         self.reshard_after_forward = reshard_after_forward and data_parallel != "ddp"
-        reshard_after_forward = self.reshard_after_forward
         self.storage = DedicatedStorage(self.params, self.owners, groups, self.G, self.R,
                                         self.coord, shapes=meta_shapes, device=meta_device,
                                         master_dtypes=master_dtypes)
@@ -99,15 +93,11 @@ class DedicatedState:
         self.device, self.masters, self.shape = st.device, st.masters, st.shape
         self.orig_dtype, self.master_dtype = st.orig_dtype, st.master_dtype
         self.pool = GradBufferPool(self.coord[0], self.device)
-        # the step program's ``tp`` phase (TP's NS gathers / scatters), or None without TP
-        self.tp_schedule: Optional[Schedule] = None if not self.tp_layouts else grid_tp_schedule(
-            mesh_groups.tp_grids, self.owners,
-            {n: self.tp_layouts[n].shape for n in self.names if n in self.tp_layouts},
-            {n: str(self.master_dtype[n]) for n in self.tp_layouts}, dist.get_world_size())
         self.groups: dict[str, DedicatedParamGroup] = {
             key: DedicatedParamGroup(
                 key=key, module=group_modules[key], names=groups.names(key), storage=self.storage,
-                executor=executor, reshard_after_forward=reshard_after_forward and key != ROOT_GROUP)
+                executor=executor,
+                reshard_after_forward=self.reshard_after_forward and key != ROOT_GROUP)
             for key in groups.order}
         self.group_of = groups.as_mapping()
         self.order: list[str] = list(groups.order)  # forward order; agreed at the first forward
@@ -167,9 +157,8 @@ class DedicatedState:
         model = self.model_ref()
         if model is not None:
             check_not_taken_over(model, self.params, "dmuon (first forward)")
-            from dmuon.stateful.runtime.renames import renamed_error, renamed_params
-            if renamed_params(self, model):
-                raise renamed_error(self, model, "dmuon (first forward)")
+            if _renamed_params(self, model):
+                raise _renamed_error(self, model, "dmuon (first forward)")
         holders = fsdp_holders(model, self.names, lambda n: self.groups[self.group_of[n]].module)
         pols = {id(h): self.mp_policy if self.mp_policy is not None else fsdp_mp_policy(h)
                 for h in holders.values()}  # each matrix follows the fully_shard module holding it
@@ -184,11 +173,15 @@ class DedicatedState:
         self.compute_dtype.update(gathered)
         self.reduce_dtype.update(reduce)
         self._fsdp_states.update(holders)
-        cdt, rdt = self.compute_dtype, self.reduce_dtype
+        cdt, rdt, lay = self.compute_dtype, self.reduce_dtype, self.tp_layouts
+        tp = None if not lay else grid_tp_schedule(  # TP's NS gathers / scatters
+            self.mesh_groups.tp_grids, self.owners,
+            {n: lay[n].shape for n in self.names if n in lay},
+            {n: str(self.master_dtype[n]) for n in lay}, dist.get_world_size())
         self.program = step_program(
             self.owners, self.shape, cdt, reduce_dtypes=rdt, master_dtypes=self.master_dtype,
             shard_size=self.G, replicate_size=self.R, groups=self.hook_groups,
-            reshard_after_forward=self.reshard_after_forward, tp=self.tp_schedule,
+            reshard_after_forward=self.reshard_after_forward, tp=tp,
             collectives=self.collectives, data_parallel=self.data_parallel)
         if self.program.master_layout != self.storage.master_layout:  # pragma: no cover
             raise RuntimeError("dmuon internal error: the step program's master layout differs "
@@ -306,24 +299,20 @@ class DedicatedState:
         self.groups[key].note_grad(name, defer=key in self.reused)
         self._launch_due_reduces()
 
-    def _launch_reduce(self, key: str) -> None:
-        g = self.groups[key]
-        self.ledger.take_markers(g.names)  # markers of an earlier no_sync backward: still there?
-        g.launch_reduce(self.ledger.send(g.names), self.pool)
-        if self.listener is not None:  # the optimizer's policy (offload: the copies in start)
-            self.listener.reduce_issued(g.names)
-        if not self._keep_gathered:
-            g.reshard()  # its gradients are out: the gathered copy is not needed in this backward
-
     def _launch_due_reduces(self, every: bool = False) -> None:
         """Launch, in the fixed reduce order, each complete group whose predecessors are launched
         (``every``: complete or not, at the end of a backward)."""
         order = self._reduce_order
         while self._reduce_next < len(order):
-            key = order[self._reduce_next]
-            if not every and self.groups[key].grad_state is not GradState.COMPLETE:
+            g = self.groups[order[self._reduce_next]]
+            if not every and g.grad_state is not GradState.COMPLETE:
                 return
-            self._launch_reduce(key)
+            self.ledger.take_markers(g.names)  # markers of an earlier no_sync backward: there?
+            g.launch_reduce(self.ledger.send(g.names), self.pool)
+            if self.listener is not None:  # the optimizer's policy (offload: the copies in start)
+                self.listener.reduce_issued(g.names)
+            if not self._keep_gathered:
+                g.reshard()  # its gradients are out: no need for its gathered copy in this backward
             self._reduce_next += 1
 
     def on_backward_end(self) -> None:
@@ -354,22 +343,6 @@ class DedicatedState:
         """Hook groups whose post-step publish has not been waited yet."""
         return [k for k, g in self.groups.items() if g.inflight_publish is not None]
 
-    def publish(self, *, replicate_async: bool = True) -> None:
-        """HSDP: broadcast each new master from its owner to its column (no-op when R == 1);
-        ``replicate_async``: leave the launches pending (design notes: "The HSDP publish").
-
-        Raises:
-          RuntimeError: a publish of an earlier step is still pending (see
-            :meth:`check_publish_consumed`).
-        """
-        if self.R == 1:
-            return
-        self.check_publish_consumed()
-        for key in self.hook_groups.order:
-            self.groups[key].launch_publish(self.storage.master_buffers)
-        if not replicate_async:
-            self.wait_publish()
-
     def check_publish_consumed(self, what: str = "optimizer.step()") -> None:
         """Raise if a publish is still pending (not yet waited: the same decision on every rank)."""
         groups = [k or "<root>" for k in self.pending_publish]
@@ -382,10 +355,10 @@ class DedicatedState:
             "backward before the next step, or call dmuon.wait_all_replicate_broadcasts(model) "
             "first (or build the optimizer with dmuon.Muon(..., replicate_async=False)).")
 
-    def wait_publish(self, key: Optional[str] = None) -> None:
-        """Wait for the pending HSDP publish of group ``key`` (``None``: of every group; this is
+    def wait_publish(self) -> None:
+        """Wait for the pending HSDP publish of every group (this is
         ``dmuon.wait_all_replicate_broadcasts``). Idempotent, local (no new collective)."""
-        for g in (self.groups.values() if key is None else (self.groups[key],)):
+        for g in self.groups.values():
             g.wait_publish()
 
     # ------------------------------------------------------------------ step protocol
@@ -422,9 +395,22 @@ class DedicatedState:
         self.reshard_all()
 
     def after_step(self, *, replicate_async: bool = True) -> None:
-        """After the owners updated their masters: :meth:`masters_changed`, then publish (HSDP)."""
+        """After the owners updated their masters: :meth:`masters_changed`, then (HSDP, R > 1)
+        broadcast each new master from its owner to its column; ``replicate_async``: leave the
+        launches pending (design notes: "The HSDP publish").
+
+        Raises:
+          RuntimeError: a publish of an earlier step is still pending (see
+            :meth:`check_publish_consumed`).
+        """
         self.masters_changed()
-        self.publish(replicate_async=replicate_async)
+        if self.R == 1:
+            return
+        self.check_publish_consumed()
+        for key in self.hook_groups.order:
+            self.groups[key].launch_publish(self.storage.master_buffers)
+        if not replicate_async:
+            self.wait_publish()
 
     def attach_optimizer(self) -> int:
         """A new ``dmuon.Muon`` on this model: returns its generation (it supersedes older ones)."""
@@ -454,12 +440,36 @@ def get_state(model: nn.Module, what: str = "this call") -> DedicatedState:
         for path, m in model.named_modules():
             inner = getattr(m, STATE_ATTR, None) if path else None
             if inner is not None:
-                from dmuon.stateful.runtime.renames import renamed_error
-                raise renamed_error(inner, model, what, path)
+                raise _renamed_error(inner, model, what, path)
         raise RuntimeError(
             f"{what} needs a model prepared by dmuon.dedicate_params(model, mesh, predicate) "
             "(call it before fully_shard), but this model has no dedicated parameters.")
     return st
+
+
+def _renamed_params(st: DedicatedState, root: nn.Module) -> list[tuple[str, str]]:
+    """``(name at dedicate_params, name in root now)`` of the dedicated params that ``root`` now
+    names otherwise (beyond compile / checkpoint / DDP wrapper segments), or does not hold."""
+    now: dict[int, list[str]] = {}
+    for n, p in root.named_parameters(remove_duplicate=False):
+        now.setdefault(id(p), []).append(n)
+    return renamed({n: id(p) for n, p in st.params.items()}, now)
+
+
+def _renamed_error(st: DedicatedState, root: nn.Module, what: str, inner: str = "") -> RuntimeError:
+    """The error for a model wrapped or renamed after ``dedicate_params`` (PEFT's
+    ``get_peft_model`` is the usual cause)."""
+    moved = _renamed_params(st, root)
+    eg = (f" (e.g. {moved[0][0]!r} is now {moved[0][1]!r}, {len(moved)} dedicated params "
+          "renamed)") if moved else ""
+    where = f" wraps the model dmuon.dedicate_params prepared (at {inner!r}) and" if inner else ""
+    return RuntimeError(
+        f"{what}: this model{where} had its modules wrapped or renamed after "
+        f"dmuon.dedicate_params{eg}, as PEFT's get_peft_model (LoRA) does: dmuon's hooks, groups "
+        "and state-dict names refer to the modules as they were. Apply PEFT (get_peft_model) "
+        "before dmuon.dedicate_params: dmuon.dedicate_params(peft_model, mesh, predicate), then "
+        "fully_shard "
+        "(its frozen base weights are left out; the trainable ones are dedicated).")
 
 
 def unwrap_model(model: Any) -> Any:

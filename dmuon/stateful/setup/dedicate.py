@@ -19,7 +19,7 @@ from dmuon.functional.dedicate_options import (DedicateOptions, check_data_paral
 from dmuon.functional.setup_check import ddp_grid, deferral_agreed
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
-from dmuon.functional.tp_plan import with_tp_views
+from dmuon.functional.tp_setup import tp_decisions, tp_mesh_ranks
 from dmuon.compat.torch_api import (default_group_timeout, group_timeout, set_group_timeout,
                                    torch_supported, unsupported_torch_message)
 from dmuon.stateful.modes.ddp import guard_fsdp_mode, install_ddp_mode
@@ -28,16 +28,17 @@ from dmuon.compat.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
 from dmuon.stateful.runtime.hooks import register_hooks
 from dmuon.compat.fsdp_info import has_fsdp_state
 from dmuon.stateful.runtime.guards import guard_module_apply
-from dmuon.functional.policy import (as_policy, decide_params, dtype_overrides,
-                                     policy_fingerprint, routing_predicate)
+from dmuon.functional.policy import (as_policy, decide_params, policy_fingerprint,
+                                     routing_predicate)
+from dmuon.functional.matrix_settings import matrix_settings
 from dmuon.functional.routing import Dedication, routing_table
-from dmuon.functional.selection import check_materialized, select_params
-from dmuon.stateful.modes.meta_init import MetaInit, device_of_mesh, replace_meta_params
+from dmuon.functional.selection import check_materialized, names_by_object, select_params
+from dmuon.stateful.modes.meta_init import MetaInit, device_of_mesh, empty_param, replace_params
 from dmuon.stateful.runtime.agree import agree_equal, gather
 from dmuon.stateful.runtime.process_groups import agree_grids, make_process_groups, with_split_groups
 from dmuon.stateful.modes.deferred import covers_world, defer, find_pending, should_defer
 from dmuon.stateful.modes.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
-                                            localize_tp_params, tp_layouts, tp_mesh_ranks)
+                                                  tp_layouts)
 from dmuon.stateful.runtime.state import STATE_ATTR, DedicatedState, find_state
 from dmuon.stateful.checkpoint.torch_state_dict import register_state_dict_hooks
 
@@ -58,29 +59,6 @@ def _select(model: nn.Module, predicate: Predicate,
             "dmuon.dedicate_params(model, mesh, predicate) first, then fully_shard.")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # dedups tied params
     return named, select_params(named, predicate, type(model).__name__)
-
-
-def _check_fingerprint(fingerprint: str, mesh_groups: Any) -> None:
-    """All-gather the owner plan's fingerprint; raise on every rank if any rank's differs."""
-    agree_equal(fingerprint, what="owner-plan fingerprint all-gather", via=mesh_groups,
-                show=lambda fp: fp[:12], error=lambda detail: RuntimeError(
-                    "dedicate_params: the owner plan differs across ranks (" + detail + "). Every "
-                    "rank must build the same model (same names, shapes, dtypes) and pass the same "
-                    "predicate, policy (its rules, dtypes included), mesh and settings."))
-
-
-def _tp_decisions(decisions: dict, layouts: dict, data_parallel: str, on_meta: bool) -> dict:
-    """The policy's decisions with the :class:`~dmuon.functional.matrix_view.Sliced` view of each
-    TP-sliced matrix (raises for what TP does not support yet)."""
-    if layouts and (data_parallel != "fsdp" or on_meta):
-        raise TensorParallelUnsupported(
-            "dedicate_params: tensor-parallel dedicated matrices "
-            + ("with data_parallel='ddp'" if data_parallel != "fsdp" else
-               "on the meta device (meta-device init)")
-            + " are not supported yet. Use data_parallel='fsdp' with a materialized model "
-            f"(TP, then dedicate_params, then fully_shard). {TP_FIX}.")
-    return with_tp_views(decisions, {n: lay.view() for n, lay in layouts.items()},
-                         error=TensorParallelUnsupported)
 
 
 def _agree_deferral(local_err: Optional[Exception], mesh: Any, replicate_mesh: Any,
@@ -194,17 +172,14 @@ def dedicate_params(
     options, notes = fold_deprecated(options, deprecated)
     for note in notes:
         warnings.warn(note, DeprecationWarning, stacklevel=2)
-    seeds = dict(replicate_mesh=replicate_mesh, hook_boundary_predicate=hook_boundary_predicate,
-                 reshard_after_forward=reshard_after_forward)
-    return _dedicate(model, mesh, predicate, options, seeds)
+    return _dedicate(model, mesh, predicate, options, replicate_mesh, hook_boundary_predicate,
+                     reshard_after_forward)
 
 
 def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: DedicateOptions,
-              seeds: dict, *, finishing: bool = False) -> dict[nn.Parameter, int]:
-    """:func:`dedicate_params` (``seeds``: its other keyword arguments); ``finishing``: a
-    deferred one."""
-    replicate_mesh = seeds["replicate_mesh"]
-    hook_boundary_predicate = seeds["hook_boundary_predicate"]
+              replicate_mesh: Any, hook_boundary_predicate: Optional[Callable[[nn.Module], bool]],
+              reshard_after_forward: bool, *, finishing: bool = False) -> dict[nn.Parameter, int]:
+    """:func:`dedicate_params`; ``finishing``: a deferred one."""
     data_parallel, timeout = options.data_parallel, options.timeout
     max_split, force_split = split_settings(options.split_ns)
     if not torch_supported():
@@ -219,7 +194,6 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
                            "torch.distributed.init_process_group(...) first")
     # local checks may fail on some ranks only: agree first (one all-gather), so every rank
     # raises and none is left waiting in a collective the others never reach
-    named: list = []
     chosen: dict[str, nn.Parameter] = {}
     layouts: dict = {}
     routing = None
@@ -238,8 +212,11 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
         if not deferring:
             layouts = tp_layouts(model, chosen)  # TP-sharded DTensors (tensor_parallel.py)
             check_choice(collectives, data_parallel, tp=bool(layouts))
-            decisions = _tp_decisions(decide_params(model, chosen, pol, options.batch_dims), layouts,
-                                      data_parallel, any(p.is_meta for p in chosen.values()))
+            decisions = tp_decisions(decide_params(model, chosen, pol, options.batch_dims),
+                                     {n: lay.view() for n, lay in layouts.items()},
+                                     data_parallel=data_parallel, fix=TP_FIX,
+                                     on_meta=any(p.is_meta for p in chosen.values()),
+                                     error=TensorParallelUnsupported)
             spec_named = [(n, tuple(p.to_local().shape), p.dtype) if n in layouts else (n, p)
                           for n, p in named]
             routing = routing_table([(n, tuple(p.shape), p.requires_grad)
@@ -253,8 +230,9 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
         # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
         _agree_setting("data_parallel", data_parallel)
         names = set(chosen)
-        defer(model, chosen, lambda m: _dedicate(m, mesh, lambda n, p: n in names, options, seeds,
-                                                 finishing=True))
+        defer(model, chosen, lambda m: _dedicate(
+            m, mesh, lambda n, p: n in names, options, replicate_mesh, hook_boundary_predicate,
+            reshard_after_forward, finishing=True))
         logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
                     "dedicate_params)", len(chosen))
         return Dedication()
@@ -276,21 +254,26 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
             "with tensor parallelism or data_parallel='ddp'; leave split_ns at 1 there")
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size,
                        max_split=max_split, force_split=force_split)
-    _check_fingerprint(policy_fingerprint(plan.fingerprint, pol), mesh_groups)
+    # every rank's owner plan (and policy) the same: else raise on every rank
+    agree_equal(policy_fingerprint(plan.fingerprint, pol), what="owner-plan fingerprint all-gather",
+                via=mesh_groups, show=lambda fp: fp[:12], error=lambda detail: RuntimeError(
+                    "dedicate_params: the owner plan differs across ranks (" + detail + "). Every "
+                    "rank must build the same model (same names, shapes, dtypes) and pass the same "
+                    "predicate, policy (its rules, dtypes included), mesh and settings."))
     if plan.splits:  # one process group per split unit's members (every rank makes every one)
         mesh_groups = with_split_groups(mesh_groups, [sp.members for sp in plan.splits])
     _bound_mesh_groups((mesh, replicate_mesh), timeout)
-    chosen = localize_tp_params(model, chosen, layouts)  # plain local slices from here on
+    chosen = {**chosen, **replace_params(  # TP: plain local slices from here on
+        model, {n: chosen[n] for n in layouts},
+        lambda p: nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad))}
     meta_shapes = meta_device = None
     if on_meta:  # meta-device init: new real-device param objects, no values (meta_init.py)
         meta_device = device_of_mesh(mesh)
         meta_shapes = {n: tuple(p.shape) for n, p in chosen.items()}
-        chosen = replace_meta_params(model, chosen, meta_device)
+        chosen = replace_params(model, chosen, lambda p: empty_param(p, meta_device))
 
     # a param shared by several modules (tied weights) is moved by the boundary of all its uses
-    by_id: dict[int, list[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(n)
+    by_id = names_by_object(model.named_parameters(remove_duplicate=False))
     aliases = {n: by_id[id(p)] for n, p in chosen.items()}
     accepts = None if hook_boundary_predicate is None else (
         lambda path: hook_boundary_predicate(model.get_submodule(path)))
@@ -306,19 +289,12 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
             "hook_boundary_predicate=lambda m: ... to dedicate_params to move them per block.",
             len(chosen), [k or "<root>" for k in groups.order])
     executor = Executor(mesh_groups, timeout=timeout)
-    spec_by_name = {s.name: s for s in specs}
     st = DedicatedState(
         model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
         groups=groups, group_modules=group_modules,
-        reshard_after_forward=seeds["reshard_after_forward"], mp_policy=options.mp_policy,
-        batch_dims={n: spec_by_name[n].batch_dims for n in chosen},
+        reshard_after_forward=reshard_after_forward, mp_policy=options.mp_policy,
         meta_shapes=meta_shapes, meta_device=meta_device,
-        param_dtypes=dtype_overrides(decisions, "param_dtype"),
-        reduce_dtypes=dtype_overrides(decisions, "reduce_dtype"),
-        master_dtypes=dtype_overrides(decisions, "master_dtype"),
-        views={n: spec_by_name[n].matrix_view for n in chosen},
-        view_sources={n: d.source for n, d in decisions.items()},
-        hp_mults={n: (d.lr_mult, d.wd_mult) for n, d in decisions.items()},
+        **matrix_settings(decisions, specs, chosen),
         tp_layouts=layouts, data_parallel=data_parallel,
         collectives="per_owner" if (layouts or data_parallel == "ddp") else collectives,
         # model.state_dict()'s DTensor rows: over the 1-D shard mesh (DDP mode: plain tensors)
@@ -334,11 +310,10 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
         install_ddp_mode(model, st)
     else:
         guard_fsdp_mode(model)
-    st.hook_handles = register_hooks(model, st)  # kept: dmuon.release removes them
-    if layouts:  # after the group hooks: a module sees its gathered slice as TP's DTensor
-        st.tp_forward = TPForward(model, layouts, st.group_of,
-                                  {k: g.module for k, g in st.groups.items()})
-    st.hook_handles += register_state_dict_hooks(model, st).handles
+    st.hook_handles += register_hooks(model, st)  # kept: dmuon.release removes them
+    # after the group hooks: a module sees its gathered TP slice as TP's DTensor; state-dict hooks
+    st.hook_handles += (TPForward(model, layouts, st.group_of, group_modules).handles
+                        + register_state_dict_hooks(model, st).handles)
     guard_module_apply(model, list(chosen.values()))
     setattr(model, STATE_ATTR, st)
     logger.info("dmuon: dedicated %d params in %d hook groups over G=%d R=%d (plan %s)",

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from dmuon.stateful.modes.deferred import clear_pending, find_pending
 from dmuon.stateful.runtime.guards import DedicatedGradMarker
-from dmuon.stateful.runtime.state import STATE_ATTR, find_state
+from dmuon.stateful.runtime.state import STATE_ATTR, find_state, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +47,6 @@ def release(model: nn.Module) -> None:
     Raises:
       RuntimeError: ``model`` was never prepared by ``dedicate_params``.
     """
-    from dmuon.stateful.runtime.state import unwrap_model
     model = unwrap_model(model)
     st = find_state(model)
     if isinstance(st, ReleasedState):
@@ -64,11 +63,7 @@ def release(model: nn.Module) -> None:
     except Exception as e:  # noqa: BLE001 - a dead peer: release anyway, the buffers go with it
         logger.warning("dmuon.release: waiting for dmuon's collectives in flight failed (%s); "
                        "releasing anyway", e)
-    handles = list(st.hook_handles)
-    for extra in (getattr(st, "ddp_hook", None), getattr(st, "tp_forward", None)):
-        if extra is not None:
-            handles += getattr(extra, "handles", [extra])
-    for h in handles:
+    for h in st.hook_handles:  # the group, DDP-mode, TP-forward and state-dict hooks
         h.remove()
     for p in st.params.values():
         if isinstance(p.grad, DedicatedGradMarker):

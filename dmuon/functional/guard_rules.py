@@ -1,0 +1,126 @@
+"""What dmuon's tensor guards let through, answer and say (pure): the allow-lists of torch functions
+harmless on a tensor whose values are not on this rank, the full-shape answers of a placeholder
+standing for a whole matrix, and the fix each refusal names
+(:mod:`dmuon.stateful.runtime.guard_base` and :mod:`dmuon.stateful.runtime.guards` act on them)."""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["ATTRIBUTE_CALLS", "LOCAL_METADATA", "ALLOWED", "CONVERSIONS", "SHAPE_QUERIES",
+           "PASS_ON", "FP16_LOSS_SCALING", "func_name", "first_instance", "full_shape_query",
+           "refusal_hint"]
+
+#: attribute access, hooks, repr / hashing, dtype and layout facts: harmless on any guard
+ATTRIBUTE_CALLS = frozenset({
+    "__get__", "__set__", "__delete__", "__repr__", "__format__", "__hash__", "__dir__",
+    "requires_grad_", "register_hook", "register_post_accumulate_grad_hook", "_backward_hooks",
+    "_has_compatible_shallow_copy_type", "is_floating_point", "is_complex", "element_size",
+    "get_device", "is_contiguous", "_is_view", "has_names", "is_shared", "is_pinned",
+    "untyped_storage", "_typed_storage", "data_ptr", "storage_offset",
+})
+#: facts of the local tensor itself (its shape, strides, length, truth value, type string)
+LOCAL_METADATA = frozenset({
+    "size", "dim", "ndimension", "numel", "nelement", "stride", "__len__", "__bool__",
+    "is_nonzero", "type", "is_set_to",
+})
+#: the one allow-list (a guard without the local-tensor facts uses :data:`ATTRIBUTE_CALLS`)
+ALLOWED = ATTRIBUTE_CALLS | LOCAL_METADATA
+#: conversions that are fine when they change nothing (``model.to(device)`` on the same device)
+CONVERSIONS = frozenset({"to", "cuda", "cpu", "float", "double", "half", "bfloat16", "type_as"})
+#: the shape queries a guard standing for a whole matrix answers with its full shape
+SHAPE_QUERIES = frozenset({"size", "dim", "ndimension", "numel", "nelement"})
+
+
+class _PassOn:
+    def __repr__(self) -> str:
+        return "PASS_ON"
+
+
+#: "not answered here": a guard's special cases (and :func:`full_shape_query`) return it for a
+#: call they leave to the shared dispatch
+PASS_ON: Any = _PassOn()
+
+
+def func_name(func: Any) -> str:
+    """The name the allow-lists use for a torch function (``Tensor.size`` -> ``"size"``)."""
+    return getattr(func, "__name__", None) or str(func)
+
+
+def first_instance(cls: type, args: tuple, kwargs: dict) -> Any:
+    """The first argument of type ``cls``, also inside a list / tuple argument (``None``)."""
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, cls):
+            return a
+        if isinstance(a, (list, tuple)):
+            for x in a:
+                if isinstance(x, cls):
+                    return x
+    return None
+
+
+def full_shape_query(name: str, func: Callable, args: tuple, kwargs: dict, me: Any,
+                     shape: tuple[int, ...]) -> Any:
+    """The answer to a shape query on ``me`` (``.shape``, ``.ndim``, ``size()``, ``dim()``,
+    ``numel()``, ...) for a tensor of full ``shape``; :data:`PASS_ON` for any other call."""
+    if name == "__get__":
+        attr = getattr(getattr(func, "__self__", None), "__name__", "")
+        if attr == "shape":
+            return torch.Size(shape)
+        if attr == "ndim":
+            return len(shape)
+        return PASS_ON
+    if name in SHAPE_QUERIES and args and args[0] is me:
+        if name in ("numel", "nelement"):
+            return math.prod(shape)
+        if name in ("dim", "ndimension"):
+            return len(shape)
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        return torch.Size(shape) if dim is None else shape[dim]
+    return PASS_ON
+
+
+#: torch.amp.GradScaler on a dmuon model (its unscale_ reaches a gradient marker)
+FP16_LOSS_SCALING = (
+    "dmuon: torch.amp.GradScaler (fp16 loss scaling) is not supported on a dmuon model: fp16 "
+    "loss scaling is not supported; use bf16 (a MixedPrecisionPolicy(param_dtype=torch.bfloat16) "
+    "or torch.autocast(dtype=torch.bfloat16): no scaler needed) or fp32. The scaler cannot see "
+    "the dedicated matrices' gradients (they live on their owner ranks), so it could neither "
+    "unscale them nor detect their overflows. Call optimizer.zero_grad() before going on "
+    "(FSDP2's gradients of another dtype may have been unscaled already).")
+
+_NORM_HINT = ("dmuon.clip_grad_norm_(model, max_norm) (torch's clip_grad_norm_ cannot see "
+              "gradients held by their owner ranks)")
+#: what dmuon offers instead, by the name of the torch function that was refused
+_HINTS = {
+    "linalg_vector_norm": _NORM_HINT,
+    "_foreach_norm": _NORM_HINT,
+    "norm": "dmuon.clip_grad_norm_(model, max_norm)",
+    "clamp_": "dmuon.clip_grad_value_(model, clip_value) (torch's clip_grad_value_ may have "
+              "clamped FSDP2's gradients before this one: call optimizer.zero_grad() and redo the "
+              "step)",
+    "_foreach_clamp_min_": "dmuon.clip_grad_value_(model, clip_value)",
+    "_foreach_clamp_max_": "dmuon.clip_grad_value_(model, clip_value)",
+    "clamp": "dmuon.clip_grad_value_(model, clip_value)",
+}
+_DEFAULT_HINT = ("dmuon.Muon(model, ...) to update the model, dmuon.clip_grad_norm_ / "
+                 "dmuon.clip_grad_value_ to clip, dmuon.get_model_state_dict(model) to read weights"
+                 " (a tool that goes param by param may have changed FSDP2's params before this "
+                 "one: call optimizer.zero_grad() and redo the step)")
+_MOVE_HINT = ("move or cast the model (model.to(device / dtype)) before dmuon.dedicate_params: "
+              "afterwards the masters stay where dedicate_params put them")
+_INIT_HINT = ("the model's init before dmuon.dedicate_params (its values are copied to the owner "
+              "there), or build the model under torch.device('meta') and run its init after "
+              "fully_shard and model.to_empty(device=...) (README: meta-device init)")
+
+
+def refusal_hint(name: str, func: Any = None) -> str:
+    """What to use instead of torch function ``func`` (named ``name``) refused on a dedicated
+    param (``func=None``: on a gradient marker, where conversions and inits do not arise)."""
+    if func is not None and name in CONVERSIONS:
+        return _MOVE_HINT
+    if getattr(func, "__module__", "") == "torch.nn.init":
+        return _INIT_HINT
+    return _HINTS.get(name, _DEFAULT_HINT)
