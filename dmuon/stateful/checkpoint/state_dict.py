@@ -186,9 +186,9 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
         else:
             v = state_dict[src]
         if n is not None:
-            if n in rt.masters:  # (TP: this rank's slice of the full value)
+            if n in rt.masters:  # (TP: this rank's slice of the full value), as the param holds it
                 rt.masters[n].copy_(local_part(rt, n, v).to(device=rt.device,
-                                                            dtype=rt.masters[n].dtype))
+                                                            dtype=rt.orig_dtype[n]))
         else:  # an FSDP2 param (this rank's shard of the full value) or a plain tensor
             dst = local_tensor(target)
             dst.copy_(local_tensor(distribute_like(v.to(device=dst.device, dtype=target.dtype),
