@@ -9,8 +9,8 @@ import torch
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.functional.state_dict_check import (
-    check_state_dict, dtype_changes, field_problems, from_torch_protocol,
-    full_from_functional_states, functional_states_from_full, loadable_hparams,
+    check_state_dict, dtype_changes, field_problems, from_torch_protocol, full_dict_problems,
+    full_dict_structure, full_from_functional_states, functional_states_from_full, loadable_hparams,
     model_state_problems, optimizer_state_problems, row_chunks, to_torch_protocol, value_problems,
 )
 from dmuon.functional.state_fields import tp_concat_dim
@@ -172,3 +172,15 @@ def test_read_state_dict_formats(tmp_path):
     for src in (tmp_path / "m.pt", shard):
         got = read_state_dict(src)
         assert set(got) == set(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
+
+
+def test_full_dict_problems_and_rank0_structure():
+    sd = {"fsdp2": {"b": {}, "a": {}}, "dedicated": {"w": {"momentum_buffer": 1, "master": 2}},
+          "muon_step": 3}
+    assert full_dict_problems(sd) == []
+    for bad in (None, {"fsdp2": {}}, {"fsdp2": [], "dedicated": {}}):
+        assert full_dict_problems(bad) == [
+            f"expected dmuon.get_optimizer_state_dict's dict, got {type(bad).__name__}"]
+    got = full_dict_structure(sd)
+    assert got["fsdp2"] == ["a", "b"] and got["dedicated"] == {"w": ["master", "momentum_buffer"]}
+    assert got["muon_step"] == 3 and got["adamw_step"] == 0

@@ -153,6 +153,30 @@ def dtype_worker(rank: int, world: int) -> dict:
     narrow = ParamPolicy(rules=(Rule("layers.1.b.weight", master_dtype=torch.bfloat16),)) \
         if rank == 0 else ParamPolicy()
     out["narrow"] = _raises(lambda: _dedicate(rank, world, narrow))
+    out["load"] = _load_case(rank, world)
+    return out
+
+
+def _load_case(rank: int, world: int) -> dict:
+    """fp64 masters of fp32 params (``master64``) loaded from an fp64 model state dict, with and
+    without ``rank0_only``: the masters after each load (this rank's owned ones)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import dmuon
+    from dmuon.stateful.runtime.state import get_state
+    model = make_net()
+    dmuon.dedicate_params(model, init_device_mesh("cpu", (world,)), lambda n, p: p.ndim == 2,
+                          policy=policy_of("master64"))
+    g = torch.Generator().manual_seed(7)
+    sd = {k: torch.randn(v.shape, generator=g, dtype=torch.float64)
+          for k, v in make_net().state_dict().items()}
+    out = {}
+    for rank0_only in (False, True):
+        dmuon.set_model_state_dict(model, sd if rank == 0 or not rank0_only else None,
+                                   rank0_only=rank0_only)
+        out[rank0_only] = {n: m.detach().clone()
+                           for n, m in get_state(model).owned_masters().items()}
+    out["sd"] = sd
     return out
 
 
@@ -216,6 +240,17 @@ def check_dtypes(results: list[dict]) -> None:
         assert r["mismatch"].startswith("RuntimeError") and "owner plan differs across ranks" \
             in r["mismatch"] and "policy" in r["mismatch"], r["mismatch"]
         assert "narrower" in r["narrow"] and "layers.1.b.weight" in r["narrow"], r["narrow"]
+    # a model state dict holds the params' values: an fp64 value loads into an fp64 master of an
+    # fp32 param rounded to the param's dtype first (as the param itself would hold it), with
+    # rank0_only or without (the every-rank path kept the fp64 value, rank0_only rounded it)
+    for r in results:
+        load = r["load"]
+        assert load[False] and set(load[False]) == set(load[True])
+        for n, m in load[False].items():
+            want = load["sd"][n].float().to(m.dtype)
+            assert m.dtype == (torch.float64 if n.startswith("layers.0.") else torch.float32), n
+            assert torch.equal(m, want), n
+            assert torch.equal(load[True][n], want), n
 
 
 # ------------------------------------------------------------------------ (4) validation, in-process

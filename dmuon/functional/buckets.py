@@ -39,6 +39,7 @@ from typing import Callable, Mapping, NamedTuple, Optional, Sequence, Union
 
 import torch
 
+from dmuon.functional.module_paths import ancestors
 from dmuon.functional.owner_plan import Coord
 from dmuon.functional.specs import dtype_from_str, layer_key_from_name
 
@@ -168,12 +169,8 @@ def boundary_groups(aliases: Mapping[str, Sequence[str]],
         if accepts is None:
             key = layer_key_from_name(name)
             return key if key is not None else ROOT_GROUP
-        parts = name.split(".")[:-1]
-        for i in range(len(parts), 0, -1):  # lowest (deepest) accepted ancestor first
-            path = ".".join(parts[:i])
-            if accepts(path):
-                return path
-        return ROOT_GROUP
+        # the lowest (deepest) accepted ancestor first
+        return next((path for path in ancestors(name) if accepts(path)), ROOT_GROUP)
 
     keys = {}
     for n, names in aliases.items():

@@ -53,6 +53,8 @@ __all__ = [
     "row_chunks",
     "hparams",
     "full_entries",
+    "full_dict_problems",
+    "full_dict_structure",
     "to_torch_protocol",
     "from_torch_protocol",
     "field_problems",
@@ -284,6 +286,23 @@ def full_entries(sd: Mapping[str, Any]) -> dict[str, Any]:
     return {"dedicated": dict(sd["dedicated"]), "fsdp2": dict(sd["fsdp2"]),
             **{k: int(sd.get(k, 0)) for k in _COUNTERS}, "param_groups": sd.get("param_groups"),
             "variant_scalars": sd.get("variant_scalars")}
+
+
+def full_dict_problems(sd: Any) -> list[str]:
+    """Why ``sd`` is not dmuon's full optimizer dict (:func:`dmuon.get_optimizer_state_dict`'s:
+    ``"fsdp2"`` and ``"dedicated"`` mappings), ``[]`` when it is."""
+    if isinstance(sd, Mapping) and isinstance(sd.get("fsdp2"), Mapping) and \
+            isinstance(sd.get("dedicated"), Mapping):
+        return []
+    return [f"expected dmuon.get_optimizer_state_dict's dict, got {type(sd).__name__}"]
+
+
+def full_dict_structure(sd: Mapping[str, Any]) -> dict[str, Any]:
+    """What a ``rank0_only`` load sends from rank 0 to every rank (with the verdict): the
+    :func:`full_entries` of a full dict (:func:`full_dict_problems` ``[]``), the sections by
+    their names (sorted; a dedicated matrix's entry by its keys) instead of their tensors."""
+    return {**full_entries(sd), "fsdp2": sorted(sd["fsdp2"]),
+            "dedicated": {n: sorted(s) for n, s in sd["dedicated"].items()}}
 
 
 def to_torch_protocol(groups: Sequence[tuple[Mapping[str, Any], Sequence[str]]],

@@ -16,17 +16,17 @@ from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.stages.hparams import as_step
 from dmuon.functional.state_dict_check import (MOMENTS as _MOMENTS, from_torch_protocol,
+                                               full_dict_problems, full_dict_structure,
                                                full_entries, hparams, loadable_hparams,
                                                optimizer_state_problems, to_torch_protocol)
 from dmuon.stateful.runtime.state import get_state, local_tensor
 from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
 from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, agree, distribute_like,
                                                        dtensor_rows, layout_problem,
-                                                       log_narrowing, rows_of)
-from dmuon.stateful.modes.tensor_parallel import (assemble_tp_slices, full_shape, local_part,
-                                                  refuse_tp)
-from dmuon.stateful.checkpoint.owner_fields import gather_fields, layout_of, stage_fields
-from dmuon.stateful.checkpoint.transfer import transfer_of
+                                                       log_narrowing)
+from dmuon.stateful.modes.tensor_parallel import refuse_tp
+from dmuon.stateful.checkpoint.owner_fields import (entry_shape, gather_fields, layout_of,
+                                                    stage_fields)
 
 __all__ = ["get_optimizer_state_dict", "set_optimizer_state_dict", "load_optimizer_state",
            "torch_optimizer_state_dict", "torch_load_optimizer_state_dict"]
@@ -54,24 +54,6 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
                               shape=like.shape, stride=like.stride())
 
 
-def _full_dedicated(optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
-    """Collective: ``{name: {field key: full[, "master": full]}}`` on every rank, bucketed."""
-    rt = optimizer.dedicated_state
-    tr = transfer_of(rt)
-    out: dict[str, dict[str, torch.Tensor]] = {}
-    for group in tr.each_group():
-        fields = gather_fields(optimizer, group)
-        out.update(fields)
-        if any(rt.master_dtype[n] != rt.orig_dtype[n] for n in fields):
-            got = tr.to_every_rank(group, rt.masters)
-            if rt.tp_layouts:
-                got = assemble_tp_slices(rt.tp_layouts, got, rt.mesh_groups.tp_group)
-            for n, t in got.items():
-                if rt.master_dtype[n] != rt.orig_dtype[n]:
-                    out[n]["master"] = t.clone()
-    return out
-
-
 def muon_step(optimizer: Any) -> int:
     """The owner's step count of the full format (``num_steps`` on a rank that owns nothing)."""
     return int(optimizer._owner.step_count if optimizer.dedicated_state.owned_names
@@ -90,7 +72,7 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     entries = {n: {**{k: dtensor_rows(v, rt.shard_mesh) if layout_of(optimizer, k) == "param"
                       else v for k, v in e.items()},  # a variant's smaller fields: full tensors
                    "step": torch.tensor(float(owner.step_count))}
-               for n, e in _full_dedicated(optimizer).items()}
+               for n, e in gather_fields(optimizer).items()}
     for n, p in optimizer.adamw_named_params:
         entries[n] = {**{k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))},
                       "step": torch.tensor(float(st.step))}
@@ -160,28 +142,9 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         for n, p in optimizer.adamw_named_params:
             for k, dst in zip(_MOMENTS, (st.mu[n], st.nu[n])):
                 dst.copy_(_local_piece(fsdp[n][k], p).to(dtype=dst.dtype))
-    staged_masters: dict[str, torch.Tensor] = {}
-    tr = transfer_of(rt)
-
-    def move(group: str, key: str, part: Any = None) -> dict[str, torch.Tensor]:
-        """Entry ``key`` of ``group``'s matrices on their owner columns (``part(n, full)``: this
-        rank's piece of a full value; default: its TP slice)."""
-        if rank0:
-            return tr.from_rank0(group, {n: entry_shape(optimizer, n, key) for n, e in ded.items()
-                                         if key in e}, lambda n: ded[n][key],
-                                 part or (lambda n, v: local_part(rt, n, v)))
-        return tr.to_columns(group, lambda n: rows_of(local_part(rt, n, ded[n].get(key)), rt,
-                                                      rt.shape[n]))
-
-    # every field of the chain by name (an empty section: the state before the first step)
-    staged_fields = stage_fields(optimizer, ded, move, rank0=rank0) if ded else None
-    if ded:
-        for group in tr.each_group():
-            if any("master" in ded[n] for n in rt.hook_groups.names(group)):
-                full = move(group, "master")
-                for n, t in full.items():
-                    if "master" in ded[n]:
-                        staged_masters[n] = t.clone()
+    # every field of the chain by name, and the masters (an empty section: before the first step)
+    staged_fields = stage_fields(optimizer, ded, rank0=rank0) if ded else None
+    staged_masters = staged_fields.pop("master") if ded else {}
     # install (the only writes to live state)
     groups = entries.get("param_groups") or []
     by_name = {g.get("name"): g for g in groups if isinstance(g, Mapping)}
@@ -209,13 +172,6 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     if staged_masters:
         rt.masters_changed()
     optimizer.invalidate_state_views()  # rebuilt when read (fp8: no decoded copies held)
-
-
-def entry_shape(optimizer: Any, n: str, key: str) -> tuple[int, ...]:
-    """The single-device shape of dedicated entry ``key`` of matrix ``n``."""
-    if key == "master":
-        return full_shape(optimizer.dedicated_state, n)
-    return optimizer._owner.full_shapes[key][n]
 
 
 def _local_piece(v: Any, p: Any) -> torch.Tensor:
@@ -256,7 +212,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool
         entry = {k: full_copy(dtensor_like(src[n], p)) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
         if keep:
             fsdp2[n] = {k: mv(v) for k, v in entry.items()}
-    ded = _full_dedicated(optimizer)
+    ded = gather_fields(optimizer)
     dedicated = {n: {k: mv(v) for k, v in e.items()} for n, e in ded.items()} if keep else {}
     return {"fsdp2": fsdp2, "dedicated": dedicated,
             "adamw_step": int(st.step) if st is not None else 0,
@@ -291,16 +247,9 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
     rt.join(f"{what}(model, optimizer, sd)", always=True)
     rt.drain()
     has_dict = not rank0_only or rt.rank == 0
-    problems, meta = [], None
-    if has_dict and not (isinstance(state_dict, Mapping) and isinstance(state_dict.get("fsdp2"),
-                                                                         Mapping)
-                         and isinstance(state_dict.get("dedicated"), Mapping)):
-        problems = [f"expected dmuon.get_optimizer_state_dict's dict, got "
-                    f"{type(state_dict).__name__}"]
-    elif rank0_only and has_dict:  # rank 0's structure, to every rank with the verdict
-        meta = {**full_entries(state_dict), "fsdp2": sorted(state_dict["fsdp2"]),
-                "dedicated": {n: sorted(s) for n, s in state_dict["dedicated"].items()}}
-    meta = agree(rt, problems, what, meta)[0]
+    problems = full_dict_problems(state_dict) if has_dict else []
+    mine = full_dict_structure(state_dict) if rank0_only and has_dict and not problems else None
+    meta = agree(rt, problems, what, mine)[0]  # rank 0's structure, with the verdict
     if not rank0_only:
         return load_optimizer_state(optimizer, full_entries(state_dict), what=what,
                                     check_finite=check_finite)

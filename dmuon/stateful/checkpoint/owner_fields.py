@@ -7,16 +7,19 @@ Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.owner_fields
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
 from dmuon.functional.state_dtype import checkpoint_dtype
 from dmuon.functional.state_fields import tp_concat_dim
+from dmuon.stateful.checkpoint.state_dict import full_copy
+from dmuon.stateful.checkpoint.torch_state_dict import rows_of
 from dmuon.stateful.checkpoint.transfer import transfer_of
+from dmuon.stateful.modes.tensor_parallel import full_shape, local_part
 
-__all__ = ["layout_of", "gather_fields", "local_field", "stage_fields"]
+__all__ = ["layout_of", "gather_fields", "local_field", "entry_shape", "stage_fields"]
 
 
 def layout_of(optimizer: Any, key: str) -> str:
@@ -25,29 +28,35 @@ def layout_of(optimizer: Any, key: str) -> str:
     return next((f.layout for f in optimizer._owner.fields if f.key == key), "param")
 
 
-def gather_fields(optimizer: Any, group: str) -> dict[str, dict[str, torch.Tensor]]:
-    """Collective: ``{name: {key: full tensor}}`` of every field of the matrices of hook group
-    ``group``, on every rank (the owners' values through the checkpoint transfer's buckets, a
-    field smaller than its param in the first elements of the param's entry; TP slices
-    assembled)."""
+def gather_fields(optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
+    """Collective: ``{name: {key: full tensor}}`` of every field of every dedicated matrix, on
+    every rank, hook group by hook group (the owners' values through the checkpoint transfer's
+    buckets, a field smaller than its param in the first elements of the param's entry; TP slices
+    assembled), with its ``"master"`` where the master dtype is not the param's."""
     var, rt = optimizer._owner, optimizer.dedicated_state
     tr = transfer_of(rt)
     out: dict[str, dict[str, torch.Tensor]] = {}
     masters = rt.owned_masters()
-    for f in var.fields:  # the stored momentum: its exact values (checkpoint dtype)
-        mine = var.value_of(f.key, masters, names=rt.hook_groups.names(group))
-        got = tr.to_every_rank(group, mine, owner_only=True)
-        for n, t in got.items():
-            shape = var.local_shapes[f.key][n]
-            v = t.reshape(-1)[:math.prod(shape)].view(shape).clone()
-            rule = tp_concat_dim(f.layout, getattr(rt.tp_layouts.get(n), "dim", None))
-            if rule is not None:
-                parts = [torch.empty_like(v) for _ in range(rt.tp_layouts[n].parts)]
-                dist.all_gather(parts, v.contiguous(), group=rt.mesh_groups.tp_group)
-                v = torch.cat(parts, dim=rule)
-            if f is var.stored_field and var.storage is not None:  # bf16 for bf16 / 8-bit
-                v = v.to(checkpoint_dtype(var.storage.dtype, v.dtype))
-            out.setdefault(n, {})[f.key] = v
+    for group in tr.layout.groups:
+        for f in var.fields:  # the stored momentum: its exact values (checkpoint dtype)
+            mine = var.value_of(f.key, masters, names=rt.hook_groups.names(group))
+            got = tr.to_every_rank(group, mine, owner_only=True)
+            for n, t in got.items():
+                shape = var.local_shapes[f.key][n]
+                v = t.reshape(-1)[:math.prod(shape)].view(shape).clone()
+                rule = tp_concat_dim(f.layout, getattr(rt.tp_layouts.get(n), "dim", None))
+                if rule is not None:
+                    parts = [torch.empty_like(v) for _ in range(rt.tp_layouts[n].parts)]
+                    dist.all_gather(parts, v.contiguous(), group=rt.mesh_groups.tp_group)
+                    v = torch.cat(parts, dim=rule)
+                if f is var.stored_field and var.storage is not None:  # bf16 for bf16 / 8-bit
+                    v = v.to(checkpoint_dtype(var.storage.dtype, v.dtype))
+                out.setdefault(n, {})[f.key] = v
+        wide = {n for n in rt.hook_groups.names(group)
+                if n in out and rt.master_dtype[n] != rt.orig_dtype[n]}  # its master kept
+        for n, t in tr.full_masters([group] if wide else []):
+            if n in wide:
+                out[n]["master"] = t.clone()
     return out
 
 
@@ -60,23 +69,41 @@ def local_field(rt: Any, layout: str, n: str, full: torch.Tensor) -> torch.Tenso
     return full.chunk(lay.parts, dim=rule)[rt.mesh_groups.tp_index]
 
 
-def stage_fields(optimizer: Any, ded: Mapping[str, Mapping[str, Any]], move: Callable, *,
-                 rank0: bool = False) -> dict[str, dict[str, torch.Tensor]]:
+def entry_shape(optimizer: Any, n: str, key: str) -> tuple[int, ...]:
+    """The single-device shape of dedicated entry ``key`` of matrix ``n``."""
+    if key == "master":
+        return full_shape(optimizer.dedicated_state, n)
+    return optimizer._owner.full_shapes[key][n]
+
+
+def stage_fields(optimizer: Any, ded: Mapping[str, Mapping[str, Any]], *,
+                 rank0: bool) -> dict[str, dict[str, torch.Tensor]]:
     """Collective: ``{key: {owned name: tensor}}`` staged from the dedicated entries ``ded``
-    (validated): ``"param"`` fields (full tensors or ``Shard(0)`` rows) through the checkpoint
-    transfer to the owner columns (``move(group, key, part)`` -> ``{name: value}`` of this
-    rank's column; ``part``: this rank's piece of a full value, ``None``: its TP slice), the
-    others (full tensors on every rank) taken by their owner. ``rank0``: only rank 0 holds the
-    values; the others move too (each rank's piece, 1-D, in the first elements of its matrix)."""
+    (validated), and ``"master"``: ``{name: tensor}`` of this rank's column where ``ded`` has a
+    master: ``"param"`` fields and masters (full tensors or ``Shard(0)`` rows) through the
+    checkpoint transfer to the owner columns, the others (full tensors on every rank) taken by
+    their owner. ``rank0``: only rank 0 holds the values; everything moves from it (a smaller
+    field: each rank's piece, 1-D, in the first elements of its matrix)."""
     var, rt = optimizer._owner, optimizer.dedicated_state
     tr = transfer_of(rt)
+
+    def move(group: str, key: str, part: Any = None) -> dict[str, torch.Tensor]:
+        """Entry ``key`` of ``group``'s matrices on their owner columns (``part(n, full)``: this
+        rank's piece of a full value; default: its TP slice)."""
+        if rank0:
+            return tr.from_rank0(group, {n: entry_shape(optimizer, n, key) for n, e in ded.items()
+                                         if key in e}, lambda n: ded[n][key],
+                                 part or (lambda n, v: local_part(rt, n, v)))
+        return tr.to_columns(group, lambda n: rows_of(local_part(rt, n, ded[n].get(key)), rt,
+                                                      rt.shape[n]))
+
     owned = set(rt.owned_names)
     out: dict[str, dict[str, torch.Tensor]] = {f.key: {} for f in var.fields}
     for f in var.fields:
         if f.layout == "param" or rank0:
             part = None if f.layout == "param" else \
                 (lambda n, v, lay=f.layout: local_field(rt, lay, n, v).reshape(-1))
-            for group in tr.each_group():
+            for group in tr.layout.groups:
                 full = move(group, f.key, part)
                 for n, t in full.items():
                     if n in owned and f.layout == "param":
@@ -87,9 +114,14 @@ def stage_fields(optimizer: Any, ded: Mapping[str, Mapping[str, Any]], move: Cal
                             dtype=live.dtype, copy=True)
             continue
         for n in rt.names:
-            v = ded[n][f.key]
-            v = v.full_tensor() if hasattr(v, "full_tensor") else v
+            v = full_copy(ded[n][f.key])  # (collective for a DTensor)
             if n in owned:
                 out[f.key][n] = local_field(rt, f.layout, n, v).to(
                     device=rt.device, dtype=var.field_values(f.key)[n].dtype)
+    out["master"] = {}
+    for group in tr.layout.groups:
+        if any("master" in ded[n] for n in rt.hook_groups.names(group)):
+            for n, t in move(group, "master").items():
+                if "master" in ded[n]:
+                    out["master"][n] = t.clone()
     return out

@@ -17,7 +17,7 @@ from dmuon.functional.state_dict_check import model_state_problems
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
 from dmuon.stateful.checkpoint.torch_state_dict import (agree, dedicated_names_by_key,
                                                        distribute_like, log_dtype_changes)
-from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part
+from dmuon.stateful.modes.tensor_parallel import full_shape, local_part
 from dmuon.stateful.checkpoint.transfer import transfer_of
 
 __all__ = ["get_model_state_dict", "set_model_state_dict", "LoadResult"]
@@ -106,18 +106,13 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
     keep = not rank0_only or rt.rank == 0
     mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
     full: dict[str, torch.Tensor] = {}
-    tr = transfer_of(rt)
-    for group in tr.each_group():
-        got = tr.to_every_rank(group, rt.masters)
-        if rt.tp_layouts:  # TP slices -> full matrices (an all-gather per matrix, TP group)
-            got = assemble_tp_slices(rt.tp_layouts, got, rt.mesh_groups.tp_group)
-        for n, t in got.items():
-            if keep:
-                full[n] = mv(t.to(rt.orig_dtype[n]).clone())
+    for n, t in transfer_of(rt).full_masters():
+        if keep:
+            full[n] = mv(t.to(rt.orig_dtype[n]).clone())
     ded = dedicated_names_by_key(model, rt)
     out: dict[str, torch.Tensor] = {}
     for k, v in module_entries(model).items():
-        t = full.get(ded[k]) if k in ded else full_copy(v)
+        t = full.get(ded[k]) if k in ded else full_copy(v)  # (collective for a DTensor)
         if keep:
             out[k] = t if k in ded else mv(t)
     return out
@@ -191,9 +186,9 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
         else:
             v = state_dict[src]
         if n is not None:
-            if n in rt.masters:  # (TP: this rank's slice of the full value)
+            if n in rt.masters:  # (TP: this rank's slice of the full value), as the param holds it
                 rt.masters[n].copy_(local_part(rt, n, v).to(device=rt.device,
-                                                            dtype=rt.masters[n].dtype))
+                                                            dtype=rt.orig_dtype[n]))
         else:  # an FSDP2 param (this rank's shard of the full value) or a plain tensor
             dst = local_tensor(target)
             dst.copy_(local_tensor(distribute_like(v.to(device=dst.device, dtype=target.dtype),
@@ -201,7 +196,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     if held:  # the dedicated matrices: rank 0's values through the program's checkpoint moves
         tr = transfer_of(rt)
         shapes = {n: full_shape(rt, n) for n in held}
-        for group in tr.each_group():
+        for group in tr.layout.groups:
             got = tr.from_rank0(group, shapes, lambda n: state_dict[held[n]].to(  # as the param
                 device=rt.device, dtype=rt.orig_dtype[n]).to(rt.master_dtype[n]),
                 lambda n, v: local_part(rt, n, v))

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from dmuon.compat.fsdp_patch import is_dedicated
 from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
+from dmuon.functional.module_paths import ancestors, modules_above
 from dmuon.functional.state_dict_check import (check_state_dict, dtype_changes, row_chunks,
                                                value_problems)
 from dmuon.stateful.runtime.agree import agree as agree_problems
@@ -25,7 +26,7 @@ from dmuon.stateful.checkpoint.transfer import transfer_of
 logger = logging.getLogger(__name__)
 
 __all__ = ["StateDictError", "register_state_dict_hooks", "dtensor_rows", "distribute_like",
-           "rows_of", "check_entry", "layout_problem", "log_narrowing", "agree",
+           "rows_of", "layout_problem", "log_narrowing", "agree",
            "dedicated_names_by_key"]
 
 
@@ -98,31 +99,18 @@ def _replicated(value: Any) -> bool:
     return all(isinstance(p, Replicate) for p in value.placements)
 
 
-def check_entry(key: str, value: Any, shape: tuple[int, ...], dtype: torch.dtype, st=None,
-                *, finite: bool = True, notes: Optional[list] = None) -> list[str]:
-    """:func:`~dmuon.functional.state_dict_check.value_problems` of one state-dict value (no
-    collective); with ``st`` given, a DTensor of another spec than dmuon's is one of them (dmuon's:
-    the dedicated ``Shard(0)`` rows, or a DTensor replicated on every mesh dim). Without
-    ``notes``, a rounding to a narrower ``dtype`` is logged here."""
-    mine: list = [] if notes is None else notes
-    problems = value_problems(key, value, shape, dtype, finite=finite,
-                              layout=layout_problem(value, st), notes=mine)
-    if notes is None:
-        log_narrowing(mine)
-    return problems
-
-
 def log_narrowing(notes: list) -> None:
-    """Log (info) each value of ``notes`` (:func:`check_entry`'s) rounded to a narrower dtype."""
+    """Log (info) each of a load's precision ``notes`` (``value_problems``') whose value is rounded
+    to a narrower dtype."""
     for key, have, want in notes:
         if torch.finfo(have).bits > torch.finfo(want).bits:
             logger.info("dmuon: %s narrows from %s to %s on load", key, have, want)
 
 
 def layout_problem(value: Any, st) -> Optional[str]:
-    """With ``st``: what is wrong with a DTensor ``value`` that holds neither dmuon's rows nor the
-    whole tensor on every rank (``None``: nothing)."""
-    if st is None or not hasattr(value, "to_local") or _replicated(value):
+    """What is wrong with a DTensor ``value`` that holds neither dmuon's rows (of ``st``'s shard
+    mesh) nor the whole tensor on every rank (``None``: nothing)."""
+    if not hasattr(value, "to_local") or _replicated(value):
         return None
     from torch.distributed.tensor import Shard
     if tuple(value.placements) == (Shard(0),) and value.device_mesh.size() == st.G:
@@ -133,8 +121,8 @@ def layout_problem(value: Any, st) -> Optional[str]:
 
 
 def log_dtype_changes(what: str, notes: list) -> None:
-    """One log line per kind of precision change of a load (``notes`` of :func:`check_entry`;
-    :func:`~dmuon.functional.state_dict_check.dtype_changes`)."""
+    """One log line per kind of precision change of a load (``notes`` of
+    :func:`~dmuon.functional.state_dict_check.value_problems`; :func:`dtype_changes`)."""
     for warn, line in dtype_changes(what, notes):
         (logger.warning if warn else logger.info)(line)
 
@@ -159,6 +147,13 @@ class _Hooks:
             path, _, attr = k.rpartition(".")
             self.owned_by.setdefault(path, []).append((attr, n))
 
+    def check(self, key: str, n: str, value: Any, notes: list) -> list[str]:
+        """:func:`~dmuon.functional.state_dict_check.value_problems` of ``value`` for dedicated
+        matrix ``n``; a DTensor must hold dmuon's rows or the whole matrix (no collective)."""
+        st = self.st
+        return value_problems(key, value, st.shape[n], st.orig_dtype[n], notes=notes,
+                              layout=layout_problem(value, st))
+
     # ------------------------------------------------------------------ save
     def pre_save(self, module, prefix, keep_vars) -> None:
         self.rows, self.stand_ins = None, {}
@@ -170,8 +165,7 @@ class _Hooks:
             st.finish_meta_init("model.state_dict()")
             st.drain()
             self.rows = {n: dtensor_rows(t.to(st.orig_dtype[n]).clone(), st.shard_mesh)
-                         for group in self.transfer.each_group()  # (views: each copied at once)
-                         for n, t in self.transfer.to_every_rank(group, st.masters).items()}
+                         for n, t in self.transfer.full_masters()}  # (no TP: refused above)
         saving_state_dict(+1)
 
     def owner_post_save(self, module, state_dict, prefix, local_metadata, path: str) -> None:
@@ -214,8 +208,7 @@ class _Hooks:
                 lost.append(k)
         if lost:
             k = lost[0]
-            path = k.rpartition(".")[0]
-            by = self._rewriter(path)
+            by = self._rewriter(k)
             raise StateDictError(
                 f"dmuon's own state-dict functions (dmuon.get_model_state_dict / "
                 f"set_model_state_dict, dmuon's sharded checkpoints) read dedicated params by "
@@ -226,16 +219,14 @@ class _Hooks:
                 "dedicated matrices exactly in the layout those hooks write; or leave these "
                 "params out of dedicate_params' predicate.")
 
-    def _rewriter(self, path: str) -> str:
-        """The nearest module on ``path`` (the owner, then its ancestors) with a state-dict
-        post-hook of its own, as ``'name' (Class)``."""
-        parts = path.split(".") if path else []
-        for i in range(len(parts), 0, -1):
-            sub = ".".join(parts[:i])
+    def _rewriter(self, key: str) -> str:
+        """The nearest module above ``key`` (its owner, then the owner's ancestors) with a
+        state-dict post-hook of its own, as ``'name' (Class)``."""
+        for sub in ancestors(key):
             m = self.model.get_submodule(sub)
             if any(h not in self.own_hooks for h in state_dict_hooks(m)):
                 return f"module {sub!r} ({type(m).__name__})"
-        return f"a module on {path!r}"
+        return f"a module on {key.rpartition('.')[0]!r}"
 
     # ------------------------------------------------------------------ load
     def pre_load(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
@@ -254,20 +245,20 @@ class _Hooks:
                 absent.append(k)
                 continue
             v = state_dict[key]
-            problems += check_entry(key, v, st.shape[n], st.orig_dtype[n], st, notes=notes)
+            problems += self.check(key, n, v, notes)
             staged.setdefault(n, v)
             state_dict[key] = st.params[n]  # the placeholder: torch's own copy_ is a no-op
         self.late = set()
         for k, v in self._dry_run(module, state_dict, prefix, absent).items():
             n = self.keys[k]
-            problems += check_entry(prefix + k, v, st.shape[n], st.orig_dtype[n], st, notes=notes)
+            problems += self.check(prefix + k, n, v, notes)
             self.late.add(prefix + k)
         for name, p in module.named_parameters(remove_duplicate=False):
             key = prefix + name
             if is_dedicated(p) or key not in state_dict:
                 continue
             v = state_dict[key]
-            mine = check_entry(key, v, tuple(p.shape), p.dtype, notes=notes)
+            mine = value_problems(key, v, tuple(p.shape), p.dtype, notes=notes)
             problems += mine
             if not mine and hasattr(p, "to_local") and not hasattr(v, "to_local"):
                 state_dict[key] = distribute_like(v.to(device=p.device, dtype=p.dtype), p)
@@ -284,16 +275,12 @@ class _Hooks:
     def _dry_run(self, root, state_dict, prefix: str, absent: list[str]) -> dict[str, Any]:
         """``{key: value}`` for each absent dedicated key that the load pre-hooks of the modules
         between the root and its owner produce, run here on a shallow copy of the dict."""
-        chains = {}
-        for k in absent:
-            parts = k.split(".")[:-1]
-            for i in range(1, len(parts) + 1):
-                chains.setdefault(".".join(parts[:i]), None)
+        chains = modules_above(absent)  # parents before children
         if not chains:
             return {}
         trial = dict(state_dict)
         meta = getattr(state_dict, "_metadata", {})
-        for path in sorted(chains, key=lambda p: p.count(".")):  # parents before children
+        for path in chains:
             m = root.get_submodule(path)
             sub = prefix + path + "."
             for hid, hook in list(load_state_dict_pre_hooks(m).items()):
@@ -311,7 +298,9 @@ class _Hooks:
             if key not in self.late or key not in state_dict:
                 continue
             v = state_dict[key]
-            problems = check_entry(key, v, self.st.shape[n], self.st.orig_dtype[n], self.st)
+            notes: list = []
+            problems = self.check(key, n, v, notes)
+            log_narrowing(notes)
             if problems:  # the dry run passed: the hook gave another value the second time
                 raise StateDictError(f"model.load_state_dict: {problems[0]} (a state-dict hook "
                                      "produced another value than in dmuon's check)")
@@ -324,9 +313,8 @@ class _Hooks:
         if not staged:
             return
         st = self.st
-        for group in self.transfer.each_group():
-            names = set(st.hook_groups.names(group))
-            if not any(n in staged for n in names):
+        for group in self.transfer.layout.groups:
+            if not any(n in staged for n in st.hook_groups.names(group)):
                 continue
             full = self.transfer.to_columns(
                 group, lambda n: rows_of(staged.get(n), st, st.shape[n]))

@@ -8,14 +8,16 @@ Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.transfer".
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 
 from dmuon.functional.buckets import BucketKey
+from dmuon.functional.group_layout import grid_position
 from dmuon.functional.packing import entries, unpack, zero_buffers
 from dmuon.functional.program import (checkpoint_over_tp, checkpoint_to_columns,
                                       checkpoint_to_every_rank)
+from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices
 from dmuon.stateful.runtime.executor import Executor
 
 __all__ = ["CheckpointTransfer", "transfer_of"]
@@ -88,6 +90,16 @@ class CheckpointTransfer:
         s, _ = self.st.coord
         return unpack(buckets, bufs, where=lambda b, e: b.key.column == s)
 
+    def full_masters(self, groups: Optional[Iterable[str]] = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Collective: ``(name, full master)`` of every dedicated matrix of ``groups`` (default:
+        every hook group that holds some, in the static order), on every rank, TP slices
+        assembled (an all-gather per matrix, TP group); views: copy each before the next group."""
+        for group in self.layout.groups if groups is None else groups:
+            got = self.to_every_rank(group, self.st.masters)
+            yield from assemble_tp_slices(self.st.tp_layouts, got,
+                                          self.st.mesh_groups.tp_group).items()
+
     def from_rank0(self, group: str, shapes: Mapping[str, tuple[int, ...]],
                    value: Callable[[str], torch.Tensor],
                    part: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -102,8 +114,7 @@ class CheckpointTransfer:
           part: ``part(name, full)``: this rank's piece of a full value (its TP slice).
         """
         mg, st = self.st.mesh_groups, self.st
-        at = next((s, r) for g in (mg.tp_grids or (mg.grid,)) for r, row in enumerate(g)
-                  for s, x in enumerate(row) if x == 0)
+        at = grid_position(mg.tp_grids or (mg.grid,), 0)[1]
         hold = st.coord == at  # rank 0 (and, under TP, its TP peers)
         shared: dict[str, torch.Tensor] = {}
         if hold and mg.tp_size > 1:
@@ -111,11 +122,9 @@ class CheckpointTransfer:
                                            for e in b.entries if e.name in shapes], shapes, value)
 
         def rows(n: str) -> Optional[tuple[int, torch.Tensor]]:
-            if not hold or n not in shapes:
+            if not hold or n not in shapes:  # (without TP: hold on rank 0 only)
                 return None
-            if mg.tp_size > 1:
-                return 0, part(n, shared[n])
-            return (0, part(n, value(n))) if st.rank == 0 else None
+            return 0, part(n, shared[n] if mg.tp_size > 1 else value(n))
         return self.to_columns(group, rows, from_replica=at[1])
 
     def _over_tp(self, group: str, names: list[str], shapes: Mapping[str, tuple[int, ...]],
@@ -127,26 +136,17 @@ class CheckpointTransfer:
         for n in names:
             by_dtype.setdefault(st.master_dtype[n], []).append(n)
         bufs, out = {}, {}
-        for dt, ns in by_dtype.items():
+        for dt, ns in by_dtype.items():  # rank 0's values (in dt, on the device), else zeros
             key = BucketKey(group, -1, str(dt))
-            bufs[key] = torch.zeros(sum(math.prod(shapes[n]) for n in ns), dtype=dt,
-                                    device=st.device)
-            off = 0
-            for n in ns:
-                k = math.prod(shapes[n])
-                out[n] = bufs[key][off:off + k].view(shapes[n])
-                if st.rank == 0:
-                    out[n].copy_(value(n))
-                off += k
+            sizes = [math.prod(shapes[n]) for n in ns]
+            bufs[key] = (torch.cat([value(n).reshape(-1) for n in ns]) if st.rank == 0 else
+                         torch.zeros(sum(sizes), dtype=dt, device=st.device))
+            out.update({n: v.view(shapes[n]) for n, v in zip(ns, bufs[key].split(sizes))})
         sched = checkpoint_over_tp(group, {k.dtype: b.numel() for k, b in bufs.items()},
                                    st.mesh_groups.tp_ranks,
                                    world_size=st.G * st.R * st.mesh_groups.tp_size)
         self.executor.launch(sched, bufs).wait()
         return out
-
-    def each_group(self) -> Iterator[str]:
-        """The hook groups that hold dedicated matrices, in the static order (every rank)."""
-        return iter(self.layout.groups)
 
 
 def transfer_of(state: Any) -> CheckpointTransfer:
