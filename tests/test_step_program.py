@@ -198,3 +198,28 @@ def test_a_load_from_one_rank_is_a_program_phase():
     tp = checkpoint_over_tp(k, {"torch.float64": 10, "torch.float32": 4}, (4, 5), world_size=8)
     assert [(type(op), op.lane, op.members, op.numel, op.op) for op in tp] == [
         (AllReduce, "tp", (4, 5), 4, "sum"), (AllReduce, "tp", (4, 5), 10, "sum")]
+
+
+def test_wrong_inputs_raise_clear_errors():
+    """A user's slips raise errors that say what to change: a variant passed as ``update`` (it goes
+    in ``transform=``), a compute dtype missing for a planned matrix (was a bare ``KeyError``), and
+    ``rank_memory`` of a rank outside the program's mesh (gave plausible wrong numbers)."""
+    from dmuon.functional import variants
+    from dmuon.functional.memory_model import rank_memory
+
+    owners, shapes = _model(0, 2, 1)
+    params = {n: torch.randn(shapes[n], dtype=torch.float64) for n in owners}
+    with pytest.raises(TypeError, match="goes in transform="):
+        owner_step(dict(params), None, params, variants.normuon())
+    first = next(iter(owners))
+    dtypes = {n: "torch.float64" for n in owners if n != first}
+    with pytest.raises(ValueError, match=f"{first}.*needs a shape and a dtype"):
+        step_program(owners, shapes, dtypes, shard_size=2)
+    program = _program(owners, shapes, 2, 1)
+    rank_memory(program, (1, 0))
+    for coord in [(2, 0), (0, 1), (-1, 0)]:
+        with pytest.raises(ValueError, match="outside the mesh"):
+            rank_memory(program, coord)
+    for kw in [dict(state_itemsize=0), dict(chunk_bytes=-5)]:
+        with pytest.raises(ValueError, match="state_itemsize must be >= 1"):
+            rank_memory(program, (0, 0), **kw)

@@ -93,8 +93,19 @@ def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: O
       momentum_dtype, offload_state: ``dmuon.Muon``'s options of the same names.
       chunk_bytes, prefetch_bytes: the optimizer's step chunk budget and (offload) cap on the
         copies the backward starts ahead (``MomentumStorage.chunk_bytes`` / ``prefetch_bytes``).
+
+    Raises:
+      ValueError: ``coord`` outside the program's mesh, ``state_itemsize < 1``, ``chunk_bytes < 0``.
     """
     s, r = (int(x) for x in coord)
+    G, R = program.shard_size, program.replicate_size
+    if not (0 <= s < G and 0 <= r < R):
+        raise ValueError(f"rank_memory: coord {tuple(coord)} is outside the mesh "
+                         f"(s < {G}, r < {R})")
+    if (state_itemsize is not None and state_itemsize < 1) or (chunk_bytes is not None
+                                                                and chunk_bytes < 0):
+        raise ValueError(f"rank_memory: state_itemsize must be >= 1 and chunk_bytes >= 0, got "
+                         f"{state_itemsize} and {chunk_bytes}")
     masters = _bytes(b for b in program.master_layout.buckets if b.key.column == s)
     owned = set(program.owned((s, r)))
     entries = [(e, b.key.dtype) for b in program.master_layout.buckets for e in b.entries

@@ -77,7 +77,8 @@ def owner_step(grads: Mapping[str, Optional[Tensor]], state: Any, params: Mappin
         return _chain_step(grads, state, params, update, transform, views, mults, update_kwargs)
     if not isinstance(update, fmuon.MuonHParams):
         raise TypeError(f"owner_step: update must be a MuonHParams or a Transform, got "
-                        f"{type(update).__name__}")
+                        f"{type(update).__name__} (a variant of dmuon.functional.variants goes "
+                        "in transform=, with the MuonHParams as update)")
     if state is None:
         state = fmuon.init(params)
     update = fmuon.at_step(update, state.step)  # schedules: their values at this step

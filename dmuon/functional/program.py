@@ -317,7 +317,7 @@ def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]
     hg = groups if groups is not None else hook_groups(list(owners))
     rd = dict(reduce_dtypes) if reduce_dtypes is not None else dict(compute_dtypes)
     if master_dtypes is None:
-        master_dtypes = {n: ("torch.float64" if "float64" in str(compute_dtypes[n])
+        master_dtypes = {n: ("torch.float64" if "float64" in str(compute_dtypes.get(n))
                              else "torch.float32") for n in owners}
     return program_from_layouts(
         bucket_layout(owners, shapes, compute_dtypes, hg, G, R),
