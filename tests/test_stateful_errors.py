@@ -52,6 +52,18 @@ def _worker(rank, world):
         bad["extra.weight"] = torch.zeros(2)
         bad["norm.weight"] = torch.zeros(3)
     out["bad_sd"] = catch(lambda: set_model_state_dict(m, bad))
+    # another dedicated model's own state_dict() (DTensors): refused on every rank before anything
+    # changes, with and without rank0_only (was a torch error half-way / rank 1 hung)
+    other = make_model(seed=3)
+    dedicate_params(other, mesh, muon_predicate)
+    for layer in other.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(other, mesh=mesh)
+    sharded = other.state_dict()
+    for r0 in (False, True):
+        out[f"dtensor_sd_{r0}"] = catch(lambda: set_model_state_dict(m, sharded, rank0_only=r0))
+        out[f"dtensor_sd_untouched_{r0}"] = all(
+            torch.equal(good[k], v) for k, v in get_model_state_dict(m).items())
     # still usable afterwards (no collective was left half-done)
     set_model_state_dict(m, good)
     out["after_ok"] = all(torch.equal(good[k], v) for k, v in get_model_state_dict(m).items())
@@ -88,6 +100,9 @@ def test_errors():
     msg = results[1]["bad_sd"][1]   # rank 1's own dict was the wrong one: its message names why
     assert "layers.0.mlp.up_proj.weight" in msg and "extra.weight" in msg
     assert "norm.weight" in msg
+    for r0 in (False, True):
+        assert_all_ranks(results, f"dtensor_sd_{r0}", "StateDictError", "a DTensor, not a full")
+        assert all(out[f"dtensor_sd_untouched_{r0}"] for out in results)
     assert_all_ranks(results, "nan", "FloatingPointError", "ranks [0]")
     for out in results:
         assert out["after_ok"]

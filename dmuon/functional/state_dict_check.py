@@ -145,7 +145,8 @@ def model_state_problems(sd: Any, expected: Mapping[str, tuple[Shape, torch.dtyp
                          ) -> tuple[Optional[StateDictCheck], list[str]]:
     """The :class:`StateDictCheck` of a full model state dict ``sd`` (``None`` if it is not a
     mapping) and its problems: not a mapping; wrong entries, and missing / unexpected keys
-    (``strict``); once those pass, each value's (:func:`value_problems`, read from its source).
+    (``strict``); once those pass, each value's (:func:`value_problems`, read from its source; a
+    DTensor is not a full value: :data:`SHARDED`).
 
     Args:
       expected: ``{key: (full shape, dtype)}`` of the model (single-device spelling).
@@ -162,8 +163,14 @@ def model_state_problems(sd: Any, expected: Mapping[str, tuple[Shape, torch.dtyp
         for k, src in check.source.items():
             shape, dtype = expected[k]
             problems += value_problems(f"{src!r}", sd[src], shape, dtype, finite=finite,
+                                       layout=SHARDED if hasattr(sd[src], "to_local") else None,
                                        notes=notes)
     return check, problems
+
+
+#: a full model state dict's DTensor value (a sharded model's own ``state_dict()``)
+SHARDED = ("a DTensor, not a full tensor (a sharded model's own state_dict()); pass full tensors "
+           "(dmuon.get_model_state_dict(model)), or load that dict with model.load_state_dict(sd)")
 
 
 def value_problems(key: str, value: Any, shape: Shape, dtype: torch.dtype, *,

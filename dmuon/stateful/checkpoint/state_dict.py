@@ -142,10 +142,11 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
 
     Raises:
       ValueError: on every rank, before anything changes, when a rank's dict has missing /
-        unexpected keys (``strict``), wrong shapes, non-tensor values, integer or bool values for
-        floating params, or non-finite values (``check_finite``); the message lists them. A
-        floating value of another precision loads (cast to the param's dtype; narrowing is
-        logged).
+        unexpected keys (``strict``), wrong shapes, non-tensor or DTensor values (a sharded
+        model's own ``state_dict()``: ``model.load_state_dict`` takes that), integer or bool
+        values for floating params, or non-finite values (``check_finite``); the message lists
+        them. A floating value of another precision loads (cast to the param's dtype; narrowing
+        is logged).
     """
     what = "dmuon.set_model_state_dict"
     rt = get_state(model, f"{what}(model, sd)")
