@@ -214,4 +214,5 @@ def test_optimizer_state_dicts_resume_on_another_topology(tmp_path):
             assert err <= 1e-12, (rank, key, err, where)
         kind, msg = r["bad"]
         assert kind == "StateDictError" and "non-finite" in msg, (kind, msg)
+        assert "strict=False" not in msg, msg  # an optimizer's load takes no strict
         assert r["bad_unchanged"]

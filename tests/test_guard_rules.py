@@ -25,7 +25,7 @@ def test_full_shape_answers():
 
 
 def test_refusal_hints():
-    assert refusal_hint("to", torch.Tensor.to).startswith("move or cast the model")
+    assert refusal_hint("to", torch.Tensor.to).startswith("model.to(device / dtype) before")
     assert refusal_hint("to") == refusal_hint("add")  # a marker: no conversion hint
     assert "meta-device init" in refusal_hint("normal_", torch.nn.init.normal_)
     assert refusal_hint("_foreach_norm").startswith("dmuon.clip_grad_norm_")

@@ -109,8 +109,8 @@ _DEFAULT_HINT = ("dmuon.Muon(model, ...) to update the model, dmuon.clip_grad_no
                  "dmuon.clip_grad_value_ to clip, dmuon.get_model_state_dict(model) to read weights"
                  " (a tool that goes param by param may have changed FSDP2's params before this "
                  "one: call optimizer.zero_grad() and redo the step)")
-_MOVE_HINT = ("move or cast the model (model.to(device / dtype)) before dmuon.dedicate_params: "
-              "afterwards the masters stay where dedicate_params put them")
+_MOVE_HINT = ("model.to(device / dtype) before dmuon.dedicate_params (move or cast the whole "
+              "model first): afterwards the masters stay where dedicate_params put them")
 _INIT_HINT = ("the model's init before dmuon.dedicate_params (its values are copied to the owner "
               "there), or build the model under torch.device('meta') and run its init after "
               "fully_shard and model.to_empty(device=...) (README: meta-device init)")

@@ -35,10 +35,12 @@ class StateDictError(ValueError):
     before anything changed."""
 
 
-#: what to do about a dict that does not fit (the end of :func:`agree`'s error)
-LOAD_FIX = ("Load a dict saved from the same architecture (names and full shapes as in the "
-            "single-device model.state_dict(), floating values, finite unless "
-            "check_finite=False), or pass strict=False to allow missing / unexpected keys.")
+#: what to do about a dict that does not fit (the end of :func:`agree`'s error; an optimizer's
+#: load, which takes no ``strict``, ends at the first sentence)
+OPTIMIZER_LOAD_FIX = ("Load a dict saved from the same architecture (names and full shapes as in "
+                      "the single-device model.state_dict(), floating values, finite unless "
+                      "check_finite=False).")
+LOAD_FIX = OPTIMIZER_LOAD_FIX[:-1] + ", or pass strict=False to allow missing / unexpected keys."
 
 
 def agree(st, problems: list[str], what: str, payload: Any = None, *,
