@@ -159,7 +159,8 @@ def dtype_worker(rank: int, world: int) -> dict:
 
 def _load_case(rank: int, world: int) -> dict:
     """fp64 masters of fp32 params (``master64``) loaded from an fp64 model state dict, with and
-    without ``rank0_only``: the masters after each load (this rank's owned ones)."""
+    without ``rank0_only`` and through ``model.load_state_dict``: the masters after each load
+    (this rank's owned ones)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import dmuon
@@ -176,6 +177,8 @@ def _load_case(rank: int, world: int) -> dict:
                                    rank0_only=rank0_only)
         out[rank0_only] = {n: m.detach().clone()
                            for n, m in get_state(model).owned_masters().items()}
+    model.load_state_dict(sd)  # torch's own route rounds the same way
+    out["torch"] = {n: m.detach().clone() for n, m in get_state(model).owned_masters().items()}
     out["sd"] = sd
     return out
 
@@ -251,6 +254,7 @@ def check_dtypes(results: list[dict]) -> None:
             assert m.dtype == (torch.float64 if n.startswith("layers.0.") else torch.float32), n
             assert torch.equal(m, want), n
             assert torch.equal(load[True][n], want), n
+            assert torch.equal(load["torch"][n], want), n
 
 
 # ------------------------------------------------------------------------ (4) validation, in-process

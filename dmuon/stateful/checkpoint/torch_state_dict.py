@@ -318,8 +318,9 @@ class _Hooks:
         for group in self.transfer.layout.groups:
             if not any(n in staged for n in st.hook_groups.names(group)):
                 continue
-            full = self.transfer.to_columns(
-                group, lambda n: rows_of(staged.get(n), st, st.shape[n]))
+            full = self.transfer.to_columns(  # a model dict holds the params' values: rounded
+                group, lambda n: rows_of(None if staged.get(n) is None else  # to their dtype
+                                         staged[n].to(st.orig_dtype[n]), st, st.shape[n]))
             with torch.no_grad():
                 for n, t in full.items():
                     if n in staged:
