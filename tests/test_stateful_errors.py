@@ -25,6 +25,10 @@ def _worker(rank, world):
     out["fsdp_first"] = catch(lambda: dedicate_params(m, mesh, muon_predicate))
 
     out["no_match"] = catch(lambda: dedicate_params(make_model(), mesh, lambda n, p: "nope" in n))
+    # a split_ns that is wrong on one rank only: every rank raises (agreed), none waits
+    from dmuon.functional.dedicate_options import DedicateOptions
+    out["split_ns_one_rank"] = catch(lambda: dedicate_params(
+        make_model(), mesh, muon_predicate, options=DedicateOptions(split_ns=0 if rank else 1)))
     out["non_matrix"] = catch(lambda: dedicate_params(make_model(), mesh, lambda n, p: "norm" in n))
     out["muon_without"] = catch(lambda: Muon(make_model()))
     out["muon_not_model"] = catch(lambda: Muon(list(make_model().parameters())))
@@ -96,6 +100,7 @@ def test_errors():
                      "apply tensor parallelism first")
     assert_all_ranks(results, "plan_mismatch", "RuntimeError", "ranks [0]", "ranks [1]")
     assert_all_ranks(results, "twice", "RuntimeError", "already")
+    assert_all_ranks(results, "split_ns_one_rank", "ValueError", "split_ns")
     assert_all_ranks(results, "bad_sd", "StateDictError")  # a ValueError
     msg = results[1]["bad_sd"][1]   # rank 1's own dict was the wrong one: its message names why
     assert "layers.0.mlp.up_proj.weight" in msg and "extra.weight" in msg

@@ -7,10 +7,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Mapping
 
-import torch
-
 from dmuon.functional.split_exec import (SplitMember, split_member, split_ns_settings,
                                          split_step_schedule)
+from dmuon.functional.specs import dtype_from_str
 from dmuon.newton_schulz.config import NSConfig
 
 __all__ = ["global_unit", "check_split_support", "split_units"]
@@ -42,12 +41,6 @@ def check_split_support(rt: Any, transform: Any) -> None:
             "dedicate_params(split_ns=1)")
 
 
-def _dtype(d: Any) -> torch.dtype:
-    if isinstance(d, torch.dtype):
-        return d
-    return getattr(torch, str(d).replace("torch.", ""))
-
-
 def split_units(plan: Any, shard_size: int, replicate_size: int, config: NSConfig,
                 master_dtype: Mapping[str, Any], device_type: str, rank: int,
                 global_rank: Callable[[int, int], int]) -> tuple[tuple, list[SplitMember]]:
@@ -57,7 +50,7 @@ def split_units(plan: Any, shard_size: int, replicate_size: int, config: NSConfi
     members, schedules = [], []
     for sp in plan.splits:
         unit = global_unit(sp, plan, global_rank)
-        xdt = _dtype(master_dtype[sp.param])
+        xdt = dtype_from_str(master_dtype[sp.param])
         settings = split_ns_settings(config, sp.layout.m, sp.layout.n, xdt, device_type)
         sched = split_step_schedule(unit, shard_size, replicate_size, settings, xdt)
         schedules.append(sched)

@@ -181,7 +181,6 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
               reshard_after_forward: bool, *, finishing: bool = False) -> dict[nn.Parameter, int]:
     """:func:`dedicate_params`; ``finishing``: a deferred one."""
     data_parallel, timeout = options.data_parallel, options.timeout
-    max_split, force_split = split_settings(options.split_ns)
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
     if find_state(model) is not None or (find_pending(model) is not None and not finishing):
@@ -200,8 +199,10 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
     deferring = False
     local_err: Optional[Exception] = None
     collectives = "per_owner"
+    max_split, force_split = 1, None
     try:
         check_data_parallel(data_parallel)
+        max_split, force_split = split_settings(options.split_ns)
         collectives = check_choice(options.collectives, data_parallel)
         pol = as_policy(options.policy)
         named, chosen = _select(model, routing_predicate(pol, predicate), finishing)
