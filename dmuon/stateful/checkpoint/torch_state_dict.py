@@ -35,12 +35,15 @@ class StateDictError(ValueError):
     before anything changed."""
 
 
-#: what to do about a dict that does not fit (the end of :func:`agree`'s error; an optimizer's
-#: load, which takes no ``strict``, ends at the first sentence)
-OPTIMIZER_LOAD_FIX = ("Load a dict saved from the same architecture (names and full shapes as in "
-                      "the single-device model.state_dict(), floating values, finite unless "
-                      "check_finite=False).")
-LOAD_FIX = OPTIMIZER_LOAD_FIX[:-1] + ", or pass strict=False to allow missing / unexpected keys."
+#: what to do about a dict that does not fit (the end of :func:`agree`'s error): what every load
+#: wants (torch's ``load_state_dict`` routes take no options), then what dmuon's model load
+#: (``strict``, ``check_finite``) and optimizer load (``check_finite``) can relax
+TORCH_LOAD_FIX = ("Load a dict saved from the same architecture (names and full shapes as in the "
+                  "single-device model.state_dict(), floating values, finite)")
+LOAD_FIX = (TORCH_LOAD_FIX + "; check_finite=False loads non-finite values, strict=False allows "
+            "missing / unexpected keys.")
+OPTIMIZER_LOAD_FIX = (TORCH_LOAD_FIX + "; dmuon.set_optimizer_state_dict(..., check_finite=False) "
+                      "loads non-finite values.")
 
 
 def agree(st, problems: list[str], what: str, payload: Any = None, *,
@@ -269,8 +272,7 @@ class _Hooks:
         problems += check_state_dict({k: tuple(v.shape) for k, v in state_dict.items() if
                                       k in buffers and isinstance(v, torch.Tensor)}, buffers).wrong
         agree(st, problems, "model.load_state_dict on a dmuon model",
-              fix="Load a dict saved from the same architecture (names and full shapes as in the "
-                  "single-device model.state_dict(), floating values, finite).")
+              fix=TORCH_LOAD_FIX + ".")
         log_dtype_changes("model.load_state_dict", notes)
         self.staged = staged
 
