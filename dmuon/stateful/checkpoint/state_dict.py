@@ -6,15 +6,16 @@ Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.state_dict".
 """
 from __future__ import annotations
 
+import itertools
 from typing import Mapping, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.stateful.runtime.state import unwrapping_model
+from dmuon.functional.selection import names_by_object
 from dmuon.functional.state_dict_check import model_state_problems
-from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
+from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor, unwrapping_model
 from dmuon.stateful.checkpoint.torch_state_dict import (agree, dedicated_names_by_key,
                                                        distribute_like, log_dtype_changes)
 from dmuon.stateful.modes.tensor_parallel import full_shape, local_part
@@ -57,11 +58,8 @@ def expected_entries(model: nn.Module, rt: DedicatedState,
 
 def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
     """Groups of state-dict names that share one tensor (tied params / buffers)."""
-    by_id: dict[int, list[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(n)
-    for n, b in model.named_buffers(remove_duplicate=False):
-        by_id.setdefault(id(b), []).append(n)
+    by_id = names_by_object(itertools.chain(model.named_parameters(remove_duplicate=False),
+                                            model.named_buffers(remove_duplicate=False)))
     return [tuple(g) for g in by_id.values() if len(g) > 1]
 
 
