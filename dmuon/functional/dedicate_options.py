@@ -6,8 +6,9 @@ reshard_after_forward, options)``: the per-param policy, the dtypes, the data-pa
 the collectives' timeout, split Newton–Schulz and the collective style are options of one object,
 so the call the seeds show stays the call users write. Their former spelling as keyword arguments
 of ``dedicate_params`` works for one release with a ``DeprecationWarning``
-(:func:`fold_deprecated`). The values are checked here (:func:`check_data_parallel`,
-:func:`split_settings`; the collectives by :func:`dmuon.functional.collectives.check_choice`),
+(:func:`fold_deprecated`). The values are checked here (:func:`check_options`:
+:func:`check_data_parallel`, :func:`split_settings` and the collectives'
+:func:`dmuon.functional.collectives.check_choice`),
 called by ``dedicate_params`` on every rank with the verdict agreed (a bad value on one rank
 raises on all, never a hang).
 """
@@ -18,8 +19,10 @@ import datetime
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional, Union
 
+from dmuon.functional.collectives import check_choice
+
 __all__ = ["DedicateOptions", "DATA_PARALLEL_MODES", "fold_deprecated", "check_data_parallel",
-           "split_settings"]
+           "split_settings", "check_options"]
 
 #: the values of ``DedicateOptions(data_parallel=...)``
 DATA_PARALLEL_MODES = ("fsdp", "ddp")
@@ -134,3 +137,14 @@ def split_settings(split_ns: Any) -> tuple[int, Optional[dict[str, int]]]:
                          f"matrix's Newton–Schulz may be split over; 1: never) or a mapping "
                          f"{{param name: k}}, got {split_ns!r}")
     return split_ns, None
+
+
+def check_options(options: DedicateOptions) -> tuple[int, Optional[dict[str, int]], str]:
+    """The checks of ``options`` that need no model and no peers: ``(max_split, force_split,
+    collectives)``.
+
+    Raises:
+      ValueError: a bad ``data_parallel``, ``split_ns`` or ``collectives``."""
+    check_data_parallel(options.data_parallel)
+    max_split, force_split = split_settings(options.split_ns)
+    return max_split, force_split, check_choice(options.collectives, options.data_parallel)

@@ -14,8 +14,7 @@ import torch.nn as nn
 
 from dmuon.functional.buckets import ROOT_GROUP, boundary_groups
 from dmuon.functional.collectives import check_choice
-from dmuon.functional.dedicate_options import (DedicateOptions, check_data_parallel,
-                                              fold_deprecated, split_settings)
+from dmuon.functional.dedicate_options import DedicateOptions, check_options, fold_deprecated
 from dmuon.functional.setup_check import ddp_grid, deferral_agreed
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
@@ -189,6 +188,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
             "model, on every rank, before fully_shard. Nothing was changed.")
     install_fully_shard_patch()  # idempotent; back in place if it was removed
     if not dist.is_initialized():
+        check_options(options)  # no peers to agree with: a wrong argument is named first
         raise RuntimeError("dedicate_params needs torch.distributed: call "
                            "torch.distributed.init_process_group(...) first")
     # local checks may fail on some ranks only: agree first (one all-gather), so every rank
@@ -198,12 +198,9 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
     routing = None
     deferring = False
     local_err: Optional[Exception] = None
-    collectives = "per_owner"
-    max_split, force_split = 1, None
+    max_split, force_split, collectives = 1, None, "per_owner"
     try:
-        check_data_parallel(data_parallel)
-        max_split, force_split = split_settings(options.split_ns)
-        collectives = check_choice(options.collectives, data_parallel)
+        max_split, force_split, collectives = check_options(options)
         pol = as_policy(options.policy)
         named, chosen = _select(model, routing_predicate(pol, predicate), finishing)
         # the dp sub-mesh of a (dp, tp) mesh before TP, or TP params on meta: later (deferred.py)
