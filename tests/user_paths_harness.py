@@ -13,13 +13,14 @@ TOL = 1e-10
 
 
 class RefMuon(torch.optim.Optimizer):
-    """One process: ``dmuon.Muon``'s two param groups over a plain model, read at every step."""
+    """One process: ``dmuon.Muon``'s two param groups over a plain model, read at every step
+    (``predicate``: the params on Muon; the rest on AdamW)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, predicate: Callable[[str, Any], bool] = muon_predicate):
         from dmuon.functional import adamw as fadamw
         from dmuon.functional import muon as fmuon
         self.fm, self.fa = fmuon, fadamw
-        self.mats = {n: p for n, p in model.named_parameters() if muon_predicate(n, p)}
+        self.mats = {n: p for n, p in model.named_parameters() if predicate(n, p)}
         self.rest = {n: p for n, p in model.named_parameters() if n not in self.mats}
         muon = dict(lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
                     weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"],
