@@ -14,7 +14,8 @@ import torch.nn as nn
 from dmuon.compat.torch_api import (fsdp_divide_factor, fsdp_mesh, fsdp_mp_policy,
                                    fsdp_param_groups, fsdp_state)
 
-__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_holders", "mean_to_fsdp_scale", "fsdp_meshes", "reduce_unused_fsdp_params"]
+__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_holders", "mean_to_fsdp_scale", "fsdp_meshes", "reduce_unused_fsdp_params",
+           "keep_fsdp_gathered", "release_fsdp_kept"]
 
 
 def has_fsdp_state(model: nn.Module) -> list[str]:
@@ -109,3 +110,30 @@ def reduce_unused_fsdp_params(model: nn.Module) -> bool:
     for m in found:
         m.set_reduce_scatter_unused_params(True, recurse=False)
     return True
+
+
+def keep_fsdp_gathered(model: nn.Module) -> list[Any]:
+    """Keep FSDP2's params of ``model`` gathered after the current backward: a ``create_graph``
+    backward (an R1 / WGAN-GP gradient penalty) builds a graph that reads them again in the next
+    backward (e.g. a LayerNorm / RMSNorm double backward reads the norm weight), and FSDP2 frees
+    them at its post-backward: torch then reads freed storage (SIGSEGV on torch 2.13). This is
+    FSDP2's own ``set_reshard_after_backward(False)``, on each param group that has it on.
+
+    Returns:
+      the groups switched, for :func:`release_fsdp_kept`.
+    """
+    kept = [g for m in model.modules() for g in fsdp_param_groups(fsdp_state(m))
+            if getattr(g, "reshard_after_backward", False) is True]
+    for g in kept:
+        g.reshard_after_backward = False
+    return kept
+
+
+def release_fsdp_kept(groups: list[Any]) -> list[Any]:
+    """Undo :func:`keep_fsdp_gathered`: ``reshard_after_backward`` back on and each group resharded
+    now (its next forward all-gathers the current values; after a step, the kept copy is stale).
+    Returns ``[]`` (nothing kept any more)."""
+    for g in groups:
+        g.reshard_after_backward = True
+        g.reshard()
+    return []

@@ -152,12 +152,18 @@ def resolve_styles(unshard: BucketLayout, reduce: BucketLayout,
 
 
 def check_choice(choice: Optional[object], data_parallel: str = "fsdp", *,
-                 tp: bool = False) -> str:
-    """Validate ``dedicate_params(collectives=...)`` against the mode; returns it.
+                 tp: bool = False, split: bool = False) -> str:
+    """Validate ``dedicate_params(collectives=...)`` (and ``split``: ``split_ns > 1``) against the
+    mode; returns the collectives.
 
     Raises:
       ValueError: not one of :data:`CHOICES`; ``"per_bucket"`` with ``data_parallel="ddp"`` (no
-        shard axis).  NotImplementedError: ``"per_bucket"`` with tensor parallelism (``tp``)."""
+        shard axis).  NotImplementedError: ``"per_bucket"`` with tensor parallelism (``tp``);
+        split Newton–Schulz with tensor parallelism or ``data_parallel="ddp"``."""
+    if split and (tp or data_parallel == "ddp"):
+        raise NotImplementedError(
+            "dedicate_params(split_ns=...): split Newton–Schulz runs with FSDP2 / HSDP only, not "
+            "with tensor parallelism or data_parallel='ddp'; leave split_ns at 1 there")
     if choice not in CHOICES:
         raise ValueError(f"dedicate_params: collectives must be one of {CHOICES} (\"per_owner\": "
                          "one broadcast / reduce per owner column of a hook group; "

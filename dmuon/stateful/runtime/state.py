@@ -20,7 +20,8 @@ from dmuon.functional.renames import renamed
 from dmuon.functional.split_plan import runtime_owners
 from dmuon.functional.tp_plan import grid_tp_schedule
 from dmuon.functional.policy import resolve_model_dtypes
-from dmuon.compat.fsdp_info import find_fsdp_state, fsdp_holders, mean_to_fsdp_scale
+from dmuon.compat.fsdp_info import (find_fsdp_state, fsdp_holders, keep_fsdp_gathered,
+                                    mean_to_fsdp_scale, release_fsdp_kept)
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
 from dmuon.stateful.runtime.agree import gather, join as join_ranks
@@ -112,6 +113,7 @@ class DedicatedState:
         self._callback_queued = False
         self._deferred_grads: dict[str, nn.Parameter] = {}  # on_grad: taken at the backward's end
         self._keep_gathered = False  # this backward has create_graph=True (on_backward_start)
+        self._fsdp_kept: list[Any] = []  # FSDP2's groups kept gathered for a create_graph graph
         self.listener: Any = None  # set_listener
         self.ready = False
         #: the step program (:mod:`dmuon.functional.program`), built at the first forward
@@ -258,16 +260,18 @@ class DedicatedState:
         if self.ready:
             for g in self.groups.values():
                 g.reshard()
+        self._fsdp_kept = release_fsdp_kept(self._fsdp_kept)  # a create_graph backward's
 
     # ------------------------------------------------------------------ backward protocol
     def on_backward_start(self) -> None:
         """The first dmuon hook of a backward: queue :meth:`on_backward_end` once (``create_graph``:
-        keep the gathered copies until a backward without it ends)."""
+        keep the gathered copies, FSDP2's too, until a backward without it ends, or the step)."""
         if not self._callback_queued:
             self._callback_queued = True
             queue_backward_callback(self.on_backward_end)
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not self._keep_gathered:
             self._keep_gathered = True
+            self._fsdp_kept += keep_fsdp_gathered(self.model_ref())
 
     def on_grad(self, name: str, param: nn.Parameter) -> None:
         """Post-accumulate-grad of a dedicated param: move the local grad aside and launch the
@@ -329,6 +333,8 @@ class DedicatedState:
             self.ledger.fresh = True
         self._reduce_next = 0
         create_graph, self._keep_gathered = self._keep_gathered, False
+        if not create_graph:  # FSDP2's groups a create_graph backward kept (dmuon's own: below)
+            self._fsdp_kept = release_fsdp_kept(self._fsdp_kept)
         for g in self.groups.values():
             # Z2 keeps its copy across no_sync micro-batches; create_graph: on_backward_start
             keep = create_graph or (not self.require_grad_sync and not g.reshard_after_forward)

@@ -209,7 +209,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
             check_materialized(chosen)
         if not deferring:
             layouts = tp_layouts(model, chosen)  # TP-sharded DTensors (tensor_parallel.py)
-            check_choice(collectives, data_parallel, tp=bool(layouts))
+            check_choice(collectives, data_parallel, tp=bool(layouts), split=max_split > 1)
             decisions = tp_decisions(decide_params(model, chosen, pol, options.batch_dims),
                                      {n: lay.view() for n, lay in layouts.items()},
                                      data_parallel=data_parallel, fix=TP_FIX,
@@ -246,10 +246,6 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
     else:
         grid = ddp_grid(grids[0]) if data_parallel == "ddp" else grids[0]  # raises on all or none
         mesh_groups = make_process_groups(grid=grid, timeout=timeout)
-    if max_split > 1 and (layouts or data_parallel == "ddp"):
-        raise NotImplementedError(
-            "dedicate_params(split_ns=...): split Newton–Schulz runs with FSDP2 / HSDP only, not "
-            "with tensor parallelism or data_parallel='ddp'; leave split_ns at 1 there")
     plan = plan_owners(specs, mesh_groups.shard_size, mesh_groups.replicate_size,
                        max_split=max_split, force_split=force_split)
     # every rank's owner plan (and policy) the same: else raise on every rank
