@@ -159,6 +159,11 @@ def test_the_option_is_checked():
     assert check_choice("auto", "ddp") == "auto"
     with pytest.raises(NotImplementedError, match="tensor parallelism"):
         check_choice("per_bucket", tp=True)
+    # split NS (split_ns > 1) with TP or DDP: not supported (checked with the agreed local checks)
+    for mode in (dict(tp=True), dict(data_parallel="ddp")):
+        with pytest.raises(NotImplementedError, match="split Newton–Schulz runs with FSDP2"):
+            check_choice("auto", split=True, **mode)
+    assert check_choice("auto", split=True) == "auto"
     with pytest.raises(ValueError, match="collectives must be one of"):
         step_program({"a": (0, 0)}, {"a": (2, 2)}, {"a": F64}, shard_size=1, collectives="x")
 
