@@ -148,12 +148,7 @@ def _reference(key):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-_BY_NAME = pytest.mark.xfail(strict=True, reason="issue 46: default routing is by name only; tok / "
-                             "out (an Embedding and a vocab head) are orthogonalized by Muon")
-
-
-@pytest.mark.parametrize("key", [pytest.param(k, marks=() if VARIANTS[k][1] != "default" else
-                                              _BY_NAME) for k in VARIANTS])
+@pytest.mark.parametrize("key", list(VARIANTS))
 def test_training_equals_one_process_with_the_module_aware_routing(results, key):
     ref = _reference(key)
     for rank, r in enumerate(results):
@@ -162,8 +157,6 @@ def test_training_equals_one_process_with_the_module_aware_routing(results, key)
         assert worst <= TOL, f"{key} rank {rank}: max abs diff {worst:.3g}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: the routing table says 'predicate' for tok / out "
-                   "and nothing is logged")
 def test_routing_table_and_log_say_why(results):
     for r in results:
         rows = r["untied"]["rows"]

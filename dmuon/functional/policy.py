@@ -29,7 +29,8 @@ The policy's :meth:`ParamPolicy.canonical` enters the owner plan's fingerprint (
 pass the same policy) and ``describe`` prints it.
 
 Defaults for Hugging Face decoders (``default_muon_predicate`` + no rules): the decoder's matrices
-→ Muon (experts per expert); embeddings, ``lm_head``, norms, biases and routers → AdamW.
+→ Muon (experts per expert); embeddings, ``lm_head``, norms, biases and routers → AdamW; with the
+model, embeddings and likely output heads by their modules too (:mod:`dmuon.functional.module_routes`).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ from typing import Any, Callable, Hashable, Mapping, Optional, Sequence
 import torch
 
 from dmuon.functional.matrix_view import Batch, MatrixView, Split, Transposed, VIEW_RULES, as_view
+from dmuon.functional.module_routes import route_with_modules
 
 __all__ = ["Rule", "ParamPolicy", "Decision", "default_view", "module_kind", "MODULE_KINDS",
            "DTYPE_FIELDS", "RULE_DTYPES", "master_dtype_for", "resolve_group_dtypes",
@@ -445,9 +447,13 @@ def as_policy(policy: Optional[ParamPolicy]) -> ParamPolicy:
     return policy
 
 
-def routing_predicate(policy: ParamPolicy, predicate: Any) -> Any:
-    """The predicate ``dedicate_params`` selects with: the user's, overridden by the first
-    matching rule that sets a route (the user's object itself when no rule sets one)."""
+def routing_predicate(policy: ParamPolicy, predicate: Any, model: Any = None) -> Any:
+    """The predicate ``dedicate_params`` selects with: the user's (with the ``nn.Module``
+    ``model``: :func:`~dmuon.functional.specs.default_muon_predicate` looks at the modules too,
+    :mod:`dmuon.functional.module_routes`), overridden by the first matching rule that sets a
+    route (the user's object itself when nothing changes it)."""
+    if model is not None:
+        predicate = route_with_modules(model, predicate)[0]
     if not callable(predicate) or not any(r.route is not None for r in policy.rules):
         return predicate
 

@@ -15,11 +15,12 @@ rank computes the same, from the same model and policy):
 """
 from __future__ import annotations
 
-from typing import Iterable, NamedTuple, Optional, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Optional, Sequence
 
+from dmuon.functional.module_routes import module_notes, module_reasons, off_muon, param_uses
 from dmuon.functional.policy import Decision, ParamPolicy
 
-__all__ = ["Route", "RoutingTable", "routing_table", "Dedication"]
+__all__ = ["Route", "RoutingTable", "routing_table", "model_routing_table", "Dedication"]
 
 
 class Route(NamedTuple):
@@ -36,16 +37,18 @@ class Route(NamedTuple):
 
 
 class RoutingTable(NamedTuple):
-    """Every param's :class:`Route`, in ``named_parameters`` order."""
+    """Every param's :class:`Route`, in ``named_parameters`` order; ``notes``: the warnings about
+    the routing ``dedicate_params`` logs (:mod:`dmuon.functional.module_routes`)."""
 
     rows: tuple
+    notes: tuple = ()
 
     def of(self, route: str) -> list[str]:
         """The names routed ``route``."""
         return [r.name for r in self.rows if r.route == route]
 
     def with_owners(self, owners: dict) -> "RoutingTable":
-        return RoutingTable(tuple(r._replace(owner=owners.get(r.name)) for r in self.rows))
+        return self._replace(rows=tuple(r._replace(owner=owners.get(r.name)) for r in self.rows))
 
     def __str__(self) -> str:
         counts = {k: len(self.of(k)) for k in ("muon", "adamw", "frozen")}
@@ -64,14 +67,18 @@ class RoutingTable(NamedTuple):
 
 
 def routing_table(named: Iterable[tuple[str, Sequence[int], bool]], policy: ParamPolicy,
-                  decisions: dict[str, Decision]) -> RoutingTable:
+                  decisions: dict[str, Decision], reasons: Optional[Mapping[str, str]] = None,
+                  notes: tuple = ()) -> RoutingTable:
     """The table, and the checks of the module docstring.
 
     Args:
       named: ``(name, shape, requires_grad)`` of every param (tied params once).
       policy: the policy.
       decisions: ``{name: Decision}`` of the Muon params (``ParamPolicy.decide``'s).
+      reasons: ``{name: text}`` said instead of ``"predicate"`` where the predicate decided.
+      notes: the table's :attr:`RoutingTable.notes`.
     """
+    reasons = reasons or {}
     named = [(n, tuple(int(d) for d in s), bool(g)) for n, s, g in named]
     rows = []
     for n, shape, trainable in named:
@@ -80,16 +87,28 @@ def routing_table(named: Iterable[tuple[str, Sequence[int], bool]], policy: Para
             continue
         k, r = policy.rule_for(n)
         by_rule = r is not None and r.route is not None
-        route_by = f"rule {k} ({r.pattern})" if by_rule else "predicate"
+        route_by = f"rule {k} ({r.pattern})" if by_rule else reasons.get(n, "predicate")
         if n in decisions:
             d = decisions[n]
             view_by = d.source if d.source.startswith("rule") else f"{d.source} view"
             rows.append(Route(n, shape, "muon", str(d.view), f"{route_by}; {view_by}"))
         else:
             rows.append(Route(n, shape, "adamw", None, route_by))
-    table = RoutingTable(tuple(rows))
+    table = RoutingTable(tuple(rows), tuple(notes))
     _check(table, named, policy)
     return table
+
+
+def model_routing_table(model: Any, policy: ParamPolicy, decisions: dict[str, Decision],
+                        predicate: Any) -> RoutingTable:
+    """:func:`routing_table` of the ``nn.Module`` ``model`` routed by ``predicate`` and ``policy``,
+    whose reasons and notes say where the module mattered
+    (:mod:`dmuon.functional.module_routes`; a route a rule sets is the rule's)."""
+    named = [(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]
+    off = {n: o for n, o in off_muon(param_uses(model)).items()
+           if policy.rule_for(n)[1] is None or policy.rule_for(n)[1].route is None}
+    return routing_table(named, policy, decisions, module_reasons(predicate, off, decisions),
+                         module_notes(predicate, off, decisions))
 
 
 def _check(table: RoutingTable, named: list, policy: ParamPolicy) -> None:

@@ -161,7 +161,9 @@ def default_muon_predicate(name: str, p: Any) -> bool:
     name containing ``experts``), except embeddings (``embed``, ``wte``, ``wpe``), output heads
     (``lm_head``) and MoE routers (a ``gate`` / ``router`` module's weight, e.g.
     ``mlp.gate.weight`` of shape ``(E, H)``); everything else (norms, biases, routers, ...) goes
-    to AdamW."""
+    to AdamW. Given this predicate, ``dedicate_params`` also looks at the modules: an
+    ``nn.Embedding``'s weight (tied ones too) and a likely output head go to AdamW whatever their
+    names (:mod:`dmuon.functional.module_routes`)."""
     lowered = name.lower()
     if any(tag in lowered for tag in ("embed", "lm_head", "wte", "wpe")):
         return False

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Mapping, Optional, Union
 
+from dmuon.functional.module_routes import route_with_modules
 from dmuon.functional.policy import Decision, ParamPolicy, module_kind
 from dmuon.functional.specs import ParamSpec, default_muon_predicate, layer_key_from_name
 
@@ -35,7 +36,7 @@ def specs_from_model(model: Any, predicate: Optional[Callable[[str, Any], bool]]
     Raises:
       ValueError: a Muon param without a fitting view (the message names it and the rules).
     """
-    pred = default_muon_predicate if predicate is None else predicate
+    pred = route_with_modules(model, default_muon_predicate if predicate is None else predicate)[0]
     pol = ParamPolicy() if policy is None else policy
     specs, decisions = [], {}
     for n, p in model.named_parameters():

@@ -30,7 +30,7 @@ from dmuon.stateful.runtime.guards import guard_module_apply
 from dmuon.functional.policy import (as_policy, decide_params, policy_fingerprint,
                                      routing_predicate)
 from dmuon.functional.matrix_settings import matrix_settings
-from dmuon.functional.routing import Dedication, routing_table
+from dmuon.functional.routing import Dedication, model_routing_table
 from dmuon.functional.selection import check_materialized, names_by_object, select_params
 from dmuon.stateful.modes.meta_init import MetaInit, device_of_mesh, empty_param, replace_params
 from dmuon.stateful.runtime.agree import agree_equal, gather
@@ -202,7 +202,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
     try:
         max_split, force_split, collectives = check_options(options)
         pol = as_policy(options.policy)
-        named, chosen = _select(model, routing_predicate(pol, predicate), finishing)
+        named, chosen = _select(model, routing_predicate(pol, predicate, model), finishing)
         # the dp sub-mesh of a (dp, tp) mesh before TP, or TP params on meta: later (deferred.py)
         deferring = not finishing and should_defer(chosen, not covers_world(mesh, replicate_mesh))
         if finishing:
@@ -217,8 +217,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
                                      error=TensorParallelUnsupported)
             spec_named = [(n, tuple(p.to_local().shape), p.dtype) if n in layouts else (n, p)
                           for n, p in named]
-            routing = routing_table([(n, tuple(p.shape), p.requires_grad)
-                                     for n, p in model.named_parameters()], pol, decisions)
+            routing = model_routing_table(model, pol, decisions, predicate)
             specs = specs_from_named_shapes(spec_named, lambda n, p: n in chosen,
                                             view_fn=lambda n, shape: decisions[n].view)
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
@@ -313,6 +312,8 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
     logger.info("dmuon: dedicated %d params in %d hook groups over G=%d R=%d (plan %s)",
                 len(chosen), len(groups.order), st.G, st.R, plan.fingerprint[:12])
     st.routing = routing.with_owners(st.owner_rank)  # Muon.routing_table(); recipes log it
+    for note in routing.notes:  # likely heads kept off Muon, embeddings a predicate puts on it
+        logger.warning(note)
     out = Dedication({chosen[n]: st.owner_rank[n] for n in chosen})
     out.routing = st.routing
     return out
