@@ -179,3 +179,40 @@ def test_routing_table_and_log_say_why(results):
         assert "nn.Embedding" in chosen["rows"]["tok.weight"][1]
         assert any(level == "WARNING" and "tok.weight" in msg and "nn.Embedding" in msg
                    for level, msg in chosen["log"]), chosen["log"]
+
+
+# ----------------------------------------------------------------------- pure (no processes)
+class _Bertish(torch.nn.Module):
+    """Position embeddings as wide as the blocks (BERT-small: 512 and 512): a block's Linear of
+    that width is no head; a root Linear of the vocabulary's width is."""
+
+    def __init__(self):
+        super().__init__()
+        self.word = torch.nn.Embedding(VOCAB, DIM)
+        self.pos = torch.nn.Embedding(DIM, DIM)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(DIM, DIM)])
+        self.cls = torch.nn.Linear(DIM, VOCAB)
+
+
+def test_off_muon_by_module_pure():
+    from dmuon.functional.module_routes import module_aware, off_muon, param_uses
+    from dmuon.functional.specs import default_muon_predicate
+    from dmuon.tools.model_specs import specs_from_model
+
+    off = off_muon(param_uses(TokModel()))
+    assert {n: o.kind for n, o in off.items()} == {"tok.weight": "embedding", "out.weight": "head"}
+    off = off_muon(param_uses(TokModel("out")))  # tied, the Linear's name first
+    assert {n: o.kind for n, o in off.items()} == {"out.weight": "embedding"}
+    assert "also 'tok.weight'" in off["out.weight"].why
+    off = off_muon(param_uses(_Bertish()))
+    assert {n: o.kind for n, o in off.items()} == {"word.weight": "embedding", "pos.weight":
+                                                  "embedding", "cls.weight": "head"}
+    model = TokModel()
+    off = off_muon(param_uses(model))
+    pick = module_aware(default_muon_predicate, off)
+    assert [n for n, p in model.named_parameters() if pick(n, p)] == \
+        [n for n, p in model.named_parameters() if _blocks_only(n, p)]
+    assert module_aware(_every_matrix, off) is _every_matrix  # another predicate: as given
+    specs, _ = specs_from_model(model)  # `dmuon plan`'s specs route the same way
+    assert {s.name for s in specs if s.route == "muon"} == \
+        {n for n, p in model.named_parameters() if _blocks_only(n, p)}
