@@ -169,8 +169,6 @@ def test_foreign_tools_raise_naming_the_dmuon_call(res2):
     assert kind == "RuntimeError" and "already called" in msg
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: .data of a dedicated param or gradient marker "
-                   "is its empty local tensor: writes are lost, reads see nothing")
 def test_data_idioms_raise_naming_the_param(res2):
     """``p.grad.data.mul_(0.5)`` over ``model.parameters()`` (gradient scaling), ``p.data.clamp_``
     (weight clipping) and ``p.data.norm()``: before, the first two changed nothing on the dedicated
