@@ -9,8 +9,8 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ATTRIBUTE_CALLS", "LOCAL_METADATA", "ALLOWED", "CONVERSIONS", "SHAPE_QUERIES",
-           "DATA", "PASS_ON", "FP16_LOSS_SCALING", "func_name", "first_instance", "full_shape_query",
+__all__ = ["ATTRIBUTE_CALLS", "LOCAL_METADATA", "ALLOWED", "CONVERSIONS", "SHAPE_QUERIES", "DATA",
+           "PASS_ON", "FP16_LOSS_SCALING", "func_name", "first_instance", "full_shape_query",
            "refusal_hint"]
 
 #: attribute access, hooks, repr / hashing, dtype and layout facts: harmless on any guard
@@ -116,8 +116,9 @@ _HINTS = {
     "clamp": "dmuon.clip_grad_value_(model, clip_value)",
     DATA: "dmuon's calls instead of .data (here it is this rank's empty local tensor): "
           "dmuon.clip_grad_norm_ / dmuon.clip_grad_value_ to clip gradients, a scaled loss to "
-          "scale them, dmuon.get_model_state_dict(model) to read weights, an init before "
-          "dmuon.dedicate_params to write them (a loop over model.parameters() may have changed "
+          "scale them, dmuon.get_model_state_dict(model) to read weights (copy.deepcopy reads "
+          ".data: for a copy, load that state dict into a plain model of the same class), an "
+          "init before dmuon.dedicate_params to write them (a loop over model.parameters() may have changed "
           "FSDP2's params or gradients before this one: call optimizer.zero_grad() and redo the "
           "step)",
 }
