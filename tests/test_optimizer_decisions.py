@@ -72,6 +72,9 @@ def test_failed_step_verdicts():
         assert needle in msg
     with pytest.raises(RuntimeError, match="refused, nothing was updated: a dmuon.Muon.step"):
         sc.check_step_ready(False, False, msg)  # before the other verdicts
+    sc.check_not_broken(None, "a save")
+    with pytest.raises(RuntimeError, match="a save: refused"):
+        sc.check_not_broken(msg, "a save")
     t, u = torch.zeros(3), torch.ones(2)
     before = sc.write_count({"a": t}, [u, None], 3)
     assert sc.write_count({"a": t}, [u, None], 3) == before

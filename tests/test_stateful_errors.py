@@ -110,6 +110,7 @@ def _worker(rank, world):
     opt._orthogonalizer = ns
     out["step_again"] = catch(opt.step)
     out["iteration_again"] = catch(iteration)
+    out["save_broken"] = catch(lambda: dmuon.get_optimizer_state_dict(m, opt))  # a half step
     dmuon.set_model_state_dict(m, ckpt[0])
     dmuon.set_optimizer_state_dict(m, opt, ckpt[1])
     iteration()
@@ -146,4 +147,6 @@ def test_errors():
                      "Reload", "load_state_dict", "set_optimizer_state_dict", "load_sharded")
     for k in ("step_again", "iteration_again"):
         assert_all_ranks(results, k, "RuntimeError", "refused", "failed part-way", "Reload")
+    assert_all_ranks(results, "save_broken", "RuntimeError", "a checkpoint of the optimizer",
+                     "refused", "failed part-way")
     assert all(out["reloaded_equals_clean"] for out in results)

@@ -12,15 +12,15 @@ import torch
 from dmuon.functional.tree import flatten
 
 __all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks",
-           "check_finite_flags", "write_count", "step_broken", "broken_step_message"]
+           "check_finite_flags", "write_count", "check_not_broken", "step_broken",
+           "broken_step_message"]
 
 
 def check_step_ready(current: bool, fresh: bool, broken: Optional[str] = None) -> None:
     """Raise ``RuntimeError`` unless this optimizer is the newest on its model (``current``), no
     earlier step failed part-way (``broken``: that failure, every rank's, until a load) and a
     backward reached the dedicated matrices since the last step (``fresh``)."""
-    if broken is not None:
-        raise RuntimeError("dmuon.Muon.step: refused, nothing was updated: " + broken)
+    check_not_broken(broken, "dmuon.Muon.step")
     if not current:
         raise RuntimeError(
             "dmuon.Muon.step: a newer dmuon.Muon was built on this model, which supersedes "
@@ -97,6 +97,13 @@ def write_count(*trees: Any) -> int:
     their version counters): equal before and after a failed step when it changed nothing."""
     return sum(t._version for tree in trees for t in flatten(tree)[0]
                if isinstance(t, torch.Tensor))
+
+
+def check_not_broken(broken: Optional[str], what: str) -> None:
+    """Raise ``RuntimeError`` if an earlier step failed part-way (``broken``: its error, the same
+    on every rank, until a load): ``what`` (a step, a checkpoint of the state) is refused."""
+    if broken is not None:
+        raise RuntimeError(f"{what}: refused, nothing was updated: {broken}")
 
 
 def step_broken(counts: Sequence[int]) -> bool:

@@ -158,7 +158,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     optimizer.adamw_state = st._replace(step=as_step(entries.get("adamw_step", 0))) \
         if st is not None else None
     optimizer.num_steps = int(entries.get("num_steps", 0))
-    optimizer._broken = None  # a step that failed part-way: reloaded (every rank loads)
+    owner.broken = None  # a step that failed part-way: reloaded (every rank loads)
     saved = (by_name.get("muon") or {}).get("momentum_dtype") if ded else \
         str(optimizer._storage.dtype)  # the momentum field's (a note if it differs)
     if staged_fields is None:

@@ -142,7 +142,6 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._ns = NSHook(knobs["ns_engine"], self.telemetry)
         self.replicate_async = knobs["replicate_async"]
         self.num_steps = 0  # completed step() calls (the same on every rank)
-        self._broken: Optional[str] = None  # a step failed part-way: its error, until a load
         # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;
         # else every step checks that each FSDP2 param has a gradient on all ranks or on none
         self._check_fsdp_usage = bool(self._adamw_named) and not reduce_unused_fsdp_params(model)
@@ -260,7 +259,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rt = self._rt
-        check_step_ready(rt.is_current(self._generation), rt.ledger.fresh, self._broken)
+        check_step_ready(rt.is_current(self._generation), rt.ledger.fresh, self._owner.broken)
         check_outside_grads(self._outside)
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         grads = rt.reduced_grads()
@@ -290,8 +289,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         return loss
 
     def _settle(self, failure: Optional[Exception], changed: bool) -> None:
-        """Collective, ending every step: one that raised on a rank after any rank's state
-        changed raises on every rank and marks it broken (:func:`.step_checks.step_broken`)."""
+        """Collective, ending every step: a failure after any change raises on every rank."""
         rt, mine = self._rt, [] if failure is None else [f"{type(failure).__name__}: {failure}"]
         if mine and changed:  # broken whatever the others can tell (this rank's state changed)
             self._break(f"rank {rt.rank}: {mine[0]}")
@@ -300,8 +298,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             agree(mine, what="failed step", via=rt.mesh_groups, error=self._break)
 
     def _break(self, detail: str) -> RuntimeError:
-        self._broken = broken_step_message(detail)  # every later step() raises it until a load
-        return RuntimeError(self._broken)
+        self._owner.broken = broken_step_message(detail)  # later steps and saves raise it
+        return RuntimeError(self._owner.broken)
 
     @property
     def elementwise_mode(self) -> str:
@@ -393,11 +391,10 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         rt = self._rt
         owned = rt.owned_names
         self.telemetry.finish_step(
-            step=self.num_steps + 1, owned_matrices=len(owned),
-            owned_elements=self._owned_elements,
+            step=self.num_steps + 1, owned_matrices=len(owned), owned_elements=self._owned_elements,
             dedicated_matrices=len(rt.names), adamw_params=len(self._adamw_named),
-            ns_mode=self._ns.mode if owned else "none",
-            host_syncs=self._host_syncs, adamw_impl=self._adamw_impl())
+            ns_mode=self._ns.mode if owned else "none", host_syncs=self._host_syncs,
+            adamw_impl=self._adamw_impl())
         self._host_syncs = 0
 
     def _adamw_update(self) -> None:
