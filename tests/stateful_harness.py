@@ -76,6 +76,14 @@ def reference_train(model: torch.nn.Module, batches: list, cfg: dict,
             "norms": norms, "losses": losses}
 
 
+def _local_numel(p: torch.Tensor) -> int:
+    """The elements of ``p``'s local tensor (a dedicated placeholder's ``.data`` raises: read it
+    past the guard)."""
+    from dmuon.compat.torch_api import torch_function_disabled
+    with torch_function_disabled():
+        return p.data.numel()
+
+
 def build_dmuon(rank: int, world: int, model: torch.nn.Module, blocks, cfg: dict,
                 **dedicate_kw: Any):
     """``dedicate_params`` + ``fully_shard`` (each of ``blocks``, then the model with FSDP2's
@@ -161,7 +169,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
                              if p not in ded and not isinstance(p, DTensor)],
               "dedicated_bytes": sum(rt_p.numel() * rt_p.element_size()
                                      for rt_p in get_state(model).masters.values()),
-              "placeholder_numel": [p.data.numel() for p in ded]}  # the local storage
+              "placeholder_numel": [_local_numel(p) for p in ded]}  # the local storage
     opt = Muon(model, **{**dict(
         lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
         weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"], ns_dtype=torch.float64,

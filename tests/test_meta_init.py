@@ -160,7 +160,7 @@ def _worker(rank: int, world: int, cfg: dict) -> dict:
     out["sd0"] = sd0
     out["masters_vs_sd0"] = max((float((m - sd0[n]).abs().max()) for n, m in st.masters.items()),
                                 default=0.0)
-    out["placeholders"] = all(p.data.numel() == 0 for p in st.params.values())
+    out["placeholders"] = all(st.storage.is_placeholder(n) for n in st.params)
     opt = dmuon.Muon(model, lr=HP["lr"], momentum=HP["momentum"], nesterov=HP["nesterov"],
                      weight_decay=HP["weight_decay"], ns_steps=HP["ns_steps"],
                      ns_dtype=torch.float64, adamw_lr=HP["adamw_lr"], adamw_betas=HP["adamw_betas"],

@@ -15,6 +15,7 @@ import importlib.util
 from pathlib import Path
 
 from dist_utils import run_ranks
+from stateful_harness import _local_numel
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "multimodal_boundary.py"
 STEPS = 3
@@ -32,7 +33,7 @@ def _peak_gathered(model, rt):
     peak = [0]
 
     def probe(*_):
-        peak[0] = max(peak[0], sum(p.data.numel() for p in rt.params.values()))
+        peak[0] = max(peak[0], sum(_local_numel(p) for p in rt.params.values()))
 
     handles = []
     for m in model.modules():

@@ -58,6 +58,31 @@ def test_step_verdicts():
         sc.check_outside_grads([("x", p), ("y", SimpleNamespace(grad=None))])
 
 
+def test_failed_step_verdicts():
+    """A step that raised (issue 46): ``[ranks failed, ranks changed]`` decides whether it can be
+    retried (every rank failed before anything changed) or marks the optimizer broken; a broken
+    optimizer's step raises first, naming the failure and the loads that clear it."""
+    from dmuon.functional import step_checks as sc
+
+    assert not sc.step_broken([0, 2]) and not sc.step_broken([2, 0])  # clean / all retryable
+    assert sc.step_broken([1, 1]) and sc.step_broken([2, 1]) and sc.step_broken([1, 2])
+    msg = sc.broken_step_message("rank(s) [0]: OutOfMemoryError: x")
+    for needle in ("rank(s) [0]: OutOfMemoryError: x", "Muon.load_state_dict",
+                   "set_optimizer_state_dict", "load_sharded", "set_model_state_dict"):
+        assert needle in msg
+    with pytest.raises(RuntimeError, match="refused, nothing was updated: a dmuon.Muon.step"):
+        sc.check_step_ready(False, False, msg)  # before the other verdicts
+    sc.check_not_broken(None, "a save")
+    with pytest.raises(RuntimeError, match="a save: refused"):
+        sc.check_not_broken(msg, "a save")
+    t, u = torch.zeros(3), torch.ones(2)
+    before = sc.write_count({"a": t}, [u, None], 3)
+    assert sc.write_count({"a": t}, [u, None], 3) == before
+    t.add_(1)  # an in-place write moves the count; a read does not
+    u.sum()
+    assert sc.write_count({"a": t}, [u, None], 3) == before + 1
+
+
 def test_step_chunks_and_lane_delta():
     from dmuon.functional.momentum_chunks import step_chunks
     from dmuon.functional.step_stats import lane_delta

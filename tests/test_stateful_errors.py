@@ -86,6 +86,36 @@ def _worker(rank, world):
     opt.step()
     out["after_nan_trains"] = any(not torch.equal(good[k], v)
                                   for k, v in get_model_state_dict(m).items())
+
+    # a step that fails part-way on rank 0 only (inside Newton-Schulz, after the momentum moved):
+    # raises on every rank, then refuses until a reload; reloaded, it trains as a clean run
+    # (tests/test_step_failure.py: every case, slow tier)
+    import dmuon
+    ckpt = (get_model_state_dict(m), dmuon.get_optimizer_state_dict(m, opt))
+
+    def iteration():
+        opt.zero_grad()
+        m(ids).backward()
+        opt.step()
+    iteration()
+    clean = get_model_state_dict(m)
+    dmuon.set_model_state_dict(m, ckpt[0])
+    dmuon.set_optimizer_state_dict(m, opt, ckpt[1])
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("simulated OOM inside Newton-Schulz")
+    ns = opt._orthogonalizer
+    if rank == 0:
+        opt._orthogonalizer = lambda spec, names: oom
+    out["failed_step"] = catch(iteration)
+    opt._orthogonalizer = ns
+    out["step_again"] = catch(opt.step)
+    out["iteration_again"] = catch(iteration)
+    out["save_broken"] = catch(lambda: dmuon.get_optimizer_state_dict(m, opt))  # a half step
+    dmuon.set_model_state_dict(m, ckpt[0])
+    dmuon.set_optimizer_state_dict(m, opt, ckpt[1])
+    iteration()
+    out["reloaded_equals_clean"] = all(torch.equal(clean[k], v)
+                                       for k, v in get_model_state_dict(m).items())
     return out
 
 
@@ -112,3 +142,11 @@ def test_errors():
     for out in results:
         assert out["after_ok"]
         assert out["nan_untouched"] and out["after_nan_trains"]
+    assert_all_ranks(results, "failed_step", "RuntimeError", "failed part-way",
+                     "rank(s) [0]: OutOfMemoryError: simulated OOM",
+                     "Reload", "load_state_dict", "set_optimizer_state_dict", "load_sharded")
+    for k in ("step_again", "iteration_again"):
+        assert_all_ranks(results, k, "RuntimeError", "refused", "failed part-way", "Reload")
+    assert_all_ranks(results, "save_broken", "RuntimeError", "a checkpoint of the optimizer",
+                     "refused", "failed part-way")
+    assert all(out["reloaded_equals_clean"] for out in results)

@@ -68,6 +68,15 @@ def _foreign_tools(rank, world):
     model(ids).backward()
     out["clip_value"] = catch(lambda: torch.nn.utils.clip_grad_value_(model.parameters(), 1e-3))
     out["sgd"] = catch(torch.optim.SGD(model.parameters(), lr=1.0).step)
+    # .data idioms (issue 46): they read a dedicated param's or marker's local tensor, the empty
+    # placeholder (a scaled gradient stayed unscaled, a norm read 0): each raises, naming the param
+    def scale():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.data.mul_(0.5)
+    out["grad_data_scale"] = catch(scale)
+    out["data_clamp"] = catch(lambda: [p.data.clamp_(-0.1, 0.1) for p in model.parameters()])
+    out["data_norm"] = catch(lambda: [float(p.data.norm()) for p in model.parameters()])
     # dedicate_params twice on one rank only: raises there before any collective (no abort)
     if rank == 1:
         out["twice"] = catch(lambda: dmuon.dedicate_params(model, None, lambda n, p: True))
@@ -158,6 +167,18 @@ def test_foreign_tools_raise_naming_the_dmuon_call(res2):
         assert f["step_after"] == (None, None)
     kind, msg = res2[1]["foreign"]["twice"]
     assert kind == "RuntimeError" and "already called" in msg
+
+
+def test_data_idioms_raise_naming_the_param(res2):
+    """``p.grad.data.mul_(0.5)`` over ``model.parameters()`` (gradient scaling), ``p.data.clamp_``
+    (weight clipping) and ``p.data.norm()``: before, the first two changed nothing on the dedicated
+    matrices and the norm read 0. Now each raises, naming the param, ``.data`` and what to use."""
+    for rank, r in enumerate(res2):
+        f = r["foreign"]
+        for key in ("grad_data_scale", "data_clamp", "data_norm"):
+            kind, msg = f[key]
+            assert kind == "DedicatedParamError", (rank, key, kind, msg)
+            assert "'.data'" in msg and "proj" in msg, (rank, key, msg)
 
 
 @pytest.mark.parametrize("cid", ["zero_none", "zero_false", "clip_value", "extra_step"])

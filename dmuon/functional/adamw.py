@@ -13,7 +13,7 @@ References:
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import torch
 from torch import Tensor
@@ -25,7 +25,8 @@ from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves, run_inpl
 from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten_like, leaf_paths,
                                   zeros_like_tree)
 
-__all__ = ["IMPLS", "AdamWHParams", "AdamWState", "init", "transform", "update", "validate_hparams"]
+__all__ = ["IMPLS", "AdamWHParams", "AdamWState", "init", "transform", "update", "validate_hparams",
+           "hparams_of_group", "resolve_impl"]
 
 #: The ``impl`` choices of :func:`update`.
 IMPLS = ("reference", "foreach", "fused")
@@ -63,6 +64,21 @@ class AdamWState(NamedTuple):
     step: Any
     mu: PyTree
     nu: PyTree
+
+
+def hparams_of_group(group: Mapping[str, Any]) -> AdamWHParams:
+    """The :class:`AdamWHParams` of a torch param group (``lr``, ``betas``, ``eps``,
+    ``weight_decay``: ``dmuon.Muon``'s ``param_groups[1]``)."""
+    return AdamWHParams(lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
+                        weight_decay=group["weight_decay"])
+
+
+def resolve_impl(impl: str, device_type: str) -> str:
+    """The :func:`update` ``impl`` an ``"auto"`` setting means on ``device_type`` (``"fused"``
+    on CUDA, else ``"reference"``: bitwise ``torch.optim.AdamW(foreach=False)``)."""
+    if impl != "auto":
+        return impl
+    return "fused" if device_type == "cuda" else "reference"
 
 
 def validate_hparams(hparams: AdamWHParams) -> None:

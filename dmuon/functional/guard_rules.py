@@ -9,7 +9,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["ATTRIBUTE_CALLS", "LOCAL_METADATA", "ALLOWED", "CONVERSIONS", "SHAPE_QUERIES",
+__all__ = ["ATTRIBUTE_CALLS", "LOCAL_METADATA", "ALLOWED", "CONVERSIONS", "SHAPE_QUERIES", "DATA",
            "PASS_ON", "FP16_LOSS_SCALING", "func_name", "first_instance", "full_shape_query",
            "refusal_hint"]
 
@@ -44,9 +44,19 @@ class _PassOn:
 PASS_ON: Any = _PassOn()
 
 
+#: the name :func:`func_name` gives reading ``t.data``: not an attribute fact like the others
+#: ``__get__`` covers (``.grad``, ``.shape``): it is the local tensor itself, a guard's empty
+#: placeholder (a write through it is lost, a read sees nothing), so no allow-list holds it
+DATA = ".data"
+
+
 def func_name(func: Any) -> str:
-    """The name the allow-lists use for a torch function (``Tensor.size`` -> ``"size"``)."""
-    return getattr(func, "__name__", None) or str(func)
+    """The name the allow-lists use for a torch function (``Tensor.size`` -> ``"size"``; the
+    getter of ``.data``: :data:`DATA`)."""
+    name = getattr(func, "__name__", None) or str(func)
+    if name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") == "data":
+        return DATA
+    return name
 
 
 def first_instance(cls: type, args: tuple, kwargs: dict) -> Any:
@@ -104,6 +114,13 @@ _HINTS = {
     "_foreach_clamp_min_": "dmuon.clip_grad_value_(model, clip_value)",
     "_foreach_clamp_max_": "dmuon.clip_grad_value_(model, clip_value)",
     "clamp": "dmuon.clip_grad_value_(model, clip_value)",
+    DATA: "dmuon's calls instead of .data (here it is this rank's empty local tensor): "
+          "dmuon.clip_grad_norm_ / dmuon.clip_grad_value_ to clip gradients, a scaled loss to "
+          "scale them, dmuon.get_model_state_dict(model) to read weights (copy.deepcopy reads "
+          ".data: for a copy, load that state dict into a plain model of the same class), an "
+          "init before dmuon.dedicate_params to write them (a loop over model.parameters() may have changed "
+          "FSDP2's params or gradients before this one: call optimizer.zero_grad() and redo the "
+          "step)",
 }
 _DEFAULT_HINT = ("dmuon.Muon(model, ...) to update the model, dmuon.clip_grad_norm_ / "
                  "dmuon.clip_grad_value_ to clip, dmuon.get_model_state_dict(model) to read weights"

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-__all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "check_setups", "ddp_grid",
+__all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "require_fsdp_meshes", "check_setups", "ddp_grid",
            "deferral_agreed", "error_type", "rank_setup"]
 
 Grid = tuple[tuple[int, ...], ...]
@@ -369,3 +369,12 @@ def deferral_agreed(votes: Sequence[tuple[Any, tuple[int, ...], bool]]) -> bool:
     flat = sorted(x for g in groups for x in g)
     return (flat == list(range(len(votes))) and len({len(g) for g in groups}) == 1
             and all(r in ranks for r, (_, ranks, _) in enumerate(votes)))
+
+
+def require_fsdp_meshes(grid: Grid, device_type: str,
+                        fsdp_meshes: Sequence[tuple[str, tuple[int, ...], str]]) -> None:
+    """Raise ``ValueError`` naming every problem :func:`check_fsdp_meshes` finds (``dmuon.Muon``
+    on a model ``fully_shard`` put on a mesh over other ranks or another device type)."""
+    problems = check_fsdp_meshes(grid, device_type, fsdp_meshes)
+    if problems:
+        raise ValueError("dmuon.Muon: " + " | ".join(problems))

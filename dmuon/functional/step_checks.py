@@ -1,20 +1,26 @@
 """The verdicts of the checks ``dmuon.Muon.step`` runs before anything changes (pure: the
-stateful layer gathers what every rank holds, these decide and raise): a superseded optimizer or
-no fresh gradient, a gradient on a param frozen at construction, an FSDP2 param with a gradient
-on some ranks only, a non-finite gradient."""
+stateful layer gathers what every rank holds, these decide and raise): a superseded optimizer, an
+earlier step that failed part-way, or no fresh gradient, a gradient on a param frozen at
+construction, an FSDP2 param with a gradient on some ranks only, a non-finite gradient; and the
+verdict on a step that raised (:func:`step_broken`, from every rank's outcome)."""
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
+from dmuon.functional.tree import flatten
+
 __all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks",
-           "check_finite_flags"]
+           "check_finite_flags", "write_count", "check_not_broken", "step_broken",
+           "broken_step_message"]
 
 
-def check_step_ready(current: bool, fresh: bool) -> None:
-    """Raise ``RuntimeError`` unless this optimizer is the newest on its model (``current``) and
-    a backward reached the dedicated matrices since the last step (``fresh``)."""
+def check_step_ready(current: bool, fresh: bool, broken: Optional[str] = None) -> None:
+    """Raise ``RuntimeError`` unless this optimizer is the newest on its model (``current``), no
+    earlier step failed part-way (``broken``: that failure, every rank's, until a load) and a
+    backward reached the dedicated matrices since the last step (``fresh``)."""
+    check_not_broken(broken, "dmuon.Muon.step")
     if not current:
         raise RuntimeError(
             "dmuon.Muon.step: a newer dmuon.Muon was built on this model, which supersedes "
@@ -84,3 +90,38 @@ def check_finite_flags(flags: torch.Tensor, named: Sequence[tuple[str, torch.Ten
             + (f" (here: {local[:8]})" if local else "")
             + ". Nothing was updated; call optimizer.zero_grad() to skip this batch, lower the "
             "learning rate or check the loss and inputs (or pass check_finite=False).")
+
+
+def write_count(*trees: Any) -> int:
+    """A number that grows with every in-place write to a tensor leaf of ``trees`` (the sum of
+    their version counters): equal before and after a failed step when it changed nothing."""
+    return sum(t._version for tree in trees for t in flatten(tree)[0]
+               if isinstance(t, torch.Tensor))
+
+
+def check_not_broken(broken: Optional[str], what: str) -> None:
+    """Raise ``RuntimeError`` if an earlier step failed part-way (``broken``: its error, the same
+    on every rank, until a load): ``what`` (a step, a checkpoint of the state) is refused."""
+    if broken is not None:
+        raise RuntimeError(f"{what}: refused, nothing was updated: {broken}")
+
+
+def step_broken(counts: Sequence[int]) -> bool:
+    """The agreed outcome of a step from ``counts``: ``[ranks whose step raised, ranks whose state
+    changed in it]`` (a rank whose step completed counts as changed). True: some rank failed after
+    some rank's state changed, so the step can be neither kept nor retried (every rank raises and
+    marks its optimizer broken). False with failures: every rank failed before anything changed
+    (each re-raises its own error; the step can be retried as it is)."""
+    return counts[0] > 0 and counts[1] > 0
+
+
+def broken_step_message(detail: str) -> str:
+    """The error of a step that failed part-way (``detail``: the ranks and their errors): what
+    failed and how to go on, raised by that step on every rank and by every later ``step()``."""
+    return (f"a dmuon.Muon.step() failed part-way ({detail}) after some of the optimizer's state "
+            "had changed (momentum, masters or AdamW moments on some rank), so that step can be "
+            "neither kept nor retried: step() raises until the state is reloaded. Reload the "
+            "model and the optimizer on every rank from your last checkpoint "
+            "(dmuon.set_model_state_dict(model, sd) and Muon.load_state_dict / "
+            "dmuon.set_optimizer_state_dict / torch's set_optimizer_state_dict, or "
+            "dmuon.load_sharded), then run the iteration again.")

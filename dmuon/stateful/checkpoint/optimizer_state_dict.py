@@ -12,14 +12,13 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn as nn
 
-from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.stages.hparams import as_step
 from dmuon.functional.state_dict_check import (MOMENTS as _MOMENTS, from_torch_protocol,
                                                full_dict_problems, full_dict_structure,
                                                full_entries, hparams, loadable_hparams,
                                                optimizer_state_problems, to_torch_protocol)
-from dmuon.stateful.runtime.state import get_state, local_tensor
+from dmuon.stateful.runtime.state import get_state, local_tensor, unwrapping_model
 from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
 from dmuon.stateful.checkpoint.torch_state_dict import (OPTIMIZER_LOAD_FIX, StateDictError, agree,
                                                        distribute_like, dtensor_rows,
@@ -159,6 +158,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     optimizer.adamw_state = st._replace(step=as_step(entries.get("adamw_step", 0))) \
         if st is not None else None
     optimizer.num_steps = int(entries.get("num_steps", 0))
+    owner.broken = None  # a step that failed part-way: reloaded (every rank loads)
     saved = (by_name.get("muon") or {}).get("momentum_dtype") if ded else \
         str(optimizer._storage.dtype)  # the momentum field's (a note if it differs)
     if staged_fields is None:

@@ -21,8 +21,9 @@ from dmuon.functional.meta_init_check import init_window_problems, same_device
 from dmuon.functional.schedule import publish_schedule
 from dmuon.stateful.runtime.agree import agree
 from dmuon.stateful.runtime.errors import DedicatedParamError, from_dtensor_api, tp_error
-from dmuon.stateful.runtime.guard_base import (ATTRIBUTE_CALLS, PASS_ON, TorchGuard, call_plain,
-                                               full_shape_query)
+from dmuon.functional.guard_rules import first_instance
+from dmuon.stateful.runtime.guard_base import (ATTRIBUTE_CALLS, DATA, PASS_ON, TorchGuard,
+                                               call_plain, full_shape_query)
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class DedicatedUninit(TorchGuard, nn.Parameter):
         out = full_shape_query(name, func, args, kwargs, me, info.shape)
         if out is not PASS_ON:
             return out
-        if name == "__get__":
+        if name in ("__get__", DATA):  # .data: a local tensor whose writes are no-ops
             if getattr(getattr(func, "__self__", None), "__name__", "") == "is_meta":
                 return True
             return call_plain(func, args, kwargs)
@@ -109,9 +110,7 @@ class DedicatedUninit(TorchGuard, nn.Parameter):
     @classmethod
     def _guard_error(cls, name: str, func: Callable, args: tuple,
                      kwargs: dict) -> DedicatedParamError:
-        me = next((a for a in list(args) + list(kwargs.values())
-                   if isinstance(a, DedicatedUninit)), None)
-        info: _Info = me._dmuon_uninit
+        info: _Info = first_instance(DedicatedUninit, args, kwargs)._dmuon_uninit
         return DedicatedParamError(
             f"dmuon: torch's {name!r} read the values of the dedicated param {info.name!r} during "
             f"meta-device init on a rank that does not hold it (owner: rank {info.owner}; its "

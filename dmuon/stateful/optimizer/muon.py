@@ -25,22 +25,15 @@ from dmuon.stateful.modes.ddp import check_backend
 from dmuon.stateful.modes.deferred import finish_pending
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor, unwrap_model
 from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
-from dmuon.functional.step_checks import check_outside_grads, check_step_ready
-from dmuon.stateful.optimizer.step_checks import check_finite, check_same_fsdp_grads
+from dmuon.functional.setup_check import require_fsdp_meshes
+from dmuon.functional.step_checks import (broken_step_message, check_outside_grads,
+                                          check_step_ready, step_broken, write_count)
+from dmuon.stateful.optimizer.step_checks import (check_finite, check_same_fsdp_grads,
+                                                  host_all_reduce)
+from dmuon.stateful.runtime.agree import agree
 from dmuon.stateful.modes.tensor_parallel import TPStep
 
 logger = logging.getLogger(__name__)
-
-
-def _check_fsdp_mesh(model: nn.Module, rt: DedicatedState) -> None:
-    """Raise ``ValueError`` if ``fully_shard`` used a mesh over other ranks or another device
-    type than ``dedicate_params`` (the gradients would be averaged over different ranks)."""
-    from dmuon.functional.setup_check import check_fsdp_meshes
-    from dmuon.compat.fsdp_info import fsdp_meshes
-
-    problems = check_fsdp_meshes(rt.mesh_groups.grid, rt.device.type, fsdp_meshes(model))
-    if problems:
-        raise ValueError("dmuon.Muon: " + " | ".join(problems))
 
 
 class Muon(StateViewsMixin, torch.optim.Optimizer):
@@ -122,7 +115,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         rt.finish_meta_init("dmuon.Muon(model)")  # meta-built model: close its init window
         check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
         check_backend(model, rt, "dmuon.Muon(model)")
-        _check_fsdp_mesh(model, rt)
+        from dmuon.compat.fsdp_info import fsdp_meshes, reduce_unused_fsdp_params
+        require_fsdp_meshes(rt.mesh_groups.grid, rt.device.type, fsdp_meshes(model))  # or raise
         self._storage.bind(rt.device)
         dedicated = set(rt.params.values())
         self._adamw_named = tuple((n, p) for n, p in model.named_parameters()
@@ -139,8 +133,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         super().__init__(groups, defaults={})
         self._groups_fixed = True  # add_param_group raises from here on
         self._rt: DedicatedState = rt
-        self.check_finite = (rt.device.type != "cuda") if check_finite == "auto" \
-            else check_finite
+        self.check_finite = rt.device.type != "cuda" if check_finite == "auto" else check_finite
         rt.ledger.track_finite = self.check_finite
         self.adamw_impl, self.elementwise = knobs["adamw_impl"], knobs["elementwise"]
         rt.pool.persistent = knobs["persistent_grad_buffers"]
@@ -151,7 +144,6 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self.num_steps = 0  # completed step() calls (the same on every rank)
         # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;
         # else every step checks that each FSDP2 param has a gradient on all ranks or on none
-        from dmuon.compat.fsdp_info import reduce_unused_fsdp_params
         self._check_fsdp_usage = bool(self._adamw_named) and not reduce_unused_fsdp_params(model)
         # a newer Muon(model) supersedes this one: stepping both would update twice per step
         self._generation = rt.attach_optimizer()
@@ -175,8 +167,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             mg = rt.mesh_groups
             self._tp = TPStep(rt.tp_layouts, rt.owned_names, group=mg.tp_group,
                               ranks=mg.tp_ranks, index=mg.tp_index, executor=rt.executor,
-                              all_names=rt.names,
-                              control=mg.control, device=rt.device)
+                              all_names=rt.names, control=mg.control, device=rt.device)
             # an 8-bit momentum: each slice's scale is its matrix's (one MAX over the TP group)
             self._storage.share_scales(self._tp.names, self._tp.max_over_group)
         self._split = split_step(rt, transform if self._owner.custom else None,
@@ -219,9 +210,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
 
     def adamw_hparams(self) -> fadamw.AdamWHParams:
         """The AdamW hyper-parameters the next ``step()`` uses (read from ``param_groups[1]``)."""
-        g = self.param_groups[1]
-        return fadamw.AdamWHParams(lr=g["lr"], betas=tuple(g["betas"]), eps=g["eps"],
-                                   weight_decay=g["weight_decay"])
+        return fadamw.hparams_of_group(self.param_groups[1])
 
     # ------------------------------------------------------------------ execution knobs
     def set_replicate_async(self, enabled: bool) -> None:
@@ -270,7 +259,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         rt = self._rt
-        check_step_ready(rt.is_current(self._generation), rt.ledger.fresh)
+        check_step_ready(rt.is_current(self._generation), rt.ledger.fresh, self._owner.broken)
         check_outside_grads(self._outside)
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         grads = rt.reduced_grads()
@@ -280,16 +269,37 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             if check_finite(self._adamw_named, rt, grads):
                 self._host_syncs += 1  # its verdict waited for the device
         self.invalidate_state_views()  # the states change from here: views rebuilt when read
-        stepped = self._muon_step(rt, grads, rt.ledger.take_zero_next())
-        self._storage.drop_staged()  # offload: copies of matrices not stepped (the host holds)
-        rt.clear_grads()
-        rt.after_step(replicate_async=self.replicate_async)
-        # torch would keep these gradients until zero_grad: their consumed markers stand in
-        rt.ledger.consume(stepped)
-        self._adamw_step()
-        self._storage.end_step()  # offload: the copies back's budget measures the step's end
-        self.num_steps += 1
+        writes = lambda: (write_count(self._owner.state, rt.owned_masters(), grads)  # noqa: E731
+                          + self._storage.copies_out)  # a write to the state, masters or grads
+        before = writes()
+        try:
+            stepped = self._muon_step(rt, grads, rt.ledger.take_zero_next())
+            before = None  # changed (a later failure leaves a half-applied step)
+            self._storage.drop_staged()  # offload: copies of matrices not stepped (host holds)
+            rt.clear_grads()
+            rt.after_step(replicate_async=self.replicate_async)
+            rt.ledger.consume(stepped)  # torch keeps grads until zero_grad: markers stand in
+            self._adamw_step()
+            self._storage.end_step()  # offload: the copies back's budget measures the step's end
+            self.num_steps += 1
+        except Exception as e:  # every rank learns of it (a retry must not apply it twice)
+            self._settle(e, before is None or writes() != before)
+            raise
+        self._settle(None, True)
         return loss
+
+    def _settle(self, failure: Optional[Exception], changed: bool) -> None:
+        """Collective, ending every step: a failure after any change raises on every rank."""
+        rt, mine = self._rt, [] if failure is None else [f"{type(failure).__name__}: {failure}"]
+        if mine and changed:  # broken whatever the others can tell (this rank's state changed)
+            self._break(f"rank {rt.rank}: {mine[0]}")
+        if step_broken(rt.mesh_groups.control_collective("step outcome all-reduce", lambda g: (
+                host_all_reduce([failure is not None, changed], g, rt.device)))):
+            agree(mine, what="failed step", via=rt.mesh_groups, error=self._break)
+
+    def _break(self, detail: str) -> RuntimeError:
+        self._owner.broken = broken_step_message(detail)  # later steps and saves raise it
+        return RuntimeError(self._owner.broken)
 
     @property
     def elementwise_mode(self) -> str:
@@ -308,11 +318,9 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
                    zeroed: set[str]) -> list[str]:
         """The owners' update of this step (:class:`~dmuon.stateful.optimizer.owner.OwnerDriver`,
         one path for Muon and every variant; split NS: this rank's units run once per step);
-        returns the names stepped (those with a gradient).
-
-        ``zeroed``: matrices whose consumed marker the user zeroed since the last step
-        (:mod:`dmuon.stateful.runtime.ledger`); with no gradient this step, they step with zeros.
-        """
+        returns the names stepped (those with a gradient). ``zeroed``: matrices whose consumed
+        marker the user zeroed since the last step (:mod:`dmuon.stateful.runtime.ledger`); with
+        no gradient this step, they step with zeros."""
         hp = self.muon_hparams()
         if self._split is not None:
             self._split.begin(hp)
@@ -366,22 +374,16 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
 
     def adamw_local_tensors(self) -> tuple[dict[str, torch.Tensor],
                                            dict[str, Optional[torch.Tensor]]]:
-        """The trees :func:`dmuon.functional.adamw.update` steps, keyed as
-        :attr:`adamw_named_params`.
-
-        Returns:
-          ``(params, grads)``: ``{name: local shard}`` (``DTensor.to_local()``, a view: writing it
-          writes the param) and ``{name: local gradient shard, or None}``.
-        """
+        """``(params, grads)``: the trees :func:`dmuon.functional.adamw.update` steps, keyed as
+        :attr:`adamw_named_params`: ``{name: local shard}`` (``DTensor.to_local()``, a view:
+        writing it writes the param) and ``{name: local gradient shard, or None}``."""
         params = {n: local_tensor(p) for n, p in self._adamw_named}
         grads = {n: local_tensor(p.grad) for n, p in self._adamw_named}
         return params, grads
 
     def _adamw_impl(self) -> str:
-        if self.adamw_impl != "auto":
-            return self.adamw_impl
         dev = self._adamw_named[0][1].device if self._adamw_named else self._rt.device
-        return "fused" if dev.type == "cuda" else "reference"
+        return fadamw.resolve_impl(self.adamw_impl, dev.type)
 
     def _adamw_step(self) -> None:
         """AdamW on FSDP2's local shards, then close this step's telemetry (last part of step)."""
@@ -389,11 +391,10 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         rt = self._rt
         owned = rt.owned_names
         self.telemetry.finish_step(
-            step=self.num_steps + 1, owned_matrices=len(owned),
-            owned_elements=self._owned_elements,
+            step=self.num_steps + 1, owned_matrices=len(owned), owned_elements=self._owned_elements,
             dedicated_matrices=len(rt.names), adamw_params=len(self._adamw_named),
-            ns_mode=self._ns.mode if owned else "none",
-            host_syncs=self._host_syncs, adamw_impl=self._adamw_impl())
+            ns_mode=self._ns.mode if owned else "none", host_syncs=self._host_syncs,
+            adamw_impl=self._adamw_impl())
         self._host_syncs = 0
 
     def _adamw_update(self) -> None:

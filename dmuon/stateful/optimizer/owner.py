@@ -18,6 +18,7 @@ from dmuon.functional.owner_step import owner_step
 from dmuon.functional.stages.hparams import new_step, next_step
 from dmuon.functional.stages.leaves import default_views
 from dmuon.functional.state_fields import scalar_leaves, state_fields
+from dmuon.functional.step_checks import check_not_broken
 from dmuon.functional.tree import get_path, replace_path
 
 __all__ = ["OwnerDriver"]
@@ -81,6 +82,7 @@ class OwnerDriver:
         self.owned_views: Optional[dict[str, Any]] = (
             owned if any(v != Batch(0) for v in owned.values()) else None)
         self.mults = {n: rt.hp_mults[n] for n in rt.owned_names if n in rt.hp_mults}
+        self.broken: Optional[str] = None  # a step failed part-way: its error, until a load
 
     def _fresh(self, chain: T.Transform, first: bool = False) -> Any:
         """The chain's state before the first step, its momentum as stored (encoded;
@@ -150,6 +152,7 @@ class OwnerDriver:
         stored tensors themselves unless they hold an 8-bit float's data (then a decoded copy, an
         inference tensor: a write to it raises). ``names``: only those."""
         f = self.stored_field
+        check_not_broken(None if view else self.broken, "dmuon: a checkpoint of the optimizer")
         if self.storage is None or f is None or key != f.key:
             vals = self.field_values(key)
         elif view and not sd.is_scaled(self.storage.dtype):

@@ -12,12 +12,12 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from dmuon.compat.torch_api import torch_function_disabled
-from dmuon.functional.guard_rules import (ALLOWED, ATTRIBUTE_CALLS, CONVERSIONS, LOCAL_METADATA,
-                                          PASS_ON, full_shape_query, func_name)
+from dmuon.functional.guard_rules import (ALLOWED, ATTRIBUTE_CALLS, CONVERSIONS, DATA,
+                                          LOCAL_METADATA, PASS_ON, full_shape_query, func_name)
 from dmuon.stateful.runtime.errors import DedicatedParamError
 
-__all__ = ["TorchGuard", "PASS_ON", "ALLOWED", "ATTRIBUTE_CALLS", "LOCAL_METADATA", "call_plain",
-           "full_shape_query", "no_op_conversion", "DedicatedParamError"]
+__all__ = ["TorchGuard", "PASS_ON", "ALLOWED", "ATTRIBUTE_CALLS", "LOCAL_METADATA", "DATA",
+           "call_plain", "full_shape_query", "no_op_conversion", "DedicatedParamError"]
 
 
 def call_plain(func: Callable, args: tuple, kwargs: dict) -> Any:

@@ -14,7 +14,7 @@ import torch.nn as nn
 from dmuon.functional.buckets import BucketKey, BucketLayout, HookGroups, bucket_layout
 from dmuon.functional.packing import empty_buffers, pack_, unpack
 from dmuon.functional.policy import master_dtype_for
-from dmuon.stateful.runtime.guards import to_placeholder, to_plain
+from dmuon.stateful.runtime.guards import call_plain, to_placeholder, to_plain
 
 __all__ = ["free_storage", "alloc_storage", "DedicatedStorage", "GradBufferPool"]
 
@@ -99,7 +99,7 @@ class DedicatedStorage:
 
     def is_placeholder(self, name: str) -> bool:
         """The param holds its zero-size placeholder (its reported shape is the matrix's)."""
-        return self.params[name].data.numel() == 0
+        return call_plain(torch.Tensor.numel, (self.params[name],), {}) == 0  # local (not .data)
 
 
 class GradBufferPool:
