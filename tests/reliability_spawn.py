@@ -2,7 +2,8 @@
 
 World 2 (gloo): the 5-rebuild loop first, in the fresh process it measures
 (``test_rebuild_loop.py``), then the crafted-checkpoint loads (``test_checkpoint_trust.py``) and
-the failing saves, the narrowing log and the async-save recipe (``test_checkpoint_failures.py``).
+the failing saves, the narrowing log and the async-save recipe (``test_checkpoint_failures.py``),
+then the heap soak's short run (``test_heap_soak.py``, issue 46).
 World 1: the rebuild loop alone. Each part runs even if another raised: its result is then the
 traceback, which the part's tests report.
 """
@@ -27,6 +28,7 @@ def _part(fn, *args) -> Any:
 def _worker(rank: int, world: int, tmp: str) -> dict:
     import test_checkpoint_failures
     import test_checkpoint_trust
+    import test_heap_soak
     import test_rebuild_loop
     out = {"rebuild": _part(test_rebuild_loop._rebuild_loop, rank, world)}
     if world > 1:
@@ -34,6 +36,7 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
                          ("failures", test_checkpoint_failures._failures)):
             os.makedirs(f"{tmp}/{name}", exist_ok=True)
             out[name] = _part(fn, rank, world, f"{tmp}/{name}")
+        out["heap"] = _part(test_heap_soak._short_soak, rank, world)
     return out
 
 

@@ -34,7 +34,8 @@ class RankSetup:
       mesh: the rank layout of ``mesh`` (``DeviceMesh.mesh.tolist()``: a list, or a list of lists).
       mesh_dim_names: ``mesh.mesh_dim_names`` (``None`` if unnamed).
       mesh_device_type: ``mesh.device_type``.
-      replicate: the ranks of ``replicate_mesh`` (1-D) or ``None``.
+      replicate: the ranks of ``replicate_mesh`` (flattened row-major: any N-D mesh is one axis) or
+        ``None``.
       replicate_device_type: ``replicate_mesh.device_type`` or ``None``.
       param_device_types: sorted device types of the dedicated params.
       error: ``(exception type name, message)`` of this rank's local checks, or ``None``.

@@ -135,7 +135,7 @@ def dedicate_params(
         dims ``("replicate", "shard")``.
       predicate: ``predicate(name, param) -> bool`` picks the Muon matrices (``ndim >= 2``); every
         other trainable param stays with FSDP2 and AdamW.
-      replicate_mesh: optional 1-D replicate mesh: HSDP (owners spread over shard x replicate).
+      replicate_mesh: optional replicate mesh, 1-D or N-D (its ranks row-major as one axis): HSDP.
       hook_boundary_predicate: ``module -> bool``; a param is moved by the hooks of its lowest
         accepted ancestor. Default: the ``layers.N`` / ``blocks.N`` ancestor. Params outside any
         boundary go to a root group moved by the model's own hooks.
