@@ -27,11 +27,13 @@ def _part(fn, *args) -> Any:
 def _worker(rank: int, world: int, tmp: str) -> dict:
     import test_checkpoint_failures
     import test_checkpoint_trust
+    import test_load_values
     import test_rebuild_loop
     out = {"rebuild": _part(test_rebuild_loop._rebuild_loop, rank, world)}
     if world > 1:
         for name, fn in (("trust", test_checkpoint_trust._trust_worker),
-                         ("failures", test_checkpoint_failures._failures)):
+                         ("failures", test_checkpoint_failures._failures),
+                         ("loads", test_load_values._loads)):
             os.makedirs(f"{tmp}/{name}", exist_ok=True)
             out[name] = _part(fn, rank, world, f"{tmp}/{name}")
     return out
