@@ -344,7 +344,6 @@ def _every_rank(res, key):
     return [r[key] for r in res]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: complex / fp8 values skip the finiteness check")
 def test_value_problems_checks_complex_and_every_float_dtype():
     from dmuon.functional.state_dict_check import value_problems
     for dt in (torch.complex64, torch.complex128, torch.float16, torch.bfloat16, torch.float32,
@@ -359,7 +358,6 @@ def test_value_problems_checks_complex_and_every_float_dtype():
     assert value_problems("b", inf, (2,), torch.float64) == ["b: non-finite values (NaN/Inf)"]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: complex NaN loads through the model routes")
 def test_complex_and_narrow_nonfinite_model_values_are_refused_unchanged(tmp_path_factory):
     res = results(2, "loads", tmp_path_factory)
     for key in [k for k in res[0] if k.startswith("model_")]:
@@ -372,7 +370,6 @@ def test_complex_and_narrow_nonfinite_model_values_are_refused_unchanged(tmp_pat
 _ROUTES = ("torch", "muon_full", "set_full", "set_rank0", "torch_set")
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: complex NaN loads through Muon.load_state_dict")
 def test_complex_nonfinite_optimizer_values_are_refused_unchanged(tmp_path_factory):
     res = results(2, "loads", tmp_path_factory)
     for name in ("complex_momentum", "complex_moment"):
@@ -382,8 +379,6 @@ def test_complex_nonfinite_optimizer_values_are_refused_unchanged(tmp_path_facto
                 assert "Nothing was changed" in msg and not changed, (route, name, rank)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: counters, dtypes and hyper-parameters load "
-                   "unchecked (or fail after changing state)")
 def test_counters_dtypes_and_hparams_are_checked_before_anything_changes(tmp_path_factory):
     res = results(2, "loads", tmp_path_factory)
     want = {"adamw_step_-1": "adamw_step", "lr_nan": "lr", "lr_str": "lr",

@@ -34,6 +34,7 @@ The optimizer format (every tensor full, keyed by fully-qualified parameter name
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Collection, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
@@ -60,6 +61,9 @@ __all__ = [
     "field_problems",
     "optimizer_state_problems",
     "loadable_hparams",
+    "all_finite",
+    "counters",
+    "load_problems",
 ]
 
 #: AdamW's moments in a state entry
@@ -192,13 +196,23 @@ def value_problems(key: str, value: Any, shape: Shape, dtype: torch.dtype, *,
         return [f"{key}: {layout}"]
     local = value.to_local() if hasattr(value, "to_local") else value
     problems = []
-    if finite and local.dtype.is_floating_point and local.numel() and \
-            not bool(torch.isfinite(local).all()):
+    if finite and not all_finite(local):
         problems.append(f"{key}: non-finite values (NaN/Inf)")
     if notes is not None and dtype.is_floating_point and local.dtype.is_floating_point and \
             local.dtype != dtype:
         notes.append((key, local.dtype, dtype))
     return problems
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite: a floating tensor of any width (8-bit floats
+    upcast: ``isfinite`` is not defined for them everywhere) and a complex one (both parts);
+    integer and bool tensors are. The one finiteness check of every load."""
+    if not (t.dtype.is_floating_point or t.is_complex()) or not t.numel():
+        return True
+    if t.dtype.is_floating_point and t.dtype.itemsize == 1:
+        t = t.float()
+    return bool(torch.isfinite(t).all())
 
 
 def dtype_changes(what: str, notes: Sequence[tuple[str, torch.dtype, torch.dtype]]
@@ -288,11 +302,109 @@ def hparams(group: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def full_entries(sd: Mapping[str, Any]) -> dict[str, Any]:
-    """The load entries of a full dmuon optimizer state dict (its sections copied, its counters
-    as ints, a missing counter 0)."""
-    return {"dedicated": dict(sd["dedicated"]), "fsdp2": dict(sd["fsdp2"]),
-            **{k: int(sd.get(k, 0)) for k in _COUNTERS}, "param_groups": sd.get("param_groups"),
-            "variant_scalars": sd.get("variant_scalars")}
+    """The load entries of a full dmuon optimizer state dict (its sections copied, its counters as
+    given: :func:`load_problems` checks them, :func:`counters` reads them; a missing
+    ``adamw_step`` / ``muon_step`` 0, a missing ``num_steps`` the larger of the two)."""
+    steps = {k: sd.get(k, 0) for k in _COUNTERS[:2]}
+    if "num_steps" in sd:
+        steps["num_steps"] = sd["num_steps"]
+    return {"dedicated": dict(sd["dedicated"]), "fsdp2": dict(sd["fsdp2"]), **steps,
+            "param_groups": sd.get("param_groups"), "variant_scalars": sd.get("variant_scalars")}
+
+
+def _count(v: Any) -> Optional[int]:
+    """``v`` as a step count (an int, an integral float or 0-d tensor, ``>= 0``), else ``None``."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() != 1 or v.is_complex() or v.dtype == torch.bool:
+            return None
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
+        return None
+    return int(v) if v >= 0 else None
+
+
+def counters(entries: Mapping[str, Any]) -> dict[str, int]:
+    """The counters of load ``entries`` as ints (:func:`load_problems` passed): a missing one 0,
+    a missing ``num_steps`` the larger of the other two."""
+    out = {k: _count(entries.get(k, 0)) or 0 for k in _COUNTERS[:2]}
+    out["num_steps"] = _count(entries["num_steps"]) or 0 if "num_steps" in entries else \
+        max(out.values())
+    return out
+
+
+#: a saved param group's storage dtypes and their checks (known names; AdamW's never 8-bit)
+_STORAGE_DTYPES = ("momentum_dtype", "adamw_state_dtype")
+
+
+def load_problems(entries: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], *,
+                  scalars: Optional[int] = None) -> list[str]:
+    """Problems of an optimizer load's counters, storage dtypes and hyper-parameters, found before
+    anything changes (every load path: ``Muon.load_state_dict`` in both formats,
+    ``set_optimizer_state_dict``, torch's DCP route, ``load_sharded``).
+
+    Args:
+      entries: the load entries (:func:`full_entries` / :func:`from_torch_protocol`): counters
+        ``adamw_step``, ``muon_step``, ``num_steps`` (ints >= 0, neither step above
+        ``num_steps``; a tuple: the state entries' ``step`` values, which disagree), the saved
+        ``param_groups`` and ``variant_scalars``.
+      groups: the loading optimizer's param groups (``{"name": ..., hyper-parameters}``): each
+        saved group of the same name, merged over it as a load installs it
+        (:func:`loadable_hparams`), is checked as the constructor checks its options
+        (:func:`~dmuon.functional.muon_options.check_muon_group` /
+        :func:`~dmuon.functional.muon_options.check_adamw_group`).
+      scalars: how many counts the optimizer's chain state holds (``variant_scalars`` must give
+        that many finite numbers); ``None``: not checked.
+    """
+    from dmuon.functional.muon_options import check_adamw_group, check_muon_group
+    from dmuon.functional.state_dtype import check_state_dtype, is_scaled
+
+    problems = []
+    for k in _COUNTERS:
+        v = entries.get(k, 0)
+        if isinstance(v, tuple):
+            problems.append(f"{k}: the state entries' 'step' values disagree: {list(v)[:4]} "
+                            "(one optimizer's entries share one count)")
+        elif _count(v) is None:
+            problems.append(f"{k}: {v!r} is not a step count (an int >= 0)")
+    if not problems:
+        c = counters(entries)
+        problems += [f"{k} = {c[k]} exceeds num_steps = {c['num_steps']} (a step count above "
+                     "the optimizer's steps)" for k in _COUNTERS[:2] if c[k] > c["num_steps"]]
+    saved = entries.get("param_groups") or []
+    if not isinstance(saved, Sequence) or not all(isinstance(g, Mapping) for g in saved):
+        return problems + [f"param_groups: expected a list of dicts, got {type(saved).__name__}"]
+    by_name = {g.get("name"): g for g in saved}
+    for g in groups:
+        theirs = by_name.get(g.get("name"))
+        if theirs is None:
+            continue
+        where = f"param_groups[{g.get('name')!r}]"
+        for k in _STORAGE_DTYPES:
+            if k in theirs:
+                try:
+                    d = check_state_dtype(theirs[k], k)
+                    if k == "adamw_state_dtype" and is_scaled(d):
+                        raise ValueError(f"{k} {d} is not one AdamW's moments are stored in")
+                except ValueError as e:
+                    problems.append(f"{where}: {e}")
+        merged = {**hparams(g), **loadable_hparams(theirs)}
+        check = {"muon": check_muon_group, "adamw": check_adamw_group}.get(g.get("name"))
+        try:
+            if check is not None:
+                check(merged)
+        except (TypeError, ValueError) as e:
+            problems.append(f"{where}: {e}")
+    vs = entries.get("variant_scalars")
+    if scalars is not None and vs is not None:
+        ok = isinstance(vs, Sequence) and len(vs) == scalars and all(
+            not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
+            for x in vs)
+        if not ok:
+            problems.append(f"variant_scalars: {vs!r} is not {scalars} finite numbers (the "
+                            "counts of this optimizer's transform state)")
+    return problems
 
 
 def full_dict_problems(sd: Any) -> list[str]:
@@ -353,18 +465,31 @@ def from_torch_protocol(sd: Any, names: Sequence[str],
                 by_index[i] = names[flat]
             flat += 1
     sections: dict[str, dict[str, Any]] = {"dedicated": {}, "fsdp2": {}}
-    steps = {"muon_step": 0, "adamw_step": 0}
+    seen: dict[str, list[Any]] = {"muon_step": [], "adamw_step": []}
     for i, s in st.items():
         n = by_index.get(i, i if isinstance(i, str) else None)
         if n is None or not isinstance(s, Mapping):
             continue
         section, step = ("dedicated", "muon_step") if n in dedicated else ("fsdp2", "adamw_step")
         sections[section][n] = {k: v for k, v in s.items() if k != "step"}
-        steps[step] = int(float(s.get("step", 0)))
-    return {**sections, **steps,
-            "num_steps": int(groups[0].get("num_steps", steps["muon_step"])) if groups else 0,
-            "param_groups": [hparams(g) for g in groups],
+        seen[step].append(s.get("step", 0))
+    steps = {k: _one_step(v) for k, v in seen.items()}
+    if groups and "num_steps" in groups[0]:
+        steps["num_steps"] = groups[0]["num_steps"]
+    return {**sections, **steps, "param_groups": [hparams(g) for g in groups],
             "variant_scalars": groups[0].get("variant_scalars") if groups else None}
+
+
+def _one_step(values: Sequence[Any]) -> Any:
+    """The one ``step`` of a section's state entries (0 for none), or the tuple of their
+    distinct values when they disagree (:func:`load_problems` names it)."""
+    distinct: list[Any] = []
+    for v in values:
+        key = v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+        if not any(key == d or (isinstance(key, float) and isinstance(d, float) and key != key
+                                and d != d) for d in distinct):
+            distinct.append(key)
+    return 0 if not distinct else distinct[0] if len(distinct) == 1 else tuple(distinct)
 
 
 def field_problems(name: str, entry: Any, fields: Sequence[str]) -> list[str]:
