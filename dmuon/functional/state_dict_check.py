@@ -64,6 +64,9 @@ __all__ = [
     "all_finite",
     "counters",
     "load_problems",
+    "live_nonfinite",
+    "written_problems",
+    "what_changed",
 ]
 
 #: AdamW's moments in a state entry
@@ -213,6 +216,42 @@ def all_finite(t: torch.Tensor) -> bool:
     if t.dtype.is_floating_point and t.dtype.itemsize == 1:
         t = t.float()
     return bool(torch.isfinite(t).all())
+
+
+def live_nonfinite(values: Mapping[str, Any], live: Iterable[torch.Tensor]) -> list[str]:
+    """The keys of ``values`` that are the ``live`` tensors themselves (or views of their storage;
+    a DTensor by its local piece) and hold non-finite values: something wrote them in place
+    before the load saw them — torch's ``dcp.load`` into ``model.state_dict()`` (FSDP2's params)
+    or ``opt.state_dict()`` (AdamW's moments), which are views of the live state."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    ptrs = {local(t).untyped_storage().data_ptr() for t in live if local(t).numel()}
+    return [k for k, v in values.items() if isinstance(v, torch.Tensor) and local(v).numel()
+            and local(v).untyped_storage().data_ptr() in ptrs and not all_finite(local(v))]
+
+
+#: the problem line of a load whose values were written into the live state before it ran
+ALREADY_WRITTEN = ("torch.distributed.checkpoint.load (dcp.load) already wrote these values into "
+                   "the live tensors before this call: model.state_dict() and opt.state_dict() "
+                   "hold FSDP2's params and AdamW's moments as views of the live state, which "
+                   "dcp.load fills in place")
+
+
+def written_problems(keys: Sequence[str]) -> list[str]:
+    """``[]``, or the one :data:`ALREADY_WRITTEN` line naming ``keys`` (:func:`live_nonfinite`)."""
+    return [f"{ALREADY_WRITTEN} ({len(keys)}, e.g. {list(keys)[:3]})"] if keys else []
+
+
+def what_changed(detail: str) -> str:
+    """The sentence of a refused load's error that says what changed, from the agreed ``detail``:
+    nothing, or (:data:`ALREADY_WRITTEN` in it) the live values ``dcp.load`` wrote."""
+    if ALREADY_WRITTEN not in detail:
+        return "Nothing was changed on any rank."
+    return ("This call changed nothing else, but those live params / moments hold what dcp.load "
+            "wrote (non-finite values included): do not step; load a good checkpoint the same "
+            "way (dcp.load, then load_state_dict) before training on. dmuon.save_sharded / "
+            "load_sharded checkpoints are checked before anything is written.")
 
 
 def dtype_changes(what: str, notes: Sequence[tuple[str, torch.dtype, torch.dtype]]
@@ -511,7 +550,8 @@ def optimizer_state_problems(dedicated: Mapping[str, Any], fsdp2: Mapping[str, A
                              adamw: Mapping[str, tuple[Shape, Shape, torch.dtype]],
                              finite: bool = True,
                              layout: Callable[[Any], Optional[str]] = lambda v: None,
-                             notes: Optional[list] = None) -> list[str]:
+                             notes: Optional[list] = None,
+                             live: Optional[AdamWState] = None) -> list[str]:
     """Problems of an optimizer state's sections (the full format's) for one optimizer: unknown
     names, a dedicated entry's missing or foreign fields (:func:`field_problems`), each value
     (:func:`value_problems`), names missing from a non-empty section (an empty one: the state
@@ -524,8 +564,15 @@ def optimizer_state_problems(dedicated: Mapping[str, Any], fsdp2: Mapping[str, A
         checked against the full shape unless it is a plain tensor of another (this rank's piece).
       layout: ``layout(value)``: a dedicated value's layout problem (a DTensor's), or ``None``.
       finite, notes: as for :func:`value_problems`.
+      live: the optimizer's AdamW state: moments that are its own tensors (``opt.state_dict()``
+        hands views of them) and hold non-finite values were written before the load
+        (:func:`written_problems`, first; with ``finite``).
     """
     problems: list[str] = []
+    if finite and live is not None:
+        problems += written_problems(live_nonfinite(
+            {f"fsdp2[{n!r}][{k!r}]": s.get(k) for n, s in fsdp2.items()
+             if isinstance(s, Mapping) for k in MOMENTS}, [*live.mu.values(), *live.nu.values()]))
     for n, s in dedicated.items():
         if n not in matrices:
             problems.append(f"dedicated[{n!r}]: no such dedicated matrix")

@@ -133,7 +133,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
                           for k in keys + ["master"]} for n in rt.params},
             adamw={n: (tuple(p.shape), tuple(local_tensor(p).shape), p.dtype)
                    for n, p in optimizer.adamw_named_params},
-            layout=lambda v: layout_problem(v, rt)) + load_problems(
+            layout=lambda v: layout_problem(v, rt), live=optimizer.adamw_state) + load_problems(
             entries, optimizer.param_groups, scalars=len(owner.scalars()) if owner.custom else None)
         log_narrowing(notes)
     agree(rt, problems, what, fix=OPTIMIZER_LOAD_FIX)
