@@ -152,7 +152,13 @@ def _log_lines():
 
 
 # ---------------------------------------------------------------------------------- the worker
-def _loads(rank: int, world: int, tmp: str) -> dict:
+#: the default tier's subset (the slow tier runs every case through every route)
+_FAST_CASES = ("complex_momentum", "adamw_step_-1", "lr_nan", "momentum_dtype")
+_FAST_ROUTES = ("torch", "muon_full", "set_rank0")
+
+
+def _loads(rank: int, world: int, tmp: str, every: bool = False) -> dict:
+    """The load cases on one model (``every``: every case, route and dtype; else a subset)."""
     import time
     t0 = time.perf_counter()
     import torch.distributed.checkpoint as dcp
@@ -161,18 +167,20 @@ def _loads(rank: int, world: int, tmp: str) -> dict:
 
     import dmuon
     model, opt, _ = _build(rank, world, steps=2)
-    out: dict = {}
+    out: dict = {"t_build": time.perf_counter() - t0}
     # 1. complex NaN into the model: an FSDP2 param and a dedicated matrix, both model routes
     full = dmuon.get_model_state_dict(model)
     fsdp_key = next(k for k in full if full[k].ndim == 1)
     ded_key = next(k for k in full if "proj" in k)
     for key in (fsdp_key, ded_key):
         bad = {**full, key: _complex_nan(full[key])}
-        out[f"model_set_{key}"] = _outcome(model, opt,
-                                           lambda: dmuon.set_model_state_dict(model, bad))
-        out[f"model_torch_{key}"] = _outcome(model, opt, lambda: model.load_state_dict(bad))
+        if every or key == ded_key:
+            out[f"model_set_{key}"] = _outcome(model, opt,
+                                               lambda: dmuon.set_model_state_dict(model, bad))
+        if every or key == fsdp_key:
+            out[f"model_torch_{key}"] = _outcome(model, opt, lambda: model.load_state_dict(bad))
     # fp8 / fp16 values with NaN / Inf (fp8 has no isfinite of its own in older torch)
-    for dt in (torch.float16, torch.bfloat16, torch.float8_e5m2):
+    for dt in (torch.float16, torch.bfloat16, torch.float8_e5m2) if every else (torch.float8_e5m2,):
         bad = {**full, fsdp_key: full[fsdp_key].to(dt)}
         bad[fsdp_key].view(-1)[0] = float("inf")
         out[f"model_set_{dt}"] = _outcome(model, opt,
@@ -180,9 +188,12 @@ def _loads(rank: int, world: int, tmp: str) -> dict:
     out["t_model"] = time.perf_counter() - t0
     # 2. optimizer loads: every case through each route
     for name, (torch_change, full_change) in _cases().items():
+        if not every and name not in _FAST_CASES:
+            continue
         out[f"torch_{name}"] = _outcome(model, opt, lambda: opt.load_state_dict(
             _torch_protocol(opt, torch_change)))
-        for route in ("muon_full", "set_full", "set_rank0"):
+        for route in ("muon_full", "set_full", "set_rank0") if every else ("muon_full",
+                                                                           "set_rank0"):
             sd = dmuon.get_optimizer_state_dict(model, opt)
             full_change(sd)
             fn = {"muon_full": lambda: opt.load_state_dict(sd),
@@ -190,9 +201,10 @@ def _loads(rank: int, world: int, tmp: str) -> dict:
                   "set_rank0": lambda: dmuon.set_optimizer_state_dict(
                       model, opt, sd if rank == 0 else None, rank0_only=True)}[route]
             out[f"{route}_{name}"] = _outcome(model, opt, fn)
-        out[f"torch_set_{name}"] = _outcome(model, opt, lambda: torch_set_osd(
-            model, opt, _torch_protocol(opt, torch_change),
-            options=StateDictOptions(full_state_dict=False)))
+        if every:
+            out[f"torch_set_{name}"] = _outcome(model, opt, lambda: torch_set_osd(
+                model, opt, _torch_protocol(opt, torch_change),
+                options=StateDictOptions(full_state_dict=False)))
     # a good load still loads (the round trip through each route)
     out["good_torch"] = _outcome(model, opt, lambda: opt.load_state_dict(opt.state_dict()))
     out["good_full"] = _outcome(model, opt, lambda: opt.load_state_dict(
@@ -205,18 +217,21 @@ def _loads(rank: int, world: int, tmp: str) -> dict:
                "lr_nan": (g0, "lr", float("nan")), "momentum_7": (g0, "momentum", 7.0),
                "ns_steps_2000": (g0, "ns_steps", 2000), "adamw_lr_nan": (g1, "lr", float("nan"))}
     for name, (g, key, value) in crafted.items():
+        if not every and name != "momentum_dtype":
+            continue
         old = g[key]
         g[key] = value
         dmuon.save_sharded(f"{path}-{name}", model, opt)
         g[key] = old
         out[f"sharded_{name}"] = _outcome(model, opt,
                                           lambda: dmuon.load_sharded(f"{path}-{name}", model, opt))
-    st = opt.adamw_state
-    opt.adamw_state = st._replace(step=torch.tensor(-1.0, dtype=torch.float64))
-    dmuon.save_sharded(f"{path}-step", model, opt)
-    opt.adamw_state = st
-    out["sharded_adamw_step_-1"] = _outcome(model, opt,
-                                            lambda: dmuon.load_sharded(f"{path}-step", model, opt))
+    if every:
+        st = opt.adamw_state
+        opt.adamw_state = st._replace(step=torch.tensor(-1.0, dtype=torch.float64))
+        dmuon.save_sharded(f"{path}-step", model, opt)
+        opt.adamw_state = st
+        out["sharded_adamw_step_-1"] = _outcome(
+            model, opt, lambda: dmuon.load_sharded(f"{path}-step", model, opt))
     out["t_sharded"] = time.perf_counter() - t0
     # 3. torch's own DCP route: dcp.load writes into the live FSDP2 params / AdamW moments
     from torch.distributed.tensor import DTensor
@@ -246,7 +261,8 @@ def _peers(rank: int, world: int, tmp: str) -> dict:
     t0 = time.perf_counter()
     model, _, _ = _build(rank, world, steps=0)
     # peer (b): a restored momentum keeps its saved values, or is converted with a note
-    out = {"momentum_dtype": _momentum_dtypes(rank, world, tmp, model)}
+    out = {"loads": _loads(rank, world, f"{tmp}/every", every=True),
+           "momentum_dtype": _momentum_dtypes(rank, world, tmp, model)}
     # peer (a): a resume starts from the loaded weights on every rank, Z3 and Z2
     for z3 in (True, False):
         out[f"resume_z3={z3}"] = _resume(rank, world, tmp, z3)
@@ -358,48 +374,120 @@ def test_value_problems_checks_complex_and_every_float_dtype():
     assert value_problems("b", inf, (2,), torch.float64) == ["b: non-finite values (NaN/Inf)"]
 
 
-def test_complex_and_narrow_nonfinite_model_values_are_refused_unchanged(tmp_path_factory):
-    res = results(2, "loads", tmp_path_factory)
-    for key in [k for k in res[0] if k.startswith("model_")]:
+def _groups():
+    from stateful_harness import HP
+    from dmuon.functional.muon import MuonHParams
+    muon = dict(name="muon", lr=HP["lr"], momentum=HP["momentum"], nesterov=True,
+                weight_decay=HP["weight_decay"], ns_steps=5, momentum_dtype="torch.float32")
+    muon = {k: muon.get(k, MuonHParams._field_defaults.get(k)) for k in
+            ("name", "momentum_dtype", *MuonHParams._fields)}
+    adamw = dict(name="adamw", lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0,
+                 adamw_state_dtype="torch.float32")
+    return [muon, adamw]
+
+
+def test_load_problems_names_every_bad_counter_dtype_and_hparam():
+    """The pure check every load path calls (fast; the multi-rank tests above run it through
+    each route): the constructor's own checks of the saved groups, counters, storage dtypes."""
+    from dmuon.functional.state_dict_check import counters, load_problems
+    mine = _groups()
+    ok = {"adamw_step": 3, "muon_step": 3, "num_steps": 3, "param_groups": _groups()}
+    assert load_problems(ok, mine) == []
+    assert counters({"adamw_step": torch.tensor(3.0), "muon_step": 2}) == \
+        {"adamw_step": 3, "muon_step": 2, "num_steps": 3}  # num_steps missing: the larger
+    bad = {"adamw_step": -1, "muon_step": 2.5, "num_steps": "3"}
+    got = load_problems({**ok, **bad}, mine)
+    assert [p.split(":")[0] for p in got] == ["adamw_step", "muon_step", "num_steps"], got
+    assert load_problems({**ok, "muon_step": 4}, mine) == \
+        ["muon_step = 4 exceeds num_steps = 3 (a step count above the optimizer's steps)"]
+    assert "disagree" in load_problems({**ok, "adamw_step": (3.0, 5.0)}, mine)[0]
+    for i, key, value, needle in ((0, "lr", float("nan"), "lr"), (0, "lr", "0.02", "lr"),
+                                  (0, "momentum", 7.0, "momentum"),
+                                  (0, "ns_steps", 2000, "ns_steps"),
+                                  (0, "momentum_dtype", "torch.int8", "momentum_dtype"),
+                                  (1, "lr", float("inf"), "lr"), (1, "betas", (0.9, 2.0), "betas"),
+                                  (1, "eps", "x", "eps"),
+                                  (1, "adamw_state_dtype", "torch.float8_e4m3fn", "adamw_state")):
+        groups = _groups()
+        groups[i][key] = value
+        got = load_problems({**ok, "param_groups": groups}, mine)
+        assert len(got) == 1 and needle in got[0] and got[0].startswith("param_groups["), \
+            (key, value, got)
+    assert "variant_scalars" in load_problems({**ok, "variant_scalars": [1.0]}, mine,
+                                              scalars=2)[0]
+
+
+def test_the_constructor_bounds_ns_steps_as_loads_do():
+    from dmuon.functional import muon_options
+    from dmuon.functional.muon import MAX_NS_STEPS
+    group = _groups()[0]
+    muon_options.check_muon_group({**group, "ns_steps": MAX_NS_STEPS})
+    with pytest.raises(ValueError, match="ns_steps must be an int in"):
+        muon_options.check_muon_group({**group, "ns_steps": MAX_NS_STEPS + 1})
+
+
+def test_live_nonfinite_finds_values_written_into_live_tensors():
+    from dmuon.functional.state_dict_check import (ALREADY_WRITTEN, live_nonfinite,
+                                                   what_changed, written_problems)
+    live = torch.zeros(4, dtype=torch.float64)
+    live[1] = float("nan")
+    copy = live.clone()
+    assert live_nonfinite({"view": live[1:], "copy": copy, "same": live}, [live]) == \
+        ["view", "same"]
+    assert live_nonfinite({"ok": torch.zeros(2)}, [torch.zeros(2)]) == []
+    assert written_problems([]) == []
+    line = written_problems(["w"])[0]
+    assert ALREADY_WRITTEN in line and "Nothing was changed" not in what_changed(line)
+    assert what_changed("w: non-finite values (NaN/Inf)") == "Nothing was changed on any rank."
+
+
+def _check_model(res):
+    keys = [k for k in res[0] if k.startswith("model_")]
+    assert len(keys) >= 3, keys
+    for key in keys:
         for rank, (kind, msg, changed) in enumerate(_every_rank(res, key)):
-            assert kind in ("StateDictError", "ValueError") and "non-finite" in msg, \
-                (key, rank, kind, msg)
+            assert kind == "StateDictError" and "non-finite" in msg, (key, rank, kind, msg)
             assert "Nothing was changed" in msg and not changed, (key, rank)
 
 
 _ROUTES = ("torch", "muon_full", "set_full", "set_rank0", "torch_set")
 
 
-def test_complex_nonfinite_optimizer_values_are_refused_unchanged(tmp_path_factory):
-    res = results(2, "loads", tmp_path_factory)
+def _routes(res, name):
+    """The routes ``res`` tried for case ``name`` (the default tier's subset, or every one)."""
+    got = [r for r in _ROUTES if f"{r}_{name}" in res[0]]
+    assert len(got) >= 3, (name, got)
+    return got
+
+
+def _check_complex_optimizer(res):
     for name in ("complex_momentum", "complex_moment"):
-        for route in _ROUTES:
+        for route in _routes(res, name) if f"torch_{name}" in res[0] else ():
             for rank, (kind, msg, changed) in enumerate(_every_rank(res, f"{route}_{name}")):
                 assert kind == "StateDictError" and "non-finite" in msg, (route, name, rank, msg)
                 assert "Nothing was changed" in msg and not changed, (route, name, rank)
 
 
-def test_counters_dtypes_and_hparams_are_checked_before_anything_changes(tmp_path_factory):
-    res = results(2, "loads", tmp_path_factory)
+def _check_scalars(res):
     want = {"adamw_step_-1": "adamw_step", "lr_nan": "lr", "lr_str": "lr",
             "momentum_7": "momentum", "ns_steps_2000": "ns_steps",
             "momentum_dtype": "momentum_dtype", "adamw_lr_nan": "lr",
             "steps_disagree": "step"}
+    assert "sharded_momentum_dtype" in res[0]
     for name, needle in want.items():
-        for route in _ROUTES:
+        for route in _routes(res, name) if f"torch_{name}" in res[0] else ():
             for rank, (kind, msg, changed) in enumerate(_every_rank(res, f"{route}_{name}")):
                 assert kind == "StateDictError" and needle in msg, (route, name, rank, kind, msg)
                 assert "Nothing was changed" in msg and not changed, (route, name, rank, msg)
         if f"sharded_{name}" in res[0]:
             for rank, (kind, msg, changed) in enumerate(_every_rank(res, f"sharded_{name}")):
                 assert kind == "CheckpointError" and needle in msg, (name, rank, kind, msg)
-                assert not changed, (name, rank, msg)
+                assert "Nothing was changed" in msg and not changed, (name, rank, msg)
     for key in ("good_torch", "good_full"):
         assert _every_rank(res, key) == [(None, None, False)] * 2
 
 
-def test_dcp_load_into_live_state_dicts_is_reported_truthfully(tmp_path_factory):
-    res = results(2, "loads", tmp_path_factory)
+def _check_dcp(res):
     for what in ("model", "optim"):
         outs = _every_rank(res, f"dcp_{what}")
         assert all(kind == "StateDictError" for kind, _, _ in outs), outs
@@ -407,6 +495,22 @@ def test_dcp_load_into_live_state_dicts_is_reported_truthfully(tmp_path_factory)
         for kind, msg, changed in outs:
             assert "Nothing was changed" not in msg, msg
             assert "dcp.load" in msg and "already" in msg, msg
+
+
+def test_complex_and_narrow_nonfinite_model_values_are_refused_unchanged(tmp_path_factory):
+    _check_model(results(2, "loads", tmp_path_factory))
+
+
+def test_complex_nonfinite_optimizer_values_are_refused_unchanged(tmp_path_factory):
+    _check_complex_optimizer(results(2, "loads", tmp_path_factory))
+
+
+def test_counters_dtypes_and_hparams_are_checked_before_anything_changes(tmp_path_factory):
+    _check_scalars(results(2, "loads", tmp_path_factory))
+
+
+def test_dcp_load_into_live_state_dicts_is_reported_truthfully(tmp_path_factory):
+    _check_dcp(results(2, "loads", tmp_path_factory))
 
 
 def test_readme_says_what_dcp_load_into_live_state_dicts_does():
@@ -426,7 +530,14 @@ def _peer_results(tmp_path_factory) -> list:
     return _PEERS["res"]
 
 
-@pytest.mark.slow  # ~30 s: 8 optimizers and 8 models built on 2 ranks
+@pytest.mark.slow  # ~60 s on 2 ranks: every case through every route (the default tier: a subset)
+def test_every_load_case_through_every_route(tmp_path_factory):
+    res = [r["loads"] for r in _peer_results(tmp_path_factory)]
+    for check in (_check_model, _check_complex_optimizer, _check_scalars, _check_dcp):
+        check(res)
+
+
+@pytest.mark.slow  # shares the spawn above (8 optimizers and 8 models built on 2 ranks)
 def test_restored_momentum_keeps_its_dtype_or_is_converted_with_a_note(tmp_path_factory):
     """DeepSpeed #8433's class: fails when a load converts the momentum without its logged note
     (``state_storage.note_conversion``) or converts it inexactly."""
