@@ -158,8 +158,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         saved = (by_name.get("adamw") or {}).get("adamw_state_dtype") if fsdp else \
             str(optimizer._adamw_storage.dtype)
         st = optimizer._adamw_storage.load(st, saved, what)
-    optimizer.adamw_state = st._replace(step=as_step(steps["adamw_step"])) \
-        if st is not None else None
+    optimizer.adamw_state = st and st._replace(step=as_step(steps["adamw_step"]))
     optimizer.num_steps = steps["num_steps"]
     saved = (by_name.get("muon") or {}).get("momentum_dtype") if ded else \
         str(optimizer._storage.dtype)  # the momentum field's (a note if it differs)

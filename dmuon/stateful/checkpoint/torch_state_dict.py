@@ -241,8 +241,7 @@ class _Hooks:
         refuse_tp(st, "model.load_state_dict(sd) (use dmuon.set_model_state_dict)")
         st.join("model.load_state_dict(sd)", always=True)
         st.finish_meta_init("model.load_state_dict(sd)")
-        problems, written, notes, absent = [], [], [], []
-        staged: dict[str, Any] = {}
+        problems, written, notes, absent, staged = [], [], [], [], {}
         for k, n in self.keys.items():
             key = prefix + k
             if key not in state_dict:
