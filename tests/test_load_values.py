@@ -389,7 +389,7 @@ def _groups():
 def test_load_problems_names_every_bad_counter_dtype_and_hparam():
     """The pure check every load path calls (fast; the multi-rank tests above run it through
     each route): the constructor's own checks of the saved groups, counters, storage dtypes."""
-    from dmuon.functional.state_dict_check import counters, load_problems
+    from dmuon.functional.load_scalars import counters, load_problems
     mine = _groups()
     ok = {"adamw_step": 3, "muon_step": 3, "num_steps": 3, "param_groups": _groups()}
     assert load_problems(ok, mine) == []

@@ -58,7 +58,8 @@ from dmuon.checkpoint.files import (CheckpointError, agree_errors, complete_or_r
 from dmuon.checkpoint.save_safety import (agree_failure, discard_partial, run_step, sweep_partials,
                                           target_problems)
 from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
-from dmuon.functional.state_dict_check import all_finite, check_state_dict, load_problems
+from dmuon.functional.load_scalars import load_problems
+from dmuon.functional.state_dict_check import all_finite, check_state_dict
 from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.stateful.checkpoint.torch_state_dict import log_dtype_changes
 from dmuon.stateful.checkpoint.optimizer_state_dict import (

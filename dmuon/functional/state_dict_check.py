@@ -34,7 +34,6 @@ The optimizer format (every tensor full, keyed by fully-qualified parameter name
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Collection, Iterable, Mapping, NamedTuple, Optional, Sequence
 
 import torch
@@ -62,8 +61,6 @@ __all__ = [
     "optimizer_state_problems",
     "loadable_hparams",
     "all_finite",
-    "counters",
-    "load_problems",
     "live_nonfinite",
     "written_problems",
     "what_changed",
@@ -71,8 +68,8 @@ __all__ = [
 
 #: AdamW's moments in a state entry
 MOMENTS = ("exp_avg", "exp_avg_sq")
-#: the full format's counters
-_COUNTERS = ("adamw_step", "muon_step", "num_steps")
+#: the full format's counters (checked by :mod:`dmuon.functional.load_scalars`)
+COUNTERS = ("adamw_step", "muon_step", "num_steps")
 
 Shape = tuple[int, ...]
 
@@ -342,108 +339,13 @@ def hparams(group: Mapping[str, Any]) -> dict[str, Any]:
 
 def full_entries(sd: Mapping[str, Any]) -> dict[str, Any]:
     """The load entries of a full dmuon optimizer state dict (its sections copied, its counters as
-    given: :func:`load_problems` checks them, :func:`counters` reads them; a missing
-    ``adamw_step`` / ``muon_step`` 0, a missing ``num_steps`` the larger of the two)."""
-    steps = {k: sd.get(k, 0) for k in _COUNTERS[:2]}
+    given: :mod:`dmuon.functional.load_scalars` checks and reads them; a missing ``adamw_step`` /
+    ``muon_step`` 0, a missing ``num_steps`` the larger of the two)."""
+    steps = {k: sd.get(k, 0) for k in COUNTERS[:2]}
     if "num_steps" in sd:
         steps["num_steps"] = sd["num_steps"]
     return {"dedicated": dict(sd["dedicated"]), "fsdp2": dict(sd["fsdp2"]), **steps,
             "param_groups": sd.get("param_groups"), "variant_scalars": sd.get("variant_scalars")}
-
-
-def _count(v: Any) -> Optional[int]:
-    """``v`` as a step count (an int, an integral float or 0-d tensor, ``>= 0``), else ``None``."""
-    if isinstance(v, torch.Tensor):
-        if v.numel() != 1 or v.is_complex() or v.dtype == torch.bool:
-            return None
-        v = v.item()
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return None
-    if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
-        return None
-    return int(v) if v >= 0 else None
-
-
-def counters(entries: Mapping[str, Any]) -> dict[str, int]:
-    """The counters of load ``entries`` as ints (:func:`load_problems` passed): a missing one 0,
-    a missing ``num_steps`` the larger of the other two."""
-    out = {k: _count(entries.get(k, 0)) or 0 for k in _COUNTERS[:2]}
-    out["num_steps"] = _count(entries["num_steps"]) or 0 if "num_steps" in entries else \
-        max(out.values())
-    return out
-
-
-#: a saved param group's storage dtypes and their checks (known names; AdamW's never 8-bit)
-_STORAGE_DTYPES = ("momentum_dtype", "adamw_state_dtype")
-
-
-def load_problems(entries: Mapping[str, Any], groups: Sequence[Mapping[str, Any]], *,
-                  scalars: Optional[int] = None) -> list[str]:
-    """Problems of an optimizer load's counters, storage dtypes and hyper-parameters, found before
-    anything changes (every load path: ``Muon.load_state_dict`` in both formats,
-    ``set_optimizer_state_dict``, torch's DCP route, ``load_sharded``).
-
-    Args:
-      entries: the load entries (:func:`full_entries` / :func:`from_torch_protocol`): counters
-        ``adamw_step``, ``muon_step``, ``num_steps`` (ints >= 0, neither step above
-        ``num_steps``; a tuple: the state entries' ``step`` values, which disagree), the saved
-        ``param_groups`` and ``variant_scalars``.
-      groups: the loading optimizer's param groups (``{"name": ..., hyper-parameters}``): each
-        saved group of the same name, merged over it as a load installs it
-        (:func:`loadable_hparams`), is checked as the constructor checks its options
-        (:func:`~dmuon.functional.muon_options.check_muon_group` /
-        :func:`~dmuon.functional.muon_options.check_adamw_group`).
-      scalars: how many counts the optimizer's chain state holds (``variant_scalars`` must give
-        that many finite numbers); ``None``: not checked.
-    """
-    from dmuon.functional.muon_options import check_adamw_group, check_muon_group
-    from dmuon.functional.state_dtype import check_state_dtype, is_scaled
-
-    problems = []
-    for k in _COUNTERS:
-        v = entries.get(k, 0)
-        if isinstance(v, tuple):
-            problems.append(f"{k}: the state entries' 'step' values disagree: {list(v)[:4]} "
-                            "(one optimizer's entries share one count)")
-        elif _count(v) is None:
-            problems.append(f"{k}: {v!r} is not a step count (an int >= 0)")
-    if not problems:
-        c = counters(entries)
-        problems += [f"{k} = {c[k]} exceeds num_steps = {c['num_steps']} (a step count above "
-                     "the optimizer's steps)" for k in _COUNTERS[:2] if c[k] > c["num_steps"]]
-    saved = entries.get("param_groups") or []
-    if not isinstance(saved, Sequence) or not all(isinstance(g, Mapping) for g in saved):
-        return problems + [f"param_groups: expected a list of dicts, got {type(saved).__name__}"]
-    by_name = {g.get("name"): g for g in saved}
-    for g in groups:
-        theirs = by_name.get(g.get("name"))
-        if theirs is None:
-            continue
-        where = f"param_groups[{g.get('name')!r}]"
-        for k in _STORAGE_DTYPES:
-            if k in theirs:
-                try:
-                    d = check_state_dtype(theirs[k], k)
-                    if k == "adamw_state_dtype" and is_scaled(d):
-                        raise ValueError(f"{k} {d} is not one AdamW's moments are stored in")
-                except ValueError as e:
-                    problems.append(f"{where}: {e}")
-        merged = {**hparams(g), **loadable_hparams(theirs)}
-        check = {"muon": check_muon_group, "adamw": check_adamw_group}.get(g.get("name"))
-        try:
-            if check is not None:
-                check(merged)
-        except (TypeError, ValueError) as e:
-            problems.append(f"{where}: {e}")
-    vs = entries.get("variant_scalars")
-    if scalars is not None and vs is not None:
-        ok = isinstance(vs, Sequence) and len(vs) == scalars and all(
-            not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x)
-            for x in vs)
-        if not ok:
-            problems.append(f"variant_scalars: {vs!r} is not {scalars} finite numbers (the "
-                            "counts of this optimizer's transform state)")
-    return problems
 
 
 def full_dict_problems(sd: Any) -> list[str]:
@@ -521,7 +423,7 @@ def from_torch_protocol(sd: Any, names: Sequence[str],
 
 def _one_step(values: Sequence[Any]) -> Any:
     """The one ``step`` of a section's state entries (0 for none), or the tuple of their
-    distinct values when they disagree (:func:`load_problems` names it)."""
+    distinct values when they disagree (``load_scalars.load_problems`` names it)."""
     distinct: list[Any] = []
     for v in values:
         key = v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v

@@ -15,10 +15,10 @@ import torch.nn as nn
 from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.stages.hparams import as_step
+from dmuon.functional.load_scalars import counters, load_problems
 from dmuon.functional.state_dict_check import (
-    MOMENTS as _MOMENTS, counters, from_torch_protocol, full_dict_problems, full_dict_structure,
-    full_entries, hparams, load_problems, loadable_hparams, optimizer_state_problems,
-    to_torch_protocol)
+    MOMENTS as _MOMENTS, from_torch_protocol, full_dict_problems, full_dict_structure,
+    full_entries, hparams, loadable_hparams, optimizer_state_problems, to_torch_protocol)
 from dmuon.stateful.runtime.state import get_state, local_tensor
 from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
 from dmuon.stateful.checkpoint.torch_state_dict import (OPTIMIZER_LOAD_FIX, StateDictError, agree,
