@@ -29,11 +29,13 @@ def _worker(rank: int, world: int, tmp: str) -> dict:
     import test_checkpoint_failures
     import test_checkpoint_trust
     import test_heap_soak
+    import test_load_values
     import test_rebuild_loop
     out = {"rebuild": _part(test_rebuild_loop._rebuild_loop, rank, world)}
     if world > 1:
         for name, fn in (("trust", test_checkpoint_trust._trust_worker),
-                         ("failures", test_checkpoint_failures._failures)):
+                         ("failures", test_checkpoint_failures._failures),
+                         ("loads", test_load_values._loads)):
             os.makedirs(f"{tmp}/{name}", exist_ok=True)
             out[name] = _part(fn, rank, world, f"{tmp}/{name}")
         out["heap"] = _part(test_heap_soak._short_soak, rank, world)

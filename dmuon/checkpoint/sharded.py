@@ -58,7 +58,8 @@ from dmuon.checkpoint.files import (CheckpointError, agree_errors, complete_or_r
 from dmuon.checkpoint.save_safety import (agree_failure, discard_partial, run_step, sweep_partials,
                                           target_problems)
 from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
-from dmuon.functional.state_dict_check import check_state_dict
+from dmuon.functional.load_scalars import load_problems
+from dmuon.functional.state_dict_check import all_finite, check_state_dict
 from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.stateful.checkpoint.torch_state_dict import log_dtype_changes
 from dmuon.stateful.checkpoint.optimizer_state_dict import (
@@ -323,7 +324,7 @@ def _nonfinite(tree: Any, prefix: str = "") -> list[str]:
             out += _nonfinite(v, f"{prefix}{k}.")
     elif isinstance(tree, torch.Tensor):
         t = local_tensor(tree)
-        if t.dtype.is_floating_point and t.numel() and not bool(torch.isfinite(t).all()):
+        if not all_finite(t):
             out.append(f"{prefix[:-1]}: non-finite values (NaN/Inf)")
     return out
 
@@ -422,6 +423,8 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
         raise err
     errors = (_nonfinite(sd["model"], "model.") + (
         _nonfinite(sd["optim"], "optim.") if optimizer is not None else [])) if check_finite else []
+    if optimizer is not None:  # counters, storage dtypes, hyper-parameters (before any install)
+        errors += [f"optim.{p}" for p in load_problems(sd["optim"], optimizer.param_groups)]
     agree_errors(rt, errors, what)
     # install (the first writes to live state)
     if optimizer is not None:
@@ -430,7 +433,7 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
         # of every matrix was read by its new owner, which installs it after
         load_optimizer_state(optimizer, {
             "fsdp2": o["fsdp2"], "dedicated": {}, "param_groups": list(o["param_groups"]),
-            **{k: int(o[k]) for k in ("adamw_step", "muon_step", "num_steps")}},
+            **{k: o[k] for k in ("adamw_step", "muon_step", "num_steps")}},
             what=what, check_finite=False)
         from dmuon.stateful.optimizer.state_storage import install_momentum
         saved = next((g.get("momentum_dtype") for g in o["param_groups"]

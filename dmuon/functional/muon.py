@@ -52,6 +52,7 @@ from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten
 
 __all__ = [
     "LR_SCALE_RULES",
+    "MAX_NS_STEPS",
     "MuonHParams",
     "MuonState",
     "FOREACH_ELEMENTWISE",
@@ -148,6 +149,11 @@ def _real(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
+#: the most Newton–Schulz iterations :func:`validate_hparams` accepts (every step runs them all; a
+#: few more than 5 already orthogonalize to fp32's precision)
+MAX_NS_STEPS = 100
+
+
 def validate_hparams(hparams: MuonHParams) -> None:
     """Raise ``ValueError`` (``TypeError`` for wrong types) when a Muon hyper-parameter is invalid:
     everything :func:`update` would reject later, the coefficient schedule against ``ns_steps``
@@ -164,8 +170,10 @@ def validate_hparams(hparams: MuonHParams) -> None:
     if not isinstance(h.nesterov, bool):
         raise TypeError(f"Muon nesterov must be True or False, got {h.nesterov!r}")
     _hyper("weight_decay", h.weight_decay, "a finite float >= 0")
-    if isinstance(h.ns_steps, bool) or not isinstance(h.ns_steps, int) or h.ns_steps < 1:
-        raise ValueError(f"Muon ns_steps must be an int >= 1, got {h.ns_steps!r}")
+    if isinstance(h.ns_steps, bool) or not isinstance(h.ns_steps, int) or \
+            not 1 <= h.ns_steps <= MAX_NS_STEPS:
+        raise ValueError(f"Muon ns_steps must be an int in [1, {MAX_NS_STEPS}] (5 is usual; each "
+                         f"iteration costs three matmuls per matrix), got {h.ns_steps!r}")
     try:
         ns_coefficient_table(h.ns_coefficients, h.ns_steps)
     except ValueError as e:

@@ -42,7 +42,8 @@ from dmuon.functional.lr_scale import ADJUST_LR_FN, LR_SCALE_RULES
 from dmuon.functional.muon import MuonHParams, validate_hparams
 
 __all__ = ["GROUP_KEYS", "OLD_NAMES", "KNOBS", "ADJUST_LR_FN", "ELEMENTWISE", "NOT_GIVEN",
-           "hparams_of_group", "resolve_torch_names", "check_flag", "check_options", "check_knob",
+           "hparams_of_group", "resolve_torch_names", "check_flag", "check_options",
+           "check_muon_group", "check_adamw_group", "check_knob",
            "momentum_dtype_of"]
 
 #: ``param_groups[0]``'s Muon hyper-parameters: ``MuonHParams``' fields
@@ -128,6 +129,49 @@ def resolve_torch_names(hparams: Mapping[str, Any], **torch_names: Any) -> dict[
     return out
 
 
+def check_muon_group(group: Mapping[str, Any]) -> MuonHParams:
+    """The :class:`MuonHParams` of a Muon param group (``param_groups[0]``'s keys), checked as
+    ``dmuon.Muon(...)`` checks its options: the one check of the constructor and of every load
+    (:func:`dmuon.functional.state_dict_check.load_problems`).
+
+    Raises:
+      TypeError: ``lr``, ``momentum`` or ``weight_decay`` not a float (param groups hold values).
+      ValueError: a value out of range (:func:`~dmuon.functional.muon.validate_hparams`: finite
+        ``lr >= 0``, ``momentum`` in ``[0, 1)``, ``1 <= ns_steps <= MAX_NS_STEPS``, ...), or a key
+        spelled as the constructor's (:func:`hparams_of_group`).
+    """
+    for k in ("lr", "momentum", "weight_decay"):  # param_groups hold values (schedulers set them)
+        v = group.get(k)
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(
+                f"dmuon.Muon: {k} must be a float, got {type(v).__name__}; param_groups hold "
+                "values, which torch.optim.lr_scheduler (or your loop) updates between steps. "
+                "0-d tensors and functions of the step are for the functional API "
+                "(dmuon.functional.muon.MuonHParams, the transforms' stages).")
+    hp = hparams_of_group(group)
+    try:
+        validate_hparams(hp)
+    except ValueError as e:
+        raise ValueError(str(e).replace("Muon ns_eps", "Muon eps (ns_eps)").replace(
+            "Muon lr_scale", "Muon adjust_lr_fn (lr_scale)")) from None
+    return hp
+
+
+def check_adamw_group(group: Mapping[str, Any]) -> Any:
+    """The :class:`~dmuon.functional.adamw.AdamWHParams` of an AdamW param group (``lr``,
+    ``betas``, ``eps``, ``weight_decay``), checked by :func:`dmuon.functional.adamw.validate_hparams`
+    (the constructor's check of ``adamw_*``, and every load's)."""
+    betas = group.get("betas")
+    hp = fadamw.AdamWHParams(lr=group.get("lr"), eps=group.get("eps"),
+                             weight_decay=group.get("weight_decay"),
+                             betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas)
+    try:
+        fadamw.validate_hparams(hp)
+    except TypeError as e:  # a comparison with a non-number
+        raise ValueError(f"AdamW hyper-parameters {hp}: {e}") from None
+    return hp
+
+
 def check_flag(name: str, value: Any) -> bool:
     """``value`` if it is a ``bool``; else ``TypeError`` (``bool("no")`` would silently be True)."""
     if not isinstance(value, bool):
@@ -183,25 +227,12 @@ def check_options(positional: tuple, given: Mapping[str, Any],
     group = resolve_torch_names(
         {k: deprecated.get(k, defaults[k]) if k in OLD_NAMES else given[k] for k in GROUP_KEYS},
         **{n: NOT_GIVEN if given[n] == MUON_DEFAULTS[n] else given[n] for n in OLD_NAMES.values()})
-    for k in ("lr", "momentum", "weight_decay"):  # param_groups hold values (schedulers set them)
-        v = group[k]
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise TypeError(
-                f"dmuon.Muon: {k} must be a float, got {type(v).__name__}; param_groups hold "
-                "values, which torch.optim.lr_scheduler (or your loop) updates between steps. "
-                "0-d tensors and functions of the step are for the functional API "
-                "(dmuon.functional.muon.MuonHParams, the transforms' stages).")
-    hp = hparams_of_group(group)
-    try:
-        validate_hparams(hp)
-    except ValueError as e:
-        raise ValueError(str(e).replace("Muon ns_eps", "Muon eps (ns_eps)").replace(
-            "Muon lr_scale", "Muon adjust_lr_fn (lr_scale)")) from None
+    check_muon_group(group)
     betas = given["adamw_betas"]
     adamw_hp = dict(lr=given["adamw_lr"], eps=given["adamw_eps"],
                     weight_decay=given["adamw_weight_decay"],
                     betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas)
-    fadamw.validate_hparams(fadamw.AdamWHParams(**adamw_hp))
+    check_adamw_group(adamw_hp)
     check_finite = given["check_finite"]
     if not (check_finite == "auto" or isinstance(check_finite, bool)):
         raise ValueError(f"check_finite must be 'auto', True or False, got {check_finite!r}")

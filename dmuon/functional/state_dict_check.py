@@ -60,12 +60,16 @@ __all__ = [
     "field_problems",
     "optimizer_state_problems",
     "loadable_hparams",
+    "all_finite",
+    "live_nonfinite",
+    "written_problems",
+    "what_changed",
 ]
 
 #: AdamW's moments in a state entry
 MOMENTS = ("exp_avg", "exp_avg_sq")
-#: the full format's counters
-_COUNTERS = ("adamw_step", "muon_step", "num_steps")
+#: the full format's counters (checked by :mod:`dmuon.functional.load_scalars`)
+COUNTERS = ("adamw_step", "muon_step", "num_steps")
 
 Shape = tuple[int, ...]
 
@@ -192,13 +196,59 @@ def value_problems(key: str, value: Any, shape: Shape, dtype: torch.dtype, *,
         return [f"{key}: {layout}"]
     local = value.to_local() if hasattr(value, "to_local") else value
     problems = []
-    if finite and local.dtype.is_floating_point and local.numel() and \
-            not bool(torch.isfinite(local).all()):
+    if finite and not all_finite(local):
         problems.append(f"{key}: non-finite values (NaN/Inf)")
     if notes is not None and dtype.is_floating_point and local.dtype.is_floating_point and \
             local.dtype != dtype:
         notes.append((key, local.dtype, dtype))
     return problems
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether every value of ``t`` is finite: a floating tensor of any width (8-bit floats
+    upcast: ``isfinite`` is not defined for them everywhere) and a complex one (both parts);
+    integer and bool tensors are. The one finiteness check of every load."""
+    if not (t.dtype.is_floating_point or t.is_complex()) or not t.numel():
+        return True
+    if t.dtype.is_floating_point and t.dtype.itemsize == 1:
+        t = t.float()
+    return bool(torch.isfinite(t).all())
+
+
+def live_nonfinite(values: Mapping[str, Any], live: Iterable[torch.Tensor]) -> list[str]:
+    """The keys of ``values`` that are the ``live`` tensors themselves (or views of their storage;
+    a DTensor by its local piece) and hold non-finite values: something wrote them in place
+    before the load saw them — torch's ``dcp.load`` into ``model.state_dict()`` (FSDP2's params)
+    or ``opt.state_dict()`` (AdamW's moments), which are views of the live state."""
+    def local(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    ptrs = {local(t).untyped_storage().data_ptr() for t in live if local(t).numel()}
+    return [k for k, v in values.items() if isinstance(v, torch.Tensor) and local(v).numel()
+            and local(v).untyped_storage().data_ptr() in ptrs and not all_finite(local(v))]
+
+
+#: the problem line of a load whose values were written into the live state before it ran
+ALREADY_WRITTEN = ("torch.distributed.checkpoint.load (dcp.load) already wrote these values into "
+                   "the live tensors before this call: model.state_dict() and opt.state_dict() "
+                   "hold FSDP2's params and AdamW's moments as views of the live state, which "
+                   "dcp.load fills in place")
+
+
+def written_problems(keys: Sequence[str]) -> list[str]:
+    """``[]``, or the one :data:`ALREADY_WRITTEN` line naming ``keys`` (:func:`live_nonfinite`)."""
+    return [f"{ALREADY_WRITTEN} ({len(keys)}, e.g. {list(keys)[:3]})"] if keys else []
+
+
+def what_changed(detail: str) -> str:
+    """The sentence of a refused load's error that says what changed, from the agreed ``detail``:
+    nothing, or (:data:`ALREADY_WRITTEN` in it) the live values ``dcp.load`` wrote."""
+    if ALREADY_WRITTEN not in detail:
+        return "Nothing was changed on any rank."
+    return ("This call changed nothing else, but those live params / moments hold what dcp.load "
+            "wrote (non-finite values included): do not step; load a good checkpoint the same "
+            "way (dcp.load, then load_state_dict) before training on. dmuon.save_sharded / "
+            "load_sharded checkpoints are checked before anything is written.")
 
 
 def dtype_changes(what: str, notes: Sequence[tuple[str, torch.dtype, torch.dtype]]
@@ -288,11 +338,14 @@ def hparams(group: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def full_entries(sd: Mapping[str, Any]) -> dict[str, Any]:
-    """The load entries of a full dmuon optimizer state dict (its sections copied, its counters
-    as ints, a missing counter 0)."""
-    return {"dedicated": dict(sd["dedicated"]), "fsdp2": dict(sd["fsdp2"]),
-            **{k: int(sd.get(k, 0)) for k in _COUNTERS}, "param_groups": sd.get("param_groups"),
-            "variant_scalars": sd.get("variant_scalars")}
+    """The load entries of a full dmuon optimizer state dict (its sections copied, its counters as
+    given: :mod:`dmuon.functional.load_scalars` checks and reads them; a missing ``adamw_step`` /
+    ``muon_step`` 0, a missing ``num_steps`` the larger of the two)."""
+    steps = {k: sd.get(k, 0) for k in COUNTERS[:2]}
+    if "num_steps" in sd:
+        steps["num_steps"] = sd["num_steps"]
+    return {"dedicated": dict(sd["dedicated"]), "fsdp2": dict(sd["fsdp2"]), **steps,
+            "param_groups": sd.get("param_groups"), "variant_scalars": sd.get("variant_scalars")}
 
 
 def full_dict_problems(sd: Any) -> list[str]:
@@ -353,18 +406,31 @@ def from_torch_protocol(sd: Any, names: Sequence[str],
                 by_index[i] = names[flat]
             flat += 1
     sections: dict[str, dict[str, Any]] = {"dedicated": {}, "fsdp2": {}}
-    steps = {"muon_step": 0, "adamw_step": 0}
+    seen: dict[str, list[Any]] = {"muon_step": [], "adamw_step": []}
     for i, s in st.items():
         n = by_index.get(i, i if isinstance(i, str) else None)
         if n is None or not isinstance(s, Mapping):
             continue
         section, step = ("dedicated", "muon_step") if n in dedicated else ("fsdp2", "adamw_step")
         sections[section][n] = {k: v for k, v in s.items() if k != "step"}
-        steps[step] = int(float(s.get("step", 0)))
-    return {**sections, **steps,
-            "num_steps": int(groups[0].get("num_steps", steps["muon_step"])) if groups else 0,
-            "param_groups": [hparams(g) for g in groups],
+        seen[step].append(s.get("step", 0))
+    steps = {k: _one_step(v) for k, v in seen.items()}
+    if groups and "num_steps" in groups[0]:
+        steps["num_steps"] = groups[0]["num_steps"]
+    return {**sections, **steps, "param_groups": [hparams(g) for g in groups],
             "variant_scalars": groups[0].get("variant_scalars") if groups else None}
+
+
+def _one_step(values: Sequence[Any]) -> Any:
+    """The one ``step`` of a section's state entries (0 for none), or the tuple of their
+    distinct values when they disagree (``load_scalars.load_problems`` names it)."""
+    distinct: list[Any] = []
+    for v in values:
+        key = v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+        if not any(key == d or (isinstance(key, float) and isinstance(d, float) and key != key
+                                and d != d) for d in distinct):
+            distinct.append(key)
+    return 0 if not distinct else distinct[0] if len(distinct) == 1 else tuple(distinct)
 
 
 def field_problems(name: str, entry: Any, fields: Sequence[str]) -> list[str]:
@@ -386,7 +452,8 @@ def optimizer_state_problems(dedicated: Mapping[str, Any], fsdp2: Mapping[str, A
                              adamw: Mapping[str, tuple[Shape, Shape, torch.dtype]],
                              finite: bool = True,
                              layout: Callable[[Any], Optional[str]] = lambda v: None,
-                             notes: Optional[list] = None) -> list[str]:
+                             notes: Optional[list] = None,
+                             live: Optional[AdamWState] = None) -> list[str]:
     """Problems of an optimizer state's sections (the full format's) for one optimizer: unknown
     names, a dedicated entry's missing or foreign fields (:func:`field_problems`), each value
     (:func:`value_problems`), names missing from a non-empty section (an empty one: the state
@@ -399,8 +466,15 @@ def optimizer_state_problems(dedicated: Mapping[str, Any], fsdp2: Mapping[str, A
         checked against the full shape unless it is a plain tensor of another (this rank's piece).
       layout: ``layout(value)``: a dedicated value's layout problem (a DTensor's), or ``None``.
       finite, notes: as for :func:`value_problems`.
+      live: the optimizer's AdamW state: moments that are its own tensors (``opt.state_dict()``
+        hands views of them) and hold non-finite values were written before the load
+        (:func:`written_problems`, first; with ``finite``).
     """
     problems: list[str] = []
+    if finite and live is not None:
+        problems += written_problems(live_nonfinite(
+            {f"fsdp2[{n!r}][{k!r}]": s.get(k) for n, s in fsdp2.items()
+             if isinstance(s, Mapping) for k in MOMENTS}, [*live.mu.values(), *live.nu.values()]))
     for n, s in dedicated.items():
         if n not in matrices:
             problems.append(f"dedicated[{n!r}]: no such dedicated matrix")

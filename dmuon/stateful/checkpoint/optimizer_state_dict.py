@@ -14,10 +14,10 @@ import torch.nn as nn
 
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.stages.hparams import as_step
-from dmuon.functional.state_dict_check import (MOMENTS as _MOMENTS, from_torch_protocol,
-                                               full_dict_problems, full_dict_structure,
-                                               full_entries, hparams, loadable_hparams,
-                                               optimizer_state_problems, to_torch_protocol)
+from dmuon.functional.load_scalars import counters, load_problems
+from dmuon.functional.state_dict_check import (
+    MOMENTS as _MOMENTS, from_torch_protocol, full_dict_problems, full_dict_structure,
+    full_entries, hparams, loadable_hparams, optimizer_state_problems, to_torch_protocol)
 from dmuon.stateful.runtime.state import get_state, local_tensor, unwrapping_model
 from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
 from dmuon.stateful.checkpoint.torch_state_dict import (OPTIMIZER_LOAD_FIX, StateDictError, agree,
@@ -132,9 +132,11 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
                           for k in keys + ["master"]} for n in rt.params},
             adamw={n: (tuple(p.shape), tuple(local_tensor(p).shape), p.dtype)
                    for n, p in optimizer.adamw_named_params},
-            layout=lambda v: layout_problem(v, rt))
+            layout=lambda v: layout_problem(v, rt), live=optimizer.adamw_state) + load_problems(
+            entries, optimizer.param_groups, scalars=len(owner.scalars()) if owner.custom else None)
         log_narrowing(notes)
     agree(rt, problems, what, fix=OPTIMIZER_LOAD_FIX)
+    steps = counters(entries)
     # stage: new functional states filled from the entries (nothing live changes yet)
     st = fadamw.init(optimizer.adamw_local_tensors()[0]) if optimizer.adamw_named_params else None
     if st is not None and fsdp:
@@ -155,9 +157,8 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         saved = (by_name.get("adamw") or {}).get("adamw_state_dtype") if fsdp else \
             str(optimizer._adamw_storage.dtype)
         st = optimizer._adamw_storage.load(st, saved, what)
-    optimizer.adamw_state = st._replace(step=as_step(entries.get("adamw_step", 0))) \
-        if st is not None else None
-    optimizer.num_steps = int(entries.get("num_steps", 0))
+    optimizer.adamw_state = st and st._replace(step=as_step(steps["adamw_step"]))
+    optimizer.num_steps = steps["num_steps"]
     owner.broken = None  # a step that failed part-way: reloaded (every rank loads)
     saved = (by_name.get("muon") or {}).get("momentum_dtype") if ded else \
         str(optimizer._storage.dtype)  # the momentum field's (a note if it differs)
@@ -166,7 +167,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     if staged_fields is not None or entries.get("variant_scalars"):
         owner.load(staged_fields or {}, entries.get("variant_scalars"), saved, what)
     if rt.owned_names:
-        owner.step_count = as_step(entries.get("muon_step", 0))
+        owner.step_count = as_step(steps["muon_step"])
     for n, t in staged_masters.items():
         rt.masters[n].copy_(t)
     if staged_masters:
