@@ -68,8 +68,6 @@ def test_read_state_dict_stays_inside_its_folder(tmp_path):
     assert torch.equal(dmuon.read_state_dict(str(folder))["v"], torch.ones(2))
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: a symlinked model.safetensors or shard outside "
-                   "the folder is read, a FIFO blocks forever, another file's value wins an index")
 def test_read_state_dict_reads_only_regular_files_of_its_folder_as_its_index_maps(tmp_path):
     """Issue 46. Before: ``model.safetensors`` or an index's shard that is a symbolic link to a
     file outside the folder was read (its values loaded); a FIFO named ``pytorch_model.bin``
@@ -121,7 +119,6 @@ def test_read_state_dict_reads_only_regular_files_of_its_folder_as_its_index_map
     assert box and box[0][0] == "CheckpointError" and "not a regular file" in box[0][1], box
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: sizes are checked after the CRC pass read the file")
 def test_a_checkpoint_file_is_opened_only_inside_its_folder_and_sized_before_its_read(tmp_path,
                                                                                      monkeypatch):
     """Issue 46: the file checks of ``load_sharded`` (one rank's share): a file larger than the
@@ -295,7 +292,6 @@ def test_crafted_sharded_checkpoints_are_refused_and_never_run_code(tmp_path_fac
         assert r["save_wrote"] == [], (rank, r["save_wrote"])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: a shard file linked outside the folder loads")
 def test_a_sharded_checkpoint_file_linked_outside_its_folder_is_refused(tmp_path_factory):
     """Issue 46. Before: a ``.distcp`` file that is a symbolic link to a copy outside the folder
     loaded (its CRC matches). Now every rank raises ``CheckpointError`` naming the file."""

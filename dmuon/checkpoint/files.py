@@ -9,22 +9,25 @@ complete sibling (``<path>.1``, a partial or retired directory left by an interr
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import stat
 import zlib
-import logging
-from typing import Any, Optional
+from typing import Any, BinaryIO, Mapping, Optional
 
 import torch.distributed as dist
 
 from dmuon.stateful.runtime.agree import agree
 
 __all__ = ["MARKER", "CheckpointError", "write_marker", "publish", "complete_or_raise",
-           "verify_files", "dcp_errors", "agree_errors"]
+           "verify_files", "file_problems", "open_inside", "dcp_errors", "agree_errors"]
 
 logger = logging.getLogger(__name__)
 
 MARKER = "dmuon-complete.json"
+#: a marker larger than this is refused (one small record per file)
+MAX_MARKER_BYTES = 64 << 20
 
 
 class CheckpointError(Exception):
@@ -41,19 +44,66 @@ class CheckpointError(Exception):
     errno: Optional[int] = None
 
 
-def _crc(path: str) -> tuple[int, int]:
+def open_inside(folder: str, name: str) -> BinaryIO:
+    """``folder/name`` opened for reading, checked before a byte is read: refused
+    (:class:`CheckpointError` naming it) unless its path, every symbolic link resolved, stays
+    inside ``folder`` (a link to another file of the folder reads; one leading out does not:
+    a checkpoint reads nothing outside its folder), and it is a regular file (a FIFO, device or
+    socket is opened non-blocking and refused, never waited on)."""
+    full = os.path.join(folder, name)
+    root, real = os.path.realpath(folder), os.path.realpath(full)
+    if os.path.commonpath([root, real]) != root:
+        raise CheckpointError(f"{full} is a symbolic link to {real!r}, outside the folder "
+                              f"{root!r}; refused (a checkpoint reads nothing outside its folder). "
+                              "Copy the file into the folder (cp -L) if it is meant to be read.")
+    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else \
+            "a device or socket"
+        raise CheckpointError(f"{full} is not a regular file ({kind}); refused, nothing read.")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _crc(f: BinaryIO) -> tuple[int, int]:
     crc, size = 0, 0
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(1 << 24)
-            if not chunk:
-                return size, crc
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+    while True:
+        chunk = f.read(1 << 24)
+        if not chunk:
+            return size, crc
+        crc = zlib.crc32(chunk, crc)
+        size += len(chunk)
 
 
 def _files(d: str) -> list[str]:
-    return sorted(f for f in os.listdir(d) if f != MARKER and os.path.isfile(os.path.join(d, f)))
+    """The entries of ``d`` but the marker and folders (links and FIFOs included: refused when
+    read, named when not part of the save)."""
+    return sorted(e.name for e in os.scandir(d)
+                  if e.name != MARKER and not e.is_dir(follow_symlinks=False))
+
+
+def file_problems(folder: str, name: str, want: Mapping[str, int]) -> list[str]:
+    """One marker entry's check: contained and regular (:func:`open_inside`), then its size
+    (before a byte is read), then its CRC-32."""
+    full = os.path.join(folder, name)
+    try:
+        with open_inside(folder, name) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != want["size"]:
+                return [f"{full}: {size} bytes, the save wrote {want['size']} "
+                        f"({'truncated' if size < want['size'] else 'another file'}?); "
+                        "refused before reading it"]
+            _, crc = _crc(f)
+    except FileNotFoundError:
+        return [f"{full}: missing"]
+    except (CheckpointError, OSError) as e:
+        return [str(e)]
+    if crc != want["crc32"]:
+        return [f"{full}: CRC-32 {crc:08x}, the save wrote {want['crc32']:08x} (corrupt)"]
+    return []
 
 
 def failures_of(e: BaseException) -> dict[int, BaseException]:
@@ -150,9 +200,12 @@ def _checked_marker(marker: Any, where: str) -> dict:
 def complete_or_raise(path: str) -> dict:
     """The marker of a complete checkpoint at ``path`` (raises naming the last complete one)."""
     marker = os.path.join(path, MARKER)
-    if os.path.isfile(marker):
+    if os.path.lexists(marker):
         try:
-            with open(marker) as f:
+            with open_inside(path, MARKER) as f:
+                if os.fstat(f.fileno()).st_size > MAX_MARKER_BYTES:
+                    raise CheckpointError(f"{marker}: more than {MAX_MARKER_BYTES} bytes, more "
+                                          "than a marker holds; refused.")
                 return _checked_marker(json.load(f), marker)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{marker}: unreadable ({e})") from None
@@ -179,23 +232,17 @@ def verify_files(rt, path: str, marker: dict) -> list[str]:
     for i, f in enumerate(names):
         if i % dist.get_world_size() != rt.rank:
             continue
-        full = os.path.join(path, f)
-        if f not in have:
-            errors.append(f"{full}: missing")
-            continue
-        size, crc = _crc(full)
-        want = marker["files"][f]
-        if size != want["size"]:
-            errors.append(f"{full}: {size} bytes, the save wrote {want['size']} (truncated?)")
-        elif crc != want["crc32"]:
-            errors.append(f"{full}: CRC-32 {crc:08x}, the save wrote {want['crc32']:08x} "
-                          "(corrupt)")
+        errors += [f"{os.path.join(path, f)}: missing"] if f not in have else \
+            file_problems(path, f, marker["files"][f])
     return errors
 
 
 def write_marker(directory: str, save_id: str) -> None:
     """Rank 0: CRC every file of ``directory`` into its marker (written, synced, then renamed)."""
-    files = {f: _crc(os.path.join(directory, f)) for f in _files(directory)}
+    files = {}
+    for name in _files(directory):
+        with open_inside(directory, name) as f:
+            files[name] = _crc(f)
     marker = {"save_id": save_id, "format": 1,
               "files": {f: {"size": sz, "crc32": c} for f, (sz, c) in files.items()}}
     tmp = os.path.join(directory, MARKER + ".tmp")
