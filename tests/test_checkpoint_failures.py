@@ -264,7 +264,6 @@ def test_a_symlinked_or_foreign_path_is_refused_before_anything_is_written(tmp_p
         _intact(rank, r["swept"])  # the next save swept the stale partial directory
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: one job's sweep removes another job's partial")
 def test_a_partial_folder_of_another_job_in_progress_is_left_alone(tmp_path_factory):
     """Issue 46. Before: a save at ``path`` began by removing every ``path.partial-*`` folder,
     including the one another job was writing into at that moment: that save then failed
@@ -276,7 +275,6 @@ def test_a_partial_folder_of_another_job_in_progress_is_left_alone(tmp_path_fact
         _intact(rank, r["other_job_after"])
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: partial folders carry no owner")
 def test_the_sweep_removes_only_partials_whose_owner_is_gone_or_stale(tmp_path, monkeypatch):
     """Issue 46: which ``path.partial-*`` folders a save's sweep removes: a dead owner's (this
     host), a stale one's (another host, nothing changed for ``DMUON_PARTIAL_STALE_S``), one

@@ -55,8 +55,8 @@ import torch.distributed as dist
 
 from dmuon.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise, publish,
                                     verify_files, write_marker)
-from dmuon.checkpoint.save_safety import (agree_failure, discard_partial, run_step, sweep_partials,
-                                          target_problems)
+from dmuon.checkpoint.save_safety import (agree_failure, claim_partial, discard_partial, run_step,
+                                          sweep_partials, target_problems)
 from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.functional.state_dict_check import check_state_dict
 from dmuon.stateful.runtime.state import unwrapping_model
@@ -238,9 +238,15 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     problems = value_problems("extra", extra or {})
     if rt.rank == 0:
         problems += target_problems(path)
-    agree_errors(rt, problems, what)
-    if rt.rank == 0:
-        sweep_partials(path)
+        if not problems:  # other jobs' saves in progress are left; ours is claimed, owned
+            sweep_partials(path)
+            problems += claim_partial(tmp)
+    try:
+        agree_errors(rt, problems, what)
+    except CheckpointError:
+        if rt.rank == 0:
+            discard_partial(tmp, path)
+        raise
     sd = _save_entries(model, rt, optimizer)
     if extra:
         sd["extra"] = dict(extra)
