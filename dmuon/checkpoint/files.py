@@ -14,7 +14,7 @@ import os
 import shutil
 import stat
 import zlib
-from typing import Any, BinaryIO, Mapping, Optional
+from typing import Any, BinaryIO, Callable, Mapping, Optional
 
 import torch.distributed as dist
 
@@ -68,7 +68,9 @@ def open_inside(folder: str, name: str) -> BinaryIO:
     return os.fdopen(fd, "rb")
 
 
-def _crc(f: BinaryIO) -> tuple[int, int]:
+def _crc(f: BinaryIO, progress: Optional[Callable[[int], None]] = None) -> tuple[int, int]:
+    """``(size, CRC-32)`` of an open file, read in 16 MiB chunks (``progress(bytes done)``
+    after each)."""
     crc, size = 0, 0
     while True:
         chunk = f.read(1 << 24)
@@ -76,6 +78,8 @@ def _crc(f: BinaryIO) -> tuple[int, int]:
             return size, crc
         crc = zlib.crc32(chunk, crc)
         size += len(chunk)
+        if progress is not None:
+            progress(size)
 
 
 def _files(d: str) -> list[str]:
@@ -85,9 +89,10 @@ def _files(d: str) -> list[str]:
                   if e.name != MARKER and not e.is_dir(follow_symlinks=False))
 
 
-def file_problems(folder: str, name: str, want: Mapping[str, int]) -> list[str]:
+def file_problems(folder: str, name: str, want: Mapping[str, int],
+                  progress: Optional[Callable[[int], None]] = None) -> list[str]:
     """One marker entry's check: contained and regular (:func:`open_inside`), then its size
-    (before a byte is read), then its CRC-32."""
+    (before a byte is read), then its CRC-32 (``progress``: as :func:`_crc`'s)."""
     full = os.path.join(folder, name)
     try:
         with open_inside(folder, name) as f:
@@ -96,7 +101,7 @@ def file_problems(folder: str, name: str, want: Mapping[str, int]) -> list[str]:
                 return [f"{full}: {size} bytes, the save wrote {want['size']} "
                         f"({'truncated' if size < want['size'] else 'another file'}?); "
                         "refused before reading it"]
-            _, crc = _crc(f)
+            _, crc = _crc(f, progress)
     except FileNotFoundError:
         return [f"{full}: missing"]
     except (CheckpointError, OSError) as e:
@@ -223,26 +228,39 @@ def complete_or_raise(path: str) -> dict:
 
 
 def verify_files(rt, path: str, marker: dict) -> list[str]:
-    """This rank's share of the files (every world-size-th): size and CRC against the marker."""
-    errors = []
+    """This rank's share of the files (:func:`dmuon.checkpoint.checksum_pass.split_by_size`):
+    each checked against the marker (:func:`file_problems`), progress posted; then, waiting on
+    the other ranks' passes for as long as they move (a stalled one is a problem: its rank,
+    file and bytes read). Files the marker does not list are problems too."""
+    from dmuon.checkpoint import checksum_pass as cp
+    world = dist.get_world_size()
     names = sorted(marker["files"])
     have = set(_files(path))
-    for f in sorted(have - set(names)):
-        errors.append(f"{os.path.join(path, f)}: not part of save {marker['save_id']}")
-    for i, f in enumerate(names):
-        if i % dist.get_world_size() != rt.rank:
-            continue
-        errors += [f"{os.path.join(path, f)}: missing"] if f not in have else \
-            file_problems(path, f, marker["files"][f])
-    return errors
+    errors = [f"{os.path.join(path, f)}: not part of save {marker['save_id']}"
+              for f in sorted(have - set(names))]
+    mine = cp.split_by_size({f: marker["files"][f]["size"] for f in names}, world)[rt.rank]
+    errors += [f"{os.path.join(path, f)}: missing" for f in mine if f not in have]
+    key = cp.pass_key("load")
+    errors += cp.checksum_share(path, [f for f in mine if f in have], key, rt.rank,
+                                marker["files"])[1]
+    return errors + cp.wait_for_peers(key, world, cp.stall_bound(rt))
 
 
-def write_marker(directory: str, save_id: str) -> None:
-    """Rank 0: CRC every file of ``directory`` into its marker (written, synced, then renamed)."""
-    files = {}
-    for name in _files(directory):
-        with open_inside(directory, name) as f:
-            files[name] = _crc(f)
+def write_marker(directory: str, save_id: str,
+                 records: Optional[Mapping[str, tuple[int, int]]] = None) -> None:
+    """Rank 0: every file of ``directory`` with its ``(size, CRC-32)`` (from ``records``, the
+    ranks' checksum passes; a file none of them measured is measured here) into its marker
+    (written, synced, then renamed)."""
+    files = dict(records or {})
+    listed = _files(directory)
+    gone = sorted(set(files) - set(listed))
+    if gone:
+        raise CheckpointError(f"{directory}: {gone[:5]} were checksummed but are not in the "
+                              "folder now; not published.")
+    for name in listed:
+        if name not in files:
+            with open_inside(directory, name) as f:
+                files[name] = _crc(f)
     marker = {"save_id": save_id, "format": 1,
               "files": {f: {"size": sz, "crc32": c} for f, (sz, c) in files.items()}}
     tmp = os.path.join(directory, MARKER + ".tmp")
