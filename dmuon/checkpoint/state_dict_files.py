@@ -51,7 +51,7 @@ def read_state_dict(path: str | os.PathLike, *, verify: bool = True) -> dict[str
     path = os.fspath(path)
     if os.path.isdir(path):
         for name in _HF_FILES:
-            if os.path.lexists(os.path.join(path, name)):  # a link leading out is refused, not skipped
+            if os.path.lexists(os.path.join(path, name)):  # a link leading out: refused
                 return _read(path, name, verify)
         raise FileNotFoundError(f"read_state_dict: {path!r} has none of {list(_HF_FILES)} "
                                 "(is it a save_pretrained folder?)")
