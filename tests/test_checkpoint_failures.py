@@ -143,6 +143,35 @@ def _failures(rank: int, world: int, tmp: str) -> dict:
     # the next good save sweeps the stale partial directory
     dmuon.save_sharded(path, model, opt, extra={"step": 3})
     out["swept"] = state(load=True)
+    # issue 46: a checksum pass that fails on rank 1 (the files it checks: its own)
+    import dmuon.checkpoint.files as cf
+    real_crc = cf._crc
+    if rank == 1:
+        def failing_crc(*a, **k):
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        cf._crc = failing_crc
+    out["checksum_fails"] = _outcome(lambda: dmuon.save_sharded(path, model, opt,
+                                                                 extra={"step": 5}))
+    cf._crc = real_crc
+    out["checksum_fails_after"] = state(load=True)
+    # issue 46: another job's save at the same path begins (its sweep) while this one writes
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class OtherJobMidway(FileSystemWriter):
+        def write_data(self, plan, planner):
+            if dist.get_rank() == 0:
+                child = os.fork()
+                if child == 0:  # another job: a process of its own, starting a save at `path`
+                    try:
+                        from dmuon.checkpoint.save_safety import sweep_partials
+                        sweep_partials(path)
+                    finally:
+                        os._exit(0)
+                os.waitpid(child, 0)
+            return super().write_data(plan, planner)
+    out["other_job"] = _outcome(lambda: dmuon.save_sharded(
+        path, model, opt, extra={"step": 4}, storage_writer=OtherJobMidway("unused")))
+    out["other_job_after"] = state(load=True)
     # the README's promised log: a narrower float loads, logged
     msgs: list = []
 
@@ -244,6 +273,140 @@ def test_a_symlinked_or_foreign_path_is_refused_before_anything_is_written(tmp_p
             assert kind == "CheckpointError" and words in msg, (rank, tag, r[tag])
         assert r["refused_wrote"] == [] and r["link_kept"], (rank, r["refused_wrote"])
         _intact(rank, r["swept"])  # the next save swept the stale partial directory
+
+
+def test_a_partial_folder_of_another_job_in_progress_is_left_alone(tmp_path_factory):
+    """Issue 46. Before: a save at ``path`` began by removing every ``path.partial-*`` folder,
+    including the one another job was writing into at that moment: that save then failed
+    (``CheckpointError``, nothing published). Now a partial folder carries its owner (host, pid,
+    start time): another job's sweep (a process of its own, here forked by rank 0 while the
+    save writes) leaves it, and the save publishes."""
+    for rank, r in enumerate(results(2, "failures", tmp_path_factory)):
+        assert r["other_job"] == (None, None, None, None), (rank, r["other_job"])
+        _intact(rank, r["other_job_after"])
+
+
+def test_the_sweep_removes_only_partials_whose_owner_is_gone_or_stale(tmp_path, monkeypatch):
+    """Issue 46: which ``path.partial-*`` folders a save's sweep removes: a dead owner's (this
+    host), a stale one's (another host, nothing changed for ``DMUON_PARTIAL_STALE_S``), one
+    without an owner record (a dmuon before it wrote one); it keeps a live owner's and a fresh
+    one of another host."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from dmuon.checkpoint import save_safety
+    path = str(tmp_path / "ckpt")
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    try:
+        owners = {"aaaaaaaaaaaa": save_safety.owner_record(live.pid),
+                  "bbbbbbbbbbbb": save_safety.owner_record(dead.pid),
+                  "cccccccccccc": {"host": "elsewhere", "pid": 1, "started": time.time()},
+                  "dddddddddddd": {"host": "elsewhere", "pid": 1, "started": time.time()},
+                  "eeeeeeeeeeee": None}
+        assert owners["aaaaaaaaaaaa"]["host"] == socket.gethostname()
+        for sid, owner in owners.items():
+            os.makedirs(f"{path}.partial-{sid}")
+            if owner is not None:
+                with open(f"{path}.partial-{sid}/{save_safety.OWNER}", "w") as f:
+                    json.dump(owner, f)
+        old = time.time() - 7200
+        for p in (f"{path}.partial-dddddddddddd", f"{path}.partial-dddddddddddd/{save_safety.OWNER}"):
+            os.utime(p, (old, old))
+        monkeypatch.setenv("DMUON_PARTIAL_STALE_S", "3600")
+        save_safety.sweep_partials(path)
+        left = sorted(p.rsplit("-", 1)[1] for p in os.listdir(tmp_path))
+        assert left == ["aaaaaaaaaaaa", "cccccccccccc"], left
+    finally:
+        live.kill()
+        live.wait()
+
+
+def test_a_checksum_pass_failing_on_one_rank_publishes_nothing(tmp_path_factory):
+    """Issue 46. Before: rank 0 alone read back and checksummed every file of a save (one rank
+    reading the whole checkpoint inside one agreement's bound); a failing read on another rank
+    was never seen. Now each rank checksums the files it wrote: rank 1's failing read raises
+    ``CheckpointError`` on every rank naming the step and the file, nothing is published (the
+    previous checkpoint loads, ``step`` 3), no partial folder is left."""
+    for rank, r in enumerate(results(2, "failures", tmp_path_factory)):
+        kind, msg, code, _ = r["checksum_fails"]
+        assert kind == "CheckpointError" and "checksum" in msg and "__1_0.distcp" in msg, \
+            (rank, r["checksum_fails"])
+        assert code == errno.EIO, (rank, r["checksum_fails"])
+        _intact(rank, r["checksum_fails_after"])
+
+
+def _slow_checksums(rank: int, world: int, tmp: str) -> dict:
+    """Rank 1's checksum pass slow (reads still moving) or stalled, with a 3 s collective bound
+    and a 3 s stall bound."""
+    import time
+
+    import torch.distributed as dist
+
+    import dmuon
+    import dmuon.checkpoint.files as cf
+    from models import make_model
+    from stateful_harness import build_dmuon
+    model = make_model(seed=0)
+    model, opt = build_dmuon(rank, world, model, model.layers, {},
+                             timeout=datetime.timedelta(seconds=3))
+    _train(model, opt, rank, world, 1)
+    os.environ["DMUON_CHECKSUM_STALL_S"] = "3"
+    path, real_crc, out = f"{tmp}/ckpt", cf._crc, {}
+    dmuon.save_sharded(path, model, opt, extra={"step": 1})
+
+    def slow(f, progress=None):  # 8 s of slow storage that keeps reading
+        for i in range(16):
+            time.sleep(0.5)
+            if progress is not None:
+                progress(i)
+        return real_crc(f, progress)
+
+    hung: list = []
+
+    def stalled(f, progress=None):  # the first read hangs 5 s
+        if not hung:
+            hung.append(time.sleep(5))
+        return real_crc(f, progress)
+    for tag, fn in (("slow", slow), ("stalled", stalled)):
+        hung.clear()
+        if rank == 1:
+            cf._crc = fn
+        t0 = time.monotonic()
+        out[f"save_{tag}"] = _outcome(lambda: dmuon.save_sharded(path, model, opt,
+                                                                  extra={"step": 2}))
+        out[f"save_{tag}_s"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        hung.clear()
+        out[f"load_{tag}"] = _outcome(lambda: dmuon.load_sharded(path, model, opt))
+        out[f"load_{tag}_s"] = time.monotonic() - t0
+        cf._crc = real_crc
+        dist.barrier()
+        out[f"{tag}_published"] = sorted(os.listdir(tmp))
+    return out
+
+
+@pytest.mark.slow
+def test_slow_storage_is_not_a_timeout_and_a_stalled_checksum_names_its_file(tmp_path):
+    """Issue 46. Before: a checksum pass outlasting the agreement's bound raised a raw
+    "collective timed out" on every rank, and rank 0 published the save anyway. Now a pass that
+    keeps reading is waited for (8 s against a 3 s bound: saved and loaded), and one that stalls
+    (5 s without progress against a 3 s stall bound) raises ``CheckpointError`` naming the step,
+    the rank and its file on every rank, and publishes nothing."""
+    from dist_utils import run_ranks
+    got = run_ranks(_slow_checksums, 2, str(tmp_path), timeout=120)
+    for rank, r in enumerate(got):
+        assert r["save_slow"][0] is None and r["load_slow"][0] is None, (rank, r)
+        for tag in ("save_stalled", "load_stalled"):
+            kind, msg, _, _ = r[tag]
+            assert kind == "CheckpointError" and "checksum" in msg and ".distcp" in msg, \
+                (rank, tag, r[tag])
+        assert [p for p in r["stalled_published"] if "partial" in p] == [], (rank, r)
+    assert got[0]["save_stalled_s"] < 8 and got[0]["load_stalled_s"] < 8, got[0]
 
 
 def test_a_narrower_float_loads_with_the_promised_log(tmp_path_factory):

@@ -191,3 +191,57 @@ def test_corrupt_torn_and_wrong_checkpoints_raise_and_change_nothing(tmp_path):
             kind, msg = r[tag]
             assert kind == "CheckpointError", (rank, tag, kind, msg)
             assert needle in msg, (rank, tag, msg)
+
+
+# ------------------------------------------------------------------ issue 46: a dead peer's join
+def _peer_dies(rank, world):
+    """Rank 1 exits abruptly after setup; rank 0 then asks for a state dict (a store-based join
+    first)."""
+    import time
+
+    import dmuon
+    model, _ = _setup(rank, world, 1)
+    if rank == 1:
+        time.sleep(0.5)
+        os._exit(3)
+    time.sleep(2.0)  # rank 1 is gone by now
+    t0 = time.monotonic()
+    got = catch(lambda: dmuon.get_model_state_dict(model))
+    return {"raised": got, "seconds": time.monotonic() - t0}
+
+
+@pytest.mark.slow
+def test_a_state_dict_call_with_a_dead_peer_raises_within_seconds_naming_it():
+    """Issue 46. Before: with rank 1's process gone, ``get_model_state_dict`` on rank 0 waited
+    the store-based join's full 30 s. Now the join sees rank 1's heartbeat stop and raises
+    ``NotOnEveryRankError`` naming rank 1 within about 5 s."""
+    from dmuon.launch import run_local_ranks
+    results, errors = run_local_ranks(_peer_dies, 2, (), {}, backend="gloo", timeout_s=60,
+                                      grace_s=45.0, deadline_s=120)
+    assert 1 in errors and 0 in results, (results, errors)
+    kind, msg = results[0]["raised"]
+    assert kind == "NotOnEveryRankError" and "rank(s) [1]" in msg, results[0]
+    assert results[0]["seconds"] < 8.0, results[0]
+
+
+def test_the_join_tells_a_rank_whose_heartbeat_stopped_from_one_still_beating(monkeypatch):
+    """Issue 46 (the join's dead-peer check, single process): on a real ``TCPStore``, a process
+    beating (:func:`dmuon.compat.heartbeat.start_heartbeat`) is never gone; a rank whose
+    counter stopped is gone once it did not move for ``DMUON_DEAD_PEER_S``; a rank that never
+    beat is never called gone."""
+    import time
+
+    import torch.distributed as dist
+
+    from dmuon.compat import heartbeat
+    monkeypatch.setenv(heartbeat.DEAD_ENV, "2.5")
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    heartbeat.start_heartbeat(0, store)
+    store.add("dmuon/alive/1", 1)  # rank 1 beat once, then stopped
+    watch = heartbeat.PeerWatch(store)
+    first = watch.gone(lambda: [0, 1, 2])
+    deadline, gone = time.monotonic() + 6.0, []
+    while time.monotonic() < deadline and not gone:
+        time.sleep(0.2)
+        gone = watch.gone(lambda: [0, 1, 2])
+    assert first == [] and gone == [1], (first, gone)

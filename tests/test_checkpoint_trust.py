@@ -68,6 +68,80 @@ def test_read_state_dict_stays_inside_its_folder(tmp_path):
     assert torch.equal(dmuon.read_state_dict(str(folder))["v"], torch.ones(2))
 
 
+def test_read_state_dict_reads_only_regular_files_of_its_folder_as_its_index_maps(tmp_path):
+    """Issue 46. Before: ``model.safetensors`` or an index's shard that is a symbolic link to a
+    file outside the folder was read (its values loaded); a FIFO named ``pytorch_model.bin``
+    blocked ``read_state_dict`` forever; with an index mapping ``a`` to one file, another listed
+    file's ``a`` silently won. Now each is refused before any read, naming the file; a link whose
+    target stays inside the folder still reads."""
+    import threading
+
+    from dmuon.checkpoint.files import CheckpointError
+    import dmuon
+    outside, folder = tmp_path / "outside", tmp_path / "model"
+    outside.mkdir()
+    folder.mkdir()
+    _safetensors(str(outside / "secret.safetensors"), w=torch.ones(2))
+    os.symlink(outside / "secret.safetensors", folder / "model.safetensors")
+    with pytest.raises(CheckpointError, match="model.safetensors.*outside"):
+        dmuon.read_state_dict(str(folder))
+    os.remove(folder / "model.safetensors")
+    _safetensors(str(folder / "model-1.safetensors"), v=torch.ones(2))
+    os.symlink(outside / "secret.safetensors", folder / "model-2.safetensors")
+    _index(str(folder), {"v": "model-1.safetensors", "w": "model-2.safetensors"})
+    with pytest.raises(CheckpointError, match="model-2.safetensors.*outside"):
+        dmuon.read_state_dict(str(folder))
+    os.remove(folder / "model-2.safetensors")  # a link inside the folder is fine
+    os.makedirs(folder / "parts")
+    _safetensors(str(folder / "parts" / "w.safetensors"), w=torch.full((2,), 3.0))
+    os.symlink("parts/w.safetensors", folder / "model-2.safetensors")
+    got = dmuon.read_state_dict(str(folder))
+    assert torch.equal(got["v"], torch.ones(2)) and torch.equal(got["w"], torch.full((2,), 3.0))
+    # the index's per-key map is obeyed: a key found in a file the index does not name for it
+    _safetensors(str(folder / "model-1.safetensors"), v=torch.ones(2), w=torch.zeros(2))
+    with pytest.raises(CheckpointError, match="'w'.*model-1.safetensors.*model-2.safetensors"):
+        dmuon.read_state_dict(str(folder))
+    _safetensors(str(folder / "model-1.safetensors"), x=torch.ones(2))  # a named key missing
+    with pytest.raises(CheckpointError, match="'v'.*model-1.safetensors"):
+        dmuon.read_state_dict(str(folder))
+    # a FIFO named pytorch_model.bin: refused at once, not a read blocked forever
+    fifo = tmp_path / "fifo"
+    fifo.mkdir()
+    os.mkfifo(fifo / "pytorch_model.bin")
+    box: list = []
+    reader = threading.Thread(target=lambda: box.append(catch(
+        lambda: dmuon.read_state_dict(str(fifo)))), daemon=True)
+    reader.start()
+    reader.join(10)
+    if reader.is_alive():  # release the blocked reader (a writer end) before failing
+        os.close(os.open(fifo / "pytorch_model.bin", os.O_RDWR))
+        reader.join(10)
+    assert box and box[0][0] == "CheckpointError" and "not a regular file" in box[0][1], box
+
+
+def test_a_checkpoint_file_is_opened_only_inside_its_folder_and_sized_before_its_read(tmp_path,
+                                                                                     monkeypatch):
+    """Issue 46: the file checks of ``load_sharded`` (one rank's share): a file larger than the
+    marker says is refused by its size before a byte is read (a 4 GiB file was read in full
+    first, while the other ranks timed out); one linked outside the folder is refused."""
+    from dmuon.checkpoint import files
+    (tmp_path / "__0_0.distcp").write_bytes(b"x" * 100)
+    with open(tmp_path / "__1_0.distcp", "wb") as f:
+        f.truncate(1 << 30)  # sparse: 1 GiB that would be read in full
+    read: list = []
+    real = files._crc
+    monkeypatch.setattr(files, "_crc", lambda f: read.append(f) or real(f))
+    marker = {"save_id": "s", "files": {"__0_0.distcp": {"size": 100, "crc32": 0},
+                                         "__1_0.distcp": {"size": 100, "crc32": 0}}}
+    problems = files.file_problems(str(tmp_path), "__1_0.distcp", marker["files"]["__1_0.distcp"])
+    assert problems and "1073741824 bytes" in problems[0] and read == [], (problems, read)
+    (tmp_path / "__1_0.distcp").unlink()
+    (tmp_path.parent / "elsewhere.distcp").write_bytes(b"x" * 100)
+    os.symlink(tmp_path.parent / "elsewhere.distcp", tmp_path / "__1_0.distcp")
+    problems = files.file_problems(str(tmp_path), "__1_0.distcp", marker["files"]["__1_0.distcp"])
+    assert problems and "outside" in problems[0] and read == [], (problems, read)
+
+
 def test_read_state_dict_refuses_compressed_records_and_code(tmp_path):
     from dmuon.checkpoint.files import CheckpointError
     import dmuon
@@ -187,6 +261,14 @@ def _trust_worker(rank: int, world: int, tmp: str) -> dict:
     dist.barrier()
     out = {tag: catch(lambda: dmuon.load_sharded(f"{tmp}/{tag}", model, opt))
            for tag in ("extra", "metadata", "escape", "marker")}
+    # issue 46: a shard file linked to a copy outside the folder (its CRC still matches)
+    _forge(model, opt, f"{tmp}/linked", {"step": 1})
+    if rank == 0:
+        name = sorted(f for f in os.listdir(f"{tmp}/linked") if f.endswith(".distcp"))[0]
+        os.rename(f"{tmp}/linked/{name}", f"{tmp}/linked-{name}")
+        os.symlink(f"{tmp}/linked-{name}", f"{tmp}/linked/{name}")
+    dist.barrier()
+    out["linked"] = catch(lambda: dmuon.load_sharded(f"{tmp}/linked", model, opt))
     out["ran"] = sorted(k for k, p in side.items() if os.path.exists(p))
     after = dmuon.get_model_state_dict(model, cpu_offload=True)
     out["unchanged"] = all(torch.equal(before[k], after[k]) for k in before)
@@ -208,3 +290,11 @@ def test_crafted_sharded_checkpoints_are_refused_and_never_run_code(tmp_path_fac
         kind, msg = r["save_extra"]
         assert kind == "CheckpointError" and "extra['cfg']" in msg, (rank, kind, msg)
         assert r["save_wrote"] == [], (rank, r["save_wrote"])
+
+
+def test_a_sharded_checkpoint_file_linked_outside_its_folder_is_refused(tmp_path_factory):
+    """Issue 46. Before: a ``.distcp`` file that is a symbolic link to a copy outside the folder
+    loaded (its CRC matches). Now every rank raises ``CheckpointError`` naming the file."""
+    for rank, r in enumerate(results(2, "trust", tmp_path_factory)):
+        kind, msg = r["linked"]
+        assert kind == "CheckpointError" and "outside" in msg and ".distcp" in msg, (rank, r["linked"])

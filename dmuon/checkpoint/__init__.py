@@ -4,7 +4,10 @@
 
 * :mod:`~dmuon.checkpoint.sharded` — :func:`save_sharded` / :func:`load_sharded`: sharded
   checkpoints through ``torch.distributed.checkpoint``, atomic saves, validated transactional loads;
-* :mod:`~dmuon.checkpoint.files` — the completion marker, CRCs, publish by rename;
+* :mod:`~dmuon.checkpoint.files` — the completion marker, CRCs, publish by rename, files opened
+  only inside their folder;
+* :mod:`~dmuon.checkpoint.checksum_pass` — the checksum passes split across ranks, waited for
+  while they read;
 * :mod:`~dmuon.checkpoint.save_safety` — a failed save fails cleanly on every rank;
 * :mod:`~dmuon.checkpoint.trust` — readers that run no code from a file (allow-list unpickler,
   safe DCP reader, checked ``torch.save`` files);

@@ -9,22 +9,25 @@ complete sibling (``<path>.1``, a partial or retired directory left by an interr
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
+import stat
 import zlib
-import logging
-from typing import Any, Optional
+from typing import Any, BinaryIO, Callable, Mapping, Optional
 
 import torch.distributed as dist
 
 from dmuon.stateful.runtime.agree import agree
 
 __all__ = ["MARKER", "CheckpointError", "write_marker", "publish", "complete_or_raise",
-           "verify_files", "dcp_errors", "agree_errors"]
+           "verify_files", "file_problems", "open_inside", "dcp_errors", "agree_errors"]
 
 logger = logging.getLogger(__name__)
 
 MARKER = "dmuon-complete.json"
+#: a marker larger than this is refused (one small record per file)
+MAX_MARKER_BYTES = 64 << 20
 
 
 class CheckpointError(Exception):
@@ -41,19 +44,71 @@ class CheckpointError(Exception):
     errno: Optional[int] = None
 
 
-def _crc(path: str) -> tuple[int, int]:
+def open_inside(folder: str, name: str) -> BinaryIO:
+    """``folder/name`` opened for reading, checked before a byte is read: refused
+    (:class:`CheckpointError` naming it) unless its path, every symbolic link resolved, stays
+    inside ``folder`` (a link to another file of the folder reads; one leading out does not:
+    a checkpoint reads nothing outside its folder), and it is a regular file (a FIFO, device or
+    socket is opened non-blocking and refused, never waited on)."""
+    full = os.path.join(folder, name)
+    root, real = os.path.realpath(folder), os.path.realpath(full)
+    if os.path.commonpath([root, real]) != root:
+        raise CheckpointError(f"{full} is a symbolic link to {real!r}, outside the folder "
+                              f"{root!r}; refused (a checkpoint reads nothing outside its folder). "
+                              "Copy the file into the folder (cp -L) if it is meant to be read.")
+    fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+                 | getattr(os, "O_CLOEXEC", 0))
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a folder" if stat.S_ISDIR(mode) else \
+            "a device or socket"
+        raise CheckpointError(f"{full} is not a regular file ({kind}); refused, nothing read.")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
+
+
+def _crc(f: BinaryIO, progress: Optional[Callable[[int], None]] = None) -> tuple[int, int]:
+    """``(size, CRC-32)`` of an open file, read in 16 MiB chunks (``progress(bytes done)``
+    after each)."""
     crc, size = 0, 0
-    with open(path, "rb") as f:
-        while True:
-            chunk = f.read(1 << 24)
-            if not chunk:
-                return size, crc
-            crc = zlib.crc32(chunk, crc)
-            size += len(chunk)
+    while True:
+        chunk = f.read(1 << 24)
+        if not chunk:
+            return size, crc
+        crc = zlib.crc32(chunk, crc)
+        size += len(chunk)
+        if progress is not None:
+            progress(size)
 
 
 def _files(d: str) -> list[str]:
-    return sorted(f for f in os.listdir(d) if f != MARKER and os.path.isfile(os.path.join(d, f)))
+    """The entries of ``d`` but the marker and folders (links and FIFOs included: refused when
+    read, named when not part of the save)."""
+    return sorted(e.name for e in os.scandir(d)
+                  if e.name != MARKER and not e.is_dir(follow_symlinks=False))
+
+
+def file_problems(folder: str, name: str, want: Mapping[str, int],
+                  progress: Optional[Callable[[int], None]] = None) -> list[str]:
+    """One marker entry's check: contained and regular (:func:`open_inside`), then its size
+    (before a byte is read), then its CRC-32 (``progress``: as :func:`_crc`'s)."""
+    full = os.path.join(folder, name)
+    try:
+        with open_inside(folder, name) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != want["size"]:
+                return [f"{full}: {size} bytes, the save wrote {want['size']} "
+                        f"({'truncated' if size < want['size'] else 'another file'}?); "
+                        "refused before reading it"]
+            _, crc = _crc(f, progress)
+    except FileNotFoundError:
+        return [f"{full}: missing"]
+    except (CheckpointError, OSError) as e:
+        return [str(e)]
+    if crc != want["crc32"]:
+        return [f"{full}: CRC-32 {crc:08x}, the save wrote {want['crc32']:08x} (corrupt)"]
+    return []
 
 
 def failures_of(e: BaseException) -> dict[int, BaseException]:
@@ -150,9 +205,12 @@ def _checked_marker(marker: Any, where: str) -> dict:
 def complete_or_raise(path: str) -> dict:
     """The marker of a complete checkpoint at ``path`` (raises naming the last complete one)."""
     marker = os.path.join(path, MARKER)
-    if os.path.isfile(marker):
+    if os.path.lexists(marker):
         try:
-            with open(marker) as f:
+            with open_inside(path, MARKER) as f:
+                if os.fstat(f.fileno()).st_size > MAX_MARKER_BYTES:
+                    raise CheckpointError(f"{marker}: more than {MAX_MARKER_BYTES} bytes, more "
+                                          "than a marker holds; refused.")
                 return _checked_marker(json.load(f), marker)
         except (OSError, ValueError) as e:
             raise CheckpointError(f"{marker}: unreadable ({e})") from None
@@ -170,32 +228,39 @@ def complete_or_raise(path: str) -> dict:
 
 
 def verify_files(rt, path: str, marker: dict) -> list[str]:
-    """This rank's share of the files (every world-size-th): size and CRC against the marker."""
-    errors = []
+    """This rank's share of the files (:func:`dmuon.checkpoint.checksum_pass.split_by_size`):
+    each checked against the marker (:func:`file_problems`), progress posted; then, waiting on
+    the other ranks' passes for as long as they move (a stalled one is a problem: its rank,
+    file and bytes read). Files the marker does not list are problems too."""
+    from dmuon.checkpoint import checksum_pass as cp
+    world = dist.get_world_size()
     names = sorted(marker["files"])
     have = set(_files(path))
-    for f in sorted(have - set(names)):
-        errors.append(f"{os.path.join(path, f)}: not part of save {marker['save_id']}")
-    for i, f in enumerate(names):
-        if i % dist.get_world_size() != rt.rank:
-            continue
-        full = os.path.join(path, f)
-        if f not in have:
-            errors.append(f"{full}: missing")
-            continue
-        size, crc = _crc(full)
-        want = marker["files"][f]
-        if size != want["size"]:
-            errors.append(f"{full}: {size} bytes, the save wrote {want['size']} (truncated?)")
-        elif crc != want["crc32"]:
-            errors.append(f"{full}: CRC-32 {crc:08x}, the save wrote {want['crc32']:08x} "
-                          "(corrupt)")
-    return errors
+    errors = [f"{os.path.join(path, f)}: not part of save {marker['save_id']}"
+              for f in sorted(have - set(names))]
+    mine = cp.split_by_size({f: marker["files"][f]["size"] for f in names}, world)[rt.rank]
+    errors += [f"{os.path.join(path, f)}: missing" for f in mine if f not in have]
+    key = cp.pass_key("load")
+    errors += cp.checksum_share(path, [f for f in mine if f in have], key, rt.rank,
+                                marker["files"])[1]
+    return errors + cp.wait_for_peers(key, world, cp.stall_bound(rt))
 
 
-def write_marker(directory: str, save_id: str) -> None:
-    """Rank 0: CRC every file of ``directory`` into its marker (written, synced, then renamed)."""
-    files = {f: _crc(os.path.join(directory, f)) for f in _files(directory)}
+def write_marker(directory: str, save_id: str,
+                 records: Optional[Mapping[str, tuple[int, int]]] = None) -> None:
+    """Rank 0: every file of ``directory`` with its ``(size, CRC-32)`` (from ``records``, the
+    ranks' checksum passes; a file none of them measured is measured here) into its marker
+    (written, synced, then renamed)."""
+    files = dict(records or {})
+    listed = _files(directory)
+    gone = sorted(set(files) - set(listed))
+    if gone:
+        raise CheckpointError(f"{directory}: {gone[:5]} were checksummed but are not in the "
+                              "folder now; not published.")
+    for name in listed:
+        if name not in files:
+            with open_inside(directory, name) as f:
+                files[name] = _crc(f)
     marker = {"save_id": save_id, "format": 1,
               "files": {f: {"size": sz, "crc32": c} for f, (sz, c) in files.items()}}
     tmp = os.path.join(directory, MARKER + ".tmp")

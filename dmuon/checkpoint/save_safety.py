@@ -18,25 +18,42 @@ the OS cause, nothing left behind, nothing replaced that was not a checkpoint.
   whatever a rank raises into its ``CheckpointException``; dmuon unwraps it.)
 * **Nothing left behind**: on failure rank 0 removes ``<path>.partial-<id>``; each save first
   removes the ``<path>.partial-*`` folders that killed saves left (a partial folder with a marker
-  is a complete checkpoint an interrupted publish left: kept, and logged). A failed publish rolls
+  is a complete checkpoint an interrupted publish left: kept, and logged).
+* **A folder in progress belongs to one job**: rank 0 creates ``<path>.partial-<id>`` holding
+  :data:`OWNER` (host, pid and its start time, when the save began) before any rank writes;
+  the sweep removes only a folder whose owner is gone: this very process (an earlier save of
+  this job), a process of this host that no longer runs, or another host's folder in which
+  nothing changed for ``DMUON_PARTIAL_STALE_S`` seconds (default one day). Another job's save
+  in progress at the same path is left alone. A failed publish rolls
   ``<path>`` back, so ``<path>`` holds the previous checkpoint.
 """
 from __future__ import annotations
 
 import errno as errno_codes
+import json
 import logging
 import os
 import re
 import shutil
+import socket
+import time
 from typing import Any, Callable, NamedTuple, Optional
 
-from dmuon.checkpoint.files import MARKER, CheckpointError, describe_exception, failures_of
+from dmuon.checkpoint.files import (MARKER, CheckpointError, describe_exception, failures_of,
+                                    open_inside)
 from dmuon.stateful.runtime.agree import describe_problems, gather
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Failure", "run_step", "agree_failure", "target_problems", "sweep_partials",
-           "discard_partial"]
+           "claim_partial", "owner_record", "discard_partial", "OWNER", "STALE_ENV"]
+
+#: the record of who a partial folder belongs to (:func:`owner_record`), written before any
+#: rank writes into it (and kept in the published checkpoint)
+OWNER = "dmuon-owner.json"
+#: seconds after which another host's partial folder in which nothing changed is stale (removed
+#: by a save's sweep), and the default: one day
+STALE_ENV, STALE_S = "DMUON_PARTIAL_STALE_S", 86400.0
 
 #: what an OS error means for a save, and what to do
 OS_HINTS = {
@@ -134,9 +151,85 @@ def target_problems(path: str) -> list[str]:
     return []
 
 
+def _process_start(pid: int) -> Optional[str]:
+    """When process ``pid`` of this host started (Linux: ``/proc/<pid>/stat``, clock ticks since
+    boot; tells a reused pid apart), ``None`` where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def owner_record(pid: Optional[int] = None) -> dict:
+    """Who a partial folder belongs to: this host, the process ``pid`` (default: this one, rank
+    0 of the saving job) and its start time, and when the save began."""
+    pid = os.getpid() if pid is None else int(pid)
+    return {"host": socket.gethostname(), "pid": pid, "pid_start": _process_start(pid),
+            "started": time.time()}
+
+
+def claim_partial(tmp: str) -> list[str]:
+    """Rank 0, before any rank writes: create the partial folder ``tmp`` holding its
+    :data:`OWNER` record (written in a staging folder, then renamed: no other job's sweep ever
+    sees ``tmp`` without its owner). Returns the problem, if any."""
+    staging = f"{tmp}.claim"
+    try:
+        os.makedirs(staging)
+        with open(os.path.join(staging, OWNER), "w") as f:
+            json.dump(owner_record(), f)
+        os.rename(staging, tmp)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        return [f"cannot create the partial folder {tmp!r} ({describe_exception(e)})"]
+    return []
+
+
+def _owner_gone(folder: str) -> Optional[str]:
+    """Why the save that owns the partial ``folder`` is no longer running (``None``: it may be,
+    keep it). Its :data:`OWNER` names it: this very process (an earlier save of this job; one
+    save runs at a time), a process of this host that no longer runs, or (another host's, or a
+    record that cannot be read) nothing in the folder changed for :data:`STALE_ENV` seconds. A
+    folder without a record was left by a dmuon before records (removed, as then)."""
+    try:
+        with open_inside(folder, OWNER) as f:
+            owner = json.loads(f.read(1 << 16))
+        host, pid = owner["host"], int(owner["pid"])
+    except FileNotFoundError:
+        return "it has no owner record (an older dmuon's)"
+    except (OSError, ValueError, KeyError, TypeError, CheckpointError):
+        owner, host, pid = None, None, -1
+    if host == socket.gethostname():
+        if pid == os.getpid():
+            return "an earlier save of this job left it"
+        start = _process_start(pid)
+        if start is None and not _pid_exists(pid):
+            return f"its owner, process {pid}, no longer runs"
+        if start is not None and owner.get("pid_start") not in (None, start):
+            return f"its owner, process {pid}, no longer runs (the pid was reused)"
+        return None
+    stale = float(os.environ.get(STALE_ENV, STALE_S))
+    newest = max([os.lstat(folder).st_mtime] + [e.stat(follow_symlinks=False).st_mtime
+                                                for e in os.scandir(folder)])
+    if time.time() - newest > stale:
+        return f"nothing in it changed for {stale:g} s ({STALE_ENV})"
+    return None
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):
+        return pid > 0
+    return True
+
+
 def sweep_partials(path: str) -> None:
-    """Rank 0, before a save: remove the ``<path>.partial-<id>`` folders killed saves left
-    (keep, and log, one holding a marker: an interrupted publish's complete checkpoint)."""
+    """Rank 0, before a save: remove the ``<path>.partial-<id>`` folders saves that no longer
+    run left (:func:`_owner_gone`); keep another live job's, and keep (and log) one holding a
+    marker: an interrupted publish's complete checkpoint."""
     parent, base = os.path.split(path)
     if not os.path.isdir(parent or "."):
         return
@@ -149,8 +242,13 @@ def sweep_partials(path: str) -> None:
             logger.warning("dmuon.save_sharded: %s is a complete checkpoint an interrupted publish "
                            "left; kept (rename it to %s to load it, or delete it)", full, path)
             continue
+        why = _owner_gone(full)
+        if why is None:
+            logger.info("dmuon.save_sharded: %s belongs to a save still running; kept", full)
+            continue
         shutil.rmtree(full, ignore_errors=True)
-        logger.info("dmuon.save_sharded: removed %s, left by a save that did not finish", full)
+        logger.info("dmuon.save_sharded: removed %s, left by a save that did not finish (%s)",
+                    full, why)
 
 
 def discard_partial(tmp: str, path: str) -> None:

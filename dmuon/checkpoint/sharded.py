@@ -22,9 +22,10 @@ of its new owner column (masters) and the momentum of the matrices it now owns. 
 metadata is checked against the model on every rank before any collective.
 
 **Atomic saves** (publish by rename): ``save_sharded(path, ...)`` writes into a fresh sibling
-directory ``<path>.partial-<save id>``; once every rank's DCP write returned, rank 0 reads back and
-checksums (CRC-32) every file, writes ``dmuon-complete.json`` (the save id, each file's size and
-CRC, dmuon's version) into it, then publishes it: the old ``path`` becomes ``<path>.1`` (older ones
+directory ``<path>.partial-<save id>``; once every rank's DCP write returned, each rank reads back
+and checksums (CRC-32) the files it wrote (:mod:`~dmuon.checkpoint.checksum_pass`: waited for while
+it moves, agreed), then rank 0 writes ``dmuon-complete.json`` (the save id, each file's size and
+CRC, dmuon's version) into it and publishes it: the old ``path`` becomes ``<path>.1`` (older ones
 shift up to ``<path>.<keep_last - 1>``, the rest are deleted; ``keep_last=1`` deletes it) and the new
 directory becomes ``path``. A rank killed while writing leaves ``path`` as it was (the partial
 directory is never read); a crash between the two renames leaves no ``path``, and
@@ -53,10 +54,11 @@ import torch.nn as nn
 
 import torch.distributed as dist
 
+from dmuon.checkpoint.checksum_pass import not_agreed, save_checksums
 from dmuon.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise, publish,
                                     verify_files, write_marker)
-from dmuon.checkpoint.save_safety import (agree_failure, discard_partial, run_step, sweep_partials,
-                                          target_problems)
+from dmuon.checkpoint.save_safety import (agree_failure, claim_partial, discard_partial, run_step,
+                                          sweep_partials, target_problems)
 from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.functional.load_scalars import load_problems
 from dmuon.functional.state_dict_check import all_finite, check_state_dict
@@ -239,9 +241,15 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     problems = value_problems("extra", extra or {})
     if rt.rank == 0:
         problems += target_problems(path)
-    agree_errors(rt, problems, what)
-    if rt.rank == 0:
-        sweep_partials(path)
+        if not problems:  # other jobs' saves in progress are left; ours is claimed, owned
+            sweep_partials(path)
+            problems += claim_partial(tmp)
+    try:
+        agree_errors(rt, problems, what)
+    except CheckpointError:
+        if rt.rank == 0:
+            discard_partial(tmp, path)
+        raise
     sd = _save_entries(model, rt, optimizer)
     if extra:
         sd["extra"] = dict(extra)
@@ -252,8 +260,12 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
                                             planner=planner), f"DCP save into {tmp}", rt.rank)
     kept = f"The checkpoint at {path!r} is unchanged; the partial folder was removed."
     err = agree_failure(rt, own, raised, what, kept)
+    records: dict = {}
+    if err is None:  # each rank checksums the files it wrote, waited for while it moves
+        err, records = save_checksums(rt, tmp, what, kept)
     if err is None:  # rank 0 marks and publishes; every rank learns how that went
-        own, raised = (run_step(lambda: (write_marker(tmp, save_id), publish(path, tmp, keep_last)),
+        own, raised = (run_step(lambda: (write_marker(tmp, save_id, records),
+                                         publish(path, tmp, keep_last)),
                                 f"publishing {tmp} as {path}", 0) if rt.rank == 0
                        else (None, False))
         err = agree_failure(rt, own, raised, what, kept)
@@ -372,7 +384,11 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     except CheckpointError as e:
         errors.append(str(e))
     agree_errors(rt, errors, what)
-    agree_errors(rt, verify_files(rt, path, marker), what)
+    errors = verify_files(rt, path, marker)  # split by size; waited for while every pass moves
+    try:
+        agree_errors(rt, errors, f"{what} (checksum pass)")
+    except RuntimeError as e:
+        raise not_agreed(e, what, "Nothing was changed on any rank.", errors) from None
     reader, md = _read_metadata(rt, path, marker, storage_reader)
     notes: list = []
     problems, check = _check_metadata(md, model, rt, optimizer, strict, notes)

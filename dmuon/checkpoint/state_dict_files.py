@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from dmuon.checkpoint.files import CheckpointError, open_inside
 from dmuon.checkpoint.trust import index_targets, read_torch_file
 
 __all__ = ["read_state_dict"]
@@ -41,25 +42,57 @@ def read_state_dict(path: str | os.PathLike, *, verify: bool = True) -> dict[str
       dmuon.checkpoint.files.CheckpointError: a pickle that names anything
         ``torch.load(weights_only=True)`` does not allow (it would run code), a compressed record
         (``torch.save`` never compresses; a zip bomb), a record that fails its CRC-32, an index
-        naming a file outside its folder, another index or a folder.
+        naming a file outside its folder, another index or a folder; a file of the folder
+        (the one chosen, an index's shard) that is a symbolic link leading outside the folder
+        (a link to another file of the folder reads), a FIFO, device or socket (refused before a
+        byte is read); a shard holding a key its index maps elsewhere (or to no file), or missing
+        one the index maps to it.
     """
     path = os.fspath(path)
     if os.path.isdir(path):
         for name in _HF_FILES:
-            if os.path.exists(os.path.join(path, name)):
-                return read_state_dict(os.path.join(path, name), verify=verify)
+            if os.path.lexists(os.path.join(path, name)):  # a link leading out: refused
+                return _read(path, name, verify)
         raise FileNotFoundError(f"read_state_dict: {path!r} has none of {list(_HF_FILES)} "
                                 "(is it a save_pretrained folder?)")
-    if path.endswith(".index.json"):
-        out: dict[str, torch.Tensor] = {}
-        for shard in index_targets(path):
-            out.update(_read_file(shard, verify))
-        return out
-    return _read_file(path, verify)
+    real = os.path.realpath(path)  # a file named directly: the caller chose it, links included
+    return _read(os.path.dirname(real), os.path.basename(real), verify, path)
 
 
-def _read_file(path: str, verify: bool) -> Any:
-    if path.endswith(".safetensors"):
+def _read(folder: str, name: str, verify: bool, kind: str = "") -> Any:
+    """``folder/name`` (a file, or an index and its shards, each checked by
+    :func:`~dmuon.checkpoint.files.open_inside` before it is read); ``kind``: the name whose
+    suffix says the format (default ``name``)."""
+    full = os.path.join(folder, name)
+    if not (kind or name).endswith(".index.json"):
+        return _read_file(folder, name, verify, kind)
+    out: dict[str, torch.Tensor] = {}
+    targets = index_targets(full)
+    owner = {k: os.path.relpath(shard, folder) for shard, keys in targets.items() for k in keys}
+    for shard, keys in targets.items():
+        got = _read_file(folder, os.path.relpath(shard, folder), verify)
+        missing = sorted(set(keys) - set(got))
+        stray = sorted(set(got) - set(keys))
+        if missing or stray:
+            k = (missing or stray)[0]
+            where = (f"{full} maps it to {shard}, which does not hold it" if missing else
+                     f"it is in {shard}, but {full} maps it to {owner.get(k, 'no file')!r}")
+            raise CheckpointError(
+                f"key {k!r}: {where} ({len(missing)} key(s) of that file missing, {len(stray)} "
+                "not its own): which value is meant is unclear, so nothing was returned. Fix "
+                "the index or the files.")
+        out.update(got)
+    return out
+
+
+def _read_file(folder: str, name: str, verify: bool, kind: str = "") -> Any:
+    """One file's values, once :func:`~dmuon.checkpoint.files.open_inside` accepted it."""
+    full = os.path.join(folder, name)
+    with open_inside(folder, name):  # contained and regular, before a byte is read
+        real = os.path.realpath(full)
+    if (kind or name).endswith(".safetensors"):
         from safetensors.torch import load_file
-        return load_file(path, device="cpu")
-    return read_torch_file(path, verify=verify)
+        got = load_file(real, device="cpu")
+    else:
+        got = read_torch_file(real, verify=verify)
+    return got

@@ -11,7 +11,11 @@ others can write to). dmuon's readers treat it so:
   ``torch.save`` file too. Whatever else a file names is refused with :class:`CheckpointError`
   before it is called;
 * **inside the folder**: the files a checkpoint's index, marker or metadata names must be plain
-  names in its folder (no ``..``, no absolute path, no other index);
+  names in its folder (no ``..``, no absolute path, no other index), and every file is opened
+  through :func:`~dmuon.checkpoint.files.open_inside` before a byte of it is read: a symbolic
+  link whose target lies outside the folder, a FIFO, device or socket is refused (a link to
+  another file of the folder reads); an index's per-key map is obeyed (a key is read from the
+  file the index names for it: found in another file, or missing from its own, it is refused);
 * **bounded**: a ``torch.save`` record must be stored, not compressed (``torch.save`` never
   compresses; a deflated record can inflate x1000, a zip bomb), and each DCP item must lie inside
   its file as the marker measured it; no DCP storage transform (compression) is accepted;
@@ -36,7 +40,7 @@ from typing import Any, Mapping
 import torch
 
 from dmuon.compat.torch_api import dcp_metadata_global
-from dmuon.checkpoint.files import CheckpointError, plain_name
+from dmuon.checkpoint.files import CheckpointError, open_inside, plain_name
 
 __all__ = ["plain_name", "MetadataUnpickler", "read_metadata", "safe_reader", "load_bytes",
            "value_problems", "read_torch_file", "index_targets"]
@@ -70,7 +74,7 @@ def read_metadata(path: str, files: Mapping[str, int]) -> Any:
     checked to lie inside one of ``files`` (``{plain name: size}``, the marker's)."""
     from torch.distributed.checkpoint.metadata import Metadata
     try:
-        with open(path, "rb") as f:
+        with open_inside(os.path.dirname(path), os.path.basename(path)) as f:
             md = MetadataUnpickler(f).load()
     except CheckpointError as e:
         raise CheckpointError(f"{path}: {e}") from None
@@ -186,7 +190,7 @@ def safe_reader(path: str, files: Mapping[str, int]) -> Any:
             for req in plan.items:
                 info = self.storage_data[req.storage_index]
                 what = f"{info.relative_path}: item {req.storage_index.fqn!r}"
-                with open(os.path.join(path, info.relative_path), "rb") as f:
+                with open_inside(path, info.relative_path) as f:
                     if os.fstat(f.fileno()).st_size < info.offset + info.length:
                         raise CheckpointError(f"{what}: the file ends early (truncated?)")
                     if req.type == LoadItemType.BYTE_IO:
@@ -258,21 +262,24 @@ def read_torch_file(path: str, *, verify: bool = True) -> Any:
         raise CheckpointError(f"{path}: {_RUNS_CODE} ({str(e).splitlines()[0]}).") from None
 
 
-def index_targets(index: str) -> list[str]:
-    """The shard files a ``*.index.json`` names, as paths in its folder (refused: a name outside
-    it, another index, a folder)."""
+def index_targets(index: str) -> dict[str, list[str]]:
+    """The shard files a ``*.index.json`` names, as paths in its folder, each with the keys the
+    index maps to it (refused: a name outside the folder, another index, a folder)."""
     folder = os.path.dirname(index)
-    if os.path.getsize(index) > MAX_INDEX_BYTES:
-        raise CheckpointError(f"{index}: {os.path.getsize(index)} bytes, more than an index holds "
-                              f"({MAX_INDEX_BYTES} at most); refused.")
     try:
-        with open(index) as f:
+        with open_inside(folder, os.path.basename(index)) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_INDEX_BYTES:
+                raise CheckpointError(f"{index}: {size} bytes, more than an index holds "
+                                      f"({MAX_INDEX_BYTES} at most); refused.")
             weight_map = json.load(f)["weight_map"]
-        names = sorted(set(weight_map.values()))
+        keys_of: dict[Any, list[str]] = {}
+        for key, name in weight_map.items():
+            keys_of.setdefault(name, []).append(key)
     except (ValueError, KeyError, TypeError, AttributeError) as e:
         raise CheckpointError(f"{index}: not a weight index ({type(e).__name__}: {e})") from None
-    out = []
-    for name in names:
+    out = {}
+    for name in sorted(keys_of, key=str):
         parts = name.replace("\\", "/").split("/") if isinstance(name, str) else [None]
         if not isinstance(name, str) or os.path.isabs(name) or not all(
                 plain_name(p) for p in parts):
@@ -284,6 +291,5 @@ def index_targets(index: str) -> list[str]:
         full = os.path.join(folder, *parts)
         if os.path.isdir(full):
             raise CheckpointError(f"{index} names {name!r}, a folder; refused.")
-        out.append(full)
+        out[full] = sorted(keys_of[name])
     return out
-

@@ -9,6 +9,7 @@ Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.agree".
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -17,6 +18,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from dmuon.compat.heartbeat import PeerWatch
 from dmuon.compat.torch_api import default_store
 from dmuon.functional.rank_report import describe_problems, describe_values
 from dmuon.functional.tp_step import max_keeping_nan
@@ -32,17 +34,12 @@ def _group(via: Any) -> Any:
 
 def _run(via: Any, what: str, fn: Callable[[Any], Any]) -> Any:
     """``fn(group)`` on ``via``'s group; through ``control_collective`` where ``via`` has one."""
-    if hasattr(via, "control_collective"):
-        return via.control_collective(what, fn)
-    return fn(via)
+    return via.control_collective(what, fn) if hasattr(via, "control_collective") else fn(via)
 
 
 def gather(value: Any, *, what: str, via: Any = None) -> list[Any]:
-    """Every rank's ``value`` (picklable), in rank order (collective: one ``all_gather_object``).
-
-    Args:
-      value: this rank's value.  what: the collective's name, for a timeout's message.
-      via: where it runs (see the module docstring).
+    """Every rank's ``value`` (picklable), in rank order (collective: one ``all_gather_object``;
+    ``what``: its name, for a timeout's message; ``via``: where it runs, see the module docstring).
     """
     got: list[Any] = [None] * dist.get_world_size(_group(via))
     _run(via, what, lambda g: dist.all_gather_object(got, value, group=g))
@@ -129,15 +126,13 @@ def _join_error(what: str, detail: str) -> NotOnEveryRankError:
 
 def join(what: str) -> None:
     """Collective entry check, on the rendezvous store (no collective): return once every rank has
-    entered this :func:`join`; a failed join is not counted (the next call is a fresh attempt).
-
-    Args:
-      what: the call, as the user wrote it (``"model.state_dict()"``); the message says what to do
-        instead (:data:`SAVE_FIX`).
+    entered this :func:`join` (``what``: the call as the user wrote it, ``"model.state_dict()"``);
+    a failed join is not counted (the next call is a fresh attempt).
 
     Raises:
-      NotOnEveryRankError: some rank did not come within ``DMUON_JOIN_TIMEOUT_S`` seconds
-        (default 30), on the ranks that entered; at once on a rank that comes after another gave up.
+      NotOnEveryRankError: on the ranks that entered, when some rank did not come within
+        ``DMUON_JOIN_TIMEOUT_S`` seconds (default 30) or its process is gone (its heartbeat,
+        :mod:`dmuon.compat.heartbeat`, stopped); at once on a rank that comes after another gave up.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
@@ -149,19 +144,18 @@ def join(what: str) -> None:
     bound = float(os.environ.get(JOIN_ENV, JOIN_TIMEOUT_S))
     base = f"dmuon/join/{seq}"
     key = f"{base}.{store.add(base + '/attempt', 0)}"
-    try:
+    with contextlib.suppress(Exception):  # a store without append: the message names no ranks
         store.append(key + "/ranks", f"{rank},")
-    except Exception:  # noqa: BLE001 - a store without append: the message names no ranks
-        pass
     n = store.add(key + "/n", 1)
     if n >= _POISON:
         raise _join_error(what, f"another rank gave up waiting for this one at this call "
                           f"after {bound:g} s (this is rank {rank})")
     if n == world:
         store.set(key + "/go", "ok")
-    deadline, nap = time.monotonic() + bound, 0.001
-    while not store.check([key + "/go"]):
-        if time.monotonic() > deadline:
+    deadline, nap, watch, gone = time.monotonic() + bound, 0.001, PeerWatch(store), []
+    while not store.check([key + "/go"]):  # a peer whose heartbeat stopped ends it at once
+        if time.monotonic() > deadline or deadline < math.inf and (
+                gone := watch.gone(lambda: _missing(store, key, world))):
             v = store.add(key + "/n", _POISON)
             if v % _POISON < world:  # not everyone came: abort this attempt for all
                 store.set(key + "/go", "abort")
@@ -172,11 +166,15 @@ def join(what: str) -> None:
         time.sleep(nap)
         nap = min(2 * nap, 0.05)
     if store.get(key + "/go") != b"ok":
-        try:
-            came = {int(x) for x in store.get(key + "/ranks").decode().split(",") if x}
-            missing = f"rank(s) {sorted(set(range(world)) - came)}"
-        except Exception:  # noqa: BLE001
-            missing = "some rank(s)"
-        raise _join_error(what, f"{missing} did not reach it within {bound:g} s (this is "
-                          f"rank {rank})")
+        raise _join_error(what, f"rank(s) {gone} stopped running (no heartbeat for "
+                          f"{watch.bound:g} s: exited, killed or frozen; see its log)" if gone else
+                          f"rank(s) {_missing(store, key, world) or '?'} did not reach it within "
+                          f"{bound:g} s (this is rank {rank})")
     _join_done[id(store)] = seq
+
+
+def _missing(store: Any, key: str, world: int) -> list[int]:
+    """The ranks that have not entered join attempt ``key`` (``[]``: unknown)."""
+    with contextlib.suppress(Exception):  # a store without append
+        return sorted(set(range(world)) - set(map(int, store.get(f"{key}/ranks").split(b",")[:-1])))
+    return []

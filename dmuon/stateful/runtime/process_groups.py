@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
+from dmuon.compat.heartbeat import start_heartbeat
 from dmuon.functional.group_layout import check_grids, grid_position, group_ranks, standard_grid
 from dmuon.functional.schedule import LANE_AXIS, LANES
 from dmuon.functional.setup_check import Grid, check_setups, error_type, rank_setup
@@ -195,6 +196,7 @@ def make_process_groups(mesh=None, *, replicate_mesh=None, shard_size: int | Non
                       timeout=timeout, tp_group=tp_group, tp_size=T, tp_index=tp_index,
                       tp_ranks=tp_ranks, tp_grids=all_grids if T > 1 else ())
     _REUSE[key] = made
+    start_heartbeat(me)  # the join (agree.py) tells a rank that is gone from one that is late
     return made
 
 

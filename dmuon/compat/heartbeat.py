@@ -1,0 +1,77 @@
+"""Which ranks of the job still run, read from the rendezvous store: each process of a dmuon job
+bumps a counter ``dmuon/alive/<rank>`` every :data:`BEAT_S` seconds from a daemon thread
+(:func:`start_heartbeat`: started once per store when dmuon makes its process groups), and a rank
+waiting for the others (:func:`dmuon.stateful.runtime.agree.join`) asks :class:`PeerWatch` which
+of them stopped: a counter that did not move for ``DMUON_DEAD_PEER_S`` seconds (default
+:data:`DEAD_AFTER_S`) is a process that is gone (exited, killed, frozen), not one that is slow to
+arrive. A rank that never beat (a process that did not reach dmuon's setup) is never called dead.
+"""
+from __future__ import annotations
+
+import math
+import os
+import threading
+import time
+from typing import Any, Callable, Iterable
+
+from dmuon.compat.torch_api import default_store
+
+__all__ = ["start_heartbeat", "PeerWatch", "BEAT_S", "DEAD_AFTER_S", "DEAD_ENV"]
+
+#: seconds between two beats of a process
+BEAT_S = 1.0
+#: a counter that did not move for this long (seconds) is a rank that is gone; the environment
+#: variable that sets it
+DEAD_AFTER_S, DEAD_ENV = 5.0, "DMUON_DEAD_PEER_S"
+_STARTED: dict[int, threading.Thread] = {}  # id(store) -> its beating thread
+
+
+def _key(rank: int) -> str:
+    return f"dmuon/alive/{rank}"
+
+
+def start_heartbeat(rank: int, store: Any = None) -> None:
+    """Beat for ``rank`` on ``store`` (default: the default group's) from a daemon thread, once
+    per store; the thread ends when the store fails (the job is over)."""
+    store = default_store() if store is None else store
+    if store is None or id(store) in _STARTED:
+        return
+
+    def beat() -> None:
+        while True:
+            try:
+                store.add(_key(rank), 1)
+            except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
+                return
+            time.sleep(BEAT_S)
+    _STARTED[id(store)] = thread = threading.Thread(target=beat, name="dmuon-heartbeat",
+                                                    daemon=True)
+    thread.start()
+
+
+class PeerWatch:
+    """The ranks whose heartbeat stopped, observed over one wait (:meth:`gone`)."""
+
+    def __init__(self, store: Any, clock: Callable[[], float] = time.monotonic):
+        self.store, self.clock = store, clock
+        self.bound = float(os.environ.get(DEAD_ENV, DEAD_AFTER_S))
+        self.seen: dict[int, tuple[int, float]] = {}  # rank -> (last count, when it changed)
+        self.next = -math.inf  # when to observe again (at most every BEAT_S / 2)
+
+    def gone(self, ranks: Callable[[], Iterable[int]]) -> list[int]:
+        """Of ``ranks()`` (asked only when it is time to observe again), those whose counter did
+        not move for the bound since this watch first saw it; ranks that never beat are left
+        out. Cheap to call in a polling loop."""
+        now, out = self.clock(), []
+        if now < self.next:
+            return out
+        self.next = now + BEAT_S / 2
+        for r in ranks():
+            if not self.store.check([_key(r)]):
+                continue
+            count = int(self.store.add(_key(r), 0))
+            if r not in self.seen or self.seen[r][0] != count:
+                self.seen[r] = (count, now)
+            elif now - self.seen[r][1] > self.bound:
+                out.append(r)
+        return out
