@@ -34,8 +34,8 @@ def start_heartbeat(rank: int, store: Any = None) -> None:
     """Beat for ``rank`` on ``store`` (default: the default group's) from a daemon thread, once
     per store; the thread ends when the store fails (the job is over)."""
     store = default_store() if store is None else store
-    if store is None or id(store) in _STARTED:
-        return
+    if store is None or (id(store) in _STARTED and _STARTED[id(store)].is_alive()):
+        return  # (a dead thread's store is gone: its id may be a new store's)
 
     def beat() -> None:
         while True:
