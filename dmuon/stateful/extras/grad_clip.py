@@ -59,9 +59,8 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         # rank's gradients hold
         acc = max_over_ranks(acc, what="clip_grad_norm_ all-reduce", via=rt.mesh_groups)
     else:
-        rt.mesh_groups.control_collective(
-            "clip_grad_norm_ all-reduce",
-            lambda g: dist.all_reduce(acc, op=dist.ReduceOp.SUM, group=g))
+        rt.mesh_groups.control_collective("clip_grad_norm_ all-reduce", lambda g: dist.all_reduce(
+            acc, op=dist.ReduceOp.SUM, group=g))
     total = total_norm(acc, p)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(f"the total gradient norm of order {norm_type} is non-finite ({total}); "

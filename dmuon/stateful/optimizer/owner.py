@@ -44,8 +44,7 @@ class OwnerDriver:
       TypeError, ValueError: see :mod:`dmuon.functional.owner_checks`.
     """
 
-    def __init__(self, transform: Any, hparams: fmuon.MuonHParams, rt: Any,
-                 storage: Any = None):
+    def __init__(self, transform: Any, hparams: fmuon.MuonHParams, rt: Any, storage: Any = None):
         #: another chain than Muon itself (a variant, or the user's chain)
         self.custom = not oc.is_muon(transform)
         transform = variants.muon() if transform is None else transform

@@ -171,8 +171,7 @@ class Executor:
         lanes at world size 1).
     """
 
-    def __init__(self, groups: MeshGroups, *, issue_trivial: bool = False,
-                 timeout: Any = None):
+    def __init__(self, groups: MeshGroups, *, issue_trivial: bool = False, timeout: Any = None):
         self.groups = groups
         self.issue_trivial = issue_trivial
         self.timeout = timeout  # the lane groups' collective timeout (for error messages)
