@@ -47,6 +47,7 @@ import contextlib
 import contextvars
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
+import optree
 import torch
 from torch import Tensor
 
@@ -139,7 +140,7 @@ class Leaves:
                  orthogonalizer_for: Optional[Callable] = None,
                  sum_hook: Optional[Callable] = None, elementwise: Any = None,
                  momentum_io: Any = None):
-        self.all_params, self.treedef = flatten(params)
+        self.all_params, self._treedef = flatten(params)
         self.tree = params
         u_all = flatten_like(self.treedef, updates, what)
         self.index = [i for i, u in enumerate(u_all) if u is not None]
@@ -163,6 +164,17 @@ class Leaves:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    @property
+    def treedef(self) -> Any:
+        """optree's spec of the params. A :class:`Leaves` built while ``torch.compile`` traces
+        holds dynamo's Python stand-in for it; if a graph break hands the object to code that runs
+        eagerly (the resumed frame past dynamo's recompile limit), the stand-in's dict metadata
+        is not what optree's own unflatten reads (``length mismatch: [2, 1]``), so eager code
+        gets a spec of ``tree`` made eagerly."""
+        if not torch.compiler.is_compiling() and not isinstance(self._treedef, optree.PyTreeSpec):
+            self._treedef = flatten(self.tree)[1]
+        return self._treedef
 
     @property
     def names(self) -> list[str]:
