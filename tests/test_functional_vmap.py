@@ -57,12 +57,7 @@ def _expand(tree, n):
     return optree.tree_map(lambda p: p.expand(n, *p.shape).clone(), tree)
 
 
-_NESTEROV_OUT = pytest.mark.xfail(strict=True, reason="issue 46: the Nesterov output is made "
-                                  "like the unbatched gradient, then written a batched value")
-
-
-@pytest.mark.parametrize("name", [pytest.param("muon.update", marks=_NESTEROV_OUT), "adamw.update",
-                                  pytest.param("update_params", marks=_NESTEROV_OUT)])
+@pytest.mark.parametrize("name", sorted(RUNS))
 def test_lr_sweep_with_batched_params_equals_a_loop(name):
     init, step = RUNS[name]
     n = len(LRS)
@@ -79,8 +74,6 @@ def test_lr_sweep_with_batched_params_equals_a_loop(name):
             assert err < 1e-12, f"{name} lr {lr}: {k} off the loop by {err:.3g}"
 
 
-@pytest.mark.xfail(strict=True, reason="issue 46: torch's in-place vmap error from "
-                   "stages/leaves.py with no hint")
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_lr_sweep_with_unbatched_params_says_to_expand_them(name):
     init, step = RUNS[name]

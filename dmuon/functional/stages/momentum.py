@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from dmuon.functional.stages.base import Transform, hyper_stage
-from dmuon.functional.stages.hparams import Hyper, check_hyper, register_state, traced
+from dmuon.functional.stages.hparams import (Hyper, check_hyper, is_batched, register_state,
+                                             traced)
 from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves
 from dmuon.functional.state_dtype import absmax, check_state_dtype, round_trip
 from dmuon.functional.tree import PyTree, flatten, zeros_like_tree
@@ -202,7 +203,8 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
             _run_chunked(stored, leaves.names, run, bs, gs, leaves, mu, nesterov)
             return state
         if nesterov:
-            xs = [g if leaves.scratch[k] else torch.empty_like(g) for k, g in enumerate(gs)]
+            xs = [g if leaves.scratch[k] else _output_like(g, b)
+                  for k, (g, b) in enumerate(zip(gs, bs))]
             run(bs, gs, xs, mu)
             leaves.updates, leaves.scratch = xs, [True] * n
         else:
@@ -213,6 +215,15 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
 
     stage_ = hyper_stage(update_, init, momentum=momentum)
     return stage_._replace(momentum_dtype=None if rounding is None else dtype)
+
+
+def _output_like(g: Tensor, b: Tensor) -> Tensor:
+    """A new tensor for the Nesterov output ``g + μ·b``: like ``g``, but batched where only ``b``
+    is (``torch.vmap`` over params and state with one gradient for all: the output is batched,
+    and an unbatched tensor cannot receive it)."""
+    if is_batched(b) and not is_batched(g):
+        return torch.empty_like(b, dtype=g.dtype)
+    return torch.empty_like(g)
 
 
 def _run_chunked(io: MomentumIO, names: list[str], run: Callable, bs: list[Tensor],
