@@ -59,7 +59,7 @@ def _adamw(lr):
 
 def _runs():
     """name -> (init(params), step(params, state, grads, lr) -> (params, state))."""
-    chain_of = lambda lr: muon.transform(_muon(lr))  # noqa: E731 (a new chain per lr, as a user does)
+    chain_of = lambda lr: muon.transform(_muon(lr))  # noqa: E731 (a new chain per lr)
     return {
         "muon.update": (muon.init, lambda p, s, g, lr: muon.update(g, s, p, _muon(lr))),
         "adamw.update": (adamw.init, lambda p, s, g, lr: adamw.update(g, s, p, _adamw(lr))),
