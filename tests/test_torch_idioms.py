@@ -130,6 +130,62 @@ def _nan_on_rank1(rank, world):
     return catch(opt.step)
 
 
+SKIP_AT = 2  # the step whose gradients overflow on rank 1
+
+
+def _flat_state(sd, prefix=""):
+    """``{dotted key: tensor or number}`` of a (nested) state dict, each copied."""
+    out = {}
+    for k, v in sd.items():
+        if isinstance(v, dict):
+            out.update(_flat_state(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor):
+            out[prefix + str(k)] = v.detach().clone()
+        elif isinstance(v, (int, float)):
+            out[prefix + str(k)] = v
+    return out
+
+
+def _same(a, b):
+    return set(a) == set(b) and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
+
+
+def _skip_overflow_step(rank, world):
+    """Peer class (DeepSpeed #8435): an fp16-style overflow -- rank 1's loss scaled to inf on step
+    ``SKIP_AT`` -- is skipped the documented way (``check_finite`` raises FloatingPointError on
+    every rank before anything changes; the loop zeroes the gradients and goes on). The skipped
+    step must move nothing: params, momentum, AdamW moments, step counters."""
+    import dmuon
+
+    model, opt = _fresh(rank, world)
+    out = {"skipped": []}
+    for step, ids in enumerate(make_batches(STEPS, BATCH)):
+        opt.zero_grad()
+        loss = model(ids.chunk(world)[rank])
+        if step == SKIP_AT and rank == 1:
+            loss = loss * float("inf")  # the overflow of an fp16 loss scale
+        loss.backward()
+        if step == SKIP_AT:
+            before = (_flat_state(dmuon.get_model_state_dict(model)),
+                      _flat_state(dmuon.get_optimizer_state_dict(model, opt)), opt.num_steps)
+        try:
+            opt.step()
+        except FloatingPointError as e:
+            out["skipped"].append((step, str(e)))
+            opt.zero_grad()
+        if step == SKIP_AT:
+            after = (_flat_state(dmuon.get_model_state_dict(model)),
+                     _flat_state(dmuon.get_optimizer_state_dict(model, opt)), opt.num_steps)
+            out["params_unchanged"] = _same(before[0], after[0])
+            out["optim_unchanged"] = _same(before[1], after[1])
+            out["optim_keys"] = sorted(before[1])
+            out["steps_unchanged"] = before[2] == after[2]
+    out["sd"] = dmuon.get_model_state_dict(model, cpu_offload=True)
+    out["steps"] = opt.num_steps
+    return out
+
+
 CFGS = [dict(id="zero_none", zero=True), dict(id="zero_false", zero=False),
         dict(id="clip_value", clip_value=2e-3), dict(id="extra_step", extra_step=True)]
 
@@ -137,7 +193,7 @@ CFGS = [dict(id="zero_none", zero=True), dict(id="zero_false", zero=False),
 def _worker2(rank, world):
     torch.set_num_threads(1)
     out = {"foreign": _foreign_tools(rank, world), "nan": _nan_on_rank1(rank, world),
-           "double": _double_step(rank, world, {})}
+           "double": _double_step(rank, world, {}), "skip": _skip_overflow_step(rank, world)}
     out.update({c["id"]: _train(rank, world, c) for c in CFGS})
     return out
 
@@ -194,6 +250,24 @@ def test_zero_grad_clip_value_and_extra_step_equal_the_reference(res2, cid):
         assert len(res2[1][cid]["errors"]) == STEPS
         for kind, msg in res2[1][cid]["errors"]:
             assert kind == "RuntimeError" and "no backward pass reached" in msg, msg
+
+
+def test_a_step_skipped_for_overflow_moves_nothing_and_the_run_equals_one_without_it(res2):
+    """DeepSpeed #8435's class: momentum moved on a step skipped for non-finite fp16 gradients."""
+    batches = make_batches(STEPS, BATCH)
+    ref = reference_train(make_model(), batches[:SKIP_AT] + batches[SKIP_AT + 1:], {})["sd"]
+    for rank, r in enumerate(res2):
+        sk = r["skip"]
+        assert [s for s, _ in sk["skipped"]] == [SKIP_AT], (rank, sk["skipped"])
+        assert "ranks [1]" in sk["skipped"][0][1], sk["skipped"][0][1]
+        assert sk["params_unchanged"] and sk["steps_unchanged"], rank
+        assert sk["optim_unchanged"], rank
+        keys = " ".join(sk["optim_keys"])  # the snapshot covered the state that must not move
+        assert "momentum_buffer" in keys and "exp_avg" in keys and "exp_avg_sq" in keys, keys
+        assert "step" in keys, keys
+        assert sk["steps"] == STEPS - 1
+        err, where = max_rel_err(sk["sd"], ref)
+        assert err <= TOL, f"rank {rank}: rel err {err:.3g} at {where} vs a run without step 2"
 
 
 def test_nan_names_the_rank_that_computed_it(res2):

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 
 from dmuon.functional.stages.base import EmptyState, Transform, hyper_stage
-from dmuon.functional.stages.hparams import Hyper, check_hyper, is_one
+from dmuon.functional.stages.hparams import Hyper, check_hyper, is_one, traced
 from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves
 from dmuon.functional.tree import PyTree
 
@@ -53,15 +53,23 @@ def decoupled_apply_(ps: list[Tensor], us: list[Tensor], decay: float, alphas: S
     """
     if not ps:
         return
-    if isinstance(decay, Tensor) or any(isinstance(a, Tensor) for a in alphas):
+    # Traced, a float may be a symbol (torch.compile's dynamic float, for a value that changes
+    # between calls): it is never a dict key, a foreach scalar nor an ``alpha=`` / ``value=``
+    # argument, each of which fixes its value (a recompile per value); each leaf is its own group
+    # and the scalar a per-tensor factor there (the same arithmetic per element; the compiler
+    # fuses the ops).
+    symbolic = traced()
+    if symbolic or isinstance(decay, Tensor) or any(isinstance(a, Tensor) for a in alphas):
         ops = PER_TENSOR  # tensor hyper-parameters (traced, batched): per-tensor ops
     if not is_one(decay):
         ops.mul_(ps, decay)
-    groups: dict[tuple[float, bool], list[int]] = {}
+    groups: dict[tuple[Any, bool], list[int]] = {}
     for k, a in enumerate(alphas):
-        groups.setdefault((a, dens is not None and dens[k] is not None), []).append(k)
-    for (alpha, divided), ks in groups.items():
-        if isinstance(alpha, Tensor):  # a tensor lr (traced, batched): no alpha= argument
+        groups.setdefault((k if symbolic else a, dens is not None and dens[k] is not None),
+                          []).append(k)
+    for (_, divided), ks in groups.items():
+        alpha = alphas[ks[0]]
+        if symbolic or isinstance(alpha, Tensor):  # a tensor lr (batched), or traced: a factor
             us_a = ops.mul([us[k] for k in ks], alpha)
             if divided:
                 us_a = [u / dens[k] for u, k in zip(us_a, ks)]

@@ -150,7 +150,9 @@ def check_hyper(name: str, v: Any, *, lo: float = 0.0, hi: Optional[float] = Non
 
 def _check_range(name: str, x: float, lo: float, hi: Optional[float], hi_open: bool,
                  at: str) -> None:
-    ok = math.isfinite(x) and x >= lo and (hi is None or (x < hi if hi_open else x <= hi))
+    # comparisons only (no math.isfinite): a float that torch.compile traces as a symbol (a
+    # value that changes between calls) is checked by guards, with no graph break
+    ok = x >= lo and x < math.inf and (hi is None or (x < hi if hi_open else x <= hi))
     if not ok:
         rng = f"[{lo}, {hi}{')' if hi_open else ']'}" if hi is not None else f">= {lo}, finite"
         raise ValueError(f"{at}{name} must be in {rng}, got {x!r}")

@@ -47,6 +47,7 @@ import contextlib
 import contextvars
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Optional, Sequence
 
+import optree
 import torch
 from torch import Tensor
 
@@ -139,7 +140,7 @@ class Leaves:
                  orthogonalizer_for: Optional[Callable] = None,
                  sum_hook: Optional[Callable] = None, elementwise: Any = None,
                  momentum_io: Any = None):
-        self.all_params, self.treedef = flatten(params)
+        self.all_params, self._treedef = flatten(params)
         self.tree = params
         u_all = flatten_like(self.treedef, updates, what)
         self.index = [i for i, u in enumerate(u_all) if u is not None]
@@ -163,6 +164,17 @@ class Leaves:
 
     def __len__(self) -> int:
         return len(self.index)
+
+    @property
+    def treedef(self) -> Any:
+        """optree's spec of the params. A :class:`Leaves` built while ``torch.compile`` traces
+        holds dynamo's Python stand-in for it; if a graph break hands the object to code that runs
+        eagerly (the resumed frame past dynamo's recompile limit), the stand-in's dict metadata
+        is not what optree's own unflatten reads (``length mismatch: [2, 1]``), so eager code
+        gets a spec of ``tree`` made eagerly."""
+        if not torch.compiler.is_compiling() and not isinstance(self._treedef, optree.PyTreeSpec):
+            self._treedef = flatten(self.tree)[1]
+        return self._treedef
 
     @property
     def names(self) -> list[str]:
@@ -321,19 +333,48 @@ def run_inplace(transform: Any, leaves: Leaves, state: Any,
             raise TypeError("this transform has no in-place form (update_); run it with its "
                             "update and apply_updates")
     opened = leaves.open(state)
-    if not groups:
-        result = transform.update_(leaves, opened)
-    else:
-        for i, ks in enumerate(groups):
-            sub = leaves.select(ks)
-            t = transform if transforms is None else transforms[i]
-            result = t.update_(sub, _slice(opened, ks))
-            if not sub.applied:
-                apply_inplace_(sub)
-            leaves.absorb(sub, ks)
-    if not leaves.applied:
-        apply_inplace_(leaves)
+    with _unbatched_under_vmap(leaves, opened):
+        if not groups:
+            result = transform.update_(leaves, opened)
+        else:
+            for i, ks in enumerate(groups):
+                sub = leaves.select(ks)
+                t = transform if transforms is None else transforms[i]
+                result = t.update_(sub, _slice(opened, ks))
+                if not sub.applied:
+                    apply_inplace_(sub)
+                leaves.absorb(sub, ks)
+        if not leaves.applied:
+            apply_inplace_(leaves)
     return leaves.close(state, opened, result)
+
+
+@contextlib.contextmanager
+def _unbatched_under_vmap(leaves: Leaves, opened: Any) -> Iterator[None]:
+    """Inside ``torch.vmap``, an error of the stages' in-place writes where a param or state
+    buffer is not batched (a sweep over lrs with the params closed over, or passed with
+    ``in_dims=None``) becomes a ``ValueError`` that says to give them the batch dim: a batched
+    value (the lr's, a gradient's) cannot be written into an unbatched tensor."""
+    try:
+        yield
+    except RuntimeError as err:
+        if torch._C._functorch.maybe_current_level() is None:
+            raise
+        bufs: list = []
+        _walk(opened, lambda b: bufs.extend(b), lambda v: v)
+        names = [n for n, p in zip(leaves.names, leaves.params) if not is_batched(p)]
+        if not names and all(is_batched(b) for b in bufs):
+            raise
+        what = (f"the params {names[:4]}{' ...' if len(names) > 4 else ''}" if names
+                else "the optimizer state's buffers")
+        raise ValueError(
+            f"dmuon under torch.vmap: {what} are not batched while a hyper-parameter or a "
+            "gradient is, and the update writes params and state in place (vmap cannot write a "
+            "batched value into an unbatched tensor). Give the params and the state the batch "
+            "dim and vmap over them too: params = optree.tree_map(lambda p: p.expand(n, "
+            "*p.shape).clone(), params), state = init(params) of those (or expand the state the "
+            f"same way), then torch.vmap(step, in_dims=(0, 0, 0, ...)). torch said: {err}"
+        ) from err
 
 
 def derive_update(update_: Callable[[Leaves, Any], Any]) -> Callable[..., tuple[PyTree, Any]]:
@@ -344,7 +385,8 @@ def derive_update(update_: Callable[[Leaves, Any], Any]) -> Callable[..., tuple[
         leaves = Leaves(params, updates)
         before = list(leaves.params)
         opened = leaves.open(state)
-        result = update_(leaves, opened)
+        with _unbatched_under_vmap(leaves, opened):
+            result = update_(leaves, opened)
         if leaves.applied:  # an applying stage wrote (copies of) the params: W' − W
             leaves.updates = [new - old for new, old in zip(leaves.params, before)]
             leaves.scale = [1.0] * len(leaves)

@@ -25,7 +25,8 @@ import torch
 from torch import Tensor
 
 from dmuon.functional.stages.base import Transform, hyper_stage
-from dmuon.functional.stages.hparams import Hyper, check_hyper, register_state
+from dmuon.functional.stages.hparams import (Hyper, check_hyper, is_batched, register_state,
+                                             traced)
 from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves
 from dmuon.functional.state_dtype import absmax, check_state_dtype, round_trip
 from dmuon.functional.tree import PyTree, flatten, zeros_like_tree
@@ -104,16 +105,18 @@ def foreach_momentum_(bs: list[Tensor], gs: list[Tensor], xs: Optional[list[Tens
 def momentum_(bs: list[Tensor], gs: list[Tensor], xs: Optional[list[Tensor]], mu: Any,
               ops: Any) -> None:
     """:func:`foreach_momentum_`'s arithmetic with the list ops ``ops`` and ``μ`` a float or a 0-d
-    tensor (``x ← g + b·μ`` then: a tensor is no ``alpha``): the path of per-tensor ops (inside
-    ``torch.vmap``) and of tensor or scheduled ``μ``."""
+    tensor (``x ← g + b·μ`` then: a tensor is no ``alpha``, nor is a float ``torch.compile``
+    traces, which may be a symbol): the path of per-tensor ops (inside ``torch.vmap``), of tensor
+    or scheduled ``μ`` and of traced code."""
     if not bs:
         return
     ops.mul_(bs, mu)
     ops.add_(bs, gs)
     if xs is None:
         return
+    factor = isinstance(mu, Tensor) or traced()
     for k in range(len(bs)):
-        if isinstance(mu, Tensor):
+        if factor:
             x = gs[k] + bs[k] * mu
         elif xs[k] is gs[k]:
             gs[k].add_(bs[k], alpha=mu)
@@ -186,20 +189,22 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
         leaves.materialize()
         mu = momentum
         fused = impl if impl is not None else getattr(leaves.elementwise, "momentum", None)
-        if fused not in (None, foreach_momentum_) and not isinstance(mu, Tensor):
+        factor = isinstance(mu, Tensor) or traced()  # traced, a float μ may be a symbol
+        if fused not in (None, foreach_momentum_) and not factor:
             run = fused
-        elif leaves.ops is FOREACH and not isinstance(mu, Tensor):
+        elif leaves.ops is FOREACH and not factor:
             run = foreach_momentum_
-        else:  # per-tensor ops (inside vmap), or a tensor μ (traced, batched)
+        else:  # per-tensor ops (inside vmap), or a tensor μ (batched), or traced
             def run(b, g, x, m):
-                momentum_(b, g, x, m, PER_TENSOR if isinstance(m, Tensor) else leaves.ops)
+                momentum_(b, g, x, m, PER_TENSOR if factor else leaves.ops)
         bs, gs, n = state.momentum, leaves.updates, len(leaves)
         stored = io if io is not None else (leaves.momentum_io_of(bs) or rounding)
         if stored is not None:
             _run_chunked(stored, leaves.names, run, bs, gs, leaves, mu, nesterov)
             return state
         if nesterov:
-            xs = [g if leaves.scratch[k] else torch.empty_like(g) for k, g in enumerate(gs)]
+            xs = [g if leaves.scratch[k] else _output_like(g, b)
+                  for k, (g, b) in enumerate(zip(gs, bs))]
             run(bs, gs, xs, mu)
             leaves.updates, leaves.scratch = xs, [True] * n
         else:
@@ -210,6 +215,15 @@ def trace_momentum(momentum: Hyper = 0.95, nesterov: bool = True, *,
 
     stage_ = hyper_stage(update_, init, momentum=momentum)
     return stage_._replace(momentum_dtype=None if rounding is None else dtype)
+
+
+def _output_like(g: Tensor, b: Tensor) -> Tensor:
+    """A new tensor for the Nesterov output ``g + μ·b``: like ``g``, but batched where only ``b``
+    is (``torch.vmap`` over params and state with one gradient for all: the output is batched,
+    and an unbatched tensor cannot receive it)."""
+    if is_batched(b) and not is_batched(g):
+        return torch.empty_like(b, dtype=g.dtype)
+    return torch.empty_like(g)
 
 
 def _run_chunked(io: MomentumIO, names: list[str], run: Callable, bs: list[Tensor],
