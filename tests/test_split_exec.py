@@ -112,6 +112,7 @@ def _check_run(world, cfg):
     return res
 
 
+@pytest.mark.slow  # the default tier's 600 s budget (issue 46's tests); the slow tier runs it
 def test_split_ns_forced_model_run_equals_one_process_gloo4():
     _check_run(4, _cfg())
 
