@@ -245,3 +245,27 @@ def test_the_join_tells_a_rank_whose_heartbeat_stopped_from_one_still_beating(mo
         time.sleep(0.2)
         gone = watch.gone(lambda: [0, 1, 2])
     assert first == [] and gone == [1], (first, gone)
+
+
+def test_the_heartbeat_ends_with_its_process_group(tmp_path):
+    """The heartbeat of the default group's store stops when that group is destroyed: a process
+    that rebuilds its model with a new group keeps no thread beating on a store that is gone (on
+    the GPU, the old thread's ``store.add`` on the destroyed group's store aborted the process at
+    exit: ``benchmarks/rebuild_loop.py`` ended with SIGABRT)."""
+    import subprocess
+    import sys
+    code = (
+        "import threading, time, torch.distributed as dist\n"
+        "from dmuon.compat.heartbeat import start_heartbeat\n"
+        f"dist.init_process_group('gloo', init_method='file://{tmp_path}/rdzv', rank=0, "
+        "world_size=1)\n"
+        "start_heartbeat(0)\n"
+        "beating = lambda: [t for t in threading.enumerate() if t.name == 'dmuon-heartbeat']\n"
+        "assert beating()\n"
+        "dist.destroy_process_group()\n"
+        "deadline = time.monotonic() + 5\n"
+        "while beating() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "assert not beating(), 'the heartbeat outlived its process group'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]

@@ -23,29 +23,39 @@ BEAT_S = 1.0
 #: a counter that did not move for this long (seconds) is a rank that is gone; the environment
 #: variable that sets it
 DEAD_AFTER_S, DEAD_ENV = 5.0, "DMUON_DEAD_PEER_S"
-_STARTED: dict[int, threading.Thread] = {}  # id(store) -> its beating thread
+_STARTED: dict[int, threading.Thread] = {}  # id(default group or store) -> its beating thread
 
 
 def _key(rank: int) -> str:
     return f"dmuon/alive/{rank}"
 
 
+def _default_group() -> Any:
+    import torch.distributed as dist
+    try:
+        return dist.distributed_c10d._get_default_group()
+    except Exception:  # noqa: BLE001 - none (destroyed), or a torch without this private API
+        return None
+
+
 def start_heartbeat(rank: int, store: Any = None) -> None:
     """Beat for ``rank`` on ``store`` (default: the default group's) from a daemon thread, once
-    per store; the thread ends when the store fails (the job is over)."""
+    per store; the thread ends when the store fails or, for the default group's store, when that
+    group is destroyed (a model rebuilt with a new process group leaves no thread behind)."""
+    group = _default_group() if store is None else None
     store = default_store() if store is None else store
-    if store is None or (id(store) in _STARTED and _STARTED[id(store)].is_alive()):
-        return  # (a dead thread's store is gone: its id may be a new store's)
+    key = id(group) if group is not None else id(store)
+    if store is None or (key in _STARTED and _STARTED[key].is_alive()):
+        return  # (a dead thread's group or store is gone: its id may be a new one's)
 
     def beat() -> None:
-        while True:
+        while group is None or _default_group() is group:
             try:
                 store.add(_key(rank), 1)
             except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
                 return
             time.sleep(BEAT_S)
-    _STARTED[id(store)] = thread = threading.Thread(target=beat, name="dmuon-heartbeat",
-                                                    daemon=True)
+    _STARTED[key] = thread = threading.Thread(target=beat, name="dmuon-heartbeat", daemon=True)
     thread.start()
 
 
