@@ -407,6 +407,7 @@ def test_same_topology_resume_is_bitwise(stage_c):
         assert res[key]["step"] == HALF and res[key]["lrs"] == NEW_LR
 
 
+@pytest.mark.slow  # the default tier's 600 s budget (issue 46's tests); the slow tier runs it
 @pytest.mark.parametrize("key", ["g4->g2:full", "g4->g2:dcp", "hsdp->g2:full_rank0",
                                  "hsdp->g2:dcp"])
 def test_resume_on_fewer_ranks(stage_b, key):
@@ -451,6 +452,7 @@ def test_sharded_checkpoint_never_gathers(stage_a, stage_b, stage_c):
                 assert read <= 2 * own, (key, out[key])  # saved shards overlapping its own
 
 
+@pytest.mark.slow  # the default tier's 600 s budget (issue 46's tests); the slow tier runs it
 def test_mismatched_dicts_raise_and_name_entries(stage_b):
     for out in stage_b:
         msg = out["bad_model{}"]
@@ -464,6 +466,7 @@ def test_mismatched_dicts_raise_and_name_entries(stage_b):
         assert out["bad_optim"] is not None and "layers.1.mlp.down_proj.weight" in out["bad_optim"]
 
 
+@pytest.mark.slow  # the default tier's 600 s budget (issue 46's tests); the slow tier runs it
 def test_hf_save_pretrained_loads_with_identical_logits(stage_b):
     pytest.importorskip("transformers")
     for out in stage_b:
@@ -474,6 +477,7 @@ def test_hf_save_pretrained_loads_with_identical_logits(stage_b):
         assert out["hf_keys"] and out["hf_plain"]
 
 
+@pytest.mark.slow  # the default tier's 600 s budget (issue 46's tests); the slow tier runs it
 def test_wide_masters_round_trip_in_both_formats(stage_b):
     for out in stage_b:
         assert out["bf16_masters"] == ([True, True], ["torch.float32"]), out["bf16_masters"]

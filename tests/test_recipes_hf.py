@@ -35,6 +35,7 @@ def _finish(proc: subprocess.Popen) -> list[float]:
     return losses
 
 
+@pytest.mark.slow  # the default tier's 600 s budget (issue 46's tests); the slow tier runs it
 def test_hf_and_torchtitan_style_recipes_train(tmp_path):
     import torch
     # both at once: most of the time is interpreter / import start-up

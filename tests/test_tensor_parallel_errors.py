@@ -11,6 +11,7 @@ two dims besides dp; a dedicated matrix without TP whose gradient differs across
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dist_utils import assert_all_ranks, catch, run_ranks
@@ -94,6 +95,7 @@ def _worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # the default tier's 600 s budget (issue 46's tests); the slow tier runs it
 def test_tensor_parallel_unsupported_raises_on_every_rank():
     res = run_ranks(_worker, 4, timeout=120)
     for key in ("B_world_then_tp", "B_meta_world_then_tp"):
