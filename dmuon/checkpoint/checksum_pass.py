@@ -26,12 +26,13 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch.distributed as dist
 
-from dmuon.checkpoint.files import CheckpointError, file_problems, open_inside
-from dmuon.checkpoint import files as _files_mod
+from dmuon.checkpoint.files import CheckpointError, _crc, _files, file_problems, open_inside
+from dmuon.checkpoint.save_safety import Failure, agree_failure
 from dmuon.compat.torch_api import default_store
+from dmuon.stateful.runtime.agree import gather
 
-__all__ = ["split_by_size", "own_files", "pass_key", "checksum_share", "wait_for_peers",
-           "stall_bound", "save_checksums", "not_agreed", "STALL_ENV"]
+__all__ = ["verify_files", "split_by_size", "own_files", "pass_key", "checksum_share",
+           "wait_for_peers", "stall_bound", "save_checksums", "not_agreed", "STALL_ENV"]
 
 #: the environment variable that sets how long a pass may move no byte before it is reported
 STALL_ENV = "DMUON_CHECKSUM_STALL_S"
@@ -112,7 +113,7 @@ def checksum_share(folder: str, names: list[str], key: str, rank: int,
             try:
                 with open_inside(folder, name) as f:
                     post.size = os.fstat(f.fileno()).st_size
-                    records[name] = _files_mod._crc(f, post.post)
+                    records[name] = _crc(f, post.post)
             except (OSError, CheckpointError) as e:
                 os_error = os_error or (e if isinstance(e, OSError) else None)
                 problems.append(f"the checksum of {full} failed on rank {rank}: "
@@ -181,12 +182,10 @@ def save_checksums(rt: Any, folder: str, what: str, context: str
     wrote (:func:`own_files`), waits for the others' passes while they move, and the verdicts
     are agreed. Returns the exception every rank raises (``None``: every pass succeeded) and
     every file's ``(size, CRC-32)``."""
-    from dmuon.checkpoint.save_safety import Failure, agree_failure
-    from dmuon.stateful.runtime.agree import gather
     world = dist.get_world_size()
     key = pass_key("save")
     records, problems, os_error = checksum_share(
-        folder, own_files(_files_mod._files(folder), rt.rank), key, rt.rank)
+        folder, own_files(_files(folder), rt.rank), key, rt.rank)
     problems += wait_for_peers(key, world, stall_bound(rt))
     own = Failure("; ".join(problems), os_error or CheckpointError(problems[0])) \
         if problems else None
@@ -199,3 +198,21 @@ def save_checksums(rt: Any, folder: str, what: str, context: str
     for r in got:
         merged.update(r)
     return err, merged
+
+
+def verify_files(rt, path: str, marker: dict) -> list[str]:
+    """This rank's share of the files (:func:`split_by_size`):
+    each checked against the marker (:func:`file_problems`), progress posted; then, waiting on
+    the other ranks' passes for as long as they move (a stalled one is a problem: its rank,
+    file and bytes read). Files the marker does not list are problems too."""
+    world = dist.get_world_size()
+    names = sorted(marker["files"])
+    have = set(_files(path))
+    errors = [f"{os.path.join(path, f)}: not part of save {marker['save_id']}"
+              for f in sorted(have - set(names))]
+    mine = split_by_size({f: marker["files"][f]["size"] for f in names}, world)[rt.rank]
+    errors += [f"{os.path.join(path, f)}: missing" for f in mine if f not in have]
+    key = pass_key("load")
+    errors += checksum_share(path, [f for f in mine if f in have], key, rt.rank,
+                                marker["files"])[1]
+    return errors + wait_for_peers(key, world, stall_bound(rt))

@@ -2,8 +2,8 @@
 
 A checkpoint directory is complete when it holds ``dmuon-complete.json``: the save id and, for every
 other file, its size and CRC-32, written by rank 0 after every rank's DCP write returned and before
-the directory is published (renamed into place). :func:`verify_files` checks a share of the files
-on each rank; :func:`complete_or_raise` refuses a directory without a marker and names the newest
+the directory is published (renamed into place). :func:`dmuon.checkpoint.checksum_pass.verify_files` checks a
+share of the files on each rank; :func:`complete_or_raise` refuses a directory without a marker and names the newest
 complete sibling (``<path>.1``, a partial or retired directory left by an interrupted publish).
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dmuon.stateful.runtime.agree import agree
 
 __all__ = ["MARKER", "CheckpointError", "write_marker", "publish", "complete_or_raise",
-           "verify_files", "file_problems", "open_inside", "dcp_errors", "agree_errors"]
+           "file_problems", "open_inside", "dcp_errors", "agree_errors"]
 
 logger = logging.getLogger(__name__)
 
@@ -225,25 +225,6 @@ def complete_or_raise(path: str) -> dict:
     what = "does not exist" if not os.path.exists(path) else \
         f"has no {MARKER} (a save that did not finish, or not written by dmuon.save_sharded)"
     raise CheckpointError(f"dmuon.load_sharded: {path!r} {what}.{hint}")
-
-
-def verify_files(rt, path: str, marker: dict) -> list[str]:
-    """This rank's share of the files (:func:`dmuon.checkpoint.checksum_pass.split_by_size`):
-    each checked against the marker (:func:`file_problems`), progress posted; then, waiting on
-    the other ranks' passes for as long as they move (a stalled one is a problem: its rank,
-    file and bytes read). Files the marker does not list are problems too."""
-    from dmuon.checkpoint import checksum_pass as cp
-    world = dist.get_world_size()
-    names = sorted(marker["files"])
-    have = set(_files(path))
-    errors = [f"{os.path.join(path, f)}: not part of save {marker['save_id']}"
-              for f in sorted(have - set(names))]
-    mine = cp.split_by_size({f: marker["files"][f]["size"] for f in names}, world)[rt.rank]
-    errors += [f"{os.path.join(path, f)}: missing" for f in mine if f not in have]
-    key = cp.pass_key("load")
-    errors += cp.checksum_share(path, [f for f in mine if f in have], key, rt.rank,
-                                marker["files"])[1]
-    return errors + cp.wait_for_peers(key, world, cp.stall_bound(rt))
 
 
 def write_marker(directory: str, save_id: str,

@@ -54,9 +54,9 @@ import torch.nn as nn
 
 import torch.distributed as dist
 
-from dmuon.checkpoint.checksum_pass import not_agreed, save_checksums
+from dmuon.checkpoint.checksum_pass import not_agreed, save_checksums, verify_files
 from dmuon.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise, publish,
-                                    verify_files, write_marker)
+                                    write_marker)
 from dmuon.checkpoint.save_safety import (agree_failure, claim_partial, discard_partial, run_step,
                                           sweep_partials, target_problems)
 from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
