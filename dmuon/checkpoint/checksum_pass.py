@@ -26,7 +26,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch.distributed as dist
 
-from dmuon.checkpoint.files import CheckpointError, _crc, _files, file_problems, open_inside
+from dmuon.checkpoint import files as checkpoint_files  # its _crc read at call time (tests wrap it)
+from dmuon.checkpoint.files import CheckpointError, _files, file_problems, open_inside
 from dmuon.checkpoint.save_safety import Failure, agree_failure
 from dmuon.compat.torch_api import default_store
 from dmuon.stateful.runtime.agree import gather
@@ -113,7 +114,7 @@ def checksum_share(folder: str, names: list[str], key: str, rank: int,
             try:
                 with open_inside(folder, name) as f:
                     post.size = os.fstat(f.fileno()).st_size
-                    records[name] = _crc(f, post.post)
+                    records[name] = checkpoint_files._crc(f, post.post)
             except (OSError, CheckpointError) as e:
                 os_error = os_error or (e if isinstance(e, OSError) else None)
                 problems.append(f"the checksum of {full} failed on rank {rank}: "
