@@ -93,6 +93,9 @@ def check_muon_elementwise() -> None:
     ew.apply([p1], [u], decay, [alpha])
     p_ref = p.double() * decay + alpha * u.double()
     check("muon apply (fp32, vs fp64)", rel(p1, p_ref) < 1e-6, f"err {rel(p1, p_ref):.2e}")
+    check("the kernels' in-place writes bump the version counters (a failed step's retry check)",
+          b1._version > 0 and x1._version > 0 and p1._version > 0,
+          f"versions {b1._version}, {x1._version}, {p1._version}")
     t64 = [t.double() for t in (b, gr, p, u)]
     f64, r64 = [t.clone() for t in t64], [t.clone() for t in t64]
     ew.momentum([f64[0]], [f64[1]], [f64[1]], mu)

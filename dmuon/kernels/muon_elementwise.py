@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from dmuon.functional.muon import MuonElementwise, foreach_apply_, foreach_momentum_
-from dmuon.kernels.triton_support import interpreting, tl, triton, triton_available
+from dmuon.kernels.triton_support import interpreting, tl, triton, triton_available, wrote
 
 __all__ = ["fused_elementwise", "momentum_", "apply_", "fused_supported"]
 
@@ -94,6 +94,7 @@ def momentum_(bs: list[Tensor], gs: list[Tensor], xs: Optional[list[Tensor]], mu
             return False
         _momentum_kernel[_grid(b.numel())](b, g, g if x is None else x, b.numel(), float(mu),
                                            NESTEROV=x is not None, BLOCK=_BLOCK, num_warps=_WARPS)
+        wrote(b, x)
         return True
 
     rest = _launch_all(bs, launch)
@@ -112,6 +113,7 @@ def apply_(ps: list[Tensor], us: list[Tensor], decay: float, alphas: Sequence[fl
             return False
         _apply_kernel[_grid(p.numel())](p, u, p.numel(), float(decay), float(alphas[k]),
                                         BLOCK=_BLOCK, num_warps=_WARPS)
+        wrote(p)
         return True
 
     rest = _launch_all(ps, launch)

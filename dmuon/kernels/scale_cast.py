@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from dmuon.kernels.triton_support import tl, triton, triton_available
+from dmuon.kernels.triton_support import tl, triton, triton_available, wrote
 
 __all__ = ["scale_cast_"]
 
@@ -84,4 +84,5 @@ def scale_cast_(dst: Tensor, src: Tensor, denom: Optional[Tensor] = None) -> Ten
     d = denom.reshape(bsz).contiguous() if denom is not None else dst
     _scale_cast_kernel[grid](src, dst, d, n, HAS_DENOM=denom is not None, BLOCK=_BLOCK,
                              num_warps=8)
+    wrote(dst)
     return dst

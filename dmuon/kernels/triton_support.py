@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["triton", "tl", "TRITON_IMPORT_ERROR", "triton_available", "interpreting"]
+__all__ = ["triton", "tl", "TRITON_IMPORT_ERROR", "triton_available", "interpreting", "wrote"]
 
 try:  # Triton is optional: CPU machines and some installs lack it.
     import triton
@@ -35,3 +35,12 @@ def triton_available() -> bool:
 def interpreting() -> bool:
     """True under Triton's CPU interpreter (``TRITON_INTERPRET=1``; CI runs the kernels so)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def wrote(*tensors: Optional[torch.Tensor]) -> None:
+    """Tell autograd's version counters that a Triton kernel wrote ``tensors`` in place (it writes
+    through raw pointers, so nothing else does; torch's own in-place ops bump them): a step that
+    failed part-way is then seen as changed (``Muon.step``'s retry check), as with foreach."""
+    for t in tensors:
+        if t is not None and not t.is_inference():
+            torch.autograd.graph.increment_version(t)
