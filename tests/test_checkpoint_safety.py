@@ -269,3 +269,34 @@ def test_the_heartbeat_ends_with_its_process_group(tmp_path):
         "assert not beating(), 'the heartbeat outlived its process group'\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_heartbeat_beats_while_the_main_thread_waits_on_the_store():
+    """The heartbeat has a store connection of its own: while this thread is blocked in a store
+    ``wait`` (a barrier, a rendezvous), the counter keeps moving, so the join never calls a live
+    rank gone (on the shared connection the beat waited behind the wait: 3.7 s of a 4 s one)."""
+    import datetime
+    import threading
+    import time
+
+    import torch.distributed as dist
+
+    from dmuon.compat import heartbeat
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    heartbeat.start_heartbeat(7, store)
+    reader = store.clone()
+    time.sleep(0.2)
+    counts = []
+
+    def sample():
+        for _ in range(6):
+            counts.append(int(reader.add("dmuon/alive/7", 0)))
+            time.sleep(0.5)
+    t = threading.Thread(target=sample)
+    t.start()
+    try:
+        store.wait(["never-set"], datetime.timedelta(seconds=3))
+    except Exception:  # noqa: BLE001 - the wait times out, as intended
+        pass
+    t.join()
+    assert counts[-1] - counts[0] >= 2, counts

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from dmuon.compat.torch_api import default_store
+from dmuon.compat.torch_api import default_group, default_store
 
 __all__ = ["start_heartbeat", "PeerWatch", "BEAT_S", "DEAD_AFTER_S", "DEAD_ENV"]
 
@@ -30,28 +30,27 @@ def _key(rank: int) -> str:
     return f"dmuon/alive/{rank}"
 
 
-def _default_group() -> Any:
-    import torch.distributed as dist
-    try:
-        return dist.distributed_c10d._get_default_group()
-    except Exception:  # noqa: BLE001 - none (destroyed), or a torch without this private API
-        return None
-
-
 def start_heartbeat(rank: int, store: Any = None) -> None:
     """Beat for ``rank`` on ``store`` (default: the default group's) from a daemon thread, once
     per store; the thread ends when the store fails or, for the default group's store, when that
     group is destroyed (a model rebuilt with a new process group leaves no thread behind)."""
-    group = _default_group() if store is None else None
+    group = default_group() if store is None else None
     store = default_store() if store is None else store
     key = id(group) if group is not None else id(store)
     if store is None or (key in _STARTED and _STARTED[key].is_alive()):
         return  # (a dead thread's group or store is gone: its id may be a new one's)
 
+    # a connection of its own: on the shared one a beat would wait behind the main thread's
+    # blocking store call (a barrier's wait), and a live rank would look gone
+    try:
+        beating = store.clone()
+    except Exception:  # noqa: BLE001 - a store without clone(): the shared connection
+        beating = store
+
     def beat() -> None:
-        while group is None or _default_group() is group:
+        while group is None or default_group() is group:
             try:
-                store.add(_key(rank), 1)
+                beating.add(_key(rank), 1)
             except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
                 return
             time.sleep(BEAT_S)

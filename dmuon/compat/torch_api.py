@@ -312,13 +312,21 @@ def default_store() -> Any:
         return None
 
 
-def default_group_timeout(device_type: str) -> Optional[datetime.timedelta]:
-    """The default process group's collective timeout for ``device_type`` (``None`` when this
+def default_group() -> Any:
+    """The default process group object, or ``None`` (none now: destroyed or never made; or this
     torch does not expose it)."""
     import torch.distributed as dist
     try:
-        pg = dist.distributed_c10d._get_default_group()
-        return pg._get_backend(torch.device(device_type)).options._timeout
+        return dist.distributed_c10d._get_default_group()
+    except Exception:  # noqa: BLE001 - private API, or no default group
+        return None
+
+
+def default_group_timeout(device_type: str) -> Optional[datetime.timedelta]:
+    """The default process group's collective timeout for ``device_type`` (``None`` when this
+    torch does not expose it)."""
+    try:
+        return default_group()._get_backend(torch.device(device_type)).options._timeout
     except Exception:  # noqa: BLE001 - private API; callers fall back to torch's default
         return None
 
