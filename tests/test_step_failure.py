@@ -35,11 +35,12 @@ def _arm(opt, where: str, ranks, rank: int):
     from dmuon.stateful.optimizer import state_storage as ss
     if rank not in ranks:
         return lambda: None
-    if where == "ns":
+    if where in ("ns", "ns-interrupt"):  # the latter: a KeyboardInterrupt (no collective)
         orig = opt._orthogonalizer
+        exc = KeyboardInterrupt if where == "ns-interrupt" else Injected
 
         def boom(*a, **k):
-            raise Injected("simulated OOM inside Newton-Schulz")
+            raise exc("simulated OOM inside Newton-Schulz")
         opt._orthogonalizer = lambda spec, names: boom
         return lambda: setattr(opt, "_orthogonalizer", orig)
     opt._storage.chunk_bytes = 1  # one matrix per chunk
@@ -63,7 +64,7 @@ def _iteration(model, opt, ids, rank):
 def _caught(fn):
     try:
         fn()
-    except Exception as e:  # noqa: BLE001
+    except BaseException as e:  # noqa: BLE001 - an interrupt too
         return type(e).__name__, str(e)
     return None, None
 
@@ -114,6 +115,7 @@ def _worker(rank, world):
     cases = {
         "fp32 ns rank0": ({}, "ns", (0,)),
         "fp32 ns all": ({}, "ns", (0, 1)),
+        "fp32 ns-interrupt all": ({}, "ns-interrupt", (0, 1)),  # marked broken with no collective
         "bf16 chunk2 rank0": (bf16, "chunk2", (0,)),
         "offload chunk2 all": (offload, "chunk2", (0, 1)),
         "bf16 chunk1 all": (bf16, "chunk1", (0, 1)),  # nothing changed: retried exactly

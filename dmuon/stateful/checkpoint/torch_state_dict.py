@@ -341,8 +341,7 @@ def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:
         if not path:  # held by the root itself: its own hooks above see the entry
             continue
         m = model.get_submodule(path)
-        r1 = m.register_state_dict_post_hook(
-            lambda *a, _p=path: h.owner_post_save(*a, path=_p))
+        r1 = m.register_state_dict_post_hook(lambda *a, _p=path: h.owner_post_save(*a, path=_p))
         r2 = m.register_load_state_dict_pre_hook(
             lambda *a, _p=path: h.owner_pre_load(*a, path=_p))
         h.own_hooks.update((r1.id, r2.id))

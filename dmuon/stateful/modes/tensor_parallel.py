@@ -122,8 +122,7 @@ class TPStep:
         self.executor = executor  # runs the step program's "tp" phase
         self.T = len(self.ranks)
         # the NS root of each matrix (the plan's: dmuon.functional.tp_plan)
-        self.root: dict[str, int] = tp_roots({n: self.layouts[n].shape for n in self.names},
-                                             self.T)
+        self.root: dict[str, int] = tp_roots({n: self.layouts[n].shape for n in self.names}, self.T)
         self.dims = {n: lay.dim for n, lay in self.layouts.items()}  # the sliced dim of each
         self.world = dist.get_world_size()
 

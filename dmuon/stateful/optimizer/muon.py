@@ -282,8 +282,12 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             self._adamw_step()
             self._storage.end_step()  # offload: the copies back's budget measures the step's end
             self.num_steps += 1
-        except Exception as e:  # every rank learns of it (a retry must not apply it twice)
-            self._settle(e, before is None or writes() != before)
+        except BaseException as e:  # every rank learns of it (a retry must not apply it twice)
+            changed = before is None or writes() != before
+            if isinstance(e, Exception):
+                self._settle(e, changed)
+            elif changed:  # an interrupt: no collective; broken, as its state changed
+                self._break(f"rank {rt.rank}: {type(e).__name__}")
             raise
         self._settle(None, True)
         return loss
@@ -291,10 +295,12 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
     def _settle(self, failure: Optional[Exception], changed: bool) -> None:
         """Collective, ending every step: a failure after any change raises on every rank."""
         rt, mine = self._rt, [] if failure is None else [f"{type(failure).__name__}: {failure}"]
-        if mine and changed:  # broken whatever the others can tell (this rank's state changed)
-            self._break(f"rank {rt.rank}: {mine[0]}")
-        if step_broken(rt.mesh_groups.control_collective("step outcome all-reduce", lambda g: (
-                host_all_reduce([failure is not None, changed], g, rt.device)))):
+        try:
+            counts = rt.mesh_groups.control_collective("step outcome all-reduce", lambda g: (
+                host_all_reduce([failure is not None, changed], g, rt.device)))
+        except RuntimeError as e:  # not agreed (a rank missing): no rank may trust its state
+            raise self._break(f"rank {rt.rank}: the step's outcome was not agreed: {e}") from e
+        if step_broken(counts):
             agree(mine, what="failed step", via=rt.mesh_groups, error=self._break)
 
     def _break(self, detail: str) -> RuntimeError:

@@ -55,8 +55,7 @@ class OwnerDriver:
         chain = self.chain(hparams)
         oc.check_chain(chain, self.fixed, rt.hp_mults, rt.tp_layouts)
         self.views = {n: rt.views[n] for n in rt.names}
-        meta = oc.meta_state(chain, self.views, {n: rt.shape[n] for n in rt.names},
-                             rt.master_dtype)
+        meta = oc.meta_state(chain, self.views, {n: rt.shape[n] for n in rt.names}, rt.master_dtype)
         self.fields = state_fields(meta)
         self.local_shapes = _shapes(meta, self.fields)
         oc.check_fields(self.fields, meta, rt.shape, rt.master_dtype)

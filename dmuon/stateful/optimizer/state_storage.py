@@ -345,8 +345,7 @@ def checkpoint_momentum(optimizer: Any, names: Optional[Any] = None) -> dict[str
     owner = optimizer._owner
     if owner.stored_field is None:
         return {}
-    return owner.value_of("momentum_buffer", optimizer.dedicated_state.owned_masters(),
-                          names=names)
+    return owner.value_of("momentum_buffer", optimizer.dedicated_state.owned_masters(), names=names)
 
 
 def install_momentum(optimizer: Any, values: Mapping[str, Tensor], saved_dtype: Optional[str],

@@ -168,8 +168,7 @@ class Executor:
     Args:
       groups: from :func:`dmuon.stateful.runtime.process_groups.make_process_groups`.
       issue_trivial: also issue collectives on groups of one rank (no-ops; useful to exercise the
-        lanes at world size 1).
-    """
+        lanes at world size 1)."""
 
     def __init__(self, groups: MeshGroups, *, issue_trivial: bool = False, timeout: Any = None):
         self.groups = groups

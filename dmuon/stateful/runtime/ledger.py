@@ -41,8 +41,7 @@ class GradRecord:
         :class:`~dmuon.functional.phases.OwnerGrad`).
       marker: the reused marker object.  shown: the marker is ``.grad`` now.
       zeroed: a shown consumed marker was zeroed.  zero_next: the next step steps with a zero
-        gradient when none arrives.
-    """
+        gradient when none arrives."""
 
     state: Held = Held.NONE
     local: Optional[torch.Tensor] = None
