@@ -11,7 +11,20 @@ from torch import Tensor
 
 from dmuon.functional import state_dtype as sd
 
-__all__ = ["AdamWStorage"]
+__all__ = ["AdamWStorage", "check_adamw_state_dtype"]
+
+
+def check_adamw_state_dtype(dtype: Any) -> torch.dtype:
+    """``adamw_state_dtype`` as a ``torch.dtype`` (the constructor's and every load's check).
+
+    Raises:
+      ValueError: not a storage dtype, or an 8-bit float."""
+    d = sd.check_state_dtype(dtype, "adamw_state_dtype")
+    if sd.is_scaled(d):
+        raise ValueError(f"dmuon.Muon adamw_state_dtype must be torch.float32 or torch.bfloat16, "
+                         f"got {d}: AdamW's second moment spans too many binades for an 8-bit "
+                         "float with one scale")
+    return d
 
 
 class AdamWStorage:
@@ -23,11 +36,7 @@ class AdamWStorage:
     """
 
     def __init__(self, dtype: Any):
-        self.dtype = sd.check_state_dtype(dtype, "adamw_state_dtype")
-        if sd.is_scaled(self.dtype):
-            raise ValueError(f"dmuon.Muon adamw_state_dtype must be torch.float32 or "
-                             f"torch.bfloat16, got {self.dtype}: AdamW's second moment spans "
-                             "too many binades for an 8-bit float with one scale")
+        self.dtype = check_adamw_state_dtype(dtype)
 
     @property
     def identity(self) -> bool:

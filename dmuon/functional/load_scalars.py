@@ -63,7 +63,8 @@ def load_problems(entries: Mapping[str, Any], groups: Sequence[Mapping[str, Any]
         that many finite numbers); ``None``: not checked.
     """
     from dmuon.functional.muon_options import check_adamw_group, check_muon_group
-    from dmuon.functional.state_dtype import check_state_dtype, is_scaled
+    from dmuon.functional.adamw_storage import check_adamw_state_dtype
+    from dmuon.functional.state_dtype import check_state_dtype
 
     problems = []
     for k in _COUNTERS:
@@ -89,9 +90,10 @@ def load_problems(entries: Mapping[str, Any], groups: Sequence[Mapping[str, Any]
         for k in _STORAGE_DTYPES:
             if k in theirs:
                 try:
-                    d = check_state_dtype(theirs[k], k)
-                    if k == "adamw_state_dtype" and is_scaled(d):
-                        raise ValueError(f"{k} {d} is not one AdamW's moments are stored in")
+                    if k == "adamw_state_dtype":
+                        check_adamw_state_dtype(theirs[k])
+                    else:
+                        check_state_dtype(theirs[k], k)
                 except ValueError as e:
                     problems.append(f"{where}: {e}")
         merged = {**hparams(g), **loadable_hparams(theirs)}

@@ -167,8 +167,8 @@ def check_adamw_group(group: Mapping[str, Any]) -> Any:
                              betas=tuple(betas) if isinstance(betas, (tuple, list)) else betas)
     try:
         fadamw.validate_hparams(hp)
-    except TypeError as e:  # a comparison with a non-number
-        raise ValueError(f"AdamW hyper-parameters {hp}: {e}") from None
+    except TypeError as e:  # a comparison with a non-number (a TypeError, as check_muon_group's)
+        raise TypeError(f"AdamW hyper-parameters {hp}: {e}") from None
     return hp
 
 
