@@ -122,8 +122,13 @@ def keep_fsdp_gathered(model: nn.Module) -> list[Any]:
     Returns:
       the groups switched, for :func:`release_fsdp_kept`.
     """
-    kept = [g for m in model.modules() for g in fsdp_param_groups(fsdp_state(m))
-            if getattr(g, "reshard_after_backward", False) is True]
+    groups = [g for m in model.modules() for g in fsdp_param_groups(fsdp_state(m))]
+    if any(not hasattr(g, "reshard_after_backward") for g in groups):  # a torch that renamed it
+        raise RuntimeError("dmuon: this torch's FSDP2 param groups have no reshard_after_backward, "
+                           "so a create_graph backward would read params FSDP2 freed: call "
+                           "model.set_reshard_after_backward(False) before torch.autograd.grad"
+                           "(..., create_graph=True) and True before the final backward")
+    kept = [g for g in groups if g.reshard_after_backward is True]
     for g in kept:
         g.reshard_after_backward = False
     return kept
