@@ -326,6 +326,52 @@ def test_the_sweep_removes_only_partials_whose_owner_is_gone_or_stale(tmp_path, 
         live.wait()
 
 
+def test_a_partial_folders_owner_is_this_process_only_if_pid_start_boot_and_namespace_match(
+        tmp_path, monkeypatch):
+    """Review of issue 46: containers sharing a hostname often run rank 0 as the same small pid.
+    Before: a record naming this host and this pid was taken for this process's earlier save
+    (another container's live save removed), and a pid of another namespace, invisible here,
+    was called gone. Now "this process" needs pid, pid start, boot id and pid namespace to
+    match; another boot or namespace falls to the stale-time rule, like another host; a record
+    without them (an older dmuon's) is judged as before."""
+    import json
+    import time
+
+    from dmuon.checkpoint import save_safety
+    here = {"host": "h", "pid": 7, "pid_start": "100", "boot_id": "b1", "pid_ns": 4026531836}
+    scope = save_safety.owner_scope
+    assert scope(dict(here), here) == "this process"
+    assert scope({**here, "pid_start": "999"}, here) == "this host"  # the pid reused: look it up
+    assert scope({**here, "pid_ns": 4026532000}, here) == "elsewhere"  # another container
+    assert scope({**here, "boot_id": "b2"}, here) == "elsewhere"
+    assert scope({**here, "host": "other"}, here) == "elsewhere"
+    assert scope(None, here) == "elsewhere"
+    old = {"host": "h", "pid": 7, "pid_start": "999"}  # no boot id / namespace: as before
+    assert scope(old, here) == "this process"
+    assert scope({**old, "pid": 8}, here) == "this host"
+    assert scope({**here, "pid_ns": None}, {**here, "pid_ns": None}) == "this process"
+
+    # the sweep, with records crafted from this process's own: same pid in another namespace
+    # (fresh: kept; stale: removed), same pid and namespace but another start time (removed:
+    # the pid was reused, by this process)
+    me = save_safety.owner_record()
+    path = str(tmp_path / "ckpt")
+    owners = {"aaaaaaaaaaaa": {**me, "pid_ns": -1}, "bbbbbbbbbbbb": {**me, "pid_ns": -1},
+              "cccccccccccc": {**me, "pid_start": "-1"}}
+    for sid, owner in owners.items():
+        os.makedirs(f"{path}.partial-{sid}")
+        with open(f"{path}.partial-{sid}/{save_safety.OWNER}", "w") as f:
+            json.dump(owner, f)
+    stale = time.time() - 7200
+    for p in (f"{path}.partial-bbbbbbbbbbbb", f"{path}.partial-bbbbbbbbbbbb/{save_safety.OWNER}"):
+        os.utime(p, (stale, stale))
+    monkeypatch.setenv("DMUON_PARTIAL_STALE_S", "3600")
+    save_safety.sweep_partials(path)
+    left = sorted(p.rsplit("-", 1)[1] for p in os.listdir(tmp_path))
+    assert left == (["aaaaaaaaaaaa"] if me["pid_ns"] is not None and me["pid_start"] else []), \
+        left
+
+
 def test_a_checksum_pass_failing_on_one_rank_publishes_nothing(tmp_path_factory):
     """Issue 46. Before: rank 0 alone read back and checksummed every file of a save (one rank
     reading the whole checkpoint inside one agreement's bound); a failing read on another rank

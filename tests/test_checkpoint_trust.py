@@ -68,6 +68,44 @@ def test_read_state_dict_stays_inside_its_folder(tmp_path):
     assert torch.equal(dmuon.read_state_dict(str(folder))["v"], torch.ones(2))
 
 
+def test_read_state_dict_loads_a_hugging_face_hub_cache_snapshot(tmp_path):
+    """A hub cache snapshot (``<repo>/snapshots/<rev>/``) links each file to ``../../blobs/<hash>``.
+    Before: the folder was refused ("outside the folder") and its index named directly raised
+    FileNotFoundError (its shards were looked for beside the blob). Now both load, equal to the
+    tensors saved; a link leading out of ``<repo>`` is still refused."""
+    from dmuon.checkpoint.files import CheckpointError
+    import dmuon
+    want = {"a": torch.arange(6.0).reshape(2, 3), "b": torch.ones(4, dtype=torch.float64)}
+    repo = tmp_path / "hub" / "models--org--tiny"
+    blobs, sharded, single = repo / "blobs", repo / "snapshots" / "rev1", repo / "snapshots" / "rev2"
+    for d in (blobs, sharded, single):
+        d.mkdir(parents=True)
+    _safetensors(str(blobs / "h1"), a=want["a"])
+    _safetensors(str(blobs / "h2"), b=want["b"])
+    _safetensors(str(blobs / "h3"), **want)
+    _index(str(blobs), {"a": "model-00001-of-00002.safetensors",
+                        "b": "model-00002-of-00002.safetensors"})
+    os.rename(blobs / "model.safetensors.index.json", blobs / "h4")
+    for name, blob in (("model-00001-of-00002.safetensors", "h1"),
+                       ("model-00002-of-00002.safetensors", "h2"),
+                       ("model.safetensors.index.json", "h4")):
+        os.symlink(f"../../blobs/{blob}", sharded / name)
+    os.symlink("../../blobs/h3", single / "model.safetensors")
+    for path in (sharded, sharded / "model.safetensors.index.json", single,
+                 single / "model.safetensors"):
+        got = dmuon.read_state_dict(str(path))
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), path
+    # a link out of <repo> (to another repo's blob, or anywhere else) is still refused
+    other = tmp_path / "hub" / "models--org--other" / "blobs"
+    other.mkdir(parents=True)
+    _safetensors(str(other / "h9"), b=want["b"])
+    os.remove(sharded / "model-00002-of-00002.safetensors")
+    os.symlink("../../../models--org--other/blobs/h9", sharded / "model-00002-of-00002.safetensors")
+    for path in (sharded, sharded / "model.safetensors.index.json"):
+        with pytest.raises(CheckpointError, match="outside"):
+            dmuon.read_state_dict(str(path))
+
+
 def test_read_state_dict_reads_only_regular_files_of_its_folder_as_its_index_maps(tmp_path):
     """Issue 46. Before: ``model.safetensors`` or an index's shard that is a symbolic link to a
     file outside the folder was read (its values loaded); a FIFO named ``pytorch_model.bin``

@@ -44,15 +44,17 @@ class CheckpointError(Exception):
     errno: Optional[int] = None
 
 
-def open_inside(folder: str, name: str) -> BinaryIO:
+def open_inside(folder: str, name: str, also: tuple[str, ...] = ()) -> BinaryIO:
     """``folder/name`` opened for reading, checked before a byte is read: refused
     (:class:`CheckpointError` naming it) unless its path, every symbolic link resolved, stays
-    inside ``folder`` (a link to another file of the folder reads; one leading out does not:
-    a checkpoint reads nothing outside its folder), and it is a regular file (a FIFO, device or
-    socket is opened non-blocking and refused, never waited on)."""
+    inside ``folder`` or one of the folders ``also`` (a link to another file of the folder
+    reads; one leading out does not: a checkpoint reads nothing outside its folder), and it is a
+    regular file (a FIFO, device or socket is opened non-blocking and refused, never waited
+    on)."""
     full = os.path.join(folder, name)
     root, real = os.path.realpath(folder), os.path.realpath(full)
-    if os.path.commonpath([root, real]) != root:
+    if not any(os.path.commonpath([r, real]) == r
+               for r in (root, *map(os.path.realpath, also))):
         raise CheckpointError(f"{full} is a symbolic link to {real!r}, outside the folder "
                               f"{root!r}; refused (a checkpoint reads nothing outside its folder). "
                               "Copy the file into the folder (cp -L) if it is meant to be read.")

@@ -20,9 +20,10 @@ the OS cause, nothing left behind, nothing replaced that was not a checkpoint.
   removes the ``<path>.partial-*`` folders that killed saves left (a partial folder with a marker
   is a complete checkpoint an interrupted publish left: kept, and logged).
 * **A folder in progress belongs to one job**: rank 0 creates ``<path>.partial-<id>`` holding
-  :data:`OWNER` (host, pid and its start time, when the save began) before any rank writes;
-  the sweep removes only a folder whose owner is gone: this very process (an earlier save of
-  this job), a process of this host that no longer runs, or another host's folder in which
+  :data:`OWNER` (host, boot id, pid namespace, pid and its start time, when the save began)
+  before any rank writes; the sweep removes only a folder whose owner is gone: this very process
+  (an earlier save of this job), a process of this host that no longer runs, or another host's
+  (boot's, pid namespace's: a container's) folder in which
   nothing changed for ``DMUON_PARTIAL_STALE_S`` seconds (default one day). Another job's save
   in progress at the same path is left alone. A failed publish rolls
   ``<path>`` back, so ``<path>`` holds the previous checkpoint.
@@ -37,7 +38,7 @@ import re
 import shutil
 import socket
 import time
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 from dmuon.checkpoint.files import (MARKER, CheckpointError, describe_exception, failures_of,
                                     open_inside)
@@ -45,7 +46,7 @@ from dmuon.stateful.runtime.agree import describe_problems, gather
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Failure", "run_step", "agree_failure", "target_problems", "sweep_partials",
+__all__ = ["owner_scope", "Failure", "run_step", "agree_failure", "target_problems", "sweep_partials",
            "claim_partial", "owner_record", "discard_partial", "OWNER", "STALE_ENV"]
 
 #: the record of who a partial folder belongs to (:func:`owner_record`), written before any
@@ -166,7 +167,47 @@ def owner_record(pid: Optional[int] = None) -> dict:
     0 of the saving job) and its start time, and when the save began."""
     pid = os.getpid() if pid is None else int(pid)
     return {"host": socket.gethostname(), "pid": pid, "pid_start": _process_start(pid),
-            "started": time.time()}
+            "boot_id": _boot_id(), "pid_ns": _pid_namespace(), "started": time.time()}
+
+
+def _boot_id() -> Optional[str]:
+    """This boot of this machine (Linux: ``/proc/sys/kernel/random/boot_id``), ``None`` where
+    unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _pid_namespace() -> Optional[int]:
+    """This process's pid namespace (Linux: the inode of ``/proc/self/ns/pid``; containers that
+    share a hostname and number their processes alike differ here), ``None`` where unknown."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+
+
+def owner_scope(owner: Optional[Mapping[str, Any]], here: Mapping[str, Any]) -> str:
+    """Where the process an :data:`OWNER` record names runs, seen from ``here`` (this process's
+    :func:`owner_record`): ``"this process"``, ``"this host"`` (its pid can be looked up here) or
+    ``"elsewhere"`` (another host, boot or pid namespace, or an unreadable record: only the
+    stale-time rule can tell it gone). A boot id or namespace either side lacks (an older
+    record, no ``/proc``) does not tell them apart; a record that holds them is this process
+    only if its pid start time matches too."""
+    if not owner or owner.get("host") != here.get("host"):
+        return "elsewhere"
+    new = False
+    for key in ("boot_id", "pid_ns"):
+        if owner.get(key) is not None and here.get(key) is not None:
+            if owner[key] != here[key]:
+                return "elsewhere"
+            new = True
+    if owner.get("pid") == here.get("pid") and (
+            not new or owner.get("pid_start") == here.get("pid_start")):
+        return "this process"
+    return "this host"
 
 
 def claim_partial(tmp: str) -> list[str]:
@@ -188,20 +229,22 @@ def claim_partial(tmp: str) -> list[str]:
 def _owner_gone(folder: str) -> Optional[str]:
     """Why the save that owns the partial ``folder`` is no longer running (``None``: it may be,
     keep it). Its :data:`OWNER` names it: this very process (an earlier save of this job; one
-    save runs at a time), a process of this host that no longer runs, or (another host's, or a
-    record that cannot be read) nothing in the folder changed for :data:`STALE_ENV` seconds. A
+    save runs at a time), a process of this host that no longer runs, or (:func:`owner_scope`:
+    another host's, boot's or pid namespace's, or a record that cannot be read) nothing in the folder changed for :data:`STALE_ENV` seconds. A
     folder without a record was left by a dmuon before records (removed, as then)."""
     try:
         with open_inside(folder, OWNER) as f:
             owner = json.loads(f.read(1 << 16))
-        host, pid = owner["host"], int(owner["pid"])
+        pid = int(owner["pid"])
+        owner = {**owner, "pid": pid}
     except FileNotFoundError:
         return "it has no owner record (an older dmuon's)"
     except (OSError, ValueError, KeyError, TypeError, CheckpointError):
-        owner, host, pid = None, None, -1
-    if host == socket.gethostname():
-        if pid == os.getpid():
-            return "an earlier save of this job left it"
+        owner, pid = None, -1
+    scope = owner_scope(owner, owner_record())
+    if scope == "this process":
+        return "an earlier save of this job left it"
+    if scope == "this host":
         start = _process_start(pid)
         if start is None and not _pid_exists(pid):
             return f"its owner, process {pid}, no longer runs"

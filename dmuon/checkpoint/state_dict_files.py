@@ -44,7 +44,9 @@ def read_state_dict(path: str | os.PathLike, *, verify: bool = True) -> dict[str
         (``torch.save`` never compresses; a zip bomb), a record that fails its CRC-32, an index
         naming a file outside its folder, another index or a folder; a file of the folder
         (the one chosen, an index's shard) that is a symbolic link leading outside the folder
-        (a link to another file of the folder reads), a FIFO, device or socket (refused before a
+        (a link to another file of the folder reads, and so does a Hugging Face hub cache
+        snapshot's ``<repo>/snapshots/<rev>/`` link into ``<repo>/blobs/``; an index named
+        directly finds its shards beside the name given), a FIFO, device or socket (refused before a
         byte is read); a shard holding a key its index maps elsewhere (or to no file), or missing
         one the index maps to it.
     """
@@ -52,25 +54,38 @@ def read_state_dict(path: str | os.PathLike, *, verify: bool = True) -> dict[str
     if os.path.isdir(path):
         for name in _HF_FILES:
             if os.path.lexists(os.path.join(path, name)):  # a link leading out: refused
-                return _read(path, name, verify)
+                return _read(path, name, verify, _hub_blobs(path))
         raise FileNotFoundError(f"read_state_dict: {path!r} has none of {list(_HF_FILES)} "
                                 "(is it a save_pretrained folder?)")
-    real = os.path.realpath(path)  # a file named directly: the caller chose it, links included
-    return _read(os.path.dirname(real), os.path.basename(real), verify, path)
+    # a file named directly: the caller chose it, links included; an index's shards are beside
+    # the name given (a hub snapshot's index links to a blob; its shards are in the snapshot)
+    folder = os.path.dirname(path) or "."
+    chosen = (os.path.dirname(os.path.realpath(path)),)
+    return _read(folder, os.path.basename(path), verify, _hub_blobs(folder), chosen)
 
 
-def _read(folder: str, name: str, verify: bool, kind: str = "") -> Any:
+def _hub_blobs(folder: str) -> tuple[str, ...]:
+    """Where else the files of ``folder`` may link to: a Hugging Face hub cache snapshot
+    (``<repo>/snapshots/<revision>``) links each of its files to ``<repo>/blobs/<hash>``."""
+    snapshots, _ = os.path.split(os.path.abspath(folder))
+    repo, kind = os.path.split(snapshots)
+    blobs = os.path.join(repo, "blobs")
+    return (blobs,) if kind == "snapshots" and os.path.isdir(blobs) else ()
+
+
+def _read(folder: str, name: str, verify: bool, also: tuple[str, ...],
+          chosen: tuple[str, ...] = ()) -> Any:
     """``folder/name`` (a file, or an index and its shards, each checked by
-    :func:`~dmuon.checkpoint.files.open_inside` before it is read); ``kind``: the name whose
-    suffix says the format (default ``name``)."""
+    :func:`~dmuon.checkpoint.files.open_inside` before it is read); ``also``: where links of the
+    folder may lead besides it (:func:`_hub_blobs`), ``chosen``: where ``name`` itself may."""
     full = os.path.join(folder, name)
-    if not (kind or name).endswith(".index.json"):
-        return _read_file(folder, name, verify, kind)
+    if not name.endswith(".index.json"):
+        return _read_file(folder, name, verify, also + chosen)
     out: dict[str, torch.Tensor] = {}
-    targets = index_targets(full)
+    targets = index_targets(full, also + chosen)
     owner = {k: os.path.relpath(shard, folder) for shard, keys in targets.items() for k in keys}
     for shard, keys in targets.items():
-        got = _read_file(folder, os.path.relpath(shard, folder), verify)
+        got = _read_file(folder, os.path.relpath(shard, folder), verify, also)
         missing = sorted(set(keys) - set(got))
         stray = sorted(set(got) - set(keys))
         if missing or stray:
@@ -85,14 +100,15 @@ def _read(folder: str, name: str, verify: bool, kind: str = "") -> Any:
     return out
 
 
-def _read_file(folder: str, name: str, verify: bool, kind: str = "") -> Any:
-    """One file's values, once :func:`~dmuon.checkpoint.files.open_inside` accepted it."""
+def _read_file(folder: str, name: str, verify: bool, also: tuple[str, ...]) -> Any:
+    """One file's values, read from the file :func:`~dmuon.checkpoint.files.open_inside`
+    accepted (contained and regular, before a byte is read)."""
     full = os.path.join(folder, name)
-    with open_inside(folder, name):  # contained and regular, before a byte is read
-        real = os.path.realpath(full)
-    if (kind or name).endswith(".safetensors"):
+    with open_inside(folder, name, also) as f:
+        if not name.endswith(".safetensors"):
+            return read_torch_file(full, verify=verify, file=f)
         from safetensors.torch import load_file
-        got = load_file(real, device="cpu")
-    else:
-        got = read_torch_file(real, verify=verify)
-    return got
+        # safetensors maps a path: the checked open file's own (Linux), else its resolved path
+        fd_path = f"/proc/self/fd/{f.fileno()}"
+        return load_file(fd_path if os.path.exists(fd_path) else os.path.realpath(full),
+                         device="cpu")

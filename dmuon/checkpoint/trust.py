@@ -35,7 +35,7 @@ import json
 import os
 import pickle
 import zipfile
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Mapping, Optional
 
 import torch
 
@@ -233,12 +233,18 @@ def value_problems(prefix: str, values: Mapping[str, Any]) -> list[str]:
     return problems
 
 
-def read_torch_file(path: str, *, verify: bool = True) -> Any:
+def read_torch_file(path: str, *, verify: bool = True, file: Optional[BinaryIO] = None) -> Any:
     """A ``torch.save`` file, loaded with ``weights_only=True`` after checking that its records
-    are stored (not compressed) and (``verify``) match their CRC-32s."""
-    if zipfile.is_zipfile(path):
+    are stored (not compressed) and (``verify``) match their CRC-32s; ``file``: the file already
+    opened (and checked), read instead of opening ``path`` (then only named in errors)."""
+    def source() -> Any:
+        if file is None:
+            return path
+        file.seek(0)
+        return file
+    if zipfile.is_zipfile(source()):
         try:
-            with zipfile.ZipFile(path) as zf:
+            with zipfile.ZipFile(source()) as zf:
                 _stored_only(zf, path)
                 if verify:
                     for info in zf.infolist():
@@ -257,17 +263,18 @@ def read_torch_file(path: str, *, verify: bool = True) -> Any:
             "against checksums. Re-save it with a current torch.save where it is trusted, or pass "
             "verify=False.")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(source(), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise CheckpointError(f"{path}: {_RUNS_CODE} ({str(e).splitlines()[0]}).") from None
 
 
-def index_targets(index: str) -> dict[str, list[str]]:
+def index_targets(index: str, also: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """The shard files a ``*.index.json`` names, as paths in its folder, each with the keys the
-    index maps to it (refused: a name outside the folder, another index, a folder)."""
+    index maps to it (refused: a name outside the folder, another index, a folder; ``also``: as
+    :func:`~dmuon.checkpoint.files.open_inside`'s, for the index file itself)."""
     folder = os.path.dirname(index)
     try:
-        with open_inside(folder, os.path.basename(index)) as f:
+        with open_inside(folder, os.path.basename(index), also) as f:
             size = os.fstat(f.fileno()).st_size
             if size > MAX_INDEX_BYTES:
                 raise CheckpointError(f"{index}: {size} bytes, more than an index holds "
