@@ -258,8 +258,6 @@ def _one_owner(rank, world, tmp):
     return {"owned": owned, "load": load, "same": same, "steps": steps}
 
 
-@pytest.mark.xfail(strict=True, reason="each dedicated entry's 'step' is the saving rank's "
-                   "owner.step_count, 0 on a rank that owns nothing; DCP stores rank 1's")
 def test_torch_dcp_route_resumes_when_a_rank_owns_no_matrix(tmp_path):
     res = run_ranks(_one_owner, 2, str(tmp_path), timeout=120)
     assert sorted(r["owned"] for r in res) == [0, 1], res

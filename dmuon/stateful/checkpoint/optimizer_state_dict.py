@@ -54,7 +54,7 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
 
 
 def muon_step(optimizer: Any) -> int:
-    """The owner's step count of the full format (``num_steps`` on a rank that owns nothing)."""
+    """The owner's step count (``num_steps`` on a rank that owns nothing): every rank's count."""
     return int(optimizer._owner.step_count if optimizer.dedicated_state.owned_names
                else optimizer.num_steps)
 
@@ -67,10 +67,10 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     refuse_tp(rt, "Muon.state_dict() (torch's protocol; use dmuon.get_optimizer_state_dict)")
     rt.join("optimizer.state_dict()", always=True)  # torch.save(opt.state_dict()) on rank 0
     rt.drain()
-    st, owner = optimizer.adamw_state, optimizer._owner
+    st, owner, step = optimizer.adamw_state, optimizer._owner, float(muon_step(optimizer))
     entries = {n: {**{k: dtensor_rows(v, rt.shard_mesh) if layout_of(optimizer, k) == "param"
                       else v for k, v in e.items()},  # a variant's smaller fields: full tensors
-                   "step": torch.tensor(float(owner.step_count))}
+                   "step": torch.tensor(step)}  # every rank's: DCP stores one rank's copy
                for n, e in gather_fields(optimizer).items()}
     for n, p in optimizer.adamw_named_params:
         entries[n] = {**{k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))},
