@@ -438,18 +438,38 @@ def test_the_constructor_bounds_ns_steps_as_loads_do():
 
 
 def test_live_nonfinite_finds_values_written_into_live_tensors():
-    from dmuon.functional.state_dict_check import (ALREADY_WRITTEN, live_nonfinite,
+    # live_nonfinite was folded into live_views + view_problems (one walk of the live storages);
+    # the same cases, through them
+    from dmuon.functional.state_dict_check import (ALREADY_WRITTEN, live_views, view_problems,
                                                    what_changed, written_problems)
     live = torch.zeros(4, dtype=torch.float64)
     live[1] = float("nan")
     copy = live.clone()
-    assert live_nonfinite({"view": live[1:], "copy": copy, "same": live}, [live]) == \
-        ["view", "same"]
-    assert live_nonfinite({"ok": torch.zeros(2)}, [torch.zeros(2)]) == []
+    values = {"view": live[1:], "copy": copy, "same": live}
+    views = live_views(values, [live])
+    assert views == ["view", "same"]
+    nan = [f"{k}: non-finite values (NaN/Inf)" for k in values]
+    assert "['view', 'same']" in view_problems(nan, views)[0]
+    assert live_views({"ok": torch.zeros(2)}, [torch.zeros(2)]) == []
     assert written_problems([]) == []
     line = written_problems(["w"])[0]
     assert ALREADY_WRITTEN in line and "Nothing was changed" not in what_changed(line)
     assert what_changed("w: non-finite values (NaN/Inf)") == "Nothing was changed on any rank."
+
+
+def test_live_views_find_live_tensors_whatever_they_hold():
+    from dmuon.functional.state_dict_check import (ALREADY_WRITTEN, LIVE_VIEWS, live_views,
+                                                   view_problems, what_changed)
+    live = torch.zeros(4, dtype=torch.float64)
+    assert live_views({"view": live[1:], "copy": live.clone(), "same": live}, [live]) == \
+        ["view", "same"]
+    assert view_problems([], ["same"]) == [] and view_problems(["lr: bad"], []) == ["lr: bad"]
+    refused = view_problems(["adamw_step: bad"], ["same"])
+    assert LIVE_VIEWS in refused[0] and refused[1:] == ["adamw_step: bad"]
+    msg = what_changed(" ".join(refused))
+    assert "Nothing was changed on any rank" not in msg and "dcp.load" in msg and "already" in msg
+    nan = view_problems(["same: non-finite values (NaN/Inf)"], ["same", "view"])
+    assert ALREADY_WRITTEN in nan[0] and "['same']" in nan[0]
 
 
 def _check_model(res):
@@ -515,8 +535,6 @@ def _check_dcp_refused_for_another_reason(res):
         assert "dcp.load" in msg and "already" in msg, msg
 
 
-@pytest.mark.xfail(strict=True, reason="live_nonfinite flags live views only when non-finite: a "
-                   "load refused for a bad counter says 'Nothing was changed on any rank'")
 def test_a_dcp_load_refused_for_another_reason_says_what_dcp_load_wrote(tmp_path_factory):
     _check_dcp_refused_for_another_reason(results(2, "loads", tmp_path_factory))
 

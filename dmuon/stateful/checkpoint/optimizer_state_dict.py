@@ -121,9 +121,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     has_dict = not rank0 or rt.rank == 0
     rt.drain()
     problems, notes = [], []
-    ded = entries.get("dedicated") or {}
-    owner = optimizer._owner
-    fsdp = entries.get("fsdp2") or {}
+    ded, fsdp, owner = entries.get("dedicated") or {}, entries.get("fsdp2") or {}, optimizer._owner
     if has_dict:
         keys = [f.key for f in owner.fields]
         problems = optimizer_state_problems(
@@ -132,8 +130,9 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
                           for k in keys + ["master"]} for n in rt.params},
             adamw={n: (tuple(p.shape), tuple(local_tensor(p).shape), p.dtype)
                    for n, p in optimizer.adamw_named_params},
-            layout=lambda v: layout_problem(v, rt), live=optimizer.adamw_state) + load_problems(
-            entries, optimizer.param_groups, scalars=len(owner.scalars()) if owner.custom else None)
+            layout=lambda v: layout_problem(v, rt), live=optimizer.adamw_state,
+            more=load_problems(entries, optimizer.param_groups,
+                               scalars=len(owner.scalars()) if owner.custom else None))
         log_narrowing(notes)
     agree(rt, problems, what, fix=OPTIMIZER_LOAD_FIX)
     steps = counters(entries)
