@@ -88,7 +88,8 @@ def build_dmuon(rank: int, world: int, model: torch.nn.Module, blocks, cfg: dict
                 **dedicate_kw: Any):
     """``dedicate_params`` + ``fully_shard`` (each of ``blocks``, then the model with FSDP2's
     default root setting) + ``dmuon.Muon`` with ``HP`` and fp64 NS, on a 1-D mesh of ``world``
-    ranks or (``cfg["hsdp"]``) a 2 x (world / 2) HSDP mesh; ``cfg["z3"]`` (default True).
+    ranks or (``cfg["hsdp"]``) a 2 x (world / 2) HSDP mesh; ``cfg["z3"]`` (default True);
+    ``cfg["predicate"]`` (default ``muon_predicate``) picks the dedicated matrices.
     Returns ``(model, optimizer)``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -102,7 +103,7 @@ def build_dmuon(rank: int, world: int, model: torch.nn.Module, blocks, cfg: dict
     else:
         mesh = shard_mesh = init_device_mesh("cpu", (world,))
         rep_mesh = None
-    dmuon.dedicate_params(model, shard_mesh, muon_predicate, replicate_mesh=rep_mesh,
+    dmuon.dedicate_params(model, shard_mesh, cfg.get("predicate", muon_predicate), replicate_mesh=rep_mesh,
                           reshard_after_forward=z3, **dedicate_kw)
     for block in blocks:
         fully_shard(block, mesh=mesh, reshard_after_forward=z3)

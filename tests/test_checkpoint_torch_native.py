@@ -216,3 +216,52 @@ def test_optimizer_state_dicts_resume_on_another_topology(tmp_path):
         assert kind == "StateDictError" and "non-finite" in msg, (kind, msg)
         assert "strict=False" not in msg, msg  # an optimizer's load takes no strict
         assert r["bad_unchanged"]
+
+
+# ---------------------------------------------------------------------------------- one owner
+def _one_matrix(name, p):
+    return name == "layers.0.self_attn.q_proj.weight"
+
+
+def _one_owner(rank, world, tmp):
+    """torch's DCP route (``get_optimizer_state_dict`` / ``dcp.save`` / ``dcp.load`` /
+    ``set_optimizer_state_dict``) on a model whose one dedicated matrix leaves a rank owning
+    nothing; then one more step, against the uninterrupted run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                         get_optimizer_state_dict,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    import dmuon
+    from dmuon.stateful.checkpoint.optimizer_state_dict import muon_step
+
+    cfg = {"predicate": _one_matrix}
+    model, opt = _trained(rank, world, cfg)
+    owned = len(opt.dedicated_state.owned_names)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=f"{tmp}/one_owner")
+    fresh, fopt = _trained(rank, world, cfg, steps=0, seed=7)
+    sd = {"model": get_model_state_dict(fresh), "optim": get_optimizer_state_dict(fresh, fopt)}
+    dcp.load(sd, checkpoint_id=f"{tmp}/one_owner")
+    set_model_state_dict(fresh, sd["model"])
+    load = catch(lambda: set_optimizer_state_dict(fresh, fopt, sd["optim"]))
+    steps = (muon_step(fopt), muon_step(opt))
+    same = False
+    if load == (None, None):
+        for m, o in ((model, opt), (fresh, fopt)):
+            o.zero_grad()
+            model_ids = make_batches(3, BATCH)[2].chunk(world)[rank]
+            m(model_ids).backward()
+            o.step()
+        same = _equal(dmuon.get_model_state_dict(fresh), dmuon.get_model_state_dict(model))
+    return {"owned": owned, "load": load, "same": same, "steps": steps}
+
+
+def test_torch_dcp_route_resumes_when_a_rank_owns_no_matrix(tmp_path):
+    res = run_ranks(_one_owner, 2, str(tmp_path), timeout=120)
+    assert sorted(r["owned"] for r in res) == [0, 1], res
+    for rank, r in enumerate(res):
+        assert r["load"] == (None, None), (rank, r["load"])
+        assert r["steps"] == (2, 2), (rank, r)  # the loaded count of Muon steps, every rank
+        assert r["same"] is True, (rank, r)

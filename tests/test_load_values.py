@@ -251,6 +251,17 @@ def _loads(rank: int, world: int, tmp: str, every: bool = False) -> dict:
             dcp.load(live, checkpoint_id=f"{tmp}/dcp")
             (model if what == "model" else opt).load_state_dict(live[what])
         out[f"dcp_{what}"] = _outcome(model, opt, load)
+    # refused for another reason (a bad counter): dcp.load has written the live moments all the same
+    osd = opt.state_dict()
+    osd = {"state": {i: {**e, "step": torch.tensor(-1.0)} if i == a else e
+                     for i, e in osd["state"].items()}, "param_groups": osd["param_groups"]}
+    dcp.save({"optim": osd}, checkpoint_id=f"{tmp}/dcp_counter")
+
+    def load_counter():
+        live = {"optim": opt.state_dict()}
+        dcp.load(live, checkpoint_id=f"{tmp}/dcp_counter")
+        opt.load_state_dict(live["optim"])
+    out["dcp_counter"] = _outcome(model, opt, load_counter)
     out["seconds"] = time.perf_counter() - t0
     return out
 
@@ -427,18 +438,38 @@ def test_the_constructor_bounds_ns_steps_as_loads_do():
 
 
 def test_live_nonfinite_finds_values_written_into_live_tensors():
-    from dmuon.functional.state_dict_check import (ALREADY_WRITTEN, live_nonfinite,
+    # live_nonfinite was folded into live_views + view_problems (one walk of the live storages);
+    # the same cases, through them
+    from dmuon.functional.state_dict_check import (ALREADY_WRITTEN, live_views, view_problems,
                                                    what_changed, written_problems)
     live = torch.zeros(4, dtype=torch.float64)
     live[1] = float("nan")
     copy = live.clone()
-    assert live_nonfinite({"view": live[1:], "copy": copy, "same": live}, [live]) == \
-        ["view", "same"]
-    assert live_nonfinite({"ok": torch.zeros(2)}, [torch.zeros(2)]) == []
+    values = {"view": live[1:], "copy": copy, "same": live}
+    views = live_views(values, [live])
+    assert views == ["view", "same"]
+    nan = [f"{k}: non-finite values (NaN/Inf)" for k in values]
+    assert "['view', 'same']" in view_problems(nan, views)[0]
+    assert live_views({"ok": torch.zeros(2)}, [torch.zeros(2)]) == []
     assert written_problems([]) == []
     line = written_problems(["w"])[0]
     assert ALREADY_WRITTEN in line and "Nothing was changed" not in what_changed(line)
     assert what_changed("w: non-finite values (NaN/Inf)") == "Nothing was changed on any rank."
+
+
+def test_live_views_find_live_tensors_whatever_they_hold():
+    from dmuon.functional.state_dict_check import (ALREADY_WRITTEN, LIVE_VIEWS, live_views,
+                                                   view_problems, what_changed)
+    live = torch.zeros(4, dtype=torch.float64)
+    assert live_views({"view": live[1:], "copy": live.clone(), "same": live}, [live]) == \
+        ["view", "same"]
+    assert view_problems([], ["same"]) == [] and view_problems(["lr: bad"], []) == ["lr: bad"]
+    refused = view_problems(["adamw_step: bad"], ["same"])
+    assert LIVE_VIEWS in refused[0] and refused[1:] == ["adamw_step: bad"]
+    msg = what_changed(" ".join(refused))
+    assert "Nothing was changed on any rank" not in msg and "dcp.load" in msg and "already" in msg
+    nan = view_problems(["same: non-finite values (NaN/Inf)"], ["same", "view"])
+    assert ALREADY_WRITTEN in nan[0] and "['same']" in nan[0]
 
 
 def _check_model(res):
@@ -495,6 +526,17 @@ def _check_dcp(res):
         for kind, msg, changed in outs:
             assert "Nothing was changed" not in msg, msg
             assert "dcp.load" in msg and "already" in msg, msg
+
+
+def _check_dcp_refused_for_another_reason(res):
+    for kind, msg, _ in _every_rank(res, "dcp_counter"):
+        assert kind == "StateDictError" and "step" in msg, msg
+        assert "Nothing was changed on any rank" not in msg, msg
+        assert "dcp.load" in msg and "already" in msg, msg
+
+
+def test_a_dcp_load_refused_for_another_reason_says_what_dcp_load_wrote(tmp_path_factory):
+    _check_dcp_refused_for_another_reason(results(2, "loads", tmp_path_factory))
 
 
 def test_complex_and_narrow_nonfinite_model_values_are_refused_unchanged(tmp_path_factory):

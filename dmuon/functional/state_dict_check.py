@@ -61,8 +61,9 @@ __all__ = [
     "optimizer_state_problems",
     "loadable_hparams",
     "all_finite",
-    "live_nonfinite",
+    "live_views",
     "written_problems",
+    "view_problems",
     "what_changed",
 ]
 
@@ -215,17 +216,18 @@ def all_finite(t: torch.Tensor) -> bool:
     return bool(torch.isfinite(t).all())
 
 
-def live_nonfinite(values: Mapping[str, Any], live: Iterable[torch.Tensor]) -> list[str]:
-    """The keys of ``values`` that are the ``live`` tensors themselves (or views of their storage;
-    a DTensor by its local piece) and hold non-finite values: something wrote them in place
-    before the load saw them — torch's ``dcp.load`` into ``model.state_dict()`` (FSDP2's params)
-    or ``opt.state_dict()`` (AdamW's moments), which are views of the live state."""
-    def local(t: torch.Tensor) -> torch.Tensor:
-        return t.to_local() if hasattr(t, "to_local") else t
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
 
-    ptrs = {local(t).untyped_storage().data_ptr() for t in live if local(t).numel()}
-    return [k for k, v in values.items() if isinstance(v, torch.Tensor) and local(v).numel()
-            and local(v).untyped_storage().data_ptr() in ptrs and not all_finite(local(v))]
+
+def live_views(values: Mapping[str, Any], live: Iterable[torch.Tensor]) -> list[str]:
+    """The keys of ``values`` that are the ``live`` tensors themselves (or views of their storage;
+    a DTensor by its local piece), whatever they hold: ``model.state_dict()`` (FSDP2's params) and
+    ``opt.state_dict()`` (AdamW's moments) hand them out, and torch's ``dcp.load`` fills them in
+    place before any load sees them."""
+    ptrs = {_local(t).untyped_storage().data_ptr() for t in live if _local(t).numel()}
+    return [k for k, v in values.items() if isinstance(v, torch.Tensor) and _local(v).numel()
+            and _local(v).untyped_storage().data_ptr() in ptrs]
 
 
 #: the problem line of a load whose values were written into the live state before it ran
@@ -234,21 +236,45 @@ ALREADY_WRITTEN = ("torch.distributed.checkpoint.load (dcp.load) already wrote t
                    "hold FSDP2's params and AdamW's moments as views of the live state, which "
                    "dcp.load fills in place")
 
+#: the line of a refused load given live views (:func:`live_views`) that hold finite values
+LIVE_VIEWS = ("these values are the live tensors themselves (model.state_dict() and "
+              "opt.state_dict() hold FSDP2's params and AdamW's moments as views of the live "
+              "state)")
+
 
 def written_problems(keys: Sequence[str]) -> list[str]:
-    """``[]``, or the one :data:`ALREADY_WRITTEN` line naming ``keys`` (:func:`live_nonfinite`)."""
+    """``[]``, or the one :data:`ALREADY_WRITTEN` line naming ``keys`` (:func:`view_problems`)."""
     return [f"{ALREADY_WRITTEN} ({len(keys)}, e.g. {list(keys)[:3]})"] if keys else []
+
+
+def view_problems(problems: list[str], views: Sequence[str]) -> list[str]:
+    """``problems`` led, when they refuse a load given ``views`` (:func:`live_views`' keys), by
+    what those views mean: :data:`ALREADY_WRITTEN` for the ones ``problems`` call non-finite,
+    else one :data:`LIVE_VIEWS` line (:func:`what_changed` words the error from either)."""
+    if not problems or not views:
+        return problems
+    written = [k for k in views if f"{k}: non-finite values (NaN/Inf)" in problems]
+    lead = written_problems(written) or [f"{LIVE_VIEWS} ({len(views)}, e.g. {list(views)[:3]})"]
+    return lead + problems
 
 
 def what_changed(detail: str) -> str:
     """The sentence of a refused load's error that says what changed, from the agreed ``detail``:
-    nothing, or (:data:`ALREADY_WRITTEN` in it) the live values ``dcp.load`` wrote."""
-    if ALREADY_WRITTEN not in detail:
-        return "Nothing was changed on any rank."
-    return ("This call changed nothing else, but those live params / moments hold what dcp.load "
-            "wrote (non-finite values included): do not step; load a good checkpoint the same "
-            "way (dcp.load, then load_state_dict) before training on. dmuon.save_sharded / "
-            "load_sharded checkpoints are checked before anything is written.")
+    nothing, or (:data:`ALREADY_WRITTEN` in it) the live values ``dcp.load`` wrote, or
+    (:data:`LIVE_VIEWS`) what ``dcp.load`` wrote if it filled those views."""
+    if ALREADY_WRITTEN in detail:
+        return ("This call changed nothing else, but those live params / moments hold what "
+                "dcp.load wrote (non-finite values included): do not step; load a good checkpoint "
+                "the same way (dcp.load, then load_state_dict) before training on. "
+                "dmuon.save_sharded / load_sharded checkpoints are checked before anything is "
+                "written.")
+    if LIVE_VIEWS in detail:
+        return ("Nothing was changed by this call on any rank; but if torch's dcp.load filled "
+                "those live views, it already wrote the checkpoint's values into the live params "
+                "/ moments: then do not step; load a good checkpoint the same way (dcp.load, then "
+                "load_state_dict) before training on. dmuon.save_sharded / load_sharded "
+                "checkpoints are checked before anything is written.")
+    return "Nothing was changed on any rank."
 
 
 def dtype_changes(what: str, notes: Sequence[tuple[str, torch.dtype, torch.dtype]]
@@ -453,7 +479,8 @@ def optimizer_state_problems(dedicated: Mapping[str, Any], fsdp2: Mapping[str, A
                              finite: bool = True,
                              layout: Callable[[Any], Optional[str]] = lambda v: None,
                              notes: Optional[list] = None,
-                             live: Optional[AdamWState] = None) -> list[str]:
+                             live: Optional[AdamWState] = None,
+                             more: Sequence[str] = ()) -> list[str]:
     """Problems of an optimizer state's sections (the full format's) for one optimizer: unknown
     names, a dedicated entry's missing or foreign fields (:func:`field_problems`), each value
     (:func:`value_problems`), names missing from a non-empty section (an empty one: the state
@@ -467,14 +494,10 @@ def optimizer_state_problems(dedicated: Mapping[str, Any], fsdp2: Mapping[str, A
       layout: ``layout(value)``: a dedicated value's layout problem (a DTensor's), or ``None``.
       finite, notes: as for :func:`value_problems`.
       live: the optimizer's AdamW state: moments that are its own tensors (``opt.state_dict()``
-        hands views of them) and hold non-finite values were written before the load
-        (:func:`written_problems`, first; with ``finite``).
+        hands views of them) lead a refusal with what they mean (:func:`view_problems`).
+      more: the caller's other problems of the same load (counters, hyper-parameters), last.
     """
     problems: list[str] = []
-    if finite and live is not None:
-        problems += written_problems(live_nonfinite(
-            {f"fsdp2[{n!r}][{k!r}]": s.get(k) for n, s in fsdp2.items()
-             if isinstance(s, Mapping) for k in MOMENTS}, [*live.mu.values(), *live.nu.values()]))
     for n, s in dedicated.items():
         if n not in matrices:
             problems.append(f"dedicated[{n!r}]: no such dedicated matrix")
@@ -504,7 +527,11 @@ def optimizer_state_problems(dedicated: Mapping[str, Any], fsdp2: Mapping[str, A
         if given and set(given) != set(want):
             gone = sorted(set(want) - set(given))
             problems.append(f"{section}: {len(gone)} {kind} missing, e.g. {gone[:3]}")
-    return problems
+    problems += more
+    views = [] if live is None else live_views(
+        {f"fsdp2[{n!r}][{k!r}]": s.get(k) for n, s in fsdp2.items() if isinstance(s, Mapping)
+         for k in MOMENTS}, [*live.mu.values(), *live.nu.values()])
+    return view_problems(problems, views)
 
 
 #: keys of a saved param group a load never installs: structure, counters, and the storage dtypes

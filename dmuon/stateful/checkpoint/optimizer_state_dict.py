@@ -54,7 +54,7 @@ def dtensor_like(local: torch.Tensor, like: Any) -> Any:
 
 
 def muon_step(optimizer: Any) -> int:
-    """The owner's step count of the full format (``num_steps`` on a rank that owns nothing)."""
+    """The owner's step count (``num_steps`` on a rank that owns nothing): every rank's count."""
     return int(optimizer._owner.step_count if optimizer.dedicated_state.owned_names
                else optimizer.num_steps)
 
@@ -67,10 +67,10 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     refuse_tp(rt, "Muon.state_dict() (torch's protocol; use dmuon.get_optimizer_state_dict)")
     rt.join("optimizer.state_dict()", always=True)  # torch.save(opt.state_dict()) on rank 0
     rt.drain()
-    st, owner = optimizer.adamw_state, optimizer._owner
+    st, owner, step = optimizer.adamw_state, optimizer._owner, float(muon_step(optimizer))
     entries = {n: {**{k: dtensor_rows(v, rt.shard_mesh) if layout_of(optimizer, k) == "param"
                       else v for k, v in e.items()},  # a variant's smaller fields: full tensors
-                   "step": torch.tensor(float(owner.step_count))}
+                   "step": torch.tensor(step)}  # every rank's: DCP stores one rank's copy
                for n, e in gather_fields(optimizer).items()}
     for n, p in optimizer.adamw_named_params:
         entries[n] = {**{k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))},
@@ -121,9 +121,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
     has_dict = not rank0 or rt.rank == 0
     rt.drain()
     problems, notes = [], []
-    ded = entries.get("dedicated") or {}
-    owner = optimizer._owner
-    fsdp = entries.get("fsdp2") or {}
+    ded, fsdp, owner = entries.get("dedicated") or {}, entries.get("fsdp2") or {}, optimizer._owner
     if has_dict:
         keys = [f.key for f in owner.fields]
         problems = optimizer_state_problems(
@@ -132,8 +130,9 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
                           for k in keys + ["master"]} for n in rt.params},
             adamw={n: (tuple(p.shape), tuple(local_tensor(p).shape), p.dtype)
                    for n, p in optimizer.adamw_named_params},
-            layout=lambda v: layout_problem(v, rt), live=optimizer.adamw_state) + load_problems(
-            entries, optimizer.param_groups, scalars=len(owner.scalars()) if owner.custom else None)
+            layout=lambda v: layout_problem(v, rt), live=optimizer.adamw_state,
+            more=load_problems(entries, optimizer.param_groups,
+                               scalars=len(owner.scalars()) if owner.custom else None))
         log_narrowing(notes)
     agree(rt, problems, what, fix=OPTIMIZER_LOAD_FIX)
     steps = counters(entries)

@@ -16,9 +16,9 @@ import torch.nn as nn
 from dmuon.compat.fsdp_patch import is_dedicated
 from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
 from dmuon.functional.module_paths import ancestors, modules_above
-from dmuon.functional.state_dict_check import (check_state_dict, dtype_changes, live_nonfinite,
-                                               row_chunks, value_problems, what_changed,
-                                               written_problems)
+from dmuon.functional.state_dict_check import (check_state_dict, dtype_changes, live_views,
+                                               row_chunks, value_problems, view_problems,
+                                               what_changed)
 from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
@@ -241,7 +241,7 @@ class _Hooks:
         refuse_tp(st, "model.load_state_dict(sd) (use dmuon.set_model_state_dict)")
         st.join("model.load_state_dict(sd)", always=True)
         st.finish_meta_init("model.load_state_dict(sd)")
-        problems, written, notes, absent, staged = [], [], [], [], {}
+        problems, views, notes, absent, staged = [], [], [], [], {}
         for k, n in self.keys.items():
             key = prefix + k
             if key not in state_dict:
@@ -263,14 +263,14 @@ class _Hooks:
             v = state_dict[key]
             mine = value_problems(key, v, tuple(p.shape), p.dtype, notes=notes)
             problems += mine
-            written += live_nonfinite({key: v}, [p])
+            views += live_views({key: v}, [p])
             if not mine and hasattr(p, "to_local") and not hasattr(v, "to_local"):
                 state_dict[key] = distribute_like(v.to(device=p.device, dtype=p.dtype), p)
         buffers = {prefix + k: tuple(b.shape)
                    for k, b in module.named_buffers(remove_duplicate=False)}
         problems += check_state_dict({k: tuple(v.shape) for k, v in state_dict.items() if
                                       k in buffers and isinstance(v, torch.Tensor)}, buffers).wrong
-        agree(st, written_problems(written) + problems, "model.load_state_dict on a dmuon model",
+        agree(st, view_problems(problems, views), "model.load_state_dict on a dmuon model",
               fix=TORCH_LOAD_FIX + ".")
         log_dtype_changes("model.load_state_dict", notes)
         self.staged = staged
