@@ -216,3 +216,55 @@ def test_off_muon_by_module_pure():
     specs, _ = specs_from_model(model)  # `dmuon plan`'s specs route the same way
     assert {s.name for s in specs if s.route == "muon"} == \
         {n for n, p in model.named_parameters() if _blocks_only(n, p)}
+
+
+class _BertLike(torch.nn.Module):
+    """BERT-shaped: word (vocabulary 40), position (16 = hidden 16) and token-type (2) embeddings,
+    blocks under ``encoder.layer.N``, a pooler and a transform as wide as the positions, a 2-class
+    ``cls`` head and a vocabulary-sized ``decoder`` (``tie``: tied to ``word``)."""
+
+    def __init__(self, tie=False):
+        super().__init__()
+        hidden = 16
+        self.word = torch.nn.Embedding(40, hidden)
+        self.pos = torch.nn.Embedding(hidden, hidden)
+        self.tt = torch.nn.Embedding(2, hidden)
+        self.encoder = torch.nn.Module()
+        self.encoder.layer = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.pooler = torch.nn.Linear(hidden, hidden)
+        self.cls_transform = torch.nn.Linear(hidden, hidden)
+        self.cls = torch.nn.Linear(hidden, 2)
+        self.decoder = torch.nn.Linear(hidden, 40, bias=False)
+        if tie:
+            self.decoder.weight = self.word.weight
+
+
+class _SequentialTrunk(torch.nn.Module):
+    """A trunk ``nn.Sequential`` (``stack.N``, no ``layers.N`` name) as wide as the position
+    embedding, one trunk matrix narrowing to the vocabulary (out 40 < in 96), then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.word = torch.nn.Embedding(40, 16)
+        self.pos = torch.nn.Embedding(16, 16)
+        self.stack = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16),
+                                         torch.nn.Linear(96, 40))
+        self.out = torch.nn.Linear(16, 40)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 46 review: the likely-head rule compares with every "
+                   "embedding's size, so a pooler as wide as the position embedding, a 2-class "
+                   "head as wide as the token-type embedding and a Sequential trunk go to AdamW")
+def test_only_vocabulary_sized_widening_linears_are_heads_pure():
+    from dmuon.functional.module_routes import off_muon, param_uses
+
+    tables = {"word.weight": "embedding", "pos.weight": "embedding", "tt.weight": "embedding"}
+    off = off_muon(param_uses(_BertLike()))
+    assert {n: o.kind for n, o in off.items()} == {**tables, "decoder.weight": "head"}
+    assert "'word'" in off["decoder.weight"].why
+    off = off_muon(param_uses(_BertLike(tie=True)))
+    assert {n: o.kind for n, o in off.items()} == tables
+    assert "also 'decoder.weight'" in off["word.weight"].why
+    off = off_muon(param_uses(_SequentialTrunk()))
+    assert {n: o.kind for n, o in off.items()} == {"word.weight": "embedding",
+                                                  "pos.weight": "embedding", "out.weight": "head"}
