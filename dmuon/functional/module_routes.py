@@ -8,9 +8,11 @@ alone, it would orthogonalize an ``nn.Embedding`` named ``tok`` and a head named
 * a weight of an ``nn.Embedding`` (or ``nn.EmbeddingBag``) under any of its names: a head tied to
   the embedding too, whichever of its names ``named_parameters()`` gives first;
 * a likely output head: the weight of an ``nn.Linear`` outside every ``layers.N`` block
-  (:func:`~dmuon.functional.specs.layer_key_from_name`) whose ``out_features`` is an embedding's
-  ``num_embeddings``. Outside blocks only, as a position or token-type embedding's size can equal a
-  block's width (BERT: 512 positions, hidden 512). ``dedicate_params`` logs each such head.
+  (:func:`~dmuon.functional.specs.layer_key_from_name`) that widens to the token vocabulary: its
+  ``out_features`` is the largest ``num_embeddings`` of the model's embeddings and exceeds its
+  ``in_features``. Only the vocabulary, as a position or token-type embedding's size can equal a
+  pooler's or a trunk's width (BERT: 512 positions, hidden 512) or a classifier's (2 token types,
+  2 classes). ``dedicate_params`` logs each such head.
 
 The routing table's "decided by" says why (``default predicate: nn.Embedding 'tok'``). Any other
 predicate is followed as given, with a logged warning when it puts such a param on Muon; a policy
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
+from dmuon.functional.selection import names_by_object
 from dmuon.functional.specs import default_muon_predicate, layer_key_from_name
 
 __all__ = ["ParamUse", "OffMuon", "param_uses", "off_muon", "module_aware", "module_reasons",
@@ -28,13 +31,15 @@ __all__ = ["ParamUse", "OffMuon", "param_uses", "off_muon", "module_aware", "mod
 
 class ParamUse(NamedTuple):
     """One module holding a param: the param's ``name`` there, the module's path, its ``kind``
-    (``"embedding"`` / ``"linear"`` for its ``weight``, else ``"other"``) and ``size`` (an
-    embedding's ``num_embeddings``, a linear's ``out_features``)."""
+    (``"embedding"`` / ``"linear"`` for its ``weight``, else ``"other"``), ``size`` (an
+    embedding's ``num_embeddings``, a linear's ``out_features``) and ``fan_in`` (a linear's
+    ``in_features``)."""
 
     name: str
     module: str
     kind: str
     size: Optional[int]
+    fan_in: Optional[int] = None
 
 
 class OffMuon(NamedTuple):
@@ -45,50 +50,50 @@ class OffMuon(NamedTuple):
     why: str
 
 
-def _kind(module: Any) -> tuple[str, Optional[int]]:
+def _kind(module: Any) -> tuple[str, Optional[int], Optional[int]]:
     import torch.nn as nn
 
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-        return "embedding", int(module.num_embeddings)
+        return "embedding", int(module.num_embeddings), None
     if isinstance(module, nn.Linear):
-        return "linear", int(module.out_features)
-    return "other", None
+        return "linear", int(module.out_features), int(module.in_features)
+    return "other", None, None
 
 
 def param_uses(model: Any) -> dict[str, tuple[ParamUse, ...]]:
     """``{name: every module holding it}`` for each param of the ``nn.Module`` ``model``, keyed
     by its ``named_parameters()`` name (a tied param once). Reads the model only."""
-    first = {id(p): n for n, p in model.named_parameters()}
-    out: dict[str, list[ParamUse]] = {}
-    for path, m in model.named_modules(remove_duplicate=False):
-        kind, size = _kind(m)
-        for local, p in m.named_parameters(recurse=False):
-            if id(p) in first:
-                out.setdefault(first[id(p)], []).append(ParamUse(
-                    f"{path}.{local}" if path else local, path,
-                    kind if local == "weight" else "other", size))
-    return {n: tuple(us) for n, us in out.items()}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    out: dict[str, tuple[ParamUse, ...]] = {}
+    for names in names_by_object(model.named_parameters(remove_duplicate=False)).values():
+        uses = []
+        for n in names:
+            path, _, local = n.rpartition(".")
+            kind, size, fan_in = _kind(modules[path])
+            uses.append(ParamUse(n, path, kind if local == "weight" else "other", size,
+                                 fan_in if local == "weight" else None))
+        out[names[0]] = tuple(uses)
+    return out
 
 
 def off_muon(uses: Mapping[str, tuple[ParamUse, ...]]) -> dict[str, OffMuon]:
     """``{name: OffMuon}`` of the params the default predicate keeps off Muon (module docstring).
     """
-    vocab: dict[int, str] = {}  # num_embeddings -> the first embedding module of that size
-    for us in uses.values():
-        for u in us:
-            if u.kind == "embedding":
-                vocab.setdefault(u.size, u.module)
+    tables = [u for us in uses.values() for u in us if u.kind == "embedding"]
+    vocab = max(tables, key=lambda u: u.size, default=None)  # the first of the largest
     out: dict[str, OffMuon] = {}
     for name, us in uses.items():
         emb = next((u for u in us if u.kind == "embedding"), None)
-        head = next((u for u in us if u.kind == "linear" and u.size in vocab
+        head = next((u for u in us if vocab is not None and u.kind == "linear"
+                     and u.size == vocab.size and u.size > u.fan_in
                      and layer_key_from_name(u.name) is None), None)
         if emb is not None:
             tied = "" if emb.name == name else f" (tied: also {emb.name!r})"
             out[name] = OffMuon("embedding", f"nn.Embedding {emb.module!r}{tied}")
         elif head is not None:
             out[name] = OffMuon("head", f"likely output head: {head.module!r} has out_features "
-                                        f"{head.size} = num_embeddings of {vocab[head.size]!r}")
+                                        f"{head.size} = num_embeddings of {vocab.module!r} (the "
+                                        f"vocabulary), in_features {head.fan_in}")
     return out
 
 
