@@ -133,7 +133,6 @@ def module_notes(predicate: Any, off: Mapping[str, OffMuon], muon: Any) -> tuple
 
 
 def route_with_modules(model: Any, predicate: Callable[[str, Any], bool]
-                       ) -> tuple[Callable[[str, Any], bool], dict[str, OffMuon]]:
-    """``(module_aware(predicate, off), off)`` for the ``nn.Module`` ``model``."""
-    off = off_muon(param_uses(model))
-    return module_aware(predicate, off), off
+                       ) -> Callable[[str, Any], bool]:
+    """``module_aware(predicate, off_muon(param_uses(model)))`` for the ``nn.Module`` ``model``."""
+    return module_aware(predicate, off_muon(param_uses(model)))
