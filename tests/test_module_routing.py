@@ -241,18 +241,18 @@ class _BertLike(torch.nn.Module):
 
 class _SequentialTrunk(torch.nn.Module):
     """A trunk ``nn.Sequential`` (``stack.N``, no ``layers.N`` name) as wide as the position
-    embedding, one trunk matrix narrowing to the vocabulary (out 40 < in 96), then a head."""
+    embedding, then a head to the vocabulary (``vocab``: 40, or 8 < hidden 16 as a character-level
+    model's)."""
 
-    def __init__(self):
+    def __init__(self, vocab=40):
         super().__init__()
-        self.word = torch.nn.Embedding(40, 16)
+        self.word = torch.nn.Embedding(vocab, 16)
         self.pos = torch.nn.Embedding(16, 16)
-        self.stack = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16),
-                                         torch.nn.Linear(96, 40))
-        self.out = torch.nn.Linear(16, 40)
+        self.stack = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+        self.out = torch.nn.Linear(16, vocab)
 
 
-def test_only_vocabulary_sized_widening_linears_are_heads_pure():
+def test_only_vocabulary_sized_linears_are_heads_pure():
     from dmuon.functional.module_routes import off_muon, param_uses
 
     tables = {"word.weight": "embedding", "pos.weight": "embedding", "tt.weight": "embedding"}
@@ -261,6 +261,14 @@ def test_only_vocabulary_sized_widening_linears_are_heads_pure():
     assert "'word'" in off["decoder.weight"].why
     off = off_muon(param_uses(_BertLike(tie=True)))
     assert {n: o.kind for n, o in off.items()} == tables
-    off = off_muon(param_uses(_SequentialTrunk()))
-    assert {n: o.kind for n, o in off.items()} == {"word.weight": "embedding",
-                                                  "pos.weight": "embedding", "out.weight": "head"}
+    for vocab in (40, 8):  # a head narrower than the width (character-level) is a head too
+        off = off_muon(param_uses(_SequentialTrunk(vocab)))
+        assert {n: o.kind for n, o in off.items()} == {
+            "word.weight": "embedding", "pos.weight": "embedding", "out.weight": "head"}, vocab
+    positions_first = torch.nn.ModuleDict({"pos": torch.nn.Embedding(16, 16),
+                                           "word": torch.nn.Embedding(40, 16),
+                                           "pooler": torch.nn.Linear(16, 16),
+                                           "head": torch.nn.Linear(16, 40)})
+    off = off_muon(param_uses(positions_first))  # the vocabulary is the largest table then
+    assert {n: o.kind for n, o in off.items()} == {
+        "pos.weight": "embedding", "word.weight": "embedding", "head.weight": "head"}

@@ -8,11 +8,15 @@ alone, it would orthogonalize an ``nn.Embedding`` named ``tok`` and a head named
 * a weight of an ``nn.Embedding`` (or ``nn.EmbeddingBag``) under any of its names: a head tied to
   the embedding too, whichever of its names ``named_parameters()`` gives first;
 * a likely output head: the weight of an ``nn.Linear`` outside every ``layers.N`` block
-  (:func:`~dmuon.functional.specs.layer_key_from_name`) that widens to the token vocabulary: its
-  ``out_features`` is the largest ``num_embeddings`` of the model's embeddings and exceeds its
-  ``in_features``. Only the vocabulary, as a position or token-type embedding's size can equal a
-  pooler's or a trunk's width (BERT: 512 positions, hidden 512) or a classifier's (2 token types,
-  2 classes). ``dedicate_params`` logs each such head.
+  (:func:`~dmuon.functional.specs.layer_key_from_name`) that projects to the token vocabulary: its
+  ``out_features`` is the ``num_embeddings`` of the model's first embedding (token tables come
+  first: ``wte``, ``word_embeddings``) or of its largest, and it is not square. Only the
+  vocabulary, as a token-type embedding's size can equal a classifier's (2 types, 2 classes); not
+  square, as a position embedding's size can equal the width (BERT: 512 positions, hidden 512; a
+  pooler is 512 -> 512). A vocabulary narrower than the width (a character-level model: 65 tokens,
+  hidden 384) is still a head; a trunk matrix that happens to project to the vocabulary's size goes
+  to AdamW too (the safe side, logged; ``Rule(name, route="muon")`` overrides).
+  ``dedicate_params`` logs each such head.
 
 The routing table's "decided by" says why (``default predicate: nn.Embedding 'tok'``). Any other
 predicate is followed as given, with a logged warning when it puts such a param on Muon; a policy
@@ -80,20 +84,22 @@ def off_muon(uses: Mapping[str, tuple[ParamUse, ...]]) -> dict[str, OffMuon]:
     """``{name: OffMuon}`` of the params the default predicate keeps off Muon (module docstring).
     """
     tables = [u for us in uses.values() for u in us if u.kind == "embedding"]
-    vocab = max(tables, key=lambda u: u.size, default=None)  # the first of the largest
+    # the vocabulary: the first embedding (token tables come first: wte, word_embeddings,
+    # tok_embeddings) and the largest one (a model that registers positions first)
+    vocab = {u.size: u for u in (tables[:1] + [max(tables, key=lambda u: u.size)] if tables else [])}
     out: dict[str, OffMuon] = {}
     for name, us in uses.items():
         emb = next((u for u in us if u.kind == "embedding"), None)
-        head = next((u for u in us if vocab is not None and u.kind == "linear"
-                     and u.size == vocab.size and u.size > u.fan_in
+        head = next((u for u in us if u.kind == "linear" and u.size in vocab
+                     and u.size != u.fan_in
                      and layer_key_from_name(u.name) is None), None)
         if emb is not None:
             tied = "" if emb.name == name else f" (tied: also {emb.name!r})"
             out[name] = OffMuon("embedding", f"nn.Embedding {emb.module!r}{tied}")
         elif head is not None:
             out[name] = OffMuon("head", f"likely output head: {head.module!r} has out_features "
-                                        f"{head.size} = num_embeddings of {vocab.module!r} (the "
-                                        f"vocabulary), in_features {head.fan_in}")
+                                        f"{head.size} = num_embeddings of {vocab[head.size].module!r} "
+                                        f"(the vocabulary), in_features {head.fan_in}")
     return out
 
 
