@@ -216,3 +216,59 @@ def test_off_muon_by_module_pure():
     specs, _ = specs_from_model(model)  # `dmuon plan`'s specs route the same way
     assert {s.name for s in specs if s.route == "muon"} == \
         {n for n, p in model.named_parameters() if _blocks_only(n, p)}
+
+
+class _BertLike(torch.nn.Module):
+    """BERT-shaped: word (vocabulary 40), position (16 = hidden 16) and token-type (2) embeddings,
+    blocks under ``encoder.layer.N``, a pooler and a transform as wide as the positions, a 2-class
+    ``cls`` head and a vocabulary-sized ``decoder`` (``tie``: tied to ``word``)."""
+
+    def __init__(self, tie=False):
+        super().__init__()
+        hidden = 16
+        self.word = torch.nn.Embedding(40, hidden)
+        self.pos = torch.nn.Embedding(hidden, hidden)
+        self.tt = torch.nn.Embedding(2, hidden)
+        self.encoder = torch.nn.Module()
+        self.encoder.layer = torch.nn.ModuleList(_Block() for _ in range(2))
+        self.pooler = torch.nn.Linear(hidden, hidden)
+        self.cls_transform = torch.nn.Linear(hidden, hidden)
+        self.cls = torch.nn.Linear(hidden, 2)
+        self.decoder = torch.nn.Linear(hidden, 40, bias=False)
+        if tie:
+            self.decoder.weight = self.word.weight
+
+
+class _SequentialTrunk(torch.nn.Module):
+    """A trunk ``nn.Sequential`` (``stack.N``, no ``layers.N`` name) as wide as the position
+    embedding, then a head to the vocabulary (``vocab``: 40, or 8 < hidden 16 as a character-level
+    model's)."""
+
+    def __init__(self, vocab=40):
+        super().__init__()
+        self.word = torch.nn.Embedding(vocab, 16)
+        self.pos = torch.nn.Embedding(16, 16)
+        self.stack = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))
+        self.out = torch.nn.Linear(16, vocab)
+
+
+def test_only_vocabulary_sized_linears_are_heads_pure():
+    from dmuon.functional.module_routes import off_muon, param_uses
+
+    tables = {"word.weight": "embedding", "pos.weight": "embedding", "tt.weight": "embedding"}
+    off = off_muon(param_uses(_BertLike()))
+    assert {n: o.kind for n, o in off.items()} == {**tables, "decoder.weight": "head"}
+    assert "'word'" in off["decoder.weight"].why
+    off = off_muon(param_uses(_BertLike(tie=True)))
+    assert {n: o.kind for n, o in off.items()} == tables
+    for vocab in (40, 8):  # a head narrower than the width (character-level) is a head too
+        off = off_muon(param_uses(_SequentialTrunk(vocab)))
+        assert {n: o.kind for n, o in off.items()} == {
+            "word.weight": "embedding", "pos.weight": "embedding", "out.weight": "head"}, vocab
+    positions_first = torch.nn.ModuleDict({"pos": torch.nn.Embedding(16, 16),
+                                           "word": torch.nn.Embedding(40, 16),
+                                           "pooler": torch.nn.Linear(16, 16),
+                                           "head": torch.nn.Linear(16, 40)})
+    off = off_muon(param_uses(positions_first))  # the vocabulary is the largest table then
+    assert {n: o.kind for n, o in off.items()} == {
+        "pos.weight": "embedding", "word.weight": "embedding", "head.weight": "head"}

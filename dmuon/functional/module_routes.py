@@ -8,9 +8,15 @@ alone, it would orthogonalize an ``nn.Embedding`` named ``tok`` and a head named
 * a weight of an ``nn.Embedding`` (or ``nn.EmbeddingBag``) under any of its names: a head tied to
   the embedding too, whichever of its names ``named_parameters()`` gives first;
 * a likely output head: the weight of an ``nn.Linear`` outside every ``layers.N`` block
-  (:func:`~dmuon.functional.specs.layer_key_from_name`) whose ``out_features`` is an embedding's
-  ``num_embeddings``. Outside blocks only, as a position or token-type embedding's size can equal a
-  block's width (BERT: 512 positions, hidden 512). ``dedicate_params`` logs each such head.
+  (:func:`~dmuon.functional.specs.layer_key_from_name`) that projects to the token vocabulary: its
+  ``out_features`` is the ``num_embeddings`` of the model's first embedding (token tables come
+  first: ``wte``, ``word_embeddings``) or of its largest, and it is not square. Only the
+  vocabulary, as a token-type embedding's size can equal a classifier's (2 types, 2 classes); not
+  square, as a position embedding's size can equal the width (BERT: 512 positions, hidden 512; a
+  pooler is 512 -> 512). A vocabulary narrower than the width (a character-level model: 65 tokens,
+  hidden 384) is still a head; a trunk matrix that happens to project to the vocabulary's size goes
+  to AdamW too (the safe side, logged; ``Rule(name, route="muon")`` overrides).
+  ``dedicate_params`` logs each such head.
 
 The routing table's "decided by" says why (``default predicate: nn.Embedding 'tok'``). Any other
 predicate is followed as given, with a logged warning when it puts such a param on Muon; a policy
@@ -20,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, NamedTuple, Optional
 
+from dmuon.functional.selection import names_by_object
 from dmuon.functional.specs import default_muon_predicate, layer_key_from_name
 
 __all__ = ["ParamUse", "OffMuon", "param_uses", "off_muon", "module_aware", "module_reasons",
@@ -28,13 +35,15 @@ __all__ = ["ParamUse", "OffMuon", "param_uses", "off_muon", "module_aware", "mod
 
 class ParamUse(NamedTuple):
     """One module holding a param: the param's ``name`` there, the module's path, its ``kind``
-    (``"embedding"`` / ``"linear"`` for its ``weight``, else ``"other"``) and ``size`` (an
-    embedding's ``num_embeddings``, a linear's ``out_features``)."""
+    (``"embedding"`` / ``"linear"`` for its ``weight``, else ``"other"``), ``size`` (an
+    embedding's ``num_embeddings``, a linear's ``out_features``) and ``fan_in`` (a linear's
+    ``in_features``)."""
 
     name: str
     module: str
     kind: str
     size: Optional[int]
+    fan_in: Optional[int] = None
 
 
 class OffMuon(NamedTuple):
@@ -45,50 +54,52 @@ class OffMuon(NamedTuple):
     why: str
 
 
-def _kind(module: Any) -> tuple[str, Optional[int]]:
+def _kind(module: Any) -> tuple[str, Optional[int], Optional[int]]:
     import torch.nn as nn
 
     if isinstance(module, (nn.Embedding, nn.EmbeddingBag)):
-        return "embedding", int(module.num_embeddings)
+        return "embedding", int(module.num_embeddings), None
     if isinstance(module, nn.Linear):
-        return "linear", int(module.out_features)
-    return "other", None
+        return "linear", int(module.out_features), int(module.in_features)
+    return "other", None, None
 
 
 def param_uses(model: Any) -> dict[str, tuple[ParamUse, ...]]:
     """``{name: every module holding it}`` for each param of the ``nn.Module`` ``model``, keyed
     by its ``named_parameters()`` name (a tied param once). Reads the model only."""
-    first = {id(p): n for n, p in model.named_parameters()}
-    out: dict[str, list[ParamUse]] = {}
-    for path, m in model.named_modules(remove_duplicate=False):
-        kind, size = _kind(m)
-        for local, p in m.named_parameters(recurse=False):
-            if id(p) in first:
-                out.setdefault(first[id(p)], []).append(ParamUse(
-                    f"{path}.{local}" if path else local, path,
-                    kind if local == "weight" else "other", size))
-    return {n: tuple(us) for n, us in out.items()}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    out: dict[str, tuple[ParamUse, ...]] = {}
+    for names in names_by_object(model.named_parameters(remove_duplicate=False)).values():
+        uses = []
+        for n in names:
+            path, _, local = n.rpartition(".")
+            kind, size, fan_in = _kind(modules[path])
+            uses.append(ParamUse(n, path, kind if local == "weight" else "other", size,
+                                 fan_in if local == "weight" else None))
+        out[names[0]] = tuple(uses)
+    return out
 
 
 def off_muon(uses: Mapping[str, tuple[ParamUse, ...]]) -> dict[str, OffMuon]:
     """``{name: OffMuon}`` of the params the default predicate keeps off Muon (module docstring).
     """
-    vocab: dict[int, str] = {}  # num_embeddings -> the first embedding module of that size
-    for us in uses.values():
-        for u in us:
-            if u.kind == "embedding":
-                vocab.setdefault(u.size, u.module)
+    tables = [u for us in uses.values() for u in us if u.kind == "embedding"]
+    # the vocabulary: the first embedding (token tables come first: wte, word_embeddings,
+    # tok_embeddings) and the largest one (a model that registers positions first)
+    vocab = {u.size: u for u in (tables[:1] + [max(tables, key=lambda u: u.size)] if tables else [])}
     out: dict[str, OffMuon] = {}
     for name, us in uses.items():
         emb = next((u for u in us if u.kind == "embedding"), None)
         head = next((u for u in us if u.kind == "linear" and u.size in vocab
+                     and u.size != u.fan_in
                      and layer_key_from_name(u.name) is None), None)
         if emb is not None:
             tied = "" if emb.name == name else f" (tied: also {emb.name!r})"
             out[name] = OffMuon("embedding", f"nn.Embedding {emb.module!r}{tied}")
         elif head is not None:
             out[name] = OffMuon("head", f"likely output head: {head.module!r} has out_features "
-                                        f"{head.size} = num_embeddings of {vocab[head.size]!r}")
+                                        f"{head.size} = num_embeddings of {vocab[head.size].module!r} "
+                                        f"(the vocabulary), in_features {head.fan_in}")
     return out
 
 
@@ -128,7 +139,6 @@ def module_notes(predicate: Any, off: Mapping[str, OffMuon], muon: Any) -> tuple
 
 
 def route_with_modules(model: Any, predicate: Callable[[str, Any], bool]
-                       ) -> tuple[Callable[[str, Any], bool], dict[str, OffMuon]]:
-    """``(module_aware(predicate, off), off)`` for the ``nn.Module`` ``model``."""
-    off = off_muon(param_uses(model))
-    return module_aware(predicate, off), off
+                       ) -> Callable[[str, Any], bool]:
+    """``module_aware(predicate, off_muon(param_uses(model)))`` for the ``nn.Module`` ``model``."""
+    return module_aware(predicate, off_muon(param_uses(model)))

@@ -453,7 +453,7 @@ def routing_predicate(policy: ParamPolicy, predicate: Any, model: Any = None) ->
     :mod:`dmuon.functional.module_routes`), overridden by the first matching rule that sets a
     route (the user's object itself when nothing changes it)."""
     if model is not None:
-        predicate = route_with_modules(model, predicate)[0]
+        predicate = route_with_modules(model, predicate)
     if not callable(predicate) or not any(r.route is not None for r in policy.rules):
         return predicate
 

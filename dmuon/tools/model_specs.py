@@ -36,7 +36,7 @@ def specs_from_model(model: Any, predicate: Optional[Callable[[str, Any], bool]]
     Raises:
       ValueError: a Muon param without a fitting view (the message names it and the rules).
     """
-    pred = route_with_modules(model, default_muon_predicate if predicate is None else predicate)[0]
+    pred = route_with_modules(model, default_muon_predicate if predicate is None else predicate)
     pol = ParamPolicy() if policy is None else policy
     specs, decisions = [], {}
     for n, p in model.named_parameters():
