@@ -1,17 +1,21 @@
-"""Every code block of README.md and of the examples' docstrings runs as written, or says why not
-(issue 36: the README's three-line block failed verbatim on the HF model it was meant for).
+"""Every code block of README.md, of the docs site's pages (docs/**/*.md) and of the examples'
+docstrings runs as written, or says why not (issue 36: the README's three-line block failed
+verbatim on the HF model it was meant for; issue 48: the docs site).
 
-How a README block is marked — an HTML comment (invisible on GitHub) on the line above its fence:
+How a block is marked — an HTML comment (invisible when rendered) on the line above its fence:
 
 * ``<!-- snippet: run HARNESS -->``: a ``python`` block, executed as written in a namespace that
   the harness prepares (the names the prose around the block supposes: ``model``, ``mesh``,
-  ``loader``, ...; see :data:`PURE` / :data:`DIST` below). ``run HARNESS cpu`` also reads
-  ``"cuda"`` as ``"cpu"`` (the block is the GPU recipe; CI has no GPU). Distributed harnesses run
-  on 2 gloo ranks, all such blocks in one spawn; after a block that builds ``optimizer``, the
-  harness trains one step with it.
+  ``loader``, ...; see :data:`PURE` / :data:`DIST` below). Each such name the block reads must be
+  named (in backticks) in the page's visible text above the block, so a reader knows what it
+  assumes. ``run HARNESS cpu`` also reads ``"cuda"`` as ``"cpu"`` (the block is the GPU recipe; CI
+  has no GPU). Distributed harnesses run on 2 gloo ranks, all such blocks of every page in one
+  spawn; after a block that builds ``optimizer``, the harness trains one step with it.
 * ``<!-- snippet: skip REASON -->``: not executed, for the reason given (installs packages, needs
-  4 ranks, ...). Python blocks are still parsed, and every command line in a ``bash`` block must
-  name files that exist and ``--flags`` those files define.
+  4 ranks, ...), which the visible line right above the comment must say too (a comment alone is
+  invisible when rendered): ``*Not run by the docs test: REASON.*``. Python blocks are still
+  parsed, and every command line in a ``bash`` block must name files that exist and ``--flags``
+  those files define.
 
 A fenced block without a marker fails the test, so a new snippet is run or explicitly excused.
 The examples' docstrings: command lines are checked like the README's bash blocks; a Python
@@ -39,13 +43,23 @@ MARK = re.compile(r"<!--\s*snippet:\s*(run|skip)\b\s*(.*?)\s*-->")
 
 
 class Block(NamedTuple):
+    path: str        # the page, relative to the repository root
     line: int        # 1-based line of the opening fence
     lang: str
     code: str
     mark: Any        # (kind, rest) or None
+    visible: str     # the rendered text above the marker since the page's start (no comments)
+    above: str       # the visible line right above the marker (or above the fence)
+
+    @property
+    def where(self) -> str:
+        return f"{self.path}:{self.line}"
 
 
-def readme_blocks(text: str) -> list[Block]:
+COMMENT = re.compile(r"<!--.*?-->", re.S)
+
+
+def readme_blocks(text: str, path: str = "README.md") -> list[Block]:
     lines, blocks, i = text.split("\n"), [], 0
     while i < len(lines):
         m = re.match(r"^```(\w*)\s*$", lines[i])
@@ -55,19 +69,24 @@ def readme_blocks(text: str) -> list[Block]:
         j = i + 1
         while j < len(lines) and lines[j].rstrip() != "```":
             j += 1
-        prev = next((lines[k] for k in range(i - 1, -1, -1) if lines[k].strip()), "")
-        mark = MARK.search(prev)
-        blocks.append(Block(i + 1, m.group(1), "\n".join(lines[i + 1:j]),
-                            (mark.group(1), mark.group(2)) if mark else None))
+        k = next((k for k in range(i - 1, -1, -1) if lines[k].strip()), -1)
+        mark = MARK.search(lines[k]) if k >= 0 else None
+        top = k if mark else i
+        visible = COMMENT.sub("", "\n".join(lines[:top]))
+        above = next((ln for ln in reversed(visible.split("\n")) if ln.strip()), "")
+        blocks.append(Block(path, i + 1, m.group(1), "\n".join(lines[i + 1:j]),
+                            (mark.group(1), mark.group(2)) if mark else None, visible, above))
         i = j + 1
     return blocks
 
 
-BLOCKS = readme_blocks((ROOT / "README.md").read_text())
+#: the pages whose blocks run: the README and every page of the docs site
+PAGES = ["README.md"] + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*.md"))
+BLOCKS = [b for page in PAGES for b in readme_blocks((ROOT / page).read_text(), page)]
 
 
 def _ids(blocks):
-    return [f"README.md:{b.line}" for b in blocks]
+    return [b.where for b in blocks]
 
 
 # --------------------------------------------------------------------------- harnesses
@@ -175,63 +194,132 @@ def _source(block: Block) -> tuple[str, str]:
 def _run_dist_blocks(rank: int, world: int, blocks: list, tmp: str) -> dict:
     import traceback
     out = {}
-    for line, harness, code in blocks:
+    for k, (where, harness, code) in enumerate(blocks):
         cwd = os.getcwd()
         try:
-            os.makedirs(os.path.join(tmp, str(line)), exist_ok=True)
-            ns = DIST[harness](rank, world, os.path.join(tmp, str(line)))
-            exec(compile(code, f"README.md:{line}", "exec"), ns)
+            os.makedirs(os.path.join(tmp, str(k)), exist_ok=True)
+            ns = DIST[harness](rank, world, os.path.join(tmp, str(k)))
+            exec(compile(code, where, "exec"), ns)
             if "optimizer" in ns and "train" in ns:  # what the block built can train
                 assert torch.isfinite(torch.tensor(_train_step(ns)))
-            out[line] = None
+            out[where] = None
         except Exception:  # noqa: BLE001 - reported per block
-            out[line] = traceback.format_exc(limit=-6)
+            out[where] = traceback.format_exc(limit=-6)
         finally:
             os.chdir(cwd)
     return out
 
 
-# --------------------------------------------------------------------------- README
-def test_every_readme_block_is_marked():
+#: names a harness provides that are imports, not objects the prose must describe: stated once
+#: per page (anywhere above the block)
+_IMPORTED = {"torch", "dist", "dmuon", "init_device_mesh", "fully_shard", "DistributedDataParallel",
+             "ParamPolicy", "Rule"}
+
+
+def _free_names(code: str) -> set[str]:
+    """Names a block reads without binding them anywhere in itself (imports, assignments, defs)."""
+    tree = ast.parse(code)
+    bound = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and not isinstance(
+        n.ctx, ast.Load)}
+    for n in ast.walk(tree):
+        if isinstance(n, (ast.Import, ast.ImportFrom)):
+            bound |= {(a.asname or a.name).split(".")[0] for a in n.names}
+        elif isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+            bound.add(n.name)
+        elif isinstance(n, ast.arguments):
+            bound |= {a.arg for a in n.posonlyargs + n.args + n.kwonlyargs}
+    read = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    return read - bound - set(dir(builtins))
+
+
+def _harness_names(harness: str) -> set[str]:
+    """What a harness defines for its blocks (without building it: its namespace's keys)."""
+    return _HARNESS_NAMES[harness]
+
+
+_HARNESS_NAMES = {
+    "policy": {"torch", "ParamPolicy", "Rule"},
+    "functional": {"params", "grads", "experts", "g_e", "st_e", "q", "g_q", "st_q"},
+    "hf": {"torch", "dist", "dmuon", "init_device_mesh", "fully_shard", "DistributedDataParallel",
+           "world", "rank", "mesh", "model", "loader"},
+}
+_HARNESS_NAMES["fsdp"] = _HARNESS_NAMES["hf"] | {"predicate", "R", "G", "local_rank"}
+_HARNESS_NAMES["trained"] = _HARNESS_NAMES["fsdp"] | {"optimizer"}
+_HARNESS_NAMES["meta"] = _HARNESS_NAMES["fsdp"] | {"config", "build_model"}
+
+
+# --------------------------------------------------------------------------- the pages
+def test_every_block_is_marked_and_says_why_it_is_skipped():
     problems = []
     for b in BLOCKS:
         if b.mark is None:
-            problems.append(f"README.md:{b.line} ({b.lang or 'plain'}): no <!-- snippet: run "
+            problems.append(f"{b.where} ({b.lang or 'plain'}): no <!-- snippet: run "
                             "HARNESS --> or <!-- snippet: skip REASON --> on the line above")
         elif b.mark[0] == "skip" and len(b.mark[1]) < 12:
-            problems.append(f"README.md:{b.line}: skip needs a reason")
+            problems.append(f"{b.where}: skip needs a reason")
+        elif b.mark[0] == "skip" and _plain(b.mark[1]) not in _plain(b.above):
+            problems.append(f"{b.where}: the skip's reason is invisible when rendered; write it "
+                            f"on the line above the comment: *Not run by the docs test: "
+                            f"{b.mark[1]}.*")
         elif b.mark[0] == "run" and (b.lang != "python" or not b.mark[1]
                                      or b.mark[1].split()[0] not in {**PURE, **DIST}):
-            problems.append(f"README.md:{b.line}: run needs a python block and a harness of "
+            problems.append(f"{b.where}: run needs a python block and a harness of "
                             f"{sorted({**PURE, **DIST})}")
     assert not problems, "\n".join(problems)
     assert sum(b.mark is not None and b.mark[0] == "run" for b in BLOCKS) >= 8
 
 
+def _plain(text: str) -> str:
+    return " ".join(re.sub(r"[`*_]", "", text).lower().split())
+
+
+RUN = [b for b in BLOCKS if b.mark and b.mark[0] == "run"]
+
+
+def test_harness_names_match_what_the_harnesses_define():
+    for name, make in PURE.items():
+        assert set(make()) == _HARNESS_NAMES[name], name
+
+
+def test_every_run_block_says_what_it_assumes():
+    """A name a block takes from its harness (``model``, ``mesh``, ``loader``, ...) is named in
+    the page's visible text above it, so a reader running the page in order knows what to bring
+    (issue 48: the variants block supposed a model named only in an HTML comment)."""
+    problems = []
+    for b in RUN:
+        taken = _free_names(b.code) & _harness_names(_source(b)[0])
+        unsaid = sorted(n for n in taken if f"`{n}" not in b.visible and f" {n}`" not in b.visible
+                        and not re.search(rf"`[^`]*\b{n}\b[^`]*`", b.visible))
+        if unsaid:
+            problems.append(f"{b.where}: the block uses {unsaid}, which the page does not name "
+                            "above it")
+    assert not problems, "\n".join(problems)
+
+
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b.lang == "python"],
                          ids=_ids([b for b in BLOCKS if b.lang == "python"]))
-def test_readme_python_block_parses(block):
-    ast.parse(block.code, f"README.md:{block.line}")
+def test_python_block_parses(block):
+    ast.parse(block.code, block.where)
 
 
-RUN_PURE = [b for b in BLOCKS if b.mark and b.mark[0] == "run" and _source(b)[0] in PURE]
+RUN_PURE = [b for b in RUN if _source(b)[0] in PURE]
 
 
 @pytest.mark.parametrize("block", RUN_PURE, ids=_ids(RUN_PURE))
-def test_readme_block_runs(block):
+def test_block_runs(block):
     harness, code = _source(block)
-    exec(compile(code, f"README.md:{block.line}", "exec"), PURE[harness]())
+    exec(compile(code, block.where, "exec"), PURE[harness]())
 
 
-def test_readme_distributed_blocks_run(tmp_path):
+def test_distributed_blocks_run(tmp_path):
+    """Every distributed block of every page, in one 2-rank spawn."""
     use_it = next(b for b in BLOCKS if b.lang == "python")  # "Use it: three lines": an HF model's
-    assert use_it.mark and use_it.mark[0] == "run" and _source(use_it)[0] == "hf", use_it
-    blocks = [(b.line, *_source(b)) for b in BLOCKS
-              if b.mark and b.mark[0] == "run" and _source(b)[0] in DIST]
-    assert blocks
+    assert use_it.path == "README.md" and use_it.mark and _source(use_it)[0] == "hf", use_it
+    blocks = [(b.where, *_source(b)) for b in RUN if _source(b)[0] in DIST]
+    assert len({b[0].split(":")[0] for b in blocks}) > 1, "the docs pages' blocks run too"
     results = run_ranks(_run_dist_blocks, 2, blocks, str(tmp_path), timeout=180)
-    failed = [f"--- README.md:{line}, rank {r} ---\n{err}" for r, res in enumerate(results)
-              for line, err in res.items() if err]
+    failed = [f"--- {where}, rank {r} ---\n{err}" for r, res in enumerate(results)
+              for where, err in res.items() if err]
     assert not failed, "\n".join(failed)
 
 
@@ -274,12 +362,12 @@ def check_command(line: str, where: str) -> list[str]:
     return problems
 
 
-def test_readme_commands_name_real_files_and_flags():
+def test_commands_name_real_files_and_flags():
     problems = []
     for b in BLOCKS:
         if b.lang == "bash":
             for k, line in enumerate(b.code.split("\n")):
-                problems += check_command(line, f"README.md:{b.line + 1 + k}")
+                problems += check_command(line, f"{b.path}:{b.line + 1 + k}")
     assert not problems, "\n".join(problems)
 
 
