@@ -1,8 +1,9 @@
-"""``dmuon.functional.__all__`` is exactly what the README documents as the functional API, both
-ways, so the two cannot drift: every name the README's "The functional core" section shows as
-part of ``dmuon.functional`` (imported from it, a bullet's head name, or spelled
-``dmuon.functional.<name>``) and every name any README block imports from ``dmuon.functional`` is
-exported and resolves; every exported name appears in that section."""
+"""``dmuon.functional.__all__`` is exactly what the docs document as the functional API, both
+ways, so the two cannot drift: every name the docs page "The functional core"
+(docs/functional/index.md, the README's former section) shows as part of ``dmuon.functional``
+(imported from it, a bullet's head name, or spelled ``dmuon.functional.<name>``) and every name any
+README or docs block imports from ``dmuon.functional`` is exported and resolves; every exported
+name appears on that page."""
 from __future__ import annotations
 
 import re
@@ -10,8 +11,10 @@ from pathlib import Path
 
 import dmuon.functional as F
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-SECTION = README.split("## The functional core", 1)[1].split("\n## ", 1)[0]
+ROOT = Path(__file__).resolve().parents[1]
+#: the README and every docs page (blocks anywhere may import from dmuon.functional)
+README = "\n".join(p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))])
+SECTION = (ROOT / "docs" / "functional" / "index.md").read_text()
 
 
 def _imported(text: str) -> set[str]:

@@ -557,7 +557,7 @@ def test_dcp_load_into_live_state_dicts_is_reported_truthfully(tmp_path_factory)
 
 def test_readme_says_what_dcp_load_into_live_state_dicts_does():
     from pathlib import Path
-    text = Path(__file__).resolve().parents[1].joinpath("README.md").read_text()
+    text = Path(__file__).resolve().parents[1].joinpath("docs", "checkpoints.md").read_text()
     assert "writes FSDP2's params and AdamW's moments in place before dmuon sees" in \
         " ".join(text.split())
 

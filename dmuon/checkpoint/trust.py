@@ -26,7 +26,7 @@ What is *not* covered: a ``storage_reader`` the caller passes to ``load_sharded`
 metadata its own way (DCP's ``FileSystemReader`` unpickles it with ``pickle.load``); ``torch.load``
 with ``weights_only=False``, and ``torch.distributed.checkpoint.load`` itself (its reader unpickles
 ``.metadata`` and its planner ``torch.load(weights_only=False)``-s non-tensor entries): run those
-only on files you trust (README, "What is safe to load").
+only on files you trust (docs/checkpoints.md, "What is safe to load").
 """
 from __future__ import annotations
 

@@ -130,7 +130,7 @@ _MOVE_HINT = ("model.to(device / dtype) before dmuon.dedicate_params (move or ca
               "model first): afterwards the masters stay where dedicate_params put them")
 _INIT_HINT = ("the model's init before dmuon.dedicate_params (its values are copied to the owner "
               "there), or build the model under torch.device('meta') and run its init after "
-              "fully_shard and model.to_empty(device=...) (README: meta-device init)")
+              "fully_shard and model.to_empty(device=...) (docs/integrations/fsdp2.md: meta-device init)")
 
 
 def refusal_hint(name: str, func: Any = None) -> str:
