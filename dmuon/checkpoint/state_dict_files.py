@@ -34,8 +34,8 @@ def read_state_dict(path: str | os.PathLike, *, verify: bool = True) -> dict[str
         legacy non-zip format. ``False`` skips both.
 
     Returns:
-      what the file holds: ``{name: tensor}`` ready for :func:`dmuon.set_model_state_dict` (tied
-      names HF dropped stay absent; ``set_model_state_dict`` fills them from their alias).
+      what the file holds, ``{name -> tensor}``, ready for :func:`dmuon.set_model_state_dict` (tied
+        names HF dropped stay absent; ``set_model_state_dict`` fills them from their alias).
 
     Raises:
       FileNotFoundError: the folder holds none of the files above.

@@ -95,7 +95,7 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
 
     Returns:
       plain tensors (never DTensors), the same keys / shapes / dtypes as ``model.state_dict()`` of
-      the model on one device (tied params under each of their names).
+        the model on one device (tied params under each of their names).
     """
     rt = get_state(model, "dmuon.get_model_state_dict(model)")
     rt.join("dmuon.get_model_state_dict(model)")

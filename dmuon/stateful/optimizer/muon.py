@@ -41,8 +41,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
 
     Args:
       model: a model on which ``dmuon.dedicate_params`` ran (then ``fully_shard``).
-      lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, ns_dtype,
-      adjust_lr_fn: Muon's hyper-parameters, under ``torch.optim.Muon``'s names
+      lr, momentum, nesterov, weight_decay, ns_steps, ns_coefficients, eps, ns_dtype, adjust_lr_fn:
+        Muon's hyper-parameters, under ``torch.optim.Muon``'s names
         (:mod:`dmuon.functional.muon_options`: ``eps`` is ε of NS's normalization;
         ``adjust_lr_fn`` the shape scale: ``"match_rms_adamw"`` (default, ``0.2·sqrt(max(m,
         n))``), ``"original"`` / ``None`` (``sqrt(max(1, m/n))``), ``"spectral_unclamped"``,

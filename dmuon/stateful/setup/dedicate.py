@@ -146,12 +146,14 @@ def dedicate_params(
         former spelling as keyword arguments here works for one release (``DeprecationWarning``).
 
     Returns:
-      ``{param: owner global rank}`` for every dedicated param (tied params appear once), a dict
-      whose ``.routing`` is the routing table (every param → Muon with its view / AdamW / frozen,
-      and the rule or predicate that decided; ``print(...)`` it; :mod:`dmuon.functional.routing`);
-      ``{}`` when the dedication is deferred to ``dmuon.Muon(model)`` (``mesh`` is the dp sub-mesh of
-      a mesh with a TP dim and TP is not applied yet, or the TP params are on meta:
-      :mod:`dmuon.stateful.modes.deferred`).
+      the owner global rank of every dedicated param, as ``{param -> rank}`` (tied params once), a dict
+        whose ``.routing`` is the routing table (every param → Muon with its view / AdamW / frozen,
+        and the rule or predicate that decided; ``print(...)`` it; :mod:`dmuon.functional.routing`);
+        ``{}`` when the dedication is deferred to ``dmuon.Muon(model)`` (``mesh`` is the dp sub-mesh of
+        a mesh with a TP dim and TP is not applied yet, or the TP params are on meta:
+        :mod:`dmuon.stateful.modes.deferred`).
+    Every check runs on every rank before any process group is made: a problem on one rank
+    raises on all (that rank's own exception there, its message elsewhere), never a hang.
 
     Raises:
       RuntimeError: torch.distributed is not initialized; the model already has FSDP2 state or was
@@ -161,8 +163,6 @@ def dedicate_params(
         are on the meta device and others not;
         the meshes do not match the world (ranks, R x G, device type; see
         :func:`dmuon.functional.setup_check.check_setups`).
-      Every check runs on every rank before any process group is made: a problem on one rank
-      raises on all (that rank's own exception there, its message elsewhere), never a hang.
       NotImplementedError: a TP layout or TP combination dmuon does not support
         (:mod:`dmuon.stateful.modes.tensor_parallel`).
       ValueError: ``data_parallel`` is not ``"fsdp"`` / ``"ddp"``, or ``"ddp"`` with a 2-D / HSDP
