@@ -40,7 +40,6 @@ CFG_2 = [dict(id="per_owner_z3", steps=STEPS, dedicate_kw={"collectives": "per_o
          dict(id="grouped_z2", steps=STEPS, z3=False, dedicate_kw={"collectives": "grouped"})]
 
 
-@pytest.mark.xfail(strict=True, reason="collectives='grouped' is not a style yet: dedicate_params raises ValueError")
 def test_grouped_two_ranks_z3_z2_equal_reference_and_per_owner_bytes():
     results = run_ranks(_worker, 2, CFG_2, timeout=300)
     _check(results, CFG_2)
@@ -53,7 +52,6 @@ CFG_4 = [dict(id="hsdp_per_owner_z3", steps=STEPS, hsdp=True, batch=8,
               dedicate_kw={"collectives": "grouped"})]
 
 
-@pytest.mark.xfail(strict=True, reason="collectives='grouped' is not a style yet: dedicate_params raises ValueError")
 def test_grouped_hsdp_two_by_two_equals_reference_and_per_owner_bytes():
     results = run_ranks(_worker, 4, CFG_4, timeout=300)
     _check(results, CFG_4)
