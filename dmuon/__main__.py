@@ -74,7 +74,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(plan_table(plan, comm_bytes_per_rank=comm, planning_seconds=seconds, max_rows=args.max_rows))
         if args.collectives != "per_owner":
             print(f"communication counted with collectives={args.collectives!r} (per bucket: "
-                  "padded parts included; dmuon project --collectives times it)")
+                  "padded parts included; grouped: the per-owner bytes; dmuon project "
+                  "--collectives times it)")
         where = "host (offloaded)" if state["offload_state"] else "device"
         from dmuon.tools.plan_report import format_bytes
         print(f"Muon state per rank ({state['momentum_dtype']}, on the {where}): max "
@@ -189,7 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes as dmuon.Muon(momentum_dtype=...) allocates them)")
     p.add_argument("--offload-state", action="store_true",
                    help="the owners' Muon state in host memory (dmuon.Muon(offload_state=True))")
-    p.add_argument("--collectives", choices=("per_owner", "per_bucket", "auto"), default="per_owner",
+    p.add_argument("--collectives", choices=("per_owner", "per_bucket", "grouped", "auto"),
+                   default="per_owner",
                    help="count the communication with this shard-axis style "
                         "(dedicate_params(collectives=...); default per_owner)")
     p.add_argument("--json", action="store_true", help="print the summary dict as JSON")
@@ -222,9 +224,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split a matrix's NS over up to this many ranks of a node when it shortens "
                         "the projected step (default 8; 1: never)")
     p.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
-    p.add_argument("--collectives", choices=("per_owner", "per_bucket", "auto"), default="per_owner",
+    p.add_argument("--collectives", choices=("per_owner", "per_bucket", "grouped", "auto"),
+                   default="per_owner",
                    help="dmuon's shard-axis style per hook group: one broadcast / reduce per owner "
-                        "bucket (default), one padded all-gather / reduce-scatter per group, or "
+                        "bucket (default), one padded all-gather / reduce-scatter per group, "
+                        "grouped (each phase's per-owner ops as one NCCL group call), or "
                         "auto (chosen per group by this machine's collective times)")
     p.add_argument("--designs", default="adamw,dmuon",
                    help="comma-separated: adamw, dmuon, reference (default adamw,dmuon)")

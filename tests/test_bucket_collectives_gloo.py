@@ -114,7 +114,10 @@ def test_per_bucket_four_ranks_hsdp_and_split_equal_reference():
         assert _styles(out["hsdp_per_bucket_z3"]) == {"per_bucket"}
         assert out["w4_per_bucket_split"]["split_units"] == ["layers.0.mlp.up_proj.weight"]
         # auto: chosen per group by the cost model, the reason recorded (tiny matrices on 4
-        # ranks: latency dominates, one collective per group)
+        # ranks: latency dominates, one launch per group and phase: per bucket, or grouped where
+        # the padding costs more than the group call's extra bytes; before the grouped style:
+        # per bucket everywhere)
         auto = out["w4_auto_z2"]
-        assert _styles(auto) == {"per_bucket"}, auto["collective_reasons"]
-        assert all(r.startswith("auto: per_bucket") for r in auto["collective_reasons"].values())
+        assert _styles(auto) <= {"per_bucket", "grouped"}, auto["collective_reasons"]
+        assert all(r.startswith(("auto: per_bucket", "auto: grouped"))
+                   for r in auto["collective_reasons"].values())

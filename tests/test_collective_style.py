@@ -1,7 +1,7 @@
-"""One collective per bucket, without processes: the ops' bytes (padding counted), the simulator
-(a per-bucket step equals the per-owner step bitwise, Z3 re-gathers and HSDP included), the
-per-rank orders and memory, and ``"auto"``'s choice (per bucket where latency dominates, per
-owner where padding does)."""
+"""One collective per bucket, or the per-owner ones as one group call, without processes: the ops'
+bytes (padding counted), the simulator (a per-bucket or grouped step equals the per-owner step
+bitwise, Z3 re-gathers and HSDP included), the per-rank orders and memory, and ``"auto"``'s choice
+(per bucket where latency dominates, grouped where padding does, per owner for one bucket)."""
 from __future__ import annotations
 
 import pytest
@@ -9,12 +9,14 @@ import torch
 
 from dmuon.functional import muon as fmuon
 from dmuon.functional.buckets import BucketKey, bucket_layout, hook_groups
-from dmuon.functional.collectives import (LinkCost, check_choice, choose_style, wire_bytes)
+from dmuon.functional.collectives import (LinkCost, check_choice, choose_style, coalesced_units,
+                                          unit_seconds, wire_bytes)
 from dmuon.functional.memory_model import rank_memory
 from dmuon.functional.order_check import check_orders, rank_orders
 from dmuon.functional.program import step_program
-from dmuon.functional.schedule import (Broadcast, ShardAllGather, ShardReduceScatter, op_bytes,
-                                       reduce_schedule, unshard_schedule)
+from dmuon.functional.schedule import (Broadcast, Reduce, Schedule, ShardAllGather,
+                                       ShardReduceScatter, op_bytes, reduce_schedule,
+                                       unshard_schedule)
 from dmuon.functional.simulate import simulate, zeros_like_layout
 from dmuon.functional.step import world_step
 
@@ -122,22 +124,32 @@ def test_auto_picks_per_bucket_when_latency_dominates_and_per_owner_when_padding
     g = prog.groups["layers.0"]
     assert g.collectives == "per_bucket" and g.collectives_reason.startswith("auto: per_bucket")
     assert len(g.unshard) == 1 and len(g.reduce) == 1
-    # 2 large matrices on a 64-rank group: the all-gather would move 64 padded parts
+    # 2 large matrices on a 64-rank group: the all-gather would move 64 padded parts; the two
+    # per-owner broadcasts / reduces as one group call each move the per-owner bytes with one
+    # latency (before the grouped style: per owner)
     owners, shapes = _uniform(64, 2, 1 << 20)
     prog = step_program(owners, shapes, {n: "torch.float32" for n in owners}, shard_size=64,
                         collectives="auto")
     g = prog.groups["layers.0"]
-    assert g.collectives == "per_owner" and "per_owner" in g.collectives_reason
-    # the same group on a slow-start link with huge bandwidth: latency dominates again
+    assert g.collectives == "grouped" and "per_owner" in g.collectives_reason
+    assert g.collectives_reason.startswith("auto: grouped") and "per_bucket" in g.collectives_reason
+    # the same group on a slow-start link with huge bandwidth: latency dominates; one launch per
+    # phase either way, and the grouped one moves no padding (before the grouped style: per bucket)
     lay = prog.unshard_layout
     fast = LinkCost(alpha_s=1e-3, alpha_hop_s=0.0, busbw_bytes_per_s=1e15)
-    assert choose_style(lay, prog.reduce_layout, "layers.0", "auto", cost=fast).style == "per_bucket"
-    # a cost function (the projector passes its machine model)
+    assert choose_style(lay, prog.reduce_layout, "layers.0", "auto", cost=fast).style == "grouped"
+    # a cost function (the projector passes its machine model); a tie goes to the earlier style
+    # of (per_owner, grouped, per_bucket)
     c = choose_style(lay, prog.reduce_layout, "layers.0", "auto", cost=lambda op, n: 1.0)
-    assert c.style == "per_bucket" and c.collectives == {"per_owner": 4, "per_bucket": 2}
+    assert c.style == "grouped"
+    assert c.collectives == {"per_owner": 4, "per_bucket": 2, "grouped": 2}
     # Z3: the gather counts twice
     c3 = choose_style(lay, prog.reduce_layout, "layers.0", "auto", z3=True, cost=lambda o, n: 1.0)
-    assert c3.collectives == {"per_owner": 6, "per_bucket": 3}
+    assert c3.collectives == {"per_owner": 6, "per_bucket": 3, "grouped": 3}
+    # one owner column in the group: nothing to group, per owner
+    one = step_program({n: (5, 0) for n in owners}, shapes, {n: "torch.float32" for n in owners},
+                       shard_size=64, collectives="auto")
+    assert one.groups["layers.0"].collectives == "per_owner"
     # G = 1: nothing moves, per owner
     owners1 = {n: (0, 0) for n in owners}
     p1 = step_program(owners1, shapes, {n: "torch.float32" for n in owners}, shard_size=1,
@@ -150,8 +162,9 @@ def test_auto_picks_per_bucket_when_latency_dominates_and_per_owner_when_padding
 
 
 def test_the_option_is_checked():
-    for good in ("per_owner", "per_bucket", "auto"):
+    for good in ("per_owner", "per_bucket", "grouped", "auto"):
         assert check_choice(good) == good
+    assert check_choice("grouped", "ddp") == check_choice("grouped", tp=True) == "grouped"
     with pytest.raises(ValueError, match="collectives must be one of"):
         check_choice("bucket")
     with pytest.raises(ValueError, match="data_parallel='ddp' has no shard axis"):
@@ -189,3 +202,82 @@ def test_a_group_of_two_dtypes_gets_one_collective_per_dtype():
                 assert torch.equal(a[i][bk.key], b[i][bk.key])
             else:
                 assert torch.isnan(b[i][bk.key]).all() and torch.isnan(a[i][bk.key]).all()
+
+
+@pytest.mark.parametrize("G,R,z3", [(3, 1, True), (2, 2, True), (3, 2, False)])
+def test_grouped_is_the_per_owner_ops_as_one_group_call_per_phase(G, R, z3):
+    """``"grouped"``: the per-owner ops (stage-2 reduces after stage 1), each phase's under one
+    ``coalesce`` key (the Z3 re-gather's its own); the same bytes, and in the simulator the
+    same step bitwise."""
+    po, gr = _program(G, R, "per_owner", z3), _program(G, R, "grouped", z3)
+    assert {g.collectives for g in gr.groups.values()} == {"grouped"}
+    plain = lambda ops: sorted((op.id, type(op), op.numel, op.root) for op in ops)  # noqa: E731
+    for key, g in gr.groups.items():
+        p = po.groups[key]
+        for phase in ("unshard", "reduce", "publish"):
+            assert plain(g.phase(phase)) == plain(p.phase(phase)), (key, phase)
+            assert all(not op.coalesce for op in p.phase(phase))
+        assert {op.coalesce for op in g.unshard} == {f"unshard/{key}"}
+        assert {op.coalesce for op in g.regather} == {f"regather:unshard/{key}"}
+        assert {op.coalesce for op in g.publish} <= {f"publish/{key}"}
+        lanes = [op.lane for op in g.reduce]
+        assert lanes == sorted(lanes, key=("reduce", "replicate").index)  # stage 1 first
+        assert {op.coalesce for op in g.reduce} == {f"reduce/{key}"} | (
+            {f"reduce2/{key}"} if R > 1 else set())
+    assert gr.traffic() == po.traffic()
+    W = G * R
+    gen = torch.Generator().manual_seed(2)
+    shapes = {e.name: e.shape for b in po.unshard_layout.buckets for e in b.entries}
+    params = {n: torch.randn(*s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
+    grads = [{n: torch.randn(*s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
+             for _ in range(W)]
+    col = lambda i: {n: params[n].clone() for n in shapes if po.owners[n][0] == i % G}  # noqa
+    hp = fmuon.MuonHParams(lr=0.02, ns_dtype=torch.float64)
+    a, _, _ = world_step([col(i) for i in range(W)], grads, po, None, hp)
+    b, _, _ = world_step([col(i) for i in range(W)], grads, gr, None, hp)
+    for i in range(W):
+        assert a[i].keys() == b[i].keys() and all(torch.equal(a[i][n], b[i][n]) for n in a[i])
+    assert check_orders(rank_orders(gr.step_schedule()), G, R) > 0
+    assert "group=unshard/layers.0" in gr.groups["layers.0"].unshard.dump()
+
+
+def test_a_group_call_waits_only_on_ops_before_it_and_runs_on_one_lane():
+    key = BucketKey("layers.0", 0, F64)
+    kw = dict(axis="shard", at=None, bucket=key, offset=0, numel=4, dtype=F64)
+    a = Broadcast(id="a", lane="unshard", src=0, coalesce="g", **kw)
+    b = Broadcast(id="b", lane="unshard", src=0, coalesce="g", waits=("a",), **kw)
+    with pytest.raises(ValueError, match="wait only on ops before the first of them"):
+        Schedule((a, b), 2, 1)
+    c = Reduce(id="c", lane="reduce", dst=0, coalesce="g", **kw)
+    with pytest.raises(ValueError, match="run on one lane"):
+        Schedule((a, c), 2, 1)
+    d = Reduce(id="d", lane="reduce", dst=1, coalesce="h", waits=("a",), **kw)
+    assert len(Schedule((a, c.__class__(**{**c.__dict__, "coalesce": ""}), d), 2, 1)) == 3
+
+
+def test_a_group_call_costs_one_latency_plus_the_parts_bytes():
+    """The cost model of a grouped launch: one start-up ``alpha`` (and hops) for all the parts,
+    their bytes summed on the bus (per owner: one start-up per part; the same bytes)."""
+    G = 8
+    owners = {f"layers.0.m{i}": (i, 0) for i in range(4)}
+    shapes = {n: (256, 256) for n in owners}
+    lay = bucket_layout(owners, shapes, {n: "torch.float32" for n in owners},
+                        hook_groups(list(owners)), G)
+    link = LinkCost()
+    po = unshard_schedule(lay, "layers.0")
+    gr = unshard_schedule(lay, "layers.0", style="grouped")
+    (unit,) = coalesced_units(gr)
+    assert [len(u) for u in coalesced_units(po)] == [1, 1, 1, 1]
+    per_op = [link.seconds(op, G) for op in po]
+    lat = link.alpha_s + G * link.alpha_hop_s
+    grouped = unit_seconds(unit, link.seconds, G)
+    assert grouped == pytest.approx(lat + 4 * 256 * 256 * 4 / link.busbw_bytes_per_s)
+    assert grouped == pytest.approx(sum(per_op) - 3 * lat)
+    c = choose_style(lay, lay, "layers.0", "auto", cost=link)
+    assert c.seconds["grouped"] == pytest.approx(c.seconds["per_owner"] - 2 * 3 * lat)
+    assert c.wire["grouped"] == c.wire["per_owner"] and c.collectives["grouped"] == 2
+    # the publish of a grouped HSDP group: one group call per replicate column
+    pub = step_program({f"layers.0.m{i}": (i % 2, i // 2) for i in range(4)}, shapes,
+                       {n: F64 for n in shapes}, shard_size=2, replicate_size=2,
+                       collectives="grouped").groups["layers.0"].publish
+    assert sorted(tuple(op.at for op in u) for u in coalesced_units(pub)) == [(0, 0), (1, 1)]

@@ -128,3 +128,74 @@ def test_cuda_per_bucket_ops_stage_on_their_lane_and_order_by_events(nccl_one_ra
     c = ex.counters()
     assert c["unshard"]["collectives"] == c["reduce"]["collectives"] == 1
     assert c["unshard"]["sent_bytes"] == c["reduce"]["received_bytes"] == 0
+
+
+def test_cuda_grouped_ops_are_one_group_call_per_phase_on_their_lane(nccl_one_rank, monkeypatch):
+    """Grouped-style ops (one ``coalesce`` key per phase, buckets of two dtypes): each phase is
+    one group call (:func:`dmuon.compat.torch_api.coalesced_calls`, i.e. ``_coalescing_manager``
+    on the NCCL group), staged on its lane stream after the producer, ordered by events (a spin on
+    the gather's lane delays the reduces and the publish behind it), the host never blocked,
+    every part of a call marked done by one event, and counted per part (``op_bytes``)."""
+    from dmuon.stateful.runtime import executor as exmod
+    from dmuon.stateful.runtime.executor import Executor
+    from dmuon.stateful.runtime.process_groups import make_process_groups
+
+    real, calls = exmod.coalesced_calls, []
+
+    def spy(group, device, parts=2):
+        calls.append(parts)
+        return real(group, device, parts)
+
+    monkeypatch.setattr(exmod, "coalesced_calls", spy)
+    dev = torch.device("cuda", 0)
+    ex = Executor(make_process_groups(shard_size=1), issue_trivial=True)
+    k32, k64 = BucketKey("layers.0", 0, "torch.float32"), BucketKey("layers.0", 0, "torch.float64")
+
+    def ops(kind, key, n, i, lane, **kw):
+        return kind(id=f"{lane}{i}", axis="replicate" if lane == "replicate" else "shard",
+                    at=0 if lane == "replicate" else None, bucket=key, offset=0, numel=n,
+                    dtype=key.dtype, lane=lane, coalesce=f"{lane}/layers.0", **kw)
+
+    sched = Schedule((ops(Broadcast, k32, 1000, 0, "unshard", src=0),
+                      ops(Broadcast, k64, 600, 1, "unshard", src=0),
+                      ops(Reduce, k32, 1000, 0, "reduce", dst=0, op="sum",
+                          waits=("unshard0", "unshard1")),
+                      ops(Reduce, k64, 600, 1, "reduce", dst=0, op="sum", waits=("unshard1",)),
+                      ops(Broadcast, k32, 1000, 0, "replicate", src=0, waits=("reduce0",)),
+                      ops(Broadcast, k64, 600, 1, "replicate", src=0, waits=("reduce1",))), 1, 1)
+    b32 = torch.zeros(1000, device=dev)
+    b64 = torch.zeros(600, device=dev, dtype=torch.float64)
+    bufs = {k32: b32, k64: b64}
+    ex.launch(sched, bufs).wait()   # warm up the lanes' communicators
+    torch.cuda.synchronize()
+    assert calls == [2, 2, 2]
+    ex.reset_counters()
+    torch.cuda._sleep(SPIN)
+    b32.fill_(3.0)
+    b64.fill_(5.0)
+    pend = ex.launch(sched, bufs)
+    events = [rec.event for rec in pend._recs]
+    assert events[0] is events[1] and events[2] is events[3] and events[4] is events[5]
+    assert not any(e.query() for e in events), "grouped ops ran before their producer"
+    pend.wait()
+    assert not events[-1].query(), "Pending.wait() blocked the host"
+    y, z = b32 * 2, b64 * 2
+    torch.cuda.synchronize()
+    assert torch.equal(y, torch.full_like(y, 6.0)) and torch.equal(z, torch.full_like(z, 10.0))
+    # a spin on the gather's lane: the reduce and publish calls wait for it, the consumer too
+    with torch.cuda.stream(ex.lane_stream("unshard", dev)):
+        torch.cuda._sleep(SPIN)
+    pend = ex.launch(sched, bufs)
+    pend.wait()
+    consumer = torch.cuda.Event()
+    w = b32 + 1
+    consumer.record(torch.cuda.current_stream(dev))
+    ev = [rec.event for rec in pend._recs]
+    assert not ev[2].query() and not ev[4].query() and not consumer.query()
+    torch.cuda.synchronize()
+    assert all(e.query() for e in ev) and torch.equal(w, torch.full_like(w, 4.0))
+    assert calls == [2] * 9
+    c = ex.counters()
+    assert c["unshard"]["collectives"] == c["reduce"]["collectives"] == 4
+    assert c["replicate"]["collectives"] == 4
+    assert all(v["sent_bytes"] == v["received_bytes"] == 0 for v in c.values())

@@ -301,3 +301,22 @@ def test_collective_styles_in_the_timeline_and_auto_takes_the_cheaper(capsys):
         assert summ["collectives"] == st
         comm[st] = summ["comm_bytes_per_rank"]["z3"]
     assert sum(comm["per_bucket"]) > sum(comm["per_owner"])
+
+
+def test_grouped_style_is_one_launch_per_phase_with_the_per_owner_bytes():
+    """``collectives="grouped"``: per layer one all-gather-v (twice in Z3) and one reduce-v, each
+    one latency plus the per-owner bytes: never slower than per owner, the same bytes, and
+    ``auto`` never slower than any style."""
+    st = {c: project_step(StepSetup(TINY, 8, 2, micro_batch=1, seq=512, collectives=c), H200,
+                          "dmuon") for c in ("per_owner", "grouped", "per_bucket", "auto")}
+    gr = st["grouped"]
+    for layer in range(TINY.layers):
+        assert [o.name for o in gr.timeline if o.lane in ("unshard", "reduce")
+                and o.name.endswith(f" L{layer}")] == [f"all-gather-v L{layer}",
+                                                       f"all-gather-v' L{layer}",
+                                                       f"reduce-v L{layer}"]
+    assert gr.collective_styles == {"grouped": TINY.layers}
+    assert gr.shard_bytes_per_rank == st["per_owner"].shard_bytes_per_rank
+    assert gr.step < st["per_owner"].step
+    assert gr.exposed["unshard"] <= st["per_owner"].exposed["unshard"]
+    assert st["auto"].step <= min(s.step for s in st.values()) + 1e-9

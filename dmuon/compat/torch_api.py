@@ -27,6 +27,9 @@ Private APIs and what they are for:
 * ``torch._C.DisableTorchFunctionSubclass`` and ``torch.Tensor._make_subclass`` — dmuon's tensor
   guards (:mod:`dmuon.stateful.runtime.guard_base`) run an allowed call as on a plain tensor, and
   build a gradient marker sharing a plain tensor's storage.
+* ``distributed_c10d._coalescing_manager(group, device, async_ops=True)`` — the grouped collective
+  style's group call (:func:`coalesced_calls`: the backend's ``_start_coalescing`` /
+  ``_end_coalescing``, one NCCL group of broadcasts or reduces).
 * ``ProcessGroup._get_backend(device).options._timeout`` and
   ``distributed_c10d._set_pg_timeout`` — read a group's timeout (the default group's is the default
   bound of dmuon's own groups) and bound the mesh groups dmuon is given.
@@ -82,7 +85,8 @@ __all__ = [
     "torch_function_disabled", "make_tensor_subclass", "mesh_root", "composable_replicate_applied",
     "DDP_IGNORE_ATTR", "tree_leaves", "module_param_slots", "state_dict_hooks",
     "load_state_dict_pre_hooks",
-    "default_group_timeout", "group_timeout", "set_group_timeout", "private_api_report",
+    "coalesced_calls", "default_group_timeout", "group_timeout", "set_group_timeout",
+    "private_api_report",
 ]
 
 
@@ -322,6 +326,19 @@ def default_group() -> Any:
         return None
 
 
+def coalesced_calls(group: Any, device: torch.device, parts: int = 2) -> Any:
+    """A context in which the ``parts`` collectives issued on ``group`` (``async_op=True``) form one
+    group call (NCCL: ``ncclGroupStart`` / ``End``); ``.wait()`` on what it yields waits for all of
+    them (``distributed_c10d._coalescing_manager`` with a device: the backend's own coalescing;
+    gloo has none). One part: nothing to group, a null context yielding ``None``."""
+    import contextlib
+
+    import torch.distributed as dist
+    if parts <= 1:
+        return contextlib.nullcontext()
+    return dist.distributed_c10d._coalescing_manager(group, device, async_ops=True)
+
+
 def default_group_timeout(device_type: str) -> Optional[datetime.timedelta]:
     """The default process group's collective timeout for ``device_type`` (``None`` when this
     torch does not expose it)."""
@@ -422,6 +439,8 @@ def private_api_report() -> dict[str, bool]:
             getattr(dist.distributed_c10d, "_get_default_group", None)),
         "distributed_c10d._set_pg_timeout": lambda: callable(
             getattr(dist.distributed_c10d, "_set_pg_timeout", None)),
+        "distributed_c10d._coalescing_manager": lambda: callable(
+            getattr(dist.distributed_c10d, "_coalescing_manager", None)),
         "torch._C.DisableTorchFunctionSubclass": lambda: callable(
             getattr(torch._C, "DisableTorchFunctionSubclass", None)),
         "torch.Tensor._make_subclass": lambda: callable(getattr(torch.Tensor, "_make_subclass", None)),

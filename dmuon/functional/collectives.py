@@ -1,7 +1,8 @@
-"""Which collectives move a hook group: one per owner column, or one per bucket (pure).
+"""Which collectives move a hook group: one per owner column, one per bucket, or one group call
+of the per-owner ones (pure).
 
 A hook group's dedicated matrices sit in one flat bucket per owner column ``s`` (and dtype,
-:mod:`dmuon.functional.buckets`). Two styles move them over the shard axis
+:mod:`dmuon.functional.buckets`). Three styles move them over the shard axis
 (:data:`dmuon.functional.schedule.STYLES`):
 
 ``"per_owner"`` (the default, dmuon's original schedule)
@@ -12,29 +13,38 @@ A hook group's dedicated matrices sit in one flat bucket per owner column ``s`` 
     one ``ShardAllGather`` / ``ShardReduceScatter`` per group and dtype over all ``G`` shard
     indices, each index's part padded to the largest bucket (a column without a bucket sends
     zeros). One collective per phase, but ``G * max`` elements instead of ``sum``.
+``"grouped"`` (all-gather-v / reduce-v semantics)
+    the per-owner ops, each phase's (gather, Z3 re-gather, stage-1 reduce, stage-2 reduce,
+    publish) as one group call (``coalesce``: one ``ncclGroupStart`` / ``End`` on NCCL; gloo runs
+    the parts one after another). The same ops, bytes and reduction order as per owner: exact
+    and bitwise equal to it; one launch per phase, nothing padded.
 
 ``"auto"`` chooses per group with an α–β cost model of one collective on the shard group:
 ``seconds = alpha + hops * alpha_hop + wire_bytes / busbw``, where ``wire_bytes`` is what a
 pipelined ring / tree moves through its busiest member: from the one byte count
 (:func:`~dmuon.functional.schedule.op_bytes`), the smallest over members of ``max(sent,
 received)`` (``P`` for a broadcast or reduce of ``P`` bytes, ``(n-1) * padded P`` for the
-per-bucket ops). A group's cost is its gather (twice under Z3: forward and backward re-gather)
-plus its reduce; ``"per_bucket"`` is chosen when it is strictly cheaper, so latency-bound groups
-(many small owners, large ``G``) go per bucket and groups where padding dominates (a few owners
-of a large ``G``, very unequal buckets) stay per owner. Every choice carries its reason
-(:class:`StyleChoice`), which the step program records per group.
+per-bucket ops). A group call costs one latency plus the sum of its parts' bytes
+(:func:`unit_seconds`). A group's cost is its gather (twice under Z3: forward and backward
+re-gather) plus its reduce; a style is chosen over the ones before it in
+``("per_owner", "grouped", "per_bucket")`` only when strictly cheaper, so a group with one bucket
+stays per owner, groups of several owners go grouped, and latency-bound groups whose buckets are
+about equal (many small owners, large ``G``) go per bucket, whose all-gather moves ``(n-1)/n`` of
+the bytes through each link where ``n`` broadcasts move all of them. Every choice carries its
+reason (:class:`StyleChoice`), which the step program records per group.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Iterable, Mapping, Optional, Union
 
-from dmuon.functional.buckets import BucketLayout
+from dmuon.functional.buckets import BucketLayout, dtype_itemsize
 from dmuon.functional.schedule import (STYLES, Op, Schedule, op_bytes, reduce_schedule,
                                        unshard_schedule)
 
-__all__ = ["CHOICES", "LinkCost", "StyleChoice", "wire_bytes", "choose_style", "resolve_styles",
-           "check_choice"]
+__all__ = ["CHOICES", "LinkCost", "StyleChoice", "wire_bytes", "coalesced_units", "unit_seconds",
+           "choose_style", "resolve_styles", "check_choice"]
 
 #: The values of ``dedicate_params(collectives=...)`` / ``step_program(collectives=...)``.
 CHOICES = STYLES + ("auto",)
@@ -49,6 +59,26 @@ def wire_bytes(op: Op, n: int) -> int:
     if n <= 1:
         return 0
     return min(max(op_bytes(op, i, n)) for i in range(n))
+
+
+def coalesced_units(ops: Iterable[Op]) -> list[tuple[Op, ...]]:
+    """The launches of ``ops``: the ops of one ``coalesce`` key on one lane and replicate column
+    (``at``) form one group call, in first-use order; every other op is a launch of its own."""
+    units: dict = {}
+    for i, op in enumerate(ops):
+        units.setdefault((op.coalesce, op.lane, op.at) if op.coalesce else i, []).append(op)
+    return [tuple(u) for u in units.values()]
+
+
+def unit_seconds(unit: tuple[Op, ...], seconds: "OpSeconds", n: int) -> float:
+    """Seconds of one launch of :func:`coalesced_units` in a group of ``n`` ranks: its op's, or,
+    for a group call, one latency plus the parts' bytes on the bus: ``seconds`` of the first part
+    carrying the parts' summed payload."""
+    if len(unit) == 1:
+        return seconds(unit[0], n)
+    head = unit[0]
+    numel = -(-sum(op.nbytes for op in unit) // dtype_itemsize(head.dtype))
+    return seconds(dataclasses.replace(head, offset=0, numel=numel, waits=(), coalesce=""), n)
 
 
 @dataclass(frozen=True)
@@ -76,9 +106,9 @@ class StyleChoice:
     """A group's style and why.
 
     Attributes:
-      style: ``"per_owner"`` or ``"per_bucket"``.  reason: one readable line.
+      style: one of :data:`~dmuon.functional.schedule.STYLES`.  reason: one readable line.
       seconds: ``{style: projected seconds of the group's gathers + reduce}``.
-      collectives: ``{style: shard-axis collectives per step}``.
+      collectives: ``{style: shard-axis launches per step}`` (a group call counts once).
       wire: ``{style: wire bytes per step}`` (:func:`wire_bytes`).
       (The three are filled for ``"auto"`` only; an explicit style weighs nothing.)
     """
@@ -93,12 +123,10 @@ class StyleChoice:
 def _phase_cost(scheds: list[Schedule], G: int, seconds: OpSeconds) -> tuple[float, int, int]:
     t = c = w = 0
     for sched in scheds:
-        for op in sched:
-            if op.axis != "shard":
-                continue
-            t += seconds(op, G)
+        for unit in coalesced_units(op for op in sched if op.axis == "shard"):
+            t += unit_seconds(unit, seconds, G)
             c += 1
-            w += wire_bytes(op, G)
+            w += sum(wire_bytes(op, G) for op in unit)
     return t, c, w
 
 
@@ -131,11 +159,12 @@ def choose_style(unshard: BucketLayout, reduce: BucketLayout, group: str, choice
     if G <= 1:
         return StyleChoice("per_owner", "auto: G = 1, nothing moves on the shard axis", secs,
                            colls, wire)
-    best = "per_bucket" if secs["per_bucket"] < secs["per_owner"] else "per_owner"
-    other = "per_owner" if best == "per_bucket" else "per_bucket"
-    why = (f"auto: {best} {colls[best]} collectives, {wire[best]} wire bytes, "
-           f"{secs[best] * 1e3:.3f} ms {'<' if secs[best] < secs[other] else '<='} {other} "
-           f"{colls[other]} collectives, {wire[other]} wire bytes, {secs[other] * 1e3:.3f} ms")
+    order = ("per_owner", "grouped", "per_bucket")  # ties go to the earlier style
+    best = min(order, key=lambda st: (secs[st], order.index(st)))
+    what = lambda st: (f"{st} {colls[st]} collectives, {wire[st]} wire bytes, "  # noqa: E731
+                       f"{secs[st] * 1e3:.3f} ms")
+    why = f"auto: {what(best)} " + "; ".join(
+        f"{'<' if secs[best] < secs[o] else '<='} {what(o)}" for o in order if o != best)
     return StyleChoice(best, why, secs, colls, wire)
 
 
@@ -168,7 +197,9 @@ def check_choice(choice: Optional[object], data_parallel: str = "fsdp", *,
         raise ValueError(f"dedicate_params: collectives must be one of {CHOICES} (\"per_owner\": "
                          "one broadcast / reduce per owner column of a hook group; "
                          "\"per_bucket\": one padded all-gather / reduce-scatter per hook group; "
-                         f"\"auto\": chosen per group by the cost model), got {choice!r}")
+                         "\"grouped\": the per-owner broadcasts / reduces of each phase as one "
+                         "group call; \"auto\": chosen per group by the cost model), got "
+                         f"{choice!r}")
     if choice == "per_bucket" and data_parallel == "ddp":
         raise ValueError("dedicate_params(collectives='per_bucket') moves a hook group over the "
                          "shard axis in one all-gather / reduce-scatter; data_parallel='ddp' has no "

@@ -66,9 +66,11 @@ class DedicateOptions:
       collectives: how a hook group's matrices move over the shard axis
         (:mod:`dmuon.functional.collectives`): ``"per_owner"`` (default: one broadcast / reduce
         per owner column's bucket), ``"per_bucket"`` (one padded all-gather / reduce-scatter per
-        hook group and dtype) or ``"auto"`` (per group, whichever the cost model projects
+        hook group and dtype), ``"grouped"`` (the per-owner broadcasts / reduces of each phase,
+        HSDP publish included, as one NCCL group call: all-gather-v / reduce-v, nothing padded,
+        bitwise equal to per owner) or ``"auto"`` (per group, whichever the cost model projects
         faster; the choice and its reason are in ``program.groups[key].collectives`` /
-        ``.collectives_reason``). ``"auto"`` stays per owner under TP and DDP;
+        ``.collectives_reason``). ``"auto"`` and ``"grouped"`` stay per owner under TP and DDP;
         ``"per_bucket"`` there raises.
     """
 

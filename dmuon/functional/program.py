@@ -65,8 +65,9 @@ class GroupPhases:
       publish: the post-step publish to the replicas (empty when R == 1).
       reshard_after_forward: Z3 (freed after forward, re-gathered in backward) or Z2.
       collectives: the style of its shard-axis gathers (Z3 re-gather included) and reduce:
-        ``"per_owner"`` (one broadcast / reduce per owner column's bucket) or ``"per_bucket"``
-        (one padded all-gather / reduce-scatter per dtype; :mod:`dmuon.functional.collectives`).
+        ``"per_owner"`` (one broadcast / reduce per owner column's bucket), ``"per_bucket"``
+        (one padded all-gather / reduce-scatter per dtype) or ``"grouped"`` (the per-owner ops
+        of each phase, publish included, as one group call; :mod:`dmuon.functional.collectives`).
       collectives_reason: why (asked for, or ``"auto"``'s cost comparison).
       zero_copy: DDP mode (``G = 1``) with every compute dtype the master's: "gathering" points
         each param at its master (no copy, no op; only a pending publish is waited).
@@ -100,7 +101,8 @@ class GroupPhases:
 
 def _renamed(schedule: Schedule, prefix: str) -> tuple:
     return tuple(dataclasses.replace(op, id=f"{prefix}{op.id}",
-                                     waits=tuple(f"{prefix}{w}" for w in op.waits))
+                                     waits=tuple(f"{prefix}{w}" for w in op.waits),
+                                     coalesce=op.coalesce and f"{prefix}{op.coalesce}")
                  for op in schedule)
 
 
@@ -305,7 +307,8 @@ def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]
       splits: the split units' executed NS (:attr:`StepProgram.splits`).
       data_parallel: ``"fsdp"`` or ``"ddp"`` (the mode; DDP groups whose compute dtypes are the
         masters' gather nothing: :attr:`GroupPhases.zero_copy`).
-      collectives: ``"per_owner"`` (default), ``"per_bucket"`` or ``"auto"`` for every group, or
+      collectives: ``"per_owner"`` (default), ``"per_bucket"``, ``"grouped"`` or ``"auto"`` for
+        every group, or
         ``{group: style}`` (:mod:`dmuon.functional.collectives`; recorded per group in
         :attr:`GroupPhases.collectives` with its reason).
       cost: ``"auto"``'s link model (:class:`~dmuon.functional.collectives.LinkCost` or
@@ -351,7 +354,7 @@ def program_from_layouts(unshard: BucketLayout, reduce: BucketLayout, master: Bu
         key: GroupPhases(key=key, names=groups.names(key),
                          unshard=unshard_schedule(unshard, key, style=styles[key].style),
                          reduce=reduce_schedule(reduce, key, style=styles[key].style),
-                         publish=publish_schedule(master, key),
+                         publish=publish_schedule(master, key, style=styles[key].style),
                          reshard_after_forward=z3[key], collectives=styles[key].style,
                          collectives_reason=styles[key].reason,
                          zero_copy=data_parallel == "ddp" and G == 1 and all(

@@ -39,6 +39,10 @@ Builders (all pure, built once at setup):
 * :func:`publish_schedule` — post-step HSDP publish: for each range, a replicate-axis Broadcast
   inside column ``s`` from owner ``r``.
 
+``style="grouped"``: the per-owner ops of each phase (the gather's broadcasts, the stage-1 reduces,
+the stage-2 reduces, placed after stage 1, and the publish's broadcasts) carry one ``coalesce`` key
+per phase and group: one group call on NCCL, the same ops, bytes and order otherwise.
+
 A whole step's phases, built from these once per model, are :mod:`dmuon.functional.program`.
 
 Byte-counting convention (logical payload, star model of a collective): for one op with payload
@@ -190,6 +194,14 @@ class Schedule:
                                                and 0 <= op.at < self.shard_size):
                 raise ValueError(f"op {op.id!r}: root/column outside the mesh")
             index[op.id] = i
+        first: dict[str, Op] = {}  # a coalesced set: one lane, waits only on ops before it
+        for op in self.ops:
+            if op.coalesce:
+                head = first.setdefault(op.coalesce, op)
+                if head.lane != op.lane or any(index[w] >= index[head.id] for w in op.waits):
+                    raise ValueError(f"op {op.id!r}: the ops coalesced as {op.coalesce!r} must "
+                                     f"run on one lane and wait only on ops before the first of "
+                                     f"them ({head.id!r})")
         object.__setattr__(self, "_index", index)
 
     def __iter__(self) -> Iterator[Op]:
@@ -235,7 +247,8 @@ class Schedule:
                      if op.axis == "replicate" else f"ranks {list(op.members)}")
             role = (f"src={op.src}" if isinstance(op, (Broadcast, Scatter)) else f"dst={op.dst}"
                     if isinstance(op, (Reduce, Gather)) else "")
-            waits = f" waits={list(op.waits)}" if op.waits else ""
+            waits = (f" waits={list(op.waits)}" if op.waits else "") + (
+                f" group={op.coalesce}" if op.coalesce else "")
             lines.append(f"  {i:>3} {op.lane:<9} {kind:<12} axis={op.axis:<9} {where:<14} {role:<6} "
                          f"{op.bucket}[{op.offset}:{op.offset + op.numel}] "
                          f"({op.nbytes} B) id={op.id}{waits}")
@@ -255,14 +268,20 @@ def _mk(layout: BucketLayout, ops: list[Op]) -> Schedule:
     return Schedule(tuple(ops), layout.shard_size, layout.replicate_size)
 
 
-#: The collective styles of a hook group's shard-axis phases: one broadcast / reduce per owner
-#: column's bucket, or one padded all-gather / reduce-scatter per hook group and dtype.
-STYLES = ("per_owner", "per_bucket")
+#: The collective styles of a hook group's phases: one broadcast / reduce per owner column's
+#: bucket; one padded all-gather / reduce-scatter per hook group and dtype; or the per-owner ops
+#: of each phase as one group call (``coalesce``: all-gather-v / reduce-v, nothing padded).
+STYLES = ("per_owner", "per_bucket", "grouped")
 
 
 def _check_style(style: str) -> None:
     if style not in STYLES:
         raise ValueError(f"collective style must be one of {STYLES}, got {style!r}")
+
+
+def _tag(style: str, phase: str, group: str) -> str:
+    """The ``coalesce`` key of a grouped phase's ops ("" for the other styles)."""
+    return f"{phase}/{group or '<root>'}" if style == "grouped" else ""
 
 
 def _by_dtype(layout: BucketLayout, group: str) -> dict[str, list]:
@@ -299,10 +318,12 @@ def unshard_schedule(layout: BucketLayout, group: str, *, lane: str = "unshard",
         for dt, cols in _by_dtype(layout, group).items():
             ops.append(_shard_op(ShardAllGather, "unshard", group, dt, cols, lane=lane))
         return _mk(layout, ops)
+    tag = _tag(style, "unshard", group)
     for b in layout.buckets_of(group):
         k = b.key
         ops.append(Broadcast(id=f"unshard/{k}", axis="shard", at=None, bucket=k, offset=0,
-                             numel=b.numel, dtype=k.dtype, lane=lane, src=k.column))
+                             numel=b.numel, dtype=k.dtype, lane=lane, src=k.column,
+                             coalesce=tag))
     return _mk(layout, ops)
 
 
@@ -333,24 +354,30 @@ def reduce_schedule(layout: BucketLayout, group: str, *, op: str = "avg",
                                       bucket=k, offset=off, numel=n, dtype=k.dtype,
                                       lane="replicate", dst=r, op=op, waits=(s1.id,)))
         return _mk(layout, ops)
+    stage2: list[Op] = []  # grouped: after every stage-1 reduce (its group call waits on them)
     for b in layout.buckets_of(group):
         k = b.key
         s1 = Reduce(id=f"reduce/{k}", axis="shard", at=None, bucket=k, offset=0, numel=b.numel,
-                    dtype=k.dtype, lane="reduce", dst=k.column, op=op)
+                    dtype=k.dtype, lane="reduce", dst=k.column, op=op,
+                    coalesce=_tag(style, "reduce", group))
         ops.append(s1)
         if R > 1 and replicate:
             for r, off, n in b.ranges:
-                ops.append(Reduce(id=f"reduce2/{k}/r{r}", axis="replicate", at=k.column, bucket=k,
-                                  offset=off, numel=n, dtype=k.dtype, lane="replicate", dst=r,
-                                  op=op, waits=(s1.id,)))
-    return _mk(layout, ops)
+                (stage2 if style == "grouped" else ops).append(Reduce(
+                    id=f"reduce2/{k}/r{r}", axis="replicate", at=k.column, bucket=k, offset=off,
+                    numel=n, dtype=k.dtype, lane="replicate", dst=r, op=op, waits=(s1.id,),
+                    coalesce=_tag(style, "reduce2", group)))
+    return _mk(layout, ops + stage2)
 
 
-def publish_schedule(layout: BucketLayout, group: str | Sequence[str] | None = None) -> Schedule:
+def publish_schedule(layout: BucketLayout, group: str | Sequence[str] | None = None, *,
+                     style: str = "per_owner") -> Schedule:
     """Post-step HSDP publish: per bucket and owner replica ``r``, a replicate-axis Broadcast of ``r``'s
     range inside column ``s`` from ``r`` (lane ``"replicate"``). ``group``: one key, several, or
-    ``None`` for all groups in forward order. Empty when R == 1.
+    ``None`` for all groups in forward order. Empty when R == 1. ``style="grouped"``: each
+    group's broadcasts are one group call (a rank takes part in its column's only).
     """
+    _check_style(style)
     if group is None:
         groups: Sequence[str] = layout.groups
     elif isinstance(group, str):
@@ -365,5 +392,6 @@ def publish_schedule(layout: BucketLayout, group: str | Sequence[str] | None = N
                 for r, off, n in b.ranges:
                     ops.append(Broadcast(id=f"publish/{k}/r{r}", axis="replicate", at=k.column,
                                          bucket=k, offset=off, numel=n, dtype=k.dtype,
-                                         lane="replicate", src=r))
+                                         lane="replicate", src=r,
+                                         coalesce=_tag(style, "publish", g)))
     return _mk(layout, ops)

@@ -3,6 +3,9 @@
 ``AllGather`` (split Newton–Schulz) and ``Gather`` / ``Scatter`` (tensor parallelism's NS), and the
 per-bucket shard-axis ops ``ShardAllGather`` / ``ShardReduceScatter`` (one collective per hook
 group and dtype instead of one per owner column: :mod:`dmuon.functional.collectives`).
+Any op may carry a ``coalesce`` key: the ops of one launch with the same key form one group call
+(the grouped style's all-gather-v / reduce-v: on NCCL one ``ncclGroupStart`` / ``End`` of the
+parts; gloo and the simulator run the parts one after another, as without the key).
 Their semantics and the byte-counting convention are :mod:`dmuon.functional.schedule`'s docstring;
 the schedule container, builders and accounting live there.
 """
@@ -41,6 +44,8 @@ class _Collective:
     lane: str
     waits: tuple[str, ...] = ()
     members: tuple[int, ...] | None = None
+    #: ops of one launch with this key (non-empty) are issued as one group call (module doc)
+    coalesce: str = ""
 
     def __post_init__(self) -> None:
         if self.axis not in ("shard", "replicate", "group"):

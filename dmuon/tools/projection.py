@@ -12,7 +12,9 @@ the same program, so one rank's timeline stands for all, except in the owners' p
 * ``shard`` link: FSDP2's all-gathers (bf16 params) and reduce-scatters of the params it manages
   (all of them for AdamW; the non-dedicated ones for dmuon), dmuon's forward / Z3 backward
   broadcasts and gradient reduces (one per bucket of the schedule, in schedule order; with
-  ``collectives="per_bucket"`` one all-gather / reduce-scatter of ``G`` padded parts per group);
+  ``collectives="per_bucket"`` one all-gather / reduce-scatter of ``G`` padded parts per group;
+  with ``"grouped"`` each phase's per-owner ops as one launch: one latency plus their summed
+  bytes, :func:`~dmuon.functional.collectives.unit_seconds`, the model ``"auto"`` weighs);
 * ``replicate`` link (HSDP): FSDP2's replicate all-reduce of each gradient shard, dmuon's stage-2
   reduces and its post-step publish, which runs at the start of the next forward and gates each
   group's broadcast (as the hooks wait for it). Replicate-axis ops of dmuon run per shard column;
@@ -49,6 +51,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from dmuon.functional.buckets import hook_groups
+from dmuon.functional.collectives import coalesced_units, unit_seconds
 from dmuon.tools.machine import Machine, collective_time
 from dmuon.tools.model_flops import head_forward_flops, layer_forward_flops
 from dmuon.tools.ns_phase import NSPhase, ns_phase, reference_slowdown
@@ -78,7 +81,8 @@ class StepSetup:
       max_split: split NS over up to this many ranks (dmuon design; 1: never); ns_steps.
       collectives: the dedicated groups' shard-axis style (``dedicate_params(collectives=...)``):
         ``"per_owner"`` (one broadcast / reduce per owner bucket), ``"per_bucket"`` (one padded
-        all-gather / reduce-scatter per group), ``"auto"`` (per group, by this machine's
+        all-gather / reduce-scatter per group), ``"grouped"`` (each phase's per-owner ops as
+        one group call), ``"auto"`` (per group, by this machine's
         collective times: :func:`~dmuon.functional.collectives.choose_style`).
     """
 
@@ -216,6 +220,10 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
             return coll(kind, G * op.nbytes, "shard")
         return coll("broadcast" if isinstance(op, Broadcast) else "reduce", op.nbytes, "shard")
 
+    def shard_time(unit: tuple) -> float:
+        """A launch's seconds: one op's, or a group call's (one latency, the summed bytes)."""
+        return unit_seconds(unit, lambda op, n: op_time(op), G)
+
     # params FSDP2 manages, per layer and for the root unit
     fsdp_layer = [0] * p.layers
     fsdp_root = 0
@@ -250,7 +258,8 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
                             collectives=setup.collectives, cost=lambda op, n: op_time(op))
         for g, ph in prog.groups.items():
             layer = int(g.rsplit(".", 1)[1])
-            groups[layer] = (list(ph.unshard.ops), list(ph.reduce.ops), list(ph.publish.ops))
+            groups[layer] = (coalesced_units(ph.unshard), coalesced_units(ph.reduce),
+                             coalesced_units(ph.publish))  # launches: group calls are one
             styles[ph.collectives] = styles.get(ph.collectives, 0) + 1
         shard_ops = tuple(op for op in prog.step_schedule() if op.axis == "shard")
         shard_bytes = Schedule(shard_ops, G, 1).traffic().mean_sent(["unshard", "reduce"])
@@ -273,20 +282,24 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
     # rank sits in the column with the most replicate traffic (its publish and stage-2 reduces
     # are on its timeline; the other columns' publishes only gate their broadcasts).
     col_bytes = [0] * G
-    for ops in groups.values():
-        for op in ops[1] + ops[2]:
+    for units in groups.values():
+        for op in (op for u in units[1] + units[2] for op in u):
             if op.axis == "replicate":
                 col_bytes[op.at] += op.nbytes
     my_col = max(range(G), key=lambda c: (col_bytes[c], -c))
     gate: dict[tuple[int, int], float] = {}
     col_t = [0.0] * G
+    def rep_time(kind: str, unit: tuple) -> float:
+        return unit_seconds(unit, lambda op, n: coll(kind, op.nbytes, "replicate"), R)
+
     for layer in sorted(groups):
-        for op in groups[layer][2]:
-            col_t[op.at] += coll("broadcast", op.nbytes, "replicate")
-            gate[(layer, op.at)] = col_t[op.at]
-            if op.at == my_col:
+        for unit in groups[layer][2]:
+            at = unit[0].at
+            col_t[at] += rep_time("broadcast", unit)
+            gate[(layer, at)] = col_t[at]
+            if at == my_col:
                 tl.add(f"publish L{layer}", "replicate", "replicate", "forward",
-                       coll("broadcast", op.nbytes, "replicate"))
+                       rep_time("broadcast", unit))
     root_ag = tl.add("fsdp AG root", "shard", "fsdp_all_gather", "forward",
                      coll("all_gather", 2 * fsdp_root, "shard")) if fsdp_root else None
     fwd: list = [None] * p.layers
@@ -297,11 +310,13 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         if fsdp_layer[layer]:
             ops.append(tl.add(f"fsdp AG L{layer}", "shard", "fsdp_all_gather", phase,
                               coll("all_gather", 2 * fsdp_layer[layer], "shard"), (after,)))
-        for op in groups.get(layer, ([], [], []))[0]:
-            cols = ([k.column for k in op.keys if k is not None] if isinstance(op, ShardBuckets)
-                    else [op.bucket.column])  # an all-gather waits for every column's publish
-            ops.append(tl.add(f"{_label(op)} L{layer}", "shard", "unshard", phase, op_time(op),
-                              (after,), floor=max(gate.get((layer, c), 0.0) for c in cols)))
+        for unit in groups.get(layer, ([], [], []))[0]:
+            cols = [k.column for op in unit for k in (
+                op.keys if isinstance(op, ShardBuckets) else (op.bucket,)) if k is not None]
+            # an all-gather (or a group call) waits for every column's publish
+            ops.append(tl.add(f"{_label(unit)} L{layer}", "shard", "unshard", phase,
+                              shard_time(unit), (after,),
+                              floor=max(gate.get((layer, c), 0.0) for c in cols)))
         gathers[layer] = ops
 
     for layer in range(min(2, p.layers)):
@@ -327,9 +342,9 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
             ops.append(tl.add(f"fsdp AG' L{layer}", "shard", "fsdp_all_gather", "backward",
                               coll("all_gather", 2 * fsdp_layer[layer], "shard"), (after,)))
         if z3_dmuon:
-            for op in groups.get(layer, ([], [], []))[0]:
-                ops.append(tl.add(f"{_label(op)}' L{layer}", "shard", "unshard", "backward",
-                                  op_time(op), (after,)))
+            for unit in groups.get(layer, ([], [], []))[0]:
+                ops.append(tl.add(f"{_label(unit)}' L{layer}", "shard", "unshard", "backward",
+                                  shard_time(unit), (after,)))
         gathers[layer] = ops
 
     last = p.layers - 1
@@ -352,14 +367,14 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
                 tail.append(tl.add(f"fsdp AR L{layer}", "replicate", "fsdp_replicate", "backward",
                                    coll("all_reduce", setup.reduce_bytes * fsdp_layer[layer] / G,
                                         "replicate"), (rs,)))
-        for op in groups.get(layer, ([], [], []))[1]:
-            if op.lane == "reduce":
-                st1 = tl.add(f"{_label(op)} L{layer}", "shard", "reduce", "backward",
-                             op_time(op), (bwd[layer],))
+        for unit in groups.get(layer, ([], [], []))[1]:
+            if unit[0].lane == "reduce":
+                st1 = tl.add(f"{_label(unit)} L{layer}", "shard", "reduce", "backward",
+                             shard_time(unit), (bwd[layer],))
                 tail.append(st1)
-            elif op.at == my_col:
+            elif unit[0].at == my_col:
                 tail.append(tl.add(f"reduce2 L{layer}", "replicate", "replicate", "backward",
-                                   coll("reduce", op.nbytes, "replicate"), (st1,)))
+                                   rep_time("reduce", unit), (st1,)))
     if fsdp_root:
         rs = tl.add("fsdp RS root", "shard", "fsdp_reduce_scatter", "backward",
                     coll("reduce_scatter", setup.reduce_bytes * fsdp_root, "shard"), (prev,))
@@ -391,7 +406,10 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
                           tuple(tl.ops), mem, styles, shard_bytes)
 
 
-def _label(op) -> str:
+def _label(unit: tuple) -> str:
+    op = unit[0]
+    if op.coalesce:  # a grouped phase's launch
+        return "all-gather-v" if isinstance(op, Broadcast) else "reduce-v"
     return {ShardAllGather: "all-gather", ShardReduceScatter: "reduce-scatter",
             Broadcast: "broadcast"}.get(type(op), "reduce")
 

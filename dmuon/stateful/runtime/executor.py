@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from dmuon.compat.torch_api import coalesced_calls
 from dmuon.functional.buckets import BucketKey
 from dmuon.functional.schedule import (LANES, AllGather, AllReduce, Broadcast, Gather, Op, Reduce,
                                        Schedule, Scatter, ShardBuckets, op_bytes)
@@ -157,9 +158,6 @@ class Pending:
             for r in self._recs:
                 r.wait_host()
         self._waited = True
-
-    def __repr__(self) -> str:
-        return f"Pending({len(self._recs)} ops, waited={self._waited})"
 
 
 class Executor:
@@ -324,9 +322,7 @@ class Executor:
     def _drain(self, recs: Sequence[_Rec]) -> None:
         """CPU: issue ``recs`` and the ops queued before them in their lanes, blocking on
         dependencies (other lanes are left alone)."""
-        upto: dict[str, int] = {}
-        for r in recs:
-            upto[r.op.lane] = max(upto.get(r.op.lane, -1), r.seq)
+        upto = {r.op.lane: r.seq for r in sorted(recs, key=lambda r: r.seq)}  # last per lane
         for lane, seq in upto.items():
             q = self._queues[lane]
             while q and q[0].seq <= seq:
@@ -337,25 +333,29 @@ class Executor:
     # ----------------------------------------------------------------------------- CUDA path
     def _launch_cuda(self, recs: list[_Rec]) -> None:
         dev = next(r.view.device for r in recs if r.view is not None)
-        producer = torch.cuda.Event()
-        producer.record(torch.cuda.current_stream(dev))
+        producer = torch.cuda.current_stream(dev).record_event()
         for lane in dict.fromkeys(r.op.lane for r in recs if r.view is not None):
             self.lane_stream(lane, dev).wait_event(producer)
-        for rec in recs:
+        calls: dict = {}  # an op alone, or the ops of one coalesce key and lane: one group call
+        for i, rec in enumerate(recs):
             rec.issued = True
-            if rec.view is None:
-                continue
-            st = self.lane_stream(rec.op.lane, dev)
-            for ev in {id(e): e for d in rec.deps for e in d.events()}.values():
+            if rec.view is not None:
+                calls.setdefault((rec.op.coalesce, rec.op.lane) if rec.op.coalesce else i,
+                                 []).append(rec)
+        for call in calls.values():  # a group's waits precede its first op (Schedule checks)
+            st, event = self.lane_stream(call[0].op.lane, dev), torch.cuda.Event()
+            for ev in {id(e): e for r in call for d in r.deps for e in d.events()}.values():
                 st.wait_event(ev)
             with torch.cuda.stream(st):
-                _collective(rec).wait()  # the lane stream waits on the collective: no host sync
-                for b in (rec.view, *rec.bufs):  # a ShardBuckets op: every column's bucket
-                    if b is not None:
-                        b.record_stream(st)
-                rec.event = torch.cuda.Event()
-                rec.event.record(st)
-            self._count(rec)
+                with coalesced_calls(call[0].group, dev, len(call)) as cm:
+                    works = [_collective(r) for r in call]
+                (cm or works[0]).wait()  # the lane stream waits on the collectives: no host sync
+                for b in (b for r in call for b in (r.view, *r.bufs) if b is not None):
+                    b.record_stream(st)  # a ShardBuckets op: every column's bucket
+                event.record(st)
+            for r in call:
+                r.event = event
+                self._count(r)
 
 
 def mesh_executor(shard_size: int, replicate_size: int = 1, *, timeout: Any = None) -> Executor:
