@@ -144,12 +144,18 @@ class RankOutcome(NamedTuple):
     errors: dict[int, str]
 
 
+#: marks the environment handed to a forkserver rank as whole (it replaces the server's)
+_WHOLE_ENV = "_DMUON_RANK_WHOLE_ENV"
+
+
 def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, backend: str, port: int,
                 timeout_s: float, args: tuple, kwargs: dict, env: dict, q: Any) -> None:
     """A spawned rank of :func:`run_local_ranks`: report ``("ok", rank, torch.save bytes)`` or
     ``("error", rank, traceback)`` *before* the teardown, so a failing rank is heard before its
     peers fail in a collective because it went away."""
     try:
+        if env.pop(_WHOLE_ENV, None):  # forkserver: the parent's environment, not the server's
+            os.environ.clear()
         os.environ.update(env)
         torch.set_num_threads(1)
         to = datetime.timedelta(seconds=timeout_s)
@@ -172,7 +178,8 @@ def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, backend: str
 def run_local_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any] = (),
                     kwargs: Optional[Mapping[str, Any]] = None, *, backend: str = "gloo",
                     timeout_s: float = 60.0, env: Optional[Mapping[str, str]] = None,
-                    grace_s: float = 5.0, deadline_s: Optional[float] = None) -> RankOutcome:
+                    grace_s: float = 5.0, deadline_s: Optional[float] = None,
+                    start_method: str = "spawn") -> RankOutcome:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` spawned local ranks.
 
     Each rank (``spawn``, ``torch.set_num_threads(1)``) joins a default process group through a
@@ -190,13 +197,23 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, args: Sequence[Any]
       env: extra environment variables for the workers.
       grace_s: after the first failure, how long the other ranks get to report.
       deadline_s: optional limit on the whole run; ranks still running then are killed.
+      start_method: ``"spawn"`` (a fresh interpreter per rank) or ``"forkserver"`` (ranks forked
+        from multiprocessing's server process, which imports the modules given to
+        ``multiprocessing.set_forkserver_preload`` once: ranks start without re-importing torch;
+        each gets this process's current environment, as a spawned one does). Never ``"fork"``:
+        torch and threads.
 
     Returns:
       :class:`RankOutcome` ``(results, errors)``, both keyed by rank; the caller raises on errors.
     """
     import multiprocessing as _mp
 
-    ctx = _mp.get_context("spawn")
+    if start_method not in ("spawn", "forkserver"):
+        raise ValueError(f"run_local_ranks: start_method={start_method!r}; use 'spawn' or "
+                         "'forkserver' (never 'fork': torch's threads do not survive it)")
+    ctx = _mp.get_context(start_method)
+    if start_method == "forkserver":
+        env = {**os.environ, **(env or {}), _WHOLE_ENV: "1"}
     q = ctx.Queue()
     store = dist.TCPStore(_HOST, 0, world_size + 1, is_master=True,
                           timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)

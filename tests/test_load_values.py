@@ -406,6 +406,11 @@ def test_load_problems_names_every_bad_counter_dtype_and_hparam():
     assert load_problems(ok, mine) == []
     assert counters({"adamw_step": torch.tensor(3.0), "muon_step": 2}) == \
         {"adamw_step": 3, "muon_step": 2, "num_steps": 3}  # num_steps missing: the larger
+    import numpy as np  # counters a loop kept as numpy scalars load as the same counts
+    numpy_counts = {"adamw_step": np.int64(3), "muon_step": np.float32(3.0), "num_steps": 3}
+    assert load_problems({**ok, **numpy_counts}, mine) == [] and counters(numpy_counts) == \
+        {"adamw_step": 3, "muon_step": 3, "num_steps": 3}
+    assert "muon_step" in load_problems({**ok, "muon_step": np.bool_(True)}, mine)[0]
     bad = {"adamw_step": -1, "muon_step": 2.5, "num_steps": "3"}
     got = load_problems({**ok, **bad}, mine)
     assert [p.split(":")[0] for p in got] == ["adamw_step", "muon_step", "num_steps"], got

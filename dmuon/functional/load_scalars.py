@@ -8,6 +8,7 @@ checks (:mod:`dmuon.functional.muon_options`). Every load path calls :func:`load
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
@@ -18,13 +19,15 @@ __all__ = ["counters", "load_problems"]
 
 
 def _count(v: Any) -> Optional[int]:
-    """``v`` as a step count (an int, an integral float or 0-d tensor, ``>= 0``), else ``None``."""
+    """``v`` as a step count (an int, an integral float or 0-d tensor, ``>= 0``; numpy's scalars
+    too), else ``None``."""
     if isinstance(v, torch.Tensor):
         if v.numel() != 1 or v.is_complex() or v.dtype == torch.bool:
             return None
         v = v.item()
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):  # numpy's bool_ is not Real
         return None
+    v = int(v) if isinstance(v, numbers.Integral) else float(v)
     if isinstance(v, float) and not (math.isfinite(v) and v.is_integer()):
         return None
     return int(v) if v >= 0 else None

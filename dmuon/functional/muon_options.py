@@ -132,7 +132,7 @@ def resolve_torch_names(hparams: Mapping[str, Any], **torch_names: Any) -> dict[
 def check_muon_group(group: Mapping[str, Any]) -> MuonHParams:
     """The :class:`MuonHParams` of a Muon param group (``param_groups[0]``'s keys), checked as
     ``dmuon.Muon(...)`` checks its options: the one check of the constructor and of every load
-    (:func:`dmuon.functional.state_dict_check.load_problems`).
+    (:func:`dmuon.functional.load_scalars.load_problems`).
 
     Raises:
       TypeError: ``lr``, ``momentum`` or ``weight_decay`` not a float (param groups hold values).
