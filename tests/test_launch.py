@@ -63,3 +63,27 @@ def test_failing_worker_exits_nonzero_with_traceback(tmp_path):
     assert proc.returncode != 0, (proc.stdout, proc.stderr)
     assert "ValueError: boom from rank 1" in proc.stderr, proc.stderr[-3000:]
     assert "unreachable" not in proc.stdout
+
+
+def _env_of_rank(rank, world_size):
+    import torch.distributed as dist
+    return {"seen": os.environ.get("DMUON_TEST_LAUNCH_ENV"),
+            "gone": os.environ.get("DMUON_TEST_GONE"), "world": dist.get_world_size()}
+
+
+def test_forkserver_ranks_get_the_parents_current_environment(monkeypatch):
+    """The tests' ranks come from a forkserver started once (dist_utils): a variable the parent
+    sets or removes after the server started reaches the ranks as it would a spawned one."""
+    from dist_utils import run_ranks
+
+    from dmuon.launch import run_local_ranks
+
+    monkeypatch.setenv("DMUON_TEST_GONE", "1")
+    run_ranks(_env_of_rank, 2)  # the server runs (it may have before this test)
+    monkeypatch.setenv("DMUON_TEST_LAUNCH_ENV", "now")
+    monkeypatch.delenv("DMUON_TEST_GONE")
+    out = run_local_ranks(_env_of_rank, 2, start_method="forkserver", timeout_s=60, deadline_s=90)
+    assert not out.errors and [out.results[r] for r in (0, 1)] == \
+        [{"seen": "now", "gone": None, "world": 2}] * 2, out
+    with pytest.raises(ValueError, match="never 'fork'"):
+        run_local_ranks(_env_of_rank, 2, start_method="fork")
