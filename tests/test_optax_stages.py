@@ -1,0 +1,94 @@
+"""Stages written in the optax form only (``init`` / ``update``, no in-place ``update_``) run
+wherever dmuon runs a chain (issue 48): in the pure distributed step (``world_step``,
+``owner_step``), in ``transforms.update_params``, and through ``dmuon.Muon(transform=...)``
+(slow tier: tests/test_variants_distributed.py), equal to one process running the chain in the
+optax form (``chain.update`` + ``apply_updates``, the example's loop), fp64.
+
+Before: a chain with such a stage had no in-place form and every one of those refused it
+(``TypeError: ... has no in-place form``), among them the clip of
+``examples/research_transforms.py``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import optax_stages as ox
+from dmuon.functional import muon as fmuon
+from dmuon.functional import transforms as T
+from dmuon.functional.buckets import hook_groups
+from dmuon.functional.owner_step import owner_step
+from dmuon.functional.program import step_program
+from dmuon.functional.step import world_step
+
+HP = fmuon.MuonHParams(lr=0.05, momentum=0.9, weight_decay=0.1, ns_steps=5,
+                       ns_dtype=torch.float64)
+SHAPES = {"model.layers.0.q_proj.weight": (6, 4), "model.layers.0.o_proj.weight": (4, 6),
+          "model.layers.1.up_proj.weight": (8, 4), "model.layers.1.down_proj.weight": (4, 8)}
+OWNERS = {"model.layers.0.q_proj.weight": (0, 0), "model.layers.0.o_proj.weight": (1, 0),
+          "model.layers.1.up_proj.weight": (1, 0), "model.layers.1.down_proj.weight": (0, 0)}
+UNUSED = "model.layers.1.down_proj.weight"  # no gradient at the first step
+
+
+def _grads(world: int, steps: int) -> list[list[dict]]:
+    """Per step, per rank: local gradients (none for ``UNUSED`` at the first step)."""
+    g = torch.Generator().manual_seed(7)
+    return [[{n: torch.randn(*s, generator=g, dtype=torch.float64) for n, s in SHAPES.items()
+              if not (n == UNUSED and step == 0)} for _ in range(world)] for step in range(steps)]
+
+
+def _full() -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {n: torch.randn(*s, generator=g, dtype=torch.float64) for n, s in SHAPES.items()}
+
+
+def _averaged(per_rank: list[dict]) -> dict:
+    return {n: (sum(r[n] for r in per_rank) / len(per_rank) if n in per_rank[0] else None)
+            for n in SHAPES}
+
+
+def _close(got: dict, want: dict) -> None:
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-12, msg=n)
+
+
+@pytest.mark.xfail(strict=True, reason="issue 48: a chain with an optax-form stage has no "
+                   "in-place form; the step refuses it (TypeError)")
+def test_the_examples_clip_in_the_distributed_step_equals_one_process():
+    G, steps = 2, 3
+    program = step_program(OWNERS, SHAPES, {n: "torch.float64" for n in SHAPES}, shard_size=G,
+                           replicate_size=1, groups=hook_groups(list(SHAPES)))
+    full, grads = _full(), _grads(G, steps)
+    params = [{n: full[n].clone() for n in SHAPES if OWNERS[n][0] == s} for s in range(G)]
+    states = None
+    for per_rank in grads:
+        params, states, _ = world_step(params, per_rank, program, states, HP,
+                                       transform=ox.clipped)
+    want, _ = ox.optax_run(ox.clipped(HP), [_averaged(r) for r in grads], full)
+    for s in range(G):
+        _close(params[s], {n: want[n] for n in params[s]})
+    # the clip binds: without it the weights are elsewhere
+    other, _ = ox.optax_run(ox.unclipped(HP), [_averaged(r) for r in grads], full)
+    assert max(float((want[n] - other[n]).abs().max()) for n in SHAPES) > 1e-3
+
+
+@pytest.mark.xfail(strict=True, reason="issue 48: a chain with an optax-form stage has no "
+                   "in-place form; owner_step / update_params refuse it (TypeError)")
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_stateful_optax_stage_on_an_owner_equals_one_process(donate):
+    """Per-param state (declared ``per_param``), a matrix without a gradient at the first step,
+    dmuon's applying stage after it; the owner's update in place, donated or not."""
+    full, grads = _full(), [_averaged(r) for r in _grads(1, 3)]
+    want, want_state = ox.optax_run(ox.second_moment(HP), grads, full)
+    params, state = {n: t.clone() for n, t in full.items()}, None
+    for g in grads:
+        params, state = owner_step({n: None if t is None else t.clone() for n, t in g.items()},
+                                   state, params, HP, transform=ox.second_moment, donate=donate)
+    _close(params, want)
+    nu, want_nu = state.states[2].nu, want_state.states[2].nu
+    _close(nu, want_nu)
+    # one process, in place
+    chain, got = ox.second_moment(HP), {n: t.clone() for n, t in full.items()}
+    st = chain.init(got)
+    for g in grads:
+        got, st = T.update_params(chain, g, st, got)
+    _close(got, want)
