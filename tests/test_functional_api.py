@@ -59,6 +59,22 @@ def test_every_exported_name_resolves_to_what_the_page_documents():
         assert getattr(F, name) is not None
 
 
+def test_a_submodule_import_does_not_rebind_an_exported_name():
+    """``simulate`` is the function, though ``dmuon.functional.simulate`` is also a module: the
+    import system's binding of the submodule (a ``setattr`` on the package, made by whichever
+    import loads it first) leaves the export alone. Before: ``from dmuon.functional import
+    simulate`` gave the module after ``import dmuon.functional.step``, the function otherwise."""
+    import types
+
+    fn = F.simulate
+    assert callable(fn) and not isinstance(fn, types.ModuleType)
+    setattr(F, "simulate", importlib.import_module("dmuon.functional.simulate"))
+    try:
+        assert F.simulate is fn
+    finally:
+        F.__dict__["simulate"] = fn
+
+
 def _imported(text: str) -> set[str]:
     """Names of ``from dmuon.functional import a, b as c`` lines (``a``, ``b``), and of
     ``dmuon.functional.<name>`` spellings whose name is not a submodule path."""
