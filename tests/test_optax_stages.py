@@ -51,8 +51,6 @@ def _close(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-12, msg=n)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 48: a chain with an optax-form stage has no "
-                   "in-place form; the step refuses it (TypeError)")
 def test_the_examples_clip_in_the_distributed_step_equals_one_process():
     G, steps = 2, 3
     program = step_program(OWNERS, SHAPES, {n: "torch.float64" for n in SHAPES}, shard_size=G,
@@ -71,8 +69,6 @@ def test_the_examples_clip_in_the_distributed_step_equals_one_process():
     assert max(float((want[n] - other[n]).abs().max()) for n in SHAPES) > 1e-3
 
 
-@pytest.mark.xfail(strict=True, reason="issue 48: a chain with an optax-form stage has no "
-                   "in-place form; owner_step / update_params refuse it (TypeError)")
 @pytest.mark.parametrize("donate", [False, True])
 def test_a_stateful_optax_stage_on_an_owner_equals_one_process(donate):
     """Per-param state (declared ``per_param``), a matrix without a gradient at the first step,
@@ -92,3 +88,29 @@ def test_a_stateful_optax_stage_on_an_owner_equals_one_process(donate):
     for g in grads:
         got, st = T.update_params(chain, g, st, got)
     _close(got, want)
+
+
+def test_an_optax_stage_after_the_applying_stage_raises_with_advice():
+    """In place, ``decoupled_apply`` has written the weights: an optax-form stage after it cannot
+    be run out of place; the error says where to put it (and the optax form itself still runs)."""
+    def late(hp):
+        return T.chain(T.trace_momentum(hp.momentum, hp.nesterov), T.orthogonalize(),
+                       T.decoupled_apply(hp.lr, hp.weight_decay),
+                       ox.research_example().clip_update_rms(ox.CLIP_RMS))
+    full, grads = _full(), [_averaged(r) for r in _grads(1, 1)]
+    with pytest.raises(ValueError, match="Put it before that stage"):
+        owner_step(grads[0], None, full, HP, transform=late)
+    ox.optax_run(late(HP), grads, full)
+
+
+def test_an_optax_stage_is_refused_on_tensor_parallel_slices():
+    """It sees each matrix whole, which a TP slice's owner does not hold: refused when
+    ``dmuon.Muon`` is built (the check it runs), saying how to run such a stage on slices."""
+    from types import SimpleNamespace
+
+    from dmuon.functional.owner_checks import check_chain
+    tp = {"model.layers.0.q_proj.weight": SimpleNamespace(dim=0)}
+    check_chain(ox.unclipped(HP), False, {}, tp)  # in-place stages only: fine
+    for chain in (ox.clipped(HP), ox.research_example().clip_update_rms(ox.CLIP_RMS)):
+        with pytest.raises(ValueError, match="optax form only .* in-place form"):
+            check_chain(chain, False, {}, tp)

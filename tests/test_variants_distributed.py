@@ -48,8 +48,6 @@ def test_variants_on_every_mode_equal_one_process(mode, world):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="issue 48: dmuon.Muon refuses a transform= with an "
-                   "optax-form stage (TypeError: no in-place form)")
 def test_optax_form_stages_on_two_ranks_equal_one_process():
     """The clip of examples/research_transforms.py (optax form) in Muon's chain, and a stateful
     optax-form stage (per-param state through both state dicts), as ``transform=`` on 2 gloo
