@@ -114,3 +114,24 @@ def test_an_optax_stage_is_refused_on_tensor_parallel_slices():
     for chain in (ox.clipped(HP), ox.research_example().clip_update_rms(ox.CLIP_RMS)):
         with pytest.raises(ValueError, match="optax form only .* in-place form"):
             check_chain(chain, False, {}, tp)
+
+
+def test_an_optax_stage_under_vmap_over_an_lr_sweep_equals_the_loop():
+    """``update_params`` of a chain with the example's clip, vmapped over lrs (params and state
+    batched), equals a loop over the lrs (the out-of-place run meets batched tensors, which have
+    no storage to compare)."""
+    import optree
+    lrs = torch.tensor([0.01, 0.05], dtype=torch.float64)
+    full, grads = _full(), _averaged(_grads(1, 2)[1])
+    chain0 = ox.clipped(HP)
+    batched = lambda t: t.expand(len(lrs), *t.shape).clone() if t.ndim else t  # noqa: E731
+
+    def step(lr, p, s):
+        return T.update_params(ox.clipped(HP._replace(lr=lr)), grads, s, p)
+
+    got, _ = torch.vmap(step)(lrs, optree.tree_map(batched, full),
+                              optree.tree_map(batched, chain0.init(full)))
+    for i, lr in enumerate(lrs.tolist()):
+        chain = ox.clipped(HP._replace(lr=lr))
+        want, _ = T.update_params(chain, grads, chain.init(full), full)
+        _close({n: t[i] for n, t in got.items()}, want)

@@ -402,7 +402,10 @@ def derive_update(update_: Callable[[Leaves, Any], Any]) -> Callable[..., tuple[
 
 
 def _shares(a: Tensor, b: Tensor) -> bool:
-    """Whether ``a`` and ``b`` share storage (one may be a view of the other)."""
+    """Whether ``a`` and ``b`` may share storage (one may be a view of the other); under
+    ``torch.vmap`` (no storage to compare) assumed."""
+    if is_batched(a) or is_batched(b):
+        return True
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
