@@ -442,10 +442,12 @@ def derive_update_(update: Callable[..., tuple[PyTree, Any]]) -> Callable[[Leave
                 f"tensor for each of {names[:4]}; in an in-place run it is given flat "
                 "{path name: update} dicts of the leaves with an update, and must return one "
                 "update for each")
+        held: list[Tensor] = []  # the state's buffers: a later stage must not write them
+        _walk(state, lambda bufs: held.extend(bufs), lambda v: v)
         for k, n in enumerate(names):
             old, p = leaves.updates[k], leaves.params[k]
             u = ups[n].to(dtype=p.dtype)
-            if _shares(u, p):  # never let a later stage write into a param through its update
+            if _shares(u, p) or any(_shares(u, b) for b in held):  # (nor a param, through u)
                 u = u.clone()
             leaves.scratch[k] = leaves.scratch[k] if _shares(u, old) else True
             leaves.updates[k] = u
