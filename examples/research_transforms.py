@@ -10,7 +10,9 @@ teacher), each a ``partition`` of a matrix route and a vector route:
 * ``muon_3step_jordan``: the orthogonalizer swapped for a 3-step Jordan Newton–Schulz
   (``NSConfig``), everything else unchanged;
 * ``muon_clipped``: a stage added — each matrix update is clipped to RMS ≤ 0.5 before the learning
-  rate scales it (a user-written ``Transform``).
+  rate scales it (a user-written ``Transform`` in the optax form, ``init`` / ``update``; the same
+  chain, built by a function of ``MuonHParams``, runs on a distributed model's owners as
+  ``dmuon.Muon(model, transform=...)``: docs/functional/stages.md).
 
 Exits non-zero if any loss did not fall, so it doubles as a smoke test (tests/test_transforms.py).
 """

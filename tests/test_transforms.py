@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import re
 from pathlib import Path
 
 import pytest
 import torch
 
 import dmuon
-import dmuon.functional as F
 from dmuon.functional import adamw, muon
 from dmuon.functional import transforms as T
 from dmuon.newton_schulz import NSConfig
@@ -131,21 +129,6 @@ def test_research_example_runs(capsys):
     assert example.main() == 0  # every variant's loss fell
     out = capsys.readouterr().out
     assert "muon_3step_jordan" in out and "muon_clipped" in out
-
-
-def test_functional_exports_exactly_the_readme_names():
-    section = (ROOT / "docs" / "functional" / "index.md").read_text()  # the README's former section
-    shown = set(re.findall(r"from dmuon\.functional import ([\w, ]+)", section)[0].replace(" ", "").split(","))
-    shown |= set(re.findall(r"^- `(\w+)", section, flags=re.M))
-    shown |= {n for n in re.findall(r"`(\w+)[(`]", section) if n in F.__all__}
-    missing = sorted(n for n in shown if hasattr(F, n) is False and n in {
-        "plan_owners", "bucket_layout", "unshard_schedule", "reduce_schedule", "publish_schedule",
-        "step_traffic", "simulate", "newton_schulz", "muon", "adamw", "transforms"})
-    assert not missing, f"README shows {missing} from dmuon.functional, which does not export them"
-    for name in F.__all__:
-        assert hasattr(F, name)
-        assert re.search(rf"`(?:dmuon\.functional\.)?{name}\b", section), \
-            f"dmuon.functional exports {name!r}; README omits it"
 
 
 def test_muon_takes_lr_by_position_and_the_rest_by_keyword():

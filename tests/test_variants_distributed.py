@@ -4,7 +4,8 @@ NorMuonH equal to <= 1e-10 (weights and the variant's state, gathered by name), 
 through ``Muon.state_dict()`` and ``dmuon.get/set_optimizer_state_dict``; a fixed Transform
 refuses a changed lr. Slow tier: ``variants.muon()`` is the default path bitwise; 4 ranks, HSDP 2x2,
 TP dp2 x tp2 (column and row slices: NorMuon's sums over the TP group), DDP, and a state saved
-on 2 ranks resumed on an HSDP 2x2 mesh."""
+on 2 ranks resumed on an HSDP 2x2 mesh; chains with stages written in the optax form only
+(tests/optax_stages.py) on 2 ranks."""
 from __future__ import annotations
 
 import pytest
@@ -44,6 +45,19 @@ def test_variants_on_every_mode_equal_one_process(mode, world):
             assert max_rel_err(r["resumed_full"], r["after"])[0] == 0.0, (mode, kind)
             if "resumed_torch" in r:
                 assert max_rel_err(r["resumed_torch"], r["after"])[0] == 0.0, (mode, kind)
+
+
+@pytest.mark.slow
+def test_optax_form_stages_on_two_ranks_equal_one_process():
+    """The clip of examples/research_transforms.py (optax form) in Muon's chain, and a stateful
+    optax-form stage (per-param state through both state dicts), as ``transform=`` on 2 gloo
+    ranks: equal to one process running the chain in the optax form, fp64."""
+    for kind in ("optax_clip", "optax_second_moment"):
+        results = run_ranks(vw.run_variant, 2, kind, "fsdp", 3, True, timeout=240)
+        vw.check(results, kind, 3)
+        for r in results:
+            for how in ("torch", "full"):
+                assert max_rel_err(r[f"resumed_{how}"], r["after"])[0] == 0.0, (kind, how)
 
 
 @pytest.mark.slow

@@ -21,15 +21,22 @@ def hparams(kind: str):
 
 
 def variant(kind: str):
+    """The ``transform=`` of ``kind``: a built-in variant, or a chain of tests/optax_stages.py
+    (a function ``hparams -> Transform`` with stages written in the optax form only)."""
+    from optax_stages import CHAINS
+
     from dmuon.functional import variants
-    return getattr(variants, kind)()
+    return CHAINS[kind] if kind in CHAINS else getattr(variants, kind)()
 
 
 def reference(kind: str, steps: int, momentum_dtype: Any = None) -> dict[str, Any]:
-    """One process, full batch: the chain on the matrices, torch AdamW on the rest;
-    ``momentum_dtype``: the momentum stage's buffers rounded to it after each update
+    """One process, full batch: the chain on the matrices (a chain of tests/optax_stages.py in
+    the optax form, ``chain.update`` + ``apply_updates``, as a research loop runs it), torch AdamW
+    on the rest; ``momentum_dtype``: the momentum stage's buffers rounded to it after each update
     (:func:`~dmuon.functional.state_dtype.round_trip`), as ``dmuon.Muon(momentum_dtype=...)``
     stores them."""
+    from optax_stages import CHAINS
+
     from dmuon.functional import transforms as T
     from dmuon.functional.state_dtype import round_trip
     from dmuon.functional.tree import get_path
@@ -45,8 +52,14 @@ def reference(kind: str, steps: int, momentum_dtype: Any = None) -> dict[str, An
         model.zero_grad(set_to_none=True)
         model(ids).backward()
         with torch.no_grad():
-            _, state = T.update_params(chain, {n: p.grad for n, p in mats.items()}, state,
-                                       {n: p.data for n, p in mats.items()}, donate=True)
+            if kind in CHAINS:
+                updates, state = chain.update({n: p.grad for n, p in mats.items()}, state,
+                                              {n: p.data for n, p in mats.items()})
+                for n, p in mats.items():
+                    p.data.copy_(T.apply_updates({n: p.data}, {n: updates[n]})[n])
+            else:
+                _, state = T.update_params(chain, {n: p.grad for n, p in mats.items()}, state,
+                                           {n: p.data for n, p in mats.items()}, donate=True)
             if momentum_dtype is not None:  # stored rounded, as dmuon stores it
                 f = next(f for f in state_fields(state) if f.key == "momentum_buffer")
                 for b in get_path(state, f.path).values():

@@ -27,6 +27,8 @@ first use, so that ``import dmuon.functional.muon`` does not load the simulator 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import Any
 
 #: public name -> the module that defines it (modules: the module itself)
@@ -58,6 +60,20 @@ _EXPORTS: dict[str, str] = {
 _MODULES = {"adamw", "muon", "transforms", "qk_clip", "variants", "collectives", "phases", "step",
             "owner_step", "packing", "replicated", "order_check", "memory_model", "split_ns",
             "stages"}
+
+
+class _Package(types.ModuleType):
+    """This package's module type: importing a submodule binds it as the package's attribute of
+    its name, unless that name is exported as something else (``simulate``: the function, not the
+    module ``dmuon.functional.simulate``), so a name means one thing whatever was imported first."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _EXPORTS and name not in _MODULES and isinstance(value, types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 def __getattr__(name: str) -> Any:

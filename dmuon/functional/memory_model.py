@@ -48,9 +48,10 @@ class RankMemory(NamedTuple):
 
     Attributes:
       masters, state: held always on the device (``state`` with ``offload_state``: the 8-bit
-      floats' per-matrix scales only).
+        floats' per-matrix scales only).
       phases: ``{phase: peak bytes}`` for ``between_steps``, ``forward``, ``backward``, ``step``
-      (masters and state included).  host_state: the owner's state in host memory (offload).
+        (masters and state included).
+      host_state: the owner's state in host memory (offload).
     """
 
     masters: int

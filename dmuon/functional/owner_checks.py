@@ -1,9 +1,10 @@
 """What the owners' driver (``dmuon.Muon(transform=...)``) refuses in a chain, decided before
 anything changes (pure), on the chain's state over meta tensors (:func:`meta_state`): a transform
-that is neither a ``Transform`` nor a function of the hyper-parameters, a chain with no in-place
-form, a quantity a tensor-parallel slice's owner cannot serve, a state field of a shape or dtype
-the checkpoint formats cannot hold, a stored momentum option without a momentum stage, a fixed
-chain whose hyper-parameters changed."""
+that is neither a ``Transform`` nor a function of the hyper-parameters, a quantity a
+tensor-parallel slice's owner cannot serve (a stage written in the optax form only runs out of
+place and needs the whole matrix), a state field of a shape or dtype the checkpoint formats cannot
+hold, a stored momentum option without a momentum stage, a fixed chain whose hyper-parameters
+changed."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
@@ -12,7 +13,7 @@ import torch
 
 from dmuon.functional import transforms as T
 from dmuon.functional import variants
-from dmuon.functional.stages.leaves import default_views
+from dmuon.functional.stages.leaves import default_views, in_place_form
 from dmuon.functional.state_fields import LAYOUTS
 from dmuon.functional.tree import get_path
 
@@ -64,11 +65,11 @@ def _tp_lacks(layouts: Mapping[str, Any]) -> dict[str, list[str]]:
 
 def check_chain(chain: T.Transform, fixed: bool, hp_mults: Mapping[str, tuple],
                 tp_layouts: Mapping[str, Any]) -> None:
-    """Raise what the owners cannot run ``chain`` with: no in-place form; a fixed chain with the
-    policy's ``lr_mult`` / ``wd_mult``; a quantity (``chain.needs``) a TP slice's owner lacks."""
-    if chain.update_ is None:
-        raise TypeError("dmuon.Muon: the transform has no in-place form (a stage without "
-                        "update_); the owners run chains in place")
+    """Raise what the owners cannot run ``chain`` with: a fixed chain with the policy's
+    ``lr_mult`` / ``wd_mult``; a quantity (``chain.needs``, a stage written in the optax form only
+    needing the whole matrix: :func:`~dmuon.functional.stages.leaves.in_place_form`) a TP slice's
+    owner lacks."""
+    chain = in_place_form(chain)
     if fixed and any(m != (1.0, 1.0) for m in hp_mults.values()):
         raise ValueError("dmuon.Muon: the policy sets lr_mult / wd_mult, but a fixed Transform "
                          "carries its own learning rate; pass a function hparams -> Transform")
@@ -81,7 +82,11 @@ def check_chain(chain: T.Transform, fixed: bool, hp_mults: Mapping[str, tuple],
             f"tensor-parallel slice does not hold ({len(ns)} matrices, e.g. {ns[:3]}: "
             f"{'row and column' if q == 'whole_matrix' else 'column'} slices). Leave those "
             "matrices out of TP, or use a stage that works on sums "
-            "(Leaves.sum_partials: 'row_sums', 'matrix_sums').")
+            "(Leaves.sum_partials: 'row_sums', 'matrix_sums')"
+            + ("; a stage written in the optax form only (no update_) sees each matrix whole, "
+               "so it needs it: give such a stage an in-place form "
+               "(dmuon.functional.stages.stage) to run it on slices." if q == "whole_matrix"
+               else "."))
 
 
 def check_fields(fields: Sequence[Any], state: Any, shape: Mapping[str, Sequence[int]],

@@ -65,7 +65,8 @@ def owner_step(grads: Mapping[str, Optional[Tensor]], state: Any, params: Mappin
         A chain: ``donate``, ``donate_grads``, ``orthogonalizer_for(spec, names)``,
         ``sum_hook(names, partials, dims)``, ``elementwise`` and ``momentum_io``
         (:class:`~dmuon.functional.stages.leaves.Leaves`).
-        A chain runs in place (:func:`~dmuon.functional.stages.leaves.run_inplace`): without
+        A chain runs in place (:func:`~dmuon.functional.stages.leaves.run_inplace`; a stage
+        written in the optax form only runs out of place within it): without
         ``donate`` on copies, so no input changes.
 
     Returns:

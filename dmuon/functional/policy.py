@@ -94,12 +94,12 @@ class Rule:
         with the reduced gradient cast to it, runs in it). ``None``: the wider of the param's
         dtype and fp32. It must hold every value of ``param_dtype`` and of the param's own dtype
         (the same dtype or more bits; fp16 and bf16 do not cover each other): a narrower master
-        would round every step silently (checked here and at ``dedicate_params``). ``model.state_dict()`` / ``get_model_state_dict`` return the
-        param's own dtype; optimizer state dicts and checkpoints carry the master when it differs.
-
-      The dtype fields apply to Muon-routed (dedicated) params only: a rule setting one that
-      matches an AdamW param raises at ``dedicate_params`` (AdamW params are FSDP2's; use its
-      ``MixedPrecisionPolicy``).
+        would round every step silently (checked here and at ``dedicate_params``).
+        ``model.state_dict()`` / ``get_model_state_dict`` return the param's own dtype;
+        optimizer state dicts and checkpoints carry the master when it differs. The dtype fields
+        apply to Muon-routed (dedicated) params only: a rule setting one that matches an AdamW
+        param raises at ``dedicate_params`` (AdamW params are FSDP2's; use its
+        ``MixedPrecisionPolicy``).
       optional: the rule may match no param of the model (``hf_rules``' generic rules); a rule
         that is not optional and matches nothing raises at ``dedicate_params``
         (:mod:`dmuon.functional.routing`).

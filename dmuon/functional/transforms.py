@@ -32,7 +32,9 @@ stages and two more (:mod:`dmuon.functional.variants`).
 Each stage also has its arithmetic in place, ``update_`` (its ``update`` is derived from it);
 :func:`dmuon.functional.muon.update` and :func:`dmuon.functional.adamw.update` run
 :func:`dmuon.functional.muon.transform` / :func:`dmuon.functional.adamw.transform`, these very chains,
-in place on donated buffers (:func:`update_params` for any chain of stages). The optax form
+in place on donated buffers (:func:`update_params` for any chain of stages; a stage written in the
+optax form only, ``Transform(init, update)``, runs out of place within it:
+:func:`~dmuon.functional.stages.leaves.derive_update_`). The optax form
 ``apply_updates(W, transform.update(...))`` equals that bitwise up to the last stage, whose
 additive form ``W + (−lr)·(u + λ·W)`` rounds differently from the applied
 ``W·(1 − lr·λ) − lr·u`` (a few ulps per step; :mod:`dmuon.functional.stages.decoupled` says why
@@ -55,7 +57,7 @@ from dmuon.functional.stages import (AdamState, EmptyState, HyperballState, Mome
                                      orthogonalize, scale_by_adam, scale_by_learning_rate,
                                      scale_by_row_norm, scale_by_shape, trace_momentum)
 from dmuon.functional.stages.hparams import ScheduleState, register_state
-from dmuon.functional.stages.leaves import Leaves, run_inplace
+from dmuon.functional.stages.leaves import Leaves, in_place_form, run_inplace
 from dmuon.functional.tree import PyTree, flatten, flatten_like, leaf_paths
 
 __all__ = [
@@ -107,10 +109,12 @@ def update_params(transform: Transform, grads: PyTree, state: Any, params: PyTre
 
 def chain(*stages: Transform) -> Transform:
     """The stages applied in order; the state is :class:`ChainState` of theirs. In place
-    (``update_``), every stage runs on the same leaves (all must have an in-place form)."""
+    (``update_``), every stage runs on the same leaves; a stage written in the optax form only
+    runs out of place there (:func:`~dmuon.functional.stages.leaves.derive_update_`)."""
     for k, t in enumerate(stages):
         if not isinstance(t, Transform):
             raise TypeError(f"chain stage {k} must be a Transform, got {type(t).__name__}")
+    in_place = tuple(in_place_form(t) for t in stages)
 
     def init(params: PyTree) -> ChainState:
         return ChainState(tuple(t.init(params) for t in stages))
@@ -129,13 +133,11 @@ def chain(*stages: Transform) -> Transform:
 
     def update_(leaves: Leaves, state: ChainState) -> ChainState:
         check(state)
-        return ChainState(tuple(t.update_(leaves, s) for t, s in zip(stages, state.states)))
+        return ChainState(tuple(t.update_(leaves, s) for t, s in zip(in_place, state.states)))
 
-    in_place = all(t.update_ is not None for t in stages)
-    needs = tuple(dict.fromkeys(n for t in stages for n in t.needs))
+    needs = tuple(dict.fromkeys(n for t in in_place for n in t.needs))
     mu_dtype = next((t.momentum_dtype for t in stages if t.momentum_dtype is not None), None)
-    return Transform(init, torch.no_grad()(update), update_ if in_place else None, needs,
-                     mu_dtype)
+    return Transform(init, torch.no_grad()(update), update_, needs, mu_dtype)
 
 
 def _labels_of(labels: Any, params: PyTree) -> list[Any]:

@@ -44,7 +44,9 @@ NEEDS = ("params", "row_sums", "matrix_sums", "whole_rows", "whole_matrix")
 class Transform(NamedTuple):
     """A gradient transformation: ``init(params) -> state``;
     ``update(updates, state, params) -> (updates, state)``; optionally ``update_(leaves, state)
-    -> state``, the same arithmetic in place (``None``: the transform has no in-place form),
+    -> state``, the same arithmetic in place (``None``: a stage written in the optax form only;
+    dmuon runs it out of place where it runs chains in place,
+    :func:`~dmuon.functional.stages.leaves.in_place_form`),
     ``needs``: the quantities of :data:`NEEDS` its arithmetic uses (a chain: its stages'), and
     ``momentum_dtype``: the dtype its momentum stage keeps the buffers in between updates
     (optax's ``mu_dtype``; ``None``: the param's; a chain: its first momentum stage's)."""

@@ -25,6 +25,10 @@ them) and returns with its other fields (e.g. a step count) advanced; closing pu
 back into the trees. Opened states slice per group of leaves, so a chain can run per device and
 dtype (what foreach lists and fused kernels take).
 
+A stage written in the optax form only (no ``update_``) runs in such a chain out of place:
+:func:`derive_update_` (the inverse of :func:`derive_update`) gives it an in-place form that
+calls its ``update`` on flat dicts of the active leaves; :func:`in_place_form` attaches it.
+
 Ops: stages call list ops through ``leaves.ops``: :data:`FOREACH` (``torch._foreach_*``) or
 :data:`PER_TENSOR` (the same in-place tensor methods one tensor at a time): two executions of
 one formula. Inside ``torch.vmap`` (whose batching rules do not cover ``torch._foreach_*``) the
@@ -55,7 +59,8 @@ from dmuon.functional.matrix_view import views_per_leaf
 from dmuon.functional.stages.hparams import is_batched, is_one
 from dmuon.functional.tree import PyTree, flatten, flatten_like, leaf_paths
 
-__all__ = ["Leaves", "FOREACH", "PER_TENSOR", "derive_update", "run_inplace", "apply_inplace_",
+__all__ = ["Leaves", "FOREACH", "PER_TENSOR", "derive_update", "derive_update_", "in_place_form",
+           "run_inplace", "apply_inplace_",
            "default_views", "init_views"]
 
 #: ``{leaf path: matrix view}`` that stage ``init`` s use where the stage names no view
@@ -327,11 +332,12 @@ def run_inplace(transform: Any, leaves: Leaves, state: Any,
     """Run ``transform.update_`` on ``leaves`` (all at once, or per group of leaf positions,
     ``transforms[i]`` on group ``i`` where given) and apply the result; returns the new state.
     Afterwards ``leaves.params_tree()`` is the update. With groups, the state's fields that are
-    not per param (counts) are those the last group returned (every group starts from the same)."""
-    for t in [transform] if transforms is None else transforms:
-        if getattr(t, "update_", None) is None:
-            raise TypeError("this transform has no in-place form (update_); run it with its "
-                            "update and apply_updates")
+    not per param (counts) are those the last group returned (every group starts from the same).
+    A transform without ``update_`` (the optax form only) runs out of place: :func:`in_place_form`."""
+    if transforms is None:
+        transform = in_place_form(transform)  # an optax-form transform: run out of place
+    else:
+        transforms = [in_place_form(t) for t in transforms]
     opened = leaves.open(state)
     with _unbatched_under_vmap(leaves, opened):
         if not groups:
@@ -393,3 +399,78 @@ def derive_update(update_: Callable[[Leaves, Any], Any]) -> Callable[..., tuple[
             leaves.divisor, leaves.denom = [1.0] * len(leaves), [None] * len(leaves)
         return leaves.updates_tree(), leaves.close(state, opened, result)
     return update
+
+
+def _shares(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` may share storage (one may be a view of the other); under
+    ``torch.vmap`` (no storage to compare) assumed."""
+    if is_batched(a) or is_batched(b):
+        return True
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def derive_update_(update: Callable[..., tuple[PyTree, Any]]) -> Callable[[Leaves, Any], Any]:
+    """The in-place form of a stage written in the optax form only (``update(updates, state,
+    params) -> (updates, state)``): run out of place on the active leaves, its results put back.
+
+    The stage sees flat ``{path name: leaf}`` dicts of the leaves that have an update this step
+    (as :func:`~dmuon.functional.transforms.partition`'s inner transforms do; none at all on an
+    owner of nothing), with the pending scalars multiplied out; its state's per-param fields
+    (named in the state type's ``per_param``) as ``{path name: buffer}`` dicts of those leaves,
+    its other fields as they are. The updates it returns replace the leaves' (in the params'
+    dtypes); the per-param values it returns are copied into the buffers (so a donated state keeps
+    its tensors, as after any stage). It cannot follow a stage that has applied the step to the
+    params (``decoupled_apply``, ``hyperball_apply``): raises ``ValueError``."""
+    def update_(leaves: Leaves, state: Any) -> Any:
+        if leaves.applied:
+            raise ValueError(
+                "a stage written in the optax form only (no in-place update_) comes after a "
+                "stage that has applied the step to the weights (decoupled_apply, "
+                "hyperball_apply), which the in-place run cannot undo. Put it before that stage, "
+                "or end the chain as optax chains end (T.add_decayed_weights(wd), "
+                "T.scale_by_learning_rate(lr)): the run then adds the final update to the "
+                "weights")
+        leaves.materialize()
+        names = leaves.names
+        given = _walk(state, lambda bufs: dict(zip(names, bufs)), lambda v: v)
+        with torch.no_grad():
+            ups, new = update(dict(zip(names, leaves.updates)), given,
+                              dict(zip(names, leaves.params)))
+        if not isinstance(ups, Mapping) or any(ups.get(n) is None for n in names):
+            raise TypeError(
+                f"an optax-form stage's update returned {type(ups).__name__} updates without a "
+                f"tensor for each of {names[:4]}; in an in-place run it is given flat "
+                "{path name: update} dicts of the leaves with an update, and must return one "
+                "update for each")
+        held: list[Tensor] = []  # the state's buffers: a later stage must not write them
+        _walk(state, lambda bufs: held.extend(bufs), lambda v: v)
+        for k, n in enumerate(names):
+            old, p = leaves.updates[k], leaves.params[k]
+            u = ups[n].to(dtype=p.dtype)
+            if _shares(u, p) or any(_shares(u, b) for b in held):  # (nor a param, through u)
+                u = u.clone()
+            leaves.scratch[k] = leaves.scratch[k] if _shares(u, old) else True
+            leaves.updates[k] = u
+
+        def put(tree: Any, bufs: list[Tensor]) -> list[Tensor]:
+            if not isinstance(tree, Mapping) or any(n not in tree for n in names):
+                raise TypeError(
+                    "an optax-form stage's per-param state field must come back as a "
+                    f"{{path name: tensor}} dict of the leaves it was given, got "
+                    f"{type(tree).__name__}")
+            for b, n in zip(bufs, names):
+                if tree[n] is not b:
+                    b.copy_(tree[n])
+            return bufs
+        return _walk(new, put, lambda v, *_: v, state)
+    return update_
+
+
+def in_place_form(transform: Any) -> Any:
+    """``transform`` with an in-place form: itself when it has one, else the same transform with
+    :func:`derive_update_` of its ``update`` as ``update_``, needing ``"whole_matrix"`` (it sees
+    each param whole, so it cannot run on a tensor-parallel slice)."""
+    if transform.update_ is not None:
+        return transform
+    needs = tuple(dict.fromkeys(tuple(transform.needs) + ("whole_matrix",)))
+    return transform._replace(update_=derive_update_(transform.update), needs=needs)

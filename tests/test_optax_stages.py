@@ -1,0 +1,137 @@
+"""Stages written in the optax form only (``init`` / ``update``, no in-place ``update_``) run
+wherever dmuon runs a chain (issue 48): in the pure distributed step (``world_step``,
+``owner_step``), in ``transforms.update_params``, and through ``dmuon.Muon(transform=...)``
+(slow tier: tests/test_variants_distributed.py), equal to one process running the chain in the
+optax form (``chain.update`` + ``apply_updates``, the example's loop), fp64.
+
+Before: a chain with such a stage had no in-place form and every one of those refused it
+(``TypeError: ... has no in-place form``), among them the clip of
+``examples/research_transforms.py``."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import optax_stages as ox
+from dmuon.functional import muon as fmuon
+from dmuon.functional import transforms as T
+from dmuon.functional.buckets import hook_groups
+from dmuon.functional.owner_step import owner_step
+from dmuon.functional.program import step_program
+from dmuon.functional.step import world_step
+
+HP = fmuon.MuonHParams(lr=0.05, momentum=0.9, weight_decay=0.1, ns_steps=5,
+                       ns_dtype=torch.float64)
+SHAPES = {"model.layers.0.q_proj.weight": (6, 4), "model.layers.0.o_proj.weight": (4, 6),
+          "model.layers.1.up_proj.weight": (8, 4), "model.layers.1.down_proj.weight": (4, 8)}
+OWNERS = {"model.layers.0.q_proj.weight": (0, 0), "model.layers.0.o_proj.weight": (1, 0),
+          "model.layers.1.up_proj.weight": (1, 0), "model.layers.1.down_proj.weight": (0, 0)}
+UNUSED = "model.layers.1.down_proj.weight"  # no gradient at the first step
+
+
+def _grads(world: int, steps: int) -> list[list[dict]]:
+    """Per step, per rank: local gradients (none for ``UNUSED`` at the first step)."""
+    g = torch.Generator().manual_seed(7)
+    return [[{n: torch.randn(*s, generator=g, dtype=torch.float64) for n, s in SHAPES.items()
+              if not (n == UNUSED and step == 0)} for _ in range(world)] for step in range(steps)]
+
+
+def _full() -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {n: torch.randn(*s, generator=g, dtype=torch.float64) for n, s in SHAPES.items()}
+
+
+def _averaged(per_rank: list[dict]) -> dict:
+    return {n: (sum(r[n] for r in per_rank) / len(per_rank) if n in per_rank[0] else None)
+            for n in SHAPES}
+
+
+def _close(got: dict, want: dict) -> None:
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=0, atol=1e-12, msg=n)
+
+
+def test_the_examples_clip_in_the_distributed_step_equals_one_process():
+    G, steps = 2, 3
+    program = step_program(OWNERS, SHAPES, {n: "torch.float64" for n in SHAPES}, shard_size=G,
+                           replicate_size=1, groups=hook_groups(list(SHAPES)))
+    full, grads = _full(), _grads(G, steps)
+    params = [{n: full[n].clone() for n in SHAPES if OWNERS[n][0] == s} for s in range(G)]
+    states = None
+    for per_rank in grads:
+        params, states, _ = world_step(params, per_rank, program, states, HP,
+                                       transform=ox.clipped)
+    want, _ = ox.optax_run(ox.clipped(HP), [_averaged(r) for r in grads], full)
+    for s in range(G):
+        _close(params[s], {n: want[n] for n in params[s]})
+    # the clip binds: without it the weights are elsewhere
+    other, _ = ox.optax_run(ox.unclipped(HP), [_averaged(r) for r in grads], full)
+    assert max(float((want[n] - other[n]).abs().max()) for n in SHAPES) > 1e-3
+
+
+@pytest.mark.parametrize("donate", [False, True])
+def test_a_stateful_optax_stage_on_an_owner_equals_one_process(donate):
+    """Per-param state (declared ``per_param``), a matrix without a gradient at the first step,
+    dmuon's applying stage after it; the owner's update in place, donated or not."""
+    full, grads = _full(), [_averaged(r) for r in _grads(1, 3)]
+    want, want_state = ox.optax_run(ox.second_moment(HP), grads, full)
+    params, state = {n: t.clone() for n, t in full.items()}, None
+    for g in grads:
+        params, state = owner_step({n: None if t is None else t.clone() for n, t in g.items()},
+                                   state, params, HP, transform=ox.second_moment, donate=donate)
+    _close(params, want)
+    nu, want_nu = state.states[2].nu, want_state.states[2].nu
+    _close(nu, want_nu)
+    # one process, in place
+    chain, got = ox.second_moment(HP), {n: t.clone() for n, t in full.items()}
+    st = chain.init(got)
+    for g in grads:
+        got, st = T.update_params(chain, g, st, got)
+    _close(got, want)
+
+
+def test_an_optax_stage_after_the_applying_stage_raises_with_advice():
+    """In place, ``decoupled_apply`` has written the weights: an optax-form stage after it cannot
+    be run out of place; the error says where to put it (and the optax form itself still runs)."""
+    def late(hp):
+        return T.chain(T.trace_momentum(hp.momentum, hp.nesterov), T.orthogonalize(),
+                       T.decoupled_apply(hp.lr, hp.weight_decay),
+                       ox.research_example().clip_update_rms(ox.CLIP_RMS))
+    full, grads = _full(), [_averaged(r) for r in _grads(1, 1)]
+    with pytest.raises(ValueError, match="Put it before that stage"):
+        owner_step(grads[0], None, full, HP, transform=late)
+    ox.optax_run(late(HP), grads, full)
+
+
+def test_an_optax_stage_is_refused_on_tensor_parallel_slices():
+    """It sees each matrix whole, which a TP slice's owner does not hold: refused when
+    ``dmuon.Muon`` is built (the check it runs), saying how to run such a stage on slices."""
+    from types import SimpleNamespace
+
+    from dmuon.functional.owner_checks import check_chain
+    tp = {"model.layers.0.q_proj.weight": SimpleNamespace(dim=0)}
+    check_chain(ox.unclipped(HP), False, {}, tp)  # in-place stages only: fine
+    for chain in (ox.clipped(HP), ox.research_example().clip_update_rms(ox.CLIP_RMS)):
+        with pytest.raises(ValueError, match="optax form only .* in-place form"):
+            check_chain(chain, False, {}, tp)
+
+
+def test_an_optax_stage_under_vmap_over_an_lr_sweep_equals_the_loop():
+    """``update_params`` of a chain with the example's clip, vmapped over lrs (params and state
+    batched), equals a loop over the lrs (the out-of-place run meets batched tensors, which have
+    no storage to compare)."""
+    import optree
+    lrs = torch.tensor([0.01, 0.05], dtype=torch.float64)
+    full, grads = _full(), _averaged(_grads(1, 2)[1])
+    chain0 = ox.clipped(HP)
+    batched = lambda t: t.expand(len(lrs), *t.shape).clone() if t.ndim else t  # noqa: E731
+
+    def step(lr, p, s):
+        return T.update_params(ox.clipped(HP._replace(lr=lr)), grads, s, p)
+
+    got, _ = torch.vmap(step)(lrs, optree.tree_map(batched, full),
+                              optree.tree_map(batched, chain0.init(full)))
+    for i, lr in enumerate(lrs.tolist()):
+        chain = ox.clipped(HP._replace(lr=lr))
+        want, _ = T.update_params(chain, grads, chain.init(full), full)
+        _close({n: t[i] for n, t in got.items()}, want)
