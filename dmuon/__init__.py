@@ -29,7 +29,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__version__ = "0.1.0"
+#: the one place the version is written (pyproject.toml reads it; CHANGELOG.md names it)
+__version__ = "0.4.0"
 
 #: public name -> the module that defines it (imported on first access, PEP 562)
 _PUBLIC: dict[str, str] = {
