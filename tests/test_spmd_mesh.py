@@ -1,0 +1,78 @@
+"""dmuon.functional.spmd_mesh (pure, no processes): the data-parallel axes of a full SPMD mesh
+come from ``dp_mesh_dims``' names, not from the mesh's number of dims or ranks; a dedicated
+matrix's placements on it say whether and where it is TP-sliced; FSDP2's recorded
+``dp_mesh_dims`` must match what dmuon was given."""
+from __future__ import annotations
+
+import pytest
+
+from dmuon.functional.spmd_mesh import (DPAxes, dp_axes, fsdp_dims_problem, names_of,
+                                        spmd_slicing)
+
+
+def test_axes_by_name_not_by_rank_count():
+    # a 2-D (dp_shard, tp) mesh: one shard axis, TP a model axis (not HSDP's replicate)
+    ax = dp_axes(("dp_shard", "tp"), (2, 2), "dp_shard", None)
+    assert (ax.shard, ax.replicate, ax.model) == (("dp_shard",), (), ("tp",))
+    assert ax.size(ax.shard) == 2 and ax.size(ax.replicate) == 1
+    # torchtitan's 4-D dense mesh: size-1 axes are no model axes; shard+replicate named
+    ax = dp_axes(("dp_replicate", "dp_shard", "cp", "tp"), (2, 2, 1, 2), "dp_shard",
+                 "dp_replicate")
+    assert (ax.shard, ax.replicate, ax.model) == (("dp_shard",), ("dp_replicate",), ("tp",))
+    assert ax.dp == ("dp_shard", "dp_replicate")
+    # several shard names flatten in the given order (dp_shard x cp)
+    ax = dp_axes(("dp_shard", "cp", "tp"), (2, 2, 1), ("dp_shard", "cp"), None)
+    assert ax.shard == ("dp_shard", "cp") and ax.size(ax.shard) == 4 and ax.model == ()
+    assert names_of(None) == () and names_of("a") == ("a",) and names_of(["a", "b"]) == ("a", "b")
+
+
+@pytest.mark.parametrize("names, sizes, shard, rep, words", [
+    (None, (2, 2), "dp", None, "named dims"),
+    (("dp", "tp"), (2, 2), None, None, "names no axis"),
+    (("dp", "tp"), (2, 2), "fsdp", None, "not dims of the mesh"),
+    (("dp", "tp"), (2, 2), "dp", "dp", "more than once"),
+    (("dp", "tp"), (2, 2), None, "dp", "no shard axis"),
+])
+def test_bad_dims_say_how_to_fix(names, sizes, shard, rep, words):
+    with pytest.raises(ValueError, match=words):
+        dp_axes(names, sizes, shard, rep)
+
+
+AX = DPAxes(("dp_shard",), ("dp_replicate",), ("tp",),
+            (("dp_replicate", 2), ("dp_shard", 2), ("cp", 1), ("tp", 2)))
+NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+R = ("R", None)
+
+
+def test_slicing_from_placements():
+    assert spmd_slicing("w", (8, 4), NAMES, (R, R, R, R), AX) is None        # whole
+    assert spmd_slicing("w", (8, 4), NAMES, (R, R, R, ("S", 0)), AX) == ("tp", 0)  # colwise
+    assert spmd_slicing("w", (8, 4), NAMES, (R, R, R, ("S", -1)), AX) == ("tp", 1)  # rowwise
+    # a Shard on a size-1 axis slices nothing
+    assert spmd_slicing("w", (8, 4), NAMES, (R, R, ("S", 0), R), AX) is None
+
+
+@pytest.mark.parametrize("kinds, words", [
+    ((R, ("S", 0), R, R), "data-parallel axis 'dp_shard'"),
+    ((R, R, R, ("Partial", None)), "Partial on the model axis"),
+    ((R, R, R, ("_StridedShard", None)), "_StridedShard"),
+])
+def test_unsupported_placements_named(kinds, words):
+    with pytest.raises(ValueError, match=words):
+        spmd_slicing("layers.0.w", (8, 4), NAMES, kinds, AX)
+
+
+def test_two_model_axes_refused():
+    ax = DPAxes(("dp",), (), ("tp", "ep"), (("dp", 2), ("tp", 2), ("ep", 2)))
+    with pytest.raises(ValueError, match="several model axes"):
+        spmd_slicing("w", (8, 4), ("dp", "tp", "ep"), (R, ("S", 0), ("S", 1)), ax)
+
+
+def test_fsdp_recorded_dims_checked():
+    given = (("dp_shard",), ())
+    assert fsdp_dims_problem(given, [("layers.0", given), ("", given)]) is None
+    assert fsdp_dims_problem(None, [("layers.0", None)]) is None   # no dp_mesh_dims anywhere
+    msg = fsdp_dims_problem(None, [("layers.0", given)])          # fully_shard got them, dmuon not
+    assert "dedicate_params got none" in msg and "resolve_fsdp_mesh" in msg
+    msg = fsdp_dims_problem(given, [("layers.0", (("dp_shard",), ("dp_replicate",)))])
+    assert "differ" in msg and "layers.0" in msg
