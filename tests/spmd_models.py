@@ -15,6 +15,12 @@ import torch.nn.functional as F
 TP_DIMS = {"up_proj.weight": 0, "down_proj.weight": 1}
 
 
+def _local(p: torch.Tensor) -> torch.Tensor:
+    """A replicated param's local tensor (the whole of it)."""
+    from torch.distributed.tensor import DTensor
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def _on_tp(p: torch.Tensor, model: "SpmdLM") -> torch.Tensor:
     """A param as what the block computes with: its local tensor, as a DTensor on the 1-D TP
     mesh when there is one (so DTensor runs TP's collectives and their backward)."""
@@ -39,7 +45,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from torch.distributed.tensor import DTensor, Replicate
         m = self._root[0]
-        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * _on_tp(self.norm, m)
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * _local(self.norm)
         if m.tp_mesh is not None:
             h = DTensor.from_local(h, m.tp_mesh, [Replicate()], run_check=False)
         y = F.linear(F.silu(F.linear(h, _on_tp(self.up_proj.weight, m))),
@@ -59,10 +65,10 @@ class SpmdLM(nn.Module):
         self.tp_mesh, self.tp_index = None, 0
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(ids[:, :-1], _on_tp(self.embed.weight, self))
+        x = F.embedding(ids[:, :-1], _local(self.embed.weight))
         for layer in self.layers:
             x = layer(x)
-        logits = F.linear(x, _on_tp(self.head.weight, self))
+        logits = F.linear(x, _local(self.head.weight))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 

@@ -76,3 +76,19 @@ def test_fsdp_recorded_dims_checked():
     assert "dedicate_params got none" in msg and "resolve_fsdp_mesh" in msg
     msg = fsdp_dims_problem(given, [("layers.0", (("dp_shard",), ("dp_replicate",)))])
     assert "differ" in msg and "layers.0" in msg
+
+
+def test_spmd_meshes_slices_the_named_axes():
+    from types import SimpleNamespace
+
+    from dmuon.functional.spmd_mesh import spmd_meshes
+    mesh = SimpleNamespace(mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+                           mesh=SimpleNamespace(shape=(2, 2, 2)))
+    dims = SimpleNamespace(shard="dp_shard", replicate="dp_replicate")
+    cut = lambda m, names: ("sub", tuple(names))  # noqa: E731
+    shard, rep, axes, err = spmd_meshes(mesh, None, dims, sub_mesh=cut)
+    assert err is None and shard == ("sub", ("dp_shard",)) and rep == ("sub", ("dp_replicate",))
+    assert axes.model == ("tp",)
+    assert spmd_meshes(mesh, "r", None, sub_mesh=cut) == (mesh, "r", None, None)  # no dims: as given
+    _, _, axes, err = spmd_meshes(mesh, "r", dims, sub_mesh=cut)  # both: returned, not raised
+    assert axes is None and isinstance(err, ValueError) and "not both" in str(err)

@@ -28,9 +28,7 @@ try:
 except ImportError:  # torch < 2.13
     HAS_DIMS = False
 
-XFAIL = pytest.mark.xfail(strict=True, reason="dedicate_params has no dp_mesh_dims yet: it reads a "
-                          "2-D mesh as HSDP and full-mesh DTensors as unsupported TP")
-pytestmark = [pytest.mark.slow, XFAIL,
+pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not HAS_DIMS, reason="this torch's fully_shard has no dp_mesh_dims")]
 
 STEPS, BATCH = 3, 4

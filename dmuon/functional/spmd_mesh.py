@@ -15,10 +15,10 @@ layouts). The placements are passed as plain descriptions (``("R", None)``, ``("
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 __all__ = ["DPAxes", "SPMD_FIX", "dp_axes", "names_of", "spmd_slicing", "placement_kind",
-           "fsdp_dims_problem"]
+           "fsdp_dims_problem", "plain_params_problem", "spmd_meshes"]
 
 #: how to hand dmuon the mesh of an FSDP2 applied with ``dp_mesh_dims`` (ends errors)
 SPMD_FIX = ("Pass dedicate_params the mesh and dp_mesh_dims that fully_shard gets: "
@@ -192,3 +192,59 @@ def fsdp_dims_problem(given: Optional[tuple[tuple[str, ...], tuple[str, ...]]],
             f"{' ...' if len(mods) > 4 else ''}) differ from dedicate_params' (shard={given[0]}, "
             f"replicate={given[1]}): the dedicated and the FSDP2 gradients would be averaged over "
             "different ranks. " + SPMD_FIX + ".")
+
+
+def plain_params_problem(plain: Sequence[str], annotated: Sequence[str],
+                         axes: Optional[DPAxes]) -> Optional[str]:
+    """Why dmuon cannot dedicate the selected params that are plain tensors (not DTensors), or
+    ``None``.
+
+    Args:
+      plain: the selected params that are plain tensors.  annotated: those of them that carry
+        ``spmd_types`` annotations (torchtitan 0.3's default backend keeps each param a plain
+        local tensor, a TP slice included, and records its layout in them).
+      axes: the mesh's roles from ``dp_mesh_dims``, or ``None`` when dedicate_params got none.
+
+    A problem: annotations without ``dp_mesh_dims`` (the mesh dmuon was given is not the one
+    FSDP2 gets); plain tensors on a mesh with a model axis of size > 1 (a TP slice cannot be told
+    from a whole matrix: dmuon reads TP from DTensor placements).
+    """
+    if axes is None:
+        if not annotated:
+            return None
+        return (f"dedicate_params: the selected params (e.g. {annotated[0]!r}) carry spmd_types "
+                "annotations (torchtitan 0.3's default parallelism.spmd_backend='spmd_types', "
+                "where fully_shard runs on the full SPMD mesh with dp_mesh_dims), but "
+                f"dedicate_params got no dp_mesh_dims. {SPMD_FIX}.")
+    if plain and axes.model:
+        return (f"dedicate_params: the mesh has the model axes {list(axes.model)} of size > 1 "
+                f"but {len(plain)} selected params (e.g. {plain[0]!r}) are plain tensors, not "
+                "DTensors, so dmuon cannot tell a TP slice from a whole matrix (spmd_types keeps "
+                "TP slices as plain local tensors). dmuon takes tensor parallelism from DTensor "
+                "placements: in torchtitan 0.3 set parallelism.spmd_backend='full_dtensor' (or "
+                "'partial_dtensor') for TP with dmuon; spmd_types works with tensor_parallel_degree"
+                " 1.")
+    return None
+
+
+def spmd_meshes(mesh: Any, replicate_mesh: Any, dp_mesh_dims: Any, *,
+                sub_mesh: Callable[[Any, Sequence[str]], Any]
+                ) -> tuple[Any, Any, Optional[DPAxes], Optional[Exception]]:
+    """``(shard mesh, replicate mesh, axes, error)`` for ``dedicate_params(mesh, replicate_mesh,
+    dp_mesh_dims=...)``: without ``dp_mesh_dims`` the meshes as given and no axes; with it, the
+    sub-meshes of the full SPMD ``mesh`` it names (:func:`dp_axes`), made by ``sub_mesh(mesh,
+    names)`` (:func:`dmuon.compat.spmd_mesh.axes_mesh`).
+    A problem is returned as ``error`` (the meshes as given), for every rank to raise together."""
+    if dp_mesh_dims is None:
+        return mesh, replicate_mesh, None, None
+    try:
+        if replicate_mesh is not None:
+            raise ValueError("dedicate_params: pass dp_mesh_dims or replicate_mesh, not both (with"
+                             f" dp_mesh_dims, dp_mesh_dims.replicate names the axes). {SPMD_FIX}")
+        axes = dp_axes(getattr(mesh, "mesh_dim_names", None), tuple(mesh.mesh.shape),
+                       getattr(dp_mesh_dims, "shard", None), getattr(dp_mesh_dims, "replicate",
+                                                                    None))
+        return (sub_mesh(mesh, axes.shard),
+                sub_mesh(mesh, axes.replicate) if axes.replicate else None, axes, None)
+    except (ValueError, AttributeError, TypeError) as e:
+        return mesh, replicate_mesh, None, e
