@@ -92,3 +92,49 @@ def test_spmd_meshes_slices_the_named_axes():
     assert spmd_meshes(mesh, "r", None, sub_mesh=cut) == (mesh, "r", None, None)  # no dims: as given
     _, _, axes, err = spmd_meshes(mesh, "r", dims, sub_mesh=cut)  # both: returned, not raised
     assert axes is None and isinstance(err, ValueError) and "not both" in str(err)
+
+
+def test_spmd_layouts_of_full_mesh_dtensors():
+    """Dedicated DTensors on a full (dp_shard 2, tp 2) mesh: a colwise one is a TP layout whose
+    group is the TP sub-mesh (its ranks for the grids), a replicated one a whole view; without
+    axes the same params are refused naming dp_mesh_dims; annotated plain params too."""
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+
+    from dmuon.functional.tp_setup import spmd_layouts_of, tp_mesh_ranks
+
+    class FakeMesh:  # what spmd_layouts_of reads of a DeviceMesh
+        def __init__(self, ranks, names):
+            self.mesh, self.mesh_dim_names = torch.tensor(ranks), names
+            self.ndim = self.mesh.ndim
+
+        def size(self):
+            return self.mesh.numel()
+
+        def __getitem__(self, axis):  # this rank's (rank 0's) slice along ``axis``
+            i = self.mesh_dim_names.index(axis)
+            return FakeMesh(self.mesh.select(1 - i, 0).tolist(), (axis,))
+
+    mesh = FakeMesh
+    full = mesh([[0, 1], [2, 3]], ("dp_shard", "tp"))
+    axes = dp_axes(("dp_shard", "tp"), (2, 2), "dp_shard", None)
+
+    def dt(shape, pl):
+        return SimpleNamespace(placements=pl, device_mesh=full, shape=torch.Size(shape),
+                               stride=lambda: (shape[1], 1))
+    col, whole = dt((8, 4), (Replicate(), Shard(0))), dt((8, 4), (Replicate(), Replicate()))
+    kw = dict(shard_type=Shard, replicate_type=Replicate, fix="FIX", error=NotImplementedError)
+    layouts, views = spmd_layouts_of({"col": col, "whole": whole}, {}, axes, **kw)
+    assert set(layouts) == {"col"} and set(views) == {"whole"}
+    lay = layouts["col"]
+    assert (lay.dim, lay.parts, lay.shape, lay.mesh) == (0, 2, (8, 4), full)
+    assert lay.placements == (Replicate(), Shard(0)) and tp_mesh_ranks(layouts) == (0, 1)
+    assert views["whole"].parts == 1 and views["whole"].mesh is full
+    with pytest.raises(ValueError, match="no dp_mesh_dims"):
+        spmd_layouts_of({"col": col}, {}, None, **kw)
+    with pytest.raises(ValueError, match="spmd_types annotations"):
+        spmd_layouts_of({}, {}, None, plain=["w"], annotated=["w"], **kw)
+    with pytest.raises(ValueError, match="cannot tell a TP slice"):
+        spmd_layouts_of({}, {}, axes, plain=["w"], **kw)

@@ -103,7 +103,7 @@ def spmd_layouts_of(dtensors: Mapping[str, Any], aliases: Mapping[int, Sequence[
         got = spmd_slicing(n, tuple(p.shape), names,
                            [placement_kind(x, shard_type, replicate_type) for x in pl], axes)
         if got is None:
-            views[n] = TPLayout(mesh, pl, tuple(p.shape), tuple(p.stride()), 0, 1, mesh)
+            views[n] = TPLayout(mesh, pl, tuple(p.shape), tuple(p.stride()), 0, 1)
         else:
             sliced[n] = (p, mesh[got[0]], pl[names.index(got[0])])
     one_d = {n: _OnTPMesh(p, group, placement) for n, (p, group, placement) in sliced.items()}
