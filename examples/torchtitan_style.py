@@ -16,7 +16,7 @@ call is ``dmuon.dedicate_params(model, parallel_dims.get_mesh("fsdp"), predicate
 also pass ``replicate_mesh=parallel_dims.get_mesh("dp_replicate")``. torchtitan 0.3's default
 backend (``spmd_types``) shards on the full SPMD mesh with ``dp_mesh_dims``; pass dmuon the same:
 ``mesh, dims = resolve_fsdp_mesh(parallel_dims)``, ``dedicate_params(model, mesh, predicate,
-dp_mesh_dims=dims)`` (docs/integrations/torchtitan-spmd.md). In HSDP's async mode call
+options=dmuon.DedicateOptions(dp_mesh_dims=dims))`` (docs/integrations/torchtitan-spmd.md). In HSDP's async mode call
 ``dmuon.wait_all_replicate_broadcasts(model)`` before torchtitan's DCP checkpoint save.
 """
 from __future__ import annotations

@@ -46,7 +46,7 @@ def _train(rank: int, world: int, cfg: dict) -> dict:
     dims = DataParallelMeshDims(shard=cfg["shard"], replicate=cfg.get("replicate"))
     tp = cfg.get("tp")
     model = make_spmd_model()
-    kw = {} if cfg.get("no_dims") else {"dp_mesh_dims": dims}
+    kw = {} if cfg.get("no_dims") else {"options": dmuon.DedicateOptions(dp_mesh_dims=dims)}
     if cfg.get("no_dims"):  # the 1-D shard mesh, as before dp_mesh_dims: refused with the fix
         try:
             distribute_spmd(model, mesh, tp)

@@ -4,7 +4,8 @@ the full SPMD mesh with ``dp_mesh_dims`` (``resolve_fsdp_mesh``) and every param
 by ``model.parallelize`` (a plain local tensor with spmd_types annotations), so the recipe is:
 
     spmd_mesh, dp_mesh_dims = resolve_fsdp_mesh(parallel_dims)
-    dmuon.dedicate_params(model, spmd_mesh, predicate, dp_mesh_dims=dp_mesh_dims)
+    dmuon.dedicate_params(model, spmd_mesh, predicate,
+                          options=dmuon.DedicateOptions(dp_mesh_dims=dp_mesh_dims))
     model = parallelize_llama(model, ...)          # torchtitan's own: parallelize + fully_shard
     model.to_empty(...); model.init_weights(...)
     optimizer = dmuon.Muon(model, ...)             # the dedication completes here
@@ -57,7 +58,8 @@ def _spmd_run(rank: int, world: int, tp: int) -> dict:
     pd.build_mesh()
     # the recipe: dedicate_params gets what fully_shard will get (mesh + dp_mesh_dims)
     spmd_mesh, dp_mesh_dims = resolve_fsdp_mesh(pd)
-    owners = dmuon.dedicate_params(model, spmd_mesh, _tt_predicate, dp_mesh_dims=dp_mesh_dims)
+    owners = dmuon.dedicate_params(model, spmd_mesh, _tt_predicate,
+                                   options=dmuon.DedicateOptions(dp_mesh_dims=dp_mesh_dims))
     model = parallelize_llama(model, parallel_dims=pd, training=cfg.training,
                               parallelism=cfg.parallelism, compile_config=cfg.compile,
                               ac_config=None, dump_folder="")

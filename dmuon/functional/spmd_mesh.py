@@ -22,8 +22,8 @@ __all__ = ["DPAxes", "SPMD_FIX", "dp_axes", "names_of", "spmd_slicing", "placeme
 
 #: how to hand dmuon the mesh of an FSDP2 applied with ``dp_mesh_dims`` (ends errors)
 SPMD_FIX = ("Pass dedicate_params the mesh and dp_mesh_dims that fully_shard gets: "
-            "dmuon.dedicate_params(model, spmd_mesh, predicate, dp_mesh_dims="
-            "DataParallelMeshDims(shard=..., replicate=...)); in torchtitan 0.3: "
+            "dmuon.dedicate_params(model, spmd_mesh, predicate, options=dmuon.DedicateOptions("
+            "dp_mesh_dims=DataParallelMeshDims(shard=..., replicate=...))); in torchtitan 0.3: "
             "spmd_mesh, dp_mesh_dims = torchtitan.distributed.full_dtensor.resolve_fsdp_mesh("
             "parallel_dims)")
 
@@ -80,7 +80,7 @@ def dp_axes(dim_names: Optional[Sequence[str]], sizes: Sequence[int], shard: Nam
     """
     sh, rep = names_of(shard), names_of(replicate)
     if not dim_names:
-        raise ValueError("dedicate_params(dp_mesh_dims=...) needs a mesh with named dims "
+        raise ValueError("DedicateOptions(dp_mesh_dims=...) needs a mesh with named dims "
                          "(init_device_mesh(..., mesh_dim_names=...)). " + SPMD_FIX)
     names = tuple(str(n) for n in dim_names)
     if len(names) != len(sizes):
@@ -167,7 +167,7 @@ def fsdp_dims_problem(given: Optional[tuple[tuple[str, ...], tuple[str, ...]]],
     """Whether ``fully_shard`` used the data-parallel axes dmuon was given.
 
     Args:
-      given: ``(shard names, replicate names)`` of ``dedicate_params(dp_mesh_dims=...)``, or
+      given: ``(shard names, replicate names)`` of ``DedicateOptions(dp_mesh_dims=...)``, or
         ``None`` when it got none.
       recorded: ``(module name, (shard names, replicate names) or None)`` of every FSDP2 param
         group of the model (FSDP2's recorded ``dp_mesh_dims``).

@@ -12,7 +12,8 @@ what ``fully_shard`` gets. Under torchtitan 0.3's default ``parallelism.spmd_bac
 "spmd_types"`` (and ``"full_dtensor"``) that is the full SPMD mesh and ``dp_mesh_dims``::
 
     spmd_mesh, dp_mesh_dims = torchtitan.distributed.full_dtensor.resolve_fsdp_mesh(parallel_dims)
-    dmuon.dedicate_params(model, spmd_mesh, predicate, dp_mesh_dims=dp_mesh_dims)
+    dmuon.dedicate_params(model, spmd_mesh, predicate,
+                          options=dmuon.DedicateOptions(dp_mesh_dims=dp_mesh_dims))
 
 (tensor parallelism there: ``"full_dtensor"`` or ``"partial_dtensor"``; under ``"spmd_types"``
 TP slices are plain tensors and ``dmuon.Muon`` refuses them, naming the fix). Under

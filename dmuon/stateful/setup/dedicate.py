@@ -92,7 +92,6 @@ def dedicate_params(
     predicate: Predicate,
     *,
     replicate_mesh: Any = None,
-    dp_mesh_dims: Any = None,
     hook_boundary_predicate: Optional[Callable[[nn.Module], bool]] = None,
     reshard_after_forward: bool = True,
     options: Optional[DedicateOptions] = None,
@@ -106,13 +105,10 @@ def dedicate_params(
         dedicated params become new ``nn.Parameter`` objects, see
         :mod:`dmuon.stateful.modes.meta_init`).
       mesh: the 1-D shard ``DeviceMesh`` (the one passed to ``fully_shard``), or a 2-D mesh with
-        dims ``("replicate", "shard")``.
+        dims ``("replicate", "shard")``; with ``options.dp_mesh_dims``, the full SPMD mesh.
       predicate: ``predicate(name, param) -> bool`` picks the Muon matrices (``ndim >= 2``); every
         other trainable param stays with FSDP2 and AdamW.
       replicate_mesh: optional replicate mesh, 1-D or N-D (its ranks row-major as one axis): HSDP.
-      dp_mesh_dims: ``DataParallelMeshDims`` when ``fully_shard`` gets the full SPMD ``mesh`` with
-        it (torchtitan 0.3): the shard / replicate axes are the ones it names, the other axes of
-        size > 1 are model (TP) axes (:mod:`dmuon.functional.spmd_mesh`).
       hook_boundary_predicate: ``module -> bool``; a param is moved by the hooks of its lowest
         accepted ancestor. Default: the ``layers.N`` / ``blocks.N`` ancestor. Params outside any
         boundary go to a root group moved by the model's own hooks.
@@ -150,7 +146,8 @@ def dedicate_params(
         warnings.warn(note, DeprecationWarning, stacklevel=2)
     return _dedicate(model, mesh, predicate, options, replicate_mesh, hook_boundary_predicate,
                      reshard_after_forward,
-                     spmd=spmd_meshes(mesh, replicate_mesh, dp_mesh_dims, sub_mesh=axes_mesh))
+                     spmd=spmd_meshes(mesh, replicate_mesh, options.dp_mesh_dims,
+                                      sub_mesh=axes_mesh))
 
 
 def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: DedicateOptions,
