@@ -13,7 +13,10 @@ whatever module imported ``fully_shard``, so the only change to a torchtitan tra
 ``dedicate_params`` call before ``parallelize`` and ``dmuon.Muon`` as the optimizer. With the real
 torchtitan (``torchtitan.models.llama3.parallelize_llama``, ``spmd_backend="partial_dtensor"``) the
 call is ``dmuon.dedicate_params(model, parallel_dims.get_mesh("fsdp"), predicate)``; with HSDP
-also pass ``replicate_mesh=parallel_dims.get_mesh("dp_replicate")``. In HSDP's async mode call
+also pass ``replicate_mesh=parallel_dims.get_mesh("dp_replicate")``. torchtitan 0.3's default
+backend (``spmd_types``) shards on the full SPMD mesh with ``dp_mesh_dims``; pass dmuon the same:
+``mesh, dims = resolve_fsdp_mesh(parallel_dims)``, ``dedicate_params(model, mesh, predicate,
+options=dmuon.DedicateOptions(dp_mesh_dims=dims))`` (docs/integrations/torchtitan-spmd.md). In HSDP's async mode call
 ``dmuon.wait_all_replicate_broadcasts(model)`` before torchtitan's DCP checkpoint save.
 """
 from __future__ import annotations

@@ -14,7 +14,7 @@ import torch.nn as nn
 from dmuon.compat.torch_api import (fsdp_divide_factor, fsdp_mesh, fsdp_mp_policy,
                                    fsdp_param_groups, fsdp_state)
 
-__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_holders", "mean_to_fsdp_scale", "fsdp_meshes", "reduce_unused_fsdp_params",
+__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_holders", "mean_to_fsdp_scale", "fsdp_meshes", "fsdp_dp_dims", "reduce_unused_fsdp_params",
            "keep_fsdp_gathered", "release_fsdp_kept"]
 
 
@@ -82,6 +82,21 @@ def fsdp_meshes(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
             if mesh is not None:
                 out.append((name, tuple(int(x) for x in mesh.mesh.flatten().tolist()),
                             str(mesh.device_type)))
+    return out
+
+
+def fsdp_dp_dims(model: nn.Module) -> list[tuple[str, Optional[tuple[tuple[str, ...], ...]]]]:
+    """``(module name, (shard names, replicate names) or None)`` of every FSDP2 param group in
+    ``model``: the ``dp_mesh_dims`` its ``fully_shard`` call got (``None``: none, or a torch
+    without them)."""
+    def names(v: Any) -> tuple[str, ...]:
+        return () if v is None else (v,) if isinstance(v, str) else tuple(v)
+    out = []
+    for name, m in model.named_modules():
+        for group in fsdp_param_groups(fsdp_state(m)):
+            dims = getattr(getattr(group, "mesh_info", None), "dp_mesh_dims", None)
+            out.append((name, None if dims is None else (names(dims.shard),
+                                                         names(dims.replicate))))
     return out
 
 

@@ -72,6 +72,10 @@ class DedicateOptions:
         faster; the choice and its reason are in ``program.groups[key].collectives`` /
         ``.collectives_reason``). ``"auto"`` and ``"grouped"`` stay per owner under TP and DDP;
         ``"per_bucket"`` there raises.
+      dp_mesh_dims: torch's ``DataParallelMeshDims`` when ``fully_shard`` gets the full SPMD mesh
+        with it (torchtitan 0.3's default): pass ``dedicate_params`` that mesh, and the same
+        ``dp_mesh_dims`` here; its shard / replicate names are the data-parallel axes, the other
+        axes of size > 1 model (TP) axes (:mod:`dmuon.functional.spmd_mesh`).
     """
 
     policy: Any = None
@@ -81,6 +85,7 @@ class DedicateOptions:
     timeout: Optional[datetime.timedelta] = None
     split_ns: Union[int, Mapping[str, int]] = 1
     collectives: str = "per_owner"
+    dp_mesh_dims: Any = None
 
 
 def fold_deprecated(options: Optional[DedicateOptions],

@@ -373,9 +373,15 @@ def deferral_agreed(votes: Sequence[tuple[Any, tuple[int, ...], bool]]) -> bool:
 
 
 def require_fsdp_meshes(grid: Grid, device_type: str,
-                        fsdp_meshes: Sequence[tuple[str, tuple[int, ...], str]]) -> None:
+                        fsdp_meshes: Sequence[tuple[str, tuple[int, ...], str]],
+                        dp_dims: Any = None, fsdp_dims: Sequence[tuple[str, Any]] = ()) -> None:
     """Raise ``ValueError`` naming every problem :func:`check_fsdp_meshes` finds (``dmuon.Muon``
-    on a model ``fully_shard`` put on a mesh over other ranks or another device type)."""
+    on a model ``fully_shard`` put on a mesh over other ranks or another device type), and
+    :func:`dmuon.functional.spmd_mesh.fsdp_dims_problem`'s: ``fsdp_dims`` (FSDP2's recorded
+    ``dp_mesh_dims`` per module) other than ``dp_dims`` (``dedicate_params``')."""
+    from dmuon.functional.spmd_mesh import fsdp_dims_problem
     problems = check_fsdp_meshes(grid, device_type, fsdp_meshes)
+    dims_problem = fsdp_dims_problem(dp_dims, fsdp_dims)
+    problems += (dims_problem,) if dims_problem else ()
     if problems:
         raise ValueError("dmuon.Muon: " + " | ".join(problems))

@@ -148,6 +148,8 @@ class TPLayout:
       mesh: the 1-D TP ``DeviceMesh``.  placements: the DTensor's placements (``(Shard(dim),)``).
       shape, stride: the full matrix's.  dim: the sharded dim (0: rows, 1: columns).
       parts: ``T``, the TP degree.
+      group: the 1-D TP mesh when ``mesh`` is a full SPMD mesh (``dp_mesh_dims``; ``placements``
+        are then its placements on every axis), else ``None`` (``mesh`` is the TP mesh).
     """
 
     mesh: Any
@@ -156,6 +158,7 @@ class TPLayout:
     stride: tuple[int, ...]
     dim: int
     parts: int
+    group: Any = None
 
     def view(self) -> Sliced:
         """The matrix view NS and the shape scale see

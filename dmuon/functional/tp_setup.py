@@ -7,9 +7,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from dmuon.functional.matrix_view import Sliced
 from dmuon.functional.policy import Decision
+from dmuon.functional.spmd_mesh import (SPMD_FIX, DPAxes, placement_kind, plain_params_problem,
+                                        spmd_slicing)
 from dmuon.functional.tp_plan import TPLayout, tp_slicing_problem, with_tp_views
 
-__all__ = ["tp_layouts_of", "tp_mesh_ranks", "tp_decisions"]
+__all__ = ["tp_layouts_of", "tp_mesh_ranks", "tp_decisions", "spmd_layouts_of"]
 
 
 def tp_layouts_of(dtensors: Mapping[str, Any], aliases: Mapping[int, Sequence[str]], *,
@@ -53,8 +55,71 @@ def tp_layouts_of(dtensors: Mapping[str, Any], aliases: Mapping[int, Sequence[st
 def tp_mesh_ranks(layouts: Mapping[str, TPLayout]) -> Optional[tuple[int, ...]]:
     """The global ranks of this rank's TP group in TP order (``None`` without TP layouts)."""
     for lay in layouts.values():
-        return tuple(int(x) for x in lay.mesh.mesh.flatten().tolist())
+        mesh = lay.mesh if lay.group is None else lay.group
+        return tuple(int(x) for x in mesh.mesh.flatten().tolist())
     return None
+
+
+def spmd_layouts_of(dtensors: Mapping[str, Any], aliases: Mapping[int, Sequence[str]],
+                    axes: Optional[DPAxes], *, shard_type: type, replicate_type: type, fix: str,
+                    error: Callable[[str], Exception], plain: Sequence[str] = (),
+                    annotated: Sequence[str] = ()
+                    ) -> tuple[dict[str, TPLayout], dict[str, TPLayout]]:
+    """The dedicated matrices that are DTensors on a full SPMD mesh (``axes``: its roles, from
+    ``dp_mesh_dims``; :mod:`dmuon.functional.spmd_mesh`): ``(TP-sliced layouts, whole views)``.
+    A sliced one gets a :class:`~dmuon.functional.tp_plan.TPLayout` whose ``group`` is its 1-D TP
+    mesh (checked as on that mesh by :func:`tp_layouts_of`); a whole one (``Replicate()`` on
+    every axis of size > 1) a layout of one part, so that the forward sees it as the DTensor it
+    was. Without ``axes``, a DTensor on a mesh of several dims raises ``ValueError`` saying to
+    pass ``dp_mesh_dims``; else this is :func:`tp_layouts_of`'s answer and no views.
+
+    Args:
+      plain, annotated: the selected params that are plain tensors, and those of them with
+        ``spmd_types`` annotations (:func:`~dmuon.functional.spmd_mesh.plain_params_problem`).
+
+    Raises:
+      ValueError: from :func:`~dmuon.functional.spmd_mesh.spmd_slicing` (naming the param) or
+        :func:`~dmuon.functional.spmd_mesh.plain_params_problem`; ``error``: as
+        :func:`tp_layouts_of`.
+    """
+    why = plain_params_problem(tuple(plain), tuple(annotated), axes)
+    if why is not None:
+        raise ValueError(why)
+    if axes is None:
+        multi = sorted(n for n, p in dtensors.items() if p.device_mesh.ndim > 1)
+        if multi:
+            p = dtensors[multi[0]]
+            raise ValueError(
+                f"dedicate_params: {len(multi)} selected params (e.g. {multi[0]!r}) are DTensors "
+                f"on a {p.device_mesh.ndim}-D mesh {tuple(p.device_mesh.mesh_dim_names or ())} "
+                "(a full SPMD mesh, as fully_shard(..., dp_mesh_dims=...) takes), but "
+                f"dedicate_params got no dp_mesh_dims to tell its data-parallel axes. {SPMD_FIX}.")
+        return tp_layouts_of(dtensors, aliases, shard_type=shard_type, fix=fix, error=error), {}
+    sliced: dict[str, Any] = {}
+    views: dict[str, TPLayout] = {}
+    for n, p in dtensors.items():
+        mesh, pl = p.device_mesh, tuple(p.placements)
+        names = tuple(mesh.mesh_dim_names or ())
+        got = spmd_slicing(n, tuple(p.shape), names,
+                           [placement_kind(x, shard_type, replicate_type) for x in pl], axes)
+        if got is None:
+            views[n] = TPLayout(mesh, pl, tuple(p.shape), tuple(p.stride()), 0, 1)
+        else:
+            sliced[n] = (p, mesh[got[0]], pl[names.index(got[0])])
+    one_d = {n: _OnTPMesh(p, group, placement) for n, (p, group, placement) in sliced.items()}
+    ties = {id(one_d[n]): aliases.get(id(sliced[n][0]), ()) for n in one_d}
+    layouts = tp_layouts_of(one_d, ties, shard_type=shard_type, fix=fix, error=error)
+    return {n: TPLayout(sliced[n][0].device_mesh, tuple(sliced[n][0].placements), lay.shape,
+                        lay.stride, lay.dim, lay.parts, lay.mesh)
+            for n, lay in layouts.items()}, views
+
+
+class _OnTPMesh:
+    """A full-mesh DTensor seen as on its 1-D TP mesh (what :func:`tp_layouts_of` reads)."""
+
+    def __init__(self, p: Any, group: Any, placement: Any):
+        self.device_mesh, self.placements, self.shape = group, (placement,), p.shape
+        self.stride = p.stride
 
 
 def tp_decisions(decisions: Mapping[str, Decision], views: Mapping[str, Sliced], *,

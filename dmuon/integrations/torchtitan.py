@@ -7,8 +7,18 @@ selected by its ``Config`` class. So the hook is the config: set
     config.optimizer = DMuonOptimizersContainer.Config(lr=0.02, adamw_lr=8e-4)
 
 in the job config (Python config files / ``ConfigManager`` overrides), and call
-``dmuon.dedicate_params(model, parallel_dims.get_mesh("fsdp"), predicate)`` inside the model's
-``parallelize_fn`` before its ``fully_shard`` calls (tp = 1: dmuon raises on tensor parallelism).
+``dedicate_params`` inside the model's ``parallelize_fn`` before its ``fully_shard`` calls, with
+what ``fully_shard`` gets. Under torchtitan 0.3's default ``parallelism.spmd_backend=
+"spmd_types"`` (and ``"full_dtensor"``) that is the full SPMD mesh and ``dp_mesh_dims``::
+
+    spmd_mesh, dp_mesh_dims = torchtitan.distributed.full_dtensor.resolve_fsdp_mesh(parallel_dims)
+    dmuon.dedicate_params(model, spmd_mesh, predicate,
+                          options=dmuon.DedicateOptions(dp_mesh_dims=dp_mesh_dims))
+
+(tensor parallelism there: ``"full_dtensor"`` or ``"partial_dtensor"``; under ``"spmd_types"``
+TP slices are plain tensors and ``dmuon.Muon`` refuses them, naming the fix). Under
+``"partial_dtensor"`` pass ``parallel_dims.get_mesh("fsdp")`` (plus ``replicate_mesh=`` for
+HSDP). docs/integrations/torchtitan-spmd.md has the details.
 
 :class:`DMuonOptimizersContainer` is an ``OptimizersContainer`` holding one ``dmuon.Muon`` over
 the (single) model part, so torchtitan's training loop, lr schedulers (one ``LambdaLR`` over both of

@@ -16,7 +16,8 @@ import torch.nn as nn
 from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.selection import names_by_object
 from dmuon.functional.tp_plan import TPLayout, tp_roots
-from dmuon.functional.tp_setup import tp_layouts_of
+from dmuon.compat.spmd_mesh import spmd_annotated
+from dmuon.functional.tp_setup import spmd_layouts_of
 from dmuon.functional.tp_step import (grad_agreement_verdict, grad_agreement_vector, group_max,
                                       tp_orthogonalizer, tp_sum_partials)
 from dmuon.stateful.runtime.agree import rank_flags
@@ -34,17 +35,18 @@ def _is_dtensor(p: Any) -> bool:
     return isinstance(p, DTensor)
 
 
-def tp_layouts(model: nn.Module, chosen: Mapping[str, Any]) -> dict[str, TPLayout]:
-    """The :class:`TPLayout` of every chosen param that is a TP ``DTensor`` (validated:
-    :func:`dmuon.functional.tp_setup.tp_layouts_of`).
-
-    Raises:
-      TensorParallelUnsupported: a layout dmuon does not support (design notes), naming it.
-    """
-    from torch.distributed.tensor import Shard
-    return tp_layouts_of({n: p for n, p in chosen.items() if _is_dtensor(p)},
-                         names_by_object(model.named_parameters(remove_duplicate=False)),
-                         shard_type=Shard, fix=TP_FIX, error=TensorParallelUnsupported)
+def tp_layouts(model: nn.Module, chosen: Mapping[str, Any], axes: Any = None
+               ) -> tuple[dict[str, TPLayout], dict[str, TPLayout]]:
+    """``(TP layouts, whole views)`` of the chosen params (``axes``: a full SPMD mesh's, from
+    ``dp_mesh_dims``): :func:`dmuon.functional.tp_setup.spmd_layouts_of`, which names what it
+    refuses (``TensorParallelUnsupported`` / ``ValueError``)."""
+    from torch.distributed.tensor import Replicate, Shard
+    dts = {n: p for n, p in chosen.items() if _is_dtensor(p)}
+    return spmd_layouts_of(
+        dts, names_by_object(model.named_parameters(remove_duplicate=False)), axes,
+        plain=[n for n in chosen if n not in dts], shard_type=Shard, replicate_type=Replicate,
+        annotated=[n for n, p in chosen.items() if spmd_annotated(p)], fix=TP_FIX,
+        error=TensorParallelUnsupported)
 
 
 class TPForward:

@@ -115,8 +115,9 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         rt.finish_meta_init("dmuon.Muon(model)")  # meta-built model: close its init window
         check_not_taken_over(model, rt.params, "dmuon.Muon(model)")
         check_backend(model, rt, "dmuon.Muon(model)")
-        from dmuon.compat.fsdp_info import fsdp_meshes, reduce_unused_fsdp_params
-        require_fsdp_meshes(rt.mesh_groups.grid, rt.device.type, fsdp_meshes(model))  # or raise
+        from dmuon.compat.fsdp_info import fsdp_dp_dims, fsdp_meshes, reduce_unused_fsdp_params
+        require_fsdp_meshes(rt.mesh_groups.grid, rt.device.type, fsdp_meshes(model),  # or raise
+                            rt.dp_dims, fsdp_dp_dims(model))
         self._storage.bind(rt.device)
         dedicated = set(rt.params.values())
         self._adamw_named = tuple((n, p) for n, p in model.named_parameters()

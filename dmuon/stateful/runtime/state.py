@@ -58,7 +58,7 @@ class DedicatedState:
                  hp_mults: Optional[Mapping[str, tuple[float, float]]] = None,
                  tp_layouts: Optional[Mapping[str, Any]] = None,
                  data_parallel: str = "fsdp", collectives: str = "per_owner",
-                 shard_mesh: Any = None):
+                 shard_mesh: Any = None, dp_dims: Optional[tuple] = None):
         self.model_ref = weakref.ref(model)
         self.params: dict[str, nn.Parameter] = dict(params)
         self.names: tuple[str, ...] = tuple(params)
@@ -125,6 +125,7 @@ class DedicatedState:
         # the 1-D shard mesh (DTensor rows of model.state_dict(), see torch_state_dict.py; None in
         # DDP mode: plain full tensors); raw_state_dict: model.state_dict() keeps placeholders
         self.shard_mesh: Any = shard_mesh
+        self.dp_dims = dp_dims  # dedicate_params' dp_mesh_dims (shard, replicate names) or None
         self.raw_state_dict = False
         self._transfer: Any = None
         self._fsdp_states: dict[str, Any] = {}  # {name: innermost FSDP2 state} (lazy init)

@@ -3,7 +3,6 @@ rank (collective; before ``fully_shard``). Every check runs on every rank with t
 before any process group is made. Design notes: docs/design/setup.md, "`dedicate_params`"."""
 from __future__ import annotations
 
-import datetime
 import logging
 import warnings
 from typing import Any, Callable, Optional
@@ -19,8 +18,11 @@ from dmuon.functional.setup_check import ddp_grid, deferral_agreed
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
 from dmuon.functional.tp_setup import tp_decisions, tp_mesh_ranks
-from dmuon.compat.torch_api import (default_group_timeout, group_timeout, set_group_timeout,
-                                   torch_supported, unsupported_torch_message)
+from dmuon.compat.mesh_timeouts import bound_mesh_groups
+from dmuon.compat.spmd_mesh import axes_mesh
+from dmuon.functional.spmd_mesh import spmd_meshes
+from dmuon.compat.torch_api import (default_group_timeout, torch_supported,
+                                   unsupported_torch_message)
 from dmuon.stateful.modes.ddp import guard_fsdp_mode, install_ddp_mode
 from dmuon.stateful.runtime.executor import Executor
 from dmuon.compat.fsdp_patch import DEDICATED_ATTR, install_fully_shard_patch
@@ -84,35 +86,6 @@ def _agree_setting(name: str, value: Any) -> None:
                     "value on every rank. Nothing was changed."))
 
 
-def _bound_mesh_groups(meshes: tuple, timeout: Optional[datetime.timedelta]) -> None:
-    """FSDP2 runs its collectives on the groups of the mesh it is given; ``init_device_mesh``'s
-    sub-groups get torch's default timeout (30 minutes), not ``init_process_group(timeout=)``.
-    Lower every such group's timeout to dmuon's, so a hung rank surfaces within the same bound on
-    every collective of the step. The default group itself (a 1-D mesh over the whole world uses
-    it) is the user's: if it waits longer than dmuon's bound, warn with the fix."""
-    if timeout is None:
-        return
-    world = dist.group.WORLD
-    for mesh in meshes:
-        if mesh is None:
-            continue
-        for pg in mesh.get_all_groups():
-            cur = group_timeout(pg, str(mesh.device_type))
-            if cur is None or cur <= timeout:
-                continue
-            if pg is world:
-                logger.warning(
-                    "dmuon: FSDP2's collectives on this mesh run on the default process group, "
-                    "whose timeout (%s) is longer than dedicate_params(timeout=%s): a hung rank "
-                    "would surface only after %s there. For one bound, pass "
-                    "init_process_group(..., timeout=datetime.timedelta(seconds=%d)).",
-                    cur, timeout, cur, int(timeout.total_seconds()))
-            elif not set_group_timeout(pg, timeout):
-                logger.warning("dmuon: could not lower the timeout (%s) of a mesh group to "
-                               "dedicate_params(timeout=%s) on torch %s", cur, timeout,
-                               torch.__version__)
-
-
 def dedicate_params(
     model: nn.Module,
     mesh: Any,
@@ -132,7 +105,7 @@ def dedicate_params(
         dedicated params become new ``nn.Parameter`` objects, see
         :mod:`dmuon.stateful.modes.meta_init`).
       mesh: the 1-D shard ``DeviceMesh`` (the one passed to ``fully_shard``), or a 2-D mesh with
-        dims ``("replicate", "shard")``.
+        dims ``("replicate", "shard")``; with ``options.dp_mesh_dims``, the full SPMD mesh.
       predicate: ``predicate(name, param) -> bool`` picks the Muon matrices (``ndim >= 2``); every
         other trainable param stays with FSDP2 and AdamW.
       replicate_mesh: optional replicate mesh, 1-D or N-D (its ranks row-major as one axis): HSDP.
@@ -172,13 +145,18 @@ def dedicate_params(
     for note in notes:
         warnings.warn(note, DeprecationWarning, stacklevel=2)
     return _dedicate(model, mesh, predicate, options, replicate_mesh, hook_boundary_predicate,
-                     reshard_after_forward)
+                     reshard_after_forward,
+                     spmd=spmd_meshes(mesh, replicate_mesh, options.dp_mesh_dims,
+                                      sub_mesh=axes_mesh))
 
 
 def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: DedicateOptions,
               replicate_mesh: Any, hook_boundary_predicate: Optional[Callable[[nn.Module], bool]],
-              reshard_after_forward: bool, *, finishing: bool = False) -> dict[nn.Parameter, int]:
-    """:func:`dedicate_params`; ``finishing``: a deferred one."""
+              reshard_after_forward: bool, *, finishing: bool = False,
+              spmd: Optional[tuple] = None) -> dict[nn.Parameter, int]:
+    """:func:`dedicate_params`; ``finishing``: a deferred one; ``spmd``: ``spmd_meshes``'."""
+    full_mesh, (mesh, replicate_mesh, axes, spmd_err) = mesh, spmd or (
+        mesh, replicate_mesh, None, None)
     data_parallel, timeout = options.data_parallel, options.timeout
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
@@ -195,20 +173,24 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
     # raises and none is left waiting in a collective the others never reach
     chosen: dict[str, nn.Parameter] = {}
     layouts: dict = {}
+    views: dict = {}  # dedicated DTensors on a full SPMD mesh, whole (TP: in layouts)
     routing = None
     deferring = False
     local_err: Optional[Exception] = None
     max_split, force_split, collectives = 1, None, "per_owner"
     try:
         max_split, force_split, collectives = check_options(options)
+        if spmd_err is not None:
+            raise spmd_err
         pol = as_policy(options.policy)
         named, chosen = _select(model, routing_predicate(pol, predicate, model), finishing)
         # the dp sub-mesh of a (dp, tp) mesh before TP, or TP params on meta: later (deferred.py)
-        deferring = not finishing and should_defer(chosen, not covers_world(mesh, replicate_mesh))
+        deferring = not finishing and should_defer(chosen, axes is not None
+                                                   or not covers_world(mesh, replicate_mesh))
         if finishing:
             check_materialized(chosen)
         if not deferring:
-            layouts = tp_layouts(model, chosen)  # TP-sharded DTensors (tensor_parallel.py)
+            layouts, views = tp_layouts(model, chosen, axes)  # TP-sharded DTensors (tensor_parallel.py)
             check_choice(collectives, data_parallel, tp=bool(layouts), split=max_split > 1)
             decisions = tp_decisions(decide_params(model, chosen, pol, options.batch_dims),
                                      {n: lay.view() for n, lay in layouts.items()},
@@ -223,13 +205,14 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
     except Exception as e:  # noqa: BLE001 - re-raised below, after every rank knows
         local_err = e
     on_meta = bool(chosen) and all(p.is_meta for p in chosen.values())
-    if not finishing and _agree_deferral(local_err, mesh, replicate_mesh, deferring):
+    if not finishing and _agree_deferral(local_err, full_mesh, None if axes else replicate_mesh,
+                                         deferring):
         # TP (or the values) come later: finished by dmuon.Muon(model) (deferred.py)
         _agree_setting("data_parallel", data_parallel)
         names = set(chosen)
         defer(model, chosen, lambda m: _dedicate(
-            m, mesh, lambda n, p: n in names, options, replicate_mesh, hook_boundary_predicate,
-            reshard_after_forward, finishing=True))
+            m, full_mesh, lambda n, p: n in names, options, replicate_mesh, hook_boundary_predicate,
+            reshard_after_forward, finishing=True, spmd=spmd))
         logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
                     "dedicate_params)", len(chosen))
         return Dedication()
@@ -255,9 +238,9 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
                     "predicate, policy (its rules, dtypes included), mesh and settings."))
     if plan.splits:  # one process group per split unit's members (every rank makes every one)
         mesh_groups = with_split_groups(mesh_groups, [sp.members for sp in plan.splits])
-    _bound_mesh_groups((mesh, replicate_mesh), timeout)
+    bound_mesh_groups((mesh, replicate_mesh), timeout, logger)
     chosen = {**chosen, **replace_params(  # TP: plain local slices from here on
-        model, {n: chosen[n] for n in layouts},
+        model, {n: chosen[n] for n in {**layouts, **views}},
         lambda p: nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad))}
     meta_shapes = meta_device = None
     if on_meta:  # meta-device init: new real-device param objects, no values (meta_init.py)
@@ -288,7 +271,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
         reshard_after_forward=reshard_after_forward, mp_policy=options.mp_policy,
         meta_shapes=meta_shapes, meta_device=meta_device,
         **matrix_settings(decisions, specs, chosen),
-        tp_layouts=layouts, data_parallel=data_parallel,
+        tp_layouts=layouts, data_parallel=data_parallel, dp_dims=axes and (axes.shard, axes.replicate),
         collectives="per_owner" if (layouts or data_parallel == "ddp") else collectives,
         # model.state_dict()'s DTensor rows: over the 1-D shard mesh (DDP mode: plain tensors)
         shard_mesh=None if data_parallel == "ddp" else (mesh["shard"] if mesh.ndim == 2
@@ -305,7 +288,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
         guard_fsdp_mode(model)
     st.hook_handles += register_hooks(model, st)  # kept: dmuon.release removes them
     # after the group hooks: a module sees its gathered TP slice as TP's DTensor; state-dict hooks
-    st.hook_handles += (TPForward(model, layouts, st.group_of, group_modules).handles
+    st.hook_handles += (TPForward(model, {**layouts, **views}, st.group_of, group_modules).handles
                         + register_state_dict_hooks(model, st).handles)
     guard_module_apply(model, list(chosen.values()))
     setattr(model, STATE_ATTR, st)
