@@ -90,3 +90,24 @@ def optax_run(chain: T.Transform, grads_per_step: list, params: dict) -> tuple[d
         updates, state = chain.update(grads, state, params)
         params = T.apply_updates(params, updates)
     return params, state
+
+
+def counting(as_tensor: bool) -> Any:
+    """``hp -> Transform``: Muon with an optax-form stage that counts its calls, in a Python int
+    (``as_tensor=False``: refused, a checkpoint could not restore it) or a 0-d tensor."""
+
+    def count_calls() -> T.Transform:
+        def init(params):
+            return {"count": torch.zeros((), dtype=torch.int64) if as_tensor else 0}
+
+        def update(updates, state, params):
+            return updates, {"count": state["count"] + 1}
+
+        return T.Transform(init, update)
+
+    def chain(hp: Any) -> T.Transform:
+        return T.chain(T.trace_momentum(hp.momentum, hp.nesterov), count_calls(),
+                       T.orthogonalize(NSConfig.from_hparams(hp)), T.scale_by_shape(hp.lr_scale),
+                       T.add_decayed_weights(hp.weight_decay), T.scale_by_learning_rate(hp.lr))
+
+    return chain

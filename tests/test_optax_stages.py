@@ -135,3 +135,59 @@ def test_an_optax_stage_under_vmap_over_an_lr_sweep_equals_the_loop():
         chain = ox.clipped(HP._replace(lr=lr))
         want, _ = T.update_params(chain, grads, chain.init(full), full)
         _close({n: t[i] for n, t in got.items()}, want)
+
+
+def test_a_count_kept_as_a_python_number_is_refused_pure():
+    """A stage's count in a Python int cannot be checkpointed (a resume restarted it, silently:
+    issue 48's review); dmuon.Muon refuses such a chain when built (tests below)."""
+    from dmuon.functional.state_fields import check_counts, number_leaves
+
+    assert number_leaves({"count": 0, "mu": {"w": torch.zeros(2)}, "flag": True}) == [".count"]
+    assert number_leaves((torch.zeros(()), {"a": 1.5})) == [".1.a"]
+    check_counts({"count": torch.zeros((), dtype=torch.int64)}, "x")
+    with pytest.raises(TypeError, match=r"Python numbers at \['.count'\].*0-d tensors"):
+        check_counts({"count": 0}, "dmuon.Muon(transform=...)")
+
+
+def _count_worker(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import dmuon
+    from dist_utils import catch
+    from models import make_batches, make_model, muon_predicate
+
+    out = {}
+    for as_tensor in (False, True):
+        model = make_model()
+        mesh = init_device_mesh("cpu", (world_size,))
+        dmuon.dedicate_params(model, mesh, muon_predicate)
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        made = catch(lambda: dmuon.Muon(model, 0.02, transform=ox.counting(as_tensor)))
+        out[as_tensor] = made
+        if as_tensor:
+            opt = dmuon.Muon(model, 0.02, transform=ox.counting(True))
+            for batch in make_batches(3, 2):
+                model(batch).backward()
+                opt.step()
+                opt.zero_grad()
+            sd = opt.state_dict()
+            opt2 = dmuon.Muon(model, 0.02, transform=ox.counting(True))
+            opt2.load_state_dict(sd)
+            out["counts"] = (opt._owner.scalars(), opt2._owner.scalars())
+    dist.barrier()
+    return out
+
+
+@pytest.mark.slow  # one spawned rank (~5 s)
+def test_a_python_number_count_is_refused_when_built_and_a_tensor_count_resumes():
+    from dist_utils import run_ranks
+
+    (res,) = run_ranks(_count_worker, 1)
+    kind, msg = res[False]
+    assert kind == "TypeError" and "Python numbers at ['.states.1.count']" in msg, res[False]
+    assert res[True] == (None, None)
+    assert res["counts"][0] == res["counts"][1] == [3.0], res["counts"]

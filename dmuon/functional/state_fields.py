@@ -17,7 +17,8 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
-__all__ = ["Field", "LAYOUTS", "state_fields", "scalar_leaves", "tp_concat_dim"]
+__all__ = ["Field", "LAYOUTS", "state_fields", "scalar_leaves", "number_leaves", "check_counts",
+           "tp_concat_dim"]
 
 #: per-param state layouts: the param's shape; one value per row / per matrix of its view (1-D)
 LAYOUTS = ("param", "rows", "matrices")
@@ -87,6 +88,41 @@ def scalar_leaves(state: Any, fields: list[Field]) -> list[torch.Tensor]:
 
     walk(state, ())
     return out
+
+
+def number_leaves(state: Any) -> list[str]:
+    """The paths (``".count"``, ``".1"``) of the Python numbers in ``state``: counts a stage keeps as
+    ``int`` / ``float`` rather than as 0-d tensors."""
+    out: list[str] = []
+
+    def walk(s: Any, path: str) -> None:
+        if isinstance(s, (int, float)) and not isinstance(s, bool):
+            out.append(path or "(the state itself)")
+        elif isinstance(s, tuple) and hasattr(s, "_fields"):
+            for name in s._fields:
+                walk(getattr(s, name), f"{path}.{name}")
+        elif isinstance(s, (tuple, list)):
+            for j, x in enumerate(s):
+                walk(x, f"{path}.{j}")
+        elif isinstance(s, dict):
+            for k in sorted(s, key=str):
+                walk(s[k], f"{path}.{k}")
+
+    walk(state, "")
+    return out
+
+
+def check_counts(state: Any, what: str) -> None:
+    """Raise ``TypeError`` when the chain state ``state`` holds Python numbers: an optimizer's
+    checkpoint saves and restores a chain's counts as its 0-d tensors (:func:`scalar_leaves`), so
+    a count kept as an ``int`` would restart from its initial value after every resume."""
+    found = number_leaves(state)
+    if found:
+        raise TypeError(
+            f"{what}: the chain's state holds Python numbers at {found[:4]}: dmuon checkpoints a "
+            "chain's counts as 0-d tensors, so these would be lost on every resume. Keep them as "
+            "tensors in the stage's init and update, e.g. count = torch.zeros((), "
+            "dtype=torch.int64) and count + 1")
 
 
 def tp_concat_dim(layout: str, sliced_dim: Optional[int]) -> Optional[int]:

@@ -17,7 +17,7 @@ from dmuon.functional.matrix_view import Batch
 from dmuon.functional.owner_step import owner_step
 from dmuon.functional.stages.hparams import new_step, next_step
 from dmuon.functional.stages.leaves import default_views
-from dmuon.functional.state_fields import scalar_leaves, state_fields
+from dmuon.functional.state_fields import check_counts, scalar_leaves, state_fields
 from dmuon.functional.step_checks import check_not_broken
 from dmuon.functional.tree import get_path, replace_path
 
@@ -87,6 +87,7 @@ class OwnerDriver:
         offloaded)."""
         with default_views(self.views):
             state = chain.init(self.rt.owned_masters())
+        check_counts(state, "dmuon.Muon(transform=...)")
         if self.storage is None:
             return state
         fresh = dict(get_path(state, self.stored_field.path))
@@ -166,6 +167,7 @@ class OwnerDriver:
 
     def scalars(self) -> list[float]:
         """The chain state's counts (non-per-param tensors), as Python numbers."""
+        check_counts(self.state, "the optimizer's state dict")
         return [float(t) for t in scalar_leaves(self.state, self.fields)]
 
     def load(self, values: Mapping[str, Mapping[str, torch.Tensor]],
