@@ -191,3 +191,20 @@ def test_a_python_number_count_is_refused_when_built_and_a_tensor_count_resumes(
     assert kind == "TypeError" and "Python numbers at ['.states.1.count']" in msg, res[False]
     assert res[True] == (None, None)
     assert res["counts"][0] == res["counts"][1] == [3.0], res["counts"]
+
+
+def test_an_optax_stage_returning_another_shape_names_the_leaf():
+    """A stage returning a (1, n) update for an (m, n) matrix broadcast silently (every row moved
+    alike) and a transposed one failed in torch's arithmetic without naming the stage (issue 48's
+    review); now both raise a ValueError naming the leaf."""
+    def bad(shape_of):
+        def update(updates, state, params):
+            return {n: u.new_ones(shape_of(u)) for n, u in updates.items()}, state
+        return T.Transform(lambda params: (), update)
+
+    params = {"w": torch.randn(4, 3, dtype=torch.float64)}
+    grads = {"w": torch.randn(4, 3, dtype=torch.float64)}
+    for shape_of in (lambda u: (1, u.shape[1]), lambda u: tuple(reversed(u.shape))):
+        chain = T.chain(bad(shape_of), T.scale_by_learning_rate(0.1))
+        with pytest.raises(ValueError, match=r"update for 'w' has shape .* its update's is \(4, 3\)"):
+            T.update_params(chain, grads, chain.init(params), params)

@@ -446,6 +446,12 @@ def derive_update_(update: Callable[..., tuple[PyTree, Any]]) -> Callable[[Leave
         _walk(state, lambda bufs: held.extend(bufs), lambda v: v)
         for k, n in enumerate(names):
             old, p = leaves.updates[k], leaves.params[k]
+            if not isinstance(ups[n], Tensor) or ups[n].shape != old.shape:
+                raise ValueError(
+                    f"an optax-form stage's update for {n!r} has shape "
+                    f"{tuple(getattr(ups[n], 'shape', ()))}, its update's is {tuple(old.shape)}: "
+                    "return one update of the update's shape per leaf (a broadcasting shape "
+                    "would move every row alike)")
             u = ups[n].to(dtype=p.dtype)
             if _shares(u, p) or any(_shares(u, b) for b in held):  # (nor a param, through u)
                 u = u.clone()

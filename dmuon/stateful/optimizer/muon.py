@@ -286,7 +286,10 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         except BaseException as e:  # every rank learns of it (a retry must not apply it twice)
             changed = before is None or writes() != before
             if isinstance(e, Exception):
-                self._settle(e, changed)
+                try:
+                    self._settle(e, changed)
+                except RuntimeError as broken:  # the rank's own error is its cause
+                    raise broken from e
             elif changed:  # an interrupt: no collective; broken, as its state changed
                 self._break(f"rank {rt.rank}: {type(e).__name__}")
             raise
