@@ -159,7 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``dmuon`` argument parser with one sub-parser per subcommand."""
     from dmuon.tools.presets import PRESETS
 
+    import dmuon
+
     parser = argparse.ArgumentParser(prog="dmuon", description="dmuon: distributed Muon tools")
+    parser.add_argument("--version", action="version", version=f"dmuon {dmuon.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 

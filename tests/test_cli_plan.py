@@ -66,3 +66,11 @@ def test_cli_plan_strategy_table(capsys):
     assert main(["plan", "--model", "llama-3.2-1b", "--shard", "4"]) == 0
     out = capsys.readouterr().out
     assert "per-matrix strategy" in out and "splitting not asked for (max_split 1)" in out
+
+
+def test_version_flag_prints_the_package_version(capsys):
+    import dmuon
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0 and capsys.readouterr().out.strip() == f"dmuon {dmuon.__version__}"
