@@ -66,50 +66,42 @@ def state_fields(state: Any) -> list[Field]:
     return out
 
 
-def scalar_leaves(state: Any, fields: list[Field]) -> list[torch.Tensor]:
-    """The tensors of ``state`` outside its per-param ``fields`` (step counts), in walk order."""
-    skip = {f.path for f in fields}
-    out: list[torch.Tensor] = []
+def _state_leaves(state: Any, skip: frozenset = frozenset()) -> list[tuple[tuple, Any]]:
+    """``(path, leaf)`` of every leaf of ``state`` (named tuples by field name, tuples and lists by
+    index, dicts by sorted key), in walk order, not entering the paths in ``skip``."""
+    out: list[tuple[tuple, Any]] = []
 
     def walk(s: Any, path: tuple) -> None:
         if path in skip:
             return
-        if isinstance(s, torch.Tensor):
-            out.append(s)
-        elif isinstance(s, tuple) and hasattr(s, "_fields"):
+        if isinstance(s, tuple) and hasattr(s, "_fields"):
             for name in s._fields:
                 walk(getattr(s, name), path + (name,))
-        elif isinstance(s, tuple):
+        elif isinstance(s, (tuple, list)):
             for j, x in enumerate(s):
                 walk(x, path + (j,))
         elif isinstance(s, dict):
-            for k in sorted(s):
+            for k in sorted(s, key=str):
                 walk(s[k], path + (k,))
+        else:
+            out.append((path, s))
 
     walk(state, ())
     return out
 
 
+def scalar_leaves(state: Any, fields: list[Field]) -> list[torch.Tensor]:
+    """The tensors of ``state`` outside its per-param ``fields`` (step counts), in walk order."""
+    return [x for _, x in _state_leaves(state, frozenset(f.path for f in fields))
+            if isinstance(x, torch.Tensor)]
+
+
 def number_leaves(state: Any) -> list[str]:
     """The paths (``".count"``, ``".1"``) of the Python numbers in ``state``: counts a stage keeps as
     ``int`` / ``float`` rather than as 0-d tensors."""
-    out: list[str] = []
-
-    def walk(s: Any, path: str) -> None:
-        if isinstance(s, (int, float)) and not isinstance(s, bool):
-            out.append(path or "(the state itself)")
-        elif isinstance(s, tuple) and hasattr(s, "_fields"):
-            for name in s._fields:
-                walk(getattr(s, name), f"{path}.{name}")
-        elif isinstance(s, (tuple, list)):
-            for j, x in enumerate(s):
-                walk(x, f"{path}.{j}")
-        elif isinstance(s, dict):
-            for k in sorted(s, key=str):
-                walk(s[k], f"{path}.{k}")
-
-    walk(state, "")
-    return out
+    return ["".join(f".{k}" for k in path) or "(the state itself)"
+            for path, x in _state_leaves(state)
+            if isinstance(x, (int, float)) and not isinstance(x, bool)]
 
 
 def check_counts(state: Any, what: str) -> None:
