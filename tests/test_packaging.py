@@ -93,6 +93,16 @@ def test_installed_metadata_says_the_same_version():
         "a stale dmuon.egg-info left by an older build")
 
 
+def test_the_license_pyproject_names_is_in_the_tree():
+    """pyproject.toml says Apache-2.0; the text itself must ship (wheel and sdist: setuptools
+    takes ``LICENSE`` by default; the slow build test checks both archives)."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["license"] == "Apache-2.0"
+    text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in text and "Version 2.0, January 2004" in text
+    assert "END OF TERMS AND CONDITIONS" in text
+
+
 def test_py_typed_ships_as_package_data():
     assert (PKG / "py.typed").is_file(), "dmuon/py.typed (PEP 561) is missing"
     assert "py.typed" in PYPROJECT["tool"]["setuptools"]["package-data"]["dmuon"]
@@ -146,6 +156,8 @@ def test_build_makes_a_wheel_and_an_sdist_that_install_and_run(tmp_path):
     assert not modules - names, f"modules missing from the wheel: {sorted(modules - names)}"
     assert {f"{d.relative_to(ROOT).as_posix()}/__init__.py" for d in _package_dirs()} <= names
     assert "dmuon/py.typed" in names
+    assert any(n.startswith(info) and n.endswith("/LICENSE") for n in names), \
+        f"the license text is missing from the wheel's {info}"
     assert all(n.startswith(("dmuon/", info)) for n in names), sorted(
         n for n in names if not n.startswith(("dmuon/", info)))
     with zipfile.ZipFile(wheel) as z:
@@ -160,7 +172,7 @@ def test_build_makes_a_wheel_and_an_sdist_that_install_and_run(tmp_path):
     with tarfile.open(sdist) as t:
         members = {m.name.removeprefix(top) for m in t.getmembers() if m.isfile()}
         t.extractall(tmp_path / "sdist", filter="data")
-    for need in ("pyproject.toml", "README.md", "CHANGELOG.md", "MANIFEST.in", "PKG-INFO",
+    for need in ("pyproject.toml", "README.md", "CHANGELOG.md", "LICENSE", "MANIFEST.in", "PKG-INFO",
                  "dmuon/py.typed", "tests/conftest.py", "tests/dist_utils.py"):
         assert need in members, f"{need} missing from the sdist"
     tracked = _tracked_files()
