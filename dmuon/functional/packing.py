@@ -66,7 +66,7 @@ def pack_(buckets: Iterable[Bucket], buffers: Mapping[BucketKey, Tensor],
       where: only the entries it accepts (default: all).
 
     Returns:
-      ``{name: whether a value was written}`` for every entry visited.
+      dict: ``{name: whether a value was written}`` for every entry visited.
     """
     wrote: dict[str, bool] = {}
     for b, e in entries(buckets, where):

@@ -120,8 +120,8 @@ def reduce(program: StepProgram, key: str, coord: Sequence[int],
     presence 0, so the average counts it as zero).
 
     Returns:
-      ``(the group's reduce schedule, {owned name: this rank had a local gradient})`` (the second
-      is what :func:`reduced` needs back).
+      tuple: ``(the group's reduce schedule, {owned name: this rank had a local gradient})``
+      (the second is what :func:`reduced` needs back).
     """
     buckets = program.reduce_layout.buckets_of(key)
     sent = pack_(buckets, buffers, grads)

@@ -97,8 +97,8 @@ def forward_gather(program: StepProgram, coord: Sequence[int], params: Mapping[s
       params: the masters it holds (``program.column(s)``).  run: as :func:`rank_step`.
 
     Returns:
-      ``({name: full matrix in its compute dtype}, the schedule it ran)``; the full matrices are
-      views of buffers of their own.
+      tuple: ``({name: full matrix in its compute dtype}, the schedule it ran)``; the full
+      matrices are views of buffers of their own.
     """
     c = (int(coord[0]), int(coord[1]))
     _check_trees(program, c, params, {}, "forward_gather")
@@ -131,8 +131,8 @@ def rank_step(coord: Sequence[int], params: Mapping[str, Tensor], grads: Grads, 
         same schedules in the same order).
 
     Returns:
-      ``(new params of its column, new state, the schedule it ran)``: the forward gather (when
-      ``grads`` is a function), the reduces, the publish.
+      tuple: ``(new params of its column, new state, the schedule it ran)``; the schedule holds
+      the forward gather (when ``grads`` is a function), the reduces, the publish.
     """
     s, r = (int(x) for x in coord)
     c = (s, r)
@@ -177,8 +177,9 @@ def world_step(params: Sequence[Mapping[str, Tensor]], grads: Union[Sequence[Gra
       update, **kw: as :func:`owner_step`.
 
     Returns:
-      ``(per-rank params, per-rank states, the schedule of the step)``: the forward gather (when
-      ``grads`` is a function), the reduces in the fixed order, then the publish.
+      tuple: ``(per-rank params, per-rank states, the schedule of the step)``; the schedule
+      holds the forward gather (when ``grads`` is a function), the reduces in the fixed order,
+      then the publish.
     """
     G, R, W = program.shard_size, program.replicate_size, program.world_size
     coords = [(i % G, i // G) for i in range(W)]

@@ -37,7 +37,7 @@ def tp_roots(shapes: Mapping[str, Sequence[int]], parts: int) -> dict[str, int]:
       parts: the TP degree ``T``.
 
     Returns:
-      ``{name: t}`` with ``0 <= t < T``.
+      dict: ``{name: t}`` with ``0 <= t < T``.
     """
     if parts < 1:
         raise ValueError(f"parts must be >= 1, got {parts}")
