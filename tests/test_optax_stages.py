@@ -108,8 +108,6 @@ def test_an_optax_stage_after_the_applying_stage_raises_with_advice():
     ox.optax_run(late(HP), grads, full)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 48 review: found only at the first step, after the "
-                   "momentum stage had run in place (donated: the live momentum moved)")
 def test_an_optax_stage_after_the_applying_stage_is_refused_before_anything_moves():
     """The same chain, refused when ``dmuon.Muon`` is built (``check_chain``, the check it runs)
     and, run anyway, before any stage writes: a donated step leaves the momentum and the weights

@@ -13,7 +13,7 @@ import torch
 
 from dmuon.functional import transforms as T
 from dmuon.functional import variants
-from dmuon.functional.stages.leaves import default_views, in_place_form
+from dmuon.functional.stages.leaves import default_views, in_place_form, in_place_refusal
 from dmuon.functional.state_fields import LAYOUTS
 from dmuon.functional.tree import get_path
 
@@ -68,8 +68,12 @@ def check_chain(chain: T.Transform, fixed: bool, hp_mults: Mapping[str, tuple],
     """Raise what the owners cannot run ``chain`` with: a fixed chain with the policy's
     ``lr_mult`` / ``wd_mult``; a quantity (``chain.needs``, a stage written in the optax form only
     needing the whole matrix: :func:`~dmuon.functional.stages.leaves.in_place_form`) a TP slice's
-    owner lacks."""
+    owner lacks; a chain whose in-place run would fail part way
+    (:func:`~dmuon.functional.stages.leaves.in_place_refusal`)."""
     chain = in_place_form(chain)
+    refusal = in_place_refusal(chain)
+    if refusal is not None:
+        raise ValueError(f"dmuon.Muon: the transform cannot run in place: {refusal}")
     if fixed and any(m != (1.0, 1.0) for m in hp_mults.values()):
         raise ValueError("dmuon.Muon: the policy sets lr_mult / wd_mult, but a fixed Transform "
                          "carries its own learning rate; pass a function hparams -> Transform")

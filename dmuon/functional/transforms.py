@@ -57,7 +57,8 @@ from dmuon.functional.stages import (AdamState, EmptyState, HyperballState, Mome
                                      orthogonalize, scale_by_adam, scale_by_learning_rate,
                                      scale_by_row_norm, scale_by_shape, trace_momentum)
 from dmuon.functional.stages.hparams import ScheduleState, register_state
-from dmuon.functional.stages.leaves import Leaves, in_place_form, run_inplace
+from dmuon.functional.stages.leaves import (AFTER_APPLYING, Leaves, in_place_form, in_place_refusal,
+                                            refused_update_, run_inplace)
 from dmuon.functional.tree import PyTree, flatten, flatten_like, leaf_paths
 
 __all__ = [
@@ -115,6 +116,10 @@ def chain(*stages: Transform) -> Transform:
         if not isinstance(t, Transform):
             raise TypeError(f"chain stage {k} must be a Transform, got {type(t).__name__}")
     in_place = tuple(in_place_form(t) for t in stages)
+    applying = next((k for k, t in enumerate(stages) if t.applies), None)
+    refusal = next((r for r in map(in_place_refusal, in_place) if r is not None), None) or (
+        AFTER_APPLYING if applying is not None
+        and any(t.update_ is None for t in stages[applying + 1:]) else None)
 
     def init(params: PyTree) -> ChainState:
         return ChainState(tuple(t.init(params) for t in stages))
@@ -137,7 +142,9 @@ def chain(*stages: Transform) -> Transform:
 
     needs = tuple(dict.fromkeys(n for t in in_place for n in t.needs))
     mu_dtype = next((t.momentum_dtype for t in stages if t.momentum_dtype is not None), None)
-    return Transform(init, torch.no_grad()(update), update_, needs, mu_dtype)
+    return Transform(init, torch.no_grad()(update),
+                     update_ if refusal is None else refused_update_(refusal), needs, mu_dtype,
+                     applying is not None)
 
 
 def _labels_of(labels: Any, params: PyTree) -> list[Any]:

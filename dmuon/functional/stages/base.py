@@ -49,13 +49,18 @@ class Transform(NamedTuple):
     :func:`~dmuon.functional.stages.leaves.in_place_form`),
     ``needs``: the quantities of :data:`NEEDS` its arithmetic uses (a chain: its stages'), and
     ``momentum_dtype``: the dtype its momentum stage keeps the buffers in between updates
-    (optax's ``mu_dtype``; ``None``: the param's; a chain: its first momentum stage's)."""
+    (optax's ``mu_dtype``; ``None``: the param's; a chain: its first momentum stage's), and
+    ``applies``: its in-place form writes the step into the weights (``decoupled_apply``,
+    ``hyperball_apply``; a chain: any of its stages), so a stage without an in-place form cannot
+    follow it there (:func:`~dmuon.functional.transforms.chain` refuses such a chain's in-place
+    form before any stage runs)."""
 
     init: Callable[[PyTree], Any]
     update: Callable[[PyTree, Any, PyTree], tuple[PyTree, Any]]
     update_: Optional[Callable[[Leaves, Any], Any]] = None
     needs: tuple = ()
     momentum_dtype: Any = None
+    applies: bool = False
 
 
 @register_state
@@ -69,19 +74,20 @@ def _empty(params: PyTree) -> EmptyState:
 
 def stage(update_: Callable[[Leaves, Any], Any], init: Callable[[PyTree], Any] = _empty,
           update: Optional[Callable[..., tuple[PyTree, Any]]] = None,
-          needs: tuple = ()) -> Transform:
+          needs: tuple = (), applies: bool = False) -> Transform:
     """A :class:`Transform` from its in-place arithmetic ``update_``; its ``update`` (run under
     ``torch.no_grad()``: params may be ``nn.Parameter`` s) is derived from ``update_`` unless
-    given. ``needs``: see :data:`NEEDS`."""
+    given. ``needs``: see :data:`NEEDS`; ``applies``: ``update_`` writes the step into the
+    weights (see :class:`Transform`)."""
     bad = [n for n in needs if n not in NEEDS]
     if bad:
         raise ValueError(f"stage needs {bad}: not quantities dmuon knows; one of {NEEDS}")
     pure = derive_update(update_) if update is None else update
-    return Transform(init, torch.no_grad()(pure), update_, tuple(needs))
+    return Transform(init, torch.no_grad()(pure), update_, tuple(needs), applies=applies)
 
 
 def hyper_stage(fn: Callable[..., Any], init: Optional[Callable[[Any], Any]] = None,
-                needs: tuple = (), **hparams: Any):
+                needs: tuple = (), applies: bool = False, **hparams: Any):
     """A stage whose in-place arithmetic ``fn(leaves, state, **values)`` takes hyper-parameter
     values: with only floats / tensors it is ``stage(lambda l, s: fn(l, s, **hparams), init)``;
     with any schedule its state is :class:`ScheduleState` ``(count, inner)`` and each update
@@ -89,7 +95,8 @@ def hyper_stage(fn: Callable[..., Any], init: Optional[Callable[[Any], Any]] = N
     init = init or (lambda params: EmptyState())
     scheduled = {k for k, v in hparams.items() if is_schedule(v)}
     if not scheduled:
-        return stage(lambda leaves, state: fn(leaves, state, **hparams), init, needs=needs)
+        return stage(lambda leaves, state: fn(leaves, state, **hparams), init, needs=needs,
+                     applies=applies)
 
     def init_s(params: Any) -> ScheduleState:
         return ScheduleState(new_step(), init(params))
@@ -98,4 +105,4 @@ def hyper_stage(fn: Callable[..., Any], init: Optional[Callable[[Any], Any]] = N
         values = {k: value_at(v, state.count) for k, v in hparams.items()}
         return ScheduleState(next_step(state.count), fn(leaves, state.inner, **values))
 
-    return stage(update_, init_s, needs=needs)
+    return stage(update_, init_s, needs=needs, applies=applies)

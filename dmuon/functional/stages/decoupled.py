@@ -123,14 +123,14 @@ def decoupled_apply(lr: Hyper, weight_decay: Hyper = 0.0, *,
         leaves.params, leaves.applied = ps, True
         return state
 
-    applied = hyper_stage(update_, lr=lr, wd=wd)
+    applied = hyper_stage(update_, applies=True, lr=lr, wd=wd)
     optax = chain_of(add_decayed_weights(wd), scale_by_learning_rate(lr))
 
     def update(updates: PyTree, state: Any, params: PyTree) -> tuple[PyTree, Any]:
         # the optax form: the same two stages' arithmetic (their counts are this stage's)
         return optax(updates, state, params)
 
-    return Transform(applied.init, torch.no_grad()(update), applied.update_)
+    return Transform(applied.init, torch.no_grad()(update), applied.update_, applies=True)
 
 
 def chain_of(decay_stage: Transform, lr_stage: Transform):

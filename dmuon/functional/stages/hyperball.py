@@ -114,4 +114,4 @@ def hyperball_apply(lr: Hyper, radius: Optional[float] = None, eps: float = 1e-8
         leaves.params, leaves.applied = ps, True
         return state
 
-    return hyper_stage(update_, init, needs=("params", "matrix_sums"), lr=lr)
+    return hyper_stage(update_, init, needs=("params", "matrix_sums"), applies=True, lr=lr)

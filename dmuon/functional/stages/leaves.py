@@ -409,6 +409,31 @@ def _shares(a: Tensor, b: Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
+#: Why a stage written in the optax form only cannot follow an applying stage in place.
+AFTER_APPLYING = (
+    "a stage written in the optax form only (no in-place update_) comes after a stage that has "
+    "applied the step to the weights (decoupled_apply, hyperball_apply), which the in-place run "
+    "cannot undo. Put it before that stage, or end the chain as optax chains end "
+    "(T.add_decayed_weights(wd), T.scale_by_learning_rate(lr)): the run then adds the final "
+    "update to the weights")
+
+
+def refused_update_(reason: str) -> Callable[[Leaves, Any], Any]:
+    """An in-place form that raises ``ValueError(reason)`` before any stage runs (a chain whose
+    in-place run would fail part way, :func:`~dmuon.functional.transforms.chain`); ``reason``
+    is its ``refused`` attribute, which :func:`in_place_refusal` reads when the optimizer is
+    built."""
+    def update_(leaves: Leaves, state: Any) -> Any:
+        raise ValueError(reason)
+    update_.refused = reason  # type: ignore[attr-defined]
+    return update_
+
+
+def in_place_refusal(transform: Any) -> Optional[str]:
+    """Why ``transform``'s in-place form refuses to run (:func:`refused_update_`), or ``None``."""
+    return getattr(transform.update_, "refused", None)
+
+
 def derive_update_(update: Callable[..., tuple[PyTree, Any]]) -> Callable[[Leaves, Any], Any]:
     """The in-place form of a stage written in the optax form only (``update(updates, state,
     params) -> (updates, state)``): run out of place on the active leaves, its results put back.
@@ -423,13 +448,7 @@ def derive_update_(update: Callable[..., tuple[PyTree, Any]]) -> Callable[[Leave
     params (``decoupled_apply``, ``hyperball_apply``): raises ``ValueError``."""
     def update_(leaves: Leaves, state: Any) -> Any:
         if leaves.applied:
-            raise ValueError(
-                "a stage written in the optax form only (no in-place update_) comes after a "
-                "stage that has applied the step to the weights (decoupled_apply, "
-                "hyperball_apply), which the in-place run cannot undo. Put it before that stage, "
-                "or end the chain as optax chains end (T.add_decayed_weights(wd), "
-                "T.scale_by_learning_rate(lr)): the run then adds the final update to the "
-                "weights")
+            raise ValueError(AFTER_APPLYING)
         leaves.materialize()
         names = leaves.names
         given = _walk(state, lambda bufs: dict(zip(names, bufs)), lambda v: v)
