@@ -213,8 +213,11 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         return collective_time(machine, kind, nbytes, R, members_per_node=rep_pn, nodes=rep_nodes)
 
     def op_time(op) -> float:
-        """A dedicated shard-axis op's seconds on this machine (its payload: the op's bytes;
-        a per-bucket op moves ``G`` padded parts)."""
+        """A dedicated op's seconds on this machine (its payload: the op's bytes; a per-bucket op
+        moves ``G`` padded parts; a replicate-axis op runs on the replicate group)."""
+        if op.axis == "replicate":
+            return coll("broadcast" if isinstance(op, Broadcast) else "reduce", op.nbytes,
+                        "replicate")
         if isinstance(op, ShardBuckets):
             kind = "all_gather" if isinstance(op, ShardAllGather) else "reduce_scatter"
             return coll(kind, G * op.nbytes, "shard")
@@ -251,11 +254,15 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         shapes = {n: e[0] for n, e in entries.items()}
         red_dt = "torch.float32" if setup.reduce_bytes == 4 else "torch.bfloat16"
         bf16 = {n: "torch.bfloat16" for n in shapes}
+        # "auto" weighs this machine's collective times; FSDP2's root reduce-scatter follows
+        # the last group's reduce on the shard link (it hides that much replicate-axis wait)
+        cost = _MachineCost(op_time, coll("reduce_scatter", setup.reduce_bytes * fsdp_root,
+                                          "shard") if fsdp_root else 0.0)
         prog = step_program(owners, shapes, bf16, reduce_dtypes={n: red_dt for n in shapes},
                             master_dtypes=bf16, shard_size=G, replicate_size=R,
                             groups=hook_groups(sorted(owners)),
                             reshard_after_forward=setup.dmuon_reshard,
-                            collectives=setup.collectives, cost=lambda op, n: op_time(op))
+                            collectives=setup.collectives, cost=cost)
         for g, ph in prog.groups.items():
             layer = int(g.rsplit(".", 1)[1])
             groups[layer] = (coalesced_units(ph.unshard), coalesced_units(ph.reduce),
@@ -404,6 +411,19 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
     mem = _memory(setup, specs, plan, fsdp_layer, fsdp_root)
     return StepProjection(design, t_forward, t_backward, t_opt, dict(tl.exposed), nsp, plan,
                           tuple(tl.ops), mem, styles, shard_bytes)
+
+
+@dataclass(frozen=True)
+class _MachineCost:
+    """``"auto"``'s cost on the projected machine (the protocol of
+    :class:`~dmuon.functional.collectives.LinkCost`): an op's seconds, and the shard-link seconds
+    of FSDP2's root reduce-scatter after the step's last dedicated reduce."""
+
+    op_time: object
+    shard_tail_s: float
+
+    def seconds(self, op, n: int) -> float:
+        return self.op_time(op)
 
 
 def _label(unit: tuple) -> str:
