@@ -102,13 +102,21 @@ def test_split_balance_executed_70b_meets_its_target(tmp_path):
 
 
 def test_collective_style_projection_writes_results(tmp_path):
+    """The style grid of benchmarks/collective_projection.py: auto is never behind per owner,
+    per bucket or grouped (issue 47: with the replicate-axis wait of the step's first group
+    weighed), and NS overlapped with the backward never lengthens a step."""
     out = tmp_path / "c.json"
-    _run("collective_style_projection.py", "--out", str(out))
+    _run("collective_projection.py", "--grid", "styles", "--out", str(out))
     data = json.loads(out.read_text())
-    assert data["torch"] and len(data["rows"]) == 17
+    assert data["torch"] and data["date"] and len(data["rows"]) == 17
     for row in data["rows"]:
         auto = row["auto"]["step_ms"]
-        assert auto <= min(row["per_owner"]["step_ms"], row["per_bucket"]["step_ms"]) + 1e-6, row
+        assert auto <= min(row[s]["step_ms"] for s in ("per_owner", "per_bucket", "grouped")) \
+            + 1e-6, row
+        for style in ("per_owner", "per_bucket", "grouped", "auto"):
+            for key, ov in row[style]["ns_overlap"].items():
+                assert ov["step_ms"] <= row[style]["step_ms"] + 1e-6, (row["model"], style, key)
+                assert ov["owners_phase_hidden_ms"] >= 0
 
 
 def test_collective_style_gloo_writes_results(tmp_path):
