@@ -198,7 +198,9 @@ A800 = Machine(
                        "busbw 80 % of it and latencies are assumptions",
              "ib": "assumption: one 200 Gb/s HDR NIC per GPU = 25 GB/s, busbw 80 %",
              "hbm_bytes": "spec: 80 GB HBM2e",
-             "ns_rate_scale": "assumption: H200 NS rates x 312 / 787.3 (peak matmul ratio)"})
+             "ns_rate_scale": "assumption: H200 NS rates x 312 / 787.3 (peak matmul ratio)",
+             "ns_overlap_idle": "assumption: H200's fitted points (no A800 measurement); keyed by "
+                                "layer time, A800's slower layers read as a busier GPU"})
 
 MACHINES: dict[str, Machine] = {"h200": H200, "a800": A800}
 
