@@ -29,7 +29,8 @@ def test_the_calibration_is_the_fit_of_its_measurements():
     launched all NS after the forward) and at least 80 % of it."""
     from dmuon.tools.calibration import H200_W1
     from dmuon.tools.machine import H200
-    from dmuon.tools.ns_overlap import MEASURED, fit_idle_points
+    from dmuon.tools.calibration import fit_idle_points
+    from dmuon.tools.ns_overlap import MEASURED
     from dmuon.tools.projection import StepSetup, project_step
     fit = fit_idle_points(H200)
     held = dict(H200.ns_overlap_idle)

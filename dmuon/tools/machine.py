@@ -65,7 +65,7 @@ H200_MEASURED_MATMUL = 787.2999493823834e12
 
 #: The share of the GPU owner NS gets while the backward computes (NS overlapped with the
 #: backward, :mod:`dmuon.tools.ns_overlap`), ``(key name, ((key, share), ...))``: fitted by
-#: :func:`dmuon.tools.ns_overlap.fit_idle_points` on the H200 model from the issue-47 H100
+#: :func:`dmuon.tools.calibration.fit_idle_points` on the H200 model from the issue-47 H100
 #: measurements (:data:`dmuon.tools.ns_overlap.MEASURED`); keyed by tokens per GPU or by one
 #: layer's projected backward seconds. A test re-fits them.
 H200_NS_OVERLAP_IDLE: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = (
@@ -145,7 +145,7 @@ _COMMON_SOURCES = {
                        "whole-model NS 92.7/47.2 ms (Llama-3.2-1B shapes), 954/605.8 ms (8B)",
     "ns_restart": "dmuon default on CUDA (fp16, gram_restart 3)",
     "gpus_per_node": "assumption: 8-GPU HGX/DGX nodes",
-    "ns_overlap_idle": "fitted (dmuon.tools.ns_overlap.fit_idle_points, H200 model) on the issue-47 "
+    "ns_overlap_idle": "fitted (dmuon.tools.calibration.fit_idle_points, H200 model) on the issue-47 "
                        "H100 measurements: overlap hid 1 / 10 / 5 % of the sequential W=1 step of "
                        "HF Llama 1.1B at B4xT2048 / B1xT2048 / B1xT1024; one model width only",
     "ns_overlap_key": "assumption: the idle share depends on one layer's backward time (a wider "

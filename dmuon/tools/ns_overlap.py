@@ -22,10 +22,10 @@ backward's priority. The model, stated:
   choice for models wider than the measured one. Only one model width (hidden 2048) was
   measured, so the two keys agree on it and differ off it; the grid reports both.
 
-The fit (:func:`fit_idle_points`): in the measurement the NS of all 112 matrices was launched on
-a side stream after the forward, so all of it could overlap the whole backward: at world 1 the
-hidden seconds are ``min(NS, idle * backward)``, hence ``idle = hidden share * sequential step /
-backward``, with the step and the backward projected for the measured setup on the machine model
+The fit (:func:`dmuon.tools.calibration.fit_idle_points`, beside the other calibrations): in the
+measurement the NS of all 112 matrices was launched on a side stream after the forward, so all
+of it could overlap the whole backward: at world 1 the hidden seconds are ``min(NS, idle *
+backward)``, hence ``idle = hidden share * sequential step / backward``, with the step and the backward projected for the measured setup on the machine model
 (:data:`dmuon.tools.calibration.H200_W1`, the HF Llama 1.1B-ish of the world-1 runs).
 """
 from __future__ import annotations
@@ -35,8 +35,7 @@ from typing import Mapping, Sequence
 
 from dmuon.tools.machine import Machine, interp_log2
 
-__all__ = ["MEASURED", "MEASURED_SOURCE", "idle_share", "overlap_key", "overlapped_finish",
-           "fit_idle_points"]
+__all__ = ["MEASURED", "MEASURED_SOURCE", "idle_share", "overlap_key", "overlapped_finish"]
 
 #: Issue 47, measured on one H100 (torch 2.11), HF Llama 1.1B (hidden 2048, 16 layers): the NS of
 #: its 112 matrices on a side stream launched after the forward, the backward on the default
@@ -91,22 +90,3 @@ def overlapped_finish(work: Mapping[float, float], busy: Sequence[tuple[float, f
             t += step
             left -= step * rate
     return t
-
-
-def fit_idle_points(machine: Machine) -> dict[str, tuple[tuple[float, float], ...]]:
-    """The idle shares that reproduce :data:`MEASURED` on ``machine`` (module docstring):
-    ``{key name: ((key, idle), ...)}`` for both keys, sorted by key. What
-    :attr:`~dmuon.tools.machine.Machine.ns_overlap_idle` holds."""
-    from dmuon.tools.calibration import H200_W1
-    from dmuon.tools.projection import StepSetup, project_step
-
-    tok, lay = [], []
-    for m in MEASURED:
-        setup = StepSetup(H200_W1, 1, 1, micro_batch=m["micro_batch"], seq=m["seq"], max_split=1)
-        p = project_step(setup, machine, "dmuon")
-        b_layers = [o for o in p.timeline if o.phase == "backward" and o.name.startswith("B L")]
-        hidden = m["hidden_share"] * p.step
-        idle = hidden / p.backward
-        tok.append((float(m["micro_batch"] * m["seq"]), idle))
-        lay.append((b_layers[0].end - b_layers[0].start, idle))
-    return {"tokens": tuple(sorted(tok)), "layer_backward_s": tuple(sorted(lay))}
