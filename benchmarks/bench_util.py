@@ -1,12 +1,15 @@
-"""Shared pieces of the GPU benchmark scripts: the Llama matrix sets, CUDA-event timing and
-profiler kernel sums.
+"""Shared pieces of the benchmark scripts: the Llama matrix sets, CUDA-event timing, profiler
+kernel sums and the header every results file starts with (:func:`run_header`).
 
 Imported by the scripts in this folder (run as ``python benchmarks/<script>.py``, so this folder is
 on ``sys.path``).
 """
 from __future__ import annotations
 
+import datetime
+import platform
 import statistics
+import sys
 from collections import defaultdict
 from typing import Callable
 
@@ -16,6 +19,15 @@ from dmuon.tools.presets import preset_specs
 
 #: The two reference models (issue 8): names of :data:`dmuon.tools.presets.PRESETS`.
 MODELS = ("llama-3.2-1b", "llama-3.1-8b")
+
+
+def run_header() -> dict:
+    """What every results JSON records first: ``date`` (UTC), ``machine_run_on`` (platform and
+    processor), ``python`` and ``torch`` versions."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine_run_on": {"platform": platform.platform(),
+                               "processor": platform.processor() or platform.machine()},
+            "python": sys.version.split()[0], "torch": torch.__version__}
 
 
 def model_shapes(name: str) -> list[tuple[int, int]]:

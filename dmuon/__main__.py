@@ -135,8 +135,13 @@ def _cmd_project(args: argparse.Namespace) -> int:
         machine = dataclasses.replace(machine, gpus_per_node=args.gpus_per_node)
     setup = StepSetup(preset, args.shard, args.replicate, micro_batch=args.micro_batch, seq=args.seq,
                       fsdp_reshard=args.fsdp_mode == "z3", dmuon_reshard=args.mode == "z3",
-                      reduce_bytes=args.reduce_bytes, max_split=args.max_split, ns_steps=args.ns_steps,
-                      collectives=args.collectives)
+                      reduce_bytes=args.reduce_bytes,
+                      max_split=args.max_split if args.max_split is not None else (
+                          1 if args.ns_overlap else 8),
+                      ns_steps=args.ns_steps, collectives=args.collectives,
+                      ns_overlap=bool(args.ns_overlap))
+    if args.ns_overlap and args.ns_overlap != machine.ns_overlap_key:
+        machine = dataclasses.replace(machine, ns_overlap_key=args.ns_overlap)
     projections = [project_step(setup, machine, d) for d in args.designs.split(",")]
     summ = projection_summary(setup, machine, projections)
     summ["sensitivity"] = sensitivity(setup, machine, projections)
@@ -223,9 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="FSDP2 reshard_after_forward for its params (default z3)")
     p.add_argument("--reduce-bytes", type=int, choices=(2, 4), default=4,
                    help="bytes per gradient element reduced (4: fp32 reduce_dtype, default; 2: bf16)")
-    p.add_argument("--max-split", type=int, default=8,
+    p.add_argument("--max-split", type=int, default=None,
                    help="split a matrix's NS over up to this many ranks of a node when it shortens "
-                        "the projected step (default 8; 1: never)")
+                        "the projected step (default 8, or 1 with --ns-overlap; 1: never)")
     p.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
     p.add_argument("--collectives", choices=("per_owner", "per_bucket", "grouped", "auto"),
                    default="per_owner",
@@ -233,6 +238,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "bucket (default), one padded all-gather / reduce-scatter per group, "
                         "grouped (each phase's per-owner ops as one NCCL group call), or "
                         "auto (chosen per group by this machine's collective times)")
+    p.add_argument("--ns-overlap", nargs="?", const="layer_backward_s", default=None,
+                   choices=("layer_backward_s", "tokens"),
+                   help="owner Newton-Schulz overlapped with the backward: a group's NS starts when "
+                        "its reduce lands, at the GPU share the backward leaves idle, fitted on "
+                        "measurements (dmuon.tools.ns_overlap) and keyed by one layer's backward "
+                        "time (default) or by tokens per GPU (optimistic); needs --max-split 1")
     p.add_argument("--designs", default="adamw,dmuon",
                    help="comma-separated: adamw, dmuon, reference (default adamw,dmuon)")
     p.add_argument("--png", metavar="PATH", help="write the timeline PNG here")

@@ -281,3 +281,39 @@ def test_a_group_call_costs_one_latency_plus_the_parts_bytes():
                        {n: F64 for n in shapes}, shard_size=2, replicate_size=2,
                        collectives="grouped").groups["layers.0"].publish
     assert sorted(tuple(op.at for op in u) for u in coalesced_units(pub)) == [(0, 0), (1, 1)]
+
+
+def _hsdp_boundary_program(cost: LinkCost):
+    """HSDP G = 8, R = 4, three layers: a large matrix on column 0 (owner replica 1), six 1024 x
+    1024 ones on columns 1..6."""
+    owners, shapes = {}, {}
+    for layer in range(3):
+        owners[f"layers.{layer}.big"], shapes[f"layers.{layer}.big"] = (0, 1), (4096, 4096)
+        for i in range(1, 7):
+            name = f"layers.{layer}.m{i}"
+            owners[name], shapes[name] = (i, (i + layer) % 4), (1024, 1024)
+    return step_program(owners, shapes, {n: "torch.float32" for n in owners}, shard_size=8,
+                        replicate_size=4, reshard_after_forward=False, collectives="auto",
+                        cost=cost)
+
+
+def test_auto_weighs_the_replicate_axis_wait_of_the_steps_first_group():
+    """Issue 47: grouped, a group's stage-2 (replicate) reduces wait for the whole stage-1 group
+    call and its broadcasts for every column's publish; per owner, column 0's large stage-2 reduce
+    starts after column 0's own stage-1 reduce. Between layers compute hides that; the first
+    group of the forward order closes the backward, so there auto weighs it: per owner. The other
+    groups stay grouped (one latency per phase), and shard-link work after the last reduce
+    (FSDP2's root reduce-scatter, ``shard_tail_s``) long enough to hide the wait makes the first
+    group grouped again."""
+    prog = _hsdp_boundary_program(LinkCost())
+    first = prog.groups["layers.0"]
+    assert first.collectives == "per_owner", first.collectives_reason
+    assert "replicate" in first.collectives_reason
+    assert {prog.groups[g].collectives for g in ("layers.1", "layers.2")} == {"grouped"}
+    hidden = _hsdp_boundary_program(LinkCost(shard_tail_s=0.1))
+    assert hidden.groups["layers.0"].collectives == "grouped", hidden.groups["layers.0"]
+    # R = 1: nothing on the replicate axis, the first group is chosen like the others
+    owners = {f"layers.{k}.m{i}": (i, 0) for k in range(2) for i in range(4)}
+    flat = step_program(owners, {n: (512, 512) for n in owners},
+                        {n: "torch.float32" for n in owners}, shard_size=4, collectives="auto")
+    assert len({(g.collectives, g.collectives_reason) for g in flat.groups.values()}) == 1

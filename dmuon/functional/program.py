@@ -349,7 +349,7 @@ def program_from_layouts(unshard: BucketLayout, reduce: BucketLayout, master: Bu
             for k in unshard.groups))
     z3 = {key: reshard_after_forward and key != ROOT_GROUP for key in unshard.groups}
     mdt = {e.name: b.key.dtype for b in master.buckets for e in b.entries}
-    styles = resolve_styles(unshard, reduce, collectives, z3=z3, cost=cost)
+    styles = resolve_styles(unshard, reduce, collectives, z3=z3, cost=cost, master=master)
     phases = {
         key: GroupPhases(key=key, names=groups.names(key),
                          unshard=unshard_schedule(unshard, key, style=styles[key].style),

@@ -10,6 +10,9 @@ The constants of :mod:`dmuon.tools.machine` were fitted on FSDP2 + AdamW step ti
   seq 2048, micro-batch 2, FSDP2 Z3, bf16 reduce): forward, backward, optimizer and total.
 
 A ``--set`` override that moves a fitted constant shows here as a calibration error.
+
+:func:`fit_idle_points` derives the idle shares of NS overlapped with the backward
+(:attr:`~dmuon.tools.machine.Machine.ns_overlap_idle`) from the issue-47 measurements.
 """
 from __future__ import annotations
 
@@ -17,10 +20,11 @@ import dataclasses
 from typing import Any
 
 from dmuon.tools.machine import Machine
+from dmuon.tools.ns_overlap import MEASURED
 from dmuon.tools.presets import ModelPreset, get_preset
 from dmuon.tools.projection import StepSetup, project_step
 
-__all__ = ["calibration_rows", "calibration_table", "H200_ROWS", "A800_ROWS"]
+__all__ = ["calibration_rows", "calibration_table", "fit_idle_points", "H200_ROWS", "A800_ROWS"]
 
 #: ``step_world1_h200.json``: its config and AdamW row (fwd_bwd_ms, opt_ms, step_ms).
 H200_W1 = ModelPreset("w1-1.1b", hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8,
@@ -74,3 +78,19 @@ def calibration_table(rows: list[dict[str, Any]]) -> str:
         lines.append(f"  {r['run']:<48} {r['phase']:<9} {r['measured_ms']:9.1f} / "
                      f"{r['projected_ms']:9.1f} ms ({r['error'] * 100:+.1f} %)")
     return "\n".join(lines)
+
+
+def fit_idle_points(machine: Machine) -> dict[str, tuple[tuple[float, float], ...]]:
+    """The idle shares that reproduce :data:`~dmuon.tools.ns_overlap.MEASURED` on ``machine``
+    (the fit of :mod:`dmuon.tools.ns_overlap`): ``{key name: ((key, idle), ...)}`` for both
+    keys, sorted by key. What :attr:`~dmuon.tools.machine.Machine.ns_overlap_idle` holds."""
+    tok, lay = [], []
+    for m in MEASURED:
+        setup = StepSetup(H200_W1, 1, 1, micro_batch=m["micro_batch"], seq=m["seq"], max_split=1)
+        p = project_step(setup, machine, "dmuon")
+        b_layers = [o for o in p.timeline if o.phase == "backward" and o.name.startswith("B L")]
+        hidden = m["hidden_share"] * p.step
+        idle = hidden / p.backward
+        tok.append((float(m["micro_batch"] * m["seq"]), idle))
+        lay.append((b_layers[0].end - b_layers[0].start, idle))
+    return {"tokens": tuple(sorted(tok)), "layer_backward_s": tuple(sorted(lay))}

@@ -63,6 +63,16 @@ H200_NS_GROUPS: tuple[tuple[int, int, str, int, float], ...] = (
 #: bf16 matmul rate measured in the same run (TFLOP/s), the reference for scaling other machines.
 H200_MEASURED_MATMUL = 787.2999493823834e12
 
+#: The share of the GPU owner NS gets while the backward computes (NS overlapped with the
+#: backward, :mod:`dmuon.tools.ns_overlap`), ``(key name, ((key, share), ...))``: fitted by
+#: :func:`dmuon.tools.calibration.fit_idle_points` on the H200 model from the issue-47 H100
+#: measurements (:data:`dmuon.tools.ns_overlap.MEASURED`); keyed by tokens per GPU or by one
+#: layer's projected backward seconds. A test re-fits them.
+H200_NS_OVERLAP_IDLE: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = (
+    ("tokens", ((1024.0, 0.347752), (2048.0, 0.414475), (8192.0, 0.0216119))),
+    ("layer_backward_s", ((5.88090e-4, 0.347752), (1.215385e-3, 0.414475), (4.861542e-3, 0.0216119))),
+)
+
 
 @dataclass(frozen=True)
 class Machine:
@@ -81,8 +91,10 @@ class Machine:
       ns_groups: measured NS shape groups (``H200_NS_GROUPS`` format); ns_rate_scale: factor on
       the measured NS rates; ns_restart: Gram restart period of the NS engine;
       ref_ns_slowdown: ``(hidden, factor)`` points: the reference implementation's NS time over
-      dmuon's, measured on the same H200 lease, interpolated in ``log2(hidden)``; sources:
-      ``{field: where the value comes from}``.
+      dmuon's, measured on the same H200 lease, interpolated in ``log2(hidden)``;
+      ns_overlap_idle, ns_overlap_key: the GPU share owner NS gets during the backward when it
+      overlaps it, per key, and the key used (``"tokens"`` per GPU or ``"layer_backward_s"``;
+      :mod:`dmuon.tools.ns_overlap`); sources: ``{field: where the value comes from}``.
     """
 
     name: str
@@ -101,6 +113,8 @@ class Machine:
     ns_rate_scale: float = 1.0
     ns_restart: int = 3
     ref_ns_slowdown: tuple[tuple[int, float], ...] = ((2048, 92.7 / 47.2), (4096, 954.0 / 605.8))
+    ns_overlap_idle: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = H200_NS_OVERLAP_IDLE
+    ns_overlap_key: str = "layer_backward_s"
     sources: Mapping[str, str] = field(default_factory=dict)
 
     def mfu(self, phase: str, hidden: int) -> float:
@@ -131,6 +145,12 @@ _COMMON_SOURCES = {
                        "whole-model NS 92.7/47.2 ms (Llama-3.2-1B shapes), 954/605.8 ms (8B)",
     "ns_restart": "dmuon default on CUDA (fp16, gram_restart 3)",
     "gpus_per_node": "assumption: 8-GPU HGX/DGX nodes",
+    "ns_overlap_idle": "fitted (dmuon.tools.calibration.fit_idle_points, H200 model) on the issue-47 "
+                       "H100 measurements: overlap hid 1 / 10 / 5 % of the sequential W=1 step of "
+                       "HF Llama 1.1B at B4xT2048 / B1xT2048 / B1xT1024; one model width only",
+    "ns_overlap_key": "assumption: the idle share depends on one layer's backward time (a wider "
+                      "layer fills the GPU sooner at the same tokens); 'tokens' (tokens per GPU "
+                      "alone) is the optimistic alternative",
 }
 
 #: NVIDIA H200 SXM (our measurement machine).
@@ -178,7 +198,9 @@ A800 = Machine(
                        "busbw 80 % of it and latencies are assumptions",
              "ib": "assumption: one 200 Gb/s HDR NIC per GPU = 25 GB/s, busbw 80 %",
              "hbm_bytes": "spec: 80 GB HBM2e",
-             "ns_rate_scale": "assumption: H200 NS rates x 312 / 787.3 (peak matmul ratio)"})
+             "ns_rate_scale": "assumption: H200 NS rates x 312 / 787.3 (peak matmul ratio)",
+             "ns_overlap_idle": "assumption: H200's fitted points (no A800 measurement); keyed by "
+                                "layer time, A800's slower layers read as a busier GPU"})
 
 MACHINES: dict[str, Machine] = {"h200": H200, "a800": A800}
 

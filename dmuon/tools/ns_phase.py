@@ -32,7 +32,7 @@ from dmuon.functional.owner_plan import OwnerPlan
 from dmuon.functional.specs import ParamSpec
 from dmuon.functional.split_ns import split_ns_program, split_piece_segments
 
-__all__ = ["NSPhase", "ns_phase", "reference_slowdown"]
+__all__ = ["NSPhase", "ns_phase", "owner_work_by_group", "reference_slowdown"]
 
 
 @dataclass(frozen=True)
@@ -131,6 +131,28 @@ def ns_phase(plan: OwnerPlan, specs: Sequence[ParamSpec], machine: Machine, *, s
             tasks[r].append(((2, 0.0, ""), f"e:{r}"))
     res = _simulate(n, tasks, chains, collectives, len(plan.splits))
     return dataclasses.replace(res, elementwise=tuple(o * ew for o in owned))
+
+
+def owner_work_by_group(plan: OwnerPlan, specs: Sequence[ParamSpec], machine: Machine, *,
+                        steps: int = 5, slowdown: float = 1.0,
+                        elementwise_s_per_param: float | None = None) -> list[dict[str, float]]:
+    """Per rank, ``{layer key ("" outside blocks): seconds}`` of its whole units' owner work: the
+    NS of :func:`ns_phase` (times ``slowdown``) and the element-wise stages of its owned elements
+    (the overlapped owners' phase, :mod:`dmuon.tools.ns_overlap`; split units are not counted)."""
+    by_name: Mapping[str, ParamSpec] = {s.name: s for s in specs}
+    ew = machine.fused_s_per_param if elementwise_s_per_param is None else elementwise_s_per_param
+    split = {b.name for sp in plan.splits for b in sp.blocks}
+    out: list[dict[str, float]] = [{} for _ in range(plan.num_slots)]
+    for unit, slot in zip(plan.units, plan.unit_slots):
+        for p in unit.params:
+            if p in split:
+                continue
+            s = by_name[p]
+            sec = slowdown * sum(b * ns_matrix_seconds(machine, m, n, steps=steps)
+                                 for b, m, n in s.matrix_view.blocks(s.shape)) + s.numel * ew
+            key = s.layer_key or ""
+            out[slot][key] = out[slot].get(key, 0.0) + sec
+    return out
 
 
 def _simulate(n: int, tasks, chains, collectives, n_split: int) -> NSPhase:

@@ -30,6 +30,14 @@ reduction after each layer's backward; the backward ends when the last gradient 
 (``adamw_s_per_param``); dmuon: the owners' phase of :func:`~dmuon.tools.ns_phase.ns_phase`
 (its slowest rank) then fused AdamW over the shard of the non-dedicated params.
 
+NS overlapped with the backward (``ns_overlap=True``, dmuon designs,
+:mod:`~dmuon.tools.ns_overlap`): each rank's owner work of a hook group (its whole units' NS and
+element-wise stages, :func:`~dmuon.tools.ns_phase.owner_work_by_group`) may start when the
+group's reduce lands on the timeline; it progresses at the calibrated idle share of the GPU
+while the backward computes and at the full rate where the compute waits or has ended; the
+optimizer then finishes what is left on the slowest rank, then AdamW. Off (the default), the
+owners' phase runs after the backward, as before.
+
 Exposed communication of a lane = the time the compute resource waits for it (a wait is charged
 to the dependency that finished last) plus, for the backward tail, the wait for the last gradient
 collective; in the owners' phase, the slowest rank's finish minus its compute (``"split"``).
@@ -54,7 +62,8 @@ from dmuon.functional.buckets import hook_groups
 from dmuon.functional.collectives import coalesced_units, unit_seconds
 from dmuon.tools.machine import Machine, collective_time
 from dmuon.tools.model_flops import head_forward_flops, layer_forward_flops
-from dmuon.tools.ns_phase import NSPhase, ns_phase, reference_slowdown
+from dmuon.tools.ns_overlap import idle_share, overlap_key, overlapped_finish
+from dmuon.tools.ns_phase import NSPhase, ns_phase, owner_work_by_group, reference_slowdown
 from dmuon.functional.plan import OwnerPlan, plan_owners
 from dmuon.tools.presets import ModelPreset, preset_specs
 from dmuon.functional.program import step_program
@@ -79,6 +88,8 @@ class StepSetup:
       (True: Z3, re-gather in backward); dmuon_reshard: ``reshard_after_forward`` of the dedicated params (True: Z3);
       reduce_bytes: bytes per gradient element in reductions (4: fp32 ``reduce_dtype``, 2: bf16);
       max_split: split NS over up to this many ranks (dmuon design; 1: never); ns_steps.
+      ns_overlap: owner NS overlapped with the backward (module docstring; needs
+        ``max_split=1``: split units are not modeled overlapped).
       collectives: the dedicated groups' shard-axis style (``dedicate_params(collectives=...)``):
         ``"per_owner"`` (one broadcast / reduce per owner bucket), ``"per_bucket"`` (one padded
         all-gather / reduce-scatter per group), ``"grouped"`` (each phase's per-owner ops as
@@ -97,6 +108,7 @@ class StepSetup:
     max_split: int = 1
     ns_steps: int = 5
     collectives: str = "per_owner"
+    ns_overlap: bool = False
 
     @property
     def world(self) -> int:
@@ -132,6 +144,7 @@ class StepProjection:
       collective_styles: ``{style: hook groups moved in it}`` (dmuon designs).
       shard_bytes_per_rank: mean bytes a rank sends per step in dmuon's shard-axis gathers and
         reduces (the program's ``op_bytes``; per-bucket padding included; dmuon designs).
+      ns_hidden: seconds of the owners' phase the overlap hid (``ns_overlap``; else 0).
     """
 
     design: str
@@ -145,6 +158,7 @@ class StepProjection:
     memory_bytes: float = 0.0
     collective_styles: dict = field(default_factory=dict)
     shard_bytes_per_rank: float = 0.0
+    ns_hidden: float = 0.0
 
     @property
     def step(self) -> float:
@@ -201,6 +215,10 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         raise ValueError(f"design must be one of {DESIGNS}, got {design!r}")
     if not isinstance(setup.dmuon_reshard, bool):
         raise TypeError(f"dmuon_reshard must be a bool, got {setup.dmuon_reshard!r}")
+    if setup.ns_overlap and setup.max_split > 1 and design != "adamw":
+        raise ValueError("ns_overlap models whole-matrix Newton-Schulz overlapped with the "
+                         "backward; split units are not modeled overlapped: pass max_split=1 "
+                         f"(--max-split 1), got max_split={setup.max_split}")
     p = setup.preset
     specs = preset_specs(p)
     dedicated = design != "adamw"
@@ -213,8 +231,11 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         return collective_time(machine, kind, nbytes, R, members_per_node=rep_pn, nodes=rep_nodes)
 
     def op_time(op) -> float:
-        """A dedicated shard-axis op's seconds on this machine (its payload: the op's bytes;
-        a per-bucket op moves ``G`` padded parts)."""
+        """A dedicated op's seconds on this machine (its payload: the op's bytes; a per-bucket op
+        moves ``G`` padded parts; a replicate-axis op runs on the replicate group)."""
+        if op.axis == "replicate":
+            return coll("broadcast" if isinstance(op, Broadcast) else "reduce", op.nbytes,
+                        "replicate")
         if isinstance(op, ShardBuckets):
             kind = "all_gather" if isinstance(op, ShardAllGather) else "reduce_scatter"
             return coll(kind, G * op.nbytes, "shard")
@@ -235,6 +256,7 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         else:
             fsdp_layer[int(s.layer_key.rsplit(".", 1)[1])] += s.numel
     nsp = None
+    ns_hidden = 0.0
     shard_bytes = 0.0
     styles: dict[str, int] = {}
     groups: dict[int, tuple[list, list, list]] = {}
@@ -251,11 +273,15 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         shapes = {n: e[0] for n, e in entries.items()}
         red_dt = "torch.float32" if setup.reduce_bytes == 4 else "torch.bfloat16"
         bf16 = {n: "torch.bfloat16" for n in shapes}
+        # "auto" weighs this machine's collective times; FSDP2's root reduce-scatter follows
+        # the last group's reduce on the shard link (it hides that much replicate-axis wait)
+        cost = _MachineCost(op_time, coll("reduce_scatter", setup.reduce_bytes * fsdp_root,
+                                          "shard") if fsdp_root else 0.0)
         prog = step_program(owners, shapes, bf16, reduce_dtypes={n: red_dt for n in shapes},
                             master_dtypes=bf16, shard_size=G, replicate_size=R,
                             groups=hook_groups(sorted(owners)),
                             reshard_after_forward=setup.dmuon_reshard,
-                            collectives=setup.collectives, cost=lambda op, n: op_time(op))
+                            collectives=setup.collectives, cost=cost)
         for g, ph in prog.groups.items():
             layer = int(g.rsplit(".", 1)[1])
             groups[layer] = (coalesced_units(ph.unshard), coalesced_units(ph.reduce),
@@ -352,12 +378,14 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         if layer >= 0:
             issue_regather(layer, head_f)
     prev = head_b
+    landed: dict[int, float] = {}   # when each layer's reduce is done on this rank's timeline
     for layer in range(last, -1, -1):
         if layer - 1 >= 0 and layer < last:
             issue_regather(layer - 1, bwd[layer + 1])
         bwd[layer] = tl.add(f"B L{layer}", "compute", "compute", "backward", b_layer,
                             tuple(gathers[layer]) + (prev,))
         prev = bwd[layer]
+        landed[layer] = bwd[layer].end   # its gradients exist; its reduce (below) lands later
         if fsdp_layer[layer]:
             rs = tl.add(f"fsdp RS L{layer}", "shard", "fsdp_reduce_scatter", "backward",
                         coll("reduce_scatter", setup.reduce_bytes * fsdp_layer[layer], "shard"),
@@ -375,6 +403,7 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
             elif unit[0].at == my_col:
                 tail.append(tl.add(f"reduce2 L{layer}", "replicate", "replicate", "backward",
                                    rep_time("reduce", unit), (st1,)))
+            landed[layer] = max(landed.get(layer, 0.0), tail[-1].end)
     if fsdp_root:
         rs = tl.add("fsdp RS root", "shard", "fsdp_reduce_scatter", "backward",
                     coll("reduce_scatter", setup.reduce_bytes * fsdp_root, "shard"), (prev,))
@@ -397,13 +426,52 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         fixed = machine.adamw_step_s if design == "reference" else 0.0
         worst = max(range(len(nsp.finish)), key=lambda r: nsp.finish[r])
         tl.exposed["split"] += nsp.finish[worst] - nsp.compute[worst]
-        tl.add("owners: NS + Muon", "compute", "compute", "optimizer", nsp.seconds, floor=end)
+        t_owners = nsp.seconds
+        if setup.ns_overlap:
+            t_owners = _overlapped_owners(setup, machine, plan, specs, design, tl, landed, end,
+                                          tokens, b_layer)
+            ns_hidden = nsp.seconds - t_owners
+        tl.add("owners: NS + Muon", "compute", "compute", "optimizer", t_owners, floor=end)
         t_rest = fixed + rate * shard_params
-        tl.add("AdamW (rest)", "compute", "compute", "optimizer", t_rest, floor=end + nsp.seconds)
-        t_opt = nsp.seconds + t_rest
+        tl.add("AdamW (rest)", "compute", "compute", "optimizer", t_rest, floor=end + t_owners)
+        t_opt = t_owners + t_rest
     mem = _memory(setup, specs, plan, fsdp_layer, fsdp_root)
     return StepProjection(design, t_forward, t_backward, t_opt, dict(tl.exposed), nsp, plan,
-                          tuple(tl.ops), mem, styles, shard_bytes)
+                          tuple(tl.ops), mem, styles, shard_bytes, ns_hidden)
+
+
+def _overlapped_owners(setup: StepSetup, machine: Machine, plan: OwnerPlan, specs, design: str,
+                       tl: _Timeline, landed: dict, end: float, tokens: int,
+                       b_layer: float) -> float:
+    """Seconds after the backward's end until the slowest rank's overlapped owner work is done
+    (module docstring; :mod:`~dmuon.tools.ns_overlap`)."""
+    slow = reference_slowdown(machine, setup.preset.hidden) if design == "reference" else 1.0
+    ew = machine.adamw_s_per_param if design == "reference" else machine.fused_s_per_param
+    work = owner_work_by_group(plan, specs, machine, steps=setup.ns_steps, slowdown=slow,
+                               elementwise_s_per_param=ew)
+    busy = [(o.start, o.end) for o in tl.ops if o.resource == "compute" and o.phase == "backward"]
+    idle = idle_share(machine, overlap_key(machine, tokens, b_layer))
+    finish = end
+    for per_group in work:
+        at: dict[float, float] = {}
+        for key, sec in per_group.items():
+            t = landed.get(int(key.rsplit(".", 1)[1]), end) if key else end
+            at[t] = at.get(t, 0.0) + sec
+        finish = max(finish, overlapped_finish(at, busy, idle))
+    return finish - end
+
+
+@dataclass(frozen=True)
+class _MachineCost:
+    """``"auto"``'s cost on the projected machine (the protocol of
+    :class:`~dmuon.functional.collectives.LinkCost`): an op's seconds, and the shard-link seconds
+    of FSDP2's root reduce-scatter after the step's last dedicated reduce."""
+
+    op_time: object
+    shard_tail_s: float
+
+    def seconds(self, op, n: int) -> float:
+        return self.op_time(op)
 
 
 def _label(unit: tuple) -> str:

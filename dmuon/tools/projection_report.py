@@ -67,6 +67,8 @@ def projection_summary(setup: StepSetup, machine: Machine,
             d["collective_styles"] = dict(p.collective_styles)
         if p.ns is not None:
             d["owners_phase_ms"] = p.ns.seconds * 1e3
+            if setup.ns_overlap:
+                d["owners_phase_hidden_ms"] = p.ns_hidden * 1e3
             d["ns_imbalance_max_over_mean"] = p.ns.imbalance
         if p.plan is not None:
             d["plan_imbalance_max_over_mean"] = p.plan.imbalance
@@ -83,6 +85,7 @@ def projection_summary(setup: StepSetup, machine: Machine,
         "fsdp_reshard": setup.fsdp_reshard, "dmuon_reshard": setup.dmuon_reshard,
         "reduce_bytes": setup.reduce_bytes, "max_split": setup.max_split,
         "collectives": setup.collectives, "machine": machine.name, "designs": designs,
+        "ns_overlap": (machine.ns_overlap_key if setup.ns_overlap else False),
     }
 
 
@@ -111,6 +114,9 @@ def projection_table(summary: Mapping[str, Any]) -> str:
                          f"{d['ns_imbalance_max_over_mean']:.3f}; plan max/mean "
                          f"{d['plan_imbalance_max_over_mean']:.3f}, split units {d['split_units']}"
                          + (f" (k = {d['split_k']}; {d['split_note']})" if d.get("split_note") else ""))
+        if "owners_phase_hidden_ms" in d:
+            lines.append(f"  {name}: NS overlapped with the backward ({s['ns_overlap']} key): "
+                         f"{d['owners_phase_hidden_ms']:.2f} ms of the owners' phase hidden")
     for name, rows in s.get("sensitivity", {}).items():
         step = s["designs"][name]["step_ms"]
         lo = min(v for r in rows.values() for v in r)
