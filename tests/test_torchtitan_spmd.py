@@ -22,6 +22,7 @@ by ``model.parallelize`` (a plain local tensor with spmd_types annotations), so 
   (TP 2 without dmuon: first loss 8.0016 against 8.1108), so "one process" would measure
   torchtitan's TP, not dmuon. The loss gathers the vocab-sliced logits (:class:`_VocabGather`):
   torchtitan's loss-parallel CE computes in fp32.
+- dp 2 x TP 2 where rank 0 alone lost a matrix's annotations: refused on every rank.
 - dp 2 x TP 2 with ``spmd_backend="partial_dtensor"`` is ``test_torchtitan_integration.py``'s
   ``test_llama3_tp2_dp2_through_parallelize_llama`` (same venv).
 
@@ -129,7 +130,7 @@ def _spmd_reference(rank: int, world: int, init: dict) -> dict:
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
-def _spmd_run(rank: int, world: int, tp: int) -> dict:
+def _spmd_run(rank: int, world: int, tp: int, spoil: bool = False) -> dict:
     import torchtitan.distributed.parallel_dims as tt_dims
     from torch.distributed.fsdp import FSDPModule
     from torchtitan.distributed import ParallelDims
@@ -160,6 +161,9 @@ def _spmd_run(rank: int, world: int, tp: int) -> dict:
     for m in model.modules():  # gloo has no PREMUL_SUM: FSDP2 sums, then divides (by 1.0)
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
+    if spoil and rank == 0:  # one rank's w1 of layer 0 loses its kept spmd_types annotations
+        from dmuon.compat.spmd_mesh import KEPT_ATTR
+        model.get_submodule("layers.0.feed_forward.w1").__dict__.pop(KEPT_ATTR)
     model.to_empty(device="cpu")
     torch.manual_seed(0)
     with torch.no_grad():
@@ -220,3 +224,14 @@ def test_llama3_spmd_types_tp2_dp2_equals_whole_matrix_muon():
         worst = max(float((r["params"][k] - v).abs().max() / v.abs().max().clamp_min(1e-30))
                     for k, v in ref.items())
         assert worst <= 1e-10, worst
+
+
+def test_llama3_spmd_types_tp2_unannotated_refused_on_every_rank():
+    """A dedicated TP slice whose spmd_types annotations are gone on rank 0 only (a plain tensor
+    dmuon cannot tell from a whole matrix): dmuon.Muon raises ValueError on all 4 ranks, naming
+    the param and what dmuon reads TP from."""
+    res = run_ranks(_spmd_run, 4, 2, True, timeout=300)
+    for r in res:
+        assert r["error"] is not None, "a rank went on"
+        assert "without spmd_types annotations" in r["error"], r["error"]
+        assert "layers.0.feed_forward.w1.weight" in r["error"], r["error"]
