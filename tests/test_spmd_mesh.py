@@ -141,7 +141,7 @@ def test_spmd_layouts_of_full_mesh_dtensors():
         spmd_layouts_of({}, {}, axes, plain=["w"], **kw)
     # a plain param with spmd_types annotations (torchtitan 0.3): a local layout (the forward
     # computes on the plain slice) with the placements they mean; an unannotated one still refused
-    typed = {"up": (object(), SpmdTypes((_DP, _TP), (("mesh_tp",), ()), (4, 4)))}
+    typed = {"up": (object(), ((_DP, _TP), (("mesh_tp",), ()), (4, 4)))}
     layouts, views = spmd_layouts_of({}, {}, axes, plain=["up"], annotated=["up"], typed=typed,
                                      spmd_mesh=full, **kw)
     lay = layouts["up"]

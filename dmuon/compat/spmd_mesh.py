@@ -10,7 +10,8 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from dmuon.functional.spmd_mesh import SpmdTypes
+#: ``(axes, spec, shape)``: the fields of :class:`dmuon.functional.spmd_mesh.SpmdTypes`
+SpmdFields = tuple
 
 __all__ = ["axes_mesh", "spmd_annotated", "spmd_types_of", "keep_spmd_types", "kept_spmd_types",
            "spmd_typed"]
@@ -67,9 +68,10 @@ def kept_spmd_types(model: Any, name: str) -> Optional[tuple]:
 
 
 def spmd_types_of(p: torch.Tensor, mesh: Any, kept: Optional[tuple] = None
-                  ) -> Optional[SpmdTypes]:
+                  ) -> Optional[SpmdFields]:
     """``p``'s ``spmd_types`` annotations (else ``kept``: :func:`kept_spmd_types`) as plain
-    descriptions (:class:`~dmuon.functional.spmd_mesh.SpmdTypes`; ``None`` without any): each
+    descriptions (the fields of :class:`dmuon.functional.spmd_mesh.SpmdTypes`, which this file
+    does not import; ``None`` without any): each
     annotated axis with its local type's letter, the dim of ``mesh`` (a full SPMD ``DeviceMesh``
     with named dims) that is the same axis (the same ranks with the same strides), and its size;
     the ``PartitionSpec`` as axis labels."""
@@ -90,14 +92,14 @@ def spmd_types_of(p: torch.Tensor, mesh: Any, kept: Optional[tuple] = None
     entries = None if spec is None else tuple(
         () if e is None else tuple(repr(x) for x in (e if isinstance(e, tuple) else (e,)))
         for e in spec)
-    return SpmdTypes(axes, entries, tuple(p.shape))
+    return axes, entries, tuple(p.shape)
 
 
 def spmd_typed(model: Any, plain: Mapping[str, torch.Tensor], mesh: Any, *, read: bool
-               ) -> tuple[list[str], dict[str, tuple[torch.Tensor, SpmdTypes]]]:
+               ) -> tuple[list[str], dict[str, tuple[torch.Tensor, SpmdFields]]]:
     """``(annotated, typed)`` of the selected plain params ``plain`` of ``model``: the names with
     ``spmd_types`` annotations (on the param, or kept by :func:`keep_spmd_types`), and with
-    ``read`` ``{name: (param, SpmdTypes)}`` of them on the full SPMD ``mesh``
+    ``read`` ``{name: (param, spmd_types_of's fields)}`` of them on the full SPMD ``mesh``
     (:func:`spmd_types_of`), else ``{}``."""
     kept = {n: kept_spmd_types(model, n) for n in plain}
     annotated = [n for n, p in plain.items() if kept[n] is not None or spmd_annotated(p)]

@@ -79,7 +79,7 @@ def spmd_layouts_of(dtensors: Mapping[str, Any], aliases: Mapping[int, Sequence[
     Args:
       plain, annotated: the selected params that are plain tensors, and those of them with
         ``spmd_types`` annotations (:func:`~dmuon.functional.spmd_mesh.plain_params_problem`).
-      typed: ``{name: (param, SpmdTypes)}`` of the annotated ones
+      typed: ``{name: (param, the fields of its SpmdTypes)}`` of the annotated ones
         (:func:`dmuon.compat.spmd_mesh.spmd_types_of`); their layouts are ``local`` (the forward
         computes on the plain slice) and their placements the DTensor ones the annotations mean.
       spmd_mesh: the full SPMD mesh (``typed``'s TP sub-meshes are sliced from it).
@@ -116,8 +116,8 @@ def spmd_layouts_of(dtensors: Mapping[str, Any], aliases: Mapping[int, Sequence[
             sliced[n] = (_Typed(p, p.device_mesh, pl, tuple(p.shape), tuple(p.stride()), False),
                          mesh[got[0]], pl[names.index(got[0])])
     names = tuple(spmd_mesh.mesh_dim_names or ()) if typed else ()
-    for n, (p, types) in (typed or {}).items():
-        kinds, full = spmd_types_kinds(n, types, names, axes)
+    for n, (p, fields) in (typed or {}).items():
+        kinds, full = spmd_types_kinds(n, SpmdTypes(*fields), names, axes)
         got = spmd_slicing(n, full, names, kinds, axes)
         if got is not None:  # a whole annotated matrix is a plain one: nothing to record
             pl = tuple(shard_type(d) if k == "S" else replicate_type() for k, d in kinds)
