@@ -1,13 +1,14 @@
 """dmuon.functional.spmd_mesh (pure, no processes): the data-parallel axes of a full SPMD mesh
 come from ``dp_mesh_dims``' names, not from the mesh's number of dims or ranks; a dedicated
 matrix's placements on it say whether and where it is TP-sliced; FSDP2's recorded
-``dp_mesh_dims`` must match what dmuon was given."""
+``dp_mesh_dims`` must match what dmuon was given; a plain param's spmd_types annotations
+(torchtitan 0.3's default backend) read as the same placements."""
 from __future__ import annotations
 
 import pytest
 
-from dmuon.functional.spmd_mesh import (DPAxes, dp_axes, fsdp_dims_problem, names_of,
-                                        spmd_slicing)
+from dmuon.functional.spmd_mesh import (DPAxes, SpmdTypes, dp_axes, fsdp_dims_problem, names_of,
+                                        spmd_slicing, spmd_types_kinds)
 
 
 def test_axes_by_name_not_by_rank_count():
@@ -138,3 +139,64 @@ def test_spmd_layouts_of_full_mesh_dtensors():
         spmd_layouts_of({}, {}, None, plain=["w"], annotated=["w"], **kw)
     with pytest.raises(ValueError, match="cannot tell a TP slice"):
         spmd_layouts_of({}, {}, axes, plain=["w"], **kw)
+    # a plain param with spmd_types annotations (torchtitan 0.3): a local layout (the forward
+    # computes on the plain slice) with the placements they mean; an unannotated one still refused
+    typed = {"up": (object(), ((_DP, _TP), (("mesh_tp",), ()), (4, 4)))}
+    layouts, views = spmd_layouts_of({}, {}, axes, plain=["up"], annotated=["up"], typed=typed,
+                                     spmd_mesh=full, **kw)
+    lay = layouts["up"]
+    assert lay.local and not views and (lay.dim, lay.parts, lay.shape, lay.mesh) == (0, 2, (8, 4),
+                                                                                    full)
+    assert lay.placements == (Replicate(), Shard(0)) and tp_mesh_ranks(layouts) == (0, 1)
+    with pytest.raises(ValueError, match="without spmd_types annotations"):
+        spmd_layouts_of({}, {}, axes, plain=["up", "w"], annotated=["up"], typed=typed,
+                        spmd_mesh=full, **kw)
+
+
+# torchtitan 0.3's annotations on a (dp_shard 2, tp 2) mesh: its flattened dp axis ("mesh_dp",
+# the same ranks as dp_shard) and its tp axis; the local tensor of a TP slice
+_AX = dp_axes(("dp_shard", "tp"), (2, 2), "dp_shard", None)
+_DP, _TP = ("mesh_dp", "R", "dp_shard", 2), ("mesh_tp", "V", "tp", 2)
+
+
+def test_spmd_types_read_as_placements():
+    """colwise (V on tp, PartitionSpec(tp, None)) is Shard(0) on tp, rowwise Shard(1); the full
+    shape is the local one times the TP degree on that dim; R / I on tp is whole."""
+    col = SpmdTypes((_DP, _TP), (("mesh_tp",), ()), (384, 256))
+    kinds, full = spmd_types_kinds("w1", col, ("dp_shard", "tp"), _AX)
+    assert kinds == [("R", None), ("S", 0)] and full == (768, 256)
+    assert spmd_slicing("w1", full, ("dp_shard", "tp"), kinds, _AX) == ("tp", 0)
+    row = SpmdTypes((_DP, _TP), ((), ("mesh_tp",)), (256, 384))
+    kinds, full = spmd_types_kinds("w2", row, ("dp_shard", "tp"), _AX)
+    assert spmd_slicing("w2", full, ("dp_shard", "tp"), kinds, _AX) == ("tp", 1)
+    assert full == (256, 768)
+    for letter in "RI":
+        whole = SpmdTypes((_DP, ("mesh_tp", letter, "tp", 2)), None, (8, 4))
+        kinds, full = spmd_types_kinds("w", whole, ("dp_shard", "tp"), _AX)
+        assert spmd_slicing("w", full, ("dp_shard", "tp"), kinds, _AX) is None and full == (8, 4)
+
+
+@pytest.mark.parametrize("axes, spec, words", [
+    ((_DP, _TP), None, "PartitionSpec None"),  # V, and no spec says which dim
+    ((_DP, _TP), (("mesh_dp", "mesh_tp"), ()), "alone on one tensor dim"),
+    ((_DP, _TP), (("mesh_tp",), ("mesh_tp",)), "alone on one tensor dim"),
+    ((_DP, ("mesh_cp", "V", None, 2)), None, "not a dim of the mesh"),
+    ((_DP,), None, "no type on the model axis 'tp'"),
+])
+def test_spmd_types_dmuon_cannot_map_named(axes, spec, words):
+    with pytest.raises(ValueError, match=words) as e:
+        spmd_types_kinds("layers.0.w", SpmdTypes(axes, spec, (8, 4)), ("dp_shard", "tp"), _AX)
+    assert "layers.0.w" in str(e.value) and "AdamW" in str(e.value)
+
+
+def test_spmd_types_partial_and_dp_slices_refused():
+    """P on the TP axis, or V on a data-parallel axis, map to placements spmd_slicing refuses."""
+    part = SpmdTypes((_DP, ("mesh_tp", "P", "tp", 2)), None, (8, 4))
+    kinds, full = spmd_types_kinds("w", part, ("dp_shard", "tp"), _AX)
+    with pytest.raises(ValueError, match="has P on the model axis"):
+        spmd_slicing("w", full, ("dp_shard", "tp"), kinds, _AX)
+    on_dp = SpmdTypes((("mesh_dp", "V", "dp_shard", 2), ("mesh_tp", "R", "tp", 2)),
+                      (("mesh_dp",), ()), (8, 4))
+    kinds, full = spmd_types_kinds("w", on_dp, ("dp_shard", "tp"), _AX)
+    with pytest.raises(ValueError, match="data-parallel axis"):
+        spmd_slicing("w", full, ("dp_shard", "tp"), kinds, _AX)

@@ -37,6 +37,7 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 import torch.nn as nn
 
+from dmuon.compat.spmd_mesh import keep_spmd_types
 from dmuon.compat.torch_api import (FSDP_INIT_MODULES, module_param_slots, torch_supported,
                                    unsupported_torch_message)
 
@@ -64,7 +65,10 @@ def _with_dedicated(ignored: set | None, modules: Iterable[nn.Module], recurse: 
     for m in modules:  # a deferred dedication's slots (dmuon.stateful.modes.deferred): whatever is there
         for sub in (m.modules() if recurse else (m,)):
             slots = sub.__dict__.get(PENDING_SLOTS_ATTR, ())
-            extra.update(p for leaf, p in module_param_slots(sub).items() if leaf in slots and p is not None)
+            for leaf, p in module_param_slots(sub).items():
+                if leaf in slots and p is not None:
+                    extra.add(p)
+                    keep_spmd_types(sub, leaf, p)  # to_empty drops them (compat/spmd_mesh.py)
     if not extra:
         return ignored
     return set(ignored or ()) | extra

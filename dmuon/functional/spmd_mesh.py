@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence, Union
 
 __all__ = ["DPAxes", "SPMD_FIX", "dp_axes", "names_of", "spmd_slicing", "placement_kind",
-           "fsdp_dims_problem", "plain_params_problem", "spmd_meshes"]
+           "fsdp_dims_problem", "plain_params_problem", "spmd_meshes", "SpmdTypes",
+           "spmd_types_kinds"]
 
 #: how to hand dmuon the mesh of an FSDP2 applied with ``dp_mesh_dims`` (ends errors)
 SPMD_FIX = ("Pass dedicate_params the mesh and dp_mesh_dims that fully_shard gets: "
@@ -118,6 +119,78 @@ def placement_kind(placement: Any, shard_type: type, replicate_type: type) -> tu
     return (type(placement).__name__, None)
 
 
+@dataclass(frozen=True)
+class SpmdTypes:
+    """A plain param's ``spmd_types`` annotations (torchtitan 0.3's default backend), as plain
+    descriptions (:func:`dmuon.compat.spmd_mesh.spmd_types_of` reads them).
+
+    Attributes:
+      axes: per axis the annotation names, ``(label, letter, mesh dim, size)``: ``letter`` is its
+        local type (``"R"`` replicate, ``"I"`` invariant, ``"V"`` varying, ``"P"`` partial),
+        ``mesh dim`` the dim of the mesh given to ``dedicate_params`` that is the same axis
+        (``None``: none is, e.g. the dp axes flattened).
+      spec: its ``PartitionSpec``, per tensor dim the labels of the axes that shard it (``None``:
+        it has none).
+      shape: the local tensor's shape.
+    """
+
+    axes: tuple[tuple[str, str, Optional[str], int], ...]
+    spec: Optional[tuple[tuple[str, ...], ...]]
+    shape: tuple[int, ...]
+
+
+def spmd_types_kinds(name: str, types: SpmdTypes, dim_names: Sequence[str], axes: DPAxes
+                     ) -> tuple[list[tuple[str, Any]], tuple[int, ...]]:
+    """A plain param's ``spmd_types`` annotations as the placements of a DTensor on the mesh
+    (``dim_names``): ``(kinds, full shape)``, ``kinds`` as :func:`placement_kind`'s per mesh dim
+    (feed :func:`spmd_slicing`): ``R`` / ``I`` on an axis is ``("R", None)``, ``V`` with the axis
+    alone on tensor dim ``d`` of its ``PartitionSpec`` is ``("S", d)``, ``P`` is ``("P", None)``
+    (which :func:`spmd_slicing` refuses on every axis of size > 1). An axis the annotations leave
+    out is ``Replicate`` on a data-parallel axis (FSDP2 shards it there) and unknown on a model
+    axis. The full shape is the local one times the axis size on the sliced dim.
+
+    Raises:
+      ValueError (naming the param and what to do): ``V`` without a ``PartitionSpec`` that puts the
+        axis on exactly one tensor dim, alone; ``V`` / ``P`` on an axis that is no dim of the mesh;
+        a model axis of size > 1 the annotations leave out.
+    """
+    advice = ("dmuon dedicates matrices that are whole on every model axis or sliced by one plain "
+              "S(dim) on one; leave this one to FSDP2 and AdamW (the predicate or a policy rule)")
+    by_dim: dict[str, tuple[str, Any]] = {}
+    full = list(types.shape)
+    for label, letter, dim_name, size in types.axes:
+        if letter in ("R", "I") or size <= 1:
+            if dim_name is not None:
+                by_dim[dim_name] = ("R", None)
+            continue
+        if dim_name is None:
+            raise ValueError(
+                f"param {name!r}: its spmd_types type is {letter} on the mesh axis {label}, which "
+                f"is not a dim of the mesh given to dedicate_params {tuple(dim_names)}; pass the "
+                f"full SPMD mesh (resolve_fsdp_mesh's). {advice}.")
+        if letter != "V":
+            by_dim[dim_name] = (letter, None)
+            continue
+        dims = [d for d, entry in enumerate(types.spec or ()) if label in entry]
+        if len(dims) != 1 or types.spec[dims[0]] != (label,):
+            raise ValueError(
+                f"param {name!r}: its spmd_types type is V on the mesh axis {label} with the "
+                f"PartitionSpec {types.spec}, which does not put {label} alone on one tensor dim, "
+                f"so dmuon cannot tell how its local tensor is cut from the matrix. {advice}.")
+        by_dim[dim_name] = ("S", dims[0])
+        full[dims[0]] *= size
+    kinds = []
+    for dim_name, size in axes.sizes:
+        kind = by_dim.get(dim_name)
+        if kind is None and size > 1 and dim_name not in axes.dp:
+            raise ValueError(
+                f"param {name!r}: its spmd_types annotations {[a[:2] for a in types.axes]} name "
+                f"no type on the model axis {dim_name!r} (size {size}), so dmuon cannot tell "
+                f"whether it is sliced there. {advice}.")
+        kinds.append(kind or ("R", None))
+    return kinds, tuple(full)
+
+
 def spmd_slicing(name: str, shape: Sequence[int], dim_names: Sequence[str],
                  kinds: Sequence[tuple[str, Any]], axes: DPAxes) -> Optional[tuple[str, int]]:
     """How a dedicated matrix that is a DTensor on the full SPMD mesh is sliced: ``None`` when it
@@ -202,12 +275,13 @@ def plain_params_problem(plain: Sequence[str], annotated: Sequence[str],
     Args:
       plain: the selected params that are plain tensors.  annotated: those of them that carry
         ``spmd_types`` annotations (torchtitan 0.3's default backend keeps each param a plain
-        local tensor, a TP slice included, and records its layout in them).
+        local tensor, a TP slice included, and records its layout in them:
+        :func:`spmd_types_kinds` reads it).
       axes: the mesh's roles from ``dp_mesh_dims``, or ``None`` when dedicate_params got none.
 
     A problem: annotations without ``dp_mesh_dims`` (the mesh dmuon was given is not the one
-    FSDP2 gets); plain tensors on a mesh with a model axis of size > 1 (a TP slice cannot be told
-    from a whole matrix: dmuon reads TP from DTensor placements).
+    FSDP2 gets); plain tensors without annotations on a mesh with a model axis of size > 1 (a TP
+    slice cannot be told from a whole matrix).
     """
     if axes is None:
         if not annotated:
@@ -216,14 +290,15 @@ def plain_params_problem(plain: Sequence[str], annotated: Sequence[str],
                 "annotations (torchtitan 0.3's default parallelism.spmd_backend='spmd_types', "
                 "where fully_shard runs on the full SPMD mesh with dp_mesh_dims), but "
                 f"dedicate_params got no dp_mesh_dims. {SPMD_FIX}.")
-    if plain and axes.model:
+    bare = [n for n in plain if n not in set(annotated)]
+    if bare and axes.model:
         return (f"dedicate_params: the mesh has the model axes {list(axes.model)} of size > 1 "
-                f"but {len(plain)} selected params (e.g. {plain[0]!r}) are plain tensors, not "
-                "DTensors, so dmuon cannot tell a TP slice from a whole matrix (spmd_types keeps "
-                "TP slices as plain local tensors). dmuon takes tensor parallelism from DTensor "
-                "placements: in torchtitan 0.3 set parallelism.spmd_backend='full_dtensor' (or "
-                "'partial_dtensor') for TP with dmuon; spmd_types works with tensor_parallel_degree"
-                " 1.")
+                f"but {len(bare)} selected params (e.g. {bare[0]!r}) are plain tensors without "
+                "spmd_types annotations, not DTensors, so dmuon cannot tell a TP slice from a "
+                "whole matrix. dmuon takes tensor parallelism from DTensor placements or from "
+                "spmd_types annotations (torchtitan 0.3's parallelize records them): make the "
+                "model's params DTensors on the mesh, or annotate them (spmd_types.assert_type "
+                "with a PartitionSpec), or leave them to AdamW (the predicate).")
     return None
 
 

@@ -150,6 +150,9 @@ class TPLayout:
       parts: ``T``, the TP degree.
       group: the 1-D TP mesh when ``mesh`` is a full SPMD mesh (``dp_mesh_dims``; ``placements``
         are then its placements on every axis), else ``None`` (``mesh`` is the TP mesh).
+      local: the model computes on the plain local slice (a param with ``spmd_types``
+        annotations: torchtitan 0.3's default backend, whose forward runs TP's collectives
+        itself), so its forward is shown that slice, not a DTensor.
     """
 
     mesh: Any
@@ -159,6 +162,7 @@ class TPLayout:
     dim: int
     parts: int
     group: Any = None
+    local: bool = False
 
     def view(self) -> Sliced:
         """The matrix view NS and the shape scale see

@@ -7,8 +7,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from dmuon.functional.matrix_view import Sliced
 from dmuon.functional.policy import Decision
-from dmuon.functional.spmd_mesh import (SPMD_FIX, DPAxes, placement_kind, plain_params_problem,
-                                        spmd_slicing)
+from dmuon.functional.spmd_mesh import (SPMD_FIX, DPAxes, SpmdTypes, placement_kind,
+                                        plain_params_problem, spmd_slicing, spmd_types_kinds)
 from dmuon.functional.tp_plan import TPLayout, tp_slicing_problem, with_tp_views
 
 __all__ = ["tp_layouts_of", "tp_mesh_ranks", "tp_decisions", "spmd_layouts_of"]
@@ -63,22 +63,30 @@ def tp_mesh_ranks(layouts: Mapping[str, TPLayout]) -> Optional[tuple[int, ...]]:
 def spmd_layouts_of(dtensors: Mapping[str, Any], aliases: Mapping[int, Sequence[str]],
                     axes: Optional[DPAxes], *, shard_type: type, replicate_type: type, fix: str,
                     error: Callable[[str], Exception], plain: Sequence[str] = (),
-                    annotated: Sequence[str] = ()
+                    annotated: Sequence[str] = (), typed: Optional[Mapping[str, Any]] = None,
+                    spmd_mesh: Any = None
                     ) -> tuple[dict[str, TPLayout], dict[str, TPLayout]]:
     """The dedicated matrices that are DTensors on a full SPMD mesh (``axes``: its roles, from
-    ``dp_mesh_dims``; :mod:`dmuon.functional.spmd_mesh`): ``(TP-sliced layouts, whole views)``.
+    ``dp_mesh_dims``; :mod:`dmuon.functional.spmd_mesh`), or plain tensors with ``spmd_types``
+    annotations on it: ``(TP-sliced layouts, whole views)``.
     A sliced one gets a :class:`~dmuon.functional.tp_plan.TPLayout` whose ``group`` is its 1-D TP
-    mesh (checked as on that mesh by :func:`tp_layouts_of`); a whole one (``Replicate()`` on
+    mesh (checked as on that mesh by :func:`tp_layouts_of`); a whole DTensor (``Replicate()`` on
     every axis of size > 1) a layout of one part, so that the forward sees it as the DTensor it
-    was. Without ``axes``, a DTensor on a mesh of several dims raises ``ValueError`` saying to
-    pass ``dp_mesh_dims``; else this is :func:`tp_layouts_of`'s answer and no views.
+    was; a whole annotated plain tensor nothing (it is a plain matrix). Without ``axes``, a DTensor
+    on a mesh of several dims raises ``ValueError`` saying to pass ``dp_mesh_dims``; else this is
+    :func:`tp_layouts_of`'s answer and no views.
 
     Args:
       plain, annotated: the selected params that are plain tensors, and those of them with
         ``spmd_types`` annotations (:func:`~dmuon.functional.spmd_mesh.plain_params_problem`).
+      typed: ``{name: (param, the fields of its SpmdTypes)}`` of the annotated ones
+        (:func:`dmuon.compat.spmd_mesh.spmd_types_of`); their layouts are ``local`` (the forward
+        computes on the plain slice) and their placements the DTensor ones the annotations mean.
+      spmd_mesh: the full SPMD mesh (``typed``'s TP sub-meshes are sliced from it).
 
     Raises:
-      ValueError: from :func:`~dmuon.functional.spmd_mesh.spmd_slicing` (naming the param) or
+      ValueError: from :func:`~dmuon.functional.spmd_mesh.spmd_slicing` /
+        :func:`~dmuon.functional.spmd_mesh.spmd_types_kinds` (naming the param) or
         :func:`~dmuon.functional.spmd_mesh.plain_params_problem`; ``error``: as
         :func:`tp_layouts_of`.
     """
@@ -105,21 +113,50 @@ def spmd_layouts_of(dtensors: Mapping[str, Any], aliases: Mapping[int, Sequence[
         if got is None:
             views[n] = TPLayout(mesh, pl, tuple(p.shape), tuple(p.stride()), 0, 1)
         else:
-            sliced[n] = (p, mesh[got[0]], pl[names.index(got[0])])
-    one_d = {n: _OnTPMesh(p, group, placement) for n, (p, group, placement) in sliced.items()}
-    ties = {id(one_d[n]): aliases.get(id(sliced[n][0]), ()) for n in one_d}
+            sliced[n] = (_Typed(p, p.device_mesh, pl, tuple(p.shape), tuple(p.stride()), False),
+                         mesh[got[0]], pl[names.index(got[0])])
+    names = tuple(spmd_mesh.mesh_dim_names or ()) if typed else ()
+    for n, (p, fields) in (typed or {}).items():
+        kinds, full = spmd_types_kinds(n, SpmdTypes(*fields), names, axes)
+        got = spmd_slicing(n, full, names, kinds, axes)
+        if got is not None:  # a whole annotated matrix is a plain one: nothing to record
+            pl = tuple(shard_type(d) if k == "S" else replicate_type() for k, d in kinds)
+            sliced[n] = (_Typed(p, spmd_mesh, pl, full, _contiguous_stride(full), True),
+                         spmd_mesh[got[0]], pl[names.index(got[0])])
+    one_d = {n: _OnTPMesh(t, group, placement) for n, (t, group, placement) in sliced.items()}
+    ties = {id(one_d[n]): aliases.get(id(sliced[n][0].param), ()) for n in one_d}
     layouts = tp_layouts_of(one_d, ties, shard_type=shard_type, fix=fix, error=error)
-    return {n: TPLayout(sliced[n][0].device_mesh, tuple(sliced[n][0].placements), lay.shape,
-                        lay.stride, lay.dim, lay.parts, lay.mesh)
+    return {n: TPLayout(sliced[n][0].device_mesh, sliced[n][0].placements, lay.shape,
+                        lay.stride, lay.dim, lay.parts, lay.mesh, sliced[n][0].local)
             for n, lay in layouts.items()}, views
 
 
-class _OnTPMesh:
-    """A full-mesh DTensor seen as on its 1-D TP mesh (what :func:`tp_layouts_of` reads)."""
+def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    out, step = [], 1
+    for d in reversed(tuple(shape)):
+        out.append(step)
+        step *= int(d)
+    return tuple(reversed(out))
 
-    def __init__(self, p: Any, group: Any, placement: Any):
-        self.device_mesh, self.placements, self.shape = group, (placement,), p.shape
-        self.stride = p.stride
+
+class _Typed:
+    """A sliced dedicated matrix on a full SPMD mesh: ``param`` (its ties are looked up by it),
+    the mesh, the placements (a DTensor's, or those its spmd_types annotations mean), the full
+    shape and stride, and whether the forward computes on the plain slice (``local``)."""
+
+    def __init__(self, param: Any, device_mesh: Any, placements: tuple, shape: tuple,
+                 stride: tuple, local: bool):
+        self.param, self.device_mesh, self.placements = param, device_mesh, placements
+        self.shape, self.stride, self.local = shape, stride, local
+
+
+class _OnTPMesh:
+    """A sliced matrix on a full SPMD mesh (:class:`_Typed`) seen as on its 1-D TP mesh (what
+    :func:`tp_layouts_of` reads)."""
+
+    def __init__(self, t: _Typed, group: Any, placement: Any):
+        self.device_mesh, self.placements, self.shape = group, (placement,), t.shape
+        self.stride = lambda: t.stride
 
 
 def tp_decisions(decisions: Mapping[str, Decision], views: Mapping[str, Sliced], *,

@@ -16,7 +16,7 @@ import torch.nn as nn
 from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.selection import names_by_object
 from dmuon.functional.tp_plan import TPLayout, tp_roots
-from dmuon.compat.spmd_mesh import spmd_annotated
+from dmuon.compat.spmd_mesh import spmd_typed
 from dmuon.functional.tp_setup import spmd_layouts_of
 from dmuon.functional.tp_step import (grad_agreement_verdict, grad_agreement_vector, group_max,
                                       tp_orthogonalizer, tp_sum_partials)
@@ -35,30 +35,34 @@ def _is_dtensor(p: Any) -> bool:
     return isinstance(p, DTensor)
 
 
-def tp_layouts(model: nn.Module, chosen: Mapping[str, Any], axes: Any = None
-               ) -> tuple[dict[str, TPLayout], dict[str, TPLayout]]:
-    """``(TP layouts, whole views)`` of the chosen params (``axes``: a full SPMD mesh's, from
+def tp_layouts(model: nn.Module, chosen: Mapping[str, Any], axes: Any = None,
+               mesh: Any = None) -> tuple[dict[str, TPLayout], dict[str, TPLayout]]:
+    """``(TP layouts, whole views)`` of the chosen params (``axes``: a full SPMD ``mesh``'s, from
     ``dp_mesh_dims``): :func:`dmuon.functional.tp_setup.spmd_layouts_of`, which names what it
-    refuses (``TensorParallelUnsupported`` / ``ValueError``)."""
+    refuses (``TensorParallelUnsupported`` / ``ValueError``). Plain params with ``spmd_types``
+    annotations are read by :func:`dmuon.compat.spmd_mesh.spmd_types_of`."""
     from torch.distributed.tensor import Replicate, Shard
     dts = {n: p for n, p in chosen.items() if _is_dtensor(p)}
+    annotated, typed = spmd_typed(model, {n: p for n, p in chosen.items() if n not in dts},
+                                  mesh, read=axes is not None and bool(axes.model))
     return spmd_layouts_of(
         dts, names_by_object(model.named_parameters(remove_duplicate=False)), axes,
         plain=[n for n in chosen if n not in dts], shard_type=Shard, replicate_type=Replicate,
-        annotated=[n for n, p in chosen.items() if spmd_annotated(p)], fix=TP_FIX,
-        error=TensorParallelUnsupported)
+        annotated=annotated, fix=TP_FIX, error=TensorParallelUnsupported, typed=typed,
+        spmd_mesh=mesh)
 
 
 class TPForward:
     """Hooks that show each TP-sliced dedicated param as TP's DTensor (``DTensor.from_local`` of
     its gathered slice) for the whole forward of its hook group's module; registered after
-    dmuon's group hooks. Afterwards a gathered slice is a ``TPSliceGuard``."""
+    dmuon's group hooks. Afterwards a gathered slice is a ``TPSliceGuard``. A ``local`` layout's
+    param (spmd_types: the model computes on plain slices) is left its plain slice throughout."""
 
     def __init__(self, model: nn.Module, layouts: Mapping[str, TPLayout],
                  group_of: Mapping[str, str], group_modules: Mapping[str, nn.Module]):
         self.layouts = dict(layouts)
         by_group: dict[str, list[tuple[nn.Module, str, str]]] = {}
-        for n in layouts:
+        for n in (n for n, lay in layouts.items() if not lay.local):  # local: plain slices
             mod_name, _, leaf = n.rpartition(".")
             owner = model.get_submodule(mod_name) if mod_name else model
             by_group.setdefault(group_of[n], []).append((owner, leaf, n))

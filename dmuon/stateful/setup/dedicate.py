@@ -40,7 +40,7 @@ from dmuon.stateful.runtime.process_groups import agree_grids, make_process_grou
 from dmuon.stateful.modes.deferred import covers_world, defer, find_pending, should_defer
 from dmuon.stateful.modes.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
                                                   tp_layouts)
-from dmuon.stateful.runtime.state import STATE_ATTR, DedicatedState, find_state
+from dmuon.stateful.runtime.state import STATE_ATTR, DedicatedState, find_state, local_tensor
 from dmuon.stateful.checkpoint.torch_state_dict import register_state_dict_hooks
 
 logger = logging.getLogger(__name__)
@@ -190,14 +190,15 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
         if finishing:
             check_materialized(chosen)
         if not deferring:
-            layouts, views = tp_layouts(model, chosen, axes)  # TP-sharded DTensors (tensor_parallel.py)
+            # TP-sharded DTensors or spmd_types slices (tensor_parallel.py)
+            layouts, views = tp_layouts(model, chosen, axes, full_mesh)
             check_choice(collectives, data_parallel, tp=bool(layouts), split=max_split > 1)
             decisions = tp_decisions(decide_params(model, chosen, pol, options.batch_dims),
                                      {n: lay.view() for n, lay in layouts.items()},
                                      data_parallel=data_parallel, fix=TP_FIX,
                                      on_meta=any(p.is_meta for p in chosen.values()),
                                      error=TensorParallelUnsupported)
-            spec_named = [(n, tuple(p.to_local().shape), p.dtype) if n in layouts else (n, p)
+            spec_named = [(n, tuple(local_tensor(p).shape), p.dtype) if n in layouts else (n, p)
                           for n, p in named]
             routing = model_routing_table(model, pol, decisions, predicate)
             specs = specs_from_named_shapes(spec_named, lambda n, p: n in chosen,
@@ -240,7 +241,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
         mesh_groups = with_split_groups(mesh_groups, [sp.members for sp in plan.splits])
     bound_mesh_groups((mesh, replicate_mesh), timeout, logger)
     chosen = {**chosen, **replace_params(  # TP: plain local slices from here on
-        model, {n: chosen[n] for n in {**layouts, **views}},
+        model, {n: chosen[n] for n, lay in {**layouts, **views}.items() if not lay.local},
         lambda p: nn.Parameter(p.to_local().detach(), requires_grad=p.requires_grad))}
     meta_shapes = meta_device = None
     if on_meta:  # meta-device init: new real-device param objects, no values (meta_init.py)
