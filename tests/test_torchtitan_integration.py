@@ -291,7 +291,11 @@ def _llama3_tp2_dp2(rank: int, world: int) -> dict:
             "dims": (pd.dp_shard, pd.tp)}
 
 
-def _tt_reference(init_sd: dict) -> dict:
+def _tt_reference(init_sd: dict, *, by_param: bool = False) -> dict:
+    """One process from ``init_sd``: 3 steps of functional Muon on the :func:`_tt_predicate`
+    matrices and torch AdamW on the rest, full batch; the final ``state_dict()``. With
+    ``by_param``, ``init_sd`` and the result are keyed by parameter name (``named_parameters``:
+    the fused ``wqkv`` whole, not the ``wq`` / ``wk`` / ``wv`` its state-dict hooks split it into)."""
     from dmuon.functional import muon as fmuon
     _, mc = _llama3_tp_config()
     prev = torch.get_default_dtype()
@@ -301,7 +305,12 @@ def _tt_reference(init_sd: dict) -> dict:
     finally:
         torch.set_default_dtype(prev)
     _use_causal_sdpa(model)
-    model.load_state_dict(init_sd)
+    if by_param:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(init_sd[n])
+    else:
+        model.load_state_dict(init_sd)
     mats = {n: p for n, p in model.named_parameters() if _tt_predicate(n, p)}
     rest = [p for n, p in model.named_parameters() if n not in mats]
     adam = torch.optim.AdamW(rest, lr=TT_HP["adamw_lr"], betas=TT_HP["adamw_betas"],
@@ -317,7 +326,8 @@ def _tt_reference(init_sd: dict) -> dict:
             _, state = fmuon.update({n: p.grad for n, p in mats.items()}, state,
                                     {n: p.data for n, p in mats.items()}, hp, donate=True)
         adam.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    items = model.named_parameters() if by_param else model.state_dict().items()
+    return {k: v.detach().clone() for k, v in items}
 
 
 @pytest.mark.slow

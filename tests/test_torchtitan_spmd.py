@@ -208,12 +208,18 @@ def test_llama3_spmd_types_dp2_equals_one_process():
         assert worst <= 1e-10, worst
 
 
-def test_llama3_spmd_types_tp2_dp2_equals_whole_matrix_muon():
+@pytest.fixture(scope="module")
+def tp2_dp2_run() -> list:
+    """The dmuon run at TP 2 x dp 2 (4 gloo ranks), shared by the two comparisons below."""
+    return run_ranks(_spmd_run, 4, 2, timeout=300)
+
+
+def test_llama3_spmd_types_tp2_dp2_equals_whole_matrix_muon(tp2_dp2_run):
     """torchtitan 0.3.0's default backend with TP 2 x dp 2 (4 gloo ranks), the recipe verbatim:
     3 steps equal the same model and mesh without dmuon whose Muon matrices are updated whole
     (their gradients gathered, functional Muon) and the rest by torch AdamW, to <= 1e-10 in fp64
     (:func:`_spmd_reference`: the reference runs torchtitan's own TP forward, see there)."""
-    res = run_ranks(_spmd_run, 4, 2, timeout=300)
+    res = tp2_dp2_run
     assert res[0]["error"] is None, res[0]["error"]
     assert res[0]["deferred"] and res[0]["n_dedicated"] == 24
     assert len(res[0]["tp_names"]) == 24  # every dedicated matrix is a TP slice
@@ -221,6 +227,21 @@ def test_llama3_spmd_types_tp2_dp2_equals_whole_matrix_muon():
     ref = run_ranks(_spmd_reference, 4, res[0]["init_params"], timeout=300)[0]
     for r in res:
         assert all(torch.equal(v, res[0]["init_params"][k]) for k, v in r["init_params"].items())
+        worst = max(float((r["params"][k] - v).abs().max() / v.abs().max().clamp_min(1e-30))
+                    for k, v in ref.items())
+        assert worst <= 1e-10, worst
+
+
+@pytest.mark.xfail(strict=True, reason="the TP forward runs outside torchtitan's SPMD mesh "
+                   "context (its trainer's train_context): spmd_types' redistributions are no-ops "
+                   "there, so the TP model is not the one-process model")
+def test_llama3_spmd_types_tp2_dp2_equals_one_process(tp2_dp2_run):
+    """The same TP 2 x dp 2 dmuon run: 3 steps equal one process (the whole model from the same
+    initial values, full batch, functional Muon + torch AdamW) to <= 1e-10 in fp64."""
+    res = tp2_dp2_run
+    assert res[0]["error"] is None, res[0]["error"]
+    ref = _tt_reference(res[0]["init_params"], by_param=True)
+    for r in res:
         worst = max(float((r["params"][k] - v).abs().max() / v.abs().max().clamp_min(1e-30))
                     for k, v in ref.items())
         assert worst <= 1e-10, worst
