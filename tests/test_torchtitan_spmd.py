@@ -14,14 +14,18 @@ by ``model.parallelize`` (a plain local tensor with spmd_types annotations), so 
   steps equals one process (functional Muon + torch AdamW) to <= 1e-10.
 - dp 2 x TP 2 under spmd_types: TP slices are plain local tensors there whose layout is in their
   spmd_types annotations (``{dp: R, tp: V}`` and a ``PartitionSpec`` naming the sliced dim);
-  dmuon reads them as the TP layout it derives from DTensor placements. 3 steps equal, to
-  <= 1e-10, the same torchtitan model and mesh without dmuon whose Muon matrices are updated
-  whole (gradients gathered, functional Muon on the full matrix, slices written back) and the
-  rest by torch AdamW (:func:`_spmd_reference`). The reference keeps torchtitan's own TP forward
-  because that forward does not equal the single-process model loaded from the same values here
-  (TP 2 without dmuon: first loss 8.0016 against 8.1108), so "one process" would measure
-  torchtitan's TP, not dmuon. The loss gathers the vocab-sliced logits (:class:`_VocabGather`):
-  torchtitan's loss-parallel CE computes in fp32.
+  dmuon reads them as the TP layout it derives from DTensor placements. 3 steps equal one process
+  (the whole model from the same initial values, full batch) to <= 1e-10 (4.96e-13 measured:
+  the TP forward's own summation order, the reference below differs from one process by the
+  same), and equal bitwise the same torchtitan model and mesh without dmuon whose Muon matrices
+  are updated whole (gradients gathered, functional Muon on the full matrix, slices written back)
+  and the rest by torch AdamW (:func:`_spmd_reference`). Forward, loss and backward run inside
+  torchtitan's SPMD mesh context (:func:`_spmd_context`, what its trainer enters): outside it
+  spmd_types skips every TP collective without an error (torchtitan's
+  ``spmd_redistribute_per_axis`` returns its input when no mesh is current), the embedding's
+  vocab-parallel partial sums are never added and the TP model is not the one-process model
+  (first loss 8.1148 against one process 8.0544 before this was found). The loss gathers the
+  vocab-sliced logits (:class:`_VocabGather`): torchtitan's loss-parallel CE computes in fp32.
 - dp 2 x TP 2 where rank 0 alone lost a matrix's annotations: refused on every rank.
 - dp 2 x TP 2 with ``spmd_backend="partial_dtensor"`` is ``test_torchtitan_integration.py``'s
   ``test_llama3_tp2_dp2_through_parallelize_llama`` (same venv).
@@ -60,6 +64,15 @@ class _VocabGather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad.chunk(ctx.n, dim=-1)[ctx.index], None
+
+
+def _spmd_context(parallel_dims):
+    """torchtitan's SPMD mesh context, which its trainer enters around forward, loss and backward
+    (``train_context``). spmd_types modules run TP's collectives (the vocab-parallel embedding's
+    sum, the row-parallel outputs' reduction, sequence parallelism's gathers) only inside it:
+    outside it they are skipped without an error and each TP rank computes a different model."""
+    from torchtitan.distributed.utils import get_spmd_context
+    return get_spmd_context(parallel_dims=parallel_dims)()
 
 
 def _full_params(model, sd: dict) -> dict:
@@ -118,8 +131,9 @@ def _spmd_reference(rank: int, world: int, init: dict) -> dict:
     for tokens in _tt_batches():
         model.zero_grad(set_to_none=True)
         local = tokens.chunk(world // 2)[dp_rank]
-        logits = _VocabGather.apply(model(local[:, :-1]), pd.get_mesh("tp").get_group())
-        _tt_loss(logits, local).backward()
+        with _spmd_context(pd):
+            logits = _VocabGather.apply(model(local[:, :-1]), pd.get_mesh("tp").get_group())
+            _tt_loss(logits, local).backward()
         with torch.no_grad():
             grads = {n: p.grad.full_tensor().clone() for n, p in mats.items()}
             _, state = fmuon.update(grads, state, full, hp, donate=True)
@@ -180,11 +194,12 @@ def _spmd_run(rank: int, world: int, tp: int, spoil: bool = False) -> dict:
     for tokens in _tt_batches():
         opt.zero_grad()
         local = tokens.chunk(world // tp)[dp_rank]
-        logits = model(local[:, :-1])
-        if tp > 1:  # spmd_types: this rank's vocab slice (colwise lm_head), gathered exactly
-            logits = _VocabGather.apply(logits, pd.get_mesh("tp").get_group())
-        loss = _tt_loss(logits, local)
-        loss.backward()
+        with _spmd_context(pd):
+            logits = model(local[:, :-1])
+            if tp > 1:  # spmd_types: this rank's vocab slice (colwise lm_head), gathered exactly
+                logits = _VocabGather.apply(logits, pd.get_mesh("tp").get_group())
+            loss = _tt_loss(logits, local)
+            loss.backward()
         losses.append(float(loss.detach()))
         opt.step()
     sd = dmuon.get_model_state_dict(model, cpu_offload=True)
@@ -218,7 +233,8 @@ def test_llama3_spmd_types_tp2_dp2_equals_whole_matrix_muon(tp2_dp2_run):
     """torchtitan 0.3.0's default backend with TP 2 x dp 2 (4 gloo ranks), the recipe verbatim:
     3 steps equal the same model and mesh without dmuon whose Muon matrices are updated whole
     (their gradients gathered, functional Muon) and the rest by torch AdamW, to <= 1e-10 in fp64
-    (:func:`_spmd_reference`: the reference runs torchtitan's own TP forward, see there)."""
+    (:func:`_spmd_reference`: the same TP forward and backward, so this isolates dmuon's update;
+    bitwise here)."""
     res = tp2_dp2_run
     assert res[0]["error"] is None, res[0]["error"]
     assert res[0]["deferred"] and res[0]["n_dedicated"] == 24
@@ -232,12 +248,11 @@ def test_llama3_spmd_types_tp2_dp2_equals_whole_matrix_muon(tp2_dp2_run):
         assert worst <= 1e-10, worst
 
 
-@pytest.mark.xfail(strict=True, reason="the TP forward runs outside torchtitan's SPMD mesh "
-                   "context (its trainer's train_context): spmd_types' redistributions are no-ops "
-                   "there, so the TP model is not the one-process model")
 def test_llama3_spmd_types_tp2_dp2_equals_one_process(tp2_dp2_run):
     """The same TP 2 x dp 2 dmuon run: 3 steps equal one process (the whole model from the same
-    initial values, full batch, functional Muon + torch AdamW) to <= 1e-10 in fp64."""
+    initial values, full batch, functional Muon + torch AdamW) to <= 1e-10 in fp64 (4.96e-13 here,
+    as the whole-matrix reference: TP's reductions sum in another order). Fails (1.42) when the
+    run leaves :func:`_spmd_context` out."""
     res = tp2_dp2_run
     assert res[0]["error"] is None, res[0]["error"]
     ref = _tt_reference(res[0]["init_params"], by_param=True)
