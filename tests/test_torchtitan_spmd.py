@@ -15,7 +15,7 @@ by ``model.parallelize`` (a plain local tensor with spmd_types annotations), so 
 - dp 2 x TP 2 under spmd_types: TP slices are plain local tensors there whose layout is in their
   spmd_types annotations (``{dp: R, tp: V}`` and a ``PartitionSpec`` naming the sliced dim);
   dmuon reads them as the TP layout it derives from DTensor placements. 3 steps equal one process
-  (the whole model from the same initial values, full batch) to <= 1e-10 (4.96e-13 measured:
+  (the whole model from the same initial values, full batch) to <= 1e-10 (5.2e-13 measured:
   the TP forward's own summation order, the reference below differs from one process by the
   same), and equal bitwise the same torchtitan model and mesh without dmuon whose Muon matrices
   are updated whole (gradients gathered, functional Muon on the full matrix, slices written back)
@@ -24,8 +24,9 @@ by ``model.parallelize`` (a plain local tensor with spmd_types annotations), so 
   spmd_types skips every TP collective without an error (torchtitan's
   ``spmd_redistribute_per_axis`` returns its input when no mesh is current), the embedding's
   vocab-parallel partial sums are never added and the TP model is not the one-process model
-  (first loss 8.1148 against one process 8.0544 before this was found). The loss gathers the
-  vocab-sliced logits (:class:`_VocabGather`): torchtitan's loss-parallel CE computes in fp32.
+  (first loss 7.6562 against one process 7.6679 without it). The initial values are drawn whole
+  and written through the slices (:func:`_distinct_values`). The loss gathers the vocab-sliced
+  logits (:class:`_VocabGather`): torchtitan's loss-parallel CE computes in fp32.
 - dp 2 x TP 2 where rank 0 alone lost a matrix's annotations: refused on every rank.
 - dp 2 x TP 2 with ``spmd_backend="partial_dtensor"`` is ``test_torchtitan_integration.py``'s
   ``test_llama3_tp2_dp2_through_parallelize_llama`` (same venv).
@@ -73,6 +74,30 @@ def _spmd_context(parallel_dims):
     outside it they are skipped without an error and each TP rank computes a different model."""
     from torchtitan.distributed.utils import get_spmd_context
     return get_spmd_context(parallel_dims=parallel_dims)()
+
+
+def _distinct_values(model, tp: int, tp_rank: int) -> None:
+    """Overwrite ``init_weights``' values with whole tensors drawn from one seed, each rank
+    writing its part (FSDP2's DTensors by their placements, a dedicated TP slice on the dim where
+    it is smaller than the whole). On a CPU mesh every rank fills its local shard from the same
+    seed, so each whole matrix would be copies of one block: a slice put in the wrong place would
+    not show."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+    _, mc = _llama3_tp_config()
+    with torch.device("meta"):
+        shapes = {n: p.shape for n, p in mc.build().named_parameters()}
+    g = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for n, p in model.named_parameters():  # the same order on every rank
+            whole = torch.randn(shapes[n], generator=g, dtype=torch.float64)
+            whole = 1 + 0.1 * whole if whole.ndim == 1 else \
+                whole * (1.0 if "tok_embeddings" in n else 0.02)
+            if isinstance(p, DTensor):
+                p.to_local().copy_(distribute_tensor(whole, p.device_mesh,
+                                                     p.placements).to_local())
+                continue
+            cut = [d for d in range(whole.ndim) if p.shape[d] != whole.shape[d]]
+            p.copy_(whole.chunk(tp, cut[0])[tp_rank] if cut else whole)
 
 
 def _full_params(model, sd: dict) -> dict:
@@ -182,6 +207,7 @@ def _spmd_run(rank: int, world: int, tp: int, spoil: bool = False) -> dict:
     torch.manual_seed(0)
     with torch.no_grad():
         model.init_weights(buffer_device=None)
+    _distinct_values(model, tp, pd.get_mesh("tp").get_local_rank() if tp > 1 else 0)
     try:
         opt = dmuon.Muon(model, **TT_HP, ns_dtype=torch.float64)
     except ValueError as e:
@@ -250,8 +276,8 @@ def test_llama3_spmd_types_tp2_dp2_equals_whole_matrix_muon(tp2_dp2_run):
 
 def test_llama3_spmd_types_tp2_dp2_equals_one_process(tp2_dp2_run):
     """The same TP 2 x dp 2 dmuon run: 3 steps equal one process (the whole model from the same
-    initial values, full batch, functional Muon + torch AdamW) to <= 1e-10 in fp64 (4.96e-13 here,
-    as the whole-matrix reference: TP's reductions sum in another order). Fails (1.42) when the
+    initial values, full batch, functional Muon + torch AdamW) to <= 1e-10 in fp64 (5.2e-13 here,
+    as the whole-matrix reference: TP's reductions sum in another order). Fails (0.65) when the
     run leaves :func:`_spmd_context` out."""
     res = tp2_dp2_run
     assert res[0]["error"] is None, res[0]["error"]
