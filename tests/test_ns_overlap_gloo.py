@@ -2,9 +2,11 @@
 bitwise the same params, Muon / variant state and AdamW state as without it after 3 steps, in Z3,
 Z2 and HSDP (2 replicas of 1), with plain steps, gradient accumulation over 2 backwards, clipping
 between backward and step, an lr changed between backward and step, zero_grad then a new
-backward, and a variant chain (NorMuon); the speculation is committed where valid and discarded
+backward, accumulation under ``dmuon.no_sync`` (one reduce: committed), and a variant chain (NorMuon); the speculation is committed where valid and discarded
 otherwise (the optimizer's overlap counters). One spawn (slow tier)."""
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -15,7 +17,7 @@ from stateful_harness import build_dmuon
 
 pytestmark = pytest.mark.slow
 
-SCENARIOS = ("plain", "accum", "clip", "lr", "zero", "variant")
+SCENARIOS = ("plain", "accum", "no_sync", "clip", "lr", "zero", "variant")
 MODES = (dict(id="z3", z3=True), dict(id="z2", z3=False), dict(id="hsdp", hsdp=True))
 
 
@@ -50,9 +52,11 @@ def _train(rank, world, mode, scenario, overlap):
         if scenario == "zero":  # a batch dropped after its backward: the speculation discarded
             model(local).backward()
             opt.zero_grad()
-        micro = local.chunk(2) if scenario == "accum" else [local]
-        for mb in micro:  # accum: two synced backwards, each reduces
-            (model(mb) / len(micro)).backward()
+        micro = local.chunk(2) if scenario in ("accum", "no_sync") else [local]
+        for i, mb in enumerate(micro):  # accum: two synced backwards, each reduces
+            sync = scenario != "no_sync" or i == len(micro) - 1  # no_sync: one reduce, valid
+            with contextlib.nullcontext() if sync else dmuon.no_sync(model):
+                (model(mb) / len(micro)).backward()
         if scenario == "clip":
             dmuon.clip_grad_norm_(model, 0.05)
         if scenario == "lr":
@@ -72,7 +76,6 @@ def _worker(rank, world):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="Muon.set_ns_overlap does not exist yet")
 def test_ns_overlap_bitwise_gloo():
     results = run_ranks(_worker, 2, timeout=240)
     for key in results[0]:
@@ -81,9 +84,9 @@ def test_ns_overlap_bitwise_gloo():
         committed = sum(res[key][1]["committed"] for res in results)
         discarded = sum(res[key][1]["discarded"] for res in results)
         scenario = key[1]
-        if scenario in ("plain", "variant", "zero"):  # zero: the 2nd backward's is valid
+        if scenario in ("plain", "no_sync", "variant", "zero"):  # zero: the 2nd backward's
             assert committed > 0, (key, [r[key][1] for r in results])
-        if scenario in ("plain", "variant"):
+        if scenario in ("plain", "no_sync", "variant"):
             assert discarded == 0, (key, [r[key][1] for r in results])
         if scenario in ("accum", "clip", "lr", "zero"):
             assert discarded > 0, (key, [r[key][1] for r in results])
