@@ -115,19 +115,25 @@ class NSOverlap:
         if not names:
             return None
         grads = {r.name: r.grad for r in rgs if r.name in names}
-        owner = opt._owner
         stamp = self._stamp(opt, names, grads)
-        state, params = speculative_inputs(owner.state, owner.fields, rt.owned_masters(), names,
-                                           self._buffer)
+        return _Spec(names, stamp, *self._compute(opt, names, grads), [0])
+
+    def _compute(self, opt: Any, names: list, grads: dict) -> tuple[dict, dict]:
+        """One hook group's owner update of ``names``, out of place: ``(fields, params)``."""
+        owner = opt._owner
+        state, params = speculative_inputs(owner.state, owner.fields,
+                                           opt.dedicated_state.owned_masters(), names, self._buffer)
         params, state = owner.run(grads, state, params, opt.muon_hparams(), donate_grads=False,
                                   orthogonalizer=opt._orthogonalizer,
                                   elementwise=opt._elementwise())
-        return _Spec(names, stamp, speculative_fields(state, owner.fields), params, [0])
+        return speculative_fields(state, owner.fields), params
 
     # ------------------------------------------------------------------ in step()
     def commit(self, grads: dict) -> tuple[dict, list]:
         """In ``step()``, after the reduces were waited: commit every valid speculation (the
-        current stream waits for them first); returns ``(grads for the rest, committed names)``."""
+        current stream waits for them first) and, while on, compute every other hook group's
+        update the same way now (the same NS batches, early or not: a batched NS rounds with its
+        batch); returns ``(grads left for the chain's own step, names updated here)``."""
         opt = self.ref()
         valid = []
         for key, spec in self.specs.items():
@@ -137,14 +143,23 @@ class NSOverlap:
             else:
                 logger.debug("dmuon: ns_overlap: hook group %r recomputed: %s", key, why)
         self._wait()
+        owner, rt = opt._owner, opt.dedicated_state
         done = [n for spec in valid for n in spec.names]
-        owner, masters = opt._owner, opt.dedicated_state.owned_masters()
-        for spec in valid:
-            commit_(owner.state, owner.fields, masters, spec.fields, spec.params)
         self.stats["committed"] += len(valid)
         self.stats["early_matrices"] += len(done)
         self.stats["discarded"] += len(self.specs) - len(valid)
         self.specs.clear()
+        results = [(spec.fields, spec.params) for spec in valid]
+        if self._active():
+            rest: dict[str, list] = {}
+            for n, g in grads.items():
+                if g is not None and n not in done:
+                    rest.setdefault(rt.group_of[n], []).append(n)
+            for names in rest.values():
+                results.append(self._compute(opt, names, {n: grads[n] for n in names}))
+                done += names
+        for fields, params in results:
+            commit_(owner.state, owner.fields, rt.owned_masters(), fields, params)
         return {n: None if n in done else g for n, g in grads.items()}, done
 
     def discard(self) -> None:
