@@ -21,7 +21,7 @@ import statistics
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["MODES", "check_mode", "overlap_blocker", "resolve_mode", "early_names", "Stamp",
-           "stamp_key", "invalid_reason", "auto_choice"]
+           "stamp_key", "take_stamp", "invalid_reason", "by_group", "auto_choice", "auto_split"]
 
 #: the values of ``dmuon.Muon.set_ns_overlap``
 MODES = ("off", "on", "auto")
@@ -130,3 +130,35 @@ def auto_choice(off_ms: Sequence[float], on_ms: Sequence[float]) -> bool:
     if not off_ms or not on_ms:
         return False
     return statistics.median(on_ms) < statistics.median(off_ms)
+
+
+def take_stamp(hparams: Sequence[Any], steps: int, reduces: int, names: Sequence[str],
+               grads: Mapping[str, Any], live: Sequence[Any]) -> Stamp:
+    """The :class:`Stamp` of an owner update of ``names``: ``hparams`` (what the chain reads,
+    :func:`stamp_key`), the completed steps, the reduces since, the gradients' storage and
+    version, the write count of ``live`` (the state's and masters' tensors of ``names``)."""
+    from dmuon.functional.step_checks import write_count
+    return Stamp(stamp_key(hparams), steps, reduces, tuple(
+        (n, None if grads.get(n) is None else (grads[n].data_ptr(), grads[n]._version))
+        for n in names), write_count(*live))
+
+
+def by_group(grads: Mapping[str, Any], group_of: Mapping[str, str], done: Sequence[str]
+             ) -> list[list[str]]:
+    """The names with a gradient not in ``done``, per hook group (the unit of an owner update
+    while the overlap is on: the same NS batches whether it ran early or in ``step()``)."""
+    out: dict[str, list[str]] = {}
+    for n, g in grads.items():
+        if g is not None and n not in done:
+            out.setdefault(group_of[n], []).append(n)
+    return list(out.values())
+
+
+#: ``"auto"``: iterations left out (warm-up), then timed each way; iteration ``k`` (counted from
+#: the mode's setting) runs with the overlap iff ``k`` is odd
+AUTO_WARMUP, AUTO_EACH = 4, 5
+
+
+def auto_split(ms: Mapping[int, float]) -> tuple[list[float], list[float]]:
+    """``(without, with)``: ``"auto"``'s iteration times (``{iteration: ms}``) by mode."""
+    return [t for k, t in ms.items() if not k % 2], [t for k, t in ms.items() if k % 2]

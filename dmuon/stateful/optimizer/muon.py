@@ -254,30 +254,23 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._rt.pool.persistent = fopts.check_knob("persistent_grad_buffers", enabled)
 
     def set_ns_overlap(self, mode: str) -> None:
-        """Overlap the owners' update (momentum, Newton–Schulz, update) with the backward:
-        ``"off"`` (default), ``"on"``, ``"auto"``. On, a hook group's owned matrices are updated
-        as soon as its reduce has landed on the owner, while the backward goes on (CUDA: on a
-        side stream of the lowest priority, which is also the default stream's: the backward
-        is not favoured by priority, only by being queued first; CPU: in the backward, once the
-        reduce is waited), out of place, into buffers kept across steps (one copy of the owned
-        masters and of their per-param state: the memory cost); ``step()`` commits that result
-        (bitwise what it computes without overlap) only if the gradients, hyper-parameters,
-        knobs, state and masters it read are unchanged (no second backward, clipping, scaling,
-        ``zero_grad``, lr change, load), else recomputes as without overlap.
-        ``"auto"``: on CUDA, alternates iterations with and without it, times them with CUDA
-        events, and keeps it where the median iteration was faster on most ranks (one
-        collective, then fixed; CPU: off). Never applied (``ns_overlap_stats["reason"]`` says
-        why) where the owners' update runs collectives (tensor parallelism, split NS) or the
-        momentum is stored in another dtype or offloaded."""
+        """Overlap the owners' update with the backward: ``"off"`` (default), ``"on"``,
+        ``"auto"`` (CUDA: keep it where alternating timed iterations were faster on most ranks;
+        CPU: off). On, each hook group's update (momentum, NS, update of its owned matrices)
+        starts when its reduce is issued (CUDA: on a side stream of the lowest priority, the
+        default stream's too), out of place into buffers kept across steps (one more copy of the
+        owned masters and their per-param state); ``step()`` commits it, bitwise what it would
+        compute, unless a gradient, hyper-parameter, knob, the state or a master changed since
+        (accumulation, clipping, ``zero_grad``, lr, load): then it recomputes; every group's
+        update is computed per group (its own NS batches). Not applied (``ns_overlap_stats``
+        says why) with TP, split NS, or a momentum stored in another dtype or offloaded."""
         self._overlap.set_mode(mode)
 
     @property
     def ns_overlap_stats(self) -> dict[str, Any]:
-        """The overlap's mode (effective), the reason, and counters since it was built: early
-        updates ``launched``, ``committed`` and ``discarded`` (hook groups), ``early_matrices``
-        (committed), ``side_stream`` (launched on the CUDA side stream)."""
-        o = self._overlap
-        return dict(mode=o.mode, reason=o.reason, **o.stats)
+        """The overlap's mode, reason and counters (hook groups ``launched`` early, ``committed``,
+        ``discarded``; ``early_matrices``; ``side_stream``: launches on the CUDA side stream)."""
+        return dict(mode=self._overlap.mode, reason=self._overlap.reason, **self._overlap.stats)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
