@@ -73,11 +73,20 @@ def _worker(rank, world):
             on, stats = _train(rank, world, mode, scenario, "on")
             same = len(off) == len(on) and all(torch.equal(a, b) for a, b in zip(off, on))
             out[(mode["id"], scenario)] = (same, stats)
+    # a mode whose owner update is not speculated: not applied, decided when set, reason shown
+    model = make_model(dtype=torch.float64)
+    model, opt = build_dmuon(rank, world, model, model.layers, dict(muon_kw=dict(
+        offload_state=True)))
+    opt.set_ns_overlap("on")
+    out["offload"] = (True, dict(opt.ns_overlap_stats))
     return out
 
 
 def test_ns_overlap_bitwise_gloo():
     results = run_ranks(_worker, 2, timeout=240)
+    for rank, res in enumerate(results):
+        stats = res.pop("offload")[1]
+        assert stats["mode"] == "off" and "offload" in stats["reason"], stats
     for key in results[0]:
         for rank, res in enumerate(results):
             assert res[key][0], (rank, key, res[key][1])  # bitwise equal to overlap off
