@@ -81,6 +81,8 @@ class NSOverlap:
             return
         cuda = rt.device.type == "cuda"
         stream = side_stream(rt.device, "ns_overlap") if cuda else None
+        if cuda:  # the reduce's packing (and, at world 1, its whole result) is this stream's
+            stream.wait_stream(torch.cuda.current_stream(rt.device))
         try:
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                 rec = rt.groups[key].inflight_reduces[-1]
@@ -107,6 +109,7 @@ class NSOverlap:
         compute every other group's update per group now (the same NS batches as early: a
         batched NS rounds with its batch); returns ``(grads left, names updated here)``."""
         opt = self.ref()
+        rt = opt.dedicated_state
         valid = [s for s in self.specs.values()
                  if O.invalid_reason(s[1], self._stamp(opt, s[0], grads, s[4][0])) is None]
         self._wait()
@@ -117,12 +120,15 @@ class NSOverlap:
         self.specs.clear()
         results = [s[2:4] for s in valid]
         if self._active():
-            for names in O.by_group(grads, opt.dedicated_state.group_of, done):
+            for names in O.by_group(grads, rt.group_of, done):
                 results.append(self._compute(opt, names, {n: grads[n] for n in names}))
                 done += names
+        cur = torch.cuda.current_stream(rt.device) if rt.device.type == "cuda" else None
         for fields, params in results:
-            commit_(opt._owner.state, opt._owner.fields, opt.dedicated_state.owned_masters(),
-                    fields, params)
+            commit_(opt._owner.state, opt._owner.fields, rt.owned_masters(), fields, params)
+            for t in (*params.values(), *(t for f in fields.values() for t in f.values())):
+                if cur is not None:  # made on the side stream, read here: freed after this
+                    t.record_stream(cur)
         return {n: None if n in done else g for n, g in grads.items()}, done
 
     def discard(self) -> None:
