@@ -54,21 +54,31 @@ def _train_step(model, opt, ids, cfg: Cfg, discard: bool = False) -> torch.Tenso
 
 
 def bitwise_check(cfg: Cfg, device, mesh, model_kind: str, steps: int) -> dict:
-    """Three fresh models, ``steps`` steps each: overlap off, on, and on with every speculation
-    discarded (recomputed in ``step()``): ``on_vs_recomputed`` (the speculation is invisible) and
-    ``on_vs_off`` (equal where the batched NS rounds alike whatever the batch)."""
+    """Fresh models from the same seed, ``steps`` steps each: overlap off (twice: is the training
+    itself reproducible?), on, and on with every speculation discarded (recomputed in
+    ``step()``), under ``torch.use_deterministic_algorithms`` with the math attention kernel (the
+    fused attention and embedding backwards add with atomics: two runs of the same model differ
+    otherwise). ``on_vs_recomputed``: the speculation is invisible; ``on_vs_off``: equal where the
+    batched NS rounds alike whatever the batch."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     got = {}
-    for mode, discard in (("off", False), ("on", False), ("on", True)):
-        model, opt = build(cfg, "dmuon", device, mesh, model_kind)
-        opt.set_ns_overlap(mode)
-        for i, ids in enumerate(make_batches(cfg, device, steps)):
-            _train_step(model, opt, ids, cfg, discard)
-        got[(mode, discard)] = (_state_leaves(opt), dict(opt.ns_overlap_stats))
-        del model, opt
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            for name, mode, discard in (("off", "off", False), ("off_again", "off", False),
+                                        ("on", "on", False), ("recomputed", "on", True)):
+                model, opt = build(cfg, "dmuon", device, mesh, model_kind)
+                opt.set_ns_overlap(mode)
+                for ids in make_batches(cfg, device, steps):
+                    _train_step(model, opt, ids, cfg, discard)
+                got[name] = (_state_leaves(opt), dict(opt.ns_overlap_stats))
+                del model, opt
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+    finally:
+        torch.use_deterministic_algorithms(False)
 
     def same(a, b):
         return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
@@ -77,10 +87,11 @@ def bitwise_check(cfg: Cfg, device, mesh, model_kind: str, steps: int) -> dict:
         return max(float((x.double() - y.double()).norm() / y.double().norm().clamp_min(1e-30))
                    for x, y in zip(a, b))
 
-    off, on, rec = (got[k][0] for k in (("off", False), ("on", False), ("on", True)))
-    return {"on_vs_recomputed": same(on, rec), "on_vs_off": same(on, off),
-            "on_vs_off_max_rel": max_rel(on, off), "tensors": len(off),
-            "stats_on": got[("on", False)][1], "stats_recomputed": got[("on", True)][1]}
+    off, again, on, rec = (got[k][0] for k in ("off", "off_again", "on", "recomputed"))
+    return {"off_reproducible": same(off, again), "on_vs_recomputed": same(on, rec),
+            "on_vs_off": same(on, off), "on_vs_off_max_rel": max_rel(on, off),
+            "off_vs_off_max_rel": max_rel(again, off), "tensors": len(off),
+            "stats_on": got["on"][1], "stats_recomputed": got["recomputed"][1]}
 
 
 def timed_blocks(cfg: Cfg, device, mesh, model_kind: str, blocks: int, block_steps: int,
@@ -171,7 +182,8 @@ def main() -> None:
               f"({r['saved_pct']:+.2f} % saved), peak {r['off']['peak_allocated_gib']:.2f} / "
               f"{r['on']['peak_allocated_gib']:.2f} GiB, mallocs/step "
               f"{r['off']['device_mallocs_per_step']:.1f} / {r['on']['device_mallocs_per_step']:.1f}"
-              f", bitwise on=recomputed {r['check']['on_vs_recomputed']}, on=off "
+              f", off reproducible {r['check']['off_reproducible']}, bitwise on=recomputed "
+              f"{r['check']['on_vs_recomputed']}, on=off "
               f"{r['check']['on_vs_off']} (max rel {r['check']['on_vs_off_max_rel']:.1e}), "
               f"stats {r['stats']}", flush=True)
     doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
