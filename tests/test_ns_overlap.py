@@ -47,7 +47,8 @@ def test_mode_decision():
     assert O.resolve_mode("auto", None, "cuda")[0] == "auto"
     for kw in (dict(tensor_parallel=True, split_ns=False, stored_momentum=None),
                dict(tensor_parallel=False, split_ns=True, stored_momentum=None),
-               dict(tensor_parallel=False, split_ns=False, stored_momentum="offload")):
+               dict(tensor_parallel=False, split_ns=False, stored_momentum="offload"),
+               dict(tensor_parallel=False, split_ns=False, stored_momentum=None, own_chain=True)):
         why = O.overlap_blocker(**kw)
         mode, reason = O.resolve_mode("on", why, "cuda")
         assert why and mode == "off" and why in reason

@@ -35,7 +35,7 @@ def check_mode(mode: Any) -> str:
 
 
 def overlap_blocker(*, tensor_parallel: bool, split_ns: bool, stored_momentum: Optional[str],
-                    ) -> Optional[str]:
+                    own_chain: bool = False) -> Optional[str]:
     """Why this optimizer's owner update cannot overlap the backward (``None``: it can).
 
     Args:
@@ -44,11 +44,17 @@ def overlap_blocker(*, tensor_parallel: bool, split_ns: bool, stored_momentum: O
       split_ns: split NS (units exchanged between ranks inside the owner update).
       stored_momentum: the momentum's storage when it is not the master dtype on the device
         (``"torch.bfloat16"``, ``"offload"``...; ``None``: the plain storage).
+      own_chain: ``transform=`` is the user's own chain (not Muon or a
+        :mod:`dmuon.functional.variants` variant, whose stages are per matrix): a stage of it may
+        couple matrices (a global norm), which an update per hook group would change.
     """
     if tensor_parallel:
         return "tensor parallelism: the owner update runs TP collectives"
     if split_ns:
         return "split NS: the owner update exchanges NS units between ranks"
+    if own_chain:
+        return ("transform= is your own chain: its stages may couple matrices, which an update "
+                "per hook group would change (dmuon.functional.variants' chains are per matrix)")
     if stored_momentum is not None:
         return (f"momentum stored as {stored_momentum}: its chunked decode / offload copies are "
                 "not speculated")

@@ -263,7 +263,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         compute, unless a gradient, hyper-parameter, knob, the state or a master changed since
         (accumulation, clipping, ``zero_grad``, lr, load): then it recomputes; every group's
         update is computed per group (its own NS batches). Not applied (``ns_overlap_stats``
-        says why) with TP, split NS, or a momentum stored in another dtype or offloaded."""
+        says why) with TP, split NS, your own ``transform=`` chain (its stages may couple
+        matrices), or a momentum stored in another dtype or offloaded."""
         self._overlap.set_mode(mode)
 
     @property

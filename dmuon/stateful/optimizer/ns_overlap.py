@@ -16,6 +16,7 @@ import torch
 
 from dmuon.functional import ns_overlap as O
 from dmuon.functional import phases as P
+from dmuon.functional.variants import Variant
 from dmuon.functional.speculation import commit_, speculative_fields, speculative_inputs
 from dmuon.kernels.streams import side_stream
 
@@ -40,6 +41,7 @@ class NSOverlap:
         self.discard()
         self.mode, self.reason = O.resolve_mode(mode, O.overlap_blocker(
             tensor_parallel=opt._tp is not None, split_ns=opt._split is not None,
+            own_chain=not isinstance(opt._owner.transform, Variant),
             stored_momentum=None if st is None else ("offload" if st.offload else str(st.dtype))),
             opt.dedicated_state.device.type)
         self._ends = []
