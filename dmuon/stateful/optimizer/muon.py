@@ -74,7 +74,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
 
     Execution knobs are setters (as FSDP2's ``set_*``): :meth:`set_replicate_async`,
     :meth:`set_ns_engine`, :meth:`set_elementwise`, :meth:`set_adamw_impl`,
-    :meth:`set_persistent_grad_buffers`. The former spellings (``ns_eps``, ``lr_scale``,
+    :meth:`set_persistent_grad_buffers`, :meth:`set_ns_overlap`. The former spellings (``ns_eps``, ``lr_scale``,
     ``momentum_dtype`` and those knobs as constructor options) work for one release with a
     ``DeprecationWarning``.
 
@@ -148,7 +148,9 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._check_fsdp_usage = bool(self._adamw_named) and not reduce_unused_fsdp_params(model)
         # a newer Muon(model) supersedes this one: stepping both would update twice per step
         self._generation = rt.attach_optimizer()
-        rt.set_listener(ss.StorageListener(self))  # offload: copies follow the reduces
+        from dmuon.stateful.optimizer.ns_overlap import NSOverlap
+        self._overlap = NSOverlap(self)  # set_ns_overlap (off)
+        rt.set_listener(ss.StorageListener(self))  # offload copies, early owner updates
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
         # runs its zero-gradient "materializing" step on this optimizer. One driver for Muon
         # (transform=None: variants.muon()) and every variant: its chain, state and fields
@@ -251,6 +253,26 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         (default ``False``: forward runs without them)."""
         self._rt.pool.persistent = fopts.check_knob("persistent_grad_buffers", enabled)
 
+    def set_ns_overlap(self, mode: str) -> None:
+        """Overlap the owners' update with the backward: ``"off"`` (default), ``"on"``,
+        ``"auto"`` (CUDA: keep it where alternating timed iterations were faster on most ranks;
+        CPU: off). On, each hook group's update (momentum, NS, update of its owned matrices)
+        starts when its reduce is issued (CUDA: on a side stream of the lowest priority, the
+        default stream's too), out of place into buffers kept across steps (one more copy of the
+        owned masters and their per-param state); ``step()`` commits it, bitwise what it would
+        compute, unless a gradient, hyper-parameter, knob, the state or a master changed since
+        (accumulation, clipping, ``zero_grad``, lr, load): then it recomputes; every group's
+        update is computed per group (its own NS batches). Not applied (``ns_overlap_stats``
+        says why) with TP, split NS, your own ``transform=`` chain (its stages may couple
+        matrices), or a momentum stored in another dtype or offloaded."""
+        self._overlap.set_mode(mode)
+
+    @property
+    def ns_overlap_stats(self) -> dict[str, Any]:
+        """The overlap's mode, reason and counters (hook groups ``launched`` early, ``committed``,
+        ``discarded``; ``early_matrices``; ``side_stream``: launches on the CUDA side stream)."""
+        return dict(mode=self._overlap.mode, reason=self._overlap.reason, **self._overlap.stats)
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -283,6 +305,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             self._adamw_step()
             self._storage.end_step()  # offload: the copies back's budget measures the step's end
             self.num_steps += 1
+            self._overlap.step_done()  # "auto": timing, then its decision
         except BaseException as e:  # every rank learns of it (a retry must not apply it twice)
             changed = before is None or writes() != before
             if isinstance(e, Exception):
@@ -340,8 +363,9 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         # a zeroed (not dropped) gradient kept by torch since the last step: step with zeros
         grads = {n: torch.zeros_like(params[n]) if g is None and n in zeroed else g
                  for n, g in grads.items()}
+        grads, early = self._overlap.commit(grads)  # ns_overlap: valid early updates committed
         stepped = self._owner.step(grads, params, hp, orthogonalizer=self._orthogonalizer,
-                                   elementwise=self._elementwise(),
+                                   elementwise=self._elementwise(), committed=early,
                                    sum_hook=self._tp.sum_partials if self._tp else None)
         if self._split is not None:
             self._split.finish()

@@ -4,7 +4,7 @@
 Design notes: docs/design/optimizer.md, "The owner driver"."""
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -108,28 +108,36 @@ class OwnerDriver:
     # ------------------------------------------------------------------ step
     def step(self, grads: dict, params: dict, hparams: fmuon.MuonHParams, *,
              orthogonalizer: Callable[[Any], Any], elementwise: Any = None,
-             sum_hook: Optional[Callable] = None) -> list[str]:
+             sum_hook: Optional[Callable] = None, committed: Sequence[str] = ()) -> list[str]:
         """One step of the chain on this rank's owned matrices (donated); returns the names
-        stepped (those with a gradient). ``orthogonalizer(spec, names)``: the NS each
+        stepped (those with a gradient, and ``committed``: updated ahead by a speculation whose
+        result the caller committed). ``orthogonalizer(spec, names)``: the NS each
         ``orthogonalize`` stage runs (the optimizer's, behind TP's gathers or split NS);
         ``elementwise``: fused momentum / apply implementations; ``sum_hook``: TP's partial
         sums. Runs on every rank every step (a chain's counts advance alike everywhere)."""
         if self.fixed:
             oc.check_fixed_hparams(hparams, self.hp0)
-        stepped = [n for n, g in grads.items() if g is not None]
+        stepped = [n for n, g in grads.items() if g is not None] + list(committed)
         io = None
         if self.storage is not None and stepped:  # the stored momentum, chunk by chunk
             io = self.storage.step_io(self.stored_momentum(), params)
-        _, self.state = owner_step(
-            grads, self.state, params,
-            self.transform if self.fixed else fmuon.at_step(hparams, self.step_count),
-            transform=None if self.fixed else self.transform, views=self.owned_views,
-            mults=None if self.fixed else self.mults, donate=True, donate_grads=True,
-            orthogonalizer_for=orthogonalizer, sum_hook=sum_hook, elementwise=elementwise,
-            momentum_io=io)
+        _, self.state = self.run(grads, self.state, params, hparams, orthogonalizer=orthogonalizer,
+                                 elementwise=elementwise, sum_hook=sum_hook, momentum_io=io)
         if stepped:
             self.step_count = next_step(self.step_count)
         return stepped
+
+    def run(self, grads: dict, state: Any, params: dict, hparams: fmuon.MuonHParams, *,
+            donate_grads: bool = True, **hooks: Any) -> tuple[dict, Any]:
+        """The chain's update of ``params`` (donated) and ``state`` at this step: ``(new params,
+        new state)`` (:meth:`step` on the live ones; a speculation on its copies, with
+        ``donate_grads=False``: the gradients it reads are the live ones)."""
+        return owner_step(
+            grads, state, params,
+            self.transform if self.fixed else fmuon.at_step(hparams, self.step_count),
+            transform=None if self.fixed else self.transform, views=self.owned_views,
+            mults=None if self.fixed else self.mults, donate=True, donate_grads=donate_grads,
+            orthogonalizer_for=hooks.pop("orthogonalizer"), **hooks)
 
     # ------------------------------------------------------------------ fields
     def stored_momentum(self) -> dict[str, torch.Tensor]:

@@ -320,18 +320,26 @@ class StorageListener:
     """The runtime's listener (:meth:`~dmuon.stateful.runtime.state.DedicatedState.set_listener`)
     of one optimizer (held weakly: the model does not keep it alive): when a hook group's reduce
     is issued, its owned offloaded momentum starts its copy to the device
-    (:meth:`MomentumStorage.prefetch`, ``ahead``); when a forward reaches its first hook group, the
-    copies back the last step deferred start (:meth:`MomentumStorage.flush`). No-ops on device."""
+    (:meth:`MomentumStorage.prefetch`, ``ahead``) and, with ``set_ns_overlap``, the group's early
+    owner update launches (:mod:`dmuon.stateful.optimizer.ns_overlap`, dropped when the gradients
+    are cleared); when a forward reaches its first hook group, the copies back the last step
+    deferred start (:meth:`MomentumStorage.flush`)."""
 
     def __init__(self, optimizer: Any):
         self.ref, self.generation = weakref.ref(optimizer), optimizer._generation
 
     def reduce_issued(self, names: Any) -> None:
         opt = self.ref()
-        if opt is not None and opt.dedicated_state.is_current(self.generation) \
-                and opt._storage.offload:
-            mom = opt._owner.stored_momentum()
-            opt._storage.prefetch({n: mom[n] for n in names if n in mom}, ahead=True)
+        if opt is not None and opt.dedicated_state.is_current(self.generation):
+            opt._overlap.reduce_issued(names)  # ns_overlap: the group's early owner update
+            if opt._storage.offload:
+                mom = opt._owner.stored_momentum()
+                opt._storage.prefetch({n: mom[n] for n in names if n in mom}, ahead=True)
+
+    def grads_cleared(self) -> None:
+        opt = self.ref()
+        if opt is not None:
+            opt._overlap.discard()
 
     def group_forward(self) -> None:  # also once when a newer optimizer replaces this listener
         opt = self.ref()

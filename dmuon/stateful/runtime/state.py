@@ -197,7 +197,8 @@ class DedicatedState:
     # ------------------------------------------------------------------ the listener
     def set_listener(self, listener: Any) -> None:
         """Set the model's one listener: ``listener.reduce_issued(names)`` at each gradient reduce
-        issued, ``listener.group_forward()`` once per forward at its first hook group. A replaced
+        issued, ``listener.group_forward()`` once per forward at its first hook group,
+        ``listener.grads_cleared()`` before the held gradients are dropped. A replaced
         listener gets one ``group_forward()`` first (design notes: "The listener")."""
         old, self.listener = self.listener, listener
         if old is not None:
@@ -374,8 +375,11 @@ class DedicatedState:
         factor applied)."""
         for key in self._reduce_order:
             for rg in self.groups[key].wait_reduces():
-                self.ledger.add_reduced(rg, mean_to_fsdp_scale(self._fsdp_states.get(rg.name),
-                                                               self.G * self.R))
+                self.ledger.add_reduced(rg, self.grad_scale(rg.name))
+
+    def grad_scale(self, name: str) -> Optional[float]:
+        """FSDP2's divide factor for ``name``'s averaged gradient (``None``: the mean itself)."""
+        return mean_to_fsdp_scale(self._fsdp_states.get(name), self.G * self.R)
 
     def reduced_grads(self) -> dict[str, Optional[torch.Tensor]]:
         """Wait for the pending reduces; ``{owned name: averaged gradient, or None}`` (``None``:
@@ -392,6 +396,8 @@ class DedicatedState:
 
     def clear_grads(self) -> None:
         """Drop local and reduced grads (``Muon.zero_grad``, ``step``); buffers back to the pool."""
+        if self.listener is not None:  # the optimizer's early updates read them: dropped
+            self.listener.grads_cleared()
         self.ledger.clear()
         self.pool.release_all()
 

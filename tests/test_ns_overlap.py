@@ -1,0 +1,63 @@
+"""Owner NS overlapped with the backward: the pure decisions (:mod:`dmuon.functional.ns_overlap`),
+default tier (< 1 s). The gloo equality runs are in ``test_ns_overlap_gloo.py`` (slow tier)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dmuon.functional import ns_overlap as O
+
+
+def _stamp(**kw):
+    base = dict(hparams=O.stamp_key((0.02, 0.95, True, 0.0)), steps=3, reduces=0,
+                grads=(("a", (1, 0)),), writes=7)
+    base.update(kw)
+    return O.Stamp(**base)
+
+
+def test_valid_when_nothing_changed():
+    assert O.invalid_reason(_stamp(), _stamp()) is None
+
+
+@pytest.mark.parametrize("change, word", [
+    (dict(steps=4), "step"),
+    (dict(reduces=1), "accumulation"),
+    (dict(grads=(("a", (1, 1)),)), "gradient"),        # clipped / scaled in place
+    (dict(grads=(("a", None),)), "gradient"),          # dropped (zero_grad)
+    (dict(hparams=O.stamp_key((0.01, 0.95, True, 0.0))), "hyper-parameters"),
+    (dict(writes=8), "state"),
+])
+def test_invalid_on_every_change(change, word):
+    why = O.invalid_reason(_stamp(), _stamp(**change))
+    assert why is not None and word in why
+
+
+def test_stamp_key_tensor_lr_by_identity_and_version():
+    lr = torch.tensor(0.02)
+    k0 = O.stamp_key((lr, 0.95))
+    assert O.stamp_key((lr, 0.95)) == k0
+    lr.mul_(0.5)  # the same tensor written in place: another lr
+    assert O.stamp_key((lr, 0.95)) != k0
+
+
+def test_mode_decision():
+    assert O.resolve_mode("off", None, "cuda")[0] == "off"
+    assert O.resolve_mode("on", None, "cpu")[0] == "on"  # gloo exercises the speculation
+    assert O.resolve_mode("auto", None, "cpu")[0] == "off"
+    assert O.resolve_mode("auto", None, "cuda")[0] == "auto"
+    for kw in (dict(tensor_parallel=True, split_ns=False, stored_momentum=None),
+               dict(tensor_parallel=False, split_ns=True, stored_momentum=None),
+               dict(tensor_parallel=False, split_ns=False, stored_momentum="offload"),
+               dict(tensor_parallel=False, split_ns=False, stored_momentum=None, own_chain=True)):
+        why = O.overlap_blocker(**kw)
+        mode, reason = O.resolve_mode("on", why, "cuda")
+        assert why and mode == "off" and why in reason
+    with pytest.raises(ValueError, match="set_ns_overlap"):
+        O.check_mode("yes")
+
+
+def test_early_names_and_auto_choice():
+    assert O.early_names({"a": True, "b": False, "c": True}, {"c": 0.5}) == ["a"]
+    assert O.auto_choice([10, 11, 12], [9, 9.5, 13]) is True
+    assert O.auto_choice([10, 10, 10], [10, 10, 10]) is False
+    assert O.auto_choice([], [1.0]) is False
