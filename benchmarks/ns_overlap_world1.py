@@ -17,11 +17,9 @@ counters. Writes JSON (date, machine, torch version).
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 
@@ -29,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import run_header  # noqa: E402
 from step_world1 import TINY, Cfg, build, device_alloc_counts, init_world1, lm_loss, make_batches  # noqa: E402
 
 MODES = ("off", "on")
@@ -186,10 +185,9 @@ def main() -> None:
               f"{r['check']['on_vs_recomputed']}, on=off "
               f"{r['check']['on_vs_off']} (max rel {r['check']['on_vs_off_max_rel']:.1e}), "
               f"stats {r['stats']}", flush=True)
-    doc = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-           "machine": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor()
-           or platform.machine(), "torch": torch.__version__, "model": a.model,
-           "tiny": a.tiny, "blocks": a.blocks, "block_steps": a.block_steps, "results": results}
+    doc = {**run_header(), "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
+           "model": a.model, "tiny": a.tiny, "blocks": a.blocks, "block_steps": a.block_steps,
+           "results": results}
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(doc, f, indent=1)
