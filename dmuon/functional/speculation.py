@@ -38,6 +38,17 @@ def speculative_inputs(state: Any, fields: Sequence[Any], masters: Mapping[str, 
     return state, {n: buffer(("param", n), masters[n]) for n in names}
 
 
+def speculate(run: Callable[[Any, dict[str, Tensor]], tuple[dict[str, Tensor], Any]], state: Any,
+              fields: Sequence[Any], masters: Mapping[str, Tensor], names: Sequence[str],
+              buffer: Buffer) -> tuple[dict[str, dict[str, Tensor]], dict[str, Tensor]]:
+    """An owner update of ``names`` that writes nothing live (the early owner phase of one hook
+    group): ``run(state, params) -> (new params, new state)`` on :func:`speculative_inputs`;
+    returns ``(new per-param fields, new params)``, what :func:`commit_` copies."""
+    spec_state, params = speculative_inputs(state, fields, masters, names, buffer)
+    params, spec_state = run(spec_state, params)
+    return speculative_fields(spec_state, fields), params
+
+
 def speculative_fields(state: Any, fields: Sequence[Any]) -> dict[str, dict[str, Tensor]]:
     """``{field key: {name: tensor}}`` of a speculation's resulting state (what :func:`commit_`
     copies; the counts are left out: the step's own update advances the live ones once)."""

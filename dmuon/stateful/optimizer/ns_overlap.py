@@ -17,7 +17,7 @@ import torch
 from dmuon.functional import ns_overlap as O
 from dmuon.functional import phases as P
 from dmuon.functional.variants import Variant
-from dmuon.functional.speculation import commit_, speculative_fields, speculative_inputs
+from dmuon.functional.speculation import commit_, speculate
 from dmuon.kernels.streams import side_stream
 
 logger = logging.getLogger(__name__)
@@ -64,12 +64,11 @@ class NSOverlap:
 
     def _compute(self, opt: Any, names: list, grads: dict) -> tuple[dict, dict]:
         """One hook group's owner update of ``names``, out of place: ``(fields, params)``."""
-        owner = opt._owner
-        state, params = speculative_inputs(owner.state, owner.fields,
-                                           opt.dedicated_state.owned_masters(), names, self._buffer)
-        params, state = owner.run(grads, state, params, opt.muon_hparams(), donate_grads=False,
-                                  orthogonalizer=opt._orthogonalizer, elementwise=opt._elementwise())
-        return speculative_fields(state, owner.fields), params
+        owner, hp = opt._owner, opt.muon_hparams()
+        return speculate(lambda st, ps: owner.run(
+            grads, st, ps, hp, donate_grads=False, orthogonalizer=opt._orthogonalizer,
+            elementwise=opt._elementwise()), owner.state, owner.fields,
+            opt.dedicated_state.owned_masters(), names, self._buffer)
 
     def reduce_issued(self, names: Any) -> None:
         """A hook group's reduce was issued (the runtime's listener): launch its update."""
