@@ -2,7 +2,8 @@
 bitwise the same params, Muon / variant state and AdamW state as without it after 3 steps, in Z3,
 Z2 and HSDP (2 replicas of 1), with plain steps, gradient accumulation over 2 backwards, clipping
 between backward and step, an lr changed between backward and step, zero_grad then a new
-backward, accumulation under ``dmuon.no_sync`` (one reduce: committed), and a variant chain (NorMuon); the speculation is committed where valid and discarded
+backward, accumulation under ``dmuon.no_sync`` (one reduce: committed), a variant chain (NorMuon),
+and an older optimizer state loaded between backward and step; the speculation is committed where valid and discarded
 otherwise (the optimizer's overlap counters). One spawn (slow tier)."""
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from stateful_harness import build_dmuon
 
 pytestmark = pytest.mark.slow
 
-SCENARIOS = ("plain", "accum", "no_sync", "clip", "lr", "zero", "variant")
+SCENARIOS = ("plain", "accum", "no_sync", "clip", "lr", "zero", "variant", "load")
 MODES = (dict(id="z3", z3=True), dict(id="z2", z3=False), dict(id="hsdp", hsdp=True))
 
 
@@ -46,6 +47,7 @@ def _train(rank, world, mode, scenario, overlap):
     model, opt = build_dmuon(rank, world, model, model.layers, cfg)
     opt.set_ns_overlap(overlap)
     batches = make_batches(3, 4)
+    saved = None
     for step, ids in enumerate(batches):
         local = ids.chunk(world)[rank]
         opt.zero_grad()
@@ -61,7 +63,11 @@ def _train(rank, world, mode, scenario, overlap):
             dmuon.clip_grad_norm_(model, 0.05)
         if scenario == "lr":
             opt.param_groups[0]["lr"] = 0.01 * (step + 1)
+        if scenario == "load" and step == 2:  # an older state loaded between backward and step
+            opt.load_state_dict(saved)
         opt.step()
+        if scenario == "load" and step == 0:
+            saved = opt.state_dict()
     return _snapshot(model, opt), dict(opt.ns_overlap_stats)
 
 
@@ -97,5 +103,5 @@ def test_ns_overlap_bitwise_gloo():
             assert committed > 0, (key, [r[key][1] for r in results])
         if scenario in ("plain", "no_sync", "variant"):
             assert discarded == 0, (key, [r[key][1] for r in results])
-        if scenario in ("accum", "clip", "lr", "zero"):
+        if scenario in ("accum", "clip", "lr", "zero", "load"):
             assert discarded > 0, (key, [r[key][1] for r in results])

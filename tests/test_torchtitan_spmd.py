@@ -108,23 +108,16 @@ def _full_params(model, sd: dict) -> dict:
             for n, p in model.named_parameters()}
 
 
-def _spmd_reference(rank: int, world: int, init: dict) -> dict:
-    """The reference of the TP run: the same torchtitan spmd_types model and TP 2 x dp 2 (its own
-    forward and backward, FSDP2 on every param), from the same values ``init``; each step the
-    Muon matrices' gradients are gathered whole and updated by functional Muon on the whole
-    matrix (what one device does), the rest by torch AdamW."""
+def _meta_tp_model(world: int, tp: int):
+    """``(config, meta model, parallel dims with their mesh)``: torchtitan's llama3 debug model in
+    fp64 on the meta device, dp ``world // tp`` x TP ``tp`` on CPU (what both runs build)."""
     import torchtitan.distributed.parallel_dims as tt_dims
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import distribute_tensor
     from torchtitan.distributed import ParallelDims
-    from torchtitan.models.llama3.parallelize import parallelize_llama
-
-    from dmuon.functional import muon as fmuon
 
     torch.set_num_threads(1)
     cfg, mc = _llama3_tp_config()
-    cfg.parallelism.data_parallel_shard_degree = world // 2
-    cfg.parallelism.tensor_parallel_degree = 2
+    cfg.parallelism.data_parallel_shard_degree = world // tp
+    cfg.parallelism.tensor_parallel_degree = tp
     tt_dims.device_type = "cpu"
     torch.set_default_dtype(torch.float64)
     with torch.device("meta"):
@@ -132,6 +125,21 @@ def _spmd_reference(rank: int, world: int, init: dict) -> dict:
     _use_causal_sdpa(model)
     pd = ParallelDims.from_config(cfg.parallelism, world)
     pd.build_mesh()
+    return cfg, model, pd
+
+
+def _spmd_reference(rank: int, world: int, init: dict) -> dict:
+    """The reference of the TP run: the same torchtitan spmd_types model and TP 2 x dp 2 (its own
+    forward and backward, FSDP2 on every param), from the same values ``init``; each step the
+    Muon matrices' gradients are gathered whole and updated by functional Muon on the whole
+    matrix (what one device does), the rest by torch AdamW."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import distribute_tensor
+    from torchtitan.models.llama3.parallelize import parallelize_llama
+
+    from dmuon.functional import muon as fmuon
+
+    cfg, model, pd = _meta_tp_model(world, 2)
     model = parallelize_llama(model, parallel_dims=pd, training=cfg.training,
                               parallelism=cfg.parallelism, compile_config=cfg.compile,
                               ac_config=None, dump_folder="")
@@ -170,26 +178,14 @@ def _spmd_reference(rank: int, world: int, init: dict) -> dict:
 
 
 def _spmd_run(rank: int, world: int, tp: int, spoil: bool = False) -> dict:
-    import torchtitan.distributed.parallel_dims as tt_dims
     from torch.distributed.fsdp import FSDPModule
-    from torchtitan.distributed import ParallelDims
     from torchtitan.distributed.full_dtensor import resolve_fsdp_mesh
     from torchtitan.models.llama3.parallelize import parallelize_llama
 
     import dmuon
 
-    torch.set_num_threads(1)
-    cfg, mc = _llama3_tp_config()
-    cfg.parallelism.data_parallel_shard_degree = world // tp
-    cfg.parallelism.tensor_parallel_degree = tp
+    cfg, model, pd = _meta_tp_model(world, tp)
     assert cfg.parallelism.spmd_backend == "spmd_types"  # torchtitan 0.3.0's default
-    tt_dims.device_type = "cpu"
-    torch.set_default_dtype(torch.float64)
-    with torch.device("meta"):
-        model = mc.build()
-    _use_causal_sdpa(model)
-    pd = ParallelDims.from_config(cfg.parallelism, world)
-    pd.build_mesh()
     # the recipe: dedicate_params gets what fully_shard will get (mesh + dp_mesh_dims)
     spmd_mesh, dp_mesh_dims = resolve_fsdp_mesh(pd)
     owners = dmuon.dedicate_params(model, spmd_mesh, _tt_predicate,
