@@ -135,14 +135,25 @@ def test_pending_scale_folds_into_the_applying_stage():
 
 
 def test_stateful_ns_hook_hands_core_objects_that_time_themselves():
+    from dmuon.functional.stages.orthogonalize import OrthogonalizerFor
     from dmuon.kernels.ns_engine import NSEngine
-    from dmuon.stateful.optimizer.ns_hook import NSHook
+    from dmuon.stateful.optimizer.muon import _ns_of
 
     class Tel:
         ns_timer = None
 
+    class Hook:  # what dmuon.Muon.set_ns_engine decides: the NS of each choice, timed
+        def __init__(self, choice, tel):
+            tel.ns_timer = self.timer = NSTimer()
+            self.of = OrthogonalizerFor(_ns_of(choice, "cpu"), timer=self.timer)
+
+        def for_step(self, device_type, hp):
+            return self.of(NSConfig.from_hparams(hp), [])
+
+        mode = property(lambda self: self.timer.mode)
+
     tel = Tel()
-    hook = NSHook("auto", tel)
+    hook = Hook("auto", tel)
     hp = muon.MuonHParams(ns_dtype=torch.float64)
     ortho = hook.for_step("cpu", hp)
     assert isinstance(ortho, BatchedNS) and tel.ns_timer is hook.timer and hook.mode == "none"
@@ -153,7 +164,7 @@ def test_stateful_ns_hook_hands_core_objects_that_time_themselves():
     spans = hook.timer.take()
     assert len(spans) == 1 and elapsed_ms(spans) > 0 and hook.mode == "functional"
     assert hook.timer.take() == [] and elapsed_ms([]) is None
-    eng = NSHook("engine", tel).for_step("cpu", hp)
+    eng = Hook("engine", tel).for_step("cpu", hp)
     assert isinstance(eng, NSEngine) and eng.timer is tel.ns_timer
     muon.update(_tree(7, dtype=torch.float64), muon.init(p), p, hp, orthogonalize=eng,
                 donate_grads=True)

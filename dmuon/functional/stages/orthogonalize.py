@@ -22,7 +22,7 @@ References:
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from torch import Tensor
 
@@ -32,10 +32,40 @@ from dmuon.functional.stages.leaves import Leaves
 from dmuon.newton_schulz.batched import BatchedNS
 from dmuon.newton_schulz.config import NSConfig
 
-__all__ = ["Orthogonalizer", "orthogonalize"]
+__all__ = ["Orthogonalizer", "OrthogonalizerFor", "orthogonalize"]
 
 #: ``(xs) -> us``: the NS results of ``(B, m, n)`` inputs, one per input, of the same shapes.
 Orthogonalizer = Callable[[list[Tensor]], Sequence[Tensor]]
+
+
+class OrthogonalizerFor:
+    """An ``orthogonalizer_for(spec, names)`` decided once by the code that runs the chains (the
+    optimizer, when it is built): a stage's ``NSConfig`` runs ``ns`` — a class built per config
+    (:class:`~dmuon.newton_schulz.batched.BatchedNS`, or the CUDA engine; kept while the config
+    stays the same) or one given object, which must compute that config — timed by ``timer``;
+    a stage's own callable runs itself; ``wrap(inner, names)``, where given, puts either behind
+    the caller's collectives (tensor parallelism's gathers, split NS's units)."""
+
+    def __init__(self, ns: Any, *, timer: Any = None, wrap: Optional[Callable] = None):
+        self.ns, self.timer, self.wrap = ns, timer, wrap
+        self._made: Any = None if isinstance(ns, type) else ns
+
+    def __call__(self, spec: Any, names: Sequence[str]) -> Orthogonalizer:
+        run = self._for_config(spec) if isinstance(spec, NSConfig) else spec
+        return run if self.wrap is None else self.wrap(run, names)
+
+    def _for_config(self, config: NSConfig) -> Orthogonalizer:
+        if not isinstance(self.ns, type):  # the fields MuonHParams sets must agree
+            if tuple(self.ns.config[:4]) != tuple(config[:4]):
+                raise ValueError(
+                    f"dmuon.Muon.step: the NSEngine given as ns_engine computes {self.ns.config} "
+                    f"but this optimizer's NS hyper-parameters are {config}; build the engine "
+                    "with NSEngine(dmuon.newton_schulz.NSConfig.from_hparams(opt.muon_hparams()), "
+                    "...) or leave ns_engine='auto'")
+        elif self._made is None or self._made.config != config:
+            self._made = self.ns(config)
+        self._made.timer = self.timer
+        return self._made
 
 
 def orthogonalize(orthogonalizer: Any = None, *, batch_dims: Any = None,

@@ -102,30 +102,22 @@ class TPForward:
 
 
 class TPStep:
-    """The owners' side of a step with TP-sliced matrices.
+    """The owners' side of a step with TP-sliced matrices, of the model's dedicated state ``rt``
+    (its TP layouts; the names this rank owns, its slices, the same on every rank of its TP
+    group; its TP group; the executor that runs the step program's ``tp`` phase and counts its
+    bytes on lane ``"tp"``)."""
 
-    Args:
-      layouts: ``{name: TPLayout}`` of this model's TP-sliced dedicated params.
-      owned: the names this rank owns (its slices), in the model's order: the same on every rank
-        of its TP group.
-      group, ranks, index: the TP group of this rank's dp coordinate, its global ranks in TP
-        order, and this rank's index in it.
-      executor: the runtime's executor (runs the step program's ``tp`` phase; its ``"tp"`` lane
-        counts the bytes).
-    """
-
-    def __init__(self, layouts: Mapping[str, TPLayout], owned: Sequence[str], *, group: Any,
-                 ranks: Sequence[int], index: int, executor: Any, all_names: Sequence[str] = (),
-                 control: Any = None, device: Any = "cpu"):
-        self.layouts = dict(layouts)
+    def __init__(self, rt: Any):
+        mg, owned = rt.mesh_groups, rt.owned_names
+        self.rt, self.layouts = rt, dict(rt.tp_layouts)
         self.names = tuple(n for n in owned if n in self.layouts)
         # matrices without TP: their gradients must agree across the TP group (checked each step)
         self.replicated = tuple(n for n in owned if n not in self.layouts)
-        self.check_replicated = any(n not in self.layouts for n in all_names)
-        self.control = control
-        self.device = torch.device(device)  # of the small agreement tensors (NCCL: CUDA)
-        self.group, self.ranks, self.index = group, tuple(ranks), int(index)
-        self.executor = executor  # runs the step program's "tp" phase
+        self.check_replicated = any(n not in self.layouts for n in rt.names)
+        self.control = mg.control
+        self.device = torch.device(rt.device)  # of the small agreement tensors (NCCL: CUDA)
+        self.group, self.ranks, self.index = mg.tp_group, tuple(mg.tp_ranks), int(mg.tp_index)
+        self.executor = rt.executor  # runs the step program's "tp" phase
         self.T = len(self.ranks)
         # the NS root of each matrix (the plan's: dmuon.functional.tp_plan)
         self.root: dict[str, int] = tp_roots({n: self.layouts[n].shape for n in self.names}, self.T)
@@ -168,11 +160,11 @@ class TPStep:
         return self.executor.counters().get("tp", {}).get("received_bytes", 0)
 
     def orthogonalizer(self, inner: Callable[[list], Sequence[torch.Tensor]],
-                       input_names: Sequence[str], program: Any) -> Callable[[list], list]:
+                       input_names: Sequence[str]) -> Callable[[list], list]:
         """``inner`` (an orthogonalizer of full matrices) behind the TP group's gathers and
         scatters of the step program's ``tp`` phase, run by the executor
         (:func:`dmuon.functional.tp_step.tp_orthogonalizer`)."""
-        return tp_orthogonalizer(inner, input_names, tp=program.tp, ranks=self.ranks,
+        return tp_orthogonalizer(inner, input_names, tp=self.rt.program.tp, ranks=self.ranks,
                                  index=self.index, roots=self.root, dims=self.dims,
                                  run=self.executor.run)
 

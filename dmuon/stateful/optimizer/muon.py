@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import warnings
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -18,7 +19,11 @@ from dmuon.functional import muon as fmuon
 from dmuon.functional import muon_options as fopts
 from dmuon.functional import state_dtype as sd
 from dmuon.compat.fsdp_patch import check_not_taken_over
-from dmuon.stateful.optimizer.ns_hook import NSHook
+from dmuon.functional.split_exec import split_orthogonalizer
+from dmuon.functional.stages.orthogonalize import OrthogonalizerFor
+from dmuon.kernels.ns_engine import NSEngine
+from dmuon.newton_schulz.batched import BatchedNS
+from dmuon.newton_schulz.timing import NSTimer
 from dmuon.stateful.optimizer.split_step import split_step
 from dmuon.stateful.optimizer.state_views import StateViewsMixin
 from dmuon.stateful.modes.ddp import check_backend
@@ -108,7 +113,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         from dmuon.stateful.optimizer.adamw_storage import AdamWStorage
         self._adamw_storage = AdamWStorage(adamw_state_dtype)  # checked before any change
         self._storage = ss.MomentumStorage(mu_dtype, offload_state, None)
-        NSHook.check(knobs["ns_engine"])  # a bad ns_engine raises here, before anything changes
+        _ns_of(knobs["ns_engine"], "cpu")  # a bad ns_engine raises here, before anything changes
         model = unwrap_model(model)
         finish_pending(model)  # dedicate_params before TP: the dedication completes here
         rt = get_state(model, "dmuon.Muon(model)")
@@ -140,7 +145,6 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         rt.pool.persistent = knobs["persistent_grad_buffers"]
         self._host_syncs = 0
         self.telemetry = StepTelemetry(rt.executor, rt.device)
-        self._ns = NSHook(knobs["ns_engine"], self.telemetry)
         self.replicate_async = knobs["replicate_async"]
         self.num_steps = 0  # completed step() calls (the same on every rank)
         # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;
@@ -165,16 +169,12 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         if not sd.is_scaled(self._storage.dtype):  # views alias the live state: build them now
             self.refresh_state_views()
         # tensor parallelism: the owners' gathers / scatters of the TP-sliced matrices' NS
-        self._tp: Optional[TPStep] = None
-        if rt.tp_layouts:
-            mg = rt.mesh_groups
-            self._tp = TPStep(rt.tp_layouts, rt.owned_names, group=mg.tp_group,
-                              ranks=mg.tp_ranks, index=mg.tp_index, executor=rt.executor,
-                              all_names=rt.names, control=mg.control, device=rt.device)
-            # an 8-bit momentum: each slice's scale is its matrix's (one MAX over the TP group)
-            self._storage.share_scales(self._tp.names, self._tp.max_over_group)
+        self._tp: Optional[TPStep] = TPStep(rt) if rt.tp_layouts else None
+        if self._tp is not None:  # an 8-bit momentum: each slice's scale is its matrix's (one
+            self._storage.share_scales(self._tp.names, self._tp.max_over_group)  # MAX over TP)
         self._split = split_step(rt, transform if self._owner.custom else None,
                                  self.muon_hparams())  # split NS: this rank's units
+        self.set_ns_engine(knobs["ns_engine"])  # the owners' NS, behind TP's or split NS's
         self._program_of = self._program = None
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
@@ -231,8 +231,15 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         elsewhere the functional core's batched NS, bitwise the functional Muon), ``"engine"``
         (that engine on any device), ``"functional"``, or an ``NSEngine`` (its execution
         settings; what it computes must be this optimizer's NS hyper-parameters, checked at
-        every step)."""
-        self._ns = NSHook(engine, self.telemetry)  # checks engine first
+        every step). Decided here, once: the orthogonalizer every ``orthogonalize`` stage runs
+        (:class:`~dmuon.functional.stages.orthogonalize.OrthogonalizerFor`; ``_ns``: the same
+        object, whose identity names the NS settings)."""
+        ns = _ns_of(engine, self._rt.device.type)  # checks engine first
+        split, tp = self._split, self._tp
+        wrap = (partial(split_orthogonalizer, owned=split.owned, run_units=split.run)
+                if split is not None else tp.orthogonalizer if tp is not None else None)
+        self.telemetry.ns_timer = timer = NSTimer()
+        self._orthogonalizer = self._ns = OrthogonalizerFor(ns, timer=timer, wrap=wrap)
 
     def set_elementwise(self, mode: str) -> None:
         """Muon's elementwise stages (momentum + Nesterov input; weight decay + update):
@@ -371,20 +378,6 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             self._split.finish()
         return stepped
 
-    def _orthogonalizer(self, spec: Any, names: list) -> Callable:
-        """The NS an ``orthogonalize`` stage runs (``spec``: the ``NSConfig`` or callable it was
-        built with; ``names``: the matrix of each input): the optimizer's (engine or functional)
-        for an ``NSConfig``, the stage's own callable otherwise; behind TP's gathers or split
-        NS's units."""
-        from dmuon.newton_schulz.config import NSConfig
-        base = self._ns.for_config(self._rt.device.type, spec) if isinstance(spec, NSConfig) \
-            else spec
-        if self._split is not None:
-            return self._split.orthogonalizer(base, names)
-        if self._tp is not None:
-            return self._tp.orthogonalizer(base, names, self._rt.program)
-        return base
-
     def routing_table(self) -> Any:
         """Where every param went (Muon with its view and owner / AdamW / frozen) and what decided
         (:class:`dmuon.functional.routing.RoutingTable`; ``print()`` it)."""
@@ -427,7 +420,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self.telemetry.finish_step(
             step=self.num_steps + 1, owned_matrices=len(owned), owned_elements=self._owned_elements,
             dedicated_matrices=len(rt.names), adamw_params=len(self._adamw_named),
-            ns_mode=self._ns.mode if owned else "none", host_syncs=self._host_syncs,
+            ns_mode=self.telemetry.ns_timer.mode if owned else "none", host_syncs=self._host_syncs,
             adamw_impl=self._adamw_impl())
         self._host_syncs = 0
 
@@ -496,3 +489,15 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         changes (:func:`dmuon.stateful.checkpoint.optimizer_state_dict.load_optimizer_state`)."""
         from dmuon.stateful.checkpoint.optimizer_state_dict import torch_load_optimizer_state_dict
         torch_load_optimizer_state_dict(self, state_dict)
+
+
+def _ns_of(choice: Any, device_type: str) -> Any:
+    """The NS the owners run for an ``NSConfig`` (:meth:`Muon.set_ns_engine`): a class built per
+    config, or the given engine; ``ValueError`` for anything else."""
+    if isinstance(choice, NSEngine):
+        return choice
+    if choice not in ("auto", "engine", "functional"):
+        raise ValueError("ns_engine must be 'auto', 'engine', 'functional' or a "
+                         f"dmuon.kernels.ns_engine.NSEngine, got {choice!r}")
+    return BatchedNS if choice == "functional" or (choice == "auto" and device_type != "cuda") \
+        else NSEngine

@@ -5,11 +5,11 @@ Newton–Schulz on the owners"."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional
 
 import torch
 
-from dmuon.functional.split_exec import run_split_units, split_orthogonalizer
+from dmuon.functional.split_exec import run_split_units
 from dmuon.functional.split_units import check_split_support, split_units
 from dmuon.newton_schulz.config import NSConfig
 
@@ -66,10 +66,4 @@ class SplitStep:
         (:func:`dmuon.functional.split_exec.run_split_units`)."""
         self._ran = True
         return run_split_units(self.members, inputs, self.executor.run, self.device)
-
-    def orthogonalizer(self, inner: Callable[[list], Sequence[torch.Tensor]],
-                       input_names: Sequence[str]) -> Callable[[list], list]:
-        """``inner`` with the inputs of this rank's split matrices run through the split units
-        first (:func:`dmuon.functional.split_exec.split_orthogonalizer`)."""
-        return split_orthogonalizer(inner, input_names, self.owned, self.run)
 
