@@ -33,9 +33,8 @@ from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
 from dmuon.functional.setup_check import require_fsdp_meshes
 from dmuon.functional.step_checks import (broken_step_message, check_outside_grads,
                                           check_step_ready, step_broken, write_count)
-from dmuon.stateful.optimizer.step_checks import (check_finite, check_same_fsdp_grads,
-                                                  host_all_reduce)
-from dmuon.stateful.runtime.agree import agree
+from dmuon.stateful.optimizer.step_checks import check_finite, check_same_fsdp_grads
+from dmuon.stateful.runtime.agree import agree, host_sum
 from dmuon.stateful.modes.tensor_parallel import TPStep
 
 logger = logging.getLogger(__name__)
@@ -330,8 +329,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         """Collective, ending every step: a failure after any change raises on every rank."""
         rt, mine = self._rt, [] if failure is None else [f"{type(failure).__name__}: {failure}"]
         try:
-            counts = rt.mesh_groups.control_collective("step outcome all-reduce", lambda g: (
-                host_all_reduce([failure is not None, changed], g, rt.device)))
+            counts = host_sum([failure is not None, changed], what="step outcome all-reduce",
+                              via=rt.mesh_groups, device=rt.device)
         except RuntimeError as e:  # not agreed (a rank missing): no rank may trust its state
             raise self._break(f"rank {rt.rank}: the step's outcome was not agreed: {e}") from e
         if step_broken(counts):

@@ -9,43 +9,18 @@ import torch
 import torch.distributed as dist
 
 from dmuon.functional.step_checks import check_finite_flags, check_grads_on_all_ranks
-from dmuon.kernels.streams import side_stream
-from dmuon.stateful.runtime.agree import rank_flags
+from dmuon.stateful.runtime.agree import host_all_reduce, host_sum, rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
-__all__ = ["check_same_fsdp_grads", "check_finite", "host_all_reduce"]
-
-
-def host_all_reduce(values: Sequence[int], group: Any, device: torch.device) -> list[int]:
-    """Sum of the host ``values`` over ``group``, read back on the host.
-
-    On CUDA the all-reduce runs on a side stream fed from pinned memory: the values depend on
-    nothing the compute stream does, so the host waits for the collective alone, not for the
-    backward still queued on the compute stream (a plain device tensor + ``tolist()`` would drain
-    it, and the next kernels would start from an empty queue)."""
-    if device.type != "cuda":
-        t = torch.tensor(list(values), dtype=torch.int32, device=device)
-        dist.all_reduce(t, group=group)
-        return t.tolist()
-    src = torch.tensor(list(values), dtype=torch.int32).pin_memory()
-    out = torch.empty_like(src).pin_memory()
-    side = side_stream(torch.device(device), "step_checks")
-    with torch.cuda.stream(side):
-        t = src.to(device, non_blocking=True)
-        dist.all_reduce(t, group=group)
-        out.copy_(t, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(side)
-    done.synchronize()
-    return out.tolist()
+__all__ = ["check_same_fsdp_grads", "check_finite", "host_all_reduce"]  # (that one: agree's)
 
 
 def check_same_fsdp_grads(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState) -> None:
     """Torch without FSDP2's ``set_reduce_scatter_unused_params``: raise on every rank if an
     FSDP2 param has a gradient on some ranks only (one all-reduce of a has-grad count)."""
     flags = [p.grad is not None for _, p in adamw_named]
-    counts = rt.mesh_groups.control_collective(
-        "FSDP2 gradient-usage all-reduce", lambda g: host_all_reduce(flags, g, rt.device))
+    counts = host_sum(flags, what="FSDP2 gradient-usage all-reduce", via=rt.mesh_groups,
+                      device=rt.device)
     check_grads_on_all_ranks([n for n, _ in adamw_named], counts, dist.get_world_size())
 
 

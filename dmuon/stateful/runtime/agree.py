@@ -1,7 +1,7 @@
 """Decide on every rank, raise on every rank: dmuon's one agreement helper. A local check that may
 fail on some ranks only ends in one small collective (:func:`gather`, :func:`agree`,
-:func:`agree_equal`, :func:`rank_flags`, :func:`max_over_ranks`), so every rank raises the same
-error or none does; :func:`join` refuses a collective call made on some ranks only. ``via``: a
+:func:`agree_equal`, :func:`rank_flags`, :func:`max_over_ranks`, :func:`host_sum`), so every
+rank raises the same error or none does; :func:`join` refuses a collective call made on some ranks only. ``via``: a
 :class:`~dmuon.stateful.runtime.process_groups.MeshGroups` (its bounded control group), a process
 group, or ``None`` (the default group).
 
@@ -22,9 +22,11 @@ from dmuon.compat.heartbeat import PeerWatch
 from dmuon.compat.torch_api import default_store
 from dmuon.functional.rank_report import describe_problems, describe_values
 from dmuon.functional.tp_step import max_keeping_nan
+from dmuon.kernels.streams import side_stream
 
-__all__ = ["gather", "agree", "agree_equal", "rank_flags", "max_over_ranks", "join",
-           "NotOnEveryRankError", "describe_problems", "describe_values"]
+__all__ = ["gather", "agree", "agree_equal", "rank_flags", "max_over_ranks", "host_sum",
+           "host_all_reduce", "join", "NotOnEveryRankError", "describe_problems",
+           "describe_values"]
 
 
 def _group(via: Any) -> Any:
@@ -96,6 +98,35 @@ def max_over_ranks(values: torch.Tensor, *, what: str, via: Any = None) -> torch
     ``values``."""
     return max_keeping_nan(values, lambda t: _run(
         via, what, lambda g: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)))
+
+
+def host_all_reduce(values: Sequence[int], group: Any, device: torch.device) -> list[int]:
+    """Sum of the host ``values`` over ``group``, read back on the host.
+
+    On CUDA the all-reduce runs on a side stream fed from pinned memory: the values depend on
+    nothing the compute stream does, so the host waits for the collective alone, not for the
+    backward still queued on the compute stream (a plain device tensor + ``tolist()`` would drain
+    it, and the next kernels would start from an empty queue)."""
+    if device.type != "cuda":
+        t = torch.tensor(list(values), dtype=torch.int32, device=device)
+        dist.all_reduce(t, group=group)
+        return t.tolist()
+    src = torch.tensor(list(values), dtype=torch.int32).pin_memory()
+    out = torch.empty_like(src).pin_memory()
+    side = side_stream(torch.device(device), "step_checks")
+    with torch.cuda.stream(side):
+        t = src.to(device, non_blocking=True)
+        dist.all_reduce(t, group=group)
+        out.copy_(t, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(side)
+    done.synchronize()
+    return out.tolist()
+
+
+def host_sum(values: Sequence[int], *, what: str, via: Any, device: torch.device) -> list[int]:
+    """Collective: :func:`host_all_reduce` of ``values`` on ``via`` (see the module docstring)."""
+    return _run(via, what, lambda g: host_all_reduce(values, g, device))
 
 
 #: the environment variable that sets :func:`join`'s bound (seconds), and its default
