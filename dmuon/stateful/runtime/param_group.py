@@ -53,17 +53,16 @@ class DedicatedParamGroup:
       key: the hook-group key (module path; ``""``: the model itself).
       module: the boundary module.  names: its dedicated param names (sorted).
       storage: the model's :class:`~dmuon.stateful.runtime.storage.DedicatedStorage`.
-      executor: runs the schedules.  reshard_after_forward: Z3 (True) or Z2.
+      executor: runs the schedules.
     """
 
     def __init__(self, *, key: str, module: nn.Module, names: tuple[str, ...],
-                 storage: DedicatedStorage, executor: Executor, reshard_after_forward: bool):
+                 storage: DedicatedStorage, executor: Executor):
         self.key = key
         self.module = module
         self.names = names
         self.storage = storage
         self.executor = executor
-        self.reshard_after_forward = reshard_after_forward
         self.compute_dtype: Optional[torch.dtype] = None
         self.reduce_dtype: Optional[torch.dtype] = None
         self.grad_state = GradState.IDLE
@@ -85,13 +84,9 @@ class DedicatedParamGroup:
     def setup(self, program: StepProgram) -> None:
         """Take this group's phases from the step program and build its gathered buckets
         (storage freed), once."""
-        phases = program.groups[self.key]
-        if phases.reshard_after_forward != self.reshard_after_forward:  # pragma: no cover
-            raise RuntimeError(f"dmuon internal error: hook group {self.key!r}'s mode differs "
-                               "from the step program's")
-        self.program, self.phases = program, phases
+        self.program, self.phases = program, program.groups[self.key]
         self._reduce_buckets = program.reduce_layout.buckets_of(self.key)
-        if phases.zero_copy:  # DDP mode, compute dtype = master dtype: the masters themselves
+        if self.phases.zero_copy:  # DDP mode, compute dtype = master dtype: the masters themselves
             return
         for b in program.unshard_layout.buckets_of(self.key):
             buf = torch.empty(b.numel, dtype=to_torch_dtype(b.key.dtype),
@@ -148,6 +143,12 @@ class DedicatedParamGroup:
         """DDP mode with the masters' dtypes: the params are the masters themselves while
         "gathered" (:attr:`dmuon.functional.program.GroupPhases.zero_copy`)."""
         return self.phases is not None and self.phases.zero_copy
+
+    @property
+    def reshard_after_forward(self) -> bool:
+        """Z3 (freed after forward, re-gathered in backward) or Z2: the step program's decision
+        (read from the first forward on)."""
+        return self.phases.reshard_after_forward
 
     @property
     def holds_gathered(self) -> bool:

@@ -97,8 +97,7 @@ class DedicatedState:
         self.groups: dict[str, DedicatedParamGroup] = {
             key: DedicatedParamGroup(
                 key=key, module=group_modules[key], names=groups.names(key), storage=self.storage,
-                executor=executor,
-                reshard_after_forward=self.reshard_after_forward and key != ROOT_GROUP)
+                executor=executor)
             for key in groups.order}
         self.group_of = groups.as_mapping()
         self.order: list[str] = list(groups.order)  # forward order; agreed at the first forward
@@ -416,9 +415,7 @@ class DedicatedState:
           RuntimeError: a publish of an earlier step is still pending (see
             :meth:`check_publish_consumed`).
         """
-        self.masters_changed()
-        if self.R == 1:
-            return
+        self.masters_changed()  # (R == 1: the program's publish phases are empty)
         self.check_publish_consumed()
         for key in self.hook_groups.order:
             self.groups[key].launch_publish(self.storage.master_buffers)
