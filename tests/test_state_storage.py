@@ -60,7 +60,8 @@ def _ckpt_checks(rank, world):
     """Checkpoint round trips through the torch protocol (``Muon.state_dict``)."""
     from models import make_batches, make_model
     from stateful_harness import build_dmuon
-    from dmuon.stateful.optimizer.state_storage import checkpoint_momentum, state_nbytes
+    from dmuon.checkpoint.sharded import checkpoint_momentum
+    from dmuon.stateful.optimizer.state_storage import state_nbytes
 
     def train(kw, steps=3, opt_sd=None):
         model = make_model()

@@ -57,7 +57,7 @@ def _worker(rank, world, path):
     import dmuon
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from dmuon.stateful.optimizer.state_storage import checkpoint_momentum
+    from dmuon.checkpoint.sharded import checkpoint_momentum
     from dmuon.functional.variants import normuon
 
     out = {}
@@ -168,7 +168,8 @@ def _tp_ckpt_worker(rank, world):
     from dmuon.functional import state_dtype as sd
     from dmuon.functional.memory_model import rank_memory
     from dmuon.stateful.modes.tensor_parallel import local_part
-    from dmuon.stateful.optimizer.state_storage import checkpoint_momentum, state_nbytes
+    from dmuon.checkpoint.sharded import checkpoint_momentum
+    from dmuon.stateful.optimizer.state_storage import state_nbytes
     from test_tensor_parallel import apply_tp
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))

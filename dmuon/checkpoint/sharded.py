@@ -154,6 +154,25 @@ def _planners():
     return CountingSavePlanner, CountingLoadPlanner
 
 
+def checkpoint_momentum(optimizer: Any) -> dict[str, torch.Tensor]:
+    """``{name: momentum}`` of the owned matrices for a checkpoint (exact; see
+    :meth:`~dmuon.stateful.optimizer.state_storage.MomentumStorage.values`); ``{}`` without a
+    momentum stage."""
+    owner = optimizer._owner
+    if owner.stored_field is None:
+        return {}
+    return owner.value_of("momentum_buffer", optimizer.dedicated_state.owned_masters())
+
+
+def install_momentum(optimizer: Any, values: Mapping[str, torch.Tensor],
+                     saved_dtype: Optional[str], what: str) -> None:
+    """Install checkpoint momentum ``values`` (full matrices this rank owns, any float dtype)
+    into the optimizer's chain state (converted to its ``momentum_dtype``, with a logged note when
+    the checkpoint's differs)."""
+    if optimizer._owner.stored_field is not None:
+        optimizer._owner.load({"momentum_buffer": dict(values)}, None, saved_dtype, what)
+
+
 def _save_entries(model: nn.Module, rt, optimizer) -> dict[str, Any]:
     """What this rank hands DCP: FSDP2's DTensors, the dedicated matrices (param dtype) and
     momentum it owns, a wider master where there is one, counters and hparams."""
@@ -175,7 +194,6 @@ def _save_entries(model: nn.Module, rt, optimizer) -> dict[str, Any]:
     fsdp2 = {n: {k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))}
              for n, p in optimizer.adamw_named_params}
     dedicated: dict[str, dict[str, torch.Tensor]] = {}
-    from dmuon.stateful.optimizer.state_storage import checkpoint_momentum
     mom = checkpoint_momentum(optimizer)  # fp32: the live buffers; else exact bf16 copies
     for n in rt.owned_names:
         dedicated[n] = {"momentum_buffer": mom[n]}
@@ -451,7 +469,6 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
             "fsdp2": o["fsdp2"], "dedicated": {}, "param_groups": list(o["param_groups"]),
             **{k: o[k] for k in ("adamw_step", "muon_step", "num_steps")}},
             what=what, check_finite=False)
-        from dmuon.stateful.optimizer.state_storage import install_momentum
         saved = next((g.get("momentum_dtype") for g in o["param_groups"]
                       if g.get("name") == "muon"), None)
         install_momentum(optimizer, {n: o["dedicated"][n]["momentum_buffer"]

@@ -347,24 +347,6 @@ class StorageListener:
             opt._storage.flush()
 
 
-def checkpoint_momentum(optimizer: Any, names: Optional[Any] = None) -> dict[str, Tensor]:
-    """``{name: momentum}`` of the owned matrices (``names``: of those only) for a checkpoint
-    (exact; see :meth:`MomentumStorage.values`); ``{}`` without a momentum stage."""
-    owner = optimizer._owner
-    if owner.stored_field is None:
-        return {}
-    return owner.value_of("momentum_buffer", optimizer.dedicated_state.owned_masters(), names=names)
-
-
-def install_momentum(optimizer: Any, values: Mapping[str, Tensor], saved_dtype: Optional[str],
-                     what: str) -> None:
-    """Install checkpoint momentum ``values`` (full matrices this rank owns, any float dtype)
-    into the optimizer's chain state (converted to its ``momentum_dtype``, with a logged note when
-    the checkpoint's differs)."""
-    if optimizer._owner.stored_field is not None:
-        optimizer._owner.load({"momentum_buffer": dict(values)}, None, saved_dtype, what)
-
-
 def state_nbytes(optimizer: Any) -> dict[str, int]:
     """``{"device": bytes, "host": bytes}`` this rank's optimizer holds for its owned matrices'
     Muon state (what :func:`dmuon.functional.memory_model.rank_memory` models)."""
