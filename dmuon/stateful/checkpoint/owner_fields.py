@@ -1,6 +1,6 @@
 """The owners' chain state across ranks, field by field: gathered to every rank for a checkpoint
 (:func:`gather_fields`) and staged back onto the owners (:func:`stage_fields`) through the bucketed
-checkpoint transfer; TP slices assembled and cut (:func:`local_field`).
+checkpoint transfer; TP slices assembled (and cut by ``tensor_parallel.local_part``).
 
 Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.owner_fields".
 """
@@ -10,16 +10,14 @@ import math
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
 from dmuon.functional.state_dtype import checkpoint_dtype
-from dmuon.functional.state_fields import tp_concat_dim
 from dmuon.stateful.checkpoint.state_dict import full_copy
 from dmuon.stateful.checkpoint.torch_state_dict import rows_of
 from dmuon.stateful.checkpoint.transfer import transfer_of
-from dmuon.stateful.modes.tensor_parallel import full_shape, local_part
+from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part
 
-__all__ = ["layout_of", "gather_fields", "local_field", "entry_shape", "stage_fields"]
+__all__ = ["layout_of", "gather_fields", "entry_shape", "stage_fields"]
 
 
 def layout_of(optimizer: Any, key: str) -> str:
@@ -43,12 +41,8 @@ def gather_fields(optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
             got = tr.to_every_rank(group, mine, owner_only=True)
             for n, t in got.items():
                 shape = var.local_shapes[f.key][n]
-                v = t.reshape(-1)[:math.prod(shape)].view(shape).clone()
-                rule = tp_concat_dim(f.layout, getattr(rt.tp_layouts.get(n), "dim", None))
-                if rule is not None:
-                    parts = [torch.empty_like(v) for _ in range(rt.tp_layouts[n].parts)]
-                    dist.all_gather(parts, v.contiguous(), group=rt.mesh_groups.tp_group)
-                    v = torch.cat(parts, dim=rule)
+                v = assemble_tp_slices(rt.tp_layouts, {n: t.reshape(-1)[:math.prod(shape)].view(
+                    shape).clone()}, rt.mesh_groups.tp_group, f.layout)[n]
                 if f is var.stored_field and var.storage is not None:  # bf16 for bf16 / 8-bit
                     v = v.to(checkpoint_dtype(var.storage.dtype, v.dtype))
                 out.setdefault(n, {})[f.key] = v
@@ -58,15 +52,6 @@ def gather_fields(optimizer: Any) -> dict[str, dict[str, torch.Tensor]]:
             if n in wide:
                 out[n]["master"] = t.clone()
     return out
-
-
-def local_field(rt: Any, layout: str, n: str, full: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a full field value of matrix ``n`` (its TP slice's)."""
-    lay = rt.tp_layouts.get(n)
-    rule = tp_concat_dim(layout, getattr(lay, "dim", None))
-    if rule is None:
-        return full
-    return full.chunk(lay.parts, dim=rule)[rt.mesh_groups.tp_index]
 
 
 def entry_shape(optimizer: Any, n: str, key: str) -> tuple[int, ...]:
@@ -102,7 +87,7 @@ def stage_fields(optimizer: Any, ded: Mapping[str, Mapping[str, Any]], *,
     for f in var.fields:
         if f.layout == "param" or rank0:
             part = None if f.layout == "param" else \
-                (lambda n, v, lay=f.layout: local_field(rt, lay, n, v).reshape(-1))
+                (lambda n, v, lay=f.layout: local_part(rt, n, v, lay).reshape(-1))
             for group in tr.layout.groups:
                 full = move(group, f.key, part)
                 for n, t in full.items():
@@ -116,7 +101,7 @@ def stage_fields(optimizer: Any, ded: Mapping[str, Mapping[str, Any]], *,
         for n in rt.names:
             v = full_copy(ded[n][f.key])  # (collective for a DTensor)
             if n in owned:
-                out[f.key][n] = local_field(rt, f.layout, n, v).to(
+                out[f.key][n] = local_part(rt, n, v, f.layout).to(
                     device=rt.device, dtype=var.field_values(f.key)[n].dtype)
     out["master"] = {}
     for group in tr.layout.groups:

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from dmuon.compat.torch_api import module_param_slots
 from dmuon.functional.selection import names_by_object
+from dmuon.functional.state_fields import tp_concat_dim
 from dmuon.functional.tp_plan import TPLayout, tp_roots
 from dmuon.compat.spmd_mesh import spmd_typed
 from dmuon.functional.tp_setup import spmd_layouts_of
@@ -183,19 +184,20 @@ class TPStep:
 
 
 def assemble_tp_slices(layouts: Mapping[str, TPLayout], values: Mapping[str, torch.Tensor],
-                       group: Any) -> dict[str, torch.Tensor]:
-    """Collective over the TP group: ``values`` (every rank's slice of each TP matrix; other
-    names pass through) with each TP slice replaced by its full matrix (one all-gather per TP
-    matrix, in ``values``' order, which is the same on every rank)."""
+                       group: Any, layout: str = "param") -> dict[str, torch.Tensor]:
+    """Collective over the TP group: ``values`` (every rank's slice of each TP matrix, or of its
+    state field of ``layout``; other names pass through) with each slice replaced by the whole
+    (one all-gather per TP matrix, in ``values``' order, which is the same on every rank)."""
     out = dict(values)
     for n, v in values.items():
         lay = layouts.get(n)
-        if lay is None:
+        rule = tp_concat_dim(layout, getattr(lay, "dim", None))
+        if rule is None:
             continue
         x = v.contiguous()
         parts = [torch.empty_like(x) for _ in range(lay.parts)]
         dist.all_gather(parts, x, group=group)
-        out[n] = torch.cat(parts, dim=lay.dim)
+        out[n] = torch.cat(parts, dim=rule)
     return out
 
 
@@ -205,10 +207,12 @@ def full_shape(rt: Any, name: str) -> tuple[int, ...]:
     return tuple(lay.shape) if lay is not None else tuple(rt.shape[name])
 
 
-def local_part(rt: Any, name: str, full: Any) -> Any:
-    """This rank's TP slice of a full value of dedicated param ``name`` (the value itself for a
-    matrix without TP, or for ``None``)."""
+def local_part(rt: Any, name: str, full: Any, layout: str = "param") -> Any:
+    """This rank's TP slice of a full value of dedicated param ``name`` (or of its state field
+    of ``layout``: :func:`~dmuon.functional.state_fields.tp_concat_dim`); the value itself for a
+    matrix without TP, a field every TP rank holds whole, or ``None``."""
     lay = rt.tp_layouts.get(name)
-    if lay is None or full is None or _is_dtensor(full):
+    rule = tp_concat_dim(layout, getattr(lay, "dim", None))
+    if rule is None or full is None or _is_dtensor(full):
         return full
-    return full.chunk(lay.parts, dim=lay.dim)[rt.mesh_groups.tp_index]
+    return full.chunk(lay.parts, dim=rule)[rt.mesh_groups.tp_index]

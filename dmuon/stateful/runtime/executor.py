@@ -136,7 +136,6 @@ class Pending:
         self._ex = executor
         self._recs = recs
         self._device_type = device_type
-        self._waited = False
 
     def is_completed(self) -> bool:
         """Non-blocking: all ops issued and finished (on CUDA: their end events have fired)."""
@@ -157,7 +156,6 @@ class Pending:
                 self._ex._drain(self._recs)
             for r in self._recs:
                 r.wait_host()
-        self._waited = True
 
 
 class Executor:
