@@ -29,6 +29,7 @@ from dmuon.stateful.optimizer.state_views import StateViewsMixin
 from dmuon.stateful.modes.ddp import check_backend
 from dmuon.stateful.modes.deferred import finish_pending
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor, unwrap_model
+from dmuon.stateful.optimizer.state_storage import MomentumStorage, StorageListener
 from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
 from dmuon.functional.setup_check import require_fsdp_meshes
 from dmuon.functional.step_checks import (broken_step_message, check_outside_grads,
@@ -108,10 +109,9 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             warnings.warn(note, DeprecationWarning, stacklevel=2)
         transform, mu_dtype = fopts.momentum_dtype_of(transform, old_mu_dtype,
                                                 fopts.hparams_of_group(muon_group))
-        from dmuon.stateful.optimizer import state_storage as ss
         from dmuon.stateful.optimizer.adamw_storage import AdamWStorage
         self._adamw_storage = AdamWStorage(adamw_state_dtype)  # checked before any change
-        self._storage = ss.MomentumStorage(mu_dtype, offload_state, None)
+        self._storage = MomentumStorage(mu_dtype, offload_state, None)
         _ns_of(knobs["ns_engine"], "cpu")  # a bad ns_engine raises here, before anything changes
         model = unwrap_model(model)
         finish_pending(model)  # dedicate_params before TP: the dedication completes here
@@ -153,7 +153,9 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._generation = rt.attach_optimizer()
         from dmuon.stateful.optimizer.ns_overlap import NSOverlap
         self._overlap = NSOverlap(self)  # set_ns_overlap (off)
-        rt.set_listener(ss.StorageListener(self))  # offload copies, early owner updates
+        # the runtime's listener only where a policy needs it (offload copies, early owner
+        # updates): decided here (and by set_ns_overlap), not at each notification
+        rt.set_listener(StorageListener(self) if self._listens() else None)
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
         # runs its zero-gradient "materializing" step on this optimizer. One driver for Muon
         # (transform=None: variants.muon()) and every variant: its chain, state and fields
@@ -272,6 +274,13 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         says why) with TP, split NS, your own ``transform=`` chain (its stages may couple
         matrices), or a momentum stored in another dtype or offloaded."""
         self._overlap.set_mode(mode)
+        if self._listens() and self._rt.listener is None and self._rt.is_current(self._generation):
+            self._rt.set_listener(StorageListener(self))
+
+    def _listens(self) -> bool:
+        """Whether a policy of this optimizer needs the runtime's notifications (offloaded
+        momentum: its copies; NS overlap not off: its early updates)."""
+        return self._storage.offload or self._overlap.mode != "off"
 
     @property
     def ns_overlap_stats(self) -> dict[str, Any]:
