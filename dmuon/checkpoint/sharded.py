@@ -245,7 +245,6 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     refuse_tp(rt, "dmuon.save_sharded (use dmuon.get_model_state_dict / "
               "get_optimizer_state_dict, which give full tensors)")
     rt.join("dmuon.save_sharded(path, model, optimizer)", always=True)
-    rt.finish_meta_init("dmuon: sharded checkpoint")
     if optimizer is not None:
         check_optimizer(model, optimizer, "dmuon.save_sharded")
         refuse_variant(optimizer, "dmuon.save_sharded")
@@ -389,7 +388,6 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     rt = get_state(model, f"{what}(path, model, optimizer)")
     refuse_tp(rt, what)
     rt.join(f"{what}(path, model, optimizer)", always=True)
-    rt.finish_meta_init("dmuon: sharded checkpoint")
     if optimizer is not None:
         check_optimizer(model, optimizer, what)
         refuse_variant(optimizer, what)

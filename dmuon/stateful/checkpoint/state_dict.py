@@ -99,7 +99,6 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
     """
     rt = get_state(model, "dmuon.get_model_state_dict(model)")
     rt.join("dmuon.get_model_state_dict(model)")
-    rt.finish_meta_init("dmuon.get_model_state_dict(model)")
     rt.drain()
     keep = not rank0_only or rt.rank == 0
     mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
@@ -149,7 +148,6 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     what = "dmuon.set_model_state_dict"
     rt = get_state(model, f"{what}(model, sd)")
     rt.join(f"{what}(model, sd)", always=True)
-    rt.finish_meta_init(f"{what}(model, sd)")
     rt.wait_publish()
     ded = dedicated_names_by_key(model, rt)
     exp = expected_entries(model, rt, ded)

@@ -168,7 +168,6 @@ class _Hooks:
             refuse_tp(st, "model.state_dict() (torch's own, also under torch.distributed."
                       "checkpoint; use dmuon.get_model_state_dict, which gives full tensors)")
             st.join("model.state_dict()")
-            st.finish_meta_init("model.state_dict()")
             st.drain()
             self.rows = {n: dtensor_rows(t.to(st.orig_dtype[n]).clone(), st.shard_mesh)
                          for n, t in self.transfer.full_masters()}  # (no TP: refused above)
@@ -240,7 +239,6 @@ class _Hooks:
         st = self.st
         refuse_tp(st, "model.load_state_dict(sd) (use dmuon.set_model_state_dict)")
         st.join("model.load_state_dict(sd)", always=True)
-        st.finish_meta_init("model.load_state_dict(sd)")
         problems, views, notes, absent, staged = [], [], [], [], {}
         for k, n in self.keys.items():
             key = prefix + k

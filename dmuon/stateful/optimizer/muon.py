@@ -140,11 +140,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._rt: DedicatedState = rt
         self.check_finite = rt.device.type != "cuda" if check_finite == "auto" else check_finite
         rt.ledger.track_finite = self.check_finite
-        self.adamw_impl, self.elementwise = knobs["adamw_impl"], knobs["elementwise"]
-        rt.pool.persistent = knobs["persistent_grad_buffers"]
         self._host_syncs = 0
         self.telemetry = StepTelemetry(rt.executor, rt.device)
-        self.replicate_async = knobs["replicate_async"]
         self.num_steps = 0  # completed step() calls (the same on every rank)
         # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;
         # else every step checks that each FSDP2 param has a gradient on all ranks or on none
@@ -175,7 +172,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             self._storage.share_scales(self._tp.names, self._tp.max_over_group)  # MAX over TP)
         self._split = split_step(rt, transform if self._owner.custom else None,
                                  self.muon_hparams())  # split NS: this rank's units
-        self.set_ns_engine(knobs["ns_engine"])  # the owners' NS, behind TP's or split NS's
+        for knob, value in knobs.items():  # the execution knobs (ns_engine: the owners' NS,
+            getattr(self, f"set_{knob}")(value)  # behind TP's gathers or split NS's units)
         self._program_of = self._program = None
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)

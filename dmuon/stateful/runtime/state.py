@@ -140,10 +140,12 @@ class DedicatedState:
 
     def join(self, what: str, *, always: bool = False) -> None:
         """Before a state-dict / checkpoint call with collectives: every rank must make it
-        (:func:`dmuon.stateful.runtime.agree.join`). ``always=False``: only when the call moves
-        dedicated matrices (``G > 1``, TP, meta init; DDP mode's saves are local)."""
+        (:func:`dmuon.stateful.runtime.agree.join`); then a meta-built model's init window closes
+        (:meth:`finish_meta_init`). ``always=False``: only when the call moves dedicated matrices
+        (``G > 1``, TP, meta init; DDP mode's saves are local)."""
         if always or self.G > 1 or self.tp_layouts or self.meta_init is not None:
             join_ranks(what)
+        self.finish_meta_init(what)
 
     def owned_masters(self) -> dict[str, torch.Tensor]:
         """``{name: master}`` of the matrices this rank runs Muon on (fixed at setup)."""
