@@ -174,7 +174,6 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
                                  self.muon_hparams())  # split NS: this rank's units
         for knob, value in knobs.items():  # the execution knobs (ns_engine: the owners' NS,
             getattr(self, f"set_{knob}")(value)  # behind TP's gathers or split NS's units)
-        self._program_of = self._program = None
         # elements of the owned masters (fixed at setup), reported by every step's telemetry
         self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 
@@ -192,12 +191,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         ``None`` before it) with this optimizer's split NS schedules (its NS settings decide their
         ops). A derived value: the model's program is never rewritten."""
         prog = self._rt.program
-        if prog is None or self._split is None:
-            return prog
-        if self._program_of is not prog:
-            self._program_of, self._program = prog, dataclasses.replace(
-                prog, splits=self._split.schedules)
-        return self._program
+        return prog if prog is None or self._split is None else dataclasses.replace(
+            prog, splits=self._split.schedules)
 
     @property
     def adamw_named_params(self) -> tuple[tuple[str, nn.Parameter], ...]:
