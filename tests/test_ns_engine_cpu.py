@@ -156,3 +156,24 @@ def test_cuda_graphs_flag_is_harmless_on_cpu(caplog):
         assert _rel(g, r) < 1e-10
     # CPU tensors run eagerly, silently: the flag costs nothing and warns about nothing
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.records
+
+
+def test_twin_computes_the_same_and_keeps_its_own_programs():
+    """``NSEngine.twin`` (the NS overlap's per-group engines): bitwise the same results with the
+    same settings and timer, its programs its own (the original's are neither evicted nor
+    replaced)."""
+    eng = NSEngine(NSConfig(ns_dtype=torch.float64, ns_steps=4), max_chunk_bytes=64 * 64 * 8,
+                   sym_backend="torch")
+    eng.max_programs = 2
+    twin = eng.twin()
+    assert (twin.config, twin.max_chunk_bytes, twin.sym_backend, twin.max_programs,
+            twin.timer) == (eng.config, eng.max_chunk_bytes, "torch", 2, eng.timer)
+    xs = _inputs()
+    bds = [bd for _, bd in CASES]
+    a = eng.orthogonalize_([x.clone() for x in xs], batch_dims=bds)
+    keys = list(eng._inplace)
+    for seed in range(3):  # more signatures than max_programs, through the twin only
+        twin.orthogonalize_([x.clone() for x in _inputs(seed=seed + 2)], batch_dims=bds)
+    b = twin.orthogonalize_([x.clone() for x in xs], batch_dims=bds)
+    assert list(eng._inplace) == keys and len(twin._inplace) == 2
+    assert all(torch.equal(u, v) for u, v in zip(a, b))

@@ -46,7 +46,7 @@ Three ways to call it:
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -98,8 +98,9 @@ def _bmm_fp32_out_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return _FP32_OUT[key]
 
 
-def _capture(fn, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
-    """Capture ``fn()`` into a new CUDA graph on ``stream`` with memory from ``pool``.
+def capture_graph(fn, pool, stream: torch.cuda.Stream) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """Capture ``fn()`` into a new CUDA graph on ``stream`` with memory from ``pool``; returns
+    ``(graph, what fn returned)`` (tensors written by each replay).
 
     Unlike ``torch.cuda.graph``, whose ``__enter__`` synchronizes the device and empties the
     caching allocator's cache, this neither synchronizes nor frees anything: a capture in the
@@ -117,11 +118,11 @@ def _capture(fn, pool, stream: torch.cuda.Stream) -> torch.cuda.CUDAGraph:
     with torch.cuda.stream(stream):
         g.capture_begin(pool, capture_error_mode="thread_local")
         try:
-            fn()
+            out = fn()
         finally:
             g.capture_end()
     torch.cuda.current_stream(stream.device).wait_stream(stream)
-    return g
+    return g, out
 
 
 class _Program:
@@ -229,8 +230,8 @@ class _Program:
                 # need cudaFree, which is illegal while capturing. Hand them back first.
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
-            self.graph, self.mode = _capture(self.run_eager, eng._pool(self.device),
-                                             eng._capture_stream(self.device)), "graph"
+            self.graph, self.mode = capture_graph(self.run_eager, eng._pool(self.device),
+                                                  eng._capture_stream(self.device))[0], "graph"
         except Exception as exc:  # capture impossible: fall back, say why once
             self.graph, self.mode = None, "eager"
             _log_once(f"capture:{type(exc).__name__}",
@@ -315,6 +316,15 @@ class NSEngine:
         self.last_mode = "none"           # "graph" / "eager" of the last orthogonalize_ call
         self._last_inplace_key: Optional[tuple] = None
         self.timer: Optional[NSTimer] = None  # where __call__ records its spans, if anywhere
+
+    def twin(self) -> "NSEngine":
+        """A new engine computing exactly what this one computes (same settings and timer) with
+        programs of its own, so that its callers never evict or replace this one's."""
+        t = NSEngine(self.config, cuda_graphs=self.cuda_graphs, sym_backend=self.sym_backend,
+                     max_chunk_bytes=self.max_chunk_bytes)
+        t.max_programs, t.max_inplace_captures, t.timer = (self.max_programs,
+                                                           self.max_inplace_captures, self.timer)
+        return t
 
     def _retire(self, prog: "_Program") -> None:
         """Drop an evicted program but keep its CUDA graph (never replayed again) while the engine
