@@ -61,3 +61,19 @@ def test_early_names_and_auto_choice():
     assert O.auto_choice([10, 11, 12], [9, 9.5, 13]) is True
     assert O.auto_choice([10, 10, 10], [10, 10, 10]) is False
     assert O.auto_choice([], [1.0]) is False
+
+
+def test_replay_key():
+    """A group's early update is replayed as a CUDA graph only under the same key (what a graph
+    bakes in: hyper-parameters, gradients' and live tensors' storage); never where it reads the
+    step (a schedule, a step count in the chain's state)."""
+    g = torch.zeros(3)
+    s = O.take_stamp((0.02, 0.95, "fused", 7), 3, 0, ["w"], {"w": g}, [[{"w": g}]])
+    k = O.replay_key(s, [1, 2], [torch.zeros(4, 4)])
+    assert k is not None and k == O.replay_key(s._replace(steps=9, writes=5), [1, 2], [])
+    assert k != O.replay_key(s, [1, 3], [])  # a live tensor replaced (a load): another key
+    assert k != O.replay_key(s._replace(hparams=O.stamp_key((0.01, 0.95, "fused", 7))), [1, 2], [])
+    assert k != O.replay_key(s._replace(grads=(("w", (g.data_ptr() + 4, 0)),)), [1, 2], [])
+    assert O.replay_key(s, [1, 2], [torch.tensor(3.0, dtype=torch.float64)]) is None  # a count
+    sched = O.take_stamp(((lambda t: 0.02 / (1 + t), 0.95), "fused"), 3, 0, ["w"], {"w": g}, [])
+    assert O.replay_key(sched, [1], []) is None  # an lr schedule, nested in the hparams

@@ -13,6 +13,8 @@ otherwise it discards it and computes as without overlap. This module decides:
   so presence needs no host read, and no divide factor will rescale the gradient in place);
 * :func:`stamp_key` / :func:`invalid_reason`: whether a speculation is still valid at ``step()``
   (the one definition of validity; the runtime only compares stamps it took);
+* :func:`replay_key`: whether one group's early update may be captured once as a CUDA graph
+  and replayed at later steps (and under which key);
 * :func:`auto_choice`: ``"auto"``'s choice from timings (median per iteration).
 """
 from __future__ import annotations
@@ -21,7 +23,8 @@ import statistics
 from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["MODES", "check_mode", "overlap_blocker", "resolve_mode", "early_names", "Stamp",
-           "stamp_key", "take_stamp", "invalid_reason", "by_group", "auto_choice", "auto_split"]
+           "stamp_key", "take_stamp", "invalid_reason", "replay_key", "by_group", "auto_choice",
+           "auto_split"]
 
 #: the values of ``dmuon.Muon.set_ns_overlap``
 MODES = ("off", "on", "auto")
@@ -147,6 +150,26 @@ def take_stamp(hparams: Sequence[Any], steps: int, reduces: int, names: Sequence
     return Stamp(stamp_key(hparams), steps, reduces, tuple(
         (n, None if grads.get(n) is None else (grads[n].data_ptr(), grads[n]._version))
         for n in names), write_count(*live))
+
+
+def replay_key(stamp: Stamp, live_ptrs: Sequence[int], state_leaves: Sequence[Any]
+               ) -> Optional[tuple]:
+    """The key under which an early update stamped ``stamp`` may run as a captured CUDA graph
+    (replayed only while the key recurs), or ``None``: it may not.
+
+    A graph replays the kernels it recorded with every number the update's Python read baked in,
+    on the addresses it read and wrote. So the key is the hyper-parameters and knobs
+    (:func:`stamp_key`: a tensor value by its version), the names, the gradients' storage and
+    ``live_ptrs`` (the storage of the live state and masters it copies in). ``None`` where the
+    update reads the step itself: a schedule among the hyper-parameters (a function, evaluated
+    at the step) or a step count in the chain's state (``state_leaves``' 0-d tensors: Adam's
+    bias correction, a scheduled stage), whose values change at every step."""
+    def schedules(values: Any) -> bool:
+        return any(schedules(v) if isinstance(v, tuple) else callable(v) for v in values)
+    if schedules(stamp.hparams) or any(getattr(t, "ndim", None) == 0 for t in state_leaves):
+        return None
+    return (stamp.hparams, tuple((n, g[0] if g else None) for n, g in stamp.grads),
+            tuple(live_ptrs))
 
 
 def by_group(grads: Mapping[str, Any], group_of: Mapping[str, str], done: Sequence[str]
