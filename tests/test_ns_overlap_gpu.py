@@ -1,6 +1,7 @@
 """Owner NS overlapped with the backward on one GPU (world 1, NCCL): the early updates run on the
-side stream and are committed; the result is bitwise the one with every speculation discarded
-(recomputed in ``step()``), and bitwise the one without the overlap."""
+side stream (a CUDA graph per group, replayed while its key recurs) and are committed; the result
+is bitwise the one with every speculation discarded (recomputed in ``step()``), and bitwise the one
+without the overlap, with constant hyper-parameters and with an lr changed at every step."""
 from __future__ import annotations
 
 import pytest
@@ -20,7 +21,8 @@ def _worker(rank, world):
 
     torch.cuda.set_device(0)
     results = {}
-    for overlap, discard in (("off", False), ("on", False), ("on", True)):
+    for overlap, discard, lrs in (("off", False, False), ("on", False, False), ("on", True, False),
+                                  ("off", False, True), ("on", False, True)):
         mesh = init_device_mesh("cuda", (world,))
         model = make_model(dtype=torch.float32, n_layers=4).cuda()
         dmuon.dedicate_params(model, mesh, muon_predicate)
@@ -29,7 +31,10 @@ def _worker(rank, world):
         fully_shard(model, mesh=mesh)
         opt = dmuon.Muon(model, lr=0.02)
         opt.set_ns_overlap(overlap)
-        for ids in make_batches(4, 4):
+        for i, ids in enumerate(make_batches(4, 4)):
+            if lrs:  # an lr schedule: the early update reads the step, so it is never replayed
+                for group in opt.param_groups:
+                    group["lr"] = 0.02 * (1 - 0.1 * i)
             opt.zero_grad()
             model(ids.cuda()).backward()
             if discard:  # every gradient times 1.0 in place: each speculation is discarded
@@ -39,7 +44,7 @@ def _worker(rank, world):
         leaves = [m.detach().cpu() for m in opt.dedicated_state.owned_masters().values()]
         leaves += [t.detach().cpu() for t in optree.tree_leaves(opt._owner.state)
                    if isinstance(t, torch.Tensor)]
-        results[(overlap, discard)] = (leaves, dict(opt.ns_overlap_stats))
+        results[(overlap, discard, lrs)] = (leaves, dict(opt.ns_overlap_stats))
     return results
 
 
@@ -55,13 +60,23 @@ def runs():
 
 
 def test_ns_overlap_side_stream_and_commit_cuda(runs):
-    on, stats = runs[("on", False)]
+    on, stats = runs[("on", False, False)]
     assert stats["committed"] > 0 and stats["discarded"] == 0, stats
     assert stats["side_stream"] == stats["launched"], stats  # every early update on the side stream
-    rec, rstats = runs[("on", True)]
+    # constant hyper-parameters: each group's update captured at its second step, then replayed
+    assert 0 < stats["replayed"] < stats["launched"], stats
+    rec, rstats = runs[("on", True, False)]
     assert rstats["committed"] == 0 and rstats["discarded"] > 0, rstats
     assert _same(on, rec)  # the speculation is invisible: committed == recomputed, bit for bit
 
 
 def test_ns_overlap_bitwise_off_cuda(runs):
-    assert _same(runs[("on", False)][0], runs[("off", False)][0])
+    assert _same(runs[("on", False, False)][0], runs[("off", False, False)][0])
+
+
+def test_ns_overlap_lr_schedule_cuda(runs):
+    """lr changed before every step: committed, never replayed (a graph would bake the old lr),
+    and bitwise the run without the overlap."""
+    on, stats = runs[("on", False, True)]
+    assert stats["committed"] > 0 and stats["replayed"] == 0, stats
+    assert _same(on, runs[("off", False, True)][0])

@@ -259,7 +259,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         ``"auto"`` (CUDA: keep it where alternating timed iterations were faster on most ranks;
         CPU: off). On, each hook group's update (momentum, NS, update of its owned matrices)
         starts when its reduce is issued (CUDA: on a side stream of the lowest priority, the
-        default stream's too), out of place into buffers kept across steps (one more copy of the
+        default stream's too; from its second step with the same hyper-parameters, as one
+        replay of a CUDA graph captured per group; with an lr schedule eagerly), out of place into buffers kept across steps (one more copy of the
         owned masters and their per-param state); ``step()`` commits it, bitwise what it would
         compute, unless a gradient, hyper-parameter, knob, the state or a master changed since
         (accumulation, clipping, ``zero_grad``, lr, load): then it recomputes; every group's
@@ -278,7 +279,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
     @property
     def ns_overlap_stats(self) -> dict[str, Any]:
         """The overlap's mode, reason and counters (hook groups ``launched`` early, ``committed``,
-        ``discarded``; ``early_matrices``; ``side_stream``: launches on the CUDA side stream)."""
+        ``discarded``; ``early_matrices``; ``side_stream``: launches on the CUDA side stream;
+        ``replayed``: of those, replays of the group's captured CUDA graph)."""
         return dict(mode=self._overlap.mode, reason=self._overlap.reason, **self._overlap.stats)
 
     # ------------------------------------------------------------------ step

@@ -12,12 +12,15 @@ import weakref
 from statistics import median
 from typing import Any
 
+import optree
+
 import torch
 
 from dmuon.functional import ns_overlap as O
 from dmuon.functional import phases as P
 from dmuon.functional.variants import Variant
 from dmuon.functional.speculation import commit_, speculate
+from dmuon.kernels.ns_engine import NSEngine, capture_graph
 from dmuon.kernels.streams import side_stream
 
 logger = logging.getLogger(__name__)
@@ -32,8 +35,14 @@ class NSOverlap:
         self.specs: dict[str, tuple] = {}  # {group: (names, stamp, fields, params, [reduces])}
         self.events: list = []  # CUDA: the side stream's, waited before commit / reuse
         self.bufs: dict[tuple, torch.Tensor] = {}  # the speculations' copies, kept across steps
-        self.stats = dict(launched=0, committed=0, discarded=0, early_matrices=0, side_stream=0)
+        self.stats = dict(launched=0, committed=0, discarded=0, early_matrices=0, side_stream=0,
+                          replayed=0)
         self._ends: list = []  # "auto": step-end events of the iterations since the mode was set
+        self.engines: dict = {}  # {(hook group, id(engine)): (the optimizer's engine, its twin)}
+        self.graphs: dict = {}  # CUDA: {hook group: (replay key, its graph or None, its results)}
+        self.pool: Any = None  # the graphs' one memory pool (their results are not in it)
+        self.captures: dict = {}  # {hook group: graphs captured} (4: eager from then on)
+        self.retired: list = []  # graphs not replayed again, kept (the pool's use count)
 
     def set_mode(self, mode: str) -> None:
         opt = self.ref()
@@ -64,14 +73,28 @@ class NSOverlap:
 
     def _compute(self, opt: Any, names: list, grads: dict) -> tuple[dict, dict]:
         """One hook group's owner update of ``names``, out of place: ``(fields, params)``."""
-        owner, hp = opt._owner, opt.muon_hparams()
+        owner, hp, key = opt._owner, opt.muon_hparams(), opt.dedicated_state.group_of[names[0]]
+
+        def orthogonalizer(spec: Any, ns_names: list) -> Any:
+            """The optimizer's NS; an engine's twin per hook group (same results), so that the
+            optimizer's own programs stay in place (graph replay without the overlap)."""
+            base = opt._orthogonalizer(spec, ns_names)
+            if not isinstance(base, NSEngine):
+                return base
+            kept = self.engines.get((key, id(base)))  # (base kept: its id is never reused)
+            if kept is None:  # untimed (telemetry's ns_ms: NS in step() only): no events in a graph
+                kept = self.engines[(key, id(base))] = (base, base.twin())
+                kept[1].timer = None
+            return kept[1]
         return speculate(lambda st, ps: owner.run(
-            grads, st, ps, hp, donate_grads=False, orthogonalizer=opt._orthogonalizer,
+            grads, st, ps, hp, donate_grads=False, orthogonalizer=orthogonalizer,
             elementwise=opt._elementwise()), owner.state, owner.fields,
             opt.dedicated_state.owned_masters(), names, self._buffer)
 
     def reduce_issued(self, names: Any) -> None:
-        """A hook group's reduce was issued (the runtime's listener): launch its update."""
+        """A hook group's reduce was issued (the runtime's listener): launch its update (CUDA: on
+        the side stream, after the reduce; a CUDA graph replayed where it may; CPU: now, the
+        reduce waited)."""
         opt = self.ref()
         if opt is None or not self._active():
             return
@@ -93,8 +116,10 @@ class NSOverlap:
                                       {r.name: rt.grad_scale(r.name) for r in rgs})
                 grads = {r.name: r.grad for r in rgs if r.name in names}
                 if names:
-                    self.specs[key] = (names, self._stamp(opt, names, grads),
-                                       *self._compute(opt, names, grads), [0])
+                    stamp = self._stamp(opt, names, grads)
+                    run = (self._replayed(opt, key, names, grads, stamp) if cuda
+                           else self._compute(opt, names, grads))
+                    self.specs[key] = (names, stamp, *run, [0])
                     self.stats["launched"] += 1
                     self.stats["side_stream"] += cuda
         except Exception as e:  # noqa: BLE001 - step() computes it as without the overlap
@@ -104,6 +129,50 @@ class NSOverlap:
         finally:
             if cuda:
                 self.events.append(stream.record_event())
+
+    def _replayed(self, opt: Any, key: str, names: list, grads: dict, stamp: O.Stamp
+                  ) -> tuple[dict, dict]:
+        """:meth:`_compute` of group ``key`` as a CUDA graph where it may (the host cost of one
+        replay instead of the update's launches, which delay the backward's): captured when its
+        :func:`~dmuon.functional.ns_overlap.replay_key` recurs at two steps in a row, replayed
+        while it recurs; eager otherwise. A graph's results are the speculation's own buffers
+        (else it is not kept), so the groups' graphs share one memory pool in any order."""
+        owner, masters = opt._owner, opt.dedicated_state.owned_masters()
+        live = [t for f in owner.fields for n, t in owner.field_values(f.key).items()
+                if n in names] + [masters[n] for n in names]
+        leaves = [t for t in optree.tree_leaves(owner.state) if isinstance(t, torch.Tensor)]
+        rk = O.replay_key(stamp, [t.data_ptr() for t in live], leaves)
+        seen, graph, out = self.graphs.get(key, (None, None, None))
+        if rk is not None and rk == seen and graph is not None:
+            graph.replay()
+            self.stats["replayed"] += 1
+            return out
+        if graph is not None:  # another key now (a load replaced a tensor): never replayed again
+            self.retired.append(graph)
+        self.graphs[key] = (rk, None, None)
+        if rk is None or rk != seen or self.captures.get(key, 0) >= 4:
+            return self._compute(opt, names, grads)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        own = {t.data_ptr() for t in self.bufs.values()}  # made before: not the pool's
+        try:  # the key recurred: capture once (nothing runs), then replay
+            graph, out = capture_graph(lambda: self._compute(opt, names, grads), self.pool,
+                                       side_stream(opt.dedicated_state.device, "ns_capture"))
+        except Exception as e:  # noqa: BLE001 - eager, as before, for this group from now on
+            self.captures[key] = 4
+            logger.warning("dmuon: ns_overlap: hook group %r runs its early update eagerly (its "
+                           "CUDA graph capture failed: %s)", key, e)
+            return self._compute(opt, names, grads)
+        if any(t.data_ptr() not in own for f in out[0].values() for t in f.values()) or any(
+                t.data_ptr() not in own for t in out[1].values()):
+            self.captures[key] = 4  # results in the pool: another group's replay could reuse it
+            self.retired.append(graph)
+            return self._compute(opt, names, grads)
+        self.graphs[key] = (rk, graph, out)
+        self.captures[key] = self.captures.get(key, 0) + 1
+        graph.replay()
+        self.stats["replayed"] += 1
+        return out
 
     def commit(self, grads: dict) -> tuple[dict, list]:
         """In ``step()``, the reduces waited: commit the valid speculations and, while on,
