@@ -20,8 +20,10 @@ from dmuon.functional import ns_overlap as O
 from dmuon.functional import phases as P
 from dmuon.functional.variants import Variant
 from dmuon.functional.speculation import commit_, speculate
-from dmuon.kernels.ns_engine import NSEngine, capture_graph
+from dmuon.kernels.graph_replay import RecurringGraphs
+from dmuon.kernels.ns_engine import NSEngine
 from dmuon.kernels.streams import side_stream
+from dmuon.stateful.runtime.agree import host_sum
 
 logger = logging.getLogger(__name__)
 
@@ -39,10 +41,7 @@ class NSOverlap:
                           replayed=0)
         self._ends: list = []  # "auto": step-end events of the iterations since the mode was set
         self.engines: dict = {}  # {(hook group, id(engine)): (the optimizer's engine, its twin)}
-        self.graphs: dict = {}  # CUDA: {hook group: (replay key, its graph or None, its results)}
-        self.pool: Any = None  # the graphs' one memory pool (their results are not in it)
-        self.captures: dict = {}  # {hook group: graphs captured} (4: eager from then on)
-        self.retired: list = []  # graphs not replayed again, kept (the pool's use count)
+        self.graphs = RecurringGraphs()  # CUDA: a graph per hook group, replayed while it recurs
 
     def set_mode(self, mode: str) -> None:
         opt = self.ref()
@@ -132,46 +131,19 @@ class NSOverlap:
 
     def _replayed(self, opt: Any, key: str, names: list, grads: dict, stamp: O.Stamp
                   ) -> tuple[dict, dict]:
-        """:meth:`_compute` of group ``key`` as a CUDA graph where it may (the host cost of one
-        replay instead of the update's launches, which delay the backward's): captured when its
-        :func:`~dmuon.functional.ns_overlap.replay_key` recurs at two steps in a row, replayed
-        while it recurs; eager otherwise. A graph's results are the speculation's own buffers
-        (else it is not kept), so the groups' graphs share one memory pool in any order."""
+        """:meth:`_compute` of group ``key`` as one replay of its CUDA graph while its
+        :func:`~dmuon.functional.ns_overlap.replay_key` recurs (the host cost of one launch
+        instead of the update's, which delay the backward's); the results: its own buffers."""
         owner, masters = opt._owner, opt.dedicated_state.owned_masters()
         live = [t for f in owner.fields for n, t in owner.field_values(f.key).items()
                 if n in names] + [masters[n] for n in names]
         leaves = [t for t in optree.tree_leaves(owner.state) if isinstance(t, torch.Tensor)]
-        rk = O.replay_key(stamp, [t.data_ptr() for t in live], leaves)
-        seen, graph, out = self.graphs.get(key, (None, None, None))
-        if rk is not None and rk == seen and graph is not None:
-            graph.replay()
-            self.stats["replayed"] += 1
-            return out
-        if graph is not None:  # another key now (a load replaced a tensor): never replayed again
-            self.retired.append(graph)
-        self.graphs[key] = (rk, None, None)
-        if rk is None or rk != seen or self.captures.get(key, 0) >= 4:
-            return self._compute(opt, names, grads)
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
-        own = {t.data_ptr() for t in self.bufs.values()}  # made before: not the pool's
-        try:  # the key recurred: capture once (nothing runs), then replay
-            graph, out = capture_graph(lambda: self._compute(opt, names, grads), self.pool,
-                                       side_stream(opt.dedicated_state.device, "ns_capture"))
-        except Exception as e:  # noqa: BLE001 - eager, as before, for this group from now on
-            self.captures[key] = 4
-            logger.warning("dmuon: ns_overlap: hook group %r runs its early update eagerly (its "
-                           "CUDA graph capture failed: %s)", key, e)
-            return self._compute(opt, names, grads)
-        if any(t.data_ptr() not in own for f in out[0].values() for t in f.values()) or any(
-                t.data_ptr() not in own for t in out[1].values()):
-            self.captures[key] = 4  # results in the pool: another group's replay could reuse it
-            self.retired.append(graph)
-            return self._compute(opt, names, grads)
-        self.graphs[key] = (rk, graph, out)
-        self.captures[key] = self.captures.get(key, 0) + 1
-        graph.replay()
-        self.stats["replayed"] += 1
+        out, replayed = self.graphs(
+            key, O.replay_key(stamp, [t.data_ptr() for t in live], leaves),
+            lambda: self._compute(opt, names, grads),
+            lambda out: [*out[1].values(), *(t for f in out[0].values() for t in f.values())],
+            {t.data_ptr() for t in self.bufs.values()}, opt.dedicated_state.device)
+        self.stats["replayed"] += replayed
         return out
 
     def commit(self, grads: dict) -> tuple[dict, list]:
@@ -225,9 +197,8 @@ class NSOverlap:
             return
         self._ends[-1].synchronize()
         off, on = O.auto_split({k: self._ends[k - 1].elapsed_time(self._ends[k]) for k in its})
-        from dmuon.stateful.optimizer.step_checks import host_all_reduce
-        votes = rt.mesh_groups.control_collective("ns_overlap auto", lambda g: host_all_reduce(
-            [int(O.auto_choice(off, on)), 1], g, rt.device))
+        votes = host_sum([int(O.auto_choice(off, on)), 1], what="ns_overlap auto",
+                         via=rt.mesh_groups, device=rt.device)
         self.mode, self._ends = ("on" if 2 * votes[0] > votes[1] else "off"), []
         self.reason = (f"auto: {self.mode} (median iteration {median(off):.2f} ms without, "
                        f"{median(on):.2f} ms with on this rank; {votes[0]} of {votes[1]} ranks "
