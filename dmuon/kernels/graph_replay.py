@@ -6,8 +6,10 @@ the first time; when the slot's key recurs at two calls in a row, the function i
 (:func:`~dmuon.kernels.ns_engine.capture_graph`: no synchronization, no emptied cache) and the
 graph replayed while the key recurs. A key of ``None`` never captures. The graphs of all slots
 share one memory pool, which is safe in any replay order because a capture is kept only when every
-result it returns lies outside the pool (in the caller's own buffers); a capture that fails or
-returns results in the pool leaves that slot eager for good, said once in the log.
+result it returns lies outside the pool (in the caller's own buffers). A new graph's first replay
+is compared bit for bit with an eager run of the same call, whose results are returned; a capture
+that fails, returns results in the pool or differs from the eager run leaves that slot eager for
+good, said once in the log.
 """
 from __future__ import annotations
 
@@ -58,10 +60,16 @@ class RecurringGraphs:
         if any(t.data_ptr() not in outside for t in results(out)):
             self.retired.append(graph)
             return self._eager(slot, fn, "the function's results lie in the graphs' pool")
-        self.slots[slot] = (key, graph, out)
         self.captures[slot] = self.captures.get(slot, 0) + 1
-        graph.replay()
-        return out, True
+        graph.replay()  # checked once against the eager run (one host sync per capture)
+        got = [t.clone() for t in results(out)]
+        ref = fn()
+        if not all(torch.equal(a, b) for a, b in zip(got, results(ref))):
+            self.retired.append(graph)
+            return self._eager(slot, lambda: ref, "its CUDA graph's results differed from the "
+                               "eager run's (please report this)")
+        self.slots[slot] = (key, graph, out)
+        return ref, False
 
     def _eager(self, slot: Hashable, fn: Callable[[], Any], why: str) -> tuple[Any, bool]:
         self.captures[slot] = self.max_captures
