@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from dmuon.functional.step_checks import check_finite_flags, check_grads_on_all_ranks
-from dmuon.stateful.runtime.agree import host_all_reduce, host_sum, rank_flags
+from dmuon.stateful.runtime.agree import host_sum, rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
-__all__ = ["check_same_fsdp_grads", "check_finite", "host_all_reduce"]  # (that one: agree's)
+__all__ = ["check_same_fsdp_grads", "check_finite"]
 
 
 def check_same_fsdp_grads(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState) -> None:
