@@ -65,8 +65,7 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     """Collective: ``Muon.state_dict()`` in torch's protocol (design notes)."""
     rt = optimizer.dedicated_state
     refuse_tp(rt, "Muon.state_dict() (torch's protocol; use dmuon.get_optimizer_state_dict)")
-    rt.join("optimizer.state_dict()", always=True)  # torch.save(opt.state_dict()) on rank 0
-    rt.drain()
+    rt.join("optimizer.state_dict()", always=True, drain=True)  # torch.save(...) on rank 0
     st, owner, step = optimizer.adamw_state, optimizer._owner, float(muon_step(optimizer))
     entries = {n: {**{k: dtensor_rows(v, rt.shard_mesh) if layout_of(optimizer, k) == "param"
                       else v for k, v in e.items()},  # a variant's smaller fields: full tensors
@@ -201,8 +200,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool
       the dict; before the first step the moments and momentum are zeros.
     """
     rt = check_optimizer(model, optimizer, "dmuon.get_optimizer_state_dict")
-    rt.join("dmuon.get_optimizer_state_dict(model, optimizer)", always=True)
-    rt.drain()
+    rt.join("dmuon.get_optimizer_state_dict(model, optimizer)", always=True, drain=True)
     keep = not rank0_only or rt.rank == 0
     mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
     st = optimizer.adamw_state
@@ -244,8 +242,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
     """
     what = "dmuon.set_optimizer_state_dict"
     rt = check_optimizer(model, optimizer, what)
-    rt.join(f"{what}(model, optimizer, sd)", always=True)
-    rt.drain()
+    rt.join(f"{what}(model, optimizer, sd)", always=True, drain=True)
     has_dict = not rank0_only or rt.rank == 0
     problems = full_dict_problems(state_dict) if has_dict else []
     mine = full_dict_structure(state_dict) if rank0_only and has_dict and not problems else None

@@ -167,8 +167,7 @@ class _Hooks:
         if not st.raw_state_dict:
             refuse_tp(st, "model.state_dict() (torch's own, also under torch.distributed."
                       "checkpoint; use dmuon.get_model_state_dict, which gives full tensors)")
-            st.join("model.state_dict()")
-            st.drain()
+            st.join("model.state_dict()", drain=True)
             self.rows = {n: dtensor_rows(t.to(st.orig_dtype[n]).clone(), st.shard_mesh)
                          for n, t in self.transfer.full_masters()}  # (no TP: refused above)
         saving_state_dict(+1)

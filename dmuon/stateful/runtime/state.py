@@ -138,14 +138,16 @@ class DedicatedState:
         if self.meta_init is not None:
             self.meta_init.finish(self, what)
 
-    def join(self, what: str, *, always: bool = False) -> None:
+    def join(self, what: str, *, always: bool = False, drain: bool = False) -> None:
         """Before a state-dict / checkpoint call with collectives: every rank must make it
         (:func:`dmuon.stateful.runtime.agree.join`); then a meta-built model's init window closes
         (:meth:`finish_meta_init`). ``always=False``: only when the call moves dedicated matrices
-        (``G > 1``, TP, meta init; DDP mode's saves are local)."""
+        (``G > 1``, TP, meta init; DDP mode's saves are local). ``drain``: then :meth:`drain`."""
         if always or self.G > 1 or self.tp_layouts or self.meta_init is not None:
             join_ranks(what)
         self.finish_meta_init(what)
+        if drain:
+            self.drain()
 
     def owned_masters(self) -> dict[str, torch.Tensor]:
         """``{name: master}`` of the matrices this rank runs Muon on (fixed at setup)."""
@@ -187,9 +189,6 @@ class DedicatedState:
             shard_size=self.G, replicate_size=self.R, groups=self.hook_groups,
             reshard_after_forward=self.reshard_after_forward, tp=tp,
             collectives=self.collectives, data_parallel=self.data_parallel)
-        if self.program.master_layout != self.storage.master_layout:  # pragma: no cover
-            raise RuntimeError("dmuon internal error: the step program's master layout differs "
-                               "from the storage's")
         for g in self.groups.values():
             g.setup(self.program)
         self.storage.set_placeholder_dtypes(cdt)
