@@ -144,19 +144,18 @@ def dedicate_params(
     options, notes = fold_deprecated(options, deprecated)
     for note in notes:
         warnings.warn(note, DeprecationWarning, stacklevel=2)
-    return _dedicate(model, mesh, predicate, options, replicate_mesh, hook_boundary_predicate,
-                     reshard_after_forward,
-                     spmd=spmd_meshes(mesh, replicate_mesh, options.dp_mesh_dims,
-                                      sub_mesh=axes_mesh))
+    return _dedicate(model, mesh, predicate, options, hook_boundary_predicate,
+                     reshard_after_forward, spmd_meshes(mesh, replicate_mesh,
+                                                        options.dp_mesh_dims, sub_mesh=axes_mesh))
 
 
 def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: DedicateOptions,
-              replicate_mesh: Any, hook_boundary_predicate: Optional[Callable[[nn.Module], bool]],
-              reshard_after_forward: bool, *, finishing: bool = False,
-              spmd: Optional[tuple] = None) -> dict[nn.Parameter, int]:
-    """:func:`dedicate_params`; ``finishing``: a deferred one; ``spmd``: ``spmd_meshes``'."""
-    full_mesh, (mesh, replicate_mesh, axes, spmd_err) = mesh, spmd or (
-        mesh, replicate_mesh, None, None)
+              hook_boundary_predicate: Optional[Callable[[nn.Module], bool]],
+              reshard_after_forward: bool, spmd: tuple, *,
+              finishing: bool = False) -> dict[nn.Parameter, int]:
+    """:func:`dedicate_params`; ``spmd``: ``spmd_meshes``' (shard mesh, replicate mesh, axes,
+    error); ``finishing``: a deferred one."""
+    full_mesh, (mesh, replicate_mesh, axes, spmd_err) = mesh, spmd
     data_parallel, timeout = options.data_parallel, options.timeout
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
@@ -212,8 +211,8 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
         _agree_setting("data_parallel", data_parallel)
         names = set(chosen)
         defer(model, chosen, lambda m: _dedicate(
-            m, full_mesh, lambda n, p: n in names, options, replicate_mesh, hook_boundary_predicate,
-            reshard_after_forward, finishing=True, spmd=spmd))
+            m, full_mesh, lambda n, p: n in names, options, hook_boundary_predicate,
+            reshard_after_forward, spmd, finishing=True))
         logger.info("dmuon: dedication of %d params deferred to dmuon.Muon(model) (TP after "
                     "dedicate_params)", len(chosen))
         return Dedication()
