@@ -332,8 +332,6 @@ def test_publish_lifecycle(results):
         assert lc["sync_after_step"] == []
 
 
-@pytest.mark.xfail(strict=True, reason="model.load_state_dict does not wait for the pending "
-                   "HSDP publish: it lands over the loaded masters")
 def test_load_state_dict_after_step_keeps_the_loaded_values(results):
     """A user's path beyond the life cycle: ``model.load_state_dict`` right after ``step()``
     (async publish pending) loads exactly what it is given, on every rank: it waits for the

@@ -238,6 +238,7 @@ class _Hooks:
         st = self.st
         refuse_tp(st, "model.load_state_dict(sd) (use dmuon.set_model_state_dict)")
         st.join("model.load_state_dict(sd)", always=True)
+        st.wait_publish()  # an earlier step's publish lands before the load, never over it
         problems, views, notes, absent, staged = [], [], [], [], {}
         for k, n in self.keys.items():
             key = prefix + k
