@@ -1,5 +1,6 @@
 """Shared pieces of the benchmark scripts: the Llama matrix sets, CUDA-event timing, profiler
-kernel sums and the header every results file starts with (:func:`run_header`).
+kernel sums, the header every results file starts with (:func:`run_header`), writing a results
+file (:func:`write_json`) and handing a run's GPU memory back between runs (:func:`release`).
 
 Imported by the scripts in this folder (run as ``python benchmarks/<script>.py``, so this folder is
 on ``sys.path``).
@@ -7,6 +8,9 @@ on ``sys.path``).
 from __future__ import annotations
 
 import datetime
+import gc
+import json
+import os
 import platform
 import statistics
 import sys
@@ -28,6 +32,22 @@ def run_header() -> dict:
             "machine_run_on": {"platform": platform.platform(),
                                "processor": platform.processor() or platform.machine()},
             "python": sys.version.split()[0], "torch": torch.__version__}
+
+
+def write_json(path: str, doc: dict) -> None:
+    """Write ``doc`` to ``path`` (its folder made if missing), indented."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+
+
+def release(device: torch.device) -> None:
+    """After a run's last reference to its model is dropped: collect it and, on CUDA, wait for
+    the device and return the cached memory, so that the next run starts from an empty GPU."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
 
 
 def model_shapes(name: str) -> list[tuple[int, int]]:

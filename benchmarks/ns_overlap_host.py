@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gc
 import json
 import os
 import statistics
@@ -25,7 +24,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import run_header  # noqa: E402
+from bench_util import release, run_header, write_json  # noqa: E402
 from step_world1 import Cfg, build, init_world1, lm_loss, make_batches  # noqa: E402
 
 
@@ -132,13 +131,9 @@ def main() -> None:
         out[shape] = dict(summary=summary, profile=profiles, stats=dict(opt.ns_overlap_stats))
         print(shape, json.dumps(summary), flush=True)
         del model, opt
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+        release(device)
     doc = {**run_header(), "gpu": torch.cuda.get_device_name(0), "results": out}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(a.out, doc)
 
 
 if __name__ == "__main__":

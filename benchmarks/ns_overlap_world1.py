@@ -17,7 +17,6 @@ counters. Writes JSON (date, machine, torch version).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -27,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_util import run_header  # noqa: E402
+from bench_util import release, run_header, write_json  # noqa: E402
 from step_world1 import TINY, Cfg, build, device_alloc_counts, init_world1, lm_loss, make_batches  # noqa: E402
 
 MODES = ("off", "on")
@@ -72,10 +71,7 @@ def bitwise_check(cfg: Cfg, device, mesh, model_kind: str, steps: int) -> dict:
                     _train_step(model, opt, ids, cfg, discard)
                 got[name] = (_state_leaves(opt), dict(opt.ns_overlap_stats))
                 del model, opt
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.empty_cache()
+                release(device)
     finally:
         torch.use_deterministic_algorithms(False)
 
@@ -145,10 +141,7 @@ def timed_blocks(cfg: Cfg, device, mesh, model_kind: str, blocks: int, block_ste
     out["stats"] = dict(opt.ns_overlap_stats)
     out["saved_pct"] = 100 * (out["off"]["step_ms"] - out["on"]["step_ms"]) / out["off"]["step_ms"]
     del model, opt
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    release(device)
     return out
 
 
@@ -188,9 +181,7 @@ def main() -> None:
     doc = {**run_header(), "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
            "model": a.model, "tiny": a.tiny, "blocks": a.blocks, "block_steps": a.block_steps,
            "results": results}
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(a.out, doc)
     dist.destroy_process_group()
 
 

@@ -25,6 +25,7 @@ import gc
 import json
 import os
 import platform
+import sys
 import weakref
 from dataclasses import asdict
 
@@ -32,6 +33,9 @@ import torch
 import torch.distributed as dist
 
 from step_world1 import Cfg, build, init_world1, lm_loss, make_batches
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import write_json  # noqa: E402
 
 MIB = 2 ** 20
 BIG = Cfg(vocab=32000, layers=12, hidden=1536, inter=4096, heads=12, kv_heads=4, batch=2, seq=512)
@@ -115,9 +119,7 @@ def main() -> None:
         "summary": {r["kind"]: r["summary"] for r in results},
     }
     print(json.dumps(doc["summary"], indent=1))
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(a.out, doc)
     dist.destroy_process_group()
 
 

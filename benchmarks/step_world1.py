@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import statistics
+import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass
@@ -32,6 +32,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_util import release, write_json  # noqa: E402
 
 
 @dataclass
@@ -358,10 +361,7 @@ def run_config(cfg: Cfg, kind: str, device: torch.device, mesh, warmup: int, ste
     loss = step(0)
     out["final_loss"] = float(loss.detach())
     del model, opt, batches
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
+    release(device)
     return out
 
 
@@ -413,7 +413,6 @@ def main() -> None:
 def spawn_children(a) -> None:
     """One subprocess per config; merge their JSON into ``a.out``."""
     import subprocess
-    import sys
     results, meta = [], None
     for kind in a.configs.split(","):
         tmp = tempfile.mktemp(suffix=".json")
@@ -470,9 +469,7 @@ def finish(a, cfg: Cfg, device: torch.device, n_params, results, gpu=None) -> No
         "model": a.model,
         "results": results, "summary": summary,
     }
-    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-    with open(a.out, "w") as f:
-        json.dump(doc, f, indent=1)
+    write_json(a.out, doc)
 
 
 if __name__ == "__main__":
