@@ -58,11 +58,16 @@ class NSOverlap:
     def _active(self) -> bool:
         return self.mode == "on" or (self.mode == "auto" and len(self._ends) % 2 == 1)
 
-    def _stamp(self, opt: Any, names: list, grads: dict, reduces: int = 0) -> O.Stamp:
+    @staticmethod
+    def _live(opt: Any, names: list) -> list:
+        """The live per-param state and masters of ``names`` (what an update of them copies in)."""
         owner, masters = opt._owner, opt.dedicated_state.owned_masters()
-        live = [{n: owner.field_values(f.key)[n] for n in names} for f in owner.fields]
+        return [owner.field_values(f.key)[n] for f in owner.fields for n in names] + [
+            masters[n] for n in names]
+
+    def _stamp(self, opt: Any, names: list, grads: dict, reduces: int = 0) -> O.Stamp:
         return O.take_stamp((*opt.muon_hparams(), opt.elementwise, id(opt._ns)), opt.num_steps,
-                            reduces, names, grads, [live, {n: masters[n] for n in names}])
+                            reduces, names, grads, [self._live(opt, names)])
 
     def _buffer(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
         b = self.bufs.get(key)
@@ -134,12 +139,9 @@ class NSOverlap:
         """:meth:`_compute` of group ``key`` as one replay of its CUDA graph while its
         :func:`~dmuon.functional.ns_overlap.replay_key` recurs (the host cost of one launch
         instead of the update's, which delay the backward's); the results: its own buffers."""
-        owner, masters = opt._owner, opt.dedicated_state.owned_masters()
-        live = [t for f in owner.fields for n, t in owner.field_values(f.key).items()
-                if n in names] + [masters[n] for n in names]
-        leaves = [t for t in optree.tree_leaves(owner.state) if isinstance(t, torch.Tensor)]
+        leaves = [t for t in optree.tree_leaves(opt._owner.state) if isinstance(t, torch.Tensor)]
         out, replayed = self.graphs(
-            key, O.replay_key(stamp, [t.data_ptr() for t in live], leaves),
+            key, O.replay_key(stamp, [t.data_ptr() for t in self._live(opt, names)], leaves),
             lambda: self._compute(opt, names, grads),
             lambda out: [*out[1].values(), *(t for f in out[0].values() for t in f.values())],
             {t.data_ptr() for t in self.bufs.values()}, opt.dedicated_state.device)
