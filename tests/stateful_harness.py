@@ -118,6 +118,35 @@ def build_dmuon(rank: int, world: int, model: torch.nn.Module, blocks, cfg: dict
     return model, opt
 
 
+class _count_guard_calls:
+    """Counts the calls of dmuon's ``__torch_function__`` guards (a Python dispatch each) until
+    :meth:`stop`, except while :meth:`paused`: dmuon's own per-step reads and writes of its
+    placeholders and markers go around them (``guard_base.plain_access``), so the training loop's
+    forward, backward, clip and step make none."""
+
+    def __init__(self) -> None:
+        from dmuon.stateful.runtime.guard_base import TorchGuard
+        self.n, self._on, self._cls = 0, True, TorchGuard
+        self._orig = TorchGuard.__dict__["__torch_function__"]
+        orig = self._orig.__func__
+
+        def counted(cls, func, types, args=(), kwargs=None):
+            self.n += self._on
+            return orig(cls, func, types, args, kwargs)
+        TorchGuard.__torch_function__ = classmethod(counted)
+
+    @contextlib.contextmanager
+    def paused(self):
+        self._on = False
+        try:
+            yield
+        finally:
+            self._on = True
+
+    def stop(self) -> None:
+        self._cls.__torch_function__ = self._orig
+
+
 def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     """The same training with dmuon on ``world`` gloo ranks, each on its slice of the batch."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -183,9 +212,11 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     accum = cfg.get("accum", 1)
     norms, losses, lrs = [], [], []
     rt = opt.dedicated_state
+    guard_calls = _count_guard_calls()
     for step, ids in enumerate(make_batches(steps, batch)):
         if not cfg.get("hf_zero"):
-            opt.zero_grad()
+            with guard_calls.paused():  # torch's zero_grad reads and sets each placeholder's .grad
+                opt.zero_grad()
         local = ids.chunk(world)[rank].to(dev)
         if cfg.get("eval"):  # an extra no-grad forward must not change anything
             with torch.no_grad():
@@ -207,9 +238,11 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
         if cfg.get("ns_modes"):  # how the owner's NS ran (a host sync: only when asked)
             ns_modes.append(opt.last_step_stats().ns_mode)
         if cfg.get("hf_zero"):  # HF Trainer: only model.zero_grad() after the step
-            model.zero_grad()
+            with guard_calls.paused():
+                model.zero_grad()
         if sched is not None:
             sched.step()
+    guard_calls.stop()
     sd = get_model_state_dict(model, cpu_offload=True)
     layout["gathered_bytes_after_step"] = sum(b.untyped_storage().size()
                                               for g in rt.groups.values() for b in g.unshard_buffers.values())
@@ -224,6 +257,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
             "collective_reasons": {k: getattr(g, "collectives_reason", "")
                                    for k, g in rt.program.groups.items()},
             "owned": list(rt.owned_names), "layout": layout, "R": R, "ns_modes": ns_modes,
+            "guard_calls": guard_calls.n,
             "seen_dtypes": sorted(set(seen_dtypes)),
             "master_dtypes": sorted({str(m.dtype) for m in rt.masters.values()}),
             "reduce_dtypes": sorted({str(g.reduce_dtype) for g in rt.groups.values()}),

@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from dmuon.functional.phases import OwnerGrad, ReducedGrad, accumulate, resolve
+from dmuon.stateful.runtime.guard_base import plain_access
 from dmuon.stateful.runtime.guards import DedicatedGradMarker, make_marker
 
 __all__ = ["Held", "GradRecord", "GradLedger"]
@@ -141,6 +142,13 @@ class GradLedger:
         """Drop every held gradient and held marker (``zero_grad``, ``step``); consumed markers
         stay (torch's ``.grad`` of a stepped param lives until it is zeroed)."""
         self._collect()
+        self._unshow_held()
+        self.fresh = False
+        self.nonfinite = None
+        self._resolved = None
+
+    @plain_access
+    def _unshow_held(self) -> None:
         for n, rec in self.records.items():
             if rec.shown and rec.state is not Held.CONSUMED:
                 if self.params[n].grad is rec.marker:
@@ -148,10 +156,8 @@ class GradLedger:
                 rec.shown = False
             if rec.state is not Held.CONSUMED:
                 rec.forget()
-        self.fresh = False
-        self.nonfinite = None
-        self._resolved = None
 
+    @plain_access
     def consume(self, stepped: Iterable[str]) -> None:
         """After a step: each stepped placeholder shows a consumed marker."""
         for n in stepped:
@@ -163,7 +169,7 @@ class GradLedger:
             self._show(n, rec)
 
     # ------------------------------------------------------------------ markers
-    def _show(self, name: str, rec: GradRecord) -> None:
+    def _show(self, name: str, rec: GradRecord) -> None:  # (callers: plain_access)
         p = self.params[name]
         if rec.marker is None or rec.marker.dtype != p.dtype or rec.marker.device != p.device:
             # C++ holds a marker (``.grad``): a weak reference, or ledger and model never die
@@ -172,6 +178,7 @@ class GradLedger:
         p.grad = rec.marker
         rec.shown = True
 
+    @plain_access
     def show_markers(self, names: Iterable[str]) -> None:
         """After a backward: each placeholder whose gradient this rank holds shows a held marker."""
         for n in names:
@@ -187,21 +194,29 @@ class GradLedger:
         zero-size ``.grad``). Consumed markers come off, keeping what they say."""
         names = list(names)
         self._take_consumed(names)
+        for n in self._take_held(names, remove):  # replaced by the user
+            self.drop(n)
+
+    @plain_access
+    def _take_held(self, names: list[str], remove: bool) -> list[str]:
+        replaced = []
         for n in names:
             rec = self.records[n]
             if not rec.shown or rec.state is Held.CONSUMED:
                 continue
             if self.params[n].grad is not rec.marker:
                 rec.shown = False
-                self.drop(n)
+                replaced.append(n)
             elif remove:
                 rec.shown = False
                 self.params[n].grad = None
+        return replaced
 
     def held_markers(self) -> list[str]:
         """The names showing a held (not consumed) marker now."""
         return [n for n, r in self.records.items() if r.shown and r.state is not Held.CONSUMED]
 
+    @plain_access
     def _take_consumed(self, names: Iterable[str]) -> None:
         for n in names:
             rec = self.records[n]

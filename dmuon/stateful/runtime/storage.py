@@ -14,6 +14,7 @@ import torch.nn as nn
 from dmuon.functional.buckets import BucketKey, BucketLayout, HookGroups, bucket_layout
 from dmuon.functional.packing import empty_buffers, pack_, unpack
 from dmuon.functional.policy import master_dtype_for
+from dmuon.stateful.runtime.guard_base import plain_access
 from dmuon.stateful.runtime.guards import call_plain, to_placeholder, to_plain
 
 __all__ = ["free_storage", "alloc_storage", "DedicatedStorage", "GradBufferPool"]
@@ -76,6 +77,7 @@ class DedicatedStorage:
         self._placeholders: dict[str, torch.Tensor] = {}
         self.set_placeholder_dtypes(self.orig_dtype)
 
+    @plain_access
     def set_placeholder_dtypes(self, dtypes: Mapping[str, torch.dtype]) -> None:
         """Make every param a zero-size placeholder of ``dtypes[name]`` (the compute dtype)."""
         for n, p in self.params.items():
@@ -84,12 +86,14 @@ class DedicatedStorage:
             p.data = ph
             to_placeholder(p)
 
+    @plain_access
     def point(self, name: str, view: torch.Tensor) -> None:
         """Make param ``name`` show ``view`` (a view into a gathered bucket): a plain parameter."""
         p = self.params[name]
         p.data = view
         to_plain(p)
 
+    @plain_access
     def release(self, name: str) -> None:
         """Make param ``name`` its placeholder again (ops on its values raise, see
         :mod:`dmuon.stateful.runtime.guards`)."""
