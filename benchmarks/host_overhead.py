@@ -6,7 +6,9 @@ math is negligible and what is left is the host's work per matrix; FSDP2 per blo
 ``torch.optim.AdamW`` on the same model, as wall time and as the main thread's CPU time
 (``time.thread_time``: the host work itself, less sensitive to other processes on a shared
 machine), and counts the calls of dmuon's ``__torch_function__`` guards per step (each a Python
-dispatch).
+dispatch), and, in one more step under ``sys.setprofile``, the Python function calls and the
+calls of built-ins (torch's ops among them) from the forward to the end of ``step()``: counts
+that do not depend on the machine's load.
 
 Writes JSON (date, machine, torch version).
 
@@ -91,12 +93,24 @@ def _worker(rank: int, world: int, layers: int, dim: int, steps: int) -> dict:
                     cpu[k].append(c * 1e3)
                 guard_calls.append(calls[0])
         TorchGuard.__torch_function__ = classmethod(plain_tf)
+        events = {"call": 0, "c_call": 0}  # one more step, profiled: machine-independent counts
+
+        def prof(frame, event, arg):
+            if event in events:
+                events[event] += 1
+        opt.zero_grad()
+        sys.setprofile(prof)
+        model(x).square().mean().backward()
+        opt.step()
+        sys.setprofile(None)
         med = {k: round(statistics.median(v), 3) for k, v in times.items()}
         med["total"] = round(sum(med.values()), 3)
         med_cpu = {k: round(statistics.median(v), 3) for k, v in cpu.items()}
         med_cpu["total"] = round(sum(med_cpu.values()), 3)
         out[label] = {"median_ms": med, "main_thread_cpu_ms": med_cpu,
-                      "guard_calls_per_step": max(guard_calls)}
+                      "guard_calls_per_step": max(guard_calls),
+                      "python_calls_per_step": events["call"],
+                      "builtin_calls_per_step": events["c_call"]}
         del model, opt
     return out
 
@@ -123,7 +137,8 @@ def main() -> None:
     write_json(args.out, doc)
     for label, v in r.items():
         print(f"{label}: wall {v['median_ms']} ms; main thread CPU {v['main_thread_cpu_ms']} ms; "
-              f"guard calls per step {v['guard_calls_per_step']}")
+              f"guard calls per step {v['guard_calls_per_step']}; Python calls "
+              f"{v['python_calls_per_step']}, built-in calls {v['builtin_calls_per_step']}")
 
 
 if __name__ == "__main__":

@@ -69,17 +69,23 @@ def pack_(buckets: Iterable[Bucket], buffers: Mapping[BucketKey, Tensor],
       dict: ``{name: whether a value was written}`` for every entry visited.
     """
     wrote: dict[str, bool] = {}
+    dst, src, zero = [], [], []  # the entries' ranges don't overlap: one batched copy, one zero
     for b, e in entries(buckets, where):
         buf = buffers[b.key]
         v = values.get(e.name)
         view = buf[e.offset:e.offset + e.numel]
         if v is not None:
-            view.view(e.shape).copy_(v)
+            dst.append(view.view(e.shape))
+            src.append(v)
         elif missing_is_zero:
-            view.zero_()
+            zero.append(view)
         if e.flag >= 0:  # fill_, not ``buf[i] = v``: that copies a host scalar (a host sync on CUDA)
             buf[e.flag:e.flag + 1].fill_(0.0 if v is None else 1.0)
         wrote[e.name] = v is not None
+    if dst:
+        torch._foreach_copy_(dst, src)
+    if zero:
+        torch._foreach_zero_(zero)
     return wrote
 
 
