@@ -35,6 +35,7 @@ The NS of a view is the NS of each of its matrices; the update written back has 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
@@ -108,7 +109,7 @@ class Batch(MatrixView):
         return f"batch({self.dims})"
 
     def blocks(self, shape):
-        return (as_matrix_shape(_shape(shape), self.dims),)
+        return _batch_blocks(tuple(shape), self.dims)
 
     def to_blocks(self, x):
         return [x.reshape(self.blocks(x.shape)[0]).contiguous()]
@@ -116,6 +117,13 @@ class Batch(MatrixView):
     def from_blocks(self, us, shape):
         (u,) = us
         return u.reshape(tuple(shape))
+
+
+@functools.lru_cache(maxsize=1024)
+def _batch_blocks(shape: tuple[int, ...], dims: int) -> tuple[BlockShape, ...]:
+    """``Batch(dims).blocks(shape)``, memoized: a pure function of two hashable values, asked
+    per matrix and step (an invalid shape raises every time: exceptions are not cached)."""
+    return (as_matrix_shape(_shape(shape), dims),)
 
 
 @dataclass(frozen=True)
