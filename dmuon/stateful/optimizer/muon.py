@@ -303,17 +303,17 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
                 self._host_syncs += 1  # its verdict waited for the device
         self.invalidate_state_views()  # the states change from here: views rebuilt when read
         writes = lambda: (write_count(self._owner.state, rt.owned_masters(), grads)  # noqa: E731
-                          + self._storage.copies_out)  # a write to the state, masters or grads
+                          + self._storage.copies.copies_out)  # a write to state, masters or grads
         before = writes()
         try:
             stepped = self._muon_step(rt, grads, rt.ledger.take_zero_next())
             before = None  # changed (a later failure leaves a half-applied step)
-            self._storage.drop_staged()  # offload: copies of matrices not stepped (host holds)
+            self._storage.copies.staged.clear()  # offload: copies of matrices not stepped
             rt.clear_grads()
             rt.after_step(replicate_async=self.replicate_async)
             rt.ledger.consume(stepped)  # torch keeps grads until zero_grad: markers stand in
             self._adamw_step()
-            self._storage.end_step()  # offload: the copies back's budget measures the step's end
+            self._storage.copies.end_step()  # offload: the copies' budget measures the step
             self.num_steps += 1
             self._overlap.step_done()  # "auto": timing, then its decision
         except BaseException as e:  # every rank learns of it (a retry must not apply it twice)
@@ -452,7 +452,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         """Drop the dedicated matrices' pending grads (and their ``.grad`` markers) and zero
         FSDP2's grads (torch semantics)."""
         self._rt.clear_grads()
-        self._storage.drop_staged()  # a batch skipped after its backward: copies not needed
+        self._storage.copies.staged.clear()  # a batch skipped after its backward: copies not needed
         # the consumed markers of the last step (dmuon.stateful.runtime.ledger) are zeroed or
         # dropped here like any .grad: set_to_none=False then steps a matrix with no new gradient
         # with zeros, as a single-device optimizer would (momentum and weight decay apply)

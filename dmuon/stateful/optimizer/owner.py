@@ -163,7 +163,7 @@ class OwnerDriver:
         if self.storage is None or f is None or key != f.key:
             vals = self.field_values(key)
         elif view and not sd.is_scaled(self.storage.dtype):
-            self.storage.synchronize()
+            self.storage.copies.synchronize()
             vals = self.stored_momentum()
         else:
             st = self.stored_momentum()

@@ -15,7 +15,7 @@ from torch import Tensor
 
 from dmuon.functional import state_dtype as sd
 from dmuon.functional.momentum_chunks import step_chunks
-from dmuon.stateful.optimizer.offload_copies import OffloadCopies
+from dmuon.stateful.optimizer.offload_copies import NoCopies, OffloadCopies
 
 logger = logging.getLogger(__name__)
 
@@ -60,20 +60,11 @@ class MomentumStorage:
         self.bind(device if device is not None else torch.device("cpu"))
 
     def bind(self, device: torch.device) -> None:
-        """Set the masters' device (and, offloading, the copies' :class:`OffloadCopies`)."""
+        """Set the masters' device and the copies' :class:`OffloadCopies` (on device:
+        :class:`NoCopies`: ``copies.staged`` is empty, its calls no-ops)."""
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
-        self.copies = OffloadCopies(self.device) if self.offload else None
-
-    @property
-    def copies_in(self) -> int:
-        """Tensors copied host -> device so far (offload; 0 on device)."""
-        return self.copies.copies_in if self.copies is not None else 0
-
-    @property
-    def copies_out(self) -> int:
-        """Tensors copied (or queued to copy) device -> host so far (offload; 0 on device)."""
-        return self.copies.copies_out if self.copies is not None else 0
+        self.copies = OffloadCopies(self.device) if self.offload else NoCopies()
 
     @property
     def identity(self) -> bool:
@@ -159,37 +150,10 @@ class MomentumStorage:
                 return
         self.copies.copy_in(todo)
 
-    def staged_names(self) -> list[str]:
-        """The names whose copy to the device was started and not consumed yet, in that order."""
-        return list(self.copies.staged) if self.copies is not None else []
-
-    def drop_staged(self) -> None:
-        """Forget the staging buffers (their momentum was not stepped: the host copy is current;
-        a load replaced the host tensors)."""
-        if self.copies is not None:
-            self.copies.staged.clear()
-
     def step_io(self, stored: Mapping[str, Tensor], masters: Mapping[str, Tensor]) -> "StepIO":
         """The :class:`~dmuon.functional.stages.momentum.MomentumIO` of one step over the stored
         momentum ``stored`` (the step's update reads and writes it chunk by chunk)."""
         return StepIO(self, stored, masters)
-
-    def synchronize(self) -> None:
-        """Wait for the copies back to the host buffers (before they are read or written)."""
-        if self.copies is not None:
-            self.copies.synchronize()
-
-    def flush(self) -> None:
-        """Offload: start the copies back the last step deferred (a no-op on device): the
-        optimizer's callback when the next forward reaches its first hook group
-        (:mod:`dmuon.stateful.optimizer.offload_copies`)."""
-        if self.copies is not None:
-            self.copies.flush()
-
-    def end_step(self) -> None:
-        """The step's work is queued (offload: its end is recorded for the copies' budget)."""
-        if self.copies is not None:
-            self.copies.end_step()
 
     # ------------------------------------------------------------------ checkpoints
     def values(self, stored: Mapping[str, Tensor], masters: Mapping[str, Tensor]
@@ -199,7 +163,7 @@ class MomentumStorage:
         :func:`~dmuon.functional.state_dtype.checkpoint_dtype`)."""
         if self.identity:
             return dict(stored)
-        self.synchronize()
+        self.copies.synchronize()
         out = {}
         for n, data in stored.items():
             want = sd.checkpoint_dtype(self.dtype, masters[n].dtype)
@@ -212,9 +176,9 @@ class MomentumStorage:
         ``momentum_dtype = saved_dtype`` (``None``: fp32); one ``logging`` note if that differs
         from this optimizer's."""
         note_conversion(saved_dtype, self.dtype, what)
-        self.synchronize()
+        self.copies.synchronize()
         self.scales.clear()
-        self.drop_staged()
+        self.copies.staged.clear()  # a load replaced the host tensors
         return self.store(momentum)
 
 
@@ -243,7 +207,7 @@ class StepIO:
     def chunks(self, names: Sequence[str]) -> list[list[int]]:
         st = self.st
         nbytes = {n: self.masters[n].nbytes for n in names}
-        out = step_chunks(names, st.staged_names(), nbytes, st.chunk_bytes)
+        out = step_chunks(names, list(st.copies.staged), nbytes, st.chunk_bytes)
         self._plan = [[names[k] for k in ks] for ks in out]
         self._next = 0
         st.last_chunks += len(out)
@@ -323,7 +287,7 @@ class StorageListener:
     (:meth:`MomentumStorage.prefetch`, ``ahead``) and, with ``set_ns_overlap``, the group's early
     owner update launches (:mod:`dmuon.stateful.optimizer.ns_overlap`, dropped when the gradients
     are cleared); when a forward reaches its first hook group, the copies back the last step
-    deferred start (:meth:`MomentumStorage.flush`)."""
+    deferred start (:meth:`OffloadCopies.flush`)."""
 
     def __init__(self, optimizer: Any):
         self.ref, self.generation = weakref.ref(optimizer), optimizer._generation
@@ -344,7 +308,7 @@ class StorageListener:
     def group_forward(self) -> None:  # also once when a newer optimizer replaces this listener
         opt = self.ref()
         if opt is not None:
-            opt._storage.flush()
+            opt._storage.copies.flush()  # offload: the copies back the last step deferred
 
 
 def state_nbytes(optimizer: Any) -> dict[str, int]:

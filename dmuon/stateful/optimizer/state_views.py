@@ -28,7 +28,7 @@ class StateViewsMixin:
         if self._state_views_stale:
             self.refresh_state_views()
         if getattr(self, "_storage", None) is not None:  # offload: the caller may write the
-            self._storage.drop_staged()  # host buffers: the step copies what it needs again
+            self._storage.copies.staged.clear()  # host buffers: the step copies them again
         return self._state_views
 
     @state.setter
@@ -50,7 +50,7 @@ class StateViewsMixin:
         AdamW's moments."""
         self._state_views_stale = False
         rt = self._rt
-        self._storage.synchronize()  # offload: the host buffers hold the last step's values
+        self._storage.copies.synchronize()  # offload: the host buffers hold the last step's values
         views = self._state_views
         views.clear()
         owner = self._owner
