@@ -45,7 +45,7 @@ class MomentumStorage:
             raise TypeError(f"dmuon.Muon offload_state must be True or False, got {offload!r}")
         self.offload = offload
         self.scales: dict[str, Tensor] = {}
-        #: TP (:meth:`share_scales`): the TP slices' names; the MAX of absmaxes over the TP group
+        #: TP, 8-bit floats (:meth:`share_scales`): the TP slices' names; the MAX over the TP group
         self.shared_names: frozenset = frozenset()
         self._max_reduce: Optional[Callable[[Tensor], Tensor]] = None
         #: bytes of working momentum one chunk of the step decodes at most (a larger matrix is a
@@ -75,14 +75,9 @@ class MomentumStorage:
         """TP: the 8-bit scale of each of ``names`` (this rank's TP slices, the same names on
         every rank of its TP group) is its whole matrix's: ``max_reduce`` (``TPStep.
         max_over_group``, a collective) maps the slices' absmaxes to the matrices', once per step
-        or load."""
-        self.shared_names, self._max_reduce = frozenset(names), max_reduce
-
-    def shares(self, names: Sequence[str]) -> list[str]:
-        """Those of ``names`` whose scale is shared (8-bit floats only), in order."""
-        if not sd.is_scaled(self.dtype):
-            return []
-        return [n for n in names if n in self.shared_names]
+        or load. Only 8-bit floats have a scale: other dtypes share none (decided here)."""
+        self.shared_names = frozenset(names) if sd.is_scaled(self.dtype) else frozenset()
+        self._max_reduce = max_reduce
 
     def whole_absmax(self, names: Sequence[str], amaxes: Sequence[Tensor]) -> dict[str, Tensor]:
         """``{name: the whole matrix's absmax}`` from this slice's ``amaxes``: one collective
@@ -97,7 +92,7 @@ class MomentumStorage:
         are kept in :attr:`scales` (TP slices: their matrices', one collective). Or the identity."""
         if self.identity:
             return dict(momentum)
-        shared = self.shares(list(momentum))
+        shared = [n for n in momentum if n in self.shared_names]
         amax = self.whole_absmax(shared, [sd.absmax(momentum[n]) for n in shared])
         out = {}
         for n, m in momentum.items():
@@ -218,7 +213,7 @@ class StepIO:
         their updated absmax in a first pass and hands it to :meth:`share_absmax` (offload with
         a ``prefetch_bytes`` cap: the first pass drops each chunk's staged copies, as a step
         would, so the cap holds; without a cap they stay for the storing pass)."""
-        mine = set(self.st.shares(names))
+        mine = self.st.shared_names.intersection(names)
         self._measuring = bool(mine)
         return [k for k, n in enumerate(names) if n in mine]
 
@@ -256,7 +251,7 @@ class StepIO:
         st = self.st
         enc = []
         for n, t, w in zip(names, stored, work):  # on device: encoded into the stored tensor
-            if n in st.shared_names and n not in self._amax and st.shares([n]):
+            if n in st.shared_names and n not in self._amax:
                 raise RuntimeError(f"dmuon: TP slice {n!r} without its matrix's absmax (internal)")
             data, scale = sd.encode(w, st.dtype, out=None if st.offload else t,
                                     amax=self._amax.get(n))
