@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from dmuon.functional.split_exec import run_split_units
-from dmuon.functional.split_units import check_split_support, split_units
+from dmuon.functional.split_units import check_split_config, check_split_support, split_units
 from dmuon.newton_schulz.config import NSConfig
 
 log = logging.getLogger(__name__)
@@ -47,13 +47,8 @@ class SplitStep:
 
     def begin(self, hparams: Any) -> None:
         """Start a step (``hparams``: its Muon hyper-parameters; their NS settings must be the
-        construction's)."""
-        config = NSConfig.from_hparams(hparams)
-        if config.key() != self.config.key():
-            raise ValueError(
-                "dmuon.Muon.step: the NS settings changed since dmuon.Muon was built "
-                f"({self.config} -> {config}); the split units' schedules are built for the "
-                "first. Keep ns_* fixed with split NS, or build a new dmuon.Muon")
+        construction's: :func:`~dmuon.functional.split_units.check_split_config`)."""
+        check_split_config(self.config, hparams)
         self._ran = False
 
     def finish(self) -> None:
