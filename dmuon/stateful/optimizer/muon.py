@@ -141,7 +141,11 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self.check_finite = rt.device.type != "cuda" if check_finite == "auto" else check_finite
         rt.ledger.track_finite = self.check_finite
         self._host_syncs = 0
-        self.telemetry = StepTelemetry(rt.executor, rt.device)
+        owned = rt.owned_names  # what every step's telemetry reports, fixed at setup:
+        self.telemetry = StepTelemetry(
+            rt.executor, rt.device, owned_matrices=len(owned), dedicated_matrices=len(rt.names),
+            adamw_params=len(self._adamw_named),
+            owned_elements=sum(rt.masters[n].numel() for n in owned))
         self.num_steps = 0  # completed step() calls (the same on every rank)
         # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;
         # else every step checks that each FSDP2 param has a gradient on all ranks or on none
@@ -174,8 +178,6 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
                                  self.muon_hparams())  # split NS: this rank's units
         for knob, value in knobs.items():  # the execution knobs (ns_engine: the owners' NS,
             getattr(self, f"set_{knob}")(value)  # behind TP's gathers or split NS's units)
-        # elements of the owned masters (fixed at setup), reported by every step's telemetry
-        self._owned_elements = sum(rt.masters[n].numel() for n in rt.owned_names)
 
     # ------------------------------------------------------------------ read-only views
     @property
@@ -238,15 +240,21 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
     def set_elementwise(self, mode: str) -> None:
         """Muon's elementwise stages (momentum + Nesterov input; weight decay + update):
         ``"auto"`` (default: fused Triton passes, :mod:`dmuon.kernels.muon_elementwise`, on
-        CUDA when Triton imports, else foreach), ``"foreach"``, ``"fused"``."""
+        CUDA when Triton imports, else foreach), ``"foreach"``, ``"fused"``. Decided here, once."""
         self.elementwise = fopts.check_knob("elementwise", mode)
+        self._elementwise: Optional[fmuon.MuonElementwise] = None
+        if mode == "fused" or (mode == "auto" and self._rt.device.type == "cuda"):
+            from dmuon.kernels.muon_elementwise import fused_elementwise
+            self._elementwise = fused_elementwise()
 
     def set_adamw_impl(self, impl: str) -> None:
         """The ``impl`` of :func:`dmuon.functional.adamw.update` for FSDP2's local shards:
         ``"auto"`` (default: ``"fused"`` on CUDA, ``"reference"`` (bitwise
         ``torch.optim.AdamW(foreach=False)``) elsewhere) or one of
-        :data:`dmuon.functional.adamw.IMPLS`."""
+        :data:`dmuon.functional.adamw.IMPLS`. Decided here, once."""
         self.adamw_impl = fopts.check_knob("adamw_impl", impl)
+        dev = self._adamw_named[0][1].device if self._adamw_named else self._rt.device
+        self._adamw_impl = fadamw.resolve_impl(impl, dev.type)
 
     def set_persistent_grad_buffers(self, enabled: bool) -> None:
         """Keep the owners' gradient buckets allocated between steps (stable addresses: the NS
@@ -298,9 +306,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         grads = rt.reduced_grads()
         if self._check_fsdp_usage:
             check_same_fsdp_grads(self._adamw_named, rt)
-        if self.check_finite:
-            if check_finite(self._adamw_named, rt, grads):
-                self._host_syncs += 1  # its verdict waited for the device
+        if self.check_finite and check_finite(self._adamw_named, rt, grads):
+            self._host_syncs += 1  # its verdict waited for the device
         self.invalidate_state_views()  # the states change from here: views rebuilt when read
         writes = lambda: (write_count(self._owner.state, rt.owned_masters(), grads)  # noqa: E731
                           + self._storage.copies.copies_out)  # a write to state, masters or grads
@@ -312,7 +319,11 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             rt.clear_grads()
             rt.after_step(replicate_async=self.replicate_async)
             rt.ledger.consume(stepped)  # torch keeps grads until zero_grad: markers stand in
-            self._adamw_step()
+            self._adamw_update()
+            self.telemetry.finish_step(
+                step=self.num_steps + 1, host_syncs=self._host_syncs, adamw_impl=self._adamw_impl,
+                ns_mode=self.telemetry.ns_timer.mode if rt.owned_names else "none")
+            self._host_syncs = 0
             self._storage.copies.end_step()  # offload: the copies' budget measures the step
             self.num_steps += 1
             self._overlap.step_done()  # "auto": timing, then its decision
@@ -347,15 +358,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
     @property
     def elementwise_mode(self) -> str:
         """``"fused"`` (Triton kernels) or ``"foreach"``: how the owner's elementwise Muon stages run."""
-        return "foreach" if self._elementwise() is None else "fused"
-
-    def _elementwise(self) -> Optional[fmuon.MuonElementwise]:
-        """The ``elementwise=`` hook for this step (see the ``elementwise`` argument)."""
-        if self.elementwise == "foreach" or (self.elementwise == "auto"
-                                             and self._rt.device.type != "cuda"):
-            return None
-        from dmuon.kernels.muon_elementwise import fused_elementwise
-        return fused_elementwise()
+        return "foreach" if self._elementwise is None else "fused"
 
     def _muon_step(self, rt: DedicatedState, grads: dict[str, Optional[torch.Tensor]],
                    zeroed: set[str]) -> list[str]:
@@ -375,7 +378,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
                  for n, g in grads.items()}
         grads, early = self._overlap.commit(grads)  # ns_overlap: valid early updates committed
         stepped = self._owner.step(grads, params, hp, orthogonalizer=self._orthogonalizer,
-                                   elementwise=self._elementwise(), committed=early,
+                                   elementwise=self._elementwise, committed=early,
                                    sum_hook=self._tp.sum_partials if self._tp else None)
         if self._split is not None:
             self._split.finish()
@@ -411,23 +414,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         grads = {n: local_tensor(p.grad) for n, p in self._adamw_named}
         return params, grads
 
-    def _adamw_impl(self) -> str:
-        dev = self._adamw_named[0][1].device if self._adamw_named else self._rt.device
-        return fadamw.resolve_impl(self.adamw_impl, dev.type)
-
-    def _adamw_step(self) -> None:
-        """AdamW on FSDP2's local shards, then close this step's telemetry (last part of step)."""
-        self._adamw_update()
-        rt = self._rt
-        owned = rt.owned_names
-        self.telemetry.finish_step(
-            step=self.num_steps + 1, owned_matrices=len(owned), owned_elements=self._owned_elements,
-            dedicated_matrices=len(rt.names), adamw_params=len(self._adamw_named),
-            ns_mode=self.telemetry.ns_timer.mode if owned else "none", host_syncs=self._host_syncs,
-            adamw_impl=self._adamw_impl())
-        self._host_syncs = 0
-
     def _adamw_update(self) -> None:
+        """AdamW on FSDP2's local shards."""
         if not self._adamw_named:
             return
         params, grads = self.adamw_local_tensors()
@@ -437,7 +425,7 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         if all(g is None for g in grads.values()):
             return
         _, work = fadamw.update(grads, store.working_state(self.adamw_state, params), params,
-                                self.adamw_hparams(), donate=True, impl=self._adamw_impl())
+                                self.adamw_hparams(), donate=True, impl=self._adamw_impl)
         self.adamw_state = store.commit_state(self.adamw_state, work)
 
     def last_step_stats(self) -> Optional[StepStats]:

@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from statistics import median
 from typing import Any
 
 import optree
@@ -92,7 +91,7 @@ class NSOverlap:
             return kept[1]
         return speculate(lambda st, ps: owner.run(
             grads, st, ps, hp, donate_grads=False, orthogonalizer=orthogonalizer,
-            elementwise=opt._elementwise()), owner.state, owner.fields,
+            elementwise=opt._elementwise), owner.state, owner.fields,
             opt.dedicated_state.owned_masters(), names, self._buffer)
 
     def reduce_issued(self, names: Any) -> None:
@@ -201,8 +200,5 @@ class NSOverlap:
         off, on = O.auto_split({k: self._ends[k - 1].elapsed_time(self._ends[k]) for k in its})
         votes = host_sum([int(O.auto_choice(off, on)), 1], what="ns_overlap auto",
                          via=rt.mesh_groups, device=rt.device)
-        self.mode, self._ends = ("on" if 2 * votes[0] > votes[1] else "off"), []
-        self.reason = (f"auto: {self.mode} (median iteration {median(off):.2f} ms without, "
-                       f"{median(on):.2f} ms with on this rank; {votes[0]} of {votes[1]} ranks "
-                       "faster with it)")
+        (self.mode, self.reason), self._ends = O.auto_verdict(off, on, votes), []
         logger.info("dmuon: ns_overlap %s", self.reason)
