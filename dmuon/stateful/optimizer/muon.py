@@ -24,12 +24,13 @@ from dmuon.functional.stages.orthogonalize import OrthogonalizerFor
 from dmuon.kernels.ns_engine import NSEngine
 from dmuon.newton_schulz.batched import BatchedNS
 from dmuon.newton_schulz.timing import NSTimer
-from dmuon.stateful.optimizer.split_step import split_step
+from dmuon.stateful.optimizer.split_step import SplitStep
 from dmuon.stateful.optimizer.state_views import StateViewsMixin
 from dmuon.stateful.modes.ddp import check_backend
 from dmuon.stateful.modes.deferred import finish_pending
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor, unwrap_model
-from dmuon.stateful.optimizer.state_storage import MomentumStorage, StorageListener
+from dmuon.stateful.optimizer.state_storage import (AdamWStorage, MomentumStorage,
+                                                     StorageListener)
 from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
 from dmuon.functional.setup_check import require_fsdp_meshes
 from dmuon.functional.step_checks import (broken_step_message, check_outside_grads,
@@ -109,7 +110,6 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
             warnings.warn(note, DeprecationWarning, stacklevel=2)
         transform, mu_dtype = fopts.momentum_dtype_of(transform, old_mu_dtype,
                                                 fopts.hparams_of_group(muon_group))
-        from dmuon.stateful.optimizer.adamw_storage import AdamWStorage
         self._adamw_storage = AdamWStorage(adamw_state_dtype)  # checked before any change
         self._storage = MomentumStorage(mu_dtype, offload_state, None)
         _ns_of(knobs["ns_engine"], "cpu")  # a bad ns_engine raises here, before anything changes
@@ -174,8 +174,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         self._tp: Optional[TPStep] = TPStep(rt) if rt.tp_layouts else None
         if self._tp is not None:  # an 8-bit momentum: each slice's scale is its matrix's (one
             self._storage.share_scales(self._tp.names, self._tp.max_over_group)  # MAX over TP)
-        self._split = split_step(rt, transform if self._owner.custom else None,
-                                 self.muon_hparams())  # split NS: this rank's units
+        custom = transform if self._owner.custom else None  # split NS: this rank's units
+        self._split = SplitStep(rt, custom, self.muon_hparams()) if rt.plan.splits else None
         for knob, value in knobs.items():  # the execution knobs (ns_engine: the owners' NS,
             getattr(self, f"set_{knob}")(value)  # behind TP's gathers or split NS's units)
 

@@ -3,6 +3,7 @@
 offloaded), the step's chunked access to it (:class:`StepIO`, the momentum stage's io) and the
 runtime listener that starts offloaded copies with the backward (:class:`StorageListener`).
 With fp32 on the device the storage is the working momentum (bitwise the historical step).
+FSDP2's AdamW moments (:class:`AdamWStorage`) share the note a converting load logs.
 Design notes: docs/design/optimizer.md, "Momentum storage"."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from dmuon.functional import adamw_storage as fadamw_storage
 from dmuon.functional import state_dtype as sd
 from dmuon.functional.momentum_chunks import step_chunks
 from dmuon.stateful.optimizer.offload_copies import NoCopies, OffloadCopies
@@ -20,7 +22,7 @@ from dmuon.stateful.optimizer.offload_copies import NoCopies, OffloadCopies
 logger = logging.getLogger(__name__)
 
 __all__ = ["MomentumStorage", "StepIO", "CHUNK_BYTES", "PREFETCH_BYTES", "StorageListener",
-           "note_conversion"]
+           "note_conversion", "AdamWStorage"]
 
 #: The step's chunk budget: bytes of working (decoded) momentum alive at once, by default
 #: (:data:`dmuon.functional.state_dtype.STEP_CHUNK_BYTES`; read when a storage is built).
@@ -273,6 +275,17 @@ def note_conversion(saved_dtype: Optional[str], dtype: torch.dtype, what: str,
         logger.warning("%s: the checkpoint's %s was stored in %s; this optimizer stores it in %s "
                        "(%s): converted on load", what, state, sd.dtype_name(saved),
                        sd.dtype_name(dtype), option)
+
+
+class AdamWStorage(fadamw_storage.AdamWStorage):
+    """FSDP2's AdamW moments in ``adamw_state_dtype`` (the pure rules:
+    :class:`dmuon.functional.adamw_storage.AdamWStorage`) with :meth:`load` (checkpoints)."""
+
+    def load(self, st: Any, saved_dtype: Optional[str], what: str) -> Any:
+        """``stored_state`` of staged working moments read from a checkpoint whose AdamW moments
+        were stored in ``saved_dtype`` (``None``: fp32); a note if that differs."""
+        note_conversion(saved_dtype, self.dtype, what, "AdamW moments", "adamw_state_dtype")
+        return self.stored_state(st)
 
 
 class StorageListener:
