@@ -418,10 +418,8 @@ class Muon(StateViewsMixin, torch.optim.Optimizer):
         """AdamW on FSDP2's local shards."""
         if not self._adamw_named:
             return
-        params, grads = self.adamw_local_tensors()
+        params, grads = self.adamw_local_tensors()  # (the state exists from construction)
         store = self._adamw_storage  # adamw_state_dtype: stored rounded, updated decoded
-        if self.adamw_state is None:
-            self.adamw_state = store.stored_state(fadamw.init(params))
         if all(g is None for g in grads.values()):
             return
         _, work = fadamw.update(grads, store.working_state(self.adamw_state, params), params,
