@@ -143,8 +143,8 @@ class Muon(torch.optim.Optimizer):
         self._host_syncs = 0
         owned = rt.owned_names  # what every step's telemetry reports, fixed at setup:
         self.telemetry = StepTelemetry(
-            rt.executor, rt.device, owned_matrices=len(owned), dedicated_matrices=len(rt.names),
-            adamw_params=len(self._adamw_named),
+            rt.executor, device=str(rt.device), owned_matrices=len(owned),
+            dedicated_matrices=len(rt.names), adamw_params=len(self._adamw_named),
             owned_elements=sum(rt.masters[n].numel() for n in owned))
         self.num_steps = 0  # completed step() calls (the same on every rank)
         # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;
