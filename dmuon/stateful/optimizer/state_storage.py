@@ -147,11 +147,6 @@ class MomentumStorage:
                 return
         self.copies.copy_in(todo)
 
-    def step_io(self, stored: Mapping[str, Tensor], masters: Mapping[str, Tensor]) -> "StepIO":
-        """The :class:`~dmuon.functional.stages.momentum.MomentumIO` of one step over the stored
-        momentum ``stored`` (the step's update reads and writes it chunk by chunk)."""
-        return StepIO(self, stored, masters)
-
     # ------------------------------------------------------------------ checkpoints
     def values(self, stored: Mapping[str, Tensor], masters: Mapping[str, Tensor]
                ) -> dict[str, Tensor]:
