@@ -107,20 +107,20 @@ def _worker(rank, world):
 
     # ---- offload: copies start in backward, per group, not in no_sync micro-batches
     def copies_seen(i, model, opt):
-        out.setdefault("copies_after_backward", []).append(opt._storage.copies_in)
+        out.setdefault("copies_after_backward", []).append(opt._storage.copies.copies_in)
 
     model, opt = _train(rank, world, dict(offload_state=True), batches[:1], between=copies_seen)
     n_owned = len(opt.dedicated_state.owned_names)
     out["owned"] = n_owned
-    out["copies_in_total"] = opt._storage.copies_in
+    out["copies_in_total"] = opt._storage.copies.copies_in
     from dmuon.stateful.runtime.no_sync import no_sync
     opt.zero_grad()
     ids = batches[1].chunk(world)[rank]
     with no_sync(model):
         model(ids[:1]).backward()
-    out["copies_after_no_sync"] = opt._storage.copies_in - n_owned
+    out["copies_after_no_sync"] = opt._storage.copies.copies_in - n_owned
     model(ids[1:]).backward()
-    out["copies_after_synced"] = opt._storage.copies_in - n_owned
+    out["copies_after_synced"] = opt._storage.copies.copies_in - n_owned
     opt.step()
 
     # ---- prefetch_bytes=0: the backward copies nothing, the step copies all; same bits
@@ -188,12 +188,12 @@ def _worker(rank, world):
     # ---- a newer optimizer on the same model: the superseded one copies nothing, is not kept
     from dmuon.stateful.optimizer.muon import Muon
     model, opt1 = _train(rank, world, dict(offload_state=True), batches[:1])
-    before = opt1._storage.copies_in
+    before = opt1._storage.copies.copies_in
     opt2 = Muon(model, offload_state=True)
     opt2.zero_grad()
     model(batches[1].chunk(world)[rank]).backward()
-    out["superseded_copies"] = opt1._storage.copies_in - before
-    out["newer_copies"] = opt2._storage.copies_in
+    out["superseded_copies"] = opt1._storage.copies.copies_in - before
+    out["newer_copies"] = opt2._storage.copies.copies_in
     opt2.step()
     ref = weakref.ref(opt1)
     del opt1

@@ -157,7 +157,8 @@ def _ckpt_checks(rank, world):
         except Exception as e:  # noqa: BLE001 (reported to the parent)
             out[f"{key}_model"] = repr(e)
         # offload: every step copied each owned momentum in (prefetch) and back (commit)
-        out[f"{key}_copies"] = (opt._storage.copies_in, opt._storage.copies_out, 3 * len(stored))
+        copies = opt._storage.copies
+        out[f"{key}_copies"] = (copies.copies_in, copies.copies_out, 3 * len(stored))
         mom = checkpoint_momentum(opt)
         # what a user (or torch's tools) reads from opt.state is the momentum's value (fp8:
         # its data alone is the value divided by the matrix's scale)

@@ -72,7 +72,7 @@ def test_tp_slices_encode_with_the_whole_matrix_scale(offload, path):
     stores)."""
     from dmuon.functional import muon as fmuon
     from dmuon.functional.owner_step import owner_step
-    from dmuon.stateful.optimizer.state_storage import MomentumStorage
+    from dmuon.stateful.optimizer.state_storage import MomentumStorage, StepIO
 
     g = torch.Generator().manual_seed(1)
     mu = 0.9
@@ -103,7 +103,7 @@ def test_tp_slices_encode_with_the_whole_matrix_scale(offload, path):
             loaded = {n: sd.decode(sd.Stored(t, st.scales[n]), torch.float64)
                       for n, t in stored.items()}
             p = {n: cut(params[n], n, k) for n in shapes}
-            io = st.step_io(stored, p)
+            io = StepIO(st, stored, p)
             g_k = {n: cut(grads[n], n, k) for n in shapes}
             if path == "chain":
                 from dmuon.functional import transforms as T
@@ -114,10 +114,10 @@ def test_tp_slices_encode_with_the_whole_matrix_scale(offload, path):
             else:
                 owner_step(g_k, fmuon.MuonState(torch.tensor(0.0), stored), p, hp, donate=True,
                            donate_grads=True, momentum_io=io)
-            st.synchronize()  # offload: the host buffers are current once the copies back ran
+            st.copies.synchronize()  # offload: the host buffers are current once copies back ran
             out[k] = (loaded, {n: sd.decode(sd.Stored(t, st.scales[n]), torch.float64)
                                for n, t in stored.items()}, dict(st.scales), st.last_chunks,
-                      st.copies_in)
+                      st.copies.copies_in)
         except Exception as e:  # noqa: BLE001 (reported below)
             errs.append(e)
             grp.bar.abort()

@@ -1,6 +1,6 @@
 """How FSDP2's AdamW moments are stored: ``dmuon.Muon(adamw_state_dtype=...)`` (pure;
 :class:`AdamWStorage`: fp32 or bf16, rounded after each update). The stateful layer's
-:class:`dmuon.stateful.optimizer.adamw_storage.AdamWStorage` adds the logged note of a load that
+:class:`dmuon.stateful.optimizer.state_storage.AdamWStorage` adds the logged note of a load that
 converts; the Muon momentum's storage is :mod:`dmuon.stateful.optimizer.state_storage`."""
 from __future__ import annotations
 

@@ -24,7 +24,7 @@ from typing import Any, Mapping, NamedTuple, Optional, Sequence
 
 __all__ = ["MODES", "check_mode", "overlap_blocker", "resolve_mode", "early_names", "Stamp",
            "stamp_key", "take_stamp", "invalid_reason", "replay_key", "by_group", "auto_choice",
-           "auto_split"]
+           "auto_split", "auto_verdict"]
 
 #: the values of ``dmuon.Muon.set_ns_overlap``
 MODES = ("off", "on", "auto")
@@ -191,3 +191,14 @@ AUTO_WARMUP, AUTO_EACH = 4, 5
 def auto_split(ms: Mapping[int, float]) -> tuple[list[float], list[float]]:
     """``(without, with)``: ``"auto"``'s iteration times (``{iteration: ms}``) by mode."""
     return [t for k, t in ms.items() if not k % 2], [t for k, t in ms.items() if k % 2]
+
+
+def auto_verdict(off_ms: Sequence[float], on_ms: Sequence[float], votes: Sequence[int]
+                 ) -> tuple[str, str]:
+    """``"auto"``'s final ``(mode, reason)``: ``"on"`` iff most ranks voted for it (``votes``:
+    ``(ranks faster with it, ranks)``, agreed); the reason gives this rank's medians (``off_ms``,
+    ``on_ms``: :func:`auto_split`) and the vote."""
+    mode = "on" if 2 * votes[0] > votes[1] else "off"
+    return mode, (f"auto: {mode} (median iteration {statistics.median(off_ms):.2f} ms without, "
+                  f"{statistics.median(on_ms):.2f} ms with on this rank; {votes[0]} of {votes[1]} "
+                  "ranks faster with it)")

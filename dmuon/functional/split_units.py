@@ -12,7 +12,7 @@ from dmuon.functional.split_exec import (SplitMember, split_member, split_ns_set
 from dmuon.functional.specs import dtype_from_str
 from dmuon.newton_schulz.config import NSConfig
 
-__all__ = ["global_unit", "check_split_support", "split_units"]
+__all__ = ["global_unit", "check_split_support", "check_split_config", "split_units"]
 
 
 def global_unit(unit: Any, plan: Any, global_rank: Callable[[int, int], int]) -> Any:
@@ -39,6 +39,17 @@ def check_split_support(rt: Any, transform: Any) -> None:
             f"dmuon.Muon: split Newton–Schulz ({names[:3]}) with per-param lr / weight-decay "
             f"multipliers {sorted(mults)} is not supported; drop the multipliers or "
             "dedicate_params(split_ns=1)")
+
+
+def check_split_config(built: NSConfig, hparams: Any) -> None:
+    """Raise ``ValueError`` if a step's Muon hyper-parameters ``hparams`` have other NS settings
+    than ``built``, those the split units' schedules were built for."""
+    config = NSConfig.from_hparams(hparams)
+    if config.key() != built.key():
+        raise ValueError(
+            "dmuon.Muon.step: the NS settings changed since dmuon.Muon was built "
+            f"({built} -> {config}); the split units' schedules are built for the "
+            "first. Keep ns_* fixed with split NS, or build a new dmuon.Muon")
 
 
 def split_units(plan: Any, shard_size: int, replicate_size: int, config: NSConfig,

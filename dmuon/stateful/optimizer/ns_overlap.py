@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import weakref
-from statistics import median
 from typing import Any
 
 import optree
@@ -32,7 +31,8 @@ class NSOverlap:
     """The overlap of one ``dmuon.Muon``; ``stats``: its counters."""
 
     def __init__(self, optimizer: Any):
-        self.ref = weakref.ref(optimizer)
+        self.ref, self.rt = weakref.ref(optimizer), optimizer.dedicated_state
+        self.cuda = self.rt.device.type == "cuda"
         self.mode, self.reason = "off", "off (set_ns_overlap)"
         self.specs: dict[str, tuple] = {}  # {group: (names, stamp, fields, params, [reduces])}
         self.events: list = []  # CUDA: the side stream's, waited before commit / reuse
@@ -51,17 +51,16 @@ class NSOverlap:
             tensor_parallel=opt._tp is not None, split_ns=opt._split is not None,
             own_chain=not isinstance(opt._owner.transform, Variant),
             stored_momentum=None if st is None else ("offload" if st.offload else str(st.dtype))),
-            opt.dedicated_state.device.type)
+            self.rt.device.type)
         self._ends = []
         logger.info("dmuon: ns_overlap=%r: %s", mode, self.reason)
 
     def _active(self) -> bool:
         return self.mode == "on" or (self.mode == "auto" and len(self._ends) % 2 == 1)
 
-    @staticmethod
-    def _live(opt: Any, names: list) -> list:
+    def _live(self, opt: Any, names: list) -> list:
         """The live per-param state and masters of ``names`` (what an update of them copies in)."""
-        owner, masters = opt._owner, opt.dedicated_state.owned_masters()
+        owner, masters = opt._owner, self.rt.owned_masters()
         return [owner.field_values(f.key)[n] for f in owner.fields for n in names] + [
             masters[n] for n in names]
 
@@ -77,7 +76,7 @@ class NSOverlap:
 
     def _compute(self, opt: Any, names: list, grads: dict) -> tuple[dict, dict]:
         """One hook group's owner update of ``names``, out of place: ``(fields, params)``."""
-        owner, hp, key = opt._owner, opt.muon_hparams(), opt.dedicated_state.group_of[names[0]]
+        owner, hp, key = opt._owner, opt.muon_hparams(), self.rt.group_of[names[0]]
 
         def orthogonalizer(spec: Any, ns_names: list) -> Any:
             """The optimizer's NS; an engine's twin per hook group (same results), so that the
@@ -92,8 +91,8 @@ class NSOverlap:
             return kept[1]
         return speculate(lambda st, ps: owner.run(
             grads, st, ps, hp, donate_grads=False, orthogonalizer=orthogonalizer,
-            elementwise=opt._elementwise()), owner.state, owner.fields,
-            opt.dedicated_state.owned_masters(), names, self._buffer)
+            elementwise=opt._elementwise), owner.state, owner.fields,
+            self.rt.owned_masters(), names, self._buffer)
 
     def reduce_issued(self, names: Any) -> None:
         """A hook group's reduce was issued (the runtime's listener): launch its update (CUDA: on
@@ -102,12 +101,11 @@ class NSOverlap:
         opt = self.ref()
         if opt is None or not self._active():
             return
-        rt = opt.dedicated_state
+        rt, cuda = self.rt, self.cuda
         key = rt.group_of[names[0]]
         if key in self.specs:  # another backward reduces into its gradients: invalid at step()
             self.specs[key][4][0] += 1
             return
-        cuda = rt.device.type == "cuda"
         stream = side_stream(rt.device, "ns_overlap") if cuda else None
         if cuda:  # the reduce's packing (and, at world 1, its whole result) is this stream's
             stream.wait_stream(torch.cuda.current_stream(rt.device))
@@ -144,7 +142,7 @@ class NSOverlap:
             key, O.replay_key(stamp, [t.data_ptr() for t in self._live(opt, names)], leaves),
             lambda: self._compute(opt, names, grads),
             lambda out: [*out[1].values(), *(t for f in out[0].values() for t in f.values())],
-            {t.data_ptr() for t in self.bufs.values()}, opt.dedicated_state.device)
+            {t.data_ptr() for t in self.bufs.values()}, self.rt.device)
         self.stats["replayed"] += replayed
         return out
 
@@ -152,8 +150,7 @@ class NSOverlap:
         """In ``step()``, the reduces waited: commit the valid speculations and, while on,
         compute every other group's update per group now (the same NS batches as early: a
         batched NS rounds with its batch); returns ``(grads left, names updated here)``."""
-        opt = self.ref()
-        rt = opt.dedicated_state
+        opt, rt = self.ref(), self.rt
         valid = [s for s in self.specs.values()
                  if O.invalid_reason(s[1], self._stamp(opt, s[0], grads, s[4][0])) is None]
         self._wait()
@@ -167,7 +164,7 @@ class NSOverlap:
             for names in O.by_group(grads, rt.group_of, done):
                 results.append(self._compute(opt, names, {n: grads[n] for n in names}))
                 done += names
-        cur = torch.cuda.current_stream(rt.device) if rt.device.type == "cuda" else None
+        cur = torch.cuda.current_stream(rt.device) if self.cuda else None
         for fields, params in results:
             commit_(opt._owner.state, opt._owner.fields, rt.owned_masters(), fields, params)
             for t in (*params.values(), *(t for f in fields.values() for t in f.values())):
@@ -183,7 +180,7 @@ class NSOverlap:
 
     def _wait(self) -> None:
         for ev in self.events:
-            torch.cuda.current_stream(self.ref().dedicated_state.device).wait_event(ev)
+            torch.cuda.current_stream(self.rt.device).wait_event(ev)
         self.events.clear()
 
     def step_done(self) -> None:
@@ -191,18 +188,14 @@ class NSOverlap:
         once (one collective; one host sync) whether to keep the overlap, on most ranks' vote."""
         if self.mode != "auto":
             return
-        rt = self.ref().dedicated_state
         self._ends.append(torch.cuda.Event(enable_timing=True))
-        self._ends[-1].record(torch.cuda.current_stream(rt.device))
+        self._ends[-1].record(torch.cuda.current_stream(self.rt.device))
         its = range(O.AUTO_WARMUP + 1, O.AUTO_WARMUP + 2 * O.AUTO_EACH + 1)
         if len(self._ends) <= its[-1]:
             return
         self._ends[-1].synchronize()
         off, on = O.auto_split({k: self._ends[k - 1].elapsed_time(self._ends[k]) for k in its})
         votes = host_sum([int(O.auto_choice(off, on)), 1], what="ns_overlap auto",
-                         via=rt.mesh_groups, device=rt.device)
-        self.mode, self._ends = ("on" if 2 * votes[0] > votes[1] else "off"), []
-        self.reason = (f"auto: {self.mode} (median iteration {median(off):.2f} ms without, "
-                       f"{median(on):.2f} ms with on this rank; {votes[0]} of {votes[1]} ranks "
-                       "faster with it)")
+                         via=self.rt.mesh_groups, device=self.rt.device)
+        (self.mode, self.reason), self._ends = O.auto_verdict(off, on, votes), []
         logger.info("dmuon: ns_overlap %s", self.reason)

@@ -13,7 +13,26 @@ from torch import Tensor
 from dmuon.functional.momentum_chunks import next_out_budget
 from dmuon.kernels.streams import side_stream
 
-__all__ = ["OffloadCopies", "next_out_budget"]
+__all__ = ["OffloadCopies", "NoCopies", "next_out_budget"]
+
+
+class NoCopies:
+    """The copies of momentum kept on the device: none (:class:`OffloadCopies`' interface, each
+    call a no-op), so that the storage never asks whether it offloads."""
+
+    copies_in = copies_out = 0
+
+    def __init__(self) -> None:
+        self.staged: dict[str, tuple[Tensor, Optional[Any]]] = {}
+
+    def flush(self, names: Optional[Mapping[str, Any]] = None) -> None:
+        """Nothing is deferred."""
+
+    def synchronize(self) -> None:
+        """Nothing is copied."""
+
+    def end_step(self) -> None:
+        """Nothing is timed."""
 
 
 class OffloadCopies:

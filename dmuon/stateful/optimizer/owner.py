@@ -20,6 +20,7 @@ from dmuon.functional.stages.leaves import default_views
 from dmuon.functional.state_fields import check_counts, scalar_leaves, state_fields
 from dmuon.functional.step_checks import check_not_broken
 from dmuon.functional.tree import get_path, replace_path
+from dmuon.stateful.optimizer.state_storage import StepIO, note_conversion
 
 __all__ = ["OwnerDriver"]
 
@@ -120,7 +121,7 @@ class OwnerDriver:
         stepped = [n for n, g in grads.items() if g is not None] + list(committed)
         io = None
         if self.storage is not None and stepped:  # the stored momentum, chunk by chunk
-            io = self.storage.step_io(self.stored_momentum(), params)
+            io = StepIO(self.storage, self.stored_momentum(), params)
         _, self.state = self.run(grads, self.state, params, hparams, orthogonalizer=orthogonalizer,
                                  elementwise=elementwise, sum_hook=sum_hook, momentum_io=io)
         if stepped:
@@ -163,7 +164,7 @@ class OwnerDriver:
         if self.storage is None or f is None or key != f.key:
             vals = self.field_values(key)
         elif view and not sd.is_scaled(self.storage.dtype):
-            self.storage.synchronize()
+            self.storage.copies.synchronize()
             vals = self.stored_momentum()
         else:
             st = self.stored_momentum()
@@ -197,7 +198,6 @@ class OwnerDriver:
                                           self.storage.load(work, saved_dtype, what))
                 continue
             if f is self.stored_field and got:  # the default storage: converted as it copies in
-                from dmuon.stateful.optimizer.state_storage import note_conversion
                 note_conversion(saved_dtype, torch.float32, what)
             live = get_path(self.state, f.path)
             for n, t in got.items():

@@ -5,39 +5,34 @@ Newton–Schulz on the owners"."""
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import torch
 
 from dmuon.functional.split_exec import run_split_units
-from dmuon.functional.split_units import check_split_support, split_units
+from dmuon.functional.split_units import check_split_config, check_split_support, split_units
 from dmuon.newton_schulz.config import NSConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SplitStep", "check_split_support", "split_step"]
-
-
-def split_step(rt: Any, transform: Any, hparams: Any) -> Optional["SplitStep"]:
-    """The :class:`SplitStep` of ``rt``'s plan (``None`` without split units); raises for what
-    split NS does not run with (:func:`check_split_support`)."""
-    if not rt.plan.splits:
-        return None
-    check_split_support(rt, transform)
-    return SplitStep(rt, NSConfig.from_hparams(hparams))
+__all__ = ["SplitStep", "check_split_support"]
 
 
 class SplitStep:
     """This rank's split units (see the module docstring).
 
     Args:
-      rt: the model's dedicated state (its plan has ``splits``); config: the optimizer's NS
-        settings at construction (a later change of them raises at ``step()``).
+      rt: the model's dedicated state (its plan has ``splits``); transform: the user's chain
+        (``None``: Muon), refused (:func:`check_split_support`); hparams: the optimizer's Muon
+        hyper-parameters at construction (a later change of their NS settings raises at
+        ``step()``).
     """
 
-    def __init__(self, rt: Any, config: NSConfig):
+    def __init__(self, rt: Any, transform: Any, hparams: Any):
+        check_split_support(rt, transform)
         mg = rt.mesh_groups
-        self.executor, self.config, self.device = rt.executor, config, rt.device
+        self.executor, self.device = rt.executor, rt.device
+        self.config = config = NSConfig.from_hparams(hparams)
         self.schedules, self.members = split_units(rt.plan, rt.G, rt.R, config, rt.master_dtype,
                                                    self.device.type, mg.rank, mg.global_rank)
         self.owned = {m.unit.param for m in self.members if m.index == 0}
@@ -47,13 +42,8 @@ class SplitStep:
 
     def begin(self, hparams: Any) -> None:
         """Start a step (``hparams``: its Muon hyper-parameters; their NS settings must be the
-        construction's)."""
-        config = NSConfig.from_hparams(hparams)
-        if config.key() != self.config.key():
-            raise ValueError(
-                "dmuon.Muon.step: the NS settings changed since dmuon.Muon was built "
-                f"({self.config} -> {config}); the split units' schedules are built for the "
-                "first. Keep ns_* fixed with split NS, or build a new dmuon.Muon")
+        construction's: :func:`~dmuon.functional.split_units.check_split_config`)."""
+        check_split_config(self.config, hparams)
         self._ran = False
 
     def finish(self) -> None:

@@ -3,6 +3,7 @@
 offloaded), the step's chunked access to it (:class:`StepIO`, the momentum stage's io) and the
 runtime listener that starts offloaded copies with the backward (:class:`StorageListener`).
 With fp32 on the device the storage is the working momentum (bitwise the historical step).
+FSDP2's AdamW moments (:class:`AdamWStorage`) share the note a converting load logs.
 Design notes: docs/design/optimizer.md, "Momentum storage"."""
 from __future__ import annotations
 
@@ -13,14 +14,15 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import torch
 from torch import Tensor
 
+from dmuon.functional import adamw_storage as fadamw_storage
 from dmuon.functional import state_dtype as sd
 from dmuon.functional.momentum_chunks import step_chunks
-from dmuon.stateful.optimizer.offload_copies import OffloadCopies
+from dmuon.stateful.optimizer.offload_copies import NoCopies, OffloadCopies
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["MomentumStorage", "StepIO", "CHUNK_BYTES", "PREFETCH_BYTES", "StorageListener",
-           "note_conversion"]
+           "note_conversion", "AdamWStorage"]
 
 #: The step's chunk budget: bytes of working (decoded) momentum alive at once, by default
 #: (:data:`dmuon.functional.state_dtype.STEP_CHUNK_BYTES`; read when a storage is built).
@@ -45,7 +47,7 @@ class MomentumStorage:
             raise TypeError(f"dmuon.Muon offload_state must be True or False, got {offload!r}")
         self.offload = offload
         self.scales: dict[str, Tensor] = {}
-        #: TP (:meth:`share_scales`): the TP slices' names; the MAX of absmaxes over the TP group
+        #: TP, 8-bit floats (:meth:`share_scales`): the TP slices' names; the MAX over the TP group
         self.shared_names: frozenset = frozenset()
         self._max_reduce: Optional[Callable[[Tensor], Tensor]] = None
         #: bytes of working momentum one chunk of the step decodes at most (a larger matrix is a
@@ -60,20 +62,11 @@ class MomentumStorage:
         self.bind(device if device is not None else torch.device("cpu"))
 
     def bind(self, device: torch.device) -> None:
-        """Set the masters' device (and, offloading, the copies' :class:`OffloadCopies`)."""
+        """Set the masters' device and the copies' :class:`OffloadCopies` (on device:
+        :class:`NoCopies`: ``copies.staged`` is empty, its calls no-ops)."""
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
-        self.copies = OffloadCopies(self.device) if self.offload else None
-
-    @property
-    def copies_in(self) -> int:
-        """Tensors copied host -> device so far (offload; 0 on device)."""
-        return self.copies.copies_in if self.copies is not None else 0
-
-    @property
-    def copies_out(self) -> int:
-        """Tensors copied (or queued to copy) device -> host so far (offload; 0 on device)."""
-        return self.copies.copies_out if self.copies is not None else 0
+        self.copies = OffloadCopies(self.device) if self.offload else NoCopies()
 
     @property
     def identity(self) -> bool:
@@ -84,14 +77,9 @@ class MomentumStorage:
         """TP: the 8-bit scale of each of ``names`` (this rank's TP slices, the same names on
         every rank of its TP group) is its whole matrix's: ``max_reduce`` (``TPStep.
         max_over_group``, a collective) maps the slices' absmaxes to the matrices', once per step
-        or load."""
-        self.shared_names, self._max_reduce = frozenset(names), max_reduce
-
-    def shares(self, names: Sequence[str]) -> list[str]:
-        """Those of ``names`` whose scale is shared (8-bit floats only), in order."""
-        if not sd.is_scaled(self.dtype):
-            return []
-        return [n for n in names if n in self.shared_names]
+        or load. Only 8-bit floats have a scale: other dtypes share none (decided here)."""
+        self.shared_names = frozenset(names) if sd.is_scaled(self.dtype) else frozenset()
+        self._max_reduce = max_reduce
 
     def whole_absmax(self, names: Sequence[str], amaxes: Sequence[Tensor]) -> dict[str, Tensor]:
         """``{name: the whole matrix's absmax}`` from this slice's ``amaxes``: one collective
@@ -106,7 +94,7 @@ class MomentumStorage:
         are kept in :attr:`scales` (TP slices: their matrices', one collective). Or the identity."""
         if self.identity:
             return dict(momentum)
-        shared = self.shares(list(momentum))
+        shared = [n for n in momentum if n in self.shared_names]
         amax = self.whole_absmax(shared, [sd.absmax(momentum[n]) for n in shared])
         out = {}
         for n, m in momentum.items():
@@ -159,38 +147,6 @@ class MomentumStorage:
                 return
         self.copies.copy_in(todo)
 
-    def staged_names(self) -> list[str]:
-        """The names whose copy to the device was started and not consumed yet, in that order."""
-        return list(self.copies.staged) if self.copies is not None else []
-
-    def drop_staged(self) -> None:
-        """Forget the staging buffers (their momentum was not stepped: the host copy is current;
-        a load replaced the host tensors)."""
-        if self.copies is not None:
-            self.copies.staged.clear()
-
-    def step_io(self, stored: Mapping[str, Tensor], masters: Mapping[str, Tensor]) -> "StepIO":
-        """The :class:`~dmuon.functional.stages.momentum.MomentumIO` of one step over the stored
-        momentum ``stored`` (the step's update reads and writes it chunk by chunk)."""
-        return StepIO(self, stored, masters)
-
-    def synchronize(self) -> None:
-        """Wait for the copies back to the host buffers (before they are read or written)."""
-        if self.copies is not None:
-            self.copies.synchronize()
-
-    def flush(self) -> None:
-        """Offload: start the copies back the last step deferred (a no-op on device): the
-        optimizer's callback when the next forward reaches its first hook group
-        (:mod:`dmuon.stateful.optimizer.offload_copies`)."""
-        if self.copies is not None:
-            self.copies.flush()
-
-    def end_step(self) -> None:
-        """The step's work is queued (offload: its end is recorded for the copies' budget)."""
-        if self.copies is not None:
-            self.copies.end_step()
-
     # ------------------------------------------------------------------ checkpoints
     def values(self, stored: Mapping[str, Tensor], masters: Mapping[str, Tensor]
                ) -> dict[str, Tensor]:
@@ -199,7 +155,7 @@ class MomentumStorage:
         :func:`~dmuon.functional.state_dtype.checkpoint_dtype`)."""
         if self.identity:
             return dict(stored)
-        self.synchronize()
+        self.copies.synchronize()
         out = {}
         for n, data in stored.items():
             want = sd.checkpoint_dtype(self.dtype, masters[n].dtype)
@@ -212,9 +168,9 @@ class MomentumStorage:
         ``momentum_dtype = saved_dtype`` (``None``: fp32); one ``logging`` note if that differs
         from this optimizer's."""
         note_conversion(saved_dtype, self.dtype, what)
-        self.synchronize()
+        self.copies.synchronize()
         self.scales.clear()
-        self.drop_staged()
+        self.copies.staged.clear()  # a load replaced the host tensors
         return self.store(momentum)
 
 
@@ -243,7 +199,7 @@ class StepIO:
     def chunks(self, names: Sequence[str]) -> list[list[int]]:
         st = self.st
         nbytes = {n: self.masters[n].nbytes for n in names}
-        out = step_chunks(names, st.staged_names(), nbytes, st.chunk_bytes)
+        out = step_chunks(names, list(st.copies.staged), nbytes, st.chunk_bytes)
         self._plan = [[names[k] for k in ks] for ks in out]
         self._next = 0
         st.last_chunks += len(out)
@@ -254,7 +210,7 @@ class StepIO:
         their updated absmax in a first pass and hands it to :meth:`share_absmax` (offload with
         a ``prefetch_bytes`` cap: the first pass drops each chunk's staged copies, as a step
         would, so the cap holds; without a cap they stay for the storing pass)."""
-        mine = set(self.st.shares(names))
+        mine = self.st.shared_names.intersection(names)
         self._measuring = bool(mine)
         return [k for k, n in enumerate(names) if n in mine]
 
@@ -292,7 +248,7 @@ class StepIO:
         st = self.st
         enc = []
         for n, t, w in zip(names, stored, work):  # on device: encoded into the stored tensor
-            if n in st.shared_names and n not in self._amax and st.shares([n]):
+            if n in st.shared_names and n not in self._amax:
                 raise RuntimeError(f"dmuon: TP slice {n!r} without its matrix's absmax (internal)")
             data, scale = sd.encode(w, st.dtype, out=None if st.offload else t,
                                     amax=self._amax.get(n))
@@ -316,6 +272,17 @@ def note_conversion(saved_dtype: Optional[str], dtype: torch.dtype, what: str,
                        sd.dtype_name(dtype), option)
 
 
+class AdamWStorage(fadamw_storage.AdamWStorage):
+    """FSDP2's AdamW moments in ``adamw_state_dtype`` (the pure rules:
+    :class:`dmuon.functional.adamw_storage.AdamWStorage`) with :meth:`load` (checkpoints)."""
+
+    def load(self, st: Any, saved_dtype: Optional[str], what: str) -> Any:
+        """``stored_state`` of staged working moments read from a checkpoint whose AdamW moments
+        were stored in ``saved_dtype`` (``None``: fp32); a note if that differs."""
+        note_conversion(saved_dtype, self.dtype, what, "AdamW moments", "adamw_state_dtype")
+        return self.stored_state(st)
+
+
 class StorageListener:
     """The runtime's listener (:meth:`~dmuon.stateful.runtime.state.DedicatedState.set_listener`)
     of one optimizer (held weakly: the model does not keep it alive): when a hook group's reduce
@@ -323,7 +290,7 @@ class StorageListener:
     (:meth:`MomentumStorage.prefetch`, ``ahead``) and, with ``set_ns_overlap``, the group's early
     owner update launches (:mod:`dmuon.stateful.optimizer.ns_overlap`, dropped when the gradients
     are cleared); when a forward reaches its first hook group, the copies back the last step
-    deferred start (:meth:`MomentumStorage.flush`)."""
+    deferred start (:meth:`OffloadCopies.flush`)."""
 
     def __init__(self, optimizer: Any):
         self.ref, self.generation = weakref.ref(optimizer), optimizer._generation
@@ -344,7 +311,7 @@ class StorageListener:
     def group_forward(self) -> None:  # also once when a newer optimizer replaces this listener
         opt = self.ref()
         if opt is not None:
-            opt._storage.flush()
+            opt._storage.copies.flush()  # offload: the copies back the last step deferred
 
 
 def state_nbytes(optimizer: Any) -> dict[str, int]:

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-import torch
-
 from dmuon.functional.step_stats import StepStats, lane_delta
 from dmuon.newton_schulz.timing import NSTimer, elapsed_ms
 
@@ -21,12 +19,12 @@ class StepTelemetry:
 
     Args:
       executor: the runtime's executor (its ``counters()`` are cumulative per lane).
-      device: where the optimizer's math runs (CUDA: NS timed with events).
+      fixed: the fields of every step's :class:`StepStats` fixed at setup (device, owned
+        matrices...).
     """
 
-    def __init__(self, executor: "Executor", device: torch.device):
-        self.executor = executor
-        self.device = torch.device(device)
+    def __init__(self, executor: "Executor", **fixed: Any):
+        self.executor, self.fixed = executor, fixed
         self._prev = executor.counters()
         self.ns_timer: Optional[NSTimer] = None   # set by the NS hook; its spans are the NS time
         self._last: Optional[StepStats] = None
@@ -34,13 +32,14 @@ class StepTelemetry:
 
     # -- once per step ---------------------------------------------------------------------------
     def finish_step(self, **fields: Any) -> None:
-        """Close the step: lane counters since the previous step, the NS spans, the given fields."""
+        """Close the step: lane counters since the previous step, the NS spans, the fixed fields
+        and the given ones."""
         now = self.executor.counters()
         lanes = lane_delta(now, self._prev)
         self._prev = now
         self._spans = self.ns_timer.take() if self.ns_timer is not None else []
-        self._last = StepStats(lanes=lanes, ns_ms=None, ns_calls=len(self._spans),
-                               device=str(self.device), **fields)
+        self._last = StepStats(lanes=lanes, ns_ms=None, ns_calls=len(self._spans), **self.fixed,
+                               **fields)
 
     def last(self) -> Optional[StepStats]:
         """The last step's stats (None before the first step). On CUDA this waits for that step's
