@@ -122,7 +122,7 @@ class _count_guard_calls:
     """Counts the calls of dmuon's ``__torch_function__`` guards (a Python dispatch each) until
     :meth:`stop`, except while :meth:`paused`: dmuon's own per-step reads and writes of its
     placeholders and markers go around them (``guard_base.plain_access``), so the training loop's
-    forward, backward, clip and step make none."""
+    ``zero_grad()``, forward, backward, clip and step make none."""
 
     def __init__(self) -> None:
         from dmuon.stateful.runtime.guard_base import TorchGuard
@@ -215,8 +215,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
     guard_calls = _count_guard_calls()
     for step, ids in enumerate(make_batches(steps, batch)):
         if not cfg.get("hf_zero"):
-            with guard_calls.paused():  # torch's zero_grad reads and sets each placeholder's .grad
-                opt.zero_grad()
+            opt.zero_grad()  # (set_to_none=True: around the guards too)
         local = ids.chunk(world)[rank].to(dev)
         if cfg.get("eval"):  # an extra no-grad forward must not change anything
             with torch.no_grad():
@@ -238,7 +237,7 @@ def distributed_run(rank: int, world: int, cfg: dict) -> dict[str, Any]:
         if cfg.get("ns_modes"):  # how the owner's NS ran (a host sync: only when asked)
             ns_modes.append(opt.last_step_stats().ns_mode)
         if cfg.get("hf_zero"):  # HF Trainer: only model.zero_grad() after the step
-            with guard_calls.paused():
+            with guard_calls.paused():  # torch's Module.zero_grad: a guarded get and set each
                 model.zero_grad()
         if sched is not None:
             sched.step()

@@ -36,6 +36,7 @@ from dmuon.functional.step_checks import (broken_step_message, check_outside_gra
                                           check_step_ready, step_broken, write_count)
 from dmuon.stateful.optimizer.step_checks import check_finite, check_same_fsdp_grads
 from dmuon.stateful.runtime.agree import agree, host_sum
+from dmuon.stateful.runtime.guard_base import plain_access
 from dmuon.stateful.runtime.guards import make_marker
 from dmuon.stateful.modes.tensor_parallel import TPStep
 
@@ -500,8 +501,9 @@ class Muon(torch.optim.Optimizer):
         self._storage.copies.staged.clear()  # a batch skipped after its backward: copies not needed
         # the consumed markers of the last step (dmuon.stateful.runtime.ledger) are zeroed or
         # dropped here like any .grad: set_to_none=False then steps a matrix with no new gradient
-        # with zeros, as a single-device optimizer would (momentum and weight decay apply)
-        super().zero_grad(set_to_none=set_to_none)
+        # with zeros, as a single-device optimizer would (momentum and weight decay apply; the
+        # markers' zero_ is a guard's: only set_to_none=True, a get and a set of .grad, goes around)
+        (plain_access(super().zero_grad) if set_to_none else super().zero_grad)(set_to_none)
 
     # ------------------------------------------------------------------ state dict
     def param_name(self, p: Any) -> str:
