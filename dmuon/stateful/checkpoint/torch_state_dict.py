@@ -17,8 +17,7 @@ from dmuon.compat.fsdp_patch import is_dedicated
 from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
 from dmuon.functional.module_paths import ancestors, modules_above
 from dmuon.functional.state_dict_check import (check_state_dict, dtype_changes, live_views,
-                                               value_problems, view_problems,
-                                               what_changed)
+                                               load_refusal, value_problems, view_problems)
 from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
@@ -36,26 +35,14 @@ class StateDictError(ValueError):
     before anything changed."""
 
 
-#: what to do about a dict that does not fit (the end of :func:`agree`'s error): what every load
-#: wants (torch's ``load_state_dict`` routes take no options), then what dmuon's model load
-#: (``strict``, ``check_finite``) and optimizer load (``check_finite``) can relax
-TORCH_LOAD_FIX = ("Load a dict saved from the same architecture (names and full shapes as in the "
-                  "single-device model.state_dict(), floating values, finite)")
-LOAD_FIX = (TORCH_LOAD_FIX + "; check_finite=False loads non-finite values, strict=False allows "
-            "missing / unexpected keys.")
-OPTIMIZER_LOAD_FIX = (TORCH_LOAD_FIX + "; dmuon.set_optimizer_state_dict(..., check_finite=False) "
-                      "loads non-finite values.")
-
-
 def agree(st, problems: list[str], what: str, payload: Any = None, *,
-          fix: str = LOAD_FIX) -> list[Any]:
+          route: str = "model") -> list[Any]:
     """Collective: raise :class:`StateDictError` on every rank if any rank's dict does not fit
-    (the message names the ranks, lists the problems and ends with ``fix``;
-    :func:`dmuon.stateful.runtime.agree.agree`). Returns every rank's ``payload``."""
+    (:func:`~dmuon.functional.state_dict_check.load_refusal` of ``route`` names the ranks, the
+    problems and the fix; :func:`dmuon.stateful.runtime.agree.agree`). Returns every rank's
+    ``payload``."""
     return agree_problems(problems, what=f"{what} agreement", via=st.mesh_groups, payload=payload,
-                          error=lambda detail: StateDictError(
-                              f"{what}: the state dict does not match the model ({detail}). "
-                              f"{what_changed(detail)} {fix}"))
+                          error=lambda detail: StateDictError(load_refusal(what, detail, route)))
 
 
 def dedicated_names_by_key(model: nn.Module, st) -> dict[str, str]:
@@ -249,7 +236,7 @@ class _Hooks:
         problems += check_state_dict({k: tuple(v.shape) for k, v in state_dict.items() if
                                       k in buffers and isinstance(v, torch.Tensor)}, buffers).wrong
         agree(st, view_problems(problems, views), "model.load_state_dict on a dmuon model",
-              fix=TORCH_LOAD_FIX + ".")
+              route="torch")
         log_dtype_changes("model.load_state_dict", notes)
         self.staged = staged
 
