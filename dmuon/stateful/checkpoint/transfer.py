@@ -123,9 +123,9 @@ class CheckpointTransfer:
                   ) -> Iterator[tuple[str, torch.Tensor]]:
         """Collective: ``(name, full value)`` on this rank's owner column of each matrix of
         ``names`` (the same on every rank), group by group (views: copy each before the next): a
-        load's one route. ``value(name)``: a full tensor, a DTensor or ``None`` (``rank0``: called
-        on rank 0 only; ``shapes``: full shapes); ``part``: as for :meth:`from_rank0` (default:
-        the TP slice)."""
+        load's one route. ``value(name)``: a full tensor, a DTensor or ``None`` (``rank0``:
+        :meth:`from_rank0`'s, ``shapes`` their full shapes); ``part(name, full)``: this rank's
+        piece of a full value (default: its TP slice)."""
         st = self.st
         part = part or (lambda n, v: local_part(st, n, v))
 
@@ -142,16 +142,10 @@ class CheckpointTransfer:
     def from_rank0(self, group: str, shapes: Mapping[str, tuple[int, ...]],
                    value: Callable[[str], torch.Tensor],
                    part: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Collective: :meth:`to_columns` of values only global rank 0 holds (a ``rank0_only``
-        load); under TP its TP peers first get the full values and each contributes its slice.
-
-        Args:
-          shapes: ``{name: full shape}`` of the values sent (the same on every rank; names of
-            other groups are ignored).
-          value: ``value(name)`` (called on rank 0 only): the full single-device value, in the
-            master dtype on this device (a matrix, or a smaller 1-D value).
-          part: ``part(name, full)``: this rank's piece of a full value (its TP slice).
-        """
+        """Collective: :meth:`to_columns` of the values of ``shapes``' names that only global rank
+        0 holds (``value(name)``, called there: full, in the master dtype, on this device; a
+        rank's piece is ``part(name, full)``); under TP its TP peers first get the full values and
+        each contributes its slice."""
         mg, st = self.st.mesh_groups, self.st
         at = grid_position(mg.tp_grids or (mg.grid,), 0)[1]
         hold = st.coord == at  # rank 0 (and, under TP, its TP peers)
