@@ -603,8 +603,6 @@ def test_dcp_load_into_live_state_dicts_is_reported_truthfully(tmp_path_factory)
     _check_dcp(results(2, "loads", tmp_path_factory))
 
 
-@pytest.mark.xfail(strict=True, reason="checkpoint_to_columns sums the shard axis with +0.0 from "
-                   "the ranks that hold no value: a saved -0.0 loads as +0.0")
 def test_signed_zeros_load_bitwise_through_every_route(tmp_path_factory):
     """A dedicated matrix's and its momentum's -0.0 entries keep their sign through
     ``set_model_state_dict``, ``model.load_state_dict``, the ``rank0_only`` loads and

@@ -15,8 +15,8 @@ import torch
 from dmuon.functional.buckets import BucketKey
 from dmuon.functional.group_layout import grid_position
 from dmuon.functional.packing import entries, unpack, zero_buffers
-from dmuon.functional.program import (checkpoint_over_tp, checkpoint_to_columns,
-                                      checkpoint_to_every_rank)
+from dmuon.functional.program import (CHECKPOINT_ABSENT, checkpoint_over_tp,
+                                      checkpoint_to_columns, checkpoint_to_every_rank)
 from dmuon.functional.state_dict_check import row_chunks
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, local_part
 from dmuon.stateful.runtime.executor import Executor
@@ -90,7 +90,8 @@ class CheckpointTransfer:
         at first row 0 travels in the first elements of the matrix's entry; ``from_replica``: only
         that replica holds values (:meth:`from_rank0`)."""
         buckets = self.layout.buckets_of(group)
-        bufs = zero_buffers(buckets, self.st.device)
+        bufs = {k: b.fill_(CHECKPOINT_ABSENT) for k, b in zero_buffers(buckets,
+                                                                       self.st.device).items()}
         with torch.no_grad():
             for b, e in entries(buckets):
                 got = rows(e.name)
@@ -169,11 +170,11 @@ class CheckpointTransfer:
         for n in names:
             by_dtype.setdefault(st.master_dtype[n], []).append(n)
         bufs, out = {}, {}
-        for dt, ns in by_dtype.items():  # rank 0's values (in dt, on the device), else zeros
+        for dt, ns in by_dtype.items():  # rank 0's values (in dt, on the device), else -0.0
             key = BucketKey(group, -1, str(dt))
             sizes = [math.prod(shapes[n]) for n in ns]
             bufs[key] = (torch.cat([value(n).reshape(-1) for n in ns]) if st.rank == 0 else
-                         torch.zeros(sum(sizes), dtype=dt, device=st.device))
+                         torch.full((sum(sizes),), CHECKPOINT_ABSENT, dtype=dt, device=st.device))
             out.update({n: v.view(shapes[n]) for n, v in zip(ns, bufs[key].split(sizes))})
         sched = checkpoint_over_tp(group, {k.dtype: b.numel() for k, b in bufs.items()},
                                    st.mesh_groups.tp_ranks,
