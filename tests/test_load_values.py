@@ -623,9 +623,6 @@ def _check_wrong_dtype_momentum(res):
             assert "Nothing was changed" in msg and not changed, (route, rank, msg)
 
 
-@pytest.mark.xfail(strict=True, reason="set_optimizer_state_dict(rank0_only=True) converts rank "
-                   "0's dedicated entries to the master dtype before checking them: an integer "
-                   "momentum loads")
 def test_a_wrong_dtype_momentum_is_refused_alike_on_every_route(tmp_path_factory):
     _check_wrong_dtype_momentum(results(2, "loads", tmp_path_factory))
 

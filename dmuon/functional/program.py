@@ -239,8 +239,9 @@ def checkpoint_over_tp(group: str, numels: Mapping[str, int], members: Sequence[
     :func:`checkpoint_to_columns`: the full values of ``group``'s matrices (per dtype one flat
     buffer, ``BucketKey(group, -1, dtype)`` of ``numels[dtype]`` elements) summed over the TP group
     ``members`` of the rank that holds them (its values plus :data:`CHECKPOINT_ABSENT`: a copy to
-    its TP peers, each of which then cuts its slice). Run by ``members`` only (lane ``"tp"``; global ranks of a
-    world of ``world_size``, as :func:`~dmuon.functional.tp_plan.tp_step_schedule`'s)."""
+    its TP peers, each of which then cuts its slice). Run by ``members`` only (lane ``"tp"``;
+    global ranks of a world of ``world_size``, as
+    :func:`~dmuon.functional.tp_plan.tp_step_schedule`'s)."""
     ops = tuple(AllReduce(id=f"ckpt:tp/{BucketKey(group, -1, dt)}", axis="group", at=None,
                           bucket=BucketKey(group, -1, dt), offset=0, numel=int(n), dtype=dt,
                           lane="tp", members=tuple(int(m) for m in members), op="sum")

@@ -257,17 +257,12 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
         n: {k: from_rank0(state_dict["fsdp2"][n][k] if rt.rank == 0 else None,
                           tuple(adamw[n].shape), adamw[n].dtype, rt) for k in _MOMENTS}
         for n in meta["fsdp2"] if n in adamw}
-    # the dedicated entries stay on rank 0 (master dtype, on the device) and move bucketed
-    entries["dedicated"] = {
-        n: {k: (_on_device(state_dict["dedicated"][n][k], rt, n) if rt.rank == 0 else None)
-            for k in keys}
-        for n, keys in meta["dedicated"].items() if n in rt.params}
+    # the dedicated entries stay on rank 0 as they are (checked there as the plain route checks
+    # them) and move bucketed, each converted to the master dtype on the device as it moves
+    entries["dedicated"] = {n: {k: state_dict["dedicated"][n][k] if rt.rank == 0 else None
+                                for k in keys}
+                            for n, keys in meta["dedicated"].items() if n in rt.params}
     load_optimizer_state(optimizer, entries, what=what, check_finite=check_finite, rank0=True)
-
-
-def _on_device(v: Any, rt, n: str) -> Any:
-    """A tensor ``v`` in dedicated matrix ``n``'s master dtype on this device (else as it is)."""
-    return v.to(device=rt.device, dtype=rt.master_dtype[n]) if isinstance(v, torch.Tensor) else v
 
 
 def refuse_variant(optimizer: Any, what: str) -> None:

@@ -191,7 +191,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
                                                    target)))
     if held:  # the dedicated matrices: rank 0's values through the program's checkpoint moves
         for n, t in transfer_of(rt).to_owners(held, lambda n: state_dict[held[n]].to(  # as the
-                device=rt.device, dtype=rt.orig_dtype[n]).to(rt.master_dtype[n]),  # param holds it
+                device=rt.device, dtype=rt.orig_dtype[n]),  # param holds it (then its master's)
                 rank0=True, shapes={n: full_shape(rt, n) for n in held}):
             if n in rt.masters:
                 rt.masters[n].copy_(t)

@@ -144,21 +144,22 @@ class CheckpointTransfer:
                    value: Callable[[str], torch.Tensor],
                    part: Callable[[str, torch.Tensor], torch.Tensor]) -> dict[str, torch.Tensor]:
         """Collective: :meth:`to_columns` of the values of ``shapes``' names that only global rank
-        0 holds (``value(name)``, called there: full, in the master dtype, on this device; a
-        rank's piece is ``part(name, full)``); under TP its TP peers first get the full values and
-        each contributes its slice."""
+        0 holds (``value(name)``, called there: full, checked; moved to the master dtype on this
+        device as it is sent, one at a time; a rank's piece is ``part(name, full)``); under TP its
+        TP peers first get the full values and each contributes its slice."""
         mg, st = self.st.mesh_groups, self.st
         at = grid_position(mg.tp_grids or (mg.grid,), 0)[1]
         hold = st.coord == at  # rank 0 (and, under TP, its TP peers)
         shared: dict[str, torch.Tensor] = {}
+        full = lambda n: value(n).to(device=st.device, dtype=st.master_dtype[n])  # noqa: E731
         if hold and mg.tp_size > 1:
             shared = self._over_tp(group, [e.name for b in self.layout.buckets_of(group)
-                                           for e in b.entries if e.name in shapes], shapes, value)
+                                           for e in b.entries if e.name in shapes], shapes, full)
 
         def rows(n: str) -> Optional[tuple[int, torch.Tensor]]:
             if not hold or n not in shapes:  # (without TP: hold on rank 0 only)
                 return None
-            return 0, part(n, shared[n] if mg.tp_size > 1 else value(n))
+            return 0, part(n, shared[n] if mg.tp_size > 1 else full(n))
         return self.to_columns(group, rows, from_replica=at[1])
 
     def _over_tp(self, group: str, names: list[str], shapes: Mapping[str, tuple[int, ...]],
