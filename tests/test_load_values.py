@@ -125,6 +125,11 @@ def _cases():
                                                         _complex_nan(sd["state"][a]["exp_avg"])),
             lambda sd: (lambda e: e.__setitem__("exp_avg", _complex_nan(e["exp_avg"])))(
                 next(iter(sd["fsdp2"].values())))),
+        "int_momentum": (
+            lambda sd, m, a: sd["state"][m].__setitem__(
+                "momentum_buffer", sd["state"][m]["momentum_buffer"].to(torch.int32)),
+            lambda sd: (lambda e: e.__setitem__("momentum_buffer", e["momentum_buffer"].to(
+                torch.int32)))(next(iter(sd["dedicated"].values())))),
         "adamw_step_-1": step(-1),
         "lr_nan": grp("lr", nan),
         "lr_str": grp("lr", "0.02"),
@@ -153,7 +158,7 @@ def _log_lines():
 
 # ---------------------------------------------------------------------------------- the worker
 #: the default tier's subset (the slow tier runs every case through every route)
-_FAST_CASES = ("complex_momentum", "adamw_step_-1", "lr_nan", "momentum_dtype")
+_FAST_CASES = ("complex_momentum", "int_momentum", "adamw_step_-1", "lr_nan", "momentum_dtype")
 _FAST_ROUTES = ("torch", "muon_full", "set_rank0")
 
 
@@ -262,7 +267,50 @@ def _loads(rank: int, world: int, tmp: str, every: bool = False) -> dict:
         dcp.load(live, checkpoint_id=f"{tmp}/dcp_counter")
         opt.load_state_dict(live["optim"])
     out["dcp_counter"] = _outcome(model, opt, load_counter)
+    out.update(_signed_zeros(model, opt, rank, ded_key))
     out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal values with equal signs (``torch.equal`` holds for -0.0 == +0.0)."""
+    return a.dtype == b.dtype and bool(torch.equal(a, b)) and \
+        bool(torch.equal(torch.signbit(a), torch.signbit(b)))
+
+
+def _signed_zeros(model, opt, rank: int, ded_key: str) -> dict:
+    """A dedicated matrix and its momentum holding -0.0 entries, loaded through each route and
+    read back: ``{route: bitwise equal to what was saved}`` (the state restored after)."""
+    import dmuon
+    full, osd = dmuon.get_model_state_dict(model), dmuon.get_optimizer_state_dict(model, opt)
+    out: dict = {}
+    signed = {**full, ded_key: full[ded_key].clone()}
+    signed[ded_key].view(-1)[::2] = -0.0
+    assert int(torch.signbit(signed[ded_key]).logical_and(signed[ded_key] == 0).sum()) > 0
+    for route, load in (
+            ("model_set", lambda: dmuon.set_model_state_dict(model, signed)),
+            ("model_torch", lambda: model.load_state_dict(signed)),
+            ("model_set_rank0", lambda: dmuon.set_model_state_dict(
+                model, signed if rank == 0 else None, rank0_only=True))):
+        dmuon.set_model_state_dict(model, full)
+        load()
+        out[f"signed_zero_{route}"] = _bitwise(dmuon.get_model_state_dict(model)[ded_key],
+                                               signed[ded_key])
+    dmuon.set_model_state_dict(model, full)
+    name = next(iter(osd["dedicated"]))
+    mom = osd["dedicated"][name]["momentum_buffer"].clone()
+    mom.view(-1)[::2] = -0.0
+    sd = {**osd, "dedicated": {**osd["dedicated"],
+                               name: {**osd["dedicated"][name], "momentum_buffer": mom}}}
+    for route, load in (
+            ("optimizer_set", lambda: dmuon.set_optimizer_state_dict(model, opt, sd)),
+            ("optimizer_set_rank0", lambda: dmuon.set_optimizer_state_dict(
+                model, opt, sd if rank == 0 else None, rank0_only=True))):
+        dmuon.set_optimizer_state_dict(model, opt, osd)
+        load()
+        got = dmuon.get_optimizer_state_dict(model, opt)["dedicated"][name]["momentum_buffer"]
+        out[f"signed_zero_{route}"] = _bitwise(got, mom)
+    dmuon.set_optimizer_state_dict(model, opt, osd)
     return out
 
 
@@ -560,6 +608,36 @@ def test_dcp_load_into_live_state_dicts_is_reported_truthfully(tmp_path_factory)
     _check_dcp(results(2, "loads", tmp_path_factory))
 
 
+def _check_wrong_dtype_momentum(res):
+    """An integer momentum entry: every route refuses it with the plain route's problem, the same
+    message on every rank, nothing changed."""
+    import re
+    want = re.search(r"\['momentum_buffer'\]: dtype torch\.int32 cannot load [^(]*\([^)]*\)",
+                     _every_rank(res, "muon_full_int_momentum")[0][1])
+    assert want, _every_rank(res, "muon_full_int_momentum")
+    for route in _routes(res, "int_momentum"):
+        outs = _every_rank(res, f"{route}_int_momentum")
+        assert len({msg for _, msg, _ in outs}) == 1, (route, outs)
+        for rank, (kind, msg, changed) in enumerate(outs):
+            assert kind == "StateDictError" and want.group(0) in str(msg), (route, rank, msg)
+            assert "Nothing was changed" in msg and not changed, (route, rank, msg)
+
+
+def test_a_wrong_dtype_momentum_is_refused_alike_on_every_route(tmp_path_factory):
+    _check_wrong_dtype_momentum(results(2, "loads", tmp_path_factory))
+
+
+def test_signed_zeros_load_bitwise_through_every_route(tmp_path_factory):
+    """A dedicated matrix's and its momentum's -0.0 entries keep their sign through
+    ``set_model_state_dict``, ``model.load_state_dict``, the ``rank0_only`` loads and
+    ``set_optimizer_state_dict`` (read back bitwise: values and sign bits)."""
+    res = results(2, "loads", tmp_path_factory)
+    routes = [k for k in res[0] if k.startswith("signed_zero_")]
+    assert len(routes) == 5, routes
+    for rank, r in enumerate(res):
+        assert {k: r[k] for k in routes} == dict.fromkeys(routes, True), rank
+
+
 def test_readme_says_what_dcp_load_into_live_state_dicts_does():
     from pathlib import Path
     text = Path(__file__).resolve().parents[1].joinpath("docs", "checkpoints.md").read_text()
@@ -580,7 +658,8 @@ def _peer_results(tmp_path_factory) -> list:
 @pytest.mark.slow  # ~60 s on 2 ranks: every case through every route (the default tier: a subset)
 def test_every_load_case_through_every_route(tmp_path_factory):
     res = [r["loads"] for r in _peer_results(tmp_path_factory)]
-    for check in (_check_model, _check_complex_optimizer, _check_scalars, _check_dcp):
+    for check in (_check_model, _check_complex_optimizer, _check_scalars, _check_dcp,
+                  _check_wrong_dtype_momentum):
         check(res)
 
 

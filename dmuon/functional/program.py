@@ -48,7 +48,12 @@ from dmuon.functional.traffic import Traffic
 
 __all__ = ["PHASES", "GroupPhases", "StepProgram", "step_program", "program_from_layouts",
            "step_traffic", "checkpoint_to_every_rank", "checkpoint_to_columns",
-           "checkpoint_over_tp", "ROOT_GROUP"]
+           "checkpoint_over_tp", "CHECKPOINT_ABSENT", "ROOT_GROUP"]
+
+#: What a rank holding no value of an element puts in :func:`checkpoint_to_columns`' and
+#: :func:`checkpoint_over_tp`'s sums: -0.0, the identity of IEEE addition (``x + -0.0`` is ``x``
+#: bitwise for every ``x``, -0.0 included; ``-0.0 + 0.0`` is +0.0: a saved -0.0 would load as +0.0).
+CHECKPOINT_ABSENT = -0.0
 
 #: The per-group phases, in the order a step runs them.
 PHASES = ("unshard", "reduce", "publish")
@@ -233,9 +238,10 @@ def checkpoint_over_tp(group: str, numels: Mapping[str, int], members: Sequence[
     """Checkpoint move of a load from one rank's dict under tensor parallelism, before
     :func:`checkpoint_to_columns`: the full values of ``group``'s matrices (per dtype one flat
     buffer, ``BucketKey(group, -1, dtype)`` of ``numels[dtype]`` elements) summed over the TP group
-    ``members`` of the rank that holds them (its values plus zeros: a copy to its TP peers, each
-    of which then cuts its slice). Run by ``members`` only (lane ``"tp"``; global ranks of a
-    world of ``world_size``, as :func:`~dmuon.functional.tp_plan.tp_step_schedule`'s)."""
+    ``members`` of the rank that holds them (its values plus :data:`CHECKPOINT_ABSENT`: a copy to
+    its TP peers, each of which then cuts its slice). Run by ``members`` only (lane ``"tp"``;
+    global ranks of a world of ``world_size``, as
+    :func:`~dmuon.functional.tp_plan.tp_step_schedule`'s)."""
     ops = tuple(AllReduce(id=f"ckpt:tp/{BucketKey(group, -1, dt)}", axis="group", at=None,
                           bucket=BucketKey(group, -1, dt), offset=0, numel=int(n), dtype=dt,
                           lane="tp", members=tuple(int(m) for m in members), op="sum")
@@ -246,12 +252,13 @@ def checkpoint_over_tp(group: str, numels: Mapping[str, int], members: Sequence[
 def checkpoint_to_columns(master: BucketLayout, group: str, *,
                           from_replica: Optional[int] = None) -> Schedule:
     """Checkpoint write of ``group``'s full matrices to their owner column in every replica: a
-    shard-axis sum of the rows each rank holds (zeros elsewhere).
+    shard-axis sum of the rows each rank holds (:data:`CHECKPOINT_ABSENT` elsewhere).
 
     ``from_replica``: only the ranks of this replica hold values (a load from one rank's dict:
-    that rank contributes whole matrices, every other rank zeros); each bucket's sum is then
-    broadcast from that replica to the others within its column (replicate axis, waiting on the
-    sum; nothing more when R == 1). Exact: every element is one value plus zeros, then copied."""
+    that rank contributes whole matrices, every other rank :data:`CHECKPOINT_ABSENT`); each
+    bucket's sum is then broadcast from that replica to the others within its column (replicate
+    axis, waiting on the sum; nothing more when R == 1). Exact, bitwise: every element is one
+    value plus -0.0s, then copied."""
     R = master.replicate_size
     if from_replica is not None and not 0 <= int(from_replica) < R:
         raise ValueError(f"from_replica must be a replica index in [0, {R}), got {from_replica!r}")

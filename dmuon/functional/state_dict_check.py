@@ -65,6 +65,7 @@ __all__ = [
     "written_problems",
     "view_problems",
     "what_changed",
+    "load_refusal",
 ]
 
 #: AdamW's moments in a state entry
@@ -275,6 +276,25 @@ def what_changed(detail: str) -> str:
                 "load_state_dict) before training on. dmuon.save_sharded / load_sharded "
                 "checkpoints are checked before anything is written.")
     return "Nothing was changed on any rank."
+
+
+#: what to do about a dict that does not fit (the end of a refused load's error), by route: what
+#: every load wants (torch's ``load_state_dict`` routes take no options), then what dmuon's model
+#: load (``strict``, ``check_finite``) and optimizer load (``check_finite``) can relax
+_FIT = ("Load a dict saved from the same architecture (names and full shapes as in the "
+        "single-device model.state_dict(), floating values, finite)")
+LOAD_FIXES = {"torch": _FIT + ".",
+              "model": _FIT + "; check_finite=False loads non-finite values, strict=False allows "
+                              "missing / unexpected keys.",
+              "optimizer": _FIT + "; dmuon.set_optimizer_state_dict(..., check_finite=False) "
+                                  "loads non-finite values."}
+
+
+def load_refusal(what: str, detail: str, route: str = "model") -> str:
+    """The error of a refused load from the agreed ``detail``: what did not fit, what changed
+    (:func:`what_changed`) and the fix for the ``route`` (a key of :data:`LOAD_FIXES`)."""
+    return (f"{what}: the state dict does not match the model ({detail}). "
+            f"{what_changed(detail)} {LOAD_FIXES[route]}")
 
 
 def dtype_changes(what: str, notes: Sequence[tuple[str, torch.dtype, torch.dtype]]

@@ -20,7 +20,7 @@ from dmuon.functional.state_dict_check import (
     full_entries, hparams, loadable_hparams, optimizer_state_problems, to_torch_protocol)
 from dmuon.stateful.runtime.state import get_state, local_tensor, unwrapping_model
 from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
-from dmuon.stateful.checkpoint.torch_state_dict import (OPTIMIZER_LOAD_FIX, StateDictError, agree,
+from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, agree,
                                                        distribute_like, dtensor_rows,
                                                        layout_problem, log_narrowing)
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
@@ -133,7 +133,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
             more=load_problems(entries, optimizer.param_groups,
                                scalars=len(owner.scalars()) if owner.custom else None))
         log_narrowing(notes)
-    agree(rt, problems, what, fix=OPTIMIZER_LOAD_FIX)
+    agree(rt, problems, what, route="optimizer")
     steps = counters(entries)
     # stage: new functional states filled from the entries (nothing live changes yet)
     st = fadamw.init(optimizer.adamw_local_tensors()[0]) if optimizer.adamw_named_params else None
@@ -246,7 +246,7 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
     has_dict = not rank0_only or rt.rank == 0
     problems = full_dict_problems(state_dict) if has_dict else []
     mine = full_dict_structure(state_dict) if rank0_only and has_dict and not problems else None
-    meta = agree(rt, problems, what, mine, fix=OPTIMIZER_LOAD_FIX)[0]  # rank 0's structure too
+    meta = agree(rt, problems, what, mine, route="optimizer")[0]  # rank 0's structure too
     if not rank0_only:
         return load_optimizer_state(optimizer, full_entries(state_dict), what=what,
                                     check_finite=check_finite)
@@ -257,17 +257,12 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
         n: {k: from_rank0(state_dict["fsdp2"][n][k] if rt.rank == 0 else None,
                           tuple(adamw[n].shape), adamw[n].dtype, rt) for k in _MOMENTS}
         for n in meta["fsdp2"] if n in adamw}
-    # the dedicated entries stay on rank 0 (master dtype, on the device) and move bucketed
-    entries["dedicated"] = {
-        n: {k: (_on_device(state_dict["dedicated"][n][k], rt, n) if rt.rank == 0 else None)
-            for k in keys}
-        for n, keys in meta["dedicated"].items() if n in rt.params}
+    # the dedicated entries stay on rank 0 as they are (checked there as the plain route checks
+    # them) and move bucketed, each converted to the master dtype on the device as it moves
+    entries["dedicated"] = {n: {k: state_dict["dedicated"][n][k] if rt.rank == 0 else None
+                                for k in keys}
+                            for n, keys in meta["dedicated"].items() if n in rt.params}
     load_optimizer_state(optimizer, entries, what=what, check_finite=check_finite, rank0=True)
-
-
-def _on_device(v: Any, rt, n: str) -> Any:
-    """A tensor ``v`` in dedicated matrix ``n``'s master dtype on this device (else as it is)."""
-    return v.to(device=rt.device, dtype=rt.master_dtype[n]) if isinstance(v, torch.Tensor) else v
 
 
 def refuse_variant(optimizer: Any, what: str) -> None:

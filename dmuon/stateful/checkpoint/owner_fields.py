@@ -7,13 +7,12 @@ Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.owner_fields
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from dmuon.functional.state_dtype import checkpoint_dtype
 from dmuon.stateful.checkpoint.state_dict import full_copy
-from dmuon.stateful.checkpoint.torch_state_dict import rows_of
 from dmuon.stateful.checkpoint.transfer import transfer_of
 from dmuon.stateful.modes.tensor_parallel import assemble_tp_slices, full_shape, local_part
 
@@ -70,17 +69,13 @@ def stage_fields(optimizer: Any, ded: Mapping[str, Mapping[str, Any]], *,
     their owner. ``rank0``: only rank 0 holds the values; everything moves from it (a smaller
     field: each rank's piece, 1-D, in the first elements of its matrix)."""
     var, rt = optimizer._owner, optimizer.dedicated_state
-    tr = transfer_of(rt)
 
-    def move(group: str, key: str, part: Any = None) -> dict[str, torch.Tensor]:
-        """Entry ``key`` of ``group``'s matrices on their owner columns (``part(n, full)``: this
-        rank's piece of a full value; default: its TP slice)."""
-        if rank0:
-            return tr.from_rank0(group, {n: entry_shape(optimizer, n, key) for n, e in ded.items()
-                                         if key in e}, lambda n: ded[n][key],
-                                 part or (lambda n, v: local_part(rt, n, v)))
-        return tr.to_columns(group, lambda n: rows_of(local_part(rt, n, ded[n].get(key)), rt,
-                                                      rt.shape[n]))
+    def move(key: str, part: Any = None) -> Iterator[tuple[str, torch.Tensor]]:
+        """Entry ``key`` of the matrices that have it on their owner columns (``part(n, full)``:
+        this rank's piece of a full value; default: its TP slice)."""
+        names = {n: entry_shape(optimizer, n, key) for n, e in ded.items() if key in e}
+        return transfer_of(rt).to_owners(names, lambda n: ded[n][key], rank0=rank0,
+                                         shapes=names, part=part)
 
     owned = set(rt.owned_names)
     out: dict[str, dict[str, torch.Tensor]] = {f.key: {} for f in var.fields}
@@ -88,25 +83,18 @@ def stage_fields(optimizer: Any, ded: Mapping[str, Mapping[str, Any]], *,
         if f.layout == "param" or rank0:
             part = None if f.layout == "param" else \
                 (lambda n, v, lay=f.layout: local_part(rt, n, v, lay).reshape(-1))
-            for group in tr.layout.groups:
-                full = move(group, f.key, part)
-                for n, t in full.items():
-                    if n in owned and f.layout == "param":
-                        out[f.key][n] = t.clone()
-                    elif n in owned:  # a smaller field: its first elements
-                        live = var.field_values(f.key)[n]
-                        out[f.key][n] = t.reshape(-1)[:live.numel()].view(live.shape).to(
-                            dtype=live.dtype, copy=True)
+            for n, t in move(f.key, part):
+                if n in owned and f.layout == "param":
+                    out[f.key][n] = t.clone()
+                elif n in owned:  # a smaller field: its first elements
+                    live = var.field_values(f.key)[n]
+                    out[f.key][n] = t.reshape(-1)[:live.numel()].view(live.shape).to(
+                        dtype=live.dtype, copy=True)
             continue
         for n in rt.names:
             v = full_copy(ded[n][f.key])  # (collective for a DTensor)
             if n in owned:
                 out[f.key][n] = local_part(rt, n, v, f.layout).to(
                     device=rt.device, dtype=var.field_values(f.key)[n].dtype)
-    out["master"] = {}
-    for group in tr.layout.groups:
-        if any("master" in ded[n] for n in rt.hook_groups.names(group)):
-            for n, t in move(group, "master").items():
-                if "master" in ded[n]:
-                    out["master"][n] = t.clone()
+    out["master"] = {n: t.clone() for n, t in move("master")}
     return out

@@ -190,14 +190,10 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
             dst.copy_(local_tensor(distribute_like(v.to(device=dst.device, dtype=target.dtype),
                                                    target)))
     if held:  # the dedicated matrices: rank 0's values through the program's checkpoint moves
-        tr = transfer_of(rt)
-        shapes = {n: full_shape(rt, n) for n in held}
-        for group in tr.layout.groups:
-            got = tr.from_rank0(group, shapes, lambda n: state_dict[held[n]].to(  # as the param
-                device=rt.device, dtype=rt.orig_dtype[n]).to(rt.master_dtype[n]),
-                lambda n, v: local_part(rt, n, v))
-            for n, t in got.items():
-                if n in held and n in rt.masters:
-                    rt.masters[n].copy_(t)
+        for n, t in transfer_of(rt).to_owners(held, lambda n: state_dict[held[n]].to(  # as the
+                device=rt.device, dtype=rt.orig_dtype[n]),  # param holds it (then its master's)
+                rank0=True, shapes={n: full_shape(rt, n) for n in held}):
+            if n in rt.masters:
+                rt.masters[n].copy_(t)
     rt.masters_changed()
     return LoadResult(list(missing), list(unexpected))

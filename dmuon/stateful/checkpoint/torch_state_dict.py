@@ -17,17 +17,16 @@ from dmuon.compat.fsdp_patch import is_dedicated
 from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
 from dmuon.functional.module_paths import ancestors, modules_above
 from dmuon.functional.state_dict_check import (check_state_dict, dtype_changes, live_views,
-                                               row_chunks, value_problems, view_problems,
-                                               what_changed)
+                                               load_refusal, value_problems, view_problems)
 from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
-from dmuon.stateful.checkpoint.transfer import transfer_of
+from dmuon.stateful.checkpoint.transfer import replicated, transfer_of
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["StateDictError", "register_state_dict_hooks", "dtensor_rows", "distribute_like",
-           "rows_of", "layout_problem", "log_narrowing", "agree",
+           "layout_problem", "log_narrowing", "agree",
            "dedicated_names_by_key"]
 
 
@@ -36,26 +35,14 @@ class StateDictError(ValueError):
     before anything changed."""
 
 
-#: what to do about a dict that does not fit (the end of :func:`agree`'s error): what every load
-#: wants (torch's ``load_state_dict`` routes take no options), then what dmuon's model load
-#: (``strict``, ``check_finite``) and optimizer load (``check_finite``) can relax
-TORCH_LOAD_FIX = ("Load a dict saved from the same architecture (names and full shapes as in the "
-                  "single-device model.state_dict(), floating values, finite)")
-LOAD_FIX = (TORCH_LOAD_FIX + "; check_finite=False loads non-finite values, strict=False allows "
-            "missing / unexpected keys.")
-OPTIMIZER_LOAD_FIX = (TORCH_LOAD_FIX + "; dmuon.set_optimizer_state_dict(..., check_finite=False) "
-                      "loads non-finite values.")
-
-
 def agree(st, problems: list[str], what: str, payload: Any = None, *,
-          fix: str = LOAD_FIX) -> list[Any]:
+          route: str = "model") -> list[Any]:
     """Collective: raise :class:`StateDictError` on every rank if any rank's dict does not fit
-    (the message names the ranks, lists the problems and ends with ``fix``;
-    :func:`dmuon.stateful.runtime.agree.agree`). Returns every rank's ``payload``."""
+    (:func:`~dmuon.functional.state_dict_check.load_refusal` of ``route`` names the ranks, the
+    problems and the fix; :func:`dmuon.stateful.runtime.agree.agree`). Returns every rank's
+    ``payload``."""
     return agree_problems(problems, what=f"{what} agreement", via=st.mesh_groups, payload=payload,
-                          error=lambda detail: StateDictError(
-                              f"{what}: the state dict does not match the model ({detail}). "
-                              f"{what_changed(detail)} {fix}"))
+                          error=lambda detail: StateDictError(load_refusal(what, detail, route)))
 
 
 def dedicated_names_by_key(model: nn.Module, st) -> dict[str, str]:
@@ -85,26 +72,6 @@ def distribute_like(full: torch.Tensor, like: Any) -> Any:
     return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
 
 
-def rows_of(value: Any, st, shape: tuple[int, ...]) -> Optional[tuple[int, torch.Tensor]]:
-    """``(first row, local rows)`` of a dedicated entry: a DTensor of dmuon's spec, or a full
-    plain tensor (this rank's rows of it); ``None`` for ``None``."""
-    if value is None:
-        return None
-    start, n = row_chunks(shape[0], st.G)[st.coord[0]]
-    if hasattr(value, "to_local"):
-        if not _replicated(value):
-            return start, value.to_local()
-        value = value.to_local()  # every rank holds it whole
-    return start, value[start:start + n]
-
-
-def _replicated(value: Any) -> bool:
-    """A DTensor whose every rank holds the whole tensor (``Replicate()`` on every mesh dim, as
-    torchtitan's ``FusedQKVLinear`` merge hook produces)."""
-    from torch.distributed.tensor import Replicate
-    return all(isinstance(p, Replicate) for p in value.placements)
-
-
 def log_narrowing(notes: list) -> None:
     """Log (info) each of a load's precision ``notes`` (``value_problems``') whose value is rounded
     to a narrower dtype."""
@@ -116,7 +83,7 @@ def log_narrowing(notes: list) -> None:
 def layout_problem(value: Any, st) -> Optional[str]:
     """What is wrong with a DTensor ``value`` that holds neither dmuon's rows (of ``st``'s shard
     mesh) nor the whole tensor on every rank (``None``: nothing)."""
-    if not hasattr(value, "to_local") or _replicated(value):
+    if not hasattr(value, "to_local") or replicated(value):
         return None
     from torch.distributed.tensor import Shard
     if tuple(value.placements) == (Shard(0),) and value.device_mesh.size() == st.G:
@@ -269,7 +236,7 @@ class _Hooks:
         problems += check_state_dict({k: tuple(v.shape) for k, v in state_dict.items() if
                                       k in buffers and isinstance(v, torch.Tensor)}, buffers).wrong
         agree(st, view_problems(problems, views), "model.load_state_dict on a dmuon model",
-              fix=TORCH_LOAD_FIX + ".")
+              route="torch")
         log_dtype_changes("model.load_state_dict", notes)
         self.staged = staged
 
@@ -314,16 +281,9 @@ class _Hooks:
         if not staged:
             return
         st = self.st
-        for group in self.transfer.layout.groups:
-            if not any(n in staged for n in st.hook_groups.names(group)):
-                continue
-            full = self.transfer.to_columns(  # a model dict holds the params' values: rounded
-                group, lambda n: rows_of(None if staged.get(n) is None else  # to their dtype
-                                         staged[n].to(st.orig_dtype[n]), st, st.shape[n]))
-            with torch.no_grad():
-                for n, t in full.items():
-                    if n in staged:
-                        st.masters[n].copy_(t)
+        with torch.no_grad():  # a model dict holds the params' values: rounded to their dtype
+            for n, t in self.transfer.to_owners(staged, lambda n: staged[n].to(st.orig_dtype[n])):
+                st.masters[n].copy_(t)
         st.masters_changed()
 
 
