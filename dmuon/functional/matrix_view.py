@@ -39,6 +39,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
+import torch
 from torch import Tensor
 
 from dmuon.newton_schulz.matrix_shape import as_matrix_shape
@@ -109,6 +110,8 @@ class Batch(MatrixView):
         return f"batch({self.dims})"
 
     def blocks(self, shape):
+        if torch.compiler.is_compiling():  # traced once: no memo (dynamo warns on lru_cache)
+            return _batch_blocks.__wrapped__(tuple(shape), self.dims)
         return _batch_blocks(tuple(shape), self.dims)
 
     def to_blocks(self, x):
