@@ -15,7 +15,7 @@ def test_eager_paths_and_failed_capture(caplog):
         calls.append(1)
         return torch.ones(2)
 
-    run = lambda slot, key: g(slot, key, fn, lambda out: [out], set(), torch.device("cpu"))  # noqa: E731
+    run = lambda slot, key: g(slot, key, fn, lambda out: [out], set, torch.device("cpu"))  # noqa: E731
     assert run("a", None)[1] is False and run("a", None)[1] is False  # never captured
     assert run("b", 1)[1] is False and run("b", 2)[1] is False  # keys that do not recur
     with caplog.at_level(logging.WARNING, logger="dmuon.kernels.graph_replay"):
@@ -56,7 +56,7 @@ def test_capture_checked_against_eager_then_replayed(monkeypatch, caplog):
         monkeypatch.setattr(gr, "capture_graph", lambda f, pool, stream: (
             fakes.append(_FakeGraph(buf, 1.0 if faithful else 2.0)) or fakes[-1], buf))
         g = gr.RecurringGraphs()
-        run = lambda: g("s", 7, fn, lambda out: [out], {buf.data_ptr()}, torch.device("cpu"))  # noqa: E731
+        run = lambda: g("s", 7, fn, lambda out: [out], lambda: {buf.data_ptr()}, torch.device("cpu"))  # noqa: E731
         caplog.clear()
         with caplog.at_level(logging.WARNING, logger="dmuon.kernels.graph_replay"):
             assert run()[1] is False  # eager (first sight)
@@ -71,7 +71,7 @@ def test_capture_checked_against_eager_then_replayed(monkeypatch, caplog):
             assert torch.equal(buf, torch.ones(2))
     # results that lie in the graphs' pool (not the caller's buffers): never kept
     g = gr.RecurringGraphs()
-    run = lambda: g("p", 7, fn, lambda out: [out], set(), torch.device("cpu"))  # noqa: E731
+    run = lambda: g("p", 7, fn, lambda out: [out], set, torch.device("cpu"))  # noqa: E731
     with caplog.at_level(logging.WARNING, logger="dmuon.kernels.graph_replay"):
         caplog.clear()
         assert [run()[1] for _ in range(4)] == [False] * 4

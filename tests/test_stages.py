@@ -171,6 +171,24 @@ def test_stateful_ns_hook_hands_core_objects_that_time_themselves():
     assert len(tel.ns_timer.take()) == 1 and tel.ns_timer.mode == "eager"
 
 
+def test_orthogonalizer_twin_computes_the_same_on_objects_of_its_own_untimed():
+    """``OrthogonalizerFor.twin`` (the NS overlap's per-group NS): for a class, its own instance;
+    for a given engine, the engine's twin; untimed; the same results; refused when wrapped."""
+    from dmuon.functional.stages.orthogonalize import OrthogonalizerFor
+    from dmuon.kernels.ns_engine import NSEngine
+
+    cfg = NSConfig(ns_dtype=torch.float64)
+    xs = [torch.randn(2, 6, 4, dtype=torch.float64)]
+    for ns in (BatchedNS, NSEngine, NSEngine(cfg, sym_backend="torch")):
+        base = OrthogonalizerFor(ns, timer=NSTimer())
+        twin = base.twin()
+        a, b = base(cfg, ["w"]), twin(cfg, ["w"])
+        assert a is not b and b.timer is None and a.timer is base.timer
+        assert torch.equal(list(a([x.clone() for x in xs]))[0], list(b([x.clone() for x in xs]))[0])
+    with pytest.raises(ValueError, match="wrapped"):
+        OrthogonalizerFor(BatchedNS, wrap=lambda run, names: run).twin()
+
+
 def test_untimed_orthogonalizers_record_nothing():
     timer = NSTimer()
     xs = [torch.randn(2, 6, 4, dtype=torch.float64)]

@@ -14,7 +14,7 @@ from torch import Tensor
 
 from dmuon.functional.tree import get_path, replace_path
 
-__all__ = ["speculative_inputs", "speculative_fields", "commit_"]
+__all__ = ["speculative_inputs", "speculative_fields", "result_tensors", "commit_"]
 
 #: ``buffer(key, like)``: a tensor shaped as ``like`` kept by the caller for ``key`` (reused
 #: across steps, so a speculation allocates nothing in the steady state), holding ``like``'s values
@@ -53,6 +53,13 @@ def speculative_fields(state: Any, fields: Sequence[Any]) -> dict[str, dict[str,
     """``{field key: {name: tensor}}`` of a speculation's resulting state (what :func:`commit_`
     copies; the counts are left out: the step's own update advances the live ones once)."""
     return {f.key: dict(get_path(state, f.path)) for f in fields}
+
+
+def result_tensors(new_fields: Mapping[str, Mapping[str, Tensor]],
+                   new_params: Mapping[str, Tensor]) -> list[Tensor]:
+    """Every tensor a speculation made (:func:`speculate`'s results): its new params, then its
+    per-param fields."""
+    return [*new_params.values(), *(t for f in new_fields.values() for t in f.values())]
 
 
 @torch.no_grad()

@@ -37,11 +37,11 @@ class RecurringGraphs:
         self.pool: Any = None
 
     def __call__(self, slot: Hashable, key: Optional[Hashable], fn: Callable[[], Any],
-                 results: Callable[[Any], Iterable[torch.Tensor]], outside: set[int],
-                 device: torch.device) -> tuple[Any, bool]:
+                 results: Callable[[Any], Iterable[torch.Tensor]],
+                 outside: Callable[[], set[int]], device: torch.device) -> tuple[Any, bool]:
         """``(fn()'s results, whether a graph replay made them)`` on the current stream.
-        ``results(out)``: the tensors of ``out``; ``outside``: storage pointers not in the pool
-        (made before the capture: the caller's buffers)."""
+        ``results(out)``: the tensors of ``out``; ``outside()``: storage pointers not in the pool
+        (made before the capture: the caller's buffers; asked only at a capture)."""
         seen, graph, out = self.slots.get(slot, (None, None, None))
         if key is not None and key == seen and graph is not None:
             graph.replay()
@@ -57,7 +57,8 @@ class RecurringGraphs:
             graph, out = capture_graph(fn, self.pool, side_stream(device, "ns_capture"))
         except Exception as e:  # noqa: BLE001 - eager, as before, for this slot from now on
             return self._eager(slot, fn, f"its CUDA graph capture failed: {e}")
-        if any(t.data_ptr() not in outside for t in results(out)):
+        ours = outside()
+        if any(t.data_ptr() not in ours for t in results(out)):
             self.retired.append(graph)
             return self._eager(slot, fn, "the function's results lie in the graphs' pool")
         self.captures[slot] = self.captures.get(slot, 0) + 1

@@ -50,6 +50,15 @@ class OrthogonalizerFor:
         self.ns, self.timer, self.wrap = ns, timer, wrap
         self._made: Any = None if isinstance(ns, type) else ns
 
+    def twin(self) -> "OrthogonalizerFor":
+        """The same NS with engines of its own (a given engine's ``twin()``; a class builds its
+        own), untimed: for a caller whose calls must neither evict this one's programs nor count
+        in its timer (the NS overlap's per-group updates). Not for a wrapped one (TP, split NS:
+        the overlap refuses them)."""
+        if self.wrap is not None:
+            raise ValueError("OrthogonalizerFor.twin: a wrapped orthogonalizer has no twin")
+        return OrthogonalizerFor(self.ns if isinstance(self.ns, type) else self.ns.twin())
+
     def __call__(self, spec: Any, names: Sequence[str]) -> Orthogonalizer:
         run = self._for_config(spec) if isinstance(spec, NSConfig) else spec
         return run if self.wrap is None else self.wrap(run, names)

@@ -18,9 +18,8 @@ import torch
 from dmuon.functional import ns_overlap as O
 from dmuon.functional import phases as P
 from dmuon.functional.variants import Variant
-from dmuon.functional.speculation import commit_, speculate
+from dmuon.functional.speculation import commit_, result_tensors, speculate
 from dmuon.kernels.graph_replay import RecurringGraphs
-from dmuon.kernels.ns_engine import NSEngine
 from dmuon.kernels.streams import side_stream
 from dmuon.stateful.runtime.agree import host_sum
 
@@ -40,7 +39,7 @@ class NSOverlap:
         self.stats = dict(launched=0, committed=0, discarded=0, early_matrices=0, side_stream=0,
                           replayed=0)
         self._ends: list = []  # "auto": step-end events of the iterations since the mode was set
-        self.engines: dict = {}  # {(hook group, id(engine)): (the optimizer's engine, its twin)}
+        self.twins: dict = {}  # {hook group: (the optimizer's orthogonalizer, its twin)}
         self.graphs = RecurringGraphs()  # CUDA: a graph per hook group, replayed while it recurs
 
     def set_mode(self, mode: str) -> None:
@@ -77,18 +76,12 @@ class NSOverlap:
     def _compute(self, opt: Any, names: list, grads: dict) -> tuple[dict, dict]:
         """One hook group's owner update of ``names``, out of place: ``(fields, params)``."""
         owner, hp, key = opt._owner, opt.muon_hparams(), self.rt.group_of[names[0]]
-
-        def orthogonalizer(spec: Any, ns_names: list) -> Any:
-            """The optimizer's NS; an engine's twin per hook group (same results), so that the
-            optimizer's own programs stay in place (graph replay without the overlap)."""
-            base = opt._orthogonalizer(spec, ns_names)
-            if not isinstance(base, NSEngine):
-                return base
-            kept = self.engines.get((key, id(base)))  # (base kept: its id is never reused)
-            if kept is None:  # untimed (telemetry's ns_ms: NS in step() only): no events in a graph
-                kept = self.engines[(key, id(base))] = (base, base.twin())
-                kept[1].timer = None
-            return kept[1]
+        # the optimizer's NS on engines of the group's own (same results; the optimizer's programs
+        # stay in place), untimed (telemetry's ns_ms: NS in step() only; no events in a graph)
+        kept = self.twins.get(key)
+        if kept is None or kept[0] is not opt._orthogonalizer:  # (set_ns_engine: a new one)
+            kept = self.twins[key] = (opt._orthogonalizer, opt._orthogonalizer.twin())
+        orthogonalizer = kept[1]
         return speculate(lambda st, ps: owner.run(
             grads, st, ps, hp, donate_grads=False, orthogonalizer=orthogonalizer,
             elementwise=opt._elementwise), owner.state, owner.fields,
@@ -140,9 +133,8 @@ class NSOverlap:
         leaves = [t for t in optree.tree_leaves(opt._owner.state) if isinstance(t, torch.Tensor)]
         out, replayed = self.graphs(
             key, O.replay_key(stamp, [t.data_ptr() for t in self._live(opt, names)], leaves),
-            lambda: self._compute(opt, names, grads),
-            lambda out: [*out[1].values(), *(t for f in out[0].values() for t in f.values())],
-            {t.data_ptr() for t in self.bufs.values()}, self.rt.device)
+            lambda: self._compute(opt, names, grads), lambda out: result_tensors(*out),
+            lambda: {t.data_ptr() for t in self.bufs.values()}, self.rt.device)
         self.stats["replayed"] += replayed
         return out
 
@@ -167,9 +159,8 @@ class NSOverlap:
         cur = torch.cuda.current_stream(rt.device) if self.cuda else None
         for fields, params in results:
             commit_(opt._owner.state, opt._owner.fields, rt.owned_masters(), fields, params)
-            for t in (*params.values(), *(t for f in fields.values() for t in f.values())):
-                if cur is not None:  # made on the side stream, read here: freed after this
-                    t.record_stream(cur)
+            for t in result_tensors(fields, params) if cur is not None else ():
+                t.record_stream(cur)  # made on the side stream, read here: freed after this
         return {n: None if n in done else g for n, g in grads.items()}, done
 
     def discard(self) -> None:
