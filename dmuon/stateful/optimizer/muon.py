@@ -328,8 +328,9 @@ class Muon(torch.optim.Optimizer):
         CPU: off). On, each hook group's update (momentum, NS, update of its owned matrices)
         starts when its reduce is issued (CUDA: on a side stream of the lowest priority, the
         default stream's too; from its second step with the same hyper-parameters, as one
-        replay of a CUDA graph captured per group; with an lr schedule eagerly), out of place into buffers kept across steps (one more copy of the
-        owned masters and their per-param state); ``step()`` commits it, bitwise what it would
+        replay of a CUDA graph captured per group; with an lr schedule eagerly), out of place
+        into buffers kept across steps (one more copy of the owned masters and their per-param
+        state); ``step()`` commits it, bitwise what it would
         compute, unless a gradient, hyper-parameter, knob, the state or a master changed since
         (accumulation, clipping, ``zero_grad``, lr, load): then it recomputes; every group's
         update is computed per group (its own NS batches). Not applied (``ns_overlap_stats``
