@@ -155,6 +155,8 @@ def main() -> None:
     ap.add_argument("--block-steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--check-steps", type=int, default=3)
+    ap.add_argument("--check-batch", type=int, default=1,
+                    help="batch of the bitwise check (math attention: B4xT2048 does not fit 80 GB)")
     a = ap.parse_args()
     device = torch.device("cuda", 0) if (torch.cuda.is_available() and not a.tiny) \
         else torch.device("cpu")
@@ -167,7 +169,9 @@ def main() -> None:
         base = TINY if a.tiny else Cfg()
         cfg = Cfg(**{**base.__dict__, "batch": batch, "seq": seq})
         r = dict(batch=batch, seq=seq)
-        r["check"] = bitwise_check(cfg, device, mesh, a.model, a.check_steps)
+        check_cfg = Cfg(**{**cfg.__dict__, "batch": min(batch, a.check_batch)})
+        r["check"] = bitwise_check(check_cfg, device, mesh, a.model, a.check_steps)
+        r["check"]["batch"] = check_cfg.batch
         r.update(timed_blocks(cfg, device, mesh, a.model, a.blocks, a.block_steps, a.warmup))
         results.append(r)
         print(f"B{batch}xT{seq}: off {r['off']['step_ms']:.2f} ms, on {r['on']['step_ms']:.2f} ms "
