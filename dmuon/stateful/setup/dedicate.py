@@ -264,7 +264,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
             "one root hook group, gathered for the whole forward (groups: %s). Pass "
             "hook_boundary_predicate=lambda m: ... to dedicate_params to move them per block.",
             len(chosen), [k or "<root>" for k in groups.order])
-    executor = Executor(mesh_groups, timeout=timeout)
+    executor = Executor(mesh_groups)
     st = DedicatedState(
         model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
         groups=groups, group_modules=group_modules,
