@@ -249,14 +249,11 @@ class DedicatedState:
         return self.order[j] if 0 <= j < len(self.order) else None
 
     # ------------------------------------------------------------------ gather / free
-    def unshard(self, key: str, regather: bool = False) -> None:
-        """Gather group ``key`` (``regather``: again, in a backward) and wait."""
-        self.ledger.take_markers(self.groups[key].names)
-        self.groups[key].unshard(self.version, regather)
-
-    def launch_unshard(self, key: str, regather: bool = False) -> None:
-        self.ledger.take_markers(self.groups[key].names)
-        self.groups[key].launch_unshard(self.version, regather)
+    def unshard(self, key: str, regather: bool = False, *, wait: bool = True) -> None:
+        """Gather group ``key`` (``regather``: again, in a backward); ``wait``: and wait."""
+        g = self.groups[key]
+        self.ledger.take_markers(g.names)
+        (g.unshard if wait else g.launch_unshard)(self.version, regather)
 
     def reshard_all(self) -> None:
         if self.ready:
@@ -479,8 +476,7 @@ def _renamed_error(st: DedicatedState, root: nn.Module, what: str, inner: str = 
         f"dmuon.dedicate_params{eg}, as PEFT's get_peft_model (LoRA) does: dmuon's hooks, groups "
         "and state-dict names refer to the modules as they were. Apply PEFT (get_peft_model) "
         "before dmuon.dedicate_params: dmuon.dedicate_params(peft_model, mesh, predicate), then "
-        "fully_shard "
-        "(its frozen base weights are left out; the trainable ones are dedicated).")
+        "fully_shard (its frozen base weights are left out; the trainable ones are dedicated).")
 
 
 def unwrap_model(model: Any) -> Any:
