@@ -270,7 +270,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
         groups=groups, group_modules=group_modules,
         reshard_after_forward=reshard_after_forward, mp_policy=options.mp_policy,
         meta_shapes=meta_shapes, meta_device=meta_device,
-        **matrix_settings(decisions, specs, chosen),
+        matrices=matrix_settings(decisions, specs, chosen),
         tp_layouts=layouts, data_parallel=data_parallel, dp_dims=axes and (axes.shard, axes.replicate),
         collectives="per_owner" if (layouts or data_parallel == "ddp") else collectives,
         # model.state_dict()'s DTensor rows: over the 1-D shard mesh (DDP mode: plain tensors)
