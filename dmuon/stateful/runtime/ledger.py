@@ -153,9 +153,7 @@ class GradLedger:
     @plain_access
     def consume(self, stepped: Iterable[str]) -> None:
         """After a step: each stepped placeholder shows a consumed marker."""
-        for n in stepped:
-            if not self._is_placeholder(n):
-                continue
+        for n in filter(self._is_placeholder, stepped):
             rec = self.records[n]
             rec.forget()
             rec.state = Held.CONSUMED
