@@ -26,6 +26,18 @@ def test_describe_values_groups_ranks_by_value():
     assert describe_values(["abcdef", "x"], show=lambda v: v[:2]) == "ranks [0]: ab | ranks [1]: x"
 
 
+def test_collective_failure_names_the_collective_ranks_bound_and_fix():
+    """One message for every dmuon collective that failed (executor ops, control collectives)."""
+    import datetime
+    from dmuon.functional.rank_report import collective_failure
+    text = collective_failure("clip all-reduce", range(4), 2, datetime.timedelta(seconds=2),
+                              "Timed out", "Restart. ")
+    assert text.startswith("dmuon: the clip all-reduce collective failed on rank 2 (timeout "
+                           "0:00:02): Timed out. A timeout means a rank of [0, 1, 2, 3] never")
+    assert text.endswith("(see its log). Restart. The bound is dedicate_params(..., timeout=...).")
+    assert "(timeout" not in collective_failure("x", [0, 1], 0, None, "e")
+
+
 class _Boom(ValueError):
     pass
 

@@ -172,10 +172,10 @@ def test_matrix_settings_collect_the_specs_and_decisions_per_matrix():
     dec = {"e": Decision("muon", Batch(1), "rule 0: e", lr_mult=0.5),
            "w": Decision("muon", Batch(0), "default", master_dtype=torch.float64)}
     got = matrix_settings(dec, specs, ["e", "w"])
-    assert got["views"] == {"e": Batch(1), "w": Batch(0)}
-    assert got["master_dtypes"] == {"w": torch.float64} and got["param_dtypes"] == {}
-    assert set(got) == {"views", "param_dtypes", "reduce_dtypes", "master_dtypes", "hp_mults"}
-    assert got["hp_mults"] == {"e": (0.5, 1.0), "w": (1.0, 1.0)}
+    assert got.views == {"e": Batch(1), "w": Batch(0)}
+    assert got.master_dtypes == {"w": torch.float64} and got.param_dtypes == {}
+    assert got.reduce_dtypes == {}
+    assert got.hp_mults == {"e": (0.5, 1.0), "w": (1.0, 1.0)}
 
 
 def test_ddp_mode_follows_ddps_no_sync_without_undoing_dmuons():

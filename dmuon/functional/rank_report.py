@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
 
-__all__ = ["MAX_GROUPS", "MAX_MESSAGES", "describe_problems", "describe_values"]
+__all__ = ["MAX_GROUPS", "MAX_MESSAGES", "describe_problems", "describe_values",
+           "collective_failure"]
 
 #: at most this many groups of ranks, and this many messages per group, in a detail
 MAX_GROUPS = 8
@@ -41,3 +42,16 @@ def describe_values(values: Sequence[Any], show: Callable[[Any], str] = str) -> 
     if len(ranks_of) > MAX_GROUPS:
         parts.append(f"... ({len(ranks_of) - MAX_GROUPS} more values)")
     return " | ".join(parts)
+
+
+def collective_failure(what: str, ranks: Sequence[int], rank: int, timeout: Any, err: Any,
+                       after: str = "") -> str:
+    """The message of dmuon's collective ``what`` (over ``ranks``) that failed on ``rank`` with
+    ``err`` under ``timeout`` (``None``: the default group's): a timeout means a rank never came.
+    ``after``: what else to say before the bound's fix."""
+    bound = f" (timeout {timeout})" if timeout is not None else ""
+    return (f"dmuon: the {what} collective failed on rank {rank}{bound}: {err}. A timeout means a "
+            f"rank of {list(ranks)} never reached it: every rank must make the same dmuon calls "
+            "(forward, backward, optimizer.step(), state-dict and clip calls) in the same order "
+            "(none may skip a forward or take another code path), or a rank crashed (see its "
+            f"log). {after}The bound is dedicate_params(..., timeout=...).")

@@ -54,7 +54,7 @@ class CheckpointTransfer:
     def __init__(self, state):
         self.st = state
         self.layout = state.storage.master_layout
-        self.executor = Executor(state.mesh_groups, timeout=state.mesh_groups.timeout)
+        self.executor = Executor(state.mesh_groups)
 
     def to_every_rank(self, group: str, values: Mapping[str, torch.Tensor], *,
                       owner_only: bool = False) -> dict[str, torch.Tensor]:

@@ -24,9 +24,8 @@ from dmuon.functional.rank_report import describe_problems, describe_values
 from dmuon.functional.tp_step import max_keeping_nan
 from dmuon.kernels.streams import side_stream
 
-__all__ = ["gather", "agree", "agree_equal", "rank_flags", "max_over_ranks", "host_sum",
-           "host_all_reduce", "join", "NotOnEveryRankError", "describe_problems",
-           "describe_values"]
+__all__ = ["gather", "agree", "agree_equal", "rank_flags", "max_over_ranks", "host_sum", "join",
+           "NotOnEveryRankError", "describe_problems", "describe_values"]
 
 
 def _group(via: Any) -> Any:
@@ -100,33 +99,31 @@ def max_over_ranks(values: torch.Tensor, *, what: str, via: Any = None) -> torch
         via, what, lambda g: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)))
 
 
-def host_all_reduce(values: Sequence[int], group: Any, device: torch.device) -> list[int]:
-    """Sum of the host ``values`` over ``group``, read back on the host.
+def host_sum(values: Sequence[int], *, what: str, via: Any, device: torch.device) -> list[int]:
+    """Collective: the sum of the host ``values`` over ``via`` (see the module docstring), read
+    back on the host.
 
     On CUDA the all-reduce runs on a side stream fed from pinned memory: the values depend on
     nothing the compute stream does, so the host waits for the collective alone, not for the
     backward still queued on the compute stream (a plain device tensor + ``tolist()`` would drain
     it, and the next kernels would start from an empty queue)."""
-    if device.type != "cuda":
-        t = torch.tensor(list(values), dtype=torch.int32, device=device)
-        dist.all_reduce(t, group=group)
-        return t.tolist()
-    src = torch.tensor(list(values), dtype=torch.int32).pin_memory()
-    out = torch.empty_like(src).pin_memory()
-    side = side_stream(torch.device(device), "step_checks")
-    with torch.cuda.stream(side):
-        t = src.to(device, non_blocking=True)
-        dist.all_reduce(t, group=group)
-        out.copy_(t, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(side)
-    done.synchronize()
-    return out.tolist()
-
-
-def host_sum(values: Sequence[int], *, what: str, via: Any, device: torch.device) -> list[int]:
-    """Collective: :func:`host_all_reduce` of ``values`` on ``via`` (see the module docstring)."""
-    return _run(via, what, lambda g: host_all_reduce(values, g, device))
+    def run(group: Any) -> list[int]:
+        if device.type != "cuda":
+            t = torch.tensor(list(values), dtype=torch.int32, device=device)
+            dist.all_reduce(t, group=group)
+            return t.tolist()
+        src = torch.tensor(list(values), dtype=torch.int32).pin_memory()
+        out = torch.empty_like(src).pin_memory()
+        side = side_stream(torch.device(device), "step_checks")
+        with torch.cuda.stream(side):
+            t = src.to(device, non_blocking=True)
+            dist.all_reduce(t, group=group)
+            out.copy_(t, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(side)
+        done.synchronize()
+        return out.tolist()
+    return _run(via, what, run)
 
 
 #: the environment variable that sets :func:`join`'s bound (seconds), and its default

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from dmuon.compat.torch_api import coalesced_calls
 from dmuon.functional.buckets import BucketKey
+from dmuon.functional.rank_report import collective_failure
 from dmuon.functional.schedule import (LANES, AllGather, AllReduce, Broadcast, Gather, Op, Reduce,
                                        Schedule, Scatter, ShardBuckets, op_bytes)
 from dmuon.kernels.streams import side_stream
@@ -166,10 +167,9 @@ class Executor:
       issue_trivial: also issue collectives on groups of one rank (no-ops; useful to exercise the
         lanes at world size 1)."""
 
-    def __init__(self, groups: MeshGroups, *, issue_trivial: bool = False, timeout: Any = None):
+    def __init__(self, groups: MeshGroups, *, issue_trivial: bool = False):
         self.groups = groups
         self.issue_trivial = issue_trivial
-        self.timeout = timeout  # the lane groups' collective timeout (for error messages)
         # CPU: per lane, launched and not yet issued, in launch order
         self._queues: dict[str, deque[_Rec]] = defaultdict(deque)
         self._seq = 0
@@ -201,16 +201,11 @@ class Executor:
         hook group, ranks and timeout, and what usually causes it."""
         op, mg = rec.op, self.groups
         ranks = mg.op_ranks(op)
-        bound = f" (timeout {self.timeout})" if self.timeout is not None else ""
-        return RuntimeError(
-            f"dmuon: the {self._LANE_WHAT.get(op.lane, op.lane)} collective {op.id!r} "
-            f"({type(op).__name__}, lane {op.lane!r}, hook group {op.bucket.group or '<root>'!r}, "
-            f"process group of ranks {ranks}, root rank {rec.root}) failed on rank {mg.rank}"
-            f"{bound}: {err}. A timeout means a rank of {ranks} never reached this collective: "
-            "every rank must run the same forward / backward / optimizer.step() sequence on a "
-            "dedicated model (none may skip a forward or take another code path), or a rank "
-            "crashed (see its log). dmuon's process groups are unusable now; restart the job. "
-            "The bound is dedicate_params(..., timeout=...).")
+        return RuntimeError(collective_failure(
+            f"{self._LANE_WHAT.get(op.lane, op.lane)} {op.id!r} ({type(op).__name__}, lane "
+            f"{op.lane!r}, hook group {op.bucket.group or '<root>'!r}, process group of ranks "
+            f"{ranks}, root rank {rec.root})", ranks, mg.rank, mg.timeout, err,
+            "dmuon's process groups are unusable now; restart the job. "))
 
     # ----------------------------------------------------------------------------- streams
     def lane_stream(self, lane: str, device: torch.device):
@@ -361,4 +356,4 @@ def mesh_executor(shard_size: int, replicate_size: int = 1, *, timeout: Any = No
     (``r * G + s``; collective: every rank calls it). ``executor.run`` is the runner a pure step
     takes (:func:`dmuon.functional.step.rank_step`)."""
     return Executor(make_process_groups(shard_size=shard_size, replicate_size=replicate_size,
-                                        timeout=timeout), timeout=timeout)
+                                        timeout=timeout))

@@ -41,7 +41,7 @@ def _register_pre_backward(st: DedicatedState, key: str | None, output: Any) -> 
                 st.unshard(key, regather=True)
                 prev = st.next_group(key, backward=True)
                 if prev is not None and st.groups[prev].reshard_after_forward:
-                    st.launch_unshard(prev, regather=True)
+                    st.unshard(prev, regather=True, wait=False)
 
     torch.autograd.graph.register_multi_grad_hook(tensors, _eager(pre_backward), mode="any")
     return True
@@ -114,7 +114,7 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
                 st.unshard(key)
                 nxt = st.next_group(key)
                 if nxt is not None:
-                    st.launch_unshard(nxt)
+                    st.unshard(nxt, wait=False)
 
         def post(module: nn.Module, args: Any, output: Any, key: str = key) -> Any:
             if in_backward():

@@ -88,7 +88,7 @@ class GradLedger:
         """A local gradient arrived (accumulated onto one not sent yet)."""
         rec = self.records[name]
         if rec.state is Held.CONSUMED:  # (its marker came off at the gather before this use)
-            self._take_consumed([name])
+            self._take_off([name], held=False)
         rec.local = grad if rec.local is None else rec.local.add_(grad)
         if rec.state is Held.NONE:
             rec.state = Held.LOCAL
@@ -132,7 +132,7 @@ class GradLedger:
     def take_zero_next(self) -> set[str]:
         """At a step: take the consumed markers off; the matrices that step with a zero gradient
         when none arrived (their consumed marker was zeroed and not replaced), then forget that."""
-        self._take_consumed(list(self.records))
+        self._take_off(list(self.records), held=False)
         zero = {n for n, r in self.records.items() if r.zero_next}
         for n in zero:
             self.records[n].zero_next = False
@@ -142,27 +142,18 @@ class GradLedger:
         """Drop every held gradient and held marker (``zero_grad``, ``step``); consumed markers
         stay (torch's ``.grad`` of a stepped param lives until it is zeroed)."""
         self._collect()
-        self._unshow_held()
+        self._take_off(self.held_markers())
+        for rec in self.records.values():
+            if rec.state is not Held.CONSUMED:
+                rec.forget()
         self.fresh = False
         self.nonfinite = None
         self._resolved = None
 
     @plain_access
-    def _unshow_held(self) -> None:
-        for n, rec in self.records.items():
-            if rec.shown and rec.state is not Held.CONSUMED:
-                if self.params[n].grad is rec.marker:
-                    self.params[n].grad = None
-                rec.shown = False
-            if rec.state is not Held.CONSUMED:
-                rec.forget()
-
-    @plain_access
     def consume(self, stepped: Iterable[str]) -> None:
         """After a step: each stepped placeholder shows a consumed marker."""
-        for n in stepped:
-            if not self._is_placeholder(n):
-                continue
+        for n in filter(self._is_placeholder, stepped):
             rec = self.records[n]
             rec.forget()
             rec.state = Held.CONSUMED
@@ -192,43 +183,35 @@ class GradLedger:
         """Before a gather, a reduce, a clip or a step: a held marker the user replaced drops the
         gradient; ``remove``: take the others off too (a gathered param must not carry a
         zero-size ``.grad``). Consumed markers come off, keeping what they say."""
-        names = list(names)
-        self._take_consumed(names)
-        for n in self._take_held(names, remove):  # replaced by the user
+        for n in self._take_off(names, remove):  # replaced by the user
             self.drop(n)
-
-    @plain_access
-    def _take_held(self, names: list[str], remove: bool) -> list[str]:
-        replaced = []
-        for n in names:
-            rec = self.records[n]
-            if not rec.shown or rec.state is Held.CONSUMED:
-                continue
-            if self.params[n].grad is not rec.marker:
-                rec.shown = False
-                replaced.append(n)
-            elif remove:
-                rec.shown = False
-                self.params[n].grad = None
-        return replaced
 
     def held_markers(self) -> list[str]:
         """The names showing a held (not consumed) marker now."""
         return [n for n, r in self.records.items() if r.shown and r.state is not Held.CONSUMED]
 
     @plain_access
-    def _take_consumed(self, names: Iterable[str]) -> None:
+    def _take_off(self, names: Iterable[str], remove: bool = True, held: bool = True) -> list[str]:
+        """Take the consumed markers of ``names`` off (a zeroed one still ``.grad``: the next step
+        steps with zeros), and (``held``) the held ones the user replaced, or (``remove``) still
+        show; returns those the user replaced."""
+        replaced = []
         for n in names:
-            rec = self.records[n]
-            if not (rec.shown and rec.state is Held.CONSUMED):
+            rec, p = self.records[n], self.params[n]
+            if not rec.shown or not held and rec.state is not Held.CONSUMED:
+                continue
+            mine = p.grad is rec.marker
+            if rec.state is Held.CONSUMED:
+                rec.zero_next = rec.zeroed if mine else rec.zero_next
+                rec.zeroed, rec.state = False, Held.NONE
+            elif not mine:
+                replaced.append(n)
+            elif not remove:
                 continue
             rec.shown = False
-            p = self.params[n]
-            if p.grad is rec.marker:
+            if mine:
                 p.grad = None
-                rec.zero_next = rec.zeroed
-            rec.zeroed = False
-            rec.state = Held.NONE
+        return replaced
 
     def _on_zero(self, name: str) -> None:
         """A shown marker was zeroed (``zero_grad(set_to_none=False)``)."""

@@ -133,7 +133,7 @@ class DedicatedParamGroup:
         with _label(self, "reshard"):
             self._wait_unshard()
             for n in self.names:
-                self.storage.release(n)
+                self.storage.point(n)
             for buf in self.unshard_buffers.values():
                 free_storage(buf)
             self.gathered_version = -1

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dmuon.compat.heartbeat import start_heartbeat
 from dmuon.functional.group_layout import check_grids, grid_position, group_ranks, standard_grid
+from dmuon.functional.rank_report import collective_failure
 from dmuon.functional.schedule import LANE_AXIS, LANES
 from dmuon.functional.setup_check import Grid, check_setups, error_type, rank_setup
 from dmuon.stateful.runtime.agree import gather
@@ -67,14 +68,8 @@ class MeshGroups:
         try:
             return fn(self.control)
         except RuntimeError as e:
-            world = len(self.grid) * len(self.grid[0]) * self.tp_size
-            bound = f" (timeout {self.timeout})" if self.timeout is not None else ""
-            raise RuntimeError(
-                f"dmuon: the {what} collective over ranks {list(range(world))} failed on rank "
-                f"{self.rank}{bound}: {e}. A timeout means a rank never reached it: every rank "
-                "must make the same dmuon calls (forward, backward, optimizer.step(), state-dict "
-                "and clip calls) in the same order, or a rank crashed (see its log). The bound is "
-                "dedicate_params(..., timeout=...).") from e
+            world = range(len(self.grid) * len(self.grid[0]) * self.tp_size)
+            raise RuntimeError(collective_failure(what, world, self.rank, self.timeout, e)) from e
 
     def global_rank(self, s: int, r: int) -> int:
         return self.grid[r][s]

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.functional.buckets import ROOT_GROUP, HookGroups
+from dmuon.functional.matrix_settings import MatrixSettings
 from dmuon.functional.program import StepProgram, step_program
 from dmuon.functional.renames import renamed
 from dmuon.functional.split_plan import runtime_owners
@@ -51,11 +52,7 @@ class DedicatedState:
                  mp_policy: Any,
                  meta_shapes: Optional[Mapping[str, tuple[int, ...]]] = None,
                  meta_device: Optional[torch.device] = None,
-                 param_dtypes: Optional[Mapping[str, Any]] = None,
-                 reduce_dtypes: Optional[Mapping[str, Any]] = None,
-                 master_dtypes: Optional[Mapping[str, Any]] = None,
-                 views: Optional[Mapping[str, Any]] = None,
-                 hp_mults: Optional[Mapping[str, tuple[float, float]]] = None,
+                 matrices: MatrixSettings = MatrixSettings(),
                  tp_layouts: Optional[Mapping[str, Any]] = None,
                  data_parallel: str = "fsdp", collectives: str = "per_owner",
                  shard_mesh: Any = None, dp_dims: Optional[tuple] = None):
@@ -69,18 +66,16 @@ class DedicatedState:
         self.owners = {n: tuple(o[n]) for o in [runtime_owners(plan)] for n in self.names}
         self.owner_rank = {n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
         self.owned_names = tuple(n for n in self.names if self.owners[n] == self.coord)
-        # the policy's decisions (dedicate_params): matrix views (what NS / the lr scale see) and
-        # (lr_mult, wd_mult) per param
-        self.views: dict[str, Any] = dict(views or {})
-        self.hp_mults: dict[str, tuple[float, float]] = dict(hp_mults or {})
+        #: the policy's decisions (dedicate_params); views, hp_mults: matrices'
+        self.matrices = matrices
+        self.views: dict[str, Any] = dict(matrices.views)
+        self.hp_mults: dict[str, tuple[float, float]] = dict(matrices.hp_mults)
         # TP: {name: TPLayout} of the TP-sliced matrices (tensor_parallel)
         self.tp_layouts: dict[str, Any] = dict(tp_layouts or {})
         #: the handles of every hook dedicate_params registered (:func:`dmuon.release` removes them)
         self.hook_handles: list[Any] = []
         self.mp_policy = mp_policy
-        # policy rules' per-param dtypes; resolved at the first forward into compute / reduce
-        self.rule_param_dtype = dict(param_dtypes or {})
-        self.rule_reduce_dtype = dict(reduce_dtypes or {})
+        # resolved at the first forward (FSDP2's policy, the rules' dtypes in matrices)
         self.compute_dtype: dict[str, torch.dtype] = {}  # {name: gathered-copy dtype}
         self.reduce_dtype: dict[str, torch.dtype] = {}   # {name: reduce dtype}
         #: "fsdp" or "ddp" (DDP mode: nothing is resharded, :mod:`dmuon.stateful.modes.ddp`)
@@ -88,7 +83,7 @@ class DedicatedState:
         self.reshard_after_forward = reshard_after_forward and data_parallel != "ddp"
         self.storage = DedicatedStorage(self.params, self.owners, groups, self.G, self.R,
                                         self.coord, shapes=meta_shapes, device=meta_device,
-                                        master_dtypes=master_dtypes)
+                                        master_dtypes=matrices.master_dtypes)
         # the storage's facts, read-only (masters: this rank's column's; HSDP: the owner's column)
         st = self.storage
         self.device, self.masters, self.shape = st.device, st.masters, st.shape
@@ -173,7 +168,8 @@ class DedicatedState:
             {k: id(find_fsdp_state(model, g.module)) for k, g in self.groups.items()},
             {h: (getattr(p, "param_dtype", None), getattr(p, "reduce_dtype", None))
              for h, p in pols.items()}, self.orig_dtype,
-            rule_param_dtype=self.rule_param_dtype, rule_reduce_dtype=self.rule_reduce_dtype)
+            rule_param_dtype=self.matrices.param_dtypes,
+            rule_reduce_dtype=self.matrices.reduce_dtypes)
         for k, g in self.groups.items():
             g.compute_dtype, g.reduce_dtype = defaults.get(k, (None, None))
         self.compute_dtype.update(gathered)
@@ -249,14 +245,11 @@ class DedicatedState:
         return self.order[j] if 0 <= j < len(self.order) else None
 
     # ------------------------------------------------------------------ gather / free
-    def unshard(self, key: str, regather: bool = False) -> None:
-        """Gather group ``key`` (``regather``: again, in a backward) and wait."""
-        self.ledger.take_markers(self.groups[key].names)
-        self.groups[key].unshard(self.version, regather)
-
-    def launch_unshard(self, key: str, regather: bool = False) -> None:
-        self.ledger.take_markers(self.groups[key].names)
-        self.groups[key].launch_unshard(self.version, regather)
+    def unshard(self, key: str, regather: bool = False, *, wait: bool = True) -> None:
+        """Gather group ``key`` (``regather``: again, in a backward); ``wait``: and wait."""
+        g = self.groups[key]
+        self.ledger.take_markers(g.names)
+        (g.unshard if wait else g.launch_unshard)(self.version, regather)
 
     def reshard_all(self) -> None:
         if self.ready:
@@ -479,8 +472,7 @@ def _renamed_error(st: DedicatedState, root: nn.Module, what: str, inner: str = 
         f"dmuon.dedicate_params{eg}, as PEFT's get_peft_model (LoRA) does: dmuon's hooks, groups "
         "and state-dict names refer to the modules as they were. Apply PEFT (get_peft_model) "
         "before dmuon.dedicate_params: dmuon.dedicate_params(peft_model, mesh, predicate), then "
-        "fully_shard "
-        "(its frozen base weights are left out; the trainable ones are dedicated).")
+        "fully_shard (its frozen base weights are left out; the trainable ones are dedicated).")
 
 
 def unwrap_model(model: Any) -> Any:

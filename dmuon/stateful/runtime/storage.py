@@ -80,26 +80,18 @@ class DedicatedStorage:
     @plain_access
     def set_placeholder_dtypes(self, dtypes: Mapping[str, torch.dtype]) -> None:
         """Make every param a zero-size placeholder of ``dtypes[name]`` (the compute dtype)."""
-        for n, p in self.params.items():
-            ph = torch.empty(0, dtype=dtypes[n], device=self.device)
-            self._placeholders[n] = ph
-            p.data = ph
-            to_placeholder(p)
+        for n in self.params:
+            self._placeholders[n] = torch.empty(0, dtype=dtypes[n], device=self.device)
+            self.point(n)
 
     @plain_access
-    def point(self, name: str, view: torch.Tensor) -> None:
-        """Make param ``name`` show ``view`` (a view into a gathered bucket): a plain parameter."""
-        p = self.params[name]
-        p.data = view
-        to_plain(p)
-
-    @plain_access
-    def release(self, name: str) -> None:
-        """Make param ``name`` its placeholder again (ops on its values raise, see
+    def point(self, name: str, view: Optional[torch.Tensor] = None) -> None:
+        """Make param ``name`` show ``view`` (a view into a gathered bucket): a plain parameter;
+        ``None``: its placeholder again (ops on its values raise, see
         :mod:`dmuon.stateful.runtime.guards`)."""
         p = self.params[name]
-        p.data = self._placeholders[name]
-        to_placeholder(p)
+        p.data = self._placeholders[name] if view is None else view
+        (to_placeholder if view is None else to_plain)(p)
 
     def is_placeholder(self, name: str) -> bool:
         """The param holds its zero-size placeholder (its reported shape is the matrix's)."""

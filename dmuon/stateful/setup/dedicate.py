@@ -264,13 +264,13 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
             "one root hook group, gathered for the whole forward (groups: %s). Pass "
             "hook_boundary_predicate=lambda m: ... to dedicate_params to move them per block.",
             len(chosen), [k or "<root>" for k in groups.order])
-    executor = Executor(mesh_groups, timeout=timeout)
+    executor = Executor(mesh_groups)
     st = DedicatedState(
         model=model, params=chosen, plan=plan, mesh_groups=mesh_groups, executor=executor,
         groups=groups, group_modules=group_modules,
         reshard_after_forward=reshard_after_forward, mp_policy=options.mp_policy,
         meta_shapes=meta_shapes, meta_device=meta_device,
-        **matrix_settings(decisions, specs, chosen),
+        matrices=matrix_settings(decisions, specs, chosen),
         tp_layouts=layouts, data_parallel=data_parallel, dp_dims=axes and (axes.shard, axes.replicate),
         collectives="per_owner" if (layouts or data_parallel == "ddp") else collectives,
         # model.state_dict()'s DTensor rows: over the 1-D shard mesh (DDP mode: plain tensors)
