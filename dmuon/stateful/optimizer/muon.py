@@ -22,7 +22,6 @@ from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.functional.split_exec import split_orthogonalizer
 from dmuon.functional.stages.orthogonalize import OrthogonalizerFor
 from dmuon.kernels.ns_engine import NSEngine
-from dmuon.newton_schulz.batched import BatchedNS
 from dmuon.newton_schulz.timing import NSTimer
 from dmuon.stateful.optimizer.split_step import SplitStep
 from dmuon.stateful.modes.ddp import check_backend
@@ -113,7 +112,7 @@ class Muon(torch.optim.Optimizer):
                                                 fopts.hparams_of_group(muon_group))
         self._adamw_storage = AdamWStorage(adamw_state_dtype)  # checked before any change
         self._storage = MomentumStorage(mu_dtype, offload_state, None)
-        _ns_of(knobs["ns_engine"], "cpu")  # a bad ns_engine raises here, before anything changes
+        fopts.ns_of(knobs["ns_engine"], "cpu", NSEngine)  # a bad ns_engine raises here
         model = unwrap_model(model)
         finish_pending(model)  # dedicate_params before TP: the dedication completes here
         rt = get_state(model, "dmuon.Muon(model)")
@@ -290,7 +289,7 @@ class Muon(torch.optim.Optimizer):
         every step). Decided here, once: the orthogonalizer every ``orthogonalize`` stage runs
         (:class:`~dmuon.functional.stages.orthogonalize.OrthogonalizerFor`; ``_ns``: the same
         object, whose identity names the NS settings)."""
-        ns = _ns_of(engine, self._rt.device.type)  # checks engine first
+        ns = fopts.ns_of(engine, self._rt.device.type, NSEngine)  # checks engine first
         split, tp = self._split, self._tp
         wrap = (partial(split_orthogonalizer, owned=split.owned, run_units=split.run)
                 if split is not None else tp.orthogonalizer if tp is not None else None)
@@ -541,14 +540,3 @@ class Muon(torch.optim.Optimizer):
         from dmuon.stateful.checkpoint.optimizer_state_dict import torch_load_optimizer_state_dict
         torch_load_optimizer_state_dict(self, state_dict)
 
-
-def _ns_of(choice: Any, device_type: str) -> Any:
-    """The NS the owners run for an ``NSConfig`` (:meth:`Muon.set_ns_engine`): a class built per
-    config, or the given engine; ``ValueError`` for anything else."""
-    if isinstance(choice, NSEngine):
-        return choice
-    if choice not in ("auto", "engine", "functional"):
-        raise ValueError("ns_engine must be 'auto', 'engine', 'functional' or a "
-                         f"dmuon.kernels.ns_engine.NSEngine, got {choice!r}")
-    return BatchedNS if choice == "functional" or (choice == "auto" and device_type != "cuda") \
-        else NSEngine
