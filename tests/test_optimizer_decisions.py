@@ -19,6 +19,9 @@ def test_owner_checks():
     from dmuon.functional.state_fields import state_fields
 
     assert oc.is_muon(None) and oc.is_muon(variants.muon()) and not oc.is_muon(variants.normuon())
+    oc.refuse_variant(False, "dmuon.save_sharded")  # Muon itself: every path carries its state
+    with pytest.raises(NotImplementedError, match="dmuon.save_sharded does not carry the state"):
+        oc.refuse_variant(True, "dmuon.save_sharded")
     with pytest.raises(TypeError, match="transform must be"):
         oc.check_transform(3)
     chain = variants.muon()(MuonHParams())
