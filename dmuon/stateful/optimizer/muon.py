@@ -124,11 +124,10 @@ class Muon(torch.optim.Optimizer):
                             rt.dp_dims, fsdp_dp_dims(model))
         self._storage.bind(rt.device)
         dedicated = set(rt.params.values())
-        self._adamw_named = tuple((n, p) for n, p in model.named_parameters()
-                                  if p.requires_grad and p not in dedicated)
+        others = [(n, p) for n, p in model.named_parameters() if p not in dedicated]
+        self._adamw_named = tuple((n, p) for n, p in others if p.requires_grad)
         # frozen at construction: in no param group (a gradient there after unfreezing raises)
-        self._outside = tuple((n, p) for n, p in model.named_parameters()
-                              if not p.requires_grad and p not in dedicated)
+        self._outside = tuple((n, p) for n, p in others if not p.requires_grad)
         groups = [
             dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_group,
                  momentum_dtype=str(self._storage.dtype), offload_state=offload_state),
@@ -154,9 +153,9 @@ class Muon(torch.optim.Optimizer):
         self._generation = rt.attach_optimizer()
         from dmuon.stateful.optimizer.ns_overlap import NSOverlap
         self._overlap = NSOverlap(self)  # set_ns_overlap (off)
-        # the runtime's listener only where a policy needs it (offload copies, early owner
-        # updates): decided here (and by set_ns_overlap), not at each notification
-        rt.set_listener(StorageListener(self) if self._listens() else None)
+        # the runtime's listener only where a policy needs it (offloaded momentum: its copies;
+        # set_ns_overlap: its early updates): decided here, not at each notification
+        rt.set_listener(StorageListener(self) if self._storage.offload else None)
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
         # runs its zero-gradient "materializing" step on this optimizer. One driver for Muon
         # (transform=None: variants.muon()) and every variant: its chain, state and fields
@@ -165,8 +164,7 @@ class Muon(torch.optim.Optimizer):
         self.adamw_state: Optional[fadamw.AdamWState] = self._adamw_storage.stored_state(
             fadamw.init(self.adamw_local_tensors()[0])) if self._adamw_named else None
         self._momentum_markers: dict[str, Any] = {}
-        self._name_of = {p: n for n, p in rt.params.items()}
-        self._name_of.update({p: n for n, p in self._adamw_named})
+        self._name_of = {p: n for n, p in (*rt.params.items(), *self._adamw_named)}
         self.invalidate_state_views()
         if not sd.is_scaled(self._storage.dtype):  # views alias the live state: build them now
             self.refresh_state_views()
@@ -335,14 +333,10 @@ class Muon(torch.optim.Optimizer):
         update is computed per group (its own NS batches). Not applied (``ns_overlap_stats``
         says why) with TP, split NS, your own ``transform=`` chain (its stages may couple
         matrices), or a momentum stored in another dtype or offloaded."""
-        self._overlap.set_mode(mode)
-        if self._listens() and self._rt.listener is None and self._rt.is_current(self._generation):
-            self._rt.set_listener(StorageListener(self))
-
-    def _listens(self) -> bool:
-        """Whether a policy of this optimizer needs the runtime's notifications (offloaded
-        momentum: its copies; NS overlap not off: its early updates)."""
-        return self._storage.offload or self._overlap.mode != "off"
+        self._overlap.set_mode(mode)  # not off: the listener (an offloaded momentum's is set)
+        rt = self._rt
+        if self._overlap.mode != "off" and rt.listener is None and rt.is_current(self._generation):
+            rt.set_listener(StorageListener(self))
 
     @property
     def ns_overlap_stats(self) -> dict[str, Any]:
@@ -475,9 +469,7 @@ class Muon(torch.optim.Optimizer):
         return params, grads
 
     def _adamw_update(self) -> None:
-        """AdamW on FSDP2's local shards."""
-        if not self._adamw_named:
-            return
+        """AdamW on FSDP2's local shards (none, or none with a gradient: nothing to do)."""
         params, grads = self.adamw_local_tensors()  # (the state exists from construction)
         store = self._adamw_storage  # adamw_state_dtype: stored rounded, updated decoded
         if all(g is None for g in grads.values()):
