@@ -163,7 +163,11 @@ class Muon(torch.optim.Optimizer):
         self._owner = OwnerDriver(transform, self.muon_hparams(), rt, self._storage)
         self.adamw_state: Optional[fadamw.AdamWState] = self._adamw_storage.stored_state(
             fadamw.init(self.adamw_local_tensors()[0])) if self._adamw_named else None
-        self._momentum_markers: dict[str, Any] = {}
+        #: the state a matrix held by its owner lists: a marker per field that refuses math
+        #: (torch's tools read the keys), made once
+        self._markers = {(n, f.key): make_marker(rt.params[n], n, None, what="momentum" if
+                                                 f.key == "momentum_buffer" else f.key)
+                         for n in rt.names if n not in owned for f in self._owner.fields}
         self._name_of = {p: n for n, p in (*rt.params.items(), *self._adamw_named)}
         self.invalidate_state_views()
         if not sd.is_scaled(self._storage.dtype):  # views alias the live state: build them now
@@ -241,18 +245,9 @@ class Muon(torch.optim.Optimizer):
         step_m = torch.tensor(float(owner.step_count if rt.owned_names else self.num_steps))
         own = {f.key: owner.value_of(f.key, rt.owned_masters(), view=True)  # the stored momentum:
                for f in owner.fields}  # its stored tensors (fp8: decoded, inference tensors)
-        for n in rt.names:
-            entry = {}
-            for key, vals in own.items():
-                buf = vals.get(n)
-                if buf is None:  # held by its owner: a marker that refuses math (torch's tools
-                    buf = self._momentum_markers.get((n, key))  # read the keys)
-                    if buf is None:
-                        buf = make_marker(rt.params[n], n, None, what="momentum"
-                                          if key == "momentum_buffer" else key)
-                        self._momentum_markers[(n, key)] = buf
-                entry[key] = buf
-            views[rt.params[n]] = dict(entry, step=step_m)
+        for n in rt.names:  # held by its owner: the field's marker
+            views[rt.params[n]] = dict({key: vals[n] if n in vals else self._markers[(n, key)]
+                                        for key, vals in own.items()}, step=step_m)
         if self.adamw_state is not None:
             step = torch.tensor(float(self.adamw_state.step))
             for n, p in self._adamw_named:
