@@ -54,11 +54,12 @@ from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.functional.program import step_program
+from dmuon.functional.owner_checks import refuse_variant
 from dmuon.functional.step import world_step
 from dmuon.newton_schulz.iteration import default_ns_dtype
 from dmuon.stateful.optimizer.muon import Muon
 from dmuon.stateful.checkpoint.optimizer_state_dict import (check_optimizer, get_optimizer_state_dict,
-                                                 hparam_groups, refuse_variant)
+                                                 hparam_groups)
 from dmuon.stateful.checkpoint.state_dict import (dedicated_names_by_key, full_copy,
                                        get_model_state_dict)
 
@@ -269,7 +270,7 @@ def verify_step(model: nn.Module, optimizer: Muon, closure: Optional[Callable[[]
     what = "dmuon.verify_step"
     rt = check_optimizer(model, optimizer, what)
     refuse_tp(rt, what)
-    refuse_variant(optimizer, what)
+    refuse_variant(optimizer._owner.custom, what)
     loss = None
     if closure is not None:
         with torch.enable_grad():

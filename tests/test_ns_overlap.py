@@ -77,3 +77,19 @@ def test_replay_key():
     assert O.replay_key(s, [1, 2], [torch.tensor(3.0, dtype=torch.float64)]) is None  # a count
     sched = O.take_stamp(((lambda t: 0.02 / (1 + t), 0.95), "fused"), 3, 0, ["w"], {"w": g}, [])
     assert O.replay_key(sched, [1], []) is None  # an lr schedule, nested in the hparams
+
+
+def test_live_tensors_lists_what_an_update_reads():
+    """dmuon.functional.speculation.live_tensors (pure): the per-param state of ``names``, field
+    by field, then their masters; the live tensors themselves (a stamp's inputs), in that order."""
+    from types import SimpleNamespace
+
+    from dmuon.functional.speculation import live_tensors
+
+    mu, nu, w = ({n: torch.zeros(2) for n in "abc"} for _ in range(3))
+    state = (SimpleNamespace(mu=mu), nu)  # a field at (index, attribute) and one at an index
+    fields = [SimpleNamespace(path=(0, "mu")), SimpleNamespace(path=(1,))]
+    got = live_tensors(state, fields, w, ["c", "a"])
+    want = [mu["c"], mu["a"], nu["c"], nu["a"], w["c"], w["a"]]
+    assert len(got) == len(want) and all(g is x for g, x in zip(got, want))
+    assert live_tensors(state, fields, w, []) == []

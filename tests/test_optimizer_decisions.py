@@ -19,6 +19,9 @@ def test_owner_checks():
     from dmuon.functional.state_fields import state_fields
 
     assert oc.is_muon(None) and oc.is_muon(variants.muon()) and not oc.is_muon(variants.normuon())
+    oc.refuse_variant(False, "dmuon.save_sharded")  # Muon itself: every path carries its state
+    with pytest.raises(NotImplementedError, match="dmuon.save_sharded does not carry the state"):
+        oc.refuse_variant(True, "dmuon.save_sharded")
     with pytest.raises(TypeError, match="transform must be"):
         oc.check_transform(3)
     chain = variants.muon()(MuonHParams())
@@ -84,13 +87,16 @@ def test_failed_step_verdicts():
 
 
 def test_step_chunks_and_lane_delta():
-    from dmuon.functional.momentum_chunks import step_chunks
+    from dmuon.functional.momentum_chunks import step_chunks, within_room
     from dmuon.functional.step_stats import lane_delta
 
     nbytes = {"a": 4, "b": 4, "c": 10, "d": 2}
     # staged first (in staging order), then the rest in order; a larger matrix alone
     assert step_chunks(["a", "b", "c", "d"], ["d", "x"], nbytes, 8) == [[3, 0], [1], [2]]
     assert step_chunks(["a", "b"], [], nbytes, 100) == [[0, 1]]
+    # the copies ahead of the step: in order, up to the first that does not fit (d would fit)
+    assert within_room(nbytes, 9) == ["a", "b"] and within_room(nbytes, 20) == list(nbytes)
+    assert within_room(nbytes, 3) == [] and within_room({}, 0) == []
     now = {"reduce": {"collectives": 5, "sent_bytes": 10}, "tp": {"collectives": 1}}
     prev = {"reduce": {"collectives": 2, "sent_bytes": 4}}
     assert lane_delta(now, prev) == {"reduce": {"collectives": 3, "sent_bytes": 6},

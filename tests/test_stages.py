@@ -134,10 +134,27 @@ def test_pending_scale_folds_into_the_applying_stage():
     assert seen == [-0.02 * s[0], -0.02 * s[1], -0.02 * s[2], -0.02 * s[3], -0.02]
 
 
+def test_ns_of_decides_the_owners_ns_for_each_choice():
+    """dmuon.functional.muon_options.ns_of (pure): what Muon.set_ns_engine runs per choice and
+    device; a given engine is itself; anything else raises."""
+    from dmuon.functional.muon_options import ns_of
+
+    class Engine:  # stands in for dmuon.kernels.ns_engine.NSEngine
+        pass
+
+    mine = Engine()
+    assert ns_of(mine, "cpu", Engine) is mine and ns_of(mine, "cuda", Engine) is mine
+    assert ns_of("auto", "cpu", Engine) is BatchedNS and ns_of("auto", "cuda", Engine) is Engine
+    assert ns_of("engine", "cpu", Engine) is Engine and ns_of("engine", "cuda", Engine) is Engine
+    assert ns_of("functional", "cuda", Engine) is BatchedNS
+    with pytest.raises(ValueError, match="ns_engine must be"):
+        ns_of("fast", "cpu", Engine)
+
+
 def test_stateful_ns_hook_hands_core_objects_that_time_themselves():
     from dmuon.functional.stages.orthogonalize import OrthogonalizerFor
+    from dmuon.functional.muon_options import ns_of
     from dmuon.kernels.ns_engine import NSEngine
-    from dmuon.stateful.optimizer.muon import _ns_of
 
     class Tel:
         ns_timer = None
@@ -145,7 +162,7 @@ def test_stateful_ns_hook_hands_core_objects_that_time_themselves():
     class Hook:  # what dmuon.Muon.set_ns_engine decides: the NS of each choice, timed
         def __init__(self, choice, tel):
             tel.ns_timer = self.timer = NSTimer()
-            self.of = OrthogonalizerFor(_ns_of(choice, "cpu"), timer=self.timer)
+            self.of = OrthogonalizerFor(ns_of(choice, "cpu", NSEngine), timer=self.timer)
 
         def for_step(self, device_type, hp):
             return self.of(NSConfig.from_hparams(hp), [])

@@ -61,12 +61,12 @@ from dmuon.checkpoint.save_safety import (agree_failure, claim_partial, discard_
                                           sweep_partials, target_problems)
 from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.functional.load_scalars import load_problems
+from dmuon.functional.owner_checks import refuse_variant
 from dmuon.functional.state_dict_check import all_finite, check_state_dict
 from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.stateful.checkpoint.torch_state_dict import log_dtype_changes
 from dmuon.stateful.checkpoint.optimizer_state_dict import (
     _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state, muon_step,
-    refuse_variant,
 )
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
 from dmuon.stateful.runtime.state import get_state, local_tensor
@@ -247,7 +247,7 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     rt.join("dmuon.save_sharded(path, model, optimizer)", always=True)
     if optimizer is not None:
         check_optimizer(model, optimizer, "dmuon.save_sharded")
-        refuse_variant(optimizer, "dmuon.save_sharded")
+        refuse_variant(optimizer._owner.custom, "dmuon.save_sharded")
     rt.drain()
     path = os.path.abspath(os.fspath(checkpoint_id))
     save_id = _bcast(rt, uuid.uuid4().hex[:12] if rt.rank == 0 else None, "save id")
@@ -390,7 +390,7 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     rt.join(f"{what}(path, model, optimizer)", always=True)
     if optimizer is not None:
         check_optimizer(model, optimizer, what)
-        refuse_variant(optimizer, what)
+        refuse_variant(optimizer._owner.custom, what)
     rt.drain()
     path = os.path.abspath(os.fspath(checkpoint_id))
     errors: list[str] = []

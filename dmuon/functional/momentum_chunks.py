@@ -1,13 +1,14 @@
 """How the owners' step walks a stored (encoded or offloaded) momentum, decided purely: the
-step's chunks (:func:`step_chunks`) and, offloading on CUDA, how many bytes of copies back the
-next step starts at once (:func:`next_out_budget`). The stateful layer
+step's chunks (:func:`step_chunks`), offloading, which copies in the backward starts ahead of the
+step (:func:`within_room`) and, on CUDA, how many bytes of copies back the next step starts at once
+(:func:`next_out_budget`). The stateful layer
 (:mod:`dmuon.stateful.optimizer.state_storage`, :mod:`~dmuon.stateful.optimizer.offload_copies`)
 runs the copies and the decoding."""
 from __future__ import annotations
 
 from typing import Mapping, Optional, Sequence
 
-__all__ = ["step_chunks", "next_out_budget"]
+__all__ = ["step_chunks", "within_room", "next_out_budget"]
 
 
 def step_chunks(names: Sequence[str], staged: Sequence[str], nbytes: Mapping[str, int],
@@ -28,6 +29,19 @@ def step_chunks(names: Sequence[str], staged: Sequence[str], nbytes: Mapping[str
         else:
             out.append([pos[n]])
             size = b
+    return out
+
+
+def within_room(nbytes: Mapping[str, int], room: int) -> list[str]:
+    """The names of ``nbytes`` (``{name: bytes}``, in order) up to the first that does not fit in
+    what is left of ``room`` bytes: the offloaded copies the backward starts ahead of the step
+    within ``prefetch_bytes`` (``room``: that budget less the bytes already staged)."""
+    out = []
+    for n, b in nbytes.items():
+        if b > room:
+            break
+        out.append(n)
+        room -= b
     return out
 
 

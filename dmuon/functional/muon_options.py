@@ -40,10 +40,11 @@ from typing import Any, Mapping
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.lr_scale import ADJUST_LR_FN, LR_SCALE_RULES
 from dmuon.functional.muon import MuonHParams, validate_hparams
+from dmuon.newton_schulz.batched import BatchedNS
 
 __all__ = ["GROUP_KEYS", "OLD_NAMES", "KNOBS", "ADJUST_LR_FN", "ELEMENTWISE", "NOT_GIVEN",
            "hparams_of_group", "resolve_torch_names", "check_flag", "check_options",
-           "check_muon_group", "check_adamw_group", "check_knob",
+           "check_muon_group", "check_adamw_group", "check_knob", "ns_of",
            "momentum_dtype_of"]
 
 #: ``param_groups[0]``'s Muon hyper-parameters: ``MuonHParams``' fields
@@ -188,6 +189,20 @@ def check_knob(name: str, value: Any) -> Any:
     if name in ("replicate_async", "persistent_grad_buffers"):
         check_flag(name, value)
     return value
+
+
+def ns_of(choice: Any, device_type: str, engine: type) -> Any:
+    """The NS the owners run for ``Muon.set_ns_engine(choice)`` on ``device_type`` (``engine``:
+    the engine class, :class:`dmuon.kernels.ns_engine.NSEngine`): an engine given is itself; the
+    ``engine`` class for ``"engine"`` and, on CUDA, ``"auto"``; else the functional core's
+    :class:`~dmuon.newton_schulz.batched.BatchedNS`. ``ValueError`` for anything else."""
+    if isinstance(choice, engine):
+        return choice
+    if choice not in ("auto", "engine", "functional"):
+        raise ValueError("ns_engine must be 'auto', 'engine', 'functional' or a "
+                         f"dmuon.kernels.ns_engine.NSEngine, got {choice!r}")
+    return BatchedNS if choice == "functional" or (choice == "auto" and device_type != "cuda") \
+        else engine
 
 
 def check_options(positional: tuple, given: Mapping[str, Any],

@@ -4,7 +4,7 @@ that is neither a ``Transform`` nor a function of the hyper-parameters, a quanti
 tensor-parallel slice's owner cannot serve (a stage written in the optax form only runs out of
 place and needs the whole matrix), a state field of a shape or dtype the checkpoint formats cannot
 hold, a stored momentum option without a momentum stage, a fixed chain whose hyper-parameters
-changed."""
+changed, a variant's state on a path that carries Muon's momentum only."""
 from __future__ import annotations
 
 from typing import Any, Mapping, Optional, Sequence
@@ -18,7 +18,7 @@ from dmuon.functional.state_fields import LAYOUTS
 from dmuon.functional.tree import get_path
 
 __all__ = ["is_muon", "meta_state", "check_transform", "check_built_chain", "check_chain",
-           "check_fields", "check_stored_field", "check_fixed_hparams"]
+           "check_fields", "check_stored_field", "check_fixed_hparams", "refuse_variant"]
 
 
 def is_muon(transform: Any) -> bool:
@@ -153,3 +153,15 @@ def check_fixed_hparams(hparams: Sequence[Any], built_with: Sequence[Any]) -> No
             "updated. Pass a function hparams -> Transform (e.g. dmuon.functional.variants."
             "normuon()) so the chain is built from param_groups[0] each step, or schedule "
             "inside the chain.")
+
+
+def refuse_variant(custom: bool, what: str) -> None:
+    """Raise ``NotImplementedError`` where a path (``what``) carries Muon's momentum only, not a
+    variant's fields, if the optimizer runs a chain other than Muon itself (``custom``: its owner
+    driver's; the same on every rank, which all build the optimizer with the same ``transform``)."""
+    if custom:
+        raise NotImplementedError(
+            f"{what} does not carry the state of a dmuon.Muon(transform=...) variant yet; nothing "
+            "was changed. Use Muon.state_dict() / load_state_dict (torch's protocol, DCP) or "
+            "dmuon.get_optimizer_state_dict / set_optimizer_state_dict, which save and restore "
+            "the variant's state by name at any topology.")

@@ -1,9 +1,9 @@
 """An owner update computed ahead of ``step()``, out of place (:mod:`dmuon.functional.ns_overlap`
-decides when it is valid): :func:`speculative_inputs` copies the live state and masters of some
-owned matrices into buffers of the speculation's own (the chain's counts cloned, so the live ones
-never advance), and :func:`commit_` copies a valid result into the live state and masters, bit
-for bit what running the update then would have written. Nothing here reads or writes anything
-but the trees it is given."""
+decides when it is valid): :func:`live_tensors` lists what it reads, :func:`speculative_inputs`
+copies the live state and masters of some owned matrices into buffers of the speculation's own
+(the chain's counts cloned, so the live ones never advance), and :func:`commit_` copies a valid
+result into the live state and masters, bit for bit what running the update then would have
+written. Nothing here reads or writes anything but the trees it is given."""
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping, Sequence
@@ -14,11 +14,18 @@ from torch import Tensor
 
 from dmuon.functional.tree import get_path, replace_path
 
-__all__ = ["speculative_inputs", "speculative_fields", "result_tensors", "commit_"]
+__all__ = ["live_tensors", "speculative_inputs", "speculative_fields", "result_tensors", "commit_"]
 
 #: ``buffer(key, like)``: a tensor shaped as ``like`` kept by the caller for ``key`` (reused
 #: across steps, so a speculation allocates nothing in the steady state), holding ``like``'s values
 Buffer = Callable[[tuple, Tensor], Tensor]
+
+
+def live_tensors(state: Any, fields: Sequence[Any], masters: Mapping[str, Tensor],
+                 names: Sequence[str]) -> list[Tensor]:
+    """The live per-param state (field by field) and masters of ``names``: what an update of
+    them reads and :func:`speculative_inputs` copies, in one fixed order (a stamp's inputs)."""
+    return [get_path(state, f.path)[n] for f in fields for n in names] + [masters[n] for n in names]
 
 
 def speculative_inputs(state: Any, fields: Sequence[Any], masters: Mapping[str, Tensor],

@@ -264,13 +264,3 @@ def set_optimizer_state_dict(model: nn.Module, optimizer: Any,
                             for n, keys in meta["dedicated"].items() if n in rt.params}
     load_optimizer_state(optimizer, entries, what=what, check_finite=check_finite, rank0=True)
 
-
-def refuse_variant(optimizer: Any, what: str) -> None:
-    """Raise ``NotImplementedError`` (the same on every rank: every rank builds the optimizer with
-    the same ``transform``) where a path carries Muon's momentum only, not a variant's fields."""
-    if getattr(optimizer, "_owner", None) is not None and optimizer._owner.custom:
-        raise NotImplementedError(
-            f"{what} does not carry the state of a dmuon.Muon(transform=...) variant yet; nothing "
-            "was changed. Use Muon.state_dict() / load_state_dict (torch's protocol, DCP) or "
-            "dmuon.get_optimizer_state_dict / set_optimizer_state_dict, which save and restore "
-            "the variant's state by name at any topology.")

@@ -7,6 +7,7 @@ Design notes: docs/design/modes.md, "dmuon.stateful.modes.tensor_parallel".
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
@@ -124,6 +125,10 @@ class TPStep:
         self.root: dict[str, int] = tp_roots({n: self.layouts[n].shape for n in self.names}, self.T)
         self.dims = {n: lay.dim for n, lay in self.layouts.items()}  # the sliced dim of each
         self.world = dist.get_world_size()
+        #: the ``sum_hook`` of a variant's stages (:func:`~dmuon.functional.tp_step.
+        #: tp_sum_partials`, through the executor)
+        self.sum_partials = partial(tp_sum_partials, dims=self.dims, ranks=self.ranks,
+                                    world=self.world, run=self.executor.run)
 
     def agree_grads(self, grads: dict[str, Optional[torch.Tensor]],
                     masters: Mapping[str, torch.Tensor]) -> dict[str, Optional[torch.Tensor]]:
@@ -175,12 +180,6 @@ class TPStep:
         absmaxes (:meth:`~dmuon.stateful.optimizer.state_storage.MomentumStorage.share_scales`)."""
         v = values.detach().to(device=self.device, dtype=torch.float32)
         return group_max(v, self.ranks, self.world, self.executor.run).to(values.device)
-
-    def sum_partials(self, names: Sequence[str], partials: list, dims: Sequence[int]) -> list:
-        """The ``sum_hook`` of a variant's stages (:func:`dmuon.functional.tp_step.
-        tp_sum_partials`, through the executor)."""
-        return tp_sum_partials(names, partials, dims, self.dims, self.ranks, self.world,
-                               self.executor.run)
 
 
 def assemble_tp_slices(layouts: Mapping[str, TPLayout], values: Mapping[str, torch.Tensor],

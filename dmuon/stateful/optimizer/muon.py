@@ -22,7 +22,6 @@ from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.functional.split_exec import split_orthogonalizer
 from dmuon.functional.stages.orthogonalize import OrthogonalizerFor
 from dmuon.kernels.ns_engine import NSEngine
-from dmuon.newton_schulz.batched import BatchedNS
 from dmuon.newton_schulz.timing import NSTimer
 from dmuon.stateful.optimizer.split_step import SplitStep
 from dmuon.stateful.modes.ddp import check_backend
@@ -113,7 +112,7 @@ class Muon(torch.optim.Optimizer):
                                                 fopts.hparams_of_group(muon_group))
         self._adamw_storage = AdamWStorage(adamw_state_dtype)  # checked before any change
         self._storage = MomentumStorage(mu_dtype, offload_state, None)
-        _ns_of(knobs["ns_engine"], "cpu")  # a bad ns_engine raises here, before anything changes
+        fopts.ns_of(knobs["ns_engine"], "cpu", NSEngine)  # a bad ns_engine raises here
         model = unwrap_model(model)
         finish_pending(model)  # dedicate_params before TP: the dedication completes here
         rt = get_state(model, "dmuon.Muon(model)")
@@ -125,11 +124,10 @@ class Muon(torch.optim.Optimizer):
                             rt.dp_dims, fsdp_dp_dims(model))
         self._storage.bind(rt.device)
         dedicated = set(rt.params.values())
-        self._adamw_named = tuple((n, p) for n, p in model.named_parameters()
-                                  if p.requires_grad and p not in dedicated)
+        others = [(n, p) for n, p in model.named_parameters() if p not in dedicated]
+        self._adamw_named = tuple((n, p) for n, p in others if p.requires_grad)
         # frozen at construction: in no param group (a gradient there after unfreezing raises)
-        self._outside = tuple((n, p) for n, p in model.named_parameters()
-                              if not p.requires_grad and p not in dedicated)
+        self._outside = tuple((n, p) for n, p in others if not p.requires_grad)
         groups = [
             dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_group,
                  momentum_dtype=str(self._storage.dtype), offload_state=offload_state),
@@ -155,9 +153,9 @@ class Muon(torch.optim.Optimizer):
         self._generation = rt.attach_optimizer()
         from dmuon.stateful.optimizer.ns_overlap import NSOverlap
         self._overlap = NSOverlap(self)  # set_ns_overlap (off)
-        # the runtime's listener only where a policy needs it (offload copies, early owner
-        # updates): decided here (and by set_ns_overlap), not at each notification
-        rt.set_listener(StorageListener(self) if self._listens() else None)
+        # the runtime's listener only where a policy needs it (offloaded momentum: its copies;
+        # set_ns_overlap: its early updates): decided here, not at each notification
+        rt.set_listener(StorageListener(self) if self._storage.offload else None)
         # the states exist from the start (zeros): torch's get_optimizer_state_dict then never
         # runs its zero-gradient "materializing" step on this optimizer. One driver for Muon
         # (transform=None: variants.muon()) and every variant: its chain, state and fields
@@ -165,9 +163,12 @@ class Muon(torch.optim.Optimizer):
         self._owner = OwnerDriver(transform, self.muon_hparams(), rt, self._storage)
         self.adamw_state: Optional[fadamw.AdamWState] = self._adamw_storage.stored_state(
             fadamw.init(self.adamw_local_tensors()[0])) if self._adamw_named else None
-        self._momentum_markers: dict[str, Any] = {}
-        self._name_of = {p: n for n, p in rt.params.items()}
-        self._name_of.update({p: n for n, p in self._adamw_named})
+        #: the state a matrix held by its owner lists: a marker per field that refuses math
+        #: (torch's tools read the keys), made once
+        self._markers = {(n, f.key): make_marker(rt.params[n], n, None, what="momentum" if
+                                                 f.key == "momentum_buffer" else f.key)
+                         for n in rt.names if n not in owned for f in self._owner.fields}
+        self._name_of = {p: n for n, p in (*rt.params.items(), *self._adamw_named)}
         self.invalidate_state_views()
         if not sd.is_scaled(self._storage.dtype):  # views alias the live state: build them now
             self.refresh_state_views()
@@ -244,18 +245,9 @@ class Muon(torch.optim.Optimizer):
         step_m = torch.tensor(float(owner.step_count if rt.owned_names else self.num_steps))
         own = {f.key: owner.value_of(f.key, rt.owned_masters(), view=True)  # the stored momentum:
                for f in owner.fields}  # its stored tensors (fp8: decoded, inference tensors)
-        for n in rt.names:
-            entry = {}
-            for key, vals in own.items():
-                buf = vals.get(n)
-                if buf is None:  # held by its owner: a marker that refuses math (torch's tools
-                    buf = self._momentum_markers.get((n, key))  # read the keys)
-                    if buf is None:
-                        buf = make_marker(rt.params[n], n, None, what="momentum"
-                                          if key == "momentum_buffer" else key)
-                        self._momentum_markers[(n, key)] = buf
-                entry[key] = buf
-            views[rt.params[n]] = dict(entry, step=step_m)
+        for n in rt.names:  # held by its owner: the field's marker
+            views[rt.params[n]] = dict({key: vals[n] if n in vals else self._markers[(n, key)]
+                                        for key, vals in own.items()}, step=step_m)
         if self.adamw_state is not None:
             step = torch.tensor(float(self.adamw_state.step))
             for n, p in self._adamw_named:
@@ -290,7 +282,7 @@ class Muon(torch.optim.Optimizer):
         every step). Decided here, once: the orthogonalizer every ``orthogonalize`` stage runs
         (:class:`~dmuon.functional.stages.orthogonalize.OrthogonalizerFor`; ``_ns``: the same
         object, whose identity names the NS settings)."""
-        ns = _ns_of(engine, self._rt.device.type)  # checks engine first
+        ns = fopts.ns_of(engine, self._rt.device.type, NSEngine)  # checks engine first
         split, tp = self._split, self._tp
         wrap = (partial(split_orthogonalizer, owned=split.owned, run_units=split.run)
                 if split is not None else tp.orthogonalizer if tp is not None else None)
@@ -336,14 +328,10 @@ class Muon(torch.optim.Optimizer):
         update is computed per group (its own NS batches). Not applied (``ns_overlap_stats``
         says why) with TP, split NS, your own ``transform=`` chain (its stages may couple
         matrices), or a momentum stored in another dtype or offloaded."""
-        self._overlap.set_mode(mode)
-        if self._listens() and self._rt.listener is None and self._rt.is_current(self._generation):
-            self._rt.set_listener(StorageListener(self))
-
-    def _listens(self) -> bool:
-        """Whether a policy of this optimizer needs the runtime's notifications (offloaded
-        momentum: its copies; NS overlap not off: its early updates)."""
-        return self._storage.offload or self._overlap.mode != "off"
+        self._overlap.set_mode(mode)  # not off: the listener (an offloaded momentum's is set)
+        rt = self._rt
+        if self._overlap.mode != "off" and rt.listener is None and rt.is_current(self._generation):
+            rt.set_listener(StorageListener(self))
 
     @property
     def ns_overlap_stats(self) -> dict[str, Any]:
@@ -476,9 +464,7 @@ class Muon(torch.optim.Optimizer):
         return params, grads
 
     def _adamw_update(self) -> None:
-        """AdamW on FSDP2's local shards."""
-        if not self._adamw_named:
-            return
+        """AdamW on FSDP2's local shards (none, or none with a gradient: nothing to do)."""
         params, grads = self.adamw_local_tensors()  # (the state exists from construction)
         store = self._adamw_storage  # adamw_state_dtype: stored rounded, updated decoded
         if all(g is None for g in grads.values()):
@@ -541,14 +527,3 @@ class Muon(torch.optim.Optimizer):
         from dmuon.stateful.checkpoint.optimizer_state_dict import torch_load_optimizer_state_dict
         torch_load_optimizer_state_dict(self, state_dict)
 
-
-def _ns_of(choice: Any, device_type: str) -> Any:
-    """The NS the owners run for an ``NSConfig`` (:meth:`Muon.set_ns_engine`): a class built per
-    config, or the given engine; ``ValueError`` for anything else."""
-    if isinstance(choice, NSEngine):
-        return choice
-    if choice not in ("auto", "engine", "functional"):
-        raise ValueError("ns_engine must be 'auto', 'engine', 'functional' or a "
-                         f"dmuon.kernels.ns_engine.NSEngine, got {choice!r}")
-    return BatchedNS if choice == "functional" or (choice == "auto" and device_type != "cuda") \
-        else NSEngine

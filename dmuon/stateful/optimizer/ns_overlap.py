@@ -18,7 +18,7 @@ import torch
 from dmuon.functional import ns_overlap as O
 from dmuon.functional import phases as P
 from dmuon.functional.variants import Variant
-from dmuon.functional.speculation import commit_, result_tensors, speculate
+from dmuon.functional.speculation import commit_, live_tensors, result_tensors, speculate
 from dmuon.kernels.graph_replay import RecurringGraphs
 from dmuon.kernels.streams import side_stream
 from dmuon.stateful.runtime.agree import host_sum
@@ -57,15 +57,10 @@ class NSOverlap:
     def _active(self) -> bool:
         return self.mode == "on" or (self.mode == "auto" and len(self._ends) % 2 == 1)
 
-    def _live(self, opt: Any, names: list) -> list:
-        """The live per-param state and masters of ``names`` (what an update of them copies in)."""
-        owner, masters = opt._owner, self.rt.owned_masters()
-        return [owner.field_values(f.key)[n] for f in owner.fields for n in names] + [
-            masters[n] for n in names]
-
     def _stamp(self, opt: Any, names: list, grads: dict, reduces: int = 0) -> O.Stamp:
+        live = live_tensors(opt._owner.state, opt._owner.fields, self.rt.owned_masters(), names)
         return O.take_stamp((*opt.muon_hparams(), opt.elementwise, id(opt._ns)), opt.num_steps,
-                            reduces, names, grads, [self._live(opt, names)])
+                            reduces, names, grads, [live])
 
     def _buffer(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
         b = self.bufs.get(key)
@@ -131,8 +126,9 @@ class NSOverlap:
         :func:`~dmuon.functional.ns_overlap.replay_key` recurs (the host cost of one launch
         instead of the update's, which delay the backward's); the results: its own buffers."""
         leaves = [t for t in optree.tree_leaves(opt._owner.state) if isinstance(t, torch.Tensor)]
+        live = live_tensors(opt._owner.state, opt._owner.fields, self.rt.owned_masters(), names)
         out, replayed = self.graphs(
-            key, O.replay_key(stamp, [t.data_ptr() for t in self._live(opt, names)], leaves),
+            key, O.replay_key(stamp, [t.data_ptr() for t in live], leaves),
             lambda: self._compute(opt, names, grads), lambda out: result_tensors(*out),
             lambda: {t.data_ptr() for t in self.bufs.values()}, self.rt.device)
         self.stats["replayed"] += replayed

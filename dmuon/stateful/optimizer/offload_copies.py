@@ -143,22 +143,20 @@ class OffloadCopies:
         if not self.cuda:
             for t, d in zip(hosts, datas):
                 t.copy_(d)
-            self._versions.update({id(t): (n, t, t._version) for n, t in zip(names, hosts)})
-            return
-        st = self.out_stream
-        st.wait_event(ready)
-        with torch.cuda.stream(st):
-            for t, d in zip(hosts, datas):
-                t.copy_(d, non_blocking=True)
-                d.record_stream(st)
-            ev = torch.cuda.Event(enable_timing=timing)
-            ev.record(st)
-        for n in names:
-            self._out_events[n] = ev
+        else:
+            st = self.out_stream
+            st.wait_event(ready)
+            with torch.cuda.stream(st):
+                for t, d in zip(hosts, datas):
+                    t.copy_(d, non_blocking=True)
+                    d.record_stream(st)
+                ev = torch.cuda.Event(enable_timing=timing)
+                ev.record(st)
+            self._out_events.update((n, ev) for n in names)
+            self._last_out = ev
+            if timing:
+                self._last_timed = ev
         self._versions.update({id(t): (n, t, t._version) for n, t in zip(names, hosts)})
-        self._last_out = ev
-        if timing:
-            self._last_timed = ev
 
     def end_step(self) -> None:
         """The step's work is queued: record its end (CUDA, for :attr:`out_budget`)."""

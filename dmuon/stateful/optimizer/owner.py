@@ -159,20 +159,18 @@ class OwnerDriver:
         on the device (:meth:`MomentumStorage.values`); ``view=True`` (``optimizer.state``): the
         stored tensors themselves unless they hold an 8-bit float's data (then a decoded copy, an
         inference tensor: a write to it raises). ``names``: only those."""
-        f = self.stored_field
+        f, st = self.stored_field, self.storage
         check_not_broken(None if view else self.broken, "dmuon: a checkpoint of the optimizer")
-        if self.storage is None or f is None or key != f.key:
-            vals = self.field_values(key)
-        elif view and not sd.is_scaled(self.storage.dtype):
-            self.storage.copies.synchronize()
-            vals = self.stored_momentum()
-        else:
-            st = self.stored_momentum()
-            if names is not None:
-                st = {n: st[n] for n in names if n in st}
-            with torch.inference_mode(view):
-                return self.storage.values(st, masters)
-        return vals if names is None else {n: vals[n] for n in names if n in vals}
+        stored = st is not None and f is not None and key == f.key
+        if stored and view and not sd.is_scaled(st.dtype):
+            st.copies.synchronize()  # the stored tensors themselves
+            stored = False
+        vals = self.field_values(key)
+        vals = vals if names is None else {n: vals[n] for n in names if n in vals}
+        if not stored:
+            return vals
+        with torch.inference_mode(view):
+            return st.values(vals, masters)
 
     def scalars(self) -> list[float]:
         """The chain state's counts (non-per-param tensors), as Python numbers."""

@@ -16,7 +16,7 @@ from torch import Tensor
 
 from dmuon.functional import adamw_storage as fadamw_storage
 from dmuon.functional import state_dtype as sd
-from dmuon.functional.momentum_chunks import step_chunks
+from dmuon.functional.momentum_chunks import step_chunks, within_room
 from dmuon.stateful.optimizer.offload_copies import NoCopies, OffloadCopies
 
 logger = logging.getLogger(__name__)
@@ -133,19 +133,11 @@ class MomentumStorage:
             return
         staged = self.copies.staged
         todo = {n: t for n, t in stored.items() if n not in staged}
-        if not todo:
-            return
-        if ahead and self.prefetch_bytes is not None:
+        if ahead and self.prefetch_bytes is not None:  # within the budget (staged bytes count)
             room = self.prefetch_bytes - sum(b.nbytes for b, _ in staged.values())
-            keep = {}
-            for n, t in todo.items():
-                if t.nbytes > room:
-                    break
-                keep[n], room = t, room - t.nbytes
-            todo = keep
-            if not todo:
-                return
-        self.copies.copy_in(todo)
+            todo = {n: todo[n] for n in within_room({n: t.nbytes for n, t in todo.items()}, room)}
+        if todo:
+            self.copies.copy_in(todo)
 
     # ------------------------------------------------------------------ checkpoints
     def values(self, stored: Mapping[str, Tensor], masters: Mapping[str, Tensor]
