@@ -138,9 +138,6 @@ def _check(results, key):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="the first forward under inference_mode builds dmuon's "
-                   "gather buffers as inference tensors: the next training forward raises on the "
-                   "owner only, the other rank times out")
 @pytest.mark.parametrize("key", ["inference_first", "inference_first_z2"])
 def test_inference_mode_before_the_first_step_equals_one_process(results, key):
     _check(results, key)

@@ -157,8 +157,11 @@ class DedicatedState:
     def lazy_init(self) -> None:
         """Resolve dtypes (FSDP2's policy), build the step program, layouts and buffers; the first
         forward, once."""
-        if self.ready:
-            return
+        if not self.ready:
+            self._init_at_first_forward()
+
+    @torch.inference_mode(False)  # what it builds outlives a first forward under inference_mode
+    def _init_at_first_forward(self) -> None:
         self.finish_meta_init("dmuon (first forward)")
         model = self.model_ref()
         if model is not None:
