@@ -175,10 +175,6 @@ def test_inference_mode_before_the_first_step_equals_one_process(results, key):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="model.load_state_dict(sd, assign=True) after dmuon.Muon "
-                   "replaces the FSDP2 params (the optimizer then silently stops updating them, "
-                   "as in torch) but keeps training the dedicated matrices: neither torch's result "
-                   "nor the uninterrupted run")
 def test_load_with_assign_after_the_optimizer_raises_on_every_rank(results):
     _check(results, "assign_mid")  # the retried plain load: the uninterrupted run
     for rank, r in enumerate(results):
