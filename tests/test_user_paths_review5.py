@@ -226,9 +226,6 @@ def test_load_with_assign_after_the_optimizer_raises_on_every_rank(results):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="step() after a last micro-batch inside dmuon.no_sync "
-                   "applies only the synced micro-batches' gradients, silently (3.1e-2 on the "
-                   "matrices after 3 steps)")
 @pytest.mark.parametrize("key", ["no_sync_last", "no_sync_last_z2"])
 def test_step_after_a_last_micro_batch_inside_no_sync_raises_on_every_rank(results, key):
     for rank, r in enumerate(results):

@@ -335,7 +335,7 @@ class DedicatedState:
         self.wait_publish()  # publishes of groups this forward did not use
         if self.require_grad_sync:
             self._launch_due_reduces(every=True)
-            self.ledger.fresh = True
+        self.ledger.fresh = self.require_grad_sync  # a no_sync backward last: nothing to step on
         self._reduce_next = 0
         create_graph, self._keep_gathered = self._keep_gathered, False
         if not create_graph:  # FSDP2's groups a create_graph backward kept (dmuon's own: below)
