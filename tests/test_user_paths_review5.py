@@ -283,9 +283,6 @@ def test_step_after_a_last_micro_batch_inside_no_sync_raises_on_every_rank(resul
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="opt.zero_grad() after a backward inside dmuon.no_sync "
-                   "leaves FSDP2's unreduced gradients on its unsharded params, which the next "
-                   "synced backward adds to its reduce-scatter")
 @pytest.mark.parametrize("key", ["discard_no_sync", "discard_no_sync_z2"])
 def test_zero_grad_drops_a_micro_batch_backwarded_inside_no_sync(results, key):
     _check(results, key)
