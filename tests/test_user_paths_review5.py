@@ -19,12 +19,18 @@ marker on a gathered matrix (or its local gradient as its ``.grad``, accumulated
 FSDP2's own params have the same gap under ``model.zero_grad()`` in torch 2.13 (its unsharded
 accumulators; plain FSDP2 + ``torch.optim``: 1.3e-2 after 2 steps), which dmuon cannot reach.
 
-Before the fix (measured): the first forward, under ``inference_mode``, built dmuon's gather
+Before the fixes (measured): the first forward, under ``inference_mode``, built dmuon's gather
 buffers as inference tensors; the next training forward's gather raised on the owner ("Inplace
 update to inference tensor outside InferenceMode") while the other rank waited in the broadcast
-until dmuon's timeout. (FSDP2's own params have the same limit in torch 2.13: its buffers built
+until dmuon's timeout (FSDP2's own params have the same limit in torch 2.13: its buffers built
 under ``inference_mode`` raise on every rank; a model with FSDP2 params at its root raises that
-error first.)
+error first). ``load_state_dict(sd, assign=True)`` after ``dmuon.Muon`` was accepted: the FSDP2
+params became new objects its AdamW group does not hold (frozen, silently, as with torch.optim)
+while the matrices trained on (6.1e-3 from the uninterrupted run); now it raises on every rank.
+A last micro-batch inside ``no_sync`` was left out of the step, silently (3.1e-2); now the step
+raises on every rank and the gradients stay for a synced backward. ``opt.zero_grad()`` after a
+``no_sync`` backward left FSDP2's unreduced gradients for its next reduce-scatter (8.9e-3); now
+``Muon.zero_grad`` drops them too.
 """
 from __future__ import annotations
 
