@@ -159,14 +159,14 @@ def release_fsdp_kept(groups: list[Any]) -> list[Any]:
     return []
 
 
-def drop_unreduced_fsdp_grads(model: nn.Module) -> None:
+def drop_unreduced_fsdp_grads(model: Optional[nn.Module]) -> None:
     """Drop the gradients FSDP2 holds unreduced on its unsharded params: a backward under
     ``set_requires_gradient_sync(False)`` (``dmuon.no_sync``) leaves them there, where
     ``optimizer.zero_grad()`` (over the sharded params) does not reach, and FSDP2's next synced
     backward adds them to its reduce-scatter (measured on torch 2.13: a micro-batch thrown away by
     ``zero_grad()`` still moved the next step). ``dmuon.Muon.zero_grad`` calls it, so that it drops
-    every gradient, as a single-device ``zero_grad`` does."""
-    for m in model.modules():
+    every gradient, as a single-device ``zero_grad`` does (``model`` ``None``: freed, nothing held)."""
+    for m in () if model is None else model.modules():
         for group in fsdp_param_groups(fsdp_state(m)):
             for fp in getattr(group, "fsdp_params", ()):
                 fp.unsharded_accumulated_grad = None
