@@ -165,7 +165,8 @@ def drop_unreduced_fsdp_grads(model: Optional[nn.Module]) -> None:
     ``optimizer.zero_grad()`` (over the sharded params) does not reach, and FSDP2's next synced
     backward adds them to its reduce-scatter (measured on torch 2.13: a micro-batch thrown away by
     ``zero_grad()`` still moved the next step). ``dmuon.Muon.zero_grad`` calls it, so that it drops
-    every gradient, as a single-device ``zero_grad`` does (``model`` ``None``: freed, nothing held)."""
+    every gradient, as a single-device ``zero_grad`` does (``model`` ``None``: freed, nothing
+    held)."""
     for m in () if model is None else model.modules():
         for group in fsdp_param_groups(fsdp_state(m)):
             for fp in getattr(group, "fsdp_params", ()):
