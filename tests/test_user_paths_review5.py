@@ -296,8 +296,8 @@ def test_zero_grad_drops_a_micro_batch_backwarded_inside_no_sync(results, key):
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="Z2 keeps a group gathered across a no_sync backward, so "
-                   "its matrices are no placeholders and show no .grad marker: their local gradient "
-                   "is held by dmuon's ledger only, which model.zero_grad() cannot reach; the "
-                   "next synced backward adds it to its own (not fixed: see the module doc)")
+                   "its matrices are no placeholders and show no .grad marker: their local "
+                   "gradient is held by dmuon's ledger only, which model.zero_grad() cannot "
+                   "reach; the next synced backward adds it to its own (not fixed: module doc)")
 def test_model_zero_grad_drops_a_z2_micro_batch_backwarded_inside_no_sync(results):
     _check(results, "discard_no_sync_model_z2")
