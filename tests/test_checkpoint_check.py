@@ -9,7 +9,7 @@ import torch
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.functional.state_dict_check import (
-    check_state_dict, dtype_changes, field_problems, from_torch_protocol, full_dict_problems,
+    assign_problems, check_state_dict, dtype_changes, field_problems, from_torch_protocol, full_dict_problems,
     full_dict_structure, full_from_functional_states, functional_states_from_full, loadable_hparams,
     model_state_problems, optimizer_state_problems, row_chunks, to_torch_protocol, value_problems,
 )
@@ -17,6 +17,17 @@ from dmuon.functional.state_fields import tp_concat_dim
 
 EXP = {"embed.weight": (8, 4), "layers.0.w": (4, 4), "norm.weight": (4,), "lm_head.weight": (8, 4)}
 TIED = [("embed.weight", "lm_head.weight")]
+
+
+def test_assign_is_refused_only_once_an_optimizer_holds_fsdp2_params():
+    """``load_state_dict(sd, assign=True)`` would swap FSDP2 params the built ``dmuon.Muon`` holds
+    (the slow tier's test_user_paths_review5 runs it on 2 ranks)."""
+    keys = ["embed.weight", "norm.weight"]
+    assert assign_problems(False, True, keys) == []
+    assert assign_problems(True, False, keys) == []  # before dmuon.Muon: the new params are its
+    assert assign_problems(True, True, []) == []  # only dedicated matrices: copied by dmuon
+    (line,) = assign_problems(True, True, keys)
+    assert "assign=True" in line and "embed.weight" in line and "assign=False" in line
 
 
 def test_exact_dict_passes_and_reads_each_key_from_itself():

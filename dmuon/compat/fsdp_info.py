@@ -15,7 +15,7 @@ from dmuon.compat.torch_api import (fsdp_divide_factor, fsdp_mesh, fsdp_mp_polic
                                    fsdp_param_groups, fsdp_state)
 
 __all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_holders", "mean_to_fsdp_scale", "fsdp_meshes", "fsdp_dp_dims", "reduce_unused_fsdp_params",
-           "keep_fsdp_gathered", "release_fsdp_kept"]
+           "keep_fsdp_gathered", "release_fsdp_kept", "drop_unreduced_fsdp_grads"]
 
 
 def has_fsdp_state(model: nn.Module) -> list[str]:
@@ -157,3 +157,20 @@ def release_fsdp_kept(groups: list[Any]) -> list[Any]:
         g.reshard_after_backward = True
         g.reshard()
     return []
+
+
+def drop_unreduced_fsdp_grads(model: Optional[nn.Module]) -> None:
+    """Drop the gradients FSDP2 holds unreduced on its unsharded params: a backward under
+    ``set_requires_gradient_sync(False)`` (``dmuon.no_sync``) leaves them there, where
+    ``optimizer.zero_grad()`` (over the sharded params) does not reach, and FSDP2's next synced
+    backward adds them to its reduce-scatter (measured on torch 2.13: a micro-batch thrown away by
+    ``zero_grad()`` still moved the next step). ``dmuon.Muon.zero_grad`` calls it, so that it drops
+    every gradient, as a single-device ``zero_grad`` does (``model`` ``None``: freed, nothing
+    held)."""
+    for m in () if model is None else model.modules():
+        for group in fsdp_param_groups(fsdp_state(m)):
+            for fp in getattr(group, "fsdp_params", ()):
+                fp.unsharded_accumulated_grad = None
+                unsharded = getattr(fp, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None

@@ -248,6 +248,18 @@ def written_problems(keys: Sequence[str]) -> list[str]:
     return [f"{ALREADY_WRITTEN} ({len(keys)}, e.g. {list(keys)[:3]})"] if keys else []
 
 
+def assign_problems(assign: bool, optimizer_built: bool, keys: Sequence[str]) -> list[str]:
+    """``[]``, or the line refusing ``model.load_state_dict(sd, assign=True)`` of the FSDP2 params
+    ``keys`` once a ``dmuon.Muon`` holds them: torch would put new param objects in the model,
+    which that optimizer does not hold (they would silently stop training, the matrices not)."""
+    if not (assign and optimizer_built and keys):
+        return []
+    return [f"assign=True would replace {len(keys)} FSDP2 param(s) (e.g. {list(keys)[:2]}) by "
+            "new objects that the dmuon.Muon built on this model does not hold, so they would "
+            "silently stop training; load with assign=False (the default: the values are "
+            "copied), or build dmuon.Muon after this load"]
+
+
 def view_problems(problems: list[str], views: Sequence[str]) -> list[str]:
     """``problems`` led, when they refuse a load given ``views`` (:func:`live_views`' keys), by
     what those views mean: :data:`ALREADY_WRITTEN` for the ones ``problems`` call non-finite,

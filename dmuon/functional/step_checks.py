@@ -19,7 +19,8 @@ __all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks"
 def check_step_ready(current: bool, fresh: bool, broken: Optional[str] = None) -> None:
     """Raise ``RuntimeError`` unless this optimizer is the newest on its model (``current``), no
     earlier step failed part-way (``broken``: that failure, every rank's, until a load) and a
-    backward reached the dedicated matrices since the last step (``fresh``)."""
+    synced backward reached the dedicated matrices since the last step, the last backward
+    (``fresh``)."""
     check_not_broken(broken, "dmuon.Muon.step")
     if not current:
         raise RuntimeError(
@@ -29,7 +30,8 @@ def check_step_ready(current: bool, fresh: bool, broken: Optional[str] = None) -
     if not fresh:
         raise RuntimeError(
             "dmuon.Muon.step: no backward pass reached the dedicated matrices since the last "
-            "step() (or zero_grad()), so there is no fresh gradient to apply; nothing was "
+            "step() (or zero_grad()), or the last one ran inside dmuon.no_sync (its gradients "
+            "were never reduced), so there is no fresh gradient to apply; nothing was "
             "updated. Run forward and loss.backward() (the last micro-batch outside "
             "dmuon.no_sync) before every step(). A step() on one rank only, or twice in a row, "
             "would update that rank's FSDP2 shards again and leave its dedicated matrices "

@@ -16,8 +16,9 @@ import torch.nn as nn
 from dmuon.compat.fsdp_patch import is_dedicated
 from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
 from dmuon.functional.module_paths import ancestors, modules_above
-from dmuon.functional.state_dict_check import (check_state_dict, dtype_changes, live_views,
-                                               load_refusal, value_problems, view_problems)
+from dmuon.functional.state_dict_check import (assign_problems, check_state_dict, dtype_changes,
+                                               live_views, load_refusal, value_problems,
+                                               view_problems)
 from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
@@ -216,7 +217,7 @@ class _Hooks:
             problems += self.check(key, n, v, notes)
             staged.setdefault(n, v)
             state_dict[key] = st.params[n]  # the placeholder: torch's own copy_ is a no-op
-        self.late = set()
+        self.late, fsdp_keys = set(), []
         for k, v in self._dry_run(module, state_dict, prefix, absent).items():
             n = self.keys[k]
             problems += self.check(prefix + k, n, v, notes)
@@ -226,6 +227,7 @@ class _Hooks:
             if is_dedicated(p) or key not in state_dict:
                 continue
             v = state_dict[key]
+            fsdp_keys.append(key)
             mine = value_problems(key, v, tuple(p.shape), p.dtype, notes=notes)
             problems += mine
             views += live_views({key: v}, [p])
@@ -235,6 +237,8 @@ class _Hooks:
                    for k, b in module.named_buffers(remove_duplicate=False)}
         problems += check_state_dict({k: tuple(v.shape) for k, v in state_dict.items() if
                                       k in buffers and isinstance(v, torch.Tensor)}, buffers).wrong
+        problems += assign_problems(local_metadata.get("assign_to_params_buffers", False),
+                                    not st.is_current(0), fsdp_keys)  # generation 0: no Muon yet
         agree(st, view_problems(problems, views), "model.load_state_dict on a dmuon model",
               route="torch")
         log_dtype_changes("model.load_state_dict", notes)

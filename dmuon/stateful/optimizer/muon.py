@@ -19,6 +19,7 @@ from dmuon.functional import muon as fmuon
 from dmuon.functional import muon_options as fopts
 from dmuon.functional import state_dtype as sd
 from dmuon.compat.fsdp_patch import check_not_taken_over
+from dmuon.compat.fsdp_info import drop_unreduced_fsdp_grads
 from dmuon.functional.split_exec import split_orthogonalizer
 from dmuon.functional.stages.orthogonalize import OrthogonalizerFor
 from dmuon.kernels.ns_engine import NSEngine
@@ -485,6 +486,8 @@ class Muon(torch.optim.Optimizer):
         """Drop the dedicated matrices' pending grads (and their ``.grad`` markers) and zero
         FSDP2's grads (torch semantics)."""
         self._rt.clear_grads()
+        if self._rt.unsynced_backward:  # FSDP2's unreduced no_sync grads, out of torch's reach
+            drop_unreduced_fsdp_grads(self._rt.model_ref())
         self._storage.copies.staged.clear()  # a batch skipped after its backward: copies not needed
         # the consumed markers of the last step (dmuon.stateful.runtime.ledger) are zeroed or
         # dropped here like any .grad: set_to_none=False then steps a matrix with no new gradient

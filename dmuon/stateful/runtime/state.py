@@ -104,6 +104,7 @@ class DedicatedState:
         self._reduce_next = 0          # index into _reduce_order of the next reduce to launch
         self.version = 0               # weights change at every step: older gathers are stale
         self.require_grad_sync = True  # False inside dmuon.no_sync
+        self.unsynced_backward = False  # the last backward ran inside it (FSDP2 holds its grads)
         self._callback_queued = False
         self._deferred_grads: dict[str, nn.Parameter] = {}  # on_grad: taken at the backward's end
         self._keep_gathered = False  # this backward has create_graph=True (on_backward_start)
@@ -152,8 +153,11 @@ class DedicatedState:
     def lazy_init(self) -> None:
         """Resolve dtypes (FSDP2's policy), build the step program, layouts and buffers; the first
         forward, once."""
-        if self.ready:
-            return
+        if not self.ready:
+            self._init_at_first_forward()
+
+    @torch.inference_mode(False)  # what it builds outlives a first forward under inference_mode
+    def _init_at_first_forward(self) -> None:
         self.finish_meta_init("dmuon (first forward)")
         model = self.model_ref()
         if model is not None:
@@ -325,7 +329,8 @@ class DedicatedState:
         self.wait_publish()  # publishes of groups this forward did not use
         if self.require_grad_sync:
             self._launch_due_reduces(every=True)
-            self.ledger.fresh = True
+        self.ledger.fresh = self.require_grad_sync  # a no_sync backward last: nothing to step on
+        self.unsynced_backward = not self.require_grad_sync
         self._reduce_next = 0
         create_graph, self._keep_gathered = self._keep_gathered, False
         if not create_graph:  # FSDP2's groups a create_graph backward kept (dmuon's own: below)
