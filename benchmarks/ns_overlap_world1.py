@@ -155,6 +155,9 @@ def main() -> None:
     ap.add_argument("--block-steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=4)
     ap.add_argument("--check-steps", type=int, default=3)
+    ap.add_argument("--width", choices=("1b", "8b"), default="1b",
+                    help="1b: the 1.1B model (hidden 2048, 16 layers); 8b: Llama-3.1-8B's layer "
+                         "shapes (hidden 4096, intermediate 14336), 8 layers")
     ap.add_argument("--check-batch", type=int, default=1,
                     help="batch of the bitwise check (math attention: B4xT2048 does not fit 80 GB)")
     a = ap.parse_args()
@@ -166,7 +169,8 @@ def main() -> None:
         shapes = [(TINY.batch, TINY.seq), (1, TINY.seq)]
     results = []
     for batch, seq in shapes:
-        base = TINY if a.tiny else Cfg()
+        base = TINY if a.tiny else Cfg() if a.width == "1b" else \
+            Cfg(hidden=4096, inter=14336, heads=32, kv_heads=8, layers=8)
         cfg = Cfg(**{**base.__dict__, "batch": batch, "seq": seq})
         r = dict(batch=batch, seq=seq)
         check_cfg = Cfg(**{**cfg.__dict__, "batch": min(batch, a.check_batch)})
@@ -183,7 +187,8 @@ def main() -> None:
               f"{r['check']['on_vs_off']} (max rel {r['check']['on_vs_off_max_rel']:.1e}), "
               f"stats {r['stats']}", flush=True)
     doc = {**run_header(), "gpu": torch.cuda.get_device_name(0) if device.type == "cuda" else None,
-           "model": a.model, "tiny": a.tiny, "blocks": a.blocks, "block_steps": a.block_steps,
+           "model": a.model, "width": a.width, "tiny": a.tiny, "blocks": a.blocks,
+           "block_steps": a.block_steps,
            "results": results}
     write_json(a.out, doc)
     dist.destroy_process_group()

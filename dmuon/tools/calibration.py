@@ -80,17 +80,32 @@ def calibration_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _saved_share(machine: Machine, m: dict, idle: float) -> tuple[float, float]:
+    """The share of the W=1 step ``m``'s setup saves with overlap on at a constant ``idle``, and
+    one layer's projected backward seconds."""
+    const = tuple((key, ((1.0, idle),)) for key, _ in machine.ns_overlap_idle)
+    at = dataclasses.replace(machine, ns_overlap_idle=const)
+    kw = dict(micro_batch=m["micro_batch"], seq=m["seq"], max_split=1)
+    off = project_step(StepSetup(H200_W1, 1, 1, **kw), at, "dmuon")
+    on = project_step(StepSetup(H200_W1, 1, 1, ns_overlap=True, **kw), at, "dmuon")
+    layer = next(o for o in off.timeline if o.phase == "backward" and o.name.startswith("B L"))
+    return 1.0 - on.step / off.step, layer.end - layer.start
+
+
 def fit_idle_points(machine: Machine) -> dict[str, tuple[tuple[float, float], ...]]:
     """The idle shares that reproduce :data:`~dmuon.tools.ns_overlap.MEASURED` on ``machine``
-    (the fit of :mod:`dmuon.tools.ns_overlap`): ``{key name: ((key, idle), ...)}`` for both
-    keys, sorted by key. What :attr:`~dmuon.tools.machine.Machine.ns_overlap_idle` holds."""
+    (the fit of :mod:`dmuon.tools.ns_overlap`): per measured setup, the idle share at which the
+    projector's W=1 step with overlap saves the measured share, found by bisection in [0, 1]
+    (clamped: a measured loss fits 0, the model's backward is never slowed). ``{key name: ((key,
+    idle), ...)}`` for both keys, sorted by key. What
+    :attr:`~dmuon.tools.machine.Machine.ns_overlap_idle` holds."""
     tok, lay = [], []
     for m in MEASURED:
-        setup = StepSetup(H200_W1, 1, 1, micro_batch=m["micro_batch"], seq=m["seq"], max_split=1)
-        p = project_step(setup, machine, "dmuon")
-        b_layers = [o for o in p.timeline if o.phase == "backward" and o.name.startswith("B L")]
-        hidden = m["hidden_share"] * p.step
-        idle = hidden / p.backward
+        lo, hi = 0.0, 1.0
+        for _ in range(40):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if _saved_share(machine, m, mid)[0] < m["saved_share"] else (lo, mid)
+        idle = round((lo + hi) / 2, 6)
         tok.append((float(m["micro_batch"] * m["seq"]), idle))
-        lay.append((b_layers[0].end - b_layers[0].start, idle))
+        lay.append((_saved_share(machine, m, idle)[1], idle))
     return {"tokens": tuple(sorted(tok)), "layer_backward_s": tuple(sorted(lay))}

@@ -69,8 +69,8 @@ H200_MEASURED_MATMUL = 787.2999493823834e12
 #: measurements (:data:`dmuon.tools.ns_overlap.MEASURED`); keyed by tokens per GPU or by one
 #: layer's projected backward seconds. A test re-fits them.
 H200_NS_OVERLAP_IDLE: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = (
-    ("tokens", ((1024.0, 0.347752), (2048.0, 0.414475), (8192.0, 0.0216119))),
-    ("layer_backward_s", ((5.88090e-4, 0.347752), (1.215385e-3, 0.414475), (4.861542e-3, 0.0216119))),
+    ("tokens", ((2048, 0.737839), (8192, 0))),
+    ("layer_backward_s", ((0.00121539, 0.737839), (0.00486154, 0))),
 )
 
 
@@ -145,9 +145,9 @@ _COMMON_SOURCES = {
                        "whole-model NS 92.7/47.2 ms (Llama-3.2-1B shapes), 954/605.8 ms (8B)",
     "ns_restart": "dmuon default on CUDA (fp16, gram_restart 3)",
     "gpus_per_node": "assumption: 8-GPU HGX/DGX nodes",
-    "ns_overlap_idle": "fitted (dmuon.tools.calibration.fit_idle_points, H200 model) on the issue-47 "
-                       "H100 measurements: overlap hid 1 / 10 / 5 % of the sequential W=1 step of "
-                       "HF Llama 1.1B at B4xT2048 / B1xT2048 / B1xT1024; one model width only",
+    "ns_overlap_idle": "fitted (dmuon.tools.calibration.fit_idle_points, H200 model) on dmuon's "
+                       "own overlap (graph replay) on one H100: HF Llama 1.1B's W=1 step saved "
+                       "15.7 % at B1xT2048 and lost 3.6 % at B4xT2048 (fits 0); one model width",
     "ns_overlap_key": "assumption: the idle share depends on one layer's backward time (a wider "
                       "layer fills the GPU sooner at the same tokens); 'tokens' (tokens per GPU "
                       "alone) is the optimistic alternative",

@@ -22,11 +22,14 @@ backward's priority. The model, stated:
   choice for models wider than the measured one. Only one model width (hidden 2048) was
   measured, so the two keys agree on it and differ off it; the grid reports both.
 
-The fit (:func:`dmuon.tools.calibration.fit_idle_points`, beside the other calibrations): in the
-measurement the NS of all 112 matrices was launched on a side stream after the forward, so all
-of it could overlap the whole backward: at world 1 the hidden seconds are ``min(NS, idle *
-backward)``, hence ``idle = hidden share * sequential step / backward``, with the step and the backward projected for the measured setup on the machine model
-(:data:`dmuon.tools.calibration.H200_W1`, the HF Llama 1.1B-ish of the world-1 runs).
+The fit (:func:`dmuon.tools.calibration.fit_idle_points`, beside the other calibrations): the
+measurements (:data:`MEASURED`) are dmuon's own overlap against its sequential step at world 1,
+so per measured setup the idle share is the one at which the projector's W=1 step with overlap
+saves the measured share (bisection; a measured loss fits 0: the model never slows the
+backward, so it cannot go below "nothing hidden"), with the steps projected for the measured
+setup on the machine model (:data:`dmuon.tools.calibration.H200_W1`, the HF Llama 1.1B-ish of
+the world-1 runs). At B1 the measured step is host-bound (its forward's and backward's host time
+equal their GPU time), which the projector does not model: the idle share there holds that too.
 """
 from __future__ import annotations
 
@@ -37,17 +40,16 @@ from dmuon.tools.machine import Machine, interp_log2
 
 __all__ = ["MEASURED", "MEASURED_SOURCE", "idle_share", "overlap_key", "overlapped_finish"]
 
-#: Issue 47, measured on one H100 (torch 2.11), HF Llama 1.1B (hidden 2048, 16 layers): the NS of
-#: its 112 matrices on a side stream launched after the forward, the backward on the default
-#: stream; ``hidden_share``: the step time overlap saved, over the sequential step.
+#: Issue 47, dmuon's own overlap measured on one H100 (torch 2.11), HF Llama 1.1B (hidden 2048,
+#: 16 layers), ``Muon.set_ns_overlap("on")`` with the graph replay against ``"off"`` in the same
+#: process: ``saved_share`` is the step time it saved over the step without it (negative: lost).
 MEASURED: tuple[dict, ...] = (
-    {"micro_batch": 4, "seq": 2048, "hidden_share": 0.01},
-    {"micro_batch": 1, "seq": 2048, "hidden_share": 0.10},
-    {"micro_batch": 1, "seq": 1024, "hidden_share": 0.05},
+    {"micro_batch": 4, "seq": 2048, "saved_share": -0.036},
+    {"micro_batch": 1, "seq": 2048, "saved_share": 0.157},
 )
-MEASURED_SOURCE = ("issue 47: one H100, HF Llama 1.1B, NS of its 112 matrices on a side stream "
-                   "after the forward: overlap hides 1 % of the sequential step at B4 x T2048, "
-                   "10 % at B1 x T2048, 5 % at B1 x T1024")
+MEASURED_SOURCE = ("issue 47: one H100, HF Llama 1.1B, dmuon's NS overlap (graph replay) on vs off, "
+                   "benchmarks/results/ns_overlap_host_h100_graphs.json: -3.6 % at B4 x T2048 "
+                   "(lost), +15.7 % at B1 x T2048")
 
 
 def overlap_key(machine: Machine, tokens: int, layer_backward_s: float) -> float:
