@@ -149,3 +149,22 @@ def test_every_state_loads_with_weights_only():
         assert str(back) == str(st)
     assert isinstance(muon.init(params).step, torch.Tensor)
     assert isinstance(adamw.init(params).step, torch.Tensor)
+
+
+def test_hparams_key_tells_every_value_apart():
+    """A variant's chain is reused by ``dmuon.Muon``'s owners while ``hparams_key`` is equal: a
+    changed value (a scheduler's lr, ``-0.0``, an int for a float) changes the key, and a tensor
+    or a schedule (it may change in place) has none, so its chain is built at every step."""
+    key = muon.hparams_key
+    base = muon.MuonHParams(lr=0.02)
+    assert key(base) == key(muon.MuonHParams(lr=0.02))
+    assert hash(key(base)) == hash(key(muon.MuonHParams(lr=0.02)))
+    for other in (base._replace(lr=0.021), base._replace(weight_decay=-0.0),
+                  base._replace(ns_steps=6), base._replace(ns_dtype=torch.float64),
+                  base._replace(momentum=0.95 + 1e-16 if 0.95 + 1e-16 != 0.95 else 0.9500001),
+                  base._replace(ns_coefficients=[(3.0, -3.0, 1.0)] * 5)):
+        assert key(other) != key(base), other
+    assert key(base._replace(ns_coefficients=[(3.0, -3.0, 1.0)])) != \
+        key(base._replace(ns_coefficients=[(3, -3.0, 1.0)]))
+    assert key(base._replace(lr=torch.tensor(0.02))) is None
+    assert key(base._replace(lr=lambda t: 0.02)) is None
