@@ -84,8 +84,11 @@ class BatchedNS:
     def __call__(self, xs: Sequence[Tensor]) -> list[Tensor]:
         if self._plans[0] is not self.config:
             self._plans = (self.config, {})
+        # (traced by torch.compile: decided in the graph's tracing, not kept, as a kept one
+        # would change what the graph's guards saw and compile it again)
+        plans = None if torch.compiler.is_compiling() else self._plans[1]
         if self.timer is None or not xs:
-            return orthogonalize_batched(xs, self.config, self._plans[1])
-        out = self.timer.run(xs[0].device, orthogonalize_batched, xs, self.config, self._plans[1])
+            return orthogonalize_batched(xs, self.config, plans)
+        out = self.timer.run(xs[0].device, orthogonalize_batched, xs, self.config, plans)
         self.timer.mode = self.mode
         return out
