@@ -149,3 +149,46 @@ def test_every_state_loads_with_weights_only():
         assert str(back) == str(st)
     assert isinstance(muon.init(params).step, torch.Tensor)
     assert isinstance(adamw.init(params).step, torch.Tensor)
+
+
+def test_hparams_key_tells_every_value_apart():
+    """A variant's chain is reused by ``dmuon.Muon``'s owners while ``hparams_key`` is equal: a
+    changed value (a scheduler's lr, ``-0.0``, an int for a float) changes the key, and a tensor
+    or a schedule (it may change in place) has none, so its chain is built at every step."""
+    key = muon.hparams_key
+    base = muon.MuonHParams(lr=0.02)
+    assert key(base) == key(muon.MuonHParams(lr=0.02))
+    assert hash(key(base)) == hash(key(muon.MuonHParams(lr=0.02)))
+    for other in (base._replace(lr=0.021), base._replace(weight_decay=-0.0),
+                  base._replace(ns_steps=6), base._replace(ns_dtype=torch.float64),
+                  base._replace(momentum=0.95 + 1e-16 if 0.95 + 1e-16 != 0.95 else 0.9500001),
+                  base._replace(ns_coefficients=[(3.0, -3.0, 1.0)] * 5)):
+        assert key(other) != key(base), other
+    assert key(base._replace(ns_coefficients=[(3.0, -3.0, 1.0)])) != \
+        key(base._replace(ns_coefficients=[(3, -3.0, 1.0)]))
+    assert key(base._replace(lr=torch.tensor(0.02))) is None
+    assert key(base._replace(lr=lambda t: 0.02)) is None
+
+
+def test_shape_scale_decides_each_shape_once(monkeypatch):
+    """The shape-scale stage keeps each (shape, view)'s scales: a chain run for several steps asks
+    lr_scale_factors once per shape, with the bits of a chain built afresh at every step."""
+    from dmuon.functional.stages import shape_scale
+    calls = []
+    real = shape_scale.lr_scale_factors
+    monkeypatch.setattr(shape_scale, "lr_scale_factors",
+                        lambda *a: calls.append(a[0]) or real(*a))
+    g = torch.Generator().manual_seed(0)
+    p0 = {"a": torch.randn(4, 6, generator=g, dtype=F64), "b": torch.randn(6, 4, generator=g,
+                                                                           dtype=F64)}
+    grads = [{n: torch.randn(t.shape, generator=g, dtype=F64) for n, t in p0.items()}
+             for _ in range(3)]
+    hp = muon.MuonHParams(lr=0.05, ns_dtype=F64)
+    kept = muon.transform(hp)
+    p, st, q, sq = dict(p0), kept.init(p0), dict(p0), kept.init(p0)
+    for gr in grads:
+        p, st = T.update_params(kept, gr, st, p)
+    assert sorted(calls) == [(4, 6), (6, 4)]  # once per shape, not per step
+    for gr in grads:
+        q, sq = T.update_params(muon.transform(hp), gr, sq, q)
+    assert all(torch.equal(p[n], q[n]) for n in p)

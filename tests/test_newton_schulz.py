@@ -347,3 +347,22 @@ def test_property_random_shapes(lead, m, n, seed):
     # every singular value of a full-rank-ish input ends up in polar_express's 5-step range
     sv = torch.linalg.svdvals(d)
     assert sv.max().item() <= 1.1236 + 1e-6
+
+
+def test_batched_ns_decides_each_shape_once():
+    """BatchedNS (the owners' NS) keeps each shape's NSPlan of its config: the same bits as
+    deciding at every call, one plan per shape, decided again when the config is replaced."""
+    from dmuon.newton_schulz.batched import BatchedNS, orthogonalize_batched
+    from dmuon.newton_schulz.config import NSConfig
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randn(2, 4, 6, generator=g), torch.randn(1, 6, 4, generator=g),
+          torch.randn(3, 4, 6, generator=g)]
+    ns = BatchedNS(NSConfig(ns_steps=4))
+    for _ in range(2):
+        for u, ref in zip(ns(xs), orthogonalize_batched(xs, NSConfig(ns_steps=4))):
+            assert torch.equal(u, ref)
+    assert sorted(k[:2] for k in ns._plans[1]) == [(4, 6), (6, 4)]
+    ns.config = NSConfig(ns_steps=5)
+    for u, ref in zip(ns(xs), orthogonalize_batched(xs, NSConfig(ns_steps=5))):
+        assert torch.equal(u, ref)
+    assert all(p.table == ns_coefficient_table("polar_express", 5) for p in ns._plans[1].values())

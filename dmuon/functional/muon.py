@@ -67,6 +67,7 @@ __all__ = [
     "update",
     "validate_hparams",
     "at_step",
+    "hparams_key",
 ]
 
 #: The ``orthogonalize=`` hook of :func:`update`: ``(B_i, m_i, n_i)`` inputs -> their NS results.
@@ -371,6 +372,23 @@ def at_step(hparams: MuonHParams, step: Any) -> MuonHParams:
     ``step``; values pass through."""
     return hparams._replace(**{f: value_at(getattr(hparams, f), step)
                                for f in ("lr", "momentum", "weight_decay")})
+
+
+def hparams_key(hparams: MuonHParams) -> tuple | None:
+    """A hashable identity of ``hparams``' values, under which a chain built from them by a
+    :class:`~dmuon.functional.variants.Variant` (a pure function of them) can be reused: equal
+    keys, equal values of equal types (``-0.0`` told from ``0.0``); ``None`` when one is a tensor
+    or a function (it may change in place: a chain built from it is built again)."""
+    return _value_key(tuple(hparams))
+
+
+def _value_key(v: Any) -> tuple | None:
+    if isinstance(v, (tuple, list)):
+        parts = tuple(_value_key(x) for x in v)
+        return None if None in parts else (type(v).__name__, parts)
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype)):
+        return (type(v).__name__, repr(v))
+    return None
 
 
 def transform(hparams: MuonHParams = MuonHParams(), *, batch_dims: Any = None,

@@ -11,7 +11,7 @@ drift apart.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 from torch import Tensor
 
@@ -22,7 +22,7 @@ from dmuon.functional.stages.hparams import is_schedule, next_step
 from dmuon.functional.stages.leaves import Leaves, default_views, run_inplace
 from dmuon.functional.tree import leaf_paths
 
-__all__ = ["owner_step", "lr_wd_groups", "Update"]
+__all__ = ["owner_step", "lr_wd_groups", "group_chains", "GroupChains", "Update"]
 
 Update = Any  # fmuon.MuonHParams | T.Transform
 
@@ -49,8 +49,9 @@ def owner_step(grads: Mapping[str, Optional[Tensor]], state: Any, params: Mappin
         or the chain's state when a chain runs.
       params: ``{name: master}``.
       update: :class:`~dmuon.functional.muon.MuonHParams` (Muon, the fused donating update; with
-        ``transform``, the hyper-parameters the chain is built from), or a
-        :class:`~dmuon.functional.transforms.Transform` (a fixed chain).
+        ``transform``, the hyper-parameters the chain is built from), a
+        :class:`~dmuon.functional.transforms.Transform` (a fixed chain), or the chains of the
+        ``(lr_mult, wd_mult)`` groups, already built (:class:`GroupChains`).
       transform: a function ``hparams -> Transform`` (a :class:`~dmuon.functional.variants.Variant`
         or your own): the chain, built from ``update`` for each ``(lr_mult, wd_mult)`` group.
       views: ``{name: matrix view}`` (absent: the matrix itself); a chain's stages that name no
@@ -74,7 +75,7 @@ def owner_step(grads: Mapping[str, Optional[Tensor]], state: Any, params: Mappin
     """
     params = dict(params)
     grads = {n: grads.get(n) for n in params}
-    if isinstance(update, T.Transform) or transform is not None:
+    if isinstance(update, (T.Transform, GroupChains)) or transform is not None:
         return _chain_step(grads, state, params, update, transform, views, mults, update_kwargs)
     if not isinstance(update, fmuon.MuonHParams):
         raise TypeError(f"owner_step: update must be a MuonHParams or a Transform, got "
@@ -114,6 +115,23 @@ def _scaled(v: Any, m: float) -> Any:
     return v * m
 
 
+class GroupChains(dict):
+    """``{(lr_mult, wd_mult): Transform}``: the chains of an owner's groups, built
+    (:func:`group_chains`); :func:`owner_step` runs them as given."""
+
+
+def group_chains(transform: Any, update: fmuon.MuonHParams,
+                 groups: Iterable[tuple[float, float]]) -> GroupChains:
+    """The chain of each ``(lr_mult, wd_mult)`` group: ``transform`` (a function ``hparams ->
+    Transform``) built from ``update`` with ``lr·lr_mult`` and ``weight_decay·wd_mult``."""
+    if not isinstance(update, fmuon.MuonHParams):
+        raise TypeError(f"owner_step: with transform=, update must be the MuonHParams the "
+                        f"chain is built from, got {type(update).__name__}")
+    return GroupChains({key: transform(update._replace(
+        lr=_scaled(update.lr, key[0]), weight_decay=_scaled(update.weight_decay, key[1])))
+        for key in groups})
+
+
 def _chain_step(grads: dict, state: Any, params: dict, update: Update, transform: Any,
                 views: Optional[Mapping[str, Any]], mults: Any, kw: dict) -> tuple[dict, Any]:
     """:func:`owner_step` for a chain: in place, per ``(lr_mult, wd_mult)`` group."""
@@ -124,19 +142,20 @@ def _chain_step(grads: dict, state: Any, params: dict, update: Update, transform
         raise TypeError(f"owner_step: a chain takes donate, donate_grads, {sorted(hooks)}; got "
                         f"{sorted(kw)}")
     groups = lr_wd_groups(list(params), mults) or {(1.0, 1.0): []}  # (an owner of nothing)
-    if transform is None:
+    if isinstance(update, GroupChains):
+        missing = [key for key in groups if key not in update]
+        if missing:
+            raise ValueError(f"owner_step: no chain given for the (lr_mult, wd_mult) groups "
+                             f"{missing}: build them with group_chains(transform, hparams, groups)")
+        chains = {key: update[key] for key in groups}
+    elif transform is None:
         if len(groups) > 1 or (1.0, 1.0) not in groups:
             raise ValueError("owner_step: lr / wd multipliers apply to Muon's hyper-parameters; "
                              "a Transform chain carries its own learning rate (pass a function "
                              "hparams -> Transform as transform= to have them applied)")
         chains = {(1.0, 1.0): update}
     else:
-        if not isinstance(update, fmuon.MuonHParams):
-            raise TypeError(f"owner_step: with transform=, update must be the MuonHParams the "
-                            f"chain is built from, got {type(update).__name__}")
-        chains = {key: transform(update._replace(lr=_scaled(update.lr, key[0]),
-                                                 weight_decay=_scaled(update.weight_decay, key[1])))
-                  for key in groups}
+        chains = group_chains(transform, update, groups)
     first = next(iter(chains.values()))
     names = leaf_paths(params)
     vs = [views.get(n, Batch(0)) for n in names] if views else None

@@ -9,13 +9,14 @@ import torch
 from torch import Tensor
 
 from dmuon.newton_schulz.config import NSConfig
-from dmuon.newton_schulz.iteration import newton_schulz
+from dmuon.newton_schulz.iteration import ns_plan, ns_run
 from dmuon.newton_schulz.timing import NSTimer
 
 __all__ = ["orthogonalize_batched", "BatchedNS"]
 
 
-def orthogonalize_batched(matrices: Sequence[Tensor], config: NSConfig = NSConfig()) -> list[Tensor]:
+def orthogonalize_batched(matrices: Sequence[Tensor], config: NSConfig = NSConfig(),
+                          plans: Optional[dict] = None) -> list[Tensor]:
     """Newton–Schulz on many ``(B_i, m_i, n_i)`` tensors, one batched call per (m, n, dtype, device).
 
     Tensors whose matrices have the same shape, dtype and device are concatenated along the batch dim,
@@ -25,6 +26,8 @@ def orthogonalize_batched(matrices: Sequence[Tensor], config: NSConfig = NSConfi
     Args:
         matrices: 3-D tensors ``(B_i, m_i, n_i)``; never modified.
         config: what Newton–Schulz computes (:class:`dmuon.newton_schulz.NSConfig`).
+        plans: ``{(m, n, device): NSPlan}`` of ``config``, kept by a caller that runs it again
+            (:class:`BatchedNS`): each shape's decisions are made once (``None``: at this call).
 
     Returns:
         A list aligned with ``matrices``; entry ``i`` has the shape and dtype of ``matrices[i]``.
@@ -48,7 +51,13 @@ def orthogonalize_batched(matrices: Sequence[Tensor], config: NSConfig = NSConfi
             for i in idx:
                 out[i] = torch.zeros_like(matrices[i])
             continue
-        u = newton_schulz(stacked, **config.iteration_kwargs())
+        key = (m, n, stacked.device)
+        plan = None if plans is None else plans.get(key)
+        if plan is None:
+            plan = ns_plan(m, n, stacked.device, **config.iteration_kwargs())
+            if plans is not None:
+                plans[key] = plan
+        u = ns_run(stacked, plan)
         for i, piece in zip(idx, torch.split(u, [matrices[i].shape[0] for i in idx], dim=0)):
             out[i] = piece
     return out  # type: ignore[return-value]
@@ -70,10 +79,16 @@ class BatchedNS:
     def __init__(self, config: NSConfig = NSConfig(), timer: Optional[NSTimer] = None):
         self.config = config
         self.timer = timer
+        self._plans: tuple[NSConfig, dict] = (config, {})  # each shape's NSPlan of config
 
     def __call__(self, xs: Sequence[Tensor]) -> list[Tensor]:
+        if self._plans[0] is not self.config:
+            self._plans = (self.config, {})
+        # (traced by torch.compile: decided in the graph's tracing, not kept, as a kept one
+        # would change what the graph's guards saw and compile it again)
+        plans = None if torch.compiler.is_compiling() else self._plans[1]
         if self.timer is None or not xs:
-            return orthogonalize_batched(xs, self.config)
-        out = self.timer.run(xs[0].device, orthogonalize_batched, xs, self.config)
+            return orthogonalize_batched(xs, self.config, plans)
+        out = self.timer.run(xs[0].device, orthogonalize_batched, xs, self.config, plans)
         self.timer.mode = self.mode
         return out

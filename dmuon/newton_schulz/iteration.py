@@ -71,7 +71,7 @@ References: K. Jordan, "Muon" (2024), https://kellerjordan.github.io/posts/muon/
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal, Optional, Union
+from typing import Callable, Literal, NamedTuple, Optional, Union
 
 import torch
 from torch import Tensor
@@ -81,7 +81,8 @@ from dmuon.newton_schulz.cost import DEFAULT_GRAM_RESTART, choose_ns_variant
 
 __all__ = ["FinalProduct", "GramRestart", "SymOp", "default_gram_restart", "default_ns_dtype",
            "default_range_lift", "resolve_gram_restart", "frobenius_denominator",
-           "frobenius_normalize", "left_product", "newton_schulz", "ns_iterate", "sym_product"]
+           "frobenius_normalize", "left_product", "newton_schulz", "ns_iterate", "sym_product",
+           "NSPlan", "ns_plan", "ns_run"]
 
 #: ``sym(a, b=None, *, alpha=1.0, beta=0.0, c=None, gamma=0.0) -> Tensor``; see :func:`sym_product`.
 SymOp = Callable[..., Tensor]
@@ -376,20 +377,54 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = 
             f"newton_schulz needs a matrix or a batch of matrices (ndim >= 2), got shape "
             f"{tuple(x.shape)}; reshape to (m, n) (e.g. via as_matrix_shape) or route this "
             "tensor to AdamW (vectors and scalars are not orthogonalized)")
+    plan = ns_plan(x.shape[-2], x.shape[-1], x.device, steps=steps, coefficients=coefficients,
+                   eps=eps, dtype=dtype, variant=variant, safety=safety,
+                   gram_restart=gram_restart)
+    if sym is not None and not callable(sym):
+        raise TypeError(f"sym must be a callable (see sym_product) or None, got {type(sym).__name__}")
+    return ns_run(x, plan, sym=sym, normalize=normalize)
+
+
+class NSPlan(NamedTuple):
+    """What :func:`newton_schulz` decides for one matrix shape on one device, from its settings
+    alone (:func:`ns_plan`): a caller that runs the same shapes at every step decides once and
+    runs :func:`ns_run`."""
+
+    table: list  # the (a, b, c) triples
+    dtype: torch.dtype  # the compute dtype
+    eps: float
+    gram_restart: Optional[int]  # resolved for dtype (None: never)
+    lift: float  # the range lift of dtype
+    variant: str  # "direct" or "gram" ("auto" left for an empty matrix: never run)
+
+
+def ns_plan(m: int, n: int, device: torch.device | str, *, steps: int = 5,
+            coefficients: CoefficientSpec = "polar_express", eps: float = 1e-7,
+            dtype: torch.dtype | None = None,
+            variant: Literal["auto", "direct", "gram"] = "auto", safety: float = 1.01,
+            gram_restart: GramRestart = "auto") -> NSPlan:
+    """:func:`newton_schulz`'s decisions for ``(m, n)`` matrices on ``device`` (its arguments,
+    validated, with the same errors)."""
     if variant not in ("auto", "direct", "gram"):
         raise ValueError(f"variant must be 'auto', 'direct' or 'gram', got {variant!r}")
     if not (eps >= 0.0):
         raise ValueError(f"eps must be >= 0, got {eps!r}")
-    if sym is not None and not callable(sym):
-        raise TypeError(f"sym must be a callable (see sym_product) or None, got {type(sym).__name__}")
     table = ns_coefficient_table(coefficients, steps, safety=safety)
-    cdtype = default_ns_dtype(x.device) if dtype is None else dtype
+    cdtype = default_ns_dtype(device) if dtype is None else dtype
     if not cdtype.is_floating_point:
         raise ValueError(f"compute dtype must be floating point, got {cdtype}")
-    gram_restart = resolve_gram_restart(gram_restart, cdtype)
+    restart = resolve_gram_restart(gram_restart, cdtype)
+    if variant == "auto" and m * n > 0:
+        variant = choose_ns_variant(min(m, n), max(m, n), steps, gram_restart=restart)
+    return NSPlan(table, cdtype, eps, restart, default_range_lift(cdtype), variant)
+
+
+def ns_run(x: Tensor, plan: NSPlan, *, sym: SymOp | None = None,
+           normalize: bool = True) -> Tensor:
+    """:func:`newton_schulz` of ``x`` (``(..., m, n)``, ``ndim >= 2``) by ``plan`` (its
+    :func:`ns_plan` for ``(m, n)`` on ``x``'s device)."""
     if not x.dtype.is_floating_point:
         raise ValueError(f"x must be floating point, got {x.dtype}")
-
     shape = x.shape
     m, n = shape[-2], shape[-1]
     tall = m > n
@@ -398,18 +433,15 @@ def newton_schulz(x: Tensor, *, steps: int = 5, coefficients: CoefficientSpec = 
     xb = x.reshape(-1, m, n)
     if tall:
         xb = xb.mT
-    lift = default_range_lift(cdtype)
+    cdtype, lift = plan.dtype, plan.lift
     if normalize:
-        x0 = frobenius_normalize(xb, eps, cdtype, lift=lift)
+        x0 = frobenius_normalize(xb, plan.eps, cdtype, lift=lift)
     elif lift != 1.0:
         x0 = (xb.to(torch.promote_types(xb.dtype, torch.float32)) * lift).to(cdtype)
     else:
         x0 = xb.to(cdtype)
-
-    short, long_ = min(m, n), max(m, n)
-    if variant == "auto":
-        variant = choose_ns_variant(short, long_, steps, gram_restart=gram_restart)
-    out = ns_iterate(x0, table, variant=variant, sym=sym, gram_restart=gram_restart, lift=lift)
+    out = ns_iterate(x0, plan.table, variant=plan.variant, sym=sym,
+                     gram_restart=plan.gram_restart, lift=lift)
     if tall:
         out = out.mT
     return out.to(x.dtype).contiguous().reshape(shape)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from dmuon.functional.lr_scale import lr_scale_factor, lr_scale_factors
 from dmuon.functional.stages.base import Transform, stage
 from dmuon.functional.stages.leaves import Leaves
@@ -27,12 +29,19 @@ def scale_by_shape(rule: str = "moonlight", *, batch_dims: Any = None,
     each param's matrix view (``view=`` or ``batch_dims=``, as
     :func:`~dmuon.functional.stages.orthogonalize.orthogonalize`)."""
     lr_scale_factor((1, 1), rule)  # validates the rule
+    known: dict = {}  # {(shape, view): its blocks' scales}: each shape's decided once
 
     def update_(leaves: Leaves, state: Any) -> Any:
         vs = leaves.views(view, batch_dims)
+        keep = not torch.compiler.is_compiling()  # (traced: a kept one would change the guards)
         for k, (p, vw) in enumerate(zip(leaves.params, vs)):
             shape = tuple(p.shape)
-            scales = lr_scale_factors(shape, rule, vw)
+            key = (shape, vw) if keep and type(vw).__hash__ is not None else None
+            scales = None if key is None else known.get(key)
+            if scales is None:
+                scales = lr_scale_factors(shape, rule, vw)
+                if key is not None:
+                    known[key] = scales
             if len(set(scales)) == 1:
                 leaves.scale[k] *= scales[0]
                 continue

@@ -113,6 +113,8 @@ class Muon(torch.optim.Optimizer):
                                                 fopts.hparams_of_group(muon_group))
         self._adamw_storage = AdamWStorage(adamw_state_dtype)  # checked before any change
         self._storage = MomentumStorage(mu_dtype, offload_state, None)
+        self._scaled = sd.is_scaled(self._storage.dtype)  # 8-bit: state views are decoded copies
+        self._adamw_decoded = not self._adamw_storage.identity  # AdamW steps decoded moments
         fopts.ns_of(knobs["ns_engine"], "cpu", NSEngine)  # a bad ns_engine raises here
         model = unwrap_model(model)
         finish_pending(model)  # dedicate_params before TP: the dedication completes here
@@ -171,7 +173,7 @@ class Muon(torch.optim.Optimizer):
                          for n in rt.names if n not in owned for f in self._owner.fields}
         self._name_of = {p: n for n, p in (*rt.params.items(), *self._adamw_named)}
         self.invalidate_state_views()
-        if not sd.is_scaled(self._storage.dtype):  # views alias the live state: build them now
+        if not self._scaled:  # views alias the live state: build them now
             self.refresh_state_views()
         # tensor parallelism: the owners' gathers / scatters of the TP-sliced matrices' NS
         self._tp: Optional[TPStep] = TPStep(rt) if rt.tp_layouts else None
@@ -230,7 +232,7 @@ class Muon(torch.optim.Optimizer):
         tools) does not keep a copy of every owned momentum alive for the rest of training (a bf16
         copy: 1.8 GiB on the H200's 1.1B model, held from construction before this)."""
         self._state_views_stale = True
-        if sd.is_scaled(self._storage.dtype):
+        if self._scaled:
             self._state_views.clear()
 
     def refresh_state_views(self) -> None:
@@ -470,9 +472,12 @@ class Muon(torch.optim.Optimizer):
         store = self._adamw_storage  # adamw_state_dtype: stored rounded, updated decoded
         if all(g is None for g in grads.values()):
             return
-        _, work = fadamw.update(grads, store.working_state(self.adamw_state, params), params,
-                                self.adamw_hparams(), donate=True, impl=self._adamw_impl)
-        self.adamw_state = store.commit_state(self.adamw_state, work)
+        st = store.working_state(self.adamw_state, params) if self._adamw_decoded else \
+            self.adamw_state
+        _, work = fadamw.update(grads, st, params, self.adamw_hparams(), donate=True,
+                                impl=self._adamw_impl)
+        self.adamw_state = store.commit_state(self.adamw_state, work) if self._adamw_decoded \
+            else work
 
     def last_step_stats(self) -> Optional[StepStats]:
         """What the last ``step()`` did on this rank (None before the first): collectives and

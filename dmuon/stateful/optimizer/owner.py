@@ -14,7 +14,7 @@ from dmuon.functional import owner_checks as oc
 from dmuon.functional import transforms as T
 from dmuon.functional import variants
 from dmuon.functional.matrix_view import Batch
-from dmuon.functional.owner_step import owner_step
+from dmuon.functional.owner_step import group_chains, lr_wd_groups, owner_step
 from dmuon.functional.stages.hparams import new_step, next_step
 from dmuon.functional.stages.leaves import default_views
 from dmuon.functional.state_fields import check_counts, scalar_leaves, state_fields
@@ -82,6 +82,10 @@ class OwnerDriver:
             owned if any(v != Batch(0) for v in owned.values()) else None)
         self.mults = {n: rt.hp_mults[n] for n in rt.owned_names if n in rt.hp_mults}
         self.broken: Optional[str] = None  # a step failed part-way: its error, until a load
+        #: the groups' chains and the key (fmuon.hparams_key) of the hyper-parameters they were
+        #: built from: a variant's built again only when a value changes (a scheduler's lr)
+        self.groups = list(lr_wd_groups(list(rt.owned_names), self.mults) or {(1.0, 1.0): []})
+        self._built: tuple[Any, Any] = (None, None)
 
     def _fresh(self, chain: T.Transform, first: bool = False) -> Any:
         """The chain's state before the first step, its momentum as stored (encoded;
@@ -135,10 +139,16 @@ class OwnerDriver:
         ``donate_grads=False``: the gradients it reads are the live ones)."""
         return owner_step(
             grads, state, params,
-            self.transform if self.fixed else fmuon.at_step(hparams, self.step_count),
-            transform=None if self.fixed else self.transform, views=self.owned_views,
+            self.transform if self.fixed else self._chains(fmuon.at_step(hparams, self.step_count)),
+            views=self.owned_views,
             mults=None if self.fixed else self.mults, donate=True, donate_grads=donate_grads,
             orthogonalizer_for=hooks.pop("orthogonalizer"), **hooks)
+
+    def _chains(self, hparams: fmuon.MuonHParams) -> dict:
+        key = fmuon.hparams_key(hparams) if isinstance(self.transform, variants.Variant) else None
+        if key is None or key != self._built[0]:
+            self._built = (key, group_chains(self.transform, hparams, self.groups))
+        return self._built[1]
 
     # ------------------------------------------------------------------ fields
     def stored_momentum(self) -> dict[str, torch.Tensor]:

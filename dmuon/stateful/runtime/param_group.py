@@ -85,7 +85,8 @@ class DedicatedParamGroup:
         """Take this group's phases from the step program and build its gathered buckets
         (storage freed), once."""
         self.program, self.phases = program, program.groups[self.key]
-        self._reduce_buckets = program.reduce_layout.buckets_of(self.key)
+        self._reduce_buckets = tuple((b, to_torch_dtype(b.key.dtype))  # (bucket, torch dtype)
+                                     for b in program.reduce_layout.buckets_of(self.key))
         if self.phases.zero_copy:  # DDP mode, compute dtype = master dtype: the masters themselves
             return
         for b in program.unshard_layout.buckets_of(self.key):
@@ -180,8 +181,8 @@ class DedicatedParamGroup:
         """Average this group's local grads to their owners, asynchronously (consumes them from
         ``local_grads``). A param without a local grad sends zeros and presence 0."""
         with _label(self, "reduce"):
-            buffers = {b.key: pool.acquire(b.key, b.numel, to_torch_dtype(b.key.dtype))
-                       for b in self._reduce_buckets}  # one dtype per bucket
+            buffers = {b.key: pool.acquire(b.key, b.numel, dt)  # one dtype per bucket
+                       for b, dt in self._reduce_buckets}
             sched, owned_here = P.reduce(
                 self.program, self.key, self.storage.coord,
                 {n: local_grads.pop(n) for n in self.names if n in local_grads}, buffers)
