@@ -88,6 +88,19 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
     return [results[i] for i in range(world_size)]
 
 
+def run_each(paths: dict, env: dict) -> dict:
+    """``{key: path(env)}`` for each of ``paths``; a path that raises gives ``{"error": its type,
+    message and traceback}`` and the others still run (a spawn checks many user paths at once)."""
+    import traceback
+    out = {}
+    for key, path in paths.items():
+        try:
+            out[key] = path(env)
+        except Exception as e:  # noqa: BLE001 - reported per path
+            out[key] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    return out
+
+
 def catch(fn) -> tuple:
     """Run ``fn()``; return ``(exception type name, message)``, or ``(None, None)`` if it did not raise.
 

@@ -29,7 +29,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from dist_utils import catch, run_ranks
+from dist_utils import catch, run_each, run_ranks
 from models import make_batches, make_model, muon_predicate
 from stateful_harness import build_dmuon
 from user_paths_harness import TOL, RefMuon
@@ -356,14 +356,7 @@ PATHS = {
 
 def _worker(rank, world):
     torch.set_num_threads(1)
-    out = {}
-    env = dict(rank=rank, world=world, dist=True)
-    for key, path in PATHS.items():
-        try:
-            out[key] = path(env)
-        except Exception as e:  # noqa: BLE001 - reported per path
-            import traceback
-            out[key] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    out = run_each(PATHS, dict(rank=rank, world=world, dist=True))
     out["ema_errors"] = _ema_errors(rank, world)
     out["add_group"] = _add_param_group(rank, world)
     return out

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_utils import catch, run_ranks
+from dist_utils import catch, run_each, run_ranks
 from models import make_batches, make_model, muon_predicate
 from stateful_harness import build_dmuon
 from user_paths_harness import TOL, RefMuon
@@ -391,14 +391,8 @@ def _worker(rank, world):
     import os
     os.environ["DMUON_JOIN_TIMEOUT_S"] = str(JOIN_S)
     torch.set_num_threads(1)
-    out = {}
     env = dict(rank=rank, world=world, dist=True)
-    for key, path in PATHS.items():
-        try:
-            out[key] = path(env)
-        except Exception as e:  # noqa: BLE001 - reported per path
-            import traceback
-            out[key] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
+    out = run_each(PATHS, env)
     for key, path in ERRORS.items():
         out[key] = catch(lambda: path(env))
     out["one_rank_saves"] = _one_rank_saves(rank, world)  # last: before the fix it broke the group

@@ -35,12 +35,11 @@ raises on every rank and the gradients stay for a synced backward. ``opt.zero_gr
 from __future__ import annotations
 
 import datetime
-import traceback
 
 import pytest
 import torch
 import torch.nn as nn
-from dist_utils import catch, run_ranks
+from dist_utils import catch, run_each, run_ranks
 from stateful_harness import build_dmuon
 from user_paths_harness import TOL, RefMuon
 
@@ -227,14 +226,7 @@ PATHS = {
 
 def _worker(rank, world):
     torch.set_num_threads(1)
-    out = {}
-    env = dict(rank=rank, world=world, dist=True)
-    for key, path in PATHS.items():
-        try:
-            out[key] = path(env)
-        except Exception as e:  # noqa: BLE001 - reported per path
-            out[key] = {"error": f"{type(e).__name__}: {e}\n{traceback.format_exc()}"}
-    return out
+    return run_each(PATHS, dict(rank=rank, world=world, dist=True))
 
 
 def _diff(a, b):
