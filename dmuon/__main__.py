@@ -243,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="owner Newton-Schulz overlapped with the backward: a group's NS starts when "
                         "its reduce lands, at the GPU share the backward leaves idle, fitted on "
                         "measurements (dmuon.tools.ns_overlap) and keyed by one layer's backward "
-                        "time (default) or by tokens per GPU (optimistic); needs --max-split 1")
+                        "time (default) or by tokens per GPU; needs --max-split 1")
     p.add_argument("--designs", default="adamw,dmuon",
                    help="comma-separated: adamw, dmuon, reference (default adamw,dmuon)")
     p.add_argument("--png", metavar="PATH", help="write the timeline PNG here")

@@ -85,9 +85,10 @@ def _saved_share(machine: Machine, m: dict, idle: float) -> tuple[float, float]:
     one layer's projected backward seconds."""
     const = tuple((key, ((1.0, idle),)) for key, _ in machine.ns_overlap_idle)
     at = dataclasses.replace(machine, ns_overlap_idle=const)
+    model = ModelPreset("w1-measured", **m["model"]) if "model" in m else H200_W1
     kw = dict(micro_batch=m["micro_batch"], seq=m["seq"], max_split=1)
-    off = project_step(StepSetup(H200_W1, 1, 1, **kw), at, "dmuon")
-    on = project_step(StepSetup(H200_W1, 1, 1, ns_overlap=True, **kw), at, "dmuon")
+    off = project_step(StepSetup(model, 1, 1, **kw), at, "dmuon")
+    on = project_step(StepSetup(model, 1, 1, ns_overlap=True, **kw), at, "dmuon")
     layer = next(o for o in off.timeline if o.phase == "backward" and o.name.startswith("B L"))
     return 1.0 - on.step / off.step, layer.end - layer.start
 

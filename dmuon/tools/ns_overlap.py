@@ -18,17 +18,17 @@ backward's priority. The model, stated:
 * **Idle share.** ``idle`` is interpolated in ``log2`` of a key, clamped at the ends, between
   points fitted on measurements (:data:`MEASURED`): by default the key is one layer's projected
   backward seconds (``Machine.ns_overlap_key = "layer_backward_s"``: a wider layer fills the GPU
-  sooner at the same tokens); ``"tokens"`` keys it by tokens per GPU alone, the optimistic
-  choice for models wider than the measured one. Only one model width (hidden 2048) was
-  measured, so the two keys agree on it and differ off it; the grid reports both.
+  sooner at the same tokens); ``"tokens"`` keys it by tokens per GPU alone. Two widths were
+  measured (hidden 2048 and 8B's 4096), so the keys differ between and beyond them; the grid
+  reports both.
 
 The fit (:func:`dmuon.tools.calibration.fit_idle_points`, beside the other calibrations): the
 measurements (:data:`MEASURED`) are dmuon's own overlap against its sequential step at world 1,
 so per measured setup the idle share is the one at which the projector's W=1 step with overlap
 saves the measured share (bisection; a measured loss fits 0: the model never slows the
 backward, so it cannot go below "nothing hidden"), with the steps projected for the measured
-setup on the machine model (:data:`dmuon.tools.calibration.H200_W1`, the HF Llama 1.1B-ish of
-the world-1 runs). At B1 the measured step is host-bound (its forward's and backward's host time
+setup and model on the machine model (default :data:`dmuon.tools.calibration.H200_W1`, the HF
+Llama 1.1B-ish of the world-1 runs). At B1 the measured step is host-bound (its forward's and backward's host time
 equal their GPU time), which the projector does not model: the idle share there holds that too.
 """
 from __future__ import annotations
@@ -40,16 +40,22 @@ from dmuon.tools.machine import Machine, interp_log2
 
 __all__ = ["MEASURED", "MEASURED_SOURCE", "idle_share", "overlap_key", "overlapped_finish"]
 
-#: Issue 47, dmuon's own overlap measured on one H100 (torch 2.11), HF Llama 1.1B (hidden 2048,
-#: 16 layers), ``Muon.set_ns_overlap("on")`` with the graph replay against ``"off"`` in the same
-#: process: ``saved_share`` is the step time it saved over the step without it (negative: lost).
+#: Issue 47, dmuon's own overlap measured on one H100 (torch 2.11), HF Llama at world 1,
+#: ``Muon.set_ns_overlap("on")`` with the graph replay against ``"off"`` in the same process:
+#: ``saved_share`` is the step time it saved over the step without it (negative: lost);
+#: ``model``: the measured model's shapes (absent: the 1.1B of the world-1 runs, hidden 2048,
+#: 16 layers).
 MEASURED: tuple[dict, ...] = (
     {"micro_batch": 4, "seq": 2048, "saved_share": -0.036},
     {"micro_batch": 1, "seq": 2048, "saved_share": 0.157},
+    {"micro_batch": 1, "seq": 4096, "saved_share": -0.075,
+     "model": {"hidden": 4096, "intermediate": 14336, "layers": 8, "heads": 32, "kv_heads": 8,
+               "vocab": 32000}},
 )
-MEASURED_SOURCE = ("issue 47: one H100, HF Llama 1.1B, dmuon's NS overlap (graph replay) on vs off, "
-                   "benchmarks/results/ns_overlap_host_h100_graphs.json: -3.6 % at B4 x T2048 "
-                   "(lost), +15.7 % at B1 x T2048")
+MEASURED_SOURCE = ("issue 47: one H100, HF Llama, dmuon's NS overlap (graph replay) on vs off at "
+                   "world 1: 1.1B -3.6 % at B4 x T2048 (lost), +15.7 % at B1 x T2048 "
+                   "(benchmarks/results/ns_overlap_host_h100_graphs.json); Llama-3.1-8B layer "
+                   "shapes, 8 layers, -7.5 % at B1 x T4096 (ns_overlap_world1_h100_8b_width.json)")
 
 
 def overlap_key(machine: Machine, tokens: int, layer_backward_s: float) -> float:
