@@ -43,8 +43,18 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+XFAIL = pytest.mark.xfail(strict=True, reason="the heartbeat daemon thread is in its store call "
+                          "at finalization: the process aborts (fix: stop it at exit)")
+
+
+# with the group destroyed first the thread ends at its next check, so only some exits abort
+# (about 1 in 6 to 2 in 3 here): not strict
+FLAKY = pytest.mark.xfail(strict=False, reason="aborts in some exits (the same race)")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("ending", ["", "dist.destroy_process_group()"],
+@pytest.mark.parametrize("ending", [pytest.param("", marks=XFAIL),
+                                    pytest.param("dist.destroy_process_group()", marks=FLAKY)],
                          ids=["without_destroy", "with_destroy"])
 def test_a_dmuon_process_exits_cleanly(ending):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -58,6 +68,7 @@ def test_a_dmuon_process_exits_cleanly(ending):
         assert "terminate called" not in proc.stderr, proc.stderr[-2000:]
 
 
+@XFAIL
 def test_the_heartbeat_stops_when_asked():
     """What the exit hook does: every beating thread ends within a beat, and its counter stops."""
     from dmuon.compat import heartbeat as hb

@@ -8,7 +8,6 @@ arrive. A rank that never beat (a process that did not reach dmuon's setup) is n
 """
 from __future__ import annotations
 
-import atexit
 import math
 import os
 import threading
@@ -17,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 from dmuon.compat.torch_api import default_group, default_store
 
-__all__ = ["start_heartbeat", "stop_heartbeats", "PeerWatch", "BEAT_S", "DEAD_AFTER_S", "DEAD_ENV"]
+__all__ = ["start_heartbeat", "PeerWatch", "BEAT_S", "DEAD_AFTER_S", "DEAD_ENV"]
 
 #: seconds between two beats of a process
 BEAT_S = 1.0
@@ -25,7 +24,6 @@ BEAT_S = 1.0
 #: variable that sets it
 DEAD_AFTER_S, DEAD_ENV = 5.0, "DMUON_DEAD_PEER_S"
 _STARTED: dict[int, threading.Thread] = {}  # id(default group or store) -> its beating thread
-_STOPS: dict[int, threading.Event] = {}  # the same key -> the event that ends that thread
 
 
 def _key(rank: int) -> str:
@@ -49,29 +47,15 @@ def start_heartbeat(rank: int, store: Any = None) -> None:
     except Exception:  # noqa: BLE001 - a store without clone(): the shared connection
         beating = store
 
-    stop = _STOPS[key] = threading.Event()
-
     def beat() -> None:
-        while not stop.is_set() and (group is None or default_group() is group):
+        while group is None or default_group() is group:
             try:
                 beating.add(_key(rank), 1)
             except Exception:  # noqa: BLE001 - the store is gone: nothing left to tell
                 return
-            stop.wait(BEAT_S)
+            time.sleep(BEAT_S)
     _STARTED[key] = thread = threading.Thread(target=beat, name="dmuon-heartbeat", daemon=True)
     thread.start()
-
-
-@atexit.register
-def stop_heartbeats(timeout: float = 5.0) -> None:
-    """End every beating thread and wait for it (``timeout`` seconds each): run at the
-    interpreter's exit, before it finalizes. A daemon thread still inside its store call then
-    would be ended by a forced unwind through torch's C++ frames, which aborts the process
-    ("terminate called without an active exception")."""
-    for key, thread in list(_STARTED.items()):
-        _STOPS.pop(key).set()
-        thread.join(timeout)
-        del _STARTED[key]
 
 
 class PeerWatch:
