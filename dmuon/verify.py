@@ -207,7 +207,8 @@ def _reference(optimizer: Muon, params, grads, osd, ns_dtype_override=None):
         mg = {n: grads[n] for n in ded}
         if any(g is not None for g in mg.values()):  # the pure step, one rank owning everything
             (mp,), (ms,), _ = world_step([mp], [mg], _one_rank_program(rt, mg), [ms], hp,
-                                         views=rt.views, mults=rt.hp_mults)
+                                         views=rt.matrices.views,
+                                         mults=rt.matrices.hp_mults)
         out_p.update(mp)
         mom = dict(ms.momentum)
     names = [n for n, _ in optimizer.adamw_named_params]

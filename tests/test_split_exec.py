@@ -79,11 +79,11 @@ def test_split_ns_option_and_unsupported_combinations_raise():
             dmuon.dedicate_params(torch.nn.Linear(2, 2), None, lambda n, p: True, split_ns=bad)
     assert split_settings(1) == (1, None) and split_settings({"w": 3}) == (3, {"w": 3})
     rt = SimpleNamespace(plan=SimpleNamespace(splits=(SimpleNamespace(param="w"),)),
-                         names=("w", "v"), hp_mults={})
+                         names=("w", "v"), matrices=SimpleNamespace(hp_mults={}))
     check_split_support(rt, None)
     with pytest.raises(NotImplementedError, match="variant chain"):
         check_split_support(rt, object())
-    rt.hp_mults = {"v": (0.5, 1.0)}
+    rt.matrices.hp_mults = {"v": (0.5, 1.0)}
     with pytest.raises(NotImplementedError, match="multipliers"):
         check_split_support(rt, None)
 

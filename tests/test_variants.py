@@ -206,8 +206,8 @@ def test_an_owner_without_a_quantity_raises_at_construction():
         spectral = stage(lambda leaves, st: st, needs=("whole_matrix",))
         return T.chain(variants.muon()(hp), spectral)
 
-    rt = SimpleNamespace(hp_mults={}, tp_layouts={"layers.0.o_proj.weight": SimpleNamespace(
-        dim=1)})
+    rt = SimpleNamespace(matrices=SimpleNamespace(hp_mults={}),
+                         tp_layouts={"layers.0.o_proj.weight": SimpleNamespace(dim=1)})
     with pytest.raises(ValueError, match="'whole_matrix'.*layers.0.o_proj.weight"):
         VariantRunner(whole, HP, rt)
     with pytest.raises(TypeError, match="transform must be"):

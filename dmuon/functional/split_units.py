@@ -25,7 +25,7 @@ def global_unit(unit: Any, plan: Any, global_rank: Callable[[int, int], int]) ->
 
 def check_split_support(rt: Any, transform: Any) -> None:
     """Raise (on every rank alike: everything checked is the same everywhere) for what split NS
-    does not run with (``rt``: ``plan.splits``, ``names``, ``hp_mults``)."""
+    does not run with (``rt``: ``plan.splits``, ``names``, ``matrices.hp_mults``)."""
     if not rt.plan.splits:
         return
     names = [sp.param for sp in rt.plan.splits]
@@ -33,7 +33,7 @@ def check_split_support(rt: Any, transform: Any) -> None:
         raise NotImplementedError(
             f"dmuon.Muon(transform=...): the plan splits the Newton–Schulz of {names[:3]}, which "
             "only the built-in Muon update runs; dedicate_params(split_ns=1) for a variant chain")
-    mults = {tuple(rt.hp_mults.get(n, (1.0, 1.0))) for n in rt.names}
+    mults = {tuple(rt.matrices.hp_mults.get(n, (1.0, 1.0))) for n in rt.names}
     if len(mults) > 1:
         raise NotImplementedError(
             f"dmuon.Muon: split Newton–Schulz ({names[:3]}) with per-param lr / weight-decay "

@@ -54,8 +54,9 @@ class OwnerDriver:
         self.hp0 = hparams
         self.rt = rt
         chain = self.chain(hparams)
-        oc.check_chain(chain, self.fixed, rt.hp_mults, rt.tp_layouts)
-        self.views = {n: rt.views[n] for n in rt.names}
+        mults = rt.matrices.hp_mults  # the policy's, per matrix (as its views)
+        oc.check_chain(chain, self.fixed, mults, rt.tp_layouts)
+        self.views = {n: rt.matrices.views[n] for n in rt.names}
         meta = oc.meta_state(chain, self.views, {n: rt.shape[n] for n in rt.names}, rt.master_dtype)
         self.fields = state_fields(meta)
         self.local_shapes = _shapes(meta, self.fields)
@@ -63,8 +64,8 @@ class OwnerDriver:
         self.full_shapes = self.local_shapes
         if rt.tp_layouts:  # the single-device shapes (the full matrices, their default views)
             from dmuon.stateful.modes.tensor_parallel import full_shape
-            views = {n: (Batch(0) if n in rt.tp_layouts else v) for n, v in self.views.items()}
-            full = oc.meta_state(chain, views, {n: full_shape(rt, n) for n in rt.names},
+            whole = {n: (Batch(0) if n in rt.tp_layouts else v) for n, v in self.views.items()}
+            full = oc.meta_state(chain, whole, {n: full_shape(rt, n) for n in rt.names},
                                  rt.master_dtype)
             self.full_shapes = _shapes(full, self.fields)
         #: the storage of the ``"momentum_buffer"`` field (``None``: fp32 on the device)
@@ -76,11 +77,11 @@ class OwnerDriver:
         self.state = self._fresh(chain, first=True)
         #: steps in which this owner updated a matrix (``muon_step``; schedules are read at it)
         self.step_count = new_step()
-        owned = {n: rt.views[n] for n in rt.owned_names}
+        owned = {n: self.views[n] for n in rt.owned_names}
         #: the owned matrices' views (``None``: all plain matrices) and ``(lr_mult, wd_mult)``
         self.owned_views: Optional[dict[str, Any]] = (
             owned if any(v != Batch(0) for v in owned.values()) else None)
-        self.mults = {n: rt.hp_mults[n] for n in rt.owned_names if n in rt.hp_mults}
+        self.mults = {n: mults[n] for n in rt.owned_names if n in mults}
         self.broken: Optional[str] = None  # a step failed part-way: its error, until a load
         #: the groups' chains and the key (fmuon.hparams_key) of the hyper-parameters they were
         #: built from: a variant's built again only when a value changes (a scheduler's lr)

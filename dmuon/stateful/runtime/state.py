@@ -66,10 +66,8 @@ class DedicatedState:
         self.owners = {n: tuple(o[n]) for o in [runtime_owners(plan)] for n in self.names}
         self.owner_rank = {n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
         self.owned_names = tuple(n for n in self.names if self.owners[n] == self.coord)
-        #: the policy's decisions (dedicate_params); views, hp_mults: matrices'
+        #: the policy's decisions (dedicate_params): views, dtypes, hp_mults (read them there)
         self.matrices = matrices
-        self.views: dict[str, Any] = dict(matrices.views)
-        self.hp_mults: dict[str, tuple[float, float]] = dict(matrices.hp_mults)
         # TP: {name: TPLayout} of the TP-sliced matrices (tensor_parallel)
         self.tp_layouts: dict[str, Any] = dict(tp_layouts or {})
         #: the handles of every hook dedicate_params registered (:func:`dmuon.release` removes them)
