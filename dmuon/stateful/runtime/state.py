@@ -98,7 +98,7 @@ class DedicatedState:
         self._order_final = False
         self._calls: dict[str, int] = {}   # calls of each group in the current forward
         self.reused: set[str] = set()      # groups once called twice in a forward: reduce at the end
-        self._reduce_order: tuple[str, ...] = tuple(reversed(groups.order))
+        self._reduce_order: tuple[str, ...] = ()  # the program's (first forward; none before)
         self._reduce_next = 0          # index into _reduce_order of the next reduce to launch
         self.version = 0               # weights change at every step: older gathers are stale
         self.require_grad_sync = True  # False inside dmuon.no_sync
@@ -189,6 +189,7 @@ class DedicatedState:
             collectives=self.collectives, data_parallel=self.data_parallel)
         for g in self.groups.values():
             g.setup(self.program)
+        self._reduce_order = self.program.reduce_order
         self.storage.set_placeholder_dtypes(cdt)
         self.ready = True
 
