@@ -110,20 +110,20 @@ class TPStep:
     bytes on lane ``"tp"``)."""
 
     def __init__(self, rt: Any):
-        mg, owned = rt.mesh_groups, rt.owned_names
-        self.rt, self.layouts = rt, dict(rt.tp_layouts)
-        self.names = tuple(n for n in owned if n in self.layouts)
+        mg, owned, lay = rt.mesh_groups, rt.owned_names, rt.tp_layouts  # the state's, read here
+        self.rt = rt
+        self.names = tuple(n for n in owned if n in lay)
         # matrices without TP: their gradients must agree across the TP group (checked each step)
-        self.replicated = tuple(n for n in owned if n not in self.layouts)
-        self.check_replicated = any(n not in self.layouts for n in rt.names)
+        self.replicated = tuple(n for n in owned if n not in lay)
+        self.check_replicated = any(n not in lay for n in rt.names)
         self.control = mg.control
         self.device = torch.device(rt.device)  # of the small agreement tensors (NCCL: CUDA)
         self.group, self.ranks, self.index = mg.tp_group, tuple(mg.tp_ranks), int(mg.tp_index)
         self.executor = rt.executor  # runs the step program's "tp" phase
         self.T = len(self.ranks)
         # the NS root of each matrix (the plan's: dmuon.functional.tp_plan)
-        self.root: dict[str, int] = tp_roots({n: self.layouts[n].shape for n in self.names}, self.T)
-        self.dims = {n: lay.dim for n, lay in self.layouts.items()}  # the sliced dim of each
+        self.root: dict[str, int] = tp_roots({n: lay[n].shape for n in self.names}, self.T)
+        self.dims = {n: t.dim for n, t in lay.items()}  # the sliced dim of each
         self.world = dist.get_world_size()
         #: the ``sum_hook`` of a variant's stages (:func:`~dmuon.functional.tp_step.
         #: tp_sum_partials`, through the executor)
