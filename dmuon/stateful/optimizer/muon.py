@@ -283,14 +283,14 @@ class Muon(torch.optim.Optimizer):
         (that engine on any device), ``"functional"``, or an ``NSEngine`` (its execution
         settings; what it computes must be this optimizer's NS hyper-parameters, checked at
         every step). Decided here, once: the orthogonalizer every ``orthogonalize`` stage runs
-        (:class:`~dmuon.functional.stages.orthogonalize.OrthogonalizerFor`; ``_ns``: the same
-        object, whose identity names the NS settings)."""
+        (:class:`~dmuon.functional.stages.orthogonalize.OrthogonalizerFor`; its identity names
+        the NS settings)."""
         ns = fopts.ns_of(engine, self._rt.device.type, NSEngine)  # checks engine first
         split, tp = self._split, self._tp
         wrap = (partial(split_orthogonalizer, owned=split.owned, run_units=split.run)
                 if split is not None else tp.orthogonalizer if tp is not None else None)
         self.telemetry.ns_timer = timer = NSTimer()
-        self._orthogonalizer = self._ns = OrthogonalizerFor(ns, timer=timer, wrap=wrap)
+        self._orthogonalizer = OrthogonalizerFor(ns, timer=timer, wrap=wrap)
 
     def set_elementwise(self, mode: str) -> None:
         """Muon's elementwise stages (momentum + Nesterov input; weight decay + update):

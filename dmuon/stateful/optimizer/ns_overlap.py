@@ -59,8 +59,8 @@ class NSOverlap:
 
     def _stamp(self, opt: Any, names: list, grads: dict, reduces: int = 0) -> O.Stamp:
         live = live_tensors(opt._owner.state, opt._owner.fields, self.rt.owned_masters(), names)
-        return O.take_stamp((*opt.muon_hparams(), opt.elementwise, id(opt._ns)), opt.num_steps,
-                            reduces, names, grads, [live])
+        return O.take_stamp((*opt.muon_hparams(), opt.elementwise, id(opt._orthogonalizer)),
+                            opt.num_steps, reduces, names, grads, [live])
 
     def _buffer(self, key: tuple, like: torch.Tensor) -> torch.Tensor:
         b = self.bufs.get(key)
