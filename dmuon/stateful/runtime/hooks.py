@@ -8,6 +8,7 @@ Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.hooks".
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any
 
 import torch
@@ -139,8 +140,7 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
             state.on_grad(name, param)
 
     for name, p in st.params.items():
-        h = p.register_post_accumulate_grad_hook(
-            _eager(lambda param, name=name: on_grad(param, name)))
+        h = p.register_post_accumulate_grad_hook(_eager(partial(on_grad, name=name)))
         p._dmuon_grad_hook = h.id  # kept last among the param's hooks (state.on_grad, guards)
         handles.append(h)
     return handles
