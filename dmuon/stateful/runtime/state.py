@@ -57,7 +57,6 @@ class DedicatedState:
                  data_parallel: str = "fsdp", collectives: str = "per_owner",
                  shard_mesh: Any = None, dp_dims: Optional[tuple] = None):
         self.model_ref = weakref.ref(model)
-        self.params: dict[str, nn.Parameter] = dict(params)
         self.names: tuple[str, ...] = tuple(params)
         self.plan = plan
         self.mesh_groups, self.executor, self.hook_groups = mesh_groups, executor, groups
@@ -79,11 +78,12 @@ class DedicatedState:
         #: "fsdp" or "ddp" (DDP mode: nothing is resharded, :mod:`dmuon.stateful.modes.ddp`)
         self.data_parallel, self.collectives = data_parallel, collectives
         self.reshard_after_forward = reshard_after_forward and data_parallel != "ddp"
-        self.storage = DedicatedStorage(self.params, self.owners, groups, self.G, self.R,
+        self.storage = DedicatedStorage(params, self.owners, groups, self.G, self.R,
                                         self.coord, shapes=meta_shapes, device=meta_device,
                                         master_dtypes=matrices.master_dtypes)
         # the storage's facts, read-only (masters: this rank's column's; HSDP: the owner's column)
         st = self.storage
+        self.params: dict[str, nn.Parameter] = st.params  # {name: param}, in the given order
         self.device, self.masters, self.shape = st.device, st.masters, st.shape
         self.orig_dtype, self.master_dtype = st.orig_dtype, st.master_dtype
         self.pool = GradBufferPool(self.coord[0], self.device)
