@@ -10,7 +10,7 @@ import torch
 from dmuon.functional import muon as fmuon
 from dmuon.functional.buckets import BucketKey, bucket_layout, hook_groups
 from dmuon.functional.collectives import (LinkCost, check_choice, choose_style, coalesced_units,
-                                          unit_seconds, wire_bytes)
+                                          mode_collectives, unit_seconds, wire_bytes)
 from dmuon.functional.memory_model import rank_memory
 from dmuon.functional.order_check import check_orders, rank_orders
 from dmuon.functional.program import step_program
@@ -177,6 +177,9 @@ def test_the_option_is_checked():
         with pytest.raises(NotImplementedError, match="split Newton–Schulz runs with FSDP2"):
             check_choice("auto", split=True, **mode)
     assert check_choice("auto", split=True) == "auto"
+    # the style the program is built with: per owner under TP and DDP mode, else the choice
+    assert mode_collectives("grouped", "ddp") == mode_collectives("auto", tp=True) == "per_owner"
+    assert mode_collectives("per_bucket") == "per_bucket"
     with pytest.raises(ValueError, match="collectives must be one of"):
         step_program({"a": (0, 0)}, {"a": (2, 2)}, {"a": F64}, shard_size=1, collectives="x")
 

@@ -57,7 +57,7 @@ from dmuon.functional.schedule import (STYLES, Op, Schedule, ShardBuckets, op_by
                                        publish_schedule, reduce_schedule, unshard_schedule)
 
 __all__ = ["CHOICES", "LinkCost", "StyleChoice", "wire_bytes", "coalesced_units", "unit_seconds",
-           "replicate_wait", "choose_style", "resolve_styles", "check_choice"]
+           "replicate_wait", "choose_style", "resolve_styles", "check_choice", "mode_collectives"]
 
 #: The values of ``dedicate_params(collectives=...)`` / ``step_program(collectives=...)``.
 CHOICES = STYLES + ("auto",)
@@ -296,3 +296,10 @@ def check_choice(choice: Optional[object], data_parallel: str = "fsdp", *,
             "dedicate_params(collectives='per_bucket') is not supported with tensor parallelism "
             "(TP-sliced matrices); use 'per_owner' or 'auto' (which stays per owner there)")
     return str(choice)
+
+
+def mode_collectives(choice: str, data_parallel: str = "fsdp", *, tp: bool = False) -> str:
+    """The collective style the step program is built with for a checked ``choice``
+    (:func:`check_choice`): ``"per_owner"`` with tensor parallelism or ``data_parallel="ddp"``
+    (their schedules move per owner), else ``choice`` itself."""
+    return "per_owner" if (tp or data_parallel == "ddp") else choice

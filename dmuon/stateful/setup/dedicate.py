@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.functional.buckets import ROOT_GROUP, boundary_groups
-from dmuon.functional.collectives import check_choice
+from dmuon.functional.collectives import check_choice, mode_collectives
 from dmuon.functional.dedicate_options import DedicateOptions, check_options, fold_deprecated
 from dmuon.functional.setup_check import ddp_grid, deferral_agreed
 from dmuon.functional.plan import plan_owners
@@ -272,7 +272,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
         meta_shapes=meta_shapes, meta_device=meta_device,
         matrices=matrix_settings(decisions, specs, chosen),
         tp_layouts=layouts, data_parallel=data_parallel, dp_dims=axes and (axes.shard, axes.replicate),
-        collectives="per_owner" if (layouts or data_parallel == "ddp") else collectives,
+        collectives=mode_collectives(collectives, data_parallel, tp=bool(layouts)),
         # model.state_dict()'s DTensor rows: over the 1-D shard mesh (DDP mode: plain tensors)
         shard_mesh=None if data_parallel == "ddp" else (mesh["shard"] if mesh.ndim == 2
                                                          else mesh))
