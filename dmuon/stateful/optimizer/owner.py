@@ -56,15 +56,15 @@ class OwnerDriver:
         chain = self.chain(hparams)
         mults = rt.matrices.hp_mults  # the policy's, per matrix (as its views)
         oc.check_chain(chain, self.fixed, mults, rt.tp_layouts)
-        self.views = {n: rt.matrices.views[n] for n in rt.names}
-        meta = oc.meta_state(chain, self.views, {n: rt.shape[n] for n in rt.names}, rt.master_dtype)
+        views = rt.matrices.views
+        meta = oc.meta_state(chain, views, {n: rt.shape[n] for n in rt.names}, rt.master_dtype)
         self.fields = state_fields(meta)
         self.local_shapes = _shapes(meta, self.fields)
         oc.check_fields(self.fields, meta, rt.shape, rt.master_dtype)
         self.full_shapes = self.local_shapes
         if rt.tp_layouts:  # the single-device shapes (the full matrices, their default views)
             from dmuon.stateful.modes.tensor_parallel import full_shape
-            whole = {n: (Batch(0) if n in rt.tp_layouts else v) for n, v in self.views.items()}
+            whole = {n: (Batch(0) if n in rt.tp_layouts else v) for n, v in views.items()}
             full = oc.meta_state(chain, whole, {n: full_shape(rt, n) for n in rt.names},
                                  rt.master_dtype)
             self.full_shapes = _shapes(full, self.fields)
@@ -77,7 +77,7 @@ class OwnerDriver:
         self.state = self._fresh(chain, first=True)
         #: steps in which this owner updated a matrix (``muon_step``; schedules are read at it)
         self.step_count = new_step()
-        owned = {n: self.views[n] for n in rt.owned_names}
+        owned = {n: views[n] for n in rt.owned_names}
         #: the owned matrices' views (``None``: all plain matrices) and ``(lr_mult, wd_mult)``
         self.owned_views: Optional[dict[str, Any]] = (
             owned if any(v != Batch(0) for v in owned.values()) else None)
@@ -91,7 +91,7 @@ class OwnerDriver:
     def _fresh(self, chain: T.Transform, first: bool = False) -> Any:
         """The chain's state before the first step, its momentum as stored (encoded;
         offloaded)."""
-        with default_views(self.views):
+        with default_views(self.rt.matrices.views):
             state = chain.init(self.rt.owned_masters())
         check_counts(state, "dmuon.Muon(transform=...)")
         if self.storage is None:
