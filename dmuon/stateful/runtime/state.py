@@ -64,7 +64,6 @@ class DedicatedState:
         self.coord: tuple[int, int] = tuple(mesh_groups.coord)
         self.owners = {n: tuple(o[n]) for o in [runtime_owners(plan)] for n in self.names}
         self.owner_rank = {n: mesh_groups.global_rank(*self.owners[n]) for n in self.names}
-        self.owned_names = tuple(n for n in self.names if self.owners[n] == self.coord)
         #: the policy's decisions (dedicate_params): views, dtypes, hp_mults (read them there)
         self.matrices = matrices
         # TP: {name: TPLayout} of the TP-sliced matrices (tensor_parallel)
@@ -84,6 +83,7 @@ class DedicatedState:
         # the storage's facts, read-only (masters: this rank's column's; HSDP: the owner's column)
         st = self.storage
         self.params: dict[str, nn.Parameter] = st.params  # {name: param}, in the given order
+        self.owned_names = tuple(st.owned_masters)  # this rank's Muon matrices, in that order
         self.device, self.masters, self.shape = st.device, st.masters, st.shape
         self.orig_dtype, self.master_dtype = st.orig_dtype, st.master_dtype
         self.pool = GradBufferPool(self.coord[0], self.device)
