@@ -177,11 +177,12 @@ def to_tp_slice_guard(p: nn.Parameter) -> None:
 
 
 def make_marker(p: nn.Parameter, name: str, on_zero: Optional[Callable[[], None]],
-                what: str = "gradient") -> DedicatedGradMarker:
-    """A zero-size marker of placeholder ``p``'s ``what`` (its gradient: ``on_zero()`` runs when it is
-    zeroed; ``"momentum"``: the optimizer state a non-owner rank lists but does not hold)."""
+                what: str = "gradient", shape: tuple[int, ...] = (0,)) -> DedicatedGradMarker:
+    """A marker of ``p``'s ``what`` (its gradient: ``on_zero()`` runs when it is zeroed;
+    ``"momentum"``: the optimizer state a non-owner rank lists but does not hold), of ``shape``:
+    zero-size for a placeholder, a gathered param's own (zero strides: one element of memory)."""
     with torch_function_disabled():
-        base = torch.empty(0, dtype=p.dtype, device=p.device)
+        base = torch.zeros((), dtype=p.dtype, device=p.device).expand(shape)
     m = make_tensor_subclass(DedicatedGradMarker, base)
     m._dmuon_name = name
     m._dmuon_on_zero = on_zero

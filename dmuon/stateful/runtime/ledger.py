@@ -1,7 +1,7 @@
 """The gradient ledger (:class:`GradLedger`): one record per dedicated matrix on this rank, in one
-explicit state (:class:`Held`), and the ``.grad`` markers that keep torch's semantics on the
-placeholders (zeroing a marker zeroes the held gradient, replacing it drops it). The owner's
-accounting (accumulate, presence) is the pure phases' (:mod:`dmuon.functional.phases`).
+explicit state (:class:`Held`), and the ``.grad`` markers that keep torch's semantics (zeroing a
+marker zeroes the held gradient, replacing it drops it). The owner's accounting (accumulate,
+presence) is the pure phases' (:mod:`dmuon.functional.phases`).
 
 Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.ledger".
 """
@@ -63,7 +63,7 @@ class GradLedger:
 
     Args:
       params: ``{name: param}``.  owned: the names this rank owns.
-      is_placeholder: ``name -> bool`` (markers go on placeholders only).
+      is_placeholder: ``name -> bool`` (:meth:`show_markers`, :meth:`consume`).
       collect: waits for the in-flight reduces and feeds :meth:`add_reduced` (a reduce still in
         flight counts as held).
     """
@@ -161,20 +161,22 @@ class GradLedger:
 
     # ------------------------------------------------------------------ markers
     def _show(self, name: str, rec: GradRecord) -> None:  # (callers: plain_access)
-        p = self.params[name]
-        if rec.marker is None or rec.marker.dtype != p.dtype or rec.marker.device != p.device:
+        p, old = self.params[name], rec.marker
+        if old is None or (old.dtype, old.device, old.shape) != (p.dtype, p.device, p.shape):
             # C++ holds a marker (``.grad``): a weak reference, or ledger and model never die
             ref = weakref.WeakMethod(self._on_zero)
-            rec.marker = make_marker(p, name, lambda n=name: (m := ref()) is not None and m(n))
+            rec.marker = make_marker(p, name, lambda n=name: (m := ref()) is not None and m(n),
+                                     shape=p.shape)
         p.grad = rec.marker
         rec.shown = True
 
     @plain_access
-    def show_markers(self, names: Iterable[str]) -> None:
-        """After a backward: each placeholder whose gradient this rank holds shows a held marker."""
+    def show_markers(self, names: Iterable[str], gathered: bool = True) -> None:
+        """After a backward: each param whose gradient this rank holds shows a held marker, also a
+        gathered one (kept across ``no_sync``; not ``gathered``: a ``create_graph`` graph's)."""
         for n in names:
             rec = self.records[n]
-            if rec.shown or not self._is_placeholder(n):
+            if rec.shown or not (gathered or self._is_placeholder(n)):
                 continue
             if rec.local is not None or rec.state in (Held.SENT, Held.REDUCED):
                 self._show(n, rec)

@@ -340,7 +340,7 @@ class DedicatedState:
             if g.holds_gathered and not keep:
                 g.reshard()
             g.reset_backward()
-            self.ledger.show_markers(g.names)
+            self.ledger.show_markers(g.names, gathered=not create_graph)
 
     # ------------------------------------------------------------------ the publish
     @property
