@@ -442,7 +442,7 @@ def test_exception_in_forward_on_one_rank_fails_every_rank_at_once(z3):
     """Not silent and bounded: measured, gloo's own size check aborts one process (SIGABRT) at
     the first mismatched collective, 0.2 s after the caught exception, and the other raises
     "Connection closed by peer"; no rank trains on. (dmuon carries no step counter in its
-    collectives, as FSDP2 carries none: a mismatch of equal sizes would go by gloo's check.)"""
+    collectives, as FSDP2 carries none: a mismatch whose sizes agree is not caught by that check.)"""
     from dmuon.launch import run_local_ranks
     t = time.perf_counter()
     results, errors = run_local_ranks(_raise_one_rank, WORLD, (z3,), {}, backend="gloo",
