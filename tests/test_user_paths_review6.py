@@ -6,12 +6,15 @@ Paths: activation checkpointing through torch's ``apply_activation_checkpointing
 ``checkpoint_wrapper`` (non-reentrant; the wrapper renames every param ``..._checkpoint_wrapped_
 module...``), applied before ``dedicate_params`` or between it and ``fully_shard`` (the seeds'
 torchtitan order: ``dedicate_params`` then ``parallelize_model``, which applies it); a block
-called twice in one forward without checkpointing (ALBERT-style sharing), in Z3 and Z2; a warmup
+called twice in one forward (ALBERT-style sharing), plainly or each call in its own
+non-reentrant checkpoint, in Z3 and Z2; a tied embedding / head that the predicate dedicates
+(``p.ndim == 2``); a warmup
 scheduler whose first lr is 0 (``LambdaLR``), and a Muon lr of 0 beside a non-zero AdamW lr;
 ``model.eval()`` + ``torch.no_grad()`` forwards after each step and between a training forward
 and its backward (Z3, Z2); a block's MLP skipped on one rank only (its matrices get a gradient on
 the other rank only); an exception raised inside the forward on every rank (a bad batch), caught,
-the loop going on (at the first forward ever, and later); the same exception on one rank only.
+the loop going on (at the first forward ever, and later); the same exception on one rank only,
+and an evaluation forward on rank 0 only (``if rank == 0: evaluate(model)``).
 
 Before the fix (measured): ``checkpoint_wrapper``'s state-dict hooks drop
 ``_checkpoint_wrapped_module.`` from every key, and dmuon's own state-dict functions found the
@@ -24,8 +27,11 @@ alike (0.61 from the dict), silently. Now dmuon's raw state-dict pass finds each
 stand-in under the key it has after any renaming hook, and the dedicated names, tied groups and
 load targets follow ``model.state_dict()``'s keys: both orders save, load and resume exactly
 (0.0). torch's own ``model.state_dict()`` / ``load_state_dict`` (DCP's route) worked before too.
-The other paths measured 0.0 (bitwise) from one process; the exception on one rank only is
-caught by gloo's own size check at the next mismatched collective (see its test).
+The other paths measured 0.0 (bitwise) from one process. The exception on one rank only, and
+the rank-0-only evaluation in Z3, fail at the next mismatched collective (gloo's own size check
+aborts one process, the other raises) within a second; the rank-0-only evaluation in Z2 is exact
+(its gathers pair with the other rank's next training gathers of the same weights, and the next
+training forward on rank 0 finds everything still gathered).
 """
 from __future__ import annotations
 
@@ -169,23 +175,46 @@ def _ac_wrapper(cfg, order):
 
 # ----------------------------------------------------------------------- a block used twice
 class TwiceLlama(TinyLlama):
-    """``layers.0`` runs twice per forward (ALBERT-style sharing), with no checkpointing."""
+    """``layers.0`` runs twice per forward (ALBERT-style sharing); ``checkpointing``: each call
+    in its own non-reentrant ``torch.utils.checkpoint``."""
 
     def forward(self, ids):
         x = self.embed_tokens(ids[:, :-1])
         for layer in [self.layers[0], self.layers[0], *self.layers[1:]]:
-            x = layer(x)
+            if self.checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         logits = self.lm_head(self.norm(x))
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
-def _twice(cfg):
+def _twice(cfg, checkpointing=False):
     def path(env):
-        model = TwiceLlama()
+        model = TwiceLlama(checkpointing=checkpointing)
         model.load_state_dict(make_model().state_dict())
         model = model.double()
         # as in review 1: the reused block is not fully_shard-ed (FSDP2's own reuse limits)
         model, opt = _build(model, env, cfg, blocks=list(model.layers)[1:])
+        _train(model, opt, env)
+        return {"sd": _full_sd(model, env), "extra": []}
+    return path
+
+
+# ----------------------------------------------------------------------- tied and dedicated
+def _tied_dedicated(cfg):
+    """``lm_head.weight`` is ``embed_tokens.weight`` and the predicate takes every 2-D param
+    (``p.ndim == 2``, as many users write it): the tied matrix is dedicated, used at the start
+    and the end of the forward (the root group)."""
+    def path(env):
+        def pred(n, p):
+            return p.ndim == 2
+        model = make_model(tie=True)
+        if env["dist"]:
+            model, opt = build_dmuon(env["rank"], env["world"], model, model.layers,
+                                     {**cfg, "predicate": pred})
+        else:
+            opt = RefMuon(model, pred)
         _train(model, opt, env)
         return {"sd": _full_sd(model, env), "extra": []}
     return path
@@ -311,6 +340,10 @@ PATHS = {
     "ac_wrapper_after_z2": _ac_wrapper({"z3": False}, "after"),
     "twice": _twice({}),
     "twice_z2": _twice({"z3": False}),
+    "twice_ckpt": _twice({}, checkpointing=True),
+    "twice_ckpt_z2": _twice({"z3": False}, checkpointing=True),
+    "tied_dedicated": _tied_dedicated({}),
+    "tied_dedicated_z2": _tied_dedicated({"z3": False}),
     "warmup_zero": _warmup_zero,
     "eval_no_grad": _eval_no_grad({}),
     "eval_no_grad_z2": _eval_no_grad({"z3": False}),
@@ -327,18 +360,19 @@ def _worker(rank, world):
     return run_each(PATHS, dict(rank=rank, world=world, dist=True))
 
 
-def _raise_one_rank(rank, world, z3):
-    """Rank 1 alone raises inside ``layers.1``'s forward at step 1, catches it and goes on to the
-    next batch; rank 0 never raised. The ranks' collectives now disagree: every rank must raise
-    within dmuon's timeout (5 s here), never finish with weights that differ from each other's
-    or hang."""
+def _one_rank_alone(rank, world, z3, what):
+    """One rank leaves the ranks' common order at step 1 and goes on: ``"raise"``: rank 1 alone
+    raises inside ``layers.1``'s forward, catches it and goes on to the next batch (rank 0 never
+    raised); ``"eval"``: rank 0 alone runs a ``no_grad`` evaluation forward after the step (the
+    classic ``if rank == 0: evaluate(model)``). The ranks' collectives now disagree: every rank
+    must fail within a bounded time (dmuon's timeout: 5 s here), never train on or hang."""
     import dmuon
     torch.set_num_threads(1)
     model = make_model()
     model, opt = build_dmuon(rank, world, model, model.layers, {"z3": z3},
                              options=dmuon.DedicateOptions(timeout=datetime.timedelta(seconds=5)))
     step = [0]
-    _raising(model, lambda: rank == 1 and step[0] == 1)
+    _raising(model, lambda: what == "raise" and rank == 1 and step[0] == 1)
     caught, t0 = [], time.monotonic()
     env = dict(rank=rank, world=world, dist=True)
     try:
@@ -351,7 +385,12 @@ def _raise_one_rank(rank, world, z3):
                 caught.append(i)
                 continue
             opt.step()
-        out = {"error": None}
+            if what == "eval" and rank == 0 and i == 1:
+                model.eval()
+                with torch.no_grad():
+                    model(make_batches(1, 2, seed=5)[0])
+                model.train()
+        out = {"error": None, "sd": _full_sd(model, env)}
     except Exception as e:  # noqa: BLE001 - the parent inspects it
         out = {"error": (type(e).__name__, str(e))}
     out.update(caught=caught, seconds=time.monotonic() - t0, step=step[0])
@@ -410,8 +449,13 @@ def _check_dmuon_state_dicts(results, key):
         assert r["resumed"] <= TOL, (rank, r["resumed"])
 
 
-@pytest.mark.parametrize("key", ["twice", "twice_z2"])
+@pytest.mark.parametrize("key", ["twice", "twice_z2", "twice_ckpt", "twice_ckpt_z2"])
 def test_block_called_twice_in_one_forward_equals_one_process(results, key):
+    _check(results, key)
+
+
+@pytest.mark.parametrize("key", ["tied_dedicated", "tied_dedicated_z2"])
+def test_tied_embedding_and_head_dedicated_equal_one_process(results, key):
     _check(results, key)
 
 
@@ -437,19 +481,33 @@ def test_exception_in_forward_on_every_rank_then_next_batch_equals_one_process(r
         assert r[key]["caught"] == [0 if key == "raise_first" else 1], r[key]["caught"]
 
 
+@pytest.mark.parametrize("what", ["raise", "eval"])
 @pytest.mark.parametrize("z3", [True, False], ids=["z3", "z2"])
-def test_exception_in_forward_on_one_rank_fails_every_rank_at_once(z3):
-    """Not silent and bounded: measured, gloo's own size check aborts one process (SIGABRT) at
-    the first mismatched collective, 0.2 s after the caught exception, and the other raises
+def test_one_rank_leaving_the_common_order_fails_every_rank_at_once(z3, what):
+    """An exception in forward on one rank only (caught, that rank going on), or an evaluation
+    forward on rank 0 only. Not silent and bounded: measured, gloo's own size check aborts one
+    process (SIGABRT) at the first mismatched collective, within a second, and the other raises
     "Connection closed by peer"; no rank trains on. (dmuon carries no step counter in its
-    collectives, as FSDP2 carries none: a mismatch whose sizes agree is not caught by that check.)"""
+    collectives, as FSDP2 carries none: a mismatch whose sizes agree is not caught by that
+    check.)"""
     from dmuon.launch import run_local_ranks
     t = time.perf_counter()
-    results, errors = run_local_ranks(_raise_one_rank, WORLD, (z3,), {}, backend="gloo",
+    results, errors = run_local_ranks(_one_rank_alone, WORLD, (z3, what), {}, backend="gloo",
                                       timeout_s=30, env=None, grace_s=5.0, deadline_s=60,
                                       start_method=START_METHOD)
+    print(f"one rank alone ({what}, z3={z3}): {time.perf_counter() - t:.1f} s", results, errors)
     assert time.perf_counter() - t < 60
     assert set(results) | set(errors) == set(range(WORLD)), (results, errors)
+    if not errors and all(r["error"] is None for r in results.values()):
+        # no rank failed: then the run must be the uninterrupted one (measured: Z2's eval)
+        model = make_model()
+        _train(model, RefMuon(model), dict(rank=0, world=1, dist=False),
+               make_batches(STEPS + 1, BATCH))
+        want = {k: v.detach() for k, v in model.state_dict().items()}
+        for rank, r in results.items():
+            worst = _diff(r["sd"], want)
+            assert worst <= TOL, f"{what} z3={z3} rank {rank}: max abs diff {worst:.3g}"
+        return
     for rank, r in results.items():  # a rank that reported: it raised, within seconds
         assert r["error"] is not None and r["seconds"] < 30, (rank, r)
     for rank, e in errors.items():  # a rank that did not: its process died (gloo's abort)
