@@ -23,10 +23,11 @@ dedicated entries by their ``named_parameters()`` names. Wrapped before ``dedica
 (the seeds' torchtitan order), it returned meta tensors for the 14 matrices, silently (the seeds'
 ``torch.save`` recipe would have written them; loading that dict raised), and
 ``dmuon.set_model_state_dict`` loaded nothing of the wrapped blocks, matrices and FSDP2 norms
-alike (0.61 from the dict), silently. Now dmuon's raw state-dict pass finds each placeholder's
+alike (0.61 from the dict), silently; ``dmuon.save_sharded`` raised in both orders. Now dmuon's
+raw state-dict pass finds each placeholder's
 stand-in under the key it has after any renaming hook, and the dedicated names, tied groups and
 load targets follow ``model.state_dict()``'s keys: both orders save, load and resume exactly
-(0.0). torch's own ``model.state_dict()`` / ``load_state_dict`` (DCP's route) worked before too.
+(0.0), through the full dicts and through ``save_sharded`` / ``load_sharded``. torch's own ``model.state_dict()`` / ``load_state_dict`` (DCP's route) worked before too.
 The other paths measured 0.0 (bitwise) from one process. The exception on one rank only, and
 the rank-0-only evaluation in Z3, fail at the next mismatched collective (gloo's own size check
 aborts one process, the other raises) within a second; the rank-0-only evaluation in Z2 is exact
@@ -160,10 +161,17 @@ def _ac_wrapper(cfg, order):
                                          dmuon.set_optimizer_state_dict(again, opt2,
                                                                         saved["optim"])))
             _train(again, opt2, env, batches[-1:])
+            # and through dmuon's sharded checkpoint (DCP), into a third build
+            ckpt = f"{env['tmp']}/{order}_{cfg.get('z3', True)}"
+            out["save_sharded"] = catch(lambda: dmuon.save_sharded(ckpt, model, opt))
+            third, opt3 = _ac_build(env, cfg, order)
+            out["load_sharded"] = catch(lambda: dmuon.load_sharded(ckpt, third, opt3))
+            _train(third, opt3, env, batches[-1:])
         _train(model, opt, env, batches[-1:])
         out["sd"] = _torch_full_sd(model)
         if env["dist"]:
             out["resumed"] = _diff(_torch_full_sd(again), out["sd"])
+            out["resumed_sharded"] = _diff(_torch_full_sd(third), out["sd"])
             out["get"] = catch(lambda: out.update(got=_dmuon_sd_diff(model, out["sd"])))
             half = {k: 0.5 * v for k, v in out["sd"].items()}
             out["set"] = catch(lambda: out.update(put=_dmuon_load_diff(again, half)))
@@ -355,9 +363,9 @@ PATHS = {
 }
 
 
-def _worker(rank, world):
+def _worker(rank, world, tmp):
     torch.set_num_threads(1)
-    return run_each(PATHS, dict(rank=rank, world=world, dist=True))
+    return run_each(PATHS, dict(rank=rank, world=world, dist=True, tmp=tmp))
 
 
 def _one_rank_alone(rank, world, z3, what):
@@ -409,9 +417,9 @@ def _diff(a, b):
 
 
 @pytest.fixture(scope="module")
-def results():
+def results(tmp_path_factory):
     t = time.perf_counter()
-    out = run_ranks(_worker, WORLD, timeout=120)
+    out = run_ranks(_worker, WORLD, str(tmp_path_factory.mktemp("review6")), timeout=120)
     print(f"review6 spawn: {time.perf_counter() - t:.1f} s")
     return out
 
@@ -443,10 +451,11 @@ def test_checkpoint_wrapper_blocks_work_with_dmuon_state_dicts(results, key):
 def _check_dmuon_state_dicts(results, key):
     for rank, r in enumerate(results):
         r = r[key]
-        for part in ("save", "load", "get", "set"):
+        for part in ("save", "load", "get", "set", "save_sharded", "load_sharded"):
             assert r[part] == (None, None), (rank, part, r[part])
         assert r["got"] == 0.0 and r["put"] == 0.0, (rank, r["got"], r["put"])
-        assert r["resumed"] <= TOL, (rank, r["resumed"])
+        assert r["resumed"] <= TOL and r["resumed_sharded"] <= TOL, (
+            rank, r["resumed"], r["resumed_sharded"])
 
 
 @pytest.mark.parametrize("key", ["twice", "twice_z2", "twice_ckpt", "twice_ckpt_z2"])
