@@ -9,7 +9,7 @@ import copy
 from dist_utils import run_ranks
 
 
-def _build(world, tie=False):
+def _build(world, tie=False, wrap=False):
     import torch
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -21,6 +21,11 @@ def _build(world, tie=False):
     mesh = init_device_mesh("cpu", (world,))
     model = make_model(seed=3, tie=tie)
     dedicate_params(model, mesh, muon_predicate)
+    if wrap:  # torch's activation-checkpoint wrapper, applied as torchtitan's parallelize does
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            apply_activation_checkpointing)
+        from models import Block
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
     for layer in model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -100,6 +105,13 @@ def _worker(rank, world, path):
     tsd = get_model_state_dict(t)
     out["tied"] = (set(tsd) == set(make_model(tie=True).state_dict())
                    and torch.equal(tsd["lm_head.weight"], tsd["embed_tokens.weight"]))
+
+    # blocks wrapped by checkpoint_wrapper after dedicate_params (its hooks rename every key)
+    w, _ = _build(world, wrap=True)
+    set_model_state_dict(w, fresh)
+    back = get_model_state_dict(w)
+    out["wrapped"] = (list(back) == list(fresh)
+                      and all(torch.equal(back[k], fresh[k]) for k in fresh))
     return out
 
 
@@ -111,6 +123,7 @@ def test_state_dict_roundtrip_and_resume(tmp_path):
         assert out["bad_osd"] is not None and "does not match" in out["bad_osd"]
         assert out["roundtrip"]
         assert out["tied"]
+        assert out["wrapped"]  # (before: meta tensors back, and nothing of the blocks loaded)
         assert [g[0] for g in out["osd_groups"]] == ["muon", "adamw"]
         assert out["osd_groups"][0][1] == 0.02 and out["osd_groups"][1][1] == 2e-3
         assert {"momentum_buffer", "exp_avg", "exp_avg_sq", "step"} <= set(out["osd_keys"])

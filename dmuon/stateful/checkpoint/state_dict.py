@@ -6,7 +6,6 @@ Design notes: docs/design/checkpoint.md, "dmuon.stateful.checkpoint.state_dict".
 """
 from __future__ import annotations
 
-import itertools
 from typing import Mapping, NamedTuple, Optional
 
 import torch
@@ -16,8 +15,7 @@ import torch.nn as nn
 from dmuon.functional.selection import names_by_object
 from dmuon.functional.state_dict_check import model_state_problems
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor, unwrapping_model
-from dmuon.stateful.checkpoint.torch_state_dict import (agree, dedicated_names_by_key,
-                                                       distribute_like, log_dtype_changes)
+from dmuon.stateful.checkpoint.torch_state_dict import agree, distribute_like, log_dtype_changes
 from dmuon.stateful.modes.tensor_parallel import full_shape, local_part
 from dmuon.stateful.checkpoint.transfer import transfer_of
 
@@ -32,9 +30,9 @@ class LoadResult(NamedTuple):
     unexpected_keys: list[str]
 
 
-def module_entries(model: nn.Module) -> dict[str, torch.Tensor]:
+def module_entries(model: nn.Module, detach: bool = True) -> dict[str, torch.Tensor]:
     """``model.state_dict()`` with each dedicated param's placeholder kept as its entry (never
-    read); other entries detached as torch does."""
+    read); other entries detached as torch does (``detach=False``: the params themselves)."""
     from dmuon.compat.fsdp_patch import is_dedicated
     st = get_state(model)
     prev, st.raw_state_dict = st.raw_state_dict, True
@@ -42,7 +40,15 @@ def module_entries(model: nn.Module) -> dict[str, torch.Tensor]:
         sd = model.state_dict(keep_vars=True)
     finally:
         st.raw_state_dict = prev
-    return {k: (v if is_dedicated(v) else v.detach()) for k, v in sd.items()}
+    return {k: (v if is_dedicated(v) or not detach else v.detach()) for k, v in sd.items()}
+
+
+def dedicated_names_by_key(model: nn.Module, rt: DedicatedState) -> dict[str, str]:
+    """``{state_dict key: dedicated canonical name}`` (a tied matrix under each of its keys), by
+    the keys ``model.state_dict()`` gives: after the renames of modules' state-dict hooks
+    (``checkpoint_wrapper`` drops ``_checkpoint_wrapped_module.``)."""
+    canon = {p: n for n, p in rt.params.items()}
+    return {k: canon[p] for k, p in module_entries(model, detach=False).items() if p in canon}
 
 
 def expected_entries(model: nn.Module, rt: DedicatedState,
@@ -58,8 +64,7 @@ def expected_entries(model: nn.Module, rt: DedicatedState,
 
 def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
     """Groups of state-dict names that share one tensor (tied params / buffers)."""
-    by_id = names_by_object(itertools.chain(model.named_parameters(remove_duplicate=False),
-                                            model.named_buffers(remove_duplicate=False)))
+    by_id = names_by_object(module_entries(model, detach=False).items())
     return [tuple(g) for g in by_id.values() if len(g) > 1]
 
 
@@ -161,8 +166,7 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     log_dtype_changes(what, notes)
     source, missing, unexpected = payloads[0] if rank0_only else mine
 
-    live = dict(model.named_parameters(remove_duplicate=False))
-    live.update(dict(model.named_buffers(remove_duplicate=False)))
+    live = module_entries(model, detach=False)  # by state-dict key (as ``exp``)
     done: set[int] = set()
     held: dict[str, str] = {}  # rank0_only: dedicated name -> rank 0's key (moved below)
     for k, (shape, dtype) in exp.items():

@@ -16,6 +16,7 @@ import torch.nn as nn
 from dmuon.compat.fsdp_patch import is_dedicated
 from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
 from dmuon.functional.module_paths import ancestors, modules_above
+from dmuon.functional.selection import names_by_object
 from dmuon.functional.state_dict_check import (assign_problems, check_state_dict, dtype_changes,
                                                live_views, load_refusal, value_problems,
                                                view_problems)
@@ -27,8 +28,7 @@ from dmuon.stateful.checkpoint.transfer import replicated, transfer_of
 logger = logging.getLogger(__name__)
 
 __all__ = ["StateDictError", "register_state_dict_hooks", "dtensor_rows", "distribute_like",
-           "layout_problem", "log_narrowing", "agree",
-           "dedicated_names_by_key"]
+           "layout_problem", "log_narrowing", "agree"]
 
 
 class StateDictError(ValueError):
@@ -44,13 +44,6 @@ def agree(st, problems: list[str], what: str, payload: Any = None, *,
     ``payload``."""
     return agree_problems(problems, what=f"{what} agreement", via=st.mesh_groups, payload=payload,
                           error=lambda detail: StateDictError(load_refusal(what, detail, route)))
-
-
-def dedicated_names_by_key(model: nn.Module, st) -> dict[str, str]:
-    """``{state_dict key: dedicated canonical name}`` for every key that is a dedicated param (a
-    tied matrix appears under each of its keys)."""
-    canon = {p: n for n, p in st.params.items()}
-    return {k: canon[p] for k, p in model.named_parameters(remove_duplicate=False) if p in canon}
 
 
 def dtensor_rows(full: torch.Tensor, mesh: Any) -> Any:
@@ -108,11 +101,13 @@ class _Hooks:
         self.st = st
         self.transfer = transfer_of(st)
         self.model = model
-        self.keys = dedicated_names_by_key(model, st)  # every alias of a tied matrix
+        canon = {p: n for n, p in st.params.items()}  # {param path: name}, each tied alias
+        self.keys = {k: canon[p] for k, p in model.named_parameters(remove_duplicate=False)
+                     if p in canon}
         self.staged: Optional[dict[str, Any]] = None
         # filled by the root pre-save hook, put in by each owning module's post-hook
         self.rows: Optional[dict[str, Any]] = None
-        self.stand_ins: dict[str, torch.Tensor] = {}  # raw pass: key -> meta stand-in
+        self.stand_ins: dict[str, tuple] = {}  # raw pass: key -> (meta stand-in, name)
         self.late: set[str] = set()  # load: keys an ancestor's pre-hook produces (checked early)
         self.own_hooks: set[int] = set()  # ids of the hooks below (skipped by the dry run)
         self.handles: list = []  # every hook's handle (dmuon.release removes them)
@@ -151,7 +146,7 @@ class _Hooks:
                 state_dict[key] = self.rows[n]
             elif saving_state_dict() and self.st.raw_state_dict:
                 t = torch.empty(self.st.shape[n], dtype=self.st.orig_dtype[n], device="meta")
-                self.stand_ins[key] = t
+                self.stand_ins[key] = (t, n)
                 state_dict[key] = t
 
     def post_save(self, module, state_dict, prefix, local_metadata) -> None:
@@ -166,18 +161,15 @@ class _Hooks:
                 state_dict[prefix + k] = rows[n]
 
     def _restore_placeholders(self, state_dict, prefix: str, stand_ins: dict) -> None:
-        """dmuon's raw pass: the placeholders back in; raise :class:`StateDictError` (the same on
-        every rank) where a submodule's state-dict hook rewrote an entry."""
-        lost = []
-        for k, n in self.keys.items():
-            key = prefix + k
-            t = stand_ins.get(key)
-            if t is None:
-                continue
-            if state_dict.get(key) is t:
-                state_dict[key] = self.st.params[n]
-            else:
-                lost.append(k)
+        """dmuon's raw pass: the placeholders back in, under the key each stand-in has now (a
+        hook may rename an entry, as ``checkpoint_wrapper``'s do); raise :class:`StateDictError`
+        (the same on every rank) where a submodule's state-dict hook rewrote one."""
+        lost, at = [], names_by_object(state_dict.items())
+        for key, (t, n) in stand_ins.items():
+            for k in at.get(id(t), ()):
+                state_dict[k] = self.st.params[n]
+            if id(t) not in at:
+                lost.append(key[len(prefix):])
         if lost:
             k = lost[0]
             by = self._rewriter(k)
