@@ -61,25 +61,32 @@ def test_a_block_called_before_the_models_first_forward_works_as_with_fsdp2():
 
 
 def _second_backward(rank, world, start):
+    """``start``: "inner" a tensor inside a Z2 block, "root" inside a Z3 model's root group (kept
+    gathered across no_sync), "output" the loss (``retain_graph``)."""
     import dmuon
     model = _model()
     inner = []
-    model.layers[0].up_proj.register_forward_hook(lambda m, a, out: inner.append(out))
+    held = model.out_proj if start == "root" else model.layers[0].up_proj
+    held.register_forward_hook(lambda m, a, out: inner.append(out))
     if world:
         model, opt = build_dmuon(rank, world, model, model.layers,
-                                 {"z3": False, "predicate": lambda n, p: p.ndim == 2})
+                                 {"z3": start == "root", "predicate": lambda n, p: p.ndim == 2})
     else:
         opt = RefMuon(model, lambda n, p: p.ndim == 2)
     loss = model(_x())
     with dmuon.no_sync(model) if world else torch.enable_grad():
         loss.backward(retain_graph=True)
-    (inner[0].pow(2).sum() if start == "inner" else loss).backward()
+    (loss if start == "output" else inner[0].pow(2).sum()).backward()
     opt.step()
     return dmuon.get_model_state_dict(model) if world else model.state_dict()
 
 
-@pytest.mark.parametrize("start", [pytest.param("inner", marks=pytest.mark.xfail(
-    strict=True, reason="torch's in-place add into the zero-stride .grad marker raises")), "output"])
+_RAISES = pytest.mark.xfail(strict=True, reason="torch's in-place add into the zero-stride .grad "
+                             "marker raises")
+
+
+@pytest.mark.parametrize("start", [pytest.param("inner", marks=_RAISES),
+                                   pytest.param("root", marks=_RAISES), "output"])
 def test_a_second_backward_after_a_no_sync_backward_on_a_gathered_group(start):
     got = run_threads(_second_backward, 1, start)[0]
     ref = _second_backward(0, 0, start)
