@@ -51,7 +51,6 @@ def _block_first(rank, world):
     return dmuon.get_model_state_dict(model), str(e.value)
 
 
-@pytest.mark.xfail(strict=True, reason="AttributeError '_group_forward_seen' (an internal flag)")
 def test_a_block_called_before_the_models_first_forward_works_as_with_fsdp2():
     got, error = run_threads(_block_first, 1)[0]
     assert "FSDP requires running forward through the root module first" in error
@@ -81,12 +80,7 @@ def _second_backward(rank, world, start):
     return dmuon.get_model_state_dict(model) if world else model.state_dict()
 
 
-_RAISES = pytest.mark.xfail(strict=True, reason="torch's in-place add into the zero-stride .grad "
-                             "marker raises")
-
-
-@pytest.mark.parametrize("start", [pytest.param("inner", marks=_RAISES),
-                                   pytest.param("root", marks=_RAISES), "output"])
+@pytest.mark.parametrize("start", ["inner", "root", "output"])
 def test_a_second_backward_after_a_no_sync_backward_on_a_gathered_group(start):
     got = run_threads(_second_backward, 1, start)[0]
     ref = _second_backward(0, 0, start)

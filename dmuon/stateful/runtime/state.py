@@ -97,6 +97,7 @@ class DedicatedState:
         self._seen_order: dict[str, None] = {}  # the first forward's order (an ordered set)
         self._order_final = False
         self._calls: dict[str, int] = {}   # calls of each group in the current forward
+        self._group_forward_seen = False  # notify_group_forward's; begin_forward clears it
         self.reused: set[str] = set()      # groups once called twice in a forward: reduce at the end
         self._reduce_order: tuple[str, ...] = ()  # the program's (first forward; none before)
         self._reduce_next = 0          # index into _reduce_order of the next reduce to launch
@@ -206,16 +207,15 @@ class DedicatedState:
     def notify_group_forward(self) -> None:
         """A hook group's forward starts (the hooks call it): the first of a forward tells the
         listener."""
-        if not self._group_forward_seen:
-            self._group_forward_seen = True
-            if self.listener is not None:
-                self.listener.group_forward()
+        if not self._group_forward_seen and self.listener is not None:
+            self.listener.group_forward()
+        self._group_forward_seen = True
 
     # ------------------------------------------------------------------ forward order
     def begin_forward(self) -> None:
         """A forward of the model starts (not a checkpoint recomputation)."""
         self._calls.clear()
-        self._group_forward_seen = False  # notify_group_forward's flag
+        self._group_forward_seen = False
 
     def note_forward(self, key: str) -> None:
         """Record the forward order (first forward) and groups called twice in one forward
@@ -280,8 +280,7 @@ class DedicatedState:
         """
         if param.grad is None:
             return
-        hooks = param._post_accumulate_grad_hooks
-        if hooks is not None and len(hooks) > 1:
+        if len(param._post_accumulate_grad_hooks or ()) > 1:
             check_not_written(name, param, self.owner_rank[name])
             if keep_dmuon_hook_last(param):  # later hooks run after this one, now
                 self.on_backward_start()
