@@ -97,7 +97,7 @@ def _check(results, key):
             assert float((out[key][k] - v).abs().max()) <= TOL, (rank, k)
 
 
-@pytest.mark.xfail(strict=True, reason="the ranks re-gather in different orders: gather timeout")
+
 def test_a_block_returning_its_input_on_one_rank_only_equals_one_process(results):
     _check(results, "last")
 

@@ -30,19 +30,28 @@ def _eager(fn: Any) -> Any:
 
 def _register_pre_backward(st: DedicatedState, key: str | None, output: Any) -> bool:
     """Hook the output's tensors so that the backward of ``key`` starts with dmuon's pre-backward;
-    False when the output has none (the caller then keeps the group gathered)."""
+    False when the output has none (the caller then keeps the group gathered). A block whose output
+    holds only tensors earlier blocks hooked (it returned its input) starts first in their hook:
+    torch would run its hook after theirs, and every rank must re-gather in one order."""
     if not (tensors := grad_tensors(output, tree_leaves)):
         return False
+    if key and all(hasattr(t, "_dmuon_starts") for t in tensors):
+        tensors[0]._dmuon_starts.insert(0, key)
+        return True
+    starts = [key]  # the groups this hook starts, in reverse forward order
 
     def pre_backward(_grads: Any) -> None:
-        with record_function(f"dmuon::pre_backward ({key or '<root>'})"):
-            st.on_backward_start()
-            if key is not None:
-                st.unshard(key, regather=True)
-                prev = st.next_group(key, backward=True)
-                if prev is not None and st.groups[prev].reshard_after_forward:
-                    st.unshard(prev, regather=True, wait=False)
+        for key in starts:
+            with record_function(f"dmuon::pre_backward ({key or '<root>'})"):
+                st.on_backward_start()
+                if key is not None:
+                    st.unshard(key, regather=True)
+                    prev = st.next_group(key, backward=True)
+                    if prev is not None and st.groups[prev].reshard_after_forward:
+                        st.unshard(prev, regather=True, wait=False)
 
+    for t in tensors:
+        t._dmuon_starts = starts
     torch.autograd.graph.register_multi_grad_hook(tensors, _eager(pre_backward), mode="any")
     return True
 

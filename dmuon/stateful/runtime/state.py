@@ -158,8 +158,7 @@ class DedicatedState:
     @torch.inference_mode(False)  # what it builds outlives a first forward under inference_mode
     def _init_at_first_forward(self) -> None:
         self.finish_meta_init("dmuon (first forward)")
-        model = self.model_ref()
-        if model is not None:
+        if (model := self.model_ref()) is not None:
             check_not_taken_over(model, self.params, "dmuon (first forward)")
             if _renamed_params(self, model):
                 raise _renamed_error(self, model, "dmuon (first forward)")
@@ -349,8 +348,7 @@ class DedicatedState:
 
     def check_publish_consumed(self, what: str = "optimizer.step()") -> None:
         """Raise if a publish is still pending (not yet waited: the same decision on every rank)."""
-        groups = [k or "<root>" for k in self.pending_publish]
-        if not groups:
+        if not (groups := [k or "<root>" for k in self.pending_publish]):
             return
         raise RuntimeError(
             f"dmuon: {what} would publish new HSDP weights while the previous step's publish is "
@@ -442,11 +440,9 @@ def find_state(model: Any) -> Optional[DedicatedState]:
 def get_state(model: nn.Module, what: str = "this call") -> DedicatedState:
     """The state ``dedicate_params`` attached to ``model``; clear error when there is none (also
     when ``model`` wraps a dedicated model, as PEFT's ``get_peft_model`` applied afterwards)."""
-    st = find_state(model)
-    if st is None:
+    if (st := find_state(model)) is None:
         for path, m in model.named_modules():
-            inner = getattr(m, STATE_ATTR, None) if path else None
-            if inner is not None:
+            if (inner := getattr(m, STATE_ATTR, None) if path else None) is not None:
                 raise _renamed_error(inner, model, what, path)
         raise RuntimeError(
             f"{what} needs a model prepared by dmuon.dedicate_params(model, mesh, predicate) "
