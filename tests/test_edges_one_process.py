@@ -12,6 +12,11 @@ threads of torch's multi-threaded process group, ``tests/threaded_world.py``): e
   in-place add into the zero-stride ``.grad`` marker raised "more than one element of the
   written-to tensor refers to a single memory location". The same from the model's output
   (``retain_graph``) was exact.
+- A block that returns its input unchanged (the default tier's check of
+  ``tests/test_block_returns_its_input.py``, where one rank of two does so): its group must be
+  re-gathered before the earlier block's, in reverse forward order as on a rank whose block does
+  not return its input. Before: torch ran the earlier block's hook first (one tensor's hooks run in
+  the order they were registered).
 """
 from __future__ import annotations
 
@@ -86,3 +91,24 @@ def test_a_second_backward_after_a_no_sync_backward_on_a_gathered_group(start):
     ref = _second_backward(0, 0, start)
     for k, v in ref.items():
         assert float((got[k] - v).abs().max()) <= TOL, k
+
+
+def _regather_order(rank, world):
+    from dmuon.stateful.runtime.state import get_state
+    from test_block_returns_its_input import _Model
+    torch.manual_seed(0)
+    model = _Model().double()
+    model, _ = build_dmuon(rank, world, model, model.layers,
+                           {"z3": True, "predicate": lambda n, p: p.ndim == 2})
+    model(_x()).backward()  # the first forward fixes the order
+    st, order = get_state(model), []
+    unshard = st.unshard
+    st.unshard = lambda key, regather=False, **kw: (order.append(key) if regather else None,
+                                                      unshard(key, regather, **kw))
+    model.layers[2].skip = True  # returns layers.1's output
+    model(_x()).backward()
+    return list(dict.fromkeys(order))
+
+
+def test_a_block_returning_its_input_is_re_gathered_in_reverse_forward_order():
+    assert run_threads(_regather_order, 1)[0] == ["", "layers.2", "layers.1", "layers.0"]
