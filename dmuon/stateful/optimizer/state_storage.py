@@ -296,13 +296,11 @@ class StorageListener:
                 opt._storage.prefetch({n: mom[n] for n in names if n in mom}, ahead=True)
 
     def grads_cleared(self) -> None:
-        opt = self.ref()
-        if opt is not None:
+        if (opt := self.ref()) is not None:
             opt._overlap.discard()
 
     def group_forward(self) -> None:  # also once when a newer optimizer replaces this listener
-        opt = self.ref()
-        if opt is not None:
+        if (opt := self.ref()) is not None:
             opt._storage.copies.flush()  # offload: the copies back the last step deferred
 
 

@@ -253,8 +253,7 @@ class Executor:
         """This rank's bucket ``key`` for ``op``, checked: a contiguous 1-D tensor of at least
         ``numel`` elements, or of exactly ``part`` (a gather / scatter member's own part)."""
         mg = self.groups
-        buf = buffers.get(key)
-        if buf is None:
+        if (buf := buffers.get(key)) is None:
             raise KeyError(f"rank {mg.rank} {mg.coord} takes part in op {op.id!r} but no buffer "
                            f"for bucket {key} was given")
         if buf.dim() != 1 or not buf.is_contiguous() or (

@@ -30,20 +30,28 @@ def _eager(fn: Any) -> Any:
 
 def _register_pre_backward(st: DedicatedState, key: str | None, output: Any) -> bool:
     """Hook the output's tensors so that the backward of ``key`` starts with dmuon's pre-backward;
-    False when the output has none (the caller then keeps the group gathered)."""
-    tensors = grad_tensors(output, tree_leaves)
-    if not tensors:
+    False when the output has none (the caller then keeps the group gathered). A block whose output
+    holds only tensors earlier blocks hooked (it returned its input) starts first in their hook:
+    torch would run its hook after theirs, and every rank must re-gather in one order."""
+    if not (tensors := grad_tensors(output, tree_leaves)):
         return False
+    if key and all(hasattr(t, "_dmuon_starts") for t in tensors):
+        tensors[0]._dmuon_starts.insert(0, key)
+        return True
+    starts = [key]  # the groups this hook starts, in reverse forward order
 
     def pre_backward(_grads: Any) -> None:
-        with record_function(f"dmuon::pre_backward ({key or '<root>'})"):
-            st.on_backward_start()
-            if key is not None:
-                st.unshard(key, regather=True)
-                prev = st.next_group(key, backward=True)
-                if prev is not None and st.groups[prev].reshard_after_forward:
-                    st.unshard(prev, regather=True, wait=False)
+        for key in starts:
+            with record_function(f"dmuon::pre_backward ({key or '<root>'})"):
+                st.on_backward_start()
+                if key is not None:
+                    st.unshard(key, regather=True)
+                    prev = st.next_group(key, backward=True)
+                    if prev is not None and st.groups[prev].reshard_after_forward:
+                        st.unshard(prev, regather=True, wait=False)
 
+    for t in tensors:
+        t._dmuon_starts = starts
     torch.autograd.graph.register_multi_grad_hook(tensors, _eager(pre_backward), mode="any")
     return True
 
@@ -55,9 +63,8 @@ def check_fsdp_sees_output(model: nn.Module, output: Any) -> None:
     root = fsdp_state(model)
     if root is None or not fsdp_param_groups(root) or fsdp_output_grad_tensors(output):
         return
-    others = [n for n, m in model.named_modules() if n and fsdp_state(m) is not None]
-    if others:  # their pre-backward hooks start FSDP2's backward work for the root too
-        return
+    if any(n and fsdp_state(m) is not None for n, m in model.named_modules()):
+        return  # other fully_shard modules' pre-backward hooks start FSDP2's work for the root
     cls = type(output).__name__
     raise RuntimeError(
         f"dmuon: {type(model).__name__}.forward returned a {cls} object that hides its tensors "
@@ -92,9 +99,9 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
         if in_backward():
             return None
         st.finalize_order()
-        if torch.is_grad_enabled():
-            if _register_pre_backward(st, ROOT_GROUP if has_root else None, output):
-                check_fsdp_sees_output(model, output)
+        if torch.is_grad_enabled() and _register_pre_backward(
+                st, ROOT_GROUP if has_root else None, output):
+            check_fsdp_sees_output(model, output)
         return None
 
     handles.append(model.register_forward_pre_hook(_eager(root_pre)))
@@ -105,7 +112,7 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
             continue
 
         def pre(module: nn.Module, args: Any, key: str = key) -> None:
-            st.lazy_init()
+            st.lazy_init()  # (called directly before the model's first forward: as FSDP2)
             with record_function(f"dmuon::pre_forward ({key})"):
                 if in_backward():  # activation-checkpoint recomputation
                     st.unshard(key, regather=True)
@@ -113,8 +120,7 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
                 st.note_forward(key)
                 st.notify_group_forward()  # the optimizer's listener (offload: deferred copies back)
                 st.unshard(key)
-                nxt = st.next_group(key)
-                if nxt is not None:
+                if (nxt := st.next_group(key)) is not None:
                     st.unshard(nxt, wait=False)
 
         def post(module: nn.Module, args: Any, output: Any, key: str = key) -> Any:
@@ -135,11 +141,15 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
     st_ref = weakref.ref(st)
 
     def on_grad(param: nn.Parameter, name: str) -> None:
-        state = st_ref()
-        if state is not None:
+        if (state := st_ref()) is not None:
             state.on_grad(name, param)
 
+    def before_grad(grad: torch.Tensor, name: str) -> None:  # a backward no group hook started
+        if (state := st_ref()) is not None and state.ledger.records[name].shown:
+            state.ledger.take_markers([name])  # (torch would add into a zero-stride marker)
+
     for name, p in st.params.items():
+        handles.append(p.register_hook(_eager(partial(before_grad, name=name))))
         h = p.register_post_accumulate_grad_hook(_eager(partial(on_grad, name=name)))
         p._dmuon_grad_hook = h.id  # kept last among the param's hooks (state.on_grad, guards)
         handles.append(h)

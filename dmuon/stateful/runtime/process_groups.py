@@ -203,8 +203,7 @@ _REUSE: dict[tuple, MeshGroups] = {}
 def _reusable(key: tuple) -> Optional[MeshGroups]:
     """The groups made for ``key`` before, if every one of them is still registered (a
     ``destroy_process_group()`` and a new ``init_process_group`` in between made them stale)."""
-    made = _REUSE.get(key)
-    if made is None:
+    if (made := _REUSE.get(key)) is None:
         return None
     pgs = [*made.groups.values(), made.control, made.tp_group]
     try:

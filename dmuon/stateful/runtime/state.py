@@ -97,6 +97,7 @@ class DedicatedState:
         self._seen_order: dict[str, None] = {}  # the first forward's order (an ordered set)
         self._order_final = False
         self._calls: dict[str, int] = {}   # calls of each group in the current forward
+        self._group_forward_seen = False  # notify_group_forward's; begin_forward clears it
         self.reused: set[str] = set()      # groups once called twice in a forward: reduce at the end
         self._reduce_order: tuple[str, ...] = ()  # the program's (first forward; none before)
         self._reduce_next = 0          # index into _reduce_order of the next reduce to launch
@@ -157,8 +158,7 @@ class DedicatedState:
     @torch.inference_mode(False)  # what it builds outlives a first forward under inference_mode
     def _init_at_first_forward(self) -> None:
         self.finish_meta_init("dmuon (first forward)")
-        model = self.model_ref()
-        if model is not None:
+        if (model := self.model_ref()) is not None:
             check_not_taken_over(model, self.params, "dmuon (first forward)")
             if _renamed_params(self, model):
                 raise _renamed_error(self, model, "dmuon (first forward)")
@@ -206,16 +206,15 @@ class DedicatedState:
     def notify_group_forward(self) -> None:
         """A hook group's forward starts (the hooks call it): the first of a forward tells the
         listener."""
-        if not self._group_forward_seen:
-            self._group_forward_seen = True
-            if self.listener is not None:
-                self.listener.group_forward()
+        if not self._group_forward_seen and self.listener is not None:
+            self.listener.group_forward()
+        self._group_forward_seen = True
 
     # ------------------------------------------------------------------ forward order
     def begin_forward(self) -> None:
         """A forward of the model starts (not a checkpoint recomputation)."""
         self._calls.clear()
-        self._group_forward_seen = False  # notify_group_forward's flag
+        self._group_forward_seen = False
 
     def note_forward(self, key: str) -> None:
         """Record the forward order (first forward) and groups called twice in one forward
@@ -280,8 +279,7 @@ class DedicatedState:
         """
         if param.grad is None:
             return
-        hooks = param._post_accumulate_grad_hooks
-        if hooks is not None and len(hooks) > 1:
+        if len(param._post_accumulate_grad_hooks or ()) > 1:
             check_not_written(name, param, self.owner_rank[name])
             if keep_dmuon_hook_last(param):  # later hooks run after this one, now
                 self.on_backward_start()
@@ -350,8 +348,7 @@ class DedicatedState:
 
     def check_publish_consumed(self, what: str = "optimizer.step()") -> None:
         """Raise if a publish is still pending (not yet waited: the same decision on every rank)."""
-        groups = [k or "<root>" for k in self.pending_publish]
-        if not groups:
+        if not (groups := [k or "<root>" for k in self.pending_publish]):
             return
         raise RuntimeError(
             f"dmuon: {what} would publish new HSDP weights while the previous step's publish is "
@@ -443,11 +440,9 @@ def find_state(model: Any) -> Optional[DedicatedState]:
 def get_state(model: nn.Module, what: str = "this call") -> DedicatedState:
     """The state ``dedicate_params`` attached to ``model``; clear error when there is none (also
     when ``model`` wraps a dedicated model, as PEFT's ``get_peft_model`` applied afterwards)."""
-    st = find_state(model)
-    if st is None:
+    if (st := find_state(model)) is None:
         for path, m in model.named_modules():
-            inner = getattr(m, STATE_ATTR, None) if path else None
-            if inner is not None:
+            if (inner := getattr(m, STATE_ATTR, None) if path else None) is not None:
                 raise _renamed_error(inner, model, what, path)
         raise RuntimeError(
             f"{what} needs a model prepared by dmuon.dedicate_params(model, mesh, predicate) "

@@ -113,8 +113,7 @@ class GradBufferPool:
     def acquire(self, key: BucketKey, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A buffer of ``numel`` elements of ``dtype`` for bucket ``key`` (contents undefined)."""
         if key.column == self.column and key not in self._busy:
-            buf = self.buffers.get(key)
-            if buf is None:
+            if (buf := self.buffers.get(key)) is None:
                 buf = torch.empty(numel, dtype=dtype, device=self.device)
                 self.buffers[key] = buf
             alloc_storage(buf)
