@@ -103,7 +103,8 @@ class TinyLlama(nn.Module):
 
     def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 2, hidden: int = 24,
                  n_layers: int = 2, mha_style: bool = False, tie: bool = False,
-                 checkpointing: bool = False, root_proj: bool = False, tie_proj: bool = False):
+                 checkpointing: bool = False, root_proj: bool = False, tie_proj: bool = False,
+                 reuse_first: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, dim)
         # a matrix outside every layers.N block (moved by the model's own hooks, the root group)
@@ -116,12 +117,13 @@ class TinyLlama(nn.Module):
         if tie_proj:  # a dedicated matrix shared by two blocks
             self.layers[-1].mlp.up_proj.weight = self.layers[0].mlp.up_proj.weight
         self.checkpointing = checkpointing
+        self.reuse_first = reuse_first  # layers.0 runs twice per forward (ALBERT-style sharing)
 
     def forward(self, ids):
         x = self.embed_tokens(ids[:, :-1])
         if self.in_proj is not None:
             x = x + self.in_proj(x)
-        for layer in self.layers:
+        for layer in [self.layers[0], *self.layers] if self.reuse_first else self.layers:
             if self.checkpointing and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(
                     layer, x, use_reentrant=self.checkpointing == "reentrant")

@@ -38,22 +38,9 @@ from user_paths_harness import assert_state_equal, reference_run
 STEPS, BATCH = 3, 4
 
 
-class ReuseLlama(TinyLlama):
-    """``layers.0`` runs twice per forward, each call in its own reentrant checkpoint."""
-
-    def forward(self, ids):
-        x = self.embed_tokens(ids[:, :-1])
-        for layer in [self.layers[0], self.layers[0], *self.layers[1:]]:
-            if torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=True)
-            else:
-                x = layer(x)
-        logits = self.lm_head(self.norm(x))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
 def _reuse_model():
-    m = ReuseLlama()
+    # layers.0 runs twice per forward, each call in its own reentrant checkpoint
+    m = TinyLlama(checkpointing="reentrant", reuse_first=True)
     m.load_state_dict(make_model().state_dict())
     return m.double()
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from dist_utils import catch, run_each, run_ranks
 from models import make_batches, make_model, muon_predicate
 from stateful_harness import build_dmuon
-from user_paths_harness import TOL, RefMuon
+from user_paths_harness import TOL, RefMuon, max_abs_diff
 
 STEPS, BATCH, WORLD = 3, 4, 2
 
@@ -366,16 +366,6 @@ def _reference(key):
     return PATHS[key](dict(rank=0, world=1, dist=False))
 
 
-def _diff(a, b):
-    if isinstance(b, dict):
-        assert set(a) == set(b), (set(a) ^ set(b))
-        return max(_diff(a[k], v) for k, v in b.items())
-    if isinstance(b, list):
-        assert len(a) == len(b), (a, b)
-        return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
-    return float((a - b).abs().max())
-
-
 @pytest.fixture(scope="module")
 def results():
     return run_ranks(_worker, WORLD, timeout=180)
@@ -386,10 +376,10 @@ def _check(results, key, extra=True):
     for rank, r in enumerate(results):
         got = r[key]
         assert "error" not in got, (key, rank, got.get("error"))
-        worst = _diff(got["sd"], ref["sd"])
+        worst = max_abs_diff(got["sd"], ref["sd"])
         assert worst <= TOL, f"{key} rank {rank}: max abs diff {worst:.3g}"
         if extra and "extra" in ref:
-            worst = _diff(got["extra"], ref["extra"])
+            worst = max_abs_diff(got["extra"], ref["extra"])
             assert worst <= TOL, f"{key} rank {rank} extra: max abs diff {worst:.3g}"
     return ref
 

@@ -47,7 +47,7 @@ import torch.nn as nn
 from dist_utils import catch, run_each, run_ranks
 from models import muon_predicate
 from stateful_harness import build_dmuon
-from user_paths_harness import TOL, RefMuon
+from user_paths_harness import TOL, RefMuon, max_abs_diff
 
 STEPS, BATCH, WORLD = 3, 4, 2
 
@@ -138,7 +138,7 @@ def _assign_mid(env):
             sd = _full_sd(model, env)
             refused = catch(lambda: model.load_state_dict(
                 {k: v.clone() for k, v in sd.items()}, assign=True))
-            unchanged = _diff(_full_sd(model, env), sd) == 0.0
+            unchanged = max_abs_diff(_full_sd(model, env), sd) == 0.0
             model.load_state_dict(sd)
             refused = (*refused, unchanged)
         opt.zero_grad()
@@ -176,7 +176,7 @@ def _no_sync_last(cfg):
         backward(first, False)
         backward(last, True)
         refused = catch(opt.step) if env["dist"] else None
-        refused = refused and (*refused, _diff(_full_sd(model, env), before) == 0.0)
+        refused = refused and (*refused, max_abs_diff(_full_sd(model, env), before) == 0.0)
         backward(extra, False)
         opt.step()
         for ids in make_batches(STEPS, BATCH):
@@ -258,16 +258,6 @@ def _worker(rank, world):
     return run_each(PATHS, dict(rank=rank, world=world, dist=True))
 
 
-def _diff(a, b):
-    if isinstance(b, dict):
-        assert set(a) == set(b), set(a) ^ set(b)
-        return max(_diff(a[k], v) for k, v in b.items())
-    if isinstance(b, list):
-        assert len(a) == len(b), (a, b)
-        return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
-    return float((a - b).abs().max())
-
-
 @pytest.fixture(scope="module")
 def results():
     return run_ranks(_worker, WORLD, timeout=120)
@@ -279,7 +269,7 @@ def _check(results, key):
         got = r[key]
         assert "error" not in got, (key, rank, got.get("error"))
         for part in ("sd", "extra"):
-            worst = _diff(got[part], ref[part])
+            worst = max_abs_diff(got[part], ref[part])
             assert worst <= TOL, f"{key} rank {rank} {part}: max abs diff {worst:.3g}"
 
 

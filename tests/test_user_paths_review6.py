@@ -42,11 +42,10 @@ import time
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from dist_utils import START_METHOD, catch, run_each, run_ranks
 from models import Block, TinyLlama, make_batches, make_model
 from stateful_harness import build_dmuon
-from user_paths_harness import TOL, RefMuon
+from user_paths_harness import TOL, RefMuon, max_abs_diff
 
 pytestmark = pytest.mark.slow
 
@@ -106,7 +105,7 @@ def _wrap_blocks(model):
 def _dmuon_sd_diff(model, want):
     """Max abs difference of ``dmuon.get_model_state_dict`` from ``want`` (same keys)."""
     import dmuon
-    return _diff(dmuon.get_model_state_dict(model), want)
+    return max_abs_diff(dmuon.get_model_state_dict(model), want)
 
 
 def _dmuon_load_diff(model, sd):
@@ -114,7 +113,7 @@ def _dmuon_load_diff(model, sd):
     ``model.state_dict()`` from ``sd``."""
     import dmuon
     dmuon.set_model_state_dict(model, sd)
-    return _diff(_torch_full_sd(model), sd)
+    return max_abs_diff(_torch_full_sd(model), sd)
 
 
 def _ac_build(env, cfg, order):
@@ -170,36 +169,23 @@ def _ac_wrapper(cfg, order):
         _train(model, opt, env, batches[-1:])
         out["sd"] = _torch_full_sd(model)
         if env["dist"]:
-            out["resumed"] = _diff(_torch_full_sd(again), out["sd"])
-            out["resumed_sharded"] = _diff(_torch_full_sd(third), out["sd"])
+            out["resumed"] = max_abs_diff(_torch_full_sd(again), out["sd"])
+            out["resumed_sharded"] = max_abs_diff(_torch_full_sd(third), out["sd"])
             out["get"] = catch(lambda: out.update(got=_dmuon_sd_diff(model, out["sd"])))
             half = {k: 0.5 * v for k, v in out["sd"].items()}
             out["set"] = catch(lambda: out.update(put=_dmuon_load_diff(again, half)))
             again.load_state_dict(model.state_dict())  # torch's own route (what DCP uses)
-            out["torch_load"] = _diff(_torch_full_sd(again), out["sd"])
+            out["torch_load"] = max_abs_diff(_torch_full_sd(again), out["sd"])
         return out
     return path
 
 
 # ----------------------------------------------------------------------- a block used twice
-class TwiceLlama(TinyLlama):
-    """``layers.0`` runs twice per forward (ALBERT-style sharing); ``checkpointing``: each call
-    in its own non-reentrant ``torch.utils.checkpoint``."""
-
-    def forward(self, ids):
-        x = self.embed_tokens(ids[:, :-1])
-        for layer in [self.layers[0], self.layers[0], *self.layers[1:]]:
-            if self.checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
-            else:
-                x = layer(x)
-        logits = self.lm_head(self.norm(x))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-
-
 def _twice(cfg, checkpointing=False):
     def path(env):
-        model = TwiceLlama(checkpointing=checkpointing)
+        # layers.0 runs twice per forward (ALBERT-style sharing); checkpointing: each call in its
+        # own non-reentrant torch.utils.checkpoint
+        model = TinyLlama(checkpointing=checkpointing, reuse_first=True)
         model.load_state_dict(make_model().state_dict())
         model = model.double()
         # as in review 1: the reused block is not fully_shard-ed (FSDP2's own reuse limits)
@@ -406,16 +392,6 @@ def _one_rank_alone(rank, world, z3, what):
 
 
 # ----------------------------------------------------------------------- checks
-def _diff(a, b):
-    if isinstance(b, dict):
-        assert set(a) == set(b), set(a) ^ set(b)
-        return max(_diff(a[k], v) for k, v in b.items())
-    if isinstance(b, list):
-        assert len(a) == len(b), (a, b)
-        return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
-    return float((a - b).abs().max())
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     t = time.perf_counter()
@@ -430,7 +406,7 @@ def _check(results, key):
         got = r[key]
         assert "error" not in got, (key, rank, got.get("error"))
         for part in ("sd", "extra"):
-            worst = _diff(got[part], ref[part])
+            worst = max_abs_diff(got[part], ref[part])
             assert worst <= TOL, f"{key} rank {rank} {part}: max abs diff {worst:.3g}"
     return ref
 
@@ -514,7 +490,7 @@ def test_one_rank_leaving_the_common_order_fails_every_rank_at_once(z3, what):
                make_batches(STEPS + 1, BATCH))
         want = {k: v.detach() for k, v in model.state_dict().items()}
         for rank, r in results.items():
-            worst = _diff(r["sd"], want)
+            worst = max_abs_diff(r["sd"], want)
             assert worst <= TOL, f"{what} z3={z3} rank {rank}: max abs diff {worst:.3g}"
         return
     for rank, r in results.items():  # a rank that reported: it raised, within seconds

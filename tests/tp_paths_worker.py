@@ -14,18 +14,9 @@ from stateful_harness import HP, lr_factor
 STEPS, BATCH = 3, 4
 
 
-class ReuseLlama(TinyLlama):
+def ReuseLlama(**kwargs) -> TinyLlama:
     """``layers.0`` runs twice per forward (weight reuse of TP-sliced dedicated matrices)."""
-
-    def forward(self, ids):
-        x = self.embed_tokens(ids[:, :-1])
-        for layer in [self.layers[0], self.layers[0], *self.layers[1:]]:
-            if self.checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
-            else:
-                x = layer(x)
-        logits = self.lm_head(self.norm(x))
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    return TinyLlama(reuse_first=True, **kwargs)
 
 
 class SkipLlama(TinyLlama):

@@ -51,6 +51,18 @@ class RefMuon(torch.optim.Optimizer):
         return loss
 
 
+def max_abs_diff(a: Any, b: Any) -> float:
+    """The largest absolute difference between ``a`` and ``b``: tensors, lists of numbers, or dicts
+    of those with equal keys (nested)."""
+    if isinstance(b, dict):
+        assert set(a) == set(b), set(a) ^ set(b)
+        return max(max_abs_diff(a[k], v) for k, v in b.items())
+    if isinstance(b, list):
+        assert len(a) == len(b), (a, b)
+        return max((abs(x - y) for x, y in zip(a, b)), default=0.0)
+    return float((a - b).abs().max())
+
+
 def reference_run(make: Callable[[], torch.nn.Module], loop: Callable[..., Any], steps: int,
                   batch: int) -> dict:
     """``loop`` on one process with :class:`RefMuon` over ``make()``: ``{"sd", "extra"}``."""
