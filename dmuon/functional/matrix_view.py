@@ -363,8 +363,17 @@ def views_per_leaf(view: Any, batch_dims: Any, params: Any, treedef: Any) -> lis
     if view is None:
         bd = per_leaf_option(batch_dims, params, treedef, default=0, what="batch_dims",
                              is_value=lambda v: isinstance(v, int) and not isinstance(v, bool))
-        return [Batch(int(k)) if isinstance(k, int) and not isinstance(k, bool) else as_view(k)
-                for k in bd]
+        made: dict[int, MatrixView] = {}  # views are frozen: one per distinct k, shared by its
+        out: list[MatrixView] = []        # leaves (asked per step: no new view per leaf)
+        for k in bd:
+            if isinstance(k, int) and not isinstance(k, bool):
+                k = int(k)
+                if k not in made:
+                    made[k] = Batch(k)
+                out.append(made[k])
+            else:
+                out.append(as_view(k))
+        return out
     vs = per_leaf_option(view, params, treedef, default=Batch(0), what="view",
                          is_value=lambda v: isinstance(v, MatrixView))
     return [as_view(v) for v in vs]
