@@ -14,7 +14,7 @@ import torch.nn as nn
 from dmuon.compat.torch_api import (fsdp_divide_factor, fsdp_mesh, fsdp_mp_policy,
                                    fsdp_param_groups, fsdp_state)
 
-__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_holders", "mean_to_fsdp_scale", "fsdp_meshes", "fsdp_dp_dims", "reduce_unused_fsdp_params",
+__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_holders", "mean_to_fsdp_scale", "mean_to_fsdp_scales", "fsdp_meshes", "fsdp_dp_dims", "reduce_unused_fsdp_params",
            "keep_fsdp_gathered", "release_fsdp_kept", "drop_unreduced_fsdp_grads"]
 
 
@@ -69,6 +69,17 @@ def mean_to_fsdp_scale(state: Any, ranks: int) -> Optional[float]:
     ``None`` when that is the mean itself."""
     f = fsdp_divide_factor(state)
     return None if f is None or f == ranks else ranks / f
+
+
+def mean_to_fsdp_scales(states: list[Any], ranks: int) -> list[Optional[float]]:
+    """:func:`mean_to_fsdp_scale` of each of ``states``, read once per distinct state (the
+    grads of one reduce mostly share one; read when asked, never kept: a user may call
+    ``set_gradient_divide_factor`` between steps)."""
+    read: dict[int, Optional[float]] = {}
+    for st in states:
+        if id(st) not in read:
+            read[id(st)] = mean_to_fsdp_scale(st, ranks)
+    return [read[id(st)] for st in states]
 
 
 def fsdp_meshes(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:

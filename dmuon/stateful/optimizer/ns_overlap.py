@@ -103,7 +103,7 @@ class NSOverlap:
                 rec.pending.wait()  # CUDA: the side stream waits for the reduce; CPU: landed
                 rgs = P.reduced(rt.program, key, rt.coord, rec.buffers, rec.owned_here)
                 names = O.early_names({r.name: r.present_here for r in rgs},
-                                      {r.name: rt.grad_scale(r.name) for r in rgs})
+                                      dict(zip([r.name for r in rgs], rt.grad_scales(rgs))))
                 grads = {r.name: r.grad for r in rgs if r.name in names}
                 if names:
                     stamp = self._stamp(opt, names, grads)

@@ -22,7 +22,7 @@ from dmuon.functional.split_plan import runtime_owners
 from dmuon.functional.tp_plan import grid_tp_schedule
 from dmuon.functional.policy import resolve_model_dtypes
 from dmuon.compat.fsdp_info import (find_fsdp_state, fsdp_holders, keep_fsdp_gathered,
-                                    mean_to_fsdp_scale, release_fsdp_kept)
+                                    mean_to_fsdp_scales, release_fsdp_kept)
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
 from dmuon.stateful.runtime.agree import gather, join as join_ranks
@@ -368,12 +368,13 @@ class DedicatedState:
         """Wait for the in-flight reduces; add the owner's grads to the ledger (FSDP2's divide
         factor applied)."""
         for key in self._reduce_order:
-            for rg in self.groups[key].wait_reduces():
-                self.ledger.add_reduced(rg, self.grad_scale(rg.name))
+            rgs = self.groups[key].wait_reduces()
+            for rg, scale in zip(rgs, self.grad_scales(rgs)):
+                self.ledger.add_reduced(rg, scale)
 
-    def grad_scale(self, name: str) -> Optional[float]:
-        """FSDP2's divide factor for ``name``'s averaged gradient (``None``: the mean itself)."""
-        return mean_to_fsdp_scale(self._fsdp_states.get(name), self.G * self.R)
+    def grad_scales(self, rgs: list[Any]) -> list[Optional[float]]:
+        """FSDP2's divide factor for each ``ReducedGrad``'s average (``None``: the mean itself)."""
+        return mean_to_fsdp_scales([self._fsdp_states.get(r.name) for r in rgs], self.G * self.R)
 
     def reduced_grads(self) -> dict[str, Optional[torch.Tensor]]:
         """Wait for the pending reduces; ``{owned name: averaged gradient, or None}`` (``None``:
