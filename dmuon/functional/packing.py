@@ -44,12 +44,10 @@ def zero_buffers(buckets: Iterable[Bucket], device: "torch.device | str" = "cpu"
 
 
 def entries(buckets: Iterable[Bucket], where: EntryFilter = None
-            ) -> Iterable[tuple[Bucket, BucketEntry]]:
-    """``(bucket, entry)`` pairs in layout order, those ``where(bucket, entry)`` accepts."""
-    for b in buckets:
-        for e in b.entries:
-            if where is None or where(b, e):
-                yield b, e
+            ) -> list[tuple[Bucket, BucketEntry]]:
+    """``(bucket, entry)`` pairs in layout order, those ``where(bucket, entry)`` accepts (a
+    list: asked per step, a generator would be one Python call per entry)."""
+    return [(b, e) for b in buckets for e in b.entries if where is None or where(b, e)]
 
 
 @torch.no_grad()

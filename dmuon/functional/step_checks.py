@@ -97,8 +97,8 @@ def check_finite_flags(flags: torch.Tensor, named: Sequence[tuple[str, torch.Ten
 def write_count(*trees: Any) -> int:
     """A number that grows with every in-place write to a tensor leaf of ``trees`` (the sum of
     their version counters): equal before and after a failed step when it changed nothing."""
-    return sum(t._version for tree in trees for t in flatten(tree)[0]
-               if isinstance(t, torch.Tensor))
+    return sum([t._version for tree in trees for t in flatten(tree)[0]  # (a list: one call,
+                if isinstance(t, torch.Tensor)])                       # not one per tensor)
 
 
 def check_not_broken(broken: Optional[str], what: str) -> None:
