@@ -47,7 +47,7 @@ import torch.nn as nn
 from dist_utils import catch, run_each, run_ranks
 from models import muon_predicate
 from stateful_harness import build_dmuon
-from user_paths_harness import TOL, RefMuon, max_abs_diff
+from user_paths_harness import RefMuon, check_path, max_abs_diff
 
 STEPS, BATCH, WORLD = 3, 4, 2
 
@@ -264,13 +264,7 @@ def results():
 
 
 def _check(results, key):
-    ref = PATHS[key](dict(rank=0, world=1, dist=False))
-    for rank, r in enumerate(results):
-        got = r[key]
-        assert "error" not in got, (key, rank, got.get("error"))
-        for part in ("sd", "extra"):
-            worst = max_abs_diff(got[part], ref[part])
-            assert worst <= TOL, f"{key} rank {rank} {part}: max abs diff {worst:.3g}"
+    return check_path(results, PATHS, key)
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ import torch.nn as nn
 from dist_utils import START_METHOD, catch, run_each, run_ranks
 from models import Block, TinyLlama, make_batches, make_model
 from stateful_harness import build_dmuon
-from user_paths_harness import TOL, RefMuon, max_abs_diff
+from user_paths_harness import TOL, RefMuon, check_path, max_abs_diff
 
 pytestmark = pytest.mark.slow
 
@@ -401,14 +401,7 @@ def results(tmp_path_factory):
 
 
 def _check(results, key):
-    ref = PATHS[key](dict(rank=0, world=1, dist=False))
-    for rank, r in enumerate(results):
-        got = r[key]
-        assert "error" not in got, (key, rank, got.get("error"))
-        for part in ("sd", "extra"):
-            worst = max_abs_diff(got[part], ref[part])
-            assert worst <= TOL, f"{key} rank {rank} {part}: max abs diff {worst:.3g}"
-    return ref
+    return check_path(results, PATHS, key)
 
 
 @pytest.mark.parametrize("key", ["ac_wrapper_before", "ac_wrapper_before_z2",

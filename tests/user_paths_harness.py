@@ -63,6 +63,19 @@ def max_abs_diff(a: Any, b: Any) -> float:
     return float((a - b).abs().max())
 
 
+def check_path(results: list, paths: dict, key: str) -> dict:
+    """Every rank's ``results[rank][key]`` (a path's ``sd`` and ``extra``) equals the path run in
+    one process (``paths[key]`` without ``dist``) within ``TOL``; returns that reference."""
+    ref = paths[key](dict(rank=0, world=1, dist=False))
+    for rank, r in enumerate(results):
+        got = r[key]
+        assert "error" not in got, (key, rank, got.get("error"))
+        for part in ("sd", "extra"):
+            worst = max_abs_diff(got[part], ref[part])
+            assert worst <= TOL, f"{key} rank {rank} {part}: max abs diff {worst:.3g}"
+    return ref
+
+
 def reference_run(make: Callable[[], torch.nn.Module], loop: Callable[..., Any], steps: int,
                   batch: int) -> dict:
     """``loop`` on one process with :class:`RefMuon` over ``make()``: ``{"sd", "extra"}``."""
