@@ -134,7 +134,7 @@ def dmuon_run(rank: int, world: int, kind: str, predicate: Any, muon_kw: Optiona
         opt.step()
     rt = opt.dedicated_state
     return {"sd": get_model_state_dict(model),
-            "views": {n: str(v) for n, v in getattr(rt, "views", {}).items()},
+            "views": {n: str(v) for n, v in rt.matrices.views.items()},
             "dedicated": sorted(rt.params)}
 
 
