@@ -176,10 +176,11 @@ def install_momentum(optimizer: Any, values: Mapping[str, torch.Tensor],
 def _save_entries(model: nn.Module, rt, optimizer) -> dict[str, Any]:
     """What this rank hands DCP: FSDP2's DTensors, the dedicated matrices (param dtype) and
     momentum it owns, a wider master where there is one, counters and hparams."""
-    ded = dedicated_names_by_key(model, rt)
+    entries = module_entries(model)  # one state-dict pass
+    ded = dedicated_names_by_key(model, rt, entries)
     model_sd: dict[str, Any] = {}
     seen: dict[str, torch.Tensor] = {}
-    for k, v in module_entries(model).items():
+    for k, v in entries.items():
         n = ded.get(k)
         if n is None:
             model_sd[k] = v
@@ -311,11 +312,12 @@ def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, stri
                     notes: list):
     """Problems of the checkpoint's metadata against the model (and optimizer); no collective.
     ``notes`` collects the model entries saved in another float precision."""
-    exp = expected_entries(model, rt)
+    entries = module_entries(model, detach=False)  # one state-dict pass
+    exp = expected_entries(entries, rt, dedicated_names_by_key(model, rt, entries))
     given = {k[len("model."):]: tuple(getattr(m, "size", ()) or ()) for k, m in md.items()
              if k.startswith("model.")}
     check = check_state_dict(given, {k: shape for k, (shape, _) in exp.items()},
-                             tied_groups(model))
+                             tied_groups(entries))
     problems = [f"model: {p}" for p in check.problems(strict)]
     for k, src in check.source.items():
         saved = getattr(getattr(md.get("model." + src), "properties", None), "dtype", None)
@@ -411,13 +413,14 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     agree_errors(rt, problems, what)
     log_dtype_changes(what, notes)
     # stage: DCP reads into new buffers shaped like this rank's pieces
-    ded = dedicated_names_by_key(model, rt)
+    entries = module_entries(model)  # one state-dict pass
+    ded = dedicated_names_by_key(model, rt, entries)
     wide = {n for n in rt.names if f"optim.dedicated.{n}.master" in md} \
         if optimizer is not None else set()
     live: dict[str, Any] = {}     # key -> the live tensor it replaces
     staged: dict[str, Any] = {}   # saved key -> the new buffer DCP reads into
     done: set[str] = set()
-    for k, v in module_entries(model).items():
+    for k, v in entries.items():
         if k not in check.source:
             continue
         n = ded.get(k)

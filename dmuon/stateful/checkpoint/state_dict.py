@@ -43,29 +43,30 @@ def module_entries(model: nn.Module, detach: bool = True) -> dict[str, torch.Ten
     return {k: (v if is_dedicated(v) or not detach else v.detach()) for k, v in sd.items()}
 
 
-def dedicated_names_by_key(model: nn.Module, rt: DedicatedState) -> dict[str, str]:
+def dedicated_names_by_key(model: nn.Module, rt: DedicatedState,
+                           entries: Optional[Mapping[str, torch.Tensor]] = None) -> dict[str, str]:
     """``{state_dict key: dedicated canonical name}`` (a tied matrix under each of its keys), by
     the keys ``model.state_dict()`` gives: after the renames of modules' state-dict hooks
-    (``checkpoint_wrapper`` drops ``_checkpoint_wrapped_module.``)."""
+    (``checkpoint_wrapper`` drops ``_checkpoint_wrapped_module.``). ``entries``: the caller's
+    :func:`module_entries` (one state-dict pass), detached or not."""
     canon = {p: n for n, p in rt.params.items()}
-    return {k: canon[p] for k, p in module_entries(model, detach=False).items() if p in canon}
+    entries = module_entries(model, detach=False) if entries is None else entries
+    return {k: canon[p] for k, p in entries.items() if p in canon}
 
 
-def expected_entries(model: nn.Module, rt: DedicatedState,
-                     ded: Optional[Mapping[str, str]] = None,
+def expected_entries(entries: Mapping[str, torch.Tensor], rt: DedicatedState, ded: Mapping[str, str]
                      ) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{key: (full shape, dtype)}`` of the single-device ``model.state_dict()``, in its order
-    (the same on every rank): dedicated matrices by their full shape and the param's dtype.
-    ``ded``: :func:`dedicated_names_by_key` when the caller has it already (else computed)."""
-    ded = dedicated_names_by_key(model, rt) if ded is None else ded
+    (the same on every rank), from :func:`module_entries` and :func:`dedicated_names_by_key`:
+    dedicated matrices by their full shape and the param's dtype."""
     return {k: (full_shape(rt, ded[k]), rt.orig_dtype[ded[k]]) if k in ded
-            else (tuple(v.shape), v.dtype) for k, v in module_entries(model).items()}
+            else (tuple(v.shape), v.dtype) for k, v in entries.items()}
 
 
-def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
-    """Groups of state-dict names that share one tensor (tied params / buffers)."""
-    by_id = names_by_object(module_entries(model, detach=False).items())
-    return [tuple(g) for g in by_id.values() if len(g) > 1]
+def tied_groups(entries: Mapping[str, torch.Tensor]) -> list[tuple[str, ...]]:
+    """Groups of state-dict names that share one tensor (tied params / buffers), from
+    ``module_entries(model, detach=False)``."""
+    return [tuple(g) for g in names_by_object(entries.items()).values() if len(g) > 1]
 
 
 def from_rank0(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
@@ -110,9 +111,10 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
     for n, t in transfer_of(rt).full_masters():
         if keep:
             full[n] = mv(t.to(rt.orig_dtype[n]).clone())
-    ded = dedicated_names_by_key(model, rt)
+    entries = module_entries(model)  # one state-dict pass
+    ded = dedicated_names_by_key(model, rt, entries)
     out: dict[str, torch.Tensor] = {}
-    for k, v in module_entries(model).items():
+    for k, v in entries.items():
         t = full.get(ded[k]) if k in ded else full_copy(v)  # (collective for a DTensor)
         if keep:
             out[k] = t if k in ded else mv(t)
@@ -153,12 +155,13 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     rt = get_state(model, f"{what}(model, sd)")
     rt.join(f"{what}(model, sd)", always=True)
     rt.wait_publish()
-    ded = dedicated_names_by_key(model, rt)
-    exp = expected_entries(model, rt, ded)
+    live = module_entries(model, detach=False)  # one state-dict pass, by key (as ``exp``)
+    ded = dedicated_names_by_key(model, rt, live)
+    exp = expected_entries(live, rt, ded)
     notes: list = []
     check, problems = None, []
     if not rank0_only or rt.rank == 0:
-        check, problems = model_state_problems(state_dict, exp, tied_groups(model), strict=strict,
+        check, problems = model_state_problems(state_dict, exp, tied_groups(live), strict=strict,
                                                finite=check_finite, notes=notes)
     mine = None if check is None else (dict(check.source), list(check.missing),
                                        list(check.unexpected))
@@ -166,7 +169,6 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     log_dtype_changes(what, notes)
     source, missing, unexpected = payloads[0] if rank0_only else mine
 
-    live = module_entries(model, detach=False)  # by state-dict key (as ``exp``)
     done: set[int] = set()
     held: dict[str, str] = {}  # rank0_only: dedicated name -> rank 0's key (moved below)
     for k, (shape, dtype) in exp.items():
