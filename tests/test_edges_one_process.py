@@ -112,3 +112,42 @@ def _regather_order(rank, world):
 
 def test_a_block_returning_its_input_is_re_gathered_in_reverse_forward_order():
     assert run_threads(_regather_order, 1)[0] == ["", "layers.2", "layers.1", "layers.0"]
+
+
+class _LayerDrop(AllMatrices):
+    """LayerDrop: at the steps in ``drop_at``, ``layers.1`` is skipped on every rank (the model
+    passes its input on; the block is not called)."""
+    step, drop_at = 0, (1, 2)
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = x if (i == 1 and self.step in self.drop_at) else layer(x, False)
+        return (self.out_proj(x) ** 2).mean()
+
+
+def _layer_drop(rank, world, z3):
+    import dmuon
+    torch.manual_seed(0)
+    model = _LayerDrop().double()
+    if world:
+        model, opt = build_dmuon(rank, world, model, model.layers,
+                                 {"z3": z3, "predicate": lambda n, p: p.ndim == 2})
+    else:
+        opt = RefMuon(model, lambda n, p: p.ndim == 2)
+    g = torch.Generator().manual_seed(1)
+    for model.step in range(4):
+        x = torch.randn(4, 8, generator=g, dtype=torch.float64)
+        for r in ([rank] if world else range(2)):  # one process: both ranks' halves, averaged
+            (model(x.chunk(2)[r]) / (1 if world else 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    return dmuon.get_model_state_dict(model) if world else model.state_dict()
+
+
+@pytest.mark.parametrize("z3", [True, False], ids=["z3", "z2"])
+def test_a_block_skipped_on_every_rank_for_two_steps_equals_one_process(z3):
+    """LayerDrop-style skipping on every rank (the block not called, its matrices without a
+    gradient at those steps), 2 thread-ranks, Z3 and Z2: equal to ``RefMuon`` in one process."""
+    ref = _layer_drop(0, 0, z3)
+    for got in run_threads(_layer_drop, 2, z3):
+        assert max(float((got[k] - v).abs().max()) for k, v in ref.items()) <= TOL
