@@ -50,12 +50,10 @@ def test_tp_clip_with_only_the_mlp_parallelized():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason=(
-    "an FSDP2 param that no rank used this step (layers.1 skipped on every rank) gets a zero "
-    "gradient instead of None (dmuon.Muon turns on FSDP2's set_reduce_scatter_unused_params, "
-    "fsdp_info.py:60-83, documented there), so AdamW decays its moments and applies weight decay "
-    "where torch's AdamW on one device skips it; not TP-specific (also on a 1-D mesh)"))
 def test_tp_a_block_unused_on_every_rank_for_one_step():
+    """layers.1 skipped on every rank at step 1: its FSDP2 params get no gradient anywhere, so
+    AdamW skips them as on one device (dmuon puts ``None`` back where FSDP2's
+    ``set_reduce_scatter_unused_params`` gave a zero; before, AdamW decayed them)."""
     cfg = {"model": "skip", "steps": 2}  # layers.1 skipped in step 1
     _check(cfg, run_ranks(run, 4, cfg, timeout=120))
 

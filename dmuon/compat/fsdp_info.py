@@ -7,14 +7,14 @@ access to FSDP2's private state goes through :mod:`dmuon.compat.torch_api`.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch.nn as nn
 
 from dmuon.compat.torch_api import (fsdp_divide_factor, fsdp_mesh, fsdp_mp_policy,
-                                   fsdp_param_groups, fsdp_state)
+                                   fsdp_param_groups, fsdp_state, wrap_fsdp_post_backward)
 
-__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_holders", "mean_to_fsdp_scale", "mean_to_fsdp_scales", "fsdp_meshes", "fsdp_dp_dims", "reduce_unused_fsdp_params",
+__all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_holders", "mean_to_fsdp_scale", "mean_to_fsdp_scales", "fsdp_meshes", "fsdp_dp_dims", "FSDPGradUsage", "reduce_unused_fsdp_params",
            "keep_fsdp_gathered", "release_fsdp_kept", "drop_unreduced_fsdp_grads"]
 
 
@@ -111,31 +111,67 @@ def fsdp_dp_dims(model: nn.Module) -> list[tuple[str, Optional[tuple[tuple[str, 
     return out
 
 
-def reduce_unused_fsdp_params(model: nn.Module) -> bool:
+class FSDPGradUsage:
+    """Which FSDP2 params got a gradient on this rank since the last step, and which had none
+    before (``grad is None`` when this window's first backward reached FSDP2), recorded as FSDP2's
+    ``post_backward`` starts, before its reduce-scatter. With ``set_reduce_scatter_unused_params``
+    FSDP2 gives a param that no rank used a zero gradient; a single-device optimizer would see
+    ``None`` and skip it (:meth:`unused_since_clear`)."""
+
+    def __init__(self) -> None:
+        self._used: dict[int, bool] = {}
+        self._none_before: dict[int, bool] = {}
+
+    def record(self, params: list[tuple[Any, bool]]) -> None:
+        """One group's ``post_backward`` is starting (``params``: (sharded param, has a local
+        gradient))."""
+        for p, used in params:
+            k = id(p)
+            if k not in self._none_before:
+                self._none_before[k] = p.grad is None
+            self._used[k] = self._used.get(k, False) or used
+
+    def local_flags(self, params: Sequence[Any]) -> tuple[list[bool], list[bool]]:
+        """``(used here, grad was None before)`` of each of ``params`` in this window."""
+        return ([self._used.get(id(p), False) for p in params],
+                [self._none_before.get(id(p), False) for p in params])
+
+    def reset(self) -> None:
+        """A step consumed the gradients, or ``zero_grad`` dropped them: a new window."""
+        self._used.clear()
+        self._none_before.clear()
+
+
+def reduce_unused_fsdp_params(model: nn.Module) -> Optional[FSDPGradUsage]:
     """Make FSDP2 include a zero gradient for a param that got none on this rank (a param used on
     some ranks only, e.g. a bias of an MoE expert that got no token here), so that every rank's
     reduce-scatter covers the same params. Without it, ranks that used different params
     reduce-scatter different tensors of equal size into each other, silently (measured on torch
     2.13, gloo). This is FSDP2's own ``set_reduce_scatter_unused_params(True)``.
 
-    Its semantics are FSDP2's: a param no rank used gets a zero gradient (not ``None``), so AdamW
-    still applies its moment decay and weight decay to it (a single-device optimizer would skip
-    it). Dedicated matrices are not affected: dmuon reduces them itself and skips those no rank
-    had a gradient for.
+    Under it FSDP2 gives a param that no rank used a zero gradient (not ``None``), so AdamW would
+    apply its moment decay and weight decay to it where a single-device optimizer skips it: the
+    returned :class:`FSDPGradUsage` records, per rank, which params had a gradient before FSDP2's
+    reduce-scatter, for ``dmuon.Muon.step`` to put ``None`` back where no rank had one
+    (:func:`dmuon.stateful.optimizer.step_checks.drop_unused_fsdp_grads`). Dedicated matrices are
+    not affected: dmuon reduces them itself and skips those no rank had a gradient for.
 
     Returns:
-      False when this torch's FSDP2 has no such switch (nothing was changed).
+      ``None`` when this torch's FSDP2 has no such switch (nothing was changed).
     """
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover
-        return False
+        return None
     found = [m for m in model.modules() if isinstance(m, FSDPModule)]
     if not found or not all(hasattr(m, "set_reduce_scatter_unused_params") for m in found):
-        return False
+        return None
+    usage = FSDPGradUsage()
     for m in found:
         m.set_reduce_scatter_unused_params(True, recurse=False)
-    return True
+        for group in fsdp_param_groups(fsdp_state(m)):
+            wrap_fsdp_post_backward(group, usage.record)
+    return usage
 
 
 def keep_fsdp_gathered(model: nn.Module) -> list[Any]:

@@ -20,6 +20,10 @@ Private APIs and what they are for:
 * ``torch.distributed.fsdp._fully_shard._fsdp_state._get_module_fsdp_state`` and, on the state,
   ``_fsdp_param_groups`` (each group's ``mesh_info.mesh``, ``fsdp_params``) and ``_mp_policy`` —
   which modules ``fully_shard`` took, with which mesh and mixed-precision policy.
+* ``FSDPParamGroup.post_backward`` (wrapped per group instance), ``reduce_grads``, and on each
+  ``FSDPParam`` ``sharded_param``, ``unsharded_accumulated_grad``, ``unsharded_param.grad`` —
+  which FSDP2 params got a gradient on this rank before FSDP2 reduce-scatters (its
+  ``set_reduce_scatter_unused_params`` sends a zero for the others).
 * ``torch._C._current_graph_task_id`` — whether a hook runs inside a backward pass (activation
   checkpointing re-runs forward there).
 * ``torch.autograd.Variable._execution_engine.queue_callback`` — run a function when the current
@@ -80,7 +84,7 @@ DDP_IGNORE_ATTR = "_ddp_params_and_buffers_to_ignore"
 __all__ = [
     "SUPPORTED_TORCH", "FSDP_INIT_MODULES", "torch_version", "torch_tested", "torch_supported",
     "missing_private_apis", "unsupported_torch_message", "newer_torch_message", "import_warning",
-    "fsdp_state", "fsdp_param_groups", "fsdp_managed_params",
+    "fsdp_state", "fsdp_param_groups", "fsdp_managed_params", "wrap_fsdp_post_backward",
     "fsdp_mesh", "fsdp_mp_policy", "in_backward", "queue_backward_callback",
     "torch_function_disabled", "make_tensor_subclass", "mesh_root", "composable_replicate_applied",
     "DDP_IGNORE_ATTR", "tree_leaves", "module_param_slots", "state_dict_hooks",
@@ -191,6 +195,32 @@ def fsdp_param_groups(state: Any) -> list[Any]:
         return list(groups)
     one = getattr(state, "_fsdp_param_group", None)  # torch 2.11 / 2.12
     return [one] if one is not None else []
+
+
+def wrap_fsdp_post_backward(group: Any, before: Callable[[list[tuple[Any, bool]]], None]) -> None:
+    """Run ``before([(sharded param, has a local gradient), ...])`` at the start of each
+    ``FSDPParamGroup.post_backward`` of ``group`` (FSDP2 then reduce-scatters, or, under
+    ``set_requires_gradient_sync(False)``, keeps the unsharded gradients). Wrapped once per group
+    (the instance attribute FSDP2's own calls go through); a later call replaces ``before``."""
+    if getattr(group, "_dmuon_post_backward_before", None) is None:
+        run = group.post_backward
+
+        def post_backward(*args: Any) -> Any:
+            hook = group._dmuon_post_backward_before
+            if hook is not None:
+                hook([(fp.sharded_param, _has_local_grad(fp)) for fp in group.fsdp_params])
+            return run(*args)
+        group.post_backward = post_backward
+    group._dmuon_post_backward_before = before
+
+
+def _has_local_grad(fp: Any) -> bool:
+    """Whether an ``FSDPParam`` holds an unsharded gradient of this rank's backward (this one's,
+    or ``no_sync`` micro-batches' accumulated): what FSDP2's ``post_backward`` reduce-scatters
+    (without it, ``set_reduce_scatter_unused_params`` sends a zero)."""
+    if getattr(fp, "unsharded_accumulated_grad", None) is not None:
+        return True
+    return hasattr(fp, "_unsharded_param") and fp.unsharded_param.grad is not None
 
 
 def fsdp_managed_params(state: Any) -> Iterator[nn.Parameter]:
@@ -431,6 +461,9 @@ def private_api_report() -> dict[str, bool]:
         "_fsdp_init._get_managed_modules": init_fn("_get_managed_modules"),
         "_fsdp_state._get_module_fsdp_state": lambda: callable(_state_getter()),
         "FSDPState._fsdp_param_groups": param_groups,
+        "FSDPParamGroup.post_backward": lambda: callable(getattr(importlib.import_module(
+            FSDP_STATE_MODULE.rpartition(".")[0] + "._fsdp_param_group").FSDPParamGroup,
+            "post_backward", None)),
         "torch._C._current_graph_task_id": lambda: callable(
             getattr(torch._C, "_current_graph_task_id", None)),
         "Variable._execution_engine.queue_callback": lambda: callable(

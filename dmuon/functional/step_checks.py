@@ -1,7 +1,8 @@
 """The verdicts of the checks ``dmuon.Muon.step`` runs before anything changes (pure: the
 stateful layer gathers what every rank holds, these decide and raise): a superseded optimizer, an
 earlier step that failed part-way, or no fresh gradient, a gradient on a param frozen at
-construction, an FSDP2 param with a gradient on some ranks only, a non-finite gradient; and the
+construction, an FSDP2 param with a gradient on some ranks only (or, where FSDP2 sends zeros for
+those, on none: :func:`unused_everywhere`), a non-finite gradient; and the
 verdict on a step that raised (:func:`step_broken`, from every rank's outcome)."""
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from dmuon.functional.tree import flatten
 
-__all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks",
+__all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks", "unused_everywhere",
            "check_finite_flags", "write_count", "check_not_broken", "step_broken",
            "broken_step_message"]
 
@@ -71,6 +72,16 @@ def check_grads_on_all_ranks(names: Sequence[str], counts: Sequence[int], world:
             "set_reduce_scatter_unused_params (torch 2.13's has it, and dmuon.Muon turns it "
             "on); upgrade torch, make every rank use every FSDP2 param each step, or move "
             "those params to dmuon (dedicate them), which handles it.")
+
+
+def unused_everywhere(names: Sequence[str], used: Sequence[int], none_before: Sequence[int],
+                      world: int) -> list[str]:
+    """The FSDP2 params of ``names`` that no rank used since their gradients were last cleared
+    (``used``: on how many of the ``world`` ranks each got a gradient; ``none_before``: on how
+    many its ``.grad`` was ``None`` when the first backward reached FSDP2): FSDP2's
+    ``set_reduce_scatter_unused_params`` gave them a zero gradient where a single-device
+    optimizer sees ``None`` and skips them."""
+    return [n for n, u, z in zip(names, used, none_before) if u == 0 and z == world]
 
 
 def check_finite_flags(flags: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]]) -> None:

@@ -34,7 +34,8 @@ from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
 from dmuon.functional.setup_check import require_fsdp_meshes
 from dmuon.functional.step_checks import (broken_step_message, check_outside_grads,
                                           check_step_ready, step_broken, write_count)
-from dmuon.stateful.optimizer.step_checks import check_finite, check_same_fsdp_grads
+from dmuon.stateful.optimizer.step_checks import (check_finite, check_same_fsdp_grads,
+                                                  drop_unused_fsdp_grads)
 from dmuon.stateful.runtime.agree import agree, host_sum
 from dmuon.stateful.runtime.guard_base import plain_access
 from dmuon.stateful.runtime.guards import make_marker
@@ -149,9 +150,12 @@ class Muon(torch.optim.Optimizer):
             dedicated_matrices=len(rt.names), adamw_params=len(self._adamw_named),
             owned_elements=sum(rt.masters[n].numel() for n in owned))
         self.num_steps = 0  # completed step() calls (the same on every rank)
-        # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it;
-        # else every step checks that each FSDP2 param has a gradient on all ranks or on none
-        self._check_fsdp_usage = bool(self._adamw_named) and not reduce_unused_fsdp_params(model)
+        # FSDP2 params used on some ranks only: FSDP2's own zero-fill where this torch has it (and
+        # None put back where no rank used one); else every step checks that each FSDP2 param has
+        # a gradient on all ranks or on none
+        self._fsdp_usage = (reduce_unused_fsdp_params(model) or None) if self._adamw_named \
+            else None
+        self._check_fsdp_usage = bool(self._adamw_named) and self._fsdp_usage is None
         # a newer Muon(model) supersedes this one: stepping both would update twice per step
         self._generation = rt.attach_optimizer()
         from dmuon.stateful.optimizer.ns_overlap import NSOverlap
@@ -358,6 +362,8 @@ class Muon(torch.optim.Optimizer):
         grads = rt.reduced_grads()
         if self._check_fsdp_usage:
             check_same_fsdp_grads(self._adamw_named, rt)
+        elif self._fsdp_usage is not None:
+            drop_unused_fsdp_grads(self._adamw_named, rt, self._fsdp_usage)
         if self.check_finite and check_finite(self._adamw_named, rt, grads):
             self._host_syncs += 1  # its verdict waited for the device
         self.invalidate_state_views()  # the states change from here: views rebuilt when read
@@ -369,6 +375,8 @@ class Muon(torch.optim.Optimizer):
             before = None  # changed (a later failure leaves a half-applied step)
             self._storage.copies.staged.clear()  # offload: copies of matrices not stepped
             rt.clear_grads()
+            if self._fsdp_usage is not None:
+                self._fsdp_usage.reset()  # the next backward starts a new window
             rt.after_step(replicate_async=self.replicate_async)
             rt.ledger.consume(stepped)  # torch keeps grads until zero_grad: markers stand in
             self._adamw_update()
@@ -491,6 +499,8 @@ class Muon(torch.optim.Optimizer):
         """Drop the dedicated matrices' pending grads (and their ``.grad`` markers) and zero
         FSDP2's grads (torch semantics)."""
         self._rt.clear_grads()
+        if self._fsdp_usage is not None:
+            self._fsdp_usage.reset()
         if self._rt.unsynced_backward:  # FSDP2's unreduced no_sync grads, out of torch's reach
             drop_unreduced_fsdp_grads(self._rt.model_ref())
         self._storage.copies.staged.clear()  # a batch skipped after its backward: copies not needed

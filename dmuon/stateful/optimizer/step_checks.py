@@ -1,5 +1,5 @@
 """The collective checks ``dmuon.Muon.step`` runs before anything changes, each raising on every
-rank: FSDP2 gradients on some ranks only, non-finite gradients (the verdicts, and the checks that
+rank: FSDP2 gradients on some ranks only (or on none), non-finite gradients (the verdicts, and the checks that
 need no collective, are :mod:`dmuon.functional.step_checks`')."""
 from __future__ import annotations
 
@@ -8,11 +8,12 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon.functional.step_checks import check_finite_flags, check_grads_on_all_ranks
+from dmuon.functional.step_checks import (check_finite_flags, check_grads_on_all_ranks,
+                                          unused_everywhere)
 from dmuon.stateful.runtime.agree import host_sum, rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
-__all__ = ["check_same_fsdp_grads", "check_finite"]
+__all__ = ["check_same_fsdp_grads", "drop_unused_fsdp_grads", "check_finite"]
 
 
 def check_same_fsdp_grads(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState) -> None:
@@ -22,6 +23,29 @@ def check_same_fsdp_grads(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedS
     counts = host_sum(flags, what="FSDP2 gradient-usage all-reduce", via=rt.mesh_groups,
                       device=rt.device)
     check_grads_on_all_ranks([n for n, _ in adamw_named], counts, dist.get_world_size())
+
+
+def drop_unused_fsdp_grads(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState,
+                           usage: Any) -> list[str]:
+    """Torch whose FSDP2 sends a zero gradient for a param unused on a rank (dmuon turns on
+    ``set_reduce_scatter_unused_params``): put ``None`` back as ``.grad`` of every FSDP2 param no
+    rank used since its gradient was last cleared, as a single-device optimizer would see it (so
+    AdamW skips it: no moment decay, no weight decay, no step count). ``usage``:
+    :class:`dmuon.compat.fsdp_info.FSDPGradUsage`. One all-reduce of two flags per param over
+    the mesh when it has several ranks. Returns the names dropped."""
+    used, none_before = usage.local_flags([p for _, p in adamw_named])
+    world = dist.get_world_size()
+    counts = [int(f) for f in used + none_before]
+    if world > 1:
+        counts = host_sum(counts, what="FSDP2 gradient-usage all-reduce", via=rt.mesh_groups,
+                          device=rt.device)
+    k = len(adamw_named)
+    names = unused_everywhere([n for n, _ in adamw_named], counts[:k], counts[k:], world)
+    dropped = set(names)
+    for n, p in adamw_named:
+        if n in dropped:
+            p.grad = None
+    return names
 
 
 def check_finite(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState,
