@@ -69,8 +69,8 @@ H200_MEASURED_MATMUL = 787.2999493823834e12
 #: measurements (:data:`dmuon.tools.ns_overlap.MEASURED`); keyed by tokens per GPU or by one
 #: layer's projected backward seconds. A test re-fits them.
 H200_NS_OVERLAP_IDLE: tuple[tuple[str, tuple[tuple[float, float], ...]], ...] = (
-    ("tokens", ((2048, 0.737839), (4096, 0), (8192, 0))),
-    ("layer_backward_s", ((0.00121539, 0.737839), (0.00486154, 0), (0.00731274, 0))),
+    ("tokens", ((2048, 0.216182), (4096, 0), (8192, 0))),
+    ("layer_backward_s", ((0.00121539, 0.216182), (0.00486154, 0), (0.00731274, 0))),
 )
 
 
@@ -146,9 +146,9 @@ _COMMON_SOURCES = {
     "ns_restart": "dmuon default on CUDA (fp16, gram_restart 3)",
     "gpus_per_node": "assumption: 8-GPU HGX/DGX nodes",
     "ns_overlap_idle": "fitted (dmuon.tools.calibration.fit_idle_points, H200 model) on dmuon's "
-                       "own overlap (graph replay) on one H100, W=1 step saved: HF Llama 1.1B "
-                       "+15.7 % at B1xT2048, -3.6 % at B4xT2048 (fits 0); Llama-3.1-8B layer "
-                       "shapes (8 layers) -7.5 % at B1xT4096 (fits 0)",
+                       "own overlap (graph replay) on one H100, W=1 step saved (main 4ff4b92, "
+                       "session 11): HF Llama 1.1B +4.6 % at B1xT2048, -4.9 % at B4xT2048 (fits "
+                       "0); Llama-3.1-8B layer shapes (8 layers) -7.0 % at B1xT4096 (fits 0)",
     "ns_overlap_key": "assumption: the idle share depends on one layer's backward time (a wider "
                       "layer fills the GPU sooner at the same tokens); 'tokens' (tokens per GPU "
                       "alone) is the alternative",

@@ -44,18 +44,21 @@ __all__ = ["MEASURED", "MEASURED_SOURCE", "idle_share", "overlap_key", "overlapp
 #: ``Muon.set_ns_overlap("on")`` with the graph replay against ``"off"`` in the same process:
 #: ``saved_share`` is the step time it saved over the step without it (negative: lost);
 #: ``model``: the measured model's shapes (absent: the 1.1B of the world-1 runs, hidden 2048,
-#: 16 layers).
+#: 16 layers). Session 11's runs of main (4ff4b92), one fresh process each: B1 x T2048 the mean of
+#: two (+4.46 %, +4.75 %; session 9's +15.7 % was on a step whose host work was larger: off
+#: 186 ms there, 141 ms now).
 MEASURED: tuple[dict, ...] = (
-    {"micro_batch": 4, "seq": 2048, "saved_share": -0.036},
-    {"micro_batch": 1, "seq": 2048, "saved_share": 0.157},
-    {"micro_batch": 1, "seq": 4096, "saved_share": -0.075,
+    {"micro_batch": 4, "seq": 2048, "saved_share": -0.049},
+    {"micro_batch": 1, "seq": 2048, "saved_share": 0.046},
+    {"micro_batch": 1, "seq": 4096, "saved_share": -0.070,
      "model": {"hidden": 4096, "intermediate": 14336, "layers": 8, "heads": 32, "kv_heads": 8,
                "vocab": 32000}},
 )
 MEASURED_SOURCE = ("issue 47: one H100, HF Llama, dmuon's NS overlap (graph replay) on vs off at "
-                   "world 1: 1.1B -3.6 % at B4 x T2048 (lost), +15.7 % at B1 x T2048 "
-                   "(benchmarks/results/ns_overlap_host_h100_graphs.json); Llama-3.1-8B layer "
-                   "shapes, 8 layers, -7.5 % at B1 x T4096 (ns_overlap_world1_h100_8b_width.json)")
+                   "world 1, main 4ff4b92, a fresh process per run: 1.1B -4.9 % at B4 x T2048 "
+                   "(lost), +4.6 % at B1 x T2048 (mean of +4.46 and +4.75); Llama-3.1-8B layer "
+                   "shapes, 8 layers, -7.0 % at B1 x T4096 "
+                   "(benchmarks/results/ns_overlap_world1_h100_session11_fresh.json)")
 
 
 def overlap_key(machine: Machine, tokens: int, layer_backward_s: float) -> float:
