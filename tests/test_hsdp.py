@@ -147,6 +147,7 @@ def _lifecycle(rank, world):
     fwd_bwd(batches[0])
     opt.step()
     out["after_step"] = sorted(rt.pending_publish)
+    opt.zero_grad()  # (without it torch would add the next backward to this step's gradients)
     # forward skips layers.1 and .2: layers.0 prefetches (so consumes) layers.1; the publish of
     # layers.2 stays pending through forward and the end of backward drains it
     fwd_bwd(batches[1], skip={1, 2})

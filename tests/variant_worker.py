@@ -194,6 +194,7 @@ def two_rank_suite(rank: int, world: int) -> dict[str, Any]:
     model = out.pop("model")
     opt = dmuon.Muon(model, HP["lr"], ns_dtype=torch.float64,
                      transform=variants.normuon()(hparams("normuon")))
+    opt.zero_grad()  # the last optimizer's gradients (torch would add this backward to them)
     model(make_batches(1, BATCH)[0].chunk(world)[rank]).backward()
     opt.param_groups[0]["lr"] *= 0.5
     out["fixed_changed"] = catch(opt.step)

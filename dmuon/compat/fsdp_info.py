@@ -153,7 +153,7 @@ def reduce_unused_fsdp_params(model: nn.Module) -> Optional[FSDPGradUsage]:
     apply its moment decay and weight decay to it where a single-device optimizer skips it: the
     returned :class:`FSDPGradUsage` records, per rank, which params had a gradient before FSDP2's
     reduce-scatter, for ``dmuon.Muon.step`` to put ``None`` back where no rank had one
-    (:func:`dmuon.stateful.optimizer.step_checks.drop_unused_fsdp_grads`). Dedicated matrices are
+    (:func:`dmuon.stateful.optimizer.step_checks.agree_before_step`). Dedicated matrices are
     not affected: dmuon reduces them itself and skips those no rank had a gradient for.
 
     Returns:

@@ -1,7 +1,7 @@
 """The verdicts of the checks ``dmuon.Muon.step`` runs before anything changes (pure: the
 stateful layer gathers what every rank holds, these decide and raise): a superseded optimizer, an
 earlier step that failed part-way, or no fresh gradient, a gradient on a param frozen at
-construction, an FSDP2 param with a gradient on some ranks only (or, where FSDP2 sends zeros for
+construction, a gradient of the last step never cleared, an FSDP2 param with a gradient on some ranks only (or, where FSDP2 sends zeros for
 those, on none: :func:`unused_everywhere`), a non-finite gradient; and the
 verdict on a step that raised (:func:`step_broken`, from every rank's outcome)."""
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 from dmuon.functional.tree import flatten
 
 __all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks", "unused_everywhere",
+           "check_cleared",
            "check_finite_flags", "write_count", "check_not_broken", "step_broken",
            "broken_step_message"]
 
@@ -72,6 +73,21 @@ def check_grads_on_all_ranks(names: Sequence[str], counts: Sequence[int], world:
             "set_reduce_scatter_unused_params (torch 2.13's has it, and dmuon.Muon turns it "
             "on); upgrade torch, make every rank use every FSDP2 param each step, or move "
             "those params to dmuon (dedicate them), which handles it.")
+
+
+def check_cleared(names: Sequence[str], ranks: int) -> None:
+    """Raise ``RuntimeError`` if ``ranks`` (> 0) ranks hold a gradient of the last step that was
+    never cleared (``names``: this rank's): torch keeps ``.grad`` until ``zero_grad`` and adds
+    the next backward to it (or steps with it again), and dmuon keeps no stepped gradient."""
+    if ranks > 0:
+        mine = f"; on this rank: {list(names[:4])}{' ...' if len(names) > 4 else ''}" if names else ""
+        raise RuntimeError(
+            f"dmuon.Muon.step: the gradients of the last step were not cleared before this one "
+            f"({ranks} rank(s){mine}). torch keeps .grad until zero_grad and would add this "
+            "step's gradients to them (or step with them again); dmuon does not keep a stepped "
+            "gradient, so it cannot. Nothing was updated. Call optimizer.zero_grad() (or "
+            "model.zero_grad()) once per step, after step() or before the backward, then run "
+            "the backward again.")
 
 
 def unused_everywhere(names: Sequence[str], used: Sequence[int], none_before: Sequence[int],

@@ -34,8 +34,7 @@ from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
 from dmuon.functional.setup_check import require_fsdp_meshes
 from dmuon.functional.step_checks import (broken_step_message, check_outside_grads,
                                           check_step_ready, step_broken, write_count)
-from dmuon.stateful.optimizer.step_checks import (check_finite, check_same_fsdp_grads,
-                                                  drop_unused_fsdp_grads)
+from dmuon.stateful.optimizer.step_checks import agree_before_step, check_finite
 from dmuon.stateful.runtime.agree import agree, host_sum
 from dmuon.stateful.runtime.guard_base import plain_access
 from dmuon.stateful.runtime.guards import make_marker
@@ -360,10 +359,7 @@ class Muon(torch.optim.Optimizer):
         check_outside_grads(self._outside)
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         grads = rt.reduced_grads()
-        if self._check_fsdp_usage:
-            check_same_fsdp_grads(self._adamw_named, rt)
-        elif self._fsdp_usage is not None:
-            drop_unused_fsdp_grads(self._adamw_named, rt, self._fsdp_usage)
+        agree_before_step(rt, self._adamw_named, self._fsdp_usage, self._check_fsdp_usage)
         if self.check_finite and check_finite(self._adamw_named, rt, grads):
             self._host_syncs += 1  # its verdict waited for the device
         self.invalidate_state_views()  # the states change from here: views rebuilt when read

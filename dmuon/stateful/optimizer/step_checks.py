@@ -1,5 +1,6 @@
 """The collective checks ``dmuon.Muon.step`` runs before anything changes, each raising on every
-rank: FSDP2 gradients on some ranks only (or on none), non-finite gradients (the verdicts, and the checks that
+rank: a gradient of the last step never cleared, FSDP2 gradients on some ranks only (or on
+none), non-finite gradients (the verdicts, and the checks that
 need no collective, are :mod:`dmuon.functional.step_checks`')."""
 from __future__ import annotations
 
@@ -8,44 +9,46 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon.functional.step_checks import (check_finite_flags, check_grads_on_all_ranks,
-                                          unused_everywhere)
+from dmuon.functional.step_checks import (check_cleared, check_finite_flags,
+                                          check_grads_on_all_ranks, unused_everywhere)
 from dmuon.stateful.runtime.agree import host_sum, rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
-__all__ = ["check_same_fsdp_grads", "drop_unused_fsdp_grads", "check_finite"]
+__all__ = ["agree_before_step", "check_finite"]
 
 
-def check_same_fsdp_grads(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState) -> None:
-    """Torch without FSDP2's ``set_reduce_scatter_unused_params``: raise on every rank if an
-    FSDP2 param has a gradient on some ranks only (one all-reduce of a has-grad count)."""
-    flags = [p.grad is not None for _, p in adamw_named]
-    counts = host_sum(flags, what="FSDP2 gradient-usage all-reduce", via=rt.mesh_groups,
-                      device=rt.device)
-    check_grads_on_all_ranks([n for n, _ in adamw_named], counts, dist.get_world_size())
-
-
-def drop_unused_fsdp_grads(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState,
-                           usage: Any) -> list[str]:
-    """Torch whose FSDP2 sends a zero gradient for a param unused on a rank (dmuon turns on
-    ``set_reduce_scatter_unused_params``): put ``None`` back as ``.grad`` of every FSDP2 param no
-    rank used since its gradient was last cleared, as a single-device optimizer would see it (so
-    AdamW skips it: no moment decay, no weight decay, no step count). ``usage``:
-    :class:`dmuon.compat.fsdp_info.FSDPGradUsage`. One all-reduce of two flags per param over
-    the mesh when it has several ranks. Returns the names dropped."""
-    used, none_before = usage.local_flags([p for _, p in adamw_named])
+def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]], usage: Any,
+                      check_usage: bool) -> list[str]:
+    """What every rank must know before a step changes anything, in one all-reduce of host flags
+    (none at world 1): whether a rank's matrices hold a gradient of the last step that was never
+    cleared (``GradLedger.uncleared``: raise on every rank), and the FSDP2 params' gradients.
+    ``usage`` (:class:`dmuon.compat.fsdp_info.FSDPGradUsage`, torch whose FSDP2 sends a zero for a
+    param unused on a rank): put ``None`` back as ``.grad`` of every FSDP2 param of
+    ``adamw_named`` no rank used since its gradient was last cleared, as a single-device optimizer
+    sees it (AdamW skips it: no moment decay, no weight decay); returns their names.
+    ``check_usage`` (torch without that switch): raise on every rank if an FSDP2 param has a
+    gradient on some ranks only."""
+    uncleared = rt.ledger.uncleared()
+    params = [p for _, p in adamw_named] if usage is not None or check_usage else []
+    used, none_before = usage.local_flags(params) if usage is not None else \
+        ([p.grad is not None for p in params], [])
     world = dist.get_world_size()
-    counts = [int(f) for f in used + none_before]
+    counts = [int(bool(uncleared))] + [int(f) for f in used + none_before]
     if world > 1:
-        counts = host_sum(counts, what="FSDP2 gradient-usage all-reduce", via=rt.mesh_groups,
+        counts = host_sum(counts, what="pre-step all-reduce", via=rt.mesh_groups,
                           device=rt.device)
-    k = len(adamw_named)
-    names = unused_everywhere([n for n, _ in adamw_named], counts[:k], counts[k:], world)
-    dropped = set(names)
+    check_cleared(uncleared, counts[0])
+    names, k = [n for n, _ in adamw_named][:len(params)], len(params)
+    if usage is None:
+        if check_usage:
+            check_grads_on_all_ranks(names, counts[1:1 + k], world)
+        return []
+    dropped = unused_everywhere(names, counts[1:1 + k], counts[1 + k:], world)
+    gone = set(dropped)
     for n, p in adamw_named:
-        if n in dropped:
+        if n in gone:
             p.grad = None
-    return names
+    return dropped
 
 
 def check_finite(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState,

@@ -42,7 +42,9 @@ class GradRecord:
         :class:`~dmuon.functional.phases.OwnerGrad`).
       marker: the reused marker object.  shown: the marker is ``.grad`` now.
       zeroed: a shown consumed marker was zeroed.  zero_next: the next step steps with a zero
-        gradient when none arrives."""
+        gradient when none arrives.  uncleared: a consumed marker came off (a gradient arrived, a
+        reduce or a step read it) still ``.grad``, neither replaced nor zeroed since its step:
+        torch would add to the last step's gradient, which no rank keeps (the next step raises)."""
 
     state: Held = Held.NONE
     local: Optional[torch.Tensor] = None
@@ -51,6 +53,7 @@ class GradRecord:
     shown: bool = False
     zeroed: bool = False
     zero_next: bool = False
+    uncleared: bool = False
 
     def forget(self) -> None:
         """Hold nothing (the consumed-marker record stays)."""
@@ -144,6 +147,7 @@ class GradLedger:
         self._collect()
         self._take_off(self.held_markers())
         for rec in self.records.values():
+            rec.uncleared = False
             if rec.state is not Held.CONSUMED:
                 rec.forget()
         self.fresh = False
@@ -181,30 +185,45 @@ class GradLedger:
             if rec.local is not None or rec.state in (Held.SENT, Held.REDUCED):
                 self._show(n, rec)
 
-    def take_markers(self, names: Iterable[str], *, remove: bool = True) -> None:
+    def take_markers(self, names: Iterable[str], *, remove: bool = True,
+                     gather: bool = False) -> None:
         """Before a gather, a reduce, a clip or a step: a held marker the user replaced drops the
         gradient; ``remove``: take the others off too (a gathered param must not carry a
-        zero-size ``.grad``). Consumed markers come off, keeping what they say."""
-        for n in self._take_off(names, remove):  # replaced by the user
+        zero-size ``.grad`` into its backward's accumulation). Consumed markers come off, keeping
+        what they say; ``gather``: they stay (the user may still clear them between the forward
+        and the backward; the param's grad hook takes them off before torch accumulates)."""
+        for n in self._take_off(names, remove, keep_consumed=gather):  # replaced by the user
             self.drop(n)
+
+    def uncleared(self) -> list[str]:
+        """The matrices whose last step's gradient was neither replaced nor zeroed before a new
+        gradient arrived or now (torch would add to it, or step with it again)."""
+        return [n for n, r in self.records.items() if r.uncleared or (
+            r.state is Held.CONSUMED and r.shown and not r.zeroed
+            and self.params[n].grad is r.marker)]
 
     def held_markers(self) -> list[str]:
         """The names showing a held (not consumed) marker now."""
         return [n for n, r in self.records.items() if r.shown and r.state is not Held.CONSUMED]
 
     @plain_access
-    def _take_off(self, names: Iterable[str], remove: bool = True, held: bool = True) -> list[str]:
+    def _take_off(self, names: Iterable[str], remove: bool = True, held: bool = True,
+                  keep_consumed: bool = False) -> list[str]:
         """Take the consumed markers of ``names`` off (a zeroed one still ``.grad``: the next step
-        steps with zeros), and (``held``) the held ones the user replaced, or (``remove``) still
+        steps with zeros; one neither zeroed nor replaced: ``uncleared``) unless
+        ``keep_consumed``, and (``held``) the held ones the user replaced, or (``remove``) still
         show; returns those the user replaced."""
         replaced = []
         for n in names:
             rec, p = self.records[n], self.params[n]
             if not rec.shown or not held and rec.state is not Held.CONSUMED:
                 continue
+            if keep_consumed and rec.state is Held.CONSUMED:
+                continue
             mine = p.grad is rec.marker
             if rec.state is Held.CONSUMED:
                 rec.zero_next = rec.zeroed if mine else rec.zero_next
+                rec.uncleared = rec.uncleared or (mine and not rec.zeroed)
                 rec.zeroed, rec.state = False, Held.NONE
             elif not mine:
                 replaced.append(n)
@@ -228,6 +247,7 @@ class GradLedger:
         ``zero_grad(set_to_none=False)``: stepped with zeros unless a later backward adds)."""
         self._collect()
         rec = self.records[name]
+        rec.uncleared = False  # zeroed: the last step's gradient with it
         for held in (rec.local, None if rec.reduced is None else rec.reduced.grad):
             if held is not None:
                 held.zero_()
@@ -236,4 +256,5 @@ class GradLedger:
         """Forget every gradient held for ``name`` (torch's ``zero_grad()``)."""
         self._collect()
         self.records[name].forget()
+        self.records[name].uncleared = False  # dropped: the last step's gradient with it
         self._resolved = None

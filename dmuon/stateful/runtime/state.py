@@ -250,7 +250,7 @@ class DedicatedState:
     def unshard(self, key: str, regather: bool = False, *, wait: bool = True) -> None:
         """Gather group ``key`` (``regather``: again, in a backward); ``wait``: and wait."""
         g = self.groups[key]
-        self.ledger.take_markers(g.names)
+        self.ledger.take_markers(g.names, gather=True)
         (g.unshard if wait else g.launch_unshard)(self.version, regather)
 
     def reshard_all(self) -> None:
