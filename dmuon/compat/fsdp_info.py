@@ -116,9 +116,11 @@ class FSDPGradUsage:
     before (``grad is None`` when this window's first backward reached FSDP2), recorded as FSDP2's
     ``post_backward`` starts, before its reduce-scatter. With ``set_reduce_scatter_unused_params``
     FSDP2 gives a param that no rank used a zero gradient; a single-device optimizer would see
-    ``None`` and skip it (:meth:`unused_since_clear`)."""
+    ``None`` and skip it. ``zeros_sent=False`` (a torch without that switch): nothing recorded,
+    :meth:`local_flags` reports which params have a gradient now."""
 
-    def __init__(self) -> None:
+    def __init__(self, zeros_sent: bool = True) -> None:
+        self.zeros_sent = zeros_sent
         self._used: dict[int, bool] = {}
         self._none_before: dict[int, bool] = {}
 
@@ -132,7 +134,10 @@ class FSDPGradUsage:
             self._used[k] = self._used.get(k, False) or used
 
     def local_flags(self, params: Sequence[Any]) -> tuple[list[bool], list[bool]]:
-        """``(used here, grad was None before)`` of each of ``params`` in this window."""
+        """``(used here, grad was None before)`` of each of ``params`` in this window
+        (``zeros_sent=False``: ``(has a gradient now, [])``)."""
+        if not self.zeros_sent:
+            return [p.grad is not None for p in params], []
         return ([self._used.get(id(p), False) for p in params],
                 [self._none_before.get(id(p), False) for p in params])
 

@@ -13,7 +13,7 @@ import torch
 from dmuon.functional.tree import flatten
 
 __all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks", "unused_everywhere",
-           "check_cleared",
+           "check_cleared", "pre_step_verdict",
            "check_finite_flags", "write_count", "check_not_broken", "step_broken",
            "broken_step_message"]
 
@@ -98,6 +98,21 @@ def unused_everywhere(names: Sequence[str], used: Sequence[int], none_before: Se
     ``set_reduce_scatter_unused_params`` gave them a zero gradient where a single-device
     optimizer sees ``None`` and skips them."""
     return [n for n, u, z in zip(names, used, none_before) if u == 0 and z == world]
+
+
+def pre_step_verdict(uncleared: Sequence[str], names: Sequence[str], counts: Sequence[int],
+                     world: int, zeros_sent: bool) -> list[str]:
+    """The verdicts from the pre-step all-reduce ``counts`` = ``[ranks holding an uncleared
+    gradient] + [ranks where each of names had a gradient] + ([ranks where its .grad was None
+    before], zeros_sent only)``: raise (:func:`check_cleared`; without ``zeros_sent``,
+    :func:`check_grads_on_all_ranks`), else the FSDP2 params to give ``None`` back
+    (:func:`unused_everywhere`)."""
+    check_cleared(uncleared, counts[0])
+    k = len(names)
+    if not zeros_sent:
+        check_grads_on_all_ranks(names, counts[1:1 + k], world)
+        return []
+    return unused_everywhere(names, counts[1:1 + k], counts[1 + k:], world)
 
 
 def check_finite_flags(flags: torch.Tensor, named: Sequence[tuple[str, torch.Tensor]]) -> None:

@@ -9,46 +9,30 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon.functional.step_checks import (check_cleared, check_finite_flags,
-                                          check_grads_on_all_ranks, unused_everywhere)
+from dmuon.functional.step_checks import check_finite_flags, pre_step_verdict
 from dmuon.stateful.runtime.agree import host_sum, rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
 __all__ = ["agree_before_step", "check_finite"]
 
 
-def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]], usage: Any,
-                      check_usage: bool) -> list[str]:
-    """What every rank must know before a step changes anything, in one all-reduce of host flags
-    (none at world 1): whether a rank's matrices hold a gradient of the last step that was never
-    cleared (``GradLedger.uncleared``: raise on every rank), and the FSDP2 params' gradients.
-    ``usage`` (:class:`dmuon.compat.fsdp_info.FSDPGradUsage`, torch whose FSDP2 sends a zero for a
-    param unused on a rank): put ``None`` back as ``.grad`` of every FSDP2 param of
-    ``adamw_named`` no rank used since its gradient was last cleared, as a single-device optimizer
-    sees it (AdamW skips it: no moment decay, no weight decay); returns their names.
-    ``check_usage`` (torch without that switch): raise on every rank if an FSDP2 param has a
-    gradient on some ranks only."""
+def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]],
+                      usage: Any) -> None:
+    """One all-reduce of host flags (none at world 1) for the verdicts every rank must reach
+    before a step changes anything (:func:`dmuon.functional.step_checks.pre_step_verdict`): a
+    gradient of the last step never cleared (``GradLedger.uncleared``), and FSDP2's gradients
+    (``usage``: :class:`dmuon.compat.fsdp_info.FSDPGradUsage`; ``None`` without FSDP2 params).
+    FSDP2 params no rank used get ``None`` back."""
     uncleared = rt.ledger.uncleared()
-    params = [p for _, p in adamw_named] if usage is not None or check_usage else []
-    used, none_before = usage.local_flags(params) if usage is not None else \
-        ([p.grad is not None for p in params], [])
-    world = dist.get_world_size()
+    used, none_before = usage.local_flags([p for _, p in adamw_named]) if usage else ([], [])
     counts = [int(bool(uncleared))] + [int(f) for f in used + none_before]
-    if world > 1:
-        counts = host_sum(counts, what="pre-step all-reduce", via=rt.mesh_groups,
-                          device=rt.device)
-    check_cleared(uncleared, counts[0])
-    names, k = [n for n, _ in adamw_named][:len(params)], len(params)
-    if usage is None:
-        if check_usage:
-            check_grads_on_all_ranks(names, counts[1:1 + k], world)
-        return []
-    dropped = unused_everywhere(names, counts[1:1 + k], counts[1 + k:], world)
-    gone = set(dropped)
+    if dist.get_world_size() > 1:
+        counts = host_sum(counts, what="pre-step all-reduce", via=rt.mesh_groups, device=rt.device)
+    gone = set(pre_step_verdict(uncleared, [n for n, _ in adamw_named][:len(used)], counts,
+                                dist.get_world_size(), zeros_sent=bool(usage and usage.zeros_sent)))
     for n, p in adamw_named:
         if n in gone:
             p.grad = None
-    return dropped
 
 
 def check_finite(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState,

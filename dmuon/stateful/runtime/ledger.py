@@ -42,9 +42,8 @@ class GradRecord:
         :class:`~dmuon.functional.phases.OwnerGrad`).
       marker: the reused marker object.  shown: the marker is ``.grad`` now.
       zeroed: a shown consumed marker was zeroed.  zero_next: the next step steps with a zero
-        gradient when none arrives.  uncleared: a consumed marker came off (a gradient arrived, a
-        reduce or a step read it) still ``.grad``, neither replaced nor zeroed since its step:
-        torch would add to the last step's gradient, which no rank keeps (the next step raises)."""
+        gradient when none arrives.  uncleared: a consumed marker came off still ``.grad``, never
+        replaced nor zeroed (torch would add to that gradient, which no rank keeps)."""
 
     state: Held = Held.NONE
     local: Optional[torch.Tensor] = None
@@ -56,9 +55,10 @@ class GradRecord:
     uncleared: bool = False
 
     def forget(self) -> None:
-        """Hold nothing (the consumed-marker record stays)."""
+        """Hold nothing (the consumed-marker record stays); nothing uncleared."""
         self.state = Held.NONE
         self.local = self.reduced = None
+        self.uncleared = False
 
 
 class GradLedger:
@@ -147,7 +147,6 @@ class GradLedger:
         self._collect()
         self._take_off(self.held_markers())
         for rec in self.records.values():
-            rec.uncleared = False
             if rec.state is not Held.CONSUMED:
                 rec.forget()
         self.fresh = False
@@ -188,19 +187,18 @@ class GradLedger:
     def take_markers(self, names: Iterable[str], *, remove: bool = True,
                      gather: bool = False) -> None:
         """Before a gather, a reduce, a clip or a step: a held marker the user replaced drops the
-        gradient; ``remove``: take the others off too (a gathered param must not carry a
-        zero-size ``.grad`` into its backward's accumulation). Consumed markers come off, keeping
-        what they say; ``gather``: they stay (the user may still clear them between the forward
-        and the backward; the param's grad hook takes them off before torch accumulates)."""
+        gradient; ``remove``: take the others off too (no zero-size ``.grad`` into a backward's
+        accumulation). Consumed markers come off, keeping what they say, except at a ``gather``
+        (a clear may follow the forward; the grad hook takes them off before torch adds)."""
         for n in self._take_off(names, remove, keep_consumed=gather):  # replaced by the user
             self.drop(n)
 
+    @plain_access
     def uncleared(self) -> list[str]:
-        """The matrices whose last step's gradient was neither replaced nor zeroed before a new
-        gradient arrived or now (torch would add to it, or step with it again)."""
-        return [n for n, r in self.records.items() if r.uncleared or (
-            r.state is Held.CONSUMED and r.shown and not r.zeroed
-            and self.params[n].grad is r.marker)]
+        """The matrices whose last step's gradient was never replaced nor zeroed (now or when a
+        new one arrived): torch would add to it, or step with it again."""
+        return [n for n, r in self.records.items() if r.uncleared or (r.state is Held.CONSUMED
+                and r.shown and not r.zeroed and self.params[n].grad is r.marker)]
 
     def held_markers(self) -> list[str]:
         """The names showing a held (not consumed) marker now."""
@@ -210,9 +208,9 @@ class GradLedger:
     def _take_off(self, names: Iterable[str], remove: bool = True, held: bool = True,
                   keep_consumed: bool = False) -> list[str]:
         """Take the consumed markers of ``names`` off (a zeroed one still ``.grad``: the next step
-        steps with zeros; one neither zeroed nor replaced: ``uncleared``) unless
-        ``keep_consumed``, and (``held``) the held ones the user replaced, or (``remove``) still
-        show; returns those the user replaced."""
+        steps with zeros; one never cleared: ``uncleared``) unless ``keep_consumed``, and
+        (``held``) the held ones the user replaced, or (``remove``) still show; returns those the
+        user replaced."""
         replaced = []
         for n in names:
             rec, p = self.records[n], self.params[n]
@@ -256,5 +254,4 @@ class GradLedger:
         """Forget every gradient held for ``name`` (torch's ``zero_grad()``)."""
         self._collect()
         self.records[name].forget()
-        self.records[name].uncleared = False  # dropped: the last step's gradient with it
         self._resolved = None
