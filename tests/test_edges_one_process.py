@@ -127,15 +127,20 @@ class _LayerDrop(AllMatrices):
         return (self.out_proj(x) ** 2).mean()
 
 
+def _built(rank, world, model, z3):
+    """``(model, dmuon.Muon)`` on ``world`` thread-ranks (every matrix dedicated), or
+    ``(model, RefMuon)`` in one process (``world`` 0)."""
+    if not world:
+        return model, RefMuon(model, lambda n, p: p.ndim == 2)
+    return build_dmuon(rank, world, model, model.layers,
+                       {"z3": z3, "predicate": lambda n, p: p.ndim == 2})
+
+
 def _layer_drop(rank, world, z3):
     import dmuon
     torch.manual_seed(0)
     model = _LayerDrop().double()
-    if world:
-        model, opt = build_dmuon(rank, world, model, model.layers,
-                                 {"z3": z3, "predicate": lambda n, p: p.ndim == 2})
-    else:
-        opt = RefMuon(model, lambda n, p: p.ndim == 2)
+    model, opt = _built(rank, world, model, z3)
     g = torch.Generator().manual_seed(1)
     for model.step in range(4):
         x = torch.randn(4, 8, generator=g, dtype=torch.float64)
@@ -198,11 +203,7 @@ def _drop_fsdp_param(rank, world, template, z3, drop_on, zero, steps=4, accum=1)
     import dmuon
     model = copy.deepcopy(template)
     model.drop_on = drop_on
-    if world:
-        model, opt = build_dmuon(rank, world, model, model.layers,
-                                 {"z3": z3, "predicate": lambda n, p: p.ndim == 2})
-    else:
-        opt = RefMuon(model, lambda n, p: p.ndim == 2)
+    model, opt = _built(rank, world, model, z3)
     g = torch.Generator().manual_seed(1)
     for model.step in range(steps):
         x = torch.randn(4, 8, generator=g, dtype=torch.float64)
@@ -260,11 +261,7 @@ def _clear_loop(rank, world, template, z3, where, how):
 
     import dmuon
     model = copy.deepcopy(template)
-    if world:
-        model, opt = build_dmuon(rank, world, model, model.layers,
-                                 {"z3": z3, "predicate": lambda n, p: p.ndim == 2})
-    else:
-        opt = RefMuon(model, lambda n, p: p.ndim == 2)
+    model, opt = _built(rank, world, model, z3)
     target = model if how.startswith("model") else opt
 
     def clear():
