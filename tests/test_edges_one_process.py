@@ -127,13 +127,13 @@ class _LayerDrop(AllMatrices):
         return (self.out_proj(x) ** 2).mean()
 
 
-def _built(rank, world, model, z3):
-    """``(model, dmuon.Muon)`` on ``world`` thread-ranks (every matrix dedicated), or
-    ``(model, RefMuon)`` in one process (``world`` 0)."""
+def _built(rank, world, model, z3, hsdp=False):
+    """``(model, dmuon.Muon)`` on ``world`` thread-ranks (every matrix dedicated; ``hsdp``: a
+    2 x (world / 2) mesh), or ``(model, RefMuon)`` in one process (``world`` 0)."""
     if not world:
         return model, RefMuon(model, lambda n, p: p.ndim == 2)
     return build_dmuon(rank, world, model, model.layers,
-                       {"z3": z3, "predicate": lambda n, p: p.ndim == 2})
+                       {"z3": z3, "hsdp": hsdp, "predicate": lambda n, p: p.ndim == 2})
 
 
 def _layer_drop(rank, world, z3):
@@ -184,17 +184,20 @@ class _DropOnRanks(torch.nn.Module):
         self.out_proj = torch.nn.Linear(8, 8, bias=False)
         self.step, self.rank, self.drop_at, self.drop_on = 0, 0, (1, 2), None
         self.micro, self.drop_micro = 0, (0, 1)  # micro-batch index, those that drop
+        self.ckpt = False  # each block under a non-reentrant activation checkpoint
 
     def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
         now = self.step in self.drop_at and self.micro in self.drop_micro
         for i, layer in enumerate(self.layers):
             if i == 1 and now and self.drop_on is None:
                 continue
-            x = layer(x, not (i == 1 and now and self.rank in (self.drop_on or ())))
+            scaled = not (i == 1 and now and self.rank in (self.drop_on or ()))
+            x = checkpoint(layer, x, scaled, use_reentrant=False) if self.ckpt else layer(x, scaled)
         return (self.out_proj(x) ** 2).mean()
 
 
-def _drop_fsdp_param(rank, world, template, z3, drop_on, zero, steps=4, accum=1):
+def _drop_fsdp_param(rank, world, template, z3, drop_on, zero, steps=4, accum=1, ranks=2):
     """``steps`` steps from a copy of ``template`` (built once: torch's global RNG is shared by the
     thread-ranks); ``zero``: ``opt.zero_grad()`` after each step (else never: the gradients add
     up across steps, as with torch); ``accum`` micro-batches per step."""
@@ -203,7 +206,7 @@ def _drop_fsdp_param(rank, world, template, z3, drop_on, zero, steps=4, accum=1)
     import dmuon
     model = copy.deepcopy(template)
     model.drop_on = drop_on
-    model, opt = _built(rank, world, model, z3)
+    model, opt = _built(rank, world, model, z3, hsdp=ranks == 4)
     g = torch.Generator().manual_seed(1)
     for model.step in range(steps):
         x = torch.randn(4, 8, generator=g, dtype=torch.float64)
@@ -211,10 +214,10 @@ def _drop_fsdp_param(rank, world, template, z3, drop_on, zero, steps=4, accum=1)
             model.micro = mb
             sync = not world or mb == accum - 1
             with contextlib.nullcontext() if sync else dmuon.no_sync(model):
-                for r in ([rank] if world else range(2)):  # one process: both halves, averaged
+                for r in ([rank] if world else range(ranks)):  # one process: every part
                     model.rank = r
-                    half = x.chunk(2)[r].chunk(accum)[mb]
-                    (model(half) / ((1 if world else 2) * accum)).backward()
+                    part = x.chunk(ranks)[r].chunk(accum)[mb]
+                    (model(part) / ((1 if world else ranks) * accum)).backward()
         opt.step()
         if zero:
             opt.zero_grad()
@@ -240,6 +243,17 @@ def test_an_fsdp2_param_unused_for_two_steps_equals_one_process(z3, drop_on):
     some ranks only) made FSDP2 give it a zero gradient and AdamW decayed it (3.6e-3 after 4
     steps). Not read on one rank: a zero from that rank in the average."""
     _check_drop(z3, drop_on, zero=True)
+
+
+def test_an_fsdp2_param_unused_on_every_rank_of_an_hsdp_mesh():
+    """HSDP 2 x 2 (4 thread-ranks), Z3, ``layers.1`` skipped on every rank at two steps: its FSDP2
+    ``scale`` is skipped by AdamW (the pre-step all-reduce spans both mesh axes): equal to
+    ``RefMuon``."""
+    torch.manual_seed(0)
+    template = _DropOnRanks().double()
+    ref = _drop_fsdp_param(0, 0, template, True, None, True, 4, 1, 4)
+    for got in run_threads(_drop_fsdp_param, 4, template, True, None, True, 4, 1, 4):
+        assert max(float((got[k] - v).abs().max()) for k, v in ref.items()) <= TOL
 
 
 @pytest.mark.parametrize("drop_micro", [(0, 1), (0,)], ids=["both", "first_only"])
@@ -295,10 +309,12 @@ def _clear_loop(rank, world, template, z3, where, how):
 
 
 @pytest.mark.parametrize("z3", [True, False], ids=["z3", "z2"])
-@pytest.mark.parametrize("where,how", [("after_step", "model_keep"), ("after_forward", "opt"),
-                                       ("after_forward", "model"), ("after_forward", "model_keep"),
-                                       ("after_forward", "opt_keep")])
-def test_gradients_cleared_between_the_forward_and_its_backward_equal_one_process(z3, where, how):
+@pytest.mark.parametrize("where,how,ckpt", [
+    ("after_step", "model_keep", False), ("after_forward", "opt", False),
+    ("after_forward", "model", False), ("after_forward", "model_keep", False),
+    ("after_forward", "opt_keep", False), ("after_forward", "opt", True)])
+def test_gradients_cleared_between_the_forward_and_its_backward_equal_one_process(z3, where, how,
+                                                                                   ckpt):
     """``loss = model(x); optimizer.zero_grad(); loss.backward(); optimizer.step()`` and its
     variants (``model.zero_grad()``, ``set_to_none=False``), 2 thread-ranks: equal to ``RefMuon``
     in one process, no error. The last step's consumed markers stay ``.grad`` through the forward
@@ -312,6 +328,7 @@ def test_gradients_cleared_between_the_forward_and_its_backward_equal_one_proces
                     "clears it")
     torch.manual_seed(0)
     template = _DropOnRanks().double()
+    template.ckpt = ckpt  # (the blocks re-gathered and re-run inside the backward)
     ref, _ = _clear_loop(0, 0, template, z3, where, how)
     for got, errors in run_threads(_clear_loop, 2, template, z3, where, how):
         assert errors == []
