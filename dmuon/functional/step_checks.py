@@ -13,7 +13,7 @@ import torch
 from dmuon.functional.tree import flatten
 
 __all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks", "unused_everywhere",
-           "check_cleared", "pre_step_verdict",
+           "check_cleared", "pre_step_verdict", "check_publish_consumed",
            "check_finite_flags", "write_count", "check_not_broken", "step_broken",
            "broken_step_message"]
 
@@ -57,6 +57,19 @@ def check_outside_grads(outside: Sequence[tuple[str, Any]]) -> None:
             "dmuon.Muon and freeze them afterwards with requires_grad_(False) (a param with no "
             "gradient is skipped, as torch skips it); to keep them frozen, set "
             "requires_grad_(False) again and drop their gradients (model.zero_grad()).")
+
+
+def check_publish_consumed(pending: Sequence[str], what: str) -> None:
+    """Raise ``RuntimeError`` if an HSDP publish of the last step is still pending for the hook
+    groups ``pending`` (no forward / backward since it; the same on every rank)."""
+    if pending:
+        groups = [k or "<root>" for k in pending]
+        raise RuntimeError(
+            f"dmuon: {what} would publish new HSDP weights while the previous step's publish is "
+            f"still pending for hook groups {groups[:6]}{' ...' if len(groups) > 6 else ''} (no "
+            "forward/backward ran since that step). Nothing was updated. Run a forward and "
+            "backward before the next step, or call dmuon.wait_all_replicate_broadcasts(model) "
+            "first (or build the optimizer with dmuon.Muon(..., replicate_async=False)).")
 
 
 def check_grads_on_all_ranks(names: Sequence[str], counts: Sequence[int], world: int) -> None:

@@ -17,7 +17,8 @@ import torch.nn as nn
 from dmuon.functional.buckets import ROOT_GROUP, HookGroups
 from dmuon.functional.matrix_settings import MatrixSettings
 from dmuon.functional.program import StepProgram, step_program
-from dmuon.functional.renames import renamed
+from dmuon.functional.renames import renamed, renamed_message
+from dmuon.functional.step_checks import check_publish_consumed
 from dmuon.functional.split_plan import runtime_owners
 from dmuon.functional.tp_plan import grid_tp_schedule
 from dmuon.functional.policy import resolve_model_dtypes
@@ -348,14 +349,7 @@ class DedicatedState:
 
     def check_publish_consumed(self, what: str = "optimizer.step()") -> None:
         """Raise if a publish is still pending (not yet waited: the same decision on every rank)."""
-        if not (groups := [k or "<root>" for k in self.pending_publish]):
-            return
-        raise RuntimeError(
-            f"dmuon: {what} would publish new HSDP weights while the previous step's publish is "
-            f"still pending for hook groups {groups[:6]}{' ...' if len(groups) > 6 else ''} (no "
-            "forward/backward ran since that step). Nothing was updated. Run a forward and "
-            "backward before the next step, or call dmuon.wait_all_replicate_broadcasts(model) "
-            "first (or build the optimizer with dmuon.Muon(..., replicate_async=False)).")
+        check_publish_consumed(self.pending_publish, what)
 
     def wait_publish(self) -> None:
         """Wait for the pending HSDP publish of every group (this is
@@ -461,18 +455,8 @@ def _renamed_params(st: DedicatedState, root: nn.Module) -> list[tuple[str, str]
 
 
 def _renamed_error(st: DedicatedState, root: nn.Module, what: str, inner: str = "") -> RuntimeError:
-    """The error for a model wrapped or renamed after ``dedicate_params`` (PEFT's
-    ``get_peft_model`` is the usual cause)."""
-    moved = _renamed_params(st, root)
-    eg = (f" (e.g. {moved[0][0]!r} is now {moved[0][1]!r}, {len(moved)} dedicated params "
-          "renamed)") if moved else ""
-    where = f" wraps the model dmuon.dedicate_params prepared (at {inner!r}) and" if inner else ""
-    return RuntimeError(
-        f"{what}: this model{where} had its modules wrapped or renamed after "
-        f"dmuon.dedicate_params{eg}, as PEFT's get_peft_model (LoRA) does: dmuon's hooks, groups "
-        "and state-dict names refer to the modules as they were. Apply PEFT (get_peft_model) "
-        "before dmuon.dedicate_params: dmuon.dedicate_params(peft_model, mesh, predicate), then "
-        "fully_shard (its frozen base weights are left out; the trainable ones are dedicated).")
+    """The error for a model wrapped or renamed after ``dedicate_params``."""
+    return RuntimeError(renamed_message(_renamed_params(st, root), what, inner))
 
 
 def unwrap_model(model: Any) -> Any:
