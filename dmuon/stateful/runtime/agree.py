@@ -130,7 +130,6 @@ def host_sum(values: Sequence[int], *, what: str, via: Any, device: torch.device
 JOIN_ENV = "DMUON_JOIN_TIMEOUT_S"
 JOIN_TIMEOUT_S = 30.0
 _POISON = 1 << 40  # added to a join's arrival counter by a rank that gave up on it
-_join_done: dict[int, int] = {}  # id(store) -> joins this process completed on that store
 
 
 #: what to do instead of a state dict / save on some ranks only (:func:`join`)
@@ -168,7 +167,11 @@ def join(what: str) -> None:
     if store is None:  # pragma: no cover - a torch without it: the collective itself decides
         return
     world, rank = dist.get_world_size(), dist.get_rank()
-    seq = _join_done.get(id(store), 0) + 1
+    # the joins this rank completed on this store, kept in the store: a count kept in the process
+    # by id(store) went stale when a new store reused a freed one's id on some ranks only (a
+    # process group made again in one process), and those ranks waited on another join's keys
+    done = f"dmuon/join/done/{rank}"
+    seq = store.add(done, 0) + 1
     bound = float(os.environ.get(JOIN_ENV, JOIN_TIMEOUT_S))
     base = f"dmuon/join/{seq}"
     key = f"{base}.{store.add(base + '/attempt', 0)}"
@@ -198,7 +201,7 @@ def join(what: str) -> None:
                           f"{watch.bound:g} s: exited, killed or frozen; see its log)" if gone else
                           f"rank(s) {_missing(store, key, world) or '?'} did not reach it within "
                           f"{bound:g} s (this is rank {rank})")
-    _join_done[id(store)] = seq
+    store.add(done, 1)
 
 
 def _missing(store: Any, key: str, world: int) -> list[int]:
