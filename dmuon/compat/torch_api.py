@@ -207,20 +207,13 @@ def wrap_fsdp_post_backward(group: Any, before: Callable[[list[tuple[Any, bool]]
 
         def post_backward(*args: Any) -> Any:
             hook = group._dmuon_post_backward_before
-            if hook is not None:
-                hook([(fp.sharded_param, _has_local_grad(fp)) for fp in group.fsdp_params])
+            if hook is not None:  # a local gradient: this backward's, or no_sync's accumulated
+                hook([(fp.sharded_param, fp.unsharded_accumulated_grad is not None or getattr(
+                    getattr(fp, "_unsharded_param", None), "grad", None) is not None)
+                    for fp in group.fsdp_params])
             return run(*args)
         group.post_backward = post_backward
     group._dmuon_post_backward_before = before
-
-
-def _has_local_grad(fp: Any) -> bool:
-    """Whether an ``FSDPParam`` holds an unsharded gradient of this rank's backward (this one's,
-    or ``no_sync`` micro-batches' accumulated): what FSDP2's ``post_backward`` reduce-scatters
-    (without it, ``set_reduce_scatter_unused_params`` sends a zero)."""
-    if getattr(fp, "unsharded_accumulated_grad", None) is not None:
-        return True
-    return hasattr(fp, "_unsharded_param") and fp.unsharded_param.grad is not None
 
 
 def fsdp_managed_params(state: Any) -> Iterator[nn.Parameter]:

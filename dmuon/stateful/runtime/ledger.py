@@ -189,7 +189,8 @@ class GradLedger:
         """Before a gather, a reduce, a clip or a step: a held marker the user replaced drops the
         gradient; ``remove``: take the others off too (no zero-size ``.grad`` into a backward's
         accumulation). Consumed markers come off, keeping what they say, except at a ``gather``
-        (a clear may follow the forward; the grad hook takes them off before torch adds)."""
+        those still ``.grad`` (a clear may follow the forward; the grad hook takes them off
+        before torch adds)."""
         for n in self._take_off(names, remove, keep_consumed=gather):  # replaced by the user
             self.drop(n)
 
@@ -216,9 +217,9 @@ class GradLedger:
             rec, p = self.records[n], self.params[n]
             if not rec.shown or not held and rec.state is not Held.CONSUMED:
                 continue
-            if keep_consumed and rec.state is Held.CONSUMED:
-                continue
             mine = p.grad is rec.marker
+            if keep_consumed and mine and rec.state is Held.CONSUMED:
+                continue  # still .grad: a clear may follow (a replaced one comes off now)
             if rec.state is Held.CONSUMED:
                 rec.zero_next = rec.zeroed if mine else rec.zero_next
                 rec.uncleared = rec.uncleared or (mine and not rec.zeroed)
