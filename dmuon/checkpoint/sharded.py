@@ -62,6 +62,7 @@ from dmuon.checkpoint.save_safety import (agree_failure, claim_partial, discard_
 from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.functional.load_scalars import load_problems
 from dmuon.functional.owner_checks import refuse_variant
+from dmuon.functional.selection import tied_names
 from dmuon.functional.state_dict_check import all_finite, check_state_dict
 from dmuon.stateful.runtime.state import unwrapping_model
 from dmuon.stateful.checkpoint.torch_state_dict import log_dtype_changes
@@ -71,7 +72,7 @@ from dmuon.stateful.checkpoint.optimizer_state_dict import (
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
 from dmuon.stateful.runtime.state import get_state, local_tensor
 from dmuon.stateful.checkpoint.state_dict import (
-    dedicated_names_by_key, expected_entries, module_entries, tied_groups,
+    dedicated_names_by_key, expected_entries, module_entries,
 )
 
 __all__ = ["save_sharded", "load_sharded", "ShardedSaveResult", "ShardedLoadResult",
@@ -317,7 +318,7 @@ def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, stri
     given = {k[len("model."):]: tuple(getattr(m, "size", ()) or ()) for k, m in md.items()
              if k.startswith("model.")}
     check = check_state_dict(given, {k: shape for k, (shape, _) in exp.items()},
-                             tied_groups(entries))
+                             tied_names(entries.items()))
     problems = [f"model: {p}" for p in check.problems(strict)]
     for k, src in check.source.items():
         saved = getattr(getattr(md.get("model." + src), "properties", None), "dtype", None)

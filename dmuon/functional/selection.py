@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-__all__ = ["select_params", "check_meta_selection", "check_materialized", "names_by_object"]
+__all__ = ["select_params", "check_meta_selection", "check_materialized", "names_by_object",
+           "canonical_names", "tied_names"]
 
 
 def select_params(named: Sequence[tuple[str, Any]], predicate: Callable[[str, Any], bool],
@@ -84,3 +85,15 @@ def names_by_object(named: Iterable[tuple[str, Any]]) -> dict[int, list[str]]:
     for n, p in named:
         out.setdefault(id(p), []).append(n)
     return out
+
+
+def canonical_names(named: Iterable[tuple[str, Any]], canonical: Mapping[str, Any]) -> dict[str, str]:
+    """``{name: canonical name}`` for every entry of ``named`` that is (by identity) one of
+    ``canonical``'s ``{canonical name: object}``; a tied object under each of its names."""
+    canon = {id(p): n for n, p in canonical.items()}
+    return {k: canon[id(p)] for k, p in named if id(p) in canon}
+
+
+def tied_names(named: Iterable[tuple[str, Any]]) -> list[tuple[str, ...]]:
+    """Groups of names in ``named`` that share one object (tied params / buffers)."""
+    return [tuple(g) for g in names_by_object(named).values() if len(g) > 1]

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from dmuon.functional.selection import names_by_object
+from dmuon.functional.selection import canonical_names, tied_names
 from dmuon.functional.state_dict_check import model_state_problems
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor, unwrapping_model
 from dmuon.stateful.checkpoint.torch_state_dict import agree, distribute_like, log_dtype_changes
@@ -49,9 +49,8 @@ def dedicated_names_by_key(model: nn.Module, rt: DedicatedState,
     the keys ``model.state_dict()`` gives: after the renames of modules' state-dict hooks
     (``checkpoint_wrapper`` drops ``_checkpoint_wrapped_module.``). ``entries``: the caller's
     :func:`module_entries` (one state-dict pass), detached or not."""
-    canon = {p: n for n, p in rt.params.items()}
     entries = module_entries(model, detach=False) if entries is None else entries
-    return {k: canon[p] for k, p in entries.items() if p in canon}
+    return canonical_names(entries.items(), rt.params)
 
 
 def expected_entries(entries: Mapping[str, torch.Tensor], rt: DedicatedState, ded: Mapping[str, str]
@@ -61,12 +60,6 @@ def expected_entries(entries: Mapping[str, torch.Tensor], rt: DedicatedState, de
     dedicated matrices by their full shape and the param's dtype."""
     return {k: (full_shape(rt, ded[k]), rt.orig_dtype[ded[k]]) if k in ded
             else (tuple(v.shape), v.dtype) for k, v in entries.items()}
-
-
-def tied_groups(entries: Mapping[str, torch.Tensor]) -> list[tuple[str, ...]]:
-    """Groups of state-dict names that share one tensor (tied params / buffers), from
-    ``module_entries(model, detach=False)``."""
-    return [tuple(g) for g in names_by_object(entries.items()).values() if len(g) > 1]
 
 
 def from_rank0(t: Optional[torch.Tensor], shape: tuple[int, ...], dtype: torch.dtype,
@@ -161,8 +154,8 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
     notes: list = []
     check, problems = None, []
     if not rank0_only or rt.rank == 0:
-        check, problems = model_state_problems(state_dict, exp, tied_groups(live), strict=strict,
-                                               finite=check_finite, notes=notes)
+        check, problems = model_state_problems(state_dict, exp, tied_names(live.items()),
+                                               strict=strict, finite=check_finite, notes=notes)
     mine = None if check is None else (dict(check.source), list(check.missing),
                                        list(check.unexpected))
     payloads = agree(rt, problems, what, mine if rank0_only else None)

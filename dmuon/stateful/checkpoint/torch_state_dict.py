@@ -16,7 +16,7 @@ import torch.nn as nn
 from dmuon.compat.fsdp_patch import is_dedicated
 from dmuon.compat.torch_api import load_state_dict_pre_hooks, state_dict_hooks
 from dmuon.functional.module_paths import ancestors, modules_above
-from dmuon.functional.selection import names_by_object
+from dmuon.functional.selection import canonical_names, names_by_object
 from dmuon.functional.state_dict_check import (assign_problems, check_state_dict, dtype_changes,
                                                live_views, load_refusal, value_problems,
                                                view_problems)
@@ -101,9 +101,8 @@ class _Hooks:
         self.st = st
         self.transfer = transfer_of(st)
         self.model = model
-        canon = {p: n for n, p in st.params.items()}  # {param path: name}, each tied alias
-        self.keys = {k: canon[p] for k, p in model.named_parameters(remove_duplicate=False)
-                     if p in canon}
+        # {param path: name}, each tied alias
+        self.keys = canonical_names(model.named_parameters(remove_duplicate=False), st.params)
         self.staged: Optional[dict[str, Any]] = None
         # filled by the root pre-save hook, put in by each owning module's post-hook
         self.rows: Optional[dict[str, Any]] = None
