@@ -152,8 +152,8 @@ class Muon(torch.optim.Optimizer):
         self.num_steps = 0  # completed step() calls (the same on every rank)
         # FSDP2 params used on some ranks only: FSDP2's zero-fill where this torch has it (None put
         # back where no rank used one), else a check that each has a gradient on all ranks or none
-        self._fsdp_usage = (reduce_unused_fsdp_params(model) or FSDPGradUsage(zeros_sent=False)
-                            ) if self._adamw_named else None
+        rt.fsdp_usage = (reduce_unused_fsdp_params(model) or FSDPGradUsage(zeros_sent=False)
+                         ) if self._adamw_named else None
         # a newer Muon(model) supersedes this one: stepping both would update twice per step
         self._generation = rt.attach_optimizer()
         from dmuon.stateful.optimizer.ns_overlap import NSOverlap
@@ -358,7 +358,7 @@ class Muon(torch.optim.Optimizer):
         check_outside_grads(self._outside)
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         grads = rt.reduced_grads()
-        agree_before_step(rt, self._adamw_named, self._fsdp_usage)
+        agree_before_step(rt, self._adamw_named)
         if self.check_finite and check_finite(self._adamw_named, rt, grads):
             self._host_syncs += 1  # its verdict waited for the device
         self.invalidate_state_views()  # the states change from here: views rebuilt when read
@@ -369,7 +369,7 @@ class Muon(torch.optim.Optimizer):
             stepped = self._muon_step(rt, grads, rt.ledger.take_zero_next())
             before = None  # changed (a later failure leaves a half-applied step)
             self._storage.copies.staged.clear()  # offload: copies of matrices not stepped
-            self._clear_grads()
+            rt.clear_grads()
             rt.after_step(replicate_async=self.replicate_async)
             rt.ledger.consume(stepped)  # torch keeps grads until zero_grad: markers stand in
             self._adamw_update()
@@ -491,7 +491,7 @@ class Muon(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the dedicated matrices' pending grads (and their ``.grad`` markers) and zero
         FSDP2's grads (torch semantics)."""
-        self._clear_grads()
+        self._rt.clear_grads()
         if self._rt.unsynced_backward:  # FSDP2's unreduced no_sync grads, out of torch's reach
             drop_unreduced_fsdp_grads(self._rt.model_ref())
         self._storage.copies.staged.clear()  # a batch skipped after its backward: copies not needed
@@ -500,11 +500,6 @@ class Muon(torch.optim.Optimizer):
         # with zeros, as a single-device optimizer would (momentum and weight decay apply; the
         # markers' zero_ is a guard's: only set_to_none=True, a get and a set of .grad, goes around)
         (plain_access(super().zero_grad) if set_to_none else super().zero_grad)(set_to_none)
-
-    def _clear_grads(self) -> None:  # the dedicated ones and FSDP2's usage window
-        self._rt.clear_grads()
-        if self._fsdp_usage is not None:
-            self._fsdp_usage.reset()
 
     # ------------------------------------------------------------------ state dict
     def param_name(self, p: Any) -> str:

@@ -16,14 +16,13 @@ from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 __all__ = ["agree_before_step", "check_finite"]
 
 
-def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]],
-                      usage: Any) -> None:
+def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]]) -> None:
     """One all-reduce of host flags (none at world 1) for the verdicts every rank must reach
     before a step changes anything (:func:`dmuon.functional.step_checks.pre_step_verdict`): a
     gradient of the last step never cleared (``GradLedger.uncleared``), and FSDP2's gradients
-    (``usage``: :class:`dmuon.compat.fsdp_info.FSDPGradUsage`; ``None`` without FSDP2 params).
-    FSDP2 params no rank used get ``None`` back."""
-    uncleared = rt.ledger.uncleared()
+    (``rt.fsdp_usage``: :class:`dmuon.compat.fsdp_info.FSDPGradUsage`; ``None`` without FSDP2
+    params). FSDP2 params no rank used get ``None`` back."""
+    uncleared, usage = rt.ledger.uncleared(), rt.fsdp_usage
     used, none_before = usage.local_flags([p for _, p in adamw_named]) if usage else ([], [])
     counts = [int(bool(uncleared))] + [int(f) for f in used + none_before]
     if dist.get_world_size() > 1:

@@ -110,6 +110,7 @@ class DedicatedState:
         self._keep_gathered = False  # this backward has create_graph=True (on_backward_start)
         self._fsdp_kept: list[Any] = []  # FSDP2's groups kept gathered for a create_graph graph
         self.listener: Any = None  # set_listener
+        self.fsdp_usage: Any = None  # dmuon.Muon's FSDPGradUsage: its window ends with the grads
         self.ready = False
         #: the step program (:mod:`dmuon.functional.program`), built at the first forward
         self.program: Optional[StepProgram] = None
@@ -389,6 +390,8 @@ class DedicatedState:
             self.listener.grads_cleared()
         self.ledger.clear()
         self.pool.release_all()
+        if self.fsdp_usage is not None:
+            self.fsdp_usage.reset()
 
     def masters_changed(self) -> None:
         """The masters were written (a step, a state-dict load): bump :attr:`version` and free
