@@ -303,6 +303,27 @@ def _raising(model, when):
     return model.layers[1].register_forward_pre_hook(hook)
 
 
+def _train_catching(model, opt, env, step, skip=lambda i: False, after=lambda i: None,
+                    caught=None):
+    """``STEPS + 1`` steps (``step[0]``: the current one; ``skip(i)``: leave batch ``i`` out)
+    whose batches raising ``BadBatch`` are caught and skipped; returns (and fills ``caught``
+    with) their indices; ``after(i)`` runs after each step."""
+    caught = [] if caught is None else caught
+    for i, ids in enumerate(make_batches(STEPS + 1, BATCH)):
+        step[0] = i
+        if skip(i):
+            continue
+        opt.zero_grad()
+        try:
+            _backward(model, ids, env)
+        except BadBatch:
+            caught.append(i)
+            continue
+        opt.step()
+        after(i)
+    return caught
+
+
 def _raise_everywhere(cfg, at):
     """The forward of step ``at`` raises on every rank (inside ``layers.1``, after dmuon gathered
     ``layers.0`` and prefetched ``layers.1``); the loop catches it, skips that batch and goes
@@ -311,18 +332,8 @@ def _raise_everywhere(cfg, at):
         model, opt = _build(make_model(), env, cfg)
         step = [0]
         _raising(model, lambda: step[0] == at)
-        caught = []
-        for i, ids in enumerate(make_batches(STEPS + 1, BATCH)):
-            step[0] = i
-            if not env["dist"] and i == at:
-                continue
-            opt.zero_grad()
-            try:
-                _backward(model, ids, env)
-            except BadBatch:
-                caught.append(i)
-                continue
-            opt.step()
+        caught = _train_catching(model, opt, env, step,
+                                 skip=lambda i: not env["dist"] and i == at)
         return {"sd": _full_sd(model, env), "extra": [], "caught": caught}
     return path
 
@@ -369,21 +380,15 @@ def _one_rank_alone(rank, world, z3, what):
     _raising(model, lambda: what == "raise" and rank == 1 and step[0] == 1)
     caught, t0 = [], time.monotonic()
     env = dict(rank=rank, world=world, dist=True)
+
+    def evaluate(i):  # after the step
+        if what == "eval" and rank == 0 and i == 1:
+            model.eval()
+            with torch.no_grad():
+                model(make_batches(1, 2, seed=5)[0])
+            model.train()
     try:
-        for i, ids in enumerate(make_batches(STEPS + 1, BATCH)):
-            step[0] = i
-            opt.zero_grad()
-            try:
-                _backward(model, ids, env)
-            except BadBatch:
-                caught.append(i)
-                continue
-            opt.step()
-            if what == "eval" and rank == 0 and i == 1:
-                model.eval()
-                with torch.no_grad():
-                    model(make_batches(1, 2, seed=5)[0])
-                model.train()
+        _train_catching(model, opt, env, step, after=evaluate, caught=caught)
         out = {"error": None, "sd": _full_sd(model, env)}
     except Exception as e:  # noqa: BLE001 - the parent inspects it
         out = {"error": (type(e).__name__, str(e))}
