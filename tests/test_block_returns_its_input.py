@@ -11,8 +11,10 @@ gather ... 'regather:unshard/layers.2' ... A timeout means a rank of [0, 1] neve
 10 s here), naming no cause.
 
 The first block returning the model's input (a tensor that needs no gradient) on one rank only is
-another edge: that rank finds no tensor to hook, keeps the group gathered through the backward and
-does not re-gather it, while the other rank does (also a gather timeout).
+another edge: that rank finds no tensor to hook and keeps the group gathered through the backward,
+while the other rank frees it and re-gathers it. Before (measured): a gather timeout. Now that rank
+joins the re-gather (where a later block prefetches it, or at the backward's end) and the next
+forward's gather.
 """
 from __future__ import annotations
 
@@ -52,12 +54,14 @@ class _Model(nn.Module):
         return (self.out_proj(x) ** 2).mean()
 
 
-def _skipping(layer):
-    """``layers[layer]`` returns its input on rank 1 only, from the second step on."""
+def _skipping(layer, n=3, ranks=(1,), forward_only=False):
+    """``layers[layer]`` returns its input on the ``ranks`` only, from the second step on
+    (``forward_only``: also in a forward with gradients whose loss no backward uses, before each
+    step's zero_grad)."""
     def path(env):
         import dmuon
         torch.manual_seed(0)
-        model = _Model().double()
+        model = _Model(n=n).double()
         g = torch.Generator().manual_seed(1)
         data = [torch.randn(4, 8, generator=g, dtype=torch.float64) for _ in range(STEPS)]
         if env["dist"]:
@@ -68,16 +72,20 @@ def _skipping(layer):
         else:
             opt = RefMuon(model, lambda n, p: p.ndim == 2)
         for i, x in enumerate(data):
+            if forward_only and env["dist"]:
+                model.layers[layer].skip = i > 0 and env["rank"] in ranks
+                model(x.chunk(WORLD)[env["rank"]])  # an evaluation without no_grad: no backward
             opt.zero_grad()
             for r in [env["rank"]] if env["dist"] else range(WORLD):
-                model.layers[layer].skip = i > 0 and r == 1
+                model.layers[layer].skip = i > 0 and r in ranks
                 (model(x.chunk(WORLD)[r]) / (1 if env["dist"] else WORLD)).backward()
             opt.step()
         return dmuon.get_model_state_dict(model) if env["dist"] else model.state_dict()
     return path
 
 
-PATHS = {"last": _skipping(2), "first": _skipping(0)}
+PATHS = {"last": _skipping(2), "first": _skipping(0), "only": _skipping(0, n=1),
+         "every_rank": _skipping(0, ranks=(0, 1)), "forward_only": _skipping(0, forward_only=True)}
 
 
 def _worker(rank, world):
@@ -102,7 +110,21 @@ def test_a_block_returning_its_input_on_one_rank_only_equals_one_process(results
     _check(results, "last")
 
 
-@pytest.mark.xfail(strict=True, reason="open: the rank that finds no tensor to hook keeps the "
-                   "group gathered and does not re-gather it; the other rank does (gather timeout)")
 def test_the_first_block_returning_the_models_input_on_one_rank_only(results):
     _check(results, "first")
+
+
+def test_the_only_block_returning_the_models_input_on_one_rank_only(results):
+    """No later block's backward prefetches its re-gather: the rank joins at the backward's end."""
+    _check(results, "only")
+
+
+def test_the_first_block_returning_the_models_input_on_every_rank(results):
+    """Every rank keeps the group gathered: the joined re-gathers run on every rank or on none
+    (passes without the fix too: it guards the fix)."""
+    _check(results, "every_rank")
+
+
+def test_a_forward_whose_loss_no_backward_uses_then_training(results):
+    """The rank that kept the block gathered still runs the next forward's gather."""
+    _check(results, "forward_only")

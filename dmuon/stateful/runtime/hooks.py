@@ -129,9 +129,13 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
             with record_function(f"dmuon::post_forward ({key})"):
                 hooked = torch.is_grad_enabled() and _register_pre_backward(st, key, output)
                 # no hookable output tensor (or no grad): a Z3 group stays gathered until the end
-                # of its backward, which then needs no re-gather (under no_grad: freed now)
-                if st.groups[key].reshard_after_forward and (hooked or not torch.is_grad_enabled()):
-                    st.groups[key].reshard()
+                # of its backward (under no_grad: freed now); where other ranks hooked and freed
+                # it, they re-gather it: this rank joins (kept_unhooked)
+                g = st.groups[key]
+                if g.reshard_after_forward and (hooked or not torch.is_grad_enabled()):
+                    g.reshard()
+                elif g.reshard_after_forward:
+                    g.kept_unhooked = True
             return None
 
         handles.append(g.module.register_forward_pre_hook(_eager(pre)))

@@ -68,6 +68,10 @@ class DedicatedParamGroup:
         self.grad_state = GradState.IDLE
         #: the weights version gathered (or gathering: :attr:`inflight_unshard`); -1: placeholders
         self.gathered_version = -1
+        #: Z3, kept gathered after a forward that gave it no hookable output tensor on this rank:
+        #: the other ranks may have freed it, so its next gather (or the backward's end) still runs
+        #: the collective, and every rank re-gathers it in one order
+        self.kept_unhooked = False
         self._arrived: set[str] = set()
         #: the launches not waited yet: at most one gather and one publish, any number of reduces
         self.inflight_unshard: Optional[Pending] = None
@@ -99,8 +103,10 @@ class DedicatedParamGroup:
     def launch_unshard(self, version: int, regather: bool = False) -> None:
         """Start gathering (no-op if gathered for ``version`` or a gather is in flight; ``regather``:
         in a backward). Waits the group's pending HSDP publish first."""
-        if self.inflight_unshard is not None or self.gathered_version == version:
+        if self.inflight_unshard is not None or (self.gathered_version == version
+                                                 and not self.kept_unhooked):
             return
+        self.kept_unhooked = False
         if self.phases.zero_copy:  # nothing to move: the new masters once any publish landed
             self.wait_publish()
             self.gathered_version = version
@@ -138,6 +144,7 @@ class DedicatedParamGroup:
             for buf in self.unshard_buffers.values():
                 free_storage(buf)
             self.gathered_version = -1
+            self.kept_unhooked = False
 
     @property
     def zero_copy(self) -> bool:
