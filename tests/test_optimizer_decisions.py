@@ -61,6 +61,32 @@ def test_step_verdicts():
         sc.check_outside_grads([("x", p), ("y", SimpleNamespace(grad=None))])
 
 
+def test_launch_fingerprints():
+    """Equal sequences give equal fingerprints; a swapped, missing or extra launch on one rank
+    makes the pre-step sums say so (with the sums' int64 bound kept)."""
+    from dmuon.functional.step_checks import LAUNCH_PRIME, fold_launch, launches_differ
+
+    def fp(labels):
+        h = 0
+        for label in labels:
+            h = fold_launch(h, label)
+        return h
+
+    seq = ["gather:layers.0", "gather:layers.1", "regather:layers.1", "regather:layers.0"]
+    assert fp(list(seq)) == fp(seq)
+    swapped, missing, extra = seq[:2] + seq[:1:-1], seq[:-1], seq + ["gather:layers.0"]
+    for world in (2, 3, 8, 1024):
+        hs = [fp(seq)] * world
+        assert launches_differ(sum(hs), sum(h * h for h in hs), world) is None
+        for diff in (swapped, missing, extra):
+            hs = [fp(seq)] * (world - 1) + [fp(diff)]
+            assert fp(diff) != fp(seq)
+            msg = launches_differ(sum(hs), sum(h * h for h in hs), world)
+            assert msg is not None and "launched different sequences" in msg
+    assert all(0 <= fp([str(i)]) < LAUNCH_PRIME for i in range(100))
+    assert 1024 * (LAUNCH_PRIME - 1) ** 2 < 2 ** 63  # the all-reduce's int64 holds the sums
+
+
 def test_failed_step_verdicts():
     """A step that raised (issue 46): ``[ranks failed, ranks changed]`` decides whether it can be
     retried (every rank failed before anything changed) or marks the optimizer broken; a broken

@@ -2,10 +2,12 @@
 stateful layer gathers what every rank holds, these decide and raise): a superseded optimizer, an
 earlier step that failed part-way, or no fresh gradient, a gradient on a param frozen at
 construction, a gradient of the last step never cleared, an FSDP2 param with a gradient on some ranks only (or, where FSDP2 sends zeros for
-those, on none: :func:`unused_everywhere`), a non-finite gradient; and the
+those, on none: :func:`unused_everywhere`), ranks whose hook groups launched different collectives
+since the last step (:func:`launches_differ`), a non-finite gradient; and the
 verdict on a step that raised (:func:`step_broken`, from every rank's outcome)."""
 from __future__ import annotations
 
+import zlib
 from typing import Any, Optional, Sequence
 
 import torch
@@ -15,7 +17,37 @@ from dmuon.functional.tree import flatten
 __all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks", "unused_everywhere",
            "check_cleared", "pre_step_verdict", "check_publish_consumed",
            "check_finite_flags", "write_count", "check_not_broken", "step_broken",
-           "broken_step_message"]
+           "broken_step_message", "LAUNCH_PRIME", "fold_launch", "launches_differ"]
+
+#: a rank's launch fingerprint is below this prime, so that its ``(h, h * h)`` summed over ranks
+#: stays exact in the pre-step all-reduce's int64
+LAUNCH_PRIME = 8_388_593
+
+
+def fold_launch(h: int, label: str) -> int:
+    """The fingerprint ``h`` after one more launch named ``label``: a rolling hash of a sequence,
+    equal on two ranks when they launched the same in the same order (and, but for a collision
+    of odds ``1 / LAUNCH_PRIME``, only then)."""
+    return (h * 1_000_003 + zlib.crc32(label.encode())) % LAUNCH_PRIME
+
+
+def launches_differ(total: int, total_sq: int, world: int) -> Optional[str]:
+    """The error when the ranks' launch fingerprints differ (``total``, ``total_sq``: their sum
+    and the sum of their squares over ``world`` ranks; all are equal exactly when ``total ** 2 ==
+    world * total_sq``), else ``None``."""
+    if total * total == world * total_sq:
+        return None
+    return (
+        "dmuon.Muon.step: the ranks launched different sequences of dmuon's weight gathers / "
+        "gradient reduces since the last step, so collectives of different hook groups were paired "
+        "across ranks and this step's gradients are not the model's. A forward or backward differed "
+        "across ranks: a block not called on some ranks (LayerDrop written as `continue` with a "
+        "per-rank random draw), a block called twice, under torch.no_grad() or on a detached input "
+        "on some ranks only, or a forward (an evaluation) on some ranks only. Every rank must call "
+        "the same blocks in each forward; to drop a block on some ranks, call it and return its "
+        "input there (exact), or draw the decision from a seed shared by every rank. Nothing was "
+        "updated; this batch's gradients (dmuon's and FSDP2's) and gathered weights were dropped: "
+        "run the forward and backward again.")
 
 
 def check_step_ready(current: bool, fresh: bool, broken: Optional[str] = None) -> None:

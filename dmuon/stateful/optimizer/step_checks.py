@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon.functional.step_checks import check_finite_flags, pre_step_verdict
+from dmuon.functional.step_checks import check_finite_flags, launches_differ, pre_step_verdict
 from dmuon.stateful.runtime.agree import host_sum, rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
@@ -17,16 +17,27 @@ __all__ = ["agree_before_step", "check_finite"]
 
 
 def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]]) -> None:
-    """One all-reduce of host flags (none at world 1) for the verdicts every rank must reach
-    before a step changes anything (:func:`dmuon.functional.step_checks.pre_step_verdict`): a
-    gradient of the last step never cleared (``GradLedger.uncleared``), and FSDP2's gradients
-    (``rt.fsdp_usage``: :class:`dmuon.compat.fsdp_info.FSDPGradUsage`; ``None`` without FSDP2
-    params). FSDP2 params no rank used get ``None`` back."""
-    uncleared, usage = rt.ledger.uncleared(), rt.fsdp_usage
+    """One all-reduce of host values (none at world 1) for the verdicts every rank must reach
+    before a step changes anything: the hook groups launched the same collectives on every rank
+    since the last step (``rt.launches``; else this batch's gradients and gathered copies are
+    dropped and every rank raises, :func:`dmuon.functional.step_checks.launches_differ`), then
+    (:func:`dmuon.functional.step_checks.pre_step_verdict`) a gradient of the last step never
+    cleared (``GradLedger.uncleared``), and FSDP2's gradients (``rt.fsdp_usage``:
+    :class:`dmuon.compat.fsdp_info.FSDPGradUsage`; ``None`` without FSDP2 params). FSDP2 params
+    no rank used get ``None`` back."""
+    uncleared, usage, h = rt.ledger.uncleared(), rt.fsdp_usage, rt.launches.take()
     used, none_before = usage.local_flags([p for _, p in adamw_named]) if usage else ([], [])
-    counts = [int(bool(uncleared))] + [int(f) for f in used + none_before]
-    if dist.get_world_size() > 1:
+    counts = [int(bool(uncleared))] + [int(f) for f in used + none_before] + [h, h * h]
+    world = dist.get_world_size()
+    if world > 1:
         counts = host_sum(counts, what="pre-step all-reduce", via=rt.mesh_groups, device=rt.device)
+    if (differ := launches_differ(counts[-2], counts[-1], world)) is not None:
+        rt.clear_grads()
+        rt.reshard_all()
+        for _, p in adamw_named:
+            p.grad = None
+        raise RuntimeError(differ)
+    counts = counts[:-2]
     gone = set(pre_step_verdict(uncleared, [n for n, _ in adamw_named][:len(used)], counts,
                                 dist.get_world_size(), zeros_sent=bool(usage and usage.zeros_sent)))
     for n, p in adamw_named:

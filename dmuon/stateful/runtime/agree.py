@@ -109,10 +109,10 @@ def host_sum(values: Sequence[int], *, what: str, via: Any, device: torch.device
     it, and the next kernels would start from an empty queue)."""
     def run(group: Any) -> list[int]:
         if device.type != "cuda":
-            t = torch.tensor(list(values), dtype=torch.int32, device=device)
+            t = torch.tensor(list(values), dtype=torch.int64, device=device)
             dist.all_reduce(t, group=group)
             return t.tolist()
-        src = torch.tensor(list(values), dtype=torch.int32).pin_memory()
+        src = torch.tensor(list(values), dtype=torch.int64).pin_memory()
         out = torch.empty_like(src).pin_memory()
         side = side_stream(torch.device(device), "step_checks")
         with torch.cuda.stream(side):

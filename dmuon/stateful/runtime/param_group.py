@@ -18,10 +18,11 @@ from dmuon.functional import phases as P
 from dmuon.functional.buckets import BucketKey, to_torch_dtype
 from dmuon.functional.phases import ReducedGrad
 from dmuon.functional.program import GroupPhases, StepProgram
+from dmuon.functional.step_checks import fold_launch
 from dmuon.stateful.runtime.executor import Executor, Pending
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool, alloc_storage, free_storage
 
-__all__ = ["GradState", "InflightReduce", "DedicatedParamGroup"]
+__all__ = ["GradState", "InflightReduce", "LaunchLog", "DedicatedParamGroup"]
 
 
 class GradState(enum.Enum):
@@ -42,6 +43,26 @@ class InflightReduce(NamedTuple):
     owned_here: dict[str, bool]
 
 
+class LaunchLog:
+    """What the hook groups launched since the last step, as one fingerprint per lane
+    (:func:`~dmuon.functional.step_checks.fold_launch`): the pre-step all-reduce compares them
+    across ranks (:func:`~dmuon.functional.step_checks.launches_differ`)."""
+
+    def __init__(self) -> None:
+        self.lanes: dict[str, int] = {}
+
+    def note(self, lane: str, label: str) -> None:
+        self.lanes[lane] = fold_launch(self.lanes.get(lane, 0), label)
+
+    def take(self) -> int:
+        """The lanes' fingerprints as one (and start again)."""
+        h = 0
+        for lane in sorted(self.lanes):
+            h = fold_launch(h, f"{lane}:{self.lanes[lane]}")
+        self.lanes = {}
+        return h
+
+
 def _label(group: "DedicatedParamGroup", op: str) -> record_function:
     return record_function(f"dmuon::{op} ({group.key or '<root>'})")
 
@@ -57,8 +78,9 @@ class DedicatedParamGroup:
     """
 
     def __init__(self, *, key: str, module: nn.Module, names: tuple[str, ...],
-                 storage: DedicatedStorage, executor: Executor):
+                 storage: DedicatedStorage, executor: Executor, launches: LaunchLog):
         self.key = key
+        self.launches = launches
         self.module = module
         self.names = names
         self.storage = storage
@@ -118,6 +140,7 @@ class DedicatedParamGroup:
             sched = P.gather(self.program, self.key, self.storage.coord, self.storage.masters,
                              self.unshard_buffers, regather=regather)
             self.inflight_unshard = self.executor.launch(sched, self.unshard_buffers)
+            self.launches.note("unshard", f"{'regather' if regather else 'gather'}:{self.key}")
             self.gathered_version = version
 
     def _wait_unshard(self) -> None:
@@ -195,6 +218,7 @@ class DedicatedParamGroup:
                 {n: local_grads.pop(n) for n in self.names if n in local_grads}, buffers)
             self.inflight_reduces.append(
                 InflightReduce(self.executor.launch(sched, buffers), buffers, owned_here))
+            self.launches.note("reduce", self.key)
             self.grad_state = GradState.REDUCED
 
     def wait_reduces(self) -> list[ReducedGrad]:
@@ -222,6 +246,7 @@ class DedicatedParamGroup:
             return
         sched = P.publish(self.program, self.storage.coord, master_buffers, key=self.key)
         self.inflight_publish = self.executor.launch(sched, master_buffers)
+        self.launches.note("publish", self.key)
 
     def wait_publish(self) -> None:
         """Wait for the group's pending publish, if any (local: no new collective)."""

@@ -30,7 +30,7 @@ from dmuon.stateful.runtime.agree import gather, join as join_ranks
 from dmuon.stateful.runtime.executor import Executor
 from dmuon.stateful.runtime.guards import check_not_written, keep_dmuon_hook_last
 from dmuon.stateful.runtime.ledger import GradLedger
-from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState
+from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState, LaunchLog
 from dmuon.stateful.runtime.process_groups import MeshGroups
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool
 
@@ -88,10 +88,12 @@ class DedicatedState:
         self.device, self.masters, self.shape = st.device, st.masters, st.shape
         self.orig_dtype, self.master_dtype = st.orig_dtype, st.master_dtype
         self.pool = GradBufferPool(self.coord[0], self.device)
+        #: the hook groups' launches since the last step (compared across ranks before it)
+        self.launches = LaunchLog()
         self.groups: dict[str, DedicatedParamGroup] = {
             key: DedicatedParamGroup(
                 key=key, module=group_modules[key], names=groups.names(key), storage=self.storage,
-                executor=executor)
+                executor=executor, launches=self.launches)
             for key in groups.order}
         self.group_of = groups.as_mapping()
         self.order: list[str] = list(groups.order)  # forward order; agreed at the first forward
