@@ -15,6 +15,11 @@ another edge: that rank finds no tensor to hook and keeps the group gathered thr
 while the other rank frees it and re-gathers it. Before (measured): a gather timeout. Now that rank
 joins the re-gather (where a later block prefetches it, or at the backward's end) and the next
 forward's gather.
+
+A block run under ``torch.no_grad()`` or on a detached input on one rank only cuts that rank's
+backward before the earlier blocks (measured by a user-path review: a gather timeout). Every Z3
+group a forward gathered is now re-gathered once in each backward: where the rank's backward did
+not reach it, at the backward's end, before its reduces.
 """
 from __future__ import annotations
 
@@ -47,17 +52,24 @@ class _Model(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(_Block(dim) for _ in range(n))
         self.out_proj = nn.Linear(dim, dim, bias=False)
+        self.cut = (-1, "")  # (block, "no_grad" | "detach"): its output / input carries no grad
 
     def forward(self, x):
-        for layer in self.layers:
-            x = layer(x)
+        for i, layer in enumerate(self.layers):
+            how = self.cut[1] if i == self.cut[0] else ""
+            if how == "no_grad":
+                with torch.no_grad():
+                    x = layer(x)
+            else:
+                x = layer(x.detach() if how == "detach" else x)
         return (self.out_proj(x) ** 2).mean()
 
 
-def _skipping(layer, n=3, ranks=(1,), forward_only=False):
+def _skipping(layer, n=3, ranks=(1,), forward_only=False, how="skip"):
     """``layers[layer]`` returns its input on the ``ranks`` only, from the second step on
     (``forward_only``: also in a forward with gradients whose loss no backward uses, before each
-    step's zero_grad)."""
+    step's zero_grad); ``how="no_grad"`` / ``"detach"``: it runs under ``torch.no_grad()`` / on
+    a detached input there instead (the backward of that rank never reaches the blocks before)."""
     def path(env):
         import dmuon
         torch.manual_seed(0)
@@ -71,13 +83,18 @@ def _skipping(layer, n=3, ranks=(1,), forward_only=False):
                                          timeout=datetime.timedelta(seconds=10)))
         else:
             opt = RefMuon(model, lambda n, p: p.ndim == 2)
+        def odd(on):
+            if how == "skip":
+                model.layers[layer].skip = on
+            else:
+                model.cut = (layer, how) if on else (-1, "")
         for i, x in enumerate(data):
             if forward_only and env["dist"]:
-                model.layers[layer].skip = i > 0 and env["rank"] in ranks
+                odd(i > 0 and env["rank"] in ranks)
                 model(x.chunk(WORLD)[env["rank"]])  # an evaluation without no_grad: no backward
             opt.zero_grad()
             for r in [env["rank"]] if env["dist"] else range(WORLD):
-                model.layers[layer].skip = i > 0 and r in ranks
+                odd(i > 0 and r in ranks)
                 (model(x.chunk(WORLD)[r]) / (1 if env["dist"] else WORLD)).backward()
             opt.step()
         return dmuon.get_model_state_dict(model) if env["dist"] else model.state_dict()
@@ -85,7 +102,9 @@ def _skipping(layer, n=3, ranks=(1,), forward_only=False):
 
 
 PATHS = {"last": _skipping(2), "first": _skipping(0), "only": _skipping(0, n=1),
-         "every_rank": _skipping(0, ranks=(0, 1)), "forward_only": _skipping(0, forward_only=True)}
+         "every_rank": _skipping(0, ranks=(0, 1)), "forward_only": _skipping(0, forward_only=True),
+         "no_grad": _skipping(1, how="no_grad"), "no_grad_last": _skipping(2, how="no_grad"),
+         "detach": _skipping(2, how="detach")}
 
 
 def _worker(rank, world):
@@ -128,3 +147,10 @@ def test_the_first_block_returning_the_models_input_on_every_rank(results):
 def test_a_forward_whose_loss_no_backward_uses_then_training(results):
     """The rank that kept the block gathered still runs the next forward's gather."""
     _check(results, "forward_only")
+
+
+@pytest.mark.parametrize("key", ["no_grad", "no_grad_last", "detach"])
+def test_a_block_under_no_grad_or_on_a_detached_input_on_one_rank_only(results, key):
+    """That rank's backward never reaches the blocks before it: it re-gathers them at the
+    backward's end, as the other rank's backward does on its way (before: a gather timeout)."""
+    _check(results, key)

@@ -94,6 +94,10 @@ class DedicatedParamGroup:
         #: the other ranks may have freed it, so its next gather (or the backward's end) still runs
         #: the collective, and every rank re-gathers it in one order
         self.kept_unhooked = False
+        #: since the last backward's end: a forward gather / a re-gather of this group was launched
+        #: (a Z3 group every rank gathered is re-gathered once in each backward: where this rank's
+        #: backward never reached it, at the backward's end, :meth:`DedicatedState.on_backward_end`)
+        self.forward_gathered = self.regathered = False
         self._arrived: set[str] = set()
         #: the launches not waited yet: at most one gather and one publish, any number of reduces
         self.inflight_unshard: Optional[Pending] = None
@@ -141,6 +145,8 @@ class DedicatedParamGroup:
                              self.unshard_buffers, regather=regather)
             self.inflight_unshard = self.executor.launch(sched, self.unshard_buffers)
             self.launches.note("unshard", f"{'regather' if regather else 'gather'}:{self.key}")
+            self.regathered |= regather
+            self.forward_gathered |= not regather
             self.gathered_version = version
 
     def _wait_unshard(self) -> None:
@@ -234,7 +240,8 @@ class DedicatedParamGroup:
         return out
 
     def reset_backward(self) -> None:
-        """Forget this backward's gradient bookkeeping (end of backward)."""
+        """Forget this backward's gradient and gather bookkeeping (end of backward)."""
+        self.forward_gathered = self.regathered = False
         self._arrived.clear()
         self.grad_state = GradState.IDLE
 

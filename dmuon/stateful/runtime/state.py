@@ -328,9 +328,9 @@ class DedicatedState:
             self._take_grad(name, param)
         self._callback_queued = False
         self.wait_publish()  # publishes of groups this forward did not use
-        for key in reversed(self.order):  # re-gathered where the other ranks' backward did
-            if self.groups[key].kept_unhooked:
-                self.groups[key].launch_unshard(self.version, regather=True)
+        for g in map(self.groups.get, reversed(self.order)):  # every rank re-gathers a Z3 group
+            if g.forward_gathered and not g.regathered and g.reshard_after_forward:  # once: here
+                g.launch_unshard(self.version, regather=True)  # where this backward did not reach it
         if self.require_grad_sync:
             self._launch_due_reduces(every=True)
         self.ledger.fresh = self.require_grad_sync  # a no_sync backward last: nothing to step on
