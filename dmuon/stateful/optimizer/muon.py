@@ -19,7 +19,7 @@ from dmuon.functional import muon as fmuon
 from dmuon.functional import muon_options as fopts
 from dmuon.functional import state_dtype as sd
 from dmuon.compat.fsdp_patch import check_not_taken_over
-from dmuon.compat.fsdp_info import drop_unreduced_fsdp_grads
+from dmuon.compat.fsdp_info import drop_unreduced_fsdp_grads, fsdp_groups, reshard_unsharded
 from dmuon.functional.split_exec import split_orthogonalizer
 from dmuon.functional.stages.orthogonalize import OrthogonalizerFor
 from dmuon.kernels.ns_engine import NSEngine
@@ -132,6 +132,7 @@ class Muon(torch.optim.Optimizer):
         self._adamw_named = tuple((n, p) for n, p in others if p.requires_grad)
         # frozen at construction: in no param group (a gradient there after unfreezing raises)
         self._outside = tuple((n, p) for n, p in others if not p.requires_grad)
+        self._fsdp_groups = fsdp_groups(model)  # resharded before AdamW writes their shards
         groups = [
             dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_group,
                  momentum_dtype=str(self._storage.dtype), offload_state=offload_state),
@@ -473,6 +474,7 @@ class Muon(torch.optim.Optimizer):
         store = self._adamw_storage  # adamw_state_dtype: stored rounded, updated decoded
         if all(g is None for g in grads.values()):
             return
+        reshard_unsharded(self._fsdp_groups)  # an unsharded copy would go stale
         st = store.working_state(self.adamw_state, params) if self._adamw_decoded else \
             self.adamw_state
         _, work = fadamw.update(grads, st, params, self.adamw_hparams(), donate=True,
