@@ -236,10 +236,9 @@ def drop_unreduced_fsdp_grads(model: Optional[nn.Module]) -> None:
     ``zero_grad()`` still moved the next step). ``dmuon.Muon.zero_grad`` calls it, so that it drops
     every gradient, as a single-device ``zero_grad`` does (``model`` ``None``: freed, nothing
     held)."""
-    for m in () if model is None else model.modules():
-        for group in fsdp_param_groups(fsdp_state(m)):
-            for fp in getattr(group, "fsdp_params", ()):
-                fp.unsharded_accumulated_grad = None
-                unsharded = getattr(fp, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
+    for group in () if model is None else fsdp_groups(model):
+        for fp in getattr(group, "fsdp_params", ()):
+            fp.unsharded_accumulated_grad = None
+            unsharded = getattr(fp, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None

@@ -54,6 +54,6 @@ def collective_failure(what: str, ranks: Sequence[int], rank: int, timeout: Any,
             f"rank of {list(ranks)} never reached it: every rank must make the same dmuon calls "
             "(forward, backward, optimizer.step(), state-dict and clip calls) in the same order "
             "(none may skip a forward or take another code path: a block called on some ranks "
-            "only, or twice, or under torch.no_grad() or on a detached input on some ranks only, "
-            "an evaluation forward on some ranks only), or a rank crashed (see its "
+            "only, or twice on some ranks only, an evaluation forward on some ranks only), or a "
+            "rank crashed (see its "
             f"log). {after}The bound is dedicate_params(..., timeout=...).")

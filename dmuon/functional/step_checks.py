@@ -20,7 +20,7 @@ __all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks"
            "broken_step_message", "LAUNCH_PRIME", "fold_launch", "launches_differ"]
 
 #: a rank's launch fingerprint is below this prime, so that its ``(h, h * h)`` summed over ranks
-#: stays exact in the pre-step all-reduce's int64
+#: stays exact in the pre-step all-reduce's int64 (up to 2**63 / LAUNCH_PRIME**2 = 131,072 ranks)
 LAUNCH_PRIME = 8_388_593
 
 
@@ -42,8 +42,8 @@ def launches_differ(total: int, total_sq: int, world: int) -> Optional[str]:
         "gradient reduces since the last step, so collectives of different hook groups were paired "
         "across ranks and this step's gradients are not the model's. A forward or backward differed "
         "across ranks: a block not called on some ranks (LayerDrop written as `continue` with a "
-        "per-rank random draw), a block called twice, under torch.no_grad() or on a detached input "
-        "on some ranks only, or a forward (an evaluation) on some ranks only. Every rank must call "
+        "per-rank random draw), a block called twice on some ranks only, or a forward (an "
+        "evaluation) on some ranks only. Every rank must call "
         "the same blocks in each forward; to drop a block on some ranks, call it and return its "
         "input there (exact), or draw the decision from a seed shared by every rank. Nothing was "
         "updated; this batch's gradients (dmuon's and FSDP2's) and gathered weights were dropped: "

@@ -1,10 +1,11 @@
 """The collective checks ``dmuon.Muon.step`` runs before anything changes, each raising on every
-rank: a gradient of the last step never cleared, FSDP2 gradients on some ranks only (or on
+rank: hook groups that launched different collectives on different ranks since the last step, a
+gradient of the last step never cleared, FSDP2 gradients on some ranks only (or on
 none), non-finite gradients (the verdicts, and the checks that
 need no collective, are :mod:`dmuon.functional.step_checks`')."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,11 +17,13 @@ from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 __all__ = ["agree_before_step", "check_finite"]
 
 
-def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]]) -> None:
+def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]],
+                      drop_batch: Callable[[], None]) -> None:
     """One all-reduce of host values (none at world 1) for the verdicts every rank must reach
     before a step changes anything: the hook groups launched the same collectives on every rank
-    since the last step (``rt.launches``; else this batch's gradients and gathered copies are
-    dropped and every rank raises, :func:`dmuon.functional.step_checks.launches_differ`), then
+    since the last step (``rt.launches``; else ``drop_batch()``, the optimizer's ``zero_grad``,
+    the gathered copies are dropped and every rank raises,
+    :func:`dmuon.functional.step_checks.launches_differ`), then
     (:func:`dmuon.functional.step_checks.pre_step_verdict`) a gradient of the last step never
     cleared (``GradLedger.uncleared``), and FSDP2's gradients (``rt.fsdp_usage``:
     :class:`dmuon.compat.fsdp_info.FSDPGradUsage`; ``None`` without FSDP2 params). FSDP2 params
@@ -32,14 +35,11 @@ def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]]
     if world > 1:
         counts = host_sum(counts, what="pre-step all-reduce", via=rt.mesh_groups, device=rt.device)
     if (differ := launches_differ(counts[-2], counts[-1], world)) is not None:
-        rt.clear_grads()
+        drop_batch()
         rt.reshard_all()
-        for _, p in adamw_named:
-            p.grad = None
         raise RuntimeError(differ)
-    counts = counts[:-2]
-    gone = set(pre_step_verdict(uncleared, [n for n, _ in adamw_named][:len(used)], counts,
-                                dist.get_world_size(), zeros_sent=bool(usage and usage.zeros_sent)))
+    gone = set(pre_step_verdict(uncleared, [n for n, _ in adamw_named][:len(used)], counts[:-2],
+                                world, zeros_sent=bool(usage and usage.zeros_sent)))
     for n, p in adamw_named:
         if n in gone:
             p.grad = None

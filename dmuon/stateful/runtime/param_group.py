@@ -44,19 +44,21 @@ class InflightReduce(NamedTuple):
 
 
 class LaunchLog:
-    """What the hook groups launched since the last step, as one fingerprint per lane
-    (:func:`~dmuon.functional.step_checks.fold_launch`): the pre-step all-reduce compares them
-    across ranks (:func:`~dmuon.functional.step_checks.launches_differ`)."""
+    """What the hook groups launched since the last step, as one fingerprint per kind of launch
+    (``"unshard"``: forward gathers and re-gathers, ``"reduce"``, ``"publish"``; each kind keeps
+    one order on every rank, whatever the kinds' interleaving:
+    :func:`~dmuon.functional.step_checks.fold_launch`, from 1): the pre-step all-reduce compares
+    them across ranks (:func:`~dmuon.functional.step_checks.launches_differ`)."""
 
     def __init__(self) -> None:
         self.lanes: dict[str, int] = {}
 
     def note(self, lane: str, label: str) -> None:
-        self.lanes[lane] = fold_launch(self.lanes.get(lane, 0), label)
+        self.lanes[lane] = fold_launch(self.lanes.get(lane, 1), label)
 
     def take(self) -> int:
-        """The lanes' fingerprints as one (and start again)."""
-        h = 0
+        """The kinds' fingerprints as one (and start again)."""
+        h = 1
         for lane in sorted(self.lanes):
             h = fold_launch(h, f"{lane}:{self.lanes[lane]}")
         self.lanes = {}
@@ -75,6 +77,7 @@ class DedicatedParamGroup:
       module: the boundary module.  names: its dedicated param names (sorted).
       storage: the model's :class:`~dmuon.stateful.runtime.storage.DedicatedStorage`.
       executor: runs the schedules.
+      launches: the model's :class:`LaunchLog` (this group's launches are noted there).
     """
 
     def __init__(self, *, key: str, module: nn.Module, names: tuple[str, ...],
@@ -94,9 +97,10 @@ class DedicatedParamGroup:
         #: the other ranks may have freed it, so its next gather (or the backward's end) still runs
         #: the collective, and every rank re-gathers it in one order
         self.kept_unhooked = False
-        #: since the last backward's end: a forward gather / a re-gather of this group was launched
-        #: (a Z3 group every rank gathered is re-gathered once in each backward: where this rank's
-        #: backward never reached it, at the backward's end, :meth:`DedicatedState.on_backward_end`)
+        #: since the last backward's end (or step): a forward used this group / a re-gather of it
+        #: was launched (a Z3 group a forward gathered is re-gathered once in the first backward
+        #: after it: where this rank's backward never reached it, at that backward's end,
+        #: :meth:`DedicatedState.on_backward_end`)
         self.forward_gathered = self.regathered = False
         self._arrived: set[str] = set()
         #: the launches not waited yet: at most one gather and one publish, any number of reduces
@@ -129,6 +133,7 @@ class DedicatedParamGroup:
     def launch_unshard(self, version: int, regather: bool = False) -> None:
         """Start gathering (no-op if gathered for ``version`` or a gather is in flight; ``regather``:
         in a backward). Waits the group's pending HSDP publish first."""
+        self.forward_gathered |= not regather  # (launched or already gathered)
         if self.inflight_unshard is not None or (self.gathered_version == version
                                                  and not self.kept_unhooked):
             return
@@ -146,7 +151,6 @@ class DedicatedParamGroup:
             self.inflight_unshard = self.executor.launch(sched, self.unshard_buffers)
             self.launches.note("unshard", f"{'regather' if regather else 'gather'}:{self.key}")
             self.regathered |= regather
-            self.forward_gathered |= not regather
             self.gathered_version = version
 
     def _wait_unshard(self) -> None:

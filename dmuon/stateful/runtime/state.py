@@ -261,6 +261,7 @@ class DedicatedState:
         if self.ready:
             for g in self.groups.values():
                 g.reshard()
+                g.forward_gathered = g.regathered = False  # a forward before cannot be backwarded
         self._fsdp_kept = release_fsdp_kept(self._fsdp_kept)  # a create_graph backward's
 
     # ------------------------------------------------------------------ backward protocol
