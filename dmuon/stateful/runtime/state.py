@@ -216,7 +216,10 @@ class DedicatedState:
 
     # ------------------------------------------------------------------ forward order
     def begin_forward(self) -> None:
-        """A forward of the model starts (not a checkpoint recomputation)."""
+        """A forward of the model starts (not a checkpoint recomputation); the last backward, if
+        it raised before its end (torch then drops its queued callback), is closed first."""
+        if self._callback_queued:
+            self._abort_backward()
         self._calls.clear()
         self._group_forward_seen = False
 
@@ -347,6 +350,20 @@ class DedicatedState:
                 g.reshard()
             g.reset_backward()
             self.ledger.show_markers(g.names, gathered=not create_graph)
+
+    def _abort_backward(self) -> None:
+        """Close a backward that raised (an error in a hook, out of memory) as
+        :meth:`on_backward_end` would, launching nothing: the reduces it launched stay (the user's
+        ``zero_grad`` drops them, or the next backward's add to them, as torch keeps the
+        gradients a failed backward accumulated); gathered copies are freed."""
+        self._callback_queued, self._reduce_next, self._deferred_grads = False, 0, {}
+        create_graph, self._keep_gathered = self._keep_gathered, False
+        if not create_graph:
+            self._fsdp_kept = release_fsdp_kept(self._fsdp_kept)
+        for g in self.groups.values():
+            if g.holds_gathered:
+                g.reshard()
+            g.reset_backward()
 
     # ------------------------------------------------------------------ the publish
     @property
