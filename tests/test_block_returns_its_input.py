@@ -23,14 +23,12 @@ not reach it, at the backward's end, before its reduces.
 """
 from __future__ import annotations
 
-import datetime
 
 import pytest
 import torch
 import torch.nn as nn
 from dist_utils import run_each, run_ranks
-from stateful_harness import build_dmuon
-from user_paths_harness import TOL, RefMuon
+from user_paths_harness import TOL, matrices_model
 
 pytestmark = pytest.mark.slow
 
@@ -76,13 +74,7 @@ def _skipping(layer, n=3, ranks=(1,), forward_only=False, how="skip"):
         model = _Model(n=n).double()
         g = torch.Generator().manual_seed(1)
         data = [torch.randn(4, 8, generator=g, dtype=torch.float64) for _ in range(STEPS)]
-        if env["dist"]:
-            model, opt = build_dmuon(env["rank"], WORLD, model, model.layers,
-                                     {"z3": True, "predicate": lambda n, p: p.ndim == 2},
-                                     options=dmuon.DedicateOptions(
-                                         timeout=datetime.timedelta(seconds=10)))
-        else:
-            opt = RefMuon(model, lambda n, p: p.ndim == 2)
+        model, opt = matrices_model(model, env, WORLD)
         def odd(on):
             if how == "skip":
                 model.layers[layer].skip = on

@@ -16,14 +16,12 @@ exact, and the check stays quiet.
 """
 from __future__ import annotations
 
-import datetime
 
 import pytest
 import torch
 import torch.nn as nn
 from dist_utils import run_each, run_ranks
-from stateful_harness import build_dmuon
-from user_paths_harness import TOL, RefMuon
+from user_paths_harness import TOL, matrices_model
 
 pytestmark = pytest.mark.slow
 
@@ -67,13 +65,7 @@ def _path(z3: bool, skip_bad: bool):
         model = _Model().double()
         g = torch.Generator().manual_seed(1)
         data = [torch.randn(4, DIM, generator=g, dtype=torch.float64) for _ in range(STEPS)]
-        if env["dist"]:
-            model, opt = build_dmuon(env["rank"], WORLD, model, model.layers,
-                                     {"z3": z3, "predicate": lambda n, p: p.ndim == 2},
-                                     options=dmuon.DedicateOptions(
-                                         timeout=datetime.timedelta(seconds=10)))
-        else:
-            opt = RefMuon(model, lambda n, p: p.ndim == 2)
+        model, opt = matrices_model(model, env, WORLD, z3)
         out = {}
         for i, x in enumerate(data):
             if i == BAD and skip_bad and not env["dist"]:

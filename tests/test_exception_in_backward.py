@@ -13,14 +13,12 @@ state is left mid-backward as well.
 """
 from __future__ import annotations
 
-import datetime
 
 import pytest
 import torch
 from dist_utils import run_ranks
-from stateful_harness import build_dmuon
 from test_block_returns_its_input import _Model
-from user_paths_harness import TOL, RefMuon
+from user_paths_harness import TOL, matrices_model
 
 pytestmark = pytest.mark.slow
 
@@ -37,13 +35,7 @@ def _train(env, z3=True):
     model = _Model().double()
     g = torch.Generator().manual_seed(1)
     data = [torch.randn(4, 8, generator=g, dtype=torch.float64) for _ in range(STEPS)]
-    if env["dist"]:
-        model, opt = build_dmuon(env["rank"], WORLD, model, model.layers,
-                                 {"z3": z3, "predicate": lambda n, p: p.ndim == 2},
-                                 options=dmuon.DedicateOptions(
-                                     timeout=datetime.timedelta(seconds=10)))
-    else:
-        opt = RefMuon(model, lambda n, p: p.ndim == 2)
+    model, opt = matrices_model(model, env, WORLD, z3)
     step, caught = [0], []
 
     def raise_in_backward(module, args, output):  # after layers.2's backward and reduce

@@ -97,3 +97,18 @@ def assert_state_equal(results: list, key: str, ref: dict,
         worst = max(float((got["sd"][k] - v).abs().max()) for k, v in ref["sd"].items()
                     if keys is None or k in keys)
         assert worst <= TOL, f"{key} rank {rank}: max abs diff {worst:.3g}"
+
+
+def matrices_model(model: torch.nn.Module, env: dict, world: int, z3: bool = True) -> tuple:
+    """``(model, optimizer)`` for a model whose 2-D params are all Muon matrices: dmuon on a gloo
+    mesh of ``world`` ranks (``env["dist"]``; ``env["rank"]``; ``model.layers`` the hook groups,
+    collectives bounded at 10 s), else :class:`RefMuon` in one process."""
+    if not env["dist"]:
+        return model, RefMuon(model, lambda n, p: p.ndim == 2)
+    import datetime
+
+    import dmuon
+    from stateful_harness import build_dmuon
+    return build_dmuon(env["rank"], world, model, model.layers,
+                       {"z3": z3, "predicate": lambda n, p: p.ndim == 2},
+                       options=dmuon.DedicateOptions(timeout=datetime.timedelta(seconds=10)))
