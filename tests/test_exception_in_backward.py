@@ -5,7 +5,7 @@ params are all dedicated (slow tier). Equal to one process that never saw the ba
 torch drops the callback a backward queued when the backward raises, so dmuon's end of backward
 never ran. Before (measured): every later backward raised "a gradient of layers.2.up_proj.weight
 arrived after the reduce of its hook group 'layers.2' was launched in this backward", so the run
-could not go on. Now the next forward closes that backward first (``_abort_backward``).
+could not go on. Now the next forward closes that backward first (``on_backward_end(raised=True)``).
 
 FSDP2's own params are outside this test: plain FSDP2 with ``torch.optim.AdamW`` (no dmuon) ends
 2.0e-2 away from one process after the same caught exception (torch 2.13, measured): FSDP2's

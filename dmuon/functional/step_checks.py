@@ -17,7 +17,8 @@ from dmuon.functional.tree import flatten
 __all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks", "unused_everywhere",
            "check_cleared", "pre_step_verdict", "check_publish_consumed",
            "check_finite_flags", "write_count", "check_not_broken", "step_broken",
-           "broken_step_message", "LAUNCH_PRIME", "fold_launch", "launches_differ"]
+           "broken_step_message", "LAUNCH_PRIME", "fold_launch", "combine_launches",
+           "launches_differ"]
 
 #: a rank's launch fingerprint is below this prime, so that its ``(h, h * h)`` summed over ranks
 #: stays exact in the pre-step all-reduce's int64 (up to 2**63 / LAUNCH_PRIME**2 = 131,072 ranks)
@@ -29,6 +30,14 @@ def fold_launch(h: int, label: str) -> int:
     equal on two ranks when they launched the same in the same order (and, but for a collision
     of odds ``1 / LAUNCH_PRIME``, only then)."""
     return (h * 1_000_003 + zlib.crc32(label.encode())) % LAUNCH_PRIME
+
+
+def combine_launches(kinds: dict[str, int]) -> int:
+    """One fingerprint of the per-kind fingerprints ``kinds`` (each folded from 1)."""
+    h = 1
+    for kind in sorted(kinds):
+        h = fold_launch(h, f"{kind}:{kinds[kind]}")
+    return h
 
 
 def launches_differ(total: int, total_sq: int, world: int) -> Optional[str]:

@@ -18,7 +18,7 @@ from dmuon.functional import phases as P
 from dmuon.functional.buckets import BucketKey, to_torch_dtype
 from dmuon.functional.phases import ReducedGrad
 from dmuon.functional.program import GroupPhases, StepProgram
-from dmuon.functional.step_checks import fold_launch
+from dmuon.functional.step_checks import combine_launches, fold_launch
 from dmuon.stateful.runtime.executor import Executor, Pending
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool, alloc_storage, free_storage
 
@@ -58,11 +58,8 @@ class LaunchLog:
 
     def take(self) -> int:
         """The kinds' fingerprints as one (and start again)."""
-        h = 1
-        for lane in sorted(self.lanes):
-            h = fold_launch(h, f"{lane}:{self.lanes[lane]}")
-        self.lanes = {}
-        return h
+        kinds, self.lanes = self.lanes, {}
+        return combine_launches(kinds)
 
 
 def _label(group: "DedicatedParamGroup", op: str) -> record_function:

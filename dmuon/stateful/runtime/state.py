@@ -219,7 +219,7 @@ class DedicatedState:
         """A forward of the model starts (not a checkpoint recomputation); the last backward, if
         it raised before its end (torch then drops its queued callback), is closed first."""
         if self._callback_queued:
-            self._abort_backward()
+            self.on_backward_end(raised=True)
         self._calls.clear()
         self._group_forward_seen = False
 
@@ -323,47 +323,40 @@ class DedicatedState:
                 g.reshard()  # its gradients are out: no need for its gathered copy in this backward
             self._reduce_next += 1
 
-    def on_backward_end(self) -> None:
+    def on_backward_end(self, raised: bool = False) -> None:
         """End of a backward: launch every reduce not launched yet, in the fixed order (zeros and
-        presence 0 for missing grads), free gathered copies, reset per-backward state."""
+        presence 0 for missing grads), free gathered copies, reset per-backward state.
+        ``raised``: the backward raised before its end (torch drops its queued callback; the next
+        forward closes it here): nothing is launched, the reduces it launched stay (the user's
+        ``zero_grad`` drops them, or the next backward's add to them, as torch keeps what a failed
+        backward accumulated), every gathered copy is freed."""
         deferred, self._deferred_grads = self._deferred_grads, {}
-        for name, param in deferred.items():  # left in .grad for hooks registered after dmuon's
+        for name, param in () if raised else deferred.items():  # left in .grad for later hooks
             check_not_written(name, param, self.owner_rank[name])
             self._take_grad(name, param)
         self._callback_queued = False
-        self.wait_publish()  # publishes of groups this forward did not use
-        for g in map(self.groups.get, reversed(self.order)):  # every rank re-gathers a Z3 group
-            if g.forward_gathered and not g.regathered and g.reshard_after_forward:  # once: here
-                g.launch_unshard(self.version, regather=True)  # where this backward did not reach it
-        if self.require_grad_sync:
-            self._launch_due_reduces(every=True)
-        self.ledger.fresh = self.require_grad_sync  # a no_sync backward last: nothing to step on
-        self.unsynced_backward = not self.require_grad_sync
+        if not raised:
+            self.wait_publish()  # publishes of groups this forward did not use
+            for g in map(self.groups.get, reversed(self.order)):  # every rank re-gathers a Z3
+                if g.forward_gathered and not g.regathered and g.reshard_after_forward:  # group
+                    g.launch_unshard(self.version, regather=True)  # once: where not reached, here
+            if self.require_grad_sync:
+                self._launch_due_reduces(every=True)
+            self.ledger.fresh = self.require_grad_sync  # a no_sync backward last: no step on it
+            self.unsynced_backward = not self.require_grad_sync
         self._reduce_next = 0
         create_graph, self._keep_gathered = self._keep_gathered, False
         if not create_graph:  # FSDP2's groups a create_graph backward kept (dmuon's own: below)
             self._fsdp_kept = release_fsdp_kept(self._fsdp_kept)
         for g in self.groups.values():
             # Z2 keeps its copy across no_sync micro-batches; create_graph: on_backward_start
-            keep = create_graph or (not self.require_grad_sync and not g.reshard_after_forward)
+            keep = not raised and (create_graph or (not self.require_grad_sync
+                                                    and not g.reshard_after_forward))
             if g.holds_gathered and not keep:
                 g.reshard()
             g.reset_backward()
-            self.ledger.show_markers(g.names, gathered=not create_graph)
-
-    def _abort_backward(self) -> None:
-        """Close a backward that raised (an error in a hook, out of memory) as
-        :meth:`on_backward_end` would, launching nothing: the reduces it launched stay (the user's
-        ``zero_grad`` drops them, or the next backward's add to them, as torch keeps the
-        gradients a failed backward accumulated); gathered copies are freed."""
-        self._callback_queued, self._reduce_next, self._deferred_grads = False, 0, {}
-        create_graph, self._keep_gathered = self._keep_gathered, False
-        if not create_graph:
-            self._fsdp_kept = release_fsdp_kept(self._fsdp_kept)
-        for g in self.groups.values():
-            if g.holds_gathered:
-                g.reshard()
-            g.reset_backward()
+            if not raised:
+                self.ledger.show_markers(g.names, gathered=not create_graph)
 
     # ------------------------------------------------------------------ the publish
     @property
