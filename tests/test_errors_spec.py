@@ -3,7 +3,7 @@
 One spawned group (world 4, ``(R, G) = (2, 2)`` where a 2-D mesh is needed) checks:
 
 * local mistakes made on one rank only (``fully_shard`` first, a predicate that raises, matches
-  nothing or picks a vector) raise on all ranks (dedicate_params agrees before any collective);
+  nothing or picks a vector, an int ``reshard_after_forward``) raise on all ranks (dedicate_params agrees before any collective);
 * meta-device params; a mesh over a subset of the world; each replica passing its own 1-D shard
   mesh without ``replicate_mesh``; ``replicate size x shard size != world``; a mesh on another
   device type than the params; something that is not a DeviceMesh;
@@ -64,6 +64,8 @@ def _worker(rank, world):
     out["pred_raises"] = ded(pred=boom)
     out["no_match_rank2"] = ded(pred=lambda n, p: muon_predicate(n, p) and rank != 2)
     out["vector_rank3"] = ded(pred=lambda n, p: muon_predicate(n, p) or (rank == 3 and "norm" in n))
+    # FSDP2's int reshard_after_forward (before: 2 ran as Z3, 0 raised at the first forward)
+    out["reshard_int_rank1"] = ded(reshard_after_forward=2 if rank == 1 else True)
     with torch.device("meta"):
         meta_model = make_model()
     out["meta_whole"] = ded(meta_model)  # meta-device init (tests/test_meta_init.py)
@@ -130,6 +132,9 @@ def test_one_rank_mistakes_raise_on_every_rank(results):
     assert_all_ranks(results, "no_match_rank2", "ValueError", "matched no")
     assert "on ranks [2]" in results[0]["no_match_rank2"][1]
     assert_all_ranks(results, "vector_rank3", "ValueError", "not a matrix", "norm")
+    assert_all_ranks(results, "reshard_int_rank1", "TypeError", "must be a bool, got 2",
+                     "no dmuon counterpart")
+    assert "on ranks [1]" in results[0]["reshard_int_rank1"][1]
 
 
 def test_meta_params(results):

@@ -169,7 +169,9 @@ def check_not_taken_over(model: nn.Module, params: Mapping[str, nn.Parameter], w
     raise RuntimeError(
         f"{what}: {len(bad)} dedicated params ({bad[:4]}{' ...' if len(bad) > 4 else ''}) are no "
         "longer the params dedicate_params prepared: FSDP2 took them over (fully_shard sharded "
-        f"them instead of skipping them), or they were replaced. dmuon's fully_shard patch is {state} "
+        "them instead of skipping them), or they were replaced (torch.func.functional_call and "
+        "parametrizations swap them during a call: run one ordinary forward of the model first, "
+        f"and call dmuon.Muon(model) outside such a call). dmuon's fully_shard patch is {state} "
         f"on torch {torch.__version__}. Call fully_shard only after `import dmuon` and "
         "dmuon.dedicate_params (and never after dmuon.compat.fsdp_patch.remove_fully_shard_patch"
         "()), or pass ignored_params={p for p in model.parameters() if getattr(p, "

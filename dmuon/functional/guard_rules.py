@@ -5,7 +5,7 @@ standing for a whole matrix, and the fix each refusal names
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -133,11 +133,20 @@ _INIT_HINT = ("the model's init before dmuon.dedicate_params (its values are cop
               "fully_shard and model.to_empty(device=...) (docs/integrations/fsdp2.md: meta-device init)")
 
 
-def refusal_hint(name: str, func: Any = None) -> str:
+def refusal_hint(name: str, func: Any = None, group: Optional[str] = None) -> str:
     """What to use instead of torch function ``func`` (named ``name``) refused on a dedicated
-    param (``func=None``: on a gradient marker, where conversions and inits do not arise)."""
+    param (``func=None``: on a gradient marker, where conversions and inits do not arise);
+    ``group``: the param's hook group, for a computation (it may come from a forward that did
+    not run the hooks that gather it)."""
     if func is not None and name in CONVERSIONS:
         return _MOVE_HINT
     if getattr(func, "__module__", "") == "torch.nn.init":
         return _INIT_HINT
-    return _HINTS.get(name, _DEFAULT_HINT)
+    if name in _HINTS or group is None:
+        return _HINTS.get(name, _DEFAULT_HINT)
+    module = f"the module {group!r}" if group else "the model"
+    return (f"{_DEFAULT_HINT}. If this came from a forward: dmuon gathers this matrix in the "
+            f"forward hooks of {module}, and a forward that does not run them sees this "
+            "placeholder (a method other than forward, such as one registered with torch's "
+            f"register_fsdp_forward_method, or the weight used outside a call of {module}): "
+            f"call {module} itself there")

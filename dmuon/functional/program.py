@@ -48,7 +48,7 @@ from dmuon.functional.traffic import Traffic
 
 __all__ = ["PHASES", "GroupPhases", "StepProgram", "step_program", "program_from_layouts",
            "step_traffic", "checkpoint_to_every_rank", "checkpoint_to_columns",
-           "checkpoint_over_tp", "CHECKPOINT_ABSENT", "ROOT_GROUP"]
+           "checkpoint_over_tp", "CHECKPOINT_ABSENT", "ROOT_GROUP", "check_reshard_after_forward"]
 
 #: What a rank holding no value of an element puts in :func:`checkpoint_to_columns`' and
 #: :func:`checkpoint_over_tp`'s sums: -0.0, the identity of IEEE addition (``x + -0.0`` is ``x``
@@ -271,6 +271,17 @@ def checkpoint_to_columns(master: BucketLayout, group: str, *,
     return Schedule(ops, master.shard_size, R)
 
 
+def check_reshard_after_forward(value: Any) -> None:
+    """Raise ``TypeError`` unless ``value`` is a bool (dmuon's two modes; FSDP2's int, a reshard
+    to a smaller group, has no dmuon counterpart)."""
+    if not isinstance(value, bool):
+        raise TypeError(
+            f"reshard_after_forward must be a bool, got {value!r}: True (Z3: gathered copies "
+            "freed after forward, gathered again in backward) or False (Z2: kept until the end of "
+            "backward). FSDP2's int (a reshard to a smaller group) has no dmuon counterpart: pass "
+            "True to dedicate_params, and the int to fully_shard if you want it for FSDP2's params.")
+
+
 def step_traffic(layout: BucketLayout, reshard_after_forward: bool = False, *,
                  publish: bool = True, collectives: Union[str, Mapping[str, str]] = "per_owner",
                  cost: Any = None) -> Traffic:
@@ -283,9 +294,7 @@ def step_traffic(layout: BucketLayout, reshard_after_forward: bool = False, *,
     received) per rank over shard-axis lanes: ``2(G-1)/G * P`` (Z2), ``3(G-1)/G * P`` (Z3), per
     owner; ``collectives``, ``cost``: as :func:`step_program` (per bucket: the padded parts).
     """
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError("reshard_after_forward must be a bool (True: Z3, False: Z2), got "
-                        f"{reshard_after_forward!r}")
+    check_reshard_after_forward(reshard_after_forward)
     return program_from_layouts(layout, layout, layout,
                                 reshard_after_forward=reshard_after_forward,
                                 collectives=collectives, cost=cost).traffic(publish=publish)
@@ -321,8 +330,7 @@ def step_program(owners: Mapping[str, Coord], shapes: Mapping[str, Sequence[int]
       cost: ``"auto"``'s link model (:class:`~dmuon.functional.collectives.LinkCost` or
         ``seconds(op, n)``).
     """
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"reshard_after_forward must be a bool, got {reshard_after_forward!r}")
+    check_reshard_after_forward(reshard_after_forward)
     G, R = int(shard_size), int(replicate_size)
     hg = groups if groups is not None else hook_groups(list(owners))
     rd = dict(reduce_dtypes) if reduce_dtypes is not None else dict(compute_dtypes)

@@ -74,7 +74,7 @@ class DedicatedPlaceholder(TorchGuard, nn.Parameter):
             f"dmuon: torch's {name!r} was applied to the dedicated param {pname!r}, whose values "
             f"live whole on owner rank {owner} (here it is an empty placeholder between forward "
             f"passes), so it would silently see nothing. Use "
-            f"{refusal_hint(name, func)}." + patch)
+            f"{refusal_hint(name, func, getattr(p, '_dmuon_group', None))}." + patch)
 
 
 class TPSliceGuard(TorchGuard, nn.Parameter):

@@ -100,7 +100,7 @@ class DedicatedState:
         self._seen_order: dict[str, None] = {}  # the first forward's order (an ordered set)
         self._order_final = False
         self._calls: dict[str, int] = {}   # calls of each group in the current forward
-        self._group_forward_seen = False  # notify_group_forward's; begin_forward clears it
+        self._group_forward_seen = False  # notify_group_forward's; _new_forward clears it
         self.reused: set[str] = set()      # groups once called twice in a forward: reduce at the end
         self._reduce_order: tuple[str, ...] = ()  # the program's (first forward; none before)
         self._reduce_next = 0          # index into _reduce_order of the next reduce to launch
@@ -216,16 +216,29 @@ class DedicatedState:
 
     # ------------------------------------------------------------------ forward order
     def begin_forward(self) -> None:
-        """A forward of the model starts (not a checkpoint recomputation); the last backward, if
-        it raised before its end (torch then drops its queued callback), is closed first."""
-        if self._callback_queued:
-            self.on_backward_end(raised=True)
+        """A forward of the model starts (its forward pre-hook; not a checkpoint recomputation)."""
+        self._close_raised_backward()
+        self._new_forward()
+
+    def _new_forward(self) -> None:
+        """What counts per forward starts again: at the model's forward, at the end of a backward
+        (a forward that bypasses the model's hooks, e.g. a method registered with
+        ``register_fsdp_forward_method``, still runs the blocks' hooks) and at a step."""
         self._calls.clear()
         self._group_forward_seen = False
 
+    def _close_raised_backward(self) -> None:
+        """A forward outside any backward while a backward's end is still queued: that backward
+        raised before its end (torch drops the callback it queued); close it here."""
+        if self._callback_queued:
+            self.on_backward_end(raised=True)
+
     def note_forward(self, key: str) -> None:
-        """Record the forward order (first forward) and groups called twice in one forward
-        (:attr:`reused`: their reduce waits for the end of backward)."""
+        """A hook group's forward (not a recomputation): record the forward order (first
+        forward) and groups called twice in one forward (:attr:`reused`: their reduce waits for
+        the end of backward; also under ``no_grad``: reentrant checkpointing runs its segments
+        so, and each segment's backward gives them a gradient)."""
+        self._close_raised_backward()
         self._calls[key] = self._calls.get(key, 0) + 1
         if self._calls[key] > 1:
             self.reused.add(key)
@@ -233,9 +246,10 @@ class DedicatedState:
             self._seen_order.setdefault(key)
 
     def finalize_order(self) -> None:
-        """End of the first forward: agree the forward order across ranks (one all-gather, once);
-        on a mismatch every rank falls back to the static group order."""
-        if self._order_final or not self._seen_order:
+        """Agree the forward order across ranks (one all-gather, once): at the end of the first
+        forward of the model, or at the first step where no forward of the model ran (only its
+        blocks'); on a mismatch every rank falls back to the static group order."""
+        if self._order_final:
             return
         self._order_final = True
         mine = (*self._seen_order, *(k for k in self.order if k not in self._seen_order))
@@ -345,6 +359,7 @@ class DedicatedState:
             self.ledger.fresh = self.require_grad_sync  # a no_sync backward last: no step on it
             self.unsynced_backward = not self.require_grad_sync
         self._reduce_next = 0
+        self._new_forward()
         create_graph, self._keep_gathered = self._keep_gathered, False
         if not create_graph:  # FSDP2's groups a create_graph backward kept (dmuon's own: below)
             self._fsdp_kept = release_fsdp_kept(self._fsdp_kept)
@@ -414,6 +429,7 @@ class DedicatedState:
         the gathered copies (the next forward gathers the new values)."""
         self.version += 1
         self.reshard_all()
+        self._new_forward()
 
     def after_step(self, *, replicate_async: bool = True) -> None:
         """After the owners updated their masters: :meth:`masters_changed`, then (HSDP, R > 1)

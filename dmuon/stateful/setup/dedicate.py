@@ -16,6 +16,7 @@ from dmuon.functional.collectives import check_choice, mode_collectives
 from dmuon.functional.dedicate_options import DedicateOptions, check_options, fold_deprecated
 from dmuon.functional.setup_check import ddp_grid, deferral_agreed
 from dmuon.functional.plan import plan_owners
+from dmuon.functional.program import check_reshard_after_forward
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
 from dmuon.functional.tp_setup import tp_decisions, tp_mesh_ranks
 from dmuon.compat.mesh_timeouts import bound_mesh_groups
@@ -179,6 +180,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
     max_split, force_split, collectives = 1, None, "per_owner"
     try:
         max_split, force_split, collectives = check_options(options)
+        check_reshard_after_forward(reshard_after_forward)
         if spmd_err is not None:
             raise spmd_err
         pol = as_policy(options.policy)
@@ -282,6 +284,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
         setattr(p, DEDICATED_ATTR, st.owner_rank[n])
         p._dmuon_name = n  # named by the placeholder guard's errors (dmuon.stateful.runtime.guards)
         p._dmuon_shape = st.shape[n]  # what a placeholder reports as its shape / numel()
+        p._dmuon_group = st.group_of[n]  # its hook group ("": the model's), named there too
     if data_parallel == "ddp":
         install_ddp_mode(model, st)
     else:
