@@ -14,7 +14,7 @@ the shape of the issue's "9.8 against 5.3".
   one dict per step (a list in the telemetry appended at every ``finish_step``) fails it.
 * slow: from step 180 to 240, dmuon's tracked objects and allocator blocks
   (``sys.getallocatedblocks()``, noisy by tens of blocks) per step exceed plain FSDP2 + AdamW's by
-  at most 0.02 and ``BLOCK_MARGIN``.
+  at most 0.02 and ``BLOCK_MARGIN`` (FSDP2's blocks counted as at least 0: noise around 0).
 """
 from __future__ import annotations
 
@@ -63,4 +63,6 @@ def test_dmuon_heap_grows_no_more_per_step_than_fsdp2():
     results = run_ranks(_soak, 2, ("fsdp2", "dmuon"), 240, 120, timeout=300)
     for rank, res in enumerate(results):
         (db, dn), (fb, fn) = (_per_step(res[k]["points"], 2) for k in ("dmuon", "fsdp2"))
-        assert dn <= fn + 0.02 and db <= fb + BLOCK_MARGIN, (rank, res)
+        # FSDP2's own count is noise around 0 (-0.55 to +0.42 in six runs): a shrink there does
+        # not lower dmuon's bound (one run had FSDP2 -0.45 and dmuon +0.7, the rest -0.73..+0.07)
+        assert dn <= fn + 0.02 and db <= max(fb, 0.0) + BLOCK_MARGIN, (rank, res)
