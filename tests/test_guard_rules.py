@@ -28,6 +28,16 @@ def test_refusal_hints():
     assert refusal_hint("to", torch.Tensor.to).startswith("model.to(device / dtype) before")
     assert refusal_hint("to") == refusal_hint("add")  # a marker: no conversion hint
     assert "meta-device init" in refusal_hint("normal_", torch.nn.init.normal_)
+    # a computation may come from a forward that did not run the group's hooks (session 13)
+    assert "register_fsdp_forward_method" in refusal_hint("linear", torch.nn.functional.linear,
+                                                          "layers.0")
+    assert "the module 'layers.0'" in refusal_hint("linear", torch.nn.functional.linear, "layers.0")
+    assert "call the model itself" in refusal_hint("linear", torch.nn.functional.linear, "")
+    # autograd.grad / backward(inputs=) on a Z3 block matrix: Z2's local gradient, not a forward
+    for name, fn in (("grad", torch.autograd.grad), ("backward", torch.autograd.backward)):
+        hint = refusal_hint(name, fn, "layers.0")
+        assert "reshard_after_forward=False (Z2)" in hint and "autograd.grad" in hint, hint
+        assert "register_fsdp_forward_method" not in hint, hint
     assert refusal_hint("_foreach_norm").startswith("dmuon.clip_grad_norm_")
     assert refusal_hint("clamp_", torch.Tensor.clamp_).startswith("dmuon.clip_grad_value_")
     assert refusal_hint("add", torch.Tensor.add).startswith("dmuon.Muon(model, ...)")

@@ -103,6 +103,13 @@ FP16_LOSS_SCALING = (
 
 _NORM_HINT = ("dmuon.clip_grad_norm_(model, max_norm) (torch's clip_grad_norm_ cannot see "
               "gradients held by their owner ranks)")
+#: torch.autograd.grad / backward(inputs=...) with respect to a Z3 block's matrix
+_DIFF_HINT = ("a target the forward used: with reshard_after_forward=True (Z3) a block's dedicated "
+              "matrix is freed after the block's forward (the forward used a gathered copy), so "
+              "torch.autograd.grad / backward(inputs=...) cannot take it; with "
+              "reshard_after_forward=False (Z2) they give this rank's local gradient (not yet "
+              "averaged over ranks, as FSDP2's unsharded params do), or differentiate with "
+              "respect to the block's input or output")
 #: what dmuon offers instead, by the name of the torch function that was refused
 _HINTS = {
     "linalg_vector_norm": _NORM_HINT,
@@ -114,6 +121,8 @@ _HINTS = {
     "_foreach_clamp_min_": "dmuon.clip_grad_value_(model, clip_value)",
     "_foreach_clamp_max_": "dmuon.clip_grad_value_(model, clip_value)",
     "clamp": "dmuon.clip_grad_value_(model, clip_value)",
+    "grad": _DIFF_HINT,
+    "backward": _DIFF_HINT,
     DATA: "dmuon's calls instead of .data (here it is this rank's empty local tensor): "
           "dmuon.clip_grad_norm_ / dmuon.clip_grad_value_ to clip gradients, a scaled loss to "
           "scale them, dmuon.get_model_state_dict(model) to read weights (copy.deepcopy reads "
