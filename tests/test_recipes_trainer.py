@@ -237,6 +237,53 @@ def test_seeds_arguments_on_cpu_ranks_raise(tmp_path):
     assert all(r["steps"] == 0 and r["weights_unchanged"] for r in res), res
 
 
+def _other_optimizer_worker(rank, world, out_dir):
+    """A dmuon model in a Trainer (use_cpu=True, as under torchrun) without dmuon.Muon: Trainer
+    building its own optimizer (its default optim), or a torch optimizer passed in."""
+    import os
+
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import Trainer, TrainingArguments
+
+    import dmuon
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))  # as torchrun sets them
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29500")
+    ex = _load_example()
+    mesh = init_device_mesh("cpu", (world,))
+    model = ex.tiny_llama().double()
+    dmuon.dedicate_params(model, mesh,
+                          predicate=lambda n, p: p.ndim == 2 and any(k in n for k in ex.PROJ))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    out = {}
+    for key, opts in (("trainer_builds", (None, None)),
+                      ("torch_adamw", (torch.optim.AdamW(model.parameters()), None))):
+        args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2, use_cpu=True,
+                                 num_train_epochs=1, report_to=[])
+        trainer = Trainer(model=model, args=args, train_dataset=ex.CountingDataset(4),
+                          optimizers=opts)
+        out[key] = catch(trainer.train)
+        out[key + "_steps"] = int(trainer.state.global_step)
+    return out
+
+
+@pytest.mark.slow
+def test_an_optimizer_other_than_dmuon_muon_raises_on_every_rank_before_any_step(tmp_path):
+    """Session 13 (a user-path review): before, the optimizer's first step raised a
+    DedicatedParamError about a placeholder, pointing at dmuon.Muon but not at Trainer's
+    ``optimizers=`` argument."""
+    res = run_ranks(_other_optimizer_worker, 2, str(tmp_path / "o"), timeout=120)
+    assert_all_ranks(res, "trainer_builds", "ValueError", "optimizers=(optimizer, None)",
+                     "is a AdamW")
+    assert_all_ranks(res, "torch_adamw", "ValueError", "optimizers=(optimizer, None)")
+    assert all(r["trainer_builds_steps"] == 0 and r["torch_adamw_steps"] == 0 for r in res), res
+
+
 def test_telemetry_entries_math():
     from dmuon.integrations.hf_telemetry import telemetry_entries
     a = {"ns_ms": 3.0, "payload_bytes": 100, "owned_elements": 30}
@@ -260,7 +307,7 @@ def test_hooks_installed_and_plain_models_untouched():
     st = status()
     for key in ("Accelerator.prepare_model", "Accelerator.clip_grad_norm_",
                 "Accelerator.get_state_dict", "Trainer.save_model", "Trainer.train",
-                "Trainer.log", "Trainer._save_optimizer_and_scheduler"):
+                "Trainer.log", "Trainer._save_optimizer_and_scheduler", "Trainer.create_optimizer"):
         assert st.get(key) == "installed", st
     assert getattr(Accelerator.prepare_model, "_dmuon_wrapped", False)
     assert getattr(Trainer.save_model, "_dmuon_wrapped", False)

@@ -59,8 +59,19 @@ def _worker(rank, world, ckpt):
         out = model(input_ids=ids.chunk(world)[rank], labels=ids.chunk(world)[rank])
         out.loss.backward()
         opt.step()
-    return {"sd": get_model_state_dict(model),
-            "groups": sorted(opt.dedicated_state.groups)}
+    sd = get_model_state_dict(model)
+    saved = None
+    if not ckpt:  # the save that dmuon's "call it on every rank" error names (session 13: it named
+        # save_pretrained(dir, is_main_process=...) on every rank, which fails on FSDP2 models)
+        import tempfile
+
+        from transformers import LlamaForCausalLM
+        if rank == 0:
+            with tempfile.TemporaryDirectory() as d:
+                model.save_pretrained(d, state_dict=dict(sd))
+                saved = LlamaForCausalLM.from_pretrained(d, dtype=torch.float64).state_dict()
+        torch.distributed.barrier()
+    return {"sd": sd, "saved": saved, "groups": sorted(opt.dedicated_state.groups)}
 
 
 def _reference():
@@ -91,6 +102,7 @@ def _worker_both(rank, world):
 
 
 def test_hf_llama_recipe_equals_reference():
+    import torch
     results = run_ranks(_worker_both, 2, timeout=120)
     ref = _reference()
     for res in results:
@@ -100,3 +112,6 @@ def test_hf_llama_recipe_equals_reference():
             for k, v in ref.items():
                 err = float((r["sd"][k] - v).abs().max() / v.abs().max())
                 assert err <= 1e-10, (k, err)
+    saved = results[0][0]["saved"]  # rank 0's save_pretrained(dir, state_dict=sd), reloaded
+    assert set(saved) == set(ref)
+    assert all(torch.equal(saved[k], v) for k, v in results[0][0]["sd"].items())

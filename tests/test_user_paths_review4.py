@@ -457,6 +457,10 @@ def test_state_dict_on_one_rank_raises_within_seconds_naming_the_cause(results):
             if rank == who:
                 assert kind is not None and "state_dict / save is collective: call it on every " \
                     "rank" in msg and f"[{1 - who}]" in msg, (rank, key, kind, msg)
+                # a fix that works (tests/test_stateful_hf.py saves that way); not the one
+                # FSDP2 refuses (save_pretrained(dir, is_main_process=...) on every rank)
+                assert "save_pretrained(dir, state_dict=sd)" in msg and "trainer.save_model(dir)" \
+                    in msg, (rank, key, msg)
                 assert o[key + "_s"] < JOIN_S + 10, (rank, key, o[key + "_s"])
             else:
                 assert kind is None, (rank, key, msg)

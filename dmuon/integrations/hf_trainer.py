@@ -48,6 +48,10 @@ doing something silently wrong.
   ``Accelerator.prepare_model`` checks the same. It also adds
   :class:`dmuon.integrations.hf_telemetry.DmuonTelemetryCallback` once, and the wrapped
   ``Trainer.log`` adds its ``dmuon_*`` entries (NS ms, bytes, imbalance) to the training logs.
+* ``Trainer.create_optimizer`` raises ``ValueError`` on every rank, before any step, when a dmuon
+  model's optimizer is not ``dmuon.Muon`` (Trainer's own ``optim``, or a torch optimizer passed in
+  ``optimizers=``), naming ``optimizers=(dmuon.Muon(model, ...), None)``; before, the optimizer's
+  first step raised about a dedicated param's placeholder.
 """
 from __future__ import annotations
 
@@ -339,6 +343,30 @@ def _make_train(orig):
     return train
 
 
+def _make_create_optimizer(orig):
+    def create_optimizer(self, *args, **kwargs):
+        opt = orig(self, *args, **kwargs)
+        if dmuon_root(getattr(self, "model", None)) is not None:
+            _check_optimizer(opt)
+        return opt
+    return create_optimizer
+
+
+def _check_optimizer(opt: Any) -> None:
+    """Raise unless a dmuon model's Trainer steps it with ``dmuon.Muon`` (Trainer's own ``optim``,
+    or a torch optimizer passed in, would fail at its first step on the dedicated matrices)."""
+    from dmuon.stateful.optimizer.muon import Muon
+    inner = getattr(opt, "optimizer", opt)  # accelerate's wrapper
+    if not isinstance(inner, Muon):
+        raise ValueError(
+            f"dmuon: this Trainer's optimizer is a {type(inner).__name__}, which cannot update a "
+            "dmuon model's dedicated matrices (their values and gradients live on their owner "
+            "ranks: it would fail at its first step). Build dmuon.Muon(model, ...) after "
+            "fully_shard and pass Trainer(..., optimizers=(optimizer, None)) (or a scheduler in "
+            "place of None); TrainingArguments' optim, learning_rate and weight_decay then do not "
+            "apply: set them on dmuon.Muon.")
+
+
 def _make_log(orig):
     def log(self, logs, *args, **kwargs):
         cb = _telemetry_callback(self)
@@ -359,6 +387,7 @@ def patch_trainer(module: ModuleType) -> None:
     _wrap(cls, "save_model", _make_save_model, ("output_dir",))
     _wrap(cls, "train", _make_train, ("resume_from_checkpoint",))
     _wrap(cls, "log", _make_log, ("logs",))
+    _wrap(cls, "create_optimizer", _make_create_optimizer, ())
     _wrap(cls, "_save_optimizer_and_scheduler", _make_save_optimizer, ("output_dir",))
     if "_has_mixed_mesh_grads" in cls.__dict__:
         _wrap(cls, "_has_mixed_mesh_grads", _make_has_mixed_mesh_grads, ("model",))

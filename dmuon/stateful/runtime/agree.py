@@ -133,9 +133,11 @@ _POISON = 1 << 40  # added to a join's arrival counter by a rank that gave up on
 
 
 #: what to do instead of a state dict / save on some ranks only (:func:`join`)
-SAVE_FIX = ("Call it on every rank and write on one: Hugging Face `model.save_pretrained(dir, "
-            "is_main_process=(rank == 0))` on every rank; or `sd = dmuon.get_model_state_dict("
-            "model)` on every rank and `torch.save(sd, path)` on rank 0 only.")
+SAVE_FIX = ("Call it on every rank and write on one: `sd = dmuon.get_model_state_dict(model)` on "
+            "every rank, then on rank 0 only `torch.save(sd, path)` or Hugging Face "
+            "`model.save_pretrained(dir, state_dict=sd)`; with a Trainer, `trainer.save_model(dir)` "
+            "on every rank. (`model.save_pretrained(dir, is_main_process=...)` on every rank does "
+            "not work on an FSDP2 model, with or without dmuon.)")
 
 
 class NotOnEveryRankError(RuntimeError):
