@@ -101,8 +101,8 @@ def _train(env, z3=True, raise_at=None, out_proj=False):
     out = {"caught": caught}
     if env["dist"]:
         st = opt.dedicated_state
-        out["bookkeeping"] = {"reused": sorted(st.reused),
-                              "next": [st.next_group(k) for k in ("layers.0", "layers.1")]}
+        out["bookkeeping"] = {"reused": sorted(st.forwards.reused),
+                              "next": [st.forwards.next_group(k) for k in ("layers.0", "layers.1")]}
     sd = dmuon.get_model_state_dict(model) if env["dist"] else model.state_dict()
     out["sd"] = {k: v.detach().clone() for k, v in sd.items()}
     return out

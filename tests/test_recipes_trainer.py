@@ -198,15 +198,12 @@ def test_trainer_resume_same_topology_bitwise(preempted, tmp_path):
             assert torch.equal(ro["dedicated"][n][k], v), (n, k)
 
 
-def _seeds_args_worker(rank, world, out_dir):
-    """The seeds' TrainingArguments verbatim (no use_cpu) on 2 CPU ranks."""
-    import torch
+def _dmuon_tiny_llama(ex, world):
+    """The example's tiny Llama (fp64), dedicated and fully_shard-ed over ``world`` CPU ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from transformers import Trainer, TrainingArguments
 
     import dmuon
-    ex = _load_example()
     mesh = init_device_mesh("cpu", (world,))
     model = ex.tiny_llama().double()
     dmuon.dedicate_params(model, mesh,
@@ -214,6 +211,17 @@ def _seeds_args_worker(rank, world, out_dir):
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    return model
+
+
+def _seeds_args_worker(rank, world, out_dir):
+    """The seeds' TrainingArguments verbatim (no use_cpu) on 2 CPU ranks."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    import dmuon
+    ex = _load_example()
+    model = _dmuon_tiny_llama(ex, world)
     optimizer = dmuon.Muon(model, lr=0.02, adamw_lr=1e-3)
     training_args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=2,
                                       num_train_epochs=1, fsdp="", report_to=[])
@@ -243,23 +251,15 @@ def _other_optimizer_worker(rank, world, out_dir):
     import os
 
     import torch
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from transformers import Trainer, TrainingArguments
 
-    import dmuon
+    import dmuon  # noqa: F401 - installs the Trainer hooks
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))  # as torchrun sets them
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29500")
     ex = _load_example()
-    mesh = init_device_mesh("cpu", (world,))
-    model = ex.tiny_llama().double()
-    dmuon.dedicate_params(model, mesh,
-                          predicate=lambda n, p: p.ndim == 2 and any(k in n for k in ex.PROJ))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = _dmuon_tiny_llama(ex, world)
     out = {}
     for key, opts in (("trainer_builds", (None, None)),
                       ("torch_adamw", (torch.optim.AdamW(model.parameters()), None))):

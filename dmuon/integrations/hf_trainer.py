@@ -290,7 +290,7 @@ def _make_save_optimizer(orig):
         # model: every rank gathers dmuon's full, topology-free dict here, rank 0 saves it, and
         # Muon.load_state_dict (which Trainer's resume calls on every rank) reads it back
         from dmuon.stateful.checkpoint.optimizer_state_dict import get_optimizer_state_dict
-        opt = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper
+        opt = _unwrapped(self.optimizer)
         full = get_optimizer_state_dict(root, opt, cpu_offload=True, rank0_only=True)
         with _answering_optimizer_state_dict(self.optimizer, full):
             return orig(self, output_dir)
@@ -343,6 +343,11 @@ def _make_train(orig):
     return train
 
 
+def _unwrapped(optimizer: Any) -> Any:
+    """The optimizer inside accelerate's ``AcceleratedOptimizer`` (else itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
 def _make_create_optimizer(orig):
     def create_optimizer(self, *args, **kwargs):
         opt = orig(self, *args, **kwargs)
@@ -356,7 +361,7 @@ def _check_optimizer(opt: Any) -> None:
     """Raise unless a dmuon model's Trainer steps it with ``dmuon.Muon`` (Trainer's own ``optim``,
     or a torch optimizer passed in, would fail at its first step on the dedicated matrices)."""
     from dmuon.stateful.optimizer.muon import Muon
-    inner = getattr(opt, "optimizer", opt)  # accelerate's wrapper
+    inner = _unwrapped(opt)
     if not isinstance(inner, Muon):
         raise ValueError(
             f"dmuon: this Trainer's optimizer is a {type(inner).__name__}, which cannot update a "

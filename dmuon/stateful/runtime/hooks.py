@@ -46,7 +46,7 @@ def _register_pre_backward(st: DedicatedState, key: str | None, output: Any) -> 
                 st.on_backward_start()
                 if key is not None:
                     st.unshard(key, regather=True)
-                    prev = st.next_group(key, backward=True)
+                    prev = st.forwards.next_group(key, backward=True)
                     if prev is not None and st.groups[prev].reshard_after_forward:
                         st.unshard(prev, regather=True, wait=False)
 
@@ -120,7 +120,7 @@ def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:
                 st.note_forward(key)
                 st.notify_group_forward()  # the optimizer's listener (offload: deferred copies back)
                 st.unshard(key)
-                if (nxt := st.next_group(key)) is not None:
+                if (nxt := st.forwards.next_group(key)) is not None:
                     st.unshard(nxt, wait=False)
 
         def post(module: nn.Module, args: Any, output: Any, key: str = key) -> Any:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dmuon.functional.buckets import ROOT_GROUP, HookGroups
+from dmuon.functional.forward_log import ForwardLog
 from dmuon.functional.matrix_settings import MatrixSettings
 from dmuon.functional.program import StepProgram, step_program
 from dmuon.functional.renames import renamed, renamed_message
@@ -96,12 +97,8 @@ class DedicatedState:
                 executor=executor, launches=self.launches)
             for key in groups.order}
         self.group_of = groups.as_mapping()
-        self.order: list[str] = list(groups.order)  # forward order; agreed at the first forward
-        self._seen_order: dict[str, None] = {}  # the first forward's order (an ordered set)
-        self._order_final = False
-        self._calls: dict[str, int] = {}   # calls of each group in the current forward
-        self._group_forward_seen = False  # notify_group_forward's; _new_forward clears it
-        self.reused: set[str] = set()      # groups once called twice in a forward: reduce at the end
+        #: the forward order (agreed once across ranks), reused groups, per-forward counts
+        self.forwards = ForwardLog(groups.order)
         self._reduce_order: tuple[str, ...] = ()  # the program's (first forward; none before)
         self._reduce_next = 0          # index into _reduce_order of the next reduce to launch
         self.version = 0               # weights change at every step: older gathers are stale
@@ -210,22 +207,14 @@ class DedicatedState:
     def notify_group_forward(self) -> None:
         """A hook group's forward starts (the hooks call it): the first of a forward tells the
         listener."""
-        if not self._group_forward_seen and self.listener is not None:
+        if self.forwards.first_group() and self.listener is not None:
             self.listener.group_forward()
-        self._group_forward_seen = True
 
     # ------------------------------------------------------------------ forward order
     def begin_forward(self) -> None:
         """A forward of the model starts (its forward pre-hook; not a checkpoint recomputation)."""
         self._close_raised_backward()
-        self._new_forward()
-
-    def _new_forward(self) -> None:
-        """What counts per forward starts again: at the model's forward, at the end of a backward
-        (a forward that bypasses the model's hooks, e.g. a method registered with
-        ``register_fsdp_forward_method``, still runs the blocks' hooks) and at a step."""
-        self._calls.clear()
-        self._group_forward_seen = False
+        self.forwards.new_forward()
 
     def _close_raised_backward(self) -> None:
         """A forward outside any backward while a backward's end is still queued: that backward
@@ -234,38 +223,21 @@ class DedicatedState:
             self.on_backward_end(raised=True)
 
     def note_forward(self, key: str) -> None:
-        """A hook group's forward (not a recomputation): record the forward order (first
-        forward) and groups called twice in one forward (:attr:`reused`: their reduce waits for
-        the end of backward; also under ``no_grad``: reentrant checkpointing runs its segments
-        so, and each segment's backward gives them a gradient)."""
+        """A hook group's forward (not a recomputation): :meth:`ForwardLog.note`."""
         self._close_raised_backward()
-        self._calls[key] = self._calls.get(key, 0) + 1
-        if self._calls[key] > 1:
-            self.reused.add(key)
-        if not self._order_final:
-            self._seen_order.setdefault(key)
+        self.forwards.note(key)
 
     def finalize_order(self) -> None:
         """Agree the forward order across ranks (one all-gather, once): at the end of the first
         forward of the model, or at the first step where no forward of the model ran (only its
         blocks'); on a mismatch every rank falls back to the static group order."""
-        if self._order_final:
+        if self.forwards.final:
             return
-        self._order_final = True
-        mine = (*self._seen_order, *(k for k in self.order if k not in self._seen_order))
-        orders = gather(mine, what="forward-order agreement (first forward)", via=self.mesh_groups)
-        if len(set(orders)) == 1:
-            self.order = list(mine)
-        else:
+        orders = gather(self.forwards.proposal(), what="forward-order agreement (first forward)",
+                        via=self.mesh_groups)
+        if not self.forwards.agree(orders):
             logger.warning("dmuon: the first forward ran the hook groups in different orders on "
                            "different ranks; prefetching in the static module order instead")
-
-    def next_group(self, key: str, backward: bool = False) -> Optional[str]:
-        """The group after ``key`` in forward order (before it, ``backward=True``)."""
-        if not self._order_final or key not in self.order:
-            return None
-        j = self.order.index(key) + (-1 if backward else 1)
-        return self.order[j] if 0 <= j < len(self.order) else None
 
     # ------------------------------------------------------------------ gather / free
     def unshard(self, key: str, regather: bool = False, *, wait: bool = True) -> None:
@@ -318,7 +290,7 @@ class DedicatedState:
         if not self.require_grad_sync:
             return
         key = self.group_of[name]
-        self.groups[key].note_grad(name, defer=key in self.reused)
+        self.groups[key].note_grad(name, defer=key in self.forwards.reused)
         self._launch_due_reduces()
 
     def _launch_due_reduces(self, every: bool = False) -> None:
@@ -351,7 +323,7 @@ class DedicatedState:
         self._callback_queued = False
         if not raised:
             self.wait_publish()  # publishes of groups this forward did not use
-            for g in map(self.groups.get, reversed(self.order)):  # every rank re-gathers a Z3
+            for g in map(self.groups.get, reversed(self.forwards.order)):  # every rank re-gathers a Z3
                 if g.forward_gathered and not g.regathered and g.reshard_after_forward:  # group
                     g.launch_unshard(self.version, regather=True)  # once: where not reached, here
             if self.require_grad_sync:
@@ -359,7 +331,7 @@ class DedicatedState:
             self.ledger.fresh = self.require_grad_sync  # a no_sync backward last: no step on it
             self.unsynced_backward = not self.require_grad_sync
         self._reduce_next = 0
-        self._new_forward()
+        self.forwards.new_forward()
         create_graph, self._keep_gathered = self._keep_gathered, False
         if not create_graph:  # FSDP2's groups a create_graph backward kept (dmuon's own: below)
             self._fsdp_kept = release_fsdp_kept(self._fsdp_kept)
@@ -429,7 +401,7 @@ class DedicatedState:
         the gathered copies (the next forward gathers the new values)."""
         self.version += 1
         self.reshard_all()
-        self._new_forward()
+        self.forwards.new_forward()
 
     def after_step(self, *, replicate_async: bool = True) -> None:
         """After the owners updated their masters: :meth:`masters_changed`, then (HSDP, R > 1)
