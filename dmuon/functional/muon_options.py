@@ -45,7 +45,7 @@ from dmuon.newton_schulz.batched import BatchedNS
 __all__ = ["GROUP_KEYS", "OLD_NAMES", "KNOBS", "ADJUST_LR_FN", "ELEMENTWISE", "NOT_GIVEN",
            "hparams_of_group", "resolve_torch_names", "check_flag", "check_options",
            "check_muon_group", "check_adamw_group", "check_knob", "ns_of",
-           "momentum_dtype_of"]
+           "momentum_dtype_of", "GROUPS_FIXED"]
 
 #: ``param_groups[0]``'s Muon hyper-parameters: ``MuonHParams``' fields
 GROUP_KEYS = MuonHParams._fields
@@ -284,3 +284,14 @@ def momentum_dtype_of(transform: Any, old: Any, hparams: MuonHParams) -> tuple[A
 #: the constructor's defaults of its torch-named options
 MUON_DEFAULTS: Mapping[str, Any] = {"eps": MuonHParams._field_defaults["ns_eps"],
                                     "adjust_lr_fn": "match_rms_adamw"}
+
+
+#: ``dmuon.Muon.add_param_group``'s refusal: the optimizer's two param groups are fixed
+GROUPS_FIXED = (
+    "dmuon.Muon.add_param_group: dmuon.Muon has a fixed pair of param groups (Muon for the "
+    "dedicated matrices, AdamW for the other params trainable when it was built); an added group "
+    "would never be stepped. For progressive unfreezing, build dmuon.Muon with every param "
+    "trainable (after dedicate_params and fully_shard) and freeze with requires_grad_(False) "
+    "afterwards: a param with no gradient is skipped, as torch skips it, and trains again once "
+    "unfrozen (set a per-group lr through param_groups[i]['lr']); train params outside the model "
+    "with a torch optimizer of their own.")

@@ -9,7 +9,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-__all__ = ["MAX_DEPTH", "grad_tensors"]
+__all__ = ["MAX_DEPTH", "grad_tensors", "hidden_from_fsdp"]
 
 #: how many levels of containers and attributes :func:`grad_tensors` enters
 MAX_DEPTH = 6
@@ -55,3 +55,17 @@ def grad_tensors(output: Any, leaves_of: Callable[[Any], list[Any]]) -> list[tor
     _collect(output, found, set(), 0, leaves_of)
     uniq = {id(t): t for t in found if t.requires_grad}
     return list(uniq.values())
+
+
+def hidden_from_fsdp(model_cls: str, output_cls: str) -> str:
+    """The error for a model (its only ``fully_shard`` module, holding FSDP2 params) whose forward
+    returned an ``output_cls`` object that hides every tensor from torch's pytree: FSDP2's
+    pre-backward hook never runs, so its params would silently not train."""
+    return (
+        f"dmuon: {model_cls}.forward returned a {output_cls} object that hides its tensors from "
+        "torch's pytree, so FSDP2 cannot hook the backward of this model (its only fully_shard "
+        "module): the gradients of FSDP2's own params would never be reduced and those params "
+        "would silently not train (dmuon's matrices would). Return the loss in a tensor, tuple, "
+        "dict, dataclass or Hugging Face ModelOutput, or register "
+        f"{output_cls} with torch.utils._pytree (register_pytree_node / register_dataclass); or "
+        "fully_shard the model's blocks too.")

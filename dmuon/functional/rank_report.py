@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["MAX_GROUPS", "MAX_MESSAGES", "describe_problems", "describe_values",
-           "collective_failure"]
+           "collective_failure", "SAVE_FIX", "not_on_every_rank"]
 
 #: at most this many groups of ranks, and this many messages per group, in a detail
 MAX_GROUPS = 8
@@ -57,3 +57,20 @@ def collective_failure(what: str, ranks: Sequence[int], rank: int, timeout: Any,
             "only, or twice on some ranks only, an evaluation forward on some ranks only), or a "
             "rank crashed (see its "
             f"log). {after}The bound is dedicate_params(..., timeout=...).")
+
+
+#: what to do instead of a state dict / save on some ranks only (:func:`not_on_every_rank`)
+SAVE_FIX = ("Call it on every rank and write on one: `sd = dmuon.get_model_state_dict(model)` on "
+            "every rank, then on rank 0 only `torch.save(sd, path)` or Hugging Face "
+            "`model.save_pretrained(dir, state_dict=sd)`; with a Trainer, `trainer.save_model(dir)` "
+            "on every rank. (`model.save_pretrained(dir, is_main_process=...)` on every rank does "
+            "not work on an FSDP2 model, with or without dmuon.)")
+
+
+def not_on_every_rank(what: str, detail: str, bound_env: str) -> str:
+    """The message of a collective call ``what`` made on some ranks only (``detail``: which
+    ranks did not come, or why; ``bound_env``: the variable that gives slow ranks longer)."""
+    return (f"dmuon: {what} is collective on a dmuon model: {detail}: state_dict / save is "
+            f"collective: call it on every rank. {SAVE_FIX} Nothing was sent; the call can be made "
+            f"again on every rank. (A rank that is only slow to get here can be given longer: "
+            f"{bound_env}=seconds.)")

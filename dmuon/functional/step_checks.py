@@ -18,7 +18,7 @@ __all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks"
            "check_cleared", "pre_step_verdict", "check_publish_consumed",
            "check_finite_flags", "write_count", "check_not_broken", "step_broken",
            "broken_step_message", "LAUNCH_PRIME", "fold_launch", "combine_launches",
-           "launches_differ"]
+           "LaunchLog", "launches_differ"]
 
 #: a rank's launch fingerprint is below this prime, so that its ``(h, h * h)`` summed over ranks
 #: stays exact in the pre-step all-reduce's int64 (up to 2**63 / LAUNCH_PRIME**2 = 131,072 ranks)
@@ -38,6 +38,24 @@ def combine_launches(kinds: dict[str, int]) -> int:
     for kind in sorted(kinds):
         h = fold_launch(h, f"{kind}:{kinds[kind]}")
     return h
+
+
+class LaunchLog:
+    """What the hook groups launched since the last step, as one fingerprint per kind of launch
+    (``"unshard"``: forward gathers and re-gathers, ``"reduce"``, ``"publish"``; each kind keeps
+    one order on every rank, whatever the kinds' interleaving: :func:`fold_launch`, from 1). The
+    pre-step all-reduce compares :meth:`take` across ranks (:func:`launches_differ`)."""
+
+    def __init__(self) -> None:
+        self.lanes: dict[str, int] = {}
+
+    def note(self, lane: str, label: str) -> None:
+        self.lanes[lane] = fold_launch(self.lanes.get(lane, 1), label)
+
+    def take(self) -> int:
+        """The kinds' fingerprints as one (and start again)."""
+        kinds, self.lanes = self.lanes, {}
+        return combine_launches(kinds)
 
 
 def launches_differ(total: int, total_sq: int, world: int) -> Optional[str]:

@@ -515,15 +515,7 @@ class Muon(torch.optim.Optimizer):
         added later would never be stepped. Raises ``RuntimeError`` (the same on every rank)."""
         if not getattr(self, "_groups_fixed", False):  # torch's __init__ adds the two groups
             return super().add_param_group(param_group)
-        raise RuntimeError(
-            "dmuon.Muon.add_param_group: dmuon.Muon has a fixed pair of param groups (Muon for "
-            "the dedicated matrices, AdamW for the other params trainable when it was built); an "
-            "added group would never be stepped. For progressive unfreezing, build dmuon.Muon "
-            "with every param trainable (after dedicate_params and fully_shard) and freeze with "
-            "requires_grad_(False) afterwards: a param with no gradient is skipped, as torch "
-            "skips it, and trains again once unfrozen (set a per-group lr through "
-            "param_groups[i]['lr']); train params outside the model with a torch optimizer of "
-            "their own.")
+        raise RuntimeError(fopts.GROUPS_FIXED)
 
     def state_dict(self) -> dict[str, Any]:
         """Collective: torch's optimizer state-dict protocol, topology-free (param groups carry

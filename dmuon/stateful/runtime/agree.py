@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from dmuon.compat.heartbeat import PeerWatch
 from dmuon.compat.torch_api import default_store
-from dmuon.functional.rank_report import describe_problems, describe_values
+from dmuon.functional.rank_report import describe_problems, describe_values, not_on_every_rank
 from dmuon.functional.tp_step import max_keeping_nan
 from dmuon.kernels.streams import side_stream
 
@@ -132,25 +132,13 @@ JOIN_TIMEOUT_S = 30.0
 _POISON = 1 << 40  # added to a join's arrival counter by a rank that gave up on it
 
 
-#: what to do instead of a state dict / save on some ranks only (:func:`join`)
-SAVE_FIX = ("Call it on every rank and write on one: `sd = dmuon.get_model_state_dict(model)` on "
-            "every rank, then on rank 0 only `torch.save(sd, path)` or Hugging Face "
-            "`model.save_pretrained(dir, state_dict=sd)`; with a Trainer, `trainer.save_model(dir)` "
-            "on every rank. (`model.save_pretrained(dir, is_main_process=...)` on every rank does "
-            "not work on an FSDP2 model, with or without dmuon.)")
-
-
 class NotOnEveryRankError(RuntimeError):
     """A collective call was made on some ranks only (:func:`join`); raised on the ranks that
     made it, before anything was sent."""
 
 
 def _join_error(what: str, detail: str) -> NotOnEveryRankError:
-    return NotOnEveryRankError(
-        f"dmuon: {what} is collective on a dmuon model: {detail}: state_dict / save is "
-        f"collective: call it on every rank. {SAVE_FIX} Nothing was sent; "
-        f"the call can be made again on every rank. (A rank that is only slow to get here "
-        f"can be given longer: {JOIN_ENV}=seconds.)")
+    return NotOnEveryRankError(not_on_every_rank(what, detail, JOIN_ENV))
 
 
 def join(what: str) -> None:

@@ -17,7 +17,7 @@ from torch.autograd.profiler import record_function
 
 from dmuon.compat.torch_api import (fsdp_output_grad_tensors, fsdp_param_groups, fsdp_state,
                                    in_backward, tree_leaves)
-from dmuon.functional.output_tensors import grad_tensors
+from dmuon.functional.output_tensors import grad_tensors, hidden_from_fsdp
 from dmuon.stateful.runtime.state import ROOT_GROUP, DedicatedState
 
 __all__ = ["register_hooks", "check_fsdp_sees_output"]
@@ -65,15 +65,7 @@ def check_fsdp_sees_output(model: nn.Module, output: Any) -> None:
         return
     if any(n and fsdp_state(m) is not None for n, m in model.named_modules()):
         return  # other fully_shard modules' pre-backward hooks start FSDP2's work for the root
-    cls = type(output).__name__
-    raise RuntimeError(
-        f"dmuon: {type(model).__name__}.forward returned a {cls} object that hides its tensors "
-        f"from torch's pytree, so FSDP2 cannot hook the backward of this model (its only "
-        "fully_shard module): the gradients of FSDP2's own params would never be reduced and "
-        "those params would silently not train (dmuon's matrices would). Return the loss in a "
-        f"tensor, tuple, dict, dataclass or Hugging Face ModelOutput, or register {cls} with "
-        "torch.utils._pytree (register_pytree_node / register_dataclass); or fully_shard the "
-        "model's blocks too.")
+    raise RuntimeError(hidden_from_fsdp(type(model).__name__, type(output).__name__))
 
 
 def register_hooks(model: nn.Module, st: DedicatedState) -> list[Any]:

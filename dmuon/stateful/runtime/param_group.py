@@ -1,5 +1,6 @@
-"""One hook group of dedicated params (:class:`DedicatedParamGroup`): its buckets, its explicit
-:class:`GradState`, the weights version it holds gathered, and its in-flight collectives. It runs
+"""One hook group of dedicated params (:class:`DedicatedParamGroup`): its buckets, the weights
+version it holds gathered, and its in-flight collectives (its gradients' state in a backward:
+:class:`dmuon.functional.backward_log.BackwardLog`). It runs
 the schedules the pure phases (:mod:`dmuon.functional.phases`) return; it never decides ordering or
 timing (the root state calls it).
 
@@ -7,7 +8,6 @@ Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.param_group".
 """
 from __future__ import annotations
 
-import enum
 from typing import Mapping, NamedTuple, Optional
 
 import torch
@@ -18,20 +18,11 @@ from dmuon.functional import phases as P
 from dmuon.functional.buckets import BucketKey, to_torch_dtype
 from dmuon.functional.phases import ReducedGrad
 from dmuon.functional.program import GroupPhases, StepProgram
-from dmuon.functional.step_checks import combine_launches, fold_launch
+from dmuon.functional.step_checks import LaunchLog
 from dmuon.stateful.runtime.executor import Executor, Pending
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool, alloc_storage, free_storage
 
-__all__ = ["GradState", "InflightReduce", "LaunchLog", "DedicatedParamGroup"]
-
-
-class GradState(enum.Enum):
-    """A group's gradients in the current backward (``REDUCED``: its reduce was issued)."""
-
-    IDLE = "idle"
-    ACCUMULATING = "accumulating"
-    COMPLETE = "complete"
-    REDUCED = "reduced"
+__all__ = ["InflightReduce", "DedicatedParamGroup"]
 
 
 class InflightReduce(NamedTuple):
@@ -41,25 +32,6 @@ class InflightReduce(NamedTuple):
     pending: Pending
     buffers: Mapping[BucketKey, torch.Tensor]
     owned_here: dict[str, bool]
-
-
-class LaunchLog:
-    """What the hook groups launched since the last step, as one fingerprint per kind of launch
-    (``"unshard"``: forward gathers and re-gathers, ``"reduce"``, ``"publish"``; each kind keeps
-    one order on every rank, whatever the kinds' interleaving:
-    :func:`~dmuon.functional.step_checks.fold_launch`, from 1): the pre-step all-reduce compares
-    them across ranks (:func:`~dmuon.functional.step_checks.launches_differ`)."""
-
-    def __init__(self) -> None:
-        self.lanes: dict[str, int] = {}
-
-    def note(self, lane: str, label: str) -> None:
-        self.lanes[lane] = fold_launch(self.lanes.get(lane, 1), label)
-
-    def take(self) -> int:
-        """The kinds' fingerprints as one (and start again)."""
-        kinds, self.lanes = self.lanes, {}
-        return combine_launches(kinds)
 
 
 def _label(group: "DedicatedParamGroup", op: str) -> record_function:
@@ -87,7 +59,6 @@ class DedicatedParamGroup:
         self.executor = executor
         self.compute_dtype: Optional[torch.dtype] = None
         self.reduce_dtype: Optional[torch.dtype] = None
-        self.grad_state = GradState.IDLE
         #: the weights version gathered (or gathering: :attr:`inflight_unshard`); -1: placeholders
         self.gathered_version = -1
         #: Z3, kept gathered after a forward that gave it no hookable output tensor on this rank:
@@ -99,7 +70,6 @@ class DedicatedParamGroup:
         #: after it: where this rank's backward never reached it, at that backward's end,
         #: :meth:`DedicatedState.on_backward_end`)
         self.forward_gathered = self.regathered = False
-        self._arrived: set[str] = set()
         #: the launches not waited yet: at most one gather and one publish, any number of reduces
         self.inflight_unshard: Optional[Pending] = None
         self.inflight_reduces: list[InflightReduce] = []
@@ -194,26 +164,6 @@ class DedicatedParamGroup:
         return self.gathered_version != -1
 
     # ------------------------------------------------------------------ gradients
-    def note_grad(self, name: str, *, defer: bool = False) -> None:
-        """A local gradient of ``name`` arrived in this backward (``defer``: the group never
-        completes early; the end of backward reduces it).
-
-        Raises:
-          RuntimeError: this group's reduce was already launched in this backward (the gradient
-            would be left out of it).
-        """
-        if self.grad_state is GradState.REDUCED:
-            raise RuntimeError(
-                f"dmuon: a gradient of {name} arrived after the reduce of its hook group "
-                f"{self.key!r} was launched in this backward, so it would be lost (its params got "
-                "gradients in two separate backward segments, e.g. reentrant activation "
-                "checkpointing around a module whose weights another segment also uses). Use "
-                "torch.utils.checkpoint(..., use_reentrant=False), or call the module that owns "
-                "the weights in each segment.")
-        self._arrived.add(name)
-        self.grad_state = (GradState.COMPLETE if len(self._arrived) == len(self.names)
-                           and not defer else GradState.ACCUMULATING)
-
     def launch_reduce(self, local_grads: dict[str, torch.Tensor], pool: GradBufferPool) -> None:
         """Average this group's local grads to their owners, asynchronously (consumes them from
         ``local_grads``). A param without a local grad sends zeros and presence 0."""
@@ -226,7 +176,6 @@ class DedicatedParamGroup:
             self.inflight_reduces.append(
                 InflightReduce(self.executor.launch(sched, buffers), buffers, owned_here))
             self.launches.note("reduce", self.key)
-            self.grad_state = GradState.REDUCED
 
     def wait_reduces(self) -> list[ReducedGrad]:
         """Wait for this group's in-flight reduces; one :class:`ReducedGrad` per entry this rank
@@ -241,10 +190,8 @@ class DedicatedParamGroup:
         return out
 
     def reset_backward(self) -> None:
-        """Forget this backward's gradient and gather bookkeeping (end of backward)."""
+        """Forget this backward's gather bookkeeping (end of backward)."""
         self.forward_gathered = self.regathered = False
-        self._arrived.clear()
-        self.grad_state = GradState.IDLE
 
     # ------------------------------------------------------------------ HSDP publish
     def launch_publish(self, master_buffers: Mapping[BucketKey, torch.Tensor]) -> None:
@@ -265,4 +212,4 @@ class DedicatedParamGroup:
 
     def __repr__(self) -> str:
         return (f"DedicatedParamGroup({self.key or '<root>'!r}, {len(self.names)} params, "
-                f"gathered version {self.gathered_version}, grads {self.grad_state.value})")
+                f"gathered version {self.gathered_version})")

@@ -14,12 +14,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.functional.backward_log import BackwardLog
 from dmuon.functional.buckets import ROOT_GROUP, HookGroups
 from dmuon.functional.forward_log import ForwardLog
 from dmuon.functional.matrix_settings import MatrixSettings
 from dmuon.functional.program import StepProgram, step_program
 from dmuon.functional.renames import renamed, renamed_message
-from dmuon.functional.step_checks import check_publish_consumed
+from dmuon.functional.step_checks import LaunchLog, check_publish_consumed
 from dmuon.functional.split_plan import runtime_owners
 from dmuon.functional.tp_plan import grid_tp_schedule
 from dmuon.functional.policy import resolve_model_dtypes
@@ -31,7 +32,7 @@ from dmuon.stateful.runtime.agree import gather, join as join_ranks
 from dmuon.stateful.runtime.executor import Executor
 from dmuon.stateful.runtime.guards import check_not_written, keep_dmuon_hook_last
 from dmuon.stateful.runtime.ledger import GradLedger
-from dmuon.stateful.runtime.param_group import DedicatedParamGroup, GradState, LaunchLog
+from dmuon.stateful.runtime.param_group import DedicatedParamGroup
 from dmuon.stateful.runtime.process_groups import MeshGroups
 from dmuon.stateful.runtime.storage import DedicatedStorage, GradBufferPool
 
@@ -99,8 +100,8 @@ class DedicatedState:
         self.group_of = groups.as_mapping()
         #: the forward order (agreed once across ranks), reused groups, per-forward counts
         self.forwards = ForwardLog(groups.order)
-        self._reduce_order: tuple[str, ...] = ()  # the program's (first forward; none before)
-        self._reduce_next = 0          # index into _reduce_order of the next reduce to launch
+        #: this backward's gradient arrivals per group and the fixed reduce order's cursor
+        self.backward = BackwardLog({k: g.names for k, g in self.groups.items()})
         self.version = 0               # weights change at every step: older gathers are stale
         self.require_grad_sync = True  # False inside dmuon.no_sync
         self.unsynced_backward = False  # the last backward ran inside it (FSDP2 holds its grads)
@@ -190,7 +191,7 @@ class DedicatedState:
             collectives=self.collectives, data_parallel=self.data_parallel)
         for g in self.groups.values():
             g.setup(self.program)
-        self._reduce_order = self.program.reduce_order
+        self.backward.set_order(self.program.reduce_order)
         self.storage.set_placeholder_dtypes(cdt)
         self.ready = True
 
@@ -290,24 +291,21 @@ class DedicatedState:
         if not self.require_grad_sync:
             return
         key = self.group_of[name]
-        self.groups[key].note_grad(name, defer=key in self.forwards.reused)
+        self.backward.arrive(key, name, defer=key in self.forwards.reused)
         self._launch_due_reduces()
 
     def _launch_due_reduces(self, every: bool = False) -> None:
         """Launch, in the fixed reduce order, each complete group whose predecessors are launched
         (``every``: complete or not, at the end of a backward)."""
-        order = self._reduce_order
-        while self._reduce_next < len(order):
-            g = self.groups[order[self._reduce_next]]
-            if not every and g.grad_state is not GradState.COMPLETE:
-                return
+        while (key := self.backward.next_due(every)) is not None:
+            g = self.groups[key]
             self.ledger.take_markers(g.names)  # markers of an earlier no_sync backward: there?
             g.launch_reduce(self.ledger.send(g.names), self.pool)
+            self.backward.launched(key)
             if self.listener is not None:  # the optimizer's policy (offload: the copies in start)
                 self.listener.reduce_issued(g.names)
             if not self._keep_gathered:
                 g.reshard()  # its gradients are out: no need for its gathered copy in this backward
-            self._reduce_next += 1
 
     def on_backward_end(self, raised: bool = False) -> None:
         """End of a backward: launch every reduce not launched yet, in the fixed order (zeros and
@@ -330,7 +328,7 @@ class DedicatedState:
                 self._launch_due_reduces(every=True)
             self.ledger.fresh = self.require_grad_sync  # a no_sync backward last: no step on it
             self.unsynced_backward = not self.require_grad_sync
-        self._reduce_next = 0
+        self.backward.end()
         self.forwards.new_forward()
         create_graph, self._keep_gathered = self._keep_gathered, False
         if not create_graph:  # FSDP2's groups a create_graph backward kept (dmuon's own: below)
@@ -365,7 +363,7 @@ class DedicatedState:
     def _collect(self) -> None:
         """Wait for the in-flight reduces; add the owner's grads to the ledger (FSDP2's divide
         factor applied)."""
-        for key in self._reduce_order:
+        for key in self.backward.order:
             rgs = self.groups[key].wait_reduces()
             for rg, scale in zip(rgs, self.grad_scales(rgs)):
                 self.ledger.add_reduced(rg, scale)
