@@ -236,10 +236,45 @@ def _discard_no_sync(cfg, zero, all_matrices=False, skip=False):
     return path
 
 
+def _missing_mid(env):
+    """``model.load_state_dict(sd)`` (strict) at step 1 with a dict that lacks one key, every
+    entry else shifted by 1 (a partial load would show): a dedicated matrix's on every rank, an
+    FSDP2 param's on rank 1 only, a dedicated one's on rank 0 only. torch loads every other entry
+    and raises at the end (on the ranks whose dict lacks the key; plain FSDP2 too); dmuon must
+    refuse on every rank, changing nothing. ``strict=False`` loads the rest and names the key, as
+    torch does. Then the model's own dict is loaded and training goes on (the uninterrupted run)."""
+    from models import make_batches, make_model
+    model = make_model()
+    if env["dist"]:
+        model, opt = build_dmuon(env["rank"], env["world"], model, model.layers, {})
+    else:
+        opt = RefMuon(model)
+    refused, loose = [], None
+    for i, ids in enumerate(make_batches(STEPS, BATCH)):
+        if i == 1 and env["dist"]:
+            sd = _full_sd(model, env)
+            for gone, ranks in (("layers.0.self_attn.q_proj.weight", (0, 1)), ("norm.weight", (1,)),
+                                ("layers.1.mlp.up_proj.weight", (0,))):
+                bad = {k: v + 1 for k, v in sd.items() if k != gone or env["rank"] not in ranks}
+                kind, msg = catch(lambda: model.load_state_dict(bad))
+                refused.append((kind, msg, gone, max_abs_diff(_full_sd(model, env), sd) == 0.0))
+            res = model.load_state_dict({k: v for k, v in sd.items() if k != "norm.weight"},
+                                        strict=False)
+            loose = list(res.missing_keys)
+            model.load_state_dict(sd)
+        opt.zero_grad()
+        ranks = [env["rank"]] if env["dist"] else range(WORLD)
+        for r in ranks:
+            (model(ids.chunk(WORLD)[r]) / (1 if env["dist"] else WORLD)).backward()
+        opt.step()
+    return {"sd": _full_sd(model, env), "extra": [], "refused": refused, "loose": loose}
+
+
 PATHS = {
     "inference_first": _inference_first({}),
     "inference_first_z2": _inference_first({"z3": False}),
     "assign_mid": _assign_mid,
+    "missing_mid": _missing_mid,
     "no_sync_last": _no_sync_last({}),
     "no_sync_last_z2": _no_sync_last({"z3": False}),
     "discard_no_sync": _discard_no_sync({}, "opt"),
@@ -280,6 +315,16 @@ def test_load_with_assign_after_the_optimizer_raises_on_every_rank(results):
         kind, msg, unchanged = r["assign_mid"]["refused"]
         assert kind == "StateDictError" and "assign=True" in msg, (rank, kind, msg)
         assert unchanged, rank
+
+
+@pytest.mark.slow
+def test_strict_load_missing_a_key_on_any_rank_raises_on_every_rank_changing_nothing(results):
+    _check(results, "missing_mid")  # the model's own dict loaded after: the uninterrupted run
+    for rank, r in enumerate(results):
+        for kind, msg, gone, unchanged in r["missing_mid"]["refused"]:
+            assert kind == "StateDictError" and gone in msg and "missing" in msg, (rank, msg)
+            assert unchanged, (rank, gone)
+        assert r["missing_mid"]["loose"] == ["norm.weight"], rank  # strict=False: torch's result
 
 
 @pytest.mark.slow

@@ -60,6 +60,7 @@ from __future__ import annotations
 import datetime
 import importlib
 import re
+import sys
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
@@ -88,7 +89,7 @@ __all__ = [
     "fsdp_mesh", "fsdp_mp_policy", "in_backward", "queue_backward_callback",
     "torch_function_disabled", "make_tensor_subclass", "mesh_root", "composable_replicate_applied",
     "DDP_IGNORE_ATTR", "tree_leaves", "module_param_slots", "state_dict_hooks",
-    "load_state_dict_pre_hooks",
+    "load_state_dict_pre_hooks", "default_load", "load_strict",
     "coalesced_calls", "default_group_timeout", "group_timeout", "set_group_timeout",
     "private_api_report",
 ]
@@ -287,6 +288,26 @@ def load_state_dict_pre_hooks(module: nn.Module) -> Mapping[int, Callable]:
     (``Module._load_state_dict_pre_hooks``; each is called as ``hook(state_dict, prefix,
     local_metadata, strict, missing_keys, unexpected_keys, error_msgs)``)."""
     return module._load_state_dict_pre_hooks
+
+
+def load_strict(max_depth: int = 64) -> Optional[bool]:
+    """The ``strict`` argument of the ``nn.Module.load_state_dict`` call running now (``None``:
+    none is; torch passes ``True`` to every module's load hooks and applies ``strict`` only after
+    every entry was loaded, so a pre-hook reads it from that call's frame)."""
+    code, f = nn.Module.load_state_dict.__code__, sys._getframe(1)
+    for _ in range(max_depth):
+        if f is None:
+            return None
+        if f.f_code is code:
+            return bool(f.f_locals.get("strict", True))
+        f = f.f_back
+    return None
+
+
+def default_load(module: nn.Module) -> bool:
+    """Whether ``module`` loads its own entries with ``nn.Module._load_from_state_dict`` (a class
+    overriding it may fill or rename entries: its missing keys are its own to report)."""
+    return type(module)._load_from_state_dict is nn.Module._load_from_state_dict
 
 
 def tree_leaves(tree: Any) -> list[Any]:

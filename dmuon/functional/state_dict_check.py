@@ -49,6 +49,8 @@ __all__ = [
     "functional_states_from_full",
     "full_from_functional_states",
     "value_problems",
+    "missing_problems",
+    "rewritten_entries",
     "dtype_changes",
     "row_chunks",
     "hparams",
@@ -246,6 +248,25 @@ LIVE_VIEWS = ("these values are the live tensors themselves (model.state_dict() 
 def written_problems(keys: Sequence[str]) -> list[str]:
     """``[]``, or the one :data:`ALREADY_WRITTEN` line naming ``keys`` (:func:`view_problems`)."""
     return [f"{ALREADY_WRITTEN} ({len(keys)}, e.g. {list(keys)[:3]})"] if keys else []
+
+
+def missing_problems(keys: Sequence[str]) -> list[str]:
+    """The problems of a strict ``model.load_state_dict(sd)`` whose dict lacks the param entries
+    ``keys`` (torch loads every other entry, then raises, and only where the dict lacks them)."""
+    return [f"{k}: missing from the dict (load_state_dict(strict=True) loads every param; pass "
+            "the full dict, or strict=False to load the others)" for k in keys]
+
+
+def rewritten_entries(count: int, key: str, by: str) -> str:
+    """The error of dmuon's own state-dict functions when ``count`` dedicated entries (e.g.
+    ``key``) are rewritten by the state-dict hooks of ``by`` (a module, as ``'name' (Class)``)."""
+    return (f"dmuon's own state-dict functions (dmuon.get_model_state_dict / "
+            f"set_model_state_dict, dmuon's sharded checkpoints) read dedicated params by name, but "
+            f"{count} dedicated entries (e.g. {key!r}) are rewritten by the state-dict hooks of "
+            f"{by} (e.g. a fused matrix saved as its parts). Use torch's model.state_dict() / "
+            "model.load_state_dict(sd) (and everything built on them: torch.distributed.checkpoint, "
+            "torchtitan's CheckpointManager), which include the dedicated matrices exactly in the "
+            "layout those hooks write; or leave these params out of dedicate_params' predicate.")
 
 
 def assign_problems(assign: bool, optimizer_built: bool, keys: Sequence[str]) -> list[str]:

@@ -439,7 +439,12 @@ def find_state(model: Any) -> Optional[DedicatedState]:
 
 def get_state(model: nn.Module, what: str = "this call") -> DedicatedState:
     """The state ``dedicate_params`` attached to ``model``; clear error when there is none (also
-    when ``model`` wraps a dedicated model, as PEFT's ``get_peft_model`` applied afterwards)."""
+    when ``model`` wraps a dedicated model, as PEFT's ``get_peft_model`` applied afterwards, and
+    when it is no module: ``model.parameters()`` given as torch's clipping takes them)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{what} takes the model itself (the nn.Module dedicate_params prepared: "
+                        f"dmuon finds its params and their owners), not a {type(model).__name__} "
+                        "(e.g. dmuon.clip_grad_norm_(model, 1.0), not model.parameters())")
     if (st := find_state(model)) is None:
         for path, m in model.named_modules():
             if (inner := getattr(m, STATE_ATTR, None) if path else None) is not None:
