@@ -8,10 +8,14 @@ import torch
 
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
+from dmuon.functional.optimizer_format import (
+    field_problems, from_torch_protocol, full_dict_problems, full_dict_structure,
+    full_from_functional_states, functional_states_from_full, loadable_hparams,
+    optimizer_state_problems, to_torch_protocol,
+)
 from dmuon.functional.state_dict_check import (
-    assign_problems, check_state_dict, dtype_changes, field_problems, from_torch_protocol, full_dict_problems,
-    full_dict_structure, full_from_functional_states, functional_states_from_full, loadable_hparams,
-    model_state_problems, optimizer_state_problems, row_chunks, to_torch_protocol, value_problems,
+    assign_problems, check_state_dict, dtype_changes, model_state_problems, row_chunks,
+    value_problems,
 )
 from dmuon.functional.state_fields import tp_concat_dim
 

@@ -262,7 +262,7 @@ def _single(rank, world, root, out):
 
     from dmuon.functional import adamw as fadamw
     from dmuon.functional import muon as fmuon
-    from dmuon.functional.state_dict_check import functional_states_from_full
+    from dmuon.functional.optimizer_format import functional_states_from_full
     from models import make_batches, make_model, muon_predicate
     from stateful_harness import max_rel_err
 

@@ -52,7 +52,7 @@ def _train(model, opt, rank, world, steps, seed=7, skip=0):
 
 def _snapshot(model, opt):
     import dmuon
-    from dmuon.functional.state_dict_check import hparams
+    from dmuon.functional.optimizer_format import hparams
     return (dmuon.get_model_state_dict(model), dmuon.get_optimizer_state_dict(model, opt),
             [hparams(g) for g in opt.param_groups], opt.num_steps)
 

@@ -3,7 +3,7 @@ the saved storage dtypes and each saved param group's hyper-parameters, by the c
 checks (:mod:`dmuon.functional.muon_options`). Every load path calls :func:`load_problems`
 (``Muon.load_state_dict`` in both formats, ``set_optimizer_state_dict``, torch's DCP route through
 ``load_state_dict``, ``dmuon.load_sharded``) and installs :func:`counters`. The values (tensors) are
-:mod:`dmuon.functional.state_dict_check`'s.
+:mod:`dmuon.functional.optimizer_format`'s.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from dmuon.functional.state_dict_check import COUNTERS as _COUNTERS, hparams, loadable_hparams
+from dmuon.functional.optimizer_format import COUNTERS as _COUNTERS, hparams, loadable_hparams
 
 __all__ = ["counters", "load_problems"]
 

@@ -15,7 +15,7 @@ import torch.nn as nn
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.stages.hparams import as_step
 from dmuon.functional.load_scalars import counters, load_problems
-from dmuon.functional.state_dict_check import (
+from dmuon.functional.optimizer_format import (
     MOMENTS as _MOMENTS, from_torch_protocol, full_dict_problems, full_dict_structure,
     full_entries, hparams, loadable_hparams, optimizer_state_problems, to_torch_protocol)
 from dmuon.stateful.runtime.state import get_state, local_tensor, unwrapping_model
