@@ -239,9 +239,10 @@ def _discard_no_sync(cfg, zero, all_matrices=False, skip=False):
 def _missing_mid(env):
     """``model.load_state_dict(sd)`` (strict) at step 1 with a dict that lacks one key, every
     entry else shifted by 1 (a partial load would show): a dedicated matrix's on every rank, an
-    FSDP2 param's on rank 1 only, a dedicated one's on rank 0 only. torch loads every other entry
-    and raises at the end (on the ranks whose dict lacks the key; plain FSDP2 too); dmuon must
-    refuse on every rank, changing nothing. ``strict=False`` loads the rest and names the key, as
+    FSDP2 param's on rank 1 only, a dedicated one's on rank 0 only; or that has one key more,
+    under a block on every rank, at the top on rank 0 only. torch loads every other entry and
+    raises at the end (on the ranks whose dict is so; plain FSDP2 too); dmuon must refuse on
+    every rank, changing nothing. ``strict=False`` loads the rest and names the key, as
     torch does. Then the model's own dict is loaded and training goes on (the uninterrupted run)."""
     from models import make_batches, make_model
     model = make_model()
@@ -254,8 +255,11 @@ def _missing_mid(env):
         if i == 1 and env["dist"]:
             sd = _full_sd(model, env)
             for gone, ranks in (("layers.0.self_attn.q_proj.weight", (0, 1)), ("norm.weight", (1,)),
-                                ("layers.1.mlp.up_proj.weight", (0,))):
+                                ("layers.1.mlp.up_proj.weight", (0,)),  # an extra key instead:
+                                ("layers.0.mlp.extra.weight", (0, 1)), ("extra_head", (0,))):
                 bad = {k: v + 1 for k, v in sd.items() if k != gone or env["rank"] not in ranks}
+                if "extra" in gone and env["rank"] in ranks:
+                    bad[gone] = torch.ones(2, dtype=torch.float64)
                 kind, msg = catch(lambda: model.load_state_dict(bad))
                 refused.append((kind, msg, gone, max_abs_diff(_full_sd(model, env), sd) == 0.0))
             res = model.load_state_dict({k: v for k, v in sd.items() if k != "norm.weight"},
@@ -318,11 +322,13 @@ def test_load_with_assign_after_the_optimizer_raises_on_every_rank(results):
 
 
 @pytest.mark.slow
-def test_strict_load_missing_a_key_on_any_rank_raises_on_every_rank_changing_nothing(results):
+def test_strict_load_missing_or_extra_key_on_any_rank_raises_on_every_rank_changing_nothing(
+        results):
     _check(results, "missing_mid")  # the model's own dict loaded after: the uninterrupted run
     for rank, r in enumerate(results):
         for kind, msg, gone, unchanged in r["missing_mid"]["refused"]:
-            assert kind == "StateDictError" and gone in msg and "missing" in msg, (rank, msg)
+            word = "not an entry of this model" if "extra" in gone else "missing"
+            assert kind == "StateDictError" and gone in msg and word in msg, (rank, msg)
             assert unchanged, (rank, gone)
         assert r["missing_mid"]["loose"] == ["norm.weight"], rank  # strict=False: torch's result
 

@@ -24,7 +24,7 @@ __all__ = [
     "check_state_dict",
     "model_state_problems",
     "value_problems",
-    "missing_problems",
+    "strict_key_problems",
     "rewritten_entries",
     "dtype_changes",
     "row_chunks",
@@ -211,11 +211,14 @@ def written_problems(keys: Sequence[str]) -> list[str]:
     return [f"{ALREADY_WRITTEN} ({len(keys)}, e.g. {list(keys)[:3]})"] if keys else []
 
 
-def missing_problems(keys: Sequence[str]) -> list[str]:
-    """The problems of a strict ``model.load_state_dict(sd)`` whose dict lacks the param entries
-    ``keys`` (torch loads every other entry, then raises, and only where the dict lacks them)."""
-    return [f"{k}: missing from the dict (load_state_dict(strict=True) loads every param; pass "
-            "the full dict, or strict=False to load the others)" for k in keys]
+def strict_key_problems(missing: Sequence[str], unexpected: Sequence[str]) -> list[str]:
+    """The problems of a strict ``model.load_state_dict(sd)`` whose dict lacks the entries
+    ``missing`` or has the entries ``unexpected`` (torch loads every other entry, then raises,
+    and only where the dict is so)."""
+    fix = ("(load_state_dict(strict=True) takes exactly the model's entries; pass the model's "
+           "dict, or strict=False to load the others)")
+    return ([f"{k}: missing from the dict {fix}" for k in missing]
+            + [f"{k}: not an entry of this model {fix}" for k in unexpected])
 
 
 def rewritten_entries(count: int, key: str, by: str) -> str:

@@ -14,13 +14,14 @@ import torch
 import torch.nn as nn
 
 from dmuon.compat.fsdp_patch import is_dedicated
-from dmuon.compat.torch_api import (default_load, load_state_dict_pre_hooks, load_strict,
-                                   state_dict_hooks)
+from dmuon.compat.torch_api import (load_state_dict_pre_hooks, load_strict, state_dict_hooks,
+                                   strict_load_keys)
 from dmuon.functional.module_paths import ancestors, modules_above
 from dmuon.functional.selection import canonical_names, names_by_object
 from dmuon.functional.state_dict_check import (assign_problems, check_state_dict, dtype_changes,
-                                               live_views, load_refusal, missing_problems,
-                                               rewritten_entries, value_problems, view_problems)
+                                               live_views, load_refusal, rewritten_entries,
+                                               strict_key_problems, value_problems,
+                                               view_problems)
 from dmuon.stateful.runtime.agree import agree as agree_problems
 from dmuon.stateful.runtime.guards import saving_state_dict
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
@@ -203,8 +204,6 @@ class _Hooks:
         self.late, fsdp_keys = set(), []
         for name, p in module.named_parameters(remove_duplicate=False):
             key = prefix + name
-            if not is_dedicated(p) and key not in state_dict:
-                absent.append(name)
             if is_dedicated(p) or key not in state_dict:
                 continue
             v = state_dict[key]
@@ -214,13 +213,13 @@ class _Hooks:
             views += live_views({key: v}, [p])
             if not mine and hasattr(p, "to_local") and not hasattr(v, "to_local"):
                 state_dict[key] = distribute_like(v.to(device=p.device, dtype=p.dtype), p)
-        produced = self._dry_run(module, state_dict, prefix, absent)
-        for k in (k for k in produced if k in self.keys):
-            problems += self.check(prefix + k, self.keys[k], produced[k], notes)
+        for k, v in self._dry_run(module, state_dict, prefix, absent).items():
+            problems += self.check(prefix + k, self.keys[k], v, notes)
             self.late.add(prefix + k)
-        strict = bool(absent) and load_strict()  # (torch passes its hooks True, applies it after)
-        problems += missing_problems([prefix + k for k in absent if k not in produced and strict
-                                      and default_load(module.get_submodule(k.rpartition(".")[0]))])
+        # torch passes its hooks strict=True and applies strict after loading every entry
+        keys = load_strict() and strict_load_keys(module, state_dict, prefix,
+                                                  {h.id for h in self.handles})
+        problems += strict_key_problems(*keys) if keys else []
         buffers = {prefix + k: tuple(b.shape)
                    for k, b in module.named_buffers(remove_duplicate=False)}
         problems += check_state_dict({k: tuple(v.shape) for k, v in state_dict.items() if
@@ -233,9 +232,8 @@ class _Hooks:
         self.staged = staged
 
     def _dry_run(self, root, state_dict, prefix: str, absent: list[str]) -> dict[str, Any]:
-        """``{key: value}`` for each absent param key that the load pre-hooks of the modules
-        between the root and its owner produce (a wrapper's renames), run here on a shallow copy
-        of the dict."""
+        """``{key: value}`` for each absent dedicated key that the load pre-hooks of the modules
+        between the root and its owner produce, run here on a shallow copy of the dict."""
         chains = modules_above(absent)  # parents before children
         if not chains:
             return {}
