@@ -86,8 +86,9 @@ def _failures(rank: int, world: int, tmp: str) -> dict:
     import dmuon.checkpoint.sharded as cs
     model, opt = _setup(rank, world)
     path = f"{tmp}/ckpt"
-    dmuon.save_sharded(path, model, opt, extra={"step": 1})
-    out: dict = {}
+    extra = {"step": 1, "sched": {"last_epoch": 1, "base_lrs": [0.02, 1e-3]}, "run": {"a": {"b": 2}}}
+    dmuon.save_sharded(path, model, opt, extra=extra)
+    out: dict = {"extra": dmuon.load_sharded(path, model, opt).extra == extra}
 
     def files():  # the published checkpoint, byte for byte (its marker holds every CRC)
         return sorted(os.listdir(path)), Path(f"{path}/dmuon-complete.json").read_text()
@@ -244,6 +245,7 @@ def _intact(rank, after):
 
 def test_a_failed_save_names_its_os_cause_on_every_rank_and_cleans_up(tmp_path_factory):
     for rank, r in enumerate(results(2, "failures", tmp_path_factory)):
+        assert r["extra"], rank  # nested extra values come back nested (a scheduler's state dict)
         for tag, code, words in (("ENOSPC", errno.ENOSPC, "No space left on device"),
                                  ("EROFS", errno.EROFS, "Read-only file system"),
                                  ("EFBIG", errno.EFBIG, "File too large"),

@@ -300,13 +300,28 @@ def _read_metadata(rt, checkpoint_id: str, marker: dict, storage_reader):
     agreed on every rank (a refused file raises :class:`CheckpointError` on all)."""
     reader = storage_reader if storage_reader is not None else safe_reader(
         checkpoint_id, {f: v["size"] for f, v in marker.get("files", {}).items()})
-    md, errors = None, []
+    md, paths, errors = None, {}, []
     try:
-        md = reader.read_metadata().state_dict_metadata
+        meta = reader.read_metadata()
+        md, paths = meta.state_dict_metadata, meta.planner_data or {}
     except CheckpointError as e:
         errors.append(str(e))
     agree_errors(rt, errors, "dmuon.load_sharded")
-    return reader, md
+    return reader, md, paths
+
+
+def _extra_skeleton(md: Mapping[str, Any], paths: Mapping[str, Any]) -> dict:
+    """The saved ``extra`` values' nesting (DCP flattens nested dicts to dotted keys; its
+    metadata keeps each key's path), ``None`` at each leaf, for DCP to load into."""
+    out: dict = {}
+    for key in (k for k in md if k.startswith("extra.")):
+        path = paths.get(key)
+        *inner, leaf = path[1:] if path and path[0] == "extra" else (key[len("extra."):],)
+        node = out
+        for part in inner:
+            node = node.setdefault(part, {})
+        node[leaf] = None
+    return out
 
 
 def _check_metadata(md: Mapping[str, Any], model: nn.Module, rt, optimizer, strict: bool,
@@ -408,7 +423,7 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
         agree_errors(rt, errors, f"{what} (checksum pass)")
     except RuntimeError as e:
         raise not_agreed(e, what, "Nothing was changed on any rank.", errors) from None
-    reader, md = _read_metadata(rt, path, marker, storage_reader)
+    reader, md, paths = _read_metadata(rt, path, marker, storage_reader)
     notes: list = []
     problems, check = _check_metadata(md, model, rt, optimizer, strict, notes)
     agree_errors(rt, problems, what)
@@ -447,9 +462,8 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
             if n in rt.masters:
                 sd["optim"]["dedicated"].setdefault(n, {})["master"] = torch.empty(
                     rt.shape[n], dtype=rt.master_dtype[n], device=rt.device)
-    extra_keys = [k[len("extra."):] for k in md if k.startswith("extra.")]
-    if extra_keys:
-        sd["extra"] = {k: None for k in extra_keys}
+    if extra := _extra_skeleton(md, paths):
+        sd["extra"] = extra
     _, load_planner = _planners()
     planner = load_planner()
     own, raised = run_step(lambda: dcp.load(sd, checkpoint_id=path, storage_reader=reader,
