@@ -492,3 +492,21 @@ def test_a_full_checkpoint_with_flipped_bytes_is_refused(tmp_path):
     assert torch.load(path, weights_only=True)["optim"]["step"] == 3  # torch loads it silently
     with pytest.raises(CheckpointError, match="CRC"):
         dmuon.read_state_dict(path)
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99])
+def test_a_cut_full_checkpoint_is_named_cut_not_legacy(tmp_path, keep):
+    """A ``torch.save`` file cut short (a copy or save that did not finish) has lost its zip index:
+    ``read_state_dict`` names that (a user-path review, session 14: it said "torch < 1.6's legacy
+    format"), and a file that never was a zip keeps the legacy message."""
+    import dmuon
+    from dmuon.checkpoint.files import CheckpointError
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": {"w": torch.randn(256, 64)}}, path)
+    data = path.read_bytes()
+    path.write_bytes(data[:int(len(data) * keep)])
+    with pytest.raises(CheckpointError, match="cut short or corrupt"):
+        dmuon.read_state_dict(path)
+    path.write_bytes(b"\x80\x02" + data[2:100])
+    with pytest.raises(CheckpointError, match="legacy format"):
+        dmuon.read_state_dict(path)

@@ -233,6 +233,14 @@ def value_problems(prefix: str, values: Mapping[str, Any]) -> list[str]:
     return problems
 
 
+def _starts_as_zip(source: Any) -> bool:
+    """The file (a path or an open binary file) begins with a zip record's signature."""
+    if isinstance(source, str):
+        with open(source, "rb") as f:
+            return f.read(4) == b"PK\x03\x04"
+    return source.read(4) == b"PK\x03\x04"
+
+
 def read_torch_file(path: str, *, verify: bool = True, file: Optional[BinaryIO] = None) -> Any:
     """A ``torch.save`` file, loaded with ``weights_only=True`` after checking that its records
     are stored (not compressed) and (``verify``) match their CRC-32s; ``file``: the file already
@@ -256,6 +264,11 @@ def read_torch_file(path: str, *, verify: bool = True, file: Optional[BinaryIO] 
                 f"{path}: corrupt ({e}): a record does not match the CRC-32 torch.save stored for "
                 "it (flipped bytes, a torn copy); not loaded. verify=False skips this check.") \
                 from None
+    elif verify and _starts_as_zip(source()):
+        raise CheckpointError(
+            f"{path}: cut short or corrupt: it starts as a torch.save (zip) file but its end, the "
+            "index of its records, is missing or damaged (a copy or save that did not finish, a "
+            "full disk); not loaded. Load an intact copy.")
     elif verify:
         raise CheckpointError(
             f"{path}: not a zip-format torch.save file (torch < 1.6's legacy format, or not a "
