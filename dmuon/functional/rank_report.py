@@ -72,5 +72,6 @@ def not_on_every_rank(what: str, detail: str, bound_env: str) -> str:
     ranks did not come, or why; ``bound_env``: the variable that gives slow ranks longer)."""
     return (f"dmuon: {what} is collective on a dmuon model: {detail}: state_dict / save is "
             f"collective: call it on every rank. {SAVE_FIX} Nothing was sent; the call can be made "
-            f"again on every rank. (A rank that is only slow to get here can be given longer: "
-            f"{bound_env}=seconds.)")
+            f"again on every rank. (If those ranks raised in an earlier call and took another "
+            f"path, their error is the cause: see their log. A rank that is only slow to get here "
+            f"can be given longer: {bound_env}=seconds.)")
