@@ -274,6 +274,41 @@ def _missing_mid(env):
     return {"sd": _full_sd(model, env), "extra": [], "refused": refused, "loose": loose}
 
 
+def _discard_fsdp_knob(cfg, knob="gradient_sync"):
+    """A micro-batch backwarded with FSDP2's own accumulation knob
+    (``model.set_requires_gradient_sync(False)``, not ``dmuon.no_sync``; ``knob="all_reduce"``:
+    ``set_requires_all_reduce(False)`` + ``set_is_last_backward(False)`` on HSDP), thrown away by
+    ``optimizer.zero_grad()``, then the step's own micro-batch: a single-device ``zero_grad``
+    drops it. FSDP2 keeps its params' share of it on their unsharded params, out of the sharded
+    ``.grad``'s reach, and adds it to its next reduce-scatter (plain FSDP2 + AdamW: off by
+    6.0e-3 after one step; a user-path review, session 14); ``dmuon.Muon.zero_grad`` drops it."""
+    def path(env):
+        from models import make_batches, make_model
+        model = make_model()
+        if env["dist"]:
+            model, opt = build_dmuon(env["rank"], env["world"], model, model.layers, cfg)
+        else:
+            opt = RefMuon(model)
+        ranks = [env["rank"]] if env["dist"] else range(WORLD)
+        scale = 1 if env["dist"] else WORLD
+        data = make_batches(STEPS, BATCH)
+        for i, x in enumerate(data):
+            opt.zero_grad()
+            if env["dist"]:
+                setting = (lambda on: (model.set_requires_all_reduce(on),
+                                       model.set_is_last_backward(on))) if knob == "all_reduce" \
+                    else model.set_requires_gradient_sync
+                setting(False)
+                model(data[(i + 1) % STEPS].chunk(WORLD)[env["rank"]].flip(0)).backward()
+                setting(True)
+                opt.zero_grad()  # the micro-batch is thrown away
+            for r in ranks:
+                (model(x.chunk(WORLD)[r]) / scale).backward()
+            opt.step()
+        return {"sd": _full_sd(model, env), "extra": []}
+    return path
+
+
 PATHS = {
     "inference_first": _inference_first({}),
     "inference_first_z2": _inference_first({"z3": False}),
@@ -289,6 +324,9 @@ PATHS = {
     "discard_no_sync_one_z2_skip": _discard_no_sync({"z3": False}, "one", True, skip=True),
     "discard_no_sync_model_z3_skip": _discard_no_sync({}, "model", True, skip=True),
     "discard_no_sync_fsdp_z2": _discard_no_sync({"z3": False}, "fsdp"),
+    "discard_fsdp_knob": _discard_fsdp_knob({}),
+    "discard_fsdp_knob_z2": _discard_fsdp_knob({"z3": False}),
+    "discard_fsdp_all_reduce_hsdp": _discard_fsdp_knob({"hsdp": True}, "all_reduce"),
 }
 
 
@@ -354,6 +392,13 @@ def test_zero_grad_drops_a_micro_batch_backwarded_inside_no_sync(results, key):
 @pytest.mark.parametrize("key", ["discard_no_sync_model_z2", "discard_no_sync_model_z2_skip",
                                  "discard_no_sync_keep_z2_skip", "discard_no_sync_one_z2_skip"])
 def test_model_zero_grad_drops_a_z2_micro_batch_backwarded_inside_no_sync(results, key):
+    _check(results, key)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", ["discard_fsdp_knob", "discard_fsdp_knob_z2",
+                                 "discard_fsdp_all_reduce_hsdp"])
+def test_zero_grad_drops_a_micro_batch_backwarded_with_fsdp2s_own_sync_knob_off(results, key):
     _check(results, key)
 
 

@@ -228,15 +228,18 @@ def reshard_unsharded(groups: Sequence[Any]) -> None:
             g.reshard()
 
 
-def drop_unreduced_fsdp_grads(model: Optional[nn.Module]) -> None:
-    """Drop the gradients FSDP2 holds unreduced on its unsharded params: a backward under
-    ``set_requires_gradient_sync(False)`` (``dmuon.no_sync``) leaves them there, where
-    ``optimizer.zero_grad()`` (over the sharded params) does not reach, and FSDP2's next synced
-    backward adds them to its reduce-scatter (measured on torch 2.13: a micro-batch thrown away by
-    ``zero_grad()`` still moved the next step). ``dmuon.Muon.zero_grad`` calls it, so that it drops
-    every gradient, as a single-device ``zero_grad`` does (``model`` ``None``: freed, nothing
-    held)."""
-    for group in () if model is None else fsdp_groups(model):
+def drop_unreduced_fsdp_grads(groups: Sequence[Any]) -> None:
+    """Drop the gradients FSDP2's param ``groups`` hold not yet reduced: a backward under
+    ``set_requires_gradient_sync(False)`` (``dmuon.no_sync``, or FSDP2's own knob) leaves them on
+    the unsharded params, and one under ``set_requires_all_reduce(False)`` (HSDP) leaves the
+    group's reduce-scattered part, where ``optimizer.zero_grad()`` (over the sharded params) does
+    not reach; FSDP2's next synced backward adds them to its reduction (measured on torch 2.13,
+    with or without dmuon: a micro-batch thrown away by ``zero_grad()`` still moved the next
+    step). ``dmuon.Muon.zero_grad`` calls it, so that it drops every gradient, as a single-device
+    ``zero_grad`` does."""
+    for group in groups:
+        if getattr(group, "_partial_reduce_output", None) is not None:
+            group._partial_reduce_output = None
         for fp in getattr(group, "fsdp_params", ()):
             fp.unsharded_accumulated_grad = None
             unsharded = getattr(fp, "_unsharded_param", None)

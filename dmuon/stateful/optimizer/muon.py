@@ -495,8 +495,7 @@ class Muon(torch.optim.Optimizer):
         """Drop the dedicated matrices' pending grads (and their ``.grad`` markers) and zero
         FSDP2's grads (torch semantics)."""
         self._rt.clear_grads()
-        if self._rt.unsynced_backward:  # FSDP2's unreduced no_sync grads, out of torch's reach
-            drop_unreduced_fsdp_grads(self._rt.model_ref())
+        drop_unreduced_fsdp_grads(self._fsdp_groups)  # FSDP2's, out of torch's reach (no_sync)
         self._storage.copies.staged.clear()  # a batch skipped after its backward: copies not needed
         # the consumed markers of the last step (dmuon.stateful.runtime.ledger) are zeroed or
         # dropped here like any .grad: set_to_none=False then steps a matrix with no new gradient

@@ -104,7 +104,6 @@ class DedicatedState:
         self.backward = BackwardLog({k: g.names for k, g in self.groups.items()})
         self.version = 0               # weights change at every step: older gathers are stale
         self.require_grad_sync = True  # False inside dmuon.no_sync
-        self.unsynced_backward = False  # the last backward ran inside it (FSDP2 holds its grads)
         self._callback_queued = False
         self._deferred_grads: dict[str, nn.Parameter] = {}  # on_grad: taken at the backward's end
         self._keep_gathered = False  # this backward has create_graph=True (on_backward_start)
@@ -327,7 +326,6 @@ class DedicatedState:
             if self.require_grad_sync:
                 self._launch_due_reduces(every=True)
             self.ledger.fresh = self.require_grad_sync  # a no_sync backward last: no step on it
-            self.unsynced_backward = not self.require_grad_sync
         self.backward.end()
         self.forwards.new_forward()
         create_graph, self._keep_gathered = self._keep_gathered, False
