@@ -36,6 +36,12 @@ def test_collective_failure_names_the_collective_ranks_bound_and_fix():
                            "0:00:02): Timed out. A timeout means a rank of [0, 1, 2, 3] never")
     assert text.endswith("(see its log). Restart. The bound is dedicate_params(..., timeout=...).")
     assert "(timeout" not in collective_failure("x", [0, 1], 0, None, "e")
+    # a peer's process gone (a user-path review, session 14: a rank killed during save_sharded
+    # was reported as a call-order problem only): the message says so first
+    gone = collective_failure("save agreement", [0, 1], 0, None,
+                              "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    assert "a rank's process is gone (crashed, killed, out of memory" in gone
+    assert "process is gone" not in text
 
 
 class _Boom(ValueError):

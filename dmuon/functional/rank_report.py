@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Sequence
 
 __all__ = ["MAX_GROUPS", "MAX_MESSAGES", "describe_problems", "describe_values",
-           "collective_failure", "SAVE_FIX", "not_on_every_rank"]
+           "collective_failure", "PEER_GONE", "SAVE_FIX", "not_on_every_rank"]
 
 #: at most this many groups of ranks, and this many messages per group, in a detail
 MAX_GROUPS = 8
@@ -44,12 +44,20 @@ def describe_values(values: Sequence[Any], show: Callable[[Any], str] = str) -> 
     return " | ".join(parts)
 
 
+#: what gloo and NCCL say when a peer's process is gone (its connection closed mid-collective)
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "remote worker",
+             "Broken pipe")
+
+
 def collective_failure(what: str, ranks: Sequence[int], rank: int, timeout: Any, err: Any,
                        after: str = "") -> str:
     """The message of dmuon's collective ``what`` (over ``ranks``) that failed on ``rank`` with
     ``err`` under ``timeout`` (``None``: the default group's): a timeout means a rank never came.
     ``after``: what else to say before the bound's fix."""
     bound = f" (timeout {timeout})" if timeout is not None else ""
+    if any(w in str(err) for w in PEER_GONE):
+        after = ("The error says a peer's connection closed: a rank's process is gone (crashed, "
+                 "killed, out of memory: see its log). " + after)
     return (f"dmuon: the {what} collective failed on rank {rank}{bound}: {err}. A timeout means a "
             f"rank of {list(ranks)} never reached it: every rank must make the same dmuon calls "
             "(forward, backward, optimizer.step(), state-dict and clip calls) in the same order "
