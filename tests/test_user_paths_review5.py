@@ -86,6 +86,16 @@ def _data():
     return [torch.randn(BATCH, 8, generator=g, dtype=torch.float64) for _ in range(STEPS)]
 
 
+def _llama(env, cfg):
+    """The tests' small Llama and its optimizer: dmuon's on the ranks (``cfg`` as
+    :func:`build_dmuon`'s), the one-process reference otherwise."""
+    from models import make_model
+    model = make_model()
+    if env["dist"]:
+        return build_dmuon(env["rank"], env["world"], model, model.layers, cfg)
+    return model, RefMuon(model)
+
+
 def _full_sd(model, env):
     import dmuon
     if env["dist"]:
@@ -126,12 +136,8 @@ def _assign_mid(env):
     replaces the params by the dict's tensors, so an optimizer built before holds the old ones and
     silently stops updating the model; dmuon must refuse it on every rank, changing nothing (the
     run then equals the uninterrupted one)."""
-    from models import make_batches, make_model
-    model = make_model()
-    if env["dist"]:
-        model, opt = build_dmuon(env["rank"], env["world"], model, model.layers, {})
-    else:
-        opt = RefMuon(model)
+    from models import make_batches
+    model, opt = _llama(env, {})
     refused = None
     for i, ids in enumerate(make_batches(STEPS, BATCH)):
         if i == 1 and env["dist"]:
@@ -157,12 +163,8 @@ def _no_sync_last(cfg):
     recipe's order (no_sync first): equal to one process."""
     def path(env):
         import contextlib
-        from models import make_batches, make_model
-        model = make_model()
-        if env["dist"]:
-            model, opt = build_dmuon(env["rank"], env["world"], model, model.layers, cfg)
-        else:
-            opt = RefMuon(model)
+        from models import make_batches
+        model, opt = _llama(env, cfg)
         ranks = [env["rank"]] if env["dist"] else range(WORLD)
 
         def backward(ids, no_sync):
@@ -244,12 +246,8 @@ def _missing_mid(env):
     raises at the end (on the ranks whose dict is so; plain FSDP2 too); dmuon must refuse on
     every rank, changing nothing. ``strict=False`` loads the rest and names the key, as
     torch does. Then the model's own dict is loaded and training goes on (the uninterrupted run)."""
-    from models import make_batches, make_model
-    model = make_model()
-    if env["dist"]:
-        model, opt = build_dmuon(env["rank"], env["world"], model, model.layers, {})
-    else:
-        opt = RefMuon(model)
+    from models import make_batches
+    model, opt = _llama(env, {})
     refused, loose = [], None
     for i, ids in enumerate(make_batches(STEPS, BATCH)):
         if i == 1 and env["dist"]:
@@ -283,12 +281,8 @@ def _discard_fsdp_knob(cfg, knob="gradient_sync"):
     ``.grad``'s reach, and adds it to its next reduce-scatter (plain FSDP2 + AdamW: off by
     6.0e-3 after one step; a user-path review, session 14); ``dmuon.Muon.zero_grad`` drops it."""
     def path(env):
-        from models import make_batches, make_model
-        model = make_model()
-        if env["dist"]:
-            model, opt = build_dmuon(env["rank"], env["world"], model, model.layers, cfg)
-        else:
-            opt = RefMuon(model)
+        from models import make_batches
+        model, opt = _llama(env, cfg)
         ranks = [env["rank"]] if env["dist"] else range(WORLD)
         scale = 1 if env["dist"] else WORLD
         data = make_batches(STEPS, BATCH)
