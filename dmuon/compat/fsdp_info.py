@@ -241,7 +241,8 @@ def drop_unreduced_fsdp_grads(groups: Sequence[Any]) -> None:
         if getattr(group, "_partial_reduce_output", None) is not None:
             group._partial_reduce_output = None
         for fp in getattr(group, "fsdp_params", ()):
-            fp.unsharded_accumulated_grad = None
+            if not isinstance(getattr(type(fp), "unsharded_accumulated_grad", None), property):
+                fp.unsharded_accumulated_grad = None  # (torch 2.15: a view of the param's .grad)
             unsharded = getattr(fp, "_unsharded_param", None)
             if unsharded is not None:
                 unsharded.grad = None
