@@ -90,11 +90,41 @@ def test_module_and_mesh_helpers():
     assert set(slots) == {"weight", "bias"} and slots["weight"] is lin.weight
     handle = lin.register_state_dict_post_hook(lambda *a: None)
     assert handle.id in compat.state_dict_hooks(lin)
-    pre = lin.register_load_state_dict_pre_hook(lambda *a: None)
-    assert pre.id in compat.load_state_dict_pre_hooks(lin)
     Pair = collections.namedtuple("Pair", "a b")
     t = torch.ones(1)
     assert compat.tree_leaves({"x": [t, (t, 2)], "y": Pair(t, 3)}) == [t, t, 2, t, 3]
     assert compat.mesh_root(object()) is None
     assert compat.composable_replicate_applied(lin) is False
     assert compat.DDP_IGNORE_ATTR == "_ddp_params_and_buffers_to_ignore"
+
+
+def test_simulate_load_reports_what_torchs_own_strict_load_reports():
+    """``compat.simulate_load`` (dmuon's strict check before anything loads) against torch's own
+    ``load_state_dict(strict=False)`` result, on dicts with missing, extra and renamed keys: a
+    ``checkpoint_wrapper`` (its load pre-hook renames keys), a non-persistent buffer; the same keys
+    but for a module that overrides ``_load_from_state_dict`` (BatchNorm: torch judges those), and
+    the values each module would load are the dict's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    def model():
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                                checkpoint_wrapper(torch.nn.Linear(4, 2)))
+        m[0].register_buffer("scratch", torch.zeros(1), persistent=False)
+        return m
+
+    full = model().state_dict()
+    cases = [dict(full), {k: v for k, v in full.items() if k != "0.weight"},
+             {k: v for k, v in full.items() if k != "1.running_mean"},
+             {**full, "0.extra": torch.ones(1), "9.w": torch.ones(1)},
+             {k: v for k, v in full.items() if not k.startswith("2.")}]
+    # BatchNorm overrides _load_from_state_dict: its own keys are torch's to judge (at the end)
+    mine = lambda keys: sorted(k for k in keys if not k.startswith("1."))  # noqa: E731
+    for sd in cases:
+        sim = compat.simulate_load(model(), sd, "")
+        want = model().load_state_dict(dict(sd), strict=False)
+        assert sim.judged
+        assert sorted(sim.missing) == mine(want.missing_keys), sd.keys()
+        assert sorted(sim.unexpected) == mine(want.unexpected_keys), sd.keys()
+    sim = compat.simulate_load(model(), full, "")
+    assert sim.values["2._checkpoint_wrapped_module.weight"] is full["2.weight"]  # the renamed key

@@ -61,7 +61,7 @@ import datetime
 import importlib
 import re
 import sys
-from typing import Any, Callable, Collection, Iterator, Mapping, Optional
+from typing import Any, Callable, Collection, Iterator, Mapping, NamedTuple, Optional
 
 import torch
 import torch.nn as nn
@@ -89,7 +89,8 @@ __all__ = [
     "fsdp_mesh", "fsdp_mp_policy", "in_backward", "queue_backward_callback",
     "torch_function_disabled", "make_tensor_subclass", "mesh_root", "composable_replicate_applied",
     "DDP_IGNORE_ATTR", "tree_leaves", "module_param_slots", "state_dict_hooks",
-    "load_state_dict_pre_hooks", "default_load", "load_strict", "strict_load_keys",
+    "default_load", "load_strict", "LoadSimulation",
+    "simulate_load",
     "coalesced_calls", "default_group_timeout", "group_timeout", "set_group_timeout",
     "private_api_report",
 ]
@@ -283,36 +284,35 @@ def state_dict_hooks(module: nn.Module) -> Mapping[int, Callable]:
     return module._state_dict_hooks
 
 
-def load_state_dict_pre_hooks(module: nn.Module) -> Mapping[int, Callable]:
-    """``module``'s own ``load_state_dict`` pre-hooks, ``{handle id: hook}``
-    (``Module._load_state_dict_pre_hooks``; each is called as ``hook(state_dict, prefix,
-    local_metadata, strict, missing_keys, unexpected_keys, error_msgs)``)."""
-    return module._load_state_dict_pre_hooks
+class LoadSimulation(NamedTuple):
+    """What a ``load_state_dict`` of a module would see (:func:`simulate_load`)."""
+
+    #: ``{key: value}`` each module would load into its own param or buffer named ``key``
+    values: dict[str, Any]
+    #: the keys a strict load would report missing / unexpected (where :attr:`judged`)
+    missing: list[str]
+    unexpected: list[str]
+    #: ``missing`` / ``unexpected`` are torch's verdict (no hook of another owner could change it)
+    judged: bool
 
 
-def strict_load_keys(root: nn.Module, state_dict: Mapping[str, Any], prefix: str,
-                     skip_hooks: Collection[int] = ()) -> Optional[tuple[list[str], list[str]]]:
-    """``(missing, unexpected)``: the keys a strict ``load_state_dict`` of ``root`` (at ``prefix``)
-    would report for ``state_dict``, by torch's rule (``nn.Module._load_from_state_dict``: each
-    module, after its load pre-hooks, takes its params and persistent buffers and refuses keys
-    naming neither a child nor one of them; then each child its part of the dict), found before
-    anything loads: each module's pre-hooks run on a copy (``skip_hooks``: handle ids not to run;
-    the root's own hooks are running now). A module that overrides ``_load_from_state_dict`` or
-    ``set_extra_state`` answers for its keys itself: none is reported below it. ``None`` where
-    the root has a load pre-hook of another owner (it may rename keys first), or a module has a
-    load post-hook of another owner (it may forgive keys)."""
-    mods = [root, *root.modules()]
-    if any(hid not in skip_hooks for hid in root._load_state_dict_pre_hooks) or any(
-            not getattr(h, "__module__", "").startswith(("torch.", "dmuon."))
-            for m in mods for h in m._load_state_dict_post_hooks.values()):
-        return None  # (a post-hook of another owner may forgive keys)
-    missing: list[str] = []
-    unexpected: list[str] = []
+def simulate_load(root: nn.Module, state_dict: Mapping[str, Any], prefix: str,
+                  skip_hooks: Collection[int] = ()) -> LoadSimulation:
+    """A ``load_state_dict`` of ``root`` (at ``prefix``) run on a copy of ``state_dict``, before
+    anything loads, by torch's rule (``nn.Module._load_from_state_dict``): each module, after its
+    load pre-hooks (run here on the copy; ``skip_hooks``: handle ids not to run; the root's own
+    are running now), takes its params and persistent buffers and, under ``strict``, refuses keys
+    naming neither a child nor one of them; then each child its part of the dict. Below a module
+    that overrides ``_load_from_state_dict`` or ``set_extra_state`` no key is judged (it answers for
+    its keys itself); nothing is judged where the root has a load pre-hook of another owner (it may
+    rename keys first) or a module a load post-hook of another owner (it may forgive keys)."""
+    judged = not any(hid not in skip_hooks for hid in root._load_state_dict_pre_hooks) and not any(
+        not getattr(h, "__module__", "").startswith(("torch.", "dmuon."))
+        for m in root.modules() for h in m._load_state_dict_post_hooks.values())
+    sim = LoadSimulation({}, [], [], judged)
     meta = getattr(state_dict, "_metadata", {})
 
-    def visit(m: nn.Module, sd: dict, pre: str) -> None:
-        if not default_load(m) or type(m).set_extra_state is not nn.Module.set_extra_state:
-            return
+    def visit(m: nn.Module, sd: dict, pre: str, judge: bool) -> None:
         if m is not root:
             for hid, hook in list(m._load_state_dict_pre_hooks.items()):
                 if hid not in skip_hooks:
@@ -320,19 +320,22 @@ def strict_load_keys(root: nn.Module, state_dict: Mapping[str, Any], prefix: str
         local = {k for k, v in m._parameters.items() if v is not None} | {
             k for k, v in m._buffers.items() if v is not None
             and k not in m._non_persistent_buffers_set}
-        missing.extend(pre + k for k in local if pre + k not in sd)
-        for key in sd:
-            if key.startswith(pre):
-                head, *rest = key[len(pre):].split(".", 1)
-                if (head not in m._modules) if rest else (head not in local):
-                    unexpected.append(key)
+        sim.values.update((pre + k, sd[pre + k]) for k in local if pre + k in sd)
+        judge = judge and default_load(m) and type(m).set_extra_state is nn.Module.set_extra_state
+        if judge:
+            sim.missing.extend(pre + k for k in local if pre + k not in sd)
+            for key in sd:
+                if key.startswith(pre):
+                    head, *rest = key[len(pre):].split(".", 1)
+                    if (head not in m._modules) if rest else (head not in local):
+                        sim.unexpected.append(key)
         for name, child in m._modules.items():
             if child is not None:
                 sub = pre + name + "."
-                visit(child, {k: v for k, v in sd.items() if k.startswith(sub)}, sub)
+                visit(child, {k: v for k, v in sd.items() if k.startswith(sub)}, sub, judge)
 
-    visit(root, dict(state_dict), prefix)
-    return missing, unexpected
+    visit(root, dict(state_dict), prefix, judged)
+    return sim
 
 
 def load_strict(max_depth: int = 64) -> Optional[bool]:

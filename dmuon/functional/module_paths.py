@@ -3,9 +3,7 @@ module and its ancestors sit in the module tree, for hooks that must visit them 
 """
 from __future__ import annotations
 
-from typing import Iterable
-
-__all__ = ["ancestors", "modules_above"]
+__all__ = ["ancestors"]
 
 
 def ancestors(name: str) -> list[str]:
@@ -14,9 +12,3 @@ def ancestors(name: str) -> list[str]:
     parts = name.split(".")[:-1]
     return [".".join(parts[:i]) for i in range(len(parts), 0, -1)]
 
-
-def modules_above(keys: Iterable[str]) -> list[str]:
-    """The module paths above any of ``keys``, each once, parents before children (within one
-    depth in the order the keys first reach them)."""
-    seen = dict.fromkeys(path for k in keys for path in reversed(ancestors(k)))
-    return sorted(seen, key=lambda path: path.count("."))

@@ -14,9 +14,8 @@ import torch
 import torch.nn as nn
 
 from dmuon.compat.fsdp_patch import is_dedicated
-from dmuon.compat.torch_api import (load_state_dict_pre_hooks, load_strict, state_dict_hooks,
-                                   strict_load_keys)
-from dmuon.functional.module_paths import ancestors, modules_above
+from dmuon.compat.torch_api import load_strict, simulate_load, state_dict_hooks
+from dmuon.functional.module_paths import ancestors
 from dmuon.functional.selection import canonical_names, names_by_object
 from dmuon.functional.state_dict_check import (assign_problems, check_state_dict, dtype_changes,
                                                live_views, load_refusal, rewritten_entries,
@@ -110,7 +109,7 @@ class _Hooks:
         self.rows: Optional[dict[str, Any]] = None
         self.stand_ins: dict[str, tuple] = {}  # raw pass: key -> (meta stand-in, name)
         self.late: set[str] = set()  # load: keys an ancestor's pre-hook produces (checked early)
-        self.own_hooks: set[int] = set()  # ids of the hooks below (skipped by the dry run)
+        self.own_hooks: set[int] = set()  # ids of the owner modules' hooks below
         self.handles: list = []  # every hook's handle (dmuon.release removes them)
         self.owned_by: dict[str, list[tuple[str, str]]] = {}  # module path -> [(attr, name)]
         for k, n in self.keys.items():
@@ -213,13 +212,13 @@ class _Hooks:
             views += live_views({key: v}, [p])
             if not mine and hasattr(p, "to_local") and not hasattr(v, "to_local"):
                 state_dict[key] = distribute_like(v.to(device=p.device, dtype=p.dtype), p)
-        for k, v in self._dry_run(module, state_dict, prefix, absent).items():
-            problems += self.check(prefix + k, self.keys[k], v, notes)
+        # the entries the modules' load pre-hooks produce (a wrapper's renames), on a copy
+        sim = simulate_load(module, state_dict, prefix, {h.id for h in self.handles})
+        for k in (k for k in absent if prefix + k in sim.values):
+            problems += self.check(prefix + k, self.keys[k], sim.values[prefix + k], notes)
             self.late.add(prefix + k)
-        # torch passes its hooks strict=True and applies strict after loading every entry
-        keys = load_strict() and strict_load_keys(module, state_dict, prefix,
-                                                  {h.id for h in self.handles})
-        problems += strict_key_problems(*keys) if keys else []
+        if sim.judged and load_strict():  # (torch passes its hooks True, applies strict after)
+            problems += strict_key_problems(sim.missing, sim.unexpected)
         buffers = {prefix + k: tuple(b.shape)
                    for k, b in module.named_buffers(remove_duplicate=False)}
         problems += check_state_dict({k: tuple(v.shape) for k, v in state_dict.items() if
@@ -231,25 +230,10 @@ class _Hooks:
         log_dtype_changes("model.load_state_dict", notes)
         self.staged = staged
 
-    def _dry_run(self, root, state_dict, prefix: str, absent: list[str]) -> dict[str, Any]:
-        """``{key: value}`` for each absent dedicated key that the load pre-hooks of the modules
-        between the root and its owner produce, run here on a shallow copy of the dict."""
-        chains = modules_above(absent)  # parents before children
-        if not chains:
-            return {}
-        trial = dict(state_dict)
-        meta = getattr(state_dict, "_metadata", {})
-        for path in chains:
-            m = root.get_submodule(path)
-            sub = prefix + path + "."
-            for hid, hook in list(load_state_dict_pre_hooks(m).items()):
-                if hid not in self.own_hooks:
-                    hook(trial, sub, meta.get(sub[:-1], {}), True, [], [], [])
-        return {k: trial[prefix + k] for k in absent if prefix + k in trial}
-
     def owner_pre_load(self, module, state_dict, prefix, *rest, path: str) -> None:
         """Load pre-hook of a module holding dedicated params: stage an entry an ancestor's
-        pre-hook produced (checked by the root's dry run) and put the placeholder in its place."""
+        pre-hook produced (checked by the root's simulated load) and put the placeholder in its
+        place."""
         if self.staged is None:
             return
         for attr, n in self.owned_by[path]:
@@ -260,7 +244,7 @@ class _Hooks:
             notes: list = []
             problems = self.check(key, n, v, notes)
             log_narrowing(notes)
-            if problems:  # the dry run passed: the hook gave another value the second time
+            if problems:  # the simulated load passed: the hook gave another value this time
                 raise StateDictError(f"model.load_state_dict: {problems[0]} (a state-dict hook "
                                      "produced another value than in dmuon's check)")
             self.staged.setdefault(n, v)
