@@ -136,11 +136,13 @@ def _built(rank, world, model, z3, hsdp=False):
                        {"z3": z3, "hsdp": hsdp, "predicate": lambda n, p: p.ndim == 2})
 
 
-def _layer_drop(rank, world, z3):
+def _layer_drop(rank, world, template, z3):
+    """Four steps from a copy of ``template`` (built once, outside the thread-ranks: they share
+    torch's global RNG, so two ranks building at once drew interleaved weights)."""
+    import copy
+
     import dmuon
-    torch.manual_seed(0)
-    model = _LayerDrop().double()
-    model, opt = _built(rank, world, model, z3)
+    model, opt = _built(rank, world, copy.deepcopy(template), z3)
     g = torch.Generator().manual_seed(1)
     for model.step in range(4):
         x = torch.randn(4, 8, generator=g, dtype=torch.float64)
@@ -155,8 +157,10 @@ def _layer_drop(rank, world, z3):
 def test_a_block_skipped_on_every_rank_for_two_steps_equals_one_process(z3):
     """LayerDrop-style skipping on every rank (the block not called, its matrices without a
     gradient at those steps), 2 thread-ranks, Z3 and Z2: equal to ``RefMuon`` in one process."""
-    ref = _layer_drop(0, 0, z3)
-    for got in run_threads(_layer_drop, 2, z3):
+    torch.manual_seed(0)
+    template = _LayerDrop().double()
+    ref = _layer_drop(0, 0, template, z3)
+    for got in run_threads(_layer_drop, 2, template, z3):
         assert max(float((got[k] - v).abs().max()) for k, v in ref.items()) <= TOL
 
 
