@@ -50,7 +50,7 @@ from dmuon.tools.projection_report import machine_summary  # noqa: E402
 
 log = logging.getLogger("collective_projection")
 
-STYLES = ("per_owner", "per_bucket", "grouped", "auto")
+STYLES = ("per_owner", "per_bucket", "grouped", "sharded", "auto")
 OVERLAP_KEYS = ("layer_backward_s", "tokens")
 STYLE_GRID = [(m, n, min(64, n)) for m in ("llama-3.1-8b", "llama-3.1-70b")
               for n in (8, 64, 512, 1024)]

@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "bytes as dmuon.Muon(momentum_dtype=...) allocates them)")
     p.add_argument("--offload-state", action="store_true",
                    help="the owners' Muon state in host memory (dmuon.Muon(offload_state=True))")
-    p.add_argument("--collectives", choices=("per_owner", "per_bucket", "grouped", "auto"),
+    p.add_argument("--collectives", choices=("per_owner", "per_bucket", "grouped", "sharded", "auto"),
                    default="per_owner",
                    help="count the communication with this shard-axis style "
                         "(dedicate_params(collectives=...); default per_owner)")
@@ -232,11 +232,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="split a matrix's NS over up to this many ranks of a node when it shortens "
                         "the projected step (default 8, or 1 with --ns-overlap; 1: never)")
     p.add_argument("--ns-steps", type=int, default=5, help="Newton-Schulz iterations (default 5)")
-    p.add_argument("--collectives", choices=("per_owner", "per_bucket", "grouped", "auto"),
+    p.add_argument("--collectives", choices=("per_owner", "per_bucket", "grouped", "sharded", "auto"),
                    default="per_owner",
                    help="dmuon's shard-axis style per hook group: one broadcast / reduce per owner "
                         "bucket (default), one padded all-gather / reduce-scatter per group, "
-                        "grouped (each phase's per-owner ops as one NCCL group call), or "
+                        "grouped (each phase's per-owner ops as one NCCL group call), sharded "
+                        "(each rank keeps 1/G of a group's gathered copy: one all-gather), or "
                         "auto (chosen per group by this machine's collective times)")
     p.add_argument("--ns-overlap", nargs="?", const="layer_backward_s", default=None,
                    choices=("layer_backward_s", "tokens"),

@@ -218,6 +218,8 @@ def choose_style(unshard: BucketLayout, reduce: BucketLayout, group: str, choice
     """
     if choice not in CHOICES:
         raise ValueError(f"collectives must be one of {CHOICES}, got {choice!r}")
+    if choice == "sharded" and unshard.shard_size <= 1:  # a copy of the whole group: no gain
+        return StyleChoice("per_owner", "sharded asked for: G = 1, nothing to shard", {}, {}, {})
     if choice != "auto":  # nothing to weigh (and nothing built)
         return StyleChoice(choice, f"{choice}: asked for", {}, {}, {})
     G, R = unshard.shard_size, unshard.replicate_size
@@ -225,7 +227,7 @@ def choose_style(unshard: BucketLayout, reduce: BucketLayout, group: str, choice
     fn: OpSeconds = cost if callable(cost) and not hasattr(cost, "seconds") else cost.seconds
     tail = float(getattr(cost, "shard_tail_s", 0.0))
     secs, colls, wire = {}, {}, {}
-    for style in STYLES:
+    for style in ("per_owner", "grouped", "per_bucket"):  # "sharded" is asked for (memory)
         u = unshard_schedule(unshard, group, style=style)
         r = reduce_schedule(reduce, group, style=style)
         secs[style], colls[style], wire[style] = _phase_cost([u, u, r] if z3 else [u, r], G, fn)
@@ -284,16 +286,18 @@ def check_choice(choice: Optional[object], data_parallel: str = "fsdp", *,
                          "one broadcast / reduce per owner column of a hook group; "
                          "\"per_bucket\": one padded all-gather / reduce-scatter per hook group; "
                          "\"grouped\": the per-owner broadcasts / reduces of each phase as one "
-                         "group call; \"auto\": chosen per group by the cost model), got "
+                         "group call; \"sharded\": each rank keeps 1/G of a hook group's "
+                         "gathered copy, gathered with one all-gather; \"auto\": chosen per group "
+                         "by the cost model), got "
                          f"{choice!r}")
-    if choice == "per_bucket" and data_parallel == "ddp":
-        raise ValueError("dedicate_params(collectives='per_bucket') moves a hook group over the "
-                         "shard axis in one all-gather / reduce-scatter; data_parallel='ddp' has no "
+    if choice in ("per_bucket", "sharded") and data_parallel == "ddp":
+        raise ValueError(f"dedicate_params(collectives={choice!r}) moves a hook group over the "
+                         "shard axis in one all-gather; data_parallel='ddp' has no "
                          "shard axis (each gradient is reduced to its owner over the replicas). "
                          "Use collectives='per_owner' (or 'auto') with data_parallel='ddp'.")
-    if choice == "per_bucket" and tp:
+    if choice in ("per_bucket", "sharded") and tp:
         raise NotImplementedError(
-            "dedicate_params(collectives='per_bucket') is not supported with tensor parallelism "
+            f"dedicate_params(collectives={choice!r}) is not supported with tensor parallelism "
             "(TP-sliced matrices); use 'per_owner' or 'auto' (which stays per owner there)")
     return str(choice)
 

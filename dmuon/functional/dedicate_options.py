@@ -68,10 +68,13 @@ class DedicateOptions:
         per owner column's bucket), ``"per_bucket"`` (one padded all-gather / reduce-scatter per
         hook group and dtype), ``"grouped"`` (the per-owner broadcasts / reduces of each phase,
         HSDP publish included, as one NCCL group call: all-gather-v / reduce-v, nothing padded,
-        bitwise equal to per owner) or ``"auto"`` (per group, whichever the cost model projects
-        faster; the choice and its reason are in ``program.groups[key].collectives`` /
+        bitwise equal to per owner), ``"sharded"`` (each rank keeps ``1/G`` of a hook group's
+        gathered copy in the compute dtype; the gathers are one all-gather of those parts, a
+        refresh makes them current after the masters change; bitwise equal to per owner; asked
+        for only: ``auto`` never picks it) or ``"auto"`` (per group, whichever the cost model
+        projects faster; the choice and its reason are in ``program.groups[key].collectives`` /
         ``.collectives_reason``). ``"auto"`` and ``"grouped"`` stay per owner under TP and DDP;
-        ``"per_bucket"`` there raises.
+        ``"per_bucket"`` and ``"sharded"`` there raise (``"sharded"`` at ``G = 1``: per owner).
       dp_mesh_dims: torch's ``DataParallelMeshDims`` when ``fully_shard`` gets the full SPMD mesh
         with it (torchtitan 0.3's default): pass ``dedicate_params`` that mesh, and the same
         ``dp_mesh_dims`` here; its shard / replicate names are the data-parallel axes, the other

@@ -15,7 +15,8 @@ phase                                  what
                                        backward re-gather, the same ops named as in
                                        :meth:`~dmuon.functional.program.StepProgram.step_schedule`):
                                        this rank's column's masters, cast to the compute dtypes,
-                                       into the unshard buffers; then every full matrix as a view
+                                       into the unshard buffers (:func:`gather_buffers`); then
+                                       every full matrix as a view
 :func:`reduce` / :func:`reduced`       backward gradient reduce: local gradients (zeros and
                                        presence 0 where a rank has none) into the reduce buffers;
                                        then the owner's averaged views and presence elements
@@ -39,13 +40,14 @@ from typing import Callable, Iterable, Mapping, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from dmuon.functional.buckets import BucketKey
+from dmuon.functional.buckets import BucketKey, to_torch_dtype
 from dmuon.functional.owner_step import owner_step
-from dmuon.functional.packing import pack_, presence, unpack
+from dmuon.functional.packing import pack_, presence, unpack, zero_buffers
 from dmuon.functional.program import StepProgram
-from dmuon.functional.schedule import Schedule
+from dmuon.functional.schedule import COPY_COLUMN, Schedule, ShardCopy
 
-__all__ = ["Runner", "ReducedGrad", "OwnerGrad", "gather", "gathered", "reduce", "reduced",
+__all__ = ["Runner", "ReducedGrad", "OwnerGrad", "gather_buffers", "gathered_storage", "gather",
+           "gathered", "reduce", "reduced",
            "accumulate", "resolve", "owner_step", "publish", "published"]
 
 Buffers = Mapping[BucketKey, Tensor]
@@ -87,20 +89,51 @@ def _column(s: int):
 
 
 # ------------------------------------------------------------------ gather
+def gather_buffers(program: StepProgram, key: str, device: "torch.device | str" = "cpu"
+                   ) -> dict[BucketKey, Tensor]:
+    """Zeroed buffers of hook group ``key``'s gather: one 1-D tensor per bucket of the program's
+    unshard layout. The sharded style (:class:`~dmuon.functional.schedule.ShardCopy`) adds per
+    dtype the group's flat buffer, of which those buckets are views, and this rank's copy (the
+    caller keeps the copy between steps; the flat buffer may be freed with the buckets)."""
+    g = program.groups[key]
+    ops = [op for op in g.unshard if isinstance(op, ShardCopy)]
+    if not ops:
+        return zero_buffers(program.unshard_layout.buckets_of(key), device)
+    out: dict[BucketKey, Tensor] = {}
+    for op in ops:
+        dt = to_torch_dtype(op.dtype)
+        flat = out[op.bucket] = torch.zeros(len(op.sizes) * op.numel, dtype=dt, device=device)
+        out[op.copy_key] = torch.zeros(op.numel, dtype=dt, device=device)
+        for k, at, n in zip(op.keys, op.starts, op.sizes):
+            if k is not None:
+                out[k] = flat.narrow(0, at, n)
+    return out
+
+
+def gathered_storage(buffers: Buffers) -> list[Tensor]:
+    """The tensors of :func:`gather_buffers` whose storage holds the gathered matrices (what a
+    reshard may free; not the sharded style's copies, nor views)."""
+    return [t for k, t in buffers.items() if t._base is None and k.column != COPY_COLUMN]
+
+
 def gather(program: StepProgram, key: str, coord: Sequence[int], masters: Mapping[str, Tensor],
-           buffers: Buffers, *, regather: bool = False) -> Schedule:
+           buffers: Buffers, *, regather: bool = False, refresh: bool = True) -> Schedule:
     """The forward gather of hook group ``key`` on rank ``coord = (s, r)``.
 
-    Writes the masters of column ``s`` (cast to the compute dtypes) into ``buffers`` (donated: one
-    1-D tensor per bucket of the group, :meth:`BucketLayout.buckets_of` of the program's unshard
-    layout; the other columns' buckets are what the schedule fills) and returns the schedule to run
-    on them: the group's unshard (``regather``: Z3's backward re-gather, the same ops renamed as in
-    :meth:`~dmuon.functional.program.StepProgram.step_schedule`). Read the result with
-    :func:`gathered` once it ran.
+    Writes the masters of column ``s`` (cast to the compute dtypes) into ``buffers`` (donated:
+    :func:`gather_buffers`; the other columns' buckets are what the schedule fills) and returns
+    the schedule to run on them: the group's unshard (``regather``: Z3's backward re-gather, the
+    same ops renamed as in :meth:`~dmuon.functional.program.StepProgram.step_schedule`). Read the
+    result with :func:`gathered` once it ran.
+
+    The sharded style gathers the ranks' copies (``buffers`` holds this rank's between steps):
+    ``refresh`` (the masters changed since the copies were made; the default, right for fresh
+    buffers) writes the masters and makes the copies current first; otherwise nothing is written.
     """
-    pack_(program.unshard_layout.buckets_of(key), buffers, masters, where=_column(coord[0]))
     g = program.groups[key]
-    return g.regather if regather else g.unshard
+    if refresh or not len(g.refresh):
+        pack_(program.unshard_layout.buckets_of(key), buffers, masters, where=_column(coord[0]))
+    return g.gather_schedule(regather=regather, refresh=refresh)
 
 
 def gathered(program: StepProgram, key: str, buffers: Buffers) -> dict[str, Tensor]:

@@ -10,7 +10,9 @@ phase            what                                                  schedule
 ===============  ====================================================  =========================
 ``unshard``      forward gather of a hook group (owner column           shard-axis ``Broadcast``
                  broadcasts its bucket); Z3 groups run it again at       per bucket (or one
-                 the start of their backward                             ``ShardAllGather``)
+                 the start of their backward                             ``ShardAllGather``, or
+                                                                         ``ShardCopyGather`` of
+                                                                         the sharded copy)
 ``reduce``       backward gradient reduce, in one fixed order (the      shard-axis ``Reduce``
                  reverse of the forward order), with one presence        (or one ``ShardReduce
                  element per matrix                                      Scatter``) + replicate
@@ -43,7 +45,7 @@ from dmuon.functional.buckets import (ROOT_GROUP, BucketKey, BucketLayout, HookG
 from dmuon.functional.collectives import resolve_styles
 from dmuon.functional.owner_plan import Coord
 from dmuon.functional.schedule import (AllReduce, Broadcast, Schedule, publish_schedule,
-                                       reduce_schedule, unshard_schedule)
+                                       reduce_schedule, refresh_schedule, unshard_schedule)
 from dmuon.functional.traffic import Traffic
 
 __all__ = ["PHASES", "GroupPhases", "StepProgram", "step_program", "program_from_layouts",
@@ -72,13 +74,19 @@ class GroupPhases:
       collectives: the style of its shard-axis gathers (Z3 re-gather included) and reduce:
         ``"per_owner"`` (one broadcast / reduce per owner column's bucket), ``"per_bucket"``
         (one padded all-gather / reduce-scatter per dtype) or ``"grouped"`` (the per-owner ops
-        of each phase, publish included, as one group call; :mod:`dmuon.functional.collectives`).
+        of each phase, publish included, as one group call) or ``"sharded"`` (each rank keeps
+        ``1/G`` of the group's gathered buffer; the gathers are all-gathers of those parts, and
+        :attr:`refresh` makes them current after the masters changed;
+        :mod:`dmuon.functional.collectives`).
       collectives_reason: why (asked for, or ``"auto"``'s cost comparison).
       zero_copy: DDP mode (``G = 1``) with every compute dtype the master's: "gathering" points
         each param at its master (no copy, no op; only a pending publish is waited).
       regather: the backward re-gather: ``unshard`` with every op renamed ``regather:<id>``
         (derived; a Z3 group runs it at the start of its backward, and so may any group gathered
         again in a backward, e.g. under activation checkpointing).
+      refresh: the sharded style's copy made current from the masters (empty for the other
+        styles); ``refreshed_unshard`` (derived): ``refresh`` then ``unshard``, each gather
+        waiting on its dtype's refresh: the first gather after the masters changed.
     """
 
     key: str
@@ -91,12 +99,30 @@ class GroupPhases:
     collectives_reason: str = ""
     zero_copy: bool = False
     regather: Schedule = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    refresh: Schedule = field(default=None)  # type: ignore[assignment]
+    refreshed_unshard: Schedule = field(default=None, repr=False,  # type: ignore[assignment]
+                                        compare=False)
 
     def __post_init__(self) -> None:
+        G, R = self.unshard.shard_size, self.unshard.replicate_size
         if self.regather is None:
-            object.__setattr__(self, "regather", Schedule(
-                _renamed(self.unshard, "regather:"), self.unshard.shard_size,
-                self.unshard.replicate_size))
+            object.__setattr__(self, "regather", Schedule(_renamed(self.unshard, "regather:"), G, R))
+        if self.refresh is None:
+            object.__setattr__(self, "refresh", Schedule((), G, R))
+        waits = {op.dtype: (op.id,) for op in self.refresh}
+        object.__setattr__(self, "refreshed_unshard", Schedule(self.refresh.ops + tuple(
+            dataclasses.replace(op, waits=op.waits + waits.get(op.dtype, ()))
+            for op in self.unshard), G, R))
+
+    def gather_schedule(self, *, regather: bool = False, refresh: bool = False) -> Schedule:
+        """The gather to run: :attr:`unshard` (``regather``: :attr:`regather`), after
+        :attr:`refresh` when ``refresh`` and the style has one."""
+        if not (refresh and len(self.refresh)):
+            return self.regather if regather else self.unshard
+        if not regather:
+            return self.refreshed_unshard
+        return Schedule(_renamed(self.refreshed_unshard, "regather:"), self.unshard.shard_size,
+                        self.unshard.replicate_size)
 
     def phase(self, kind: str) -> Schedule:
         if kind not in PHASES:
@@ -171,9 +197,10 @@ class StepProgram:
     # ------------------------------------------------------------------ the whole step
     def step_schedule(self) -> Schedule:
         """One step's collectives in issue order on every rank: the forward gathers (forward
-        order), the Z3 backward re-gathers (reverse order), the reduces (reduce order), the
-        publishes (static order). TP's ops are :attr:`tp` (global ranks)."""
-        fwd = tuple(op for k in self.forward_order for op in self.groups[k].unshard)
+        order; the sharded style's refresh its copy first: the masters changed at the last step),
+        the Z3 backward re-gathers (reverse order), the reduces (reduce order), the publishes
+        (static order). TP's ops are :attr:`tp` (global ranks)."""
+        fwd = tuple(op for k in self.forward_order for op in self.groups[k].refreshed_unshard)
         re = tuple(op for k in self.reduce_order if self.groups[k].reshard_after_forward
                    for op in self.groups[k].regather)
         red = tuple(op for k in self.reduce_order for op in self.groups[k].reduce)
@@ -372,6 +399,8 @@ def program_from_layouts(unshard: BucketLayout, reduce: BucketLayout, master: Bu
                          publish=publish_schedule(master, key, style=styles[key].style),
                          reshard_after_forward=z3[key], collectives=styles[key].style,
                          collectives_reason=styles[key].reason,
+                         refresh=(refresh_schedule(unshard, key) if styles[key].style == "sharded"
+                                  else None),
                          zero_copy=data_parallel == "ddp" and G == 1 and all(
                              mdt[e.name] == b.key.dtype for b in unshard.buckets_of(key)
                              for e in b.entries))

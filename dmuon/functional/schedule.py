@@ -38,6 +38,7 @@ Builders (all pure, built once at setup):
   ``ShardReduceScatter`` per dtype.
 * :func:`publish_schedule` — post-step HSDP publish: for each range, a replicate-axis Broadcast
   inside column ``s`` from owner ``r``.
+* :func:`refresh_schedule` — the sharded style's copy made current after the masters changed.
 
 ``style="grouped"``: the per-owner ops of each phase (the gather's broadcasts, the stage-1 reduces,
 the stage-2 reduces, placed after stage 1, and the publish's broadcasts) carry one ``coalesce`` key
@@ -60,6 +61,10 @@ Byte-counting convention (logical payload, star model of a collective): for one 
   to the largest, ``P`` = the padded part's bytes): every member sends and receives ``(n-1)*P``
   (the all-gather: its part to each other member; the reduce-scatter: each other member's part of
   its copy). Padding is payload: it crosses the links.
+* ShardCopyGather (the sharded style's all-gather of equal parts of ``P`` bytes): every member
+  sends and receives ``(n-1)*P``. ShardCopyRefresh (an all-to-all): member ``s`` sends the pieces
+  of its column's bucket that the other members' parts cover and receives the pieces of its own
+  part that the other members' buckets cover.
 
 So for every Broadcast, Reduce and AllGather the totals over ranks are ``sent == received ==
 (n-1)*P`` and for an AllReduce ``2(n-1)*P``. For dedicated params of
@@ -77,12 +82,15 @@ from typing import Iterator, Mapping, Sequence
 from dmuon.functional.buckets import BucketKey, BucketLayout, dtype_itemsize
 from dmuon.functional.schedule_ops import (  # the ops, re-exported here
     GROUP_LANES, LANE_AXIS, AllGather, AllReduce, Axis, Broadcast, Gather, Lane, Op, Reduce, Scatter,
-    ShardAllGather, ShardBuckets, ShardReduceScatter, op_members, op_root_coord)
+    COPY_COLUMN, FLAT_COLUMN, ShardAllGather, ShardBuckets, ShardCopy, ShardCopyGather,
+    ShardCopyRefresh, ShardReduceScatter, op_members, op_root_coord)
 from dmuon.functional.traffic import LANES, Traffic
 
 __all__ = [
     "Axis", "Lane", "LANES", "LANE_AXIS", "GROUP_LANES", "Broadcast", "Reduce", "AllReduce",
     "AllGather", "Gather", "Scatter", "ShardAllGather", "ShardReduceScatter", "ShardBuckets",
+    "ShardCopy", "ShardCopyGather", "ShardCopyRefresh", "FLAT_COLUMN", "COPY_COLUMN",
+    "refresh_schedule",
     "Op", "Schedule", "Traffic", "STYLES",
     "unshard_schedule", "reduce_schedule", "publish_schedule", "schedule_traffic",
     "op_members", "op_root_coord",
@@ -124,7 +132,11 @@ def op_bytes(op: Op, position: int, size: int) -> tuple[int, int]:
             return (0, total - mine) if is_root else (mine, 0)
         return (total - mine, 0) if is_root else (0, mine)  # Scatter: each part out of the root
     P = op.nbytes
-    if isinstance(op, ShardBuckets):  # padded parts: the same both ways for every member
+    if isinstance(op, ShardCopyRefresh):  # what does not stay on the member itself
+        send, recv = op.splits(position)
+        isz = dtype_itemsize(op.dtype)
+        return (sum(send) - send[position]) * isz, (sum(recv) - recv[position]) * isz
+    if isinstance(op, (ShardBuckets, ShardCopyGather)):  # padded parts: the same both ways for every member
         return (n - 1) * P, (n - 1) * P
     if isinstance(op, AllReduce):
         k = (n - 1) * P if is_root else P
@@ -271,7 +283,10 @@ def _mk(layout: BucketLayout, ops: list[Op]) -> Schedule:
 #: The collective styles of a hook group's phases: one broadcast / reduce per owner column's
 #: bucket; one padded all-gather / reduce-scatter per hook group and dtype; or the per-owner ops
 #: of each phase as one group call (``coalesce``: all-gather-v / reduce-v, nothing padded).
-STYLES = ("per_owner", "per_bucket", "grouped")
+STYLES = ("per_owner", "per_bucket", "grouped", "sharded")
+#: the styles whose per-owner ops of a phase are one group call (the sharded style's reduces and
+#: publishes are the grouped style's)
+_GROUP_CALLS = ("grouped", "sharded")
 
 
 def _check_style(style: str) -> None:
@@ -281,7 +296,7 @@ def _check_style(style: str) -> None:
 
 def _tag(style: str, phase: str, group: str) -> str:
     """The ``coalesce`` key of a grouped phase's ops ("" for the other styles)."""
-    return f"{phase}/{group or '<root>'}" if style == "grouped" else ""
+    return f"{phase}/{group or '<root>'}" if style in _GROUP_CALLS else ""
 
 
 def _by_dtype(layout: BucketLayout, group: str) -> dict[str, list]:
@@ -295,8 +310,9 @@ def _by_dtype(layout: BucketLayout, group: str) -> dict[str, list]:
 
 def _shard_op(cls: type, prefix: str, group: str, dtype: str, cols: list, **kw) -> ShardBuckets:
     sizes = tuple(0 if b is None else b.numel for b in cols)
+    part = -(-sum(sizes) // len(sizes)) if issubclass(cls, ShardCopy) else max(sizes)
     return cls(id=f"{prefix}/{group or '<root>'}|all|{dtype.replace('torch.', '')}", axis="shard",
-               at=None, bucket=BucketKey(group, -1, dtype), offset=0, numel=max(sizes),
+               at=None, bucket=BucketKey(group, FLAT_COLUMN, dtype), offset=0, numel=part,
                dtype=dtype, keys=tuple(None if b is None else b.key for b in cols), sizes=sizes,
                **kw)
 
@@ -305,7 +321,8 @@ def unshard_schedule(layout: BucketLayout, group: str, *, lane: str = "unshard",
                      style: str = "per_owner") -> Schedule:
     """Forward unshard of one hook group: per bucket ``(group, s, dtype)`` one shard-axis Broadcast of
     the whole bucket from ``s``, in every replica (HSDP masters live on all of column ``s``);
-    ``style="per_bucket"``: per dtype one :class:`ShardAllGather` of the group's buckets instead.
+    ``style="per_bucket"``: per dtype one :class:`ShardAllGather` of the group's buckets instead;
+    ``"sharded"``: per dtype one :class:`ShardCopyGather` of the ranks' copies.
 
     Args:
       layout: the bucket layout.  group: hook-group key.
@@ -314,9 +331,10 @@ def unshard_schedule(layout: BucketLayout, group: str, *, lane: str = "unshard",
     """
     _check_style(style)
     ops: list[Op] = []
-    if style == "per_bucket":
+    if style in ("per_bucket", "sharded"):
+        cls = ShardAllGather if style == "per_bucket" else ShardCopyGather
         for dt, cols in _by_dtype(layout, group).items():
-            ops.append(_shard_op(ShardAllGather, "unshard", group, dt, cols, lane=lane))
+            ops.append(_shard_op(cls, "unshard", group, dt, cols, lane=lane))
         return _mk(layout, ops)
     tag = _tag(style, "unshard", group)
     for b in layout.buckets_of(group):
@@ -338,7 +356,7 @@ def reduce_schedule(layout: BucketLayout, group: str, *, op: str = "avg",
     over G*R ranks; with ``"sum"`` the sum. ``replicate=False``: stage 1 only (every replica's
     column ``s`` ends with its own replica's reduction; a checkpoint load uses it).
     ``style="per_bucket"``: stage 1 is one :class:`ShardReduceScatter` per dtype of the group's
-    buckets (each stage-2 reduce waits on its dtype's).
+    buckets (each stage-2 reduce waits on its dtype's). ``"sharded"``: the grouped reduces.
     """
     _check_style(style)
     ops: list[Op] = []
@@ -363,11 +381,19 @@ def reduce_schedule(layout: BucketLayout, group: str, *, op: str = "avg",
         ops.append(s1)
         if R > 1 and replicate:
             for r, off, n in b.ranges:
-                (stage2 if style == "grouped" else ops).append(Reduce(
+                (stage2 if style in _GROUP_CALLS else ops).append(Reduce(
                     id=f"reduce2/{k}/r{r}", axis="replicate", at=k.column, bucket=k, offset=off,
                     numel=n, dtype=k.dtype, lane="replicate", dst=r, op=op, waits=(s1.id,),
                     coalesce=_tag(style, "reduce2", group)))
     return _mk(layout, ops + stage2)
+
+
+def refresh_schedule(layout: BucketLayout, group: str) -> Schedule:
+    """The sharded style's copy of hook group ``group`` made current from the masters (after a
+    step or a load changed them): per dtype one :class:`ShardCopyRefresh` (lane ``"unshard"``), in
+    every replica."""
+    return _mk(layout, [_shard_op(ShardCopyRefresh, "refresh", group, dt, cols, lane="unshard")
+                        for dt, cols in _by_dtype(layout, group).items()])
 
 
 def publish_schedule(layout: BucketLayout, group: str | Sequence[str] | None = None, *,
@@ -375,7 +401,8 @@ def publish_schedule(layout: BucketLayout, group: str | Sequence[str] | None = N
     """Post-step HSDP publish: per bucket and owner replica ``r``, a replicate-axis Broadcast of ``r``'s
     range inside column ``s`` from ``r`` (lane ``"replicate"``). ``group``: one key, several, or
     ``None`` for all groups in forward order. Empty when R == 1. ``style="grouped"``: each
-    group's broadcasts are one group call (a rank takes part in its column's only).
+    group's broadcasts are one group call (a rank takes part in its column's only); so are
+    ``"sharded"``'s.
     """
     _check_style(style)
     if group is None:

@@ -2,7 +2,9 @@
 ``Broadcast`` / ``Reduce`` on the mesh axes, and the explicit-group ops ``AllReduce`` /
 ``AllGather`` (split Newton–Schulz) and ``Gather`` / ``Scatter`` (tensor parallelism's NS), and the
 per-bucket shard-axis ops ``ShardAllGather`` / ``ShardReduceScatter`` (one collective per hook
-group and dtype instead of one per owner column: :mod:`dmuon.functional.collectives`).
+group and dtype instead of one per owner column: :mod:`dmuon.functional.collectives`), and the
+sharded style's ``ShardCopyGather`` / ``ShardCopyRefresh`` (a sharded compute-dtype copy of a
+group's buckets, gathered as FSDP2 gathers its params).
 Any op may carry a ``coalesce`` key: the ops of one launch with the same key form one group call
 (the grouped style's all-gather-v / reduce-v: on NCCL one ``ncclGroupStart`` / ``End`` of the
 parts; gloo and the simulator run the parts one after another, as without the key).
@@ -18,7 +20,12 @@ from dmuon.functional.buckets import BucketKey, dtype_itemsize
 
 __all__ = ["Axis", "Lane", "LANE_AXIS", "GROUP_LANES", "Broadcast", "Reduce", "AllReduce",
            "AllGather", "Gather", "Scatter", "ShardAllGather", "ShardReduceScatter", "ShardBuckets",
+           "ShardCopy", "ShardCopyGather", "ShardCopyRefresh", "FLAT_COLUMN", "COPY_COLUMN",
            "Op", "op_members", "op_root_coord"]
+
+#: ``BucketKey.column`` of a hook group's flat buffer of one dtype (the per-bucket style's padded
+#: staging, the sharded style's gathered buffer) and of a rank's part of the sharded copy
+FLAT_COLUMN, COPY_COLUMN = -1, -2
 
 Axis = Literal["shard", "replicate", "group"]
 Lane = Literal["unshard", "reduce", "replicate", "split", "tp", "tp_reduce"]
@@ -258,8 +265,90 @@ class ShardReduceScatter(ShardBuckets):
             raise ValueError(f"op {self.id}: reduce op must be 'avg' or 'sum', got {self.op!r}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class ShardCopy(_Collective):
+    """A shard-axis op of the sharded style over one hook group's buckets of one dtype.
+
+    The buckets of columns ``0 .. G-1`` (``keys[s]``, ``None`` where column ``s`` owns nothing
+    in the group; ``sizes[s]`` elements) laid end to end in column order are the group's **flat
+    buffer** ``bucket = BucketKey(group, FLAT_COLUMN, dtype)`` of ``G * numel`` elements (zeros
+    past ``sum(sizes)``, never read), cut into ``G`` equal **parts** of ``numel = ceil(sum(sizes)
+    / G)``: member ``j`` keeps part ``j`` between steps as its **copy**, ``BucketKey(group,
+    COPY_COLUMN, dtype)`` of ``numel`` elements (FSDP2's sharding of a flat parameter).
+    """
+
+    keys: tuple[BucketKey | None, ...]
+    sizes: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        G = len(self.sizes)
+        if self.axis != "shard" or self.bucket.column != FLAT_COLUMN:
+            raise ValueError(f"op {self.id}: {type(self).__name__} runs on the shard axis on a "
+                             f"group's flat buffer (column {FLAT_COLUMN})")
+        if len(self.keys) != G or not G or sum(self.sizes) <= 0:
+            raise ValueError(f"op {self.id}: keys and sizes need one entry per shard index and "
+                             "a non-empty bucket")
+        for s, (k, n) in enumerate(zip(self.keys, self.sizes)):
+            if (k is None) != (n == 0) or n < 0 or (k is not None and (
+                    k.column != s or k.group != self.bucket.group or k.dtype != self.dtype)):
+                raise ValueError(f"op {self.id}: part {s} ({k}, {n}) is not column {s}'s bucket "
+                                 f"of group {self.bucket.group!r} in {self.dtype}")
+        if self.offset != 0 or self.numel != -(-sum(self.sizes) // G):
+            raise ValueError(f"op {self.id}: offset must be 0 and numel ceil(sum(sizes) / G) = "
+                             f"{-(-sum(self.sizes) // G)}, got {self.offset}, {self.numel}")
+
+    @property
+    def root(self) -> int:
+        return 0
+
+    @property
+    def copy_key(self) -> BucketKey:
+        """The key of a member's copy (its part of the flat buffer)."""
+        return BucketKey(self.bucket.group, COPY_COLUMN, self.dtype)
+
+    @property
+    def starts(self) -> tuple[int, ...]:
+        """Where column ``s``'s bucket starts in the flat buffer."""
+        out, at = [], 0
+        for n in self.sizes:
+            out.append(at)
+            at += n
+        return tuple(out)
+
+    def splits(self, member: int) -> tuple[list[int], list[int]]:
+        """``(numel sent to each member, numel received from each member)`` by ``member`` in a
+        :class:`ShardCopyRefresh` (:meth:`moved`, in column order: the flat buffer's)."""
+        G = len(self.sizes)
+        return ([self.moved(member, j)[1] for j in range(G)],
+                [self.moved(s, member)[1] for s in range(G)])
+
+    def moved(self, src: int, dst: int) -> tuple[int, int]:
+        """``(start in the flat buffer, numel)`` of column ``src``'s bucket inside part ``dst``."""
+        a = max(self.starts[src], dst * self.numel)
+        b = min(self.starts[src] + self.sizes[src], (dst + 1) * self.numel)
+        return a, max(0, b - a)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardCopyGather(ShardCopy):
+    """Forward gather (and Z3 re-gather) of one hook group and dtype in the sharded style: every
+    member's flat buffer becomes the members' copies end to end (member ``j``'s at
+    ``j * numel``): one all-gather of equal parts, FSDP2's own collective, nothing padded beyond
+    the last part's ``< G`` elements."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardCopyRefresh(ShardCopy):
+    """The sharded copy made current after the masters changed: member ``s`` contributes its
+    column's bucket ``keys[s]`` (its masters in the compute dtype, written by the gather phase)
+    and member ``j``'s copy becomes part ``j`` of the flat buffer they form: an all-to-all of
+    uneven parts (member ``s`` sends the pieces of its bucket that other members' parts cover,
+    about ``1/G`` of a gather's bytes per rank)."""
+
+
 Op = Union[Broadcast, Reduce, AllReduce, AllGather, Gather, Scatter, ShardAllGather,
-           ShardReduceScatter]
+           ShardReduceScatter, ShardCopyGather, ShardCopyRefresh]
 
 
 def op_members(op: Op, shard_size: int, replicate_size: int) -> list[list[tuple[int, int]]]:

@@ -21,6 +21,9 @@ topological order). Exact semantics, per group of the op (see :func:`schedule.op
   nothing a rank reads).
 * ``ShardReduceScatter``: member ``j``'s bucket ``keys[j]`` becomes the combination of every
   member's copy, exactly as a ``Reduce`` of that bucket to ``j`` (same order, same poisoning).
+* ``ShardCopyGather``: every member's flat buffer becomes the members' copies end to end.
+* ``ShardCopyRefresh``: member ``j``'s copy becomes part ``j`` of the members' own column buckets
+  laid end to end (the rest of a last, short part: zeros).
 
 Groups of one rank are no-ops. Only ranks that take part in an op need its bucket; a missing bucket
 on a participating rank raises ``KeyError`` saying which.
@@ -38,8 +41,9 @@ from torch import Tensor
 
 from dmuon.functional.buckets import BucketKey
 from dmuon.functional.schedule import (AllGather, AllReduce, Broadcast, Gather, Reduce, Scatter,
-                                       Schedule, ShardAllGather, ShardBuckets, ShardReduceScatter,
-                                       op_members, op_root_coord)
+                                       Schedule, ShardAllGather, ShardBuckets, ShardCopy,
+                                       ShardCopyGather, ShardReduceScatter, op_members,
+                                       op_root_coord)
 
 __all__ = ["simulate"]
 
@@ -111,6 +115,9 @@ def simulate(schedule: Schedule, buffers: Sequence[Mapping[BucketKey, Tensor]], 
             if isinstance(op, ShardBuckets):
                 _shard_buckets(op, group, view, poison)
                 continue
+            if isinstance(op, ShardCopy):
+                _shard_copy(op, group, view)
+                continue
             root = op_root_coord(op, group)
             views = [view(c, op) for c in group]
             root_view = views[group.index(root)]
@@ -167,6 +174,27 @@ def _shard_buckets(op: ShardBuckets, group: list, view, poison: bool) -> None:
                         v.fill_(math.nan)
         else:  # pragma: no cover - the two kinds are all
             raise TypeError(f"simulate: unknown op type {type(op).__name__}")
+
+
+def _shard_copy(op: ShardCopy, group: list, view) -> None:
+    """One shard group's :class:`ShardCopyGather` / :class:`ShardCopyRefresh` (module doc)."""
+    L, G = op.numel, len(group)
+    copies = [view(c, op, op.copy_key, 0, L) for c in group]
+    if isinstance(op, ShardCopyGather):
+        parts = [c.clone() for c in copies]
+        for c in group:
+            flat = view(c, op, op.bucket, 0, G * L)
+            for j, part in enumerate(parts):
+                flat.narrow(0, j * L, L).copy_(part)
+        return
+    sent = [None if k is None else view(c, op, k, 0, n).clone()
+            for c, k, n in zip(group, op.keys, op.sizes)]
+    for j, copy in enumerate(copies):
+        copy.zero_()
+        for s, b in enumerate(sent):
+            at, n = op.moved(s, j)
+            if n:
+                copy.narrow(0, at - j * L, n).copy_(b.narrow(0, at - op.starts[s], n))
 
 
 def zeros_like_layout(layout, world_size: int | None = None, *, device: "torch.device | str" = "cpu"

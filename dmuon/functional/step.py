@@ -102,7 +102,7 @@ def forward_gather(program: StepProgram, coord: Sequence[int], params: Mapping[s
     """
     c = (int(coord[0]), int(coord[1]))
     _check_trees(program, c, params, {}, "forward_gather")
-    bufs = zero_buffers(program.unshard_layout.buckets, _device(params))
+    bufs = _gather_buffers(program, _device(params))
     full: dict[str, Tensor] = {}
     ops: list = []
     for key in program.forward_order:
@@ -222,12 +222,18 @@ def world_step(params: Sequence[Mapping[str, Tensor]], grads: Union[Sequence[Gra
     return out, new_states, ran + red + publish
 
 
+def _gather_buffers(program: StepProgram, device: Any) -> dict:
+    """Every group's :func:`~dmuon.functional.phases.gather_buffers`."""
+    return {k: v for key in program.forward_order
+            for k, v in phases.gather_buffers(program, key, device).items()}
+
+
 def _world_gather(program: StepProgram, params: Sequence[Mapping[str, Tensor]]
                   ) -> tuple[list[dict[str, Tensor]], Schedule]:
     """The forward gather of every group on every simulated rank: ``(per-rank full matrices, the
     schedule)`` (the phases of :func:`forward_gather`)."""
     G, R, W = program.shard_size, program.replicate_size, program.world_size
-    bufs = [zero_buffers(program.unshard_layout.buckets, _device(params[i])) for i in range(W)]
+    bufs = [_gather_buffers(program, _device(params[i])) for i in range(W)]
     ops: list = []
     for key in program.forward_order:
         for i in range(W):

@@ -68,7 +68,8 @@ from dmuon.functional.plan import OwnerPlan, plan_owners
 from dmuon.tools.presets import ModelPreset, preset_specs
 from dmuon.functional.program import step_program
 from dmuon.functional.schedule import (Broadcast, Schedule, ShardAllGather, ShardBuckets,
-                                       ShardReduceScatter)
+                                       ShardCopy, ShardCopyGather, ShardCopyRefresh,
+                                       ShardReduceScatter, op_bytes)
 from dmuon.functional.split_plan import executed_entries
 
 __all__ = ["StepSetup", "StepProjection", "TimelineOp", "project_step", "DESIGNS", "LANE_NAMES"]
@@ -239,6 +240,10 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         if isinstance(op, ShardBuckets):
             kind = "all_gather" if isinstance(op, ShardAllGather) else "reduce_scatter"
             return coll(kind, G * op.nbytes, "shard")
+        if isinstance(op, ShardCopyGather):  # the sharded copy: G equal parts
+            return coll("all_gather", G * op.nbytes, "shard")
+        if isinstance(op, ShardCopyRefresh):  # an all-to-all: its busiest member's bytes
+            return coll("broadcast", max(max(op_bytes(op, i, G)) for i in range(G)), "shard")
         return coll("broadcast" if isinstance(op, Broadcast) else "reduce", op.nbytes, "shard")
 
     def shard_time(unit: tuple) -> float:
@@ -284,8 +289,9 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
                             collectives=setup.collectives, cost=cost)
         for g, ph in prog.groups.items():
             layer = int(g.rsplit(".", 1)[1])
-            groups[layer] = (coalesced_units(ph.unshard), coalesced_units(ph.reduce),
-                             coalesced_units(ph.publish))  # launches: group calls are one
+            groups[layer] = (coalesced_units(ph.refreshed_unshard), coalesced_units(ph.reduce),
+                             coalesced_units(ph.publish),  # launches: group calls are one
+                             coalesced_units(ph.unshard))  # (the forward's: after a refresh)
             styles[ph.collectives] = styles.get(ph.collectives, 0) + 1
         shard_ops = tuple(op for op in prog.step_schedule() if op.axis == "shard")
         shard_bytes = Schedule(shard_ops, G, 1).traffic().mean_sent(["unshard", "reduce"])
@@ -336,9 +342,10 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
         if fsdp_layer[layer]:
             ops.append(tl.add(f"fsdp AG L{layer}", "shard", "fsdp_all_gather", phase,
                               coll("all_gather", 2 * fsdp_layer[layer], "shard"), (after,)))
-        for unit in groups.get(layer, ([], [], []))[0]:
+        for unit in groups.get(layer, ([], [], [], []))[0]:
             cols = [k.column for op in unit for k in (
-                op.keys if isinstance(op, ShardBuckets) else (op.bucket,)) if k is not None]
+                op.keys if isinstance(op, (ShardBuckets, ShardCopy)) else (op.bucket,))
+                if k is not None]
             # an all-gather (or a group call) waits for every column's publish
             ops.append(tl.add(f"{_label(unit)} L{layer}", "shard", "unshard", phase,
                               shard_time(unit), (after,),
@@ -368,7 +375,7 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
             ops.append(tl.add(f"fsdp AG' L{layer}", "shard", "fsdp_all_gather", "backward",
                               coll("all_gather", 2 * fsdp_layer[layer], "shard"), (after,)))
         if z3_dmuon:
-            for unit in groups.get(layer, ([], [], []))[0]:
+            for unit in groups.get(layer, ([], [], [], []))[3]:
                 ops.append(tl.add(f"{_label(unit)}' L{layer}", "shard", "unshard", "backward",
                                   shard_time(unit), (after,)))
         gathers[layer] = ops
@@ -395,7 +402,7 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
                 tail.append(tl.add(f"fsdp AR L{layer}", "replicate", "fsdp_replicate", "backward",
                                    coll("all_reduce", setup.reduce_bytes * fsdp_layer[layer] / G,
                                         "replicate"), (rs,)))
-        for unit in groups.get(layer, ([], [], []))[1]:
+        for unit in groups.get(layer, ([], [], [], []))[1]:
             if unit[0].lane == "reduce":
                 st1 = tl.add(f"{_label(unit)} L{layer}", "shard", "reduce", "backward",
                              shard_time(unit), (bwd[layer],))
@@ -479,6 +486,7 @@ def _label(unit: tuple) -> str:
     if op.coalesce:  # a grouped phase's launch
         return "all-gather-v" if isinstance(op, Broadcast) else "reduce-v"
     return {ShardAllGather: "all-gather", ShardReduceScatter: "reduce-scatter",
+            ShardCopyGather: "all-gather of the copies", ShardCopyRefresh: "copy refresh",
             Broadcast: "broadcast"}.get(type(op), "reduce")
 
 

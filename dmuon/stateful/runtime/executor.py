@@ -21,10 +21,10 @@ from dmuon.compat.torch_api import coalesced_calls
 from dmuon.functional.buckets import BucketKey
 from dmuon.functional.rank_report import collective_failure
 from dmuon.functional.schedule import (LANES, AllGather, AllReduce, Broadcast, Gather, Op, Reduce,
-                                       Schedule, Scatter, ShardBuckets, op_bytes)
+                                       Schedule, Scatter, ShardBuckets, ShardCopy, op_bytes)
 from dmuon.kernels.streams import side_stream
 from dmuon.stateful.runtime.process_groups import MeshGroups, make_process_groups
-from dmuon.stateful.runtime.shard_buckets import Works, shard_buckets
+from dmuon.stateful.runtime.shard_buckets import Works, shard_buckets, shard_copy
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,8 @@ def _collective(rec: _Rec) -> Any:
     op, kw = rec.op, dict(group=rec.group, async_op=True)
     if isinstance(op, ShardBuckets):
         return shard_buckets(rec.op, rec.position, rec.bufs, _REDUCE_OPS, kw)
+    if isinstance(op, ShardCopy):
+        return shard_copy(op, rec.position, *rec.bufs, kw)
     if isinstance(op, Broadcast):
         return dist.broadcast(rec.view, src=rec.root, **kw)
     if isinstance(op, Reduce):
@@ -240,6 +242,11 @@ class Executor:
             rec.bufs = tuple(None if k is None else self._bucket(op, k, n_, buffers)
                              for k, n_ in zip(op.keys, op.sizes))
             rec.view = next(b for b in rec.bufs if b is not None).narrow(0, 0, 0)
+            return rec
+        if isinstance(op, ShardCopy):  # (flat buffer, copy, this rank's column bucket)
+            key, flat = op.keys[pos], self._bucket(op, op.bucket, n * op.numel, buffers)
+            rec.view, rec.bufs = flat[:0], (flat, self._bucket(op, op.copy_key, op.numel, buffers),
+                                            flat[:0] if key is None else buffers[key])
             return rec
         # a member's own part is all a gather / scatter needs of it
         part = op.parts[pos][1] if isinstance(op, (Gather, Scatter)) and pos != op.root else None

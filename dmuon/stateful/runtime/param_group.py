@@ -61,6 +61,8 @@ class DedicatedParamGroup:
         self.reduce_dtype: Optional[torch.dtype] = None
         #: the weights version gathered (or gathering: :attr:`inflight_unshard`); -1: placeholders
         self.gathered_version = -1
+        #: the sharded style: the weights version this rank's copy holds (-1: none yet)
+        self.copy_version = -1
         #: Z3, kept gathered after a forward that gave it no hookable output tensor on this rank:
         #: the other ranks may have freed it, so its next gather (or the backward's end) still runs
         #: the collective, and every rank re-gathers it in one order
@@ -76,6 +78,7 @@ class DedicatedParamGroup:
         self.inflight_publish: Optional[Pending] = None
         # built by ``setup`` at the first forward (the dtypes come from FSDP2's policy)
         self.unshard_buffers: dict[BucketKey, torch.Tensor] = {}
+        self._gathered_storage: list[torch.Tensor] = []
         self._reduce_buckets: tuple = ()
         #: the step program and this group's phases of it (``setup``, at the first forward)
         self.program: Optional[StepProgram] = None
@@ -90,11 +93,10 @@ class DedicatedParamGroup:
                                      for b in program.reduce_layout.buckets_of(self.key))
         if self.phases.zero_copy:  # DDP mode, compute dtype = master dtype: the masters themselves
             return
-        for b in program.unshard_layout.buckets_of(self.key):
-            buf = torch.empty(b.numel, dtype=to_torch_dtype(b.key.dtype),
-                              device=self.storage.device)
+        self.unshard_buffers = P.gather_buffers(program, self.key, self.storage.device)
+        self._gathered_storage = P.gathered_storage(self.unshard_buffers)
+        for buf in self._gathered_storage:
             free_storage(buf)
-            self.unshard_buffers[b.key] = buf
 
     # ------------------------------------------------------------------ unshard / reshard
     def launch_unshard(self, version: int, regather: bool = False) -> None:
@@ -111,10 +113,12 @@ class DedicatedParamGroup:
             return
         with _label(self, "unshard"):
             self.wait_publish()
-            for buf in self.unshard_buffers.values():
+            for buf in self._gathered_storage:
                 alloc_storage(buf)
             sched = P.gather(self.program, self.key, self.storage.coord, self.storage.masters,
-                             self.unshard_buffers, regather=regather)
+                             self.unshard_buffers, regather=regather,
+                             refresh=self.copy_version != version)
+            self.copy_version = version
             self.inflight_unshard = self.executor.launch(sched, self.unshard_buffers)
             self.launches.note("unshard", f"{'regather' if regather else 'gather'}:{self.key}")
             self.regathered |= regather
@@ -141,7 +145,7 @@ class DedicatedParamGroup:
             self._wait_unshard()
             for n in self.names:
                 self.storage.point(n)
-            for buf in self.unshard_buffers.values():
+            for buf in self._gathered_storage:
                 free_storage(buf)
             self.gathered_version = -1
             self.kept_unhooked = False

@@ -1,7 +1,7 @@
 """One collective per hook group and dtype (:class:`~dmuon.functional.schedule.ShardAllGather` /
 :class:`~dmuon.functional.schedule.ShardReduceScatter`) with ``torch.distributed``, through a padded
 staging tensor of ``G * numel`` elements whose result is copied back into the buckets before any
-op that waits on it is issued.
+op that waits on it is issued; and the sharded style's ``ShardCopyGather`` / ``ShardCopyRefresh``.
 
 Design notes: docs/design/runtime.md, "dmuon.stateful.runtime.shard_buckets".
 """
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from dmuon.functional.schedule import ShardAllGather, ShardBuckets
+from dmuon.functional.schedule import ShardAllGather, ShardBuckets, ShardCopy, ShardCopyGather
 
-__all__ = ["Works", "shard_buckets"]
+__all__ = ["Works", "shard_buckets", "shard_copy"]
 
 # torch 2.13 renamed the two (the old names warn "deprecated"); 2.11 / 2.12 have the old ones only
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -86,3 +86,15 @@ def shard_buckets(op: ShardBuckets, me: int, bufs: Sequence[Optional[Tensor]],
         if mine is not None:
             mine.narrow(0, 0, op.sizes[me]).copy_(out.narrow(0, 0, op.sizes[me]))
     return Works([work], finish_rs)
+
+
+
+def shard_copy(op: ShardCopy, me: int, flat: Tensor, copy: Tensor, mine: Tensor, kw: dict) -> Any:
+    """Issue a :class:`ShardCopyGather` (this rank's copy into its part of ``flat``, then an
+    in-place all-gather) or a :class:`ShardCopyRefresh` (``mine``, this rank's column bucket, to
+    the copies: an all-to-all of :meth:`ShardCopy.splits`). ``kw``: ``group=``, ``async_op``."""
+    if isinstance(op, ShardCopyGather):
+        part = flat.narrow(0, me * op.numel, op.numel)
+        return _all_gather(flat, part.copy_(copy), **kw)
+    send, recv = op.splits(me)
+    return dist.all_to_all_single(copy.narrow(0, 0, sum(recv)), mine, recv, send, **kw)
