@@ -55,6 +55,27 @@ def test_a_rule_that_matches_nothing_raises():
     _table(make_model(), policy=ParamPolicy(rules=hf_rules(cfg, per_head=True)))
 
 
+def test_a_rule_shadowed_by_an_earlier_one_raises():
+    """The first matching rule decides a param whole: a later rule whose every param an earlier
+    rule matches first would silently decide nothing (a user's override behind a wildcard)."""
+    model = make_model()
+    for later in (Rule("layers.1.mlp.up_proj.weight", route="adamw"),
+                  Rule("layers.1.mlp.up_proj.weight", lr_mult=3.0)):
+        policy = ParamPolicy(rules=(Rule("*.mlp.up_proj.weight", lr_mult=0.5), later))
+        with pytest.raises(ValueError, match=r"rule 1 .* an earlier rule matches each of them "
+                                             r"first \(rule\(s\) \[0\]"):
+            _table(model, policy=policy)
+        ok = ParamPolicy(rules=(later, Rule("*.mlp.up_proj.weight", lr_mult=0.5)))
+        assert {r.name: r.route for r in _table(model, policy=ok).rows}[
+            "layers.1.mlp.up_proj.weight"] == ("adamw" if later.route else "muon")
+    # partly shadowed (it decides layers.0's): fine; optional rules may be shadowed
+    _table(model, policy=ParamPolicy(rules=(Rule("layers.1.mlp.up_proj.weight", lr_mult=2.0),
+                                            Rule("*.mlp.up_proj.weight", lr_mult=0.5))))
+    _table(model, policy=ParamPolicy(rules=(Rule("*.mlp.up_proj.weight", lr_mult=0.5),
+                                            Rule("layers.1.mlp.up_proj.weight", lr_mult=2.0,
+                                                 optional=True))))
+
+
 def test_a_declared_muon_matrix_on_adamw_raises_unless_opted_out():
     def no_q(n, p):
         return muon_predicate(n, p) and "q_proj" not in n

@@ -8,6 +8,8 @@ rank computes the same, from the same model and policy):
 
 * a rule that matches no param (unless ``Rule(optional=True)``: ``hf_rules`` marks its generic
   rules so, as a config's fused-projection rules find nothing in a model without them);
+* a rule that matches params but none first (an earlier rule decides each of them: it would
+  decide nothing), unless ``optional``;
 * a rule that sets a view but matches no Muon param (the view would be ignored);
 * a param the policy says is Muon-eligible that ends on AdamW: one whose first matching rule sets
   a view (a declared matrix structure), or one ``ParamPolicy(eligible=...)`` accepts, unless a rule
@@ -123,6 +125,14 @@ def _check(table: RoutingTable, named: list, policy: ParamPolicy) -> None:
                 f"matches nothing is a typo or a stale name. Params look like "
                 f"{(near or names)[:4]}. Fix the pattern, or drop the rule (Rule(..., "
                 "optional=True) for a rule meant to match only in some models).")
+        first = sorted({policy.rule_for(n)[0] for n in hits})
+        if hits and not r.optional and k not in first:
+            raise ValueError(
+                f"policy rule {k} ({r.pattern!r}) matches {hits[:4]}, but an earlier rule "
+                f"matches each of them first (rule(s) {first}: the first matching rule decides a "
+                "param's route, view, multipliers and dtypes, whole), so this rule decides "
+                "nothing. Put it before the rule(s) it should override (and repeat there what it "
+                "should keep), or drop it.")
         if r.view is not None and hits and not any(routed[n] == "muon" for n in hits):
             raise ValueError(
                 f"policy rule {k} ({r.pattern!r}) sets the view {r.view}, but every param it "
