@@ -354,3 +354,80 @@ def test_no_zero_grad_between_steps_raises_on_every_rank_and_the_fix_works(z3):
         assert len(errors) == 2 and all("not cleared" in e and "zero_grad()" in e
                                         for e in errors), errors
         assert max(float((got[k] - v).abs().max()) for k, v in ref.items()) <= TOL
+
+
+def _resume(rank, world, template, route, tmp):
+    """6 steps of ``_DropOnRanks`` (``layers.1``'s FSDP2 ``scale`` without a gradient at steps 1
+    and 2: its AdamW count falls 2 behind): uninterrupted, or saved after step 3 by ``route``
+    and resumed in a new model and optimizer. Returns the final state and the AdamW counts."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+
+    import dmuon
+    from dmuon.checkpoint import load_sharded, save_sharded
+
+    def build():
+        m = copy.deepcopy(template)
+        return (m,) + tuple(_built(rank, world, m, True)[1:])
+
+    model, opt = build()
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 8, generator=g, dtype=torch.float64) for _ in range(6)]
+    for model.step in range(6):
+        if model.step == 4 and route:
+            if route == "torch":
+                sd = opt.state_dict()
+            elif route == "full":
+                sd = dmuon.get_optimizer_state_dict(model, opt)
+            elif route == "sharded":
+                save_sharded(f"{tmp}/ck", model, opt)
+            elif route == "dcp":
+                dcp.save({"optim": opt.state_dict()}, checkpoint_id=f"{tmp}/dcp")
+            msd = dmuon.get_model_state_dict(model)
+            model, opt = build()
+            model.step = 4
+            dmuon.set_model_state_dict(model, msd)
+            if route == "torch":
+                opt.load_state_dict(sd)
+            elif route == "full":
+                dmuon.set_optimizer_state_dict(model, opt, sd)
+            elif route == "sharded":
+                load_sharded(f"{tmp}/ck", model, opt)
+            elif route == "dcp":
+                box = {"optim": opt.state_dict()}
+                dcp.load(box, checkpoint_id=f"{tmp}/dcp")
+                opt.load_state_dict(box["optim"])
+        (model(xs[model.step].chunk(world)[rank])).backward()
+        opt.step()
+        opt.zero_grad()
+    steps = {opt.param_name(p): int(s["step"]) for p, s in opt.state.items() if "exp_avg" in s}
+    return dmuon.get_model_state_dict(model), steps
+
+
+def _resume_routes(rank, world, template, routes, tmp):
+    torch.set_num_threads(1)
+    return {r: _resume(rank, world, template, r, f"{tmp}/{r}") for r in routes}
+
+
+@pytest.mark.parametrize("route", ["torch", "full", "files"])
+def test_the_adamw_counts_of_a_skipped_param_survive_every_checkpoint_route(route, tmp_path):
+    """torch.optim.AdamW's per-param counts (``scale`` of ``layers.1``: 4 after 6 steps, the
+    others 6) are saved and loaded by every route (``optimizer.state_dict()``, dmuon's full
+    dict, and on spawned gloo ranks ``save_sharded`` and torch's DCP); the resumed run equals
+    the uninterrupted one bitwise and torch's AdamW in one process."""
+    torch.manual_seed(0)
+    template = _DropOnRanks().double()
+    ref = _drop_fsdp_param(0, 0, template, True, None, True, steps=6)
+    if route == "files":  # DCP on thread-ranks is not supported: spawned gloo ranks
+        from dist_utils import run_ranks
+        out = run_ranks(_resume_routes, 2, template, (None, "sharded", "dcp"), str(tmp_path),
+                        timeout=120)
+        pairs = [(o[None], o[r]) for o in out for r in ("sharded", "dcp")]
+    else:
+        pairs = list(zip(run_threads(_resume, 2, template, None, str(tmp_path)),
+                         run_threads(_resume, 2, template, route, str(tmp_path))))
+    for (a, sa), (b, sb) in pairs:
+        assert sa == sb and sa["layers.1.scale"] == 4 and sa["layers.0.scale"] == 6
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        assert max(float((b[k] - v).abs().max()) for k, v in ref.items()) <= TOL

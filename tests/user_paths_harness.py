@@ -14,7 +14,8 @@ TOL = 1e-10
 
 class RefMuon(torch.optim.Optimizer):
     """One process: ``dmuon.Muon``'s two param groups over a plain model, read at every step
-    (``predicate``: the params on Muon; the rest on AdamW)."""
+    (``predicate``: the params on Muon; the rest on ``torch.optim.AdamW`` itself, whose per-param
+    step counts dmuon's AdamW group keeps)."""
 
     def __init__(self, model: torch.nn.Module, predicate: Callable[[str, Any], bool] = muon_predicate):
         from dmuon.functional import adamw as fadamw
@@ -32,7 +33,8 @@ class RefMuon(torch.optim.Optimizer):
                           dict(params=list(self.rest.values()), name="adamw", **adamw)],
                          defaults={})
         self.ms = fmuon.init({n: p.detach() for n, p in self.mats.items()})
-        self.as_ = fadamw.init({n: p.detach() for n, p in self.rest.items()})
+        self.adamw = torch.optim.AdamW(list(self.rest.values()), foreach=False, **adamw) \
+            if self.rest else None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -44,10 +46,10 @@ class RefMuon(torch.optim.Optimizer):
         hp = self.fm.MuonHParams(**{k: g0[k] for k in self.fm.MuonHParams._fields})
         _, self.ms = self.fm.update({n: p.grad for n, p in self.mats.items()}, self.ms,
                                     {n: p.data for n, p in self.mats.items()}, hp, donate=True)
-        ahp = self.fa.AdamWHParams(lr=g1["lr"], betas=tuple(g1["betas"]), eps=g1["eps"],
-                                   weight_decay=g1["weight_decay"])
-        _, self.as_ = self.fa.update({n: p.grad for n, p in self.rest.items()}, self.as_,
-                                     {n: p.data for n, p in self.rest.items()}, ahp, donate=True)
+        if self.adamw is not None:
+            self.adamw.param_groups[0].update({k: g1[k] for k in ("lr", "betas", "eps",
+                                                                  "weight_decay")})
+            self.adamw.step()
         return loss
 
 

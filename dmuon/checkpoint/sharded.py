@@ -61,6 +61,7 @@ from dmuon.checkpoint.save_safety import (agree_failure, claim_partial, discard_
                                           sweep_partials, target_problems)
 from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.functional.load_scalars import load_problems
+from dmuon.functional.optimizer_format import SKIPPED
 from dmuon.functional.owner_checks import refuse_variant
 from dmuon.functional.selection import tied_names
 from dmuon.functional.state_dict_check import all_finite, check_state_dict
@@ -203,6 +204,9 @@ def _save_entries(model: nn.Module, rt, optimizer) -> dict[str, Any]:
             dedicated[n]["master"] = rt.masters[n]
     out["optim"] = {"fsdp2": fsdp2, "dedicated": dedicated,
                     "adamw_step": int(st.step) if st is not None else 0,
+                    # torch's per-param AdamW counts (one DCP object; none skipped: no entry)
+                    **({SKIPPED: tuple(sorted(optimizer.adamw_skipped.items()))}
+                       if optimizer.adamw_skipped else {}),
                     "muon_step": muon_step(optimizer),
                     "num_steps": int(optimizer.num_steps),
                     # a tuple is one DCP object (a list of dicts would be split into leaves)
@@ -308,6 +312,12 @@ def _read_metadata(rt, checkpoint_id: str, marker: dict, storage_reader):
         errors.append(str(e))
     agree_errors(rt, errors, "dmuon.load_sharded")
     return reader, md, paths
+
+
+def _pairs(v: Any) -> bool:
+    """``v`` is a tuple / list of ``(name, count)`` pairs (how the skip counts are saved)."""
+    return isinstance(v, (tuple, list)) and all(isinstance(x, (tuple, list)) and len(x) == 2
+                                                for x in v)
 
 
 def _extra_skeleton(md: Mapping[str, Any], paths: Mapping[str, Any]) -> dict:
@@ -457,7 +467,8 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
             "dedicated": {n: {"momentum_buffer": torch.empty(rt.shape[n], dtype=rt.master_dtype[n],
                                                              device=rt.device)}
                           for n in rt.owned_names},
-            "adamw_step": 0, "muon_step": 0, "num_steps": 0, "param_groups": ()}
+            "adamw_step": 0, "muon_step": 0, "num_steps": 0, "param_groups": (),
+            **({SKIPPED: ()} if f"optim.{SKIPPED}" in md else {})}
         for n in wide:
             if n in rt.masters:
                 sd["optim"]["dedicated"].setdefault(n, {})["master"] = torch.empty(
@@ -474,6 +485,8 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     errors = (_nonfinite(sd["model"], "model.") + (
         _nonfinite(sd["optim"], "optim.") if optimizer is not None else [])) if check_finite else []
     if optimizer is not None:  # counters, storage dtypes, hyper-parameters (before any install)
+        skipped = sd["optim"].get(SKIPPED, ())
+        sd["optim"][SKIPPED] = dict(skipped) if _pairs(skipped) else skipped
         errors += [f"optim.{p}" for p in load_problems(sd["optim"], optimizer.param_groups)]
     agree_errors(rt, errors, what)
     # install (the first writes to live state)
@@ -483,7 +496,7 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
         # of every matrix was read by its new owner, which installs it after
         load_optimizer_state(optimizer, {
             "fsdp2": o["fsdp2"], "dedicated": {}, "param_groups": list(o["param_groups"]),
-            **{k: o[k] for k in ("adamw_step", "muon_step", "num_steps")}},
+            **{k: o[k] for k in ("adamw_step", "muon_step", "num_steps", SKIPPED)}},
             what=what, check_finite=False)
         saved = next((g.get("momentum_dtype") for g in o["param_groups"]
                       if g.get("name") == "muon"), None)

@@ -19,14 +19,14 @@ import torch
 from torch import Tensor
 
 from dmuon.functional import transforms as T
-from dmuon.functional.stages.hparams import (check_hyper, new_step, next_step, register_state,
-                                             value_at)
+from dmuon.functional.stages.hparams import (as_step, check_hyper, new_step, next_step,
+                                             register_state, value_at)
 from dmuon.functional.stages.leaves import FOREACH, PER_TENSOR, Leaves, run_inplace
 from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten_like, leaf_paths,
                                   zeros_like_tree)
 
 __all__ = ["IMPLS", "AdamWHParams", "AdamWState", "init", "transform", "update", "validate_hparams",
-           "hparams_of_group", "resolve_impl"]
+           "hparams_of_group", "resolve_impl", "update_per_param", "param_step", "torch_entries"]
 
 #: The ``impl`` choices of :func:`update`.
 IMPLS = ("reference", "foreach", "fused")
@@ -137,7 +137,8 @@ def update(
 
     Leaves whose gradient is ``None`` keep their param and moments unchanged (the global step still
     advances; ``torch.optim.AdamW`` keeps one step per param instead, which differs only when a param
-    sometimes gets no gradient). Gradients of a lower precision than the param (e.g. bf16 grads for
+    sometimes gets no gradient: :func:`update_per_param` keeps torch's counts, as ``dmuon.Muon``'s
+    AdamW group does). Gradients of a lower precision than the param (e.g. bf16 grads for
     fp32 masters) are upcast: the math runs in the param's dtype. Runs under ``torch.no_grad()``
     (params may be ``nn.Parameter`` s, also with ``donate=True``).
 
@@ -199,6 +200,53 @@ def update(
     inner = T.ChainState((T.AdamState(state.step, state.mu, state.nu), T.EmptyState()))
     adam = run_inplace(chain, leaves, inner, groups).states[0]
     return leaves.params_tree(), AdamWState(step=adam.step, mu=adam.mu, nu=adam.nu)
+
+
+def update_per_param(grads: Mapping[str, Any], state: AdamWState, params: Mapping[str, Tensor],
+                     hparams: AdamWHParams = AdamWHParams(), *, skipped: Mapping[str, int],
+                     donate: bool = False, impl: str = "reference"
+                     ) -> tuple[dict[str, Tensor], AdamWState, dict[str, int]]:
+    """:func:`update` with ``torch.optim.AdamW``'s step counts: one per param, advanced only at
+    the updates where it has a gradient (flat ``{name: tensor}`` trees).
+
+    Param ``n``'s count is ``state.step - skipped.get(n, 0)``: ``state.step`` counts the updates
+    (it evaluates the hyper-parameters' schedules, as torch's param group holds one ``lr``) and
+    ``skipped`` how many of them found ``n`` without a gradient. The params with a gradient are
+    updated in cohorts of equal counts (one :func:`update` each, usually one: then the result is
+    :func:`update`'s bitwise); afterwards every param without a gradient has skipped one more.
+
+    Returns:
+      ``(new params, new state, new skipped)`` (``skipped`` holds the nonzero counts only).
+    """
+    t = int(state.step)
+    hparams = hparams._replace(lr=value_at(hparams.lr, state.step),
+                               weight_decay=value_at(hparams.weight_decay, state.step))
+    cohorts: dict[int, list[str]] = {}
+    for n in params:
+        if grads.get(n) is not None:
+            cohorts.setdefault(int(skipped.get(n, 0)), []).append(n)
+    new_p, mu, nu = dict(params), dict(state.mu), dict(state.nu)
+    for c, names in sorted(cohorts.items()):
+        sub = AdamWState(as_step(t - c), {n: mu[n] for n in names}, {n: nu[n] for n in names})
+        out, st = update({n: grads[n] for n in names}, sub, {n: params[n] for n in names},
+                         hparams, donate=donate, impl=impl)
+        new_p.update(out)
+        mu.update(st.mu)
+        nu.update(st.nu)
+    now = {n: int(skipped.get(n, 0)) + (grads.get(n) is None) for n in params}
+    return new_p, AdamWState(next_step(state.step), mu, nu), {n: c for n, c in now.items() if c}
+
+
+def param_step(step: Any, skipped: Mapping[str, int], name: str) -> int:
+    """Param ``name``'s ``torch.optim.AdamW`` step count under :func:`update_per_param`."""
+    return int(step) - int(skipped.get(name, 0))
+
+
+def torch_entries(state: AdamWState, skipped: Mapping[str, int]) -> dict[str, dict[str, Any]]:
+    """``{name: torch.optim.AdamW's state entry}``: its ``step`` (a 0-d tensor,
+    :func:`param_step`), ``exp_avg`` and ``exp_avg_sq`` (the state's own tensors)."""
+    return {n: {"step": torch.tensor(float(param_step(state.step, skipped, n))),
+                "exp_avg": state.mu[n], "exp_avg_sq": state.nu[n]} for n in state.mu}
 
 
 def _check_leaf(name: str, p: Tensor, g, m: Tensor, v: Tensor) -> None:

@@ -13,9 +13,10 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from dmuon.functional.optimizer_format import COUNTERS as _COUNTERS, hparams, loadable_hparams
+from dmuon.functional.optimizer_format import (COUNTERS as _COUNTERS, SKIPPED, hparams,
+                                               loadable_hparams)
 
-__all__ = ["counters", "load_problems"]
+__all__ = ["counters", "skipped_counts", "load_problems"]
 
 
 def _count(v: Any) -> Optional[int]:
@@ -40,6 +41,13 @@ def counters(entries: Mapping[str, Any]) -> dict[str, int]:
     out["num_steps"] = _count(entries["num_steps"]) or 0 if "num_steps" in entries else \
         max(out.values())
     return out
+
+
+def skipped_counts(entries: Mapping[str, Any], names: Sequence[str]) -> dict[str, int]:
+    """The per-param AdamW skip counts of load ``entries`` (:func:`load_problems` passed) for the
+    loading optimizer's AdamW params ``names`` (nonzero ones; none saved: all 0)."""
+    skipped = entries.get(SKIPPED) or {}
+    return {n: int(_count(skipped[n])) for n in names if n in skipped and _count(skipped[n])}
 
 
 #: a saved param group's storage dtypes and their checks (known names; AdamW's never 8-bit)
@@ -81,6 +89,12 @@ def load_problems(entries: Mapping[str, Any], groups: Sequence[Mapping[str, Any]
         c = counters(entries)
         problems += [f"{k} = {c[k]} exceeds num_steps = {c['num_steps']} (a step count above "
                      "the optimizer's steps)" for k in _COUNTERS[:2] if c[k] > c["num_steps"]]
+        skipped = entries.get(SKIPPED) or {}
+        bad = [n for n, v in skipped.items() if not isinstance(n, str) or _count(v) is None
+               or _count(v) > c["adamw_step"]] if isinstance(skipped, Mapping) else [skipped]
+        if bad:
+            problems.append(f"{SKIPPED}: {bad[:4]} not a param name with a count in [0, "
+                            f"adamw_step = {c['adamw_step']}] (the steps it had no gradient at)")
     saved = entries.get("param_groups") or []
     if not isinstance(saved, Sequence) or not all(isinstance(g, Mapping) for g in saved):
         return problems + [f"param_groups: expected a list of dicts, got {type(saved).__name__}"]

@@ -19,6 +19,8 @@ The optimizer format (every tensor full, keyed by fully-qualified parameter name
                           "master": T}},                      # only if the master is wider than
                                                               # the param (e.g. fp32 for bf16)
      "adamw_step": int, "muon_step": int, "num_steps": int,   # counters (AdamW bias correction)
+     "adamw_skipped": {name: int},      # optional: the steps an AdamW param had no gradient at
+                                        # (its torch.optim.AdamW count is adamw_step minus it)
      "param_groups": [{"name": "muon", ...}, {"name": "adamw", ...}]}   # hyper-parameters
 """
 from __future__ import annotations
@@ -32,7 +34,8 @@ from dmuon.functional.muon import MuonState
 from dmuon.functional.specs import dtype_from_str
 from dmuon.functional.state_dict_check import Shape, live_views, value_problems, view_problems
 
-__all__ = ["MOMENTS", "COUNTERS", "functional_states_from_full", "full_from_functional_states",
+__all__ = ["MOMENTS", "COUNTERS", "SKIPPED", "functional_states_from_full",
+           "full_from_functional_states",
            "hparams", "full_entries", "full_dict_problems", "full_dict_structure",
            "to_torch_protocol", "from_torch_protocol", "field_problems",
            "optimizer_state_problems", "loadable_hparams"]
@@ -41,6 +44,8 @@ __all__ = ["MOMENTS", "COUNTERS", "functional_states_from_full", "full_from_func
 MOMENTS = ("exp_avg", "exp_avg_sq")
 #: the full format's counters (checked by :mod:`dmuon.functional.load_scalars`)
 COUNTERS = ("adamw_step", "muon_step", "num_steps")
+#: the full format's per-param AdamW skip counts (``dmuon.functional.adamw.update_per_param``)
+SKIPPED = "adamw_skipped"
 
 
 def functional_states_from_full(osd: Mapping[str, Any]) -> tuple[MuonState, AdamWState]:
@@ -104,6 +109,7 @@ def full_entries(sd: Mapping[str, Any]) -> dict[str, Any]:
     if "num_steps" in sd:
         steps["num_steps"] = sd["num_steps"]
     return {"dedicated": dict(sd["dedicated"]), "fsdp2": dict(sd["fsdp2"]), **steps,
+            SKIPPED: sd.get(SKIPPED) or {},
             "param_groups": sd.get("param_groups"), "variant_scalars": sd.get("variant_scalars")}
 
 
@@ -166,6 +172,7 @@ def from_torch_protocol(sd: Any, names: Sequence[str],
             flat += 1
     sections: dict[str, dict[str, Any]] = {"dedicated": {}, "fsdp2": {}}
     seen: dict[str, list[Any]] = {"muon_step": [], "adamw_step": []}
+    adamw: dict[str, Any] = {}
     for i, s in st.items():
         n = by_index.get(i, i if isinstance(i, str) else None)
         if n is None or not isinstance(s, Mapping):
@@ -173,11 +180,27 @@ def from_torch_protocol(sd: Any, names: Sequence[str],
         section, step = ("dedicated", "muon_step") if n in dedicated else ("fsdp2", "adamw_step")
         sections[section][n] = {k: v for k, v in s.items() if k != "step"}
         seen[step].append(s.get("step", 0))
+        if step == "adamw_step":
+            adamw[n] = s.get("step", 0)
     steps = {k: _one_step(v) for k, v in seen.items()}
+    # torch.optim.AdamW's counts are per param: the largest is the group's, the rest skipped
+    counts = {n: _integral(v) for n, v in adamw.items()}
+    if isinstance(steps["adamw_step"], tuple) and None not in counts.values():
+        top = max(counts.values())
+        steps["adamw_step"] = top
+        steps[SKIPPED] = {n: top - c for n, c in counts.items() if c != top}
     if groups and "num_steps" in groups[0]:
         steps["num_steps"] = groups[0]["num_steps"]
     return {**sections, **steps, "param_groups": [hparams(g) for g in groups],
             "variant_scalars": groups[0].get("variant_scalars") if groups else None}
+
+
+def _integral(v: Any) -> Optional[int]:
+    """``v`` (a number or 1-element tensor) as an int when it is an integral value >= 0."""
+    v = v.item() if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and v == v and v >= 0 \
+        and float(v).is_integer()
+    return int(v) if ok else None
 
 
 def _one_step(values: Sequence[Any]) -> Any:

@@ -14,9 +14,9 @@ import torch.nn as nn
 
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.stages.hparams import as_step
-from dmuon.functional.load_scalars import counters, load_problems
+from dmuon.functional.load_scalars import counters, load_problems, skipped_counts
 from dmuon.functional.optimizer_format import (
-    MOMENTS as _MOMENTS, from_torch_protocol, full_dict_problems, full_dict_structure,
+    MOMENTS as _MOMENTS, SKIPPED, from_torch_protocol, full_dict_problems, full_dict_structure,
     full_entries, hparams, loadable_hparams, optimizer_state_problems, to_torch_protocol)
 from dmuon.stateful.runtime.state import get_state, local_tensor, unwrapping_model
 from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
@@ -71,9 +71,9 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
                       else v for k, v in e.items()},  # a variant's smaller fields: full tensors
                    "step": torch.tensor(step)}  # every rank's: DCP stores one rank's copy
                for n, e in gather_fields(optimizer).items()}
-    for n, p in optimizer.adamw_named_params:
-        entries[n] = {**{k: dtensor_like(src[n], p) for k, src in zip(_MOMENTS, (st.mu, st.nu))},
-                      "step": torch.tensor(float(st.step))}
+    torch_form = fadamw.torch_entries(st, optimizer.adamw_skipped) if st is not None else {}
+    for n, p in optimizer.adamw_named_params:  # (torch.optim.AdamW's per-param counts)
+        entries[n] = {k: v if k == "step" else dtensor_like(v, p) for k, v in torch_form[n].items()}
     groups = [(hparams(g), [optimizer.param_name(p) for p in g["params"]])
               for g in optimizer.param_groups]
     scalars = {"variant_scalars": owner.scalars()} if owner.custom else {}  # the chain's counts
@@ -156,6 +156,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
             str(optimizer._adamw_storage.dtype)
         st = optimizer._adamw_storage.load(st, saved, what)
     optimizer.adamw_state = st and st._replace(step=as_step(steps["adamw_step"]))
+    optimizer.adamw_skipped = skipped_counts(entries, [n for n, _ in optimizer.adamw_named_params])
     optimizer.num_steps = steps["num_steps"]
     owner.broken = None  # a step that failed part-way: reloaded (every rank loads)
     saved = (by_name.get("muon") or {}).get("momentum_dtype") if ded else \
@@ -213,7 +214,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool
     ded = gather_fields(optimizer)
     dedicated = {n: {k: mv(v) for k, v in e.items()} for n, e in ded.items()} if keep else {}
     return {"fsdp2": fsdp2, "dedicated": dedicated,
-            "adamw_step": int(st.step) if st is not None else 0,
+            "adamw_step": int(st.step) if st is not None else 0, SKIPPED: optimizer.adamw_skipped,
             "muon_step": muon_step(optimizer),
             "num_steps": int(optimizer.num_steps), "param_groups": hparam_groups(optimizer),
             **({"variant_scalars": optimizer._owner.scalars()} if optimizer._owner.custom

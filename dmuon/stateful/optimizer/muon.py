@@ -169,6 +169,7 @@ class Muon(torch.optim.Optimizer):
         self._owner = OwnerDriver(transform, self.muon_hparams(), rt, self._storage)
         self.adamw_state: Optional[fadamw.AdamWState] = self._adamw_storage.stored_state(
             fadamw.init(self.adamw_local_tensors()[0])) if self._adamw_named else None
+        self.adamw_skipped: dict[str, int] = {}  # torch's per-param counts: fadamw.param_step
         #: the state a matrix held by its owner lists: a marker per field that refuses math
         #: (torch's tools read the keys), made once
         self._markers = {(n, f.key): make_marker(rt.params[n], n, None, what="momentum" if
@@ -255,10 +256,8 @@ class Muon(torch.optim.Optimizer):
             views[rt.params[n]] = dict({key: vals[n] if n in vals else self._markers[(n, key)]
                                         for key, vals in own.items()}, step=step_m)
         if self.adamw_state is not None:
-            step = torch.tensor(float(self.adamw_state.step))
-            for n, p in self._adamw_named:
-                views[p] = {"step": step, "exp_avg": self.adamw_state.mu[n],
-                            "exp_avg_sq": self.adamw_state.nu[n]}
+            torch_form = fadamw.torch_entries(self.adamw_state, self.adamw_skipped)
+            views.update({p: torch_form[n] for n, p in self._adamw_named})
 
     # ------------------------------------------------------------------ hparams
     def muon_hparams(self) -> fmuon.MuonHParams:
@@ -478,8 +477,9 @@ class Muon(torch.optim.Optimizer):
         reshard_unsharded(self._fsdp_groups)  # an unsharded copy would go stale
         st = store.working_state(self.adamw_state, params) if self._adamw_decoded else \
             self.adamw_state
-        _, work = fadamw.update(grads, st, params, self.adamw_hparams(), donate=True,
-                                impl=self._adamw_impl)
+        _, work, self.adamw_skipped = fadamw.update_per_param(
+            grads, st, params, self.adamw_hparams(), skipped=self.adamw_skipped, donate=True,
+            impl=self._adamw_impl)
         self.adamw_state = store.commit_state(self.adamw_state, work) if self._adamw_decoded \
             else work
 

@@ -59,10 +59,9 @@ class DedicatedParamGroup:
         self.executor = executor
         self.compute_dtype: Optional[torch.dtype] = None
         self.reduce_dtype: Optional[torch.dtype] = None
-        #: the weights version gathered (or gathering: :attr:`inflight_unshard`); -1: placeholders
-        self.gathered_version = -1
-        #: the sharded style: the weights version this rank's copy holds (-1: none yet)
-        self.copy_version = -1
+        #: the weights version gathered (or gathering: :attr:`inflight_unshard`; -1: placeholders)
+        #: and the one the sharded style's copy of this rank holds (-1: none yet)
+        self.gathered_version = self.copy_version = -1
         #: Z3, kept gathered after a forward that gave it no hookable output tensor on this rank:
         #: the other ranks may have freed it, so its next gather (or the backward's end) still runs
         #: the collective, and every rank re-gathers it in one order
