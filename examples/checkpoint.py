@@ -16,6 +16,7 @@ Two formats, both independent of the topology (resume at another (shard, replica
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 
 import torch
@@ -104,12 +105,12 @@ def main(args) -> None:
     dcp_dir = os.path.join(args.dir, "sharded")
 
     start_step = 0                                             # resume if a checkpoint exists
-    if args.sharded and os.path.exists(dcp_dir):
-        try:  # a torn or corrupt checkpoint raises CheckpointError (an Exception): start fresh
-            start_step = load_sharded(dcp_dir, model, optimizer).extra["step"]
-        except Exception as e:  # noqa: BLE001
-            if rank == 0:
-                print(f"not resuming: {e}", flush=True)
+    # (or a complete one a crash left between the two renames of its publish: load_sharded
+    # finishes that publish). A refused checkpoint raises CheckpointError on every rank: stop
+    # there, as starting over would save over the good checkpoints kept beside it.
+    if args.sharded and (os.path.exists(dcp_dir) or glob.glob(
+            os.path.join(glob.escape(dcp_dir) + ".partial-*", "dmuon-complete.json"))):
+        start_step = load_sharded(dcp_dir, model, optimizer).extra["step"]
     elif not args.sharded and os.path.exists(full_path):
         start_step = load_checkpoint(model, optimizer, full_path)
     if rank == 0 and start_step:

@@ -29,3 +29,18 @@ def test_checkpoint_example_saves_and_resumes_on_another_world_size(tmp_path):
     second = _run("1", "--steps", "9", *d)
     assert "resumed from step 6 on 1 rank(s)" in second, second
     assert re.findall(r"step +(\d+) .*saved", second) == ["9"], second
+
+
+@pytest.mark.slow
+def test_the_sharded_example_resumes_after_a_crash_between_the_publishs_renames(tmp_path):
+    """A job killed between the publish's two renames leaves ``sharded.1`` (the older checkpoint)
+    and the complete new one as ``sharded.partial-<id>``, no ``sharded``: the example resumes
+    from the new one (``load_sharded`` finishes the publish) instead of starting over."""
+    d = ["--dir", str(tmp_path), "--save-every", "3", "--sharded"]
+    first = _run("2", "--steps", "6", *d)
+    assert re.findall(r"step +(\d+) .*saved", first) == ["3", "6"], first
+    os.rename(tmp_path / "sharded", tmp_path / "sharded.partial-0123456789ab")
+    second = _run("2", "--steps", "9", *d)
+    assert "resumed from step 6 on 2 rank(s)" in second, second
+    assert re.findall(r"step +(\d+) .*saved", second) == ["9"], second
+    assert sorted(os.listdir(tmp_path)) == ["sharded", "sharded.1"]

@@ -70,7 +70,10 @@ def _kill_during_save(rank, world, path, where):
             fut.wait()
             os._exit(3)
         FileSystemWriter.write_data = write_then_die
+    new = dmuon.get_model_state_dict(model, cpu_offload=True)  # (collective)
     if where == "publish" and rank == 0:  # rank 0 dies between the publish's two renames
+        torch.save(new, path + "-expected2.pt")
+
         def dying_publish(path, tmp, keep_last):  # noqa: ARG001
             os.rename(path, f"{path}.retired-{os.path.basename(tmp)}")
             os._exit(3)
@@ -79,14 +82,14 @@ def _kill_during_save(rank, world, path, where):
     return "saved"
 
 
-def _load_after(rank, world, path):
+def _load_after(rank, world, path, expected="-expected.pt"):
     import dmuon
     model, opt = _setup(rank, world, 0, seed=5)
     out = {}
     try:
         res = dmuon.load_sharded(path, model, opt)
         out["loaded"] = res.extra.get("step")
-        want = torch.load(path + "-expected.pt")
+        want = torch.load(path + expected)
         got = dmuon.get_model_state_dict(model, cpu_offload=True)
         out["values"] = all(torch.equal(got[k], want[k]) for k in want)
     except Exception as e:  # noqa: BLE001 - resume-or-fresh code catches Exception
@@ -98,17 +101,41 @@ def _load_after(rank, world, path):
 @pytest.mark.parametrize("where", ["writing", "publish"])
 def test_killed_save_never_loads_a_torn_checkpoint(tmp_path, where):
     path = str(tmp_path / "ckpt")
-    with pytest.raises(AssertionError):  # a rank died: the run fails
+    with pytest.raises(AssertionError) as died:  # a rank died: the run fails
         run_ranks(_kill_during_save, 2, path, where, timeout=60)
-    res = run_ranks(_load_after, 2, path, timeout=60)
+    if where == "writing":  # the survivor: a CheckpointError (what `except` catches for saves)
+        survivor = str(died.value).split("--- rank 0 ---")[1]
+        assert "CheckpointError: dmuon.save_sharded" in survivor, survivor[-2000:]
+    if where == "publish":  # no checkpoint at path; the new one complete in its partial folder
+        assert not os.path.exists(path) and any(n.startswith("ckpt.partial-")
+                                                for n in os.listdir(tmp_path))
+    res = run_ranks(_load_after, 2, path, "-expected.pt" if where == "writing" else
+                    "-expected2.pt", timeout=60)
     for r in res:
         if where == "writing":  # the previous checkpoint is intact at path, values and all
             assert r.get("loaded") == 1 and r["values"], r
-        else:  # no checkpoint at path: refused, naming the last complete one
-            kind, msg = r["error"]
-            assert kind == "CheckpointError" and "does not exist" in msg, msg
-            named = msg.split("The last complete checkpoint is '")[1].split("'")[0]
-            assert os.path.isfile(os.path.join(named, "dmuon-complete.json")), msg
+        else:  # the load finishes the publish: the complete new checkpoint, values and all
+            assert r.get("loaded") == 2 and r["values"], r
+    if where == "publish":
+        assert os.path.isfile(os.path.join(path, "dmuon-complete.json"))
+        assert not any(n.startswith("ckpt.partial-") for n in os.listdir(tmp_path))
+
+
+def _save_after(rank, world, path):
+    """A new job saves (keep_last=2) without loading first: the interrupted publish is finished
+    before the rotation, so the new save is ``path`` and the finished one ``path.1``."""
+    import dmuon
+    model, opt = _setup(rank, world, 0, seed=5)
+    dmuon.save_sharded(path, model, opt, extra={"step": 9}, keep_last=2)
+    return [dmuon.load_sharded(p, model, opt).extra["step"] for p in (path, path + ".1")]
+
+
+@pytest.mark.slow
+def test_a_save_after_a_crash_between_the_publishs_renames_keeps_the_finished_checkpoint(tmp_path):
+    path = str(tmp_path / "ckpt")
+    with pytest.raises(AssertionError):
+        run_ranks(_kill_during_save, 2, path, "publish", timeout=60)
+    assert run_ranks(_save_after, 2, path, timeout=60) == [[9, 2]] * 2
 
 
 def _corruptions(rank, world, tmp):

@@ -148,8 +148,11 @@ def dcp_errors(fn: Any, what: str) -> list[str]:
 def agree_errors(rt, errors: list[str], what: str) -> None:
     """Raise :class:`CheckpointError` on every rank if any rank has an error (collective;
     :func:`dmuon.stateful.runtime.agree.agree`)."""
-    agree(errors, what=f"{what} agreement", via=rt.mesh_groups, error=lambda detail: (
-        CheckpointError(f"{what}: {detail}. Nothing was changed on any rank.")))
+    try:
+        agree(errors, what=f"{what} agreement", via=rt.mesh_groups, error=lambda detail: (
+            CheckpointError(f"{what}: {detail}. Nothing was changed on any rank.")))
+    except RuntimeError as e:  # the collective itself failed (a rank gone or hung)
+        raise CheckpointError(f"{what}: {e}") from e
 
 
 def publish(path: str, tmp: str, keep_last: int) -> None:

@@ -47,7 +47,8 @@ from dmuon.stateful.runtime.agree import describe_problems, gather
 logger = logging.getLogger(__name__)
 
 __all__ = ["owner_scope", "Failure", "run_step", "agree_failure", "target_problems", "sweep_partials",
-           "claim_partial", "owner_record", "discard_partial", "OWNER", "STALE_ENV"]
+           "finish_publish", "claim_partial", "owner_record", "discard_partial", "OWNER",
+           "STALE_ENV"]
 
 #: the record of who a partial folder belongs to (:func:`owner_record`), written before any
 #: rank writes into it (and kept in the published checkpoint)
@@ -118,7 +119,15 @@ def agree_failure(rt, own: Optional[Failure], raised: bool, what: str,
         code = exc.errno if isinstance(exc, OSError) else None
         info = (own.message, code, getattr(exc, "strerror", None),
                 None if getattr(exc, "filename", None) is None else os.fspath(exc.filename))
-    got = gather((info, raised), what=f"{what} agreement", via=rt.mesh_groups)
+    try:
+        got = gather((info, raised), what=f"{what} agreement", via=rt.mesh_groups)
+    except RuntimeError as e:  # the collective itself failed (a rank gone or hung)
+        if own is not None and isinstance(own.exc, (KeyboardInterrupt, SystemExit)):
+            return own.exc
+        err = CheckpointError(f"{what}: {e} (this rank's own part "
+                              f"{'failed: ' + own.message if own is not None else 'succeeded'})")
+        err.__cause__ = e
+        return err
     problems = {r: [i[0]] for r, (i, _) in enumerate(got) if i is not None}
     if not problems:
         problems = {r: ["failed (its log says why)"] for r, (_, up) in enumerate(got) if up}
@@ -269,18 +278,41 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
+def _partials(path: str) -> list[str]:
+    """The ``<path>.partial-<id>`` folders beside ``path`` (not links), sorted by name."""
+    parent, base = os.path.split(path)
+    if not os.path.isdir(parent or "."):
+        return []
+    pattern = re.compile(re.escape(base) + r"\.partial-[0-9a-f]{12}")
+    return [os.path.join(parent, n) for n in sorted(os.listdir(parent or "."))
+            if pattern.fullmatch(n) and not os.path.islink(os.path.join(parent, n))
+            and os.path.isdir(os.path.join(parent, n))]
+
+
+def finish_publish(path: str) -> Optional[str]:
+    """Rank 0, before a save or a load of ``path``: finish a publish that a crash cut between its
+    two renames (:func:`~dmuon.checkpoint.files.publish`: ``path`` already moved aside, the new
+    checkpoint still ``<path>.partial-<id>``, complete: it holds its marker). Where ``path`` does
+    not exist, the newest such partial whose save no longer runs becomes ``path`` (logged).
+    Returns the folder it renamed, or ``None``."""
+    if os.path.lexists(path):
+        return None
+    done = [f for f in _partials(path) if os.path.isfile(os.path.join(f, MARKER))
+            and _owner_gone(f) is not None]
+    if not done:
+        return None
+    newest = max(done, key=lambda f: os.path.getmtime(os.path.join(f, MARKER)))
+    os.rename(newest, path)
+    logger.warning("dmuon: %s did not exist, and %s held the complete checkpoint of a save whose "
+                   "publish was cut between its two renames; it is now %s", path, newest, path)
+    return newest
+
+
 def sweep_partials(path: str) -> None:
     """Rank 0, before a save: remove the ``<path>.partial-<id>`` folders saves that no longer
     run left (:func:`_owner_gone`); keep another live job's, and keep (and log) one holding a
     marker: an interrupted publish's complete checkpoint."""
-    parent, base = os.path.split(path)
-    if not os.path.isdir(parent or "."):
-        return
-    pattern = re.compile(re.escape(base) + r"\.partial-[0-9a-f]{12}")
-    for name in sorted(os.listdir(parent or ".")):
-        full = os.path.join(parent, name)
-        if not pattern.fullmatch(name) or os.path.islink(full) or not os.path.isdir(full):
-            continue
+    for full in _partials(path):
         if os.path.isfile(os.path.join(full, MARKER)):
             logger.warning("dmuon.save_sharded: %s is a complete checkpoint an interrupted publish "
                            "left; kept (rename it to %s to load it, or delete it)", full, path)

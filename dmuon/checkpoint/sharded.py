@@ -57,8 +57,9 @@ import torch.distributed as dist
 from dmuon.checkpoint.checksum_pass import not_agreed, save_checksums, verify_files
 from dmuon.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise, publish,
                                     write_marker)
-from dmuon.checkpoint.save_safety import (agree_failure, claim_partial, discard_partial, run_step,
-                                          sweep_partials, target_problems)
+from dmuon.checkpoint.save_safety import (agree_failure, claim_partial, discard_partial,
+                                          finish_publish, run_step, sweep_partials,
+                                          target_problems)
 from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
 from dmuon.functional.load_scalars import load_problems
 from dmuon.functional.optimizer_format import SKIPPED
@@ -265,6 +266,7 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     if rt.rank == 0:
         problems += target_problems(path)
         if not problems:  # other jobs' saves in progress are left; ours is claimed, owned
+            finish_publish(path)  # a crash between a publish's renames: it becomes path
             sweep_partials(path)
             problems += claim_partial(tmp)
     try:
@@ -422,6 +424,12 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     rt.drain()
     path = os.path.abspath(os.fspath(checkpoint_id))
     errors: list[str] = []
+    if rt.rank == 0:  # a crash between a publish's renames: its complete checkpoint becomes path
+        try:
+            finish_publish(path)
+        except OSError as e:
+            errors.append(f"{what}: could not finish the interrupted publish of {path!r}: {e}")
+    agree_errors(rt, errors, what)  # (and every rank reads path after it)
     marker: dict = {}
     try:
         marker = complete_or_raise(path)
