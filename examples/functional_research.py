@@ -20,10 +20,9 @@ import torch.nn as nn
 from torch.func import functional_call, grad
 
 import dmuon
-from dmuon.functional import adamw, plan_owners, specs_from_named_shapes, step_program
+from dmuon.functional import (adamw, forward_gather, plan_owners, rank_step, replicated_program,
+                              replicated_step, specs_from_named_shapes, step_program)
 from dmuon.functional import transforms as T
-from dmuon.functional.replicated import replicated_program, replicated_step
-from dmuon.functional.step import forward_gather, rank_step
 from dmuon.launch import run
 
 STEPS, BATCH = 6, 16
@@ -57,8 +56,10 @@ def train(model: nn.Module) -> dict[str, torch.Tensor]:
     vector params."""
     # --- glue: plan, program, executor, the loop (the functional API end to end) ---
     rank, world = dist.get_rank(), dist.get_world_size()
-    full = {n: p.detach().clone() for n, p in model.named_parameters()}
-    plan = plan_owners(specs_from_named_shapes(model.named_parameters()), world)  # 2-D: Muon
+    full = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    # Muon: the default predicate's matrices (2-D, not embeddings, lm_head or gates); the rest of
+    # the trainable params take the replicated AdamW path (frozen ones stay the model's own)
+    plan = plan_owners(specs_from_named_shapes(model.named_parameters()), world)
     program = step_program(plan.owners, {n: t.shape for n, t in full.items()},
                            {n: str(t.dtype) for n, t in full.items()}, shard_size=world)
     params = {n: full[n] for n in program.column(rank)}  # G = world: this rank's column only

@@ -54,6 +54,11 @@ _EXPORTS: dict[str, str] = {
     "memory_model": "dmuon.functional.memory_model", "split_ns": "dmuon.functional.split_ns",
     "stages": "dmuon.functional.stages",
     "specs_from_named_shapes": "dmuon.functional.specs",
+    # a research loop's step at any shard size (docs/functional: "Research loops")
+    "forward_gather": "dmuon.functional.step", "rank_step": "dmuon.functional.step",
+    "world_step": "dmuon.functional.step",
+    "replicated_program": "dmuon.functional.replicated",
+    "replicated_step": "dmuon.functional.replicated",
 }
 #: names that are modules (``owner_step`` is the module: importing ``dmuon.functional.owner_step``
 #: binds the package attribute to it, so a function of that name could not stay exported)
@@ -96,4 +101,5 @@ __all__ = [
     "Batch", "Heads", "Split", "Transposed", "ParamPolicy", "Rule", "hf_rules", "qk_clip",
     "variants", "collectives", "phases", "step", "owner_step", "packing", "replicated",
     "order_check", "memory_model", "split_ns", "stages", "specs_from_named_shapes",
+    "forward_gather", "rank_step", "world_step", "replicated_program", "replicated_step",
 ]
