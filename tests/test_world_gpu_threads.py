@@ -35,9 +35,13 @@ def configs(device: str, world: int) -> list[dict]:
         dict(id="mp_bf16", device=device, dtype=torch.float32, mp="fsdp", batch=4),
         dict(id="graph", device=device, batch=4, ns_modes=True,
              muon_kw=dict(persistent_grad_buffers=True)),
+        # the sharded style: its in-place all-gather and all-to-all refresh on the lane streams
+        dict(id="sharded", device=device, batch=4, dedicate_kw={"collectives": "sharded"}),
     ]
     if world == 4:
         cfgs.append(dict(id="hsdp", device=device, hsdp=True, batch=8, ns_modes=True))
+        cfgs.append(dict(id="hsdp_sharded", device=device, hsdp=True, batch=8,
+                         dedicate_kw={"collectives": "sharded"}))
         # split Newton-Schulz (issue 35): its explicit-group gathers / scatters on the lane streams
         cfgs.append(dict(id="split", device=device, steps=2, batch=8,
                          dedicate_kw={"split_ns": dict(SPLIT_FORCE)}))
