@@ -422,11 +422,13 @@ def coalesced_calls(group: Any, device: torch.device, parts: int = 2) -> Any:
     """A context in which the ``parts`` collectives issued on ``group`` (``async_op=True``) form one
     group call (NCCL: ``ncclGroupStart`` / ``End``); ``.wait()`` on what it yields waits for all of
     them (``distributed_c10d._coalescing_manager`` with a device: the backend's own coalescing;
-    gloo has none). One part: nothing to group, a null context yielding ``None``."""
+    gloo has none). One part, or a backend without NCCL's group calls (gloo, torch's threaded test
+    backend, whose coalescing refuses CUDA tensors): a null context yielding ``None``, the parts
+    issued one after another."""
     import contextlib
 
     import torch.distributed as dist
-    if parts <= 1:
+    if parts <= 1 or "nccl" not in str(dist.get_backend(group)):
         return contextlib.nullcontext()
     return dist.distributed_c10d._coalescing_manager(group, device, async_ops=True)
 

@@ -348,7 +348,7 @@ class Executor:
             with torch.cuda.stream(st):
                 with coalesced_calls(call[0].group, dev, len(call)) as cm:
                     works = [_collective(r) for r in call]
-                (cm or works[0]).wait()  # the lane stream waits on the collectives: no host sync
+                (cm or Works(works)).wait()  # the lane stream waits on them: no host sync
                 for b in (b for r in call for b in (r.view, *r.bufs) if b is not None):
                     b.record_stream(st)  # a ShardBuckets op: every column's bucket
                 event.record(st)
