@@ -431,3 +431,40 @@ def test_the_adamw_counts_of_a_skipped_param_survive_every_checkpoint_route(rout
         assert sa == sb and sa["layers.1.scale"] == 4 and sa["layers.0.scale"] == 6
         assert all(torch.equal(a[k], b[k]) for k in a)
         assert max(float((b[k] - v).abs().max()) for k, v in ref.items()) <= TOL
+
+
+def _divergent(rank, world, template, what):
+    """Rank 1's optimizer differs (``"lr"``: a per-rank scheduler mistake; ``"momentum_dtype"``:
+    built with another option): the step raises on every rank, changing nothing; with the same
+    hyper-parameters again, the next batch steps."""
+    import copy
+
+    import dmuon
+    model = copy.deepcopy(template)
+    kw = {"momentum_dtype": torch.bfloat16} if what == "momentum_dtype" and rank == 1 else {}
+    model, opt = build_dmuon(rank, world, model, model.layers,
+                             {"z3": True, "predicate": lambda n, p: p.ndim == 2, "muon_kw": kw})
+    if what == "lr" and rank == 1:
+        opt.param_groups[0]["lr"] *= 2
+    before = dmuon.get_model_state_dict(model)
+    model(_x().chunk(world)[rank]).backward()
+    with pytest.raises(RuntimeError, match="different hyper-parameters") as e:
+        opt.step()
+    after = dmuon.get_model_state_dict(model)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    stepped = True
+    if what == "lr":
+        opt.param_groups[0]["lr"] = 0.02  # (rank 0's)
+        model(_x().chunk(world)[rank]).backward()
+        opt.step()
+        stepped = not torch.equal(before["out_proj.weight"],
+                                  dmuon.get_model_state_dict(model)["out_proj.weight"])
+    return unchanged, stepped, str(e.value)[:40]
+
+
+@pytest.mark.parametrize("what", ["lr", "momentum_dtype"])
+def test_hyper_parameters_that_differ_across_ranks_raise_on_every_rank(what):
+    torch.manual_seed(0)
+    template = _DropOnRanks().double()
+    for unchanged, stepped, msg in run_threads(_divergent, 2, template, what):
+        assert unchanged and stepped and msg.startswith("dmuon.Muon.step: the ranks'")

@@ -18,7 +18,7 @@ __all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks"
            "check_cleared", "pre_step_verdict", "check_publish_consumed",
            "check_finite_flags", "write_count", "check_not_broken", "step_broken",
            "broken_step_message", "LAUNCH_PRIME", "fold_launch", "combine_launches",
-           "LaunchLog", "launches_differ"]
+           "LaunchLog", "launches_differ", "hparams_fingerprint", "hparams_differ"]
 
 #: a rank's launch fingerprint is below this prime, so that its ``(h, h * h)`` summed over ranks
 #: stays exact in the pre-step all-reduce's int64 (up to 2**63 / LAUNCH_PRIME**2 = 131,072 ranks)
@@ -56,6 +56,27 @@ class LaunchLog:
         """The kinds' fingerprints as one (and start again)."""
         kinds, self.lanes = self.lanes, {}
         return combine_launches(kinds)
+
+
+def hparams_fingerprint(groups: Any) -> int:
+    """A fingerprint (``< LAUNCH_PRIME``) of an optimizer's param groups without their params:
+    equal on ranks that step with the same hyper-parameters (and, but for a collision, only
+    then)."""
+    return fold_launch(1, repr([sorted((k, repr(v)) for k, v in g.items()
+                                       if k not in ("params", "param_names")) for g in groups]))
+
+
+def hparams_differ(total: int, total_sq: int, world: int) -> Optional[str]:
+    """The error when the ranks' :func:`hparams_fingerprint` s differ (as
+    :func:`launches_differ` reads its sums), else ``None``."""
+    if total * total == world * total_sq:
+        return None
+    return ("dmuon.Muon.step: the ranks' optimizers hold different hyper-parameters "
+            "(optimizer.param_groups: lr, momentum, betas, weight_decay, momentum_dtype, ...), so "
+            "each owner would update its matrices, and each rank its FSDP2 shards, by a rule of "
+            "its own. Build dmuon.Muon with the same options on every rank, and change "
+            "param_groups (a scheduler, a manual lr change) the same way on every rank. Nothing "
+            "was updated; this batch's gradients were dropped.")
 
 
 def launches_differ(total: int, total_sq: int, world: int) -> Optional[str]:

@@ -359,7 +359,7 @@ class Muon(torch.optim.Optimizer):
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         grads = rt.reduced_grads()
         rt.finalize_order()  # (once; where the model's own forward never ran, only its blocks')
-        agree_before_step(rt, self._adamw_named, drop_batch=self.zero_grad)
+        agree_before_step(rt, self._adamw_named, self.param_groups, drop_batch=self.zero_grad)
         if self.check_finite and check_finite(self._adamw_named, rt, grads):
             self._host_syncs += 1  # its verdict waited for the device
         self.invalidate_state_views()  # the states change from here: views rebuilt when read

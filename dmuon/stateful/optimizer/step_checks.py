@@ -10,35 +10,35 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from dmuon.functional.step_checks import check_finite_flags, launches_differ, pre_step_verdict
+from dmuon.functional import step_checks as SC
 from dmuon.stateful.runtime.agree import host_sum, rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
 __all__ = ["agree_before_step", "check_finite"]
 
 
-def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]],
+def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]], groups: Any,
                       drop_batch: Callable[[], None]) -> None:
     """One all-reduce of host values (none at world 1) for the verdicts every rank must reach
-    before a step changes anything: the hook groups launched the same collectives on every rank
-    since the last step (``rt.launches``; else ``drop_batch()``, the optimizer's ``zero_grad``,
-    the gathered copies are dropped and every rank raises,
-    :func:`dmuon.functional.step_checks.launches_differ`), then
-    (:func:`dmuon.functional.step_checks.pre_step_verdict`) a gradient of the last step never
-    cleared (``GradLedger.uncleared``), and FSDP2's gradients (``rt.fsdp_usage``:
-    :class:`dmuon.compat.fsdp_info.FSDPGradUsage`; ``None`` without FSDP2 params). FSDP2 params
-    no rank used get ``None`` back."""
+    before a step changes anything (:mod:`dmuon.functional.step_checks`): the hook groups launched
+    the same collectives on every rank since the last step (``rt.launches``), and the param
+    ``groups`` hold the same hyper-parameters (else ``drop_batch()``, the optimizer's
+    ``zero_grad``, and every rank raises); then (``pre_step_verdict``) a gradient of the last
+    step never cleared (``GradLedger.uncleared``), and FSDP2's gradients (``rt.fsdp_usage``;
+    ``None`` without FSDP2 params): those no rank used get ``None`` back."""
     uncleared, usage, h = rt.ledger.uncleared(), rt.fsdp_usage, rt.launches.take()
     used, none_before = usage.local_flags([p for _, p in adamw_named]) if usage else ([], [])
-    counts = [int(bool(uncleared))] + [int(f) for f in used + none_before] + [h, h * h]
+    counts = [int(bool(uncleared))] + [int(f) for f in used + none_before] + [
+        k := SC.hparams_fingerprint(groups), k * k, h, h * h]
     world = dist.get_world_size()
     if world > 1:
         counts = host_sum(counts, what="pre-step all-reduce", via=rt.mesh_groups, device=rt.device)
-    if (differ := launches_differ(counts[-2], counts[-1], world)) is not None:
+    if (differ := SC.launches_differ(counts[-2], counts[-1], world) or
+            SC.hparams_differ(counts[-4], counts[-3], world)) is not None:
         drop_batch()
         rt.reshard_all()
         raise RuntimeError(differ)
-    gone = set(pre_step_verdict(uncleared, [n for n, _ in adamw_named][:len(used)], counts[:-2],
+    gone = set(SC.pre_step_verdict(uncleared, [n for n, _ in adamw_named][:len(used)], counts[:-4],
                                 world, zeros_sent=bool(usage and usage.zeros_sent)))
     for n, p in adamw_named:
         if n in gone:
@@ -62,5 +62,5 @@ def check_finite(adamw_named: Sequence[tuple[str, Any]], rt: DedicatedState,
         mine[1] = (~torch.isfinite(torch.stack(norms).float())).any().float()
     flags = rank_flags(mine, what="check_finite all-reduce", via=rt.mesh_groups)
     synced = flags.is_cuda  # the verdict below waits for the device
-    check_finite_flags(flags, named)
+    SC.check_finite_flags(flags, named)
     return synced
