@@ -510,3 +510,26 @@ def test_a_cut_full_checkpoint_is_named_cut_not_legacy(tmp_path, keep):
     path.write_bytes(b"\x80\x02" + data[2:100])
     with pytest.raises(CheckpointError, match="legacy format"):
         dmuon.read_state_dict(path)
+
+
+def test_a_rendezvous_store_gone_mid_checksum_pass_is_a_problem_not_a_raw_error(monkeypatch):
+    """A review (session 15): the process hosting the rendezvous store (rank 0 under mp.spawn or
+    env://) killed during the checksum pass left the survivor with a bare DistNetworkError from
+    the store. Now the progress posts stop quietly, and the wait for the peers returns a problem
+    naming the lost store, which the agreement after it raises as ``CheckpointError``
+    (verified end to end with the reviewer's kill script: the survivor raised it at once)."""
+    import dmuon.checkpoint.checksum_pass as cp
+
+    class GoneStore:
+        def set(self, *a):
+            raise torch.distributed.DistNetworkError("Connection reset by peer")
+        get = check = set
+
+    monkeypatch.setattr(cp, "default_store", GoneStore)
+    post = cp._Poster("k/0")
+    post.start("f", 10)  # no raise: posting ends
+    post.post(5, force=True)
+    post.done()
+    assert post.store is None
+    (problem,) = cp.wait_for_peers("k", 2, bound=1.0)
+    assert "rendezvous store is unreachable" in problem and "Connection reset" in problem

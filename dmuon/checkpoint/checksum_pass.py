@@ -87,11 +87,19 @@ class _Poster:
         now = time.monotonic()
         if self.store is not None and (force or now - self.at >= 1.0):
             self.at = now
-            self.store.set(self.key, json.dumps([self.file, done, self.size]))
+            self._set(json.dumps([self.file, done, self.size]))
 
     def done(self) -> None:
         if self.store is not None:
-            self.store.set(self.key, _DONE)
+            self._set(_DONE)
+
+    def _set(self, value: str) -> None:
+        """Post ``value``; a store gone (its host process died) ends the posting, not the pass
+        (the peers' wait and the agreement after it report the lost rank)."""
+        try:
+            self.store.set(self.key, value)
+        except RuntimeError:  # torch's DistNetworkError / DistStoreError
+            self.store = None
 
 
 def checksum_share(folder: str, names: list[str], key: str, rank: int,
@@ -146,7 +154,12 @@ def wait_for_peers(key: str, world: int, bound: float,
         now, pending, stalled = clock(), False, []
         for r in range(world):
             k = f"{key}/{r}"
-            value = store.get(k).decode() if store.check([k]) else None
+            try:
+                value = store.get(k).decode() if store.check([k]) else None
+            except RuntimeError as e:  # torch's DistNetworkError / DistStoreError
+                return [f"the rendezvous store is unreachable ({type(e).__name__}: {e}): the "
+                        "process that hosts it (rank 0's under mp.spawn or env://, torchrun's "
+                        "agent) is gone"]
             if value == _DONE:
                 continue
             pending = True
