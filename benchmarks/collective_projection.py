@@ -50,7 +50,9 @@ from dmuon.tools.projection_report import machine_summary  # noqa: E402
 
 log = logging.getLogger("collective_projection")
 
-STYLES = ("per_owner", "per_bucket", "grouped", "sharded", "auto")
+STYLES = ("per_owner", "per_bucket", "grouped", "sharded", "sharded_behind_ns", "auto")
+#: a style label's StepSetup fields ("sharded_behind_ns": projected only, see StepSetup)
+STYLE_SETUP = {"sharded_behind_ns": {"collectives": "sharded", "sharded_refresh": "behind_ns"}}
 OVERLAP_KEYS = ("layer_backward_s", "tokens")
 STYLE_GRID = [(m, n, min(64, n)) for m in ("llama-3.1-8b", "llama-3.1-70b")
               for n in (8, 64, 512, 1024)]
@@ -81,7 +83,7 @@ def _style_row(model: str, n: int, g: int, machine: Machine) -> dict:
                      "exposed_ms": {k: v * 1e3 for k, v in base.exposed.items() if v},
                      "exposed_total_ms": sum(base.exposed.values()) * 1e3}}
     for style in STYLES:
-        st = dataclasses.replace(setup, collectives=style)
+        st = dataclasses.replace(setup, **STYLE_SETUP.get(style, {"collectives": style}))
         p = project_step(st, machine, "dmuon")
         d = {**_common(p, base), "forward_ms": p.forward * 1e3, "backward_ms": p.backward * 1e3,
              "optimizer_ms": p.optimizer * 1e3, "owners_phase_ms": p.ns.seconds * 1e3,
@@ -121,7 +123,8 @@ def _gather_row(model: str, n: int, seq: int, machine: Machine) -> dict:
     row = {"model": model, "gpus": n, "shard": n, "replicate": 1, "seq": seq,
            "adamw": {**bg, "step_ms": base.step * 1e3}}
     for style in STYLES:
-        p = project_step(dataclasses.replace(setup, collectives=style), machine, "dmuon")
+        p = project_step(dataclasses.replace(setup, **STYLE_SETUP.get(style, {
+            "collectives": style})), machine, "dmuon")
         g, ref = _gather(p), bg["exposed_gather_ms"]
         c = _common(p, base)
         c["dedicated_shard_launches"] = c.pop("dedicated_shard_collectives")

@@ -320,3 +320,20 @@ def test_grouped_style_is_one_launch_per_phase_with_the_per_owner_bytes():
     assert gr.step < st["per_owner"].step
     assert gr.exposed["unshard"] <= st["per_owner"].exposed["unshard"]
     assert st["auto"].step <= min(s.step for s in st.values()) + 1e-9
+
+
+def test_the_sharded_styles_refresh_where_it_runs():
+    """``collectives="sharded"``: the built (lazy) refresh runs in front of each group's first
+    forward gather; ``sharded_refresh="behind_ns"`` (projected only) moves it into the owners'
+    phase, which at 8 GPUs and sequence 1024 hides most of it (Llama-3.1-8B: less exposed
+    gather than lazy and than grouped)."""
+    import dataclasses
+    setup = StepSetup(get_preset("llama-3.1-8b"), 8, 1, micro_batch=1, seq=1024, max_split=1,
+                      collectives="sharded")
+    lazy = project_step(setup, H200, "dmuon")
+    behind = project_step(dataclasses.replace(setup, sharded_refresh="behind_ns"), H200, "dmuon")
+    grouped = project_step(dataclasses.replace(setup, collectives="grouped"), H200, "dmuon")
+    assert any("copy refresh" in o.name and o.phase == "forward" for o in lazy.timeline)
+    assert not any("copy refresh" in o.name and o.phase == "forward" for o in behind.timeline)
+    gather = lambda p: p.exposed["unshard"] + p.exposed.get("fsdp_all_gather", 0.0)  # noqa: E731
+    assert gather(behind) < gather(grouped) < gather(lazy)

@@ -91,6 +91,11 @@ class StepSetup:
       max_split: split NS over up to this many ranks (dmuon design; 1: never); ns_steps.
       ns_overlap: owner NS overlapped with the backward (module docstring; needs
         ``max_split=1``: split units are not modeled overlapped).
+      sharded_refresh: where the ``"sharded"`` style's copy refresh runs: ``"lazy"`` (what the
+        runtime does: in front of each group's first forward gather) or ``"behind_ns"``
+        (projected, not built: on the shard link during the owners' update, each group's after
+        its NS, which needs the owners to update group by group; what does not fit in the NS
+        phase but its first group's share spills into the next step, exposed).
       collectives: the dedicated groups' shard-axis style (``dedicate_params(collectives=...)``):
         ``"per_owner"`` (one broadcast / reduce per owner bucket), ``"per_bucket"`` (one padded
         all-gather / reduce-scatter per group), ``"grouped"`` (each phase's per-owner ops as
@@ -110,6 +115,7 @@ class StepSetup:
     ns_steps: int = 5
     collectives: str = "per_owner"
     ns_overlap: bool = False
+    sharded_refresh: str = "lazy"
 
     @property
     def world(self) -> int:
@@ -262,7 +268,7 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
             fsdp_layer[int(s.layer_key.rsplit(".", 1)[1])] += s.numel
     nsp = None
     ns_hidden = 0.0
-    shard_bytes = 0.0
+    shard_bytes = refresh_s = 0.0
     styles: dict[str, int] = {}
     groups: dict[int, tuple[list, list, list]] = {}
     if dedicated:
@@ -289,7 +295,10 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
                             collectives=setup.collectives, cost=cost)
         for g, ph in prog.groups.items():
             layer = int(g.rsplit(".", 1)[1])
-            groups[layer] = (coalesced_units(ph.refreshed_unshard), coalesced_units(ph.reduce),
+            if setup.sharded_refresh == "behind_ns":  # (timed below, in the owners' phase)
+                refresh_s += sum(shard_time(u) for u in coalesced_units(ph.refresh))
+            lazy = ph.unshard if setup.sharded_refresh == "behind_ns" else ph.refreshed_unshard
+            groups[layer] = (coalesced_units(lazy), coalesced_units(ph.reduce),
                              coalesced_units(ph.publish),  # launches: group calls are one
                              coalesced_units(ph.unshard))  # (the forward's: after a refresh)
             styles[ph.collectives] = styles.get(ph.collectives, 0) + 1
@@ -439,9 +448,14 @@ def project_step(setup: StepSetup, machine: Machine, design: str, *,
                                           tokens, b_layer)
             ns_hidden = nsp.seconds - t_owners
         tl.add("owners: NS + Muon", "compute", "compute", "optimizer", t_owners, floor=end)
+        spill = max(0.0, refresh_s - t_owners * (1 - 1 / max(1, len(groups))))
+        if spill > 0:  # the next forward's first gather waits for the refreshes' rest
+            tl.add("copy refresh (behind NS)", "shard", "unshard", "optimizer", spill,
+                   floor=end + t_owners)
         t_rest = fixed + rate * shard_params
         tl.add("AdamW (rest)", "compute", "compute", "optimizer", t_rest, floor=end + t_owners)
-        t_opt = t_owners + t_rest
+        t_opt = max(t_owners + t_rest, t_owners + spill)  # (AdamW runs beside the spill)
+        tl.exposed["unshard"] += max(0.0, spill - t_rest)
     mem = _memory(setup, specs, plan, fsdp_layer, fsdp_root)
     return StepProjection(design, t_forward, t_backward, t_opt, dict(tl.exposed), nsp, plan,
                           tuple(tl.ops), mem, styles, shard_bytes, ns_hidden)
