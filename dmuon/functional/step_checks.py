@@ -61,9 +61,24 @@ class LaunchLog:
 def hparams_fingerprint(groups: Any) -> int:
     """A fingerprint (``< LAUNCH_PRIME``) of an optimizer's param groups without their params:
     equal on ranks that step with the same hyper-parameters (and, but for a collision, only
-    then)."""
-    return fold_launch(1, repr([sorted((k, repr(v)) for k, v in g.items()
+    then). Values are read as data (numbers, strings, dtypes, tensors' values, containers of
+    them); other objects a library may keep in a group (a function: its repr holds an address
+    that differs by process) count by their type alone."""
+    return fold_launch(1, repr([sorted((str(k), _as_data(v)) for k, v in g.items()
                                        if k not in ("params", "param_names")) for g in groups]))
+
+
+def _as_data(v: Any) -> str:
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype)):
+        return repr(v)
+    if isinstance(v, torch.Tensor):
+        small = v.numel() <= 64 and v.device.type == "cpu"  # (a device tensor: no host sync)
+        return repr(v.detach().tolist()) if small else f"tensor{tuple(v.shape)}"
+    if isinstance(v, (tuple, list)):
+        return "(" + ",".join(_as_data(x) for x in v) + ")"
+    if isinstance(v, dict):
+        return "{" + ",".join(f"{k!r}:{_as_data(x)}" for k, x in sorted(v.items(), key=str)) + "}"
+    return f"<{type(v).__qualname__}>"
 
 
 def hparams_differ(total: int, total_sq: int, world: int) -> Optional[str]:
