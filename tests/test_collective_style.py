@@ -40,6 +40,15 @@ def _program(G, R, style, z3=True):
                         reshard_after_forward=z3, collectives=style)
 
 
+def random_trees(program, seed: int, world: int) -> tuple[dict, dict, list]:
+    """``(shapes, params, per-rank trees)`` of ``program``'s matrices, fp64 normal draws."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {e.name: e.shape for b in program.unshard_layout.buckets for e in b.entries}
+    params = {n: torch.randn(*s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
+    return shapes, params, [{n: torch.randn(*s, generator=gen, dtype=torch.float64)
+                             for n, s in shapes.items()} for _ in range(world)]
+
+
 def test_op_bytes_count_the_padding_and_traffic_is_their_sum():
     G = 4
     owners = {"layers.0.a": (0, 0), "layers.0.b": (2, 0)}

@@ -22,25 +22,7 @@ from dmuon.functional.schedule import (ShardCopyGather, ShardCopyRefresh, op_byt
                                        refresh_schedule, unshard_schedule)
 from dmuon.functional.simulate import simulate
 from dmuon.functional.step import world_step
-
-F64 = "torch.float64"
-
-
-def _owners(G: int, R: int, layers: int = 3) -> tuple[dict, dict]:
-    """Uneven buckets: matrix ``i`` of a layer on column ``(i + layer) % G``, some columns empty."""
-    owners, shapes = {}, {}
-    for layer in range(layers):
-        for i, (m, n) in enumerate([(6, 4), (3, 5), (8, 8), (2, 7)][: G + layer % 2]):
-            name = f"layers.{layer}.p{i}.weight"
-            owners[name] = ((i + layer) % G, (i * 7 + layer) % R)
-            shapes[name] = (m, n)
-    return owners, shapes
-
-
-def _program(G, R, style, z3=True):
-    owners, shapes = _owners(G, R)
-    return step_program(owners, shapes, {n: F64 for n in owners}, shard_size=G, replicate_size=R,
-                        reshard_after_forward=z3, collectives=style)
+from test_collective_style import F64, _owners, _program, random_trees
 
 
 def test_the_ops_move_equal_parts_and_the_refresh_moves_what_is_not_in_place():
@@ -76,11 +58,7 @@ def test_a_sharded_step_equals_the_per_owner_step_bitwise_in_the_simulator(G, R,
     assert {g.collectives for g in sh.groups.values()} == {"sharded"}
     assert sh.traffic().total_sent(["reduce"]) == po.traffic().total_sent(["reduce"])
     W = G * R
-    gen = torch.Generator().manual_seed(1)
-    shapes = {e.name: e.shape for b in po.unshard_layout.buckets for e in b.entries}
-    params = {n: torch.randn(*s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
-    weights = [{n: torch.randn(*s, generator=gen, dtype=torch.float64) for n, s in shapes.items()}
-               for _ in range(W)]
+    shapes, params, weights = random_trees(po, 1, W)
     seen: dict = {}
 
     def grads(style):

@@ -14,7 +14,7 @@ the schedule container, builders and accounting live there.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Mapping, Sequence, Union
+from typing import Any, Literal, Mapping, Sequence, Union
 
 from dmuon.functional.buckets import BucketKey, dtype_itemsize
 
@@ -198,6 +198,16 @@ class Scatter(_Parts):
         return self.src
 
 
+def _check_columns(op: Any) -> None:
+    """``op.keys[s]``: column ``s``'s bucket of ``op``'s group and dtype, or ``None`` with
+    ``op.sizes[s] == 0`` (a column owning nothing there)."""
+    for s, (k, n) in enumerate(zip(op.keys, op.sizes)):
+        if (k is None) != (n == 0) or n < 0 or (k is not None and (
+                k.column != s or k.group != op.bucket.group or k.dtype != op.dtype)):
+            raise ValueError(f"op {op.id}: part {s} ({k}, {n}) is not column {s}'s bucket "
+                             f"of group {op.bucket.group!r} in {op.dtype}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class ShardBuckets(_Collective):
     """A shard-axis op over one hook group's buckets of one dtype, one bucket per shard index.
@@ -220,11 +230,7 @@ class ShardBuckets(_Collective):
             raise ValueError(f"op {self.id}: {type(self).__name__} runs on the shard axis")
         if len(self.keys) != len(self.sizes) or not self.keys:
             raise ValueError(f"op {self.id}: keys and sizes need one entry per shard index")
-        for s, (k, n) in enumerate(zip(self.keys, self.sizes)):
-            if (k is None) != (n == 0) or n < 0 or (k is not None and (
-                    k.column != s or k.group != self.bucket.group or k.dtype != self.dtype)):
-                raise ValueError(f"op {self.id}: part {s} ({k}, {n}) is not column {s}'s bucket "
-                                 f"of group {self.bucket.group!r} in {self.dtype}")
+        _check_columns(self)
         if self.offset != 0 or self.numel != max(self.sizes):
             raise ValueError(f"op {self.id}: offset must be 0 and numel the largest part "
                              f"({max(self.sizes)}), got {self.offset}, {self.numel}")
@@ -289,11 +295,7 @@ class ShardCopy(_Collective):
         if len(self.keys) != G or not G or sum(self.sizes) <= 0:
             raise ValueError(f"op {self.id}: keys and sizes need one entry per shard index and "
                              "a non-empty bucket")
-        for s, (k, n) in enumerate(zip(self.keys, self.sizes)):
-            if (k is None) != (n == 0) or n < 0 or (k is not None and (
-                    k.column != s or k.group != self.bucket.group or k.dtype != self.dtype)):
-                raise ValueError(f"op {self.id}: part {s} ({k}, {n}) is not column {s}'s bucket "
-                                 f"of group {self.bucket.group!r} in {self.dtype}")
+        _check_columns(self)
         if self.offset != 0 or self.numel != -(-sum(self.sizes) // G):
             raise ValueError(f"op {self.id}: offset must be 0 and numel ceil(sum(sizes) / G) = "
                              f"{-(-sum(self.sizes) // G)}, got {self.offset}, {self.numel}")
