@@ -214,8 +214,8 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool
     ded = gather_fields(optimizer)
     dedicated = {n: {k: mv(v) for k, v in e.items()} for n, e in ded.items()} if keep else {}
     return {"fsdp2": fsdp2, "dedicated": dedicated,
-            "adamw_step": int(st.step) if st is not None else 0, SKIPPED: optimizer.adamw_skipped,
-            "muon_step": muon_step(optimizer),
+            "adamw_step": int(st.step) if st is not None else 0,
+            SKIPPED: dict(optimizer.adamw_skipped), "muon_step": muon_step(optimizer),
             "num_steps": int(optimizer.num_steps), "param_groups": hparam_groups(optimizer),
             **({"variant_scalars": optimizer._owner.scalars()} if optimizer._owner.custom
                else {})}
