@@ -119,6 +119,17 @@ def test_killed_save_never_loads_a_torn_checkpoint(tmp_path, where):
     if where == "publish":
         assert os.path.isfile(os.path.join(path, "dmuon-complete.json"))
         assert not any(n.startswith("ckpt.partial-") for n in os.listdir(tmp_path))
+        # keep_last=1: the next save removes the copy the cut publish left (the old checkpoint)
+        assert any(n.startswith("ckpt.retired-") for n in os.listdir(tmp_path))
+        run_ranks(_save_again, 2, path, timeout=60)
+        assert sorted(n for n in os.listdir(tmp_path) if n.startswith("ckpt")) == [
+            "ckpt", "ckpt-expected.pt", "ckpt-expected2.pt"], os.listdir(tmp_path)
+
+
+def _save_again(rank, world, path):
+    import dmuon
+    model, opt = _setup(rank, world, 0, seed=5)
+    dmuon.save_sharded(path, model, opt, extra={"step": 3})
 
 
 def _save_after(rank, world, path):

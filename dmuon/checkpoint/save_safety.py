@@ -311,7 +311,8 @@ def finish_publish(path: str) -> Optional[str]:
 def sweep_partials(path: str) -> None:
     """Rank 0, before a save: remove the ``<path>.partial-<id>`` folders saves that no longer
     run left (:func:`_owner_gone`); keep another live job's, and keep (and log) one holding a
-    marker: an interrupted publish's complete checkpoint."""
+    marker: an interrupted publish's complete checkpoint. With a complete ``path``, remove the
+    ``<path>.retired-*`` copies a publish with ``keep_last=1`` was cut before deleting."""
     for full in _partials(path):
         if os.path.isfile(os.path.join(full, MARKER)):
             logger.warning("dmuon.save_sharded: %s is a complete checkpoint an interrupted publish "
@@ -324,6 +325,15 @@ def sweep_partials(path: str) -> None:
         shutil.rmtree(full, ignore_errors=True)
         logger.info("dmuon.save_sharded: removed %s, left by a save that did not finish (%s)",
                     full, why)
+    if os.path.isfile(os.path.join(path, MARKER)):  # (keep_last=1: a publish cut before it
+        parent, base = os.path.split(path)         # deleted the checkpoint it replaced)
+        for name in sorted(os.listdir(parent or ".")):
+            full = os.path.join(parent, name)
+            if name.startswith(base + ".retired-") and os.path.isdir(full) \
+                    and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+                logger.info("dmuon.save_sharded: removed %s, the checkpoint a publish replaced "
+                            "(cut before it deleted it)", full)
 
 
 def discard_partial(tmp: str, path: str) -> None:
