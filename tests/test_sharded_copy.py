@@ -209,3 +209,14 @@ def test_two_gloo_ranks_equal_one_process_and_count_the_programs_bytes():
 @pytest.mark.slow
 def test_four_gloo_ranks_hsdp_and_state_options_equal_one_process():
     _spawned(4, CFG_4)
+
+
+def test_the_memory_model_counts_the_copies():
+    """Every rank keeps ``numel`` elements (its part) of each sharded group and dtype between
+    steps, on top of what the per-owner style holds."""
+    from dmuon.functional.memory_model import rank_memory
+    po, sh = _program(3, 1, "per_owner"), _program(3, 1, "sharded")
+    parts = sum(op.nbytes for g in sh.groups.values() for op in g.unshard)
+    for s in range(3):
+        a, b = rank_memory(po, (s, 0)), rank_memory(sh, (s, 0))
+        assert b.phases["between_steps"] - a.phases["between_steps"] == parts > 0

@@ -16,6 +16,8 @@ not modelled here):
   Z2 holds every group from its forward until its gradient reduce in backward;
 * **reduce** — the gradient buckets: those of its own column are kept from a group's reduce to the
   step (the owner's averaged gradients), a group's other buckets only while its reduce runs;
+* **copies** — the sharded style (``collectives="sharded"``): the rank's ``1/G`` of each such
+  group's gathered buffer in the compute dtype, always;
 * **staging** — a group moved per bucket (``collectives="per_bucket"``,
   :mod:`dmuon.functional.collectives`) stages its all-gather in ``G`` padded parts and its
   reduce-scatter in ``G + 1`` while the collective runs: the largest such staging is added to the
@@ -34,7 +36,7 @@ from typing import Any, Optional
 import torch
 
 from dmuon.functional.program import ROOT_GROUP, StepProgram
-from dmuon.functional.schedule import ShardBuckets, ShardReduceScatter
+from dmuon.functional.schedule import ShardBuckets, ShardCopy, ShardReduceScatter
 from dmuon.functional.specs import dtype_from_str
 from dmuon.functional.state_dtype import (STEP_CHUNK_BYTES, check_state_dtype, chunk_peak,
                                           state_nbytes)
@@ -164,7 +166,9 @@ def rank_memory(program: StepProgram, coord: Sequence[int], *, state_itemsize: O
         kept = sum(red_own[j] for j in back[:i])                      # earlier reduces, held
         gathered = held_z3(i, back) + sum(un[j] for j in back[i:] if not z3[j]) + root
         backward = max(backward, kept + gathered + red_all[k] + staged(back[:i]))
-    base = masters + state
+    copies = sum(op.nbytes for k in program.forward_order for op in program.groups[k].unshard
+                 if isinstance(op, ShardCopy))  # (the sharded style's parts, kept)
+    base = masters + state + copies
     fwd_stage = max((a for a, _ in stage.values()), default=0)
     bwd_stage = max((a + b for a, b in stage.values()), default=0)
     phases = {"between_steps": base, "forward": base + forward + fwd_stage,
