@@ -459,6 +459,7 @@ def _divergent(rank, world, template, what):
         opt.step()
         stepped = not torch.equal(before["out_proj.weight"],
                                   dmuon.get_model_state_dict(model)["out_proj.weight"])
+    assert ("lr=0.04" if what == "lr" and rank == 1 else "lr=0.02") in str(e.value)  # its own
     return unchanged, stepped, str(e.value)[:40]
 
 

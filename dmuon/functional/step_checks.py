@@ -81,17 +81,21 @@ def _as_data(v: Any) -> str:
     return f"<{type(v).__qualname__}>"
 
 
-def hparams_differ(total: int, total_sq: int, world: int) -> Optional[str]:
+def hparams_differ(total: int, total_sq: int, world: int, groups: Any = ()) -> Optional[str]:
     """The error when the ranks' :func:`hparams_fingerprint` s differ (as
-    :func:`launches_differ` reads its sums), else ``None``."""
+    :func:`launches_differ` reads its sums), else ``None``; it lists this rank's ``groups``, so
+    the ranks' messages side by side show which value differs."""
     if total * total == world * total_sq:
         return None
+    mine = "; ".join(", ".join(f"{k}={_as_data(v)}" for k, v in g.items()
+                               if k not in ("params", "param_names")) for g in groups)
     return ("dmuon.Muon.step: the ranks' optimizers hold different hyper-parameters "
             "(optimizer.param_groups: lr, momentum, betas, weight_decay, momentum_dtype, ...), so "
             "each owner would update its matrices, and each rank its FSDP2 shards, by a rule of "
             "its own. Build dmuon.Muon with the same options on every rank, and change "
             "param_groups (a scheduler, a manual lr change) the same way on every rank. Nothing "
-            "was updated; this batch's gradients were dropped.")
+            "was updated; this batch's gradients were dropped. This rank's groups: "
+            + (mine[:600] + (" ..." if len(mine) > 600 else "")))
 
 
 def launches_differ(total: int, total_sq: int, world: int) -> Optional[str]:

@@ -34,7 +34,7 @@ def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]]
     if world > 1:
         counts = host_sum(counts, what="pre-step all-reduce", via=rt.mesh_groups, device=rt.device)
     if (differ := SC.launches_differ(counts[-2], counts[-1], world) or
-            SC.hparams_differ(counts[-4], counts[-3], world)) is not None:
+            SC.hparams_differ(counts[-4], counts[-3], world, groups)) is not None:
         drop_batch()
         rt.reshard_all()
         raise RuntimeError(differ)
