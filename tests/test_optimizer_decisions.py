@@ -147,3 +147,19 @@ def test_adamw_storage_rounds_into_its_buffers():
     fp32 = AdamWStorage(None)
     s32 = fadamw.init(params)
     assert fp32.stored_state(s32) is s32 and fp32.working_state(s32, params) is s32
+
+
+def test_hyper_parameter_fingerprints_read_values_as_data():
+    """Equal values give equal fingerprints whatever their Python or numpy type, a function kept
+    in a group counts by its type (its repr's address differs by process), the params are not
+    part of it; a changed value changes it (``dmuon.Muon.step``'s pre-step agreement)."""
+    import numpy as np
+
+    from dmuon.functional.step_checks import all_equal, hparams_fingerprint
+    a = [{"params": [1], "lr": 0.02, "betas": (0.9, 0.99), "n": 5, "fn": lambda x: x}]
+    b = [{"params": [2, 3], "lr": np.float64(0.02), "betas": [0.9, np.float64(0.99)],
+          "n": np.int64(5), "fn": lambda y: y}]
+    assert hparams_fingerprint(a) == hparams_fingerprint(b)
+    assert hparams_fingerprint(a) != hparams_fingerprint([{**a[0], "lr": 0.020000000000000004}])
+    h, k = hparams_fingerprint(a), hparams_fingerprint(b) + 1
+    assert all_equal(2 * h, 2 * h * h, 2) and not all_equal(h + k, h * h + k * k, 2)

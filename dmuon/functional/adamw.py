@@ -26,7 +26,7 @@ from dmuon.functional.tree import (PyTree, check_tensor_leaves, flatten, flatten
                                   zeros_like_tree)
 
 __all__ = ["IMPLS", "AdamWHParams", "AdamWState", "init", "transform", "update", "validate_hparams",
-           "hparams_of_group", "resolve_impl", "update_per_param", "param_step", "torch_entries"]
+           "hparams_of_group", "resolve_impl", "update_per_param", "torch_entries"]
 
 #: The ``impl`` choices of :func:`update`.
 IMPLS = ("reference", "foreach", "fused")
@@ -237,15 +237,12 @@ def update_per_param(grads: Mapping[str, Any], state: AdamWState, params: Mappin
     return new_p, AdamWState(next_step(state.step), mu, nu), {n: c for n, c in now.items() if c}
 
 
-def param_step(step: Any, skipped: Mapping[str, int], name: str) -> int:
-    """Param ``name``'s ``torch.optim.AdamW`` step count under :func:`update_per_param`."""
-    return int(step) - int(skipped.get(name, 0))
-
-
 def torch_entries(state: AdamWState, skipped: Mapping[str, int]) -> dict[str, dict[str, Any]]:
-    """``{name: torch.optim.AdamW's state entry}``: its ``step`` (a 0-d tensor,
-    :func:`param_step`), ``exp_avg`` and ``exp_avg_sq`` (the state's own tensors)."""
-    return {n: {"step": torch.tensor(float(param_step(state.step, skipped, n))),
+    """``{name: torch.optim.AdamW's state entry}`` under :func:`update_per_param`: its ``step``
+    (a 0-d tensor: ``state.step`` less the updates it skipped), ``exp_avg`` and ``exp_avg_sq``
+    (the state's own tensors)."""
+    t = int(state.step)
+    return {n: {"step": torch.tensor(float(t - int(skipped.get(n, 0)))),
                 "exp_avg": state.mu[n], "exp_avg_sq": state.nu[n]} for n in state.mu}
 
 

@@ -7,18 +7,20 @@ since the last step (:func:`launches_differ`), a non-finite gradient; and the
 verdict on a step that raised (:func:`step_broken`, from every rank's outcome)."""
 from __future__ import annotations
 
+import numbers
 import zlib
 from typing import Any, Optional, Sequence
 
 import torch
 
+from dmuon.functional.optimizer_format import hparams
 from dmuon.functional.tree import flatten
 
 __all__ = ["check_step_ready", "check_outside_grads", "check_grads_on_all_ranks", "unused_everywhere",
            "check_cleared", "pre_step_verdict", "check_publish_consumed",
            "check_finite_flags", "write_count", "check_not_broken", "step_broken",
            "broken_step_message", "LAUNCH_PRIME", "fold_launch", "combine_launches",
-           "LaunchLog", "launches_differ", "hparams_fingerprint", "hparams_differ"]
+           "LaunchLog", "all_equal", "launches_differ", "hparams_fingerprint", "hparams_differ"]
 
 #: a rank's launch fingerprint is below this prime, so that its ``(h, h * h)`` summed over ranks
 #: stays exact in the pre-step all-reduce's int64 (up to 2**63 / LAUNCH_PRIME**2 = 131,072 ranks)
@@ -58,18 +60,27 @@ class LaunchLog:
         return combine_launches(kinds)
 
 
+def all_equal(total: int, total_sq: int, world: int) -> bool:
+    """The ``world`` ranks' values were all equal, read from their sum ``total`` and the sum of
+    their squares ``total_sq`` (exactly when ``total ** 2 == world * total_sq``)."""
+    return total * total == world * total_sq
+
+
 def hparams_fingerprint(groups: Any) -> int:
-    """A fingerprint (``< LAUNCH_PRIME``) of an optimizer's param groups without their params:
-    equal on ranks that step with the same hyper-parameters (and, but for a collision, only
-    then). Values are read as data (numbers, strings, dtypes, tensors' values, containers of
+    """A fingerprint (``< LAUNCH_PRIME``) of an optimizer's param groups' hyper-parameters
+    (:func:`~dmuon.functional.optimizer_format.hparams`): equal on ranks that step with the same
+    ones (and, but for a collision, only then). Values are read as data (numbers by value,
+    whatever their Python or numpy type; strings, dtypes, CPU tensors' values, containers of
     them); other objects a library may keep in a group (a function: its repr holds an address
     that differs by process) count by their type alone."""
-    return fold_launch(1, repr([sorted((str(k), _as_data(v)) for k, v in g.items()
-                                       if k not in ("params", "param_names")) for g in groups]))
+    return fold_launch(1, repr([sorted((str(k), _as_data(v)) for k, v in hparams(g).items())
+                                for g in groups]))
 
 
 def _as_data(v: Any) -> str:
-    if v is None or isinstance(v, (bool, int, float, str, torch.dtype)):
+    if isinstance(v, numbers.Real) and not isinstance(v, bool):  # numpy's numbers too
+        return repr(int(v) if isinstance(v, numbers.Integral) else float(v))
+    if v is None or isinstance(v, bool) or isinstance(v, (str, torch.dtype)):
         return repr(v)
     if isinstance(v, torch.Tensor):
         small = v.numel() <= 64 and v.device.type == "cpu"  # (a device tensor: no host sync)
@@ -85,10 +96,10 @@ def hparams_differ(total: int, total_sq: int, world: int, groups: Any = ()) -> O
     """The error when the ranks' :func:`hparams_fingerprint` s differ (as
     :func:`launches_differ` reads its sums), else ``None``; it lists this rank's ``groups``, so
     the ranks' messages side by side show which value differs."""
-    if total * total == world * total_sq:
+    if all_equal(total, total_sq, world):
         return None
-    mine = "; ".join(", ".join(f"{k}={_as_data(v)}" for k, v in g.items()
-                               if k not in ("params", "param_names")) for g in groups)
+    mine = "; ".join(", ".join(f"{k}={_as_data(v)}" for k, v in hparams(g).items())
+                     for g in groups)
     return ("dmuon.Muon.step: the ranks' optimizers hold different hyper-parameters "
             "(optimizer.param_groups: lr, momentum, betas, weight_decay, momentum_dtype, ...), so "
             "each owner would update its matrices, and each rank its FSDP2 shards, by a rule of "
@@ -101,8 +112,8 @@ def hparams_differ(total: int, total_sq: int, world: int, groups: Any = ()) -> O
 def launches_differ(total: int, total_sq: int, world: int) -> Optional[str]:
     """The error when the ranks' launch fingerprints differ (``total``, ``total_sq``: their sum
     and the sum of their squares over ``world`` ranks; all are equal exactly when ``total ** 2 ==
-    world * total_sq``), else ``None``."""
-    if total * total == world * total_sq:
+    world * total_sq``: :func:`all_equal`), else ``None``."""
+    if all_equal(total, total_sq, world):
         return None
     return (
         "dmuon.Muon.step: the ranks launched different sequences of dmuon's weight gathers / "

@@ -169,7 +169,7 @@ class Muon(torch.optim.Optimizer):
         self._owner = OwnerDriver(transform, self.muon_hparams(), rt, self._storage)
         self.adamw_state: Optional[fadamw.AdamWState] = self._adamw_storage.stored_state(
             fadamw.init(self.adamw_local_tensors()[0])) if self._adamw_named else None
-        self.adamw_skipped: dict[str, int] = {}  # torch's per-param counts: fadamw.param_step
+        self.adamw_skipped: dict[str, int] = {}  # torch's per-param counts (fadamw.update_per_param)
         #: the state a matrix held by its owner lists: a marker per field that refuses math
         #: (torch's tools read the keys), made once
         self._markers = {(n, f.key): make_marker(rt.params[n], n, None, what="momentum" if

@@ -28,9 +28,9 @@ def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]]
     ``None`` without FSDP2 params): those no rank used get ``None`` back."""
     uncleared, usage, h = rt.ledger.uncleared(), rt.fsdp_usage, rt.launches.take()
     used, none_before = usage.local_flags([p for _, p in adamw_named]) if usage else ([], [])
+    world = dist.get_world_size()  # (at world 1 nothing to agree: no fingerprint)
     counts = [int(bool(uncleared))] + [int(f) for f in used + none_before] + [
-        k := SC.hparams_fingerprint(groups), k * k, h, h * h]
-    world = dist.get_world_size()
+        k := SC.hparams_fingerprint(groups) if world > 1 else 0, k * k, h, h * h]
     if world > 1:
         counts = host_sum(counts, what="pre-step all-reduce", via=rt.mesh_groups, device=rt.device)
     if (differ := SC.launches_differ(counts[-2], counts[-1], world) or
