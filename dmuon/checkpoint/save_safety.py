@@ -278,12 +278,13 @@ def _pid_exists(pid: int) -> bool:
     return True
 
 
-def _partials(path: str) -> list[str]:
-    """The ``<path>.partial-<id>`` folders beside ``path`` (not links), sorted by name."""
+def _beside(path: str, suffix: str = r"partial-[0-9a-f]{12}") -> list[str]:
+    """The folders ``<path>.<suffix>`` beside ``path`` (``suffix`` a regular expression; the
+    ``<path>.partial-<id>`` ones by default), links left out, sorted by name."""
     parent, base = os.path.split(path)
     if not os.path.isdir(parent or "."):
         return []
-    pattern = re.compile(re.escape(base) + r"\.partial-[0-9a-f]{12}")
+    pattern = re.compile(re.escape(base) + r"\." + suffix)
     return [os.path.join(parent, n) for n in sorted(os.listdir(parent or "."))
             if pattern.fullmatch(n) and not os.path.islink(os.path.join(parent, n))
             and os.path.isdir(os.path.join(parent, n))]
@@ -297,7 +298,7 @@ def finish_publish(path: str) -> Optional[str]:
     Returns the folder it renamed, or ``None``."""
     if os.path.lexists(path):
         return None
-    done = [f for f in _partials(path) if os.path.isfile(os.path.join(f, MARKER))
+    done = [f for f in _beside(path) if os.path.isfile(os.path.join(f, MARKER))
             and _owner_gone(f) is not None]
     if not done:
         return None
@@ -313,7 +314,7 @@ def sweep_partials(path: str) -> None:
     run left (:func:`_owner_gone`); keep another live job's, and keep (and log) one holding a
     marker: an interrupted publish's complete checkpoint. With a complete ``path``, remove the
     ``<path>.retired-*`` copies a publish with ``keep_last=1`` was cut before deleting."""
-    for full in _partials(path):
+    for full in _beside(path):
         if os.path.isfile(os.path.join(full, MARKER)):
             logger.warning("dmuon.save_sharded: %s is a complete checkpoint an interrupted publish "
                            "left; kept (rename it to %s to load it, or delete it)", full, path)
@@ -325,15 +326,11 @@ def sweep_partials(path: str) -> None:
         shutil.rmtree(full, ignore_errors=True)
         logger.info("dmuon.save_sharded: removed %s, left by a save that did not finish (%s)",
                     full, why)
-    if os.path.isfile(os.path.join(path, MARKER)):  # (keep_last=1: a publish cut before it
-        parent, base = os.path.split(path)         # deleted the checkpoint it replaced)
-        for name in sorted(os.listdir(parent or ".")):
-            full = os.path.join(parent, name)
-            if name.startswith(base + ".retired-") and os.path.isdir(full) \
-                    and not os.path.islink(full):
-                shutil.rmtree(full, ignore_errors=True)
-                logger.info("dmuon.save_sharded: removed %s, the checkpoint a publish replaced "
-                            "(cut before it deleted it)", full)
+    # keep_last=1: a publish cut before it deleted the checkpoint it replaced
+    for full in _beside(path, r"retired-.+") if os.path.isfile(os.path.join(path, MARKER)) else ():
+        shutil.rmtree(full, ignore_errors=True)
+        logger.info("dmuon.save_sharded: removed %s, the checkpoint a publish replaced (cut "
+                    "before it deleted it)", full)
 
 
 def discard_partial(tmp: str, path: str) -> None:
