@@ -13,6 +13,7 @@ the schedule container, builders and accounting live there.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, Sequence, Union
 
@@ -309,7 +310,7 @@ class ShardCopy(_Collective):
         """The key of a member's copy (its part of the flat buffer)."""
         return BucketKey(self.bucket.group, COPY_COLUMN, self.dtype)
 
-    @property
+    @functools.cached_property  # (read per launch by the executor's refresh: computed once)
     def starts(self) -> tuple[int, ...]:
         """Where column ``s``'s bucket starts in the flat buffer."""
         out, at = [], 0
