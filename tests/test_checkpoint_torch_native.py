@@ -265,3 +265,65 @@ def test_torch_dcp_route_resumes_when_a_rank_owns_no_matrix(tmp_path):
         assert r["load"] == (None, None), (rank, r["load"])
         assert r["steps"] == (2, 2), (rank, r)  # the loaded count of Muon steps, every rank
         assert r["same"] is True, (rank, r)
+
+
+# ---------------------------------------------------------------------------------- dcp.load alone
+def _written_not_loaded(rank, world, cfg, tmp):
+    """A user's resume that calls ``dcp.load`` into ``model.state_dict()`` and
+    ``opt.state_dict()`` but leaves out the ``load_state_dict`` calls (enough on plain FSDP2 with a
+    torch optimizer: its entries are views of the live tensors)."""
+    import torch.distributed.checkpoint as dcp
+
+    import dmuon
+
+    out = {}
+    model, opt = _trained(rank, world, cfg)
+    dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{tmp}/ck")
+    twin, topt = _trained(rank, world, cfg, steps=0, seed=7)  # resumed as documented
+    tsd = {"model": twin.state_dict(), "optim": topt.state_dict()}
+    dcp.load(tsd, checkpoint_id=f"{tmp}/ck")
+    twin.load_state_dict(tsd["model"])
+    topt.load_state_dict(tsd["optim"])
+    batches = make_batches(6, BATCH)
+    kept = {"model": model.state_dict(), "optim": opt.state_dict()}  # held, never written
+    _continue(model, opt, world, rank, STEPS_A)  # the run goes on (no false alarm from `kept`)
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=f"{tmp}/ck")  # rolls back ... only FSDP2's params and moments
+    ids = batches[4].chunk(world)[rank]
+    with torch.no_grad():
+        out["eval"] = catch(lambda: model(ids))
+    model.load_state_dict(sd["model"])
+    with torch.no_grad():
+        out["eval_after"] = bool(torch.equal(model(ids), twin(ids)))
+    opt.zero_grad()
+    model(ids).backward()
+    out["step"] = catch(opt.step)
+    opt.load_state_dict(sd["optim"])
+    for m, o in ((model, opt), (twin, topt)):
+        for b in batches[4:]:
+            o.zero_grad()
+            m(b.chunk(world)[rank]).backward()
+            o.step()
+    out["same"] = _equal(dmuon.get_model_state_dict(model), dmuon.get_model_state_dict(twin))
+    del kept
+    return out
+
+
+@pytest.mark.parametrize("world,cfg", [(2, {}), pytest.param(4, {"hsdp": True},
+                                                               marks=pytest.mark.slow)])
+def test_dcp_load_without_load_state_dict_raises_then_resumes_exactly(tmp_path, world, cfg):
+    """Before (measured): the forward ran on the old dedicated matrices (FSDP2's params rolled
+    back, dmuon's not) and the step on the old momentum and counts, silently: 2 steps later all
+    21 tensors differed from the resumed twin's, by up to 4.2e-2. Now the forward raises (the
+    model's copies), then the step (the optimizer's), on every rank; after both loads the run
+    equals the twin bitwise. A dict held across steps and never written raises nothing."""
+    res = run_ranks(_written_not_loaded, world, cfg, str(tmp_path), timeout=120)
+    for rank, r in enumerate(res):
+        kind, msg = r["eval"]
+        assert kind == "RuntimeError" and "model.load_state_dict(sd)" in msg, (rank, r["eval"])
+        assert "written in place but never loaded" in msg, (rank, msg)
+        assert r["eval_after"] is True, rank
+        kind, msg = r["step"]
+        assert kind == "RuntimeError" and "optimizer.load_state_dict(sd)" in msg, (rank, r["step"])
+        assert "momentum_buffer" in msg, (rank, msg)
+        assert r["same"] is True, rank

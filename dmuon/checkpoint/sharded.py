@@ -61,6 +61,7 @@ from dmuon.checkpoint.save_safety import (agree_failure, claim_partial, discard_
                                           finish_publish, run_step, sweep_partials,
                                           target_problems)
 from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
+from dmuon.functional.copy_log import MODEL
 from dmuon.functional.load_scalars import load_problems
 from dmuon.functional.optimizer_format import SKIPPED
 from dmuon.functional.owner_checks import refuse_variant
@@ -521,5 +522,5 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     for n, e in masters_wide.items():
         if "master" in e and n in rt.masters:
             rt.masters[n].copy_(e["master"])
-    rt.masters_changed()
+    rt.masters_changed(loaded=MODEL)
     return ShardedLoadResult(dict(sd.get("extra", {})), planner.bytes_requested, planner.bytes_read)

@@ -31,6 +31,9 @@ Private APIs and what they are for:
 * ``torch._C.DisableTorchFunctionSubclass`` and ``torch.Tensor._make_subclass`` — dmuon's tensor
   guards (:mod:`dmuon.stateful.runtime.guard_base`) run an allowed call as on a plain tensor, and
   build a gradient marker sharing a plain tensor's storage.
+* ``DTensor._local_tensor`` — the local tensor object a DTensor holds (``to_local()`` returns a
+  new view each call): the copies a state dict hands out are watched through it
+  (:mod:`dmuon.functional.copy_log`).
 * ``distributed_c10d._coalescing_manager(group, device, async_ops=True)`` — the grouped collective
   style's group call (:func:`coalesced_calls`: the backend's ``_start_coalescing`` /
   ``_end_coalescing``, one NCCL group of broadcasts or reduces).
@@ -87,7 +90,8 @@ __all__ = [
     "missing_private_apis", "unsupported_torch_message", "newer_torch_message", "import_warning",
     "fsdp_state", "fsdp_param_groups", "fsdp_managed_params", "wrap_fsdp_post_backward",
     "fsdp_mesh", "fsdp_mp_policy", "in_backward", "queue_backward_callback",
-    "torch_function_disabled", "make_tensor_subclass", "mesh_root", "composable_replicate_applied",
+    "torch_function_disabled", "make_tensor_subclass", "held_local", "mesh_root",
+    "composable_replicate_applied",
     "DDP_IGNORE_ATTR", "tree_leaves", "module_param_slots", "state_dict_hooks",
     "default_load", "load_strict", "LoadSimulation",
     "simulate_load",
@@ -269,6 +273,12 @@ def make_tensor_subclass(cls: type, data: torch.Tensor) -> torch.Tensor:
     """An instance of tensor subclass ``cls`` sharing ``data``'s storage, without running
     ``cls.__init__`` (``torch.Tensor._make_subclass``: how ``nn.Parameter`` is built)."""
     return torch.Tensor._make_subclass(cls, data)
+
+
+def held_local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor object a write into ``t`` lands in: a DTensor's own local tensor
+    (``DTensor._local_tensor``; ``to_local()`` gives a new view each call), else ``t``."""
+    return getattr(t, "_local_tensor", t)
 
 
 # ------------------------------------------------------------------------------ modules, meshes
@@ -541,6 +551,7 @@ def private_api_report() -> dict[str, bool]:
         "torch._C.DisableTorchFunctionSubclass": lambda: callable(
             getattr(torch._C, "DisableTorchFunctionSubclass", None)),
         "torch.Tensor._make_subclass": lambda: callable(getattr(torch.Tensor, "_make_subclass", None)),
+        "DTensor._local_tensor": _dtensor_local_api,
         "DeviceMesh._get_root_mesh": _root_mesh_api,
         "_composable.replicate.state": _replicate_state_api,
         "DistributedDataParallel._ddp_params_and_buffers_to_ignore": _ddp_ignore_api,
@@ -552,6 +563,11 @@ def private_api_report() -> dict[str, bool]:
            for attr in ("_parameters", "_state_dict_hooks", "_load_state_dict_pre_hooks")},
     }
     return {name: _resolves(check) for name, check in checks.items()}
+
+
+def _dtensor_local_api() -> bool:
+    from torch.distributed.tensor import DTensor
+    return hasattr(DTensor, "_local_tensor")  # (a slot)
 
 
 def _root_mesh_api() -> bool:

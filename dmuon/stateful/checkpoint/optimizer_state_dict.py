@@ -12,7 +12,9 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.nn as nn
 
+from dmuon.compat.torch_api import held_local
 from dmuon.functional import adamw as fadamw
+from dmuon.functional.copy_log import OPTIMIZER
 from dmuon.functional.stages.hparams import as_step
 from dmuon.functional.load_scalars import counters, load_problems, skipped_counts
 from dmuon.functional.optimizer_format import (
@@ -74,6 +76,9 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     torch_form = fadamw.torch_entries(st, optimizer.adamw_skipped) if st is not None else {}
     for n, p in optimizer.adamw_named_params:  # (torch.optim.AdamW's per-param counts)
         entries[n] = {k: v if k == "step" else dtensor_like(v, p) for k, v in torch_form[n].items()}
+    rt.state_dict_copies.handed_out(OPTIMIZER, [  # copies (not AdamW's moments: its own tensors)
+        (f"{n}.{k}", held_local(v)) for n, e in entries.items() for k, v in e.items()
+        if k == "step" or n in rt.params])
     groups = [(hparams(g), [optimizer.param_name(p) for p in g["params"]])
               for g in optimizer.param_groups]
     scalars = {"variant_scalars": owner.scalars()} if owner.custom else {}  # the chain's counts
@@ -169,6 +174,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
         owner.step_count = as_step(steps["muon_step"])
     for n, t in staged_masters.items():
         rt.masters[n].copy_(t)
+    rt.state_dict_copies.loaded(OPTIMIZER)  # (what dcp.load wrote into a Muon.state_dict())
     if staged_masters:
         rt.masters_changed()
     optimizer.invalidate_state_views()  # rebuilt when read (fp8: no decoded copies held)

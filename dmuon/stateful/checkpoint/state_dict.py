@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from dmuon.functional.copy_log import MODEL
 from dmuon.functional.selection import canonical_names, tied_names
 from dmuon.functional.state_dict_check import model_state_problems
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor, unwrapping_model
@@ -194,5 +195,5 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
                 rank0=True, shapes={n: full_shape(rt, n) for n in held}):
             if n in rt.masters:
                 rt.masters[n].copy_(t)
-    rt.masters_changed()
+    rt.masters_changed(loaded=MODEL)
     return LoadResult(list(missing), list(unexpected))

@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from dmuon.compat.fsdp_patch import is_dedicated
-from dmuon.compat.torch_api import load_strict, simulate_load, state_dict_hooks
+from dmuon.compat.torch_api import held_local, load_strict, simulate_load, state_dict_hooks
+from dmuon.functional.copy_log import MODEL
 from dmuon.functional.module_paths import ancestors
 from dmuon.functional.selection import canonical_names, names_by_object
 from dmuon.functional.state_dict_check import (assign_problems, check_state_dict, dtype_changes,
@@ -133,6 +134,8 @@ class _Hooks:
             st.join("model.state_dict()", drain=True)
             self.rows = {n: dtensor_rows(t.to(st.orig_dtype[n]).clone(), st.shard_mesh)
                          for n, t in self.transfer.full_masters()}  # (no TP: refused above)
+            st.state_dict_copies.handed_out(MODEL, [(n, held_local(r))
+                                                    for n, r in self.rows.items()])
         saving_state_dict(+1)
 
     def owner_post_save(self, module, state_dict, prefix, local_metadata, path: str) -> None:
@@ -259,7 +262,7 @@ class _Hooks:
         with torch.no_grad():  # a model dict holds the params' values: rounded to their dtype
             for n, t in self.transfer.to_owners(staged, lambda n: staged[n].to(st.orig_dtype[n])):
                 st.masters[n].copy_(t)
-        st.masters_changed()
+        st.masters_changed(loaded=MODEL)
 
 
 def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:

@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 
 from dmuon.compat.torch_api import DDP_IGNORE_ATTR, composable_replicate_applied, in_backward
-from dmuon.functional.ddp_sync import follow_ddp_sync
+from dmuon.functional.ddp_sync import (COPY_REFUSED, DDP_IN_FSDP_MODE, FORWARD_OUTSIDE_DDP,
+                                       follow_ddp_sync, replicate_refused, sharded_in_ddp_mode)
 from dmuon.stateful.runtime.state import unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -27,22 +28,10 @@ class _NotForDDP(list):
     (``copy.deepcopy`` of the model) raises with the fix."""
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise RuntimeError(
-            "copy.deepcopy / pickling a model after dmuon.dedicate_params: its dedicated matrices "
-            "live whole on their owner ranks (here: empty placeholders), so a copy would hold no "
-            "weights. For an EMA / teacher copy, build a plain model of the same class and load "
-            "dmuon.get_model_state_dict(model) into it (or deepcopy before dedicate_params and "
-            "dedicate the copy too, then dmuon.set_model_state_dict(copy, "
-            "dmuon.get_model_state_dict(model))); to save, use dmuon.get_model_state_dict / "
-            "dmuon.save_sharded.")
+        raise RuntimeError(COPY_REFUSED)
 
     def __iter__(self) -> Iterator[str]:
-        raise RuntimeError(
-            "DistributedDataParallel(model): this model's matrices were dedicated for FSDP2 "
-            "(dmuon.dedicate_params(..., data_parallel=\"fsdp\"), the default), which expects "
-            "fully_shard, not DDP. For DDP call dmuon.dedicate_params(model, mesh, predicate, "
-            "data_parallel=\"ddp\") instead (mesh: the 1-D mesh of the DDP ranks), then "
-            "DistributedDataParallel(model).")
+        raise RuntimeError(DDP_IN_FSDP_MODE)
 
 
 def guard_fsdp_mode(model: nn.Module) -> None:
@@ -60,22 +49,13 @@ def check_backend(model: nn.Module, st: Any, what: str) -> None:
       RuntimeError: DDP mode and a ``fully_shard`` that shards params; composable ``replicate``.
     """
     if composable_replicate_applied(model):
-        raise RuntimeError(
-            f"{what}: torch's composable replicate() was applied to a model with dedicated "
-            "matrices; dmuon supports DistributedDataParallel for data parallelism. Use "
-            "dmuon.dedicate_params(model, mesh, predicate, data_parallel=\"ddp\") and then "
-            "model = DistributedDataParallel(model).")
+        raise RuntimeError(replicate_refused(what))
     if getattr(st, "data_parallel", "fsdp") != "ddp":
         return
     sharded = [n for n, p in model.named_parameters()
                if any(pl.is_shard() for pl in getattr(p, "placements", None) or ())]
     if sharded:
-        raise RuntimeError(
-            f"{what}: the model was dedicated with data_parallel=\"ddp\" but fully_shard sharded "
-            f"its params ({sharded[:3]}{' ...' if len(sharded) > 3 else ''}). For FSDP2 / HSDP "
-            "call dmuon.dedicate_params(model, mesh, predicate) (data_parallel=\"fsdp\", the "
-            "default) before fully_shard; for DDP wrap the model in DistributedDataParallel "
-            "instead of fully_shard.")
+        raise RuntimeError(sharded_in_ddp_mode(what, sharded))
 
 
 def _active_ddp(model: nn.Module) -> Optional[Any]:
@@ -105,13 +85,7 @@ def install_ddp_mode(model: nn.Module, st: Any) -> None:
             paused["checked"] = True
         ddp = _active_ddp(model)
         if ddp is None and torch.is_grad_enabled() and st.R > 1:
-            raise RuntimeError(
-                "dmuon: a training forward (grad enabled) of a model dedicated with "
-                "data_parallel=\"ddp\" ran outside DistributedDataParallel: its other params "
-                "would never be all-reduced and the replicas would drift apart. Wrap it, model = "
-                "DistributedDataParallel(model), and call that wrapper (evaluation under "
-                "torch.no_grad() may call the inner module). DDP's python reducer (compiled "
-                "autograd) is not supported.")
+            raise RuntimeError(FORWARD_OUTSIDE_DDP)
         want = True if ddp is None else bool(ddp.require_backward_grad_sync)
         st.require_grad_sync, paused["by_ddp"] = follow_ddp_sync(want, st.require_grad_sync,
                                                                  paused["by_ddp"])

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from dmuon.functional import step_checks as SC
+from dmuon.functional.copy_log import unloaded_copies
 from dmuon.stateful.runtime.agree import host_sum, rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
@@ -23,17 +24,20 @@ def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]]
     before a step changes anything (:mod:`dmuon.functional.step_checks`): the hook groups launched
     the same collectives on every rank since the last step (``rt.launches``), and the param
     ``groups`` hold the same hyper-parameters (else ``drop_batch()``, the optimizer's
-    ``zero_grad``, and every rank raises); then (``pre_step_verdict``) a gradient of the last
+    ``zero_grad``, and every rank raises), and no state dict's copies were written but not
+    loaded (:mod:`dmuon.functional.copy_log`); then (``pre_step_verdict``) a gradient of the last
     step never cleared (``GradLedger.uncleared``), and FSDP2's gradients (``rt.fsdp_usage``;
     ``None`` without FSDP2 params): those no rank used get ``None`` back."""
     uncleared, usage, h = rt.ledger.uncleared(), rt.fsdp_usage, rt.launches.take()
     used, none_before = usage.local_flags([p for _, p in adamw_named]) if usage else ([], [])
     world = dist.get_world_size()  # (at world 1 nothing to agree: no fingerprint)
+    written = rt.state_dict_copies.written()  # state-dict copies written, not loaded (last)
     counts = [int(bool(uncleared))] + [int(f) for f in used + none_before] + [
-        k := SC.hparams_fingerprint(groups) if world > 1 else 0, k * k, h, h * h]
+        k := SC.hparams_fingerprint(groups) if world > 1 else 0, k * k, h, h * h, len(written)]
     if world > 1:
         counts = host_sum(counts, what="pre-step all-reduce", via=rt.mesh_groups, device=rt.device)
-    if (differ := SC.launches_differ(counts[-2], counts[-1], world) or
+    if (differ := (counts.pop() and unloaded_copies(written, "dmuon.Muon.step")) or
+            SC.launches_differ(counts[-2], counts[-1], world) or
             SC.hparams_differ(counts[-4], counts[-3], world, groups)) is not None:
         drop_batch()
         rt.reshard_all()

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from dmuon.functional.backward_log import BackwardLog
 from dmuon.functional.buckets import ROOT_GROUP, HookGroups
+from dmuon.functional.copy_log import MODEL, CopyLog
 from dmuon.functional.forward_log import ForwardLog
 from dmuon.functional.matrix_settings import MatrixSettings
 from dmuon.functional.program import StepProgram, step_program
@@ -122,6 +123,7 @@ class DedicatedState:
         self.shard_mesh: Any = shard_mesh
         self.dp_dims = dp_dims  # dedicate_params' dp_mesh_dims (shard, replicate names) or None
         self.raw_state_dict = False
+        self.state_dict_copies = CopyLog()  # what state dicts handed out (written, not loaded?)
         self._transfer: Any = None
         self._fsdp_states: dict[str, Any] = {}  # {name: innermost FSDP2 state} (lazy init)
         #: the open init window of a meta-built model (:mod:`dmuon.stateful.modes.meta_init`,
@@ -212,7 +214,9 @@ class DedicatedState:
 
     # ------------------------------------------------------------------ forward order
     def begin_forward(self) -> None:
-        """A forward of the model starts (its forward pre-hook; not a checkpoint recomputation)."""
+        """A forward of the model starts (its forward pre-hook; not a checkpoint recomputation):
+        not while model state-dict copies were written but not loaded (``dcp.load`` alone)."""
+        self.state_dict_copies.check([MODEL], "dmuon (forward)")
         self._close_raised_backward()
         self.forwards.new_forward()
 
@@ -392,9 +396,10 @@ class DedicatedState:
         if self.fsdp_usage is not None:
             self.fsdp_usage.reset()
 
-    def masters_changed(self) -> None:
-        """The masters were written (a step, a state-dict load): bump :attr:`version` and free
-        the gathered copies (the next forward gathers the new values)."""
+    def masters_changed(self, loaded: Optional[str] = None) -> None:
+        """The masters were written (a step, a state-dict load of kind ``loaded``): bump
+        :attr:`version` and free the gathered copies (the next forward gathers the new values)."""
+        self.state_dict_copies.loaded(loaded)
         self.version += 1
         self.reshard_all()
         self.forwards.new_forward()

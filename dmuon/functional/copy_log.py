@@ -1,0 +1,85 @@
+"""The copies that state dicts hand out, and which of them were written in place since (pure
+bookkeeping: the runtime records and asks, as with :mod:`~dmuon.functional.forward_log`).
+
+FSDP2's ``model.state_dict()`` entries are views of its params, and a torch optimizer's
+``state_dict()`` holds its live state tensors: ``torch.distributed.checkpoint.load(sd)``, which
+writes into a state dict's tensors in place, loads them even when ``load_state_dict(sd)`` is never
+called. On a dmuon model a dedicated matrix's entry is a copy of its rows, and ``Muon.state_dict()``
+gives its momentum rows and step counts as copies: written in place, they load nothing until the
+``load_state_dict`` of their kind. The log keeps a weak reference to each copy (never the copy
+itself) and its version counter when handed out; a load of the kind takes over
+(:meth:`CopyLog.loaded`); :meth:`CopyLog.written` names the copies written since, so that the
+runtime raises before a forward (the model's) or a step (both kinds) would read the old values.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Iterable, Optional
+
+import torch
+
+__all__ = ["CopyLog", "MODEL", "OPTIMIZER", "unloaded_copies"]
+
+MODEL, OPTIMIZER = "model", "optimizer"
+
+
+class CopyLog:
+    """Weak references and version counters of the copies state dicts handed out."""
+
+    def __init__(self) -> None:
+        self._copies: list[tuple[str, str, weakref.ref, int]] = []  # (kind, key, copy, version)
+
+    def handed_out(self, kind: str, copies: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """``copies`` (``(key, tensor)``: the tensor a write lands in, a DTensor's own local
+        tensor) were handed out in a state dict of ``kind``."""
+        self._prune()
+        self._copies += [(kind, key, weakref.ref(t), t._version) for key, t in copies]
+
+    def loaded(self, kind: Optional[str]) -> None:
+        """A load of ``kind`` finished (``None``: no load): what its copies hold counts as
+        loaded."""
+        if kind is not None:
+                self._copies = [(k, key, ref, ref()._version if k == kind else v)
+                            for k, key, ref, v in self._copies if ref() is not None]
+
+    def written(self, kinds: Iterable[str] = (MODEL, OPTIMIZER)) -> dict[str, list[str]]:
+        """``{kind: [key, ...]}`` of the live copies of ``kinds`` written in place since they were
+        handed out (or last loaded)."""
+        self._prune()
+        out: dict[str, list[str]] = {}
+        for kind, key, ref, version in self._copies:
+            t = ref()
+            if kind in kinds and t is not None and t._version != version:
+                out.setdefault(kind, []).append(key)
+        return out
+
+    def check(self, kinds: Iterable[str], where: str) -> None:
+        """Raise ``RuntimeError`` (:func:`unloaded_copies`) if copies of ``kinds`` were written
+        but not loaded (this rank's view: a forward, which agrees nothing)."""
+        if written := self.written(kinds):
+            raise RuntimeError(unloaded_copies(written, where))
+
+    def _prune(self) -> None:
+        if any(ref() is None for _, _, ref, _ in self._copies):
+            self._copies = [c for c in self._copies if c[2]() is not None]
+
+
+def unloaded_copies(written: dict[str, list[str]], where: str) -> str:
+    """The error when state-dict copies were written in place (``written``: :meth:`CopyLog.
+    written`; empty: another rank's were) but never loaded, raised at ``where``."""
+    if not written:
+        return (f"{where}: another rank found entries of an earlier model.state_dict() or "
+                "Muon.state_dict() written in place (torch.distributed.checkpoint.load does that) "
+                "but never loaded; load them (model / optimizer .load_state_dict) on every rank")
+    lines = []
+    for kind, keys in written.items():
+        call, what = (("model.load_state_dict(sd)", "model.state_dict()") if kind == MODEL else
+                      ("optimizer.load_state_dict(sd)", "Muon.state_dict()"))
+        lines.append(f"{len(keys)} entries of an earlier {what} (first: {keys[0]!r}) were "
+                     f"written in place but never loaded: call {call} with that dict")
+    return (f"{where}: " + "; ".join(lines) + ". torch.distributed.checkpoint.load(sd) writes "
+            "into a state dict's tensors; on plain FSDP2 those are views of the params, but on a "
+            "dmuon model a dedicated matrix's entry, its momentum and the step counts are copies, "
+            "so the model and optimizer still hold their old values. Load the dict after dcp.load "
+            "(as torch's set_state_dict / Stateful checkpointers do), or delete it to keep the "
+            "current values")

@@ -1,0 +1,57 @@
+"""The state-dict copy log's rules (:mod:`dmuon.functional.copy_log`), without a model: a copy
+written in place counts until a load of its kind; the log never keeps a copy alive."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from dmuon.functional.copy_log import MODEL, OPTIMIZER, CopyLog, unloaded_copies
+
+
+def test_a_copy_written_in_place_counts_until_a_load_of_its_kind():
+    log = CopyLog()
+    a, b, m = torch.zeros(3), torch.zeros(2), torch.zeros(4)
+    log.handed_out(MODEL, [("w.a", a), ("w.b", b)])
+    log.handed_out(OPTIMIZER, [("w.a.momentum_buffer", m)])
+    assert log.written() == {}
+    a.copy_(torch.ones(3))            # what dcp.load does
+    b[:1].fill_(2.0)                  # a write through a view counts too
+    m.add_(1.0)
+    assert log.written() == {MODEL: ["w.a", "w.b"], OPTIMIZER: ["w.a.momentum_buffer"]}
+    assert log.written([MODEL]) == {MODEL: ["w.a", "w.b"]}
+    log.loaded(OPTIMIZER)             # the optimizer's load: its copies count as loaded
+    assert log.written() == {MODEL: ["w.a", "w.b"]}
+    log.loaded(None)                  # a step's masters_changed: no load
+    assert log.written([MODEL]) == {MODEL: ["w.a", "w.b"]}
+    log.loaded(MODEL)
+    assert log.written() == {}
+    a.mul_(3.0)                       # written again after the load
+    assert log.written() == {MODEL: ["w.a"]}
+
+
+def test_the_log_holds_no_copy_alive_and_forgets_dropped_ones():
+    log = CopyLog()
+    t = torch.zeros(1000)
+    log.handed_out(MODEL, [("w", t)])
+    t.add_(1.0)
+    assert log.written() == {MODEL: ["w"]}
+    del t
+    gc.collect()
+    assert log.written() == {} and log._copies == []
+
+
+def test_check_raises_naming_the_call_and_the_first_key():
+    log = CopyLog()
+    t = torch.zeros(2)
+    log.handed_out(MODEL, [("layers.0.q.weight", t)])
+    log.check([MODEL], "dmuon (forward)")  # nothing written: no error
+    t.fill_(1.0)
+    with pytest.raises(RuntimeError, match=r"dmuon \(forward\): 1 entries of an earlier "
+                       r"model.state_dict\(\) \(first: 'layers.0.q.weight'\)"):
+        log.check([MODEL], "dmuon (forward)")
+    log.check([OPTIMIZER], "dmuon.Muon.step")  # other kinds only: no error
+    msg = unloaded_copies({OPTIMIZER: ["w.step"]}, "dmuon.Muon.step")
+    assert "optimizer.load_state_dict(sd)" in msg and "'w.step'" in msg
+    assert "another rank" in unloaded_copies({}, "dmuon.Muon.step")
