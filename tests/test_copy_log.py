@@ -39,7 +39,7 @@ def test_the_log_holds_no_copy_alive_and_forgets_dropped_ones():
     assert log.written() == {MODEL: ["w"]}
     del t
     gc.collect()
-    assert log.written() == {} and log._copies == []
+    assert log.written() == {} and log._copies == {}
 
 
 def test_check_raises_naming_the_call_and_the_first_key():
@@ -55,3 +55,14 @@ def test_check_raises_naming_the_call_and_the_first_key():
     msg = unloaded_copies({OPTIMIZER: ["w.step"]}, "dmuon.Muon.step")
     assert "optimizer.load_state_dict(sd)" in msg and "'w.step'" in msg
     assert "another rank" in unloaded_copies({}, "dmuon.Muon.step")
+
+
+def test_a_hook_group_reads_only_its_own_keys():
+    log = CopyLog()
+    a, b = torch.zeros(2), torch.zeros(2)
+    log.handed_out(MODEL, [("layers.0.q", a), ("layers.1.q", b)])
+    b.add_(1.0)
+    assert log.written([MODEL], keys=["layers.0.q"]) == {}
+    log.check([MODEL], "dmuon (forward)", ["layers.0.q", "layers.0.k"])  # not its copy: no error
+    with pytest.raises(RuntimeError, match="'layers.1.q'"):
+        log.check([MODEL], "dmuon (forward)", ["layers.1.q"])

@@ -108,6 +108,27 @@ def _train(env, z3=True, raise_at=None, out_proj=False):
     return out
 
 
+def _written_not_loaded(rank):
+    """``model.state_dict()`` entries written in place (as ``dcp.load`` writes them) and not
+    loaded: a forward through the registered method raises too (it skips the model's pre-hook,
+    where the check first ran), and runs on the loaded values after ``load_state_dict``."""
+    from dist_utils import catch
+    from torch.distributed.fsdp import register_fsdp_forward_method
+    torch.manual_seed(0)
+    model, _ = matrices_model(_Model().double(), {"dist": True, "rank": rank}, WORLD, True)
+    register_fsdp_forward_method(model, "generate")
+    x = torch.randn(2, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    with torch.no_grad():
+        before = model.generate(x)
+        sd = model.state_dict()
+        for v in sd.values():
+            (v.to_local() if hasattr(v, "to_local") else v).mul_(2.0)
+        raised = catch(lambda: model.generate(x))
+        model.load_state_dict(sd)
+        after = model.generate(x)
+    return {"raised": raised, "changed": bool(not torch.equal(before, after))}
+
+
 CASES = {
     "generate_z3": dict(),
     "generate_z2": dict(z3=False),
@@ -124,6 +145,7 @@ def _worker(rank, world):
             out[key] = _train({"dist": True, "rank": rank}, **kw)
         except Exception as e:  # noqa: BLE001 - reported per case
             out[key] = {"error": f"{type(e).__name__}: {e}"}
+    out["unloaded"] = _written_not_loaded(rank)
     try:
         _train({"dist": True, "rank": rank}, **ROOT_MATRIX)
         out["root_matrix"] = "trained"
@@ -159,3 +181,10 @@ def test_a_matrix_outside_the_blocks_through_a_registered_forward_method_names_t
         msg = out["root_matrix"]
         assert msg.startswith("DedicatedParamError"), (rank, msg)
         assert "register_fsdp_forward_method" in msg and "'out_proj.weight'" in msg, (rank, msg)
+
+
+def test_state_dict_copies_written_in_place_raise_in_a_registered_forward_method(results):
+    for rank, out in enumerate(results):
+        kind, msg = out["unloaded"]["raised"]
+        assert kind == "RuntimeError" and "model.load_state_dict(sd)" in msg, (rank, kind, msg)
+        assert out["unloaded"]["changed"] is True, rank

@@ -24,44 +24,54 @@ MODEL, OPTIMIZER = "model", "optimizer"
 
 
 class CopyLog:
-    """Weak references and version counters of the copies state dicts handed out."""
+    """Weak references and version counters of the copies state dicts handed out, by key."""
 
     def __init__(self) -> None:
-        self._copies: list[tuple[str, str, weakref.ref, int]] = []  # (kind, key, copy, version)
+        self._copies: dict[str, list[tuple[str, weakref.ref, int]]] = {}  # key: (kind, copy, v)
 
     def handed_out(self, kind: str, copies: Iterable[tuple[str, torch.Tensor]]) -> None:
         """``copies`` (``(key, tensor)``: the tensor a write lands in, a DTensor's own local
         tensor) were handed out in a state dict of ``kind``."""
         self._prune()
-        self._copies += [(kind, key, weakref.ref(t), t._version) for key, t in copies]
+        for key, t in copies:
+            self._copies.setdefault(key, []).append((kind, weakref.ref(t), t._version))
 
     def loaded(self, kind: Optional[str]) -> None:
         """A load of ``kind`` finished (``None``: no load): what its copies hold counts as
         loaded."""
         if kind is not None:
-                self._copies = [(k, key, ref, ref()._version if k == kind else v)
-                            for k, key, ref, v in self._copies if ref() is not None]
+            self._prune()
+            self._copies = {key: [(k, ref, ref()._version if k == kind else v)
+                                  for k, ref, v in rs] for key, rs in self._copies.items()}
 
-    def written(self, kinds: Iterable[str] = (MODEL, OPTIMIZER)) -> dict[str, list[str]]:
-        """``{kind: [key, ...]}`` of the live copies of ``kinds`` written in place since they were
-        handed out (or last loaded)."""
-        self._prune()
+    def written(self, kinds: Iterable[str] = (MODEL, OPTIMIZER),
+                keys: Optional[Iterable[str]] = None) -> dict[str, list[str]]:
+        """``{kind: [key, ...]}`` of the live copies of ``kinds`` (and ``keys``; default all)
+        written in place since they were handed out (or last loaded)."""
         out: dict[str, list[str]] = {}
-        for kind, key, ref, version in self._copies:
-            t = ref()
-            if kind in kinds and t is not None and t._version != version:
-                out.setdefault(kind, []).append(key)
+        if not self._copies:
+            return out
+        if keys is None:  # (the step's check; a hook group's reads its own keys only)
+            self._prune()
+        for key in self._copies if keys is None else keys:
+            for kind, ref, version in self._copies.get(key, ()):
+                t = ref()
+                if kind in kinds and t is not None and t._version != version:
+                    out.setdefault(kind, []).append(key)
         return out
 
-    def check(self, kinds: Iterable[str], where: str) -> None:
-        """Raise ``RuntimeError`` (:func:`unloaded_copies`) if copies of ``kinds`` were written
-        but not loaded (this rank's view: a forward, which agrees nothing)."""
-        if written := self.written(kinds):
+    def check(self, kinds: Iterable[str], where: str,
+              keys: Optional[Iterable[str]] = None) -> None:
+        """Raise ``RuntimeError`` (:func:`unloaded_copies`) if copies of ``kinds`` (and ``keys``)
+        were written but not loaded (this rank's view: a forward, which agrees nothing)."""
+        if self._copies and (written := self.written(kinds, keys)):
             raise RuntimeError(unloaded_copies(written, where))
 
     def _prune(self) -> None:
-        if any(ref() is None for _, _, ref, _ in self._copies):
-            self._copies = [c for c in self._copies if c[2]() is not None]
+        """Forget the copies no one holds any more."""
+        if any(ref() is None for rs in self._copies.values() for _, ref, _ in rs):
+            live = {key: [r for r in rs if r[1]() is not None] for key, rs in self._copies.items()}
+            self._copies = {key: rs for key, rs in live.items() if rs}
 
 
 def unloaded_copies(written: dict[str, list[str]], where: str) -> str:

@@ -214,9 +214,7 @@ class DedicatedState:
 
     # ------------------------------------------------------------------ forward order
     def begin_forward(self) -> None:
-        """A forward of the model starts (its forward pre-hook; not a checkpoint recomputation):
-        not while model state-dict copies were written but not loaded (``dcp.load`` alone)."""
-        self.state_dict_copies.check([MODEL], "dmuon (forward)")
+        """A forward of the model starts (its forward pre-hook; not a checkpoint recomputation)."""
         self._close_raised_backward()
         self.forwards.new_forward()
 
@@ -227,7 +225,9 @@ class DedicatedState:
             self.on_backward_end(raised=True)
 
     def note_forward(self, key: str) -> None:
-        """A hook group's forward (not a recomputation): :meth:`ForwardLog.note`."""
+        """A hook group's forward (not a recomputation): :meth:`ForwardLog.note`; not while a
+        state-dict copy of its matrices was written but not loaded (``dcp.load`` alone)."""
+        self.state_dict_copies.check([MODEL], "dmuon (forward)", self.groups[key].names)
         self._close_raised_backward()
         self.forwards.note(key)
 
