@@ -284,6 +284,7 @@ def _written_not_loaded(rank, world, cfg, tmp):
     dcp.load(tsd, checkpoint_id=f"{tmp}/ck")
     twin.load_state_dict(tsd["model"])
     topt.load_state_dict(tsd["optim"])
+    twin_at_ck = dmuon.get_model_state_dict(twin)
     batches = make_batches(6, BATCH)
     kept = {"model": model.state_dict(), "optim": opt.state_dict()}  # held, never written
     _continue(model, opt, world, rank, STEPS_A)  # the run goes on (no false alarm from `kept`)
@@ -306,6 +307,26 @@ def _written_not_loaded(rank, world, cfg, tmp):
             o.step()
     out["same"] = _equal(dmuon.get_model_state_dict(model), dmuon.get_model_state_dict(twin))
     del kept
+    # the one line plain FSDP2 users write (the dict a temporary, gone when dcp.load returns),
+    # and a written dict deleted after the error: the model is half-loaded, still refused
+    dcp.load({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{tmp}/ck")
+    with torch.no_grad():
+        out["inline"] = catch(lambda: model(ids))
+        out["inline_again"] = catch(lambda: model(ids))
+    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=f"{tmp}/ck")
+    model.load_state_dict(sd["model"])  # the model loaded, the optimizer's dict deleted
+    del sd
+    opt.zero_grad()
+    model(ids).backward()
+    out["inline_step"] = catch(opt.step)
+    sd = {"optim": opt.state_dict()}
+    dcp.load(sd, checkpoint_id=f"{tmp}/ck")
+    opt.load_state_dict(sd["optim"])
+    model.load_state_dict(twin_at_ck)
+    opt.zero_grad()
+    model(ids).backward()
+    out["after"] = catch(opt.step)
     return out
 
 
@@ -327,3 +348,9 @@ def test_dcp_load_without_load_state_dict_raises_then_resumes_exactly(tmp_path, 
         assert kind == "RuntimeError" and "optimizer.load_state_dict(sd)" in msg, (rank, r["step"])
         assert "momentum_buffer" in msg, (rank, msg)
         assert r["same"] is True, rank
+        for key in ("inline", "inline_again"):  # (before: no error, the dict was gone)
+            kind, msg = r[key]
+            assert kind == "RuntimeError" and "model.load_state_dict(sd)" in msg, (rank, key, msg)
+        kind, msg = r["inline_step"]
+        assert kind == "RuntimeError" and "optimizer.load_state_dict(sd)" in msg, (rank, msg)
+        assert r["after"] == (None, None), (rank, r["after"])

@@ -31,15 +31,28 @@ def test_a_copy_written_in_place_counts_until_a_load_of_its_kind():
     assert log.written() == {MODEL: ["w.a"]}
 
 
-def test_the_log_holds_no_copy_alive_and_forgets_dropped_ones():
+def test_copies_are_held_until_settled_and_a_written_one_stays_written_when_gone():
+    """A state dict built inline (``dcp.load({"model": model.state_dict()})``) dies as the load
+    returns: the log holds its copies until the runtime's next hook (:meth:`CopyLog.settle`), and a
+    copy found written stays written after it is gone, until a load of its kind."""
+    import weakref
     log = CopyLog()
-    t = torch.zeros(1000)
-    log.handed_out(MODEL, [("w", t)])
-    t.add_(1.0)
-    assert log.written() == {MODEL: ["w"]}
-    del t
+    t, u = torch.zeros(1000), torch.zeros(10)
+    log.handed_out(MODEL, [("w", t), ("v", u)])
+    gone, kept = weakref.ref(t), weakref.ref(u)
+    t.add_(1.0)                       # written ...
+    del t, u                          # ... and the dict dropped before any hook ran
     gc.collect()
-    assert log.written() == {} and log._copies == {}
+    assert gone() is not None         # held until settled
+    assert log.written() == {MODEL: ["w"]}   # (settles)
+    gc.collect()
+    assert gone() is None and kept() is None  # let go: the log keeps no copy alive
+    assert log.written() == {MODEL: ["w"]}   # still written: the model is half-loaded
+    assert log.written([MODEL], keys=["v"]) == {}
+    log.loaded(OPTIMIZER)
+    assert log.written() == {MODEL: ["w"]}
+    log.loaded(MODEL)
+    assert log.written() == {} and log._copies == {} and log._held == []
 
 
 def test_check_raises_naming_the_call_and_the_first_key():

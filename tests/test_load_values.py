@@ -141,6 +141,11 @@ def _cases():
         "steps_disagree": (
             lambda sd, m, a: sd["state"][a].__setitem__("step", torch.tensor(5.0)),
             lambda sd: sd.__setitem__("muon_step", int(sd["num_steps"]) + 3)),
+        # a checkpoint of a transform= chain with a count (an in-chain schedule) into plain Muon.
+        # Before (a user-path review, session 16): a bare ValueError after the momentum, AdamW's
+        # state and the counters were installed; the next step() trained on, silently
+        "variant_scalars": (lambda sd, m, a: sd["param_groups"][0].__setitem__(
+            "variant_scalars", [3.0]), lambda sd: sd.__setitem__("variant_scalars", [3.0])),
     }
 
 
@@ -158,7 +163,8 @@ def _log_lines():
 
 # ---------------------------------------------------------------------------------- the worker
 #: the default tier's subset (the slow tier runs every case through every route)
-_FAST_CASES = ("complex_momentum", "int_momentum", "adamw_step_-1", "lr_nan", "momentum_dtype")
+_FAST_CASES = ("complex_momentum", "int_momentum", "adamw_step_-1", "lr_nan", "momentum_dtype",
+               "variant_scalars")
 _FAST_ROUTES = ("torch", "muon_full", "set_rank0")
 
 
@@ -556,7 +562,7 @@ def _check_scalars(res):
     want = {"adamw_step_-1": "adamw_step", "lr_nan": "lr", "lr_str": "lr",
             "momentum_7": "momentum", "ns_steps_2000": "ns_steps",
             "momentum_dtype": "momentum_dtype", "adamw_lr_nan": "lr",
-            "steps_disagree": "step"}
+            "steps_disagree": "step", "variant_scalars": "variant_scalars"}
     assert "sharded_momentum_dtype" in res[0]
     for name, needle in want.items():
         for route in _routes(res, name) if f"torch_{name}" in res[0] else ():

@@ -4,11 +4,15 @@ bookkeeping: the runtime records and asks, as with :mod:`~dmuon.functional.forwa
 FSDP2's ``model.state_dict()`` entries are views of its params, and a torch optimizer's
 ``state_dict()`` holds its live state tensors: ``torch.distributed.checkpoint.load(sd)``, which
 writes into a state dict's tensors in place, loads them even when ``load_state_dict(sd)`` is never
-called. On a dmuon model a dedicated matrix's entry is a copy of its rows, and ``Muon.state_dict()``
-gives its momentum rows and step counts as copies: written in place, they load nothing until the
-``load_state_dict`` of their kind. The log keeps a weak reference to each copy (never the copy
-itself) and its version counter when handed out; a load of the kind takes over
-(:meth:`CopyLog.loaded`); :meth:`CopyLog.written` names the copies written since, so that the
+called (``dcp.load({"model": model.state_dict(), ...})`` as one line). On a dmuon model a dedicated
+matrix's entry is a copy of its rows, and ``Muon.state_dict()`` gives its momentum rows and step
+counts as copies: written in place, they load nothing until the ``load_state_dict`` of their kind.
+
+The log holds each copy handed out until the runtime's next hook or step (:meth:`CopyLog.settle`;
+a state dict built inline dies as ``dcp.load`` returns), then only a weak reference (a dict the
+user keeps may be written later); a copy found written stays written after it is gone, until a
+load of its kind (:meth:`CopyLog.loaded`): by then ``dcp.load`` has written FSDP2's params in place,
+so dropping the dict leaves a half-loaded model. :meth:`CopyLog.written` names them, so that the
 runtime raises before a forward (the model's) or a step (both kinds) would read the old values.
 """
 from __future__ import annotations
@@ -24,10 +28,13 @@ MODEL, OPTIMIZER = "model", "optimizer"
 
 
 class CopyLog:
-    """Weak references and version counters of the copies state dicts handed out, by key."""
+    """The copies state dicts handed out, by key: held until :meth:`settle`, then weakly; the
+    keys found written and not loaded since."""
 
     def __init__(self) -> None:
         self._copies: dict[str, list[tuple[str, weakref.ref, int]]] = {}  # key: (kind, copy, v)
+        self._held: list[tuple[str, str, torch.Tensor, int]] = []  # (kind, key, copy, v)
+        self._unloaded: dict[str, dict[str, None]] = {}  # kind: keys found written (ordered)
 
     def handed_out(self, kind: str, copies: Iterable[tuple[str, torch.Tensor]]) -> None:
         """``copies`` (``(key, tensor)``: the tensor a write lands in, a DTensor's own local
@@ -35,22 +42,34 @@ class CopyLog:
         self._prune()
         for key, t in copies:
             self._copies.setdefault(key, []).append((kind, weakref.ref(t), t._version))
+            self._held.append((kind, key, t, t._version))
+
+    def settle(self) -> None:
+        """Note the held copies written since they were handed out, then let them go (only their
+        weak references stay): at the runtime's next hook or step."""
+        for kind, key, t, version in self._held:
+            if t._version != version:
+                self._unloaded.setdefault(kind, {})[key] = None
+        self._held = []
 
     def loaded(self, kind: Optional[str]) -> None:
         """A load of ``kind`` finished (``None``: no load): what its copies hold counts as
         loaded."""
         if kind is not None:
+            self.settle()
+            self._unloaded.pop(kind, None)
             self._prune()
             self._copies = {key: [(k, ref, ref()._version if k == kind else v)
                                   for k, ref, v in rs] for key, rs in self._copies.items()}
 
     def written(self, kinds: Iterable[str] = (MODEL, OPTIMIZER),
                 keys: Optional[Iterable[str]] = None) -> dict[str, list[str]]:
-        """``{kind: [key, ...]}`` of the live copies of ``kinds`` (and ``keys``; default all)
-        written in place since they were handed out (or last loaded)."""
+        """``{kind: [key, ...]}`` of the copies of ``kinds`` (and ``keys``; default all) written
+        in place since they were handed out (or last loaded), gone or not (:meth:`settle` first)."""
         out: dict[str, list[str]] = {}
-        if not self._copies:
+        if not (self._copies or self._held or self._unloaded):
             return out
+        self.settle()
         if keys is None:  # (the step's check; a hook group's reads its own keys only)
             self._prune()
         for key in self._copies if keys is None else keys:
@@ -58,17 +77,23 @@ class CopyLog:
                 t = ref()
                 if kind in kinds and t is not None and t._version != version:
                     out.setdefault(kind, []).append(key)
+        for kind, found in self._unloaded.items():
+            if kind in kinds:
+                new = [k for k in (found if keys is None else keys)
+                       if k in found and k not in out.get(kind, ())]
+                if new:
+                    out.setdefault(kind, []).extend(new)
         return out
 
     def check(self, kinds: Iterable[str], where: str,
               keys: Optional[Iterable[str]] = None) -> None:
         """Raise ``RuntimeError`` (:func:`unloaded_copies`) if copies of ``kinds`` (and ``keys``)
         were written but not loaded (this rank's view: a forward, which agrees nothing)."""
-        if self._copies and (written := self.written(kinds, keys)):
+        if written := self.written(kinds, keys):
             raise RuntimeError(unloaded_copies(written, where))
 
     def _prune(self) -> None:
-        """Forget the copies no one holds any more."""
+        """Forget the weak references to copies no one holds any more."""
         if any(ref() is None for rs in self._copies.values() for _, ref, _ in rs):
             live = {key: [r for r in rs if r[1]() is not None] for key, rs in self._copies.items()}
             self._copies = {key: rs for key, rs in live.items() if rs}
@@ -89,7 +114,9 @@ def unloaded_copies(written: dict[str, list[str]], where: str) -> str:
                      f"written in place but never loaded: call {call} with that dict")
     return (f"{where}: " + "; ".join(lines) + ". torch.distributed.checkpoint.load(sd) writes "
             "into a state dict's tensors; on plain FSDP2 those are views of the params, but on a "
-            "dmuon model a dedicated matrix's entry, its momentum and the step counts are copies, "
-            "so the model and optimizer still hold their old values. Load the dict after dcp.load "
-            "(as torch's set_state_dict / Stateful checkpointers do), or delete it to keep the "
-            "current values")
+            "dmuon model a dedicated matrix's entry, its momentum and the step counts are copies: "
+            "the model is half-loaded (dcp.load wrote FSDP2's params and AdamW's moments, not "
+            "these). Load the dict after dcp.load (as torch's set_state_dict and Stateful "
+            "checkpointers do): sd = {'model': model.state_dict(), 'optim': "
+            "optimizer.state_dict()}; dcp.load(sd, ...); model.load_state_dict(sd['model']); "
+            "optimizer.load_state_dict(sd['optim']); or load another checkpoint the same way")

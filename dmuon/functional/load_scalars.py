@@ -127,5 +127,6 @@ def load_problems(entries: Mapping[str, Any], groups: Sequence[Mapping[str, Any]
             for x in vs)
         if not ok:
             problems.append(f"variant_scalars: {vs!r} is not {scalars} finite numbers (the "
-                            "counts of this optimizer's transform state)")
+                            f"counts of this optimizer's transform state: {scalars}; a checkpoint "
+                            "of a dmuon.Muon built with another transform= chain?)")
     return problems

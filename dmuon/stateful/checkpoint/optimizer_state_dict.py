@@ -136,7 +136,7 @@ def load_optimizer_state(optimizer: Any, entries: Mapping[str, Any], *, what: st
                    for n, p in optimizer.adamw_named_params},
             layout=lambda v: layout_problem(v, rt), live=optimizer.adamw_state,
             more=load_problems(entries, optimizer.param_groups,
-                               scalars=len(owner.scalars()) if owner.custom else None))
+                               scalars=len(owner.scalars())))
         log_narrowing(notes)
     agree(rt, problems, what, route="optimizer")
     steps = counters(entries)

@@ -262,6 +262,7 @@ class DedicatedState:
         """The first dmuon hook of a backward: queue :meth:`on_backward_end` once (``create_graph``:
         keep the gathered copies, FSDP2's too, until a backward without it ends, or the step)."""
         if not self._callback_queued:
+            self.state_dict_copies.settle()  # a state dict's copies are not held through it
             self._callback_queued = True
             queue_backward_callback(self.on_backward_end)
         if torch.is_grad_enabled() and not self._keep_gathered:
