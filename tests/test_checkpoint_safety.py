@@ -205,6 +205,15 @@ def _corruptions(rank, world, tmp):
     before = _snapshot(model, opt)
     for tag in ("truncated", "flipped", "no_marker", "int", "nan", "missing"):
         out[tag] = catch(lambda: dmuon.load_sharded(f"{tmp}/{tag}", model, opt))
+    # two complete checkpoints, one per rank (node-local folders, a per-rank "latest" lookup).
+    # Before (a user-path review, session 16): loaded without an error, half of each
+    out["mixed"] = catch(lambda: dmuon.load_sharded(good if rank == 0 else good + ".1",
+                                                    model, opt))
+    # a save given another path on each rank. Before: a checksum error that named no cause,
+    # and rank 1's partial folder left on disk
+    out["split"] = catch(lambda: dmuon.save_sharded(f"{tmp}/split{rank}", model, opt))
+    dist.barrier()
+    out["split_left"] = sorted(os.path.basename(p) for p in glob.glob(f"{tmp}/split*"))
     out["unchanged"] = _same(before, _snapshot(model, opt))
     # resume-or-fresh with `except Exception`
     try:
@@ -223,9 +232,11 @@ def test_corrupt_torn_and_wrong_checkpoints_raise_and_change_nothing(tmp_path):
     res = run_ranks(_corruptions, 2, str(tmp_path), timeout=120)
     for rank, r in enumerate(res):
         assert r["rotated"] and r["unchanged"] and r["fresh"] and r["good"], (rank, r)
+        assert r["split_left"] == [], (rank, r["split_left"])
         for tag, needle in (("truncated", "truncated"), ("flipped", "corrupt"),
                             ("no_marker", "has no dmuon-complete.json"), ("int", "int64"),
-                            ("nan", "non-finite"), ("missing", "does not exist")):
+                            ("nan", "non-finite"), ("missing", "does not exist"),
+                            ("mixed", "different checkpoints"), ("split", "different paths")):
             kind, msg = r[tag]
             assert kind == "CheckpointError", (rank, tag, kind, msg)
             assert needle in msg, (rank, tag, msg)

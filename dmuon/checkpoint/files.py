@@ -18,7 +18,7 @@ from typing import Any, BinaryIO, Callable, Mapping, Optional
 
 import torch.distributed as dist
 
-from dmuon.stateful.runtime.agree import agree
+from dmuon.stateful.runtime.agree import agree, agree_equal
 
 __all__ = ["MARKER", "CheckpointError", "write_marker", "publish", "complete_or_raise",
            "file_problems", "open_inside", "dcp_errors", "agree_errors"]
@@ -151,6 +151,17 @@ def agree_errors(rt, errors: list[str], what: str) -> None:
     try:
         agree(errors, what=f"{what} agreement", via=rt.mesh_groups, error=lambda detail: (
             CheckpointError(f"{what}: {detail}. Nothing was changed on any rank.")))
+    except RuntimeError as e:  # the collective itself failed (a rank gone or hung)
+        raise CheckpointError(f"{what}: {e}") from e
+
+
+def agree_same(rt, value: Any, what: str, differ: str, fix: str) -> None:
+    """Raise :class:`CheckpointError` on every rank unless every rank holds an equal ``value``
+    (collective; ``differ``: what differs, ``fix``: how to fix it)."""
+    try:
+        agree_equal(value, what=f"{what} agreement", via=rt.mesh_groups, error=lambda detail: (
+            CheckpointError(f"{what}: {differ}: {detail}; {fix}. Nothing was changed on any "
+                            "rank.")))
     except RuntimeError as e:  # the collective itself failed (a rank gone or hung)
         raise CheckpointError(f"{what}: {e}") from e
 

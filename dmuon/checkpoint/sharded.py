@@ -55,8 +55,8 @@ import torch.nn as nn
 import torch.distributed as dist
 
 from dmuon.checkpoint.checksum_pass import not_agreed, save_checksums, verify_files
-from dmuon.checkpoint.files import (CheckpointError, agree_errors, complete_or_raise, publish,
-                                    write_marker)
+from dmuon.checkpoint.files import (CheckpointError, agree_errors, agree_same, complete_or_raise,
+                                    publish, write_marker)
 from dmuon.checkpoint.save_safety import (agree_failure, claim_partial, discard_partial,
                                           finish_publish, run_step, sweep_partials,
                                           target_problems)
@@ -258,9 +258,11 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
         refuse_variant(optimizer._owner.custom, "dmuon.save_sharded")
     rt.drain()
     path = os.path.abspath(os.fspath(checkpoint_id))
+    what = "dmuon.save_sharded"
+    agree_same(rt, path, what, "the ranks passed different paths", "a checkpoint is one folder "
+               "every rank writes into: pass every rank the same path, on a file system they share")
     save_id = _bcast(rt, uuid.uuid4().hex[:12] if rt.rank == 0 else None, "save id")
     tmp = f"{path}.partial-{save_id}"
-    what = "dmuon.save_sharded"
     # before anything is written (save_safety.py): values a load could not read without running
     # code; a path that is a link, a file or a folder of something else; then the stale partials
     problems = value_problems("extra", extra or {})
@@ -437,6 +439,8 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     except CheckpointError as e:
         errors.append(str(e))
     agree_errors(rt, errors, what)
+    agree_same(rt, marker.get("save_id"), what, "the ranks opened different checkpoints (their "
+               "save ids)", "every rank must load the same one: pass every rank the same path")
     errors = verify_files(rt, path, marker)  # split by size; waited for while every pass moves
     try:
         agree_errors(rt, errors, f"{what} (checksum pass)")
