@@ -142,8 +142,9 @@ def check_step_ready(current: bool, fresh: bool, broken: Optional[str] = None) -
     if not fresh:
         raise RuntimeError(
             "dmuon.Muon.step: no backward pass reached the dedicated matrices since the last "
-            "step() (or zero_grad()), or the last one ran inside dmuon.no_sync (its gradients "
-            "were never reduced), so there is no fresh gradient to apply; nothing was "
+            "step() (or zero_grad()), the last one raised before it ended (its gradients are "
+            "partial: zero_grad() and run the batch again), or it ran inside dmuon.no_sync (its "
+            "gradients were never reduced), so there is no fresh gradient to apply; nothing was "
             "updated. Run forward and loss.backward() (the last micro-batch outside "
             "dmuon.no_sync) before every step(). A step() on one rank only, or twice in a row, "
             "would update that rank's FSDP2 shards again and leave its dedicated matrices "
