@@ -9,6 +9,8 @@ loads accept those or plain full tensors, validated on every rank before anythin
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from dist_utils import catch, run_ranks
@@ -313,6 +315,19 @@ def _written_not_loaded(rank, world, cfg, tmp):
     with torch.no_grad():
         out["inline"] = catch(lambda: model(ids))
         out["inline_again"] = catch(lambda: model(ids))
+    # exports of the half-loaded model (a conversion script runs no forward): dmuon's refuse on
+    # every rank, torch's model.state_dict() (also a load's target) warns. Before (a review,
+    # session 16): they exported FSDP2's loaded params beside the old matrices, silently
+    out["export_full"] = catch(lambda: dmuon.get_model_state_dict(model))
+    out["export_optim"] = catch(lambda: dmuon.get_optimizer_state_dict(model, opt))
+    out["export_sharded"] = catch(lambda: dmuon.save_sharded(f"{tmp}/mixed", model, opt))
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("dmuon").addHandler(handler)
+    model.state_dict()
+    logging.getLogger("dmuon").removeHandler(handler)
+    out["warned"] = any("written in place but never loaded" in m for m in seen)
     sd = {"model": model.state_dict(), "optim": opt.state_dict()}
     dcp.load(sd, checkpoint_id=f"{tmp}/ck")
     model.load_state_dict(sd["model"])  # the model loaded, the optimizer's dict deleted
@@ -327,6 +342,15 @@ def _written_not_loaded(rank, world, cfg, tmp):
     opt.zero_grad()
     model(ids).backward()
     out["after"] = catch(opt.step)
+    # a write into a DTensor entry itself (sd[k].copy_(v)): it bumps the DTensor's own version
+    # counter, not its local tensor's. Before (a review, session 16): neither loaded nor seen
+    sd = model.state_dict()
+    key = next(k for k, v in sd.items() if "proj" in k)
+    sd[key].copy_(sd[key] * 2)
+    with torch.no_grad():
+        out["dtensor_write"] = catch(lambda: model(ids))
+        model.load_state_dict(sd)
+        out["dtensor_loaded"] = catch(lambda: model(ids))
     return out
 
 
@@ -354,3 +378,8 @@ def test_dcp_load_without_load_state_dict_raises_then_resumes_exactly(tmp_path, 
         kind, msg = r["inline_step"]
         assert kind == "RuntimeError" and "optimizer.load_state_dict(sd)" in msg, (rank, msg)
         assert r["after"] == (None, None), (rank, r["after"])
+        for key in ("export_full", "export_optim", "export_sharded", "dtensor_write"):
+            kind, msg = r[key]
+            assert kind == "RuntimeError" and "written in place but never loaded" in msg, (
+                rank, key, kind, msg)
+        assert r["warned"] is True and r["dtensor_loaded"] == (None, None), rank

@@ -13,8 +13,8 @@ from dmuon.functional.copy_log import MODEL, OPTIMIZER, CopyLog, unloaded_copies
 def test_a_copy_written_in_place_counts_until_a_load_of_its_kind():
     log = CopyLog()
     a, b, m = torch.zeros(3), torch.zeros(2), torch.zeros(4)
-    log.handed_out(MODEL, [("w.a", a), ("w.b", b)])
-    log.handed_out(OPTIMIZER, [("w.a.momentum_buffer", m)])
+    log.handed_out(MODEL, [("w.a", a, a), ("w.b", b, b)])
+    log.handed_out(OPTIMIZER, [("w.a.momentum_buffer", m, m)])
     assert log.written() == {}
     a.copy_(torch.ones(3))            # what dcp.load does
     b[:1].fill_(2.0)                  # a write through a view counts too
@@ -38,7 +38,7 @@ def test_copies_are_held_until_settled_and_a_written_one_stays_written_when_gone
     import weakref
     log = CopyLog()
     t, u = torch.zeros(1000), torch.zeros(10)
-    log.handed_out(MODEL, [("w", t), ("v", u)])
+    log.handed_out(MODEL, [("w", t, t), ("v", u, u)])
     gone, kept = weakref.ref(t), weakref.ref(u)
     t.add_(1.0)                       # written ...
     del t, u                          # ... and the dict dropped before any hook ran
@@ -58,7 +58,7 @@ def test_copies_are_held_until_settled_and_a_written_one_stays_written_when_gone
 def test_check_raises_naming_the_call_and_the_first_key():
     log = CopyLog()
     t = torch.zeros(2)
-    log.handed_out(MODEL, [("layers.0.q.weight", t)])
+    log.handed_out(MODEL, [("layers.0.q.weight", t, t)])
     log.check([MODEL], "dmuon (forward)")  # nothing written: no error
     t.fill_(1.0)
     with pytest.raises(RuntimeError, match=r"dmuon \(forward\): 1 entries of an earlier "
@@ -73,9 +73,23 @@ def test_check_raises_naming_the_call_and_the_first_key():
 def test_a_hook_group_reads_only_its_own_keys():
     log = CopyLog()
     a, b = torch.zeros(2), torch.zeros(2)
-    log.handed_out(MODEL, [("layers.0.q", a), ("layers.1.q", b)])
+    log.handed_out(MODEL, [("layers.0.q", a, a), ("layers.1.q", b, b)])
     b.add_(1.0)
     assert log.written([MODEL], keys=["layers.0.q"]) == {}
     log.check([MODEL], "dmuon (forward)", ["layers.0.q", "layers.0.k"])  # not its copy: no error
     with pytest.raises(RuntimeError, match="'layers.1.q'"):
         log.check([MODEL], "dmuon (forward)", ["layers.1.q"])
+
+
+def test_a_write_through_the_entry_or_through_its_local_tensor_counts():
+    """A DTensor entry and its local tensor keep their own version counters: ``sd[k].copy_(v)``
+    bumps the entry's, ``dcp.load`` (through ``to_local()``) the local tensor's. Before (a
+    review, session 16): only the local tensor was watched, and a hand-written ``copy_`` into a
+    DTensor entry was neither loaded nor reported."""
+    log = CopyLog()
+    entry, local = torch.zeros(2), torch.zeros(2)   # stand-ins for a DTensor and its local
+    entry2, local2 = torch.zeros(2), torch.zeros(2)
+    log.handed_out(MODEL, [("a", entry, local), ("b", entry2, local2)])
+    entry.fill_(1.0)
+    local2.fill_(1.0)
+    assert log.written() == {MODEL: ["a", "b"]}

@@ -61,7 +61,7 @@ from dmuon.checkpoint.save_safety import (agree_failure, claim_partial, discard_
                                           finish_publish, run_step, sweep_partials,
                                           target_problems)
 from dmuon.checkpoint.trust import load_bytes, safe_reader, value_problems
-from dmuon.functional.copy_log import MODEL
+from dmuon.functional.copy_log import MODEL, OPTIMIZER
 from dmuon.functional.load_scalars import load_problems
 from dmuon.functional.optimizer_format import SKIPPED
 from dmuon.functional.owner_checks import refuse_variant
@@ -253,6 +253,8 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     refuse_tp(rt, "dmuon.save_sharded (use dmuon.get_model_state_dict / "
               "get_optimizer_state_dict, which give full tensors)")
     rt.join("dmuon.save_sharded(path, model, optimizer)", always=True)
+    rt.refuse_unloaded_copies([MODEL, OPTIMIZER] if optimizer is not None else [MODEL],
+                              "dmuon.save_sharded")
     if optimizer is not None:
         check_optimizer(model, optimizer, "dmuon.save_sharded")
         refuse_variant(optimizer._owner.custom, "dmuon.save_sharded")

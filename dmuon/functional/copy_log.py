@@ -27,40 +27,67 @@ __all__ = ["CopyLog", "MODEL", "OPTIMIZER", "unloaded_copies"]
 MODEL, OPTIMIZER = "model", "optimizer"
 
 
+class _Copy:
+    """One copy handed out: weak references to the entry and to the tensor it holds (a DTensor's
+    own local tensor; the entry itself for a plain tensor) and their version counters. A write
+    through the DTensor (``sd[k].copy_(v)``) bumps the entry's counter only; one through its
+    ``to_local()`` view (what ``dcp.load`` does) the local tensor's only."""
+
+    __slots__ = ("kind", "key", "refs", "versions")
+
+    def __init__(self, kind: str, key: str, entry: torch.Tensor, local: torch.Tensor) -> None:
+        self.kind, self.key = kind, key
+        self.refs = (weakref.ref(entry), weakref.ref(local))
+        self.versions = (entry._version, local._version)
+
+    def tensors(self) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """The entry and its local tensor, or ``None`` once either is gone."""
+        entry, local = self.refs[0](), self.refs[1]()
+        return None if entry is None or local is None else (entry, local)
+
+    def now(self, tensors: tuple[torch.Tensor, torch.Tensor]) -> tuple[int, int]:
+        return tensors[0]._version, tensors[1]._version
+
+
 class CopyLog:
     """The copies state dicts handed out, by key: held until :meth:`settle`, then weakly; the
     keys found written and not loaded since."""
 
     def __init__(self) -> None:
-        self._copies: dict[str, list[tuple[str, weakref.ref, int]]] = {}  # key: (kind, copy, v)
-        self._held: list[tuple[str, str, torch.Tensor, int]] = []  # (kind, key, copy, v)
+        self._copies: dict[str, list[_Copy]] = {}
+        self._held: list[tuple[_Copy, tuple[torch.Tensor, torch.Tensor]]] = []
         self._unloaded: dict[str, dict[str, None]] = {}  # kind: keys found written (ordered)
 
-    def handed_out(self, kind: str, copies: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """``copies`` (``(key, tensor)``: the tensor a write lands in, a DTensor's own local
-        tensor) were handed out in a state dict of ``kind``."""
+    def handed_out(self, kind: str,
+                   copies: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
+        """``copies`` (``(key, entry, local)``: the state dict's tensor and the tensor a write
+        through ``to_local()`` lands in) were handed out in a state dict of ``kind``."""
         self._prune()
-        for key, t in copies:
-            self._copies.setdefault(key, []).append((kind, weakref.ref(t), t._version))
-            self._held.append((kind, key, t, t._version))
+        for key, entry, local in copies:
+            c = _Copy(kind, key, entry, local)
+            self._copies.setdefault(key, []).append(c)
+            self._held.append((c, (entry, local)))
 
     def settle(self) -> None:
-        """Note the held copies written since they were handed out, then let them go (only their
-        weak references stay): at the runtime's next hook or step."""
-        for kind, key, t, version in self._held:
-            if t._version != version:
-                self._unloaded.setdefault(kind, {})[key] = None
+        """Note the held copies written since they were handed out (or last loaded), then let
+        them go (only their weak references stay): at the runtime's next hook or step."""
+        for c, tensors in self._held:
+            if c.now(tensors) != c.versions:
+                self._unloaded.setdefault(c.kind, {})[c.key] = None
         self._held = []
 
     def loaded(self, kind: Optional[str]) -> None:
         """A load of ``kind`` finished (``None``: no load): what its copies hold counts as
         loaded."""
-        if kind is not None:
-            self.settle()
-            self._unloaded.pop(kind, None)
-            self._prune()
-            self._copies = {key: [(k, ref, ref()._version if k == kind else v)
-                                  for k, ref, v in rs] for key, rs in self._copies.items()}
+        if kind is None:
+            return
+        self.settle()
+        self._unloaded.pop(kind, None)
+        for cs in self._copies.values():
+            for c in cs:
+                if c.kind == kind and (tensors := c.tensors()) is not None:
+                    c.versions = c.now(tensors)
+        self._prune()
 
     def written(self, kinds: Iterable[str] = (MODEL, OPTIMIZER),
                 keys: Optional[Iterable[str]] = None) -> dict[str, list[str]]:
@@ -70,19 +97,17 @@ class CopyLog:
         if not (self._copies or self._held or self._unloaded):
             return out
         self.settle()
-        if keys is None:  # (the step's check; a hook group's reads its own keys only)
-            self._prune()
-        for key in self._copies if keys is None else keys:
-            for kind, ref, version in self._copies.get(key, ()):
-                t = ref()
-                if kind in kinds and t is not None and t._version != version:
-                    out.setdefault(kind, []).append(key)
+        kinds = tuple(kinds)
         for kind, found in self._unloaded.items():
             if kind in kinds:
-                new = [k for k in (found if keys is None else keys)
-                       if k in found and k not in out.get(kind, ())]
-                if new:
-                    out.setdefault(kind, []).extend(new)
+                got = [k for k in (found if keys is None else keys) if k in found]
+                if got:
+                    out[kind] = got
+        for key in self._copies if keys is None else keys:
+            for c in self._copies.get(key, ()):
+                if c.kind in kinds and key not in out.get(c.kind, ()) and (
+                        t := c.tensors()) is not None and c.now(t) != c.versions:
+                    out.setdefault(c.kind, []).append(key)
         return out
 
     def check(self, kinds: Iterable[str], where: str,
@@ -94,9 +119,10 @@ class CopyLog:
 
     def _prune(self) -> None:
         """Forget the weak references to copies no one holds any more."""
-        if any(ref() is None for rs in self._copies.values() for _, ref, _ in rs):
-            live = {key: [r for r in rs if r[1]() is not None] for key, rs in self._copies.items()}
-            self._copies = {key: rs for key, rs in live.items() if rs}
+        if any(c.tensors() is None for cs in self._copies.values() for c in cs):
+            live = {key: [c for c in cs if c.tensors() is not None]
+                    for key, cs in self._copies.items()}
+            self._copies = {key: cs for key, cs in live.items() if cs}
 
 
 def unloaded_copies(written: dict[str, list[str]], where: str) -> str:
@@ -119,4 +145,5 @@ def unloaded_copies(written: dict[str, list[str]], where: str) -> str:
             "these). Load the dict after dcp.load (as torch's set_state_dict and Stateful "
             "checkpointers do): sd = {'model': model.state_dict(), 'optim': "
             "optimizer.state_dict()}; dcp.load(sd, ...); model.load_state_dict(sd['model']); "
-            "optimizer.load_state_dict(sd['optim']); or load another checkpoint the same way")
+            "optimizer.load_state_dict(sd['optim']); if dcp.load itself failed, or the dict is "
+            "gone, load a checkpoint the same way into a new dict")

@@ -11,7 +11,7 @@ import torch
 
 __all__ = ["ATTRIBUTE_CALLS", "LOCAL_METADATA", "ALLOWED", "CONVERSIONS", "SHAPE_QUERIES", "DATA",
            "PASS_ON", "FP16_LOSS_SCALING", "func_name", "first_instance", "full_shape_query",
-           "refusal_hint"]
+           "refusal_hint", "written_while_gathered"]
 
 #: attribute access, hooks, repr / hashing, dtype and layout facts: harmless on any guard
 ATTRIBUTE_CALLS = frozenset({
@@ -159,3 +159,13 @@ def refusal_hint(name: str, func: Any = None, group: Optional[str] = None) -> st
             "placeholder (a method other than forward, such as one registered with torch's "
             f"register_fsdp_forward_method, or the weight used outside a call of {module}): "
             f"call {module} itself there")
+
+
+def written_while_gathered(name: str, owner: Any) -> str:
+    """A gathered dedicated param written in place (an optimizer step in a post-accumulate-grad
+    hook): the write would be lost with the gathered copy."""
+    return (f"dmuon: the dedicated param {name!r} was written in place while gathered (e.g. an "
+            "optimizer step inside a post-accumulate-grad hook: optimizer-in-backward). Its "
+            f"values live whole on owner rank {owner}; the gathered copy written here is "
+            "discarded after use, so the write would be lost. Update dedicated params through "
+            "dmuon.Muon's step() (hooks may read or scale p.grad, which dmuon then reduces).")

@@ -11,7 +11,29 @@ from dmuon.functional.spmd_mesh import (SPMD_FIX, DPAxes, SpmdTypes, placement_k
                                         plain_params_problem, spmd_slicing, spmd_types_kinds)
 from dmuon.functional.tp_plan import TPLayout, tp_slicing_problem, with_tp_views
 
-__all__ = ["tp_layouts_of", "tp_mesh_ranks", "tp_decisions", "spmd_layouts_of"]
+__all__ = ["tp_layouts_of", "tp_mesh_ranks", "tp_decisions", "spmd_layouts_of", "TP_FIX",
+           "tp_after_dedicate", "tp_not_supported"]
+
+#: what to do instead (named by every TP error)
+TP_FIX = ("apply tensor parallelism first (parallelize_module with ColwiseParallel / "
+          "RowwiseParallel on a 1-D TP mesh), then dmuon.dedicate_params(model, mesh['dp'], "
+          "predicate), then fully_shard(..., mesh=mesh['dp']); or train with tp = 1")
+
+
+def tp_after_dedicate(name: str, owner: object) -> str:
+    """DTensor's API touched dedicated param ``name`` after ``dedicate_params``."""
+    return (f"dmuon: tensor parallelism (DTensor distribute_tensor / parallelize_module) was "
+            f"applied to the dedicated param {name!r} (owner rank {owner}) after "
+            f"dedicate_params. {TP_FIX}.")
+
+
+def tp_not_supported(what: str, names: Sequence[str]) -> str:
+    """``what`` met the TP-sliced dedicated matrices ``names``, which it does not handle yet."""
+    return (f"dmuon: {what} does not support tensor-parallel dedicated matrices yet (this model "
+            f"has {len(names)}, e.g. {sorted(names)[:3]}). Nothing was changed. Supported with "
+            "TP: forward, backward, dmuon.Muon.step, dmuon.clip_grad_norm_, and checkpoints as "
+            "full tensors: dmuon.get_model_state_dict / set_model_state_dict and "
+            "dmuon.get_optimizer_state_dict / set_optimizer_state_dict.")
 
 
 def tp_layouts_of(dtensors: Mapping[str, Any], aliases: Mapping[int, Sequence[str]], *,

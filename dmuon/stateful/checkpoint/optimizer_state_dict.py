@@ -77,7 +77,7 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     for n, p in optimizer.adamw_named_params:  # (torch.optim.AdamW's per-param counts)
         entries[n] = {k: v if k == "step" else dtensor_like(v, p) for k, v in torch_form[n].items()}
     rt.state_dict_copies.handed_out(OPTIMIZER, [  # copies (not AdamW's moments: its own tensors)
-        (f"{n}.{k}", held_local(v)) for n, e in entries.items() for k, v in e.items()
+        (f"{k} of {n}", v, held_local(v)) for n, e in entries.items() for k, v in e.items()
         if k == "step" or n in rt.params])
     groups = [(hparams(g), [optimizer.param_name(p) for p in g["params"]])
               for g in optimizer.param_groups]
@@ -208,6 +208,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool
     """
     rt = check_optimizer(model, optimizer, "dmuon.get_optimizer_state_dict")
     rt.join("dmuon.get_optimizer_state_dict(model, optimizer)", always=True, drain=True)
+    rt.refuse_unloaded_copies([OPTIMIZER], "dmuon.get_optimizer_state_dict")
     keep = not rank0_only or rt.rank == 0
     mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
     st = optimizer.adamw_state

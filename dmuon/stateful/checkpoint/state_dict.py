@@ -99,6 +99,7 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
     """
     rt = get_state(model, "dmuon.get_model_state_dict(model)")
     rt.join("dmuon.get_model_state_dict(model)", drain=True)
+    rt.refuse_unloaded_copies([MODEL], "dmuon.get_model_state_dict")
     keep = not rank0_only or rt.rank == 0
     mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
     full: dict[str, torch.Tensor] = {}

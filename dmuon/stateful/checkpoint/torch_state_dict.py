@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from dmuon.compat.fsdp_patch import is_dedicated
 from dmuon.compat.torch_api import held_local, load_strict, simulate_load, state_dict_hooks
-from dmuon.functional.copy_log import MODEL
+from dmuon.functional.copy_log import MODEL, unloaded_copies
 from dmuon.functional.module_paths import ancestors
 from dmuon.functional.selection import canonical_names, names_by_object
 from dmuon.functional.state_dict_check import (assign_problems, check_state_dict, dtype_changes,
@@ -132,9 +132,11 @@ class _Hooks:
             refuse_tp(st, "model.state_dict() (torch's own, also under torch.distributed."
                       "checkpoint; use dmuon.get_model_state_dict, which gives full tensors)")
             st.join("model.state_dict()", drain=True)
+            if written := st.state_dict_copies.written([MODEL]):  # (maybe a load's target)
+                logger.warning("%s; this dict holds that mix", unloaded_copies(written, "dmuon"))
             self.rows = {n: dtensor_rows(t.to(st.orig_dtype[n]).clone(), st.shard_mesh)
                          for n, t in self.transfer.full_masters()}  # (no TP: refused above)
-            st.state_dict_copies.handed_out(MODEL, [(n, held_local(r))
+            st.state_dict_copies.handed_out(MODEL, [(n, r, held_local(r))
                                                     for n, r in self.rows.items()])
         saving_state_dict(+1)
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from dmuon.functional.tp_setup import TP_FIX, tp_after_dedicate, tp_not_supported
+
 __all__ = ["DedicatedParamError", "TensorParallelUnsupported", "TP_FIX", "from_dtensor_api",
            "tp_error", "refuse_tp"]
 
@@ -17,11 +19,6 @@ class DedicatedParamError(RuntimeError):
 
 
 _DTENSOR_PKG = "torch.distributed.tensor"
-
-#: what to do instead (named by every TP error)
-TP_FIX = ("apply tensor parallelism first (parallelize_module with ColwiseParallel / "
-          "RowwiseParallel on a 1-D TP mesh), then dmuon.dedicate_params(model, mesh['dp'], "
-          "predicate), then fully_shard(..., mesh=mesh['dp']); or train with tp = 1")
 
 
 class TensorParallelUnsupported(DedicatedParamError, NotImplementedError):
@@ -44,18 +41,11 @@ def from_dtensor_api(max_depth: int = 40) -> bool:
 
 def tp_error(name: str, owner: object) -> TensorParallelUnsupported:
     """The error for DTensor's API touching dedicated param ``name`` after ``dedicate_params``."""
-    return TensorParallelUnsupported(
-        f"dmuon: tensor parallelism (DTensor distribute_tensor / parallelize_module) was applied "
-        f"to the dedicated param {name!r} (owner rank {owner}) after dedicate_params. {TP_FIX}.")
+    return TensorParallelUnsupported(tp_after_dedicate(name, owner))
 
 
 def refuse_tp(rt: Any, what: str) -> None:
     """Raise :class:`TensorParallelUnsupported` if the model has TP-sliced dedicated params and
     ``what`` does not handle slices yet (every rank holds the same layouts: raises on all)."""
     if getattr(rt, "tp_layouts", None):
-        raise TensorParallelUnsupported(
-            f"dmuon: {what} does not support tensor-parallel dedicated matrices yet (this model "
-            f"has {len(rt.tp_layouts)}, e.g. {sorted(rt.tp_layouts)[:3]}). Nothing was changed. "
-            "Supported with TP: forward, backward, dmuon.Muon.step, dmuon.clip_grad_norm_, and "
-            "checkpoints as full tensors: dmuon.get_model_state_dict / set_model_state_dict and "
-            "dmuon.get_optimizer_state_dict / set_optimizer_state_dict.")
+        raise TensorParallelUnsupported(tp_not_supported(what, list(rt.tp_layouts)))

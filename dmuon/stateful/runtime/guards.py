@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from dmuon.compat.torch_api import make_tensor_subclass, torch_function_disabled
 from dmuon.functional.guard_rules import (FP16_LOSS_SCALING, PASS_ON, first_instance,
-                                          full_shape_query, refusal_hint)
+                                          full_shape_query, refusal_hint, written_while_gathered)
 from dmuon.stateful.runtime.errors import DedicatedParamError, from_dtensor_api, tp_error
 from dmuon.stateful.runtime.guard_base import TorchGuard, call_plain
 
@@ -149,12 +149,7 @@ def check_not_written(name: str, p: nn.Parameter, owner: Any) -> None:
     :func:`keep_dmuon_hook_last` looked (e.g. optimizer-in-backward: the write would be lost)."""
     seen = getattr(p, "_dmuon_version", None)
     if seen is not None and p._version != seen:
-        raise DedicatedParamError(
-            f"dmuon: the dedicated param {name!r} was written in place while gathered (e.g. an "
-            "optimizer step inside a post-accumulate-grad hook: optimizer-in-backward). Its "
-            f"values live whole on owner rank {owner}; the gathered copy written here is "
-            "discarded after use, so the write would be lost. Update dedicated params through "
-            "dmuon.Muon's step() (hooks may read or scale p.grad, which dmuon then reduces).")
+        raise DedicatedParamError(written_while_gathered(name, owner))
     p._dmuon_version = p._version
 
 
