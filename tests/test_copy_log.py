@@ -93,3 +93,35 @@ def test_a_write_through_the_entry_or_through_its_local_tensor_counts():
     entry.fill_(1.0)
     local2.fill_(1.0)
     assert log.written() == {MODEL: ["a", "b"]}
+
+
+def test_a_copy_refreshed_with_the_current_values_is_not_a_load():
+    """torchtitan's checkpointer keeps one state dict and copies each new ``state_dict()`` into
+    it: the old copies are written with the current values, which loads nothing. Before (session
+    16, torchtitan's integration test): every export after its save raised."""
+    log = CopyLog()
+    cached = torch.zeros(3)
+    log.handed_out(MODEL, [("w", cached, cached)])
+    log.settle()                      # a hook: only a weak reference now
+    fresh = torch.full((3,), 2.0)     # the model's values now (a new state_dict())
+    log.handed_out(MODEL, [("w", fresh, fresh)])
+    cached.copy_(fresh)               # the refresh
+    del fresh
+    assert log.written() == {}
+    other = torch.full((3,), 2.0)
+    log.handed_out(MODEL, [("w", other, other)])
+    cached.copy_(torch.full((3,), 5.0))  # values of no copy handed out since: a load
+    del other
+    assert log.written() == {MODEL: ["w"]}
+
+
+def test_a_weakly_held_copy_found_written_stays_written_once_gone():
+    log = CopyLog()
+    t = torch.zeros(2)
+    log.handed_out(MODEL, [("w", t, t)])
+    log.settle()
+    t.fill_(1.0)
+    assert log.written() == {MODEL: ["w"]}
+    del t
+    gc.collect()
+    assert log.written() == {MODEL: ["w"]}

@@ -69,11 +69,25 @@ class CopyLog:
             self._held.append((c, (entry, local)))
 
     def settle(self) -> None:
-        """Note the held copies written since they were handed out (or last loaded), then let
-        them go (only their weak references stay): at the runtime's next hook or step."""
-        for c, tensors in self._held:
-            if c.now(tensors) != c.versions:
-                self._unloaded.setdefault(c.kind, {})[c.key] = None
+        """At the runtime's next hook or step: note the copies written since they were handed out
+        (or last loaded), then let the held ones go (only weak references stay). A copy written
+        with the values of a copy of its key handed out since, itself unwritten, was refreshed,
+        not loaded (torchtitan's checkpointer keeps one dict and copies each new
+        ``state_dict()`` into it): nothing to load. No step or load runs between a hand-out and
+        the settle (both settle first), so those values are the model's."""
+        if not self._held:
+            return
+        fresh = {c.key: (c.kind, t[1]) for c, t in self._held if c.now(t) == c.versions}
+        for key, cs in self._copies.items():
+            for c in cs:
+                if (t := c.tensors()) is None or c.now(t) == c.versions:
+                    continue
+                kind, now = fresh.get(key, (None, None))
+                if kind == c.kind and now is not t[1] and now.shape == t[1].shape and \
+                        now.dtype == t[1].dtype and bool(torch.equal(now, t[1])):
+                    c.versions = c.now(t)  # refreshed with the current values
+                else:
+                    self._unloaded.setdefault(c.kind, {})[key] = None
         self._held = []
 
     def loaded(self, kind: Optional[str]) -> None:
@@ -108,6 +122,7 @@ class CopyLog:
                 if c.kind in kinds and key not in out.get(c.kind, ()) and (
                         t := c.tensors()) is not None and c.now(t) != c.versions:
                     out.setdefault(c.kind, []).append(key)
+                    self._unloaded.setdefault(c.kind, {})[key] = None  # (also once it is gone)
         return out
 
     def check(self, kinds: Iterable[str], where: str,
