@@ -280,6 +280,8 @@ def _written_not_loaded(rank, world, cfg, tmp):
 
     out = {}
     model, opt = _trained(rank, world, cfg)
+    with torch.inference_mode():  # (a review: "Inference tensors do not track version counter";
+        out["inference"] = catch(opt.state_dict)  # model.state_dict() fails there in plain FSDP2)
     dcp.save({"model": model.state_dict(), "optim": opt.state_dict()}, checkpoint_id=f"{tmp}/ck")
     twin, topt = _trained(rank, world, cfg, steps=0, seed=7)  # resumed as documented
     tsd = {"model": twin.state_dict(), "optim": topt.state_dict()}
@@ -383,3 +385,4 @@ def test_dcp_load_without_load_state_dict_raises_then_resumes_exactly(tmp_path, 
             assert kind == "RuntimeError" and "written in place but never loaded" in msg, (
                 rank, key, kind, msg)
         assert r["warned"] is True and r["dtensor_loaded"] == (None, None), rank
+        assert r["inference"] == (None, None), (rank, r["inference"])

@@ -125,3 +125,33 @@ def test_a_weakly_held_copy_found_written_stays_written_once_gone():
     del t
     gc.collect()
     assert log.written() == {MODEL: ["w"]}
+
+
+def test_a_refresh_from_a_copy_handed_out_at_this_epoch_is_not_a_load():
+    """A refresh from a dict taken before an eval forward (a hook settled it: only weakly held
+    since) is still a refresh while no step or load ran; after one, the same values are stale.
+    Before (a review, session 16): the refresh after the forward raised."""
+    log = CopyLog()
+    cached = torch.zeros(3)
+    log.handed_out(MODEL, [("w", cached, cached)])
+    fresh = torch.full((3,), 2.0)
+    log.handed_out(MODEL, [("w", fresh, fresh)])
+    log.settle()                      # an eval forward's hook
+    cached.copy_(fresh)
+    assert log.written() == {}
+    log.loaded(None)                  # a step: the model moved on, `fresh` is stale now
+    cached.copy_(fresh + 1.0)
+    fresh.add_(1.0)                   # (written itself: it cannot vouch for anything)
+    assert log.written() == {MODEL: ["w"]}
+
+
+def test_a_partial_load_takes_over_only_its_keys():
+    """``model.load_state_dict(part, strict=False)`` after ``dcp.load`` wrote the whole dict: the
+    keys it did not load stay written. Before (a review, session 16): every key was cleared."""
+    log = CopyLog()
+    a, b = torch.zeros(2), torch.zeros(2)
+    log.handed_out(MODEL, [("a", a, a), ("b", b, b)])
+    a.fill_(1.0)
+    b.fill_(1.0)
+    log.loaded(MODEL, keys=["a"])
+    assert log.written() == {MODEL: ["b"]}

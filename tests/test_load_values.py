@@ -149,6 +149,10 @@ def _cases():
         # state and the counters were installed; the next step() trained on, silently
         "variant_scalars": (lambda sd, m, a: sd["param_groups"][0].__setitem__(
             "variant_scalars", [3.0]), lambda sd: sd.__setitem__("variant_scalars", [3.0])),
+        # no param groups (torch's load_state_dict refuses a group count that differs). Before (a
+        # review, session 16): loaded, matching no param: every state zeroed, silently
+        "no_groups": (lambda sd, m, a: sd.__setitem__("param_groups", []),
+                      lambda sd: sd.__setitem__("param_groups", [])),
     }
 
 
@@ -167,7 +171,7 @@ def _log_lines():
 # ---------------------------------------------------------------------------------- the worker
 #: the default tier's subset (the slow tier runs every case through every route)
 _FAST_CASES = ("complex_momentum", "int_momentum", "adamw_step_-1", "lr_nan", "momentum_dtype",
-               "variant_scalars")
+               "variant_scalars", "no_groups")
 _FAST_ROUTES = ("torch", "muon_full", "set_rank0")
 
 
@@ -565,7 +569,8 @@ def _check_scalars(res):
     want = {"adamw_step_-1": "adamw_step", "lr_nan": "lr", "lr_str": "lr",
             "momentum_7": "momentum", "ns_steps_2000": "ns_steps",
             "momentum_dtype": "momentum_dtype", "adamw_lr_nan": "lr",
-            "steps_disagree": "step", "variant_scalars": "variant_scalars"}
+            "steps_disagree": "step", "variant_scalars": "variant_scalars",
+            "no_groups": "param_groups: 0 groups"}
     assert "sharded_momentum_dtype" in res[0]
     for name, needle in want.items():
         for route in _routes(res, name) if f"torch_{name}" in res[0] else ():

@@ -29,14 +29,15 @@ MODEL, OPTIMIZER = "model", "optimizer"
 
 class _Copy:
     """One copy handed out: weak references to the entry and to the tensor it holds (a DTensor's
-    own local tensor; the entry itself for a plain tensor) and their version counters. A write
-    through the DTensor (``sd[k].copy_(v)``) bumps the entry's counter only; one through its
-    ``to_local()`` view (what ``dcp.load`` does) the local tensor's only."""
+    own local tensor; the entry itself for a plain tensor), their version counters, and the
+    log's epoch then. A write through the DTensor (``sd[k].copy_(v)``) bumps the entry's counter
+    only; one through its ``to_local()`` view (what ``dcp.load`` does) the local tensor's only."""
 
-    __slots__ = ("kind", "key", "refs", "versions")
+    __slots__ = ("kind", "key", "refs", "versions", "epoch")
 
-    def __init__(self, kind: str, key: str, entry: torch.Tensor, local: torch.Tensor) -> None:
-        self.kind, self.key = kind, key
+    def __init__(self, kind: str, key: str, entry: torch.Tensor, local: torch.Tensor,
+                 epoch: int) -> None:
+        self.kind, self.key, self.epoch = kind, key, epoch
         self.refs = (weakref.ref(entry), weakref.ref(local))
         self.versions = (entry._version, local._version)
 
@@ -57,72 +58,81 @@ class CopyLog:
         self._copies: dict[str, list[_Copy]] = {}
         self._held: list[tuple[_Copy, tuple[torch.Tensor, torch.Tensor]]] = []
         self._unloaded: dict[str, dict[str, None]] = {}  # kind: keys found written (ordered)
+        self._epoch = 0  # bumped whenever the model's or optimizer's state changes
 
     def handed_out(self, kind: str,
                    copies: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
         """``copies`` (``(key, entry, local)``: the state dict's tensor and the tensor a write
-        through ``to_local()`` lands in) were handed out in a state dict of ``kind``."""
+        through ``to_local()`` lands in; not inference tensors) were handed out in a state dict
+        of ``kind``."""
         self._prune()
         for key, entry, local in copies:
-            c = _Copy(kind, key, entry, local)
+            c = _Copy(kind, key, entry, local, self._epoch)
             self._copies.setdefault(key, []).append(c)
             self._held.append((c, (entry, local)))
 
-    def settle(self) -> None:
-        """At the runtime's next hook or step: note the copies written since they were handed out
-        (or last loaded), then let the held ones go (only weak references stay). A copy written
-        with the values of a copy of its key handed out since, itself unwritten, was refreshed,
-        not loaded (torchtitan's checkpointer keeps one dict and copies each new
-        ``state_dict()`` into it): nothing to load. No step or load runs between a hand-out and
-        the settle (both settle first), so those values are the model's."""
-        if not self._held:
-            return
-        fresh = {c.key: (c.kind, t[1]) for c, t in self._held if c.now(t) == c.versions}
-        for key, cs in self._copies.items():
-            for c in cs:
-                if (t := c.tensors()) is None or c.now(t) == c.versions:
-                    continue
-                kind, now = fresh.get(key, (None, None))
-                if kind == c.kind and now is not t[1] and now.shape == t[1].shape and \
-                        now.dtype == t[1].dtype and bool(torch.equal(now, t[1])):
-                    c.versions = c.now(t)  # refreshed with the current values
-                else:
-                    self._unloaded.setdefault(c.kind, {})[key] = None
-        self._held = []
+    def _written(self, c: _Copy) -> bool:
+        """Whether ``c`` was written since handed out (or last loaded), other than refreshed: a
+        write with the values of another copy of its key handed out at this epoch, itself
+        unwritten, holds the current values and loads nothing (torchtitan's checkpointer keeps
+        one dict and copies each new ``state_dict()`` into it); then ``c`` is rebased."""
+        if (t := c.tensors()) is None or c.now(t) == c.versions:
+            return False
+        for o in self._copies.get(c.key, ()):
+            u = o.tensors() if o is not c and o.kind == c.kind and o.epoch == self._epoch else None
+            if u is not None and o.now(u) == o.versions and u[1].shape == t[1].shape and \
+                    u[1].dtype == t[1].dtype and bool(torch.equal(u[1], t[1])):
+                c.versions = c.now(t)
+                return False
+        self._unloaded.setdefault(c.kind, {})[c.key] = None  # written: so even once it is gone
+        return True
 
-    def loaded(self, kind: Optional[str]) -> None:
-        """A load of ``kind`` finished (``None``: no load): what its copies hold counts as
-        loaded."""
+    def settle(self) -> None:
+        """At the runtime's next hook or step: judge every copy written since (:meth:`_written`,
+        while the held ones can still serve as the current values), then let the held ones go
+        (only weak references stay)."""
+        if self._held:
+            for cs in list(self._copies.values()):
+                for c in cs:
+                    self._written(c)
+            self._held = []
+
+    def loaded(self, kind: Optional[str], keys: Optional[Iterable[str]] = None) -> None:
+        """The model's or optimizer's state changed: a load of ``kind`` (``None``: a step), of
+        ``keys`` (default all): what those copies hold counts as loaded."""
+        self.settle()
+        self._epoch += 1
         if kind is None:
             return
-        self.settle()
-        self._unloaded.pop(kind, None)
-        for cs in self._copies.values():
+        keys = None if keys is None else set(keys)
+        found = self._unloaded.get(kind, {})
+        for key in list(found) if keys is None else [k for k in found if k in keys]:
+            del found[key]
+        for key, cs in self._copies.items():
             for c in cs:
-                if c.kind == kind and (tensors := c.tensors()) is not None:
-                    c.versions = c.now(tensors)
+                if c.kind == kind and (keys is None or key in keys) and (
+                        t := c.tensors()) is not None:
+                    c.versions = c.now(t)
         self._prune()
 
     def written(self, kinds: Iterable[str] = (MODEL, OPTIMIZER),
                 keys: Optional[Iterable[str]] = None) -> dict[str, list[str]]:
         """``{kind: [key, ...]}`` of the copies of ``kinds`` (and ``keys``; default all) written
         in place since they were handed out (or last loaded), gone or not (:meth:`settle` first)."""
-        out: dict[str, list[str]] = {}
-        if not (self._copies or self._held or self._unloaded):
-            return out
+        if not (self._copies or self._unloaded):
+            return {}
         self.settle()
         kinds = tuple(kinds)
+        for key in self._copies if keys is None else keys:
+            for c in self._copies.get(key, ()):
+                if c.kind in kinds:
+                    self._written(c)
+        out: dict[str, list[str]] = {}
         for kind, found in self._unloaded.items():
             if kind in kinds:
                 got = [k for k in (found if keys is None else keys) if k in found]
                 if got:
                     out[kind] = got
-        for key in self._copies if keys is None else keys:
-            for c in self._copies.get(key, ()):
-                if c.kind in kinds and key not in out.get(c.kind, ()) and (
-                        t := c.tensors()) is not None and c.now(t) != c.versions:
-                    out.setdefault(c.kind, []).append(key)
-                    self._unloaded.setdefault(c.kind, {})[key] = None  # (also once it is gone)
         return out
 
     def check(self, kinds: Iterable[str], where: str,
@@ -153,11 +163,11 @@ def unloaded_copies(written: dict[str, list[str]], where: str) -> str:
                       ("optimizer.load_state_dict(sd)", "Muon.state_dict()"))
         lines.append(f"{len(keys)} entries of an earlier {what} (first: {keys[0]!r}) were "
                      f"written in place but never loaded: call {call} with that dict")
-    return (f"{where}: " + "; ".join(lines) + ". torch.distributed.checkpoint.load(sd) writes "
-            "into a state dict's tensors; on plain FSDP2 those are views of the params, but on a "
-            "dmuon model a dedicated matrix's entry, its momentum and the step counts are copies: "
-            "the model is half-loaded (dcp.load wrote FSDP2's params and AdamW's moments, not "
-            "these). Load the dict after dcp.load (as torch's set_state_dict and Stateful "
+    return (f"{where}: " + "; ".join(lines) + ". torch.distributed.checkpoint.load(sd) (or code "
+            "that writes into a state dict's tensors, such as an EMA kept in them: use clones) "
+            "writes them in place; on plain FSDP2 those are views of the params, but on a dmuon "
+            "model a dedicated matrix's entry, its momentum and the step counts are copies: the "
+            "model is half-loaded (dcp.load wrote FSDP2's params and AdamW's moments, not these). Load the dict after dcp.load (as torch's set_state_dict and Stateful "
             "checkpointers do): sd = {'model': model.state_dict(), 'optim': "
             "optimizer.state_dict()}; dcp.load(sd, ...); model.load_state_dict(sd['model']); "
             "optimizer.load_state_dict(sd['optim']); if dcp.load itself failed, or the dict is "

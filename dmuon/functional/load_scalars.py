@@ -95,9 +95,16 @@ def load_problems(entries: Mapping[str, Any], groups: Sequence[Mapping[str, Any]
         if bad:
             problems.append(f"{SKIPPED}: {bad[:4]} not a param name with a count in [0, "
                             f"adamw_step = {c['adamw_step']}] (the steps it had no gradient at)")
-    saved = entries.get("param_groups") or []
+    saved = entries.get("param_groups")
+    saved = [] if saved is None else saved  # (absent: an older full dict keeps its groups)
     if not isinstance(saved, Sequence) or not all(isinstance(g, Mapping) for g in saved):
         return problems + [f"param_groups: expected a list of dicts, got {type(saved).__name__}"]
+    sizes = entries.get("group_sizes")  # torch's protocol: its groups as torch checks them
+    if entries.get("param_groups") is not None and (len(saved) != len(groups) or sizes is not None
+                                                    and sizes != _sizes(groups)):
+        problems.append(f"param_groups: {len(saved)} groups of {sizes or '?'} params; this "
+                        f"optimizer has {len(groups)} ({[g.get('name') for g in groups]}) of "
+                        f"{_sizes(groups)} (a dict of another optimizer or model?)")
     by_name = {g.get("name"): g for g in saved}
     for g in groups:
         theirs = by_name.get(g.get("name"))
@@ -130,3 +137,7 @@ def load_problems(entries: Mapping[str, Any], groups: Sequence[Mapping[str, Any]
                             f"counts of this optimizer's transform state: {scalars}; a checkpoint "
                             "of a dmuon.Muon built with another transform= chain?)")
     return problems
+
+
+def _sizes(groups: Sequence[Mapping[str, Any]]) -> list[int]:
+    return [len(g.get("params", ())) for g in groups]

@@ -192,6 +192,7 @@ def from_torch_protocol(sd: Any, names: Sequence[str],
     if groups and "num_steps" in groups[0]:
         steps["num_steps"] = groups[0]["num_steps"]
     return {**sections, **steps, "param_groups": [hparams(g) for g in groups],
+            "group_sizes": [len(g.get("params", ())) for g in groups],
             "variant_scalars": groups[0].get("variant_scalars") if groups else None}
 
 

@@ -63,6 +63,7 @@ def muon_step(optimizer: Any) -> int:
 
 # ---------------------------------------------------------------------------------- torch's
 @torch.no_grad()
+@torch.inference_mode(False)  # the copies keep version counters (the copy log reads them)
 def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     """Collective: ``Muon.state_dict()`` in torch's protocol (design notes)."""
     rt = optimizer.dedicated_state

@@ -125,6 +125,7 @@ class _Hooks:
                               layout=layout_problem(value, st))
 
     # ------------------------------------------------------------------ save
+    @torch.inference_mode(False)  # the copies keep version counters (the copy log reads them)
     def pre_save(self, module, prefix, keep_vars) -> None:
         self.rows, self.stand_ins = None, {}
         st = self.st
@@ -133,7 +134,9 @@ class _Hooks:
                       "checkpoint; use dmuon.get_model_state_dict, which gives full tensors)")
             st.join("model.state_dict()", drain=True)
             if written := st.state_dict_copies.written([MODEL]):  # (maybe a load's target)
-                logger.warning("%s; this dict holds that mix", unloaded_copies(written, "dmuon"))
+                logger.warning("%s. This dict holds that mix: save it and you save the mix; "
+                               "load into it (dcp.load, then load_state_dict) to repair it",
+                               unloaded_copies(written, "dmuon: model.state_dict()"))
             self.rows = {n: dtensor_rows(t.to(st.orig_dtype[n]).clone(), st.shard_mesh)
                          for n, t in self.transfer.full_masters()}  # (no TP: refused above)
             st.state_dict_copies.handed_out(MODEL, [(n, r, held_local(r))
@@ -264,7 +267,7 @@ class _Hooks:
         with torch.no_grad():  # a model dict holds the params' values: rounded to their dtype
             for n, t in self.transfer.to_owners(staged, lambda n: staged[n].to(st.orig_dtype[n])):
                 st.masters[n].copy_(t)
-        st.masters_changed(loaded=MODEL)
+        st.masters_changed(loaded=MODEL, keys=staged)  # (strict=False: what it held)
 
 
 def register_state_dict_hooks(model: nn.Module, st) -> _Hooks:

@@ -407,10 +407,11 @@ class DedicatedState:
         if self.fsdp_usage is not None:
             self.fsdp_usage.reset()
 
-    def masters_changed(self, loaded: Optional[str] = None) -> None:
-        """The masters were written (a step, a state-dict load of kind ``loaded``): bump
-        :attr:`version` and free the gathered copies (the next forward gathers the new values)."""
-        self.state_dict_copies.loaded(loaded)
+    def masters_changed(self, loaded: Optional[str] = None, keys: Any = None) -> None:
+        """The masters were written (a step, a state-dict load of kind ``loaded``, of ``keys``):
+        bump :attr:`version` and free the gathered copies (the next forward gathers the new
+        values)."""
+        self.state_dict_copies.loaded(loaded, keys)
         self.version += 1
         self.reshard_all()
         self.forwards.new_forward()
