@@ -76,8 +76,10 @@ class CopyLog:
         write with the values of another copy of its key handed out at this epoch, itself
         unwritten, holds the current values and loads nothing (torchtitan's checkpointer keeps
         one dict and copies each new ``state_dict()`` into it); then ``c`` is rebased."""
-        if (t := c.tensors()) is None or c.now(t) == c.versions:
+        e, loc = c.refs[0](), c.refs[1]()  # (the hot path: every hook group's forward)
+        if e is None or loc is None or (e._version, loc._version) == c.versions:
             return False
+        t = (e, loc)
         for o in self._copies.get(c.key, ()):
             u = o.tensors() if o is not c and o.kind == c.kind and o.epoch == self._epoch else None
             if u is not None and o.now(u) == o.versions and u[1].shape == t[1].shape and \
