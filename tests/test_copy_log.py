@@ -13,8 +13,8 @@ from dmuon.functional.copy_log import MODEL, OPTIMIZER, CopyLog, unloaded_copies
 def test_a_copy_written_in_place_counts_until_a_load_of_its_kind():
     log = CopyLog()
     a, b, m = torch.zeros(3), torch.zeros(2), torch.zeros(4)
-    log.handed_out(MODEL, [("w.a", a, a), ("w.b", b, b)])
-    log.handed_out(OPTIMIZER, [("w.a.momentum_buffer", m, m)])
+    log.handed_out(MODEL, [("w.a", a), ("w.b", b)])
+    log.handed_out(OPTIMIZER, [("w.a.momentum_buffer", m)])
     assert log.written() == {}
     a.copy_(torch.ones(3))            # what dcp.load does
     b[:1].fill_(2.0)                  # a write through a view counts too
@@ -38,13 +38,16 @@ def test_copies_are_held_until_settled_and_a_written_one_stays_written_when_gone
     import weakref
     log = CopyLog()
     t, u = torch.zeros(1000), torch.zeros(10)
-    log.handed_out(MODEL, [("w", t, t), ("v", u, u)])
+    log.handed_out(MODEL, [("w", t), ("v", u)])
     gone, kept = weakref.ref(t), weakref.ref(u)
     t.add_(1.0)                       # written ...
     del t, u                          # ... and the dict dropped before any hook ran
     gc.collect()
     assert gone() is not None         # held until settled
-    assert log.written() == {MODEL: ["w"]}   # (settles)
+    assert log.written() == {MODEL: ["w"]}   # a state-dict call's check: still held
+    gc.collect()
+    assert gone() is not None
+    assert log.written(settle=True) == {MODEL: ["w"]}   # a hook's: settles
     gc.collect()
     assert gone() is None and kept() is None  # let go: the log keeps no copy alive
     assert log.written() == {MODEL: ["w"]}   # still written: the model is half-loaded
@@ -58,7 +61,7 @@ def test_copies_are_held_until_settled_and_a_written_one_stays_written_when_gone
 def test_check_raises_naming_the_call_and_the_first_key():
     log = CopyLog()
     t = torch.zeros(2)
-    log.handed_out(MODEL, [("layers.0.q.weight", t, t)])
+    log.handed_out(MODEL, [("layers.0.q.weight", t)])
     log.check([MODEL], "dmuon (forward)")  # nothing written: no error
     t.fill_(1.0)
     with pytest.raises(RuntimeError, match=r"dmuon \(forward\): 1 entries of an earlier "
@@ -73,7 +76,7 @@ def test_check_raises_naming_the_call_and_the_first_key():
 def test_a_hook_group_reads_only_its_own_keys():
     log = CopyLog()
     a, b = torch.zeros(2), torch.zeros(2)
-    log.handed_out(MODEL, [("layers.0.q", a, a), ("layers.1.q", b, b)])
+    log.handed_out(MODEL, [("layers.0.q", a), ("layers.1.q", b)])
     b.add_(1.0)
     assert log.written([MODEL], keys=["layers.0.q"]) == {}
     log.check([MODEL], "dmuon (forward)", ["layers.0.q", "layers.0.k"])  # not its copy: no error
@@ -89,7 +92,8 @@ def test_a_write_through_the_entry_or_through_its_local_tensor_counts():
     log = CopyLog()
     entry, local = torch.zeros(2), torch.zeros(2)   # stand-ins for a DTensor and its local
     entry2, local2 = torch.zeros(2), torch.zeros(2)
-    log.handed_out(MODEL, [("a", entry, local), ("b", entry2, local2)])
+    locals_ = {id(entry): local, id(entry2): local2}
+    log.handed_out(MODEL, [("a", entry), ("b", entry2)], lambda t: locals_[id(t)])
     entry.fill_(1.0)
     local2.fill_(1.0)
     assert log.written() == {MODEL: ["a", "b"]}
@@ -101,15 +105,15 @@ def test_a_copy_refreshed_with_the_current_values_is_not_a_load():
     16, torchtitan's integration test): every export after its save raised."""
     log = CopyLog()
     cached = torch.zeros(3)
-    log.handed_out(MODEL, [("w", cached, cached)])
+    log.handed_out(MODEL, [("w", cached)])
     log.settle()                      # a hook: only a weak reference now
     fresh = torch.full((3,), 2.0)     # the model's values now (a new state_dict())
-    log.handed_out(MODEL, [("w", fresh, fresh)])
+    log.handed_out(MODEL, [("w", fresh)])
     cached.copy_(fresh)               # the refresh
     del fresh
     assert log.written() == {}
     other = torch.full((3,), 2.0)
-    log.handed_out(MODEL, [("w", other, other)])
+    log.handed_out(MODEL, [("w", other)])
     cached.copy_(torch.full((3,), 5.0))  # values of no copy handed out since: a load
     del other
     assert log.written() == {MODEL: ["w"]}
@@ -118,7 +122,7 @@ def test_a_copy_refreshed_with_the_current_values_is_not_a_load():
 def test_a_weakly_held_copy_found_written_stays_written_once_gone():
     log = CopyLog()
     t = torch.zeros(2)
-    log.handed_out(MODEL, [("w", t, t)])
+    log.handed_out(MODEL, [("w", t)])
     log.settle()
     t.fill_(1.0)
     assert log.written() == {MODEL: ["w"]}
@@ -133,9 +137,9 @@ def test_a_refresh_from_a_copy_handed_out_at_this_epoch_is_not_a_load():
     Before (a review, session 16): the refresh after the forward raised."""
     log = CopyLog()
     cached = torch.zeros(3)
-    log.handed_out(MODEL, [("w", cached, cached)])
+    log.handed_out(MODEL, [("w", cached)])
     fresh = torch.full((3,), 2.0)
-    log.handed_out(MODEL, [("w", fresh, fresh)])
+    log.handed_out(MODEL, [("w", fresh)])
     log.settle()                      # an eval forward's hook
     cached.copy_(fresh)
     assert log.written() == {}
@@ -150,8 +154,22 @@ def test_a_partial_load_takes_over_only_its_keys():
     keys it did not load stay written. Before (a review, session 16): every key was cleared."""
     log = CopyLog()
     a, b = torch.zeros(2), torch.zeros(2)
-    log.handed_out(MODEL, [("a", a, a), ("b", b, b)])
+    log.handed_out(MODEL, [("a", a), ("b", b)])
     a.fill_(1.0)
     b.fill_(1.0)
     log.loaded(MODEL, keys=["a"])
     assert log.written() == {MODEL: ["b"]}
+
+
+def test_a_refresh_stays_one_across_a_load_of_the_other_kind():
+    """A refresh judged only after a later load had moved the epoch came out a load. Before (a
+    review, session 16): a model refresh followed by an optimizer load raised."""
+    log = CopyLog()
+    cached = torch.zeros(3)
+    log.handed_out(MODEL, [("w", cached)])
+    fresh = torch.full((3,), 2.0)
+    log.handed_out(MODEL, [("w", fresh)])
+    log.settle()                      # an eval forward's hook
+    cached.copy_(fresh)               # the refresh ...
+    log.loaded(OPTIMIZER)             # ... then an optimizer load, before any other check
+    assert log.written() == {}

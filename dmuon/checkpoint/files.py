@@ -148,21 +148,26 @@ def dcp_errors(fn: Any, what: str) -> list[str]:
 def agree_errors(rt, errors: list[str], what: str) -> None:
     """Raise :class:`CheckpointError` on every rank if any rank has an error (collective;
     :func:`dmuon.stateful.runtime.agree.agree`)."""
-    try:
-        agree(errors, what=f"{what} agreement", via=rt.mesh_groups, error=lambda detail: (
-            CheckpointError(f"{what}: {detail}. Nothing was changed on any rank.")))
-    except RuntimeError as e:  # the collective itself failed (a rank gone or hung)
-        raise CheckpointError(f"{what}: {e}") from e
+    _as_checkpoint_error(what, lambda: agree(
+        errors, what=f"{what} agreement", via=rt.mesh_groups, error=lambda detail: (
+            CheckpointError(f"{what}: {detail}. Nothing was changed on any rank."))))
 
 
 def agree_same(rt, value: Any, what: str, differ: str, fix: str) -> None:
     """Raise :class:`CheckpointError` on every rank unless every rank holds an equal ``value``
     (collective; ``differ``: what differs, ``fix``: how to fix it)."""
-    try:
-        agree_equal(value, what=f"{what} agreement", via=rt.mesh_groups, error=lambda detail: (
+    _as_checkpoint_error(what, lambda: agree_equal(
+        value, what=f"{what} agreement", via=rt.mesh_groups, error=lambda detail: (
             CheckpointError(f"{what}: {differ}: {detail}; {fix}. Nothing was changed on any "
-                            "rank.")))
-    except RuntimeError as e:  # the collective itself failed (a rank gone or hung)
+                            "rank."))))
+
+
+def _as_checkpoint_error(what: str, agreement: Callable[[], Any]) -> None:
+    """Run a collective ``agreement``; its own failure (a rank gone or hung: ``RuntimeError``)
+    as :class:`CheckpointError` (which is not one)."""
+    try:
+        agreement()
+    except RuntimeError as e:
         raise CheckpointError(f"{what}: {e}") from e
 
 

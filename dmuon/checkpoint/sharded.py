@@ -68,7 +68,7 @@ from dmuon.functional.owner_checks import refuse_variant
 from dmuon.functional.selection import tied_names
 from dmuon.functional.state_dict_check import all_finite, check_state_dict
 from dmuon.stateful.runtime.state import unwrapping_model
-from dmuon.stateful.checkpoint.torch_state_dict import log_dtype_changes
+from dmuon.stateful.checkpoint.torch_state_dict import check_unloaded, log_dtype_changes
 from dmuon.stateful.checkpoint.optimizer_state_dict import (
     _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state, muon_step,
 )
@@ -253,8 +253,8 @@ def save_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     refuse_tp(rt, "dmuon.save_sharded (use dmuon.get_model_state_dict / "
               "get_optimizer_state_dict, which give full tensors)")
     rt.join("dmuon.save_sharded(path, model, optimizer)", always=True)
-    rt.refuse_unloaded_copies([MODEL, OPTIMIZER] if optimizer is not None else [MODEL],
-                              "dmuon.save_sharded")
+    check_unloaded(rt, [MODEL, OPTIMIZER] if optimizer is not None else [MODEL],
+                   "dmuon.save_sharded", refuse=True)
     if optimizer is not None:
         check_optimizer(model, optimizer, "dmuon.save_sharded")
         refuse_variant(optimizer._owner.custom, "dmuon.save_sharded")
@@ -528,5 +528,5 @@ def load_sharded(checkpoint_id: str | os.PathLike, model: nn.Module, optimizer: 
     for n, e in masters_wide.items():
         if "master" in e and n in rt.masters:
             rt.masters[n].copy_(e["master"])
-    rt.masters_changed(loaded=MODEL)
+    rt.masters_changed(loaded=MODEL, keys={ded[k] for k in check.source if k in ded})
     return ShardedLoadResult(dict(sd.get("extra", {})), planner.bytes_requested, planner.bytes_read)

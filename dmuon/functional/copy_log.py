@@ -14,11 +14,13 @@ user keeps may be written later); a copy found written stays written after it is
 load of its kind (:meth:`CopyLog.loaded`): by then ``dcp.load`` has written FSDP2's params in place,
 so dropping the dict leaves a half-loaded model. :meth:`CopyLog.written` names them, so that the
 runtime raises before a forward (the model's) or a step (both kinds) would read the old values.
+Not seen: a dict kept past a hook (then held weakly) that is written and dropped before the next
+hook or step, and writes through ``.data`` or ``.detach()`` (they bump no version counter).
 """
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -60,16 +62,16 @@ class CopyLog:
         self._unloaded: dict[str, dict[str, None]] = {}  # kind: keys found written (ordered)
         self._epoch = 0  # bumped whenever the model's or optimizer's state changes
 
-    def handed_out(self, kind: str,
-                   copies: Iterable[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
-        """``copies`` (``(key, entry, local)``: the state dict's tensor and the tensor a write
-        through ``to_local()`` lands in; not inference tensors) were handed out in a state dict
-        of ``kind``."""
+    def handed_out(self, kind: str, copies: Iterable[tuple[str, torch.Tensor]],
+                   local: Callable[[torch.Tensor], torch.Tensor] = lambda t: t) -> None:
+        """``copies`` (``(key, entry)``: the state dict's tensors, not inference tensors) were
+        handed out in a state dict of ``kind``; ``local(entry)``: the tensor a write through
+        ``to_local()`` lands in (a DTensor's own local tensor)."""
         self._prune()
-        for key, entry, local in copies:
-            c = _Copy(kind, key, entry, local, self._epoch)
+        for key, entry in copies:
+            c = _Copy(kind, key, entry, local(entry), self._epoch)
             self._copies.setdefault(key, []).append(c)
-            self._held.append((c, (entry, local)))
+            self._held.append((c, (entry, local(entry))))
 
     def _written(self, c: _Copy) -> bool:
         """Whether ``c`` was written since handed out (or last loaded), other than refreshed: a
@@ -89,11 +91,12 @@ class CopyLog:
         self._unloaded.setdefault(c.kind, {})[c.key] = None  # written: so even once it is gone
         return True
 
-    def settle(self) -> None:
+    def settle(self, judge: bool = False) -> None:
         """At the runtime's next hook or step: judge every copy written since (:meth:`_written`,
-        while the held ones can still serve as the current values), then let the held ones go
-        (only weak references stay)."""
-        if self._held:
+        while the held ones can still serve as the current values; ``judge``: even when none is
+        held, as before the epoch moves), then let the held ones go (only weak references
+        stay)."""
+        if self._held or judge:
             for cs in list(self._copies.values()):
                 for c in cs:
                     self._written(c)
@@ -102,7 +105,7 @@ class CopyLog:
     def loaded(self, kind: Optional[str], keys: Optional[Iterable[str]] = None) -> None:
         """The model's or optimizer's state changed: a load of ``kind`` (``None``: a step), of
         ``keys`` (default all): what those copies hold counts as loaded."""
-        self.settle()
+        self.settle(judge=True)  # (a refresh from this epoch's copies is one only until now)
         self._epoch += 1
         if kind is None:
             return
@@ -118,12 +121,15 @@ class CopyLog:
         self._prune()
 
     def written(self, kinds: Iterable[str] = (MODEL, OPTIMIZER),
-                keys: Optional[Iterable[str]] = None) -> dict[str, list[str]]:
+                keys: Optional[Iterable[str]] = None, settle: bool = False) -> dict[str, list[str]]:
         """``{kind: [key, ...]}`` of the copies of ``kinds`` (and ``keys``; default all) written
-        in place since they were handed out (or last loaded), gone or not (:meth:`settle` first)."""
+        in place since they were handed out (or last loaded), gone or not; ``settle``: a hook or
+        step asks (:meth:`settle` first; a state-dict call in between must not let the copies of
+        one being built go)."""
         if not (self._copies or self._unloaded):
             return {}
-        self.settle()
+        if settle:
+            self.settle()
         kinds = tuple(kinds)
         for key in self._copies if keys is None else keys:
             for c in self._copies.get(key, ()):
@@ -140,8 +146,8 @@ class CopyLog:
     def check(self, kinds: Iterable[str], where: str,
               keys: Optional[Iterable[str]] = None) -> None:
         """Raise ``RuntimeError`` (:func:`unloaded_copies`) if copies of ``kinds`` (and ``keys``)
-        were written but not loaded (this rank's view: a forward, which agrees nothing)."""
-        if written := self.written(kinds, keys):
+        were written but not loaded (this rank's view: a forward hook, which agrees nothing)."""
+        if written := self.written(kinds, keys, settle=True):
             raise RuntimeError(unloaded_copies(written, where))
 
     def _prune(self) -> None:
@@ -169,7 +175,8 @@ def unloaded_copies(written: dict[str, list[str]], where: str) -> str:
             "that writes into a state dict's tensors, such as an EMA kept in them: use clones) "
             "writes them in place; on plain FSDP2 those are views of the params, but on a dmuon "
             "model a dedicated matrix's entry, its momentum and the step counts are copies: the "
-            "model is half-loaded (dcp.load wrote FSDP2's params and AdamW's moments, not these). Load the dict after dcp.load (as torch's set_state_dict and Stateful "
+            "model is half-loaded (dcp.load wrote FSDP2's params and AdamW's moments, not these). "
+            "Load the dict after dcp.load (as torch's set_state_dict and Stateful "
             "checkpointers do): sd = {'model': model.state_dict(), 'optim': "
             "optimizer.state_dict()}; dcp.load(sd, ...); model.load_state_dict(sd['model']); "
             "optimizer.load_state_dict(sd['optim']); if dcp.load itself failed, or the dict is "

@@ -102,7 +102,8 @@ def load_problems(entries: Mapping[str, Any], groups: Sequence[Mapping[str, Any]
     sizes = entries.get("group_sizes")  # torch's protocol: its groups as torch checks them
     if entries.get("param_groups") is not None and (len(saved) != len(groups) or sizes is not None
                                                     and sizes != _sizes(groups)):
-        problems.append(f"param_groups: {len(saved)} groups of {sizes or '?'} params; this "
+        shown = "?" if sizes is None else sizes
+        problems.append(f"param_groups: {len(saved)} groups of {shown} params; this "
                         f"optimizer has {len(groups)} ({[g.get('name') for g in groups]}) of "
                         f"{_sizes(groups)} (a dict of another optimizer or model?)")
     by_name = {g.get("name"): g for g in saved}

@@ -22,9 +22,9 @@ from dmuon.functional.optimizer_format import (
     full_entries, hparams, loadable_hparams, optimizer_state_problems, to_torch_protocol)
 from dmuon.stateful.runtime.state import get_state, local_tensor, unwrapping_model
 from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
-from dmuon.stateful.checkpoint.torch_state_dict import (StateDictError, agree,
-                                                       distribute_like, dtensor_rows,
-                                                       layout_problem, log_narrowing)
+from dmuon.stateful.checkpoint.torch_state_dict import (
+    StateDictError, agree, check_unloaded, distribute_like, dtensor_rows, layout_problem,
+    log_narrowing)
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
 from dmuon.stateful.checkpoint.owner_fields import (entry_shape, gather_fields, layout_of,
                                                     stage_fields)
@@ -69,6 +69,7 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     rt = optimizer.dedicated_state
     refuse_tp(rt, "Muon.state_dict() (torch's protocol; use dmuon.get_optimizer_state_dict)")
     rt.join("optimizer.state_dict()", always=True, drain=True)  # torch.save(...) on rank 0
+    check_unloaded(rt, [OPTIMIZER], "Muon.state_dict()")
     st, owner, step = optimizer.adamw_state, optimizer._owner, float(muon_step(optimizer))
     entries = {n: {**{k: dtensor_rows(v, rt.shard_mesh) if layout_of(optimizer, k) == "param"
                       else v for k, v in e.items()},  # a variant's smaller fields: full tensors
@@ -77,9 +78,9 @@ def torch_optimizer_state_dict(optimizer: Any) -> dict[str, Any]:
     torch_form = fadamw.torch_entries(st, optimizer.adamw_skipped) if st is not None else {}
     for n, p in optimizer.adamw_named_params:  # (torch.optim.AdamW's per-param counts)
         entries[n] = {k: v if k == "step" else dtensor_like(v, p) for k, v in torch_form[n].items()}
-    rt.state_dict_copies.handed_out(OPTIMIZER, [  # copies (not AdamW's moments: its own tensors)
-        (f"{k} of {n}", v, held_local(v)) for n, e in entries.items() for k, v in e.items()
-        if k == "step" or n in rt.params])
+    own = [(f"{k} of {n}", v) for n, e in entries.items() for k, v in e.items()
+           if n in rt.params or k == "step"]  # copies (AdamW's moments are its own tensors)
+    rt.state_dict_copies.handed_out(OPTIMIZER, own, held_local)
     groups = [(hparams(g), [optimizer.param_name(p) for p in g["params"]])
               for g in optimizer.param_groups]
     scalars = {"variant_scalars": owner.scalars()} if owner.custom else {}  # the chain's counts
@@ -209,7 +210,7 @@ def get_optimizer_state_dict(model: nn.Module, optimizer: Any, cpu_offload: bool
     """
     rt = check_optimizer(model, optimizer, "dmuon.get_optimizer_state_dict")
     rt.join("dmuon.get_optimizer_state_dict(model, optimizer)", always=True, drain=True)
-    rt.refuse_unloaded_copies([OPTIMIZER], "dmuon.get_optimizer_state_dict")
+    check_unloaded(rt, [OPTIMIZER], "dmuon.get_optimizer_state_dict", refuse=True)
     keep = not rank0_only or rt.rank == 0
     mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
     st = optimizer.adamw_state

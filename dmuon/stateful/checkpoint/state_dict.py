@@ -16,7 +16,8 @@ from dmuon.functional.copy_log import MODEL
 from dmuon.functional.selection import canonical_names, tied_names
 from dmuon.functional.state_dict_check import model_state_problems
 from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor, unwrapping_model
-from dmuon.stateful.checkpoint.torch_state_dict import agree, distribute_like, log_dtype_changes
+from dmuon.stateful.checkpoint.torch_state_dict import (agree, check_unloaded, distribute_like,
+                                                       log_dtype_changes)
 from dmuon.stateful.modes.tensor_parallel import full_shape, local_part
 from dmuon.stateful.checkpoint.transfer import transfer_of
 
@@ -99,7 +100,7 @@ def get_model_state_dict(model: nn.Module, cpu_offload: bool = False, *,
     """
     rt = get_state(model, "dmuon.get_model_state_dict(model)")
     rt.join("dmuon.get_model_state_dict(model)", drain=True)
-    rt.refuse_unloaded_copies([MODEL], "dmuon.get_model_state_dict")
+    check_unloaded(rt, [MODEL], "dmuon.get_model_state_dict", refuse=True)
     keep = not rank0_only or rt.rank == 0
     mv = (lambda t: t.cpu()) if cpu_offload else (lambda t: t)
     full: dict[str, torch.Tensor] = {}
@@ -196,5 +197,5 @@ def set_model_state_dict(model: nn.Module, state_dict: Optional[Mapping[str, tor
                 rank0=True, shapes={n: full_shape(rt, n) for n in held}):
             if n in rt.masters:
                 rt.masters[n].copy_(t)
-    rt.masters_changed(loaded=MODEL)
+    rt.masters_changed(loaded=MODEL, keys={ded[k] for k in source if k in ded})
     return LoadResult(list(missing), list(unexpected))

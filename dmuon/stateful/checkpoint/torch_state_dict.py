@@ -30,7 +30,7 @@ from dmuon.stateful.checkpoint.transfer import replicated, transfer_of
 logger = logging.getLogger(__name__)
 
 __all__ = ["StateDictError", "register_state_dict_hooks", "dtensor_rows", "distribute_like",
-           "layout_problem", "log_narrowing", "agree"]
+           "layout_problem", "log_narrowing", "agree", "check_unloaded"]
 
 
 class StateDictError(ValueError):
@@ -89,6 +89,19 @@ def layout_problem(value: Any, st) -> Optional[str]:
             f"(Shard(0) over {st.G} ranks), a replicated DTensor or a plain full tensor")
 
 
+def check_unloaded(st, kinds: list, what: str, refuse: bool = False) -> None:
+    """While state-dict copies of ``kinds`` were written, not loaded (``dcp.load`` alone): raise
+    on every rank (``refuse``, collective: an export would mix old and loaded values), else warn."""
+    written = st.state_dict_copies.written(kinds)
+    if refuse:
+        agree_problems([unloaded_copies(written, what)] if written else [],
+                       what=f"{what} copies", via=st.mesh_groups, error=RuntimeError)
+    elif written:  # (a new state dict: maybe the target of the load that repairs it)
+        logger.warning("%s. This dict holds that mix: load into it (dcp.load, then "
+                       "load_state_dict) to repair it; do not save it", unloaded_copies(
+                           written, f"dmuon: {what}"))
+
+
 def log_dtype_changes(what: str, notes: list) -> None:
     """One log line per kind of precision change of a load (``notes`` of
     :func:`~dmuon.functional.state_dict_check.value_problems`; :func:`dtype_changes`)."""
@@ -133,14 +146,10 @@ class _Hooks:
             refuse_tp(st, "model.state_dict() (torch's own, also under torch.distributed."
                       "checkpoint; use dmuon.get_model_state_dict, which gives full tensors)")
             st.join("model.state_dict()", drain=True)
-            if written := st.state_dict_copies.written([MODEL]):  # (maybe a load's target)
-                logger.warning("%s. This dict holds that mix: save it and you save the mix; "
-                               "load into it (dcp.load, then load_state_dict) to repair it",
-                               unloaded_copies(written, "dmuon: model.state_dict()"))
+            check_unloaded(st, [MODEL], "model.state_dict()")
             self.rows = {n: dtensor_rows(t.to(st.orig_dtype[n]).clone(), st.shard_mesh)
                          for n, t in self.transfer.full_masters()}  # (no TP: refused above)
-            st.state_dict_copies.handed_out(MODEL, [(n, r, held_local(r))
-                                                    for n, r in self.rows.items()])
+            st.state_dict_copies.handed_out(MODEL, self.rows.items(), held_local)
         saving_state_dict(+1)
 
     def owner_post_save(self, module, state_dict, prefix, local_metadata, path: str) -> None:

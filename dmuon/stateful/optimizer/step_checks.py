@@ -31,12 +31,13 @@ def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]]
     uncleared, usage, h = rt.ledger.uncleared(), rt.fsdp_usage, rt.launches.take()
     used, none_before = usage.local_flags([p for _, p in adamw_named]) if usage else ([], [])
     world = dist.get_world_size()  # (at world 1 nothing to agree: no fingerprint)
-    written = rt.state_dict_copies.written()  # state-dict copies written, not loaded (last)
+    written = rt.state_dict_copies.written(settle=True)  # copies written, not loaded (last)
     counts = [int(bool(uncleared))] + [int(f) for f in used + none_before] + [
         k := SC.hparams_fingerprint(groups) if world > 1 else 0, k * k, h, h * h, len(written)]
     if world > 1:
         counts = host_sum(counts, what="pre-step all-reduce", via=rt.mesh_groups, device=rt.device)
-    if (differ := (counts.pop() and unloaded_copies(written, "dmuon.Muon.step")) or
+    unloaded = counts.pop()
+    if (differ := (unloaded and unloaded_copies(written, "dmuon.Muon.step")) or
             SC.launches_differ(counts[-2], counts[-1], world) or
             SC.hparams_differ(counts[-4], counts[-3], world, groups)) is not None:
         drop_batch()

@@ -16,7 +16,7 @@ import torch.nn as nn
 
 from dmuon.functional.backward_log import BackwardLog
 from dmuon.functional.buckets import ROOT_GROUP, HookGroups
-from dmuon.functional.copy_log import MODEL, CopyLog, unloaded_copies
+from dmuon.functional.copy_log import MODEL, CopyLog
 from dmuon.functional.forward_log import ForwardLog
 from dmuon.functional.matrix_settings import MatrixSettings
 from dmuon.functional.program import StepProgram, step_program
@@ -29,7 +29,7 @@ from dmuon.compat.fsdp_info import (find_fsdp_state, fsdp_holders, keep_fsdp_gat
                                     mean_to_fsdp_scales, release_fsdp_kept)
 from dmuon.compat.fsdp_patch import check_not_taken_over
 from dmuon.compat.torch_api import fsdp_mp_policy, queue_backward_callback
-from dmuon.stateful.runtime.agree import agree, gather, join as join_ranks
+from dmuon.stateful.runtime.agree import gather, join as join_ranks
 from dmuon.stateful.runtime.executor import Executor
 from dmuon.stateful.runtime.guards import check_not_written, keep_dmuon_hook_last
 from dmuon.stateful.runtime.ledger import GradLedger
@@ -147,13 +147,6 @@ class DedicatedState:
         if drain:
             self.drain()
 
-    def refuse_unloaded_copies(self, kinds: Any, what: str) -> None:
-        """Collective: raise on every rank while a rank holds state-dict copies of ``kinds``
-        written but not loaded (``dcp.load`` alone: an export would mix old and loaded values)."""
-        written = self.state_dict_copies.written(kinds)
-        agree([unloaded_copies(written, what)] if written else [], what=f"{what} copies",
-              via=self.mesh_groups, error=RuntimeError)
-
     def owned_masters(self) -> dict[str, torch.Tensor]:
         """``{name: master}`` of the matrices this rank runs Muon on (fixed at setup)."""
         return self.storage.owned_masters
@@ -222,8 +215,7 @@ class DedicatedState:
     # ------------------------------------------------------------------ forward order
     def begin_forward(self) -> None:
         """A forward of the model starts (its forward pre-hook; not a checkpoint recomputation):
-        not while a model state-dict copy was written but not loaded (every group's: one rank
-        may hold no rows of a group's matrices)."""
+        not while any model state-dict copy was written but not loaded (a group's own, below)."""
         self.state_dict_copies.check([MODEL], "dmuon (forward)")
         self._close_raised_backward()
         self.forwards.new_forward()
@@ -235,8 +227,7 @@ class DedicatedState:
             self.on_backward_end(raised=True)
 
     def note_forward(self, key: str) -> None:
-        """A hook group's forward (not a recomputation): :meth:`ForwardLog.note`; not while a
-        state-dict copy of its matrices was written but not loaded (``dcp.load`` alone)."""
+        """A hook group's forward (not a recomputation; its state-dict copies checked first)."""
         self.state_dict_copies.check([MODEL], "dmuon (forward)", self.groups[key].names)
         self._close_raised_backward()
         self.forwards.note(key)
@@ -408,9 +399,8 @@ class DedicatedState:
             self.fsdp_usage.reset()
 
     def masters_changed(self, loaded: Optional[str] = None, keys: Any = None) -> None:
-        """The masters were written (a step, a state-dict load of kind ``loaded``, of ``keys``):
-        bump :attr:`version` and free the gathered copies (the next forward gathers the new
-        values)."""
+        """The masters were written (a step, a state-dict load of kind ``loaded``, of ``keys``): bump
+        :attr:`version`, free the gathered copies (the next forward gathers the new values)."""
         self.state_dict_copies.loaded(loaded, keys)
         self.version += 1
         self.reshard_all()
