@@ -131,17 +131,22 @@ def test_a_weakly_held_copy_found_written_stays_written_once_gone():
     assert log.written() == {MODEL: ["w"]}
 
 
+def _refreshed_after_a_hook():
+    """A cached copy, a fresh one of the same key, an eval forward's hook, then the refresh."""
+    log = CopyLog()
+    cached, fresh = torch.zeros(3), torch.full((3,), 2.0)
+    log.handed_out(MODEL, [("w", cached)])
+    log.handed_out(MODEL, [("w", fresh)])
+    log.settle()
+    cached.copy_(fresh)
+    return log, cached, fresh
+
+
 def test_a_refresh_from_a_copy_handed_out_at_this_epoch_is_not_a_load():
     """A refresh from a dict taken before an eval forward (a hook settled it: only weakly held
     since) is still a refresh while no step or load ran; after one, the same values are stale.
     Before (a review, session 16): the refresh after the forward raised."""
-    log = CopyLog()
-    cached = torch.zeros(3)
-    log.handed_out(MODEL, [("w", cached)])
-    fresh = torch.full((3,), 2.0)
-    log.handed_out(MODEL, [("w", fresh)])
-    log.settle()                      # an eval forward's hook
-    cached.copy_(fresh)
+    log, cached, fresh = _refreshed_after_a_hook()
     assert log.written() == {}
     log.loaded(None)                  # a step: the model moved on, `fresh` is stale now
     cached.copy_(fresh + 1.0)
@@ -164,12 +169,6 @@ def test_a_partial_load_takes_over_only_its_keys():
 def test_a_refresh_stays_one_across_a_load_of_the_other_kind():
     """A refresh judged only after a later load had moved the epoch came out a load. Before (a
     review, session 16): a model refresh followed by an optimizer load raised."""
-    log = CopyLog()
-    cached = torch.zeros(3)
-    log.handed_out(MODEL, [("w", cached)])
-    fresh = torch.full((3,), 2.0)
-    log.handed_out(MODEL, [("w", fresh)])
-    log.settle()                      # an eval forward's hook
-    cached.copy_(fresh)               # the refresh ...
+    log, _, _ = _refreshed_after_a_hook()
     log.loaded(OPTIMIZER)             # ... then an optimizer load, before any other check
     assert log.written() == {}
