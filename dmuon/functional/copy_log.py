@@ -105,7 +105,9 @@ class CopyLog:
     def loaded(self, kind: Optional[str], keys: Optional[Iterable[str]] = None) -> None:
         """The model's or optimizer's state changed: a load of ``kind`` (``None``: a step), of
         ``keys`` (default all): what those copies hold counts as loaded."""
-        self.settle(judge=True)  # (a refresh from this epoch's copies is one only until now)
+        # a refresh from this epoch's copies is one only until now: a load judges every copy (a
+        # step's pre-step check has just judged them, and no user code ran since)
+        self.settle(judge=kind is not None)
         self._epoch += 1
         if kind is None:
             return
