@@ -50,7 +50,7 @@ import torch.nn as nn
 
 from dmuon.stateful.modes.tensor_parallel import refuse_tp
 from dmuon.stateful.runtime.agree import agree_equal, gather
-from dmuon.stateful.runtime.state import unwrapping_model
+from dmuon.compat.wrappers import unwrapping_model
 from dmuon.functional import adamw as fadamw
 from dmuon.functional import muon as fmuon
 from dmuon.functional.program import step_program

@@ -67,7 +67,7 @@ from dmuon.functional.optimizer_format import SKIPPED
 from dmuon.functional.owner_checks import refuse_variant
 from dmuon.functional.selection import tied_names
 from dmuon.functional.state_dict_check import all_finite, check_state_dict
-from dmuon.stateful.runtime.state import unwrapping_model
+from dmuon.compat.wrappers import unwrapping_model
 from dmuon.stateful.checkpoint.torch_state_dict import check_unloaded, log_dtype_changes
 from dmuon.stateful.checkpoint.optimizer_state_dict import (
     _MOMENTS, check_optimizer, dtensor_like, hparam_groups, load_optimizer_state, muon_step,

@@ -15,7 +15,8 @@ from dmuon.compat.torch_api import (fsdp_divide_factor, fsdp_mesh, fsdp_mp_polic
                                    fsdp_param_groups, fsdp_state, wrap_fsdp_post_backward)
 
 __all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_holders", "mean_to_fsdp_scale", "mean_to_fsdp_scales", "fsdp_meshes", "fsdp_dp_dims", "FSDPGradUsage", "reduce_unused_fsdp_params",
-           "keep_fsdp_gathered", "release_fsdp_kept", "drop_unreduced_fsdp_grads"]
+           "keep_fsdp_gathered", "release_fsdp_kept", "drop_unreduced_fsdp_grads",
+           "unmanaged_params"]
 
 
 def has_fsdp_state(model: nn.Module) -> list[str]:
@@ -226,6 +227,15 @@ def reshard_unsharded(groups: Sequence[Any]) -> None:
     for g in groups:
         if not g.is_sharded:
             g.reshard()
+
+
+def unmanaged_params(model: nn.Module, named: Sequence[tuple[str, Any]]) -> list[str]:
+    """The names in ``named`` (``(name, param)``) that no FSDP2 param group of ``model`` manages as
+    its sharded param: a param of a module replaced after ``fully_shard``, one that a later
+    ``fully_shard`` replaced, or an unsharded copy a forward left (:func:`reshard_unsharded`
+    first)."""
+    managed = {id(fp.sharded_param) for g in fsdp_groups(model) for fp in g.fsdp_params}
+    return [n for n, p in named if id(p) not in managed]
 
 
 def drop_unreduced_fsdp_grads(groups: Sequence[Any]) -> None:

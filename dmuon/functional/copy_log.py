@@ -167,8 +167,19 @@ def unloaded_copies(written: dict[str, list[str]], where: str) -> str:
         return (f"{where}: another rank found entries of an earlier model.state_dict() or "
                 "Muon.state_dict() written in place (torch.distributed.checkpoint.load does that) "
                 "but never loaded; load them (model / optimizer .load_state_dict) on every rank")
+    if set(written) == {"optimizer.state"}:  # (dmuon.functional.state_views.STATE)
+        keys = written["optimizer.state"]
+        return (f"{where}: {len(keys)} entries of optimizer.state (first: {keys[0]}) were written "
+                "in place, but they are copies (the step counts dmuon.Muon.state shows), so the "
+                "write changes nothing; the write was dropped, nothing was updated and this "
+                "batch's gradients were dropped. To change the optimizer's state, load a state "
+                "dict (optimizer.load_state_dict) or build a new dmuon.Muon(model)")
     lines = []
     for kind, keys in written.items():
+        if kind == "optimizer.state":
+            lines.append(f"{len(keys)} entries of optimizer.state (first: {keys[0]}, a copy) were "
+                         "written in place: that changes nothing")
+            continue
         call, what = (("model.load_state_dict(sd)", "model.state_dict()") if kind == MODEL else
                       ("optimizer.load_state_dict(sd)", "Muon.state_dict()"))
         lines.append(f"{len(keys)} entries of an earlier {what} (first: {keys[0]!r}) were "

@@ -130,9 +130,16 @@ _HINTS = {
           "init before dmuon.dedicate_params to write them (a loop over model.parameters() may have changed "
           "FSDP2's params or gradients before this one: call optimizer.zero_grad() and redo the "
           "step)",
+    "detach": "dmuon.get_model_state_dict(model) to read weights; if this came from a "
+              "submodule's state_dict() (torch's Module.state_dict detaches each param, and "
+              "dmuon's state-dict hooks sit on the model dedicate_params prepared), call "
+              "model.state_dict() or dmuon.get_model_state_dict(model) on that model and keep the "
+              "keys under the submodule's prefix; to load a submodule, "
+              "dmuon.set_model_state_dict(model, {prefix + key: value, ...}, strict=False)",
 }
 _DEFAULT_HINT = ("dmuon.Muon(model, ...) to update the model, dmuon.clip_grad_norm_ / "
                  "dmuon.clip_grad_value_ to clip, dmuon.get_model_state_dict(model) to read weights"
+                 ", dmuon.set_model_state_dict(model, sd, strict=False) to write them"
                  " (a tool that goes param by param may have changed FSDP2's params before this "
                  "one: call optimizer.zero_grad() and redo the step)")
 _MOVE_HINT = ("model.to(device / dtype) before dmuon.dedicate_params (move or cast the whole "

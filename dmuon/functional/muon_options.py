@@ -35,7 +35,7 @@ Deprecated as constructor options (one release; a ``DeprecationWarning`` names t
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional, Sequence
 
 from dmuon.functional import adamw as fadamw
 from dmuon.functional.lr_scale import ADJUST_LR_FN, LR_SCALE_RULES
@@ -45,7 +45,8 @@ from dmuon.newton_schulz.batched import BatchedNS
 __all__ = ["GROUP_KEYS", "OLD_NAMES", "KNOBS", "ADJUST_LR_FN", "ELEMENTWISE", "NOT_GIVEN",
            "hparams_of_group", "resolve_torch_names", "check_flag", "check_options",
            "check_muon_group", "check_adamw_group", "check_knob", "ns_of",
-           "momentum_dtype_of", "GROUPS_FIXED"]
+           "momentum_dtype_of", "GROUPS_FIXED", "unmanaged_by_fsdp", "unread_group_keys",
+           "FIXED_KEYS"]
 
 #: ``param_groups[0]``'s Muon hyper-parameters: ``MuonHParams``' fields
 GROUP_KEYS = MuonHParams._fields
@@ -295,3 +296,45 @@ GROUPS_FIXED = (
     "afterwards: a param with no gradient is skipped, as torch skips it, and trains again once "
     "unfrozen (set a per-group lr through param_groups[i]['lr']); train params outside the model "
     "with a torch optimizer of their own.")
+
+
+def unmanaged_by_fsdp(names: Sequence[str]) -> str:
+    """``dmuon.Muon(model)``'s refusal of trainable params that are neither dedicated nor an FSDP2
+    group's sharded params (``names``: :func:`dmuon.compat.fsdp_info.unmanaged_params`)."""
+    shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more"
+                                                      if len(names) > 8 else "")
+    return (f"dmuon.Muon(model): {len(names)} trainable params that are not dedicated are params "
+            f"no FSDP2 group manages: {shown}. Their gradients would never be averaged across "
+            "ranks (each rank's AdamW would step its own copy), or fully_shard would replace them "
+            "later and the optimizer would step the old tensors. Build dmuon.Muon(model) after "
+            "dedicate_params and every fully_shard call (the blocks', then the root's), and "
+            "replace modules (a new head) before fully_shard; a param kept out of FSDP2 on "
+            "purpose (fully_shard(ignored_params=...)) is not supported: freeze it "
+            "(requires_grad_(False)) or let FSDP2 or the predicate take it.")
+
+
+#: the param-group keys fixed when ``dmuon.Muon`` is built (shown in the groups; no load changes
+#: them): a change is refused at the next step (:func:`unread_group_keys`)
+FIXED_KEYS = ("momentum_dtype", "offload_state", "adamw_state_dtype")
+#: ``torch.optim.AdamW``'s options that dmuon's AdamW group does not implement: only their defaults
+_ADAMW_UNSUPPORTED = {"amsgrad": False, "maximize": False}
+
+
+def unread_group_keys(groups: Sequence[Mapping[str, Any]],
+                      fixed: Sequence[Mapping[str, Any]]) -> Optional[str]:
+    """The error when a param group holds a value nothing reads (``fixed``: each group's
+    :data:`FIXED_KEYS` as built; a changed one, or ``amsgrad`` / ``maximize`` set on the AdamW
+    group), else ``None``."""
+    bad = [(i, k, g[k]) for i, (g, f) in enumerate(zip(groups, fixed)) for k in f
+           if k in g and g[k] != f[k]]
+    if len(groups) > 1:
+        bad += [(1, k, groups[1][k]) for k, d in _ADAMW_UNSUPPORTED.items()
+                if groups[1].get(k, d) != d]
+    if not bad:
+        return None
+    return ("dmuon.Muon.step: " + ", ".join(f"param_groups[{i}][{k!r}] = {v!r}" for i, k, v in bad)
+            + ", which nothing reads: momentum_dtype, offload_state and adamw_state_dtype are "
+            "fixed when dmuon.Muon is built (pass them to the constructor, or "
+            "variants.muon(momentum_dtype=...)), and dmuon's AdamW group does not implement "
+            "torch.optim.AdamW's amsgrad or maximize. Set the key back (or delete it). Nothing "
+            "was updated; this batch's gradients were dropped.")

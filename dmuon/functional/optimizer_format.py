@@ -38,7 +38,8 @@ __all__ = ["MOMENTS", "COUNTERS", "SKIPPED", "functional_states_from_full",
            "full_from_functional_states",
            "hparams", "full_entries", "full_dict_problems", "full_dict_structure",
            "to_torch_protocol", "from_torch_protocol", "field_problems",
-           "optimizer_state_problems", "loadable_hparams"]
+           "optimizer_state_problems", "loadable_hparams", "state_dict_with_hooks",
+           "load_with_hooks"]
 
 #: AdamW's moments in a state entry
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -309,3 +310,31 @@ def loadable_hparams(saved: Mapping[str, Any]) -> dict[str, Any]:
         return v
 
     return {k: decoded(k, v) for k, v in saved.items() if k not in _NOT_LOADED}
+
+
+def state_dict_with_hooks(optimizer: Any, build: Callable[[], dict]) -> dict:
+    """``build()``'s state dict, with ``optimizer``'s ``register_state_dict_pre_hook`` /
+    ``_post_hook`` hooks run around it as ``torch.optim.Optimizer.state_dict`` runs them (a post
+    hook's returned dict replaces the dict)."""
+    for hook in getattr(optimizer, "_optimizer_state_dict_pre_hooks", {}).values():
+        hook(optimizer)
+    state_dict = build()
+    for hook in getattr(optimizer, "_optimizer_state_dict_post_hooks", {}).values():
+        out = hook(optimizer, state_dict)
+        state_dict = state_dict if out is None else out
+    return state_dict
+
+
+def load_with_hooks(optimizer: Any, state_dict: dict, load: Callable[[dict], None]) -> None:
+    """``load(state_dict)`` with ``optimizer``'s ``register_load_state_dict_pre_hook`` /
+    ``_post_hook`` hooks run around it as ``torch.optim.Optimizer.load_state_dict`` runs them (a
+    pre hook sees a shallow copy; its returned dict replaces the dict)."""
+    pre = getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", {})
+    if pre:
+        state_dict = dict(state_dict)
+    for hook in pre.values():
+        out = hook(optimizer, state_dict)
+        state_dict = state_dict if out is None else out
+    load(state_dict)
+    for hook in getattr(optimizer, "_optimizer_load_state_dict_post_hooks", {}).values():
+        hook(optimizer)

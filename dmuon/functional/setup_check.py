@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 __all__ = ["RankSetup", "SetupCheck", "check_fsdp_meshes", "require_fsdp_meshes", "check_setups", "ddp_grid",
-           "deferral_agreed", "error_type", "rank_setup"]
+           "deferral_agreed", "error_type", "rank_setup", "already_dedicated"]
 
 Grid = tuple[tuple[int, ...], ...]
 
@@ -385,3 +385,14 @@ def require_fsdp_meshes(grid: Grid, device_type: str,
     problems += (dims_problem,) if dims_problem else ()
     if problems:
         raise ValueError("dmuon.Muon: " + " | ".join(problems))
+
+
+def already_dedicated(released: bool) -> str:
+    """``dedicate_params`` on a model it prepared before (``released``: then ``dmuon.release``d)."""
+    if released:
+        return ("dedicate_params: this model was released by dmuon.release(model): its dedicated "
+                "matrices' values went with dmuon's state (each rank holds empty placeholders), so "
+                "it cannot be dedicated again. Build a new model (or load saved values into one) "
+                "and dedicate that. Nothing was changed.")
+    return ("dedicate_params was already called on this model (on this rank); call it once per "
+            "model, on every rank, before fully_shard. Nothing was changed.")

@@ -20,7 +20,8 @@ from dmuon.functional.load_scalars import counters, load_problems, skipped_count
 from dmuon.functional.optimizer_format import (
     MOMENTS as _MOMENTS, SKIPPED, from_torch_protocol, full_dict_problems, full_dict_structure,
     full_entries, hparams, loadable_hparams, optimizer_state_problems, to_torch_protocol)
-from dmuon.stateful.runtime.state import get_state, local_tensor, unwrapping_model
+from dmuon.stateful.runtime.state import get_state, local_tensor
+from dmuon.compat.wrappers import unwrapping_model
 from dmuon.stateful.checkpoint.state_dict import from_rank0, full_copy
 from dmuon.stateful.checkpoint.torch_state_dict import (
     StateDictError, agree, check_unloaded, distribute_like, dtensor_rows, layout_problem,

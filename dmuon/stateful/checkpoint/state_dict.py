@@ -15,7 +15,8 @@ import torch.nn as nn
 from dmuon.functional.copy_log import MODEL
 from dmuon.functional.selection import canonical_names, tied_names
 from dmuon.functional.state_dict_check import model_state_problems
-from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor, unwrapping_model
+from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
+from dmuon.compat.wrappers import unwrapping_model
 from dmuon.stateful.checkpoint.torch_state_dict import (agree, check_unloaded, distribute_like,
                                                        log_dtype_changes)
 from dmuon.stateful.modes.tensor_parallel import full_shape, local_part

@@ -11,7 +11,8 @@ import torch.nn as nn
 from dmuon.functional.grad_norm import (check_clip_value, check_norm_type, local_norm_term,
                                          norm_buckets, replication, scale_buckets_, total_norm)
 from dmuon.stateful.runtime.agree import max_over_ranks
-from dmuon.stateful.runtime.state import get_state, local_tensor, unwrapping_model
+from dmuon.stateful.runtime.state import get_state, local_tensor
+from dmuon.compat.wrappers import unwrapping_model
 
 
 def _grads(rt: Any, model: nn.Module) -> list[tuple[torch.Tensor, int]]:

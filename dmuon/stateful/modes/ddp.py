@@ -16,7 +16,7 @@ import torch.nn as nn
 from dmuon.compat.torch_api import DDP_IGNORE_ATTR, composable_replicate_applied, in_backward
 from dmuon.functional.ddp_sync import (COPY_REFUSED, DDP_IN_FSDP_MODE, FORWARD_OUTSIDE_DDP,
                                        follow_ddp_sync, replicate_refused, sharded_in_ddp_mode)
-from dmuon.stateful.runtime.state import unwrap_model
+from dmuon.compat.wrappers import unwrap_model
 
 logger = logging.getLogger(__name__)
 

@@ -19,15 +19,19 @@ from dmuon.functional import muon as fmuon
 from dmuon.functional import muon_options as fopts
 from dmuon.functional import state_dtype as sd
 from dmuon.compat.fsdp_patch import check_not_taken_over
-from dmuon.compat.fsdp_info import drop_unreduced_fsdp_grads, fsdp_groups, reshard_unsharded
+from dmuon.compat.fsdp_info import (drop_unreduced_fsdp_grads, fsdp_groups, reshard_unsharded,
+                                    unmanaged_params)
+from dmuon.functional.optimizer_format import load_with_hooks, state_dict_with_hooks
 from dmuon.functional.split_exec import split_orthogonalizer
+from dmuon.functional.state_views import StateViews, assign_refused
 from dmuon.functional.stages.orthogonalize import OrthogonalizerFor
 from dmuon.kernels.ns_engine import NSEngine
 from dmuon.newton_schulz.timing import NSTimer
 from dmuon.stateful.optimizer.split_step import SplitStep
 from dmuon.stateful.modes.ddp import check_backend
 from dmuon.stateful.modes.deferred import finish_pending
-from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor, unwrap_model
+from dmuon.stateful.runtime.state import DedicatedState, get_state, local_tensor
+from dmuon.compat.wrappers import unwrap_model
 from dmuon.stateful.optimizer.state_storage import (AdamWStorage, MomentumStorage,
                                                      StorageListener)
 from dmuon.stateful.optimizer.telemetry import StepStats, StepTelemetry
@@ -127,12 +131,16 @@ class Muon(torch.optim.Optimizer):
         require_fsdp_meshes(rt.mesh_groups.grid, rt.device.type, fsdp_meshes(model),  # or raise
                             rt.dp_dims, fsdp_dp_dims(model))
         self._storage.bind(rt.device)
+        self._fsdp_groups = fsdp_groups(model)  # resharded before AdamW writes their shards,
+        reshard_unsharded(self._fsdp_groups)  # and now: a forward's unsharded params are no shards
         dedicated = set(rt.params.values())
         others = [(n, p) for n, p in model.named_parameters() if p not in dedicated]
         self._adamw_named = tuple((n, p) for n, p in others if p.requires_grad)
+        if rt.data_parallel == "fsdp" and (self._fsdp_groups or sum(map(len, rt.mesh_groups.grid))
+                                           > 1) and (lost := unmanaged_params(model, self._adamw_named)):
+            raise RuntimeError(fopts.unmanaged_by_fsdp(lost))  # never trained, or per rank
         # frozen at construction: in no param group (a gradient there after unfreezing raises)
         self._outside = tuple((n, p) for n, p in others if not p.requires_grad)
-        self._fsdp_groups = fsdp_groups(model)  # resharded before AdamW writes their shards
         groups = [
             dict(params=[rt.params[n] for n in rt.names], name="muon", **muon_group,
                  momentum_dtype=str(self._storage.dtype), offload_state=offload_state),
@@ -140,7 +148,8 @@ class Muon(torch.optim.Optimizer):
                  adamw_state_dtype=str(self._adamw_storage.dtype)),
         ]
         super().__init__(groups, defaults={})
-        self._groups_fixed = True  # add_param_group raises from here on
+        self._groups_fixed = True  # add_param_group and assigning self.state raise from here on
+        self._fixed_keys = [{k: g[k] for k in fopts.FIXED_KEYS if k in g} for g in groups]
         self._rt: DedicatedState = rt
         self.check_finite = rt.device.type != "cuda" if check_finite == "auto" else check_finite
         rt.ledger.track_finite = self.check_finite
@@ -228,7 +237,9 @@ class Muon(torch.optim.Optimizer):
 
     @state.setter
     def state(self, value: Any) -> None:  # torch.optim.Optimizer.__init__ assigns it
-        self._state_views = value
+        if getattr(self, "_groups_fixed", False):
+            raise RuntimeError(assign_refused())
+        self._state_views = StateViews()  # (torch's defaultdict: views of dmuon's states instead)
 
     def invalidate_state_views(self) -> None:
         """Mark ``self.state`` stale (rebuilt when next read). With an 8-bit momentum its entries
@@ -237,7 +248,7 @@ class Muon(torch.optim.Optimizer):
         copy: 1.8 GiB on the H200's 1.1B model, held from construction before this)."""
         self._state_views_stale = True
         if self._scaled:
-            self._state_views.clear()
+            self._state_views.empty()
 
     def refresh_state_views(self) -> None:
         """Rebuild ``self.state[param]`` (torch-style views) from the functional states: the owned
@@ -246,8 +257,7 @@ class Muon(torch.optim.Optimizer):
         self._state_views_stale = False
         rt = self._rt
         self._storage.copies.synchronize()  # offload: the host buffers hold the last step's values
-        views = self._state_views
-        views.clear()
+        views: dict = {}
         owner = self._owner
         step_m = torch.tensor(float(owner.step_count if rt.owned_names else self.num_steps))
         own = {f.key: owner.value_of(f.key, rt.owned_masters(), view=True)  # the stored momentum:
@@ -258,6 +268,7 @@ class Muon(torch.optim.Optimizer):
         if self.adamw_state is not None:
             torch_form = fadamw.torch_entries(self.adamw_state, self.adamw_skipped)
             views.update({p: torch_form[n] for n, p in self._adamw_named})
+        self._state_views.fill(views, self._name_of)
 
     # ------------------------------------------------------------------ hparams
     def muon_hparams(self) -> fmuon.MuonHParams:
@@ -359,7 +370,8 @@ class Muon(torch.optim.Optimizer):
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         grads = rt.reduced_grads()
         rt.finalize_order()  # (once; where the model's own forward never ran, only its blocks')
-        agree_before_step(rt, self._adamw_named, self.param_groups, drop_batch=self.zero_grad)
+        agree_before_step(rt, self._adamw_named, self.param_groups, drop_batch=self.zero_grad,
+                          fixed=self._fixed_keys, views=self._state_views)
         if self.check_finite and check_finite(self._adamw_named, rt, grads):
             self._host_syncs += 1  # its verdict waited for the device
         self.invalidate_state_views()  # the states change from here: views rebuilt when read
@@ -521,12 +533,12 @@ class Muon(torch.optim.Optimizer):
         ``param_names``; dedicated momentum as ``Shard(0)`` DTensor rows, AdamW moments as
         FSDP2-like DTensors), see :mod:`dmuon.stateful.checkpoint.optimizer_state_dict`."""
         from dmuon.stateful.checkpoint.optimizer_state_dict import torch_optimizer_state_dict
-        return torch_optimizer_state_dict(self)
+        return state_dict_with_hooks(self, partial(torch_optimizer_state_dict, self))
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Collective: load :meth:`state_dict`'s dict (or torch's ``get_optimizer_state_dict``'s,
         or dmuon's full format) saved at any topology; validated on every rank before anything
         changes (:func:`dmuon.stateful.checkpoint.optimizer_state_dict.load_optimizer_state`)."""
         from dmuon.stateful.checkpoint.optimizer_state_dict import torch_load_optimizer_state_dict
-        torch_load_optimizer_state_dict(self, state_dict)
+        load_with_hooks(self, state_dict, partial(torch_load_optimizer_state_dict, self))
 

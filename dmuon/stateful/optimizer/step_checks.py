@@ -12,6 +12,8 @@ import torch.distributed as dist
 
 from dmuon.functional import step_checks as SC
 from dmuon.functional.copy_log import unloaded_copies
+from dmuon.functional.muon_options import unread_group_keys
+from dmuon.functional.state_views import written_entries
 from dmuon.stateful.runtime.agree import host_sum, rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
@@ -19,7 +21,7 @@ __all__ = ["agree_before_step", "check_finite"]
 
 
 def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]], groups: Any,
-                      drop_batch: Callable[[], None]) -> None:
+                      drop_batch: Callable[[], None], fixed: Any = (), views: Any = None) -> None:
     """One all-reduce of host values (none at world 1) for the verdicts every rank must reach
     before a step changes anything (:mod:`dmuon.functional.step_checks`): the hook groups launched
     the same collectives on every rank since the last step (``rt.launches``), and the param
@@ -27,11 +29,13 @@ def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]]
     ``zero_grad``, and every rank raises), and no state dict's copies were written but not
     loaded (:mod:`dmuon.functional.copy_log`); then (``pre_step_verdict``) a gradient of the last
     step never cleared (``GradLedger.uncleared``), and FSDP2's gradients (``rt.fsdp_usage``;
-    ``None`` without FSDP2 params): those no rank used get ``None`` back."""
+    ``None`` without FSDP2 params): those no rank used get ``None`` back. Also refused: the
+    copies in ``views`` (``optimizer.state``) written in place, and a group key nothing reads
+    (``fixed``: :func:`~dmuon.functional.muon_options.unread_group_keys`)."""
     uncleared, usage, h = rt.ledger.uncleared(), rt.fsdp_usage, rt.launches.take()
     used, none_before = usage.local_flags([p for _, p in adamw_named]) if usage else ([], [])
     world = dist.get_world_size()  # (at world 1 nothing to agree: no fingerprint)
-    written = rt.state_dict_copies.written(settle=True)  # copies written, not loaded (last)
+    written = {**rt.state_dict_copies.written(settle=True), **written_entries(views)}  # (last)
     counts = [int(bool(uncleared))] + [int(f) for f in used + none_before] + [
         k := SC.hparams_fingerprint(groups) if world > 1 else 0, k * k, h, h * h, len(written)]
     if world > 1:
@@ -39,7 +43,8 @@ def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]]
     unloaded = counts.pop()
     if (differ := (unloaded and unloaded_copies(written, "dmuon.Muon.step")) or
             SC.launches_differ(counts[-2], counts[-1], world) or
-            SC.hparams_differ(counts[-4], counts[-3], world, groups)) is not None:
+            SC.hparams_differ(counts[-4], counts[-3], world, groups) or
+            unread_group_keys(groups, fixed)) is not None:  # (the groups agree: on every rank)
         drop_batch()
         rt.reshard_all()
         raise RuntimeError(differ)

@@ -9,7 +9,8 @@ from typing import Iterator
 
 import torch.nn as nn
 
-from dmuon.stateful.runtime.state import get_state, unwrapping_model
+from dmuon.stateful.runtime.state import get_state
+from dmuon.compat.wrappers import unwrapping_model
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from dmuon.functional.step_checks import LaunchLog, check_publish_consumed
 from dmuon.functional.split_plan import runtime_owners
 from dmuon.functional.tp_plan import grid_tp_schedule
 from dmuon.functional.policy import resolve_model_dtypes
+from dmuon.compat.wrappers import unwrap_model
 from dmuon.compat.fsdp_info import (find_fsdp_state, fsdp_holders, keep_fsdp_gathered,
                                     mean_to_fsdp_scales, release_fsdp_kept)
 from dmuon.compat.fsdp_patch import check_not_taken_over
@@ -42,8 +43,7 @@ logger = logging.getLogger(__name__)
 #: the model attribute ``dedicate_params`` stores the state in (read it with :func:`get_state`)
 STATE_ATTR = "_dmuon_state"
 
-__all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_state", "local_tensor",
-           "unwrap_model", "unwrapping_model"]
+__all__ = ["ROOT_GROUP", "STATE_ATTR", "DedicatedState", "find_state", "get_state", "local_tensor"]
 
 
 class DedicatedState:
@@ -472,30 +472,3 @@ def _renamed_params(st: DedicatedState, root: nn.Module) -> list[tuple[str, str]
 def _renamed_error(st: DedicatedState, root: nn.Module, what: str, inner: str = "") -> RuntimeError:
     """The error for a model wrapped or renamed after ``dedicate_params``."""
     return RuntimeError(renamed_message(_renamed_params(st, root), what, inner))
-
-
-def unwrap_model(model: Any) -> Any:
-    """The module ``dedicate_params`` prepared, inside a ``DistributedDataParallel`` wrapper
-    (``model`` itself when it is not such a wrapper)."""
-    from torch.nn.parallel import DistributedDataParallel
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    return model
-
-
-def unwrapping_model(fn: Any) -> Any:
-    """Decorator of a public dmuon function taking ``model``: a ``DistributedDataParallel``
-    wrapper is replaced by the module it wraps (single-device names)."""
-    import functools
-    import inspect
-
-    sig = inspect.signature(fn)
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        bound = sig.bind_partial(*args, **kwargs)
-        if "model" in bound.arguments:
-            bound.arguments["model"] = unwrap_model(bound.arguments["model"])
-        return fn(*bound.args, **bound.kwargs)
-
-    return wrapper

@@ -14,7 +14,7 @@ import torch.nn as nn
 from dmuon.functional.buckets import ROOT_GROUP, boundary_groups
 from dmuon.functional.collectives import check_choice, mode_collectives
 from dmuon.functional.dedicate_options import DedicateOptions, check_options, fold_deprecated
-from dmuon.functional.setup_check import ddp_grid, deferral_agreed
+from dmuon.functional.setup_check import already_dedicated, ddp_grid, deferral_agreed
 from dmuon.functional.plan import plan_owners
 from dmuon.functional.program import check_reshard_after_forward
 from dmuon.functional.specs import layer_key_from_name, specs_from_named_shapes
@@ -160,10 +160,8 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
     data_parallel, timeout = options.data_parallel, options.timeout
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
-    if find_state(model) is not None or (find_pending(model) is not None and not finishing):
-        raise RuntimeError(
-            "dedicate_params was already called on this model (on this rank); call it once per "
-            "model, on every rank, before fully_shard. Nothing was changed.")
+    if (old := find_state(model)) is not None or (find_pending(model) and not finishing):
+        raise RuntimeError(already_dedicated(type(old).__name__ == "ReleasedState"))
     install_fully_shard_patch()  # idempotent; back in place if it was removed
     if not dist.is_initialized():
         check_options(options)  # no peers to agree with: a wrong argument is named first

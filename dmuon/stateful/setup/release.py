@@ -9,7 +9,8 @@ import torch.nn as nn
 
 from dmuon.stateful.modes.deferred import clear_pending, find_pending
 from dmuon.stateful.runtime.guards import DedicatedGradMarker
-from dmuon.stateful.runtime.state import STATE_ATTR, find_state, unwrap_model
+from dmuon.stateful.runtime.state import STATE_ATTR, find_state
+from dmuon.compat.wrappers import unwrap_model
 
 logger = logging.getLogger(__name__)
 
