@@ -13,12 +13,14 @@ Paths (two reviews of session 17: the optimizer's lifecycle, torch's own tools):
   module was replaced (``model.lm_head = nn.Linear(...)`` after ``fully_shard``). Before: the
   AdamW group held params no FSDP2 group manages; they never trained (9.1e-3) or trained on
   each rank's own gradient (the ranks diverged, 0.0197 / 0.0199). Now the constructor raises on
-  every rank, naming the params.
+  every rank, naming the params (a data-parallel world > 1); at world 1 (nothing to average) a
+  later ``fully_shard`` raises at the first step.
 * ``optimizer.state`` written as torch allows (``state.clear()``, a new ``defaultdict``,
   ``del state[p]``, ``state[p]["exp_avg"] = t``, ``state[p]["step"].zero_()``). Before: each was
   silently ignored (the views are rebuilt from dmuon's states; 1.5e-3 to 2.0e-2 from torch's
   result). Now each raises (the in-place write to a copy at the next ``step()``, on every rank,
-  the batch dropped).
+  the batch dropped); writing back the same values (a device-move helper) and reading under
+  ``inference_mode`` pass (a third review of the fix found both refused).
 * The optimizer's state-dict hooks (``register_state_dict_pre_hook`` / ``_post_hook``,
   ``register_load_state_dict_pre_hook`` / ``_post_hook``). Before: registered, never run. Now
   run as torch runs them.
@@ -152,6 +154,11 @@ def _state_writes(env):
             "exp_avg", torch.zeros_like(opt.state[p_adamw]["exp_avg"]))),
         "pop": catch(lambda: opt.state[p_adamw].pop("exp_avg")),
     }
+    with torch.inference_mode():  # a read there (Lightning's validation callbacks)
+        out["inference_read"] = catch(lambda: len(opt.state))
+    for p, v in list(opt.state.items()):  # "move optimizer state to the device": same values
+        opt.state[p] = {k: t.clone() if k == "step" else t for k, t in v.items()}
+        v["step"] = v["step"].clone()
     before = _full_sd(model, env)
     opt.state[p_adamw]["step"].zero_()  # a copy: the next step() refuses it
     opt.zero_grad()
@@ -162,6 +169,11 @@ def _state_writes(env):
     out["grads_dropped"] = all(p.grad is None for g in opt.param_groups for p in g["params"])
     _train(model, opt, b[1], env)  # the write was dropped: the next batch steps
     out["then_steps"] = max_abs_diff(_full_sd(model, env), before) > 0
+    if env["rank"] == 0:  # on one rank only: the other ranks' error names it too
+        opt.state[p_adamw]["step"].zero_()
+    opt.zero_grad()
+    model(b[1].chunk(WORLD)[env["rank"]]).backward()
+    out["one_rank"] = catch(opt.step)
     return out
 
 
@@ -195,7 +207,7 @@ def _sd_hooks(env):
 # ------------------------------------------------------------- keys nothing reads
 def _unread_keys(env):
     out = {}
-    for key, gi, value in (("amsgrad", 1, True), ("maximize", 1, True),
+    for key, gi, value in (("amsgrad", 1, True), ("maximize", 1, True), ("maximize", 0, True),
                            ("momentum_dtype", 0, "torch.bfloat16"), ("offload_state", 0, True),
                            ("adamw_state_dtype", 1, "torch.bfloat16")):
         model, _, make = _setup(env)
@@ -207,7 +219,7 @@ def _unread_keys(env):
         opt.zero_grad()
         for r in _ranks(env):
             model(b[1].chunk(WORLD)[r]).backward()
-        out[key] = (catch(opt.step), max_abs_diff(_full_sd(model, env), before))
+        out[f"{key}[{gi}]"] = (catch(opt.step), max_abs_diff(_full_sd(model, env), before))
     return out
 
 
@@ -246,6 +258,56 @@ def results():
     return run_ranks(_worker, WORLD, timeout=240)
 
 
+# ------------------------------------------------------------- one rank
+def _world1(env):
+    """World 1: FSDP2 on the blocks only (the root's params plain: nothing to average) trains as
+    one process; ``dmuon.Muon`` built before ``fully_shard(model)`` raises at its first step."""
+    import dmuon
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    out = {}
+    for case in ("blocks_only", "before_root"):
+        model = make_model()
+        mesh = init_device_mesh("cpu", (1,))
+        dmuon.dedicate_params(model, mesh, lambda n, p: p.ndim == 2 and "embed" not in n
+                              and "lm_head" not in n)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        opt = dmuon.Muon(model, **OPTS)
+        if case == "before_root":
+            fully_shard(model, mesh=mesh)
+        b = make_batches(STEPS, BATCH)
+        try:
+            for ids in b:
+                opt.zero_grad()
+                model(ids).backward()
+                opt.step()
+            out[case] = {"sd": _full_sd(model, env)}
+        except RuntimeError as e:
+            out[case] = {"error": str(e)}
+    return out
+
+
+def _world1_worker(rank, world):
+    torch.set_num_threads(1)
+    return _world1(dict(rank=rank, world=world, dist=True))
+
+
+def test_world1_blocks_only_trains_and_a_later_fully_shard_raises():
+    got = run_ranks(_world1_worker, 1, timeout=120)[0]
+    model = make_model()
+    opt = RefMuon(model)
+    for ids in make_batches(STEPS, BATCH):
+        opt.zero_grad()
+        model(ids).backward()
+        opt.step()
+    ref = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    assert "error" not in got["blocks_only"], got["blocks_only"]
+    assert max_abs_diff(got["blocks_only"]["sd"], ref) <= TOL
+    msg = got["before_root"].get("error", "")
+    assert "no longer the model's" in msg and "lm_head.weight" in msg, got["before_root"]
+
+
 @pytest.mark.parametrize("key", sorted(EXACT))
 def test_optimizer_built_after_a_forward_equals_one_process(results, key):
     ref = EXACT[key](dict(rank=0, world=1, dist=False))
@@ -279,6 +341,10 @@ def test_optimizer_state_writes_raise_not_ignored(results):
         assert kind == "RuntimeError" and "written in place" in msg and "'step'" in msg, \
             (rank, kind, msg)
         assert got["unchanged"] == 0.0 and got["grads_dropped"] and got["then_steps"], got
+        assert got["inference_read"] == (None, None), got["inference_read"]
+        kind, msg = got["one_rank"]
+        assert kind == "RuntimeError" and "optimizer.state" in msg and (
+            ("another rank" in msg) == (rank != 0)) and "dcp" not in msg.lower(), (rank, msg)
 
 
 def test_optimizer_state_dict_hooks_run_as_torchs(results):
@@ -293,7 +359,8 @@ def test_param_group_keys_nothing_reads_raise_on_every_rank(results):
         got = r["unread_keys"]
         assert "error" not in got, (rank, got.get("error"))
         for key, ((kind, msg), moved) in got.items():
-            assert kind == "RuntimeError" and repr(key) in msg and "nothing reads" in msg, \
+            assert kind == "RuntimeError" and repr(key.split("[")[0]) in msg and \
+                "nothing reads" in msg, \
                 (key, rank, kind, msg)
             assert moved == 0.0, (key, rank, moved)
 

@@ -16,7 +16,7 @@ from dmuon.compat.torch_api import (fsdp_divide_factor, fsdp_mesh, fsdp_mp_polic
 
 __all__ = ["has_fsdp_state", "find_mp_policy", "find_fsdp_state", "fsdp_holders", "mean_to_fsdp_scale", "mean_to_fsdp_scales", "fsdp_meshes", "fsdp_dp_dims", "FSDPGradUsage", "reduce_unused_fsdp_params",
            "keep_fsdp_gathered", "release_fsdp_kept", "drop_unreduced_fsdp_grads",
-           "unmanaged_params"]
+           "unmanaged_params", "replaced_params"]
 
 
 def has_fsdp_state(model: nn.Module) -> list[str]:
@@ -236,6 +236,16 @@ def unmanaged_params(model: nn.Module, named: Sequence[tuple[str, Any]]) -> list
     first)."""
     managed = {id(fp.sharded_param) for g in fsdp_groups(model) for fp in g.fsdp_params}
     return [n for n, p in named if id(p) not in managed]
+
+
+def replaced_params(model: nn.Module, groups: Sequence[Any],
+                    named: Sequence[tuple[str, Any]]) -> list[str]:
+    """The names in ``named`` whose param ``model`` no longer holds (a ``fully_shard`` or a module
+    replacement after they were collected); FSDP2's ``groups`` resharded first (a forward's
+    unsharded params are not the model's own)."""
+    reshard_unsharded(groups)
+    live = {id(p) for p in model.parameters()}
+    return [n for n, p in named if id(p) not in live]
 
 
 def drop_unreduced_fsdp_grads(groups: Sequence[Any]) -> None:

@@ -160,9 +160,16 @@ class CopyLog:
             self._copies = {key: cs for key, cs in live.items() if cs}
 
 
-def unloaded_copies(written: dict[str, list[str]], where: str) -> str:
+def unloaded_copies(written: dict[str, list[str]], where: str, views_only: bool = False) -> str:
     """The error when state-dict copies were written in place (``written``: :meth:`CopyLog.
-    written`; empty: another rank's were) but never loaded, raised at ``where``."""
+    written`; empty: another rank's were, ``views_only``: only ``optimizer.state``'s) but never
+    loaded, raised at ``where``."""
+    if not written and views_only:
+        return (f"{where}: another rank found entries of optimizer.state written in place, but "
+                "they are copies (the step counts dmuon.Muon.state shows), so the write changes "
+                "nothing; the write was dropped, nothing was updated and this batch's gradients "
+                "were dropped. To change the optimizer's state, load a state dict "
+                "(optimizer.load_state_dict) or build a new dmuon.Muon(model)")
     if not written:
         return (f"{where}: another rank found entries of an earlier model.state_dict() or "
                 "Muon.state_dict() written in place (torch.distributed.checkpoint.load does that) "

@@ -46,7 +46,7 @@ __all__ = ["GROUP_KEYS", "OLD_NAMES", "KNOBS", "ADJUST_LR_FN", "ELEMENTWISE", "N
            "hparams_of_group", "resolve_torch_names", "check_flag", "check_options",
            "check_muon_group", "check_adamw_group", "check_knob", "ns_of",
            "momentum_dtype_of", "GROUPS_FIXED", "unmanaged_by_fsdp", "unread_group_keys",
-           "FIXED_KEYS"]
+           "FIXED_KEYS", "replaced_params"]
 
 #: ``param_groups[0]``'s Muon hyper-parameters: ``MuonHParams``' fields
 GROUP_KEYS = MuonHParams._fields
@@ -316,25 +316,36 @@ def unmanaged_by_fsdp(names: Sequence[str]) -> str:
 #: the param-group keys fixed when ``dmuon.Muon`` is built (shown in the groups; no load changes
 #: them): a change is refused at the next step (:func:`unread_group_keys`)
 FIXED_KEYS = ("momentum_dtype", "offload_state", "adamw_state_dtype")
-#: ``torch.optim.AdamW``'s options that dmuon's AdamW group does not implement: only their defaults
-_ADAMW_UNSUPPORTED = {"amsgrad": False, "maximize": False}
+#: torch optimizers' options that neither of dmuon's groups implements: only their defaults
+_UNSUPPORTED = {"amsgrad": False, "maximize": False}
 
 
 def unread_group_keys(groups: Sequence[Mapping[str, Any]],
                       fixed: Sequence[Mapping[str, Any]]) -> Optional[str]:
     """The error when a param group holds a value nothing reads (``fixed``: each group's
-    :data:`FIXED_KEYS` as built; a changed one, or ``amsgrad`` / ``maximize`` set on the AdamW
+    :data:`FIXED_KEYS` as built; a changed one, or ``amsgrad`` / ``maximize`` set on either
     group), else ``None``."""
     bad = [(i, k, g[k]) for i, (g, f) in enumerate(zip(groups, fixed)) for k in f
            if k in g and g[k] != f[k]]
-    if len(groups) > 1:
-        bad += [(1, k, groups[1][k]) for k, d in _ADAMW_UNSUPPORTED.items()
-                if groups[1].get(k, d) != d]
+    bad += [(i, k, g[k]) for i, g in enumerate(groups) for k, d in _UNSUPPORTED.items()
+            if g.get(k, d) != d]
     if not bad:
         return None
     return ("dmuon.Muon.step: " + ", ".join(f"param_groups[{i}][{k!r}] = {v!r}" for i, k, v in bad)
             + ", which nothing reads: momentum_dtype, offload_state and adamw_state_dtype are "
             "fixed when dmuon.Muon is built (pass them to the constructor, or "
-            "variants.muon(momentum_dtype=...)), and dmuon's AdamW group does not implement "
+            "variants.muon(momentum_dtype=...)), and neither of dmuon's groups implements "
             "torch.optim.AdamW's amsgrad or maximize. Set the key back (or delete it). Nothing "
             "was updated; this batch's gradients were dropped.")
+
+
+def replaced_params(names: Sequence[str]) -> str:
+    """``dmuon.Muon.step``'s refusal at the first step of params of its AdamW group that are no
+    longer the model's (a ``fully_shard`` or a module replacement after ``dmuon.Muon(model)``)."""
+    shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more"
+                                                      if len(names) > 8 else "")
+    return (f"dmuon.Muon.step: {len(names)} params of the AdamW group are no longer the model's "
+            f"params: {shown} (fully_shard, or a module replaced, after dmuon.Muon(model) was "
+            "built), so the step would update tensors the model no longer uses. Build "
+            "dmuon.Muon(model) after dedicate_params and every fully_shard call, and replace "
+            "modules before it. Nothing was updated.")

@@ -4,9 +4,11 @@ torch's tools and users read ``optimizer.state[p]`` (``"momentum_buffer"`` or a 
 ``"exp_avg"``, ``"exp_avg_sq"``, ``"step"``). dmuon rebuilds that mapping from its functional
 states when it is read, so writes that torch applies would change nothing here: replacing or
 deleting entries (``state.clear()``, ``del state[p]``, ``state[p]["exp_avg"] = t``) raises at once
-(:data:`REFUSED`), and an in-place write into a copy (each ``"step"`` count is one) is found at
+(:data:`REFUSED`; writing back the same values, as the "move optimizer state to the device" helpers
+do, passes), and an in-place write into a copy (each ``"step"`` count is one) is found at
 the next ``step()`` (:meth:`StateViews.written`), which then raises on every rank. In-place writes
-into the other tensors (``state[p]["exp_avg"].zero_()``) write dmuon's state: they are views.
+into the other tensors (``state[p]["exp_avg"].zero_()``) write dmuon's state: they are views (an
+8-bit momentum's entries are decoded copies made as inference tensors: torch refuses writes there).
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ STATE = "optimizer.state"
 
 REFUSED = (
     "dmuon.Muon: optimizer.state is rebuilt from dmuon's own states whenever it is read, so "
-    "replacing or deleting its entries (state.clear(), del state[p], state[p]['exp_avg'] = t, "
-    "pop, update) changes nothing. Write the tensors in place instead "
-    "(state[p]['exp_avg'].zero_(): they are views of the state), load a state dict "
+    "replacing or deleting its entries with other values (state.clear(), del state[p], "
+    "state[p]['exp_avg'] = t, pop, update) changes nothing. Write the tensors in place instead "
+    "(state[p]['exp_avg'].zero_(): they are views of the state, but for an 8-bit momentum's "
+    "decoded copies), load a state dict "
     "(optimizer.load_state_dict, dmuon.set_optimizer_state_dict), or build a new "
     "dmuon.Muon(model) to start from fresh state.")
 
@@ -38,13 +41,29 @@ def _refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
     raise RuntimeError(REFUSED)
 
 
+def _same_value(old: Any, new: Any) -> bool:
+    """Whether writing ``new`` over ``old`` changes no value: the same object, or a tensor of
+    the same shape, dtype and values (a move to another device or a copy, as the "move optimizer
+    state to the device" helpers write back), or an entry of such values."""
+    if old is new:
+        return True
+    try:
+        if isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor):
+            return (old.shape == new.shape and old.dtype == new.dtype
+                    and bool(torch.equal(old, new.to(old.device))))
+        if isinstance(old, dict) and isinstance(new, Mapping):
+            return set(old) == set(new) and all(_same_value(old[k], new[k]) for k in old)
+        return not isinstance(new, torch.Tensor) and bool(old == new)
+    except Exception:  # noqa: BLE001 - a marker refuses math; anything uncomparable changes
+        return False
+
+
 class StateEntry(dict):
-    """One param's state (field name -> tensor): read as a dict; a write that would replace a
-    value raises :data:`REFUSED` (writing back the same object, as a device move that finds it
-    in place does, changes nothing and passes)."""
+    """One param's state (field name -> tensor): read as a dict; a write that would change a
+    value raises :data:`REFUSED` (writing back the same values, as a device move does, passes)."""
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if dict.get(self, key, _MISSING) is not value:
+        if not _same_value(dict.get(self, key, _MISSING), value):
             raise RuntimeError(REFUSED)
 
     __delitem__ = clear = pop = popitem = update = setdefault = __ior__ = _refuse
@@ -65,7 +84,7 @@ class StateViews(dict):
         self._copies: list[tuple[str, torch.Tensor, int]] = []
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        if dict.get(self, key, _MISSING) is not value:
+        if not _same_value(dict.get(self, key, _MISSING), value):
             raise RuntimeError(REFUSED)
 
     __delitem__ = clear = pop = popitem = update = setdefault = __ior__ = _refuse

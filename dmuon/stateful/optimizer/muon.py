@@ -19,8 +19,8 @@ from dmuon.functional import muon as fmuon
 from dmuon.functional import muon_options as fopts
 from dmuon.functional import state_dtype as sd
 from dmuon.compat.fsdp_patch import check_not_taken_over
-from dmuon.compat.fsdp_info import (drop_unreduced_fsdp_grads, fsdp_groups, reshard_unsharded,
-                                    unmanaged_params)
+from dmuon.compat.fsdp_info import (drop_unreduced_fsdp_grads, fsdp_groups, replaced_params,
+                                    reshard_unsharded, unmanaged_params)
 from dmuon.functional.optimizer_format import load_with_hooks, state_dict_with_hooks
 from dmuon.functional.split_exec import split_orthogonalizer
 from dmuon.functional.state_views import StateViews, assign_refused
@@ -136,8 +136,8 @@ class Muon(torch.optim.Optimizer):
         dedicated = set(rt.params.values())
         others = [(n, p) for n, p in model.named_parameters() if p not in dedicated]
         self._adamw_named = tuple((n, p) for n, p in others if p.requires_grad)
-        if rt.data_parallel == "fsdp" and (self._fsdp_groups or sum(map(len, rt.mesh_groups.grid))
-                                           > 1) and (lost := unmanaged_params(model, self._adamw_named)):
+        if rt.data_parallel == "fsdp" and sum(map(len, rt.mesh_groups.grid)) > 1 and (
+                lost := unmanaged_params(model, self._adamw_named)):
             raise RuntimeError(fopts.unmanaged_by_fsdp(lost))  # never trained, or per rank
         # frozen at construction: in no param group (a gradient there after unfreezing raises)
         self._outside = tuple((n, p) for n, p in others if not p.requires_grad)
@@ -250,6 +250,7 @@ class Muon(torch.optim.Optimizer):
         if self._scaled:
             self._state_views.empty()
 
+    @torch.inference_mode(False)  # (read under inference_mode: the step copies track versions)
     def refresh_state_views(self) -> None:
         """Rebuild ``self.state[param]`` (torch-style views) from the functional states: the owned
         matrices' state by key, a marker that refuses math for a matrix held by its owner,
@@ -367,6 +368,9 @@ class Muon(torch.optim.Optimizer):
         rt = self._rt
         check_step_ready(rt.is_current(self._generation), rt.ledger.fresh, self._owner.broken)
         check_outside_grads(self._outside)
+        if not self.num_steps and (gone := replaced_params(  # fully_shard after the constructor
+                rt.model_ref(), self._fsdp_groups, self._adamw_named)):
+            raise RuntimeError(fopts.replaced_params(gone))
         rt.check_publish_consumed()  # HSDP: before anything changes (raises on every rank)
         grads = rt.reduced_grads()
         rt.finalize_order()  # (once; where the model's own forward never ran, only its blocks')
