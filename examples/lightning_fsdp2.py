@@ -9,7 +9,8 @@ The three dmuon lines sit where Lightning wants parallelization:
 * ``configure_model``: ``dmuon.dedicate_params(model, mesh["data_parallel"], ...)``, *then*
   ``fully_shard`` per block and on the root (guarded: Lightning may call the hook again);
 * ``configure_optimizers``: return ``dmuon.Muon(model, ...)`` (here with a ``LambdaLR`` schedule);
-* ``configure_gradient_clipping``: ``dmuon.clip_grad_norm_`` when ``gradient_clip_val`` is set —
+* ``configure_gradient_clipping``: ``dmuon.clip_grad_norm_`` when ``gradient_clip_val`` is set
+  (``dmuon.clip_grad_value_`` with ``gradient_clip_algorithm="value"``) —
   Lightning's default clips with ``torch.nn.utils.clip_grad_norm_`` over ``.grad``, which never
   sees the dedicated matrices' gradients (they live on their owners).
 
@@ -130,7 +131,9 @@ def build_module(total_steps: int, dtype: torch.dtype):
 
         def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
                                         gradient_clip_algorithm=None):
-            if gradient_clip_val:
+            if gradient_clip_val and gradient_clip_algorithm == "value":
+                dmuon.clip_grad_value_(self.model, float(gradient_clip_val))
+            elif gradient_clip_val:  # "norm", Lightning's default
                 dmuon.clip_grad_norm_(self.model, float(gradient_clip_val))
 
     return DmuonLM()
@@ -149,6 +152,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--max-steps", type=int, default=6)
     ap.add_argument("--total-steps", type=int, default=6, help="length of the LR schedule")
     ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--clip-algorithm", default="norm", choices=("norm", "value"))
     ap.add_argument("--save", default=None, help="trainer.save_checkpoint(path) at the end")
     ap.add_argument("--resume", default=None, help="trainer.fit(..., ckpt_path=path)")
     ap.add_argument("--dtype", default="float32", choices=("float32", "float64"))
@@ -161,7 +165,7 @@ def main(argv: list[str]) -> None:
         accelerator="cpu", devices=a.devices, max_steps=a.max_steps,
         strategy=ModelParallelStrategy(data_parallel_size=a.devices, tensor_parallel_size=1,
                                        process_group_backend="gloo"),
-        gradient_clip_val=a.clip or None, logger=False, enable_checkpointing=False,
+        gradient_clip_val=a.clip or None, gradient_clip_algorithm=a.clip_algorithm, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         use_distributed_sampler=True)
     loader = torch.utils.data.DataLoader(dataset(a.samples), batch_size=a.batch_size, shuffle=False)

@@ -38,8 +38,9 @@ def _load_example():
     return mod
 
 
-def _reference(ex, steps: int):
-    """Single process, fp64, full batch; the weights after ``steps`` steps."""
+def _reference(ex, steps: int, clip: str = "norm"):
+    """Single process, fp64, full batch; the weights after ``steps`` steps (``clip``: torch's
+    norm clipping at 1.0, or its value clipping at 0.01)."""
     import torch
     from dmuon.functional import muon as fmuon
     model = ex.tiny_lm(torch.float64)
@@ -52,7 +53,10 @@ def _reference(ex, steps: int):
         f = ex.lr_factor(t, STEPS)
         model.zero_grad()
         model(ids).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        if clip == "value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         with torch.no_grad():
             _, st = fmuon.update({n: p.grad for n, p in mats.items()}, st,
                                  {n: p.data for n, p in mats.items()},
@@ -115,3 +119,15 @@ def test_lightning_resume_same_topology_bitwise(preempted, tmp_path):
         for k, v in d.items():
             assert torch.equal(two["optimizer"]["dedicated"][n][k], v), (n, k)
     assert full["losses"][STOP:] == two["losses"]
+
+
+def test_lightning_value_clipping_equals_one_process(tmp_path):
+    """``Trainer(gradient_clip_algorithm="value")``: the recipe's ``configure_gradient_clipping``
+    clips by value (``dmuon.clip_grad_value_``). Before (a review of the integrations, session
+    17): the recipe clipped by norm whatever the algorithm, **silently** (value clipping gave the
+    norm-clipped weights, 5.5e-2 from value clipping)."""
+    ex = _load_example()
+    got = _lightning(2, tmp_path / "value.pt", "--max-steps", str(STOP), "--clip", "0.01",
+                     "--clip-algorithm", "value")
+    assert _max_rel(got["weights"], _reference(ex, STOP, clip="value")) <= TOL
+    assert _max_rel(got["weights"], _reference(ex, STOP)) > 1e-3  # not what norm clipping gives

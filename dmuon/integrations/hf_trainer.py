@@ -24,6 +24,10 @@ code path untouched):
   over FSDP2 shards and owners' reduced gradients, then all of them scaled).
 * ``Accelerator.get_state_dict(model)`` returns :func:`dmuon.get_model_state_dict` (full tensors,
   single-device names; collective, as the Accelerate docs require for sharded models).
+* ``Accelerator.save_state`` writes a ``dmuon.Muon``'s full, topology-free optimizer dict (rank 0
+  alone writes what every rank's ``state_dict()`` returns), and ``Accelerator.load_state`` lets
+  safetensors search the model's full dict for shared tensors (its DTensor entries have no
+  storage to search): both resume exactly, as Trainer's checkpoints do.
 * ``Trainer.save_model`` (called on every rank, also by Trainer's checkpointing) first gathers
   :func:`dmuon.get_model_state_dict` on every rank (drains HSDP publishes), then runs the original
   method with ``model.state_dict()`` answering that full dict, so rank 0's ``save_pretrained``
@@ -230,8 +234,43 @@ def _make_get_state_dict(orig):
     return get_state_dict
 
 
+def _make_save_state(orig):
+    def save_state(self, output_dir=None, safe_serialization=True, **kwargs):
+        # every rank calls each optimizer's state_dict() and rank 0 alone writes it: a dmuon.Muon
+        # answers with dmuon's full, topology-free dict (gathered here, collective), as Trainer's
+        # save does, which load_state's load_state_dict then reads on every rank
+        muons = [(o, _unwrapped(o)) for o in getattr(self, "_optimizers", ())]
+        muons = [(o, m) for o, m in muons if getattr(m, "dedicated_state", None) is not None]
+        if not muons:
+            return orig(self, output_dir, safe_serialization, **kwargs)
+        from dmuon.stateful.checkpoint.optimizer_state_dict import get_optimizer_state_dict
+        with contextlib.ExitStack() as stack:
+            for o, m in muons:
+                full = get_optimizer_state_dict(m.dedicated_state.model_ref(), m, cpu_offload=True,
+                                                rank0_only=True)
+                stack.enter_context(_answering_optimizer_state_dict(o, full))
+            return orig(self, output_dir, safe_serialization, **kwargs)
+    return save_state
+
+
+def _make_load_state(orig):
+    def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
+        # safetensors' load_model looks for shared storages in model.state_dict(), whose dmuon
+        # entries are DTensor copies without one: it reads dmuon's full dict instead (collective)
+        roots = [m for m in getattr(self, "_models", ()) if dmuon_root(m) is m]
+        if not roots:
+            return orig(self, input_dir, load_kwargs, **kwargs)
+        from dmuon.stateful.checkpoint.state_dict import get_model_state_dict
+        with contextlib.ExitStack() as stack:
+            for m in roots:
+                stack.enter_context(_answering_state_dict(m, get_model_state_dict(m)))
+            return orig(self, input_dir, load_kwargs, **kwargs)
+    return load_state
+
+
 def patch_accelerate(module: ModuleType) -> None:
-    """Wrap ``Accelerator.prepare_model`` / ``clip_grad_norm_`` / ``get_state_dict`` (idempotent)."""
+    """Wrap ``Accelerator.prepare_model`` / ``clip_grad_norm_`` / ``get_state_dict`` /
+    ``save_state`` / ``load_state`` (idempotent)."""
     cls = getattr(module, "Accelerator", None)
     if cls is None:
         _status["Accelerator"] = f"missing ({module.__name__} has no Accelerator)"
@@ -239,6 +278,8 @@ def patch_accelerate(module: ModuleType) -> None:
     _wrap(cls, "prepare_model", _make_prepare_model, ("device_placement", "evaluation_mode"))
     _wrap(cls, "clip_grad_norm_", _make_clip_grad_norm, ("parameters", "max_norm", "norm_type"))
     _wrap(cls, "get_state_dict", _make_get_state_dict, ("model", "unwrap"))
+    _wrap(cls, "save_state", _make_save_state, ("output_dir", "safe_serialization"))
+    _wrap(cls, "load_state", _make_load_state, ("input_dir", "load_kwargs"))
 
 
 # ---------------------------------------------------------------------------------- Trainer
