@@ -298,13 +298,17 @@ GROUPS_FIXED = (
     "with a torch optimizer of their own.")
 
 
+def _listed(names: Sequence[str], most: int = 8) -> str:
+    """The first ``most`` of ``names``, quoted, and how many more."""
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(repr(n) for n in names[:most]) + more
+
+
 def unmanaged_by_fsdp(names: Sequence[str]) -> str:
     """``dmuon.Muon(model)``'s refusal of trainable params that are neither dedicated nor an FSDP2
     group's sharded params (``names``: :func:`dmuon.compat.fsdp_info.unmanaged_params`)."""
-    shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more"
-                                                      if len(names) > 8 else "")
     return (f"dmuon.Muon(model): {len(names)} trainable params that are not dedicated are params "
-            f"no FSDP2 group manages: {shown}. Their gradients would never be averaged across "
+            f"no FSDP2 group manages: {_listed(names)}. Their gradients would never be averaged across "
             "ranks (each rank's AdamW would step its own copy), or fully_shard would replace them "
             "later and the optimizer would step the old tensors. Build dmuon.Muon(model) after "
             "dedicate_params and every fully_shard call (the blocks', then the root's), and "
@@ -342,10 +346,8 @@ def unread_group_keys(groups: Sequence[Mapping[str, Any]],
 def replaced_params(names: Sequence[str]) -> str:
     """``dmuon.Muon.step``'s refusal at the first step of params of its AdamW group that are no
     longer the model's (a ``fully_shard`` or a module replacement after ``dmuon.Muon(model)``)."""
-    shown = ", ".join(repr(n) for n in names[:8]) + (f" and {len(names) - 8} more"
-                                                      if len(names) > 8 else "")
     return (f"dmuon.Muon.step: {len(names)} params of the AdamW group are no longer the model's "
-            f"params: {shown} (fully_shard, or a module replaced, after dmuon.Muon(model) was "
+            f"params: {_listed(names)} (fully_shard, or a module replaced, after dmuon.Muon(model) was "
             "built), so the step would update tensors the model no longer uses. Build "
             "dmuon.Muon(model) after dedicate_params and every fully_shard call, and replace "
             "modules before it. Nothing was updated.")
