@@ -160,33 +160,15 @@ class CopyLog:
             self._copies = {key: cs for key, cs in live.items() if cs}
 
 
-def unloaded_copies(written: dict[str, list[str]], where: str, views_only: bool = False) -> str:
+def unloaded_copies(written: dict[str, list[str]], where: str) -> str:
     """The error when state-dict copies were written in place (``written``: :meth:`CopyLog.
-    written`; empty: another rank's were, ``views_only``: only ``optimizer.state``'s) but never
-    loaded, raised at ``where``."""
-    if not written and views_only:
-        return (f"{where}: another rank found entries of optimizer.state written in place, but "
-                "they are copies (the step counts dmuon.Muon.state shows), so the write changes "
-                "nothing; the write was dropped, nothing was updated and this batch's gradients "
-                "were dropped. To change the optimizer's state, load a state dict "
-                "(optimizer.load_state_dict) or build a new dmuon.Muon(model)")
+    written`; empty: another rank's were) but never loaded, raised at ``where``."""
     if not written:
         return (f"{where}: another rank found entries of an earlier model.state_dict() or "
                 "Muon.state_dict() written in place (torch.distributed.checkpoint.load does that) "
                 "but never loaded; load them (model / optimizer .load_state_dict) on every rank")
-    if set(written) == {"optimizer.state"}:  # (dmuon.functional.state_views.STATE)
-        keys = written["optimizer.state"]
-        return (f"{where}: {len(keys)} entries of optimizer.state (first: {keys[0]}) were written "
-                "in place, but they are copies (the step counts dmuon.Muon.state shows), so the "
-                "write changes nothing; the write was dropped, nothing was updated and this "
-                "batch's gradients were dropped. To change the optimizer's state, load a state "
-                "dict (optimizer.load_state_dict) or build a new dmuon.Muon(model)")
     lines = []
     for kind, keys in written.items():
-        if kind == "optimizer.state":
-            lines.append(f"{len(keys)} entries of optimizer.state (first: {keys[0]}, a copy) were "
-                         "written in place: that changes nothing")
-            continue
         call, what = (("model.load_state_dict(sd)", "model.state_dict()") if kind == MODEL else
                       ("optimizer.load_state_dict(sd)", "Muon.state_dict()"))
         lines.append(f"{len(keys)} entries of an earlier {what} (first: {keys[0]!r}) were "

@@ -16,10 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["StateViews", "StateEntry", "STATE", "REFUSED", "assign_refused", "written_entries"]
-
-#: the copy-log kind (:func:`dmuon.functional.copy_log.unloaded_copies`) of written copies here
-STATE = "optimizer.state"
+__all__ = ["StateViews", "StateEntry", "REFUSED", "assign_refused", "written_copies"]
 
 REFUSED = (
     "dmuon.Muon: optimizer.state is rebuilt from dmuon's own states whenever it is read, so "
@@ -117,9 +114,12 @@ class StateViews(dict):
         return found
 
 
-def written_entries(views: Any) -> dict[str, list[str]]:
-    """``{STATE: [label, ...]}`` of :meth:`StateViews.written` (empty when none), as the copy log
-    reports its kinds."""
-    found = views.written() if isinstance(views, StateViews) else []
-    return {STATE: found} if found else {}
-
+def written_copies(labels: list[str], where: str) -> str:
+    """The error when copies in ``optimizer.state`` were written in place (``labels``:
+    :meth:`StateViews.written`; empty: another rank's were), raised at ``where``."""
+    what = (f"{len(labels)} entries of optimizer.state (first: {labels[0]}) were" if labels else
+            "another rank found entries of optimizer.state")
+    return (f"{where}: {what} written in place, but they are copies (the step counts "
+            "dmuon.Muon.state shows), so the write changes nothing; the write was dropped, nothing "
+            "was updated and this batch's gradients were dropped. To change the optimizer's state, "
+            "load a state dict (optimizer.load_state_dict) or build a new dmuon.Muon(model)")

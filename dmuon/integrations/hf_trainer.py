@@ -243,12 +243,9 @@ def _make_save_state(orig):
         muons = [(o, m) for o, m in muons if getattr(m, "dedicated_state", None) is not None]
         if not muons:
             return orig(self, output_dir, safe_serialization, **kwargs)
-        from dmuon.stateful.checkpoint.optimizer_state_dict import get_optimizer_state_dict
         with contextlib.ExitStack() as stack:
             for o, m in muons:
-                full = get_optimizer_state_dict(m.dedicated_state.model_ref(), m, cpu_offload=True,
-                                                rank0_only=True)
-                stack.enter_context(_answering_optimizer_state_dict(o, full))
+                stack.enter_context(_answering_optimizer_state_dict(o, _full_optimizer_dict(m)))
             return orig(self, output_dir, safe_serialization, **kwargs)
     return save_state
 
@@ -256,14 +253,16 @@ def _make_save_state(orig):
 def _make_load_state(orig):
     def load_state(self, input_dir=None, load_kwargs=None, **kwargs):
         # safetensors' load_model looks for shared storages in model.state_dict(), whose dmuon
-        # entries are DTensor copies without one: it reads dmuon's full dict instead (collective)
+        # entries are DTensor copies without one: it reads dmuon's full dict instead (collective:
+        # every rank loads the same files; gathered at that call only, on the host)
         roots = [m for m in getattr(self, "_models", ()) if dmuon_root(m) is m]
         if not roots:
             return orig(self, input_dir, load_kwargs, **kwargs)
         from dmuon.stateful.checkpoint.state_dict import get_model_state_dict
         with contextlib.ExitStack() as stack:
             for m in roots:
-                stack.enter_context(_answering_state_dict(m, get_model_state_dict(m)))
+                stack.enter_context(_answering_state_dict(
+                    m, functools.partial(get_model_state_dict, m, cpu_offload=True)))
             return orig(self, input_dir, load_kwargs, **kwargs)
     return load_state
 
@@ -284,11 +283,22 @@ def patch_accelerate(module: ModuleType) -> None:
 
 # ---------------------------------------------------------------------------------- Trainer
 @contextlib.contextmanager
-def _answering_state_dict(model: nn.Module, sd: dict) -> Iterator[None]:
-    """While inside, ``model.state_dict()`` returns ``sd`` (an instance attribute, then removed)."""
+def _answering_state_dict(model: nn.Module, sd: Any) -> Iterator[None]:
+    """While inside, ``model.state_dict()`` returns ``sd`` (an instance attribute, then removed;
+    a callable: called at the first ``state_dict()``, its dict kept)."""
     had = "state_dict" in model.__dict__
     prev = model.__dict__.get("state_dict")
-    model.__dict__["state_dict"] = lambda *a, **k: sd
+    made = [sd] if not callable(sd) else []
+
+    def answer(*args: Any, **kwargs: Any) -> dict:
+        if not made:  # (dmuon's own pass reads the model's real state_dict meanwhile)
+            del model.__dict__["state_dict"]
+            try:
+                made.append(sd())
+            finally:
+                model.__dict__["state_dict"] = answer
+        return made[0]
+    model.__dict__["state_dict"] = answer
     try:
         yield
     finally:
@@ -312,6 +322,15 @@ def _make_save_model(orig):
     return save_model
 
 
+def _full_optimizer_dict(muon: Any, root: Optional[nn.Module] = None) -> dict:
+    """``muon``'s full, topology-free state dict on rank 0 (collective; what a save that rank 0
+    alone writes must hold: every rank's ``state_dict()`` gives only its own pieces); ``root``:
+    its model (default: the one it was built for)."""
+    from dmuon.stateful.checkpoint.optimizer_state_dict import get_optimizer_state_dict
+    root = muon.dedicated_state.model_ref() if root is None else root
+    return get_optimizer_state_dict(root, muon, cpu_offload=True, rank0_only=True)
+
+
 @contextlib.contextmanager
 def _answering_optimizer_state_dict(optimizer: Any, sd: dict) -> Iterator[None]:
     """While inside, ``optimizer.state_dict()`` returns ``sd`` (an instance attribute)."""
@@ -330,10 +349,8 @@ def _make_save_optimizer(orig):
         # Trainer asks rank 0 alone for optimizer.state_dict(), which is collective on a dmuon
         # model: every rank gathers dmuon's full, topology-free dict here, rank 0 saves it, and
         # Muon.load_state_dict (which Trainer's resume calls on every rank) reads it back
-        from dmuon.stateful.checkpoint.optimizer_state_dict import get_optimizer_state_dict
-        opt = _unwrapped(self.optimizer)
-        full = get_optimizer_state_dict(root, opt, cpu_offload=True, rank0_only=True)
-        with _answering_optimizer_state_dict(self.optimizer, full):
+        with _answering_optimizer_state_dict(self.optimizer, _full_optimizer_dict(
+                _unwrapped(self.optimizer), root)):
             return orig(self, output_dir)
     return _save_optimizer_and_scheduler
 

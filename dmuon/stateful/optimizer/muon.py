@@ -136,7 +136,7 @@ class Muon(torch.optim.Optimizer):
         dedicated = set(rt.params.values())
         others = [(n, p) for n, p in model.named_parameters() if p not in dedicated]
         self._adamw_named = tuple((n, p) for n, p in others if p.requires_grad)
-        if rt.data_parallel == "fsdp" and sum(map(len, rt.mesh_groups.grid)) > 1 and (
+        if rt.data_parallel == "fsdp" and rt.G * rt.R > 1 and (
                 lost := unmanaged_params(model, self._adamw_named)):
             raise RuntimeError(fopts.unmanaged_by_fsdp(lost))  # never trained, or per rank
         # frozen at construction: in no param group (a gradient there after unfreezing raises)

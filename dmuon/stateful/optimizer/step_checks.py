@@ -13,7 +13,7 @@ import torch.distributed as dist
 from dmuon.functional import step_checks as SC
 from dmuon.functional.copy_log import unloaded_copies
 from dmuon.functional.muon_options import unread_group_keys
-from dmuon.functional.state_views import written_entries
+from dmuon.functional.state_views import written_copies
 from dmuon.stateful.runtime.agree import host_sum, rank_flags
 from dmuon.stateful.runtime.state import DedicatedState, local_tensor
 
@@ -35,15 +35,15 @@ def agree_before_step(rt: DedicatedState, adamw_named: Sequence[tuple[str, Any]]
     uncleared, usage, h = rt.ledger.uncleared(), rt.fsdp_usage, rt.launches.take()
     used, none_before = usage.local_flags([p for _, p in adamw_named]) if usage else ([], [])
     world = dist.get_world_size()  # (at world 1 nothing to agree: no fingerprint)
-    written, in_views = rt.state_dict_copies.written(settle=True), written_entries(views)  # last
+    written, in_views = rt.state_dict_copies.written(settle=True), views.written() if views else []
     counts = [int(bool(uncleared))] + [int(f) for f in used + none_before] + [
         k := SC.hparams_fingerprint(groups) if world > 1 else 0, k * k, h, h * h, len(written),
         len(in_views)]
     if world > 1:
         counts = host_sum(counts, what="pre-step all-reduce", via=rt.mesh_groups, device=rt.device)
     views_written, unloaded = counts.pop(), counts.pop()
-    if (differ := ((unloaded or views_written) and unloaded_copies(
-            {**written, **in_views}, "dmuon.Muon.step", views_only=not unloaded)) or
+    if (differ := (unloaded and unloaded_copies(written, "dmuon.Muon.step")) or
+            (views_written and written_copies(in_views, "dmuon.Muon.step")) or
             SC.launches_differ(counts[-2], counts[-1], world) or
             SC.hparams_differ(counts[-4], counts[-3], world, groups) or
             unread_group_keys(groups, fixed)) is not None:  # (the groups agree: on every rank)

@@ -42,6 +42,7 @@ from dmuon.stateful.modes.deferred import covers_world, defer, find_pending, sho
 from dmuon.stateful.modes.tensor_parallel import (TP_FIX, TensorParallelUnsupported, TPForward,
                                                   tp_layouts)
 from dmuon.stateful.runtime.state import STATE_ATTR, DedicatedState, find_state, local_tensor
+from dmuon.stateful.setup.release import ReleasedState
 from dmuon.stateful.checkpoint.torch_state_dict import register_state_dict_hooks
 
 logger = logging.getLogger(__name__)
@@ -161,7 +162,7 @@ def _dedicate(model: nn.Module, mesh: Any, predicate: Predicate, options: Dedica
     if not torch_supported():
         raise RuntimeError(unsupported_torch_message("dmuon.dedicate_params"))
     if (old := find_state(model)) is not None or (find_pending(model) and not finishing):
-        raise RuntimeError(already_dedicated(type(old).__name__ == "ReleasedState"))
+        raise RuntimeError(already_dedicated(isinstance(old, ReleasedState)))
     install_fully_shard_patch()  # idempotent; back in place if it was removed
     if not dist.is_initialized():
         check_options(options)  # no peers to agree with: a wrong argument is named first
